@@ -1,0 +1,1 @@
+"""Text -> SentencePiece tokens -> Arrow IPC shards -> packed streaming batches."""

@@ -1,0 +1,73 @@
+"""SentencePiece tokenizer: training on a sample of the sources, loading, and identity (hash)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+from pathlib import Path
+from typing import Iterable
+
+import sentencepiece as spm
+
+from data_pipeline.config import TokenizerConfig
+from moe.errors import DataError
+
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise DataError(f"cannot read tokenizer {self.path}: {e.strerror}") from e
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(data)
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"{self.path} is not a valid SentencePiece model: {e}") from e
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.vocab_size = self.sp.GetPieceSize()
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
+        if self.eos_id < 0:
+            raise DataError(f"tokenizer {self.path} defines no EOS piece; documents need one")
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.EncodeAsIds(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.Encode(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.DecodeIds([int(i) for i in ids])
+
+    def describe(self) -> dict:
+        return {"file": self.path.name, "sha256": self.sha256, "vocab_size": self.vocab_size,
+                "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id,
+                "unk_id": self.unk_id}
+
+
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_path: Path, seed: int,
+                    num_threads: int = 2) -> Tokenizer:
+    """Train a SentencePiece model on a seeded sample of the lines of ``texts``."""
+    lines = [ln for text in texts for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise DataError("cannot train a tokenizer: the sources hold no text")
+    rng = random.Random(seed)
+    if len(lines) > cfg.sample_sentences:
+        lines = rng.sample(lines, cfg.sample_sentences)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.Train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=cfg.vocab_size,
+        model_type=cfg.model_type, byte_fallback=cfg.byte_fallback, character_coverage=0.9995,
+        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID, num_threads=num_threads,
+        max_sentence_length=16384, shuffle_input_sentence=False, minloglevel=2,
+    )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_bytes(model.getvalue())
+    tmp.replace(out_path)
+    return Tokenizer(out_path)

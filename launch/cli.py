@@ -1,0 +1,40 @@
+"""Shared command-line plumbing: logging setup and turning our errors into a clear exit."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+from moe.errors import MoEError
+
+
+def setup_logging(rank: int = 0, log_file: str | None = None) -> None:
+    """Rank 0 logs to the console; every rank logs to its own file when one is given."""
+    handlers: list[logging.Handler] = []
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", "%H:%M:%S")
+    root = logging.getLogger("moe")
+    root.handlers.clear()
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def exits_cleanly(main):
+    """Wrap an entry point: a user-facing error prints one clear message and exits 2."""
+
+    @functools.wraps(main)
+    def wrapper(argv=None):
+        try:
+            return main(argv)
+        except MoEError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

@@ -1,0 +1,37 @@
+"""moe-train: the per-rank training entry point that every launcher starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from launch.cli import exits_cleanly, setup_logging
+from moe.training.config import load_config
+from moe.training.trainer import dist_env_from_environment, train
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="moe-train", description=__doc__)
+    p.add_argument("--config", required=True, help="resolved run config (YAML)")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    env = dist_env_from_environment()
+    threads = cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    torch.set_num_threads(threads)
+    log_dir = cfg.run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(env.rank, str(log_dir / f"rank{env.rank}.log"))
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
+                               verbose=False)
+    train(cfg, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Turning plain dicts (parsed YAML) into typed config dataclasses, with every problem reported.
+
+Each component owns a dataclass next to its code. This module only knows how to fill a dataclass
+from a dict: it checks unknown keys, types, ``Literal`` choices, and calls the dataclass's own
+``problems()`` method for value checks. All problems are collected and raised at once as a
+:class:`~moe.errors.ConfigError`, each naming the dotted key, so a user fixes a config in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+from moe.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        args = get_args(tp)
+        return f"a list of {_describe(args[0])}" if args else "a list"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """Convert ``value`` to type ``tp`` or record a problem and return None."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            trial: list[str] = []
+            out = _convert(value, arg, key, trial)
+            if not trial:
+                return out
+        problems.append(f"{key}: expected {_describe(tp)}, got {value!r}")
+        return None
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        problems.append(f"{key}: {value!r} is not allowed; expected {_describe(tp)}")
+        return None
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            problems.append(f"{key}: expected a mapping, got {value!r}")
+            return None
+        return _build(tp, value, key, problems)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{key}: expected {_describe(tp)}, got {value!r}")
+            return None
+        (item_tp,) = get_args(tp)[:1] or (Any,)
+        items = [_convert(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{key}: expected a mapping, got {value!r}")
+            return None
+        _, val_tp = get_args(tp) or (str, Any)
+        return {str(k): _convert(v, val_tp, f"{key}.{k}", problems) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{key}: expected true or false, got {value!r}")
+        return None
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        problems.append(f"{key}: expected an integer, got {value!r}")
+        return None
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads "1e-3" as a string; accept numeric strings for floats only.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        problems.append(f"{key}: expected a number, got {value!r}")
+        return None
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        problems.append(f"{key}: expected a string, got {value!r}")
+        return None
+    raise TypeError(f"unsupported config field type {tp!r} at {key}")
+
+
+def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T | None:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for name in data:
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), list(fields), n=1)
+            hint = f"; did you mean {_join(prefix, close[0])!r}?" if close else ""
+            allowed = ", ".join(sorted(fields))
+            problems.append(f"{_join(prefix, name)}: unknown key{hint} (allowed: {allowed})")
+    kwargs = {}
+    n_before = len(problems)
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], _join(prefix, name), problems)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            problems.append(f"{_join(prefix, name)}: required key is missing")
+    if len(problems) > n_before:
+        return None
+    obj = cls(**kwargs)
+    check = getattr(obj, "problems", None)
+    if check is not None:
+        problems.extend(f"{_join(prefix, p)}" for p in check())
+    return obj
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else str(name)
+
+
+def from_dict(cls: type[T], data: dict | None, source: str | None = None) -> T:
+    """Build ``cls`` from ``data``; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError([f"top level: expected a mapping, got {type(data).__name__}"], source)
+    obj = _build(cls, data or {}, "", problems)
+    if problems:
+        raise ConfigError(problems, source)
+    assert obj is not None
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-data form of a config dataclass (for YAML, JSON and TensorBoard)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,66 @@
+"""Permutation-based token dispatch: group token copies by expert, and combine them back.
+
+No one-hot (tokens x experts x capacity) tensors: token copies are sorted by expert id, gathered
+into one contiguous (N, D) block that grouped GEMMs consume, and scattered back with the combine
+weights. Dropped copies (over capacity) are sorted into a sentinel bucket past the last expert and
+cut off, so they cost nothing in the experts and contribute zero to the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DispatchPlan:
+    copy_N: torch.Tensor  # index of each kept copy in the flattened (T*K) routing, expert-sorted
+    token_N: torch.Tensor  # source token of each kept copy
+    counts_E: torch.Tensor  # kept copies per expert (int64)
+    num_tokens: int
+
+
+def capacity_keep_mask(indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
+                       capacity: int) -> torch.Tensor:
+    """Boolean (T, K) mask of copies each expert keeps: at most ``capacity`` per expert, the
+    copies with the highest router weight first (ties: earlier token first)."""
+    flat_e = indices_TK.reshape(-1)
+    by_weight = torch.argsort(weights_TK.reshape(-1).detach(), descending=True, stable=True)
+    order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
+    counts_E = torch.bincount(flat_e, minlength=num_experts)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    sorted_e = flat_e[order]
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts_E[sorted_e]
+    keep = torch.empty_like(flat_e, dtype=torch.bool)
+    keep[order] = rank_in_expert < capacity
+    return keep.view_as(indices_TK)
+
+
+class LocalDispatcher:
+    """Dispatch for experts that all live on this device."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def plan(self, indices_TK: torch.Tensor, keep_TK: torch.Tensor | None) -> DispatchPlan:
+        T, K = indices_TK.shape
+        flat_e = indices_TK.reshape(-1)
+        if keep_TK is not None:
+            flat_e = torch.where(keep_TK.reshape(-1), flat_e, self.num_experts)
+        counts = torch.bincount(flat_e, minlength=self.num_experts + 1)
+        order = torch.argsort(flat_e, stable=True)
+        if keep_TK is not None:
+            # The number of kept copies is data dependent: one host sync, only when dropping.
+            order = order[: int(counts[: self.num_experts].sum())]
+        return DispatchPlan(copy_N=order, token_N=order // K, counts_E=counts[: self.num_experts],
+                            num_tokens=T)
+
+    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
+        """Returns the expert-sorted inputs and the copies per (local) expert."""
+        return x_TD.index_select(0, plan.token_N), plan.counts_E
+
+    def combine(self, y_ND: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        w_N = weights_TK.reshape(-1).index_select(0, plan.copy_N).to(y_ND.dtype)
+        out_TD = y_ND.new_zeros(plan.num_tokens, y_ND.shape[-1])
+        return out_TD.index_add(0, plan.token_N, y_ND * w_N[:, None])

@@ -1,0 +1,29 @@
+"""The project's exception types: one small hierarchy so that entry points can turn them into a
+clear message and a non-zero exit instead of a traceback."""
+
+
+class MoEError(Exception):
+    """Base class for errors a user can act on."""
+
+
+class ConfigError(MoEError):
+    """A run config is invalid. The message lists every problem found, each naming its key."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid config{where}:\n{lines}")
+
+
+class DataError(MoEError):
+    """Input data (a source, a shard, a manifest, a tokenizer) is missing or malformed."""
+
+
+class CheckpointError(MoEError):
+    """A checkpoint is missing, incomplete, or does not match the config."""
+
+
+class LaunchError(MoEError):
+    """A launch plan cannot be built or run."""

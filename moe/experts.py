@@ -1,0 +1,94 @@
+"""Routed experts as stacked weights, computed with grouped GEMMs over expert-sorted tokens."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Activation = Literal["swiglu", "gelu"]
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x_ND`` are grouped by expert (``counts_E`` rows each); row block e is multiplied
+    by ``w_EIO[e]``. Uses ``torch._grouped_mm`` where it supports the dtype and layout, otherwise
+    a loop over contiguous slices (one host sync for the counts)."""
+    row_bytes_ok = all((d * x_ND.element_size()) % 16 == 0 for d in w_EIO.shape[1:])
+    if x_ND.dtype in _GROUPED_DTYPES and row_bytes_ok and hasattr(torch, "_grouped_mm"):
+        offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        return torch._grouped_mm(x_ND.contiguous(), w_EIO, offs=offs)
+    out = []
+    start = 0
+    for e, n in enumerate(counts_E.tolist()):
+        out.append(x_ND[start:start + n] @ w_EIO[e])
+        start += n
+    if not out:
+        return x_ND.new_zeros(0, w_EIO.shape[-1])
+    return torch.cat(out, dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` feed-forward experts with stacked weights.
+
+    SwiGLU: y = (silu(x W_gate) * (x W_up)) W_down with W_gate and W_up fused into ``w_in``
+    (E, D, 2H). GELU: y = gelu(x W_in) W_out.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, activation: Activation,
+                 init_std: float = 0.02, out_init_std: float | None = None):
+        super().__init__()
+        self.activation = activation
+        self.hidden = hidden
+        width = 2 * hidden if activation == "swiglu" else hidden
+        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, width))
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        nn.init.normal_(self.w_in, std=init_std)
+        nn.init.normal_(self.w_out, std=out_init_std if out_init_std is not None else init_std)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_in.shape[0]
+
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        h_NW = grouped_mm(x_ND, self.w_in, counts_E)
+        if self.activation == "swiglu":
+            gate, up = h_NW.split(self.hidden, dim=-1)
+            h_NH = F.silu(gate) * up
+        else:
+            h_NH = F.gelu(h_NW)
+        return grouped_mm(h_NH, self.w_out, counts_E)
+
+
+class DenseFFN(nn.Module):
+    """A dense feed-forward block (the dense baseline, dense layers and shared experts)."""
+
+    def __init__(self, d_model: int, hidden: int, activation: Activation, init_std: float = 0.02,
+                 out_init_std: float | None = None):
+        super().__init__()
+        self.activation = activation
+        self.hidden = hidden
+        width = 2 * hidden if activation == "swiglu" else hidden
+        self.w_in = nn.Linear(d_model, width, bias=False)
+        self.w_out = nn.Linear(hidden, d_model, bias=False)
+        nn.init.normal_(self.w_in.weight, std=init_std)
+        nn.init.normal_(self.w_out.weight, std=out_init_std if out_init_std is not None else init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w_in(x)
+        if self.activation == "swiglu":
+            gate, up = h.split(self.hidden, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.w_out(h)
+
+
+def residual_init_std(base_std: float, num_layers: int) -> float:
+    """Scaled init for projections that write into the residual stream (GPT-2): the residual's
+    variance then stays roughly constant with depth."""
+    return base_std / math.sqrt(2 * num_layers)

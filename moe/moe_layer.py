@@ -1,0 +1,119 @@
+"""The MoE feed-forward layer: router -> dispatch -> experts -> combine (+ shared experts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moe.dispatcher import LocalDispatcher, capacity_keep_mask
+from moe.experts import Activation, DenseFFN, GroupedExperts
+from moe.router import RouterConfig, TopKRouter, capacity
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    expert_hidden: int = 256
+    """Hidden width of each routed expert (independent of the model width: fine-grained experts
+    use a small width and a larger top_k)."""
+    activation: Activation = "swiglu"
+    router: RouterConfig = field(default_factory=RouterConfig)
+    capacity_factor: float | None = None
+    """Token copies an expert accepts, as a multiple of the balanced share T*K/E; copies over it
+    are dropped (lowest router weight first) and pass through the residual only. null: dropless."""
+    num_shared_experts: int = 0
+    """Always-on experts (DeepSeek-MoE), fused into one dense FFN of width
+    num_shared_experts * expert_hidden, added to the routed output."""
+    every_n_layers: int = 1
+    """Layer i (0-based) is MoE when i >= first_dense_layers and (i - first_dense_layers) %
+    every_n_layers == 0; other layers are dense FFNs."""
+    first_dense_layers: int = 0
+    dense_hidden: int | None = None
+    """Hidden width of the dense layers (default: top_k * expert_hidden, same active size)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.num_experts < 1:
+            out.append(f"num_experts: must be >= 1, got {self.num_experts}")
+        if self.expert_hidden < 1:
+            out.append(f"expert_hidden: must be >= 1, got {self.expert_hidden}")
+        out += [f"router.{p}" for p in self.router.problems(self.num_experts)]
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            out.append(f"capacity_factor: must be > 0 or null (dropless), got {self.capacity_factor}")
+        if self.num_shared_experts < 0:
+            out.append(f"num_shared_experts: must be >= 0, got {self.num_shared_experts}")
+        if self.every_n_layers < 1:
+            out.append(f"every_n_layers: must be >= 1, got {self.every_n_layers}")
+        if self.first_dense_layers < 0:
+            out.append(f"first_dense_layers: must be >= 0, got {self.first_dense_layers}")
+        return out
+
+    def is_moe_layer(self, index: int) -> bool:
+        i = index - self.first_dense_layers
+        return i >= 0 and i % self.every_n_layers == 0
+
+    @property
+    def dense_width(self) -> int:
+        return self.dense_hidden or self.router.top_k * self.expert_hidden
+
+
+class MoELayer(nn.Module):
+    """Sparse feed-forward layer on one device. Expert parallelism swaps ``self.dispatcher`` for
+    one that moves token copies between ranks and shrinks ``self.experts`` to the local ones;
+    this class does not know about ranks."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig, init_std: float = 0.02,
+                 out_init_std: float | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.router = TopKRouter(d_model, cfg.num_experts, cfg.router)
+        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.activation,
+                                      init_std, out_init_std)
+        self.shared_mlp = (DenseFFN(d_model, cfg.num_shared_experts * cfg.expert_hidden,
+                                    cfg.activation, init_std, out_init_std)
+                           if cfg.num_shared_experts else None)
+        self.dispatcher = LocalDispatcher(cfg.num_experts)
+        # Routed copies per expert summed over the micro-batches of one optimizer step: read by
+        # monitoring and by the auxiliary-loss-free bias update, then reset.
+        self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the layer output and this layer's weighted balancing loss (a scalar)."""
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        routing = self.router(x_TD, seq_len=S)
+
+        keep_TK = None
+        if self.cfg.capacity_factor is not None:
+            cap = capacity(B * S, self.num_experts, self.cfg.router.top_k, self.cfg.capacity_factor)
+            keep_TK = capacity_keep_mask(routing.indices_TK, routing.weights_TK, self.num_experts, cap)
+
+        plan = self.dispatcher.plan(routing.indices_TK, keep_TK)
+        x_ND, local_counts = self.dispatcher.dispatch(x_TD, plan)
+        y_ND = self.experts(x_ND, local_counts)
+        y_TD = self.dispatcher.combine(y_ND, routing.weights_TK, plan)
+        if self.shared_mlp is not None:
+            y_TD = y_TD + self.shared_mlp(x_TD)
+
+        self._record(routing, plan.counts_E, B * S)
+        rc = self.cfg.router
+        loss = rc.aux_loss_coef * routing.aux_loss + rc.z_loss_coef * routing.z_loss
+        return y_TD.view(B, S, D), loss
+
+    @torch.no_grad()
+    def _record(self, routing, counts_E: torch.Tensor, num_tokens: int) -> None:
+        # Tensors only (no .item()): reading them is the monitor's choice, not a sync per layer.
+        routed = num_tokens * self.cfg.router.top_k
+        self.step_load_E += counts_E.to(self.step_load_E.dtype)
+        self.stats = {
+            "tokens_per_expert": counts_E.detach(),
+            "dropped_fraction": (routed - counts_E.sum()).float() / routed,
+            "router_entropy": routing.entropy,
+            "aux_loss": routing.aux_loss.detach(),
+            "z_loss": routing.z_loss.detach(),
+        }

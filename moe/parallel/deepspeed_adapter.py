@@ -1,0 +1,230 @@
+"""The one place that knows DeepSpeed's MoE conventions and the expert-parallel process groups.
+
+DeepSpeed recognizes MoE layers only through ``isinstance(module, deepspeed.moe.layer.MoE)``:
+then it reduces expert gradients over the expert-data-parallel group, keeps expert optimizer
+state apart, and writes one checkpoint file per expert, finding experts by the key pattern
+``<layer>.deepspeed_moe.experts.deepspeed_experts.<global id>.<name>``. :class:`DeepSpeedMoE`
+wraps our single-device :class:`~moe.moe_layer.MoELayer` so that all of that holds:
+
+- the wrapped layer sits at ``deepspeed_moe``; its stacked expert weights (E_local, ...) appear in
+  state dicts as per-expert keys ``deepspeed_moe.experts.deepspeed_experts.<i>.<name>`` (a state
+  dict hook splits them, a load pre-hook stacks them back);
+- expert parameters carry ``allreduce = False`` and ``group_name = "ep_size_<N>"``;
+- nothing else under the layer has "expert" in its state-dict key (DeepSpeed would move it into
+  the expert files): the router and shared MLP are named ``router`` and ``shared_mlp``;
+- ``set_deepspeed_parallelism`` (called by the engine) creates the groups and swaps in the
+  all-to-all dispatcher.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE as _DeepSpeedMoEBase
+from deepspeed.utils import groups
+from torch import nn
+
+from moe.dispatcher import DispatchPlan, LocalDispatcher
+from moe.model import MoETransformer
+from moe.moe_layer import MoELayer
+
+EXPERT_KEY = "deepspeed_experts"
+_EXPERT_NAMES = ("w_in", "w_out")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Variable-sized all-to-all of rows; its gradient is the all-to-all back."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x_ND.new_empty(sum(out_splits), x_ND.shape[-1])
+        dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty(sum(in_splits), grad_out.shape[-1])
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+class ExpertParallelDispatcher(LocalDispatcher):
+    """Dispatch across the expert-parallel group. Rank r owns global experts
+    [r * E_local, (r + 1) * E_local). Token counts are exchanged first (one small all-to-all and
+    one host sync for the split sizes), then the variable-sized token blocks."""
+
+    def __init__(self, num_experts: int, group, ep_size: int):
+        super().__init__(num_experts)
+        self.group, self.ep_size = group, ep_size
+        self.num_local = num_experts // ep_size
+
+    def plan(self, indices_TK, keep_TK):
+        local = super().plan(indices_TK, keep_TK)
+        send_counts = local.counts_E.view(self.ep_size, self.num_local)  # [dest rank, its expert]
+        recv_counts = torch.empty_like(send_counts)  # [source rank, my expert]
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        counts_host = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        # Received rows arrive ordered (source, my expert); experts need them ordered (expert, source).
+        block_expert = torch.arange(self.num_local, device=recv_counts.device).repeat(self.ep_size)
+        row_expert = torch.repeat_interleave(block_expert, recv_counts.reshape(-1))
+        regroup = torch.argsort(row_expert, stable=True)
+        return _EPPlan(local, counts_host[0], counts_host[1], regroup, recv_counts.sum(0))
+
+    def dispatch(self, x_TD, plan):
+        x_ND, _ = super().dispatch(x_TD, plan.local)
+        x_recv = _AllToAll.apply(x_ND, plan.recv_splits, plan.send_splits, self.group)
+        return x_recv.index_select(0, plan.regroup), plan.local_counts
+
+    def combine(self, y_ND, weights_TK, plan):
+        y_recv = torch.empty_like(y_ND).index_copy(0, plan.regroup, y_ND)
+        y_back = _AllToAll.apply(y_recv, plan.send_splits, plan.recv_splits, self.group)
+        return super().combine(y_back, weights_TK, plan.local)
+
+
+class _EPPlan:
+    def __init__(self, local: DispatchPlan, send_splits, recv_splits, regroup, local_counts):
+        self.local, self.send_splits, self.recv_splits = local, send_splits, recv_splits
+        self.regroup, self.local_counts = regroup, local_counts
+
+    @property
+    def counts_E(self):
+        return self.local.counts_E
+
+
+class DeepSpeedMoE(_DeepSpeedMoEBase):
+    """Makes a :class:`MoELayer` an MoE layer in DeepSpeed's eyes (see the module docstring).
+
+    DeepSpeed's own ``MoE.__init__`` is not called: it would build DeepSpeed's gate and experts.
+    """
+
+    def __init__(self, layer: MoELayer, ep_size: int, ep_rank: int):
+        nn.Module.__init__(self)
+        num_experts = layer.num_experts
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts cannot be split over {ep_size} ranks")
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.ep_rank = ep_rank
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.enable_expert_tensor_parallelism = False
+        self.use_residual = False
+        _keep_local_experts(layer, ep_rank, self.num_local_experts)
+        for p in layer.experts.parameters():
+            p.allreduce = False
+            p.group_name = self.expert_group_name
+        layer.experts.register_state_dict_post_hook(_split_experts_hook)
+        layer.experts.register_load_state_dict_pre_hook(_stack_experts_hook)
+        self.deepspeed_moe = layer
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(
+                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        if groups._get_expert_parallel_rank(self.expert_group_name) != self.ep_rank:
+            raise RuntimeError("DeepSpeed's expert-parallel rank differs from the slice of experts "
+                               "this rank holds; expert groups must be consecutive ranks")
+        if self.ep_size > 1:
+            group = groups._get_expert_parallel_group(self.expert_group_name)
+            self.deepspeed_moe.dispatcher = ExpertParallelDispatcher(self.num_experts, group,
+                                                                     self.ep_size)
+
+    def forward(self, x_BSD: torch.Tensor):
+        return self.deepspeed_moe(x_BSD)
+
+
+def _keep_local_experts(layer: MoELayer, ep_rank: int, num_local: int) -> None:
+    lo = ep_rank * num_local
+    for name in _EXPERT_NAMES:
+        full = getattr(layer.experts, name)
+        setattr(layer.experts, name, nn.Parameter(full.data[lo:lo + num_local].clone()))
+
+
+def _split_experts_hook(module, state_dict, prefix, local_metadata):
+    for name in _EXPERT_NAMES:
+        stacked = state_dict.pop(prefix + name)
+        for i in range(stacked.shape[0]):
+            state_dict[f"{prefix}{EXPERT_KEY}.{i}.{name}"] = stacked[i]
+
+
+def _stack_experts_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                        errors):
+    for name in _EXPERT_NAMES:
+        pattern = re.compile(re.escape(f"{prefix}{EXPERT_KEY}.") + r"(\d+)\." + re.escape(name) + "$")
+        found = {int(m.group(1)): k for k in list(state_dict) if (m := pattern.match(k))}
+        if found:
+            if sorted(found) != list(range(len(found))):
+                errors.append(f"{prefix}{name}: expert ids {sorted(found)} are not 0..{len(found) - 1}")
+                continue
+            state_dict[prefix + name] = torch.stack([state_dict.pop(found[i]) for i in range(len(found))])
+
+
+def expert_parallel_rank(rank: int, ep_size: int) -> int:
+    """DeepSpeed's default layout puts consecutive ranks in one expert-parallel group."""
+    return rank % ep_size
+
+
+def wrap_moe_layers(model: MoETransformer, ep_size: int, ep_rank: int) -> MoETransformer:
+    """Replace each MoELayer in the model by a DeepSpeedMoE that holds only this rank's experts.
+
+    The full model is built first with the same seed on every rank, so each rank keeps its own
+    slice of identically initialized experts: initialization does not depend on the layout."""
+    for block in model.blocks:
+        if isinstance(block.ffn, MoELayer):
+            block.ffn = DeepSpeedMoE(block.ffn, ep_size, ep_rank)
+    return model
+
+
+def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Parameter groups with expert parameters split out per expert group, as DeepSpeed's ZeRO
+    optimizer expects. Norm weights and biases get no weight decay."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 else decay).append(p)
+    groups_ = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return split_params_into_different_moe_groups_for_optimizer(groups_)
+
+
+# --- Reading DeepSpeed checkpoints without an engine (evaluation, export) ---------------------
+
+_LAYER_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+
+
+def consolidated_state_dict(main_module_state: dict, expert_states: dict[tuple[int, int], dict]) -> dict:
+    """Map a DeepSpeed MoE checkpoint onto the single-device model's keys.
+
+    ``main_module_state`` is the ``module`` entry of ``mp_rank_00_model_states.pt`` (non-expert
+    parameters, with ``.deepspeed_moe.`` in MoE layer keys); ``expert_states`` maps
+    (moe layer id, global expert id) to that expert file's dict (global ids in its keys)."""
+    out = {}
+    for key, value in main_module_state.items():
+        out[key.replace(".deepspeed_moe.", ".")] = value
+    per_layer: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    pattern = re.compile(r"^(.*)\.deepspeed_moe\.experts\." + EXPERT_KEY + r"\.(\d+)\.(\w+)$")
+    for (_, expert_id), state in sorted(expert_states.items()):
+        for key, value in state.items():
+            m = pattern.match(key)
+            if m is None:
+                raise ValueError(f"unexpected key {key!r} in expert file of expert {expert_id}")
+            prefix, gid, name = m.group(1), int(m.group(2)), m.group(3)
+            per_layer.setdefault(f"{prefix}.experts.{name}", {})[gid] = value
+    for key, by_expert in per_layer.items():
+        ids = sorted(by_expert)
+        if ids != list(range(len(ids))):
+            raise ValueError(f"{key}: expert ids {ids} are not 0..{len(ids) - 1}")
+        out[key] = torch.stack([by_expert[i] for i in ids])
+    return out
+
+
+def expert_file_ids(filename: str) -> tuple[int, int] | None:
+    m = _LAYER_EXPERT_FILE.search(filename)
+    return (int(m.group(1)), int(m.group(2))) if m else None

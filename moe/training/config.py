@@ -1,0 +1,183 @@
+"""The run config: one YAML file describes a run. Sections are typed dataclasses, each beside the
+code it configures; this module composes them, checks what spans sections, and derives the
+DeepSpeed config (never written by hand)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from data_pipeline.config import DataConfig
+from moe.config_schema import from_dict, to_dict
+from moe.errors import ConfigError
+from moe.model import ModelConfig
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    micro_batch_size: int = 8
+    """Sequences per rank per forward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; the global batch is micro_batch_size * grad_accum_steps
+    * world size sequences."""
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    """Linear warmup, then cosine decay to min_lr at max_steps."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 42
+    precision: Literal["fp32", "bf16"] = "fp32"
+    threads_per_rank: int | None = None
+    """torch intra-op threads per rank; null: this machine's cores divided by the local ranks."""
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("max_steps", "micro_batch_size", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            out.append(f"lr: must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            out.append(f"min_lr: must be between 0 and lr ({self.lr}), got {self.min_lr}")
+        if self.warmup_steps < 0:
+            out.append(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                out.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
+        if self.grad_clip < 0:
+            out.append(f"grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            out.append(f"threads_per_rank: must be >= 1 or null, got {self.threads_per_rank}")
+        return out
+
+
+@dataclass
+class ParallelConfig:
+    world_size: int = 2
+    """Ranks a local launch starts (other schedulers take it from their allocation)."""
+    expert_parallel_size: int = 2
+    """Ranks that split each MoE layer's experts; must divide the number of experts and the
+    world size. The remaining factor is expert-data parallelism."""
+    zero_stage: Literal[0, 1, 2] = 2
+    """DeepSpeed ZeRO stage (DeepSpeed's MoE support ends at stage 2)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.world_size < 1:
+            out.append(f"world_size: must be >= 1, got {self.world_size}")
+        if self.expert_parallel_size < 1:
+            out.append(f"expert_parallel_size: must be >= 1, got {self.expert_parallel_size}")
+        elif self.world_size >= 1 and self.world_size % self.expert_parallel_size:
+            out.append(f"expert_parallel_size: {self.expert_parallel_size} must divide world_size "
+                       f"({self.world_size})")
+        return out
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10
+    """Steps between console lines and TensorBoard scalars."""
+    tensorboard: bool = True
+
+    def problems(self) -> list[str]:
+        return [] if self.log_every >= 1 else [f"log_every: must be >= 1, got {self.log_every}"]
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0
+    """Save every N steps (0: only at the end)."""
+
+    def problems(self) -> list[str]:
+        return [] if self.every_n_steps >= 0 else [
+            f"every_n_steps: must be >= 0, got {self.every_n_steps}"]
+
+
+@dataclass
+class EvalConfig:
+    max_tokens: int | None = None
+    """Evaluate on at most this many validation tokens (null: the whole split)."""
+    batch_size: int = 8
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    """The run directory is output_dir/name: resolved config, logs, TensorBoard, checkpoints."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def problems(self) -> list[str]:
+        out = []
+        ep = self.parallel.expert_parallel_size
+        if ep >= 1 and self.model.moe.num_experts % ep:
+            out.append(f"parallel.expert_parallel_size: {ep} must divide model.moe.num_experts "
+                       f"({self.model.moe.num_experts})")
+        if self.data.seq_len > self.model.max_seq_len:
+            out.append(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len "
+                       f"({self.model.max_seq_len})")
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            out.append(f"name: {self.name!r} must be a plain directory name")
+        return out
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    def deepspeed_config(self, world_size: int) -> dict:
+        t = self.train
+        return {
+            "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": t.grad_accum_steps,
+            "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
+            "gradient_clipping": t.grad_clip,
+            "zero_optimization": {"stage": self.parallel.zero_stage},
+            "bf16": {"enabled": t.precision == "bf16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a raw config dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError([f"override {item!r}: expected key.path=value"])
+        path, value = item.split("=", 1)
+        node = raw
+        keys = path.strip().split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"override {item!r}: {k} is not a section"])
+        node[keys[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(["file not found"], str(path)) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
+    raw = apply_overrides(raw or {}, overrides or [])
+    return from_dict(RunConfig, raw, source=str(path))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,33 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="moe-pretrain",
+    version="0.1.0",
+    description="Distributed Mixture-of-Experts pretraining with DeepSpeed expert parallelism "
+                "and an Arrow streaming data pipeline",
+    python_requires=">=3.10",
+    packages=find_packages(include=["moe", "moe.*", "data_pipeline", "data_pipeline.*",
+                                    "launch", "launch.*"]),
+    install_requires=[
+        "torch",
+        "deepspeed",
+        "mpi4py",
+        "mpich",
+        "pyarrow",
+        "sentencepiece",
+        "tensorboard",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "safetensors",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout"]},
+    entry_points={
+        "console_scripts": [
+            "moe-prepare=launch.prepare:main",
+            "moe-launch=launch.launch:main",
+            "moe-train=launch.train:main",
+            "moe-eval=launch.evaluate:main",
+        ]
+    },
+)
