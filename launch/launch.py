@@ -40,7 +40,7 @@ def free_port() -> int:
 def local_plan(cfg: RunConfig, config_path: str) -> Plan:
     n = cfg.parallel.world_size
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(n),
-           "--master_port", str(free_port()), "--no_local_rank", "--module", "launch.train",
+           "--master_port", str(free_port()), "--log_level", "warning", "--no_local_rank", "--module", "launch.train",
            "--config", config_path]
     return Plan("local", cmd, {"PYTHONUNBUFFERED": "1"}, str(cfg.run_dir))
 
@@ -78,8 +78,9 @@ def main(argv=None) -> None:
     summary = json.loads((run_dir / "train_summary.json").read_text())
     lines = [f"run directory   {run_dir}",
              f"tensorboard     tensorboard --logdir {run_dir / 'tensorboard'}",
-             f"checkpoint      {summary['checkpoint']}",
-             f"step-1 loss     {summary['history'][0]['loss']:.4f}"]
+             f"checkpoint      {summary['checkpoint']}"]
+    if summary["history"] and summary["history"][0]["step"] == 1:
+        lines.append(f"step-1 loss     {summary['history'][0]['loss']:.4f}")
     if not args.no_eval:
         r = evaluate_checkpoint(summary["checkpoint"])
         lines += [f"valid loss      {r['loss']:.4f} nats/token over {r['tokens']:,} tokens "

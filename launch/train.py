@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import torch
@@ -27,7 +28,9 @@ def main(argv=None) -> None:
     setup_logging(env.rank, str(log_dir / f"rank{env.rank}.log"))
 
     import deepspeed
+    from deepspeed.utils import logger as ds_logger
 
+    ds_logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
                                verbose=False)
     train(cfg, env)

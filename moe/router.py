@@ -1,6 +1,6 @@
 """Top-k token router: scores, expert selection, combine weights and balancing losses.
 
-The router is computed in fp32 whatever the model dtype. The balancing losses are computed from
+The router is computed in fp32 (or wider) whatever the model dtype. The balancing losses are computed from
 the very selection that dispatch uses (``indices_TK``), never from a second top-k.
 """
 
@@ -87,10 +87,11 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, seq_len: int | None = None) -> Routing:
         cfg = self.cfg
-        x_TD = x_TD.float()
+        # At least fp32 whatever the model dtype (bf16 logits make top-k selection unstable).
+        x_TD = x_TD.to(torch.promote_types(x_TD.dtype, torch.float32))
         if self.training and cfg.jitter_eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - cfg.jitter_eps, 1 + cfg.jitter_eps)
-        logits_TE = F.linear(x_TD, self.weight.float())
+        logits_TE = F.linear(x_TD, self.weight.to(x_TD.dtype))
         if self.training and cfg.logit_noise_std > 0:
             logits_TE = logits_TE + torch.randn_like(logits_TE) * cfg.logit_noise_std
 
@@ -101,7 +102,7 @@ class TopKRouter(nn.Module):
 
         select_TE = scores_TE
         if cfg.bias_update_rate > 0:
-            select_TE = scores_TE + self.score_bias
+            select_TE = scores_TE + self.score_bias.to(scores_TE.dtype)
         indices_TK = select_TE.topk(cfg.top_k, dim=-1, sorted=False).indices
 
         if cfg.order == "topk_then_softmax":

@@ -145,6 +145,8 @@ class RunConfig:
             "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
             "gradient_clipping": t.grad_clip,
             "zero_optimization": {"stage": self.parallel.zero_stage},
+            # We pass torch optimizers; ZeRO 1/2 only needs them to step flat fp32 partitions.
+            "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": t.precision == "bf16"},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,

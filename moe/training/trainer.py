@@ -67,7 +67,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_engine(cfg: RunConfig, env: DistEnv):
+def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
+    """The DeepSpeed engine and the (wrapped) model. ``make_optimizer(param_groups)`` replaces
+    the configured AdamW (tests use plain SGD so that parameter updates expose gradients)."""
     import deepspeed
 
     ep = cfg.parallel.expert_parallel_size
@@ -81,7 +83,10 @@ def build_engine(cfg: RunConfig, env: DistEnv):
     wrap_moe_layers(model, ep, expert_parallel_rank(env.rank, ep))
     t = cfg.train
     groups = optimizer_param_groups(model, t.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    if make_optimizer is not None:
+        optimizer = make_optimizer(groups)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler,
@@ -114,6 +119,10 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     hooks.append(ckpt_hook)
 
     t = cfg.train
+    if start_step >= t.max_steps and env.rank == 0:
+        log.info(f"the latest checkpoint is at step {start_step}; nothing left to train "
+                 f"(max_steps {t.max_steps})")
+    ckpt_hook.last_tag, ckpt_hook.last_step = latest, start_step
     samples_per_step = t.micro_batch_size * t.grad_accum_steps * env.world_size
     history = []
     for step in range(start_step + 1, t.max_steps + 1):

@@ -1,0 +1,36 @@
+"""Run a function on several ranks (gloo on CPU), as real processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    import deepspeed
+    import torch
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Start ``world_size`` processes running ``fn(rank, world_size, *args)``; raise if any
+    fails. ``fn`` must be a module-level function (processes are spawned)."""
+    mp.start_processes(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size,
+                       join=True, start_method="spawn")

@@ -1,0 +1,65 @@
+import pytest
+import yaml
+
+from moe.errors import ConfigError
+from moe.training.config import RunConfig, load_config
+
+
+def write(tmp_path, data):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_default_config_is_valid():
+    cfg = load_config("configs/default.yaml")
+    assert cfg.model.moe.num_experts == 8 and cfg.model.moe.router.top_k == 2
+    assert cfg.parallel.expert_parallel_size == 2
+    ds = cfg.deepspeed_config(2)
+    assert ds["train_batch_size"] == cfg.train.micro_batch_size * 2
+
+
+def test_typo_key_is_named_with_suggestion(tmp_path):
+    p = write(tmp_path, {"model": {"moe": {"num_expert": 8}}})
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "model.moe.num_expert: unknown key" in msg
+    assert "did you mean 'model.moe.num_experts'" in msg
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    p = write(tmp_path, {"train": {"lr": -1, "max_steps": "ten"},
+                         "model": {"moe": {"router": {"score_func": "relu"}}},
+                         "parallel": {"world_size": 2, "expert_parallel_size": 3}})
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    for expected in ("train.max_steps: expected an integer", "model.moe.router.score_func",
+                     "'relu' is not allowed", "parallel.expert_parallel_size: 3 must divide"):
+        assert expected in msg, msg
+    assert str(p) in msg
+
+
+def test_cross_section_check(tmp_path):
+    p = write(tmp_path, {"model": {"moe": {"num_experts": 6}},
+                         "parallel": {"world_size": 4, "expert_parallel_size": 4}})
+    with pytest.raises(ConfigError, match=r"expert_parallel_size: 4 must divide model.moe.num_experts \(6\)"):
+        load_config(p)
+
+
+def test_overrides(tmp_path):
+    cfg = load_config("configs/default.yaml", ["train.max_steps=7", "model.moe.router.top_k=1"])
+    assert cfg.train.max_steps == 7 and cfg.model.moe.router.top_k == 1
+    with pytest.raises(ConfigError, match="train.max_step: unknown key"):
+        load_config("configs/default.yaml", ["train.max_step=7"])
+
+
+def test_round_trip_of_resolved_config(tmp_path):
+    from moe.training.config import dump_config
+
+    cfg = load_config("configs/default.yaml")
+    p = tmp_path / "resolved.yaml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
+    assert isinstance(cfg, RunConfig)

@@ -1,0 +1,103 @@
+"""Same global batch, same weights: 2 ranks with expert parallelism 2 must give the same loss,
+the same gradient for every parameter and the same gradient norm as one process.
+
+Both layouts use DeepSpeed ZeRO stage 2 and plain SGD (lr 1, no clipping), so a parameter's
+update is exactly minus its reduced gradient; comparing updates compares gradients (Adam's first
+step would hide a wrong gradient scale)."""
+
+import copy
+
+import pytest
+import torch
+
+from moe.config_schema import from_dict
+from moe.training.config import RunConfig
+from moe.training.trainer import DistEnv, build_engine
+from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.multiprocess
+
+VOCAB, SEQ, MB = 64, 16, 2
+
+
+def run_config(world: int, ep: int, accum: int, zero: int, moe: dict) -> dict:
+    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
+                      "max_seq_len": SEQ, "moe": {"num_experts": 4, "expert_hidden": 16, **moe}},
+            "data": {"seq_len": SEQ},
+            "train": {"micro_batch_size": MB, "grad_accum_steps": accum, "grad_clip": 0.0,
+                      "seed": 11},
+            "parallel": {"world_size": world, "expert_parallel_size": ep, "zero_stage": zero}}
+
+
+def global_params(model, ep_rank: int) -> dict:
+    """Parameters under single-device names, experts with global ids."""
+    out = {}
+    for name, p in model.named_parameters():
+        name = name.replace(".deepspeed_moe.", ".")
+        if name.endswith(("experts.w_in", "experts.w_out")):
+            for i in range(p.shape[0]):
+                out[f"{name}[{ep_rank * p.shape[0] + i}]"] = p[i].detach().clone()
+        else:
+            out[name] = p.detach().clone()
+    return out
+
+
+def _worker(rank, world, cfg_dict, batches, out_dir):
+    cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
+    ep = cfg.parallel.expert_parallel_size
+    engine, model = build_engine(cfg, DistEnv(rank, world, rank, world),
+                                 make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0))
+    before = global_params(model, rank % ep)
+    accum = cfg.train.grad_accum_steps
+    losses = []
+    for m in range(accum):
+        batch = batches[m * world + rank]  # the global batch, split over ranks and micro-steps
+        out = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.detach())
+    after = global_params(model, rank % ep)
+    torch.save({"before": before, "after": after, "losses": torch.stack(losses),
+                "grad_norm": torch.tensor(float(engine.get_global_grad_norm()))},
+               f"{out_dir}/rank{rank}.pt")
+
+
+def run_layout(tmp_path, world, ep, accum, zero, moe, batches, tag):
+    out = tmp_path / tag
+    out.mkdir()
+    run_distributed(_worker, world, run_config(world, ep, accum, zero, moe), batches, str(out))
+    results = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    merged = {"before": {}, "after": {}}
+    for res in results:
+        for key in ("before", "after"):
+            for name, value in res[key].items():
+                if name in merged[key]:  # replicated parameters must agree across ranks
+                    torch.testing.assert_close(merged[key][name], value, rtol=0, atol=0)
+                merged[key][name] = value
+    # Every rank's loss: the global batch's mean loss is their mean.
+    losses = torch.cat([r["losses"] for r in results])
+    return merged, losses.mean(), results[0]["grad_norm"]
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("moe", [{}, {"capacity_factor": 1.0, "num_shared_experts": 1,
+                                      "router": {"top_k": 1, "z_loss_coef": 0.01}}],
+                         ids=["dropless-top2", "dropping-shared-top1"])
+def test_ep2_on_two_ranks_equals_one_process(tmp_path, zero, moe):
+    torch.manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (MB, SEQ + 1)) for _ in range(2)]
+    single, loss1, norm1 = run_layout(tmp_path, 1, 1, 2, zero, moe, batches, "single")
+    multi, loss2, norm2 = run_layout(tmp_path, 2, 2, 1, zero, moe, batches, "ep2")
+
+    assert single["before"].keys() == multi["before"].keys()
+    for name in single["before"]:
+        torch.testing.assert_close(single["before"][name], multi["before"][name], rtol=0, atol=0)
+    torch.testing.assert_close(loss1, loss2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(norm1, norm2, rtol=1e-5, atol=1e-7)
+    for name in single["before"]:
+        g1 = single["before"][name] - single["after"][name]
+        g2 = multi["before"][name] - multi["after"][name]
+        torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+    # The check has teeth: expert gradients are not all zero.
+    assert any((single["before"][n] - single["after"][n]).abs().max() > 1e-6
+               for n in single["before"] if "experts.w_in" in n)
