@@ -56,11 +56,16 @@ class LocalDispatcher:
         return DispatchPlan(copy_N=order, token_N=order // K, counts_E=counts[: self.num_experts],
                             num_tokens=T)
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan):
-        """Returns the expert-sorted inputs and the copies per (local) expert."""
-        return x_TD.index_select(0, plan.token_N), plan.counts_E
+    def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan):
+        """Expert-sorted inputs, their combine weights, and the copies per (local) expert.
 
-    def combine(self, y_ND: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        w_N = weights_TK.reshape(-1).index_select(0, plan.copy_N).to(y_ND.dtype)
+        The weights travel with the copies so the experts can apply them where the activation
+        is narrowest (see GroupedExperts.forward)."""
+        x_ND = x_TD.index_select(0, plan.token_N)
+        w_N = weights_TK.reshape(-1).index_select(0, plan.copy_N)
+        return x_ND, w_N, plan.counts_E
+
+    def combine(self, y_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Sum each token's (already weighted) expert outputs back into token order."""
         out_TD = y_ND.new_zeros(plan.num_tokens, y_ND.shape[-1])
-        return out_TD.index_add(0, plan.token_N, y_ND * w_N[:, None])
+        return out_TD.index_add(0, plan.token_N, y_ND)

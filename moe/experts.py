@@ -54,14 +54,25 @@ class GroupedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.w_in.shape[0]
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor,
+                scale_N: torch.Tensor | None = None) -> torch.Tensor:
+        """``scale_N`` (the router's combine weights) multiplies each copy's output. Since the
+        output projection is linear, it is applied to whichever of the hidden activation (N, H)
+        or the output (N, D) is narrower: for fine-grained experts that is 4x less work in the
+        forward and in both backward products than scaling the output."""
         h_NW = grouped_mm(x_ND, self.w_in, counts_E)
         if self.activation == "swiglu":
             gate, up = h_NW.split(self.hidden, dim=-1)
             h_NH = F.silu(gate) * up
         else:
             h_NH = F.gelu(h_NW)
-        return grouped_mm(h_NH, self.w_out, counts_E)
+        d_model = self.w_out.shape[-1]
+        if scale_N is not None and self.hidden <= d_model:
+            h_NH = h_NH * scale_N.to(h_NH.dtype)[:, None]
+        y_ND = grouped_mm(h_NH, self.w_out, counts_E)
+        if scale_N is not None and self.hidden > d_model:
+            y_ND = y_ND * scale_N.to(y_ND.dtype)[:, None]
+        return y_ND
 
 
 class DenseFFN(nn.Module):

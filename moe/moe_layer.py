@@ -94,9 +94,9 @@ class MoELayer(nn.Module):
             keep_TK = capacity_keep_mask(routing.indices_TK, routing.weights_TK, self.num_experts, cap)
 
         plan = self.dispatcher.plan(routing.indices_TK, keep_TK)
-        x_ND, local_counts = self.dispatcher.dispatch(x_TD, plan)
-        y_ND = self.experts(x_ND, local_counts)
-        y_TD = self.dispatcher.combine(y_ND, routing.weights_TK, plan)
+        x_ND, w_N, local_counts = self.dispatcher.dispatch(x_TD, routing.weights_TK, plan)
+        y_ND = self.experts(x_ND, local_counts, w_N)
+        y_TD = self.dispatcher.combine(y_ND, plan)
         if self.shared_mlp is not None:
             y_TD = y_TD + self.shared_mlp(x_TD)
 

@@ -74,15 +74,18 @@ class ExpertParallelDispatcher(LocalDispatcher):
         regroup = torch.argsort(row_expert, stable=True)
         return _EPPlan(local, counts_host[0], counts_host[1], regroup, recv_counts.sum(0))
 
-    def dispatch(self, x_TD, plan):
-        x_ND, _ = super().dispatch(x_TD, plan.local)
+    def dispatch(self, x_TD, weights_TK, plan):
+        x_ND, w_N, _ = super().dispatch(x_TD, weights_TK, plan.local)
         x_recv = _AllToAll.apply(x_ND, plan.recv_splits, plan.send_splits, self.group)
-        return x_recv.index_select(0, plan.regroup), plan.local_counts
+        # The combine weights go with their copies (one float per row; the experts apply them).
+        w_recv = _AllToAll.apply(w_N[:, None], plan.recv_splits, plan.send_splits, self.group)
+        return (x_recv.index_select(0, plan.regroup), w_recv[:, 0].index_select(0, plan.regroup),
+                plan.local_counts)
 
-    def combine(self, y_ND, weights_TK, plan):
+    def combine(self, y_ND, plan):
         y_recv = torch.empty_like(y_ND).index_copy(0, plan.regroup, y_ND)
         y_back = _AllToAll.apply(y_recv, plan.send_splits, plan.recv_splits, self.group)
-        return super().combine(y_back, weights_TK, plan.local)
+        return super().combine(y_back, plan.local)
 
 
 class _EPPlan:

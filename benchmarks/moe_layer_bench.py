@@ -1,0 +1,123 @@
+"""Forward+backward time of one MoE layer against a dense floor and DeepSpeed's own MoE layer.
+
+Every contender is timed in the same process, interleaved round by round, and the median of the
+rounds is reported, so the ratios hold even when the machine's absolute speed drifts.
+
+    python benchmarks/moe_layer_bench.py            # both shapes, 7 rounds
+    python benchmarks/moe_layer_bench.py --rounds 11 --shape b
+
+Contenders (fp32, CPU unless CUDA is present, T tokens of width D, SwiGLU experts):
+  floor        dense SwiGLU FFN with hidden k * H: the same active FLOPs, no routing
+  ours         moe.moe_layer.MoELayer, dropless
+  ds_drop      deepspeed.moe.layer.MoE, capacity factor 1.0 (drops tokens)
+  ds_dropless  deepspeed.moe.layer.MoE, drop_tokens=False
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.experts import DenseFFN
+from moe.moe_layer import MoEConfig, MoELayer
+from moe.router import RouterConfig
+
+SHAPES = {"a": dict(num_experts=8, top_k=2, hidden=1024), "b": dict(num_experts=64, top_k=8, hidden=128)}
+
+
+class SwiGLUExpert(nn.Module):
+    """The same expert function as ours, in the one-module-per-expert form DeepSpeed expects."""
+
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.w_in = nn.Linear(d, 2 * h, bias=False)
+        self.w_out = nn.Linear(h, d, bias=False)
+        self.h = h
+
+    def forward(self, x):
+        gate, up = self.w_in(x).split(self.h, dim=-1)
+        return self.w_out(F.silu(gate) * up)
+
+
+def init_single_process_group() -> None:
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def deepspeed_moe(d: int, e: int, k: int, h: int, drop: bool):
+    from deepspeed.moe.layer import MoE
+
+    layer = MoE(hidden_size=d, expert=SwiGLUExpert(d, h), num_experts=e, ep_size=1, k=k,
+                capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0,
+                drop_tokens=drop, use_rts=False)
+    layer.set_deepspeed_parallelism()
+    return lambda x: layer(x)[0], layer
+
+
+def contenders(d: int, e: int, k: int, h: int):
+    floor = DenseFFN(d, k * h, "swiglu")
+    ours = MoELayer(d, MoEConfig(num_experts=e, expert_hidden=h, router=RouterConfig(top_k=k)))
+    out = {"floor": (floor, floor), "ours": (lambda x: ours(x)[0], ours)}
+    out["ds_drop"] = deepspeed_moe(d, e, k, h, drop=True)
+    out["ds_dropless"] = deepspeed_moe(d, e, k, h, drop=False)
+    return out
+
+
+def time_once(fn, params, x) -> float:
+    for p in params:
+        p.grad = None
+    x.grad = None
+    t0 = time.perf_counter()
+    y = fn(x)
+    y.backward(torch.ones_like(y))
+    return time.perf_counter() - t0
+
+
+def bench(shape: str, tokens: int, d: int, rounds: int) -> dict[str, float]:
+    s = SHAPES[shape]
+    torch.manual_seed(0)
+    cands = contenders(d, s["num_experts"], s["top_k"], s["hidden"])
+    x = torch.randn(1, tokens, d, requires_grad=True)
+    times: dict[str, list[float]] = {name: [] for name in cands}
+    for name, (fn, module) in cands.items():  # warm-up
+        time_once(fn, list(module.parameters()), x)
+    for _ in range(rounds):
+        for name, (fn, module) in cands.items():
+            times[name].append(time_once(fn, list(module.parameters()), x))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["a", "b", "both"], default="both")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    init_single_process_group()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, T={args.tokens}, "
+          f"D={args.d_model}, fp32, median of {args.rounds} interleaved rounds")
+    for shape in (["a", "b"] if args.shape == "both" else [args.shape]):
+        s = SHAPES[shape]
+        m = bench(shape, args.tokens, args.d_model, args.rounds)
+        print(f"\n({shape}) {s['num_experts']} experts, top-{s['top_k']}, expert hidden {s['hidden']}")
+        for name, t in m.items():
+            print(f"  {name:<12} {t * 1e3:8.1f} ms")
+        print(f"  ours / floor              {m['ours'] / m['floor']:.2f}x")
+        print(f"  ds_drop / ours            {m['ds_drop'] / m['ours']:.2f}x")
+        print(f"  ds_dropless / ours        {m['ds_dropless'] / m['ours']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
