@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.cpu_allocator import keep_freed_memory
 from moe.experts import DenseFFN
 from moe.moe_layer import MoEConfig, MoELayer
 from moe.router import RouterConfig
@@ -74,14 +75,17 @@ def contenders(d: int, e: int, k: int, h: int):
     return out
 
 
+CLOCK = time.perf_counter
+
+
 def time_once(fn, params, x) -> float:
     for p in params:
         p.grad = None
     x.grad = None
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     y = fn(x)
     y.backward(torch.ones_like(y))
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def bench(shape: str, tokens: int, d: int, rounds: int) -> dict[str, float]:
@@ -104,10 +108,23 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--system-malloc", action="store_true",
+                   help="leave glibc malloc as it is (moe-train keeps freed memory by default)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one thread, timed by process CPU time: steadier on a machine that other "
+                        "jobs load (wall time is what training sees)")
     args = p.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
+        torch.set_num_threads(1)
+    if not args.system_malloc:
+        keep_freed_memory()
     init_single_process_group()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, T={args.tokens}, "
-          f"D={args.d_model}, fp32, median of {args.rounds} interleaved rounds")
+    clock = "process CPU time" if args.cpu_time else "wall time"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock}, T={args.tokens}, "
+          f"D={args.d_model}, fp32, median of {args.rounds} interleaved rounds, "
+          f"{'system malloc' if args.system_malloc else 'malloc keeps freed memory'}")
     for shape in (["a", "b"] if args.shape == "both" else [args.shape]):
         s = SHAPES[shape]
         m = bench(shape, args.tokens, args.d_model, args.rounds)

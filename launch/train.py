@@ -9,6 +9,7 @@ import os
 import torch
 
 from launch.cli import exits_cleanly, setup_logging
+from moe.cpu_allocator import keep_freed_memory
 from moe.training.config import load_config
 from moe.training.trainer import dist_env_from_environment, train
 
@@ -23,6 +24,8 @@ def main(argv=None) -> None:
     env = dist_env_from_environment()
     threads = cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
+    if cfg.train.cpu_keep_freed_memory and not torch.cuda.is_available():
+        keep_freed_memory()
     log_dir = cfg.run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(env.rank, str(log_dir / f"rank{env.rank}.log"))

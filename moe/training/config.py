@@ -36,6 +36,9 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     threads_per_rank: int | None = None
     """torch intra-op threads per rank; null: this machine's cores divided by the local ranks."""
+    cpu_keep_freed_memory: bool = True
+    """On CPU, keep freed memory in the process rather than unmapping it (see
+    moe/cpu_allocator.py): large activations are not page-faulted in again every step."""
 
     def problems(self) -> list[str]:
         out = []
