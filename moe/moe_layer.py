@@ -12,6 +12,9 @@ from moe.experts import Activation, DenseFFN, GroupedExperts
 from moe.router import RouterConfig, TopKRouter, capacity
 
 
+STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
+
+
 @dataclass
 class MoEConfig:
     num_experts: int = 8
@@ -77,9 +80,11 @@ class MoELayer(nn.Module):
                                     cfg.activation, init_std, out_init_std)
                            if cfg.num_shared_experts else None)
         self.dispatcher = LocalDispatcher(cfg.num_experts)
-        # Routed copies per expert summed over the micro-batches of one optimizer step: read by
-        # monitoring and by the auxiliary-loss-free bias update, then reset.
+        # Sums over the micro-batches of one optimizer step, read (and reset) by the training
+        # hook that updates the loss-free bias and logs: kept copies per expert, and
+        # STEP_SUMS = (routed copies, router entropy, aux loss, z-loss, micro-batches).
         self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)
+        self.register_buffer("step_sums", torch.zeros(len(STEP_SUMS)), persistent=False)
         self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,11 +114,17 @@ class MoELayer(nn.Module):
     def _record(self, routing, counts_E: torch.Tensor, num_tokens: int) -> None:
         # Tensors only (no .item()): reading them is the monitor's choice, not a sync per layer.
         routed = num_tokens * self.cfg.router.top_k
-        self.step_load_E += counts_E.to(self.step_load_E.dtype)
+        aux, z = routing.aux_loss.detach(), routing.z_loss.detach()
+        if self.training:  # step counters describe training steps only, not validation passes
+            self.step_load_E += counts_E.to(self.step_load_E.dtype)
+            self.step_sums[0] += routed
+            self.step_sums[1:4] += torch.stack([routing.entropy, aux, z]).to(self.step_sums.dtype)
+            self.step_sums[4] += 1
         self.stats = {
             "tokens_per_expert": counts_E.detach(),
             "dropped_fraction": (routed - counts_E.sum()).float() / routed,
             "router_entropy": routing.entropy,
-            "aux_loss": routing.aux_loss.detach(),
-            "z_loss": routing.z_loss.detach(),
+            "aux_loss": aux,
+            "z_loss": z,
+            "expert_bias": self.router.score_bias,
         }

@@ -108,6 +108,18 @@ class EvalConfig:
     max_tokens: int | None = None
     """Evaluate on at most this many validation tokens (null: the whole split)."""
     batch_size: int = 8
+    every_n_steps: int = 0
+    """Validation loss and perplexity during training every N steps and at the end (0: off)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.batch_size < 1:
+            out.append(f"batch_size: must be >= 1, got {self.batch_size}")
+        if self.every_n_steps < 0:
+            out.append(f"every_n_steps: must be >= 0, got {self.every_n_steps}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            out.append(f"max_tokens: must be >= 1 or null, got {self.max_tokens}")
+        return out
 
 
 @dataclass

@@ -28,7 +28,8 @@ class StepState:
     tokens_per_step: int
     samples_per_step: int
     is_log_step: bool
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # more scalars for the loggers: tag -> float
+    histograms: dict = field(default_factory=dict)  # tag -> per-bucket counts (1-D tensor)
 
     @property
     def tokens_per_second(self) -> float:
@@ -64,11 +65,18 @@ class ConsoleHook(Hook):
 class TensorBoardHook(Hook):
     """Rank 0 writes scalars; values are already averaged over ranks by the loop."""
 
-    def __init__(self, log_dir: Path, config_text: str):
+    def __init__(self, log_dir: Path, config_text: str, hparams: dict | None = None):
         from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
         self.writer.add_text("config", "```\n" + config_text + "\n```", 0)
+        if hparams:
+            # Written into this run's own event file (SummaryWriter.add_hparams would open a
+            # sub-run), with the metrics the hparams view shows next to the settings.
+            metrics = {"valid/loss": float("nan"), "train/loss": float("nan")}
+            for summary in hparams_summary(hparams, metrics):
+                self.writer.file_writer.add_summary(summary)
 
     def on_step_end(self, s: StepState) -> None:
         if not s.is_log_step:
@@ -85,32 +93,143 @@ class TensorBoardHook(Hook):
             w.add_scalar("train/grad_norm", s.grad_norm, s.step)
         for tag, value in s.extra.items():
             w.add_scalar(tag, value, s.step)
+        for tag, counts in s.histograms.items():
+            add_bucket_histogram(w, tag, counts, s.step)
         w.flush()
 
     def close(self) -> None:
         self.writer.close()
 
 
-class RouterBalanceHook(Hook):
-    """After each step: sum every MoE layer's routed-token counts over all ranks (one all-reduce
-    for all layers), apply the auxiliary-loss-free bias update, publish load statistics for the
-    logging hooks, and reset the counters."""
+class MoEStatsHook(Hook):
+    """After each step: sum every MoE layer's routing counters over the step's micro-batches and
+    all ranks (one all-reduce for all layers), apply the auxiliary-loss-free bias update, publish
+    per-layer statistics for the loggers, and reset the counters.
+
+    The all-reduce runs every step when some router uses the loss-free bias (every rank must
+    apply the same update), otherwise only on logging steps."""
 
     def __init__(self, moe_layers: list, group=None):
         self.layers = moe_layers
         self.group = group
+        self.bias_in_use = any(l.router.cfg.bias_update_rate > 0 for l in moe_layers)
 
     def on_step_end(self, s: StepState) -> None:
         if not self.layers:
             return
-        loads_LE = torch.stack([layer.step_load_E for layer in self.layers])
-        if dist.is_initialized():
-            dist.all_reduce(loads_LE, group=self.group)
-        for layer, load_E in zip(self.layers, loads_LE):
-            layer.router.update_bias(load_E)
+        if self.bias_in_use or s.is_log_step:
+            E = self.layers[0].num_experts
+            packed = torch.stack([torch.cat([l.step_load_E, l.step_sums]) for l in self.layers])
+            if dist.is_initialized():
+                dist.all_reduce(packed, group=self.group)
+            for layer, row in zip(self.layers, packed):
+                layer.router.update_bias(row[:E])
+            if s.is_log_step:
+                self._publish(s, packed[:, :E], packed[:, E:])
+        for layer in self.layers:
             layer.step_load_E.zero_()
-        if s.is_log_step:
-            for i, load_E in enumerate(loads_LE):
-                mean = load_E.mean().clamp_min(1e-9)
-                s.extra[f"moe/layer{i}/max_over_mean_load"] = float(load_E.max() / mean)
-                s.extra[f"moe/layer{i}/load_cv"] = float(load_E.std(unbiased=False) / mean)
+            layer.step_sums.zero_()
+
+    def _publish(self, s: StepState, loads_LE: torch.Tensor, sums_LS: torch.Tensor) -> None:
+        for i, (load_E, sums, layer) in enumerate(zip(loads_LE.float().cpu(), sums_LS.cpu(),
+                                                       self.layers)):
+            routed, entropy, aux, z, count = sums.tolist()
+            mean = max(float(load_E.mean()), 1e-9)
+            p = f"moe/layer{i}"
+            s.histograms[f"{p}/expert_load"] = load_E
+            s.extra[f"{p}/max_over_mean_load"] = float(load_E.max()) / mean
+            s.extra[f"{p}/load_cv"] = float(load_E.std(unbiased=False)) / mean
+            s.extra[f"{p}/dropped_fraction"] = 1.0 - float(load_E.sum()) / max(routed, 1.0)
+            s.extra[f"{p}/router_entropy"] = entropy / max(count, 1.0)
+            s.extra[f"{p}/aux_loss"] = aux / max(count, 1.0)
+            s.extra[f"{p}/z_loss"] = z / max(count, 1.0)
+            if layer.router.cfg.bias_update_rate > 0:
+                bias = layer.router.score_bias
+                s.extra[f"{p}/expert_bias_spread"] = float(bias.max() - bias.min())
+
+
+class ResourceHook(Hook):
+    """Process memory (resident set, max over ranks) and accelerator memory when present."""
+
+    def __init__(self, group=None):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.group = group
+
+    def on_step_end(self, s: StepState) -> None:
+        if not s.is_log_step:
+            return
+        mem = torch.tensor([self.proc.memory_info().rss / 2**30,
+                            torch.cuda.max_memory_allocated() / 2**30
+                            if torch.cuda.is_available() else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=self.group)
+        s.extra["system/process_memory_gib"] = float(mem[0])
+        if torch.cuda.is_available():
+            s.extra["system/gpu_max_allocated_gib"] = float(mem[1])
+
+
+def add_bucket_histogram(writer, tag: str, counts: torch.Tensor, step: int) -> None:
+    """A histogram whose bucket i is expert i and whose height is that expert's token count, so
+    TensorBoard's histogram view shows the load over experts at each step."""
+    counts = counts.double()
+    ids = torch.arange(len(counts), dtype=torch.float64)
+    total = float(counts.sum())
+    writer.add_histogram_raw(
+        tag, min=0.0, max=float(len(counts)), num=total, sum=float((ids * counts).sum()),
+        sum_squares=float((ids * ids * counts).sum()),
+        bucket_limits=[float(i + 1) for i in range(len(counts))],
+        bucket_counts=counts.tolist(), global_step=step)
+
+
+class ValidationHook(Hook):
+    """Every N steps: token-weighted loss and perplexity over (a bounded part of) the validation
+    split, computed by all ranks together. Every rank runs the same number of forward passes,
+    padding with fully masked batches, because an expert-parallel forward is a collective."""
+
+    def __init__(self, engine, every_n_steps: int, windows: list[torch.Tensor], seq_len: int,
+                 batch_size: int, rank: int, world: int):
+        self.engine, self.every = engine, every_n_steps
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.rank, self.world = rank, world
+        self.windows = windows
+        self.last: dict | None = None
+
+    def _batches(self):
+        per_round = self.batch_size * self.world
+        for start in range(0, len(self.windows), per_round):
+            mine = self.windows[start + self.rank * self.batch_size:
+                                start + (self.rank + 1) * self.batch_size]
+            inputs = torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)
+            targets = torch.full((self.batch_size, self.seq_len), -100, dtype=torch.long)
+            for i, w in enumerate(mine):
+                inputs[i, :len(w) - 1] = w[:-1]
+                targets[i, :len(w) - 1] = w[1:]
+            yield inputs, targets
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        module = self.engine.module
+        was_training = module.training
+        module.eval()
+        sums = torch.zeros(2, dtype=torch.float64)
+        for inputs, targets in self._batches():
+            logits = module(inputs).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                     ignore_index=-100, reduction="sum")
+            sums += torch.tensor([float(loss), float((targets != -100).sum())], dtype=torch.float64)
+        module.train(was_training)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        mean = float(sums[0] / sums[1].clamp_min(1))
+        return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": int(sums[1])}
+
+    def on_step_end(self, s: StepState) -> None:
+        if self.every and (s.step % self.every == 0 or s.step == s.max_steps):
+            self.last = self.evaluate()
+            s.extra["valid/loss"] = self.last["loss"]
+            s.extra["valid/perplexity"] = self.last["perplexity"]
+            if self.rank == 0:
+                log.info(f"step {s.step:>5} | validation loss {self.last['loss']:.4f} | "
+                         f"perplexity {self.last['perplexity']:.2f} over {self.last['tokens']:,} tokens")

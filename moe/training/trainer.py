@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipeline.reader import PackedReader
+from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
 from moe.errors import ConfigError
 from moe.model import MoETransformer
@@ -23,7 +23,8 @@ from moe.parallel.deepspeed_adapter import (expert_parallel_rank, optimizer_para
                                             wrap_moe_layers)
 from moe.training.checkpoint import CheckpointHook, find_latest, load_training_state
 from moe.training.config import RunConfig, dump_config
-from moe.training.hooks import ConsoleHook, Hook, RouterBalanceHook, StepState, TensorBoardHook
+from moe.training.hooks import (ConsoleHook, Hook, MoEStatsHook, ResourceHook, StepState,
+                                 TensorBoardHook, ValidationHook)
 
 log = logging.getLogger("moe.train")
 
@@ -111,9 +112,14 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
             log.info(f"resumed from {ckpt_dir / latest} at step {start_step}")
 
     config_text = dump_config(cfg)
-    hooks: list[Hook] = [RouterBalanceHook(model.moe_layers()), ConsoleHook(env.rank)]
+    hooks: list[Hook] = []
+    if cfg.eval.every_n_steps:
+        windows = list(validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.max_tokens))
+        hooks.append(ValidationHook(engine, cfg.eval.every_n_steps, windows, cfg.data.seq_len,
+                                    cfg.eval.batch_size, env.rank, env.world_size))
+    hooks += [MoEStatsHook(model.moe_layers()), ResourceHook(), ConsoleHook(env.rank)]
     if env.rank == 0 and cfg.logging.tensorboard:
-        hooks.append(TensorBoardHook(run_dir / "tensorboard", config_text))
+        hooks.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
     ckpt_hook = CheckpointHook(engine, reader, ckpt_dir, cfg.checkpoint.every_n_steps,
                                config_text, env.rank)
     hooks.append(ckpt_hook)
@@ -133,7 +139,8 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
             engine.backward(out.loss)
             engine.step()
             sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
-        is_log = step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
+        is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
+                  or (cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0))
         if is_log and dist.is_initialized():
             dist.all_reduce(sums)
         sums /= t.grad_accum_steps * (env.world_size if is_log and dist.is_initialized() else 1)
@@ -157,6 +164,23 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     if env.rank == 0:
         (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def hparams(cfg: RunConfig) -> dict:
+    """The run's scalar settings, flattened, for TensorBoard's hparams view."""
+    from moe.config_schema import to_dict
+
+    flat: dict = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(node, (int, float, str, bool)):
+            flat[prefix] = node
+
+    walk("", {k: v for k, v in to_dict(cfg).items() if k in ("model", "train", "parallel")})
+    return flat
 
 
 def dist_env_from_environment() -> DistEnv:

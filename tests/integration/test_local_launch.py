@@ -11,7 +11,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config_file, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "launch.launch", str(tiny_config_file)],
+    proc = subprocess.run([sys.executable, "-m", "launch.launch", str(tiny_config_file),
+                           "eval.every_n_steps=2", "eval.max_tokens=2000"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "tiny"
@@ -32,7 +33,7 @@ def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config
     # TensorBoard events, read back with TensorBoard's own reader.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/tokens_per_s"} <= tags
@@ -41,6 +42,26 @@ def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config
     assert all(math.isfinite(e.value) for e in losses)
     assert abs(losses[0].value - math.log(512)) < 0.5
     assert all(e.value > 0 for e in acc.Scalars("train/tokens_per_s"))
+
+    # MoE monitoring: per-layer expert load summed over the step and both ranks. Each step is
+    # 2 ranks x 2 sequences x 32 tokens, routed top-2 and dropless: 256 copies per layer.
+    for layer in range(2):
+        hists = acc.Histograms(f"moe/layer{layer}/expert_load")
+        assert [h.step for h in hists] == [1, 2, 3, 4]
+        for h in hists:
+            assert len(h.histogram_value.bucket) == 4
+            assert sum(h.histogram_value.bucket) == 256
+        for name in ("dropped_fraction", "router_entropy", "aux_loss", "z_loss", "load_cv",
+                     "max_over_mean_load"):
+            values = [e.value for e in acc.Scalars(f"moe/layer{layer}/{name}")]
+            assert len(values) == 4 and all(math.isfinite(v) for v in values), name
+        assert all(e.value == 0 for e in acc.Scalars(f"moe/layer{layer}/dropped_fraction"))
+        assert all(0 < e.value <= math.log(4) + 1e-6
+                   for e in acc.Scalars(f"moe/layer{layer}/router_entropy"))
+    assert all(e.value > 0.1 for e in acc.Scalars("system/process_memory_gib"))
+    valid = acc.Scalars("valid/loss")
+    assert [e.step for e in valid] == [2, 4] and all(math.isfinite(e.value) for e in valid)
+    assert "config" in acc.Tags()["tensors"] or acc.Tags().get("tensors")
 
     # The evaluation script read the checkpoint and reported a finite perplexity.
     result = json.loads((ckpt / "eval.json").read_text())
