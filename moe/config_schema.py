@@ -138,6 +138,17 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else str(name)
 
 
+def minimums(obj: Any, **bounds: float) -> list[str]:
+    """Problems for fields below their lower bound (``name: must be >= b, got v``); a field set
+    to None (an optional value left out) passes."""
+    out = []
+    for name, bound in bounds.items():
+        value = getattr(obj, name)
+        if value is not None and value < bound:
+            out.append(f"{name}: must be >= {bound}, got {value}")
+    return out
+
+
 def from_dict(cls: type[T], data: dict | None, source: str | None = None) -> T:
     """Build ``cls`` from ``data``; raise ConfigError listing every problem."""
     problems: list[str] = []

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moe.config_schema import minimums
 from moe.dispatcher import LocalDispatcher, capacity_keep_mask
 from moe.experts import Activation, DenseFFN, GroupedExperts
 from moe.router import RouterConfig, TopKRouter, capacity
@@ -38,20 +39,11 @@ class MoEConfig:
     """Hidden width of the dense layers (default: top_k * expert_hidden, same active size)."""
 
     def problems(self) -> list[str]:
-        out = []
-        if self.num_experts < 1:
-            out.append(f"num_experts: must be >= 1, got {self.num_experts}")
-        if self.expert_hidden < 1:
-            out.append(f"expert_hidden: must be >= 1, got {self.expert_hidden}")
+        out = minimums(self, num_experts=1, expert_hidden=1, num_shared_experts=0,
+                       every_n_layers=1, first_dense_layers=0, dense_hidden=1)
         out += [f"router.{p}" for p in self.router.problems(self.num_experts)]
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             out.append(f"capacity_factor: must be > 0 or null (dropless), got {self.capacity_factor}")
-        if self.num_shared_experts < 0:
-            out.append(f"num_shared_experts: must be >= 0, got {self.num_shared_experts}")
-        if self.every_n_layers < 1:
-            out.append(f"every_n_layers: must be >= 1, got {self.every_n_layers}")
-        if self.first_dense_layers < 0:
-            out.append(f"first_dense_layers: must be >= 0, got {self.first_dense_layers}")
         return out
 
     def is_moe_layer(self, index: int) -> bool:

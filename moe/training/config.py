@@ -11,7 +11,7 @@ from typing import Literal
 import yaml
 
 from data_pipeline.config import DataConfig
-from moe.config_schema import from_dict, to_dict
+from moe.config_schema import from_dict, minimums, to_dict
 from moe.errors import ConfigError
 from moe.model import ModelConfig
 
@@ -41,23 +41,15 @@ class TrainConfig:
     moe/cpu_allocator.py): large activations are not page-faulted in again every step."""
 
     def problems(self) -> list[str]:
-        out = []
-        for name in ("max_steps", "micro_batch_size", "grad_accum_steps"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: must be >= 1, got {getattr(self, name)}")
+        out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
+                       warmup_steps=0, grad_clip=0, threads_per_rank=1)
         if self.lr <= 0:
             out.append(f"lr: must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             out.append(f"min_lr: must be between 0 and lr ({self.lr}), got {self.min_lr}")
-        if self.warmup_steps < 0:
-            out.append(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 out.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
-        if self.grad_clip < 0:
-            out.append(f"grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
-        if self.threads_per_rank is not None and self.threads_per_rank < 1:
-            out.append(f"threads_per_rank: must be >= 1 or null, got {self.threads_per_rank}")
         return out
 
 
@@ -72,12 +64,8 @@ class ParallelConfig:
     """DeepSpeed ZeRO stage (DeepSpeed's MoE support ends at stage 2)."""
 
     def problems(self) -> list[str]:
-        out = []
-        if self.world_size < 1:
-            out.append(f"world_size: must be >= 1, got {self.world_size}")
-        if self.expert_parallel_size < 1:
-            out.append(f"expert_parallel_size: must be >= 1, got {self.expert_parallel_size}")
-        elif self.world_size >= 1 and self.world_size % self.expert_parallel_size:
+        out = minimums(self, world_size=1, expert_parallel_size=1)
+        if not out and self.world_size % self.expert_parallel_size:
             out.append(f"expert_parallel_size: {self.expert_parallel_size} must divide world_size "
                        f"({self.world_size})")
         return out
@@ -90,7 +78,7 @@ class LoggingConfig:
     tensorboard: bool = True
 
     def problems(self) -> list[str]:
-        return [] if self.log_every >= 1 else [f"log_every: must be >= 1, got {self.log_every}"]
+        return minimums(self, log_every=1)
 
 
 @dataclass
@@ -99,8 +87,7 @@ class CheckpointConfig:
     """Save every N steps (0: only at the end)."""
 
     def problems(self) -> list[str]:
-        return [] if self.every_n_steps >= 0 else [
-            f"every_n_steps: must be >= 0, got {self.every_n_steps}"]
+        return minimums(self, every_n_steps=0)
 
 
 @dataclass
@@ -112,14 +99,7 @@ class EvalConfig:
     """Validation loss and perplexity during training every N steps and at the end (0: off)."""
 
     def problems(self) -> list[str]:
-        out = []
-        if self.batch_size < 1:
-            out.append(f"batch_size: must be >= 1, got {self.batch_size}")
-        if self.every_n_steps < 0:
-            out.append(f"every_n_steps: must be >= 0, got {self.every_n_steps}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            out.append(f"max_tokens: must be >= 1 or null, got {self.max_tokens}")
-        return out
+        return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
 
 
 @dataclass
