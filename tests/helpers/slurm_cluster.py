@@ -98,7 +98,22 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
                          for p in sorted(self.root.glob("*.log")))
 
+    def cancel_all(self, timeout: float = 30) -> None:
+        """Cancel every job and wait until none is left: slurmstepd outlives slurmd."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                jobs = self.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+            except (OSError, subprocess.SubprocessError):
+                return
+            if not jobs:
+                return
+            self.run(["scancel", *jobs])
+            time.sleep(0.5)
+
     def stop(self) -> None:
+        if self.procs and all(p.poll() is None for p in self.procs):
+            self.cancel_all()
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -16,12 +16,14 @@ def write_config(path: Path, run: dict) -> Path:
     return path
 
 
-def moe_launch(args: list[str], env: dict | None = None, timeout: float = 600):
-    """Run the real launcher in a fresh process, with this checkout importable by every rank."""
+def moe_launch(args: list[str], env: dict | None = None, timeout: float = 600,
+               prefix: list[str] = ()):
+    """Run the real launcher in a fresh process, with this checkout importable by every rank;
+    ``prefix`` runs it elsewhere (e.g. inside a network namespace)."""
     root = str(Path(__file__).resolve().parents[2])
     base = dict(os.environ if env is None else env)
     base["PYTHONPATH"] = root + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "launch.launch", *args], env=base,
+    return subprocess.run([*prefix, sys.executable, "-m", "launch.launch", *args], env=base,
                           capture_output=True, text=True, timeout=timeout)
 
 
