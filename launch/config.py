@@ -51,6 +51,9 @@ class HostfileConfig:
     master_addr: str | None = None
     """Address of the first used host as the others reach it (null: its hostfile name)."""
     master_port: int = 29500
+    ssh_check: bool = True
+    """Let DeepSpeed check passwordless ssh to the first host before starting (false skips it,
+    e.g. for a one-host hostfile on a machine without an ssh server)."""
 
     def problems(self) -> list[str]:
         out = []
@@ -70,8 +73,9 @@ class SlurmConfig:
     """GPUs to request per node (0: none, the CPU/gloo case)."""
     cpus_per_task: int = 1
     """CPU cores per rank."""
-    time: str | None = None
-    """Time limit, e.g. ``02:00:00`` or ``1-00:00:00`` (null: the partition's default)."""
+    time: str | int | None = None
+    """Time limit, e.g. ``'02:00:00'`` or ``1-00:00:00`` (null: the partition's default). Quote
+    it in YAML: unquoted, ``24:00:00`` is read as the number 86400 and refused."""
     partition: str | None = None
     account: str | None = None
     job_name: str | None = None
@@ -100,7 +104,10 @@ class SlurmConfig:
                 out.append(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.gpus_per_node < 0:
             out.append(f"gpus_per_node: must be >= 0, got {self.gpus_per_node}")
-        if self.time is not None and not SLURM_TIME.match(self.time):
+        if isinstance(self.time, int):
+            out.append(f"time: got the number {self.time}; write the limit as a quoted string, "
+                       f"e.g. '24:00:00' (YAML reads an unquoted 24:00:00 as 86400)")
+        elif self.time is not None and not SLURM_TIME.match(self.time):
             out.append(f"time: {self.time!r} is not a SLURM time (MM, HH:MM:SS or D-HH:MM:SS)")
         out += name_problems("partition", self.partition, "partition name")
         out += name_problems("account", self.account, "account name")

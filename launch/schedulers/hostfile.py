@@ -112,6 +112,8 @@ def plan(cfg: RunConfig, run_dir: Path) -> Plan:
         cmd += ["--include", h.include]
     if h.exclude:
         cmd += ["--exclude", h.exclude]
+    if not h.ssh_check:
+        cmd.append("--no_ssh_check")
     cmd += ["--log_level", "warning", "--no_local_rank", "--module", "launch.train",
             "--config", str(config_path)]
     env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env}

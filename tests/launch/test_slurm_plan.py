@@ -149,6 +149,7 @@ def test_script_requeues_after_a_preemption_checkpoint(tmp_path):
     ({"partition": "gpu; touch /tmp/x"}, "launch.slurm.partition"),
     ({"account": "$(id)"}, "launch.slurm.account"),
     ({"time": "2h"}, "launch.slurm.time"),
+    ({"time": 86400}, "launch.slurm.time: got the number 86400"),
     ({"extra_sbatch": ["--mem=0\nrm -rf /"]}, "launch.slurm.extra_sbatch[0]"),
     ({"job_name": "a\nb"}, "launch.slurm.job_name"),
     ({"socket_ifname": "eth0 eth1"}, "launch.slurm.socket_ifname"),
