@@ -31,12 +31,15 @@ class Plan:
     files: dict[str, str] = field(default_factory=dict)
     """Files (relative to the run directory) written before ``command`` runs: a job script,
     DeepSpeed's environment file."""
+    requires: list[str] = field(default_factory=list)
+    """Programs this host needs besides ``command[0]`` (e.g. pdsh for a multi-node hostfile)."""
     submits: bool = False
     """True: ``command`` submits a job and returns; False: it runs the training to its end."""
 
     def render(self) -> str:
-        head = (f"# {self.scheduler}: {self.world_size} ranks on {self.nodes} "
-                f"node{'s' if self.nodes > 1 else ''}; run directory {self.run_dir}")
+        where = (f"{self.nodes} node{'s' if self.nodes > 1 else ''}" if self.nodes
+                 else "the hosts of the machine file")
+        head = f"# {self.scheduler}: {self.world_size} ranks on {where}; run directory {self.run_dir}"
         parts = [head]
         for name, text in self.files.items():
             parts.append(f"# file {Path(self.run_dir) / name}:\n{text.rstrip()}")
@@ -45,10 +48,10 @@ class Plan:
         return "\n".join(parts)
 
     def check_runnable(self) -> None:
-        exe = self.command[0]
-        if shutil.which(exe) is None:
-            raise LaunchError(f"{exe!r} not found on PATH: the {self.scheduler} scheduler needs "
-                              f"it on this host (--dry-run prints the plan without it)")
+        for exe in [self.command[0], *self.requires]:
+            if shutil.which(exe) is None:
+                raise LaunchError(f"{exe!r} not found on PATH: the {self.scheduler} scheduler "
+                                  f"needs it on this host (--dry-run prints the plan without it)")
 
     def write(self, run_dir: Path) -> None:
         """Write the plan and its files; each file appears whole or not at all."""

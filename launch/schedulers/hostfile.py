@@ -119,4 +119,6 @@ def plan(cfg: RunConfig, run_dir: Path) -> Plan:
     env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env}
     env_file = "".join(f"{k}={v}\n" for k, v in env.items())
     return Plan("hostfile", cmd, str(run_dir), n, nodes=len(active),
-                env={**env, "DS_ENV_FILE": str(run_dir / ENV_FILE)}, files={ENV_FILE: env_file})
+                env={**env, "DS_ENV_FILE": str(run_dir / ENV_FILE)}, files={ENV_FILE: env_file},
+                # Several hosts: DeepSpeed's runner starts them with pdsh over ssh.
+                requires=["pdsh", "ssh"] if len(active) > 1 else [])

@@ -44,4 +44,4 @@ def plan(cfg: RunConfig, run_dir: Path) -> Plan:
     for k, v in env.items():
         cmd += ["-genv", k, v] if flavor == "mpich" else ["-x", f"{k}={v}"]
     cmd += [*m.extra_args, *entry_point(run_dir / RESOLVED_CONFIG)]
-    return Plan("mpi", cmd, str(run_dir), n)
+    return Plan("mpi", cmd, str(run_dir), n, nodes=0 if m.hostfile else 1)

@@ -148,7 +148,10 @@ def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int) -> str:
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
         "ReturnToService=2", "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
-        "SchedulerType=sched/builtin", "KillWait=5", "InactiveLimit=0", "MinJobAge=600",
+        # A requeued job becomes eligible after cred_expire; the periodic pass (sched_interval)
+        # is what then starts it.
+        "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=2",
+        "KillWait=5", "InactiveLimit=0", "MinJobAge=600",
         f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool%n'}",
         f"SlurmctldPidFile={root / 'ctld.pid'}", f"SlurmdPidFile={root / 'd%n.pid'}",
         f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd-%n.log'}",

@@ -29,7 +29,7 @@ def test_slurm_two_tasks_ep2_preempt_requeue_resume(tiny_data, tmp_path):
     hostile = HOSTILE.format(s=sentinel)
     # SLURM reads '\\' and '%' in log paths as its own patterns: the launcher refuses those there.
     out_dir = tmp_path / f"runs {hostile.replace(chr(92), '')}"
-    max_steps = 30
+    max_steps = 150  # about 10 s of steps: room for the signal to land mid-run under load
     run = tiny_run_dict(tiny_data, out_dir, max_steps=max_steps)
     run["checkpoint"] = {"every_n_steps": 0}
     run["launch"] = {"scheduler": "slurm", "env": {"MOE_TEST_VALUE": hostile},

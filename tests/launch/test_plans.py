@@ -44,7 +44,7 @@ def test_hostfile_plan_checks_filters_and_writes_deepspeed_env(tmp_path):
     assert cmd[cmd.index("--hostfile") + 1] == hosts
     assert cmd[cmd.index("--exclude") + 1] == "worker-0:1@worker-1:1"
     assert cmd[cmd.index("--master_addr") + 1] == "worker-0"
-    assert (plan.world_size, plan.nodes) == (2, 2)
+    assert (plan.world_size, plan.nodes, plan.requires) == (2, 2, ["pdsh", "ssh"])
     # DeepSpeed's runner reads DS_ENV_FILE and exports each line on every remote node.
     run_dir = tmp_path / "runs" / "tiny"
     assert plan.env["DS_ENV_FILE"] == str(run_dir / ENV_FILE)
@@ -161,3 +161,13 @@ def test_status_and_cancel_ask_slurm_about_the_recorded_job(tmp_path, capsys, mo
     assert "job 77: RUNNING" in capsys.readouterr().out
     main(["cancel", str(tmp_path)])
     assert (tmp_path / "cancelled").read_text().strip() == "77"
+
+
+def test_multi_host_hostfile_without_pdsh_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    hosts = write_hostfile(tmp_path, "node-a slots=1\nnode-b slots=1\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    err = launch_cli(["--scheduler", "hostfile", f"launch.hostfile.path={hosts}"], tmp_path,
+                     capsys, {"name": "x", "output_dir": "runs"})
+    assert "'pdsh' not found on PATH: the hostfile scheduler needs it" in err
+    assert not (tmp_path / "runs").exists()
