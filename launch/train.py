@@ -22,6 +22,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     env = dist_env_from_environment()
+    # One rendezvous for every launcher: DeepSpeed then skips its own MPI discovery.
+    os.environ.update(env.torch_env())
     threads = cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
     if cfg.train.cpu_keep_freed_memory and not torch.cuda.is_available():

@@ -11,6 +11,7 @@ from typing import Literal
 import yaml
 
 from data_pipeline.config import DataConfig
+from launch.config import LaunchConfig
 from moe.config_schema import from_dict, minimums, to_dict
 from moe.errors import ConfigError
 from moe.model import ModelConfig
@@ -56,7 +57,7 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     world_size: int = 2
-    """Ranks a local launch starts (other schedulers take it from their allocation)."""
+    """Ranks to start, whatever the scheduler (SLURM spreads them over launch.slurm.nodes)."""
     expert_parallel_size: int = 2
     """Ranks that split each MoE layer's experts; must divide the number of experts and the
     world size. The remaining factor is expert-data parallelism."""
@@ -114,6 +115,8 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """How the ranks are started: moe-launch's scheduler and its options."""
 
     def problems(self) -> list[str]:
         out = []

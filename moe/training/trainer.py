@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
-from moe.errors import ConfigError
+from moe.errors import ConfigError, LaunchError
 from moe.model import MoETransformer
 from moe.parallel.deepspeed_adapter import (expert_parallel_rank, optimizer_param_groups,
                                             wrap_moe_layers)
@@ -25,6 +25,7 @@ from moe.training.checkpoint import CheckpointHook, find_latest, load_training_s
 from moe.training.config import RunConfig, dump_config
 from moe.training.hooks import (ConsoleHook, Hook, MoEStatsHook, ResourceHook, StepState,
                                  TensorBoardHook, ValidationHook)
+from moe.training.preemption import PREEMPTED_MARKER, PreemptionHook
 
 log = logging.getLogger("moe.train")
 
@@ -35,6 +36,26 @@ class DistEnv:
     world_size: int
     local_rank: int
     local_world_size: int
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def torch_env(self) -> dict[str, str]:
+        """The variables torch.distributed's env:// rendezvous reads. Every launcher must
+        provide the master address when there is more than one rank; a single rank gets a
+        loopback address and a free port."""
+        addr, port = self.master_addr, self.master_port
+        if addr is None or port is None:
+            if self.world_size > 1:
+                raise LaunchError(f"rank {self.rank} of {self.world_size}: MASTER_ADDR and "
+                                  f"MASTER_PORT must be set by the launcher")
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                addr, port = "127.0.0.1", s.getsockname()[1]
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+                "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
 
 
 def resolve_vocab(cfg: RunConfig) -> RunConfig:
@@ -123,6 +144,7 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     ckpt_hook = CheckpointHook(engine, reader, ckpt_dir, cfg.checkpoint.every_n_steps,
                                config_text, env.rank)
     hooks.append(ckpt_hook)
+    hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank))
 
     t = cfg.train
     if start_step >= t.max_steps and env.rank == 0:
@@ -183,22 +205,41 @@ def hparams(cfg: RunConfig) -> dict:
     return flat
 
 
-def dist_env_from_environment() -> DistEnv:
-    """Rank and world size from whichever launcher started us (torch/DeepSpeed env vars, SLURM,
-    or MPI)."""
-    env = os.environ
+def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """SLURM's compressed per-node task counts, e.g. ``2(x3),1``: entry ``node_id``."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        n, _, rep = part.partition("(x")
+        counts += [int(n)] * (int(rep.rstrip(")")) if rep else 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def dist_env_from_environment(env: dict | None = None) -> DistEnv:
+    """Rank and world size from whichever launcher started us, in this order: torch/DeepSpeed
+    variables (RANK, WORLD_SIZE), MPI (Open MPI, MPICH/Hydra and Intel MPI), SLURM's srun. MPI
+    comes before SLURM because mpiexec inside a SLURM allocation inherits the batch step's
+    SLURM_PROCID (0 on every rank). Nothing set: a single rank."""
+    env = os.environ if env is None else env
+    master = (env.get("MASTER_ADDR"), int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None)
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         local = int(env.get("LOCAL_RANK", 0))
         local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", world)))
-    elif "SLURM_PROCID" in env:
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
+        local = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+        local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", world))
+    elif "PMI_RANK" in env:
+        rank, world = int(env["PMI_RANK"]), int(env["PMI_SIZE"])
+        local = int(env.get("MPI_LOCALRANKID", 0))
+        local_world = int(env.get("MPI_LOCALNRANKS", world))
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        # Only inside an srun step: the batch script itself also has SLURM_PROCID (0).
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local, local_world = int(env.get("SLURM_LOCALID", 0)), int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
-    elif "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
-        rank = int(env.get("OMPI_COMM_WORLD_RANK", env.get("PMI_RANK")))
-        world = int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMI_SIZE")))
-        local = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", env.get("MPI_LOCALRANKID", 0)))
-        local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", env.get("MPI_LOCALNRANKS", world)))
+        local = int(env.get("SLURM_LOCALID", 0))
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        local_world = (_slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0)))
+                       if per_node else 1)
     else:
         rank, world, local, local_world = 0, 1, 0, 1
-    return DistEnv(rank, world, local, local_world)
+    return DistEnv(rank, world, local, local_world, *master)

@@ -1,0 +1,164 @@
+"""Typed configuration of how a run is started (the ``launch`` section of a run config).
+
+Every value here can end up in a command line, an environment or a SLURM job script, so the
+checks below are strict about what may reach a shell: names that a scheduler interprets are
+limited to safe characters; free-form values are quoted when the plan is rendered and refused
+only where no quoting survives (a newline in an ``#SBATCH`` line).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+Scheduler = Literal["local", "hostfile", "slurm", "mpi"]
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# Host, partition, account and interface names: what clusters actually use. Anything else is
+# far more likely an injection or a typo than a real name.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
+# SLURM --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}\Z")
+
+
+def line_breaks(value: str) -> bool:
+    return any(c in value for c in "\n\r\0")
+
+
+def port_problems(key: str, port: int | None) -> list[str]:
+    if port is None or 1024 <= port <= 65535:
+        return []
+    return [f"{key}: must be in 1024..65535, got {port}"]
+
+
+def name_problems(key: str, value: str | None, what: str) -> list[str]:
+    if value is None or PLAIN_NAME.match(value):
+        return []
+    return [f"{key}: {value!r} is not a valid {what} (letters, digits and _.:- only)"]
+
+
+@dataclass
+class HostfileConfig:
+    """Multi-node through DeepSpeed's runner (pdsh over ssh) and a hostfile."""
+
+    path: str | None = None
+    """A DeepSpeed hostfile: one ``HOST slots=N`` line per node; ``#`` starts a comment."""
+    include: str = ""
+    """DeepSpeed's resource filter, ``HOST[:SLOT,...]@HOST...``: use only these."""
+    exclude: str = ""
+    """The same syntax: use everything but these. Exclusive with include."""
+    master_addr: str | None = None
+    """Address of the first used host as the others reach it (null: its hostfile name)."""
+    master_port: int = 29500
+    ssh_check: bool = True
+    """Let DeepSpeed check passwordless ssh to the first host before starting (false skips it,
+    e.g. for a one-host hostfile on a machine without an ssh server)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.include and self.exclude:
+            out.append("include/exclude: give one of them, not both")
+        out += name_problems("master_addr", self.master_addr, "host address")
+        return out + port_problems("master_port", self.master_port)
+
+
+@dataclass
+class SlurmConfig:
+    """A batch job: one task per rank, started with srun inside the allocation."""
+
+    nodes: int = 1
+    """Nodes to allocate; parallel.world_size ranks are spread evenly over them."""
+    gpus_per_node: int = 0
+    """GPUs to request per node (0: none, the CPU/gloo case)."""
+    cpus_per_task: int = 1
+    """CPU cores per rank."""
+    time: str | int | None = None
+    """Time limit, e.g. ``'02:00:00'`` or ``1-00:00:00`` (null: the partition's default). Quote
+    it in YAML: unquoted, ``24:00:00`` is read as the number 86400 and refused."""
+    partition: str | None = None
+    account: str | None = None
+    job_name: str | None = None
+    """null: the run name."""
+    output: str | None = None
+    """Job log file (SLURM's %j and friends allowed); null: RUN_DIR/logs/slurm-%j.out."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More #SBATCH options, one per item, e.g. ``--exclusive`` or ``--mem=0``."""
+    srun_args: list[str] = field(default_factory=list)
+    """More srun arguments, e.g. ``--cpu-bind=cores``."""
+    socket_ifname: str | None = None
+    """Network interface the ranks talk over (GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME). Set it
+    on multi-node jobs whose hostnames resolve to loopback, or gloo never leaves the node."""
+    master_port: int | None = None
+    """null: derived from the job id (and restart count), so jobs sharing a node do not collide."""
+    signal_seconds: int = 180
+    """SLURM sends the ranks SIGUSR1 this long before the time limit (0: no signal); they save a
+    checkpoint at the next step boundary and the job requeues itself."""
+    requeue: bool = True
+    """Requeue the job after a signal-triggered checkpoint; it resumes from that checkpoint."""
+
+    def problems(self) -> list[str]:
+        out = []
+        for key in ("nodes", "cpus_per_task"):
+            if getattr(self, key) < 1:
+                out.append(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if self.gpus_per_node < 0:
+            out.append(f"gpus_per_node: must be >= 0, got {self.gpus_per_node}")
+        if isinstance(self.time, int):
+            out.append(f"time: got the number {self.time}; write the limit as a quoted string, "
+                       f"e.g. '24:00:00' (YAML reads an unquoted 24:00:00 as 86400)")
+        elif self.time is not None and not SLURM_TIME.match(self.time):
+            out.append(f"time: {self.time!r} is not a SLURM time (MM, HH:MM:SS or D-HH:MM:SS)")
+        out += name_problems("partition", self.partition, "partition name")
+        out += name_problems("account", self.account, "account name")
+        out += name_problems("socket_ifname", self.socket_ifname, "network interface name")
+        for key in ("job_name", "output"):
+            value = getattr(self, key)
+            if value is not None and (not value or line_breaks(value)):
+                out.append(f"{key}: {value!r} must be non-empty and on one line")
+        for i, item in enumerate(self.extra_sbatch):
+            if line_breaks(item) or not item.startswith("-"):
+                out.append(f"extra_sbatch[{i}]: {item!r} must be one sbatch option on one line, "
+                           f"e.g. '--exclusive'")
+        out += port_problems("master_port", self.master_port)
+        if self.signal_seconds < 0:
+            out.append(f"signal_seconds: must be >= 0, got {self.signal_seconds}")
+        return out
+
+
+@dataclass
+class MpiConfig:
+    """``mpiexec -n WORLD_SIZE``: MPICH or Open MPI."""
+
+    mpiexec: str = "mpiexec"
+    """The MPI launcher to run (a name on PATH or a path), e.g. ``mpirun``."""
+    flavor: Literal["auto", "mpich", "openmpi"] = "auto"
+    """How to pass environment variables (-genv or -x); auto: ask ``mpiexec --version``."""
+    hostfile: str | None = None
+    """A machine file for multi-host runs (null: all ranks on this host)."""
+    master_addr: str = "127.0.0.1"
+    """Address of rank 0's host as the other ranks reach it."""
+    master_port: int | None = None
+    """null: a free port on this host."""
+    extra_args: list[str] = field(default_factory=list)
+    """More mpiexec arguments, e.g. ``--bind-to none``."""
+
+    def problems(self) -> list[str]:
+        return (name_problems("master_addr", self.master_addr, "host address")
+                + port_problems("master_port", self.master_port))
+
+
+@dataclass
+class LaunchConfig:
+    scheduler: Scheduler = "local"
+    """Where the ranks run: this machine (deepspeed launcher), hosts of a DeepSpeed hostfile,
+    a SLURM batch job, or mpiexec. ``moe-launch --scheduler`` overrides it."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables every rank gets, whatever the scheduler."""
+    hostfile: HostfileConfig = field(default_factory=HostfileConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    mpi: MpiConfig = field(default_factory=MpiConfig)
+
+    def problems(self) -> list[str]:
+        return [f"env.{k}: not a valid environment variable name" for k in self.env
+                if not ENV_NAME.match(k)]

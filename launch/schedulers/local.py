@@ -1,0 +1,24 @@
+"""N ranks on this machine through the ``deepspeed`` launcher."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from launch.plan import RESOLVED_CONFIG, Plan
+from moe.training.config import RunConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan(cfg: RunConfig, run_dir: Path) -> Plan:
+    n = cfg.parallel.world_size
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(n),
+           "--master_port", str(free_port()), "--log_level", "warning", "--no_local_rank",
+           "--module", "launch.train", "--config", str(run_dir / RESOLVED_CONFIG)]
+    return Plan("local", cmd, str(run_dir), n, env={"PYTHONUNBUFFERED": "1", **cfg.launch.env})

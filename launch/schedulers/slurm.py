@@ -1,0 +1,109 @@
+"""A SLURM batch job: an sbatch script that starts one task per rank with srun.
+
+The script finds rank 0's node in the allocation and uses the address SLURM itself knows it by
+(its ``NodeAddr``), not the submitting host or a hostname that may resolve to loopback; it derives
+the rendezvous port from the job id so that jobs sharing a node do not collide. srun exports
+SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID to each task, which the entry point maps to rank and world
+size. Before the time limit SLURM sends the ranks SIGUSR1; they save a checkpoint at the next step
+boundary and leave a marker, and the script then requeues the job, which resumes from it.
+
+Quoting: values in the script body go through shlex.quote. ``#SBATCH`` lines are read by sbatch,
+not by a shell; their values are double-quoted for sbatch's own tokenizer, and anything that
+would break the line (a newline) is refused by the config checks.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from launch.plan import RESOLVED_CONFIG, Plan, entry_point
+from moe.errors import ConfigError
+from moe.training.config import RunConfig
+from moe.training.preemption import PREEMPTED_MARKER
+
+JOB_SCRIPT = "job.sbatch"
+JOB_RECORD = "slurm_job.json"
+
+
+def sbatch_directive(option: str, value: object = None) -> str:
+    """One ``#SBATCH`` line. sbatch reads these itself, not through a shell: its tokenizer splits
+    on blanks and ``#`` unless they are inside double quotes, where ``\\"`` and ``\\\\`` are the
+    escapes; no expansion of ``$`` or backquotes happens there (checked with SLURM 22.05)."""
+    if value is None:
+        return f"#SBATCH {option}"
+    if re.fullmatch(r"[A-Za-z0-9_./:@%=,+-]+", str(value)):
+        return f"#SBATCH {option}={value}"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'#SBATCH {option}="{text}"'
+
+
+def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
+    s = cfg.launch.slurm
+    world = cfg.parallel.world_size
+    per_node = world // s.nodes
+    q = shlex.quote
+    output = s.output or str(run_dir / "logs" / "slurm-%j.out")
+    directives = [("--job-name", s.job_name or cfg.name), ("--nodes", s.nodes),
+                  ("--ntasks-per-node", per_node), ("--cpus-per-task", s.cpus_per_task)]
+    if s.gpus_per_node:
+        directives.append(("--gpus-per-node", s.gpus_per_node))
+    directives += [(f"--{key}", getattr(s, key)) for key in ("time", "partition", "account")
+                   if getattr(s, key) is not None]
+    directives += [("--output", output), ("--open-mode", "append")]
+    if s.signal_seconds:
+        directives.append(("--signal", f"USR1@{s.signal_seconds}"))
+    directives.append(("--requeue" if s.requeue else "--no-requeue", None))
+    lines = ["#!/bin/bash", f"# Written by moe-launch for run {cfg.name!r}; resubmit with: "
+                            f"sbatch {run_dir / JOB_SCRIPT}".replace("\n", " ")]
+    lines += [sbatch_directive(*d) for d in directives]
+    lines += [f"#SBATCH {d}" for d in s.extra_sbatch]  # the user's own sbatch syntax
+    lines += ["set -euo pipefail", f"cd {q(str(cwd))}"]
+    env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env}
+    if s.socket_ifname:
+        env |= {"GLOO_SOCKET_IFNAME": s.socket_ifname, "NCCL_SOCKET_IFNAME": s.socket_ifname}
+    lines += [f"export {k}={q(v)}" for k, v in env.items()]
+    port = (str(s.master_port) if s.master_port is not None else
+            "$(( 15000 + (SLURM_JOB_ID % 3750) * 4 + ${SLURM_RESTART_COUNT:-0} % 4 ))")
+    marker = q(str(run_dir / PREEMPTED_MARKER))
+    srun = ["srun", f"--ntasks={world}", f"--ntasks-per-node={per_node}",
+            f"--cpus-per-task={s.cpus_per_task}", "--kill-on-bad-exit=1", "--label",
+            *s.srun_args, *entry_point(run_dir / RESOLVED_CONFIG)]
+    lines += [
+        "# Rank 0 runs on the allocation's first node; reach it by the address SLURM uses for it.",
+        'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'master_node=${nodes%%$\'\\n\'*}',
+        "MASTER_ADDR=$(scontrol show node \"$master_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+        'export MASTER_ADDR=${MASTER_ADDR:-$master_node}',
+        f"export MASTER_PORT={port}",
+        f'echo "job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {world} ranks, '
+        'master $MASTER_ADDR:$MASTER_PORT"',
+        f"rm -f {marker}",
+        "status=0",
+        " ".join(q(a) for a in srun) + " || status=$?",
+        f"if [ -e {marker} ]; then",
+        '  echo "checkpoint saved after SIGUSR1; requeueing job $SLURM_JOB_ID"',
+    ]
+    lines += ['  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
+    lines += ["fi", 'exit "$status"']
+    return "\n".join(lines) + "\n"
+
+
+def plan(cfg: RunConfig, run_dir: Path) -> Plan:
+    s = cfg.launch.slurm
+    problems = []
+    if cfg.parallel.world_size % s.nodes:
+        problems.append(f"parallel.world_size: {cfg.parallel.world_size} ranks cannot be spread "
+                        f"evenly over launch.slurm.nodes ({s.nodes})")
+    if s.output is None and ("%" in str(run_dir) or "\\" in str(run_dir)):
+        problems.append(f"output_dir: {str(run_dir)!r} holds '%' or '\\', which SLURM "
+                        f"interprets in the job log path; set launch.slurm.output or use "
+                        f"another directory")
+    if "\n" in str(run_dir) or "\n" in cfg.name:
+        problems.append("output_dir/name: a line break cannot appear in a job script line")
+    if problems:
+        raise ConfigError(problems)
+    script = job_script(cfg, run_dir, Path.cwd())
+    return Plan("slurm", ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)], str(run_dir),
+                cfg.parallel.world_size, nodes=s.nodes, files={JOB_SCRIPT: script}, submits=True)

@@ -1,0 +1,168 @@
+"""The SLURM plan without a cluster: the sbatch script parsed back (no golden files), and the
+script itself run by bash with srun/scontrol replaced by recorders, so that what reaches srun's
+argument list and environment is compared with the literal hostile values."""
+
+import os
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launch.launch import main
+from launch.schedulers import build_plan
+from launch.schedulers.slurm import JOB_SCRIPT
+from moe.config_schema import from_dict
+from moe.errors import ConfigError
+from moe.training.config import RunConfig
+from moe.training.preemption import PREEMPTED_MARKER
+
+HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
+
+
+def slurm_config(tmp_path, **slurm) -> RunConfig:
+    return from_dict(RunConfig, {
+        "name": "tiny", "output_dir": str(tmp_path / "runs"),
+        "parallel": {"world_size": 4, "expert_parallel_size": 2},
+        "launch": {"scheduler": "slurm", "slurm": slurm}})
+
+
+def sbatch_options(script: str) -> dict[str, str | None]:
+    """#SBATCH lines as sbatch reads them: shlex-like tokens, quotes removed."""
+    out = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            for token in shlex.split(line[len("#SBATCH "):]):
+                key, _, value = token.partition("=")
+                out[key] = value if _ else None
+    return out
+
+
+def test_script_holds_requested_resources_and_entry_point(tmp_path):
+    cfg = slurm_config(tmp_path, nodes=2, gpus_per_node=2, cpus_per_task=6, time="1-02:00:00",
+                       partition="gpu", account="proj-1", job_name="moe run",
+                       extra_sbatch=["--exclusive", "--mem=0"], signal_seconds=300,
+                       socket_ifname="ib0")
+    plan = build_plan(cfg)
+    script = plan.files[JOB_SCRIPT]
+    opts = sbatch_options(script)
+    run_dir = tmp_path / "runs" / "tiny"
+    assert opts == {"--job-name": "moe run", "--nodes": "2", "--ntasks-per-node": "2",
+                    "--cpus-per-task": "6", "--gpus-per-node": "2", "--time": "1-02:00:00",
+                    "--partition": "gpu", "--account": "proj-1",
+                    "--output": str(run_dir / "logs" / "slurm-%j.out"), "--open-mode": "append",
+                    "--signal": "USR1@300", "--requeue": None, "--exclusive": None, "--mem": "0"}
+    srun = next(shlex.split(line) for line in script.splitlines() if line.startswith("srun "))
+    assert srun[1:6] == ["--ntasks=4", "--ntasks-per-node=2", "--cpus-per-task=6",
+                         "--kill-on-bad-exit=1", "--label"]
+    assert srun[-6:] == ["-m", "launch.train", "--config", str(run_dir / "config.yaml"), "||",
+                         "status=$?"]
+    assert "export GLOO_SOCKET_IFNAME=ib0" in script.splitlines()
+    assert plan.command == ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)]
+    assert (plan.world_size, plan.nodes, plan.submits) == (4, 2, True)
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("name: dry\noutput_dir: runs\n")
+    main([str(cfg_file), "--scheduler", "slurm", "--dry-run", "launch.slurm.nodes=2"])
+    out = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in out and "sbatch --parsable" in out
+    assert not (tmp_path / "runs").exists()
+
+
+def recorder(path: Path, log: Path, body: str = "") -> None:
+    """An executable that appends its NUL-separated argv and environment to ``log``."""
+    path.write_text("#!/bin/bash\n"
+                    f"{{ printf '%s\\0' \"$0\" \"$@\"; printf '\\n--env\\n'; env -0; "
+                    f"printf '\\n--end\\n'; }} >> {shlex.quote(str(log))}\n{body}")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def run_script(tmp_path, cfg: RunConfig, srun_body: str = "") -> tuple[list[list[str]], dict]:
+    """Run the job script under bash as SLURM would, with recording srun and scontrol."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "calls.log"
+    recorder(bin_dir / "srun", log, srun_body)
+    recorder(bin_dir / "scontrol", log,
+             'case "$1 $2" in\n'
+             '  "show hostnames") printf "node7\\nnode8\\n";;\n'
+             '  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.9.0.7 NodeHostName=$3";;\n'
+             "esac\n")
+    plan = build_plan(cfg)
+    script = tmp_path / "job.sh"
+    script.write_text(plan.files[JOB_SCRIPT])
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234",
+           "SLURM_JOB_NODELIST": "node[7-8]", "HOME": str(tmp_path / "home")}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    calls = []
+    for record in log.read_text().split("\n--end\n")[:-1]:
+        argv_part, env_part = record.split("\n--env\n")
+        argv = argv_part.split("\0")[:-1]
+        argv[0] = Path(argv[0]).name
+        calls.append((argv, dict(kv.split("=", 1) for kv in env_part.split("\0") if "=" in kv)))
+    return calls, proc
+
+
+def test_hostile_values_reach_srun_literally_and_execute_nothing(tmp_path):
+    sentinel = tmp_path / "SENTINEL"
+    hostile = HOSTILE.format(s=sentinel)
+    cfg = slurm_config(tmp_path, nodes=2, socket_ifname="eth1",
+                       srun_args=[f"--comment={hostile}"], job_name=hostile.replace("\n", " "))
+    cfg.launch.env = {"MOE_VALUE": hostile}
+    cfg.output_dir = str(tmp_path / "runs ; $(touch x) `touch y` 'q\"")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "keep").write_text("still here")
+    calls, _ = run_script(tmp_path, cfg)
+    srun_argv, srun_env = next(c for c in calls if c[0][0] == "srun")
+    assert f"--comment={hostile}" in srun_argv
+    assert srun_argv[-1] == str(Path(cfg.output_dir).absolute() / "tiny" / "config.yaml")
+    assert srun_env["MOE_VALUE"] == hostile
+    assert (srun_env["MASTER_ADDR"], srun_env["MASTER_PORT"]) == ("10.9.0.7", str(15000 + 1234 * 4))
+    assert srun_env["GLOO_SOCKET_IFNAME"] == srun_env["NCCL_SOCKET_IFNAME"] == "eth1"
+    assert not sentinel.exists() and not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert (tmp_path / "home" / "keep").exists()
+
+
+def test_script_requeues_after_a_preemption_checkpoint(tmp_path):
+    cfg = slurm_config(tmp_path)
+    marker = tmp_path / "runs" / "tiny" / PREEMPTED_MARKER
+    marker.parent.mkdir(parents=True)
+    marker.write_text("stale: removed before srun starts")
+    # Without a marker from this run: no requeue, srun's status is the job's.
+    calls, _ = run_script(tmp_path, cfg, srun_body="exit 0\n")
+    assert not marker.exists()
+    assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
+    # The ranks saved and left the marker, then exited 75: the script requeues the job.
+    calls, proc = run_script(tmp_path, cfg, srun_body=f"echo '{{}}' > {shlex.quote(str(marker))}\n"
+                                                      "exit 75\n")
+    assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
+    assert "requeueing job 1234" in proc.stdout
+
+
+@pytest.mark.parametrize("slurm, key", [
+    ({"partition": "gpu; touch /tmp/x"}, "launch.slurm.partition"),
+    ({"account": "$(id)"}, "launch.slurm.account"),
+    ({"time": "2h"}, "launch.slurm.time"),
+    ({"time": 86400}, "launch.slurm.time: got the number 86400"),
+    ({"extra_sbatch": ["--mem=0\nrm -rf /"]}, "launch.slurm.extra_sbatch[0]"),
+    ({"job_name": "a\nb"}, "launch.slurm.job_name"),
+    ({"socket_ifname": "eth0 eth1"}, "launch.slurm.socket_ifname"),
+    ({"nodes": 3}, "parallel.world_size"),
+])
+def test_values_no_quoting_can_carry_are_refused_with_their_key(tmp_path, slurm, key):
+    with pytest.raises(ConfigError) as e:
+        build_plan(slurm_config(tmp_path, **slurm))
+    assert key in str(e.value)
+
+
+def test_percent_in_the_run_directory_is_refused_for_the_job_log(tmp_path):
+    cfg = slurm_config(tmp_path)
+    cfg.output_dir = str(tmp_path / "runs%j")
+    with pytest.raises(ConfigError, match="output_dir.*'%'"):
+        build_plan(cfg)

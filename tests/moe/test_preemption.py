@@ -1,0 +1,73 @@
+"""The preemption hook: a signal on any rank makes every rank save the same step and exit 75."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from moe.training.hooks import StepState
+from moe.training.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHook
+from tests.helpers.distributed import run_distributed
+
+
+class RecordingCheckpoint:
+    """Stands in for CheckpointHook (which needs a DeepSpeed engine): records saved steps."""
+
+    def __init__(self):
+        self.saved = []
+
+    def save(self, step: int) -> None:
+        self.saved.append(step)
+
+
+def state(step: int, max_steps: int = 10) -> StepState:
+    return StepState(step=step, max_steps=max_steps, loss=1.0, lm_loss=1.0, aux_loss=0.0, lr=1e-3,
+                     grad_norm=None, step_seconds=0.1, tokens_per_step=1, samples_per_step=1,
+                     is_log_step=False)
+
+
+def test_sigusr1_saves_at_the_next_step_boundary_and_exits_75(tmp_path):
+    ckpt = RecordingCheckpoint()
+    previous = signal.getsignal(signal.SIGUSR1)
+    hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0)
+    hook.on_step_end(state(3))
+    assert ckpt.saved == []
+    os.kill(os.getpid(), signal.SIGUSR1)  # handled, not fatal
+    with pytest.raises(Preempted) as e:
+        hook.on_step_end(state(4))
+    assert e.value.code == PREEMPTED_EXIT_CODE and e.value.step == 4
+    assert ckpt.saved == [4]
+    assert json.loads((tmp_path / "preempted.json").read_text())["step"] == 4
+    assert signal.getsignal(signal.SIGUSR1) == previous  # handler given back
+
+
+def test_a_signal_at_the_last_step_leaves_the_ordinary_final_save(tmp_path):
+    ckpt = RecordingCheckpoint()
+    hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    hook.on_step_end(state(10, max_steps=10))
+    hook.close()
+    assert ckpt.saved == [] and not (tmp_path / "preempted.json").exists()
+
+
+def _one_rank_signalled(rank, world_size, marker_dir):
+    ckpt = RecordingCheckpoint()
+    hook = PreemptionHook(ckpt, marker_dir / "preempted.json", rank)
+    hook.on_step_end(state(1))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    try:
+        hook.on_step_end(state(2))
+    except Preempted as e:
+        assert e.step == 2 and ckpt.saved == [2]
+        (marker_dir / f"exited{rank}").write_text("")
+        return
+    raise AssertionError(f"rank {rank} went on training")
+
+
+@pytest.mark.multiprocess
+def test_ranks_agree_when_only_one_is_signalled(tmp_path):
+    run_distributed(_one_rank_signalled, 2, tmp_path)
+    assert (tmp_path / "exited0").exists() and (tmp_path / "exited1").exists()
+    assert json.loads((tmp_path / "preempted.json").read_text())["step"] == 2
