@@ -102,6 +102,44 @@ def bench(shape: str, tokens: int, d: int, rounds: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def breakdown(shape: str, tokens: int, d: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Forward and backward time of each stage of our layer, run on its own with the inputs the
+    previous stage produces: routing, permutation (plan + gather), expert GEMMs, combine."""
+    s = SHAPES[shape]
+    torch.manual_seed(0)
+    layer = MoELayer(d, MoEConfig(num_experts=s["num_experts"], expert_hidden=s["hidden"],
+                                  router=RouterConfig(top_k=s["top_k"])))
+    x_TD = torch.randn(tokens, d, requires_grad=True)
+    with torch.no_grad():
+        routing = layer.router(x_TD)
+        plan = layer.dispatcher.plan(routing.indices_TK, None)
+        x_ND, w_N, counts = layer.dispatcher.dispatch(x_TD, routing.weights_TK, plan)
+        y_ND = layer.experts(x_ND, counts, w_N)
+
+    def route():
+        r = layer.router(x_TD)
+        return r.weights_TK.sum() + r.aux_loss
+
+    def permute():
+        p = layer.dispatcher.plan(routing.indices_TK.detach(), None)
+        return layer.dispatcher.dispatch(x_TD, routing.weights_TK, p)[0]
+
+    x_leaf, w_leaf, y_leaf = (t.clone().requires_grad_(True) for t in (x_ND, w_N, y_ND))
+    stages = {"routing": route, "permutation": permute,
+              "expert GEMMs": lambda: layer.experts(x_leaf, counts, w_leaf),
+              "combine": lambda: layer.dispatcher.combine(y_leaf, plan)}
+    times = {name: ([], []) for name in stages}
+    for _ in range(rounds + 1):
+        for name, fn in stages.items():
+            t0 = CLOCK()
+            out = fn()
+            t1 = CLOCK()
+            out.backward(torch.ones_like(out))
+            times[name][0].append(t1 - t0)
+            times[name][1].append(CLOCK() - t1)
+    return {n: (statistics.median(f[1:]), statistics.median(b[1:])) for n, (f, b) in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=["a", "b", "both"], default="both")
@@ -113,6 +151,8 @@ def main() -> None:
     p.add_argument("--cpu-time", action="store_true",
                    help="one thread, timed by process CPU time: steadier on a machine that other "
                         "jobs load (wall time is what training sees)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each stage of our layer (forward / backward)")
     args = p.parse_args()
     if args.cpu_time:
         global CLOCK
@@ -134,6 +174,10 @@ def main() -> None:
         print(f"  ours / floor              {m['ours'] / m['floor']:.2f}x")
         print(f"  ds_drop / ours            {m['ds_drop'] / m['ours']:.2f}x")
         print(f"  ds_dropless / ours        {m['ds_dropless'] / m['ours']:.2f}x")
+        if args.breakdown:
+            print("  ours by stage (forward / backward):")
+            for name, (f, b) in breakdown(shape, args.tokens, args.d_model, args.rounds).items():
+                print(f"    {name:<14} {f * 1e3:7.1f} / {b * 1e3:7.1f} ms")
 
 
 if __name__ == "__main__":
