@@ -22,26 +22,28 @@ def test_new_options_load_from_yaml(tmp_path):
         ("t5", "layernorm", "post", 1, "dense", True)
 
 
-def test_invalid_model_options_are_all_named(tmp_path):
+def config_problems(tmp_path, model: dict) -> str:
     p = tmp_path / "bad.yaml"
-    p.write_text(yaml.safe_dump({"model": {
-        "position": "xpos", "norm": "batchnorm", "norm_placement": "middle", "ffn": "sparse",
-        "n_heads": 4, "n_kv_heads": 3, "t5_num_buckets": 1, "upcycle_noise_std": -1}}))
+    p.write_text(yaml.safe_dump({"model": model}))
     with pytest.raises(ConfigError) as e:
         load_config(p)
-    msg = str(e.value)
-    for expected in ("model.position: 'xpos' is not allowed", "model.norm: 'batchnorm'",
-                     "model.norm_placement: 'middle'", "model.ffn: 'sparse'"):
-        assert expected in msg, msg
-    # Value checks run once the types are right.
-    p.write_text(yaml.safe_dump({"model": {"n_heads": 4, "n_kv_heads": 3, "t5_num_buckets": 1,
-                                           "upcycle_noise_std": -1, "rope_theta": 0.5}}))
-    with pytest.raises(ConfigError) as e:
-        load_config(p)
-    msg = str(e.value)
-    for expected in ("model.n_kv_heads: 3 must divide n_heads (4)", "model.t5_num_buckets",
-                     "model.upcycle_noise_std", "model.rope_theta"):
-        assert expected in msg, msg
+    return str(e.value)
+
+
+@pytest.mark.parametrize("model, expected", [
+    ({"position": "xpos", "norm": "batchnorm", "norm_placement": "middle", "ffn": "sparse"},
+     ["model.position: 'xpos' is not allowed", "model.norm: 'batchnorm'",
+      "model.norm_placement: 'middle'", "model.ffn: 'sparse'"]),
+    # Value checks (they run once the types are right).
+    ({"n_heads": 4, "n_kv_heads": 3, "t5_num_buckets": 1, "upcycle_noise_std": -1,
+      "rope_theta": 0.5},
+     ["model.n_kv_heads: 3 must divide n_heads (4)", "model.t5_num_buckets",
+      "model.upcycle_noise_std", "model.rope_theta"]),
+], ids=["choices", "values"])
+def test_invalid_model_options_are_all_named(tmp_path, model, expected):
+    msg = config_problems(tmp_path, model)
+    for text in expected:
+        assert text in msg, msg
 
 
 def test_odd_head_dim_is_only_a_problem_for_rope():
