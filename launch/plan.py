@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from data_pipeline.shards import MANIFEST, read_manifest
 from launch.cli import exits_cleanly
 from moe.errors import ConfigError
 from moe.planning import COMPONENTS, count_parameters, flops_per_token, memory_per_gpu
@@ -20,9 +21,9 @@ def resolve_vocab_for_planning(cfg: RunConfig) -> str:
     config; returns where it came from."""
     if cfg.model.vocab_size is not None:
         return "model.vocab_size"
-    manifest = Path(cfg.data.dir) / "manifest.json"
+    manifest = Path(cfg.data.dir) / MANIFEST
     if manifest.exists():
-        cfg.model.vocab_size = int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
+        cfg.model.vocab_size = int(read_manifest(cfg.data.dir).tokenizer["vocab_size"])
         return str(manifest)
     cfg.model.vocab_size = cfg.data.tokenizer.vocab_size
     return "data.tokenizer.vocab_size"

@@ -27,7 +27,9 @@ class KVCache:
     ``cache = KVCache(n_layers); model(prompt, kv_cache=cache); model(next_token, kv_cache=cache)``.
     Keys are stored after rotary embedding, so cached keys are never rotated again. The cache
     also keeps the positions (and document ids, when given) of the cached tokens, which the next
-    chunk's positions and masks continue from.
+    chunk's positions and masks continue from. Incremental logits equal the full forward's
+    for dropless MoE layers; with a capacity factor, which copies are dropped depends on the
+    tokens of each chunk.
     """
 
     def __init__(self, n_layers: int):
