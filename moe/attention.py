@@ -7,6 +7,9 @@ multi-query attention. All go through PyTorch's ``scaled_dot_product_attention``
 ``is_causal`` when the plain causal mask is all there is (the fused kernels' fast path), with an
 explicit boolean mask for documents or cached prefixes, and with a float mask (bias, -inf where
 masked) for ALiBi and T5 biases, which SDPA cannot take any other way.
+
+Shapes here: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``S`` new tokens, ``L``
+all keys (cached + new), ``hd`` head dim.
 """
 
 from __future__ import annotations
