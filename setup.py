@@ -28,6 +28,7 @@ setup(
             "moe-launch=launch.launch:main",
             "moe-train=launch.train:main",
             "moe-eval=launch.evaluate:main",
+            "moe-plan=launch.calculator:main",
         ]
     },
 )

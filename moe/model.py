@@ -1,19 +1,36 @@
-"""Decoder-only language model whose feed-forward layers are (mostly) MoE layers."""
+"""Decoder-only language model: embedding -> N blocks (attention, dense or MoE feed-forward) ->
+norm -> head.
+
+Every architectural choice is a field of :class:`ModelConfig`: positional encoding, norm type
+and placement, key/value heads, dense or MoE feed-forward, tied embeddings.
+
+Initialization (``init_std`` = s, ``n_layers`` = L):
+
+- token embedding, learned positions, T5 bias table, q/k/v projections, the input projections
+  of dense FFNs, routed and shared experts, and an untied output head: N(0, s^2);
+- projections that write into the residual stream (attention output, FFN / expert / shared
+  expert output): N(0, (s / sqrt(2L))^2), so the residual's variance stays roughly constant
+  with depth (GPT-2);
+- the router: N(0, 0.02^2) (``moe/router.py``); norm gains 1, norm biases 0.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.attention import CausalSelfAttention
-from moe.block import Block
+from moe.attention import AttentionInputs, CausalSelfAttention, KVCache, build_mask
+from moe.block import Block, NormPlacement
 from moe.experts import DenseFFN, residual_init_std
 from moe.moe_layer import MoEConfig, MoELayer
-from moe.norms import RMSNorm
+from moe.norms import NormKind, build_norm
+from moe.positions import (AlibiBias, LearnedPositions, PositionEncoding, PositionKind,
+                           RotaryEmbedding, SinusoidalPositions, T5RelativeBias,
+                           positions_from_doc_ids)
 
 
 @dataclass
@@ -24,14 +41,41 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int | None = None
-    """Key/value heads (grouped-query attention); null means n_heads (multi-head)."""
+    """Key/value heads: null or n_heads is multi-head attention, a divisor of n_heads
+    grouped-query attention, 1 multi-query attention."""
     max_seq_len: int = 256
+    """Longest sequence (learned positions have one vector per position up to it)."""
+    position: PositionKind = "rope"
+    """Positional information: rope (rotary, base rope_theta), sinusoidal (fixed absolute),
+    learned (trained absolute), alibi (linear distance bias, standard head slopes) or t5
+    (learned bias per bucketed relative distance, shared by all layers)."""
     rope_theta: float = 10000.0
+    """RoPE base: channel pair i rotates by pos * rope_theta^(-2i/head_dim)."""
+    t5_num_buckets: int = 32
+    """T5 bias: relative-distance buckets (half exact, half logarithmic)."""
+    t5_max_distance: int = 128
+    """T5 bias: distance from which all pairs share the last bucket."""
+    norm: NormKind = "rmsnorm"
+    norm_placement: NormPlacement = "pre"
+    """pre: x + f(norm(x)) and a final norm before the head; post: norm(x + f(x)) (the block
+    outputs are already normalized, so there is no final norm)."""
     norm_eps: float = 1e-6
+    ffn: Literal["moe", "dense"] = "moe"
+    """moe: layers chosen by moe.every_n_layers / moe.first_dense_layers are MoE layers, the
+    others dense. dense: every layer is a dense FFN of width moe.dense_width, i.e. the active
+    expert width (top_k + num_shared_experts) * expert_hidden: the dense baseline with the same
+    active parameters (minus the router) is this one change."""
     tie_embeddings: bool = False
+    """Use the token embedding matrix as the output head."""
     init_std: float = 0.02
     """Normal init std for all weights; projections into the residual stream (attention output,
-    FFN and expert output) use init_std / sqrt(2 * n_layers)."""
+    FFN and expert output) use init_std / sqrt(2 * n_layers). See the module docstring."""
+    init_from: str | None = None
+    """A checkpoint (tag, checkpoints or run directory) whose weights start training. Where it
+    has a dense FFN and this model an MoE layer, every expert is upcycled from that FFN
+    (moe/upcycle.py). Ignored when the run resumes from its own checkpoint."""
+    upcycle_noise_std: float = 0.0
+    """Relative std of Gaussian noise added to each upcycled expert (0: exact copies)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def problems(self) -> list[str]:
@@ -43,17 +87,33 @@ class ModelConfig:
                 out.append(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.n_heads >= 1 and self.d_model % self.n_heads:
             out.append(f"d_model: {self.d_model} must be divisible by n_heads ({self.n_heads})")
-        elif self.n_heads >= 1 and (self.d_model // self.n_heads) % 2:
+        elif self.position == "rope" and self.n_heads >= 1 and (self.d_model // self.n_heads) % 2:
             out.append(f"n_heads: head dim d_model/n_heads ({self.d_model // self.n_heads}) must "
-                       "be even for rotary embeddings")
+                       "be even for rotary embeddings (position: rope)")
         kv = self.kv_heads
         if kv < 1 or (self.n_heads >= 1 and self.n_heads % kv):
             out.append(f"n_kv_heads: {kv} must divide n_heads ({self.n_heads})")
+        if self.rope_theta <= 1:
+            out.append(f"rope_theta: must be > 1, got {self.rope_theta}")
+        if self.t5_num_buckets < 2:
+            out.append(f"t5_num_buckets: must be >= 2, got {self.t5_num_buckets}")
+        elif self.t5_max_distance <= self.t5_num_buckets // 2:
+            out.append(f"t5_max_distance: {self.t5_max_distance} must exceed t5_num_buckets / 2 "
+                       f"({self.t5_num_buckets // 2}), the last exact distance")
+        if self.norm_eps <= 0:
+            out.append(f"norm_eps: must be > 0, got {self.norm_eps}")
+        if self.init_std <= 0:
+            out.append(f"init_std: must be > 0, got {self.init_std}")
+        if self.upcycle_noise_std < 0:
+            out.append(f"upcycle_noise_std: must be >= 0, got {self.upcycle_noise_std}")
         return out
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.ffn == "moe" and self.moe.is_moe_layer(index)
 
 
 class ModelOutput(NamedTuple):
@@ -61,6 +121,18 @@ class ModelOutput(NamedTuple):
     loss: torch.Tensor | None  # lm_loss + aux_loss: what training minimizes
     lm_loss: torch.Tensor | None  # mean next-token cross-entropy
     aux_loss: torch.Tensor  # sum of the MoE layers' weighted balancing losses
+
+
+def build_positions(cfg: ModelConfig) -> PositionEncoding:
+    if cfg.position == "rope":
+        return RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.rope_theta)
+    if cfg.position == "sinusoidal":
+        return SinusoidalPositions(cfg.d_model)
+    if cfg.position == "learned":
+        return LearnedPositions(cfg.max_seq_len, cfg.d_model)
+    if cfg.position == "alibi":
+        return AlibiBias(cfg.n_heads)
+    return T5RelativeBias(cfg.n_heads, cfg.t5_num_buckets, cfg.t5_max_distance)
 
 
 class MoETransformer(nn.Module):
@@ -71,17 +143,19 @@ class MoETransformer(nn.Module):
         self.cfg = cfg
         out_std = residual_init_std(cfg.init_std, cfg.n_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.positions = build_positions(cfg)
         blocks = []
         for i in range(cfg.n_layers):
-            attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.rope_theta)
-            if cfg.moe.is_moe_layer(i):
+            attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, layer_index=i)
+            if cfg.is_moe_layer(i):
                 ffn = MoELayer(cfg.d_model, cfg.moe, cfg.init_std, out_std)
             else:
                 ffn = DenseFFN(cfg.d_model, cfg.moe.dense_width, cfg.moe.activation, cfg.init_std,
                                out_std)
-            blocks.append(Block(attn, ffn, cfg.d_model, cfg.norm_eps))
+            blocks.append(Block(attn, ffn, cfg.d_model, cfg.norm, cfg.norm_eps, cfg.norm_placement))
         self.blocks = nn.ModuleList(blocks)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = (build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+                     if cfg.norm_placement == "pre" else nn.Identity())
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights(out_std)
         if cfg.tie_embeddings:
@@ -91,6 +165,8 @@ class MoETransformer(nn.Module):
         std = self.cfg.init_std
         nn.init.normal_(self.embed.weight, std=std)
         nn.init.normal_(self.lm_head.weight, std=std)
+        for p in self.positions.parameters():
+            nn.init.normal_(p, std=std)
         for block in self.blocks:
             for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
                 nn.init.normal_(proj.weight, std=std)
@@ -99,13 +175,24 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 
-    def forward(self, input_ids_BS: torch.Tensor, targets_BS: torch.Tensor | None = None) -> ModelOutput:
-        S = input_ids_BS.shape[1]
-        positions_S = torch.arange(S, device=input_ids_BS.device)
+    def new_kv_cache(self) -> KVCache:
+        return KVCache(self.cfg.n_layers)
+
+    def forward(self, input_ids_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
+                doc_ids_BS: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> ModelOutput:
+        """``doc_ids_BS``: optional document id of each token (packed sequences); attention then
+        stays within a document and positions restart at 0 where the id changes (adjacent
+        documents must have different ids). ``kv_cache``: keys/values of earlier tokens, appended
+        to in place (pass the same ``doc_ids`` convention on every call)."""
+        pos_BS, inputs = self._attention_inputs(input_ids_BS, doc_ids_BS, kv_cache)
         x_BSD = self.embed(input_ids_BS)
+        pos_emb = self.positions.embedding(pos_BS)
+        if pos_emb is not None:
+            x_BSD = x_BSD + pos_emb.to(x_BSD.dtype)
         aux_loss = x_BSD.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
-            x_BSD, layer_aux = block(x_BSD, positions_S)
+            x_BSD, layer_aux = block(x_BSD, inputs)
             aux_loss = aux_loss + layer_aux
         logits_BSV = self.lm_head(self.norm(x_BSD))
         if targets_BS is None:
@@ -113,3 +200,29 @@ class MoETransformer(nn.Module):
         lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(),
                                   ignore_index=-100)
         return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
+
+    def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache):
+        """Positions of the new tokens and the masks/rotations all layers share."""
+        S = input_ids_BS.shape[1]
+        device = input_ids_BS.device
+        past = cache.length if cache is not None else 0
+        if past and (doc_ids_BS is None) != (cache.doc_ids_BL is None):
+            raise ValueError("pass doc_ids_BS on every call with a KV cache, or on none")
+        if self.cfg.position == "learned" and past + S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {past + S} tokens exceeds max_seq_len "
+                             f"({self.cfg.max_seq_len}) of the learned position table")
+        doc_all_BL = None
+        if doc_ids_BS is not None:
+            doc_all_BL = doc_ids_BS if not past else torch.cat((cache.doc_ids_BL, doc_ids_BS), 1)
+            pos_all_BL = positions_from_doc_ids(doc_all_BL)
+        else:
+            pos_all_BL = torch.arange(past + S, device=device)[None]  # (1, L): same for all rows
+        if cache is not None:
+            cache.positions_BL, cache.doc_ids_BL = pos_all_BL, doc_all_BL
+        pos_BS = pos_all_BL[:, past:]
+        bias = self.positions.score_bias(pos_BS, pos_all_BL)
+        mask = None  # plain causal: SDPA's is_causal path
+        if past or doc_ids_BS is not None or bias is not None:
+            mask = build_mask(torch.arange(past, past + S, device=device),
+                              torch.arange(past + S, device=device), doc_ids_BS, doc_all_BL, bias)
+        return pos_BS, AttentionInputs(self.positions.rotary(pos_BS), mask, cache)

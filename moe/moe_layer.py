@@ -36,7 +36,8 @@ class MoEConfig:
     every_n_layers == 0; other layers are dense FFNs."""
     first_dense_layers: int = 0
     dense_hidden: int | None = None
-    """Hidden width of the dense layers (default: top_k * expert_hidden, same active size)."""
+    """Hidden width of the dense layers (default: (top_k + num_shared_experts) * expert_hidden,
+    the active expert width of an MoE layer)."""
 
     def problems(self) -> list[str]:
         out = minimums(self, num_experts=1, expert_hidden=1, num_shared_experts=0,
@@ -52,7 +53,7 @@ class MoEConfig:
 
     @property
     def dense_width(self) -> int:
-        return self.dense_hidden or self.router.top_k * self.expert_hidden
+        return self.dense_hidden or (self.router.top_k + self.num_shared_experts) * self.expert_hidden
 
 
 class MoELayer(nn.Module):

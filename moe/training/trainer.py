@@ -26,6 +26,7 @@ from moe.training.config import RunConfig, dump_config
 from moe.training.hooks import (ConsoleHook, Hook, MoEStatsHook, ResourceHook, StepState,
                                  TensorBoardHook, ValidationHook)
 from moe.training.preemption import PREEMPTED_MARKER, PreemptionHook
+from moe.upcycle import initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
 
@@ -102,6 +103,9 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     # identically initialized experts, whatever the layout.
     seed_everything(cfg.train.seed)
     model = MoETransformer(cfg.model)
+    if cfg.model.init_from:  # a resumed run's checkpoint overwrites these weights later
+        initialize_from_checkpoint(model, cfg.model.init_from, cfg.model.upcycle_noise_std,
+                                   cfg.train.seed)
     wrap_moe_layers(model, ep, expert_parallel_rank(env.rank, ep))
     t = cfg.train
     groups = optimizer_param_groups(model, t.weight_decay)

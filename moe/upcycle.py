@@ -1,0 +1,101 @@
+"""Starting a model from another checkpoint's weights, upcycling dense FFNs into MoE layers.
+
+Sparse upcycling (Komatsuzaki et al., 2022): every expert of an MoE layer starts as a copy of
+the dense FFN it replaces (optionally perturbed so that experts can diverge), the router starts
+fresh, and every other weight is copied. With dropless routing whose combine weights sum to 1
+(top-k then softmax, or renormalized softmax-then-top-k, scaling factor 1) and no noise, the
+upcycled model computes exactly the dense model's function at step 0: sum_k w_k FFN(x) = FFN(x).
+
+Use it from a run with ``model.init_from: <dense checkpoint>`` (and ``model.upcycle_noise_std``);
+the experts' width (``model.moe.expert_hidden``) must equal the dense FFN's hidden width.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from moe.errors import CheckpointError, ConfigError
+from moe.model import ModelConfig, MoETransformer
+
+# Fields that must agree for weights to mean the same thing (shapes alone miss e.g. positions).
+_SAME_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "position",
+                "rope_theta", "t5_num_buckets", "t5_max_distance", "norm", "norm_placement",
+                "tie_embeddings")
+_DENSE_FFN = re.compile(r"^blocks\.(\d+)\.ffn\.(w_in|w_out)\.weight$")
+_FRESH = re.compile(r"^blocks\.\d+\.ffn\.(router\.weight|router\.score_bias)$")
+
+
+def incompatibilities(source: ModelConfig, target: ModelConfig) -> list[str]:
+    out = [f"model.{name}: this run has {getattr(target, name)!r}, the source checkpoint "
+           f"{getattr(source, name)!r}"
+           for name in _SAME_FIELDS if getattr(source, name) != getattr(target, name)]
+    if source.moe.activation != target.moe.activation:
+        out.append(f"model.moe.activation: this run has {target.moe.activation!r}, the source "
+                   f"checkpoint {source.moe.activation!r}")
+    return out
+
+
+def upcycle_state_dict(dense_state: dict[str, torch.Tensor], model: MoETransformer,
+                       noise_std: float = 0.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A state dict for ``model`` built from ``dense_state`` (a single-device state dict).
+
+    Same-named, same-shaped tensors are copied. Where ``model`` has an MoE layer and the source
+    a dense FFN (``blocks.i.ffn.w_in/w_out``), each expert gets that FFN's weights, plus
+    Gaussian noise of std ``noise_std * std(weight)`` if ``noise_std > 0``; the router keeps the
+    model's fresh initialization. Anything else that does not line up is an error.
+    """
+    target = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    gen = torch.Generator().manual_seed(seed)
+    used = set()
+    for key, value in target.items():
+        if key in dense_state and dense_state[key].shape == value.shape:
+            out[key] = dense_state[key].clone()
+            used.add(key)
+        elif _FRESH.match(key):
+            out[key] = value.clone()
+        elif key.endswith((".ffn.experts.w_in", ".ffn.experts.w_out")):
+            src_key = key.replace(".experts.", ".") + ".weight"
+            if src_key not in dense_state:
+                problems.append(f"{key}: the source has no dense FFN weight {src_key}")
+                continue
+            w = dense_state[src_key].t()  # nn.Linear (out, in) -> expert layout (in, out)
+            if w.shape != value.shape[1:]:
+                problems.append(f"{key}: experts of shape {tuple(value.shape[1:])} cannot copy the "
+                                f"dense FFN's {tuple(w.shape)}; set model.moe.expert_hidden to the "
+                                "dense FFN's hidden width")
+                continue
+            experts = w.expand_as(value).clone()
+            if noise_std > 0:
+                noise = torch.randn(experts.shape, generator=gen, dtype=torch.float32)
+                experts = experts + (noise * noise_std * w.float().std()).to(experts.dtype)
+            out[key] = experts
+            used.add(src_key)
+        elif key in dense_state:
+            problems.append(f"{key}: shape {tuple(value.shape)} here, "
+                            f"{tuple(dense_state[key].shape)} in the source")
+        else:
+            problems.append(f"{key}: not in the source checkpoint")
+    unused = [k for k in dense_state if k not in used]
+    if unused:
+        problems.append(f"source weights with no place in this model: {unused[:5]}")
+    if problems:
+        raise CheckpointError("cannot initialize the model from the source checkpoint:\n  - "
+                              + "\n  - ".join(problems))
+    return out
+
+
+def initialize_from_checkpoint(model: MoETransformer, path: str | Path, noise_std: float = 0.0,
+                               seed: int = 0) -> None:
+    """Load ``path`` (any layout, dense or MoE) into ``model``, upcycling where needed."""
+    from moe.evaluation import load_model  # evaluation imports the training config
+
+    source, source_cfg, tag_dir = load_model(path)
+    problems = incompatibilities(source_cfg.model, model.cfg)
+    if problems:
+        raise ConfigError(problems, f"model.init_from ({tag_dir})")
+    model.load_state_dict(upcycle_state_dict(source.state_dict(), model, noise_std, seed))

@@ -1,0 +1,40 @@
+"""moe-plan: the command prints the plan of a config, and fills a null vocabulary from the
+prepared data or the tokenizer config."""
+
+import json
+
+import pytest
+
+from launch.calculator import main, resolve_vocab_for_planning
+from moe.training.config import load_config
+
+
+def test_moe_plan_prints_parameters_flops_and_memory(capsys):
+    main(["configs/mixtral-8x7b.yaml", "--zero", "1"])
+    out = capsys.readouterr().out
+    assert "46.70B" in out and "12.88B" in out
+    assert "ZeRO 1" in out and "optimizer states" in out and "FLOPs per token" in out
+
+
+def test_moe_plan_json_with_layout_flags(capsys):
+    main(["configs/deepseek-moe-16b.yaml", "--world-size", "16", "--ep", "16", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert [m["zero_stage"] for m in report["memory"]] == [0, 1, 2]
+    assert all(m["expert_parallel_size"] == 16 for m in report["memory"])
+    assert report["params"]["total"]["shared_experts"] > 0
+
+
+def test_moe_plan_rejects_an_impossible_layout(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["configs/mixtral-8x7b.yaml", "--world-size", "12", "--ep", "8"])
+    assert e.value.code == 2
+    assert "expert parallel size 8 must divide the world size (12)" in capsys.readouterr().err
+
+
+def test_null_vocabulary_comes_from_the_manifest_or_the_tokenizer(tiny_data, tmp_path):
+    cfg = load_config("configs/default.yaml", [f"data.dir={tiny_data.dir}"])
+    assert resolve_vocab_for_planning(cfg).endswith("manifest.json")
+    assert cfg.model.vocab_size == 512
+    cfg = load_config("configs/default.yaml", [f"data.dir={tmp_path / 'none'}"])
+    assert resolve_vocab_for_planning(cfg) == "data.tokenizer.vocab_size"
+    assert cfg.model.vocab_size == 4096
