@@ -44,6 +44,9 @@ class TokenizerConfig:
     model_type: Literal["bpe", "unigram"] = "bpe"
     byte_fallback: bool = True
     """Unknown characters become byte pieces instead of <unk>."""
+    normalization: Literal["identity", "nmt_nfkc"] = "identity"
+    """``identity`` keeps text as it is (with byte fallback, decoding gives the text back
+    exactly, spaces and U+FFFD included); ``nmt_nfkc`` applies NFKC and collapses whitespace."""
     sample_sentences: int = 300000
     """Lines sampled (uniformly, seeded) from the sources to train the tokenizer."""
     special_tokens: list[str] = field(default_factory=list)

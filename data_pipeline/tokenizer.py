@@ -84,6 +84,8 @@ def train_tokenizer(lines: list[str], cfg: TokenizerConfig, out_path: Path,
         unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID, num_threads=num_threads,
         max_sentence_length=16384, shuffle_input_sentence=False, minloglevel=2,
         user_defined_symbols=list(cfg.special_tokens),
+        normalization_rule_name=cfg.normalization,
+        remove_extra_whitespaces=cfg.normalization != "identity",
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
