@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
+import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,8 @@ class PrepareReport:
     skipped: bool
     invalid_utf8: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase: read (tokenizer sample), tokenizer, encode (read, tokenize, write)."""
+    """Seconds per phase: read (tokenizer sample), tokenizer, encode (read, tokenize, write);
+    ``encode_cpu``: CPU seconds of the encode phase over all its processes."""
 
 
 def config_hash(cfg: DataConfig) -> str:
@@ -109,11 +111,14 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     data_dir = Path(cfg.dir)
     want = config_hash(cfg)
     if (data_dir / MANIFEST).exists() and not force:
-        existing = read_manifest(data_dir)
+        replace = "run moe-prepare with --force to replace it, or choose another data.dir"
+        try:
+            existing = read_manifest(data_dir)
+        except DataError as e:
+            raise DataError(f"{e}; {replace}") from e
         if existing.config_hash == want:
             return PrepareReport(data_dir, existing, time.time() - t0, skipped=True)
-        raise DataError(f"{data_dir} holds data prepared from a different config; pass --force "
-                        "to replace it or choose another data.dir")
+        raise DataError(f"{data_dir} holds data prepared from a different config; {replace}")
     staging = data_dir.with_name(f".{data_dir.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)  # left by a killed preparation
     staging.mkdir(parents=True)
@@ -162,7 +167,7 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
             for source in cfg.sources:
                 docs_seen, kept = 0, []
                 jobs = [(source.type, source.field, it) for it in items[source.name]]
-                for docs in _bar(progress, iterable=pool.imap(_read, jobs), total=len(jobs),
+                for docs in _bar(progress, iterable=pool.imap(_read, jobs, chunksize=4), total=len(jobs),
                                  desc=f"read {source.name}", unit="item"):
                     docs_seen += len(docs.docs)
                     for _, text in docs.docs:
@@ -183,7 +188,7 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
         tokenizer = train_tokenizer(sample.lines, cfg.tokenizer, tok_path, num_threads=workers)
     timings["tokenizer"] = time.time() - t
 
-    t = time.time()
+    t, cpu = time.time(), _cpu_seconds()
     splits = {split: SplitInfo() for split in SPLITS}
     source_stats = []
     with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tok_path),)) as pool:
@@ -196,7 +201,7 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
             stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
                      "empty_documents": 0, "invalid_utf8": 0}
             bar = _bar(progress, total=len(jobs), desc=f"tokenize {source.name}", unit="item")
-            for out in pool.imap(_encode, jobs):
+            for out in pool.imap(_encode, jobs, chunksize=4):
                 for split in SPLITS:
                     tokens, lengths = out[split]
                     writers[split].add(tokens, lengths)
@@ -216,7 +221,7 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
                 splits[split].shards += writers[split].shards
             source_stats.append({"name": source.name, "type": source.type,
                                  "paths": list(source.paths), "field": source.field, **stats})
-    timings["encode"] = time.time() - t
+    timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
     if not splits["valid"].shards:
         raise DataError(f"the validation split is empty: too few documents for valid_fraction "
                         f"{cfg.valid_fraction}")
@@ -229,6 +234,12 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
     return PrepareReport(staging, manifest, 0.0, skipped=False,
                          invalid_utf8=sum(s["invalid_utf8"] for s in source_stats),
                          timings=timings)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the pools, once closed)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _check_not_empty(source: SourceConfig, documents: int) -> None:

@@ -167,3 +167,16 @@ def test_cli_prepares_then_verifies(tiny_data, tmp_path, capsys):
     assert "already prepared" in capsys.readouterr().out
     assert np.array_equal(TokenStream(tmp_path / "data", "train").read(0, 100),
                           TokenStream(tiny_data.dir, "train").read(0, 100))
+
+
+def test_data_of_an_older_schema_asks_for_force(tiny_data, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(tiny_data.dir, copy)
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["schema_version"] = 1
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    cfg = dataclasses.replace(tiny_data, dir=str(copy))
+    with pytest.raises(DataError, match="schema version 1.*--force"):
+        prepare(cfg, progress=False)
+    assert not prepare(cfg, force=True, progress=False).skipped
+    assert read_manifest(copy).fingerprint == read_manifest(tiny_data.dir).fingerprint
