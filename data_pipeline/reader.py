@@ -196,9 +196,10 @@ class PackedReader:
         """This rank's micro-batches ``worker, worker + num_workers, ...`` from cursor ``start``.
 
         Rows are located a plan (many micro-batches) at a time, which amortizes the numpy calls
-        of the permutation; each micro-batch is then copied row by row straight from the
-        memory-mapped shards into its int64 array (a small, cache-resident copy: gathering a
-        whole plan into one large buffer first measured slower)."""
+        of the permutation. Each micro-batch is then one copy of its row slices from the
+        memory-mapped shards into a small reused buffer of the stored type and one int64
+        conversion (gathering a whole plan into one large buffer first measured slower: it
+        falls out of cache)."""
         S, B = self.seq_len + 1, self.micro_batch
         per_plan = max(1, min(PLAN_TOKENS // (S * B), PLAN_ROWS // B))
         arrays = [a for s in self.streams for a in s.arrays]

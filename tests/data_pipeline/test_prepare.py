@@ -142,6 +142,9 @@ def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tm
     monkeypatch.setattr(shards, "write_shard", real)
     shutil.copytree(tiny_data.dir, cfg.dir)
     before = read_manifest(cfg.dir).fingerprint
+    leftover = tmp_path / ".data.staging"  # what a killed (SIGKILL) preparation leaves
+    leftover.mkdir()
+    (leftover / "train-docs-00000.arrow").write_bytes(b"half a shard")
     calls.clear()
     monkeypatch.setattr(shards, "write_shard", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
