@@ -1,6 +1,7 @@
 """Preparation: sources -> tokenizer -> Arrow shards + manifest, atomically."""
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -183,3 +184,30 @@ def test_data_of_an_older_schema_asks_for_force(tiny_data, tmp_path):
         prepare(cfg, progress=False)
     assert not prepare(cfg, force=True, progress=False).skipped
     assert read_manifest(copy).fingerprint == read_manifest(tiny_data.dir).fingerprint
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_tokenizer_types_byte_fallback_and_special_ids(tiny_data, tmp_path, model_type):
+    from data_pipeline.tokenizer import LineSample, train_tokenizer
+    sample = LineSample(20000, seed=0)
+    for f in sorted(Path(tiny_data.sources[0].paths[0]).iterdir()):
+        sample.add(f.read_text(encoding="utf-8"))
+    cfg = TokenizerConfig(vocab_size=600, model_type=model_type, special_tokens=["<tool>"])
+    tok = train_tokenizer(sample.lines, cfg, tmp_path / "t.model")
+    assert (tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, 3)
+    text = "Unseen: λx → 漢字 🙂 <tool>  two  spaces"
+    ids = tok.encode(text)
+    assert tok.unk_id not in ids and tok.decode(ids) == text  # byte fallback, identity
+    assert tok.sp.piece_to_id("<tool>") in ids
+    assert tok.sha256 == hashlib.sha256((tmp_path / "t.model").read_bytes()).hexdigest()
+
+
+def test_stdlib_source_reads_docstrings_and_comments():
+    from data_pipeline.sources import read_item, work_items
+    items = work_items(SourceConfig())
+    assert len(items) > 500 and all(not Path(i.name).is_absolute() for i in items)
+    (item,) = [i for i in items if i.name == "textwrap.py"]
+    (doc_id, text), = read_item("stdlib", "text", item).docs
+    assert doc_id == "textwrap.py"
+    assert "Text wrapping and filling." in text  # the module docstring
+    assert "import re" not in text  # code is left out
