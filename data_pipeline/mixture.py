@@ -29,6 +29,9 @@ class MixtureSchedule:
         quota = np.floor(exact).astype(np.int64)
         by_remainder = np.argsort(-(exact - quota), kind="stable")
         quota[by_remainder[:BLOCK - quota.sum()]] += 1
+        if ((w > 0) & (quota == 0)).any():
+            raise ValueError(f"mixture weights {weights}: a weight below 1/{BLOCK} of the total "
+                             "would never be sampled")
         self.weights = [float(x) for x in w]
         self.quota = quota
         # Ideal in-block positions of every source's samples, sorted: the slot table.

@@ -41,6 +41,6 @@ def test_rebased_schedule_continues_each_source():
 
 
 def test_rejects_bad_weights():
-    for w in ([], [0, 0], [-1, 2]):
+    for w in ([], [0, 0], [-1, 2], [1e-6, 1]):
         with pytest.raises(ValueError):
             MixtureSchedule(w)
