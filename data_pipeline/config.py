@@ -9,19 +9,30 @@ from typing import Literal
 @dataclass
 class SourceConfig:
     name: str = "stdlib"
-    """A name for this source (used in the manifest and for mixtures)."""
-    type: Literal["stdlib", "text"] = "stdlib"
+    """A name for this source (used in the manifest, for mixture weights and in the counters)."""
+    type: Literal["stdlib", "text", "jsonl", "parquet", "arrow"] = "stdlib"
     """``stdlib``: docstrings and comments of the installed Python standard library.
-    ``text``: plain-text files; each file is one document."""
+    ``text``: plain-text files, one document per file. ``jsonl``: one JSON object per line, the
+    document is its ``field``. ``parquet`` / ``arrow`` (Arrow IPC files): one document per row,
+    taken from the column ``field``."""
     paths: list[str] = field(default_factory=list)
-    """Files, directories or glob patterns (``text`` sources)."""
+    """Files, directories (searched recursively) or glob patterns (``**`` allowed)."""
+    field: str = "text"
+    """The JSON field or table column holding the text (``jsonl``, ``parquet``, ``arrow``)."""
+    weight: float | None = None
+    """Mixture weight when reading (relative; normalized over sources). Null on every source:
+    each source in proportion to its tokens. Not part of the prepared data: change it freely."""
 
     def problems(self) -> list[str]:
         out = []
-        if self.type == "text" and not self.paths:
-            out.append("paths: a 'text' source needs at least one path or glob")
+        if self.type != "stdlib" and not self.paths:
+            out.append(f"paths: a {self.type!r} source needs at least one path or glob")
         if self.type == "stdlib" and self.paths:
             out.append("paths: a 'stdlib' source takes no paths")
+        if not self.name or "/" in self.name:
+            out.append(f"name: {self.name!r} must be a non-empty name without '/'")
+        if self.weight is not None and not self.weight > 0:
+            out.append(f"weight: must be > 0 (or null), got {self.weight}")
         return out
 
 
@@ -33,12 +44,25 @@ class TokenizerConfig:
     model_type: Literal["bpe", "unigram"] = "bpe"
     byte_fallback: bool = True
     """Unknown characters become byte pieces instead of <unk>."""
+    normalization: Literal["identity", "nmt_nfkc"] = "identity"
+    """``identity`` keeps text as it is (with byte fallback, decoding gives the text back
+    exactly, spaces and U+FFFD included); ``nmt_nfkc`` applies NFKC and collapses whitespace."""
     sample_sentences: int = 300000
-    """Lines sampled from the sources to train the tokenizer."""
+    """Lines sampled (uniformly, seeded) from the sources to train the tokenizer."""
+    special_tokens: list[str] = field(default_factory=list)
+    """Extra pieces that are never split (e.g. ``<|im_start|>``), after UNK=0 BOS=1 EOS=2 PAD=3."""
 
     def problems(self) -> list[str]:
-        return [] if self.vocab_size >= 300 else [
-            f"vocab_size: must be >= 300 (byte fallback needs 256 pieces), got {self.vocab_size}"]
+        out = []
+        if self.vocab_size < 300:
+            out.append(f"vocab_size: must be >= 300 (byte fallback needs 256 pieces), "
+                       f"got {self.vocab_size}")
+        if self.vocab_size > 2**32:
+            out.append(f"vocab_size: must be <= 2**32 (tokens are stored as uint32 at most), "
+                       f"got {self.vocab_size}")
+        if len(set(self.special_tokens)) != len(self.special_tokens) or "" in self.special_tokens:
+            out.append(f"special_tokens: must be distinct non-empty strings, got {self.special_tokens}")
+        return out
 
 
 @dataclass
@@ -50,13 +74,25 @@ class DataConfig:
     valid_fraction: float = 0.02
     """Share of documents in the validation split, chosen by a hash of the document id."""
     shard_tokens: int = 4_000_000
-    """Target tokens per shard."""
+    """Target tokens per shard (a shard closes at the first document end past it)."""
     seq_len: int = 256
     """Tokens per training sequence (each sample holds seq_len + 1 tokens)."""
     seed: int = 1234
     """Seed of the sample order."""
     prepare_workers: int = 2
-    """Processes that tokenize in parallel."""
+    """Processes that read and tokenize in parallel."""
+    loader_workers: int = 0
+    """DataLoader worker processes per rank that pack batches ahead of the step (0: the
+    training process reads them itself)."""
+    allow_other_data_on_resume: bool = False
+    """Resume from a checkpoint whose data fingerprint differs from this data (the counters
+    carry over; the order is that of the new data)."""
+
+    def weights(self) -> dict[str, float] | None:
+        """Mixture weights by source name, or None for natural proportions."""
+        if any(s.weight is None for s in self.sources):
+            return None
+        return {s.name: float(s.weight) for s in self.sources}
 
     def problems(self) -> list[str]:
         out = [f"sources[{i}].{p}" for i, s in enumerate(self.sources) for p in s.problems()]
@@ -68,10 +104,16 @@ class DataConfig:
             out.append("sources: at least one source is needed")
         if not 0 < self.valid_fraction < 1:
             out.append(f"valid_fraction: must be between 0 and 1, got {self.valid_fraction}")
-        if self.shard_tokens < 1024:
-            out.append(f"shard_tokens: must be >= 1024, got {self.shard_tokens}")
+        if not 1024 <= self.shard_tokens <= 2**30:
+            # Arrow list offsets are int32: a shard must stay well below 2**31 tokens.
+            out.append(f"shard_tokens: must be between 1024 and 2**30, got {self.shard_tokens}")
+        weighted = [s.weight is not None for s in self.sources]
+        if any(weighted) and not all(weighted):
+            out.append("sources: give every source a weight, or none (natural proportions)")
         if self.seq_len < 2:
             out.append(f"seq_len: must be >= 2, got {self.seq_len}")
         if self.prepare_workers < 1:
             out.append(f"prepare_workers: must be >= 1, got {self.prepare_workers}")
+        if self.loader_workers < 0:
+            out.append(f"loader_workers: must be >= 0, got {self.loader_workers}")
         return out

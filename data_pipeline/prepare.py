@@ -1,27 +1,40 @@
-"""Data preparation: sources -> tokenizer -> tokenized train/valid Arrow shards + manifest."""
+"""Data preparation: sources -> tokenizer -> tokenized train/valid Arrow shards + manifest.
+
+Everything is built in a staging directory next to ``data.dir`` and swapped in at the end, so
+an interrupted or failed preparation never leaves data the reader would accept (and never
+damages data prepared before). Work items are read and tokenized by a pool of processes and
+written in item order: the shards do not depend on the number of workers.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import multiprocessing as mp
+import resource
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from data_pipeline.config import DataConfig
-from data_pipeline.shards import (MANIFEST, SCHEMA_VERSION, Manifest, SplitInfo, read_manifest,
-                                  token_type, write_manifest, write_shard)
-from data_pipeline.sources import document_refs, read_document
-from data_pipeline.tokenizer import Tokenizer, train_tokenizer
+from data_pipeline.config import DataConfig, SourceConfig
+from data_pipeline.shards import (MANIFEST, SCHEMA_VERSION, SPLITS, Manifest, ShardWriter,
+                                  SplitInfo, read_manifest, token_type, write_manifest)
+from data_pipeline.sources import ItemDocuments, WorkItem, read_item, work_items
+from data_pipeline.tokenizer import LineSample, Tokenizer, train_tokenizer
 from moe.config_schema import to_dict
 from moe.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.model"
+SAMPLE_SEED = 0
+"""Seed of the tokenizer's line sample: fixed, so that data.seed (the reading order) does not
+change the prepared data."""
+READ_CACHE_CHARS = 256 << 20
+"""Documents read for the tokenizer sample are kept (up to this many characters) and tokenized
+without reading them again; larger corpora are read twice."""
 
 
 @dataclass
@@ -30,32 +43,24 @@ class PrepareReport:
     manifest: Manifest
     seconds: float
     skipped: bool
-    invalid_utf8_bytes: int = 0
-
-
-def _read(args: tuple[str, str]) -> tuple[str, int]:
-    return read_document(*args)
-
-
-_TOKENIZER: Tokenizer | None = None
-
-
-def _init_worker(path: str) -> None:
-    global _TOKENIZER
-    _TOKENIZER = Tokenizer(path)
-
-
-def _tokenize(texts: list[str]) -> list[np.ndarray]:
-    assert _TOKENIZER is not None
-    eos = _TOKENIZER.eos_id
-    return [np.asarray(ids + [eos], dtype=np.int64) for ids in _TOKENIZER.encode_batch(texts)]
+    invalid_utf8: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: read (tokenizer sample), tokenizer, encode (read, tokenize, write);
+    ``encode_cpu``: CPU seconds of the encode phase over all its processes."""
 
 
 def config_hash(cfg: DataConfig) -> str:
-    """What determines the prepared data (not where it is written, nor how many workers)."""
+    """What determines the prepared data: not where it is written, how many workers write it,
+    nor how it is read (order seed, sequence length, mixture weights, loader workers)."""
     d = to_dict(cfg)
-    for k in ("dir", "prepare_workers", "seq_len", "seed"):
+    for k in ("dir", "prepare_workers", "seq_len", "seed", "loader_workers",
+              "allow_other_data_on_resume"):
         d.pop(k)
+    for s in d["sources"]:
+        s.pop("weight")
+    model_file = cfg.tokenizer.model_file
+    if model_file and Path(model_file).is_file():
+        d["tokenizer"]["model_sha256"] = hashlib.sha256(Path(model_file).read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -64,98 +69,180 @@ def in_valid_split(source: str, doc_id: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+# --- worker side (each pool process holds its own tokenizer) ---
+
+_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str | None) -> None:
+    global _TOKENIZER
+    _TOKENIZER = Tokenizer(tokenizer_path) if tokenizer_path else None
+
+
+def _read(args: tuple[str, str, WorkItem]) -> ItemDocuments:
+    return read_item(*args)
+
+
+def _encode(args: tuple[SourceConfig, float, WorkItem, ItemDocuments | None]) -> dict:
+    """Read (unless given) and tokenize one work item: per split, the concatenated token ids
+    (each document followed by EOS) and the document lengths."""
+    source, valid_fraction, item, docs = args
+    assert _TOKENIZER is not None
+    if docs is None:
+        docs = read_item(source.type, source.field, item)
+    eos = _TOKENIZER.eos_id
+    out: dict = {"invalid_utf8": docs.invalid_utf8, "empty": docs.empty}
+    for split in SPLITS:
+        texts = [text for doc_id, text in docs.docs
+                 if in_valid_split(source.name, doc_id, valid_fraction) == (split == "valid")]
+        ids = _TOKENIZER.encode_batch(texts)
+        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+        tokens = np.fromiter((t for x in ids for t in (*x, eos)), dtype=np.uint32,
+                             count=int(lengths.sum()))
+        out[split] = (tokens, lengths)
+    return out
+
+
+# --- main side ---
+
 def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> PrepareReport:
     """Prepare ``cfg.dir``; a no-op when it already holds data prepared from the same config."""
     t0 = time.time()
     data_dir = Path(cfg.dir)
     want = config_hash(cfg)
     if (data_dir / MANIFEST).exists() and not force:
-        existing = read_manifest(data_dir)
-        if existing.sources and existing.sources[0].get("config_hash") == want:
+        replace = "run moe-prepare with --force to replace it, or choose another data.dir"
+        try:
+            existing = read_manifest(data_dir)
+        except DataError as e:
+            raise DataError(f"{e}; {replace}") from e
+        if existing.config_hash == want:
             return PrepareReport(data_dir, existing, time.time() - t0, skipped=True)
-        raise DataError(f"{data_dir} holds data prepared from a different config; pass --force "
-                        "to replace it or choose another data.dir")
-
-    # Build everything in a staging directory, then swap it in: an interrupted preparation
-    # never leaves a manifest the reader would accept next to half-written shards.
-    staging = data_dir.with_name(data_dir.name + ".staging")
-    shutil.rmtree(staging, ignore_errors=True)
+        raise DataError(f"{data_dir} holds data prepared from a different config; {replace}")
+    staging = data_dir.with_name(f".{data_dir.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)  # left by a killed preparation
     staging.mkdir(parents=True)
-    workers = max(1, cfg.prepare_workers)
+    try:
+        report = _prepare_into(cfg, staging, want, progress)
+        _swap_in(staging, data_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report.data_dir, report.seconds = data_dir, time.time() - t0
+    return report
+
+
+def _swap_in(staging: Path, data_dir: Path) -> None:
+    old = data_dir.with_name(f".{data_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if data_dir.exists():
+        data_dir.rename(old)
+    staging.rename(data_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _bar(progress: bool, **kw) -> tqdm:
+    return tqdm(disable=None if progress else True, dynamic_ncols=True, **kw)
+
+
+def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> PrepareReport:
+    timings: dict[str, float] = {}
+    items = {s.name: work_items(s) for s in cfg.sources}  # bad paths fail before any work
+    workers = cfg.prepare_workers
     ctx = mp.get_context("spawn")
+    tok_path = staging / TOKENIZER_FILE
+    cache: dict[str, list[ItemDocuments]] | None = None
 
-    docs: list[tuple[str, str, str]] = []  # (source, doc id, text)
-    bad_bytes = 0
-    with ctx.Pool(workers) as pool:
-        for source in cfg.sources:
-            refs = document_refs(source)
-            jobs = [(source.type, r) for r in refs]
-            it = pool.imap(_read, jobs, chunksize=16)
-            for ref, (text, bad) in tqdm(zip(refs, it), total=len(refs), disable=None if progress else True,
-                                         desc=f"read {source.name}", unit="doc"):
-                bad_bytes += bad
-                if text.strip():
-                    docs.append((source.name, _doc_id(source.type, ref), text))
-            if not any(d[0] == source.name for d in docs):
-                raise DataError(f"source {source.name!r} holds no text")
-
+    t = time.time()
     if cfg.tokenizer.model_file:
-        tok_path = staging / TOKENIZER_FILE
-        shutil.copyfile(cfg.tokenizer.model_file, tok_path)
+        try:
+            shutil.copyfile(cfg.tokenizer.model_file, tok_path)
+        except OSError as e:
+            raise DataError(f"tokenizer.model_file {cfg.tokenizer.model_file}: {e.strerror}") from e
         tokenizer = Tokenizer(tok_path)
     else:
+        sample = LineSample(cfg.tokenizer.sample_sentences, SAMPLE_SEED)
+        cache, cached_chars = {}, 0
+        with ctx.Pool(workers) as pool:
+            for source in cfg.sources:
+                docs_seen, kept = 0, []
+                jobs = [(source.type, source.field, it) for it in items[source.name]]
+                for docs in _bar(progress, iterable=pool.imap(_read, jobs, chunksize=4), total=len(jobs),
+                                 desc=f"read {source.name}", unit="item"):
+                    docs_seen += len(docs.docs)
+                    for _, text in docs.docs:
+                        sample.add(text)
+                        cached_chars += len(text)
+                    if cache is not None:
+                        kept.append(docs)
+                    if cached_chars > READ_CACHE_CHARS:
+                        cache = None
+                _check_not_empty(source, docs_seen)
+                if cache is not None:
+                    cache[source.name] = kept
+        timings["read"] = time.time() - t
+        t = time.time()
         if progress:
-            print(f"training a {cfg.tokenizer.model_type} tokenizer "
-                  f"({cfg.tokenizer.vocab_size} pieces) on {len(docs)} documents", flush=True)
-        tokenizer = train_tokenizer((d[2] for d in docs), cfg.tokenizer, staging / TOKENIZER_FILE,
-                                    cfg.seed, num_threads=workers)
+            print(f"training a {cfg.tokenizer.model_type} tokenizer ({cfg.tokenizer.vocab_size} "
+                  f"pieces) on {len(sample.lines):,} of {sample.seen:,} lines", flush=True)
+        tokenizer = train_tokenizer(sample.lines, cfg.tokenizer, tok_path, num_threads=workers)
+    timings["tokenizer"] = time.time() - t
 
-    splits = {"train": SplitInfo(), "valid": SplitInfo()}
-    by_split = {"train": [], "valid": []}
-    for source, doc_id, text in docs:
-        split = "valid" if in_valid_split(source, doc_id, cfg.valid_fraction) else "train"
-        by_split[split].append(text)
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(staging / TOKENIZER_FILE),)) as pool:
-        for split, texts in by_split.items():
-            if not texts:
-                raise DataError(f"the {split} split is empty: too few documents for "
-                                f"valid_fraction {cfg.valid_fraction}")
-            chunks = [texts[i:i + 64] for i in range(0, len(texts), 64)]
-            pending: list[np.ndarray] = []
-            pending_tokens = 0
-            bar = tqdm(total=len(texts), disable=None if progress else True, desc=f"tokenize {split}", unit="doc")
-            for encoded in pool.imap(_tokenize, chunks):
-                bar.update(len(encoded))
-                for arr in encoded:
-                    pending.append(arr)
-                    pending_tokens += len(arr)
-                    if pending_tokens >= cfg.shard_tokens:
-                        _flush(staging, split, splits[split], pending, tokenizer.vocab_size)
-                        pending, pending_tokens = [], 0
-            if pending:
-                _flush(staging, split, splits[split], pending, tokenizer.vocab_size)
+    t, cpu = time.time(), _cpu_seconds()
+    splits = {split: SplitInfo() for split in SPLITS}
+    source_stats = []
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tok_path),)) as pool:
+        for source in cfg.sources:
+            writers = {split: ShardWriter(staging, split, source.name, cfg.shard_tokens,
+                                          tokenizer.vocab_size) for split in SPLITS}
+            kept = cache[source.name] if cache is not None else [None] * len(items[source.name])
+            jobs = [(source, cfg.valid_fraction, it, docs)
+                    for it, docs in zip(items[source.name], kept)]
+            stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
+                     "empty_documents": 0, "invalid_utf8": 0}
+            bar = _bar(progress, total=len(jobs), desc=f"tokenize {source.name}", unit="item")
+            for out in pool.imap(_encode, jobs, chunksize=4):
+                for split in SPLITS:
+                    tokens, lengths = out[split]
+                    writers[split].add(tokens, lengths)
+                    stats["documents"][split] += len(lengths)
+                    stats["tokens"][split] += len(tokens)
+                stats["empty_documents"] += out["empty"]
+                stats["invalid_utf8"] += out["invalid_utf8"]
+                bar.update()
+                bar.set_postfix(tokens=f"{sum(stats['tokens'].values()):,}")
             bar.close()
+            _check_not_empty(source, sum(stats["documents"].values()))
+            if not stats["documents"]["train"]:
+                raise DataError(f"source {source.name!r}: all its {stats['documents']['valid']} "
+                                "documents fell in the validation split; lower valid_fraction")
+            for split in SPLITS:
+                writers[split].flush()
+                splits[split].shards += writers[split].shards
+            source_stats.append({"name": source.name, "type": source.type,
+                                 "paths": list(source.paths), "field": source.field, **stats})
+    timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
+    if not splits["valid"].shards:
+        raise DataError(f"the validation split is empty: too few documents for valid_fraction "
+                        f"{cfg.valid_fraction}")
 
-    manifest = Manifest(
-        schema_version=SCHEMA_VERSION, tokenizer=tokenizer.describe(),
-        token_type=str(token_type(tokenizer.vocab_size)), splits=splits,
-        sources=[{"name": s.name, "type": s.type, "config_hash": want} for s in cfg.sources])
+    manifest = Manifest(schema_version=SCHEMA_VERSION, config_hash=want,
+                        tokenizer=tokenizer.describe(),
+                        token_type=str(token_type(tokenizer.vocab_size)), splits=splits,
+                        sources=source_stats)
     write_manifest(staging, manifest)
-    if data_dir.exists():
-        shutil.rmtree(data_dir)
-    staging.rename(data_dir)
-    return PrepareReport(data_dir, manifest, time.time() - t0, skipped=False,
-                         invalid_utf8_bytes=bad_bytes)
+    return PrepareReport(staging, manifest, 0.0, skipped=False,
+                         invalid_utf8=sum(s["invalid_utf8"] for s in source_stats),
+                         timings=timings)
 
 
-def _doc_id(source_type: str, ref: str) -> str:
-    if source_type == "stdlib":
-        import sysconfig
-        return str(Path(ref).relative_to(sysconfig.get_paths()["stdlib"]))
-    return ref
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the pools, once closed)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _flush(staging: Path, split: str, info: SplitInfo, docs: list[np.ndarray], vocab: int) -> None:
-    name = f"{split}-{len(info.shards):05d}.arrow"
-    shard = write_shard(staging / name, docs, vocab)
-    info.shards.append(shard)
+def _check_not_empty(source: SourceConfig, documents: int) -> None:
+    if not documents:
+        where = f" ({', '.join(source.paths)})" if source.paths else ""
+        raise DataError(f"source {source.name!r}{where} holds no text: every document is empty")

@@ -1,34 +1,340 @@
 """Streaming reader of packed sequences over tokenized Arrow shards.
 
-The token stream of a split is the concatenation of its shards (documents separated by EOS).
-Sample ``i`` is the window ``stream[i * (L + 1) : (i + 1) * (L + 1)]``. The order in which samples
-are consumed is a pure function of (data fingerprint, seed, epoch, global sample index), and the
-only state is a global cursor, so a run can resume on any number of ranks or micro-batch size and
-continue the same global sequence order.
+Shape legend: ``B`` sequences in a micro-batch, ``S = seq_len + 1`` tokens per sequence.
+
+Where a sample comes from, for global sample position ``g`` (counted over the whole job):
+
+1. the mixture schedule picks the source ``s`` of ``g`` and the index ``k`` of that sample within
+   the source's own sample sequence (:mod:`data_pipeline.mixture`);
+2. ``k`` falls in the source's epoch ``e = k // n_s`` (``n_s`` windows of ``S`` tokens fit in
+   its token stream); in epoch ``e`` the source's shards are concatenated in a seeded shuffled
+   order (so window boundaries move from epoch to epoch) and window ``perm_e(k % n_s)`` of that
+   stream is the sample, ``perm_e`` being a seeded Feistel permutation computed on the fly
+   (:mod:`data_pipeline.permutation`).
+
+So the order is a pure function of (data fingerprint, seed, epoch, global position): nothing is
+built over tokens or samples at start-up (one open per shard), the state is one cursor plus
+counters, and any layout can resume any other. Data-parallel rank ``r`` of ``W`` with micro-batch
+``B`` and ``A`` accumulation steps reads, in optimizer step ``t`` after the cursor ``c``, the
+positions ``c + t * G + (m * W + r) * B + [0, B)`` for its micro-batch ``m`` (``G = A * W * B``);
+DataLoader workers take a rank's micro-batches round-robin, which is the order the DataLoader
+yields them in. Positions are disjoint across ranks and workers and contiguous over the job.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_pipeline.shards import Manifest, open_shard, read_manifest
+from data_pipeline.mixture import MixtureSchedule
+from data_pipeline.permutation import FeistelPermutation, round_keys
+from data_pipeline.shards import Manifest, ShardInfo, open_shard, read_manifest
 from moe.errors import DataError
+
+STATE_VERSION = 1
+PLAN_TOKENS, PLAN_ROWS = 1 << 22, 1 << 14
+"""Tokens (and at most rows) located per plan: amortizes the permutation's numpy calls."""
+
+
+@dataclass
+class PackedBatch:
+    tokens_BS: torch.Tensor
+    """Token ids, int64: inputs are ``[:, :-1]``, targets ``[:, 1:]``."""
+    doc_ids_BS: torch.Tensor | None = None
+    """Per token, the index of its document within the sequence (0, 1, ...; a document's EOS
+    belongs to it): attention can be restricted to equal ids and positions restarted where the
+    id changes. None unless the reader was asked for document ids."""
+
+
+def document_ids(tokens_BS: np.ndarray, eos_id: int) -> np.ndarray:
+    """(B, S) int32: the number of EOS tokens strictly before each position of its row."""
+    doc_BS = np.zeros(tokens_BS.shape, dtype=np.int32)
+    np.cumsum(tokens_BS[:, :-1] == eos_id, axis=1, dtype=np.int32, out=doc_BS[:, 1:])
+    return doc_BS
+
+
+class SourceStream:
+    """One source's shards of one split, as windows of ``window`` tokens (see module doc)."""
+
+    def __init__(self, data_dir: Path, name: str, shards: list[ShardInfo], ttype: str,
+                 window: int, key: tuple):
+        if not shards:
+            raise DataError(f"{data_dir}: source {name!r} has no shards in this split")
+        self.name, self.window, self.key = name, window, key
+        self.files = [data_dir / s.file for s in shards]
+        self.arrays = [open_shard(f, s, ttype) for f, s in zip(self.files, shards)]
+        self.lengths = np.array([len(a) for a in self.arrays], dtype=np.int64)
+        self.num_samples = int(self.lengths.sum()) // window
+        if self.num_samples < 1:
+            raise DataError(f"{data_dir}: source {name!r} has {int(self.lengths.sum())} tokens, "
+                            f"fewer than one sequence of {window}")
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray, FeistelPermutation]] = {}
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, FeistelPermutation]:
+        if epoch not in self._epochs:
+            if len(self._epochs) >= 4:
+                self._epochs.pop(next(iter(self._epochs)))
+            seed = np.frombuffer(round_keys(*self.key, "shards", epoch).tobytes(), np.uint32)
+            order = np.random.default_rng(seed).permutation(len(self.arrays))
+            starts = np.zeros(len(order) + 1, dtype=np.int64)
+            np.cumsum(self.lengths[order], out=starts[1:])
+            perm = FeistelPermutation(self.num_samples, round_keys(*self.key, "samples", epoch))
+            self._epochs[epoch] = (order, starts, perm)
+        return self._epochs[epoch]
+
+    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        """For source sample indices ``k``: the shard and offset of each window, and the rows of
+        windows that cross a shard boundary, already assembled (shard set to -1)."""
+        epoch, index = np.divmod(k, self.num_samples)
+        shard, offset = np.empty_like(k), np.empty_like(k)
+        crossing: dict[int, np.ndarray] = {}
+        for e in np.unique(epoch).tolist():
+            sel = np.flatnonzero(epoch == e)
+            order, starts, perm = self._epoch(e)
+            begin = perm(index[sel]) * self.window
+            pos = np.searchsorted(starts, begin, side="right") - 1
+            shard[sel], offset[sel] = order[pos], begin - starts[pos]
+            for i in np.flatnonzero(begin + self.window > starts[pos + 1]).tolist():
+                crossing[int(sel[i])] = self._assemble(order, starts, int(pos[i]), int(begin[i]))
+                shard[sel[i]] = -1
+        return shard, offset, crossing
+
+    def _assemble(self, order: np.ndarray, starts: np.ndarray, pos: int, begin: int) -> np.ndarray:
+        parts, need, local = [], self.window, begin - int(starts[pos])
+        while need:
+            piece = self.arrays[order[pos]][local:local + need]
+            parts.append(piece)
+            need, pos, local = need - len(piece), pos + 1, 0
+        return np.concatenate(parts)
+
+    def where(self, k: int) -> str:
+        """The file and offset a sample starts at (for error messages)."""
+        epoch, index = divmod(k, self.num_samples)
+        order, starts, perm = self._epoch(epoch)
+        begin = int(perm(np.array([index]))[0]) * self.window
+        pos = int(np.searchsorted(starts, begin, side="right")) - 1
+        return f"{self.files[order[pos]]} at token {begin - int(starts[pos])}"
+
+
+class PackedReader:
+    """Micro-batches of packed training sequences for one data-parallel rank.
+
+    ``weights`` (source name -> weight) mixes the sources; None takes each in proportion to its
+    tokens. ``loader_workers`` > 0 packs batches ahead in DataLoader worker processes.
+    ``document_ids`` adds per-token document ids to :meth:`next_step`'s batches."""
+
+    def __init__(self, data_dir: str | Path, seq_len: int, seed: int, rank: int = 0,
+                 world: int = 1, micro_batch: int = 1, *, weights: dict[str, float] | None = None,
+                 loader_workers: int = 0, document_ids: bool = False,
+                 allow_other_data: bool = False):
+        if not 0 <= rank < world or micro_batch < 1 or seq_len < 1:
+            raise ValueError(f"bad layout: rank {rank}, world {world}, micro_batch {micro_batch}, "
+                             f"seq_len {seq_len}")
+        self._spec = dict(data_dir=str(data_dir), seq_len=seq_len, seed=seed, rank=rank,
+                          world=world, micro_batch=micro_batch, weights=weights,
+                          loader_workers=0, document_ids=document_ids,
+                          allow_other_data=allow_other_data)
+        self.data_dir = Path(data_dir)
+        self.seq_len, self.seed = seq_len, seed
+        self.rank, self.world, self.micro_batch = rank, world, micro_batch
+        self.loader_workers, self.document_ids = loader_workers, document_ids
+        self.allow_other_data = allow_other_data
+        self.manifest: Manifest = read_manifest(self.data_dir)
+        self.fingerprint = self.manifest.fingerprint
+        self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
+        self.eos_id = int(self.manifest.tokenizer["eos_id"])
+        names = self.manifest.source_names
+        shards = self.manifest.splits["train"]
+        self.streams = [SourceStream(self.data_dir, n, shards.of_source(n),
+                                     self.manifest.token_type, seq_len + 1,
+                                     (self.fingerprint, seed, n)) for n in names]
+        if weights is None:
+            self.weights = [float(s.lengths.sum()) for s in self.streams]
+        else:
+            if sorted(weights) != sorted(names):
+                raise DataError(f"{self.data_dir}: mixture weights name sources {sorted(weights)} "
+                                f"but the data holds {sorted(names)}")
+            self.weights = [float(weights[n]) for n in names]
+        self.schedule = MixtureSchedule(self.weights)
+        # Shards of all sources in one list: source s's shards start at _first_shard[s].
+        self._first_shard = np.cumsum([0] + [len(s.arrays) for s in self.streams[:-1]]).tolist()
+        self.consumed = 0  # global samples consumed at step boundaries: the cursor
+        self._iter: Iterator[PackedBatch] | None = None
+        self._iter_key: tuple[int, int] | None = None
+
+    # --- where samples come from ---
+
+    def rank_positions(self, start: int, accum: int, micro: np.ndarray) -> np.ndarray:
+        """(len(micro), B) global positions of this rank's micro-batches ``micro`` (counted from
+        the cursor ``start``, ``accum`` micro-batches per optimizer step)."""
+        step, m = np.divmod(np.asarray(micro, dtype=np.int64), accum)
+        base = start + step * (accum * self.world * self.micro_batch) + \
+            (m * self.world + self.rank) * self.micro_batch
+        return base[:, None] + np.arange(self.micro_batch)
+
+    def _locate(self, positions: np.ndarray):
+        source, k = self.schedule.locate(positions.reshape(-1))
+        shard = np.empty_like(k)
+        offset = np.empty_like(k)
+        prebuilt: dict[int, np.ndarray] = {}
+        for s, stream in enumerate(self.streams):
+            rows = np.flatnonzero(source == s)
+            if rows.size:
+                sh, off, crossing = stream.locate(k[rows])
+                shard[rows], offset[rows] = sh + self._first_shard[s], off
+                prebuilt.update((int(rows[i]), row) for i, row in crossing.items())
+                shard[rows[sh < 0]] = -1
+        return source, k, shard, offset, prebuilt
+
+    def _batches(self, start: int, accum: int, worker: int = 0,
+                 num_workers: int = 1) -> Iterator[PackedBatch]:
+        """This rank's micro-batches ``worker, worker + num_workers, ...`` from cursor ``start``.
+
+        Rows are located a plan (many micro-batches) at a time, which amortizes the numpy calls
+        of the permutation. Each micro-batch is then one copy of its row slices from the
+        memory-mapped shards into a small reused buffer of the stored type and one int64
+        conversion (gathering a whole plan into one large buffer first measured slower: it
+        falls out of cache)."""
+        S, B = self.seq_len + 1, self.micro_batch
+        per_plan = max(1, min(PLAN_TOKENS // (S * B), PLAN_ROWS // B))
+        arrays = [a for s in self.streams for a in s.arrays]
+        first = worker
+        while True:
+            micro = first + num_workers * np.arange(per_plan)
+            source, k, shard, offset, prebuilt = self._locate(self.rank_positions(start, accum, micro))
+            shard_rows = shard.reshape(per_plan, B).tolist()
+            offset_rows = offset.reshape(per_plan, B).tolist()
+            stored_BS = np.empty((B, S), dtype=arrays[0].dtype)
+            for i in range(per_plan):
+                # One C-level copy of the B row slices, then one int64 conversion.
+                np.concatenate([arrays[g][a:a + S] if g >= 0 else prebuilt[i * B + j]
+                                for j, (g, a) in enumerate(zip(shard_rows[i], offset_rows[i]))],
+                               out=stored_BS.reshape(-1))
+                tokens_BS = stored_BS.astype(np.int64)
+                if stored_BS.max() >= self.vocab_size:
+                    self._out_of_range(tokens_BS, source[i * B:], k[i * B:])
+                doc_BS = document_ids(stored_BS, self.eos_id) if self.document_ids else None
+                yield PackedBatch(torch.from_numpy(tokens_BS),
+                                  torch.from_numpy(doc_BS) if doc_BS is not None else None)
+            first += num_workers * per_plan
+
+    def _out_of_range(self, tokens_BS: np.ndarray, source: np.ndarray, k: np.ndarray) -> None:
+        row = int(np.flatnonzero((tokens_BS >= self.vocab_size).any(axis=1))[0])
+        where = self.streams[int(source[row])].where(int(k[row]))
+        raise DataError(f"token id {int(tokens_BS[row].max())} out of range for the tokenizer's "
+                        f"vocabulary of {self.vocab_size} in the sample from {where}")
+
+    # --- the training interface ---
+
+    def next_step(self, accum: int) -> list[PackedBatch]:
+        """The ``accum`` micro-batches of this rank's next optimizer step; advances the cursor."""
+        if self._iter is None or self._iter_key != (self.consumed, accum):
+            self._iter = self._open_iter(accum)
+        out = [next(self._iter) for _ in range(accum)]
+        self.consumed += accum * self.world * self.micro_batch
+        self._iter_key = (self.consumed, accum)
+        return out
+
+    def micro_batches(self, accum: int) -> list[torch.Tensor]:
+        """Token tensors (B, S) of this rank's next optimizer step; advances the cursor."""
+        return [b.tokens_BS for b in self.next_step(accum)]
+
+    def _open_iter(self, accum: int) -> Iterator[PackedBatch]:
+        if self.loader_workers == 0:
+            return self._batches(self.consumed, accum)
+        dataset = _RankDataset(self._spec, self._mixture_state(), self.consumed, accum)
+        return iter(DataLoader(dataset, batch_size=None, num_workers=self.loader_workers,
+                               prefetch_factor=2))
+
+    # --- state ---
+
+    def _mixture_state(self) -> dict:
+        return {"weights": self.weights, "base_samples": self.schedule.base_samples,
+                "base_counts": self.schedule.base_counts.tolist()}
+
+    def _set_mixture(self, state: dict) -> None:
+        self.schedule = MixtureSchedule(state["weights"], state["base_samples"],
+                                        state["base_counts"])
+
+    def state_dict(self) -> dict:
+        counts = self.schedule.counts(self.consumed)
+        return {
+            "version": STATE_VERSION, "fingerprint": self.fingerprint, "seed": self.seed,
+            "seq_len": self.seq_len, "consumed_samples": self.consumed,
+            "sources": {s.name: {"samples": int(c), "tokens": int(c) * (self.seq_len + 1),
+                                 "epoch": int(c) // s.num_samples}
+                        for s, c in zip(self.streams, counts)},
+            "mixture": self._mixture_state(),
+        }
+
+    def load_state_dict(self, state: dict, allow_other_data: bool | None = None) -> None:
+        """Continue where ``state`` left off, on this reader's layout (any world size, micro-batch
+        size or worker count). The data must be the same unless ``allow_other_data`` (default:
+        the constructor's); seq_len and seed must be the same."""
+        allow = self.allow_other_data if allow_other_data is None else allow_other_data
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"data reader state version {state.get('version')} is not "
+                            f"{STATE_VERSION}")
+        if state["fingerprint"] != self.fingerprint and not allow:
+            raise DataError(f"the checkpoint's data fingerprint {state['fingerprint']} differs "
+                            f"from that of {self.data_dir} ({self.fingerprint}); set "
+                            "data.allow_other_data_on_resume to resume on other data anyway")
+        if state["seq_len"] != self.seq_len or state["seed"] != self.seed:
+            raise DataError("the checkpoint's data stream used seq_len/seed "
+                            f"{state['seq_len']}/{state['seed']}, this run {self.seq_len}/{self.seed}")
+        consumed = int(state["consumed_samples"])
+        names = [s.name for s in self.streams]
+        counts = [int(state["sources"].get(n, {"samples": 0})["samples"]) for n in names]
+        same_sources = list(state["sources"]) == names
+        if same_sources and state["mixture"]["weights"] == self.weights:
+            self._set_mixture(state["mixture"])
+            if self.schedule.counts(consumed).tolist() != counts:
+                raise DataError(f"inconsistent data reader state: per-source counters {counts} "
+                                f"do not match the cursor {consumed}")
+        elif same_sources or allow:
+            # New weights (or new sources): restart the schedule here from the counters.
+            self.schedule = MixtureSchedule(self.weights, consumed, counts)
+        else:
+            raise DataError(f"the checkpoint read sources {list(state['sources'])}, this data "
+                            f"holds {names}")
+        self.consumed = consumed
+        self._iter = None
+
+
+class _RankDataset(IterableDataset):
+    """A rank's micro-batches from a cursor, split round-robin over DataLoader workers; each
+    worker memory-maps the shards itself."""
+
+    def __init__(self, spec: dict, mixture: dict, start: int, accum: int):
+        self.spec, self.mixture, self.start, self.accum = spec, mixture, start, accum
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        reader = PackedReader(**self.spec)
+        reader._set_mixture(self.mixture)
+        return reader._batches(self.start, self.accum, worker, num_workers)
 
 
 class TokenStream:
-    """Random access to a split's concatenated tokens, memory-mapped shard by shard. Start-up
-    cost is one open per shard; no index over tokens is built."""
+    """Random access to a split's tokens (its shards concatenated in manifest order, or one
+    source's), memory-mapped shard by shard."""
 
-    def __init__(self, data_dir: str | Path, split: str, manifest: Manifest | None = None):
+    def __init__(self, data_dir: str | Path, split: str, source: str | None = None):
         self.data_dir = Path(data_dir)
-        self.manifest = manifest or read_manifest(self.data_dir)
+        self.manifest = read_manifest(self.data_dir)
         if split not in self.manifest.splits:
             raise DataError(f"{self.data_dir}: no split {split!r} in the manifest")
         infos = self.manifest.splits[split].shards
-        self.shards = [open_shard(self.data_dir / s.file, s) for s in infos]
+        if source is not None:
+            infos = [s for s in infos if s.source == source]
+        self.files = [self.data_dir / s.file for s in infos]
+        self.shards = [open_shard(f, s, self.manifest.token_type) for f, s in zip(self.files, infos)]
         self.starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
         np.cumsum([len(s) for s in self.shards], out=self.starts[1:])
         self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
@@ -43,74 +349,21 @@ class TokenStream:
         while filled < length:
             local = pos - self.starts[shard]
             take = min(length - filled, len(self.shards[shard]) - local)
-            out[filled:filled + take] = self.shards[shard][local:local + take]
+            piece = self.shards[shard][local:local + take]
+            if take and piece.max() >= self.vocab_size:
+                raise DataError(f"{self.files[shard]}: token id {int(piece.max())} out of range "
+                                f"for the tokenizer's vocabulary of {self.vocab_size}")
+            out[filled:filled + take] = piece
             filled, pos, shard = filled + take, pos + take, shard + 1
-        if out.size and out.max() >= self.vocab_size:
-            raise DataError(f"{self.data_dir}: token id {int(out.max())} out of range for the "
-                            f"tokenizer's vocabulary of {self.vocab_size}")
         return out
 
 
-class PackedReader:
-    """Micro-batches of packed training sequences for one data-parallel rank.
-
-    A global batch of step s is the samples at order positions [s * G, (s + 1) * G) with
-    G = micro_batch * accum * world; rank r's m-th micro-batch of that step is the slice starting
-    at s * G + (m * world + r) * micro_batch. Every rank reads disjoint samples."""
-
-    def __init__(self, data_dir: str | Path, seq_len: int, seed: int, rank: int, world: int,
-                 micro_batch: int):
-        self.stream = TokenStream(data_dir, "train")
-        self.seq_len, self.seed = seq_len, seed
-        self.rank, self.world, self.micro_batch = rank, world, micro_batch
-        self.num_samples = len(self.stream) // (seq_len + 1)
-        if self.num_samples < world * micro_batch:
-            raise DataError(f"{data_dir}: only {self.num_samples} training sequences of "
-                            f"{seq_len + 1} tokens; need at least {world * micro_batch}")
-        self.fingerprint = self.stream.manifest.fingerprint
-        self.consumed = 0  # global samples consumed at step boundaries: the whole state
-        self._perm_epoch, self._perm = -1, None
-
-    def _sample_id(self, position: int) -> int:
-        epoch, index = divmod(position, self.num_samples)
-        if epoch != self._perm_epoch:
-            key = int(self.fingerprint, 16) % 2**63
-            self._perm = np.random.default_rng([self.seed, key, epoch]).permutation(self.num_samples)
-            self._perm_epoch = epoch
-        return int(self._perm[index])
-
-    def sample(self, position: int) -> np.ndarray:
-        i = self._sample_id(position)
-        return self.stream.read(i * (self.seq_len + 1), self.seq_len + 1)
-
-    def micro_batches(self, accum: int) -> list[torch.Tensor]:
-        """The micro-batches of the next optimizer step for this rank; advances the cursor."""
-        out = []
-        for m in range(accum):
-            base = self.consumed + (m * self.world + self.rank) * self.micro_batch
-            rows = [self.sample(base + j) for j in range(self.micro_batch)]
-            out.append(torch.from_numpy(np.stack(rows)))
-        self.consumed += accum * self.world * self.micro_batch
-        return out
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed, "seed": self.seed,
-                "fingerprint": self.fingerprint, "seq_len": self.seq_len}
-
-    def load_state_dict(self, state: dict, allow_other_data: bool = False) -> None:
-        if state["fingerprint"] != self.fingerprint and not allow_other_data:
-            raise DataError(f"the checkpoint's data fingerprint {state['fingerprint']} differs from "
-                            f"this data's {self.fingerprint}; pass allow_other_data to resume anyway")
-        if state["seq_len"] != self.seq_len or state["seed"] != self.seed:
-            raise DataError("the checkpoint's data stream used seq_len/seed "
-                            f"{state['seq_len']}/{state['seed']}, this run {self.seq_len}/{self.seed}")
-        self.consumed = int(state["consumed_samples"])
-
-
-def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int | None = None):
-    """A fixed pass over the validation split: consecutive windows of seq_len + 1 tokens that
-    overlap by one token, so every token after the first is predicted exactly once."""
-    stream = TokenStream(data_dir, "valid")
+def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int | None = None,
+                       source: str | None = None) -> Iterator[torch.Tensor]:
+    """A fixed pass over the validation split (or one source's part of it): consecutive windows
+    of seq_len + 1 tokens that overlap by one token, so every token after the first is predicted
+    exactly once."""
+    stream = TokenStream(data_dir, "valid", source)
     total = len(stream) if max_tokens is None else min(len(stream), max_tokens + 1)
     start = 0
     while start + 1 < total:

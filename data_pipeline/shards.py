@@ -2,9 +2,10 @@
 
 A shard is an Arrow IPC *file* (memory-mappable) with one column ``tokens`` (list of the smallest
 unsigned integer type that holds the vocabulary), one row per document, each document ending with
-EOS. Concatenating the rows gives the token stream that sequences are packed from. Every file is
-written under a temporary name and renamed into place, so a crash never leaves a file the reader
-would accept; the manifest is written last.
+EOS. Every shard holds documents of one source and one split; concatenating a source's shards
+gives the token stream its sequences are packed from. Every file is written under a temporary
+name, flushed to disk and renamed into place, so a crash never leaves a file the reader would
+accept; the manifest, which lists every shard with its counts and SHA-256, is written last.
 """
 
 from __future__ import annotations
@@ -20,24 +21,34 @@ import pyarrow as pa
 
 from moe.errors import DataError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
+SPLITS = ("train", "valid")
 
 
 def token_type(vocab_size: int) -> pa.DataType:
-    return pa.uint16() if vocab_size <= 2**16 else pa.uint32()
+    """The smallest unsigned integer type that holds every id of the vocabulary."""
+    for t in (pa.uint8(), pa.uint16(), pa.uint32()):
+        if vocab_size <= 2 ** t.bit_width:
+            return t
+    raise DataError(f"a vocabulary of {vocab_size} pieces does not fit in uint32 token ids")
 
 
 @dataclass
 class ShardInfo:
     file: str  # relative to the data directory
+    source: str
     documents: int
     tokens: int
+    sha256: str
 
 
 @dataclass
 class SplitInfo:
     shards: list[ShardInfo] = field(default_factory=list)
+
+    def of_source(self, name: str) -> list[ShardInfo]:
+        return [s for s in self.shards if s.source == name]
 
     @property
     def tokens(self) -> int:
@@ -51,30 +62,39 @@ class SplitInfo:
 @dataclass
 class Manifest:
     schema_version: int
+    config_hash: str
+    """Hash of the data config that produced this data (a re-run with the same one is a no-op)."""
     tokenizer: dict
     token_type: str
     splits: dict[str, SplitInfo]
     sources: list[dict]
+    """Per source: name, type, paths, field, documents, empty documents skipped, invalid UTF-8
+    sequences replaced, tokens per split."""
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s["name"] for s in self.sources]
 
     @property
     def fingerprint(self) -> str:
-        """Identity of the tokenized data: the tokenizer and every shard's name and size."""
+        """Identity of the tokenized data: the tokenizer and every shard's name, counts and hash."""
         h = hashlib.sha256(self.tokenizer["sha256"].encode())
         for name in sorted(self.splits):
             for s in self.splits[name].shards:
-                h.update(f"{name}:{s.file}:{s.documents}:{s.tokens}".encode())
+                h.update(f"{name}:{s.file}:{s.source}:{s.documents}:{s.tokens}:{s.sha256}".encode())
         return h.hexdigest()[:16]
 
     def to_json(self) -> dict:
         out = asdict(self)
+        out["fingerprint"] = self.fingerprint
         for name, split in self.splits.items():
             out["splits"][name]["tokens"] = split.tokens
             out["splits"][name]["documents"] = split.documents
-        out["fingerprint"] = self.fingerprint
         return out
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data) -> None:
+    """Write bytes (or any buffer) to ``path`` so that it is either complete or absent."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -83,22 +103,72 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(path: Path, docs: list[np.ndarray], vocab_size: int) -> ShardInfo:
-    """Write documents (arrays of token ids, EOS included) as one Arrow IPC file."""
+def shard_schema(ttype: pa.DataType) -> pa.Schema:
+    return pa.schema([pa.field("tokens", pa.list_(ttype))],
+                     metadata={"schema_version": str(SCHEMA_VERSION)})
+
+
+def write_shard(path: Path, source: str, tokens: np.ndarray, lengths: np.ndarray,
+                vocab_size: int) -> ShardInfo:
+    """Write documents, given as their concatenated token ids (each ending with EOS) and their
+    lengths, as one Arrow IPC file."""
     ttype = token_type(vocab_size)
-    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-    offsets = np.zeros(len(docs) + 1, dtype=np.int32)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate(docs).astype(ttype.to_pandas_dtype()) if docs else np.zeros(0, ttype.to_pandas_dtype())
-    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=ttype))
-    schema = pa.schema([pa.field("tokens", pa.list_(ttype))],
-                       metadata={"schema_version": str(SCHEMA_VERSION)})
+    if offsets[-1] != len(tokens):
+        raise ValueError(f"document lengths sum to {offsets[-1]}, not {len(tokens)} tokens")
+    values = pa.array(np.asarray(tokens).astype(ttype.to_pandas_dtype(), copy=False), type=ttype)
+    schema = shard_schema(ttype)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, schema) as writer:
-        writer.write_batch(pa.record_batch([column], schema=schema))
+        writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(pa.array(offsets), values)],
+                                           schema=schema))
+    buf = sink.getvalue()
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, sink.getvalue().to_pybytes())
-    return ShardInfo(file=str(path.name), documents=len(docs), tokens=int(lengths.sum()))
+    write_atomic(path, buf)
+    return ShardInfo(file=path.name, source=source, documents=len(lengths), tokens=len(tokens),
+                     sha256=hashlib.sha256(buf).hexdigest())
+
+
+class ShardWriter:
+    """Collects a split's documents of one source and writes a shard each time
+    ``shard_tokens`` are reached (shards end at document boundaries)."""
+
+    def __init__(self, data_dir: Path, split: str, source: str, shard_tokens: int,
+                 vocab_size: int):
+        self.data_dir, self.split, self.source = data_dir, split, source
+        self.shard_tokens, self.vocab_size = shard_tokens, vocab_size
+        self.shards: list[ShardInfo] = []
+        self._tokens: list[np.ndarray] = []
+        self._lengths: list[np.ndarray] = []
+        self._pending = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents (concatenated tokens, per-document lengths)."""
+        ends = np.cumsum(lengths)
+        start_doc, start_tok = 0, 0
+        while start_doc < len(lengths):
+            # Last document of this shard: the first whose end reaches the target.
+            need = self.shard_tokens - self._pending + start_tok
+            cut = int(np.searchsorted(ends, need, side="left"))
+            if cut >= len(lengths):
+                self._tokens.append(tokens[start_tok:])
+                self._lengths.append(lengths[start_doc:])
+                self._pending += int(ends[-1]) - start_tok
+                return
+            self._tokens.append(tokens[start_tok:ends[cut]])
+            self._lengths.append(lengths[start_doc:cut + 1])
+            self.flush()
+            start_doc, start_tok = cut + 1, int(ends[cut])
+
+    def flush(self) -> None:
+        if not self._lengths or not sum(len(x) for x in self._lengths):
+            return
+        name = f"{self.split}-{self.source}-{len(self.shards):05d}.arrow"
+        self.shards.append(write_shard(self.data_dir / name, self.source,
+                                       np.concatenate(self._tokens), np.concatenate(self._lengths),
+                                       self.vocab_size))
+        self._tokens, self._lengths, self._pending = [], [], 0
 
 
 def write_manifest(data_dir: Path, manifest: Manifest) -> None:
@@ -117,24 +187,32 @@ def read_manifest(data_dir: str | Path) -> Manifest:
         if raw["schema_version"] != SCHEMA_VERSION:
             raise DataError(f"{path}: schema version {raw['schema_version']}, this reader reads "
                             f"{SCHEMA_VERSION}; prepare the data again")
-        splits = {name: SplitInfo([ShardInfo(**s) for s in split["shards"]])
-                  for name, split in raw["splits"].items()}
-        return Manifest(raw["schema_version"], raw["tokenizer"], raw["token_type"], splits,
-                        raw["sources"])
+        splits = {name: SplitInfo([ShardInfo(**s) for s in raw["splits"][name]["shards"]])
+                  for name in SPLITS}
+        manifest = Manifest(raw["schema_version"], raw["config_hash"], raw["tokenizer"],
+                            raw["token_type"], splits, raw["sources"])
+        names = {s.source for split in splits.values() for s in split.shards}
+        if not names <= set(manifest.source_names):
+            raise DataError(f"{path}: shards of unknown sources {sorted(names - set(manifest.source_names))}")
+        if manifest.token_type != str(token_type(int(manifest.tokenizer["vocab_size"]))):
+            raise DataError(f"{path}: token type {manifest.token_type} does not match the "
+                            f"vocabulary of {manifest.tokenizer['vocab_size']}")
+        return manifest
     except (KeyError, TypeError) as e:
         raise DataError(f"{path}: malformed manifest (missing or bad field {e})") from e
 
 
-def open_shard(path: Path, expected: ShardInfo) -> np.ndarray:
+def open_shard(path: Path, expected: ShardInfo, ttype: str) -> np.ndarray:
     """Memory-map a shard and return its flat token stream (zero-copy), checked against the
-    manifest's counts."""
+    manifest: schema, token type, document and token counts. O(1): no token is read."""
+    want = shard_schema(getattr(pa, ttype)())
     try:
         reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        if reader.schema.metadata is None or \
-                reader.schema.metadata.get(b"schema_version") != str(SCHEMA_VERSION).encode():
-            raise DataError(f"{path}: wrong shard schema version (expected {SCHEMA_VERSION})")
-        if reader.schema.names != ["tokens"]:
-            raise DataError(f"{path}: wrong shard schema {reader.schema.names}, expected ['tokens']")
+        if not reader.schema.equals(want, check_metadata=True):
+            found = ", ".join(f"{f.name}: {f.type}" for f in reader.schema)
+            version = (reader.schema.metadata or {}).get(b"schema_version", b"none").decode()
+            raise DataError(f"{path}: wrong shard schema ({found}; schema version {version}), "
+                            f"expected (tokens: list<item: {ttype}>; schema version {SCHEMA_VERSION})")
         batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     except FileNotFoundError:
         raise DataError(f"{path}: shard listed in the manifest is missing") from None

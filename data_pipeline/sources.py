@@ -1,15 +1,28 @@
-"""Document sources: each yields (document id, text) pairs in a deterministic order."""
+"""Document sources: text files, JSONL, Parquet, Arrow IPC and the standard-library corpus.
+
+A source is cut into work items (a file, a byte range of a JSONL file, a Parquet row group, an
+Arrow record batch), listed in a deterministic order; the preparation reads and tokenizes items in
+parallel processes and writes their documents in item order, so the result does not depend on the
+number of workers. Each document has an id that is stable for the same input files; the
+train/validation split is a hash of (source name, document id).
+Bytes that are not valid UTF-8 are decoded with U+FFFD and counted, never silently dropped.
+"""
 
 from __future__ import annotations
 
 import ast
 import glob
+import itertools
 import io
+import json
 import os
 import sysconfig
 import tokenize
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from data_pipeline.config import SourceConfig
 from moe.errors import DataError
@@ -45,41 +58,183 @@ def stdlib_document(path: Path) -> str:
     return "\n".join(text for _, text in pieces)
 
 
-def text_files(patterns: list[str]) -> list[Path]:
-    files: set[Path] = set()
+JSONL_CHUNK_BYTES = 8 << 20
+"""JSONL files are split into byte ranges of about this size (cut at line ends)."""
+
+
+def _glob_base(pattern: str) -> Path:
+    """The directory part of a pattern before its first wildcard."""
+    parts = Path(pattern).parts
+    fixed = list(itertools.takewhile(lambda p: not glob.has_magic(p), parts))
+    return Path(*fixed) if fixed else Path(".")
+
+
+def matching_files(patterns: list[str], source: str) -> list[tuple[Path, str]]:
+    """Files matched by the patterns, each with its name relative to its pattern's base (a
+    directory pattern: that directory; a file: its parent). Document ids use that name, so the
+    train/validation split does not depend on where the files live."""
+    files: dict[Path, str] = {}
     for pattern in patterns:
-        matches = glob.glob(os.path.expanduser(pattern), recursive=True)
+        pattern = os.path.expanduser(pattern)
+        matches = glob.glob(pattern, recursive=True)
         if not matches:
-            raise DataError(f"text source: nothing matches {pattern!r}")
+            raise DataError(f"source {source!r}: nothing matches {pattern!r}")
+        base = _glob_base(pattern)
         for m in matches:
             p = Path(m)
-            files.update(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else files.add(p)
-    return sorted(files)
+            if p.is_dir():
+                files.update((q, str(q.relative_to(p))) for q in p.rglob("*") if q.is_file())
+            else:
+                files[p] = str(p.relative_to(base)) if base in p.parents else p.name
+    return sorted(files.items())
 
 
-def document_refs(source: SourceConfig) -> list[str]:
-    """The ids (paths) of a source's documents, sorted: the unit of parallel work."""
-    if source.type == "stdlib":
-        return [str(p) for p in stdlib_files()]
-    return [str(p) for p in text_files(source.paths)]
+@dataclass(frozen=True)
+class WorkItem:
+    """A piece of a source read by one worker: ``part`` is a byte range (JSONL), a row group
+    (Parquet) or a record batch (Arrow); None for a whole file. ``name`` identifies the file in
+    document ids."""
+
+    path: str
+    name: str
+    part: tuple[int, int] | int | None = None
 
 
-def read_document(source_type: str, ref: str) -> tuple[str, int]:
-    """Text of one document and the number of bytes that were not valid UTF-8 (replaced)."""
-    path = Path(ref)
-    if source_type == "stdlib":
-        return stdlib_document(path), 0
+def _jsonl_ranges(path: Path) -> list[tuple[int, int]]:
+    size = path.stat().st_size
+    return [(a, min(a + JSONL_CHUNK_BYTES, size)) for a in range(0, size, JSONL_CHUNK_BYTES)] or [(0, 0)]
+
+
+def _open_arrow(path: Path) -> pa.ipc.RecordBatchFileReader:
     try:
-        raw = path.read_bytes()
+        return pa.ipc.open_file(pa.memory_map(str(path), "r"))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a readable Arrow IPC file ({e})") from e
+
+
+def _open_parquet(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+
+
+def work_items(source: SourceConfig) -> list[WorkItem]:
+    """The source's work items, in a deterministic order."""
+    if source.type == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return [WorkItem(str(p), str(p.relative_to(root))) for p in stdlib_files()]
+    files = matching_files(source.paths, source.name)
+    if source.type == "text":
+        return [WorkItem(str(p), n) for p, n in files]
+    if source.type == "jsonl":
+        return [WorkItem(str(p), n, r) for p, n in files for r in _jsonl_ranges(p)]
+    if source.type == "parquet":
+        return [WorkItem(str(p), n, g) for p, n in files
+                for g in range(_open_parquet(p).num_row_groups)]
+    return [WorkItem(str(p), n, b) for p, n in files
+            for b in range(_open_arrow(p).num_record_batches)]
+
+
+@dataclass
+class ItemDocuments:
+    """The documents of one work item: (id, text) pairs, plus what was replaced or skipped."""
+
+    docs: list[tuple[str, str]] = field(default_factory=list)
+    invalid_utf8: int = 0
+    """Invalid UTF-8 sequences replaced by U+FFFD."""
+    empty: int = 0
+    """Documents with no text (empty, whitespace or null), skipped."""
+
+    def add(self, doc_id: str, text: str | None) -> None:
+        if text is None or not text.strip():
+            self.empty += 1
+        else:
+            self.docs.append((doc_id, text))
+
+
+def decode(raw: bytes) -> tuple[str, int]:
+    """UTF-8 text with invalid sequences replaced, and how many were replaced."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
     except OSError as e:
-        raise DataError(f"cannot read {ref}: {e.strerror}") from e
-    text = raw.decode("utf-8", errors="replace")
-    bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
-    return text, bad
+        raise DataError(f"cannot read {path}: {e.strerror}") from e
 
 
-def iter_documents(source: SourceConfig) -> Iterator[tuple[str, str]]:
-    for ref in document_refs(source):
-        text, _ = read_document(source.type, ref)
-        if text.strip():
-            yield ref, text
+def _jsonl_documents(path: Path, name: str, start: int, end: int, fieldname: str,
+                     out: ItemDocuments) -> None:
+    # A range owns the lines that start inside it: skip the partial line at its start (the
+    # previous range reads it), read past its end to finish the last line.
+    with open(path, "rb") as f:
+        f.seek(max(0, start - 1))
+        if start > 0 and f.read(1) != b"\n":
+            f.readline()
+        while f.tell() < end:
+            offset = f.tell()
+            line = f.readline()
+            if not line:
+                break
+            if not line.strip():
+                continue
+            text, bad = decode(line)
+            out.invalid_utf8 += bad
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: the line at byte {offset} is not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or fieldname not in record:
+                raise DataError(f"{path}: the line at byte {offset} has no field {fieldname!r}")
+            value = record[fieldname]
+            if value is not None and not isinstance(value, str):
+                raise DataError(f"{path}: field {fieldname!r} at byte {offset} is "
+                                f"{type(value).__name__}, expected a string")
+            out.add(f"{name}@{offset}", value)
+
+
+def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch, fieldname: str,
+                      part: int, out: ItemDocuments) -> None:
+    if fieldname not in table.schema.names:
+        raise DataError(f"{path}: no column {fieldname!r} (columns: {table.schema.names})")
+    column = table.column(fieldname)
+    if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        values = []
+        for raw in column.to_pylist():
+            text, bad = decode(raw) if raw is not None else (None, 0)
+            out.invalid_utf8 += bad
+            values.append(text)
+    elif pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        values = column.to_pylist()
+    else:
+        raise DataError(f"{path}: column {fieldname!r} is {column.type}, expected strings")
+    for row, text in enumerate(values):
+        out.add(f"{name}#{part}:{row}", text)
+
+
+def read_item(source_type: str, fieldname: str, item: WorkItem) -> ItemDocuments:
+    """Read one work item (runs in a worker process)."""
+    path, out = Path(item.path), ItemDocuments()
+    if source_type == "stdlib":
+        out.add(item.name, stdlib_document(path))
+    elif source_type == "text":
+        text, out.invalid_utf8 = decode(_read_bytes(path))
+        out.add(item.name, text)
+    elif source_type == "jsonl":
+        _jsonl_documents(path, item.name, *item.part, fieldname, out)
+    elif source_type == "parquet":
+        try:
+            table = _open_parquet(path).read_row_group(item.part)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{path}: unreadable row group {item.part} ({e})") from e
+        _column_documents(path, item.name, table, fieldname, item.part, out)
+    else:
+        _column_documents(path, item.name, _open_arrow(path).get_batch(item.part), fieldname,
+                          item.part, out)
+    return out

@@ -39,7 +39,8 @@ class Tokenizer:
         return self.sp.EncodeAsIds(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.Encode(texts)
+        # One thread: preparation parallelizes over processes.
+        return self.sp.Encode(texts, num_threads=1)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
@@ -50,21 +51,41 @@ class Tokenizer:
                 "unk_id": self.unk_id}
 
 
-def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_path: Path, seed: int,
+class LineSample:
+    """A uniform, seeded sample of at most ``size`` non-empty lines of a stream of texts
+    (reservoir sampling: memory stays ``size`` lines whatever the corpus size)."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seen, self.lines = size, 0, []
+        self._rng = random.Random(seed)
+
+    def add(self, text: str) -> None:
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            self.seen += 1
+            if len(self.lines) < self.size:
+                self.lines.append(line)
+            else:
+                j = self._rng.randrange(self.seen)
+                if j < self.size:
+                    self.lines[j] = line
+
+
+def train_tokenizer(lines: list[str], cfg: TokenizerConfig, out_path: Path,
                     num_threads: int = 2) -> Tokenizer:
-    """Train a SentencePiece model on a seeded sample of the lines of ``texts``."""
-    lines = [ln for text in texts for ln in text.splitlines() if ln.strip()]
+    """Train a SentencePiece model on sampled lines; write it atomically to ``out_path``."""
     if not lines:
         raise DataError("cannot train a tokenizer: the sources hold no text")
-    rng = random.Random(seed)
-    if len(lines) > cfg.sample_sentences:
-        lines = rng.sample(lines, cfg.sample_sentences)
     model = io.BytesIO()
     spm.SentencePieceTrainer.Train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=cfg.vocab_size,
         model_type=cfg.model_type, byte_fallback=cfg.byte_fallback, character_coverage=0.9995,
         unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID, num_threads=num_threads,
         max_sentence_length=16384, shuffle_input_sentence=False, minloglevel=2,
+        user_defined_symbols=list(cfg.special_tokens),
+        normalization_rule_name=cfg.normalization,
+        remove_extra_whitespaces=cfg.normalization != "identity",
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")

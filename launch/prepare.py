@@ -1,10 +1,12 @@
-"""moe-prepare: build the tokenizer and tokenized Arrow shards described by a run config."""
+"""moe-prepare: build the tokenizer and tokenized Arrow shards described by a run config, or
+verify prepared data (every shard against the manifest: schema, counts, SHA-256, token range)."""
 
 from __future__ import annotations
 
 import argparse
 
 from data_pipeline.prepare import prepare
+from data_pipeline.verify import verify
 from launch.cli import exits_cleanly
 from moe.training.config import load_config
 
@@ -12,19 +14,30 @@ from moe.training.config import load_config
 @exits_cleanly
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="moe-prepare", description=__doc__)
-    p.add_argument("config", help="run config (YAML); its data section says what to prepare")
+    p.add_argument("config", nargs="?", help="run config (YAML); its data section says what to "
+                                             "prepare")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.dir=data/mine")
     p.add_argument("--force", action="store_true", help="replace data prepared from another config")
+    p.add_argument("--verify", metavar="DATA_DIR", help="check prepared data instead of preparing")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    if args.verify:
+        summary = verify(args.verify)
+        print(f"{args.verify}: ok; {summary}")
+        return
+    if not args.config:
+        p.error("a config is needed (or --verify DATA_DIR)")
     cfg = load_config(args.config, args.overrides)
-    report = prepare(cfg.data, force=args.force)
+    report = prepare(cfg.data, force=args.force, progress=not args.quiet)
     m = report.manifest
     verb = "already prepared" if report.skipped else f"prepared in {report.seconds:.1f}s"
     print(f"{report.data_dir}: {verb}; train {m.splits['train'].tokens:,} tokens in "
           f"{len(m.splits['train'].shards)} shards, valid {m.splits['valid'].tokens:,} tokens; "
           f"tokenizer {m.tokenizer['file']} ({m.tokenizer['vocab_size']} pieces)")
-    if report.invalid_utf8_bytes:
-        print(f"warning: {report.invalid_utf8_bytes} invalid UTF-8 sequences were replaced")
+    for s in m.sources:
+        if s["invalid_utf8"] or s["empty_documents"]:
+            print(f"warning: source {s['name']!r}: {s['invalid_utf8']} invalid UTF-8 sequences "
+                  f"replaced with U+FFFD, {s['empty_documents']} empty documents skipped")
 
 
 if __name__ == "__main__":

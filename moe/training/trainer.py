@@ -127,7 +127,9 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     run_dir = cfg.run_dir
     engine, model = build_engine(cfg, env)
     reader = PackedReader(cfg.data.dir, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
-                          cfg.train.micro_batch_size)
+                          cfg.train.micro_batch_size, weights=cfg.data.weights(),
+                          loader_workers=cfg.data.loader_workers,
+                          allow_other_data=cfg.data.allow_other_data_on_resume)
     ckpt_dir = run_dir / "checkpoints"
     start_step = 0
     latest = find_latest(ckpt_dir)

@@ -1,0 +1,47 @@
+"""A full check of prepared data, for when start-up's O(1) per-shard checks are not enough
+(after copying data between machines, or when a run reports odd tokens): every shard's bytes
+against the manifest's SHA-256, its schema and counts, and every token id against the
+vocabulary. Reads all the data once."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from data_pipeline.prepare import TOKENIZER_FILE
+from data_pipeline.shards import open_shard, read_manifest
+from data_pipeline.tokenizer import Tokenizer
+from moe.errors import DataError
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file listed in the manifest is missing") from None
+    return h.hexdigest()
+
+
+def verify(data_dir: str | Path) -> str:
+    """Raise DataError naming the first bad file; return a one-line summary."""
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    tok = Tokenizer(data_dir / TOKENIZER_FILE)
+    if tok.sha256 != manifest.tokenizer["sha256"]:
+        raise DataError(f"{tok.path}: SHA-256 differs from the manifest's")
+    vocab = int(manifest.tokenizer["vocab_size"])
+    shards = tokens = 0
+    for split in manifest.splits.values():
+        for info in split.shards:
+            path = data_dir / info.file
+            array = open_shard(path, info, manifest.token_type)
+            if _sha256(path) != info.sha256:
+                raise DataError(f"{path}: SHA-256 differs from the manifest's (corrupt shard)")
+            if len(array) and int(array.max()) >= vocab:
+                raise DataError(f"{path}: token id {int(array.max())} out of range for the "
+                                f"tokenizer's vocabulary of {vocab}")
+            shards, tokens = shards + 1, tokens + len(array)
+    return f"{shards} shards, {tokens:,} tokens, fingerprint {manifest.fingerprint}"

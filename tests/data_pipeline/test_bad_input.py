@@ -1,0 +1,185 @@
+"""Bad input: each case gives a clear error naming the file, a non-zero exit of the command line,
+and nothing half-written."""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import yaml
+
+from data_pipeline.prepare import TOKENIZER_FILE
+from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.shards import MANIFEST, read_manifest, write_manifest, write_shard
+from data_pipeline.tokenizer import Tokenizer
+from launch import prepare as prepare_cli
+from moe.config_schema import from_dict
+from moe.errors import ConfigError, DataError
+from moe.training.config import RunConfig
+from moe.training.trainer import resolve_vocab
+from tests.conftest import tiny_run_dict
+
+
+def cli_fails(argv, capsys, *needles) -> str:
+    with pytest.raises(SystemExit) as exc:
+        prepare_cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def prepared_copy(tiny_data, tmp_path) -> tuple[Path, Path]:
+    """A copy of the prepared tiny data and the path of its first training shard."""
+    copy = tmp_path / "data"
+    shutil.copytree(tiny_data.dir, copy)
+    return copy, copy / read_manifest(copy).splits["train"].shards[0].file
+
+
+def run_config(tiny_data, tmp_path, sources) -> Path:
+    raw = tiny_run_dict(tiny_data, tmp_path / "runs")
+    raw["data"].update(dir=str(tmp_path / "out"), sources=sources)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def assert_nothing_written(tmp_path):
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
+
+
+def read_all(data_dir):
+    r = PackedReader(data_dir, 32, 0, micro_batch=64)
+    for _ in range(r.streams[0].num_samples // 64 + 1):
+        r.micro_batches(1)
+
+
+def test_missing_shard(tiny_data, tmp_path, capsys):
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    shard.unlink()
+    with pytest.raises(DataError, match=f"{shard.name}.*missing"):
+        PackedReader(copy, 32, 0)
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "missing")
+
+
+def test_corrupt_shard(tiny_data, tmp_path, capsys):
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    shard.write_bytes(np.random.default_rng(0).bytes(shard.stat().st_size))
+    with pytest.raises(DataError, match=f"{shard.name}: corrupt"):
+        PackedReader(copy, 32, 0)
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "corrupt")
+
+
+def test_corrupt_bytes_inside_a_shard_are_caught_by_verify(tiny_data, tmp_path, capsys):
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # a flipped bit in the token data: structure still valid
+    shard.write_bytes(bytes(data))
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "SHA-256")
+
+
+def test_truncated_arrow_file(tiny_data, tmp_path, capsys):
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(DataError, match=f"{shard.name}: corrupt or truncated"):
+        TokenStream(copy, "train")
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "truncated")
+
+
+@pytest.mark.parametrize("schema", [pa.schema([("ids", pa.list_(pa.uint16()))]),
+                                    pa.schema([("tokens", pa.list_(pa.int64()))])])
+def test_wrong_schema(tiny_data, tmp_path, capsys, schema):
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    with pa.ipc.new_file(str(shard), schema) as w:
+        w.write_table(pa.table({schema.names[0]: [[5, 6, 2]]}, schema=schema))
+    with pytest.raises(DataError, match=f"{shard.name}: wrong shard schema"):
+        PackedReader(copy, 32, 0)
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "wrong shard schema")
+
+
+def test_manifest_disagreeing_with_shards(tiny_data, tmp_path, capsys):
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    raw = json.loads((copy / MANIFEST).read_text())
+    raw["splits"]["train"]["shards"][0]["tokens"] += 1
+    (copy / MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(DataError, match=f"{shard.name}: holds .* but the manifest says"):
+        PackedReader(copy, 32, 0)
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "manifest says")
+    (copy / MANIFEST).write_text("{not json")
+    cli_fails(["--verify", str(copy)], capsys, str(copy / MANIFEST), "unreadable manifest")
+
+
+def test_token_id_out_of_range(tiny_data, tmp_path, capsys):
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    manifest = read_manifest(copy)
+    info = manifest.splits["train"].shards[0]
+    tokens = TokenStream(copy, "train").shards[0].astype(np.int64)
+    tokens[len(tokens) // 3] = 600  # the vocabulary has 512 pieces; uint16 can still store it
+    lengths = np.array([info.tokens])
+    manifest.splits["train"].shards[0] = dataclasses.replace(
+        write_shard(shard, info.source, tokens, lengths, vocab_size=1000), file=info.file)
+    write_manifest(copy, manifest)
+    with pytest.raises(DataError, match=f"token id 600 out of range .*{shard.name}"):
+        read_all(copy)
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "token id 600 out of range")
+
+
+def test_tokenizer_vocabulary_larger_than_the_model(tiny_data, tmp_path):
+    raw = tiny_run_dict(tiny_data, tmp_path)
+    raw["model"]["vocab_size"] = 500  # the tokenizer has 512 pieces
+    with pytest.raises(ConfigError, match=f"model.vocab_size: 500 .* vocabulary \\(512, {tiny_data.dir}"):
+        resolve_vocab(from_dict(RunConfig, raw))
+    raw["model"]["vocab_size"] = None
+    assert resolve_vocab(from_dict(RunConfig, raw)).model.vocab_size == 512
+
+
+def test_empty_source(tiny_data, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("  \n\n ")
+    (tmp_path / "empty" / "b.txt").write_text("")
+    config = run_config(tiny_data, tmp_path, [
+        {"name": "docs", "type": "text", "paths": tiny_data.sources[0].paths},
+        {"name": "blank", "type": "text", "paths": [str(tmp_path / "empty")]}])
+    cli_fails([str(config), "--quiet"], capsys, "'blank'", str(tmp_path / "empty"), "no text")
+    assert_nothing_written(tmp_path)
+    config = run_config(tiny_data, tmp_path, [
+        {"name": "docs", "type": "text", "paths": [str(tmp_path / "nothing" / "*.txt")]}])
+    cli_fails([str(config), "--quiet"], capsys, "nothing matches", "nothing/*.txt")
+    assert_nothing_written(tmp_path)
+
+
+def test_bad_jsonl_and_missing_columns(tiny_data, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    config = run_config(tiny_data, tmp_path, [{"name": "j", "type": "jsonl", "paths": [str(bad)]}])
+    cli_fails([str(config), "--quiet"], capsys, str(bad), "byte 17", "no field 'text'")
+    bad.write_text('{"text": "fine"}\n{"text": "unterminated\n')
+    cli_fails([str(config), "--quiet"], capsys, str(bad), "not valid JSON")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "t.parquet")
+    config = run_config(tiny_data, tmp_path, [{"name": "p", "type": "parquet",
+                                               "paths": [str(tmp_path / "t.parquet")]}])
+    cli_fails([str(config), "--quiet"], capsys, "t.parquet", "no column 'text'", "body")
+    assert_nothing_written(tmp_path)
+
+
+def test_non_utf8_bytes_are_replaced_and_counted(tiny_data, tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(tiny_data.sources[0].paths[0], corpus)
+    (corpus / "zz_bad.txt").write_bytes(b"valid text \xff then \xfe\xfd and a cut \xc3 end\n" * 3)
+    config = run_config(tiny_data, tmp_path, [{"name": "docs", "type": "text",
+                                               "paths": [str(corpus)]}])
+    prepare_cli.main([str(config), "--quiet"])
+    out = capsys.readouterr().out
+    assert "source 'docs': 12 invalid UTF-8 sequences replaced" in out
+    manifest = read_manifest(tmp_path / "out")
+    assert manifest.sources[0]["invalid_utf8"] == 12
+    tok = Tokenizer(tmp_path / "out" / TOKENIZER_FILE)
+    streams = [TokenStream(tmp_path / "out", split) for split in ("train", "valid")]
+    text = tok.decode([t for s in streams for t in s.read(0, len(s)) if t != tok.eos_id])
+    assert "valid text \ufffd then \ufffd\ufffd and a cut \ufffd end" in text

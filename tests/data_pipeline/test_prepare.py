@@ -1,0 +1,213 @@
+"""Preparation: sources -> tokenizer -> Arrow shards + manifest, atomically."""
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
+from data_pipeline.prepare import TOKENIZER_FILE, in_valid_split, prepare
+from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.shards import SCHEMA_VERSION, read_manifest, token_type
+from data_pipeline.tokenizer import Tokenizer
+from launch import prepare as prepare_cli
+from moe.errors import DataError
+
+
+def test_round_trip_text_to_stream(tiny_data):
+    """Tokenizing the corpus directly gives exactly the stream the shards hold."""
+    manifest = read_manifest(tiny_data.dir)
+    tok = Tokenizer(Path(tiny_data.dir) / TOKENIZER_FILE)
+    assert manifest.tokenizer["sha256"] == tok.sha256 and manifest.tokenizer["file"] == TOKENIZER_FILE
+    assert tok.vocab_size == 512 and (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == (1, 2, 3, 0)
+    src = tiny_data.sources[0]
+    files = sorted(Path(src.paths[0]).iterdir())
+    expected = {"train": [], "valid": []}
+    for f in files:
+        split = "valid" if in_valid_split(src.name, f.name, tiny_data.valid_fraction) else "train"
+        expected[split] += tok.encode(f.read_text(encoding="utf-8")) + [tok.eos_id]
+    for f in files[:3]:  # identity normalization + byte fallback: decoding gives the text back
+        text = f.read_text(encoding="utf-8")
+        assert tok.decode(tok.encode(text)) == text
+    for split in ("train", "valid"):
+        stream = TokenStream(tiny_data.dir, split)
+        assert stream.read(0, len(stream)).tolist() == expected[split]
+        assert len(stream) == manifest.splits[split].tokens
+    assert manifest.splits["valid"].tokens > 0
+    assert len(manifest.splits["train"].shards) > 1  # shards of 20k tokens
+
+
+def test_manifest_records_schema_tokenizer_sources_and_shards(mixed_data):
+    m = read_manifest(mixed_data.dir)
+    raw = json.loads((Path(mixed_data.dir) / "manifest.json").read_text())
+    assert raw["schema_version"] == SCHEMA_VERSION and raw["fingerprint"] == m.fingerprint
+    assert m.source_names == ["files", "paras"] and m.token_type == "uint16"
+    for split in ("train", "valid"):
+        for s in m.splits[split].shards:
+            assert s.file.startswith(f"{split}-{s.source}-")
+            table = pa.ipc.open_file(pa.memory_map(str(Path(mixed_data.dir) / s.file))).read_all()
+            assert table.schema.field("tokens").type == pa.list_(pa.uint16())
+            assert (table.num_rows, sum(len(x) for x in table.column(0).to_pylist())) == \
+                (s.documents, s.tokens)
+    for src in m.sources:
+        ours = m.splits["train"].of_source(src["name"]) + m.splits["valid"].of_source(src["name"])
+        assert sum(s.documents for s in ours) == sum(src["documents"].values())
+        # Shards fill to the target, closing at the first document end past it.
+        for split in ("train", "valid"):
+            full = m.splits[split].of_source(src["name"])[:-1]
+            assert all(s.tokens >= mixed_data.shard_tokens for s in full)
+    assert m.sources[1]["documents"]["train"] > 100  # JSONL: one document per line
+
+
+def test_smallest_token_type():
+    assert [str(token_type(v)) for v in (256, 257, 65536, 65537)] == \
+        ["uint8", "uint16", "uint16", "uint32"]
+
+
+def _texts_of(tok: Tokenizer, stream: TokenStream) -> list[str]:
+    ids = stream.read(0, len(stream)).tolist()
+    docs, cur = [], []
+    for t in ids:
+        if t == tok.eos_id:
+            docs.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(t)
+    return docs
+
+
+def test_jsonl_parquet_arrow_sources_read_the_named_field(tmp_path):
+    texts = [f"Document number {i}: " + "some words here. " * (i % 7 + 1) for i in range(60)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"t": t, "n": 1}) + "\n" for t in texts))
+    table = pa.table({"n": list(range(60)), "t": texts})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=25)
+    with pa.ipc.new_file(str(tmp_path / "a.arrow"), table.schema) as w:
+        for batch in table.to_batches(max_chunksize=20):
+            w.write_batch(batch)
+    cfg = DataConfig(
+        dir=str(tmp_path / "data"), valid_fraction=0.1, shard_tokens=1024, prepare_workers=1,
+        sources=[SourceConfig(name=t, type=t, paths=[str(tmp_path / f"a.{ext}")], field="t")
+                 for t, ext in (("jsonl", "jsonl"), ("parquet", "parquet"), ("arrow", "arrow"))],
+        tokenizer=TokenizerConfig(vocab_size=300, special_tokens=["<sep>"]))
+    prepare(cfg, progress=False)
+    tok = Tokenizer(Path(cfg.dir) / TOKENIZER_FILE)
+    assert "<sep>" in tok.sp.EncodeAsPieces("a<sep>b")  # a special token is never split
+    for name in ("jsonl", "parquet", "arrow"):
+        got = _texts_of(tok, TokenStream(cfg.dir, "train", name)) + \
+            _texts_of(tok, TokenStream(cfg.dir, "valid", name))
+        assert sorted(got) == sorted(texts)
+
+
+def test_result_does_not_depend_on_workers_and_reuses_a_tokenizer(mixed_data, tmp_path):
+    one = dataclasses.replace(mixed_data, dir=str(tmp_path / "one"), prepare_workers=1,
+                              tokenizer=dataclasses.replace(
+                                  mixed_data.tokenizer,
+                                  model_file=str(Path(mixed_data.dir) / TOKENIZER_FILE)))
+    prepare(one, progress=False)
+    assert read_manifest(one.dir).fingerprint == read_manifest(mixed_data.dir).fingerprint
+
+
+def test_prepare_is_idempotent_and_refuses_other_config(tiny_data):
+    assert prepare(tiny_data, progress=False).skipped
+    # Reading options are not part of the prepared data.
+    assert prepare(dataclasses.replace(tiny_data, seed=99, seq_len=8), progress=False).skipped
+    with pytest.raises(DataError, match="different config"):
+        prepare(dataclasses.replace(tiny_data, valid_fraction=0.3), progress=False)
+
+
+def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tmp_path, monkeypatch):
+    from data_pipeline import shards
+    cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"), prepare_workers=1)
+    real, calls = shards.write_shard, []
+
+    def crash_on_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what Ctrl-C delivers mid-preparation
+        return real(*args, **kw)
+
+    monkeypatch.setattr(shards, "write_shard", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg, progress=False)
+    assert not Path(cfg.dir).exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(DataError, match="prepare the data first"):
+        PackedReader(cfg.dir, 8, 0)
+
+    # Replacing existing data (--force) and failing keeps the old data whole.
+    monkeypatch.setattr(shards, "write_shard", real)
+    shutil.copytree(tiny_data.dir, cfg.dir)
+    before = read_manifest(cfg.dir).fingerprint
+    leftover = tmp_path / ".data.staging"  # what a killed (SIGKILL) preparation leaves
+    leftover.mkdir()
+    (leftover / "train-docs-00000.arrow").write_bytes(b"half a shard")
+    calls.clear()
+    monkeypatch.setattr(shards, "write_shard", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(dataclasses.replace(cfg, valid_fraction=0.5), force=True, progress=False)
+    assert read_manifest(cfg.dir).fingerprint == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    PackedReader(cfg.dir, 8, 0).micro_batches(1)
+
+
+def test_cli_prepares_then_verifies(tiny_data, tmp_path, capsys):
+    import yaml
+
+    from tests.conftest import tiny_run_dict
+    run = tiny_run_dict(tiny_data, tmp_path / "runs")
+    run["data"]["dir"] = str(tmp_path / "data")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    prepare_cli.main([str(tmp_path / "run.yaml"), "--quiet"])
+    out = capsys.readouterr().out
+    assert "prepared in" in out and "tokens in" in out
+    prepare_cli.main(["--verify", str(tmp_path / "data")])
+    assert "ok;" in capsys.readouterr().out
+    prepare_cli.main([str(tmp_path / "run.yaml"), "--quiet"])
+    assert "already prepared" in capsys.readouterr().out
+    assert np.array_equal(TokenStream(tmp_path / "data", "train").read(0, 100),
+                          TokenStream(tiny_data.dir, "train").read(0, 100))
+
+
+def test_data_of_an_older_schema_asks_for_force(tiny_data, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(tiny_data.dir, copy)
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["schema_version"] = 1
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    cfg = dataclasses.replace(tiny_data, dir=str(copy))
+    with pytest.raises(DataError, match="schema version 1.*--force"):
+        prepare(cfg, progress=False)
+    assert not prepare(cfg, force=True, progress=False).skipped
+    assert read_manifest(copy).fingerprint == read_manifest(tiny_data.dir).fingerprint
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_tokenizer_types_byte_fallback_and_special_ids(tiny_data, tmp_path, model_type):
+    from data_pipeline.tokenizer import LineSample, train_tokenizer
+    sample = LineSample(20000, seed=0)
+    for f in sorted(Path(tiny_data.sources[0].paths[0]).iterdir()):
+        sample.add(f.read_text(encoding="utf-8"))
+    cfg = TokenizerConfig(vocab_size=600, model_type=model_type, special_tokens=["<tool>"])
+    tok = train_tokenizer(sample.lines, cfg, tmp_path / "t.model")
+    assert (tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, 3)
+    text = "Unseen: λx → 漢字 🙂 <tool>  two  spaces"
+    ids = tok.encode(text)
+    assert tok.unk_id not in ids and tok.decode(ids) == text  # byte fallback, identity
+    assert tok.sp.piece_to_id("<tool>") in ids
+    assert tok.sha256 == hashlib.sha256((tmp_path / "t.model").read_bytes()).hexdigest()
+
+
+def test_stdlib_source_reads_docstrings_and_comments():
+    from data_pipeline.sources import read_item, work_items
+    items = work_items(SourceConfig())
+    assert len(items) > 500 and all(not Path(i.name).is_absolute() for i in items)
+    (item,) = [i for i in items if i.name == "textwrap.py"]
+    (doc_id, text), = read_item("stdlib", "text", item).docs
+    assert doc_id == "textwrap.py"
+    assert "Text wrapping and filling." in text  # the module docstring
+    assert "import re" not in text  # code is left out

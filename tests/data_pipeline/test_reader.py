@@ -1,0 +1,184 @@
+"""The streaming reader: windows of the token stream, one global order whatever the layout,
+exact resume on another layout, mixtures, document ids, determinism."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline.reader import PackedReader, TokenStream, validation_windows
+from moe.errors import DataError
+
+
+def reader(cfg, rank=0, world=1, micro_batch=1, **kw) -> PackedReader:
+    return PackedReader(cfg.dir, cfg.seq_len, cfg.seed, rank, world, micro_batch, **kw)
+
+
+def reference(cfg, n, start=0, **kw) -> np.ndarray:
+    """Rows of global positions [start, start + n), read on one rank as one micro-batch."""
+    r = reader(cfg, micro_batch=n, **kw)
+    r.consumed = start
+    return r.micro_batches(1)[0].numpy()
+
+
+def read_layout(cfg, world, micro_batch, accum, steps, workers=0, state=None, **kw):
+    """{global position: row} of what every rank of a layout reads in ``steps`` steps, with the
+    positions computed from the documented layout formula, and the state at the end."""
+    rows = {}
+    for rank in range(world):
+        r = reader(cfg, rank, world, micro_batch, loader_workers=workers, **kw)
+        if state is not None:
+            r.load_state_dict(state)
+        for _ in range(steps):
+            start = r.consumed
+            for m, batch in enumerate(r.micro_batches(accum)):
+                assert batch.shape == (micro_batch, cfg.seq_len + 1) and batch.dtype == torch.int64
+                for j, row in enumerate(batch.numpy()):
+                    g = start + (m * world + rank) * micro_batch + j
+                    assert g not in rows, f"position {g} read twice"
+                    rows[g] = row
+    return rows, r.state_dict()
+
+
+def epoch_windows(stream, epoch) -> list[tuple]:
+    order, _, _ = stream._epoch(epoch)
+    tokens = np.concatenate([stream.arrays[i] for i in order])
+    S = stream.window
+    return [tuple(tokens[i * S:(i + 1) * S]) for i in range(stream.num_samples)]
+
+
+def test_each_epoch_reads_every_window_of_its_shard_order_once(tiny_data):
+    r = reader(tiny_data)
+    stream = r.streams[0]
+    n = stream.num_samples
+    assert len(stream.arrays) > 1
+    rows = reference(tiny_data, 2 * n)
+    for epoch in (0, 1):
+        got = sorted(tuple(row) for row in rows[epoch * n:(epoch + 1) * n])
+        assert got == sorted(epoch_windows(stream, epoch))
+    # Epochs differ in order, and (shards reshuffled) in where windows are cut.
+    assert not np.array_equal(rows[:n], rows[n:])
+
+
+@pytest.mark.parametrize("world,micro_batch,accum,workers",
+                         [(2, 3, 2, 0), (3, 2, 1, 2), (1, 5, 3, 2)])
+def test_ranks_and_workers_read_disjoint_parts_of_one_global_order(mixed_data, world, micro_batch,
+                                                                   accum, workers):
+    steps = 3
+    rows, state = read_layout(mixed_data, world, micro_batch, accum, steps, workers)
+    total = steps * accum * world * micro_batch
+    assert sorted(rows) == list(range(total))  # contiguous, nothing twice (checked on insert)
+    ref = reference(mixed_data, total)
+    assert all(np.array_equal(rows[g], ref[g]) for g in range(total))
+    assert state["consumed_samples"] == total
+
+
+@pytest.mark.parametrize("before,after", [((2, 3, 1, 0), (2, 3, 1, 0)),
+                                          ((2, 3, 1, 0), (3, 2, 2, 1)),
+                                          ((1, 4, 2, 2), (4, 1, 1, 0))])
+def test_resume_on_any_layout_continues_the_global_order(mixed_data, before, after):
+    world, mb, accum, workers = before
+    first, state = read_layout(mixed_data, world, mb, accum, 2, workers)
+    c = state["consumed_samples"]
+    world, mb, accum, workers = after
+    rows, _ = read_layout(mixed_data, world, mb, accum, 2, workers, state=state)
+    n = 2 * world * mb * accum
+    assert sorted(rows) == list(range(c, c + n))  # nothing repeated or skipped
+    ref = reference(mixed_data, c + n)
+    assert all(np.array_equal(rows[g], ref[g]) for g in rows)
+    assert all(np.array_equal(first[g], ref[g]) for g in first)
+
+
+def test_state_is_small_and_counts_each_source(mixed_data):
+    r = reader(mixed_data, micro_batch=7)
+    for _ in range(5):
+        r.micro_batches(3)
+    state = r.state_dict()
+    assert len(json.dumps(state)) < 1024
+    counts = {k: v["samples"] for k, v in state["sources"].items()}
+    assert sum(counts.values()) == state["consumed_samples"] == 105
+    assert all(v["tokens"] == v["samples"] * (mixed_data.seq_len + 1)
+               for v in state["sources"].values())
+
+
+def test_mixture_token_proportions_track_the_weights(mixed_data):
+    weights = {"files": 0.3, "paras": 0.7}
+    r = reader(mixed_data, micro_batch=1000, weights=weights)
+    rows = np.concatenate([r.micro_batches(1)[0].numpy() for _ in range(10)])  # 10k sequences
+    # Classify each sequence by the windows each source can produce in the epochs read.
+    state = r.state_dict()["sources"]
+    sets = {s.name: {w for e in range(state[s.name]["epoch"] + 1) for w in epoch_windows(s, e)}
+            for s in r.streams}
+    origin = [[name for name, ws in sets.items() if tuple(row) in ws] for row in rows]
+    assert all(len(o) >= 1 for o in origin)
+    unique = [o[0] for o in origin if len(o) == 1]
+    assert len(unique) > 9900
+    for name, w in weights.items():
+        assert abs(unique.count(name) / len(unique) - w) < 0.01
+        assert abs(state[name]["tokens"] / (10_000 * (mixed_data.seq_len + 1)) - w) < 0.01
+
+
+def test_changing_weights_on_resume_continues_each_source(mixed_data):
+    a = reader(mixed_data, micro_batch=50, weights={"files": 1, "paras": 1})
+    a.micro_batches(2)
+    before = a.state_dict()
+    b = reader(mixed_data, micro_batch=50, weights={"files": 1, "paras": 9})
+    b.load_state_dict(before)
+    b.micro_batches(10)
+    after = b.state_dict()["sources"]
+    gained = {n: after[n]["samples"] - before["sources"][n]["samples"] for n in after}
+    assert sum(gained.values()) == 500 and abs(gained["paras"] / 500 - 0.9) < 0.01
+    # Each source continues at its own counter: its next samples are the ones it had not read.
+    solo = reader(mixed_data, micro_batch=50, weights={"files": 1, "paras": 9})
+    solo.load_state_dict(b.state_dict())
+    assert solo.schedule.base_counts.tolist() == [before["sources"]["files"]["samples"],
+                                                  before["sources"]["paras"]["samples"]]
+
+
+def test_resuming_on_other_data_is_refused_unless_allowed(mixed_data):
+    state = reader(mixed_data).state_dict()
+    state["fingerprint"] = "0" * 16
+    with pytest.raises(DataError, match="fingerprint"):
+        reader(mixed_data).load_state_dict(state)
+    r = reader(mixed_data, allow_other_data=True)
+    r.load_state_dict(state)
+    with pytest.raises(DataError, match="seq_len/seed"):
+        reader(mixed_data).load_state_dict({**reader(mixed_data).state_dict(), "seed": 99})
+
+
+def test_document_ids_follow_eos(mixed_data):
+    r = reader(mixed_data, micro_batch=256, document_ids=True)
+    eos = r.eos_id
+    (batch,) = r.next_step(1)
+    assert batch.doc_ids_BS.shape == batch.tokens_BS.shape
+    assert (batch.tokens_BS == eos).any(dim=1).sum() > 20  # many sequences span documents
+    for tokens, ids in zip(batch.tokens_BS.tolist(), batch.doc_ids_BS.tolist()):
+        expected, doc = [], 0
+        for t in tokens:
+            expected.append(doc)
+            doc += t == eos  # the EOS belongs to the document it ends
+        assert ids == expected
+    assert reader(mixed_data, micro_batch=2).next_step(1)[0].doc_ids_BS is None
+
+
+def test_order_is_deterministic_and_seeded(mixed_data):
+    a = reference(mixed_data, 8)
+    assert np.array_equal(a, reference(mixed_data, 8))
+    r = PackedReader(mixed_data.dir, mixed_data.seq_len, mixed_data.seed + 1, 0, 1, 8)
+    assert not np.array_equal(a, r.micro_batches(1)[0].numpy())
+
+
+def test_validation_windows_predict_every_token_once(tiny_data):
+    stream = TokenStream(tiny_data.dir, "valid")
+    windows = list(validation_windows(tiny_data.dir, 32))
+    assert sum(len(w) - 1 for w in windows) == len(stream) - 1
+    assert windows[0].tolist() == stream.read(0, 33).tolist()
+    assert [w.tolist() for w in windows] == [w.tolist() for w in validation_windows(tiny_data.dir, 32)]
+
+
+def test_validation_windows_of_one_source(mixed_data):
+    one = list(validation_windows(mixed_data.dir, 16, source="paras"))
+    stream = TokenStream(mixed_data.dir, "valid", source="paras")
+    assert sum(len(w) - 1 for w in one) == len(stream) - 1
+    assert len(stream) < len(TokenStream(mixed_data.dir, "valid"))
