@@ -36,6 +36,9 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     threads_per_rank: int | None = None
     """torch intra-op threads per rank; null: this machine's cores divided by the local ranks."""
+    max_consecutive_skips: int = 5
+    """Steps with a non-finite loss or gradient norm are skipped (no update); after this many in
+    a row the run stops, keeping the last checkpoint."""
 
     def problems(self) -> list[str]:
         out = []
@@ -53,6 +56,8 @@ class TrainConfig:
                 out.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
         if self.grad_clip < 0:
             out.append(f"grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
+        if self.max_consecutive_skips < 1:
+            out.append(f"max_consecutive_skips: must be >= 1, got {self.max_consecutive_skips}")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             out.append(f"threads_per_rank: must be >= 1 or null, got {self.threads_per_rank}")
         return out
@@ -94,10 +99,16 @@ class LoggingConfig:
 class CheckpointConfig:
     every_n_steps: int = 0
     """Save every N steps (0: only at the end)."""
+    keep_last: int | None = None
+    """Keep only the newest K complete checkpoints (null: keep all). Older ones are deleted only
+    after a newer one is complete."""
 
     def problems(self) -> list[str]:
-        return [] if self.every_n_steps >= 0 else [
+        out = [] if self.every_n_steps >= 0 else [
             f"every_n_steps: must be >= 0, got {self.every_n_steps}"]
+        if self.keep_last is not None and self.keep_last < 1:
+            out.append(f"keep_last: must be >= 1 or null (keep all), got {self.keep_last}")
+        return out
 
 
 @dataclass

@@ -3,6 +3,7 @@ balancing, checkpoints. The loop calls each hook's ``on_step_end``; hooks never 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -29,6 +30,9 @@ class StepState:
     samples_per_step: int
     is_log_step: bool
     extra: dict = field(default_factory=dict)
+    local_loss: float = math.nan  # this rank's mean loss over its micro-batches
+    tokens_sha256: str = ""  # hash of the token ids this rank trained on in this step
+    skipped: bool = False  # the update was skipped (non-finite loss or gradient norm)
 
     @property
     def tokens_per_second(self) -> float:
@@ -114,3 +118,23 @@ class RouterBalanceHook(Hook):
                 mean = load_E.mean().clamp_min(1e-9)
                 s.extra[f"moe/layer{i}/max_over_mean_load"] = float(load_E.max() / mean)
                 s.extra[f"moe/layer{i}/load_cv"] = float(load_E.std(unbiased=False) / mean)
+
+
+class StepRecordHook(Hook):
+    """Every rank appends one JSON line per step to its own file: the step, this rank's loss and
+    a hash of its token ids. Comparing these files shows whether a resumed run repeated the
+    uninterrupted one exactly and whether the data stream repeated or skipped anything. A resumed
+    run appends the steps after its checkpoint again; the last line of a step is the valid one."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a")
+
+    def on_step_end(self, s: StepState) -> None:
+        # repr of a Python float round-trips exactly: equal strings mean bitwise equal losses.
+        self.file.write(json.dumps({"step": s.step, "loss": s.local_loss,
+                                    "tokens_sha256": s.tokens_sha256, "skipped": s.skipped}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
