@@ -21,13 +21,14 @@ setup(
         "tqdm",
         "safetensors",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={"hf": ["transformers"], "test": ["pytest", "pytest-timeout", "transformers"]},
     entry_points={
         "console_scripts": [
             "moe-prepare=launch.prepare:main",
             "moe-launch=launch.launch:main",
             "moe-train=launch.train:main",
             "moe-eval=launch.evaluate:main",
+            "moe-export=launch.export:main",
         ]
     },
 )
