@@ -151,10 +151,12 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
                           cfg.train.micro_batch_size)
     start_step, tokens = 0, 0
     if resume_dir is not None:
+        t_load = time.time()
         client = resume_from(engine, model, reader, resume_dir, cfg, env, tokenizer_sha)
         start_step, tokens = int(client["step"]), int(client.get("tokens", 0))
         if env.rank == 0:
-            log.info(f"resumed from {resume_dir} at step {start_step}")
+            log.info(f"resumed from {resume_dir} at step {start_step} (loaded in "
+                     f"{time.time() - t_load:.2f}s)")
 
     config_text = dump_config(cfg)
     moe_layers = model.moe_layers()

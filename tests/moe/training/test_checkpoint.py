@@ -210,33 +210,30 @@ def _steps(run_dir, rank):
     return [json.loads(line) for line in (run_dir / "logs" / f"steps_rank{rank}.jsonl").open()]
 
 
-def test_nan_loss_on_one_rank_skips_the_step_everywhere(tiny_data, tmp_path):
+def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_persistent_nan_stops(
+        tiny_data, tmp_path):
+    """Rank 1's loss is NaN at step 3 (one skip), finite at 4, NaN from 5 on: with at most 2
+    consecutive skips the run stops at step 6, and nothing of step 6 is saved."""
     from moe.training.layout import read_layout_free
 
-    cfg = run_dict(tiny_data, tmp_path / "runs", "nan", max_steps=4)
+    cfg = run_dict(tiny_data, tmp_path / "runs", "nan", max_steps=8, max_consecutive_skips=2)
     cfg["checkpoint"] = {"every_n_steps": 1}
-    run_distributed(_nan_worker, 2, cfg, {3}, str(tmp_path / "result"))
+    run_distributed(_nan_worker, 2, cfg, {3, 5, 6, 7, 8}, str(tmp_path / "result"))
     run_dir = tmp_path / "runs" / "nan"
     for rank in range(2):
-        assert (tmp_path / f"result.{rank}").read_text() == "finished"
-        assert [r["skipped"] for r in _steps(run_dir, rank)] == [False, False, True, False]
-    # Step 3 changed nothing: weights, Adam moments and Adam's step count are those of step 2.
-    s2 = read_layout_free(run_dir / "checkpoints" / "step_0000002")
-    s3 = read_layout_free(run_dir / "checkpoints" / "step_0000003")
-    s4 = read_layout_free(run_dir / "checkpoints" / "step_0000004")
-    for key in ("params", "exp_avg", "exp_avg_sq"):
-        for name in s2[key]:
-            assert torch.equal(s2[key][name], s3[key][name]), (key, name)
-    assert set(s3["step"].values()) == {2.0} and set(s4["step"].values()) == {3.0}
-    assert any(not torch.equal(s3["params"][n], s4["params"][n]) for n in s3["params"])
-
-
-def test_persistent_nan_stops_the_run_keeping_the_last_good_checkpoint(tiny_data, tmp_path):
-    cfg = run_dict(tiny_data, tmp_path / "runs", "nan", max_steps=6, max_consecutive_skips=2)
-    cfg["checkpoint"] = {"every_n_steps": 2}
-    run_distributed(_nan_worker, 2, cfg, {3, 4, 5, 6}, str(tmp_path / "result"))
-    for rank in range(2):
         msg = (tmp_path / f"result.{rank}").read_text()
-        assert "step 4: 2 consecutive steps had a non-finite loss or gradient norm" in msg
-    ckpt_dir = tmp_path / "runs" / "nan" / "checkpoints"
-    assert complete_tags(ckpt_dir) == ["step_0000002"]
+        assert "step 6: 2 consecutive steps had a non-finite loss or gradient norm" in msg
+        assert [r["skipped"] for r in _steps(run_dir, rank)] == [False, False, True, False,
+                                                                  True, True]
+    # A skipped step changes nothing: weights, Adam moments and Adam's step count stay.
+    ckpt = run_dir / "checkpoints"
+    s = {step: read_layout_free(ckpt / f"step_{step:07d}") for step in (2, 3, 4, 5)}
+    for before, after in ((2, 3), (4, 5)):
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            for name in s[before][key]:
+                assert torch.equal(s[before][key][name], s[after][key][name]), (key, name)
+    assert {k: set(v["step"].values()) for k, v in s.items()} == {2: {2.0}, 3: {2.0}, 4: {3.0},
+                                                                  5: {3.0}}
+    assert any(not torch.equal(s[3]["params"][n], s[4]["params"][n]) for n in s[3]["params"])
+    # The run stopped at step 6 before saving it: the last checkpoint is the last good state.
+    assert complete_tags(ckpt)[-1] == "step_0000005"
