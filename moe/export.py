@@ -18,6 +18,7 @@ place at the end; an existing destination is never overwritten.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -58,8 +59,13 @@ def _publish(out_dir: Path, write) -> Path:
         raise CheckpointError(f"{out_dir}: already exists; choose a new output directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
     try:
         write(tmp)
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -153,8 +159,15 @@ def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]
             out[f"{dst}mlp.gate.weight"] = state[f"{src}ffn.router.weight"]
             out[f"{dst}mlp.experts.gate_up_proj"] = state[f"{src}ffn.experts.w_in"].transpose(1, 2)
             out[f"{dst}mlp.experts.down_proj"] = state[f"{src}ffn.experts.w_out"].transpose(1, 2)
-            if moe.num_shared_experts:
-                _dense(out, state, f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.", scale=2.0)
+            if arch == "qwen2_moe":
+                # Qwen2-MoE always has a shared expert; without ours it gets width 0 (adds 0).
+                if moe.num_shared_experts:
+                    _dense(out, state, f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.",
+                           scale=2.0)
+                else:
+                    for proj, shape in (("gate_proj", (0, m.d_model)), ("up_proj", (0, m.d_model)),
+                                        ("down_proj", (m.d_model, 0))):
+                        out[f"{dst}mlp.shared_expert.{proj}.weight"] = torch.zeros(shape)
                 out[f"{dst}mlp.shared_expert_gate.weight"] = torch.zeros(1, m.d_model)
         else:
             _dense(out, state, f"{src}ffn.", f"{dst}mlp.")

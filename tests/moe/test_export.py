@@ -89,6 +89,13 @@ def test_hugging_face_export_matches_our_logits_and_tokenizer(trained, tiny_data
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
     assert (ours - ours.mean()).abs().max() > 0.1  # not a constant output
 
+    if arch == "mixtral":
+        # Also as Qwen2-MoE: renormalized top-k routing and a zero-width shared expert.
+        qwen = transformers.AutoModelForCausalLM.from_pretrained(
+            str(export_hf(run_dir, out / "hf_qwen", arch="qwen2_moe")), dtype=torch.float32)
+        with torch.no_grad():
+            torch.testing.assert_close(qwen.eval()(input_ids=ids).logits, ours, rtol=1e-4, atol=1e-4)
+
     tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     sp = Tokenizer(tag_dir / "tokenizer.model")
     corpus = Path(tiny_data.sources[0].paths[0])
