@@ -21,7 +21,7 @@ setup(
         "tqdm",
         "safetensors",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={"hf": ["transformers"], "test": ["pytest", "pytest-timeout", "transformers"]},
     entry_points={
         "console_scripts": [
             "moe-prepare=launch.prepare:main",
@@ -29,6 +29,7 @@ setup(
             "moe-train=launch.train:main",
             "moe-eval=launch.evaluate:main",
             "moe-plan=launch.calculator:main",
+            "moe-export=launch.export:main",
         ]
     },
 )

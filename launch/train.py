@@ -18,6 +18,10 @@ from moe.training.trainer import dist_env_from_environment, train
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="moe-train", description=__doc__)
     p.add_argument("--config", required=True, help="resolved run config (YAML)")
+    p.add_argument("--resume", default="auto",
+                   help="'auto' (default): continue from the newest complete checkpoint of the "
+                        "run directory if it has one; 'none': start fresh; or a checkpoint "
+                        "directory (saved with any parallel layout)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -38,7 +42,7 @@ def main(argv=None) -> None:
     ds_logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
                                verbose=False)
-    train(cfg, env)
+    train(cfg, env, resume=args.resume)
 
 
 if __name__ == "__main__":

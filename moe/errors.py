@@ -25,5 +25,9 @@ class CheckpointError(MoEError):
     """A checkpoint is missing, incomplete, or does not match the config."""
 
 
+class TrainingError(MoEError):
+    """Training cannot go on (e.g. the loss stayed non-finite for too many steps)."""
+
+
 class LaunchError(MoEError):
     """A launch plan cannot be built or run."""

@@ -11,59 +11,73 @@ import torch.nn.functional as F
 from data_pipeline.reader import validation_windows
 from moe.errors import CheckpointError
 from moe.model import MoETransformer
-from moe.parallel.deepspeed_adapter import consolidated_state_dict, expert_file_ids
-from moe.training.checkpoint import RUN_CONFIG, find_latest
+from moe.parallel.deepspeed_adapter import (consolidated_state_dict, duplicated_experts,
+                                            expert_file_ids)
+from moe.training.checkpoint import (MAIN_STATES, MARKER, RUN_CONFIG, find_latest, load_file,
+                                     verify_files)
 from moe.training.config import RunConfig, load_config
-
-MAIN_STATES = "mp_rank_00_model_states.pt"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a checkpoint tag directory, a checkpoints directory (uses ``latest``) or a run
-    directory (uses its checkpoints' ``latest``)."""
+    """Accept a checkpoint directory, a checkpoints directory or a run directory (their newest
+    complete checkpoint)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    if (path / MAIN_STATES).exists():
+    if (path / MARKER).exists() or (path / MAIN_STATES).exists():
         return path
     for ckpt_dir in (path, path / "checkpoints"):
-        if (ckpt_dir / "latest").exists():
-            tag = find_latest(ckpt_dir)
+        tag = find_latest(ckpt_dir)
+        if tag is not None:
             return ckpt_dir / tag
-    raise CheckpointError(f"{path}: neither a checkpoint ({MAIN_STATES}) nor a directory with a "
-                          "'latest' checkpoint")
+    raise CheckpointError(f"{path}: neither a checkpoint ({MARKER}) nor a directory with a "
+                          "complete checkpoint")
 
 
-def _load(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing checkpoint file") from None
-    except Exception as e:  # torch raises many types for truncated or foreign files
-        raise CheckpointError(f"{path}: unreadable checkpoint file ({type(e).__name__}: {e})") from e
-
-
-def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
-    """Build the single-device model from a DeepSpeed checkpoint saved with any layout."""
+def load_consolidated(path: str | Path) -> tuple[dict, RunConfig, Path]:
+    """The single-device state dict of a checkpoint saved with any layout, after checking it:
+    complete, no file missing or truncated, every expert of every layer present exactly once,
+    shapes as the config says, no two experts with identical weights."""
     tag_dir = resolve_checkpoint(path)
-    cfg_path = tag_dir / RUN_CONFIG
-    if not cfg_path.exists():
-        raise CheckpointError(f"{tag_dir}: no {RUN_CONFIG}; was it saved by moe-train?")
-    cfg = load_config(cfg_path)
-    main = _load(tag_dir / MAIN_STATES)
+    verify_files(tag_dir)
+    cfg = load_config(tag_dir / RUN_CONFIG)
+    main = load_file(tag_dir / MAIN_STATES)
     experts = {}
     for f in sorted(tag_dir.iterdir()):
         ids = expert_file_ids(f.name)
         if ids is not None:
-            experts[ids] = _load(f)
-    state = consolidated_state_dict(main["module"], experts)
+            experts[ids] = load_file(f)
+    try:
+        state = consolidated_state_dict(main["module"], experts, str(tag_dir))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if cfg.model.vocab_size is None:
+        raise CheckpointError(f"{tag_dir / RUN_CONFIG}: model.vocab_size is not resolved")
+    expected = {k: v.shape for k, v in MoETransformer(cfg.model).state_dict().items()}
+    problems = []
+    for key, shape in expected.items():
+        if key not in state and not (cfg.model.tie_embeddings and key == "lm_head.weight"):
+            problems.append(f"{key}: missing")
+        elif key in state and state[key].shape != shape:
+            problems.append(f"{key}: shape {tuple(state[key].shape)}, the config needs {tuple(shape)}")
+    problems += [f"{key}: not part of the model" for key in state if key not in expected]
+    for key, value in state.items():
+        if key.endswith(".experts.w_in") or key.endswith(".experts.w_out"):
+            dup = duplicated_experts(value)
+            if dup:
+                problems.append(f"{key}: experts {dup} hold identical weights (saved twice under "
+                                "different ids?)")
+    if problems:
+        raise CheckpointError(f"{tag_dir}: checkpoint does not match its config "
+                              f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems))
+    return state, cfg, tag_dir
+
+
+def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
+    """Build the single-device model from a DeepSpeed checkpoint saved with any layout."""
+    state, cfg, tag_dir = load_consolidated(path)
     model = MoETransformer(cfg.model)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # A tied head shares the embedding: its key may be absent from the checkpoint.
-    missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise CheckpointError(f"{tag_dir}: checkpoint does not match its config: missing "
-                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(state, strict=not cfg.model.tie_embeddings)
     model.eval()
     return model, cfg, tag_dir
 

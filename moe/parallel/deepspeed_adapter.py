@@ -202,30 +202,78 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 _LAYER_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 
 
-def consolidated_state_dict(main_module_state: dict, expert_states: dict[tuple[int, int], dict]) -> dict:
+def consolidated_state_dict(main_module_state: dict, expert_states: dict[tuple[int, int], dict],
+                            source: str = "checkpoint") -> dict:
     """Map a DeepSpeed MoE checkpoint onto the single-device model's keys.
 
     ``main_module_state`` is the ``module`` entry of ``mp_rank_00_model_states.pt`` (non-expert
     parameters, with ``.deepspeed_moe.`` in MoE layer keys); ``expert_states`` maps
-    (moe layer id, global expert id) to that expert file's dict (global ids in its keys)."""
+    (moe layer id, global expert id) to that expert file's dict (global ids in its keys). Each
+    file must hold exactly its own expert, and each expert must come from exactly one file."""
     out = {}
     for key, value in main_module_state.items():
         out[key.replace(".deepspeed_moe.", ".")] = value
-    per_layer: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    per_layer: dict[str, dict[int, torch.Tensor]] = {}
     pattern = re.compile(r"^(.*)\.deepspeed_moe\.experts\." + EXPERT_KEY + r"\.(\d+)\.(\w+)$")
-    for (_, expert_id), state in sorted(expert_states.items()):
+    for (layer_id, expert_id), state in sorted(expert_states.items()):
+        where = f"{source}: expert file of MoE layer {layer_id}, expert {expert_id}"
         for key, value in state.items():
             m = pattern.match(key)
             if m is None:
-                raise ValueError(f"unexpected key {key!r} in expert file of expert {expert_id}")
+                raise ValueError(f"{where}: unexpected key {key!r}")
             prefix, gid, name = m.group(1), int(m.group(2)), m.group(3)
-            per_layer.setdefault(f"{prefix}.experts.{name}", {})[gid] = value
+            if gid != expert_id:
+                raise ValueError(f"{where}: holds expert {gid} ({key})")
+            by_expert = per_layer.setdefault(f"{prefix}.experts.{name}", {})
+            if gid in by_expert:
+                raise ValueError(f"{where}: {key} is present twice")
+            by_expert[gid] = value
     for key, by_expert in per_layer.items():
         ids = sorted(by_expert)
         if ids != list(range(len(ids))):
-            raise ValueError(f"{key}: expert ids {ids} are not 0..{len(ids) - 1}")
+            raise ValueError(f"{source}: {key}: expert ids {ids} are not 0..{len(ids) - 1}")
         out[key] = torch.stack([by_expert[i] for i in ids])
     return out
+
+
+def duplicated_experts(w_E: torch.Tensor) -> list[tuple[int, int]]:
+    """Pairs of experts with bitwise identical weights: the signature of a checkpoint in which
+    expert-parallel ranks saved the same local experts under different global ids."""
+    E = w_E.shape[0]
+    flat = w_E.reshape(E, -1)
+    first: dict[bytes, int] = {}
+    pairs = []
+    for e in range(E):
+        key = flat[e].contiguous().numpy().tobytes()
+        if key in first:
+            pairs.append((first[key], e))
+        else:
+            first[key] = e
+    return pairs
+
+
+@torch.no_grad()
+def check_loaded_experts(model: nn.Module) -> list[str]:
+    """After an engine loaded a checkpoint: no two experts of a layer, on any expert-parallel
+    rank, hold identical weights. One all-gather of a per-expert fingerprint per layer."""
+    problems = []
+    for name, module in model.named_modules():
+        if not isinstance(module, DeepSpeedMoE):
+            continue
+        w_in = module.deepspeed_moe.experts.w_in
+        # A fingerprint: the weights' projection onto a fixed random vector (same on every rank).
+        g = torch.Generator().manual_seed(0)
+        probe = torch.randn(w_in[0].numel(), generator=g, dtype=torch.float64)
+        local_E = w_in.detach().reshape(w_in.shape[0], -1).double() @ probe
+        if module.ep_size > 1:
+            group = groups._get_expert_parallel_group(module.expert_group_name)
+            parts = [torch.empty_like(local_E) for _ in range(module.ep_size)]
+            dist.all_gather(parts, local_E, group=group)
+            local_E = torch.cat(parts)
+        dup = duplicated_experts(local_E[:, None])
+        if dup:
+            problems.append(f"{name}: experts {dup} hold identical weights")
+    return problems
 
 
 def expert_file_ids(filename: str) -> tuple[int, int] | None:

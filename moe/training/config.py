@@ -40,10 +40,14 @@ class TrainConfig:
     cpu_keep_freed_memory: bool = True
     """On CPU, keep freed memory in the process rather than unmapping it (see
     moe/cpu_allocator.py): large activations are not page-faulted in again every step."""
+    max_consecutive_skips: int = 5
+    """Steps with a non-finite loss or gradient norm are skipped (no update); after this many in
+    a row the run stops, keeping the last checkpoint."""
 
     def problems(self) -> list[str]:
         out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
-                       warmup_steps=0, grad_clip=0, threads_per_rank=1)
+                       warmup_steps=0, grad_clip=0, threads_per_rank=1,
+                       max_consecutive_skips=1)
         if self.lr <= 0:
             out.append(f"lr: must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
@@ -86,9 +90,13 @@ class LoggingConfig:
 class CheckpointConfig:
     every_n_steps: int = 0
     """Save every N steps (0: only at the end)."""
+    keep_last: int | None = None
+    """Keep only the newest K complete checkpoints (null: keep all). Older ones are deleted only
+    after a newer one is complete."""
 
     def problems(self) -> list[str]:
-        return minimums(self, every_n_steps=0)
+        out = minimums(self, every_n_steps=0, keep_last=1)
+        return out
 
 
 @dataclass

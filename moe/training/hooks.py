@@ -3,6 +3,7 @@ balancing, checkpoints. The loop calls each hook's ``on_step_end``; hooks never 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -30,6 +31,9 @@ class StepState:
     is_log_step: bool
     extra: dict = field(default_factory=dict)  # more scalars for the loggers: tag -> float
     histograms: dict = field(default_factory=dict)  # tag -> per-bucket counts (1-D tensor)
+    local_loss: float = math.nan  # this rank's mean loss over its micro-batches
+    tokens_sha256: str = ""  # hash of the token ids this rank trained on in this step
+    skipped: bool = False  # the update was skipped (non-finite loss or gradient norm)
 
     @property
     def tokens_per_second(self) -> float:
@@ -233,3 +237,23 @@ class ValidationHook(Hook):
             if self.rank == 0:
                 log.info(f"step {s.step:>5} | validation loss {self.last['loss']:.4f} | "
                          f"perplexity {self.last['perplexity']:.2f} over {self.last['tokens']:,} tokens")
+
+
+class StepRecordHook(Hook):
+    """Every rank appends one JSON line per step to its own file: the step, this rank's loss and
+    a hash of its token ids. Comparing these files shows whether a resumed run repeated the
+    uninterrupted one exactly and whether the data stream repeated or skipped anything. A resumed
+    run appends the steps after its checkpoint again; the last line of a step is the valid one."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a")
+
+    def on_step_end(self, s: StepState) -> None:
+        # repr of a Python float round-trips exactly: equal strings mean bitwise equal losses.
+        self.file.write(json.dumps({"step": s.step, "loss": s.local_loss,
+                                    "tokens_sha256": s.tokens_sha256, "skipped": s.skipped}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

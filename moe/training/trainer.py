@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -17,14 +18,17 @@ import torch.distributed as dist
 
 from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
-from moe.errors import ConfigError, LaunchError
+from moe.errors import CheckpointError, ConfigError, LaunchError
 from moe.model import MoETransformer
-from moe.parallel.deepspeed_adapter import (expert_parallel_rank, optimizer_param_groups,
-                                            wrap_moe_layers)
-from moe.training.checkpoint import CheckpointHook, find_latest, load_training_state
+from moe.parallel.deepspeed_adapter import (check_loaded_experts, expert_parallel_rank,
+                                            optimizer_param_groups, wrap_moe_layers)
+from moe.training.checkpoint import (CheckpointHook, SaveContext, load_rng, resolve_resume,
+                                     verify_checkpoint)
 from moe.training.config import RunConfig, dump_config
-from moe.training.hooks import (ConsoleHook, Hook, MoEStatsHook, ResourceHook, StepState,
-                                 TensorBoardHook, ValidationHook)
+from moe.training.hooks import (ConsoleHook, Hook, MoEStatsHook, ResourceHook, StepRecordHook,
+                                 StepState, TensorBoardHook, ValidationHook)
+from moe.training.layout import load_other_layout
+from moe.training.nan_guard import NonFiniteGuard, poison_nonfinite
 from moe.training.preemption import PREEMPTED_MARKER, PreemptionHook
 from moe.upcycle import initialize_from_checkpoint
 
@@ -122,63 +126,121 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     return engine, model
 
 
-def train(cfg: RunConfig, env: DistEnv) -> dict:
+def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistEnv,
+                tokenizer_sha256: str) -> dict:
+    """Load a verified checkpoint into the engine, on the saving layout or another one. Returns
+    the client state (step, tokens, data cursor)."""
+    marker = verify_checkpoint(tag_dir, cfg, tokenizer_sha256)
+    same_layout = (marker["world_size"] == env.world_size and marker["expert_parallel_size"]
+                   == cfg.parallel.expert_parallel_size)
+    if same_layout:
+        path, client = engine.load_checkpoint(str(tag_dir.parent), tag_dir.name)
+        if path is None or client is None:
+            raise CheckpointError(f"could not load checkpoint {tag_dir}")
+    else:
+        client = load_other_layout(engine, model, tag_dir)
+        if env.rank == 0:
+            log.info(f"{tag_dir} was saved on {marker['world_size']} rank(s) with expert "
+                     f"parallelism {marker['expert_parallel_size']}; converted to "
+                     f"{env.world_size} rank(s), expert parallelism "
+                     f"{cfg.parallel.expert_parallel_size}")
+    problems = check_loaded_experts(model)
+    if problems:
+        raise CheckpointError(f"{tag_dir}: expert weights are wrong after loading: "
+                              + "; ".join(problems))
+    reader.load_state_dict(client["data"])
+    load_rng(tag_dir, marker, env.rank, env.world_size, cfg.train.seed)
+    return client
+
+
+def _token_hash(batches: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for b in batches:
+        h.update(b.numpy().astype(np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
+    """Train to ``cfg.train.max_steps``. ``resume``: ``auto`` (the newest complete checkpoint of
+    the run directory, if any), ``none``, or a checkpoint directory."""
     cfg = resolve_vocab(cfg)
     run_dir = cfg.run_dir
+    manifest = read_manifest(cfg.data.dir)
+    tokenizer_sha = manifest.tokenizer["sha256"]
+    ckpt_dir = run_dir / "checkpoints"
+    resume_dir = resolve_resume(resume, ckpt_dir)
+    if resume_dir is not None:
+        verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
     engine, model = build_engine(cfg, env)
     reader = PackedReader(cfg.data.dir, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
                           cfg.train.micro_batch_size, weights=cfg.data.weights(),
                           loader_workers=cfg.data.loader_workers,
                           allow_other_data=cfg.data.allow_other_data_on_resume)
-    ckpt_dir = run_dir / "checkpoints"
-    start_step = 0
-    latest = find_latest(ckpt_dir)
-    if latest is not None:
-        start_step = load_training_state(engine, reader, ckpt_dir, latest)
+    start_step, tokens = 0, 0
+    if resume_dir is not None:
+        t_load = time.time()
+        client = resume_from(engine, model, reader, resume_dir, cfg, env, tokenizer_sha)
+        start_step, tokens = int(client["step"]), int(client.get("tokens", 0))
         if env.rank == 0:
-            log.info(f"resumed from {ckpt_dir / latest} at step {start_step}")
+            log.info(f"resumed from {resume_dir} at step {start_step} (loaded in "
+                     f"{time.time() - t_load:.2f}s)")
 
     config_text = dump_config(cfg)
+    moe_layers = model.moe_layers()
+    t = cfg.train
     hooks: list[Hook] = []
     if cfg.eval.every_n_steps:
         windows = list(validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.max_tokens))
         hooks.append(ValidationHook(engine, cfg.eval.every_n_steps, windows, cfg.data.seq_len,
                                     cfg.eval.batch_size, env.rank, env.world_size))
-    hooks += [MoEStatsHook(model.moe_layers()), ResourceHook(), ConsoleHook(env.rank)]
+    hooks += [MoEStatsHook(moe_layers), ResourceHook(), ConsoleHook(env.rank),
+              StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl"),
+              NonFiniteGuard(t.max_consecutive_skips, env.rank)]
     if env.rank == 0 and cfg.logging.tensorboard:
         hooks.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
-    ckpt_hook = CheckpointHook(engine, reader, ckpt_dir, cfg.checkpoint.every_n_steps,
-                               config_text, env.rank)
-    hooks.append(ckpt_hook)
+    save_ctx = SaveContext(
+        config_text=config_text, tokenizer_file=Path(cfg.data.dir) / manifest.tokenizer["file"],
+        tokenizer_sha256=tokenizer_sha, world_size=env.world_size,
+        expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
+        num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
+    ckpt_hook = CheckpointHook(engine, reader, ckpt_dir, cfg.checkpoint.every_n_steps, save_ctx,
+                               env.rank)
+    hooks.append(ckpt_hook)  # after the guard: a step the guard stops on is never saved
     hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank))
 
-    t = cfg.train
     if start_step >= t.max_steps and env.rank == 0:
         log.info(f"the latest checkpoint is at step {start_step}; nothing left to train "
                  f"(max_steps {t.max_steps})")
-    ckpt_hook.last_tag, ckpt_hook.last_step = latest, start_step
+    if resume_dir is not None and resume_dir.parent.resolve() == ckpt_dir.resolve():
+        ckpt_hook.last_tag, ckpt_hook.last_step = resume_dir.name, start_step
+    ckpt_hook.tokens = tokens
     samples_per_step = t.micro_batch_size * t.grad_accum_steps * env.world_size
     history = []
     for step in range(start_step + 1, t.max_steps + 1):
         t0 = time.time()
         sums = torch.zeros(3)
-        for batch in reader.micro_batches(t.grad_accum_steps):
+        batches = reader.micro_batches(t.grad_accum_steps)
+        for batch in batches:
             out = engine(batch[:, :-1], batch[:, 1:])
-            engine.backward(out.loss)
+            engine.backward(poison_nonfinite(out.loss))
             engine.step()
             sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
+        skipped = not engine.was_step_applied()
+        local_loss = float(sums[0]) / t.grad_accum_steps
         is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
                   or (cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0))
         if is_log and dist.is_initialized():
             dist.all_reduce(sums)
         sums /= t.grad_accum_steps * (env.world_size if is_log and dist.is_initialized() else 1)
         grad_norm = engine.get_global_grad_norm()
+        ckpt_hook.tokens += samples_per_step * cfg.data.seq_len
         state = StepState(
             step=step, max_steps=t.max_steps, loss=float(sums[0]), lm_loss=float(sums[1]),
             aux_loss=float(sums[2]), lr=engine.get_lr()[0],
             grad_norm=float(grad_norm) if grad_norm is not None else None,
             step_seconds=time.time() - t0, tokens_per_step=samples_per_step * cfg.data.seq_len,
-            samples_per_step=samples_per_step, is_log_step=is_log)
+            samples_per_step=samples_per_step, is_log_step=is_log, local_loss=local_loss,
+            tokens_sha256=_token_hash(batches), skipped=skipped)
         for hook in hooks:
             hook.on_step_end(state)
         if is_log:
@@ -188,7 +250,8 @@ def train(cfg: RunConfig, env: DistEnv) -> dict:
     for hook in hooks:
         hook.close()
     summary = {"steps": t.max_steps, "history": history,
-               "checkpoint": str(ckpt_dir / ckpt_hook.last_tag) if ckpt_hook.last_tag else None}
+               "checkpoint": str(ckpt_dir / ckpt_hook.last_tag) if ckpt_hook.last_tag else None,
+               "last_save_seconds": ckpt_hook.last_save_seconds}
     if env.rank == 0:
         (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -1,0 +1,34 @@
+"""moe-export: export a checkpoint saved with any parallel layout, on one CPU process, as a
+consolidated fp32 safetensors file or as a Hugging Face transformers model directory."""
+
+from __future__ import annotations
+
+import argparse
+
+from launch.cli import exits_cleanly
+from moe.export import export_fp32, export_hf
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="moe-export", description=__doc__)
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest "
+                                      "complete checkpoint)")
+    p.add_argument("output", help="a new directory to write (never overwritten)")
+    p.add_argument("--format", choices=["fp32", "hf"], default="fp32",
+                   help="fp32: model.safetensors with our parameter names, the run config and "
+                        "the tokenizer; hf: config.json, safetensors and tokenizer for "
+                        "transformers' AutoModelForCausalLM / AutoTokenizer")
+    p.add_argument("--arch", choices=["auto", "mixtral", "qwen2_moe"], default="auto",
+                   help="Hugging Face architecture (auto: Mixtral unless the model has shared "
+                        "experts or dense layers)")
+    args = p.parse_args(argv)
+    if args.format == "fp32":
+        out = export_fp32(args.checkpoint, args.output)
+    else:
+        out = export_hf(args.checkpoint, args.output, args.arch)
+    print(f"exported {args.checkpoint} -> {out} ({args.format})")
+
+
+if __name__ == "__main__":
+    main()

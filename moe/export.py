@@ -1,0 +1,257 @@
+"""Exporting a checkpoint saved with any parallel layout, on one CPU process:
+
+- ``fp32``: the consolidated single-device state dict in safetensors (fp32 master weights when
+  the checkpoint has ZeRO partitions), with the run config and the tokenizer;
+- ``hf``: a Hugging Face ``transformers`` model directory (config.json, safetensors weights and a
+  tokenizer ``AutoTokenizer`` loads) for configurations that match an architecture there:
+  Mixtral (no shared experts) or Qwen2-MoE (shared experts, dense layers allowed).
+
+Weight layout: our stacked experts are ``w_in`` (E, D, 2H) = [gate | up] along the last dim and
+``w_out`` (E, H, D); transformers' fused experts are ``gate_up_proj`` (E, 2H, D) = [gate; up] and
+``down_proj`` (E, D, H): one transpose each. Qwen2-MoE scales its shared expert by
+``sigmoid(shared_expert_gate(x))``: a zero gate gives exactly 1/2, so the shared expert's output
+projection is exported times 2 (exact in floating point).
+
+Every export is written into a temporary directory next to the destination and renamed into
+place at the end; an existing destination is never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moe.errors import CheckpointError
+from moe.evaluation import load_consolidated
+from moe.training.checkpoint import RUN_CONFIG, TOKENIZER_COPY
+from moe.training.config import RunConfig
+
+FP32_FILE = "model.safetensors"
+
+
+def consolidated_fp32(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
+    """Single-device fp32 state dict of a checkpoint saved with any layout, checked for
+    integrity. Parameters come from the fp32 master copies in the ZeRO partitions when present
+    (exact even for bf16 training), buffers from the model states."""
+    from moe.training.layout import read_layout_free, zero_file
+
+    state, cfg, tag_dir = load_consolidated(path)
+    if (tag_dir / zero_file(0)).is_file():
+        master = read_layout_free(tag_dir)["params"]
+        for name, value in master.items():
+            if name not in state or state[name].shape != value.shape:
+                raise CheckpointError(f"{tag_dir}: the optimizer's copy of {name} does not match "
+                                      "the model states")
+            state[name] = value
+    if cfg.model.tie_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as embed.weight
+    return {k: v.float().contiguous() for k, v in state.items()}, cfg, tag_dir
+
+
+def _publish(out_dir: Path, write) -> Path:
+    """Run ``write(tmp_dir)`` and rename the result to ``out_dir``; nothing half-written stays."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir}: already exists; choose a new output directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_fp32(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    state, cfg, tag_dir = consolidated_fp32(checkpoint)
+
+    def write(tmp: Path) -> None:
+        save_file(state, str(tmp / FP32_FILE), metadata={"format": "pt", "source": str(tag_dir)})
+        shutil.copy(tag_dir / RUN_CONFIG, tmp / RUN_CONFIG)
+        shutil.copy(tag_dir / TOKENIZER_COPY, tmp / TOKENIZER_COPY)
+
+    return _publish(Path(out_dir), write)
+
+
+# --- Hugging Face -------------------------------------------------------------------------------
+
+
+def hf_problems(cfg: RunConfig, arch: str, state: dict) -> list[str]:
+    """Why the model cannot be expressed exactly as ``arch`` (empty when it can)."""
+    m, moe, r = cfg.model, cfg.model.moe, cfg.model.moe.router
+    out = []
+    if moe.activation != "swiglu":
+        out.append(f"model.moe.activation: {moe.activation!r}; {arch} experts are SwiGLU")
+    if r.score_func != "softmax":
+        out.append(f"model.moe.router.score_func: {r.score_func!r}; {arch} routes by softmax")
+    # Mixtral: top-k of the softmax, renormalized, which equals a softmax over the top-k logits.
+    mixtral_order = r.order == "topk_then_softmax" or r.renormalize
+    if arch == "mixtral" and not mixtral_order:
+        out.append("model.moe.router: Mixtral renormalizes the top-k weights; use order "
+                   "'topk_then_softmax' or renormalize: true")
+    if r.scaling_factor != 1.0:
+        out.append(f"model.moe.router.scaling_factor: {r.scaling_factor}; {arch} has none")
+    if moe.capacity_factor is not None:
+        out.append("model.moe.capacity_factor: token dropping has no Hugging Face equivalent; "
+                   "only dropless (null) models export exactly")
+    biases = [v for k, v in state.items() if k.endswith("router.score_bias")]
+    if r.bias_update_rate > 0 and any(b.abs().max() > 0 for b in biases):
+        out.append("model.moe.router.bias_update_rate: the selection bias has no equivalent in "
+                   f"{arch}")
+    if arch == "mixtral":
+        if moe.num_shared_experts:
+            out.append("model.moe.num_shared_experts: Mixtral has no shared experts (use qwen2_moe)")
+        if any(not moe.is_moe_layer(i) for i in range(m.n_layers)):
+            out.append("model.moe: Mixtral has no dense layers (first_dense_layers 0, "
+                       "every_n_layers 1; or use qwen2_moe)")
+    return out
+
+
+def _hf_config(cfg: RunConfig, arch: str, tokenizer_ids: dict) -> dict:
+    m, moe, r = cfg.model, cfg.model.moe, cfg.model.moe.router
+    common = dict(
+        vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, head_dim=m.d_model // m.n_heads,
+        max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        tie_word_embeddings=m.tie_embeddings, num_experts_per_tok=r.top_k,
+        initializer_range=m.init_std, attention_dropout=0.0, torch_dtype="float32",
+        **tokenizer_ids)
+    if arch == "mixtral":
+        return dict(common, model_type="mixtral", architectures=["MixtralForCausalLM"],
+                    intermediate_size=moe.expert_hidden, num_local_experts=moe.num_experts,
+                    router_jitter_noise=0.0, sliding_window=None,
+                    router_aux_loss_coef=r.aux_loss_coef)
+    return dict(common, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+                moe_intermediate_size=moe.expert_hidden, num_experts=moe.num_experts,
+                shared_expert_intermediate_size=moe.num_shared_experts * moe.expert_hidden,
+                intermediate_size=moe.dense_width, decoder_sparse_step=1,
+                mlp_only_layers=[i for i in range(m.n_layers) if not moe.is_moe_layer(i)],
+                norm_topk_prob=r.order == "topk_then_softmax" or r.renormalize, qkv_bias=False,
+                use_sliding_window=False, router_aux_loss_coef=r.aux_loss_coef)
+
+
+def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]:
+    m, moe = cfg.model, cfg.model.moe
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
+    if "lm_head.weight" in state:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(m.n_layers):
+        src, dst = f"blocks.{i}.", f"model.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"{dst}self_attn.{proj}.weight"] = state[f"{src}attn.{proj}.weight"]
+        out[f"{dst}input_layernorm.weight"] = state[f"{src}attn_norm.weight"]
+        out[f"{dst}post_attention_layernorm.weight"] = state[f"{src}ffn_norm.weight"]
+        if moe.is_moe_layer(i):
+            out[f"{dst}mlp.gate.weight"] = state[f"{src}ffn.router.weight"]
+            out[f"{dst}mlp.experts.gate_up_proj"] = state[f"{src}ffn.experts.w_in"].transpose(1, 2)
+            out[f"{dst}mlp.experts.down_proj"] = state[f"{src}ffn.experts.w_out"].transpose(1, 2)
+            if arch == "qwen2_moe":
+                # Qwen2-MoE always has a shared expert; without ours it gets width 0 (adds 0).
+                if moe.num_shared_experts:
+                    _dense(out, state, f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.",
+                           scale=2.0)
+                else:
+                    for proj, shape in (("gate_proj", (0, m.d_model)), ("up_proj", (0, m.d_model)),
+                                        ("down_proj", (m.d_model, 0))):
+                        out[f"{dst}mlp.shared_expert.{proj}.weight"] = torch.zeros(shape)
+                out[f"{dst}mlp.shared_expert_gate.weight"] = torch.zeros(1, m.d_model)
+        else:
+            _dense(out, state, f"{src}ffn.", f"{dst}mlp.")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _dense(out: dict, state: dict, src: str, dst: str, scale: float = 1.0) -> None:
+    gate, up = state[f"{src}w_in.weight"].chunk(2, dim=0)  # (2H, D) = [gate; up]
+    out[f"{dst}gate_proj.weight"], out[f"{dst}up_proj.weight"] = gate, up
+    out[f"{dst}down_proj.weight"] = state[f"{src}w_out.weight"] * scale
+
+
+def hf_tokenizer(model_file: Path):
+    """A ``transformers`` fast tokenizer that reproduces the SentencePiece model's ids: its
+    pieces and merges, its NFKC character map, whitespace collapsing and dummy prefix."""
+    import sentencepiece as spm
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE, Unigram
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    extractor = SentencePieceExtractor(str(model_file))
+    proto = extractor.proto
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    if trainer.model_type == 2:
+        kw = extractor.extract(BPE)
+        tok = Tokenizer(BPE(kw["vocab"], kw["merges"], unk_token=trainer.unk_piece, fuse_unk=True,
+                            byte_fallback=trainer.byte_fallback))
+    elif trainer.model_type == 1:
+        tok = Tokenizer(Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=trainer.unk_id,
+                                byte_fallback=trainer.byte_fallback))
+    else:
+        raise CheckpointError(f"{model_file}: only BPE and unigram SentencePiece models export")
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
+    tok.normalizer = normalizers.Sequence(steps)
+    prepend = "always" if spec.add_dummy_prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme=prepend,
+                                                        split=False),
+                                     decoders.ByteFallback(), decoders.Fuse()])
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    specials = {name: sp.id_to_piece(i) for name, i in
+                (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()),
+                 ("eos_token", sp.eos_id()), ("pad_token", sp.pad_id())) if i >= 0}
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials.values()])
+    ids = {f"{name[:-6]}_token_id": sp.piece_to_id(piece) for name, piece in specials.items()
+           if name != "unk_token"}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials), ids
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto") -> Path:
+    """Write a transformers model directory; ``arch``: mixtral, qwen2_moe or auto (mixtral when
+    the model has no shared experts and no dense layers, else qwen2_moe)."""
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError("the Hugging Face export needs transformers: "
+                              "pip install -c constraints.txt transformers") from None
+    state, cfg, tag_dir = consolidated_fp32(checkpoint)
+    if arch == "auto":
+        arch = "qwen2_moe" if hf_problems(cfg, "mixtral", state) else "mixtral"
+    problems = hf_problems(cfg, arch, state)
+    if problems:
+        raise CheckpointError(f"{tag_dir / RUN_CONFIG}: the model cannot be exported as {arch}:\n"
+                              + "\n".join(f"  - {p}" for p in problems))
+    tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)
+    hf_cfg = transformers.AutoConfig.for_model(**_hf_config(cfg, arch, token_ids))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    hf_state = _hf_state(state, cfg, arch)
+    missing, unexpected = model.load_state_dict(hf_state, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"{arch} export does not line up with transformers "
+                              f"{transformers.__version__}: missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}")
+    if cfg.model.tie_embeddings:
+        model.tie_weights()
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        shutil.copy(tag_dir / RUN_CONFIG, tmp / RUN_CONFIG)
+
+    return _publish(Path(out_dir), write)

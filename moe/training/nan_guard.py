@@ -1,0 +1,61 @@
+"""Skipping steps whose loss or gradient norm is not finite, and stopping when it persists.
+
+How a step is skipped: a non-finite loss is turned into NaN gradients (:func:`poison_nonfinite`);
+the gradient norm is all-reduced, so every rank sees the same non-finite norm, and DeepSpeed's
+ZeRO optimizer (stages 1 and 2, fp32 and bf16) then drops the gradients without touching the
+parameters, the optimizer moments or the LR schedule. :class:`NonFiniteGuard` counts consecutive
+skips and stops the run after ``max_skips`` of them, before the checkpoint hook could save
+anything, so the last checkpoint on disk is the last good state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from moe.errors import TrainingError
+from moe.training.hooks import Hook, StepState
+
+log = logging.getLogger("moe.train")
+
+
+def poison_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` itself when finite (same value, same gradient); otherwise a loss whose gradient
+    is NaN everywhere, so that the optimizer's overflow check skips the step. No host sync."""
+    return loss * torch.where(torch.isfinite(loss), 1.0, math.nan).to(loss.dtype)
+
+
+def step_is_finite(loss: float, grad_norm: float | None) -> bool:
+    return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+
+
+class NonFiniteGuard(Hook):
+    """Warns on every skipped step; raises after ``max_skips`` consecutive ones. Raises at once
+    if a non-finite step was applied anyway (no ZeRO: nothing skips it, the weights are lost)."""
+
+    def __init__(self, max_skips: int, rank: int):
+        self.max_skips, self.rank = max_skips, rank
+        self.consecutive = 0
+
+    def on_step_end(self, s: StepState) -> None:
+        finite = step_is_finite(s.loss, s.grad_norm)
+        if finite and not s.skipped:
+            self.consecutive = 0
+            return
+        if not s.skipped:
+            raise TrainingError(f"step {s.step}: non-finite loss ({s.loss}) or gradient norm "
+                                f"({s.grad_norm}) was applied to the weights (nothing skips steps "
+                                "without ZeRO stage 1 or 2); stopping. Resume from the last "
+                                "checkpoint, with ZeRO stage 1 or 2 to skip such steps")
+        self.consecutive += 1
+        if self.rank == 0:
+            log.warning(f"step {s.step}: skipped: non-finite loss ({s.loss}) or gradient norm "
+                        f"({s.grad_norm}); {self.consecutive} consecutive skip(s) of at most "
+                        f"{self.max_skips}")
+        if self.consecutive >= self.max_skips:
+            raise TrainingError(f"step {s.step}: {self.consecutive} consecutive steps had a "
+                                "non-finite loss or gradient norm; stopping. The last checkpoint "
+                                "holds the last good state: lower train.lr or raise "
+                                "train.grad_clip, then resume")

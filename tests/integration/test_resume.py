@@ -1,0 +1,111 @@
+"""Exact resume after a crash, with the real launcher and a real signal: rank 1 of a 2-rank
+expert-parallel run is killed with SIGKILL mid-training; running the same command again resumes
+from the newest complete checkpoint and must reproduce the uninterrupted run's per-step losses
+bit for bit (CPU, fp32) on the same token ids (the data stream neither repeats nor skips)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe.training.checkpoint import complete_tags
+from tests.conftest import tiny_run_dict
+
+pytestmark = pytest.mark.integration
+
+MAX_STEPS = 12
+
+
+def write_config(tiny_data, tmp_path, name) -> Path:
+    d = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=MAX_STEPS)
+    d["name"] = name
+    d["checkpoint"] = {"every_n_steps": 3, "keep_last": 2}
+    d["logging"] = {"log_every": 1, "tensorboard": False}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def launch(config: Path, **kw):
+    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kw)
+
+
+def steps(run_dir: Path, rank: int) -> dict[int, dict]:
+    """The last record of each step (a resumed run repeats the steps after its checkpoint)."""
+    path = run_dir / "logs" / f"steps_rank{rank}.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.endswith("}"):
+            row = json.loads(line)
+            out[row["step"]] = row
+    return out
+
+
+def training_rank_pid(session: int, rank: int) -> int | None:
+    """The pid of training rank ``rank`` among the processes of our launcher's session."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == session and b"launch.train" in cmdline and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+def test_sigkill_one_rank_then_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
+    reference = launch(write_config(tiny_data, tmp_path, "reference"))
+    out, _ = reference.communicate(timeout=600)
+    assert reference.returncode == 0, out[-3000:]
+
+    config = write_config(tiny_data, tmp_path, "crashed")
+    run_dir = tmp_path / "runs" / "crashed"
+    proc = launch(config)
+    victim = None
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if len(steps(run_dir, 1)) >= 5:
+            victim = training_rank_pid(proc.pid, 1)
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+                break
+        time.sleep(0.05)
+    assert victim is not None, "rank 1 was not found running"
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    killed_at = max(steps(run_dir, 1))
+    assert killed_at < MAX_STEPS
+    tags = complete_tags(run_dir / "checkpoints")
+    assert tags and len(tags) <= 2  # keep_last
+
+    resumed = launch(config)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / tags[-1]}" in out
+
+    hashes = set()
+    for rank in (0, 1):
+        want, got = steps(tmp_path / "runs" / "reference", rank), steps(run_dir, rank)
+        assert sorted(got) == list(range(1, MAX_STEPS + 1))
+        for step in want:
+            # Bitwise: the JSON floats round-trip exactly.
+            assert got[step]["loss"] == want[step]["loss"], (rank, step)
+            assert got[step]["tokens_sha256"] == want[step]["tokens_sha256"], (rank, step)
+            hashes.add(got[step]["tokens_sha256"])
+    assert len(hashes) == 2 * MAX_STEPS  # no batch was read twice
+    assert complete_tags(run_dir / "checkpoints") == ["step_0000009", "step_0000012"]

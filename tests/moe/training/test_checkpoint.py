@@ -1,0 +1,238 @@
+"""Crash-safe saving, integrity checks on load, bad input and the NaN/Inf guard, on real 2-rank
+runs (gloo). One run is shared by most tests: it saves at step 2, and rank 1 is killed with
+SIGKILL in the middle of the step-4 save, after DeepSpeed wrote its files and before the
+checkpoint was published."""
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe.config_schema import from_dict
+from moe.errors import CheckpointError, TrainingError
+from moe.training.checkpoint import (MARKER, complete_tags, find_latest, rng_file,
+                                     verify_checkpoint, verify_files)
+from moe.training.config import RunConfig
+from moe.training.trainer import DistEnv, train
+from tests.conftest import tiny_run_dict
+from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _killed_in_save_worker(rank, world, cfg_dict):
+    import deepspeed
+
+    original = deepspeed.DeepSpeedEngine.save_checkpoint
+
+    def save_then_die(self, save_dir, tag=None, **kw):
+        original(self, save_dir, tag=tag, **kw)
+        if tag == "step_0000004" and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    deepspeed.DeepSpeedEngine.save_checkpoint = save_then_die
+    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world))
+
+
+def run_dict(tiny_data, out_dir, name, **train_kw):
+    d = tiny_run_dict(tiny_data, out_dir, **train_kw)
+    d["name"] = name
+    d["logging"] = {"log_every": 1, "tensorboard": False}
+    return d
+
+
+@pytest.fixture(scope="module")
+def killed_run(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    cfg = run_dict(tiny_data, out / "runs", "killed", max_steps=4)
+    with pytest.raises(Exception):  # rank 1 died by SIGKILL
+        run_distributed(_killed_in_save_worker, 2, cfg)
+    return out / "runs" / "killed", cfg
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_latest(killed_run):
+    run_dir, _ = killed_run
+    ckpt_dir = run_dir / "checkpoints"
+    partial = ckpt_dir / "step_0000004"
+    assert (partial / "layer_1_expert_3_mp_rank_00_model_states.pt").exists()  # DeepSpeed wrote
+    assert not (partial / MARKER).exists()
+    assert find_latest(ckpt_dir) == "step_0000002"
+    assert complete_tags(ckpt_dir) == ["step_0000002"]
+    assert (ckpt_dir / "latest").read_text() == "step_0000002"  # DeepSpeed's pointer too
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        verify_files(partial)
+    marker = verify_files(ckpt_dir / "step_0000002")
+    assert marker["step"] == 2 and marker["world_size"] == 2
+    for rank in range(2):
+        assert rng_file(rank) in marker["files"]
+
+
+def test_previous_checkpoint_loads_and_evaluates(killed_run):
+    from moe.evaluation import load_model
+
+    run_dir, _ = killed_run
+    model, cfg, tag_dir = load_model(run_dir)  # a run directory: its newest complete checkpoint
+    assert tag_dir.name == "step_0000002"
+    logits = model(torch.randint(0, cfg.model.vocab_size, (1, 8))).logits
+    assert torch.isfinite(logits).all()
+
+
+def _copy_checkpoint(run_dir, tmp_path):
+    dst = tmp_path / "step_0000002"
+    shutil.copytree(run_dir / "checkpoints" / "step_0000002", dst)
+    return dst
+
+
+def _snapshot(path):
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()}
+
+
+def test_truncated_file_is_named(killed_run, tmp_path):
+    from moe.evaluation import load_model
+
+    ckpt = _copy_checkpoint(killed_run[0], tmp_path)
+    victim = ckpt / "layer_0_expert_2_mp_rank_00_model_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"layer_0_expert_2_mp_rank_00_model_states\.pt: "
+                                              r"truncated"):
+        load_model(ckpt)
+    (ckpt / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: missing"):
+        verify_files(ckpt)
+
+
+def test_expert_saved_twice_or_under_the_wrong_id_is_refused(killed_run, tmp_path):
+    from moe.evaluation import load_model
+
+    ckpt = _copy_checkpoint(killed_run[0], tmp_path)
+    e0, e1 = (ckpt / f"layer_1_expert_{i}_mp_rank_00_model_states.pt" for i in (0, 1))
+    # The same file under another expert's name (same size: the size check cannot see it).
+    shutil.copy(e0, e1)
+    with pytest.raises(CheckpointError, match="MoE layer 1, expert 1: holds expert 0"):
+        load_model(ckpt)
+    # Expert 0's weights saved again as expert 1 (keys renamed): identical weights.
+    state = torch.load(e0, weights_only=True)
+    torch.save({k.replace("deepspeed_experts.0.", "deepspeed_experts.1."): v
+                for k, v in state.items()}, e1)
+    marker = json.loads((ckpt / MARKER).read_text())
+    marker["files"][e1.name] = e1.stat().st_size
+    (ckpt / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=r"experts \[\(0, 1\)\] hold identical weights"):
+        load_model(ckpt)
+
+
+def test_missing_checkpoint_directory_exits_with_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.evaluate", str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'nowhere'}: no such checkpoint directory" in proc.stderr
+
+
+def test_config_and_tokenizer_mismatch_are_refused_before_anything_is_written(
+        killed_run, tiny_data, tmp_path):
+    run_dir, cfg_dict = killed_run
+    ckpt = run_dir / "checkpoints" / "step_0000002"
+    before = _snapshot(ckpt)
+    bad = copy.deepcopy(cfg_dict)
+    bad["model"]["moe"]["num_experts"] = 8
+    bad["model"]["n_layers"] = 3
+    with pytest.raises(CheckpointError) as err:
+        train(from_dict(RunConfig, bad), DistEnv(0, 1, 0, 1), resume=str(ckpt))
+    msg = str(err.value)
+    assert "model.moe.num_experts: the checkpoint has 4, the config has 8" in msg
+    assert "model.n_layers: the checkpoint has 2, the config has 3" in msg
+    assert str(ckpt / "run_config.yaml") in msg
+
+    # Same data, but a manifest naming another tokenizer.
+    data_copy = tmp_path / "data"
+    shutil.copytree(tiny_data.dir, data_copy)
+    manifest = json.loads((data_copy / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = "f" * 64
+    (data_copy / "manifest.json").write_text(json.dumps(manifest))
+    other = copy.deepcopy(cfg_dict)
+    other["data"]["dir"] = str(data_copy)
+    with pytest.raises(CheckpointError, match="tokenizer: the checkpoint was trained with "
+                                              "tokenizer.model"):
+        train(from_dict(RunConfig, other), DistEnv(0, 1, 0, 1), resume=str(ckpt))
+    # --resume none in a run directory that has checkpoints would overwrite them.
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(0, 1, 0, 1), resume="none")
+    assert _snapshot(ckpt) == before
+    assert complete_tags(run_dir / "checkpoints") == ["step_0000002"]
+
+
+def test_verify_checkpoint_accepts_the_matching_config(killed_run, tiny_data):
+    run_dir, cfg_dict = killed_run
+    cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
+    cfg.model.vocab_size = tiny_data.tokenizer.vocab_size
+    from data_pipeline.shards import read_manifest
+
+    sha = read_manifest(tiny_data.dir).tokenizer["sha256"]
+    assert verify_checkpoint(run_dir / "checkpoints" / "step_0000002", cfg, sha)["step"] == 2
+
+
+# --- NaN/Inf guard ------------------------------------------------------------------------------
+
+
+def _nan_worker(rank, world, cfg_dict, nan_steps, result_path):
+    """Rank 1's loss is NaN on the given steps (micro-batch = step here)."""
+    from moe.model import MoETransformer
+
+    original = MoETransformer.forward
+    calls = {"n": 0}
+
+    def forward(self, ids, targets=None):
+        out = original(self, ids, targets)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if rank == 1 and calls["n"] in nan_steps:
+                out = out._replace(loss=out.loss * float("nan"))
+        return out
+
+    MoETransformer.forward = forward
+    try:
+        train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world))
+        outcome = "finished"
+    except TrainingError as e:
+        outcome = str(e)
+    with open(f"{result_path}.{rank}", "w") as f:
+        f.write(outcome)
+
+
+def _steps(run_dir, rank):
+    return [json.loads(line) for line in (run_dir / "logs" / f"steps_rank{rank}.jsonl").open()]
+
+
+def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_persistent_nan_stops(
+        tiny_data, tmp_path):
+    """Rank 1's loss is NaN at step 3 (one skip), finite at 4, NaN from 5 on: with at most 2
+    consecutive skips the run stops at step 6, and nothing of step 6 is saved."""
+    from moe.training.layout import read_layout_free
+
+    cfg = run_dict(tiny_data, tmp_path / "runs", "nan", max_steps=8, max_consecutive_skips=2)
+    cfg["checkpoint"] = {"every_n_steps": 1}
+    run_distributed(_nan_worker, 2, cfg, {3, 5, 6, 7, 8}, str(tmp_path / "result"))
+    run_dir = tmp_path / "runs" / "nan"
+    for rank in range(2):
+        msg = (tmp_path / f"result.{rank}").read_text()
+        assert "step 6: 2 consecutive steps had a non-finite loss or gradient norm" in msg
+        assert [r["skipped"] for r in _steps(run_dir, rank)] == [False, False, True, False,
+                                                                  True, True]
+    # A skipped step changes nothing: weights, Adam moments and Adam's step count stay.
+    ckpt = run_dir / "checkpoints"
+    s = {step: read_layout_free(ckpt / f"step_{step:07d}") for step in (2, 3, 4, 5)}
+    for before, after in ((2, 3), (4, 5)):
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            for name in s[before][key]:
+                assert torch.equal(s[before][key][name], s[after][key][name]), (key, name)
+    assert {k: set(v["step"].values()) for k, v in s.items()} == {2: {2.0}, 3: {2.0}, 4: {3.0},
+                                                                  5: {3.0}}
+    assert any(not torch.equal(s[3]["params"][n], s[4]["params"][n]) for n in s[3]["params"])
+    # The run stopped at step 6 before saving it: the last checkpoint is the last good state.
+    assert complete_tags(ckpt)[-1] == "step_0000005"
