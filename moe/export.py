@@ -204,9 +204,17 @@ def hf_tokenizer(model_file: Path):
     steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
     if spec.remove_extra_whitespaces:
         steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.add_dummy_prefix:
+        # SentencePiece adds the dummy "▁" even when the text already starts with whitespace;
+        # the Metaspace pre-tokenizer's own prepend skips it then, so prepend in the normalizer.
+        steps.append(normalizers.Prepend("▁"))
     tok.normalizer = normalizers.Sequence(steps)
     prepend = "always" if spec.add_dummy_prefix else "never"
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    # SentencePiece never merges pieces across a whitespace boundary when split_by_whitespace is
+    # set (its default): each "▁" starts a new word. Without the split, BPE merges such as
+    # "▁▁" (indentation, with identity normalization) would join words and change the ids.
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
+                                                 split=trainer.split_by_whitespace)
     tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme=prepend,
                                                         split=False),
                                      decoders.ByteFallback(), decoders.Fuse()])
