@@ -20,6 +20,7 @@ setup(
         "pyyaml",
         "tqdm",
         "safetensors",
+        "matplotlib",
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={
