@@ -109,6 +109,7 @@ def parse_args(argv):
     g.add_argument("--num-return", type=int, default=1, help="samples / beams shown per prompt")
     g.add_argument("--length-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     return p.parse_args(argv)
 
@@ -131,7 +132,8 @@ def options_from_args(args) -> EvalOptions:
                        tokenizer_file=args.tokenizer, max_tokens=args.max_tokens,
                        batch_size=args.batch_size, expert_stats=not args.no_expert_stats,
                        top_tokens=args.top_tokens, min_token_count=args.min_token_count,
-                       prompts=args.prompt, data_prompts=args.num_prompts, generation=gens)
+                       prompts=args.prompt, data_prompts=args.num_prompts, generation=gens,
+                       device=args.device)
 
 
 @exits_cleanly

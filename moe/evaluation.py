@@ -142,7 +142,9 @@ def evaluate_loss(model: MoETransformer, windows: Iterable[torch.Tensor], batch_
     if batch_size < 1:
         raise ConfigError([f"batch_size: must be >= 1, got {batch_size}"], "evaluation")
     total_loss, total_tokens = 0.0, 0
+    device = next(model.parameters()).device
     for batch_BS in batches(windows, batch_size):
+        batch_BS = batch_BS.to(device)
         inputs_BS, targets_BS = batch_BS[:, :-1], batch_BS[:, 1:]
         if collector is not None:
             collector.observe(inputs_BS)
@@ -235,6 +237,8 @@ class EvalOptions:
     prompt_tokens: int = 12
     generation: list[GenerationConfig] = field(default_factory=list)
     """One entry per decoding strategy to show (empty: no generation)."""
+    device: str | None = None
+    """Where the model runs (default: the GPU if there is one, else the CPU)."""
 
 
 def checkpoint_step(tag_dir: Path) -> int | None:
@@ -247,6 +251,7 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
     generations on one process."""
     t0 = time.perf_counter()
     model, cfg, tag_dir = load_model(path)
+    model.to(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     data = open_eval_data(cfg, opts.data_dir, opts.text_files, opts.split, opts.tokenizer_file)
     drops = cfg.model.moe.capacity_factor is not None
     batch_size = opts.batch_size or (cfg.train.micro_batch_size if drops else cfg.eval.batch_size)

@@ -87,9 +87,10 @@ class Decoder(Protocol):
     """Most tokens (prompt + generated) one row may hold."""
 
     def step(self, tokens_BS: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        """Feed ``tokens_BS`` (int64): the prompt when ``state`` is None, otherwise the tokens
-        chosen at the last step (S = 1). Returns the fp32 logits of the next token of each row,
-        (B, V), and the new state (the old one may be reused or changed in place)."""
+        """Feed ``tokens_BS`` (int64, on the host): the prompt when ``state`` is None, otherwise
+        the tokens chosen at the last step (S = 1). Returns the fp32 logits of the next token of
+        each row, (B, V) on the host, and the new state (the old one may be reused or changed in
+        place; it may live on the model's device)."""
 
     def reorder(self, state: Any, rows_R: torch.Tensor) -> Any:
         """The state of rows ``rows_R`` (int64 indices into the current rows, repeats allowed):
@@ -102,15 +103,18 @@ class FullForwardDecoder:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.max_tokens = model.cfg.max_seq_len
+        self.device = next(model.parameters()).device
 
     @torch.no_grad()
     def step(self, tokens_BS: torch.Tensor, state: torch.Tensor | None):
+        tokens_BS = tokens_BS.to(self.device)
         prefix_BL = tokens_BS if state is None else torch.cat((state, tokens_BS), dim=1)
         logits_BLV = self.model(prefix_BL).logits
-        return logits_BLV[:, -1].float(), prefix_BL
+        # The strategies run on the host: one (B, V) copy per step.
+        return logits_BLV[:, -1].float().cpu(), prefix_BL
 
     def reorder(self, state: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
-        return state.index_select(0, rows_R)
+        return state.index_select(0, rows_R.to(state.device))
 
 
 def filter_logits(logits_RV: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:

@@ -12,6 +12,9 @@ from moe.generation import (FullForwardDecoder, GenerationConfig, filter_logits,
                             next_tokens)
 from moe.model import ModelConfig, MoETransformer
 from moe.moe_layer import MoEConfig
+from tests.helpers.threads import single_thread  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 V = 5
 PROMPT = [1, 3]
