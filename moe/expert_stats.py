@@ -116,13 +116,16 @@ class ExpertStatsCollector:
 
     def _preferences(self, i: int, decode_piece, top_n: int, min_count: int) -> list[list[dict]]:
         freq_V = self.token_freq_V
-        # Share of a token's routed copies that went to the expert: 1/E would be indifference.
-        share_EV = self.pairs_LEV[i].double() / (freq_V.double() * self.top_k).clamp_min(1)
+        # Fraction of a token's occurrences that chose the expert (its K experts are distinct,
+        # so at most 1); K/E would be indifference.
+        share_EV = self.pairs_LEV[i].double() / freq_V.double().clamp_min(1)
         share_EV[:, freq_V < min_count] = -1.0
+        by_count_V = freq_V.argsort(descending=True, stable=True)
         experts = []
         for e, share_V in enumerate(share_EV):
-            n = min(top_n, int((share_V >= 0).sum()))
-            best = share_V.topk(n).indices.tolist() if n else []
+            # Highest share first; among equal shares the more frequent token.
+            order = by_count_V[share_V[by_count_V].argsort(descending=True, stable=True)]
+            best = [v for v in order[:top_n].tolist() if share_V[v] >= 0]
             experts.append([{"id": v, "piece": decode_piece(v) if decode_piece else str(v),
                              "share": round(float(share_V[v]), 4),
                              "routed": int(self.pairs_LEV[i, e, v]), "count": int(freq_V[v])}

@@ -142,8 +142,10 @@ def _md_table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def _piece(text: str) -> str:
-    # SentencePiece marks a word start with U+2581; show it, and make whitespace visible.
-    return "`" + text.replace("`", "'").replace("\n", "\\n") + "`"
+    """Inline code; newlines and control characters (an untrained model's byte pieces) escaped.
+    SentencePiece's word-start mark U+2581 stays visible."""
+    shown = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+    return "`" + shown.replace("`", "'") + "`"
 
 
 def markdown_report(results: dict, plots: dict[str, str], loss_plot: str | None) -> str:
@@ -186,8 +188,9 @@ def _checkpoint_section(c: dict, plot: str | None) -> list[str]:
         if plot:
             md += ["", f"![expert load]({plot})"]
         md += ["", "### Tokens each expert prefers", "",
-               "Per expert, the input tokens with the largest share of their routed copies sent to "
-               f"it (indifference would be 1/E = {1 / len(layers[0]['load_fraction']):.3f}); "
+               "Per expert, the input tokens that chose it most often, as the share of the token's "
+               "occurrences routed to it (indifference would be K/E = "
+               f"{layers[0]['routed_copies'] / layers[0]['tokens'] / len(layers[0]['load_fraction']):.3f}); "
                "shown as `piece` share (occurrences).", ""]
         for layer in layers:
             md += [f"Block {layer['block']}:", ""]

@@ -105,9 +105,11 @@ def test_token_preferences_are_routing_shares_of_frequent_tokens():
         for e, prefs in enumerate(layer["top_tokens"]):
             # A token's K experts are distinct: count the positions that chose e.
             routed_V = torch.bincount(tokens[(indices_TK == e).any(-1)], minlength=V)
-            share_V = routed_V.double() / (K * freq.double())
-            share_V[freq <= freq[rare]] = -1
-            assert [p["id"] for p in prefs] == share_V.topk(3).indices.tolist()
+            share_V = routed_V.double() / freq.double()
+            ranked = sorted((v for v in range(V) if freq[v] > freq[rare]),
+                            key=lambda v: (-share_V[v].item(), -freq[v].item(), v))
+            assert [p["id"] for p in prefs] == ranked[:3]
+            assert all(math.isclose(p["share"], round(share_V[p["id"]].item(), 4)) for p in prefs)
             for p in prefs:
                 assert p["piece"] == f"<{p['id']}>" and p["count"] == int(freq[p["id"]])
                 assert p["routed"] == int(routed_V[p["id"]])
