@@ -121,7 +121,10 @@ def options_from_args(args) -> EvalOptions:
                          num_beams=args.num_beams, num_return=1 if s == "greedy" else args.num_return,
                          length_penalty=args.length_penalty, seed=args.seed)
         for s in args.strategy]
-    problems = [f"--{p}" for g in gens for p in g.problems()]
+    problems = []
+    for g in gens:  # name the command-line flag, not the config field
+        problems += ["--" + key.replace("_", "-") + ":" + why
+                     for key, why in (p.split(":", 1) for p in g.problems())]
     for name in ("max_tokens", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -188,6 +188,9 @@ def open_eval_data(cfg: RunConfig, data_dir: str | Path | None = None,
     if data_dir is not None and text_files:
         raise ConfigError(["give a data directory or text files, not both"], "evaluation")
     tokenizer = Tokenizer(tokenizer_file) if tokenizer_file else run_tokenizer(cfg)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"{tokenizer.path}: its vocabulary ({tokenizer.vocab_size}) is larger "
+                        f"than the model's ({cfg.model.vocab_size})")
     if text_files:
         if tokenizer is None:
             raise DataError(f"no tokenizer for the text files: {Path(cfg.data.dir) / TOKENIZER_FILE} "

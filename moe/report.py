@@ -123,7 +123,7 @@ def summary_table(checkpoints: list[dict]) -> str:
         worst = max((layer["max_over_mean_load"] for layer in layers), default=float("nan"))
         dropped = sum(layer["dropped_fraction"] for layer in layers) / max(len(layers), 1)
         entropy = sum(layer["router_entropy"] for layer in layers) / max(len(layers), 1)
-        rows.append((c["tag"], "-" if c["step"] is None else str(c["step"]), f"{c['tokens']:,}",
+        rows.append((c.get("label", c["tag"]), "-" if c["step"] is None else str(c["step"]), f"{c['tokens']:,}",
                      f"{c['loss']:.4f}", f"{c['perplexity']:.2f}",
                      f"{worst:.2f}" if layers else "-", f"{dropped:.2%}" if layers else "-",
                      f"{entropy:.3f}" if layers else "-"))
@@ -154,7 +154,7 @@ def markdown_report(results: dict, plots: dict[str, str], loss_plot: str | None)
           f"Data: {results['data']}. Loss is the token-weighted mean next-token cross-entropy "
           "in nats; perplexity is its exponential.", ""]
     md += _md_table(["checkpoint", "step", "tokens", "loss", "perplexity", "seconds"],
-                    [[c["tag"], c["step"], f"{c['tokens']:,}", f"{c['loss']:.4f}",
+                    [[c["label"], c["step"], f"{c['tokens']:,}", f"{c['loss']:.4f}",
                       f"{c['perplexity']:.2f}", c["seconds"]] for c in cps])
     md += ["", f"A uniform guess over the vocabulary of {cps[-1]['vocab_size']:,} would score "
            f"{cps[-1]['uniform_loss']:.4f} nats/token.", ""]
@@ -164,12 +164,12 @@ def markdown_report(results: dict, plots: dict[str, str], loss_plot: str | None)
     else:
         md += ["## Loss curves", "", "No TensorBoard scalars found under the run directory.", ""]
     for c in cps:
-        md += _checkpoint_section(c, plots.get(c["tag"]))
+        md += _checkpoint_section(c, plots.get(c["label"]))
     return "\n".join(md) + "\n"
 
 
 def _checkpoint_section(c: dict, plot: str | None) -> list[str]:
-    md = [f"## {c['tag']}", "", f"`{c['checkpoint']}`: evaluated in batches of {c['batch_size']} "
+    md = [f"## {c['label']}", "", f"`{c['checkpoint']}`: evaluated in batches of {c['batch_size']} "
           f"sequences of {c['seq_len']} tokens; capacity factor "
           f"{c['capacity_factor'] if c['capacity_factor'] is not None else 'none (dropless)'}.", ""]
     layers = c.get("experts") or []
@@ -230,15 +230,17 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, str]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        plots = {}
-        for c in results["checkpoints"]:
-            if c.get("experts"):
-                name = f"expert_load_{c['tag']}.png"
-                plot_expert_load(c["experts"], staging / name,
-                                 f"{c['tag']}: expert load / balanced load")
-                plots[c["tag"]] = name
         runs = {run: read_scalars(Path(run) / TENSORBOARD_DIR)
                 for run in dict.fromkeys(c["run_dir"] for c in results["checkpoints"])}
+        plots = {}
+        for c in results["checkpoints"]:
+            # Checkpoints of several runs may share a tag: name them by run too.
+            c["label"] = c["tag"] if len(runs) == 1 else f"{Path(c['run_dir']).name}-{c['tag']}"
+            if c.get("experts"):
+                name = f"expert_load_{c['label']}.png"
+                plot_expert_load(c["experts"], staging / name,
+                                 f"{c['label']}: expert load / balanced load")
+                plots[c["label"]] = name
         eval_points = {run: [(c["step"], c["loss"]) for c in results["checkpoints"]
                              if c["run_dir"] == run and c["step"] is not None] for run in runs}
         loss_plot = LOSS_PLOT if plot_loss_curves(runs, eval_points, staging / LOSS_PLOT) else None
