@@ -20,6 +20,7 @@ setup(
         "pyyaml",
         "tqdm",
         "safetensors",
+        "matplotlib",
     ],
     extras_require={"hf": ["transformers"], "test": ["pytest", "pytest-timeout", "transformers"]},
     entry_points={

@@ -1,57 +1,160 @@
-"""moe-eval: evaluate checkpoints on the validation split (token-weighted loss and perplexity)."""
+"""moe-eval: evaluate checkpoints on one process: perplexity, expert statistics, generation, and
+a report (JSON, Markdown, PNG plots). Several checkpoints give a table comparing them."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import time
 from pathlib import Path
 
 import torch
 
 from launch.cli import exits_cleanly
-from moe.evaluation import evaluate_perplexity, load_model
+from moe.errors import CheckpointError, ConfigError
+from moe.evaluation import MAIN_STATES, EvalOptions, evaluate_checkpoint_dir, resolve_checkpoint
+from moe.generation import GenerationConfig
+from moe.report import summary_table, write_report
+
+EVAL_DIR = "eval"
+
+
+def run_checkpoints(path: str | Path) -> list[Path]:
+    """Every checkpoint of a run directory (or of its checkpoints directory), oldest first."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such run directory")
+    ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = [d for d in ckpt_dir.iterdir() if (d / MAIN_STATES).is_file()]
+    if not found:
+        raise CheckpointError(f"{path}: no checkpoints (directories holding {MAIN_STATES}) in "
+                              f"{ckpt_dir}")
+    return sorted(found, key=lambda d: (d.name.startswith("step_"), d.name))
+
+
+def default_output(checkpoints: list[Path]) -> Path:
+    if len(checkpoints) == 1:
+        return checkpoints[0] / EVAL_DIR
+    runs = {c.parent.parent for c in checkpoints}
+    if len(runs) == 1:
+        return runs.pop() / EVAL_DIR
+    raise ConfigError(["--output: the checkpoints belong to different runs; say where the "
+                       "report goes"], "moe-eval")
+
+
+def evaluate(checkpoints: list[str | Path], opts: EvalOptions, output: str | Path | None = None,
+             all_of_run: bool = False) -> dict:
+    """Evaluate each checkpoint and write the report; returns the results (as in eval.json)."""
+    if all_of_run:
+        tag_dirs = [c for path in checkpoints for c in run_checkpoints(path)]
+    else:
+        tag_dirs = [resolve_checkpoint(path) for path in checkpoints]  # every path checked first
+    out_dir = Path(output) if output else default_output(tag_dirs)
+    results = {"data": None, "checkpoints": []}
+    for tag_dir in tag_dirs:
+        r = evaluate_checkpoint_dir(tag_dir, opts)
+        results["checkpoints"].append(r)
+        results["data"] = r["data"]
+    write_report(results, out_dir)
+    return results
 
 
 def evaluate_checkpoint(path: str, data_dir: str | None = None, max_tokens: int | None = None,
                         output: str | None = None) -> dict:
-    t0 = time.time()
-    model, cfg, tag_dir = load_model(path)
-    data_dir = data_dir or cfg.data.dir
-    result = evaluate_perplexity(model, data_dir, cfg.data.seq_len, cfg.eval.batch_size,
-                                 max_tokens if max_tokens is not None else cfg.eval.max_tokens)
-    result.update({"checkpoint": str(tag_dir), "data_dir": str(data_dir),
-                   "vocab_size": cfg.model.vocab_size,
-                   "uniform_loss": math.log(cfg.model.vocab_size),
-                   "seconds": round(time.time() - t0, 2)})
-    out = Path(output) if output else tag_dir / "eval.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out)
-    result["output"] = str(out)
-    return result
+    """The evaluation moe-launch runs after training: one checkpoint, default settings. Returns
+    its results with ``output`` (the JSON file) and ``report`` (the Markdown file)."""
+    opts = EvalOptions(data_dir=data_dir, max_tokens=max_tokens, generation=default_generation())
+    results = evaluate([path], opts, output)
+    return {**results["checkpoints"][0], "output": results["files"]["json"],
+            "report": results["files"]["report"]}
+
+
+def default_generation(strategies=("greedy", "sample", "beam"), **kw) -> list[GenerationConfig]:
+    base = {"temperature": 0.8, "top_p": 0.95, "num_beams": 4, **kw}
+    return [GenerationConfig(strategy=s, **base) for s in strategies]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="moe-eval", description=__doc__)
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                   help="checkpoint directories, or run / checkpoints directories (their latest "
+                        "checkpoint; with --all every checkpoint)")
+    p.add_argument("--all", action="store_true", help="evaluate every checkpoint of the run(s)")
+    p.add_argument("--output", help="report directory (default: CHECKPOINT/eval, or RUN/eval for "
+                                    "several checkpoints of one run)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data-dir", help="prepared data to evaluate on (default: the run's)")
+    d.add_argument("--split", default="valid", help="split of the prepared data (default: valid)")
+    d.add_argument("--text", nargs="+", metavar="FILE",
+                   help="evaluate on these text files instead, tokenized with the run's tokenizer")
+    d.add_argument("--tokenizer", help="SentencePiece model to use instead of the run's")
+    d.add_argument("--max-tokens", type=int, help="predict at most this many tokens")
+    d.add_argument("--batch-size", type=int, help="sequences per forward (default: the training "
+                                                  "micro-batch for models that drop tokens)")
+    s = p.add_argument_group("expert statistics")
+    s.add_argument("--no-expert-stats", action="store_true")
+    s.add_argument("--top-tokens", type=int, default=8, help="preferred tokens shown per expert")
+    s.add_argument("--min-token-count", type=int, default=5,
+                   help="rank only tokens seen at least this often")
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", action="append", default=[],
+                   help="a prompt to continue (repeatable; default: document starts of the data)")
+    g.add_argument("--num-prompts", type=int, default=3, help="prompts taken from the data")
+    g.add_argument("--strategy", nargs="+", choices=["greedy", "sample", "beam"],
+                   default=["greedy", "sample", "beam"])
+    g.add_argument("--no-generation", action="store_true")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--num-beams", type=int, default=4)
+    g.add_argument("--num-return", type=int, default=1, help="samples / beams shown per prompt")
+    g.add_argument("--length-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    return p.parse_args(argv)
+
+
+def options_from_args(args) -> EvalOptions:
+    gens = [] if args.no_generation else [
+        GenerationConfig(strategy=s, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         num_beams=args.num_beams, num_return=1 if s == "greedy" else args.num_return,
+                         length_penalty=args.length_penalty, seed=args.seed)
+        for s in args.strategy]
+    problems = []
+    for g in gens:  # name the command-line flag, not the config field
+        problems += ["--" + key.replace("_", "-") + ":" + why
+                     for key, why in (p.split(":", 1) for p in g.problems())]
+    for name in ("max_tokens", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            problems.append(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if problems:
+        raise ConfigError(sorted(set(problems)), "moe-eval arguments")
+    return EvalOptions(data_dir=args.data_dir, text_files=args.text or [], split=args.split,
+                       tokenizer_file=args.tokenizer, max_tokens=args.max_tokens,
+                       batch_size=args.batch_size, expert_stats=not args.no_expert_stats,
+                       top_tokens=args.top_tokens, min_token_count=args.min_token_count,
+                       prompts=args.prompt, data_prompts=args.num_prompts, generation=gens,
+                       device=args.device)
 
 
 @exits_cleanly
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="moe-eval", description=__doc__)
-    p.add_argument("checkpoint", help="a checkpoint tag directory, a checkpoints directory or a "
-                                      "run directory (its latest checkpoint)")
-    p.add_argument("--data-dir", help="prepared data to evaluate on (default: the run's)")
-    p.add_argument("--max-tokens", type=int, help="evaluate at most this many tokens")
-    p.add_argument("--output", help="where to write the JSON results (default: CHECKPOINT/eval.json)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    r = evaluate_checkpoint(args.checkpoint, args.data_dir, args.max_tokens, args.output)
-    print(f"checkpoint  {r['checkpoint']}\n"
-          f"tokens      {r['tokens']:,}\n"
-          f"loss        {r['loss']:.4f} nats/token (uniform guess: {r['uniform_loss']:.4f})\n"
-          f"perplexity  {r['perplexity']:.2f}\n"
-          f"results     {r['output']}")
+    results = evaluate(args.checkpoints, options_from_args(args), args.output, args.all)
+    print(summary_table(results["checkpoints"]))
+    last = results["checkpoints"][-1]
+    for layer in last.get("experts") or []:
+        top = ", ".join(f"e{e}:{t[0]['piece']}" for e, t in enumerate(layer["top_tokens"]) if t)
+        print(f"block {layer['block']}: max/mean load {layer['max_over_mean_load']:.2f}, dropped "
+              f"{layer['dropped_fraction']:.2%}, entropy {layer['router_entropy']:.3f}"
+              f"/{layer['router_entropy_uniform']:.3f}; prefers {top}")
+    for g in (last.get("generations") or [])[:3]:
+        print(f"{g['strategy']:>6}: {g['prompt_text']!r} -> {g['outputs'][0]['text']!r}")
+    print(f"results  {results['files']['json']}\nreport   {results['files']['report']}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,26 @@
-"""Evaluating checkpoints on one process: load any expert-parallel layout, compute perplexity."""
+"""Evaluating checkpoints on one process: load any expert-parallel layout, choose the tokens to
+evaluate on, compute token-weighted loss and perplexity (and expert statistics on the way)."""
 
 from __future__ import annotations
 
 import math
+import re
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data_pipeline.reader import validation_windows
-from moe.errors import CheckpointError
+from data_pipeline.prepare import TOKENIZER_FILE
+from data_pipeline.reader import TokenStream
+from data_pipeline.shards import MANIFEST
+from data_pipeline.tokenizer import Tokenizer
+from moe.errors import CheckpointError, ConfigError, DataError
+from moe.expert_stats import ExpertStatsCollector
+from moe.generation import FullForwardDecoder, GenerationConfig, generate
 from moe.model import MoETransformer
 from moe.parallel.deepspeed_adapter import (consolidated_state_dict, duplicated_experts,
                                             expert_file_ids)
@@ -82,31 +93,254 @@ def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
     return model, cfg, tag_dir
 
 
-@torch.no_grad()
-def evaluate_perplexity(model: MoETransformer, data_dir: str | Path, seq_len: int,
-                        batch_size: int = 8, max_tokens: int | None = None) -> dict:
-    """Token-weighted mean next-token loss over the validation split, and its perplexity."""
-    total_loss, total_tokens = 0.0, 0
+class TokenArray:
+    """Tokens held in memory with the ``len`` / ``read`` interface of a prepared split's
+    :class:`~data_pipeline.reader.TokenStream`."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        return self.tokens[start:start + length]
+
+
+def tokenize_text_files(paths: list[str | Path], tokenizer: Tokenizer) -> TokenArray:
+    """Each file is one document, encoded and ended with EOS, as data preparation does."""
+    docs = []
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise DataError(f"{path}: no such text file") from None
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise DataError(f"{path}: cannot read ({e.strerror})") from None
+        docs.append(np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int64))
+    return TokenArray(np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64))
+
+
+def token_windows(tokens, seq_len: int, max_tokens: int | None = None) -> Iterator[torch.Tensor]:
+    """Consecutive windows of seq_len + 1 tokens overlapping by one token, so every token after
+    the first is predicted exactly once; at most ``max_tokens`` predictions. ``tokens`` has
+    ``len`` and ``read(start, length)`` (a TokenStream or a TokenArray)."""
+    total = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
+    start = 0
+    while start + 1 < total:
+        length = min(seq_len + 1, total - start)
+        yield torch.from_numpy(np.asarray(tokens.read(start, length), dtype=np.int64))
+        start += length - 1
+
+
+def batches(windows: Iterable[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
+    """Stack windows into batches of up to ``batch_size``; a shorter (final) window starts its
+    own batch."""
     pending: list[torch.Tensor] = []
-
-    def flush():
-        nonlocal total_loss, total_tokens
-        batch = torch.stack(pending)
-        logits = model(batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-        total_loss += float(loss)
-        total_tokens += batch[:, 1:].numel()
-        pending.clear()
-
-    for window in validation_windows(data_dir, seq_len, max_tokens):
-        if pending and len(window) != len(pending[0]):
-            flush()
+    for window in windows:
+        if pending and (len(window) != len(pending[0]) or len(pending) == batch_size):
+            yield torch.stack(pending)
+            pending = []
         pending.append(window)
-        if len(pending) == batch_size:
-            flush()
     if pending:
-        flush()
+        yield torch.stack(pending)
+
+
+@torch.no_grad()
+def evaluate_loss(model: MoETransformer, windows: Iterable[torch.Tensor], batch_size: int = 8,
+                  collector: ExpertStatsCollector | None = None, source: str = "data") -> dict:
+    """Token-weighted mean next-token loss (nats) over ``windows``, and its perplexity. With a
+    ``collector``, the same forwards also feed its expert statistics."""
+    if batch_size < 1:
+        raise ConfigError([f"batch_size: must be >= 1, got {batch_size}"], "evaluation")
+    total_loss, total_tokens = 0.0, 0
+    device = next(model.parameters()).device
+    for batch_BS in batches(windows, batch_size):
+        batch_BS = batch_BS.to(device)
+        inputs_BS, targets_BS = batch_BS[:, :-1], batch_BS[:, 1:]
+        if collector is not None:
+            collector.observe(inputs_BS)
+        logits_BSV = model(inputs_BS).logits
+        loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(),
+                               reduction="sum")
+        total_loss += float(loss)
+        total_tokens += targets_BS.numel()
     if total_tokens == 0:
-        raise CheckpointError(f"{data_dir}: the validation split has no tokens to evaluate")
+        raise DataError(f"{source}: no tokens to evaluate (at least 2 are needed)")
     mean = total_loss / total_tokens
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens}
+
+
+def evaluate_perplexity(model: MoETransformer, data_dir: str | Path, seq_len: int,
+                        batch_size: int = 8, max_tokens: int | None = None,
+                        split: str = "valid") -> dict:
+    """Token-weighted mean next-token loss over a prepared split, and its perplexity."""
+    windows = token_windows(TokenStream(data_dir, split), seq_len, max_tokens)
+    return evaluate_loss(model, windows, batch_size, source=f"{data_dir} ({split} split)")
+
+
+class EvalData(NamedTuple):
+    tokens: TokenStream | TokenArray
+    description: str  # where the tokens came from, for reports
+    tokenizer: Tokenizer | None  # the run's tokenizer (decodes expert preferences and text)
+
+
+def run_tokenizer(cfg: RunConfig) -> Tokenizer | None:
+    """The tokenizer the run trained with: prepared next to its data's manifest."""
+    path = Path(cfg.data.dir) / TOKENIZER_FILE
+    return Tokenizer(path) if path.exists() else None
+
+
+def open_eval_data(cfg: RunConfig, data_dir: str | Path | None = None,
+                   text_files: list[str] | None = None, split: str = "valid",
+                   tokenizer_file: str | Path | None = None) -> EvalData:
+    """The tokens to evaluate on: a split of the run's prepared data (default), of another
+    prepared data directory tokenized with the same tokenizer, or text files tokenized now with
+    the run's tokenizer."""
+    if data_dir is not None and text_files:
+        raise ConfigError(["give a data directory or text files, not both"], "evaluation")
+    tokenizer = Tokenizer(tokenizer_file) if tokenizer_file else run_tokenizer(cfg)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"{tokenizer.path}: its vocabulary ({tokenizer.vocab_size}) is larger "
+                        f"than the model's ({cfg.model.vocab_size})")
+    if text_files:
+        if tokenizer is None:
+            raise DataError(f"no tokenizer for the text files: {Path(cfg.data.dir) / TOKENIZER_FILE} "
+                            "does not exist (prepare the run's data or pass a tokenizer file)")
+        return EvalData(tokenize_text_files(text_files, tokenizer),
+                        f"{len(text_files)} text file(s) tokenized with {tokenizer.path}", tokenizer)
+    data_dir = Path(data_dir if data_dir is not None else cfg.data.dir)
+    if not (data_dir / MANIFEST).exists():
+        raise DataError(f"{data_dir}: no prepared data ({MANIFEST} missing); run moe-prepare "
+                        "with the run's config or pass another data directory")
+    stream = TokenStream(data_dir, split)
+    if tokenizer is not None and stream.manifest.tokenizer.get("sha256") != tokenizer.sha256:
+        raise DataError(f"{data_dir} was tokenized with another tokenizer than {tokenizer.path} "
+                        "(sha256 differs): its token ids mean other text to this model")
+    if tokenizer is None:
+        tokenizer = Tokenizer(data_dir / TOKENIZER_FILE)
+    if stream.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"{data_dir}: its tokenizer's vocabulary ({stream.vocab_size}) is larger "
+                        f"than the model's ({cfg.model.vocab_size})")
+    return EvalData(stream, f"{data_dir} ({split} split)", tokenizer)
+
+
+@dataclass
+class EvalOptions:
+    """What one evaluation of a checkpoint computes (the moe-eval command line fills it)."""
+
+    data_dir: str | None = None
+    """Prepared data to evaluate on (default: the run's)."""
+    text_files: list[str] = field(default_factory=list)
+    """Raw text files to evaluate on instead, tokenized with the run's tokenizer."""
+    split: str = "valid"
+    tokenizer_file: str | None = None
+    """Tokenizer for text files and decoding (default: the one prepared with the run's data)."""
+    max_tokens: int | None = None
+    """Most tokens to predict (default: the run's eval.max_tokens; null there: all)."""
+    batch_size: int | None = None
+    """Sequences per forward (default: the training micro-batch when the model drops tokens, so
+    that capacity and dropping are those of training; else the run's eval.batch_size)."""
+    expert_stats: bool = True
+    top_tokens: int = 8
+    """Preferred tokens listed per expert."""
+    min_token_count: int = 5
+    """Tokens seen fewer times are not ranked as preferences."""
+    prompts: list[str] = field(default_factory=list)
+    """Prompts to continue; none: the first tokens of ``data_prompts`` documents of the data."""
+    data_prompts: int = 3
+    prompt_tokens: int = 12
+    generation: list[GenerationConfig] = field(default_factory=list)
+    """One entry per decoding strategy to show (empty: no generation)."""
+    device: str | None = None
+    """Where the model runs (default: the GPU if there is one, else the CPU)."""
+
+
+def checkpoint_step(tag_dir: Path) -> int | None:
+    m = re.fullmatch(r"step_(\d+)", tag_dir.name)
+    return int(m.group(1)) if m else None
+
+
+def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
+    """Load a checkpoint (any layout) and compute loss, perplexity, expert statistics and
+    generations on one process."""
+    t0 = time.perf_counter()
+    model, cfg, tag_dir = load_model(path)
+    model.to(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    data = open_eval_data(cfg, opts.data_dir, opts.text_files, opts.split, opts.tokenizer_file)
+    drops = cfg.model.moe.capacity_factor is not None
+    batch_size = opts.batch_size or (cfg.train.micro_batch_size if drops else cfg.eval.batch_size)
+    max_tokens = opts.max_tokens if opts.max_tokens is not None else cfg.eval.max_tokens
+    windows = token_windows(data.tokens, cfg.data.seq_len, max_tokens)
+    result = {"checkpoint": str(tag_dir), "tag": tag_dir.name, "step": checkpoint_step(tag_dir),
+              "run_dir": str(tag_dir.parent.parent), "data": data.description,
+              "vocab_size": cfg.model.vocab_size, "uniform_loss": math.log(cfg.model.vocab_size),
+              "batch_size": batch_size, "seq_len": cfg.data.seq_len,
+              "capacity_factor": cfg.model.moe.capacity_factor}
+    if opts.expert_stats and model.moe_layers():
+        with ExpertStatsCollector(model) as collector:
+            result.update(evaluate_loss(model, windows, batch_size, collector, data.description))
+        piece = data.tokenizer.sp.IdToPiece if data.tokenizer is not None else None
+        result["experts"] = collector.summary(piece, opts.top_tokens, opts.min_token_count)
+    else:
+        result.update(evaluate_loss(model, windows, batch_size, source=data.description))
+    if opts.generation:
+        result["generations"] = generate_samples(model, data, opts)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+def data_prompts(tokens, eos_id: int, count: int, prompt_len: int, reference_len: int,
+                 scan: int = 1_000_000) -> list[tuple[list[int], list[int]]]:
+    """(prompt, true continuation) pairs from the starts of the first documents of the data
+    that are long enough; each prompt starts with EOS, as every document but the first follows
+    one in training."""
+    window = np.asarray(tokens.read(0, min(len(tokens), scan)))
+    starts = [0] + (np.flatnonzero(window == eos_id) + 1).tolist()
+    out = []
+    for s in starts:
+        doc = window[s:s + prompt_len + reference_len].tolist()
+        if eos_id in doc[:prompt_len] or len(doc) < prompt_len + 1:
+            continue
+        ref = doc[prompt_len:]
+        ref = ref[: ref.index(eos_id) + 1] if eos_id in ref else ref
+        out.append(([eos_id] + doc[:prompt_len], ref))
+        if len(out) == count:
+            break
+    return out
+
+
+def generate_samples(model: MoETransformer, data: EvalData, opts: EvalOptions) -> list[dict]:
+    tok = data.tokenizer
+    if tok is None:
+        raise DataError("generation needs the run's tokenizer to encode prompts and decode text")
+    longest = max(g.max_new_tokens for g in opts.generation)
+    if opts.prompts:
+        pairs = [([tok.eos_id] + tok.encode(p), None) for p in opts.prompts]
+    else:
+        pairs = data_prompts(data.tokens, tok.eos_id, opts.data_prompts, opts.prompt_tokens, longest)
+    decoder = FullForwardDecoder(model)
+    out = []
+    for prompt, reference in pairs:
+        for g in opts.generation:
+            hyps = generate(decoder, prompt, g, tok.eos_id)
+            out.append({
+                "strategy": g.strategy, "settings": generation_settings(g),
+                "prompt": prompt, "prompt_text": tok.decode(prompt[1:]),
+                "reference_text": None if reference is None else tok.decode(
+                    [t for t in reference[: g.max_new_tokens] if t != tok.eos_id]),
+                "outputs": [{"tokens": h.tokens, "text": tok.decode(
+                    [t for t in h.tokens if t != tok.eos_id]), "logprob": h.logprob,
+                    "score": h.score} for h in hyps]})
+    return out
+
+
+def generation_settings(g: GenerationConfig) -> str:
+    if g.strategy == "beam":
+        return f"{g.num_beams} beams, length penalty {g.length_penalty}"
+    if g.strategy == "sample":
+        return (f"temperature {g.temperature}, top-k {g.top_k or 'all'}, "
+                f"top-p {g.top_p or 1.0}, seed {g.seed}")
+    return "argmax"

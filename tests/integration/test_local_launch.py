@@ -64,7 +64,7 @@ def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config
     assert "config" in acc.Tags()["tensors"] or acc.Tags().get("tensors")
 
     # The evaluation script read the checkpoint and reported a finite perplexity.
-    result = json.loads((ckpt / "eval.json").read_text())
+    result = json.loads((ckpt / "eval" / "eval.json").read_text())["checkpoints"][0]
     assert math.isfinite(result["perplexity"]) and result["tokens"] > 0
     assert math.isclose(result["perplexity"], math.exp(result["loss"]), rel_tol=1e-9)
     assert "perplexity" in proc.stdout and str(run_dir) in proc.stdout
