@@ -20,7 +20,7 @@ from data_pipeline.shards import MANIFEST
 from data_pipeline.tokenizer import Tokenizer
 from moe.errors import CheckpointError, ConfigError, DataError
 from moe.expert_stats import ExpertStatsCollector
-from moe.generation import FullForwardDecoder, GenerationConfig, generate
+from moe.generation import GenerationConfig, KVCacheDecoder, generate
 from moe.model import MoETransformer
 from moe.parallel.deepspeed_adapter import (consolidated_state_dict, duplicated_experts,
                                             expert_file_ids)
@@ -321,7 +321,7 @@ def generate_samples(model: MoETransformer, data: EvalData, opts: EvalOptions) -
         pairs = [([tok.eos_id] + tok.encode(p), None) for p in opts.prompts]
     else:
         pairs = data_prompts(data.tokens, tok.eos_id, opts.data_prompts, opts.prompt_tokens, longest)
-    decoder = FullForwardDecoder(model)
+    decoder = KVCacheDecoder(model)
     out = []
     for prompt, reference in pairs:
         for g in opts.generation:

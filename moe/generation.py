@@ -8,8 +8,11 @@ cache) is the decoder's business:
     state = decoder.reorder(state, rows_R)                 # expand / reorder rows (beams)
     logits_RV, state = decoder.step(next_R1, state)        # one new token per row
 
-:class:`FullForwardDecoder` re-runs the model over the whole prefix at every step (no cache: cost
-per token grows with the prefix). A KV-cached decoder implements the same two methods.
+:class:`KVCacheDecoder` (used by the evaluation script) feeds only the new tokens and keeps the
+prefix's keys and values in the model's :class:`~moe.attention.KVCache`, so a step costs the same
+whatever the prefix length (plus attention over the cache). :class:`FullForwardDecoder` re-runs the
+model over the whole prefix at every step; it is the reference the cached decoder is tested
+against.
 
 Shapes: B/R rows (samples or beams), S new tokens, L tokens so far, V vocabulary, W beam width.
 """
@@ -22,6 +25,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from moe.attention import KVCache
 from moe.errors import ConfigError
 
 Strategy = Literal["greedy", "sample", "beam"]
@@ -115,6 +119,29 @@ class FullForwardDecoder:
 
     def reorder(self, state: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
         return state.index_select(0, rows_R.to(state.device))
+
+
+class KVCacheDecoder(FullForwardDecoder):
+    """Incremental decoding with the model's KV cache. The state is the cache."""
+
+    @torch.no_grad()
+    def step(self, tokens_BS: torch.Tensor, state: KVCache | None):
+        cache = self.model.new_kv_cache() if state is None else state
+        logits_BSV = self.model(tokens_BS.to(self.device), kv_cache=cache).logits
+        return logits_BSV[:, -1].float().cpu(), cache
+
+    def reorder(self, state: KVCache, rows_R: torch.Tensor) -> KVCache:
+        rows_R = rows_R.to(self.device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            # Positions are shared by all rows (batch dim 1) and broadcast as they are.
+            return t if t is None or t.shape[0] == 1 else t.index_select(0, rows_R)
+
+        out = KVCache(len(state.keys))
+        out.keys = [k.index_select(0, rows_R) for k in state.keys]
+        out.values = [v.index_select(0, rows_R) for v in state.values]
+        out.positions_BL, out.doc_ids_BL = pick(state.positions_BL), pick(state.doc_ids_BL)
+        return out
 
 
 def filter_logits(logits_RV: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moe.errors import ConfigError
-from moe.generation import (FullForwardDecoder, GenerationConfig, filter_logits, generate,
+from moe.generation import (FullForwardDecoder, GenerationConfig, KVCacheDecoder, filter_logits,
+                            generate,
                             next_tokens)
 from moe.model import ModelConfig, MoETransformer
 from moe.moe_layer import MoEConfig
@@ -20,7 +21,7 @@ V = 5
 PROMPT = [1, 3]
 
 # Decoders must satisfy the same contract; a KV-cached decoder joins this list.
-DECODERS = [FullForwardDecoder]
+DECODERS = [FullForwardDecoder, KVCacheDecoder]
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +158,32 @@ def test_invalid_settings_are_listed_together(model):
         run(model, strategy="sample", max_new_tokens=20, top_p=1.5, temperature=-1)
     msg = str(e.value)
     assert "top_p" in msg and "temperature" in msg and "exceeds the model's 16 tokens" in msg
+
+
+@pytest.mark.parametrize("kw", [dict(strategy="greedy"), dict(strategy="beam", num_beams=3),
+                                dict(strategy="sample", temperature=0.8, top_k=3, seed=5)],
+                         ids=["greedy", "beam3", "sample"])
+def test_kv_cache_decoding_equals_full_forward(model, kw):
+    cfg = GenerationConfig(max_new_tokens=8, **kw)
+    cached = generate(KVCacheDecoder(model), PROMPT, cfg, None)
+    full = generate(FullForwardDecoder(model), PROMPT, cfg, None)
+    assert [h.tokens for h in cached] == [h.tokens for h in full]
+    for a, b in zip(cached, full):
+        assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_kv_cache_work_grows_linearly_with_length(model):
+    """Tokens fed through the model: prompt + one per new token with the cache, the whole
+    prefix every step without it."""
+    fed = []
+    handle = model.embed.register_forward_hook(lambda m, i, o: fed.append(i[0].shape[1]))
+    try:
+        generate(KVCacheDecoder(model), PROMPT, GenerationConfig(max_new_tokens=8), None)
+        cached, fed[:] = sum(fed), []
+        generate(FullForwardDecoder(model), PROMPT, GenerationConfig(max_new_tokens=8), None)
+        full = sum(fed)
+    finally:
+        handle.remove()
+    n = len(PROMPT)
+    assert cached == n + 7
+    assert full == sum(n + i for i in range(8))
