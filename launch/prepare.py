@@ -35,9 +35,11 @@ def main(argv=None) -> None:
           f"{len(m.splits['train'].shards)} shards, valid {m.splits['valid'].tokens:,} tokens; "
           f"tokenizer {m.tokenizer['file']} ({m.tokenizer['vocab_size']} pieces)")
     for s in m.sources:
-        if s["invalid_utf8"] or s["empty_documents"]:
+        if s["invalid_utf8"]:
             print(f"warning: source {s['name']!r}: {s['invalid_utf8']} invalid UTF-8 sequences "
-                  f"replaced with U+FFFD, {s['empty_documents']} empty documents skipped")
+                  "replaced with U+FFFD")
+        if s["empty_documents"]:
+            print(f"note: source {s['name']!r}: {s['empty_documents']} empty documents skipped")
 
 
 if __name__ == "__main__":

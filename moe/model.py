@@ -67,6 +67,9 @@ class ModelConfig:
     active parameters (minus the router) is this one change."""
     tie_embeddings: bool = False
     """Use the token embedding matrix as the output head."""
+    document_masking: bool = False
+    """In training, restrict attention to each packed document and restart positions at its
+    first token, from the data pipeline's document boundaries (EOS)."""
     init_std: float = 0.02
     """Normal init std for all weights; projections into the residual stream (attention output,
     FFN and expert output) use init_std / sqrt(2 * n_layers). See the module docstring."""

@@ -81,9 +81,15 @@ class LoggingConfig:
     log_every: int = 10
     """Steps between console lines and TensorBoard scalars."""
     tensorboard: bool = True
+    peak_flops_per_device: float | None = None
+    """Peak FLOP/s of one rank's device for model FLOPs utilization (train/mfu), e.g. 989e12
+    for an H100's dense bf16; null: MFU is not logged. FLOPs per token: see moe/planning.py."""
 
     def problems(self) -> list[str]:
-        return minimums(self, log_every=1)
+        out = minimums(self, log_every=1)
+        if self.peak_flops_per_device is not None and self.peak_flops_per_device <= 0:
+            out.append(f"peak_flops_per_device: must be > 0 or null, got {self.peak_flops_per_device}")
+        return out
 
 
 @dataclass

@@ -61,8 +61,9 @@ class ConsoleHook(Hook):
         elapsed = time.time() - self.t0
         eta = elapsed / max(s.step, 1) * (s.max_steps - s.step)
         gn = f" | grad norm {s.grad_norm:.3f}" if s.grad_norm is not None else ""
+        mfu = f" | MFU {s.extra['train/mfu']:.1%}" if "train/mfu" in s.extra else ""
         log.info(f"step {s.step:>5}/{s.max_steps} | loss {s.loss:.4f} (lm {s.lm_loss:.4f} aux "
-                 f"{s.aux_loss:.4f}) | lr {s.lr:.2e}{gn} | {s.tokens_per_second:,.0f} tok/s | "
+                 f"{s.aux_loss:.4f}) | lr {s.lr:.2e}{gn} | {s.tokens_per_second:,.0f} tok/s{mfu} | "
                  f"ETA {eta / 60:.1f} min")
 
 
@@ -74,6 +75,7 @@ class TensorBoardHook(Hook):
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.skipped = 0  # steps skipped for a non-finite loss or gradient norm, so far
         self.writer.add_text("config", "```\n" + config_text + "\n```", 0)
         if hparams:
             # Written into this run's own event file (SummaryWriter.add_hparams would open a
@@ -83,9 +85,11 @@ class TensorBoardHook(Hook):
                 self.writer.file_writer.add_summary(summary)
 
     def on_step_end(self, s: StepState) -> None:
+        self.skipped += int(s.skipped)
         if not s.is_log_step:
             return
         w = self.writer
+        w.add_scalar("train/skipped_steps", self.skipped, s.step)
         w.add_scalar("train/loss", s.loss, s.step)
         w.add_scalar("train/lm_loss", s.lm_loss, s.step)
         w.add_scalar("train/aux_loss", s.aux_loss, s.step)
@@ -150,6 +154,25 @@ class MoEStatsHook(Hook):
             if layer.router.cfg.bias_update_rate > 0:
                 bias = layer.router.score_bias
                 s.extra[f"{p}/expert_bias_spread"] = float(bias.max() - bias.min())
+
+
+class ThroughputHook(Hook):
+    """Model FLOPs per second and utilization (MFU) from the training FLOPs per token of the
+    active parameters and attention (moe/planning.py documents the formula)."""
+
+    def __init__(self, train_flops_per_token: float, peak_flops_per_device: float | None,
+                 world_size: int):
+        self.flops_per_token = train_flops_per_token
+        self.peak = peak_flops_per_device
+        self.world = world_size
+
+    def on_step_end(self, s: StepState) -> None:
+        if not s.is_log_step:
+            return
+        achieved = s.tokens_per_second * self.flops_per_token
+        s.extra["train/model_tflops_per_s"] = achieved / 1e12
+        if self.peak:
+            s.extra["train/mfu"] = achieved / (self.peak * self.world)
 
 
 class ResourceHook(Hook):

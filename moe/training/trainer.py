@@ -25,8 +25,9 @@ from moe.parallel.deepspeed_adapter import (check_loaded_experts, expert_paralle
 from moe.training.checkpoint import (CheckpointHook, SaveContext, load_rng, resolve_resume,
                                      verify_checkpoint)
 from moe.training.config import RunConfig, dump_config
+from moe.planning import flops_per_token
 from moe.training.hooks import (ConsoleHook, Hook, MoEStatsHook, ResourceHook, StepRecordHook,
-                                 StepState, TensorBoardHook, ValidationHook)
+                                 StepState, TensorBoardHook, ThroughputHook, ValidationHook)
 from moe.training.layout import load_other_layout
 from moe.training.nan_guard import NonFiniteGuard, poison_nonfinite
 from moe.training.preemption import PREEMPTED_MARKER, PreemptionHook
@@ -175,7 +176,8 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
     reader = PackedReader(cfg.data.dir, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
                           cfg.train.micro_batch_size, weights=cfg.data.weights(),
                           loader_workers=cfg.data.loader_workers,
-                          allow_other_data=cfg.data.allow_other_data_on_resume)
+                          allow_other_data=cfg.data.allow_other_data_on_resume,
+                          document_ids=cfg.model.document_masking)
     start_step, tokens = 0, 0
     if resume_dir is not None:
         t_load = time.time()
@@ -193,7 +195,10 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
         windows = list(validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.max_tokens))
         hooks.append(ValidationHook(engine, cfg.eval.every_n_steps, windows, cfg.data.seq_len,
                                     cfg.eval.batch_size, env.rank, env.world_size))
-    hooks += [MoEStatsHook(moe_layers), ResourceHook(), ConsoleHook(env.rank),
+    train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
+    hooks += [MoEStatsHook(moe_layers), ResourceHook(),
+              ThroughputHook(train_flops, cfg.logging.peak_flops_per_device, env.world_size),
+              ConsoleHook(env.rank),
               StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl"),
               NonFiniteGuard(t.max_consecutive_skips, env.rank)]
     if env.rank == 0 and cfg.logging.tensorboard:
@@ -219,9 +224,11 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
     for step in range(start_step + 1, t.max_steps + 1):
         t0 = time.time()
         sums = torch.zeros(3)
-        batches = reader.micro_batches(t.grad_accum_steps)
-        for batch in batches:
-            out = engine(batch[:, :-1], batch[:, 1:])
+        packed = reader.next_step(t.grad_accum_steps)
+        batches = [p.tokens_BS for p in packed]
+        for p in packed:
+            doc_ids = None if p.doc_ids_BS is None else p.doc_ids_BS[:, :-1]
+            out = engine(p.tokens_BS[:, :-1], p.tokens_BS[:, 1:], doc_ids_BS=doc_ids)
             engine.backward(poison_nonfinite(out.loss))
             engine.step()
             sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()

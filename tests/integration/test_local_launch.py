@@ -12,7 +12,8 @@ pytestmark = pytest.mark.integration
 
 def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config_file, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch.launch", str(tiny_config_file),
-                           "eval.every_n_steps=2", "eval.max_tokens=2000"],
+                           "eval.every_n_steps=2", "eval.max_tokens=2000",
+                           "logging.peak_flops_per_device=6.0e10"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "tiny"
@@ -59,6 +60,12 @@ def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config
         assert all(0 < e.value <= math.log(4) + 1e-6
                    for e in acc.Scalars(f"moe/layer{layer}/router_entropy"))
     assert all(e.value > 0.1 for e in acc.Scalars("system/process_memory_gib"))
+    assert [e.value for e in acc.Scalars("train/skipped_steps")] == [0, 0, 0, 0]
+    mfu = [e.value for e in acc.Scalars("train/mfu")]
+    tflops = [e.value for e in acc.Scalars("train/model_tflops_per_s")]
+    assert len(mfu) == 4 and all(0 < m for m in mfu)
+    for m, t in zip(mfu, tflops):  # MFU = achieved model FLOP/s over 2 ranks x the peak
+        assert math.isclose(m, t * 1e12 / (2 * 6.0e10), rel_tol=1e-6)
     valid = acc.Scalars("valid/loss")
     assert [e.step for e in valid] == [2, 4] and all(math.isfinite(e.value) for e in valid)
     assert "config" in acc.Tags()["tensors"] or acc.Tags().get("tensors")

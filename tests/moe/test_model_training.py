@@ -24,7 +24,7 @@ VARIANTS = {
                     "moe": {"num_experts": 4, "expert_hidden": 32, "activation": "gelu"}},
     "learned_shared_first_dense": {"position": "learned", "moe": {
         "num_experts": 4, "expert_hidden": 32, "num_shared_experts": 1, "first_dense_layers": 1}},
-    "sinusoidal": {"position": "sinusoidal"},
+    "sinusoidal_document_masked": {"position": "sinusoidal", "document_masking": True},
     "dense": {"ffn": "dense", "moe": {"dense_hidden": 64}},
     "upcycled": {"init_from": "@dense", "moe": {
         "num_experts": 4, "expert_hidden": 64, "router": {"top_k": 2, "renormalize": True}}},
