@@ -53,7 +53,7 @@ def stdlib_document(path: Path) -> str:
                 if text and not text.startswith("!"):
                     pieces.append((tok.start[0], text))
     except (tokenize.TokenError, IndentationError, SyntaxError):
-        pass
+        pass  # a module the tokenizer gives up on keeps the comments found before that point
     pieces.sort(key=lambda p: p[0])
     return "\n".join(text for _, text in pieces)
 

@@ -187,8 +187,8 @@ def _nan_worker(rank, world, cfg_dict, nan_steps, result_path):
     original = MoETransformer.forward
     calls = {"n": 0}
 
-    def forward(self, ids, targets=None):
-        out = original(self, ids, targets)
+    def forward(self, ids, targets=None, **kwargs):
+        out = original(self, ids, targets, **kwargs)
         if targets is not None and self.training:
             calls["n"] += 1
             if rank == 1 and calls["n"] in nan_steps:
