@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from moe.attention import KVCache
 from moe.errors import ConfigError

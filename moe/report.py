@@ -159,7 +159,7 @@ def markdown_report(results: dict, plots: dict[str, str], loss_plot: str | None)
     md += ["", f"A uniform guess over the vocabulary of {cps[-1]['vocab_size']:,} would score "
            f"{cps[-1]['uniform_loss']:.4f} nats/token.", ""]
     if loss_plot:
-        md += ["## Loss curves", "", f"From the run's TensorBoard events; black points are the "
+        md += ["## Loss curves", "", "From the run's TensorBoard events; black points are the "
                "losses measured here.", "", f"![loss curves]({loss_plot})", ""]
     else:
         md += ["## Loss curves", "", "No TensorBoard scalars found under the run directory.", ""]
