@@ -22,10 +22,10 @@ from moe.errors import CheckpointError, ConfigError, DataError
 from moe.expert_stats import ExpertStatsCollector
 from moe.generation import GenerationConfig, KVCacheDecoder, generate
 from moe.model import MoETransformer
-from moe.parallel.deepspeed_adapter import (consolidated_state_dict, duplicated_experts,
-                                            expert_file_ids)
-from moe.training.checkpoint import (MAIN_STATES, MARKER, RUN_CONFIG, find_latest, load_file,
-                                     verify_files)
+from moe.parallel.deepspeed_adapter import (consolidated_state_dict, expert_file_ids,
+                                            fingerprint_problems)
+from moe.training.checkpoint import (EXPERT_DIR, MAIN_STATES, MARKER, RUN_CONFIG, find_latest,
+                                     load_file, verify_files)
 from moe.training.config import RunConfig, load_config
 
 
@@ -50,13 +50,15 @@ def load_consolidated(path: str | Path) -> tuple[dict, RunConfig, Path]:
     complete, no file missing or truncated, every expert of every layer present exactly once,
     shapes as the config says, no two experts with identical weights."""
     tag_dir = resolve_checkpoint(path)
-    verify_files(tag_dir)
+    marker = verify_files(tag_dir)
     cfg = load_config(tag_dir / RUN_CONFIG)
     main = load_file(tag_dir / MAIN_STATES)
     experts = {}
-    for f in sorted(tag_dir.iterdir()):
+    for f in sorted([*tag_dir.iterdir(), *(tag_dir / EXPERT_DIR).glob("*")]):
         ids = expert_file_ids(f.name)
         if ids is not None:
+            if ids in experts:
+                raise CheckpointError(f"{f}: expert {ids[1]} of MoE layer {ids[0]} has two files")
             experts[ids] = load_file(f)
     try:
         state = consolidated_state_dict(main["module"], experts, str(tag_dir))
@@ -72,12 +74,10 @@ def load_consolidated(path: str | Path) -> tuple[dict, RunConfig, Path]:
         elif key in state and state[key].shape != shape:
             problems.append(f"{key}: shape {tuple(state[key].shape)}, the config needs {tuple(shape)}")
     problems += [f"{key}: not part of the model" for key in state if key not in expected]
+    saved = marker.get("expert_fingerprints")
     for key, value in state.items():
         if key.endswith(".experts.w_in") or key.endswith(".experts.w_out"):
-            dup = duplicated_experts(value)
-            if dup:
-                problems.append(f"{key}: experts {dup} hold identical weights (saved twice under "
-                                "different ids?)")
+            problems += fingerprint_problems(key, value, None if saved is None else saved.get(key))
     if problems:
         raise CheckpointError(f"{tag_dir}: checkpoint does not match its config "
                               f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems))

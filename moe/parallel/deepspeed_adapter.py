@@ -14,24 +14,50 @@ wraps our single-device :class:`~moe.moe_layer.MoELayer` so that all of that hol
   the expert files): the router and shared MLP are named ``router`` and ``shared_mlp``;
 - ``set_deepspeed_parallelism`` (called by the engine) creates the groups and swaps in the
   all-to-all dispatcher.
+
+Checkpoints stay readable by DeepSpeed's own ``zero_to_fp32`` (see :func:`optimizer_param_groups`
+and :func:`report_global_expert_shapes`): the per-expert files live in an ``experts/``
+subdirectory of the tag directory, where that tool's ``*_model_states.pt`` glob does not reach.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE as _DeepSpeedMoEBase
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups
 from torch import nn
 
 from moe.dispatcher import DispatchPlan, LocalDispatcher
 from moe.model import MoETransformer
 from moe.moe_layer import MoELayer
+from moe.training.checkpoint import EXPERT_DIR
 
 EXPERT_KEY = "deepspeed_experts"
 _EXPERT_NAMES = ("w_in", "w_out")
+
+_deepspeed_expert_ckpt_name = DeepSpeedEngine._get_expert_ckpt_name
+
+
+def _expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu=None,
+                      checkpoint_mp_rank=None):
+    """DeepSpeed's per-expert file name, moved into ``EXPERT_DIR``. DeepSpeed's
+    ``zero_to_fp32`` takes every ``*_model_states.pt`` file beside the ZeRO files for a model
+    state file and fails on the expert files; one directory down, it never sees them. A
+    checkpoint written before the move (files beside the others) still loads."""
+    native = _deepspeed_expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu,
+                                         checkpoint_mp_rank)
+    moved = os.path.join(os.path.dirname(native), EXPERT_DIR, os.path.basename(native))
+    return native if os.path.exists(native) and not os.path.exists(moved) else moved
+
+
+# Save and load both go through this static method (load calls it on the class).
+DeepSpeedEngine._get_expert_ckpt_name = staticmethod(_expert_ckpt_name)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -183,18 +209,71 @@ def wrap_moe_layers(model: MoETransformer, ep_size: int, ep_rank: int) -> MoETra
 
 
 def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Parameter groups with expert parameters split out per expert group, as DeepSpeed's ZeRO
-    optimizer expects. Norm weights and biases get no weight decay."""
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    """Parameter groups as DeepSpeed's ZeRO optimizer expects them: the non-expert parameters in
+    two groups (norm weights and biases get no weight decay), and **one group per expert
+    tensor**, marked ``moe`` with its expert group's name.
 
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    DeepSpeed's own splitter puts all expert tensors of an expert group into one group. One
+    tensor per group costs nothing measurable and makes each rank's ZeRO partition of an expert
+    group exactly its slice of the stacked experts: when the expert-parallel size equals the
+    world size, concatenating the ranks' partitions in rank order (what ``zero_to_fp32`` does)
+    gives the whole stacked tensor, experts in global order."""
+    decay, no_decay, experts = [], [], []
+    for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 else decay).append(p)
-    groups_ = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    return split_params_into_different_moe_groups_for_optimizer(groups_)
+        if is_moe_param(p):
+            experts.append(p)
+        else:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    out = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+           {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    for p in experts:
+        out.append({"params": [p], "weight_decay": weight_decay if p.ndim >= 2 else 0.0,
+                    "name": p.group_name, "moe": True})
+    return out
+
+
+def report_global_expert_shapes(engine) -> list[str]:
+    """Make the ``param_shapes`` DeepSpeed writes into each checkpoint give the stacked experts'
+    global shape (E, ...) wherever ``zero_to_fp32``'s reconstruction is then right: the tensor
+    is alone in its optimizer group (see :func:`optimizer_param_groups`), that group is not
+    partitioned further (expert-data-parallel size 1, i.e. expert parallelism = world size) and
+    has no padding. Elsewhere the local shape stays, and ``zero_to_fp32`` refuses the checkpoint
+    (its numel check fails) instead of merging partitions of different experts.
+
+    Only the recorded shapes change; DeepSpeed does not use them when it loads. Returns the
+    names of the parameters that get the global shape."""
+    opt = engine.optimizer
+    partition_count = getattr(opt, "partition_count", None)
+    fp32_parts = getattr(opt, "single_partition_of_fp32_groups", None)
+    bit16_groups = getattr(opt, "bit16_groups", None)
+    if partition_count is None or fp32_parts is None or bit16_groups is None:
+        return []
+    stacked = {}
+    for module in engine.module.modules():
+        if isinstance(module, DeepSpeedMoE) and module.ep_size > 1:
+            for p in module.deepspeed_moe.experts.parameters():
+                stacked[id(p)] = torch.Size((module.num_experts, *p.shape[1:]))
+    global_shape = {}
+    for g, params in enumerate(bit16_groups):
+        if (len(params) == 1 and id(params[0]) in stacked and partition_count[g] == 1
+                and fp32_parts[g].numel() == params[0].numel()):
+            global_shape[engine.param_names[params[0]]] = stacked[id(params[0])]
+    if not global_shape:
+        return []
+    local_shapes = engine._get_zero_param_shapes
+
+    def param_shapes():
+        groups_ = local_shapes()
+        for shapes in groups_:
+            for name in shapes:
+                if name in global_shape:
+                    shapes[name] = global_shape[name]
+        return groups_
+
+    engine._get_zero_param_shapes = param_shapes
+    return sorted(global_shape)
 
 
 # --- Reading DeepSpeed checkpoints without an engine (evaluation, export) ---------------------
@@ -238,13 +317,14 @@ def consolidated_state_dict(main_module_state: dict, expert_states: dict[tuple[i
 
 def duplicated_experts(w_E: torch.Tensor) -> list[tuple[int, int]]:
     """Pairs of experts with bitwise identical weights: the signature of a checkpoint in which
-    expert-parallel ranks saved the same local experts under different global ids."""
+    expert-parallel ranks saved the same local experts under different global ids (used when a
+    checkpoint records no fingerprints)."""
     E = w_E.shape[0]
     flat = w_E.reshape(E, -1)
     first: dict[bytes, int] = {}
     pairs = []
     for e in range(E):
-        key = flat[e].contiguous().numpy().tobytes()
+        key = flat[e].detach().cpu().contiguous().numpy().tobytes()
         if key in first:
             pairs.append((first[key], e))
         else:
@@ -252,27 +332,103 @@ def duplicated_experts(w_E: torch.Tensor) -> list[tuple[int, int]]:
     return pairs
 
 
+_PROBE_LEN = 1 << 20
+
+
 @torch.no_grad()
-def check_loaded_experts(model: nn.Module) -> list[str]:
-    """After an engine loaded a checkpoint: no two experts of a layer, on any expert-parallel
-    rank, hold identical weights. One all-gather of a per-expert fingerprint per layer."""
-    problems = []
+def expert_fingerprints(w_E: torch.Tensor) -> list[float]:
+    """Per expert, the float64 dot product of its weights with a fixed pseudo-random vector
+    (repeated in chunks of ``_PROBE_LEN``): the same weights give the same number on any layout
+    and device (up to summation order), different weights a different one. Recorded at save
+    time, it lets a load check that each expert id holds the weights saved under it, which also
+    accepts experts that were legitimately identical when saved (freshly upcycled)."""
+    E = w_E.shape[0]
+    flat = w_E.detach().reshape(E, -1)
+    n = flat.shape[1]
+    g = torch.Generator().manual_seed(0)
+    probe = torch.randn(min(n, _PROBE_LEN), generator=g, dtype=torch.float64).to(flat.device)
+    out = torch.zeros(E, dtype=torch.float64, device=flat.device)
+    for lo in range(0, n, probe.numel()):
+        chunk = flat[:, lo:lo + probe.numel()].double()
+        out += chunk @ probe[:chunk.shape[1]]
+    return out.cpu().tolist()
+
+
+def fingerprints_match(saved: float, loaded: float) -> bool:
+    return abs(saved - loaded) <= 1e-6 * (abs(saved) + abs(loaded)) + 1e-12
+
+
+def fingerprint_problems(key: str, w_E: torch.Tensor, saved: list[float] | None) -> list[str]:
+    """What is wrong with the stacked experts ``w_E`` of parameter ``key`` (single-device name),
+    given the fingerprints recorded at save time (None: the checkpoint recorded none, so only
+    bitwise duplicates can be detected)."""
+    if saved is None:
+        dup = duplicated_experts(w_E)
+        return [f"{key}: experts {dup} hold identical weights (saved twice under different "
+                "ids?)"] if dup else []
+    loaded = expert_fingerprints(w_E)
+    if len(saved) != len(loaded):
+        return [f"{key}: {len(loaded)} experts, the checkpoint recorded {len(saved)}"]
+    wrong = [e for e, (a, b) in enumerate(zip(saved, loaded)) if not fingerprints_match(a, b)]
+    if not wrong:
+        return []
+    holds = {e: [o for o, a in enumerate(saved) if fingerprints_match(a, loaded[e])] for e in wrong}
+    detail = ", ".join(f"expert {e} holds " + (
+        "the weights saved as expert " + "/".join(map(str, holds[e])) if holds[e]
+        else "weights saved under no expert id") for e in wrong[:8])
+    return [f"{key}: {detail}"]
+
+
+def _moe_modules(model: nn.Module):
     for name, module in model.named_modules():
-        if not isinstance(module, DeepSpeedMoE):
-            continue
-        w_in = module.deepspeed_moe.experts.w_in
-        # A fingerprint: the weights' projection onto a fixed random vector (same on every rank).
-        g = torch.Generator().manual_seed(0)
-        probe = torch.randn(w_in[0].numel(), generator=g, dtype=torch.float64)
-        local_E = w_in.detach().reshape(w_in.shape[0], -1).double() @ probe
-        if module.ep_size > 1:
-            group = groups._get_expert_parallel_group(module.expert_group_name)
-            parts = [torch.empty_like(local_E) for _ in range(module.ep_size)]
-            dist.all_gather(parts, local_E, group=group)
-            local_E = torch.cat(parts)
-        dup = duplicated_experts(local_E[:, None])
-        if dup:
-            problems.append(f"{name}: experts {dup} hold identical weights")
+        if isinstance(module, DeepSpeedMoE):
+            yield name, module
+
+
+def _gathered_experts(module: "DeepSpeedMoE", local_E: torch.Tensor) -> torch.Tensor:
+    if module.ep_size == 1:
+        return local_E
+    group = groups._get_expert_parallel_group(module.expert_group_name)
+    parts = [torch.empty_like(local_E) for _ in range(module.ep_size)]
+    dist.all_gather(parts, local_E.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def gather_expert_fingerprints(model: nn.Module) -> dict[str, list[float]]:
+    """{single-device expert parameter name: fingerprint of every global expert}. Collective
+    over each expert-parallel group: every rank must call it."""
+    out = {}
+    for name, module in _moe_modules(model):
+        for pname in _EXPERT_NAMES:
+            w = getattr(module.deepspeed_moe.experts, pname)
+            local = torch.tensor(expert_fingerprints(w), dtype=torch.float64, device=w.device)
+            out[f"{name}.experts.{pname}"] = _gathered_experts(module, local).cpu().tolist()
+    return out
+
+
+@torch.no_grad()
+def check_loaded_experts(model: nn.Module, saved: dict[str, list[float]] | None = None
+                         ) -> list[str]:
+    """After an engine loaded a checkpoint: every expert of every layer holds the weights the
+    checkpoint saved under its id (``saved``: the fingerprints it recorded), or, for a
+    checkpoint without fingerprints, no two experts hold identical weights. Collective."""
+    got = gather_expert_fingerprints(model)
+    problems = []
+    for key, loaded in got.items():
+        want = None if saved is None else saved.get(key)
+        if want is None:
+            w = torch.tensor(loaded, dtype=torch.float64)[:, None]
+            dup = duplicated_experts(w)
+            if dup:
+                problems.append(f"{key}: experts {dup} hold identical weights")
+        elif len(want) != len(loaded):
+            problems.append(f"{key}: {len(loaded)} experts, the checkpoint recorded {len(want)}")
+        else:
+            wrong = [e for e, (a, b) in enumerate(zip(want, loaded)) if not fingerprints_match(a, b)]
+            if wrong:
+                problems.append(f"{key}: experts {wrong[:8]} hold other weights than the "
+                                "checkpoint saved under their ids")
     return problems
 
 

@@ -4,8 +4,9 @@ crash-safely.
 A checkpoint is the directory ``<run>/checkpoints/step_NNNNNNN`` holding
 
 - DeepSpeed's files: model states (non-expert weights, LR scheduler, our client state: step,
-  token counter, data cursor), one file per expert of every MoE layer, and the ZeRO optimizer
-  partitions of every rank;
+  token counter, data cursor), the ZeRO optimizer partitions of every rank, and in ``experts/``
+  one file per expert of every MoE layer (DeepSpeed's ``zero_to_fp32`` script, which DeepSpeed
+  copies next to the checkpoints, reads the directory as it is);
 - ``rng_rank_NNNNN.pt``: the Python, NumPy and torch RNG states of each rank;
 - ``run_config.yaml`` (the resolved config) and ``tokenizer.model`` (a copy of the tokenizer);
 - ``checkpoint.json``, the completion marker, written last.
@@ -47,9 +48,11 @@ MARKER = "checkpoint.json"
 LATEST = "latest"
 TOKENIZER_COPY = "tokenizer.model"
 MAIN_STATES = "mp_rank_00_model_states.pt"
+EXPERT_DIR = "experts"
+"""Subdirectory of a tag directory that holds DeepSpeed's per-expert files."""
 FORMAT_VERSION = 1
 _TAG = re.compile(r"^step_(\d{7,})$")
-_EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+_EXPERT_FILE = re.compile(r"^(?:experts/)?layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 
 # Model settings that change parameter shapes or their meaning; a checkpoint resumes only into a
 # config that agrees on all of them (training settings such as lr or max_steps may change).
@@ -246,6 +249,7 @@ class CheckpointHook(Hook):
         self.last_step = -1
         self.tokens = 0  # tokens trained on, kept up to date by the loop
         self.last_save_seconds: float | None = None
+        self.fingerprints: dict[str, list[float]] = {}
 
     def on_step_end(self, s: StepState) -> None:
         if self.every and s.step % self.every == 0:
@@ -268,6 +272,11 @@ class CheckpointHook(Hook):
                 else:
                     shutil.rmtree(tag_dir)
         _barrier()
+        if self.ctx.num_moe_layers:  # after the barrier: rank 0 has cleared any debris
+            (tag_dir / EXPERT_DIR).mkdir(parents=True, exist_ok=True)
+        from moe.parallel.deepspeed_adapter import gather_expert_fingerprints  # (imports deepspeed)
+
+        self.fingerprints = gather_expert_fingerprints(self.engine.module)
         client = {"step": step, "tokens": self.tokens, "data": self.reader.state_dict()}
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client,
                                     save_latest=False)
@@ -287,17 +296,19 @@ class CheckpointHook(Hook):
 
     def _publish(self, tag_dir: Path, step: int) -> None:
         files = {}
-        for p in sorted(tag_dir.iterdir()):
+        for p in sorted(tag_dir.rglob("*")):
             if p.is_file() and p.name != MARKER:
                 _fsync(p)
-                files[p.name] = p.stat().st_size
+                files[p.relative_to(tag_dir).as_posix()] = p.stat().st_size
+        if (tag_dir / EXPERT_DIR).is_dir():
+            _fsync(tag_dir / EXPERT_DIR)
         ctx = self.ctx
         marker = {"format": FORMAT_VERSION, "tag": tag_dir.name, "step": step,
                   "tokens": self.tokens, "world_size": ctx.world_size,
                   "expert_parallel_size": ctx.expert_parallel_size,
                   "num_moe_layers": ctx.num_moe_layers, "num_experts": ctx.num_experts,
                   "tokenizer": {"file": ctx.tokenizer_file.name, "sha256": ctx.tokenizer_sha256},
-                  "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                  "expert_fingerprints": self.fingerprints, "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         write_atomic(tag_dir / MARKER, json.dumps(marker, indent=1).encode())
         _fsync(tag_dir)
         write_atomic(self.ckpt_dir / LATEST, tag_dir.name.encode())  # for DeepSpeed's own tools

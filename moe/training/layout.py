@@ -87,6 +87,10 @@ def read_layout_free(tag_dir: Path) -> dict:
                 pieces[key].append(flat.narrow(0, frag.start, frag.numel))
             step = float(state["step"])
         shape = tuple(shapes[name])
+        if owner is not None and sum(f[3].numel for f in frags) * ep == torch.Size(shape).numel():
+            # The stacked experts' global shape (see report_global_expert_shapes): this owner's
+            # fragments hold its E / ep experts.
+            shape = (shape[0] // ep, *shape[1:])
         full = {k: torch.cat(v).view(shape) for k, v in pieces.items()}
         if any(t.numel() != torch.Size(shape).numel() for t in full.values()):
             raise CheckpointError(f"{tag_dir}: fragments of {name} do not add up to {shape}")

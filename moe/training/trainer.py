@@ -21,7 +21,8 @@ from data_pipeline.shards import read_manifest
 from moe.errors import CheckpointError, ConfigError, LaunchError
 from moe.model import MoETransformer
 from moe.parallel.deepspeed_adapter import (check_loaded_experts, expert_parallel_rank,
-                                            optimizer_param_groups, wrap_moe_layers)
+                                            optimizer_param_groups, report_global_expert_shapes,
+                                            wrap_moe_layers)
 from moe.training.checkpoint import (CheckpointHook, SaveContext, load_rng, resolve_resume,
                                      verify_checkpoint)
 from moe.training.config import RunConfig, dump_config
@@ -122,6 +123,7 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler,
                                            config=cfg.deepspeed_config(env.world_size))
+    report_global_expert_shapes(engine)  # so that DeepSpeed's zero_to_fp32 can merge experts
     # Different ranks must draw different router noise / dropout from here on.
     torch.manual_seed(cfg.train.seed + 1000 * env.rank + 1)
     return engine, model
@@ -145,7 +147,7 @@ def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistE
                      f"parallelism {marker['expert_parallel_size']}; converted to "
                      f"{env.world_size} rank(s), expert parallelism "
                      f"{cfg.parallel.expert_parallel_size}")
-    problems = check_loaded_experts(model)
+    problems = check_loaded_experts(model, marker.get("expert_fingerprints"))
     if problems:
         raise CheckpointError(f"{tag_dir}: expert weights are wrong after loading: "
                               + "; ".join(problems))

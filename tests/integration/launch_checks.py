@@ -33,13 +33,14 @@ def check_finished_run(run_dir: Path, max_steps: int, ranks: int = 2, experts: i
     every expert, TensorBoard has every step."""
     tag = f"step_{max_steps:07d}"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == tag
-    names = {p.name for p in (run_dir / "checkpoints" / tag).iterdir()}
+    tag_dir = run_dir / "checkpoints" / tag
+    names = {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")}
     for rank in range(ranks):
         assert (run_dir / "logs" / f"rank{rank}.log").exists()
         assert f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in names, sorted(names)
     for layer in range(layers):
         for expert in range(experts):
-            assert f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt" in names
+            assert f"experts/layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt" in names
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

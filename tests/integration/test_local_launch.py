@@ -25,10 +25,10 @@ def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config
     # DeepSpeed checkpoint with one file per expert (global ids) for each MoE layer.
     ckpt = run_dir / "checkpoints" / "step_0000004"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000004"
-    names = {p.name for p in ckpt.iterdir()}
+    names = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")}
     for layer in range(2):
         for expert in range(4):
-            assert f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt" in names
+            assert f"experts/layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt" in names
     assert "mp_rank_00_model_states.pt" in names
 
     # TensorBoard events, read back with TensorBoard's own reader.

@@ -60,7 +60,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_latest(killed_run):
     run_dir, _ = killed_run
     ckpt_dir = run_dir / "checkpoints"
     partial = ckpt_dir / "step_0000004"
-    assert (partial / "layer_1_expert_3_mp_rank_00_model_states.pt").exists()  # DeepSpeed wrote
+    assert (partial / "experts" / "layer_1_expert_3_mp_rank_00_model_states.pt").exists()
     assert not (partial / MARKER).exists()
     assert find_latest(ckpt_dir) == "step_0000002"
     assert complete_tags(ckpt_dir) == ["step_0000002"]
@@ -90,14 +90,15 @@ def _copy_checkpoint(run_dir, tmp_path):
 
 
 def _snapshot(path):
-    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()}
+    return {p.relative_to(path).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in path.rglob("*")}
 
 
 def test_truncated_file_is_named(killed_run, tmp_path):
     from moe.evaluation import load_model
 
     ckpt = _copy_checkpoint(killed_run[0], tmp_path)
-    victim = ckpt / "layer_0_expert_2_mp_rank_00_model_states.pt"
+    victim = ckpt / "experts" / "layer_0_expert_2_mp_rank_00_model_states.pt"
     victim.write_bytes(victim.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match=r"layer_0_expert_2_mp_rank_00_model_states\.pt: "
                                               r"truncated"):
@@ -107,24 +108,56 @@ def test_truncated_file_is_named(killed_run, tmp_path):
         verify_files(ckpt)
 
 
+def _save_as_expert(src, dst, src_id, dst_id, ckpt):
+    """Expert ``src_id``'s weights saved again as expert ``dst_id`` (keys renamed), with the
+    marker's recorded size updated so that only the content is wrong."""
+    state = torch.load(src, weights_only=True)
+    torch.save({k.replace(f"deepspeed_experts.{src_id}.", f"deepspeed_experts.{dst_id}."): v
+                for k, v in state.items()}, dst)
+    marker = json.loads((ckpt / MARKER).read_text())
+    marker["files"][f"experts/{dst.name}"] = dst.stat().st_size
+    (ckpt / MARKER).write_text(json.dumps(marker))
+    return marker
+
+
 def test_expert_saved_twice_or_under_the_wrong_id_is_refused(killed_run, tmp_path):
     from moe.evaluation import load_model
 
     ckpt = _copy_checkpoint(killed_run[0], tmp_path)
-    e0, e1 = (ckpt / f"layer_1_expert_{i}_mp_rank_00_model_states.pt" for i in (0, 1))
+    e0, e1 = (ckpt / "experts" / f"layer_1_expert_{i}_mp_rank_00_model_states.pt" for i in (0, 1))
     # The same file under another expert's name (same size: the size check cannot see it).
     shutil.copy(e0, e1)
     with pytest.raises(CheckpointError, match="MoE layer 1, expert 1: holds expert 0"):
         load_model(ckpt)
-    # Expert 0's weights saved again as expert 1 (keys renamed): identical weights.
-    state = torch.load(e0, weights_only=True)
-    torch.save({k.replace("deepspeed_experts.0.", "deepspeed_experts.1."): v
-                for k, v in state.items()}, e1)
-    marker = json.loads((ckpt / MARKER).read_text())
-    marker["files"][e1.name] = e1.stat().st_size
+    # Expert 0's weights saved again as expert 1 (keys renamed): the fingerprints recorded at
+    # save time say which expert the file really holds.
+    marker = _save_as_expert(e0, e1, 0, 1, ckpt)
+    with pytest.raises(CheckpointError, match=r"blocks\.1\.ffn\.experts\.w_in: expert 1 holds "
+                                              r"the weights saved as expert 0"):
+        load_model(ckpt)
+    # A checkpoint without fingerprints (older format): bitwise duplicates are refused.
+    del marker["expert_fingerprints"]
     (ckpt / MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match=r"experts \[\(0, 1\)\] hold identical weights"):
         load_model(ckpt)
+
+
+def test_experts_identical_when_saved_are_accepted(killed_run, tmp_path):
+    """A freshly upcycled model has identical experts; its checkpoint recorded equal
+    fingerprints for them, so identical weights are what the load must find."""
+    from moe.evaluation import load_model
+
+    ckpt = _copy_checkpoint(killed_run[0], tmp_path)
+    e0, e1 = (ckpt / "experts" / f"layer_1_expert_{i}_mp_rank_00_model_states.pt" for i in (0, 1))
+    marker = _save_as_expert(e0, e1, 0, 1, ckpt)
+    for name in ("w_in", "w_out"):
+        saved = marker["expert_fingerprints"][f"blocks.1.ffn.experts.{name}"]
+        assert saved[0] != saved[1]  # the run's experts differed ...
+        saved[1] = saved[0]  # ... as if they had been saved identical
+    (ckpt / MARKER).write_text(json.dumps(marker))
+    model, _, _ = load_model(ckpt)
+    w = model.blocks[1].ffn.experts.w_in
+    assert torch.equal(w[0], w[1])
 
 
 def test_missing_checkpoint_directory_exits_with_a_clear_error(tmp_path):
