@@ -141,7 +141,10 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--work-dir", default=None, help="where to synthesize (default: a temp dir)")
     p.add_argument("--skip-prepare", action="store_true")
+    p.add_argument("--shapes", default="8x2048,64x256",
+                   help="reader shapes to measure, comma-separated BATCHxSEQ_LEN")
     args = p.parse_args()
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="data-bench-", dir=args.work_dir))
     try:
@@ -152,8 +155,8 @@ def main() -> None:
         out = {"load_average": os.getloadavg()[0], "tokens": args.tokens, "shards": len(list(data_dir.glob("train-*.arrow"))),
                "synthesize_s": round(time.perf_counter() - t0, 1),
                "startup_s": round(bench_startup(data_dir), 4),
-               "throughput": [bench_reader(data_dir, flat, 8, 2048, args.rounds),
-                              bench_reader(data_dir, flat, 64, 256, args.rounds)]}
+               "throughput": [bench_reader(data_dir, flat, batch, seq_len, args.rounds)
+                              for batch, seq_len in shapes]}
         print(json.dumps(out, indent=2), flush=True)
         shutil.rmtree(data_dir)
         if not args.skip_prepare:

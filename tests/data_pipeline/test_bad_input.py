@@ -2,6 +2,7 @@
 and nothing half-written."""
 
 import dataclasses
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
+from data_pipeline import reader as reader_module
 from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import MANIFEST, read_manifest, write_manifest, write_shard
@@ -21,6 +23,7 @@ from moe.errors import ConfigError, DataError
 from moe.training.config import RunConfig
 from moe.training.trainer import resolve_vocab
 from tests.conftest import tiny_run_dict
+from tests.helpers.reader_reference import ReferenceRows
 
 
 def cli_fails(argv, capsys, *needles) -> str:
@@ -114,19 +117,43 @@ def test_manifest_disagreeing_with_shards(tiny_data, tmp_path, capsys):
     cli_fails(["--verify", str(copy)], capsys, str(copy / MANIFEST), "unreadable manifest")
 
 
-def test_token_id_out_of_range(tiny_data, tmp_path, capsys):
+def copy_with_bad_token(tiny_data, tmp_path) -> tuple[Path, Path]:
+    """A prepared copy whose first training shard holds token id 600 a third of the way in (the
+    vocabulary has 512 pieces; uint16 can still store it), and the path of that shard."""
     copy, shard = prepared_copy(tiny_data, tmp_path)
     manifest = read_manifest(copy)
     info = manifest.splits["train"].shards[0]
     tokens = TokenStream(copy, "train").shards[0].astype(np.int64)
-    tokens[len(tokens) // 3] = 600  # the vocabulary has 512 pieces; uint16 can still store it
+    tokens[len(tokens) // 3] = 600
     lengths = np.array([info.tokens])
     manifest.splits["train"].shards[0] = dataclasses.replace(
         write_shard(shard, info.source, tokens, lengths, vocab_size=1000), file=info.file)
     write_manifest(copy, manifest)
+    return copy, shard
+
+
+def test_token_id_out_of_range(tiny_data, tmp_path, capsys):
+    copy, shard = copy_with_bad_token(tiny_data, tmp_path)
     with pytest.raises(DataError, match=f"token id 600 out of range .*{shard.name}"):
         read_all(copy)
     cli_fails(["--verify", str(copy)], capsys, str(shard), "token id 600 out of range")
+
+
+def test_out_of_range_id_fails_its_own_micro_batch(tiny_data, tmp_path):
+    """Micro-batches are copied a group at a time: those before the bad one in its group are
+    still delivered, and the error comes with the micro-batch that holds the bad row."""
+    copy, shard = copy_with_bad_token(tiny_data, tmp_path)
+    B = 2
+    r = PackedReader(copy, 32, 0, micro_batch=B)
+    ref = ReferenceRows(r)
+    first_bad = next(g for g in itertools.count() if (ref(g) >= r.vocab_size).any())
+    per_group = reader_module.GROUP_ROWS // B
+    assert (first_bad // B) % per_group  # not the first micro-batch of its group
+    for m in range(first_bad // B):
+        (batch,) = r.next_step(1)
+        assert np.array_equal(batch.tokens_BS.numpy(), [ref(m * B + j) for j in range(B)])
+    with pytest.raises(DataError, match=f"token id 600 out of range .*{shard.name} at token"):
+        r.next_step(1)
 
 
 def test_tokenizer_vocabulary_larger_than_the_model(tiny_data, tmp_path):

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from data_pipeline import reader as reader_module
 from data_pipeline.reader import PackedReader, TokenStream, validation_windows
 from moe.errors import DataError
+from tests.helpers.reader_reference import ReferenceRows, reference_doc_ids
 
 
 def reader(cfg, rank=0, world=1, micro_batch=1, **kw) -> PackedReader:
@@ -153,13 +155,55 @@ def test_document_ids_follow_eos(mixed_data):
     (batch,) = r.next_step(1)
     assert batch.doc_ids_BS.shape == batch.tokens_BS.shape
     assert (batch.tokens_BS == eos).any(dim=1).sum() > 20  # many sequences span documents
-    for tokens, ids in zip(batch.tokens_BS.tolist(), batch.doc_ids_BS.tolist()):
-        expected, doc = [], 0
-        for t in tokens:
-            expected.append(doc)
-            doc += t == eos  # the EOS belongs to the document it ends
-        assert ids == expected
+    for tokens, ids in zip(batch.tokens_BS.numpy(), batch.doc_ids_BS.tolist()):
+        assert ids == reference_doc_ids(tokens, eos)  # the EOS belongs to the document it ends
     assert reader(mixed_data, micro_batch=2).next_step(1)[0].doc_ids_BS is None
+
+
+@pytest.mark.parametrize("micro_batch,world,accum,small_plans",
+                         [(1, 1, 1, True), (3, 2, 2, True), (7, 1, 3, True), (40, 3, 1, True),
+                          (7, 2, 2, False)])
+def test_batches_match_the_per_row_definition(mixed_data, monkeypatch, micro_batch, world, accum,
+                                              small_plans):
+    """Every row and document id against the definition, one position at a time, over two
+    sources and more than an epoch of each: rows that cross shards, and (small plans) plans and
+    copy groups that end mid-step, groups of several micro-batches and a shorter last group."""
+    if small_plans:
+        monkeypatch.setattr(reader_module, "PLAN_ROWS", 60)
+        monkeypatch.setattr(reader_module, "GROUP_ROWS", 16)
+    rank = world - 1
+    r = reader(mixed_data, rank, world, micro_batch, document_ids=True)
+    ref = ReferenceRows(r)
+    G = accum * world * micro_batch
+    positions = []
+    for t in range(8000 // G + 1):
+        for m, batch in enumerate(r.next_step(accum)):
+            pos = t * G + (m * world + rank) * micro_batch + np.arange(micro_batch)
+            want = np.stack([ref(int(g)) for g in pos])
+            assert batch.tokens_BS.dtype == torch.int64 and batch.doc_ids_BS.dtype == torch.int32
+            assert np.array_equal(batch.tokens_BS.numpy(), want)
+            assert batch.doc_ids_BS.tolist() == [reference_doc_ids(row, r.eos_id) for row in want]
+            positions.append(pos)
+    assert all(v["epoch"] >= 1 for v in r.state_dict()["sources"].values())
+    _, _, shard, _, _ = r._locate(np.concatenate(positions))
+    assert (shard < 0).any()  # some rows crossed a shard boundary
+
+
+def test_batches_stay_valid_and_separate(mixed_data):
+    """A batch is never overwritten by later ones, and writing into one leaves the others."""
+    r = reader(mixed_data, micro_batch=3, document_ids=True)
+    held, copies = [], []
+    for _ in range(50):
+        for b in r.next_step(2):
+            held.append(b)
+            copies.append((b.tokens_BS.clone(), b.doc_ids_BS.clone()))
+    assert all(torch.equal(b.tokens_BS, t) and torch.equal(b.doc_ids_BS, d)
+               for b, (t, d) in zip(held, copies))
+    for i, b in enumerate(held):
+        b.tokens_BS.fill_(-i)
+        b.doc_ids_BS.fill_(-i)
+    assert all((b.tokens_BS == -i).all() and (b.doc_ids_BS == -i).all()
+               for i, b in enumerate(held))
 
 
 def test_order_is_deterministic_and_seeded(mixed_data):
