@@ -4,13 +4,14 @@ a report (JSON, Markdown, PNG plots). Several checkpoints give a table comparing
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
 from launch.cli import exits_cleanly
 from moe.errors import CheckpointError, ConfigError
-from moe.evaluation import MAIN_STATES, EvalOptions, evaluate_checkpoint_dir, resolve_checkpoint
+from moe.evaluation import MAIN_STATES, MARKER, EvalOptions, evaluate_checkpoint_dir, resolve_checkpoint
 from moe.generation import GenerationConfig
 from moe.report import summary_table, write_report
 
@@ -24,10 +25,14 @@ def run_checkpoints(path: str | Path) -> list[Path]:
         raise CheckpointError(f"{path}: no such run directory")
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     found = [d for d in ckpt_dir.iterdir() if (d / MAIN_STATES).is_file()]
-    if not found:
-        raise CheckpointError(f"{path}: no checkpoints (directories holding {MAIN_STATES}) in "
-                              f"{ckpt_dir}")
-    return sorted(found, key=lambda d: (d.name.startswith("step_"), d.name))
+    complete = [d for d in found if (d / MARKER).is_file()]
+    for d in sorted(set(found) - set(complete)):
+        print(f"moe-eval: skipping {d}: incomplete checkpoint (no {MARKER}; its save was "
+              "interrupted)", file=sys.stderr)
+    if not complete:
+        raise CheckpointError(f"{path}: no complete checkpoints (directories holding "
+                              f"{MARKER}) in {ckpt_dir}")
+    return sorted(complete, key=lambda d: (d.name.startswith("step_"), d.name))
 
 
 def default_output(checkpoints: list[Path]) -> Path:

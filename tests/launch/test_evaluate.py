@@ -132,6 +132,21 @@ def test_all_checkpoints_of_a_run_in_one_table(runs, tiny_data, capsys):
     assert (runs["ep2"] / "eval" / "report.md").read_text().count("## step_000000") == 2
 
 
+def test_all_skips_an_incomplete_checkpoint(runs, tmp_path, capsys):
+    """A save that was interrupted leaves a directory without a marker: --all evaluates the
+    complete checkpoints and says which one it skipped."""
+    import shutil
+
+    run = tmp_path / "ep2"
+    shutil.copytree(runs["ep2"] / "checkpoints", run / "checkpoints")
+    (run / "checkpoints" / "step_0000002" / "checkpoint.json").unlink()
+    main([str(run), "--all", "--no-generation", "--max-tokens", "100", "--output",
+          str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert [c["step"] for c in result["checkpoints"]] == [1]
+    assert "skipping" in capsys.readouterr().err
+
+
 def test_checkpoints_of_different_runs_compared(runs, tmp_path, capsys):
     ckpts = [runs["ep2"] / "checkpoints" / "step_0000002", runs["single"]]
     main([str(c) for c in ckpts] + ["--output", str(tmp_path / "cmp"), "--no-generation",
