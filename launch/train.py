@@ -40,8 +40,12 @@ def main(argv=None) -> None:
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
-                               verbose=False)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if env.rank == 0:
+        logging.getLogger("moe.train").info(
+            f"device: {'cuda' if backend == 'nccl' else 'cpu (no CUDA device visible)'}, "
+            f"backend {backend}, {env.world_size} rank(s), {threads} thread(s) per rank")
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     train(cfg, env, resume=args.resume)
 
 
