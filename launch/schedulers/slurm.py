@@ -83,7 +83,7 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
         "status=0",
         " ".join(q(a) for a in srun) + " || status=$?",
         f"if [ -e {marker} ]; then",
-        '  echo "checkpoint saved after SIGUSR1; requeueing job $SLURM_JOB_ID"',
+        '  echo "checkpoint saved after a preemption signal; requeueing job $SLURM_JOB_ID"',
     ]
     lines += ['  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
     lines += ["fi", 'exit "$status"']

@@ -100,8 +100,19 @@ class CheckpointConfig:
     """Keep only the newest K complete checkpoints (null: keep all). Older ones are deleted only
     after a newer one is complete."""
 
+    save_on_signals: list[str] = field(default_factory=lambda: ["USR1"])
+    """Signals that make every rank save at the next step boundary and exit with code 75
+    (preempted; SLURM jobs requeue and resume): any of USR1 (what the SLURM back end asks for
+    before the time limit), USR2, TERM. With TERM listed, a first SIGTERM saves and a second
+    one ends the process at once."""
+
     def problems(self) -> list[str]:
+        from moe.training.preemption import SIGNALS
+
         out = minimums(self, every_n_steps=0, keep_last=1)
+        for name in self.save_on_signals:
+            if name not in SIGNALS:
+                out.append(f"save_on_signals: {name!r} is not one of {sorted(SIGNALS)}")
         return out
 
 

@@ -1,12 +1,13 @@
-"""Checkpoint-and-exit on a preemption signal (SLURM's ``--signal=USR1@SECONDS`` before the
-time limit, or ``scancel --signal=USR1``).
+"""Checkpoint-and-exit on a preemption signal: SLURM's ``--signal=USR1@SECONDS`` before the
+time limit or ``scancel --signal=USR1``, and, where ``checkpoint.save_on_signals`` names it,
+SIGTERM (what Kubernetes, torchrun and most schedulers send before they kill a process).
 
 The signal handler only sets a flag: saving inside a handler could interrupt a collective. At
 each step boundary the ranks agree on the flag with one tiny all-reduce (a signal reaches ranks
 at slightly different times, and a checkpoint is collective: if one rank saved while another
 stepped on, both would hang). Then every rank saves, rank 0 leaves a marker for the job script,
 and all exit with PREEMPTED_EXIT_CODE; the requeued job resumes from that checkpoint through the
-trainer's ordinary auto-resume.
+trainer's ordinary auto-resume. A second SIGTERM is not caught: it ends the process at once.
 """
 
 from __future__ import annotations
@@ -37,21 +38,31 @@ class Preempted(SystemExit):
         self.step = step
 
 
+SIGNALS = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2, "TERM": signal.SIGTERM}
+"""The signals ``checkpoint.save_on_signals`` may name."""
+
+
 class PreemptionHook(Hook):
     def __init__(self, checkpoint: CheckpointHook, marker: Path, rank: int,
-                 signum: int = signal.SIGUSR1):
-        self.checkpoint, self.marker, self.rank, self.signum = checkpoint, marker, rank, signum
-        self.requested = False
-        self.previous = None
+                 signals: tuple[int, ...] = (signal.SIGUSR1,)):
+        self.checkpoint, self.marker, self.rank = checkpoint, marker, rank
+        self.signum: int | None = None  # the first signal received
+        self.previous: dict[int, object] = {}
         # Python only installs handlers from the main thread (tests may train elsewhere).
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signum, self._on_signal)
+            for signum in signals:
+                self.previous[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.requested = True
+        if self.signum is None:
+            self.signum = signum
+        if signum == signal.SIGTERM and signum in self.previous:
+            # Someone means it: the next SIGTERM gets the old disposition (by default, death).
+            signal.signal(signum, self.previous.pop(signum))
 
     def on_step_end(self, s: StepState) -> None:
-        flag = torch.tensor([float(self.requested)])
+        # The signal number (0: none); the maximum over ranks names one that some rank got.
+        flag = torch.tensor([float(self.signum or 0)])
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         # At the last step the loop saves and ends anyway.
@@ -59,9 +70,10 @@ class PreemptionHook(Hook):
             return
         self.checkpoint.save(s.step)
         if self.rank == 0:
-            self.marker.write_text(json.dumps({"step": s.step, "signal": self.signum}))
-            log.info(f"{signal.Signals(self.signum).name}: saved step {s.step}; exiting with "
-                     f"code {PREEMPTED_EXIT_CODE} so that the job can resume from it")
+            name = signal.Signals(int(flag.item())).name
+            self.marker.write_text(json.dumps({"step": s.step, "signal": name}))
+            log.info(f"{name}: saved step {s.step}; exiting with code "
+                     f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
         # No rank may exit (and have a scheduler kill the others) before the marker exists.
         if dist.is_initialized():
             dist.barrier()
@@ -69,6 +81,6 @@ class PreemptionHook(Hook):
         raise Preempted(s.step)
 
     def close(self) -> None:
-        if self.previous is not None:
-            signal.signal(self.signum, self.previous)
-            self.previous = None
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        self.previous = {}

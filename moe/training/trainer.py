@@ -31,7 +31,7 @@ from moe.training.hooks import (ConsoleHook, Hook, MoEStatsHook, ResourceHook, S
                                  StepState, TensorBoardHook, ThroughputHook, ValidationHook)
 from moe.training.layout import load_other_layout
 from moe.training.nan_guard import NonFiniteGuard, poison_nonfinite
-from moe.training.preemption import PREEMPTED_MARKER, PreemptionHook
+from moe.training.preemption import PREEMPTED_MARKER, SIGNALS, PreemptionHook
 from moe.upcycle import initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
@@ -213,7 +213,8 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
     ckpt_hook = CheckpointHook(engine, reader, ckpt_dir, cfg.checkpoint.every_n_steps, save_ctx,
                                env.rank)
     hooks.append(ckpt_hook)  # after the guard: a step the guard stops on is never saved
-    hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank))
+    hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank,
+                                tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)))
 
     if start_step >= t.max_steps and env.rank == 0:
         log.info(f"the latest checkpoint is at step {start_step}; nothing left to train "

@@ -42,6 +42,30 @@ def test_sigusr1_saves_at_the_next_step_boundary_and_exits_75(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) == previous  # handler given back
 
 
+def test_first_sigterm_saves_and_a_second_would_end_the_process(tmp_path):
+    """With TERM in save_on_signals: the first SIGTERM is handled like USR1; the handler is then
+    given back at once, so a second SIGTERM gets the old disposition (death by default)."""
+    ckpt = RecordingCheckpoint()
+    previous = signal.getsignal(signal.SIGTERM)
+    hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0,
+                          signals=(signal.SIGUSR1, signal.SIGTERM))
+    assert signal.getsignal(signal.SIGTERM) == hook._on_signal
+    os.kill(os.getpid(), signal.SIGTERM)  # handled, not fatal
+    assert signal.getsignal(signal.SIGTERM) == previous
+    with pytest.raises(Preempted) as e:
+        hook.on_step_end(state(5))
+    assert e.value.code == PREEMPTED_EXIT_CODE and ckpt.saved == [5]
+    assert json.loads((tmp_path / "preempted.json").read_text()) == {"step": 5, "signal": "SIGTERM"}
+    assert signal.getsignal(signal.SIGUSR1) != hook._on_signal  # all handlers given back
+
+
+def test_unknown_signal_in_the_config_is_named():
+    from moe.training.config import CheckpointConfig
+
+    problems = CheckpointConfig(save_on_signals=["USR1", "KILL"]).problems()
+    assert problems == ["save_on_signals: 'KILL' is not one of ['TERM', 'USR1', 'USR2']"]
+
+
 def test_a_signal_at_the_last_step_leaves_the_ordinary_final_save(tmp_path):
     ckpt = RecordingCheckpoint()
     hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0)
@@ -51,12 +75,13 @@ def test_a_signal_at_the_last_step_leaves_the_ordinary_final_save(tmp_path):
     assert ckpt.saved == [] and not (tmp_path / "preempted.json").exists()
 
 
-def _one_rank_signalled(rank, world_size, marker_dir):
+def _one_rank_signalled(rank, world_size, marker_dir, signum):
     ckpt = RecordingCheckpoint()
-    hook = PreemptionHook(ckpt, marker_dir / "preempted.json", rank)
+    hook = PreemptionHook(ckpt, marker_dir / "preempted.json", rank,
+                          signals=(signal.SIGUSR1, signal.SIGTERM))
     hook.on_step_end(state(1))
     if rank == 1:
-        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signum)
     try:
         hook.on_step_end(state(2))
     except Preempted as e:
@@ -67,7 +92,10 @@ def _one_rank_signalled(rank, world_size, marker_dir):
 
 
 @pytest.mark.multiprocess
-def test_ranks_agree_when_only_one_is_signalled(tmp_path):
-    run_distributed(_one_rank_signalled, 2, tmp_path)
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_ranks_agree_when_only_one_is_signalled(tmp_path, signum):
+    run_distributed(_one_rank_signalled, 2, tmp_path, signum)
     assert (tmp_path / "exited0").exists() and (tmp_path / "exited1").exists()
-    assert json.loads((tmp_path / "preempted.json").read_text())["step"] == 2
+    # Rank 0 writes the marker and names the signal that rank 1 got.
+    assert json.loads((tmp_path / "preempted.json").read_text()) == {
+        "step": 2, "signal": signal.Signals(signum).name}
