@@ -33,8 +33,8 @@ SAMPLE_SEED = 0
 """Seed of the tokenizer's line sample: fixed, so that data.seed (the reading order) does not
 change the prepared data."""
 READ_CACHE_CHARS = 256 << 20
-"""Documents read for the tokenizer sample are kept (up to this many characters) and tokenized
-without reading them again; larger corpora are read twice."""
+"""Documents read for the tokenizer sample are kept in spill files (up to this many characters)
+and tokenized without reading the sources again; larger corpora are read twice."""
 
 
 @dataclass
@@ -79,28 +79,51 @@ def _init_worker(tokenizer_path: str | None) -> None:
     _TOKENIZER = Tokenizer(tokenizer_path) if tokenizer_path else None
 
 
-def _read(args: tuple[str, str, WorkItem]) -> ItemDocuments:
-    return read_item(*args)
+# Documents and token arrays travel between the processes through spill files in the staging
+# directory, never through the pool's pipes: only short messages (a path, a few counts) do, and a
+# short pipe write is atomic. A large result written by a worker that is then terminated (Ctrl-C,
+# an error in the main process) can leave half a message in a pipe, and multiprocessing.Pool's
+# terminate() then waits forever for the rest.
 
 
-def _encode(args: tuple[SourceConfig, float, WorkItem, ItemDocuments | None]) -> dict:
-    """Read (unless given) and tokenize one work item: per split, the concatenated token ids
-    (each document followed by EOS) and the document lengths."""
-    source, valid_fraction, item, docs = args
+def _dump_docs(docs: ItemDocuments, path: str) -> None:
+    with open(path, "w", encoding="ascii") as f:  # ensure_ascii: any str survives
+        json.dump({"docs": docs.docs, "invalid_utf8": docs.invalid_utf8, "empty": docs.empty}, f)
+
+
+def _load_docs(path: str) -> ItemDocuments:
+    with open(path, encoding="ascii") as f:
+        d = json.load(f)
+    return ItemDocuments([(doc_id, text) for doc_id, text in d["docs"]], d["invalid_utf8"],
+                         d["empty"])
+
+
+def _read(args: tuple[str, str, WorkItem, str]) -> str:
+    """Read one work item into the spill file ``args[3]``; returns its path."""
+    source_type, source_field, item, spill = args
+    _dump_docs(read_item(source_type, source_field, item), spill)
+    return spill
+
+
+def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]) -> tuple[str, int, int]:
+    """Read (or load from its spill file) and tokenize one work item; write per split the
+    concatenated token ids (each document followed by EOS) and the document lengths to the
+    ``.npz`` spill file ``args[4]``. Returns (that path, invalid UTF-8 count, empty documents)."""
+    source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
-    if docs is None:
-        docs = read_item(source.type, source.field, item)
+    docs = _load_docs(cached) if cached else read_item(source.type, source.field, item)
     eos = _TOKENIZER.eos_id
-    out: dict = {"invalid_utf8": docs.invalid_utf8, "empty": docs.empty}
+    arrays = {}
     for split in SPLITS:
         texts = [text for doc_id, text in docs.docs
                  if in_valid_split(source.name, doc_id, valid_fraction) == (split == "valid")]
         ids = _TOKENIZER.encode_batch(texts)
         lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-        tokens = np.fromiter((t for x in ids for t in (*x, eos)), dtype=np.uint32,
-                             count=int(lengths.sum()))
-        out[split] = (tokens, lengths)
-    return out
+        arrays[f"{split}_tokens"] = np.fromiter((t for x in ids for t in (*x, eos)),
+                                                dtype=np.uint32, count=int(lengths.sum()))
+        arrays[f"{split}_lengths"] = lengths
+    np.savez(spill, **arrays)
+    return spill, docs.invalid_utf8, docs.empty
 
 
 # --- main side ---
@@ -151,7 +174,9 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
     workers = cfg.prepare_workers
     ctx = mp.get_context("spawn")
     tok_path = staging / TOKENIZER_FILE
-    cache: dict[str, list[ItemDocuments]] | None = None
+    spill = staging / ".spill"  # see _dump_docs; removed before the data is swapped in
+    spill.mkdir()
+    cache: dict[str, list[str | None]] | None = None
 
     t = time.time()
     if cfg.tokenizer.model_file:
@@ -166,17 +191,23 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
         with ctx.Pool(workers) as pool:
             for source in cfg.sources:
                 docs_seen, kept = 0, []
-                jobs = [(source.type, source.field, it) for it in items[source.name]]
-                for docs in _bar(progress, iterable=pool.imap(_read, jobs, chunksize=4), total=len(jobs),
-                                 desc=f"read {source.name}", unit="item"):
+                jobs = [(source.type, source.field, it, str(spill / f"read-{source.name}-{i}.json"))
+                        for i, it in enumerate(items[source.name])]
+                for path in _bar(progress, iterable=pool.imap(_read, jobs, chunksize=4),
+                                 total=len(jobs), desc=f"read {source.name}", unit="item"):
+                    docs = _load_docs(path)
                     docs_seen += len(docs.docs)
                     for _, text in docs.docs:
                         sample.add(text)
                         cached_chars += len(text)
-                    if cache is not None:
-                        kept.append(docs)
-                    if cached_chars > READ_CACHE_CHARS:
-                        cache = None
+                    if cache is not None and cached_chars <= READ_CACHE_CHARS:
+                        kept.append(path)
+                        continue
+                    if cache is not None:  # too large to keep: the encode phase reads again
+                        for p in [*kept, *(q for c in cache.values() for q in c)]:
+                            Path(p).unlink()
+                        cache, kept = None, []
+                    Path(path).unlink()
                 _check_not_empty(source, docs_seen)
                 if cache is not None:
                     cache[source.name] = kept
@@ -196,19 +227,22 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
             writers = {split: ShardWriter(staging, split, source.name, cfg.shard_tokens,
                                           tokenizer.vocab_size) for split in SPLITS}
             kept = cache[source.name] if cache is not None else [None] * len(items[source.name])
-            jobs = [(source, cfg.valid_fraction, it, docs)
-                    for it, docs in zip(items[source.name], kept)]
+            jobs = [(source, cfg.valid_fraction, it, cached,
+                     str(spill / f"encode-{source.name}-{i}.npz"))
+                    for i, (it, cached) in enumerate(zip(items[source.name], kept))]
             stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
                      "empty_documents": 0, "invalid_utf8": 0}
             bar = _bar(progress, total=len(jobs), desc=f"tokenize {source.name}", unit="item")
-            for out in pool.imap(_encode, jobs, chunksize=4):
-                for split in SPLITS:
-                    tokens, lengths = out[split]
-                    writers[split].add(tokens, lengths)
-                    stats["documents"][split] += len(lengths)
-                    stats["tokens"][split] += len(tokens)
-                stats["empty_documents"] += out["empty"]
-                stats["invalid_utf8"] += out["invalid_utf8"]
+            for path, invalid_utf8, empty in pool.imap(_encode, jobs, chunksize=4):
+                with np.load(path) as arrays:
+                    for split in SPLITS:
+                        tokens, lengths = arrays[f"{split}_tokens"], arrays[f"{split}_lengths"]
+                        writers[split].add(tokens, lengths)
+                        stats["documents"][split] += len(lengths)
+                        stats["tokens"][split] += len(tokens)
+                Path(path).unlink()
+                stats["empty_documents"] += empty
+                stats["invalid_utf8"] += invalid_utf8
                 bar.update()
                 bar.set_postfix(tokens=f"{sum(stats['tokens'].values()):,}")
             bar.close()
@@ -222,6 +256,7 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
             source_stats.append({"name": source.name, "type": source.type,
                                  "paths": list(source.paths), "field": source.field, **stats})
     timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
+    shutil.rmtree(spill)
     if not splits["valid"].shards:
         raise DataError(f"the validation split is empty: too few documents for valid_fraction "
                         f"{cfg.valid_fraction}")

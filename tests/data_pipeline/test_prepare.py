@@ -121,6 +121,34 @@ def test_prepare_is_idempotent_and_refuses_other_config(tiny_data):
         prepare(dataclasses.replace(tiny_data, valid_fraction=0.3), progress=False)
 
 
+def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
+    """Documents and token arrays go through spill files; what the pool's pipes carry stays
+    below PIPE_BUF (4096 bytes), so a worker terminated mid-send cannot leave half a message
+    that Pool.terminate() would wait for forever."""
+    import pickle
+
+    from data_pipeline import prepare as prep
+    from data_pipeline.sources import work_items
+
+    corpus = tmp_path / "big"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("\n\n".join(f"document {i} " + "word " * 2000
+                                                for i in range(50)))
+    source = SourceConfig(name="big", type="text", paths=[str(corpus)])
+    (item,) = work_items(source)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    read_result = prep._read(("text", source.field, item, str(spill / "r.json")))
+    docs = prep._load_docs(read_result)
+    assert sum(len(t) for _, t in docs.docs) > 400_000  # one file, one document
+    prep._init_worker(str(Path(tiny_data.dir) / TOKENIZER_FILE))
+    encode_result = prep._encode((source, 0.1, item, read_result, str(spill / "e.npz")))
+    for result in (read_result, encode_result):
+        assert len(pickle.dumps(result)) < 4096
+    with np.load(encode_result[0]) as arrays:
+        assert len(arrays["train_tokens"]) + len(arrays["valid_tokens"]) > 100_000
+
+
 def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tmp_path, monkeypatch):
     from data_pipeline import shards
     cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"), prepare_workers=1)
