@@ -105,25 +105,43 @@ def _read(args: tuple[str, str, WorkItem, str]) -> str:
     return spill
 
 
-def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]) -> tuple[str, int, int]:
-    """Read (or load from its spill file) and tokenize one work item; write per split the
-    concatenated token ids (each document followed by EOS) and the document lengths to the
-    ``.npz`` spill file ``args[4]``. Returns (that path, invalid UTF-8 count, empty documents)."""
+def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]
+            ) -> tuple[str, list[int], int, int]:
+    """Read (or load from its spill file) and tokenize one work item; write per split, in
+    ``SPLITS`` order, the document lengths (int64) and then the concatenated token ids (uint32,
+    each document followed by EOS) to the raw spill file ``args[4]``. Returns (that path, the
+    documents per split, invalid UTF-8 count, empty documents)."""
     source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
     docs = _load_docs(cached) if cached else read_item(source.type, source.field, item)
     eos = _TOKENIZER.eos_id
-    arrays = {}
-    for split in SPLITS:
-        texts = [text for doc_id, text in docs.docs
-                 if in_valid_split(source.name, doc_id, valid_fraction) == (split == "valid")]
-        ids = _TOKENIZER.encode_batch(texts)
-        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-        arrays[f"{split}_tokens"] = np.fromiter((t for x in ids for t in (*x, eos)),
-                                                dtype=np.uint32, count=int(lengths.sum()))
-        arrays[f"{split}_lengths"] = lengths
-    np.savez(spill, **arrays)
-    return spill, docs.invalid_utf8, docs.empty
+    counts = []
+    with open(spill, "wb") as f:
+        for split in SPLITS:
+            texts = [text for doc_id, text in docs.docs
+                     if in_valid_split(source.name, doc_id, valid_fraction) == (split == "valid")]
+            ids = _TOKENIZER.encode_batch(texts)
+            lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+            lengths.tofile(f)
+            np.fromiter((t for x in ids for t in (*x, eos)), dtype=np.uint32,
+                        count=int(lengths.sum())).tofile(f)
+            counts.append(len(ids))
+    return spill, counts, docs.invalid_utf8, docs.empty
+
+
+def _load_encoded(path: str, counts: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{split: (token ids, document lengths)} from an :func:`_encode` spill file."""
+    raw = Path(path).read_bytes()
+    out, pos = {}, 0
+    for split, n in zip(SPLITS, counts):
+        lengths = np.frombuffer(raw, np.int64, count=n, offset=pos)
+        pos += lengths.nbytes
+        tokens = np.frombuffer(raw, np.uint32, count=int(lengths.sum()), offset=pos)
+        pos += tokens.nbytes
+        out[split] = (tokens, lengths)
+    if pos != len(raw):
+        raise DataError(f"{path}: {len(raw)} bytes, expected {pos} (spill file damaged)")
+    return out
 
 
 # --- main side ---
@@ -228,18 +246,16 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
                                           tokenizer.vocab_size) for split in SPLITS}
             kept = cache[source.name] if cache is not None else [None] * len(items[source.name])
             jobs = [(source, cfg.valid_fraction, it, cached,
-                     str(spill / f"encode-{source.name}-{i}.npz"))
+                     str(spill / f"encode-{source.name}-{i}.bin"))
                     for i, (it, cached) in enumerate(zip(items[source.name], kept))]
             stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
                      "empty_documents": 0, "invalid_utf8": 0}
             bar = _bar(progress, total=len(jobs), desc=f"tokenize {source.name}", unit="item")
-            for path, invalid_utf8, empty in pool.imap(_encode, jobs, chunksize=4):
-                with np.load(path) as arrays:
-                    for split in SPLITS:
-                        tokens, lengths = arrays[f"{split}_tokens"], arrays[f"{split}_lengths"]
-                        writers[split].add(tokens, lengths)
-                        stats["documents"][split] += len(lengths)
-                        stats["tokens"][split] += len(tokens)
+            for path, counts, invalid_utf8, empty in pool.imap(_encode, jobs, chunksize=4):
+                for split, (tokens, lengths) in _load_encoded(path, counts).items():
+                    writers[split].add(tokens, lengths)
+                    stats["documents"][split] += len(lengths)
+                    stats["tokens"][split] += len(tokens)
                 Path(path).unlink()
                 stats["empty_documents"] += empty
                 stats["invalid_utf8"] += invalid_utf8

@@ -142,11 +142,13 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     docs = prep._load_docs(read_result)
     assert sum(len(t) for _, t in docs.docs) > 400_000  # one file, one document
     prep._init_worker(str(Path(tiny_data.dir) / TOKENIZER_FILE))
-    encode_result = prep._encode((source, 0.1, item, read_result, str(spill / "e.npz")))
+    encode_result = prep._encode((source, 0.1, item, read_result, str(spill / "e.bin")))
     for result in (read_result, encode_result):
         assert len(pickle.dumps(result)) < 4096
-    with np.load(encode_result[0]) as arrays:
-        assert len(arrays["train_tokens"]) + len(arrays["valid_tokens"]) > 100_000
+    arrays = prep._load_encoded(*encode_result[:2])
+    assert sum(len(tokens) for tokens, _ in arrays.values()) > 100_000
+    for tokens, lengths in arrays.values():
+        assert lengths.sum() == len(tokens)
 
 
 def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tmp_path, monkeypatch):
