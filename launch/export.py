@@ -1,12 +1,13 @@
 """moe-export: export a checkpoint saved with any parallel layout, on one CPU process, as a
-consolidated fp32 safetensors file or as a Hugging Face transformers model directory."""
+consolidated fp32 safetensors file, a Hugging Face transformers model directory, or a one-rank
+DeepSpeed checkpoint (what DeepSpeed's own zero_to_fp32 reads)."""
 
 from __future__ import annotations
 
 import argparse
 
 from launch.cli import exits_cleanly
-from moe.export import export_fp32, export_hf
+from moe.export import export_deepspeed, export_fp32, export_hf
 
 
 @exits_cleanly
@@ -15,16 +16,21 @@ def main(argv=None) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest "
                                       "complete checkpoint)")
     p.add_argument("output", help="a new directory to write (never overwritten)")
-    p.add_argument("--format", choices=["fp32", "hf"], default="fp32",
+    p.add_argument("--format", choices=["fp32", "hf", "deepspeed"], default="fp32",
                    help="fp32: model.safetensors with our parameter names, the run config and "
                         "the tokenizer; hf: config.json, safetensors and tokenizer for "
-                        "transformers' AutoModelForCausalLM / AutoTokenizer")
+                        "transformers' AutoModelForCausalLM / AutoTokenizer; deepspeed: the "
+                        "whole training state as a DeepSpeed checkpoint of one rank (expert "
+                        "parallelism 1), readable by DeepSpeed's zero_to_fp32 and resumable; "
+                        "needs the run's prepared data")
     p.add_argument("--arch", choices=["auto", "mixtral", "qwen2_moe"], default="auto",
                    help="Hugging Face architecture (auto: Mixtral unless the model has shared "
                         "experts or dense layers)")
     args = p.parse_args(argv)
     if args.format == "fp32":
         out = export_fp32(args.checkpoint, args.output)
+    elif args.format == "deepspeed":
+        out = export_deepspeed(args.checkpoint, args.output)
     else:
         out = export_hf(args.checkpoint, args.output, args.arch)
     print(f"exported {args.checkpoint} -> {out} ({args.format})")

@@ -4,7 +4,10 @@
   the checkpoint has ZeRO partitions), with the run config and the tokenizer;
 - ``hf``: a Hugging Face ``transformers`` model directory (config.json, safetensors weights and a
   tokenizer ``AutoTokenizer`` loads) for configurations that match an architecture there:
-  Mixtral (no shared experts) or Qwen2-MoE (shared experts, dense layers allowed).
+  Mixtral (no shared experts) or Qwen2-MoE (shared experts, dense layers allowed);
+- ``deepspeed``: the whole training state re-saved as a DeepSpeed checkpoint of one rank with
+  expert parallelism 1, the layout DeepSpeed's own tools (``zero_to_fp32``) read whatever layout
+  saved the original.
 
 Weight layout: our stacked experts are ``w_in`` (E, D, 2H) = [gate | up] along the last dim and
 ``w_out`` (E, H, D); transformers' fused experts are ``gate_up_proj`` (E, 2H, D) = [gate; up] and
@@ -64,8 +67,8 @@ def _publish(out_dir: Path, write) -> Path:
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
     try:
         write(tmp)
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)
+        for f in tmp.rglob("*"):
+            f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -84,6 +87,78 @@ def export_fp32(checkpoint: str | Path, out_dir: str | Path) -> Path:
         shutil.copy(tag_dir / TOKENIZER_COPY, tmp / TOKENIZER_COPY)
 
     return _publish(Path(out_dir), write)
+
+
+def export_deepspeed(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Re-save a checkpoint of any layout as a DeepSpeed checkpoint of one rank with expert
+    parallelism 1: weights, fp32 master weights, Adam moments, LR schedule, router state, data
+    position and counters, through the trainer's own layout conversion (a resume with nothing
+    left to train, then the final save). ``out_dir`` becomes a checkpoints directory (``latest``,
+    DeepSpeed's ``zero_to_fp32.py``, ``step_N/``) that ``moe-train --resume`` also accepts.
+
+    Runs in this process on one gloo rank (the whole model in memory, as zero_to_fp32 needs it
+    too) and reads the run's prepared data directory (its manifest and tokenizer)."""
+    from moe.config_schema import from_dict, to_dict
+    from moe.evaluation import resolve_checkpoint
+    from moe.training.checkpoint import read_marker, verify_files
+    from moe.training.config import load_config
+    from moe.training.trainer import DistEnv, train
+
+    tag_dir = resolve_checkpoint(checkpoint)
+    verify_files(tag_dir)
+    marker = read_marker(tag_dir)
+    d = to_dict(load_config(tag_dir / RUN_CONFIG))
+    world = marker["world_size"]
+
+    def write(tmp: Path) -> None:
+        d.update(name="converted", output_dir=str(tmp / "run"))
+        d["parallel"].update(world_size=1, expert_parallel_size=1)
+        d["train"].update(max_steps=marker["step"],  # same global batch, one rank
+                          grad_accum_steps=d["train"]["grad_accum_steps"] * world)
+        d["logging"]["tensorboard"] = False
+        d["eval"]["every_n_steps"] = 0
+        with _one_rank_process_group():
+            train(from_dict(RunConfig, d), DistEnv(0, 1, 0, 1), resume=str(tag_dir))
+        ckpt_dir = tmp / "run" / "converted" / "checkpoints"
+        for f in ckpt_dir.iterdir():
+            f.rename(tmp / f.name)
+        shutil.rmtree(tmp / "run")
+
+    return _publish(Path(out_dir), write)
+
+
+class _one_rank_process_group:
+    """A gloo process group (through DeepSpeed) of this process alone, unless one exists."""
+
+    KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+    def __enter__(self):
+        import socket
+
+        import deepspeed
+        import torch.distributed as dist
+
+        self.created = not dist.is_initialized()
+        if self.created:
+            self.saved_env = {k: os.environ.get(k) for k in self.KEYS}
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                              WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        if self.created:
+            dist.destroy_process_group()
+            for k, v in self.saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 # --- Hugging Face -------------------------------------------------------------------------------

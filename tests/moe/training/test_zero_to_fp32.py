@@ -49,7 +49,7 @@ def _assert_equals_our_model(ckpt_dir, out_dir):
 
     theirs = torch.load(out_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
     theirs = {single_device_name(k): v for k, v in theirs.items()}
-    model, _, _ = load_model(ckpt_dir.parent)
+    model, _, _ = load_model(ckpt_dir)
     ours = model.state_dict()
     assert theirs.keys() == ours.keys()
     for name, value in ours.items():
@@ -80,3 +80,26 @@ def test_zero_to_fp32_refuses_expert_partitions_it_cannot_order(tiny_data, tmp_p
     assert not (tmp_path / "fp32" / "pytorch_model.bin").exists()
     state, _, _ = consolidated_fp32(ckpt_dir.parent)
     assert state["blocks.0.ffn.experts.w_in"].shape[0] == 4
+
+
+def test_moe_export_deepspeed_makes_any_layout_readable_by_zero_to_fp32(tiny_data, tmp_path):
+    """Where zero_to_fp32 refuses (EP 2 on 4 ranks), `moe-export --format deepspeed` re-saves
+    the training state on one rank; zero_to_fp32 then rebuilds exactly our model, and the
+    converted checkpoint holds the same weights and Adam moments as the original."""
+    from moe.training.layout import read_layout_free
+
+    ckpt_dir = _run(tiny_data, tmp_path / "runs", "w4ep2", 4, 2)
+    out = tmp_path / "converted"
+    result = subprocess.run([sys.executable, "-m", "launch.export", str(ckpt_dir.parent), str(out),
+                             "--format", "deepspeed"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (out / "latest").read_text() == "step_0000002"
+    original, converted = (read_layout_free(d / "step_0000002") for d in (ckpt_dir, out))
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert original[key].keys() == converted[key].keys()
+        for name, value in original[key].items():
+            torch.testing.assert_close(converted[key][name], value, rtol=0, atol=0,
+                                       msg=f"{key} {name}")
+    z = zero_to_fp32(out, tmp_path / "fp32")
+    assert z.returncode == 0, z.stdout + z.stderr
+    _assert_equals_our_model(out, tmp_path / "fp32")
