@@ -358,15 +358,18 @@ def fingerprints_match(saved: float, loaded: float) -> bool:
     return abs(saved - loaded) <= 1e-6 * (abs(saved) + abs(loaded)) + 1e-12
 
 
-def fingerprint_problems(key: str, w_E: torch.Tensor, saved: list[float] | None) -> list[str]:
-    """What is wrong with the stacked experts ``w_E`` of parameter ``key`` (single-device name),
-    given the fingerprints recorded at save time (None: the checkpoint recorded none, so only
-    bitwise duplicates can be detected)."""
+def fingerprint_problems(key: str, w_E: torch.Tensor | list[float],
+                         saved: list[float] | None) -> list[str]:
+    """What is wrong with the stacked experts of parameter ``key`` (single-device name), given
+    as the weights ``w_E`` or as their fingerprints, against the fingerprints recorded at save
+    time (None: the checkpoint recorded none, so only duplicates can be detected)."""
     if saved is None:
+        if not isinstance(w_E, torch.Tensor):  # fingerprints: equal ones mean equal weights
+            w_E = torch.tensor(w_E, dtype=torch.float64)[:, None]
         dup = duplicated_experts(w_E)
         return [f"{key}: experts {dup} hold identical weights (saved twice under different "
                 "ids?)"] if dup else []
-    loaded = expert_fingerprints(w_E)
+    loaded = expert_fingerprints(w_E) if isinstance(w_E, torch.Tensor) else w_E
     if len(saved) != len(loaded):
         return [f"{key}: {len(loaded)} experts, the checkpoint recorded {len(saved)}"]
     wrong = [e for e, (a, b) in enumerate(zip(saved, loaded)) if not fingerprints_match(a, b)]
@@ -413,22 +416,9 @@ def check_loaded_experts(model: nn.Module, saved: dict[str, list[float]] | None 
     """After an engine loaded a checkpoint: every expert of every layer holds the weights the
     checkpoint saved under its id (``saved``: the fingerprints it recorded), or, for a
     checkpoint without fingerprints, no two experts hold identical weights. Collective."""
-    got = gather_expert_fingerprints(model)
     problems = []
-    for key, loaded in got.items():
-        want = None if saved is None else saved.get(key)
-        if want is None:
-            w = torch.tensor(loaded, dtype=torch.float64)[:, None]
-            dup = duplicated_experts(w)
-            if dup:
-                problems.append(f"{key}: experts {dup} hold identical weights")
-        elif len(want) != len(loaded):
-            problems.append(f"{key}: {len(loaded)} experts, the checkpoint recorded {len(want)}")
-        else:
-            wrong = [e for e, (a, b) in enumerate(zip(want, loaded)) if not fingerprints_match(a, b)]
-            if wrong:
-                problems.append(f"{key}: experts {wrong[:8]} hold other weights than the "
-                                "checkpoint saved under their ids")
+    for key, loaded in gather_expert_fingerprints(model).items():
+        problems += fingerprint_problems(key, loaded, None if saved is None else saved.get(key))
     return problems
 
 
