@@ -11,6 +11,7 @@ import torch
 from launch.cli import exits_cleanly, setup_logging
 from moe.cpu_allocator import keep_freed_memory
 from moe.training.config import load_config
+from moe.training.preemption import Preempted
 from moe.training.trainer import dist_env_from_environment, train
 
 
@@ -46,7 +47,27 @@ def main(argv=None) -> None:
             f"device: {'cuda' if backend == 'nccl' else 'cpu (no CUDA device visible)'}, "
             f"backend {backend}, {env.world_size} rank(s), {threads} thread(s) per rank")
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    train(cfg, env, resume=args.resume)
+    try:
+        train(cfg, env, resume=args.resume)
+    except Preempted:
+        shut_down_distributed()  # every rank stops at the same step (the signal is all-reduced)
+        raise
+    shut_down_distributed()
+
+
+def shut_down_distributed() -> None:
+    """Tear the process groups down while the interpreter is alive, on every rank together.
+
+    Only after every rank finished the same way: a rank that left the process group to its
+    destructor at interpreter exit can abort there ("terminate called without an active
+    exception", a joinable gloo thread), which turns a finished run's exit code 0 (or a
+    preempted run's 75) into a crash. After an error the group is left alone: a peer may still
+    be inside a collective, and destroying the group would wait for it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
