@@ -4,19 +4,28 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
 
+def shm_buffers() -> set[Path]:
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+
 def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config_file, tmp_path):
+    shm_before = shm_buffers()
     proc = subprocess.run([sys.executable, "-m", "launch.launch", str(tiny_config_file),
                            "eval.every_n_steps=2", "eval.max_tokens=2000",
                            "logging.peak_flops_per_device=6.0e10"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "tiny"
+
+    # DeepSpeed's CPU communication op made one shared-memory file per rank; none is left.
+    assert shm_buffers() - shm_before == set()
 
     # Both ranks ran and logged.
     for rank in (0, 1):

@@ -1,4 +1,5 @@
-"""moe-train's entry point tears the process group down on every rank before the interpreter
+"""moe-train's entry point: after DeepSpeed's start-up every rank removes its shared-memory file
+name (after a barrier); it tears the process group down on every rank before the interpreter
 exits, after a finished and after a preempted run, and leaves it alone after an error."""
 
 import pytest
@@ -41,7 +42,7 @@ def calls(monkeypatch, tiny_config_file):
 def test_finished_run_destroys_the_process_group(calls):
     seen, run = calls
     run(None)
-    assert seen == ["init", "train", "barrier", "destroy"]
+    assert seen == ["init", "barrier", "train", "barrier", "destroy"]
 
 
 def test_preempted_run_destroys_the_group_and_keeps_its_exit_code(calls):
@@ -49,7 +50,7 @@ def test_preempted_run_destroys_the_group_and_keeps_its_exit_code(calls):
     with pytest.raises(SystemExit) as info:
         run(Preempted(3))
     assert info.value.code == PREEMPTED_EXIT_CODE
-    assert seen == ["init", "train", "barrier", "destroy"]
+    assert seen == ["init", "barrier", "train", "barrier", "destroy"]
 
 
 @pytest.mark.parametrize("error", [MoEError("bad shard"), RuntimeError("boom")])
@@ -57,4 +58,4 @@ def test_failed_run_leaves_the_group_alone(calls, error):
     seen, run = calls
     with pytest.raises((SystemExit, RuntimeError)):
         run(error)
-    assert seen == ["init", "train"]
+    assert seen == ["init", "barrier", "train"]
