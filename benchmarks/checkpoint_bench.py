@@ -25,14 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from data_pipeline.prepare import prepare  # noqa: E402
-from moe.config_schema import from_dict  # noqa: E402
-from moe.training.config import RunConfig  # noqa: E402
-from moe.training.trainer import DistEnv, train  # noqa: E402
-from tests.conftest import tiny_data_config, tiny_run_dict, write_corpus  # noqa: E402
-from tests.helpers.distributed import run_distributed  # noqa: E402
+from data_pipeline.prepare import prepare
+from moe.config_schema import from_dict
+from moe.training.config import RunConfig
+from moe.training.trainer import DistEnv, train
+from tests.conftest import tiny_data_config, tiny_run_dict, write_corpus
+from tests.helpers.distributed import run_distributed
 
 
 def _worker(rank, world, cfg_dict, resume, log_file):
@@ -58,7 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="training steps; a save every 2")
     args = ap.parse_args()
-    from moe.export import export_fp32
+    from moe.tools.export import export_fp32
     from moe.training.layout import read_layout_free
 
     with tempfile.TemporaryDirectory() as tmp:

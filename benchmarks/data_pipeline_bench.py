@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_pipeline.config import DataConfig  # noqa: E402
-from data_pipeline.prepare import _cpu_seconds, prepare  # noqa: E402
-from data_pipeline.reader import PackedReader  # noqa: E402
-from data_pipeline.shards import SCHEMA_VERSION, Manifest, ShardWriter, SplitInfo, write_manifest  # noqa: E402
+from data_pipeline.config import DataConfig
+from data_pipeline.prepare import _cpu_seconds, prepare
+from data_pipeline.reader import PackedReader
+from data_pipeline.shards import SCHEMA_VERSION, Manifest, ShardWriter, SplitInfo, write_manifest
 
 VOCAB, EOS = 32000, 2
 

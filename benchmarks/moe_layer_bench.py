@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.cpu_allocator import keep_freed_memory
-from moe.experts import DenseFFN
-from moe.moe_layer import MoEConfig, MoELayer
-from moe.router import RouterConfig
+from moe.model.experts import DenseFFN
+from moe.model.moe_layer import MoEConfig, MoELayer
+from moe.model.router import RouterConfig
+from moe.training.cpu_allocator import keep_freed_memory
 
 SHAPES = {"a": dict(num_experts=8, top_k=2, hidden=1024), "b": dict(num_experts=64, top_k=8, hidden=128)}
 
@@ -94,7 +94,7 @@ def bench(shape: str, tokens: int, d: int, rounds: int) -> dict[str, float]:
     cands = contenders(d, s["num_experts"], s["top_k"], s["hidden"])
     x = torch.randn(1, tokens, d, requires_grad=True)
     times: dict[str, list[float]] = {name: [] for name in cands}
-    for name, (fn, module) in cands.items():  # warm-up
+    for fn, module in cands.values():  # warm-up
         time_once(fn, list(module.parameters()), x)
     for _ in range(rounds):
         for name, (fn, module) in cands.items():

@@ -8,6 +8,7 @@ written in item order: the shards do not depend on the number of workers.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import multiprocessing as mp
@@ -21,12 +22,20 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.config import DataConfig, SourceConfig
-from data_pipeline.shards import (MANIFEST, SCHEMA_VERSION, SPLITS, Manifest, ShardWriter,
-                                  SplitInfo, read_manifest, token_type, write_manifest)
+from data_pipeline.errors import DataError
+from data_pipeline.shards import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    SPLITS,
+    Manifest,
+    ShardWriter,
+    SplitInfo,
+    read_manifest,
+    token_type,
+    write_manifest,
+)
 from data_pipeline.sources import ItemDocuments, WorkItem, read_item, work_items
 from data_pipeline.tokenizer import LineSample, Tokenizer, train_tokenizer
-from moe.config_schema import to_dict
-from moe.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.model"
 SAMPLE_SEED = 0
@@ -52,7 +61,7 @@ class PrepareReport:
 def config_hash(cfg: DataConfig) -> str:
     """What determines the prepared data: not where it is written, how many workers write it,
     nor how it is read (order seed, sequence length, mixture weights, loader workers)."""
-    d = to_dict(cfg)
+    d = dataclasses.asdict(cfg)  # tuples stay tuples: json.dumps writes them as lists
     for k in ("dir", "prepare_workers", "seq_len", "seed", "loader_workers",
               "allow_other_data_on_resume"):
         d.pop(k)

@@ -23,18 +23,18 @@ yields them in. Positions are disjoint across ranks and workers and contiguous o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data_pipeline.errors import DataError
 from data_pipeline.mixture import MixtureSchedule
 from data_pipeline.permutation import FeistelPermutation, round_keys
 from data_pipeline.shards import Manifest, ShardInfo, open_shard, read_manifest
-from moe.errors import DataError
 
 STATE_VERSION = 1
 PLAN_TOKENS, PLAN_ROWS = 1 << 24, 1 << 14

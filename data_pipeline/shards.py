@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from moe.errors import DataError
+from data_pipeline.errors import DataError
 
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"

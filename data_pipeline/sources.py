@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ast
 import glob
-import itertools
 import io
+import itertools
 import json
 import os
 import sysconfig
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_pipeline.config import SourceConfig
-from moe.errors import DataError
+from data_pipeline.errors import DataError
 
 
 def stdlib_files() -> list[Path]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import io
 import random
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import sentencepiece as spm
 
 from data_pipeline.config import TokenizerConfig
-from moe.errors import DataError
+from data_pipeline.errors import DataError
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 

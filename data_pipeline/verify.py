@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.shards import open_shard, read_manifest
 from data_pipeline.tokenizer import Tokenizer
-from moe.errors import DataError
 
 
 def _sha256(path: Path) -> str:

@@ -1,6 +1,6 @@
 """moe-plan: parameters, FLOPs per token and memory per GPU of a run config, before running it.
 
-Formulas and their conventions are documented in moe/planning.py."""
+Formulas and their conventions are documented in moe/model/size.py and moe/tools/planning.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 from data_pipeline.shards import MANIFEST, read_manifest
 from launch.cli import exits_cleanly
 from moe.errors import ConfigError
-from moe.planning import COMPONENTS, count_parameters, flops_per_token, memory_per_gpu
+from moe.model.size import COMPONENTS, count_parameters, flops_per_token
+from moe.tools.planning import memory_per_gpu
 from moe.training.config import RunConfig, load_config
 
 

@@ -6,6 +6,7 @@ import functools
 import logging
 import sys
 
+from data_pipeline.errors import DataError
 from moe.errors import MoEError
 
 
@@ -33,7 +34,7 @@ def exits_cleanly(main):
     def wrapper(argv=None):
         try:
             return main(argv)
-        except MoEError as e:
+        except (MoEError, DataError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from launch.cli import exits_cleanly
+from moe.checkpoint.files import MAIN_STATES, MARKER, resolve_checkpoint
 from moe.errors import CheckpointError, ConfigError
-from moe.evaluation import MAIN_STATES, MARKER, EvalOptions, evaluate_checkpoint_dir, resolve_checkpoint
-from moe.generation import GenerationConfig
-from moe.report import summary_table, write_report
+from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir
+from moe.evaluation.report import summary_table, write_report
+from moe.model.generation import GenerationConfig
 
 EVAL_DIR = "eval"
 

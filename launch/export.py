@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from launch.cli import exits_cleanly
-from moe.export import export_deepspeed, export_fp32, export_hf
+from moe.tools.export import export_deepspeed, export_fp32, export_hf
 
 
 @exits_cleanly

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from launch.cli import exits_cleanly, setup_logging
-from moe.cpu_allocator import keep_freed_memory
 from moe.training.config import load_config
+from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.preemption import Preempted
 from moe.training.trainer import dist_env_from_environment, train
 

@@ -1,8 +1,9 @@
-"""Single-device model code for sparse Mixture-of-Experts decoder language models.
+"""Sparse Mixture-of-Experts decoder language models trained with DeepSpeed.
 
-Shape legend used across the hot code: ``B`` batch, ``S`` sequence length, ``T`` tokens (B*S),
-``D`` model width, ``H`` expert hidden width, ``E`` experts, ``K`` experts per token (top-k),
-``N`` routed token copies, ``V`` vocabulary.
+Layers, every import pointing down: foundations (``errors``, ``config_schema``, the checkpoint
+format ``checkpoint/``) <- the single-device model (``model/``) <- parallelism and training
+(``parallel/``, ``training/``) <- evaluation and tools (``evaluation/``, ``tools/``) <- the
+command lines in ``launch/``. ``data_pipeline/`` stands beside the model.
 """
 
 import logging as _logging

@@ -1,5 +1,6 @@
 """The project's exception types: one small hierarchy so that entry points can turn them into a
-clear message and a non-zero exit instead of a traceback."""
+clear message and a non-zero exit instead of a traceback. Problems with input data are
+:class:`data_pipeline.errors.DataError` (the data pipeline owns its base)."""
 
 
 class MoEError(Exception):
@@ -15,10 +16,6 @@ class ConfigError(MoEError):
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid config{where}:\n{lines}")
-
-
-class DataError(MoEError):
-    """Input data (a source, a shard, a manifest, a tokenizer) is missing or malformed."""
 
 
 class CheckpointError(MoEError):

@@ -13,10 +13,10 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-from launch.config import PLAIN_NAME
 from launch.plan import RESOLVED_CONFIG, SHELL_INERT, Plan
 from moe.errors import ConfigError, LaunchError
 from moe.training.config import RunConfig
+from moe.training.launch_config import PLAIN_NAME
 
 ENV_FILE = ".deepspeed_env"
 HOST_LINE = re.compile(r"(\S+)\s+slots=(\d+)\Z")

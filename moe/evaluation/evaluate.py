@@ -6,91 +6,26 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.reader import TokenStream
 from data_pipeline.shards import MANIFEST
 from data_pipeline.tokenizer import Tokenizer
-from moe.errors import CheckpointError, ConfigError, DataError
-from moe.expert_stats import ExpertStatsCollector
-from moe.generation import GenerationConfig, KVCacheDecoder, generate
-from moe.model import MoETransformer
-from moe.parallel.deepspeed_adapter import (consolidated_state_dict, expert_file_ids,
-                                            fingerprint_problems)
-from moe.training.checkpoint import (EXPERT_DIR, MAIN_STATES, MARKER, RUN_CONFIG, find_latest,
-                                     load_file, verify_files)
-from moe.training.config import RunConfig, load_config
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a checkpoint directory, a checkpoints directory or a run directory (their newest
-    complete checkpoint)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if (path / MARKER).exists() or (path / MAIN_STATES).exists():
-        return path
-    for ckpt_dir in (path, path / "checkpoints"):
-        tag = find_latest(ckpt_dir)
-        if tag is not None:
-            return ckpt_dir / tag
-    raise CheckpointError(f"{path}: neither a checkpoint ({MARKER}) nor a directory with a "
-                          "complete checkpoint")
-
-
-def load_consolidated(path: str | Path) -> tuple[dict, RunConfig, Path]:
-    """The single-device state dict of a checkpoint saved with any layout, after checking it:
-    complete, no file missing or truncated, every expert of every layer present exactly once,
-    shapes as the config says, no two experts with identical weights."""
-    tag_dir = resolve_checkpoint(path)
-    marker = verify_files(tag_dir)
-    cfg = load_config(tag_dir / RUN_CONFIG)
-    main = load_file(tag_dir / MAIN_STATES)
-    experts = {}
-    for f in sorted([*tag_dir.iterdir(), *(tag_dir / EXPERT_DIR).glob("*")]):
-        ids = expert_file_ids(f.name)
-        if ids is not None:
-            if ids in experts:
-                raise CheckpointError(f"{f}: expert {ids[1]} of MoE layer {ids[0]} has two files")
-            experts[ids] = load_file(f)
-    try:
-        state = consolidated_state_dict(main["module"], experts, str(tag_dir))
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    if cfg.model.vocab_size is None:
-        raise CheckpointError(f"{tag_dir / RUN_CONFIG}: model.vocab_size is not resolved")
-    expected = {k: v.shape for k, v in MoETransformer(cfg.model).state_dict().items()}
-    problems = []
-    for key, shape in expected.items():
-        if key not in state and not (cfg.model.tie_embeddings and key == "lm_head.weight"):
-            problems.append(f"{key}: missing")
-        elif key in state and state[key].shape != shape:
-            problems.append(f"{key}: shape {tuple(state[key].shape)}, the config needs {tuple(shape)}")
-    problems += [f"{key}: not part of the model" for key in state if key not in expected]
-    saved = marker.get("expert_fingerprints")
-    for key, value in state.items():
-        if key.endswith(".experts.w_in") or key.endswith(".experts.w_out"):
-            problems += fingerprint_problems(key, value, None if saved is None else saved.get(key))
-    if problems:
-        raise CheckpointError(f"{tag_dir}: checkpoint does not match its config "
-                              f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems))
-    return state, cfg, tag_dir
-
-
-def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
-    """Build the single-device model from a DeepSpeed checkpoint saved with any layout."""
-    state, cfg, tag_dir = load_consolidated(path)
-    model = MoETransformer(cfg.model)
-    model.load_state_dict(state, strict=not cfg.model.tie_embeddings)
-    model.eval()
-    return model, cfg, tag_dir
+from moe.errors import ConfigError
+from moe.evaluation.expert_stats import ExpertStatsCollector
+from moe.model.generation import GenerationConfig, KVCacheDecoder, generate
+from moe.model.transformer import MoETransformer
+from moe.training.config import RunConfig
+from moe.training.load import load_model
 
 
 class TokenArray:

@@ -14,12 +14,12 @@ Shapes: L MoE layers, E experts, V vocabulary, T tokens of one forward, K expert
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from moe.model import MoETransformer
-from moe.moe_layer import MoELayer
+from moe.model.moe_layer import MoELayer
+from moe.model.transformer import MoETransformer
 
 
 class ExpertStatsCollector:
@@ -47,7 +47,7 @@ class ExpertStatsCollector:
         self._selection: list[torch.Tensor | None] = [None] * L
         self._handles = []
 
-    def __enter__(self) -> "ExpertStatsCollector":
+    def __enter__(self) -> ExpertStatsCollector:
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.router.register_forward_hook(self._router_hook(i)))
             self._handles.append(layer.register_forward_hook(self._layer_hook(i)))

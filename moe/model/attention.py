@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.positions import apply_rotary
+from moe.model.positions import apply_rotary
 
 
 class KVCache:

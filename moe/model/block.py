@@ -10,8 +10,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from moe.attention import AttentionInputs, CausalSelfAttention
-from moe.norms import NormKind, build_norm
+from moe.model.attention import AttentionInputs, CausalSelfAttention
+from moe.model.norms import NormKind, build_norm
 
 NormPlacement = Literal["pre", "post"]
 

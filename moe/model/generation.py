@@ -24,8 +24,8 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-from moe.attention import KVCache
 from moe.errors import ConfigError
+from moe.model.attention import KVCache
 
 Strategy = Literal["greedy", "sample", "beam"]
 

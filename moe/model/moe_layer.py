@@ -8,10 +8,9 @@ import torch
 from torch import nn
 
 from moe.config_schema import minimums
-from moe.dispatcher import LocalDispatcher, capacity_keep_mask
-from moe.experts import Activation, DenseFFN, GroupedExperts
-from moe.router import RouterConfig, TopKRouter, capacity
-
+from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
+from moe.model.experts import Activation, DenseFFN, GroupedExperts
+from moe.model.router import RouterConfig, TopKRouter, capacity
 
 STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
 

@@ -11,7 +11,7 @@ Initialization (``init_std`` = s, ``n_layers`` = L):
 - projections that write into the residual stream (attention output, FFN / expert / shared
   expert output): N(0, (s / sqrt(2L))^2), so the residual's variance stays roughly constant
   with depth (GPT-2);
-- the router: N(0, 0.02^2) (``moe/router.py``); norm gains 1, norm biases 0.
+- the router: N(0, 0.02^2) (``moe/model/router.py``); norm gains 1, norm biases 0.
 """
 
 from __future__ import annotations
@@ -23,14 +23,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.attention import AttentionInputs, CausalSelfAttention, KVCache, build_mask
-from moe.block import Block, NormPlacement
-from moe.experts import DenseFFN, residual_init_std
-from moe.moe_layer import MoEConfig, MoELayer
-from moe.norms import NormKind, build_norm
-from moe.positions import (AlibiBias, LearnedPositions, PositionEncoding, PositionKind,
-                           RotaryEmbedding, SinusoidalPositions, T5RelativeBias,
-                           positions_from_doc_ids)
+from moe.model.attention import AttentionInputs, CausalSelfAttention, KVCache, build_mask
+from moe.model.block import Block, NormPlacement
+from moe.model.experts import DenseFFN, residual_init_std
+from moe.model.moe_layer import MoEConfig, MoELayer
+from moe.model.norms import NormKind, build_norm
+from moe.model.positions import (
+    AlibiBias,
+    LearnedPositions,
+    PositionEncoding,
+    PositionKind,
+    RotaryEmbedding,
+    SinusoidalPositions,
+    T5RelativeBias,
+    positions_from_doc_ids,
+)
 
 
 @dataclass
@@ -76,7 +83,7 @@ class ModelConfig:
     init_from: str | None = None
     """A checkpoint (tag, checkpoints or run directory) whose weights start training. Where it
     has a dense FFN and this model an MoE layer, every expert is upcycled from that FFN
-    (moe/upcycle.py). Ignored when the run resumes from its own checkpoint."""
+    (moe/training/upcycle.py). Ignored when the run resumes from its own checkpoint."""
     upcycle_noise_std: float = 0.0
     """Relative std of Gaussian noise added to each upcycled expert (0: exact copies)."""
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -33,12 +33,13 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups
 from torch import nn
 
-from moe.dispatcher import DispatchPlan, LocalDispatcher
-from moe.model import MoETransformer
-from moe.moe_layer import MoELayer
-from moe.training.checkpoint import EXPERT_DIR
+from moe.checkpoint.consolidate import EXPERT_KEY
+from moe.checkpoint.files import EXPERT_DIR
+from moe.checkpoint.fingerprints import expert_fingerprints, fingerprint_problems
+from moe.model.dispatcher import DispatchPlan, LocalDispatcher
+from moe.model.moe_layer import MoELayer
+from moe.model.transformer import MoETransformer
 
-EXPERT_KEY = "deepspeed_experts"
 _EXPERT_NAMES = ("w_in", "w_out")
 
 _deepspeed_expert_ckpt_name = DeepSpeedEngine._get_expert_ckpt_name
@@ -276,119 +277,13 @@ def report_global_expert_shapes(engine) -> list[str]:
     return sorted(global_shape)
 
 
-# --- Reading DeepSpeed checkpoints without an engine (evaluation, export) ---------------------
-
-_LAYER_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
-
-
-def consolidated_state_dict(main_module_state: dict, expert_states: dict[tuple[int, int], dict],
-                            source: str = "checkpoint") -> dict:
-    """Map a DeepSpeed MoE checkpoint onto the single-device model's keys.
-
-    ``main_module_state`` is the ``module`` entry of ``mp_rank_00_model_states.pt`` (non-expert
-    parameters, with ``.deepspeed_moe.`` in MoE layer keys); ``expert_states`` maps
-    (moe layer id, global expert id) to that expert file's dict (global ids in its keys). Each
-    file must hold exactly its own expert, and each expert must come from exactly one file."""
-    out = {}
-    for key, value in main_module_state.items():
-        out[key.replace(".deepspeed_moe.", ".")] = value
-    per_layer: dict[str, dict[int, torch.Tensor]] = {}
-    pattern = re.compile(r"^(.*)\.deepspeed_moe\.experts\." + EXPERT_KEY + r"\.(\d+)\.(\w+)$")
-    for (layer_id, expert_id), state in sorted(expert_states.items()):
-        where = f"{source}: expert file of MoE layer {layer_id}, expert {expert_id}"
-        for key, value in state.items():
-            m = pattern.match(key)
-            if m is None:
-                raise ValueError(f"{where}: unexpected key {key!r}")
-            prefix, gid, name = m.group(1), int(m.group(2)), m.group(3)
-            if gid != expert_id:
-                raise ValueError(f"{where}: holds expert {gid} ({key})")
-            by_expert = per_layer.setdefault(f"{prefix}.experts.{name}", {})
-            if gid in by_expert:
-                raise ValueError(f"{where}: {key} is present twice")
-            by_expert[gid] = value
-    for key, by_expert in per_layer.items():
-        ids = sorted(by_expert)
-        if ids != list(range(len(ids))):
-            raise ValueError(f"{source}: {key}: expert ids {ids} are not 0..{len(ids) - 1}")
-        out[key] = torch.stack([by_expert[i] for i in ids])
-    return out
-
-
-def duplicated_experts(w_E: torch.Tensor) -> list[tuple[int, int]]:
-    """Pairs of experts with bitwise identical weights: the signature of a checkpoint in which
-    expert-parallel ranks saved the same local experts under different global ids (used when a
-    checkpoint records no fingerprints)."""
-    E = w_E.shape[0]
-    flat = w_E.reshape(E, -1)
-    first: dict[bytes, int] = {}
-    pairs = []
-    for e in range(E):
-        key = flat[e].detach().cpu().contiguous().numpy().tobytes()
-        if key in first:
-            pairs.append((first[key], e))
-        else:
-            first[key] = e
-    return pairs
-
-
-_PROBE_LEN = 1 << 20
-
-
-@torch.no_grad()
-def expert_fingerprints(w_E: torch.Tensor) -> list[float]:
-    """Per expert, the float64 dot product of its weights with a fixed pseudo-random vector
-    (repeated in chunks of ``_PROBE_LEN``): the same weights give the same number on any layout
-    and device (up to summation order), different weights a different one. Recorded at save
-    time, it lets a load check that each expert id holds the weights saved under it, which also
-    accepts experts that were legitimately identical when saved (freshly upcycled)."""
-    E = w_E.shape[0]
-    flat = w_E.detach().reshape(E, -1)
-    n = flat.shape[1]
-    g = torch.Generator().manual_seed(0)
-    probe = torch.randn(min(n, _PROBE_LEN), generator=g, dtype=torch.float64).to(flat.device)
-    out = torch.zeros(E, dtype=torch.float64, device=flat.device)
-    for lo in range(0, n, probe.numel()):
-        chunk = flat[:, lo:lo + probe.numel()].double()
-        out += chunk @ probe[:chunk.shape[1]]
-    return out.cpu().tolist()
-
-
-def fingerprints_match(saved: float, loaded: float) -> bool:
-    return abs(saved - loaded) <= 1e-6 * (abs(saved) + abs(loaded)) + 1e-12
-
-
-def fingerprint_problems(key: str, w_E: torch.Tensor | list[float],
-                         saved: list[float] | None) -> list[str]:
-    """What is wrong with the stacked experts of parameter ``key`` (single-device name), given
-    as the weights ``w_E`` or as their fingerprints, against the fingerprints recorded at save
-    time (None: the checkpoint recorded none, so only duplicates can be detected)."""
-    if saved is None:
-        if not isinstance(w_E, torch.Tensor):  # fingerprints: equal ones mean equal weights
-            w_E = torch.tensor(w_E, dtype=torch.float64)[:, None]
-        dup = duplicated_experts(w_E)
-        return [f"{key}: experts {dup} hold identical weights (saved twice under different "
-                "ids?)"] if dup else []
-    loaded = expert_fingerprints(w_E) if isinstance(w_E, torch.Tensor) else w_E
-    if len(saved) != len(loaded):
-        return [f"{key}: {len(loaded)} experts, the checkpoint recorded {len(saved)}"]
-    wrong = [e for e, (a, b) in enumerate(zip(saved, loaded)) if not fingerprints_match(a, b)]
-    if not wrong:
-        return []
-    holds = {e: [o for o, a in enumerate(saved) if fingerprints_match(a, loaded[e])] for e in wrong}
-    detail = ", ".join(f"expert {e} holds " + (
-        "the weights saved as expert " + "/".join(map(str, holds[e])) if holds[e]
-        else "weights saved under no expert id") for e in wrong[:8])
-    return [f"{key}: {detail}"]
-
-
 def _moe_modules(model: nn.Module):
     for name, module in model.named_modules():
         if isinstance(module, DeepSpeedMoE):
             yield name, module
 
 
-def _gathered_experts(module: "DeepSpeedMoE", local_E: torch.Tensor) -> torch.Tensor:
+def _gathered_experts(module: DeepSpeedMoE, local_E: torch.Tensor) -> torch.Tensor:
     if module.ep_size == 1:
         return local_E
     group = groups._get_expert_parallel_group(module.expert_group_name)
@@ -420,8 +315,3 @@ def check_loaded_experts(model: nn.Module, saved: dict[str, list[float]] | None 
     for key, loaded in gather_expert_fingerprints(model).items():
         problems += fingerprint_problems(key, loaded, None if saved is None else saved.get(key))
     return problems
-
-
-def expert_file_ids(filename: str) -> tuple[int, int] | None:
-    m = _LAYER_EXPERT_FILE.search(filename)
-    return (int(m.group(1)), int(m.group(2))) if m else None

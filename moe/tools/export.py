@@ -28,10 +28,12 @@ from pathlib import Path
 
 import torch
 
+from moe.checkpoint.consolidate import read_layout_free, zero_file
+from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint, verify_files
+from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
-from moe.evaluation import load_consolidated
-from moe.training.checkpoint import RUN_CONFIG, TOKENIZER_COPY
-from moe.training.config import RunConfig
+from moe.training.config import RunConfig, load_config
+from moe.training.load import load_consolidated
 
 FP32_FILE = "model.safetensors"
 
@@ -40,8 +42,6 @@ def consolidated_fp32(path: str | Path) -> tuple[dict[str, torch.Tensor], RunCon
     """Single-device fp32 state dict of a checkpoint saved with any layout, checked for
     integrity. Parameters come from the fp32 master copies in the ZeRO partitions when present
     (exact even for bf16 training), buffers from the model states."""
-    from moe.training.layout import read_layout_free, zero_file
-
     state, cfg, tag_dir = load_consolidated(path)
     if (tag_dir / zero_file(0)).is_file():
         master = read_layout_free(tag_dir)["params"]
@@ -98,15 +98,10 @@ def export_deepspeed(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
     Runs in this process on one gloo rank (the whole model in memory, as zero_to_fp32 needs it
     too) and reads the run's prepared data directory (its manifest and tokenizer)."""
-    from moe.config_schema import from_dict, to_dict
-    from moe.evaluation import resolve_checkpoint
-    from moe.training.checkpoint import read_marker, verify_files
-    from moe.training.config import load_config
-    from moe.training.trainer import DistEnv, train
+    from moe.training.trainer import DistEnv, train  # imports DeepSpeed
 
     tag_dir = resolve_checkpoint(checkpoint)
-    verify_files(tag_dir)
-    marker = read_marker(tag_dir)
+    marker = verify_files(tag_dir)
     d = to_dict(load_config(tag_dir / RUN_CONFIG))
     world = marker["world_size"]
 

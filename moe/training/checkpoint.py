@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,39 +36,25 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.shards import write_atomic  # temp name, fsync, rename
-from moe.config_schema import to_dict
+from moe.checkpoint.files import (
+    EXPERT_DIR,
+    FORMAT_VERSION,
+    LATEST,
+    MARKER,
+    RUN_CONFIG,
+    TOKENIZER_COPY,
+    complete_tags,
+    find_latest,
+    load_file,
+    read_marker,
+    rng_file,
+    tag_for,
+    tags_by_step,
+)
 from moe.errors import CheckpointError
 from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")
-
-RUN_CONFIG = "run_config.yaml"
-MARKER = "checkpoint.json"
-LATEST = "latest"
-TOKENIZER_COPY = "tokenizer.model"
-MAIN_STATES = "mp_rank_00_model_states.pt"
-EXPERT_DIR = "experts"
-"""Subdirectory of a tag directory that holds DeepSpeed's per-expert files."""
-FORMAT_VERSION = 1
-_TAG = re.compile(r"^step_(\d{7,})$")
-_EXPERT_FILE = re.compile(r"^(?:experts/)?layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
-
-# Model settings that change parameter shapes or their meaning; a checkpoint resumes only into a
-# config that agrees on all of them (training settings such as lr or max_steps may change).
-ARCHITECTURE_KEYS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "tie_embeddings",
-    "moe.num_experts", "moe.expert_hidden", "moe.activation", "moe.num_shared_experts",
-    "moe.every_n_layers", "moe.first_dense_layers", "moe.dense_hidden", "moe.router.top_k",
-    "moe.router.score_func", "moe.router.order",
-)
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank_{rank:05d}.pt"
 
 
 def _fsync(path: Path) -> None:
@@ -78,113 +63,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def read_marker(tag_dir: Path) -> dict | None:
-    """The completion marker of a checkpoint directory, or None if the save never finished."""
-    try:
-        marker = json.loads((tag_dir / MARKER).read_text())
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{tag_dir / MARKER}: unreadable completion marker ({e})") from None
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{tag_dir / MARKER}: not a checkpoint marker of format {FORMAT_VERSION}")
-    return marker
-
-
-def _tags_by_step(ckpt_dir: Path) -> list[tuple[int, str]]:
-    if not ckpt_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p.name) for p in ckpt_dir.iterdir()
-             if p.is_dir() and (m := _TAG.match(p.name))]
-    return sorted(found)
-
-
-def complete_tags(ckpt_dir: Path) -> list[str]:
-    """Tags of the complete checkpoints in ``ckpt_dir``, oldest first."""
-    return [tag for _, tag in _tags_by_step(ckpt_dir) if (ckpt_dir / tag / MARKER).is_file()]
-
-
-def find_latest(ckpt_dir: Path) -> str | None:
-    """The newest complete checkpoint's tag. Directories without a completion marker are saves
-    that were interrupted; they are never chosen."""
-    tags = complete_tags(Path(ckpt_dir))
-    return tags[-1] if tags else None
-
-
-# --- Checking a checkpoint before anything is loaded ----------------------------------------
-
-
-def verify_files(tag_dir: Path) -> dict:
-    """Check that ``tag_dir`` is a complete checkpoint whose files are all present with the sizes
-    recorded at save time, and that every expert of every MoE layer has exactly one file.
-    Returns the marker."""
-    tag_dir = Path(tag_dir)
-    if not tag_dir.is_dir():
-        raise CheckpointError(f"{tag_dir}: no such checkpoint directory")
-    marker = read_marker(tag_dir)
-    if marker is None:
-        raise CheckpointError(f"{tag_dir}: incomplete checkpoint (no {MARKER}); its save was "
-                              "interrupted. Resume from an earlier one (--resume auto picks the "
-                              "newest complete checkpoint)")
-    problems = []
-    for name, size in marker["files"].items():
-        path = tag_dir / name
-        if not path.is_file():
-            problems.append(f"{path}: missing (the checkpoint recorded {size} bytes)")
-        elif path.stat().st_size != size:
-            problems.append(f"{path}: truncated or altered: {path.stat().st_size} bytes, the "
-                            f"checkpoint recorded {size}")
-    expected = {(layer, e) for layer in range(marker["num_moe_layers"])
-                for e in range(marker["num_experts"])}
-    present = {(int(m.group(1)), int(m.group(2))): name for name in marker["files"]
-               if (m := _EXPERT_FILE.match(name))}
-    missing = sorted(expected - present.keys())
-    extra = sorted(present.keys() - expected)
-    if missing:
-        problems.append(f"{tag_dir}: no file for (MoE layer, expert) {missing[:8]}")
-    if extra:
-        problems.append(f"{tag_dir}: unexpected expert files {[present[k] for k in extra[:8]]}")
-    if problems:
-        raise CheckpointError("damaged checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
-    return marker
-
-
-def _get(d: dict, dotted: str):
-    for k in dotted.split("."):
-        d = d.get(k) if isinstance(d, dict) else None
-    return d
-
-
-def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
-    """Architecture settings on which a saved model config and ``model_cfg`` disagree."""
-    current = to_dict(model_cfg)
-    return [f"model.{key}: the checkpoint has {_get(saved_model, key)!r}, the config has "
-            f"{_get(current, key)!r}"
-            for key in ARCHITECTURE_KEYS if _get(saved_model, key) != _get(current, key)]
-
-
-def verify_checkpoint(tag_dir: Path, cfg=None, tokenizer_sha256: str | None = None) -> dict:
-    """Everything checkable before loading: complete, no missing or truncated file, every expert
-    present once, the same architecture as ``cfg`` and the same tokenizer. Returns the marker."""
-    import yaml
-
-    marker = verify_files(tag_dir)
-    problems = []
-    if cfg is not None:
-        saved = yaml.safe_load((Path(tag_dir) / RUN_CONFIG).read_text())
-        problems += [f"{p} ({Path(tag_dir) / RUN_CONFIG})"
-                     for p in config_mismatches(saved.get("model", {}), cfg.model)]
-    saved_tok = marker.get("tokenizer") or {}
-    if tokenizer_sha256 is not None and saved_tok.get("sha256") != tokenizer_sha256:
-        problems.append(f"tokenizer: the checkpoint was trained with {saved_tok.get('file')} "
-                        f"(sha256 {str(saved_tok.get('sha256'))[:12]}...), the data uses sha256 "
-                        f"{tokenizer_sha256[:12]}...; token ids would mean different text")
-    if problems:
-        raise CheckpointError(f"checkpoint {tag_dir} does not match this run:\n"
-                              + "\n".join(f"  - {p}" for p in problems))
-    return marker
 
 
 # --- RNG state --------------------------------------------------------------------------------
@@ -207,16 +85,6 @@ def set_rng_state(state: dict) -> None:
                          n["has_gauss"], n["cached_gaussian"]))
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def load_file(path: Path) -> dict:
-    """torch.load restricted to tensors and plain data, with errors that name the file."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing checkpoint file") from None
-    except Exception as e:  # torch raises many types for truncated or foreign files
-        raise CheckpointError(f"{path}: unreadable checkpoint file ({type(e).__name__}: {e})") from e
 
 
 # --- Saving -----------------------------------------------------------------------------------
@@ -318,7 +186,7 @@ class CheckpointHook(Hook):
         """Keep the newest ``keep_last`` complete checkpoints; drop debris of interrupted saves
         older than the newest complete one."""
         keep = self.ctx.keep_last
-        tags = _tags_by_step(self.ckpt_dir)
+        tags = tags_by_step(self.ckpt_dir)
         complete = [(s, t) for s, t in tags if (self.ckpt_dir / t / MARKER).is_file()]
         if not complete:
             return

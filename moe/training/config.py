@@ -11,10 +11,10 @@ from typing import Literal
 import yaml
 
 from data_pipeline.config import DataConfig
-from launch.config import LaunchConfig
 from moe.config_schema import from_dict, minimums, to_dict
 from moe.errors import ConfigError
-from moe.model import ModelConfig
+from moe.model.transformer import ModelConfig
+from moe.training.launch_config import LaunchConfig
 
 
 @dataclass
@@ -39,7 +39,7 @@ class TrainConfig:
     """torch intra-op threads per rank; null: this machine's cores divided by the local ranks."""
     cpu_keep_freed_memory: bool = True
     """On CPU, keep freed memory in the process rather than unmapping it (see
-    moe/cpu_allocator.py): large activations are not page-faulted in again every step."""
+    moe/training/cpu_allocator.py): large activations are not page-faulted in again every step."""
     max_consecutive_skips: int = 5
     """Steps with a non-finite loss or gradient norm are skipped (no update); after this many in
     a row the run stops, keeping the last checkpoint."""
@@ -83,7 +83,7 @@ class LoggingConfig:
     tensorboard: bool = True
     peak_flops_per_device: float | None = None
     """Peak FLOP/s of one rank's device for model FLOPs utilization (train/mfu), e.g. 989e12
-    for an H100's dense bf16; null: MFU is not logged. FLOPs per token: see moe/planning.py."""
+    for an H100's dense bf16; null: MFU is not logged. FLOPs per token: see moe/model/size.py."""
 
     def problems(self) -> list[str]:
         out = minimums(self, log_every=1)

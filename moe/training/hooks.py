@@ -120,14 +120,14 @@ class MoEStatsHook(Hook):
     def __init__(self, moe_layers: list, group=None):
         self.layers = moe_layers
         self.group = group
-        self.bias_in_use = any(l.router.cfg.bias_update_rate > 0 for l in moe_layers)
+        self.bias_in_use = any(layer.router.cfg.bias_update_rate > 0 for layer in moe_layers)
 
     def on_step_end(self, s: StepState) -> None:
         if not self.layers:
             return
         if self.bias_in_use or s.is_log_step:
             E = self.layers[0].num_experts
-            packed = torch.stack([torch.cat([l.step_load_E, l.step_sums]) for l in self.layers])
+            packed = torch.stack([torch.cat([layer.step_load_E, layer.step_sums]) for layer in self.layers])
             if dist.is_initialized():
                 dist.all_reduce(packed, group=self.group)
             for layer, row in zip(self.layers, packed):
@@ -158,7 +158,7 @@ class MoEStatsHook(Hook):
 
 class ThroughputHook(Hook):
     """Model FLOPs per second and utilization (MFU) from the training FLOPs per token of the
-    active parameters and attention (moe/planning.py documents the formula)."""
+    active parameters and attention (moe/model/size.py documents the formula)."""
 
     def __init__(self, train_flops_per_token: float, peak_flops_per_device: float | None,
                  world_size: int):

@@ -4,11 +4,10 @@ DeepSpeed's ZeRO files hold each rank's flat partition of every optimizer group,
 files hold experts by global id; neither can be loaded into an engine whose data-parallel or
 expert-parallel size differs. This module goes through a layout-free form instead:
 
-- :func:`read_layout_free` rebuilds, from the files of any ZeRO stage 1/2 checkpoint, the full
-  fp32 master weight and Adam moments (``exp_avg``, ``exp_avg_sq``) and step of every parameter
-  under its single-device name (experts stacked over all global ids). It uses the per-rank
-  fragment map DeepSpeed stores with each partition (``param_slice_mappings``): a parameter's
-  fragments, taken in partition order, concatenate to the parameter.
+- :func:`~moe.checkpoint.consolidate.read_layout_free` rebuilds, from the files of any ZeRO
+  stage 1/2 checkpoint, the full fp32 master weight and Adam moments (``exp_avg``,
+  ``exp_avg_sq``) and step of every parameter under its single-device name (experts stacked
+  over all global ids);
 - :func:`load_other_layout` writes that state into a freshly built engine: the model weights
   (this rank's experts), this rank's fragment of every fp32 master partition and of the Adam
   moments, the LR schedule and step counters, and the buffers (the router's ``score_bias``).
@@ -16,99 +15,13 @@ expert-parallel size differs. This module goes through a layout-free form instea
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from moe.checkpoint.consolidate import MOMENTS, read_layout_free, single_device_name
+from moe.checkpoint.files import MAIN_STATES, load_file
 from moe.errors import CheckpointError
-from moe.training.checkpoint import MAIN_STATES, load_file, read_marker
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def zero_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def _load_zero_file(path: Path) -> dict:
-    """ZeRO files pickle a few DeepSpeed value types besides tensors; allow exactly those."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-        return load_file(path)
-
-
-def single_device_name(name: str) -> str:
-    return name.replace(".deepspeed_moe.", ".")
-
-
-def read_layout_free(tag_dir: Path) -> dict:
-    """{"params": {name: fp32}, "exp_avg": {...}, "exp_avg_sq": {...}, "step": {name: float}}
-    under single-device names, from a ZeRO stage 1/2 checkpoint saved with any layout."""
-    tag_dir = Path(tag_dir)
-    marker = read_marker(tag_dir)
-    if marker is None:
-        raise CheckpointError(f"{tag_dir}: incomplete checkpoint (no completion marker)")
-    world, ep = marker["world_size"], marker["expert_parallel_size"]
-    shapes = {}
-    for group in load_file(tag_dir / MAIN_STATES)["param_shapes"]:
-        shapes.update(group)
-    # (name, owning expert-parallel rank or None) -> [(partition index, rank file, group, fragment)]
-    fragments: dict[tuple[str, int | None], list] = defaultdict(list)
-    files = {}
-    for rank in range(world):
-        path = tag_dir / zero_file(rank)
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing; converting the layout needs the ZeRO optimizer "
-                                  "files of every rank (ZeRO stage 1 or 2)")
-        sd = _load_zero_file(path)["optimizer_state_dict"]
-        files[rank] = sd
-        for g, mapping in enumerate(sd["param_slice_mappings"]):
-            is_expert = bool(sd["base_optimizer_state"]["param_groups"][g].get("moe"))
-            owner, part = (rank % ep, rank // ep) if is_expert else (None, rank)
-            for name, frag in mapping.items():
-                fragments[(name, owner)].append((part, rank, g, frag))
-
-    out: dict[str, dict] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "step": {}}
-    experts: dict[str, dict[int, dict]] = defaultdict(dict)
-    for (name, owner), frags in fragments.items():
-        frags.sort(key=lambda f: f[0])
-        pieces: dict[str, list] = defaultdict(list)
-        step = None
-        for _, rank, g, frag in frags:
-            sd = files[rank]
-            state = sd["base_optimizer_state"]["state"][g]
-            sources = {"params": sd["single_partition_of_fp32_groups"][g],
-                       "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-            for key, flat in sources.items():
-                pieces[key].append(flat.narrow(0, frag.start, frag.numel))
-            step = float(state["step"])
-        shape = tuple(shapes[name])
-        if owner is not None and sum(f[3].numel for f in frags) * ep == torch.Size(shape).numel():
-            # The stacked experts' global shape (see report_global_expert_shapes): this owner's
-            # fragments hold its E / ep experts.
-            shape = (shape[0] // ep, *shape[1:])
-        full = {k: torch.cat(v).view(shape) for k, v in pieces.items()}
-        if any(t.numel() != torch.Size(shape).numel() for t in full.values()):
-            raise CheckpointError(f"{tag_dir}: fragments of {name} do not add up to {shape}")
-        if owner is None:
-            for key, tensor in full.items():
-                out[key][single_device_name(name)] = tensor
-            out["step"][single_device_name(name)] = step
-        else:
-            experts[name][owner] = {**full, "step": step}
-    for name, by_owner in experts.items():
-        if sorted(by_owner) != list(range(ep)):
-            raise CheckpointError(f"{tag_dir}: {name}: optimizer state of expert-parallel ranks "
-                                  f"{sorted(by_owner)}, expected 0..{ep - 1}")
-        key = single_device_name(name)
-        for k in ("params", *MOMENTS):
-            out[k][key] = torch.cat([by_owner[r][k] for r in range(ep)])
-        out["step"][key] = by_owner[0]["step"]
-    return out
 
 
 @torch.no_grad()

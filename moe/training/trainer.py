@@ -18,21 +18,39 @@ import torch.distributed as dist
 
 from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
+from moe.checkpoint.files import verify_checkpoint
 from moe.errors import CheckpointError, ConfigError, LaunchError
-from moe.model import MoETransformer
-from moe.parallel.deepspeed_adapter import (check_loaded_experts, expert_parallel_rank,
-                                            optimizer_param_groups, report_global_expert_shapes,
-                                            wrap_moe_layers)
-from moe.training.checkpoint import (CheckpointHook, SaveContext, load_rng, resolve_resume,
-                                     verify_checkpoint)
+from moe.model.size import flops_per_token
+from moe.model.transformer import MoETransformer
+from moe.parallel.deepspeed_adapter import (
+    check_loaded_experts,
+    expert_parallel_rank,
+    optimizer_param_groups,
+    report_global_expert_shapes,
+    wrap_moe_layers,
+)
+from moe.training.checkpoint import (
+    CheckpointHook,
+    SaveContext,
+    load_rng,
+    resolve_resume,
+)
 from moe.training.config import RunConfig, dump_config
-from moe.planning import flops_per_token
-from moe.training.hooks import (ConsoleHook, Hook, MoEStatsHook, ResourceHook, StepRecordHook,
-                                 StepState, TensorBoardHook, ThroughputHook, ValidationHook)
+from moe.training.hooks import (
+    ConsoleHook,
+    Hook,
+    MoEStatsHook,
+    ResourceHook,
+    StepRecordHook,
+    StepState,
+    TensorBoardHook,
+    ThroughputHook,
+    ValidationHook,
+)
 from moe.training.layout import load_other_layout
 from moe.training.nan_guard import NonFiniteGuard, poison_nonfinite
 from moe.training.preemption import PREEMPTED_MARKER, SIGNALS, PreemptionHook
-from moe.upcycle import initialize_from_checkpoint
+from moe.training.upcycle import initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from moe.errors import CheckpointError, ConfigError
-from moe.model import ModelConfig, MoETransformer
+from moe.model.transformer import ModelConfig, MoETransformer
+from moe.training.load import load_model
 
 # Fields that must agree for weights to mean the same thing (shapes alone miss e.g. positions).
 _SAME_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "position",
@@ -92,8 +93,6 @@ def upcycle_state_dict(dense_state: dict[str, torch.Tensor], model: MoETransform
 def initialize_from_checkpoint(model: MoETransformer, path: str | Path, noise_std: float = 0.0,
                                seed: int = 0) -> None:
     """Load ``path`` (any layout, dense or MoE) into ``model``, upcycling where needed."""
-    from moe.evaluation import load_model  # evaluation imports the training config
-
     source, source_cfg, tag_dir = load_model(path)
     problems = incompatibilities(source_cfg.model, model.cfg)
     if problems:

@@ -13,13 +13,14 @@ import pytest
 import yaml
 
 from data_pipeline import reader as reader_module
+from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import MANIFEST, read_manifest, write_manifest, write_shard
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
 from moe.config_schema import from_dict
-from moe.errors import ConfigError, DataError
+from moe.errors import ConfigError
 from moe.training.config import RunConfig
 from moe.training.trainer import resolve_vocab
 from tests.conftest import tiny_run_dict

@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
+from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE, in_valid_split, prepare
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import SCHEMA_VERSION, read_manifest, token_type
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
-from moe.errors import DataError
 
 
 def test_round_trip_text_to_stream(tiny_data):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from data_pipeline import reader as reader_module
+from data_pipeline.errors import DataError
 from data_pipeline.reader import PackedReader, TokenStream, validation_windows
-from moe.errors import DataError
 from tests.helpers.reader_reference import ReferenceRows, reference_doc_ids
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe.training.checkpoint import complete_tags
+from moe.checkpoint.files import complete_tags
 from tests.conftest import tiny_run_dict
 
 pytestmark = pytest.mark.integration

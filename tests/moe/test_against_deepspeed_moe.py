@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.moe_layer import MoEConfig, MoELayer
-from moe.router import RouterConfig
+from moe.model.moe_layer import MoEConfig, MoELayer
+from moe.model.router import RouterConfig
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.multiprocess

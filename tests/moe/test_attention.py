@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from moe.attention import AttentionInputs, CausalSelfAttention, KVCache, build_mask
-from moe.model import ModelConfig, MoETransformer
-from moe.moe_layer import MoEConfig
-from moe.positions import AlibiBias, RotaryEmbedding
+from moe.model.attention import AttentionInputs, CausalSelfAttention, KVCache, build_mask
+from moe.model.moe_layer import MoEConfig
+from moe.model.positions import AlibiBias, RotaryEmbedding
+from moe.model.transformer import ModelConfig, MoETransformer
 
 POSITIONS = ["rope", "sinusoidal", "learned", "alibi", "t5"]
 
@@ -23,7 +23,7 @@ def reference_attention(attn: CausalSelfAttention, x_BSD, bias_BHSS=None, allowe
     k = attn.k_proj(x_BSD).view(B, S, Hkv, hd).transpose(1, 2)
     v = attn.v_proj(x_BSD).view(B, S, Hkv, hd).transpose(1, 2)
     if rope is not None:
-        from moe.positions import apply_rotary
+        from moe.model.positions import apply_rotary
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
     k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(hd)

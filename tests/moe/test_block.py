@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from moe.attention import AttentionInputs, CausalSelfAttention
-from moe.block import Block
-from moe.experts import DenseFFN
-from moe.norms import LayerNorm, RMSNorm, build_norm
+from moe.model.attention import AttentionInputs, CausalSelfAttention
+from moe.model.block import Block
+from moe.model.experts import DenseFFN
+from moe.model.norms import LayerNorm, RMSNorm, build_norm
 
 
 def test_rmsnorm_formula():

@@ -9,13 +9,19 @@ import numpy as np
 import pytest
 import torch
 
+from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.reader import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.config_schema import from_dict
-from moe.errors import ConfigError, DataError
-from moe.evaluation import evaluate_loss, evaluate_perplexity, open_eval_data, token_windows
-from moe.model import MoETransformer
+from moe.errors import ConfigError
+from moe.evaluation.evaluate import (
+    evaluate_loss,
+    evaluate_perplexity,
+    open_eval_data,
+    token_windows,
+)
+from moe.model.transformer import MoETransformer
 from moe.training.config import RunConfig
 from tests.conftest import tiny_run_dict
 from tests.helpers.reference import reference_loss

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from moe.expert_stats import ExpertStatsCollector
-from moe.model import ModelConfig, MoETransformer
-from moe.moe_layer import MoEConfig
-from moe.router import RouterConfig
+from moe.evaluation.expert_stats import ExpertStatsCollector
+from moe.model.moe_layer import MoEConfig
+from moe.model.router import RouterConfig
+from moe.model.transformer import ModelConfig, MoETransformer
 from tests.helpers.threads import single_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")

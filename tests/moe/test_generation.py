@@ -8,11 +8,16 @@ import pytest
 import torch
 
 from moe.errors import ConfigError
-from moe.generation import (FullForwardDecoder, GenerationConfig, KVCacheDecoder, filter_logits,
-                            generate,
-                            next_tokens)
-from moe.model import ModelConfig, MoETransformer
-from moe.moe_layer import MoEConfig
+from moe.model.generation import (
+    FullForwardDecoder,
+    GenerationConfig,
+    KVCacheDecoder,
+    filter_logits,
+    generate,
+    next_tokens,
+)
+from moe.model.moe_layer import MoEConfig
+from moe.model.transformer import ModelConfig, MoETransformer
 from tests.helpers.threads import single_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -140,7 +145,7 @@ def test_generation_stops_at_eos(model):
 def test_filters_keep_the_top_k_and_the_nucleus():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     logits = probs.log()
-    kept = lambda f: (f > float("-inf")).nonzero()[:, 1].tolist()  # noqa: E731
+    kept = lambda f: (f > float("-inf")).nonzero()[:, 1].tolist()
     assert kept(filter_logits(logits, 2, None)) == [1, 3]
     assert kept(filter_logits(logits, None, 0.5)) == [1]
     assert kept(filter_logits(logits, None, 0.79)) == [1, 3]

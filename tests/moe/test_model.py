@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from moe.model import ModelConfig, MoETransformer
-from moe.moe_layer import MoEConfig
-from moe.router import RouterConfig
+from moe.model.moe_layer import MoEConfig
+from moe.model.router import RouterConfig
+from moe.model.transformer import ModelConfig, MoETransformer
 
 
 def small_model(**moe_kwargs) -> MoETransformer:
@@ -59,7 +59,7 @@ def test_overfits_a_tiny_batch():
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_router_picks_exactly_k_distinct_experts(k, renormalize):
-    from moe.router import TopKRouter
+    from moe.model.router import TopKRouter
 
     torch.manual_seed(1)
     router = TopKRouter(16, 6, RouterConfig(top_k=k, renormalize=renormalize))

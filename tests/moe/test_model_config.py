@@ -8,8 +8,8 @@ import torch
 import yaml
 
 from moe.errors import ConfigError
-from moe.model import ModelConfig, MoETransformer
-from moe.moe_layer import MoEConfig
+from moe.model.moe_layer import MoEConfig
+from moe.model.transformer import ModelConfig, MoETransformer
 from moe.training.config import load_config
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe.config_schema import from_dict
-from moe.evaluation import evaluate_perplexity, load_model
+from moe.evaluation.evaluate import evaluate_perplexity, load_model
 from moe.training.config import RunConfig
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.moe_layer import MoEConfig, MoELayer
-from moe.router import RouterConfig, capacity
+from moe.model.moe_layer import MoEConfig, MoELayer
+from moe.model.router import RouterConfig, capacity
 
 D, E, H = 16, 8, 12
 
@@ -117,16 +117,16 @@ class _swapped:
         self.layer, self.leaves = layer, leaves
 
     def __enter__(self):
-        l = self.layer
-        self.saved = (l.router.weight, l.experts.w_in, l.experts.w_out)
-        for mod, name, leaf in zip((l.router, l.experts, l.experts), ("weight", "w_in", "w_out"),
+        m = self.layer
+        self.saved = (m.router.weight, m.experts.w_in, m.experts.w_out)
+        for mod, name, leaf in zip((m.router, m.experts, m.experts), ("weight", "w_in", "w_out"),
                                    self.leaves):
             del mod._parameters[name]
             setattr(mod, name, leaf)
 
     def __exit__(self, *exc):
-        l = self.layer
-        for mod, name, p in zip((l.router, l.experts, l.experts), ("weight", "w_in", "w_out"),
+        m = self.layer
+        for mod, name, p in zip((m.router, m.experts, m.experts), ("weight", "w_in", "w_out"),
                                 self.saved):
             delattr(mod, name)
             mod.register_parameter(name, p)

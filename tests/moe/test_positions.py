@@ -5,9 +5,17 @@ import math
 import pytest
 import torch
 
-from moe.positions import (AlibiBias, LearnedPositions, RotaryEmbedding, T5RelativeBias,
-                           alibi_slopes, apply_rotary, positions_from_doc_ids, sinusoidal_table,
-                           t5_bucket)
+from moe.model.positions import (
+    AlibiBias,
+    LearnedPositions,
+    RotaryEmbedding,
+    T5RelativeBias,
+    alibi_slopes,
+    apply_rotary,
+    positions_from_doc_ids,
+    sinusoidal_table,
+    t5_bucket,
+)
 
 
 def test_sinusoidal_table_matches_the_formula():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe.router import RouterConfig, TopKRouter, load_balancing_loss
+from moe.model.router import RouterConfig, TopKRouter, load_balancing_loss
 
 
 def test_switch_aux_loss_by_hand():

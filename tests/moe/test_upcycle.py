@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from moe.errors import CheckpointError
-from moe.model import ModelConfig, MoETransformer
-from moe.moe_layer import MoEConfig
-from moe.router import RouterConfig
-from moe.upcycle import incompatibilities, upcycle_state_dict
+from moe.model.moe_layer import MoEConfig
+from moe.model.router import RouterConfig
+from moe.model.transformer import ModelConfig, MoETransformer
+from moe.training.upcycle import incompatibilities, upcycle_state_dict
 
 HIDDEN = 48
 

@@ -29,8 +29,8 @@ def test_checkpoints_with_expert_files_beside_the_others_still_load(tmp_path):
 def _wrapped_model():
     import torch
 
-    from moe.model import ModelConfig, MoETransformer
-    from moe.moe_layer import MoEConfig
+    from moe.model.moe_layer import MoEConfig
+    from moe.model.transformer import ModelConfig, MoETransformer
     from moe.parallel.deepspeed_adapter import wrap_moe_layers
 
     torch.manual_seed(0)

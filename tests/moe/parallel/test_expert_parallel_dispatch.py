@@ -4,8 +4,8 @@ whole ranks that receive zero tokens, and capacity dropping."""
 import pytest
 import torch
 
-from moe.moe_layer import MoEConfig, MoELayer
-from moe.router import RouterConfig
+from moe.model.moe_layer import MoEConfig, MoELayer
+from moe.model.router import RouterConfig
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.multiprocess

@@ -14,10 +14,16 @@ import sys
 import pytest
 import torch
 
+from moe.checkpoint.files import (
+    MARKER,
+    complete_tags,
+    find_latest,
+    rng_file,
+    verify_checkpoint,
+    verify_files,
+)
 from moe.config_schema import from_dict
 from moe.errors import CheckpointError, TrainingError
-from moe.training.checkpoint import (MARKER, complete_tags, find_latest, rng_file,
-                                     verify_checkpoint, verify_files)
 from moe.training.config import RunConfig
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
@@ -51,7 +57,7 @@ def run_dict(tiny_data, out_dir, name, **train_kw):
 def killed_run(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
     cfg = run_dict(tiny_data, out / "runs", "killed", max_steps=4)
-    with pytest.raises(Exception):  # rank 1 died by SIGKILL
+    with pytest.raises(torch.multiprocessing.ProcessException):  # rank 1 died by SIGKILL
         run_distributed(_killed_in_save_worker, 2, cfg)
     return out / "runs" / "killed", cfg
 
@@ -74,7 +80,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_latest(killed_run):
 
 
 def test_previous_checkpoint_loads_and_evaluates(killed_run):
-    from moe.evaluation import load_model
+    from moe.evaluation.evaluate import load_model
 
     run_dir, _ = killed_run
     model, cfg, tag_dir = load_model(run_dir)  # a run directory: its newest complete checkpoint
@@ -95,7 +101,7 @@ def _snapshot(path):
 
 
 def test_truncated_file_is_named(killed_run, tmp_path):
-    from moe.evaluation import load_model
+    from moe.evaluation.evaluate import load_model
 
     ckpt = _copy_checkpoint(killed_run[0], tmp_path)
     victim = ckpt / "experts" / "layer_0_expert_2_mp_rank_00_model_states.pt"
@@ -121,7 +127,7 @@ def _save_as_expert(src, dst, src_id, dst_id, ckpt):
 
 
 def test_expert_saved_twice_or_under_the_wrong_id_is_refused(killed_run, tmp_path):
-    from moe.evaluation import load_model
+    from moe.evaluation.evaluate import load_model
 
     ckpt = _copy_checkpoint(killed_run[0], tmp_path)
     e0, e1 = (ckpt / "experts" / f"layer_1_expert_{i}_mp_rank_00_model_states.pt" for i in (0, 1))
@@ -145,7 +151,7 @@ def test_expert_saved_twice_or_under_the_wrong_id_is_refused(killed_run, tmp_pat
 def test_experts_identical_when_saved_are_accepted(killed_run, tmp_path):
     """A freshly upcycled model has identical experts; its checkpoint recorded equal
     fingerprints for them, so identical weights are what the load must find."""
-    from moe.evaluation import load_model
+    from moe.evaluation.evaluate import load_model
 
     ckpt = _copy_checkpoint(killed_run[0], tmp_path)
     e0, e1 = (ckpt / "experts" / f"layer_1_expert_{i}_mp_rank_00_model_states.pt" for i in (0, 1))
@@ -215,7 +221,7 @@ def test_verify_checkpoint_accepts_the_matching_config(killed_run, tiny_data):
 
 def _nan_worker(rank, world, cfg_dict, nan_steps, result_path):
     """Rank 1's loss is NaN on the given steps (micro-batch = step here)."""
-    from moe.model import MoETransformer
+    from moe.model.transformer import MoETransformer
 
     original = MoETransformer.forward
     calls = {"n": 0}

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
+from moe.checkpoint.files import MAIN_STATES, load_file
 from moe.config_schema import from_dict
-from moe.training.checkpoint import MAIN_STATES, load_file
 from moe.training.config import RunConfig
 from moe.training.layout import read_layout_free
 from moe.training.trainer import DistEnv, train
@@ -106,7 +106,7 @@ def check_layout_free_state(tag_dir):
     test_zero_to_fp32.py for the layouts it cannot merge)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from moe.evaluation import load_model
+    from moe.evaluation.evaluate import load_model
     from moe.training.layout import single_device_name
 
     state = read_layout_free(tag_dir)

@@ -45,7 +45,7 @@ def zero_to_fp32(ckpt_dir, out_dir) -> subprocess.CompletedProcess:
 
 
 def _assert_equals_our_model(ckpt_dir, out_dir):
-    from moe.evaluation import load_model
+    from moe.evaluation.evaluate import load_model
 
     theirs = torch.load(out_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
     theirs = {single_device_name(k): v for k, v in theirs.items()}
@@ -71,7 +71,7 @@ def test_zero_to_fp32_rebuilds_the_model(tiny_data, tmp_path, world, ep):
 def test_zero_to_fp32_refuses_expert_partitions_it_cannot_order(tiny_data, tmp_path):
     """EP 2 on 4 ranks: the experts' ZeRO partitions are split over expert-data-parallel pairs;
     zero_to_fp32 stops with an error and writes nothing, and our export still works."""
-    from moe.export import consolidated_fp32
+    from moe.tools.export import consolidated_fp32
 
     ckpt_dir = _run(tiny_data, tmp_path / "runs", "w4ep2", 4, 2)
     result = zero_to_fp32(ckpt_dir, tmp_path / "fp32")

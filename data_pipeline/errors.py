@@ -1,0 +1,8 @@
+"""The data pipeline's one exception type. The pipeline stands on its own (it imports nothing from
+the model or training code), so it owns this base; command lines turn it into a clear message and
+a non-zero exit like the model's own errors."""
+
+
+class DataError(Exception):
+    """Input data (a source, a shard, a manifest, a tokenizer) is missing or malformed. The
+    message names the file, source or key."""

@@ -1,0 +1,46 @@
+"""A run's checkpoint as one single-device model, on one process: the consolidated weights of
+any expert-parallel layout, checked against the run config saved with them. Used wherever a
+checkpoint is read outside a training engine: evaluation, export, ``model.init_from``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moe.checkpoint.consolidate import read_consolidated
+from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint
+from moe.errors import CheckpointError
+from moe.model.transformer import MoETransformer
+from moe.training.config import RunConfig, load_config
+
+
+def load_consolidated(path: str | Path) -> tuple[dict, RunConfig, Path]:
+    """The single-device state dict of a checkpoint saved with any layout, its run config and
+    its directory, after checking it: complete, no file missing or truncated, every expert of
+    every layer present exactly once and holding the weights saved under its id, every tensor
+    shaped as the config says."""
+    tag_dir = resolve_checkpoint(path)
+    state, _ = read_consolidated(tag_dir)
+    cfg = load_config(tag_dir / RUN_CONFIG)
+    if cfg.model.vocab_size is None:
+        raise CheckpointError(f"{tag_dir / RUN_CONFIG}: model.vocab_size is not resolved")
+    expected = {k: v.shape for k, v in MoETransformer(cfg.model).state_dict().items()}
+    problems = []
+    for key, shape in expected.items():
+        if key not in state and not (cfg.model.tie_embeddings and key == "lm_head.weight"):
+            problems.append(f"{key}: missing")
+        elif key in state and state[key].shape != shape:
+            problems.append(f"{key}: shape {tuple(state[key].shape)}, the config needs {tuple(shape)}")
+    problems += [f"{key}: not part of the model" for key in state if key not in expected]
+    if problems:
+        raise CheckpointError(f"{tag_dir}: checkpoint does not match its config "
+                              f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems))
+    return state, cfg, tag_dir
+
+
+def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
+    """Build the single-device model from a DeepSpeed checkpoint saved with any layout."""
+    state, cfg, tag_dir = load_consolidated(path)
+    model = MoETransformer(cfg.model)
+    model.load_state_dict(state, strict=not cfg.model.tie_embeddings)
+    model.eval()
+    return model, cfg, tag_dir
