@@ -152,3 +152,11 @@ def test_lower_packages_import_with_everything_above_them_missing(package, block
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.split()[-1]) >= 2  # the package and at least one module
+
+
+def test_every_source_directory_is_a_package_that_setup_installs():
+    """A directory without __init__.py imports from a checkout but is left out of a wheel
+    (setup.py's find_packages skips it)."""
+    dirs = {f.parent for pkg in PACKAGES for f in (ROOT / pkg).rglob("*.py")}
+    missing = sorted(str(d.relative_to(ROOT)) for d in dirs if not (d / "__init__.py").is_file())
+    assert missing == []
