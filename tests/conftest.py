@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import sysconfig
 from pathlib import Path
 
@@ -15,6 +16,17 @@ from data_pipeline.prepare import prepare
 STDLIB_MODULES = ["argparse", "collections/__init__", "json/__init__", "pathlib", "textwrap",
                   "shlex", "string", "heapq", "bisect", "functools", "typing", "dataclasses",
                   "enum", "fractions", "calendar", "difflib"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Every test leaves os.environ as it found it. An entry point run in-process (moe-train
+    exports RANK/WORLD_SIZE for its rendezvous) would otherwise leak its rank variables into
+    launchers that later tests start, and their ranks would each believe they are alone."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def write_corpus(root: Path) -> Path:
