@@ -59,7 +59,18 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
                             f"sbatch {run_dir / JOB_SCRIPT}".replace("\n", " ")]
     lines += [sbatch_directive(*d) for d in directives]
     lines += [f"#SBATCH {d}" for d in s.extra_sbatch]  # the user's own sbatch syntax
-    lines += ["set -euo pipefail", f"cd {q(str(cwd))}"]
+    lines += ["set -euo pipefail",
+              # SLURM may signal this shell alone (--signal=B:..., scancel --batch): hold a
+              # signal until srun runs, then pass it on to srun, which hands it to every rank.
+              # bash runs a trap only between commands, so srun runs in the background and the
+              # script waits for it, again after each trap.
+              "srun_pid=",
+              "held=",
+              'forward() { if [ -n "$srun_pid" ]; then kill -s "$1" "$srun_pid" 2>/dev/null '
+              '|| true; else held=$1; fi; }',
+              "trap 'forward USR1' USR1",
+              "trap 'forward TERM' TERM",
+              f"cd {q(str(cwd))}"]
     env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env}
     if s.socket_ifname:
         env |= {"GLOO_SOCKET_IFNAME": s.socket_ifname, "NCCL_SOCKET_IFNAME": s.socket_ifname}
@@ -80,10 +91,20 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
         f'echo "job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {world} ranks, '
         'master $MASTER_ADDR:$MASTER_PORT"',
         f"rm -f {marker}",
+        # A signal before srun starts: no rank has started, so there is nothing to save.
+        'if [ -n "$held" ]; then',
+        f"""  printf '{{"step": null, "signal": "%s"}}\\n' "$held" > {marker}""",
+        "else",
+        "  " + " ".join(q(a) for a in srun) + " &",
+        "  srun_pid=$!",
+        "fi",
         "status=0",
-        " ".join(q(a) for a in srun) + " || status=$?",
+        'if [ -n "$srun_pid" ]; then',
+        '  while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
+        '  wait "$srun_pid" || status=$?',
+        "fi",
         f"if [ -e {marker} ]; then",
-        '  echo "checkpoint saved after a preemption signal; requeueing job $SLURM_JOB_ID"',
+        f'  echo "preemption signal ($(cat {marker})); requeueing job $SLURM_JOB_ID"',
     ]
     lines += ['  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
     lines += ["fi", 'exit "$status"']

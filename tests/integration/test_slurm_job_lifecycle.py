@@ -1,0 +1,63 @@
+"""The life of a SLURM job against a real single-node cluster (one cluster for the module):
+signals during start-up, refused resubmission, status and cancel, logs, the pre-submit check.
+Tiny one-rank runs of a few steps."""
+
+import time
+
+import pytest
+
+from tests.conftest import tiny_run_dict
+from tests.helpers.slurm_cluster import single_node_cluster
+from tests.integration.launch_checks import moe_launch, write_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with single_node_cluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+def wait_for(predicate, timeout: float, what: str, cluster) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} after {timeout}s\n{cluster.logs()}")
+
+
+def slurm_run(tiny_data, tmp_path, name="tiny", max_steps=6, **slurm) -> tuple:
+    run = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=max_steps)
+    run["name"] = name
+    run["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
+    run["checkpoint"] = {"every_n_steps": 0}
+    run["launch"] = {"scheduler": "slurm", "slurm": {"cpus_per_task": 1, **slurm}}
+    return write_config(tmp_path / f"{name}.yaml", run), tmp_path / "runs" / name
+
+
+def submit(config, cluster, *overrides) -> str:
+    proc = moe_launch([str(config), *overrides], env=cluster.env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.split("submitted SLURM job ")[1].split()[0]
+
+
+def test_usr1_to_the_batch_shell_during_start_up_requeues_cleanly(tiny_data, tmp_path, cluster):
+    """``scancel --signal=USR1 --batch`` (what ``--signal=B:USR1@N`` does) while the rank is
+    still starting: the script passes it on, the rank exits 75 without a checkpoint, the job is
+    requeued and then finishes."""
+    config, run_dir = slurm_run(tiny_data, tmp_path)
+    job_id = submit(config, cluster)
+    rank0 = run_dir / "logs" / "rank0.log"
+    wait_for(rank0.exists, 120, "the rank did not start", cluster)
+    assert "step " not in rank0.read_text()  # still starting: imports, DeepSpeed, data
+    assert cluster.run(["scancel", "--signal=USR1", "--batch", job_id]).returncode == 0
+    state = cluster.wait_job(job_id, 300)
+    job_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", job_log[-3000:]
+    assert cluster.job_field(job_id, "Restarts") == "1"
+    log = rank0.read_text()
+    assert "SIGUSR1 before the first step: nothing to save" in log, log[-3000:]
+    assert "requeueing job" in job_log
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000006"
