@@ -22,9 +22,21 @@ from pathlib import Path
 from data_pipeline.prepare import prepare
 from launch.cli import exits_cleanly
 from launch.evaluate import evaluate_checkpoint
+from launch.jobs import (
+    JOBS_FILE,
+    JobState,
+    last_steps,
+    newest_checkpoint,
+    query,
+    read_jobs,
+    record_state,
+    record_submission,
+    refuse_if_active,
+    slurm_command,
+)
 from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
 from launch.schedulers import build_plan
-from launch.schedulers.slurm import JOB_RECORD
+from launch.schedulers.slurm import job_log
 from moe.errors import LaunchError
 from moe.training.config import dump_config, load_config
 from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
@@ -57,7 +69,7 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
     print("\n".join(lines))
 
 
-def submit(plan: Plan, run_dir: Path) -> str:
+def submit(plan: Plan, run_dir: Path, log: str) -> str:
     proc = subprocess.run(plan.command, env=plan.run_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise LaunchError(f"sbatch refused the job (exit code {proc.returncode}): "
@@ -65,9 +77,7 @@ def submit(plan: Plan, run_dir: Path) -> str:
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise LaunchError(f"sbatch printed {proc.stdout.strip()!r}, not a job id")
-    write_atomic(run_dir / JOB_RECORD, json.dumps(
-        {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-         "script": plan.command[-1]}, indent=2))
+    record_submission(run_dir, job_id, plan.command[-1], log)
     print(f"submitted SLURM job {job_id}\n"
           f"run directory   {run_dir}\n"
           f"status          moe-launch status {run_dir}\n"
@@ -97,6 +107,8 @@ def launch(argv) -> None:
         return
     plan.check_runnable()
     run_dir = Path(plan.run_dir)
+    if plan.submits:
+        refuse_if_active(run_dir)  # before anything in the run directory changes
     write_atomic(run_dir / RESOLVED_CONFIG, dump_config(cfg))
     (run_dir / "logs").mkdir(exist_ok=True)  # SLURM does not create the job log's directory
     plan.write(run_dir)
@@ -105,41 +117,72 @@ def launch(argv) -> None:
     print(f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "
           f"{report.manifest.splits['train'].tokens:,} train tokens)", flush=True)
     if plan.submits:
-        submit(plan, run_dir)
+        submit(plan, run_dir, job_log(cfg, run_dir))
     else:
         run_to_end(plan, run_dir, evaluate=not args.no_eval)
 
 
-def job_id_of(target: str) -> str:
+def resolve_target(target: str) -> tuple[str, Path | None]:
+    """A job id, or a run directory and the newest job it submitted."""
     if target.isdigit():
-        return target
-    record = Path(target) / JOB_RECORD
-    try:
-        return str(json.loads(record.read_text())["job_id"])
-    except (OSError, ValueError, KeyError):
-        raise LaunchError(f"{target}: neither a job id nor a run directory with a readable "
-                          f"{JOB_RECORD} (written when moe-launch submits a SLURM job)") from None
+        return target, None
+    run_dir = Path(target)
+    jobs = read_jobs(run_dir)
+    if not jobs:
+        raise LaunchError(f"{target}: neither a job id nor a run directory with a {JOBS_FILE} "
+                          f"(written when moe-launch submits a SLURM job)")
+    return str(jobs[-1]["job_id"]), run_dir
 
 
-def slurm_command(argv: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        raise LaunchError(f"{argv[0]!r} not found on PATH: SLURM's client commands are needed "
-                          f"to query or cancel a job") from None
+def describe(job: JobState) -> str:
+    if job.state is None:
+        return "unknown to SLURM, to sacct and to the run directory's records"
+    text = job.state + (f" ({job.reason})" if job.reason and job.reason != "None" else "")
+    if job.elapsed:
+        text += f", elapsed {job.elapsed} of {job.limit or 'no limit'}"
+    return text + ("" if job.source == "squeue" else f" [from {job.source}]")
 
 
-def job_state(job_id: str) -> str | None:
-    """SLURM's state of a job (PENDING, RUNNING, COMPLETED, ...), or None once it has left
-    the controller's memory."""
-    out = slurm_command(["squeue", "-h", "-j", job_id, "-o", "%T"]).stdout.strip()
-    if out:
-        return out.splitlines()[0]
-    out = slurm_command(["scontrol", "show", "job", job_id]).stdout
-    for token in out.split():
-        if token.startswith("JobState="):
-            return token.split("=", 1)[1]
-    return None
+def status(target: str) -> None:
+    job_id, run_dir = resolve_target(target)
+    job = query(job_id, run_dir)
+    lines = [f"job {job_id}: {describe(job)}"]
+    if run_dir is not None:
+        record_state(run_dir, job)
+        record = read_jobs(run_dir)[-1]
+        steps = last_steps(run_dir)
+        if steps:
+            speed = (f", {steps['tokens_per_s']:,} tokens/s" if steps["tokens_per_s"] is not None
+                     else "")
+            lines.append(f"last step       {steps['step']}, loss {steps['loss']:.4f}{speed}")
+        lines += [f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",
+                  f"job log         {record['log'].replace('%j', job_id)}",
+                  f"rank logs       {run_dir / 'logs'}/rank*.log",
+                  "jobs of the run " + ", ".join(f"{r['job_id']} ({r.get('state') or 'no final state seen yet'})"
+                                                 for r in read_jobs(run_dir))]
+    print("\n".join(lines))
+
+
+def cancel(target: str) -> None:
+    job_id, run_dir = resolve_target(target)
+    before = query(job_id, run_dir)
+    if not before.active:
+        raise LaunchError(f"nothing cancelled: job {job_id} is {describe(before)}")
+    proc = slurm_command(["scancel", job_id])
+    if proc is None or proc.returncode != 0:
+        raise LaunchError(f"scancel {job_id} failed: "
+                          f"{'scancel not found on PATH' if proc is None else proc.stderr.strip()}")
+    deadline = time.time() + 30
+    after = query(job_id, run_dir)
+    while after.active and time.time() < deadline:
+        time.sleep(0.5)
+        after = query(job_id, run_dir)
+    if run_dir is not None:
+        record_state(run_dir, after)
+    if after.state != "CANCELLED":
+        raise LaunchError(f"asked SLURM to cancel job {job_id} (was {before.state}); it is now "
+                          f"{describe(after)}")
+    print(f"cancelled SLURM job {job_id} (was {before.state})")
 
 
 def job_command(argv) -> None:
@@ -147,15 +190,10 @@ def job_command(argv) -> None:
     p.add_argument("action", choices=JOB_COMMANDS)
     p.add_argument("target", help="a run directory that moe-launch submitted, or a job id")
     args = p.parse_args(argv)
-    job_id = job_id_of(args.target)
     if args.action == "cancel":
-        proc = slurm_command(["scancel", job_id])
-        if proc.returncode != 0:
-            raise LaunchError(f"scancel {job_id} failed: {proc.stderr.strip()}")
-        print(f"cancelled SLURM job {job_id}")
-        return
-    state = job_state(job_id)
-    print(f"job {job_id}: {state or 'unknown to SLURM (finished long ago or never existed)'}")
+        cancel(args.target)
+    else:
+        status(args.target)
 
 
 @exits_cleanly

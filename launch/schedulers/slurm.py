@@ -18,13 +18,18 @@ import re
 import shlex
 from pathlib import Path
 
+from launch.jobs import ENDS_FILE
 from launch.plan import RESOLVED_CONFIG, Plan, entry_point
 from moe.errors import ConfigError
 from moe.training.config import RunConfig
 from moe.training.preemption import PREEMPTED_MARKER
 
 JOB_SCRIPT = "job.sbatch"
-JOB_RECORD = "slurm_job.json"
+
+
+def job_log(cfg: RunConfig, run_dir: Path) -> str:
+    """The job log path as given to sbatch (SLURM fills in %j and friends)."""
+    return cfg.launch.slurm.output or str(run_dir / "logs" / "slurm-%j.out")
 
 
 def sbatch_directive(option: str, value: object = None) -> str:
@@ -44,7 +49,7 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
     world = cfg.parallel.world_size
     per_node = world // s.nodes
     q = shlex.quote
-    output = s.output or str(run_dir / "logs" / "slurm-%j.out")
+    output = job_log(cfg, run_dir)
     directives = [("--job-name", s.job_name or cfg.name), ("--nodes", s.nodes),
                   ("--ntasks-per-node", per_node), ("--cpus-per-task", s.cpus_per_task)]
     if s.gpus_per_node:
@@ -106,8 +111,11 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
         f"if [ -e {marker} ]; then",
         f'  echo "preemption signal ($(cat {marker})); requeueing job $SLURM_JOB_ID"',
     ]
-    lines += ['  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
-    lines += ["fi", 'exit "$status"']
+    ends = q(str(run_dir / ENDS_FILE))  # for moe-launch status once SLURM forgot the job
+    lines += [f'  printf "%s %s requeued\\n" "$SLURM_JOB_ID" "$status" >> {ends}',
+              '  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
+    lines += ["fi", f'printf "%s %s ended\\n" "$SLURM_JOB_ID" "$status" >> {ends}',
+              'exit "$status"']
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,7 @@
 signals during start-up, refused resubmission, status and cancel, logs, the pre-submit check.
 Tiny one-rank runs of a few steps."""
 
+import json
 import time
 
 import pytest
@@ -61,3 +62,45 @@ def test_usr1_to_the_batch_shell_during_start_up_requeues_cleanly(tiny_data, tmp
     assert "SIGUSR1 before the first step: nothing to save" in log, log[-3000:]
     assert "requeueing job" in job_log
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+
+
+def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, cluster):
+    config, run_dir = slurm_run(tiny_data, tmp_path, max_steps=100000, time="10:00")
+    job_id = submit(config, cluster)
+    resolved = (run_dir / "config.yaml").read_text()
+
+    # Resubmitting into the run directory of a queued or running job: refused, nothing touched.
+    again = moe_launch([str(config), "train.lr=0.5"], env=cluster.env)
+    assert again.returncode != 0
+    assert f"belongs to SLURM job {job_id}" in again.stderr, again.stderr
+    assert f"moe-launch cancel {run_dir}" in again.stderr and "name=" in again.stderr
+    assert (run_dir / "config.yaml").read_text() == resolved
+    assert [j["job_id"] for j in json.loads((run_dir / "slurm_jobs.json").read_text())] == [job_id]
+
+    # status: state, elapsed and limit, the last logged step, checkpoint, log paths.
+    steps = run_dir / "logs" / "steps_rank0.jsonl"
+    wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 3, 180,
+             "no steps logged", cluster)
+    out = moe_launch(["status", str(run_dir)], env=cluster.env)
+    assert out.returncode == 0, out.stderr
+    assert f"job {job_id}: RUNNING" in out.stdout and "of 10:00" in out.stdout, out.stdout
+    assert "last step       " in out.stdout and "loss " in out.stdout
+    assert "checkpoint      none yet" in out.stdout
+    assert f"job log         {run_dir / 'logs' / f'slurm-{job_id}.out'}" in out.stdout
+
+    # cancel: says what happened; a second cancel, or an unknown job, cancels nothing: exit != 0.
+    first = moe_launch(["cancel", str(run_dir)], env=cluster.env)
+    assert first.returncode == 0, first.stderr
+    assert f"cancelled SLURM job {job_id} (was RUNNING)" in first.stdout
+    second = moe_launch(["cancel", job_id], env=cluster.env)
+    assert second.returncode != 0 and f"nothing cancelled: job {job_id} is CANCELLED" \
+        in second.stderr, second.stderr
+    unknown = moe_launch(["cancel", "999999"], env=cluster.env)
+    assert unknown.returncode != 0 and "nothing cancelled: job 999999 is unknown" \
+        in unknown.stderr, unknown.stderr
+    assert json.loads((run_dir / "slurm_jobs.json").read_text())[0]["state"] == "CANCELLED"
+    # The job is over: the same run may be submitted again.
+    resubmitted = submit(config, cluster, "train.max_steps=2")
+    assert cluster.wait_job(resubmitted, 300) == "COMPLETED"
+    jobs = json.loads((run_dir / "slurm_jobs.json").read_text())
+    assert [j["job_id"] for j in jobs] == [job_id, resubmitted]

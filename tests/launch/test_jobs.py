@@ -1,0 +1,67 @@
+"""Job records of a run directory, without a cluster: the state once SLURM and sacct know
+nothing, the last step after a requeue repeated steps, and cancel of a job nobody knows."""
+
+import json
+import stat
+
+import pytest
+
+from launch.jobs import last_steps
+from launch.launch import main
+
+
+@pytest.fixture
+def no_slurm_memory(tmp_path, monkeypatch):
+    """squeue that has forgotten every job and sacct without an accounting database."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, message in [("squeue", "slurm_load_jobs error: Invalid job id specified"),
+                          ("sacct", "Slurm accounting storage is disabled"),
+                          ("scancel", "should not be called")]:
+        path = bin_dir / name
+        path.write_text(f"#!/bin/sh\necho '{message}' >&2\nexit 1\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_status_falls_back_to_the_run_directory_records(tmp_path, no_slurm_memory, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "41", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out", "state": None},
+        {"job_id": "42", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
+         "state": None}]))
+    (run_dir / "slurm_job_ends.txt").write_text("42 0 requeued\n42 0 ended\n")
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text("step_0000008\n")
+    main(["status", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "job 42: COMPLETED [from records]" in out
+    assert f"checkpoint      {run_dir / 'checkpoints' / 'step_0000008'}" in out
+    assert "job log         /x/slurm-42.out" in out
+    with pytest.raises(SystemExit) as e:
+        main(["cancel", str(run_dir)])
+    assert e.value.code != 0
+    assert "nothing cancelled: job 42 is COMPLETED [from records]" in capsys.readouterr().err
+
+
+def test_unknown_job_is_said_to_be_unknown(no_slurm_memory, capsys):
+    main(["status", "999"])
+    assert "job 999: unknown to SLURM" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["cancel", "999"])
+    assert e.value.code != 0 and "nothing cancelled" in capsys.readouterr().err
+
+
+def test_last_step_counts_a_rerun_step_once_with_its_latest_line(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # Steps 3 and 4 ran, the job was preempted after a checkpoint at step 2 and re-ran them.
+    for rank, shift in [(0, 0.0), (1, 1.0)]:
+        lines = [{"step": s, "loss": 10.0 + s + shift} for s in (1, 2, 3, 4)]
+        lines += [{"step": s, "loss": 20.0 + s + shift} for s in (3, 4)]
+        (logs / f"steps_rank{rank}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "lo')  # cut mid-write
+    (logs / "rank0.log").write_text(
+        "12:00:00 [rank 0] step     4/9 | loss 9.0 (lm 9 aux 0) | lr 1e-3 | 1,234 tok/s | x\n")
+    assert last_steps(tmp_path) == {"step": 4, "loss": 24.5, "tokens_per_s": 1234}
