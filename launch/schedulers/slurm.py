@@ -112,9 +112,9 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
         f'  echo "preemption signal ($(cat {marker})); requeueing job $SLURM_JOB_ID"',
     ]
     ends = q(str(run_dir / ENDS_FILE))  # for moe-launch status once SLURM forgot the job
-    lines += [f'  printf "%s %s requeued\\n" "$SLURM_JOB_ID" "$status" >> {ends}',
+    lines += [f'  printf "%s %s requeued\\n" "$SLURM_JOB_ID" "$status" >> {ends} || true',
               '  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
-    lines += ["fi", f'printf "%s %s ended\\n" "$SLURM_JOB_ID" "$status" >> {ends}',
+    lines += ["fi", f'printf "%s %s ended\\n" "$SLURM_JOB_ID" "$status" >> {ends} || true',
               'exit "$status"']
     return "\n".join(lines) + "\n"
 
