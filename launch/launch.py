@@ -3,6 +3,7 @@
     moe-launch CONFIG [key=value ...] [--scheduler local|hostfile|slurm|mpi] [--dry-run]
     moe-launch status RUN_DIR|JOB_ID     (SLURM)
     moe-launch cancel RUN_DIR|JOB_ID     (SLURM)
+    moe-launch logs RUN_DIR [-f] [--rank N]   (SLURM)
 
 Builds a plan (commands, environment, job script) from the run config, validates it, then
 prints it (--dry-run) or prepares the data, writes the run directory (resolved config, plan,
@@ -41,7 +42,7 @@ from moe.errors import LaunchError
 from moe.training.config import dump_config, load_config
 from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
-JOB_COMMANDS = ("status", "cancel")
+JOB_COMMANDS = ("status", "cancel", "logs")
 
 
 def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
@@ -185,13 +186,52 @@ def cancel(target: str) -> None:
     print(f"cancelled SLURM job {job_id} (was {before.state})")
 
 
+def logs(target: str, follow: bool, rank: int | None) -> None:
+    """Print the job log (or rank ``rank``'s log); ``follow``: keep printing what is appended
+    until the job is over (or Ctrl-C)."""
+    job_id, run_dir = resolve_target(target)
+    if run_dir is None:
+        raise LaunchError("moe-launch logs takes the run directory, not a job id")
+    path = (run_dir / "logs" / f"rank{rank}.log" if rank is not None
+            else Path(read_jobs(run_dir)[-1]["log"].replace("%j", job_id)))
+    if not path.exists() and not (follow and query(job_id, run_dir).active):
+        raise LaunchError(f"{path} does not exist (yet): the job has not started writing it")
+    print(f"==> {path} <==", flush=True)
+    offset = 0
+    while True:
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        if not follow:
+            return
+        if not query(job_id, run_dir).active:  # one last read after the job ended
+            follow = False
+            continue
+        time.sleep(1)
+
+
 def job_command(argv) -> None:
-    p = argparse.ArgumentParser(prog="moe-launch", description="query or cancel a SLURM job")
+    p = argparse.ArgumentParser(prog="moe-launch",
+                                description="state, cancel or logs of a submitted SLURM job")
     p.add_argument("action", choices=JOB_COMMANDS)
     p.add_argument("target", help="a run directory that moe-launch submitted, or a job id")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="logs: keep printing new lines until the job ends")
+    p.add_argument("--rank", type=int, help="logs: this rank's log instead of the job log")
     args = p.parse_args(argv)
+    if args.action != "logs" and (args.follow or args.rank is not None):
+        p.error("-f and --rank go with logs")
     if args.action == "cancel":
         cancel(args.target)
+    elif args.action == "logs":
+        try:
+            logs(args.target, args.follow, args.rank)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C ends following, as with tail -f
     else:
         status(args.target)
 

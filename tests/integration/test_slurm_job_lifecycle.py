@@ -62,6 +62,10 @@ def test_usr1_to_the_batch_shell_during_start_up_requeues_cleanly(tiny_data, tmp
     assert "SIGUSR1 before the first step: nothing to save" in log, log[-3000:]
     assert "requeueing job" in job_log
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+    job_out = moe_launch(["logs", str(run_dir)], env=cluster.env)
+    assert job_out.returncode == 0 and "requeueing job" in job_out.stdout, job_out.stderr
+    rank_out = moe_launch(["logs", str(run_dir), "--rank", "0"], env=cluster.env)
+    assert "SIGUSR1 before the first step" in rank_out.stdout, rank_out.stderr
 
 
 def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, cluster):
@@ -101,6 +105,11 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
     assert json.loads((run_dir / "slurm_jobs.json").read_text())[0]["state"] == "CANCELLED"
     # The job is over: the same run may be submitted again.
     resubmitted = submit(config, cluster, "train.max_steps=2")
-    assert cluster.wait_job(resubmitted, 300) == "COMPLETED"
+    # logs -f follows the job log while the job runs and returns once it is over
+    followed = moe_launch(["logs", str(run_dir), "-f"], env=cluster.env, timeout=300)
+    assert followed.returncode == 0, followed.stderr
+    assert f"job {resubmitted} (restart 0)" in followed.stdout
+    assert "step     2/2" in followed.stdout, followed.stdout[-3000:]
+    assert cluster.wait_job(resubmitted, 60) == "COMPLETED"
     jobs = json.loads((run_dir / "slurm_jobs.json").read_text())
     assert [j["job_id"] for j in jobs] == [job_id, resubmitted]

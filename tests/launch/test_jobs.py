@@ -65,3 +65,19 @@ def test_last_step_counts_a_rerun_step_once_with_its_latest_line(tmp_path):
     (logs / "rank0.log").write_text(
         "12:00:00 [rank 0] step     4/9 | loss 9.0 (lm 9 aux 0) | lr 1e-3 | 1,234 tok/s | x\n")
     assert last_steps(tmp_path) == {"step": 4, "loss": 24.5, "tokens_per_s": 1234}
+
+
+def test_logs_show_the_job_log_and_a_rank_log(tmp_path, no_slurm_memory, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "42", "log": str(run_dir / "logs" / "slurm-%j.out"), "state": "COMPLETED"}]))
+    (run_dir / "logs" / "slurm-42.out").write_text("job 42 (restart 0): 2 ranks\n")
+    (run_dir / "logs" / "rank1.log").write_text("step 3/3\n")
+    main(["logs", str(run_dir), "-f"])  # the job is over: prints all and returns
+    assert capsys.readouterr().out.endswith("job 42 (restart 0): 2 ranks\n")
+    main(["logs", str(run_dir), "--rank", "1"])
+    assert "step 3/3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["logs", str(run_dir), "--rank", "5"])
+    assert "rank5.log does not exist" in capsys.readouterr().err
