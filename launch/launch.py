@@ -37,7 +37,7 @@ from launch.jobs import (
 )
 from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
 from launch.schedulers import build_plan
-from launch.schedulers.slurm import job_log
+from launch.schedulers.slurm import JOB_SCRIPT, job_log
 from moe.errors import LaunchError
 from moe.training.config import dump_config, load_config
 from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
@@ -68,6 +68,17 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
                   f"perplexity      {r['perplexity']:.2f}",
                   f"evaluation      {r['output']}"]
     print("\n".join(lines))
+
+
+def check_with_sbatch(plan: Plan) -> None:
+    """``sbatch --test-only``: would SLURM take this job (partition, node count, CPUs, GPUs,
+    time limit)? It schedules nothing; its reason is quoted when it would not."""
+    proc = subprocess.run([plan.command[0], "--test-only"], input=plan.files[JOB_SCRIPT],
+                          env=plan.run_env(), capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip() or proc.stdout.strip()).replace("sbatch: error: ", "")
+        raise LaunchError(f"SLURM would refuse this job (sbatch --test-only): {reason}; "
+                          f"nothing was prepared or submitted (--dry-run prints the job script)")
 
 
 def submit(plan: Plan, run_dir: Path, log: str) -> str:
@@ -114,6 +125,8 @@ def launch(argv) -> None:
     (run_dir / "logs").mkdir(exist_ok=True)  # SLURM does not create the job log's directory
     plan.write(run_dir)
 
+    if plan.submits:
+        check_with_sbatch(plan)  # SLURM's own verdict before any data work
     report = prepare(cfg.data)
     print(f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "
           f"{report.manifest.splits['train'].tokens:,} train tokens)", flush=True)

@@ -61,7 +61,7 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
         directives.append(("--signal", f"USR1@{s.signal_seconds}"))
     directives.append(("--requeue" if s.requeue else "--no-requeue", None))
     lines = ["#!/bin/bash", f"# Written by moe-launch for run {cfg.name!r}; resubmit with: "
-                            f"sbatch {run_dir / JOB_SCRIPT}".replace("\n", " ")]
+                            f"sbatch {q(str(run_dir / JOB_SCRIPT))}".replace("\n", " ")]
     lines += [sbatch_directive(*d) for d in directives]
     lines += [f"#SBATCH {d}" for d in s.extra_sbatch]  # the user's own sbatch syntax
     lines += ["set -euo pipefail",

@@ -113,3 +113,18 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
     assert cluster.wait_job(resubmitted, 60) == "COMPLETED"
     jobs = json.loads((run_dir / "slurm_jobs.json").read_text())
     assert [j["job_id"] for j in jobs] == [job_id, resubmitted]
+
+
+@pytest.mark.parametrize("override, reason", [
+    ("launch.slurm.partition=nosuchpartition", "Invalid partition name specified"),
+    ("launch.slurm.cpus_per_task=64", "Requested node configuration is not available"),
+])
+def test_sbatch_test_only_refuses_before_any_data_work(tiny_data, tmp_path, cluster, override,
+                                                       reason):
+    config, run_dir = slurm_run(tiny_data, tmp_path)
+    proc = moe_launch([str(config), override], env=cluster.env)
+    assert proc.returncode != 0
+    assert "SLURM would refuse this job (sbatch --test-only)" in proc.stderr, proc.stderr
+    assert reason in proc.stderr and "nothing was prepared or submitted" in proc.stderr
+    assert "data:" not in proc.stdout and not (run_dir / "slurm_jobs.json").exists()
+    assert cluster.run(["squeue", "-h"]).stdout.strip() == ""

@@ -2,7 +2,12 @@
 nothing, the last step after a requeue repeated steps, and cancel of a job nobody knows."""
 
 import json
+import os
+import shlex
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +86,18 @@ def test_logs_show_the_job_log_and_a_rank_log(tmp_path, no_slurm_memory, capsys)
     with pytest.raises(SystemExit):
         main(["logs", str(run_dir), "--rank", "5"])
     assert "rank5.log does not exist" in capsys.readouterr().err
+
+
+def test_output_cut_short_by_the_reader_ends_without_a_traceback(tmp_path, no_slurm_memory):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "42", "log": str(run_dir / "logs" / "slurm-%j.out"), "state": "COMPLETED"}]))
+    (run_dir / "logs" / "slurm-42.out").write_text("a log line\n" * 200_000)  # > a pipe buffer
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m launch.launch logs {shlex.quote(str(run_dir))} | head -1",
+        shell=True, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.stdout.startswith("==> ")
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

@@ -18,6 +18,7 @@ from launch.schedulers.slurm import JOB_SCRIPT
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.training.config import RunConfig
+from moe.training.launch_config import slurm_time_seconds
 from moe.training.preemption import PREEMPTED_MARKER
 
 HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
@@ -225,3 +226,28 @@ def test_percent_in_the_run_directory_is_refused_for_the_job_log(tmp_path):
     cfg.output_dir = str(tmp_path / "runs%j")
     with pytest.raises(ConfigError, match="output_dir.*'%'"):
         build_plan(cfg)
+
+
+@pytest.mark.parametrize("time_limit, seconds", [
+    ("30", 1800), ("45:30", 2730), ("12:00:00", 43200), ("48:00:00", 172800), ("2-12", 216000),
+    ("2-12:30", 217800), ("2-12:30:15", 217815), ("UNLIMITED", None), ("infinite", None)])
+def test_every_slurm_time_format_is_accepted(time_limit, seconds):
+    assert slurm_time_seconds(time_limit) == seconds
+
+
+@pytest.mark.parametrize("time_limit, why", [
+    ("99:99:99", "minutes 99 out of range 0-59"), ("10:60", "seconds 60 out of range 0-59"),
+    ("1-24:00", "hours 24 out of range 0-23"), ("1:2:3:4", "not a SLURM time"),
+    ("2h", "not a SLURM time"), ("-5", "not a SLURM time")])
+def test_invalid_times_are_refused_with_the_reason(tmp_path, time_limit, why):
+    with pytest.raises(ConfigError, match=f"launch.slurm.time: '{time_limit}' is not a SLURM "
+                                          f"time \\({why}\\)"):
+        build_plan(slurm_config(tmp_path, time=time_limit))
+
+
+def test_resubmit_comment_is_shell_quoted(tmp_path):
+    cfg = slurm_config(tmp_path)
+    cfg.output_dir = str(tmp_path / "my runs; $(touch x)")
+    comment = build_plan(cfg).files[JOB_SCRIPT].splitlines()[1]
+    command = comment.split("resubmit with: ", 1)[1]
+    assert shlex.split(command) == ["sbatch", str(Path(cfg.output_dir) / "tiny" / JOB_SCRIPT)]
