@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 from data_pipeline.errors import DataError
@@ -37,5 +38,10 @@ def exits_cleanly(main):
         except (MoEError, DataError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        except BrokenPipeError:
+            # The reader went away (``moe-launch ... | head``): stop quietly. Python would flush
+            # stdout again at exit and fail the same way, so point it at /dev/null first.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
 
     return wrapper

@@ -3,6 +3,7 @@
     moe-launch CONFIG [key=value ...] [--scheduler local|hostfile|slurm|mpi] [--dry-run]
     moe-launch status RUN_DIR|JOB_ID     (SLURM)
     moe-launch cancel RUN_DIR|JOB_ID     (SLURM)
+    moe-launch logs RUN_DIR [-f] [--rank N]   (SLURM)
 
 Builds a plan (commands, environment, job script) from the run config, validates it, then
 prints it (--dry-run) or prepares the data, writes the run directory (resolved config, plan,
@@ -22,14 +23,26 @@ from pathlib import Path
 from data_pipeline.prepare import prepare
 from launch.cli import exits_cleanly
 from launch.evaluate import evaluate_checkpoint
+from launch.jobs import (
+    JOBS_FILE,
+    JobState,
+    last_steps,
+    newest_checkpoint,
+    query,
+    read_jobs,
+    record_state,
+    record_submission,
+    refuse_if_active,
+    slurm_command,
+)
 from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
 from launch.schedulers import build_plan
-from launch.schedulers.slurm import JOB_RECORD
+from launch.schedulers.slurm import JOB_SCRIPT, job_log
 from moe.errors import LaunchError
 from moe.training.config import dump_config, load_config
 from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
-JOB_COMMANDS = ("status", "cancel")
+JOB_COMMANDS = ("status", "cancel", "logs")
 
 
 def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
@@ -57,7 +70,18 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
     print("\n".join(lines))
 
 
-def submit(plan: Plan, run_dir: Path) -> str:
+def check_with_sbatch(plan: Plan) -> None:
+    """``sbatch --test-only``: would SLURM take this job (partition, node count, CPUs, GPUs,
+    time limit)? It schedules nothing; its reason is quoted when it would not."""
+    proc = subprocess.run([plan.command[0], "--test-only"], input=plan.files[JOB_SCRIPT],
+                          env=plan.run_env(), capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip() or proc.stdout.strip()).replace("sbatch: error: ", "")
+        raise LaunchError(f"SLURM would refuse this job (sbatch --test-only): {reason}; "
+                          f"nothing was prepared or submitted (--dry-run prints the job script)")
+
+
+def submit(plan: Plan, run_dir: Path, log: str) -> str:
     proc = subprocess.run(plan.command, env=plan.run_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise LaunchError(f"sbatch refused the job (exit code {proc.returncode}): "
@@ -65,9 +89,7 @@ def submit(plan: Plan, run_dir: Path) -> str:
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise LaunchError(f"sbatch printed {proc.stdout.strip()!r}, not a job id")
-    write_atomic(run_dir / JOB_RECORD, json.dumps(
-        {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-         "script": plan.command[-1]}, indent=2))
+    record_submission(run_dir, job_id, plan.command[-1], log)
     print(f"submitted SLURM job {job_id}\n"
           f"run directory   {run_dir}\n"
           f"status          moe-launch status {run_dir}\n"
@@ -97,65 +119,134 @@ def launch(argv) -> None:
         return
     plan.check_runnable()
     run_dir = Path(plan.run_dir)
+    if plan.submits:
+        refuse_if_active(run_dir)  # before anything in the run directory changes
     write_atomic(run_dir / RESOLVED_CONFIG, dump_config(cfg))
     (run_dir / "logs").mkdir(exist_ok=True)  # SLURM does not create the job log's directory
     plan.write(run_dir)
 
+    if plan.submits:
+        check_with_sbatch(plan)  # SLURM's own verdict before any data work
     report = prepare(cfg.data)
     print(f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "
           f"{report.manifest.splits['train'].tokens:,} train tokens)", flush=True)
     if plan.submits:
-        submit(plan, run_dir)
+        submit(plan, run_dir, job_log(cfg, run_dir))
     else:
         run_to_end(plan, run_dir, evaluate=not args.no_eval)
 
 
-def job_id_of(target: str) -> str:
+def resolve_target(target: str) -> tuple[str, Path | None]:
+    """A job id, or a run directory and the newest job it submitted."""
     if target.isdigit():
-        return target
-    record = Path(target) / JOB_RECORD
-    try:
-        return str(json.loads(record.read_text())["job_id"])
-    except (OSError, ValueError, KeyError):
-        raise LaunchError(f"{target}: neither a job id nor a run directory with a readable "
-                          f"{JOB_RECORD} (written when moe-launch submits a SLURM job)") from None
+        return target, None
+    run_dir = Path(target)
+    jobs = read_jobs(run_dir)
+    if not jobs:
+        raise LaunchError(f"{target}: neither a job id nor a run directory with a {JOBS_FILE} "
+                          f"(written when moe-launch submits a SLURM job)")
+    return str(jobs[-1]["job_id"]), run_dir
 
 
-def slurm_command(argv: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        raise LaunchError(f"{argv[0]!r} not found on PATH: SLURM's client commands are needed "
-                          f"to query or cancel a job") from None
+def describe(job: JobState) -> str:
+    if job.state is None:
+        return "unknown to SLURM, to sacct and to the run directory's records"
+    text = job.state + (f" ({job.reason})" if job.reason and job.reason != "None" else "")
+    if job.elapsed:
+        text += f", elapsed {job.elapsed} of {job.limit or 'no limit'}"
+    return text + ("" if job.source == "squeue" else f" [from {job.source}]")
 
 
-def job_state(job_id: str) -> str | None:
-    """SLURM's state of a job (PENDING, RUNNING, COMPLETED, ...), or None once it has left
-    the controller's memory."""
-    out = slurm_command(["squeue", "-h", "-j", job_id, "-o", "%T"]).stdout.strip()
-    if out:
-        return out.splitlines()[0]
-    out = slurm_command(["scontrol", "show", "job", job_id]).stdout
-    for token in out.split():
-        if token.startswith("JobState="):
-            return token.split("=", 1)[1]
-    return None
+def status(target: str) -> None:
+    job_id, run_dir = resolve_target(target)
+    job = query(job_id, run_dir)
+    lines = [f"job {job_id}: {describe(job)}"]
+    if run_dir is not None:
+        record_state(run_dir, job)
+        record = read_jobs(run_dir)[-1]
+        steps = last_steps(run_dir)
+        if steps:
+            speed = (f", {steps['tokens_per_s']:,} tokens/s" if steps["tokens_per_s"] is not None
+                     else "")
+            lines.append(f"last step       {steps['step']}, loss {steps['loss']:.4f}{speed}")
+        lines += [f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",
+                  f"job log         {record['log'].replace('%j', job_id)}",
+                  f"rank logs       {run_dir / 'logs'}/rank*.log",
+                  "jobs of the run " + ", ".join(f"{r['job_id']} ({r.get('state') or 'no final state seen yet'})"
+                                                 for r in read_jobs(run_dir))]
+    print("\n".join(lines))
+
+
+def cancel(target: str) -> None:
+    job_id, run_dir = resolve_target(target)
+    before = query(job_id, run_dir)
+    if not before.active:
+        raise LaunchError(f"nothing cancelled: job {job_id} is {describe(before)}")
+    proc = slurm_command(["scancel", job_id])
+    if proc is None or proc.returncode != 0:
+        raise LaunchError(f"scancel {job_id} failed: "
+                          f"{'scancel not found on PATH' if proc is None else proc.stderr.strip()}")
+    deadline = time.time() + 30
+    after = query(job_id, run_dir)
+    while after.active and time.time() < deadline:
+        time.sleep(0.5)
+        after = query(job_id, run_dir)
+    if run_dir is not None:
+        record_state(run_dir, after)
+    if after.state != "CANCELLED":
+        raise LaunchError(f"asked SLURM to cancel job {job_id} (was {before.state}); it is now "
+                          f"{describe(after)}")
+    print(f"cancelled SLURM job {job_id} (was {before.state})")
+
+
+def logs(target: str, follow: bool, rank: int | None) -> None:
+    """Print the job log (or rank ``rank``'s log); ``follow``: keep printing what is appended
+    until the job is over (or Ctrl-C)."""
+    job_id, run_dir = resolve_target(target)
+    if run_dir is None:
+        raise LaunchError("moe-launch logs takes the run directory, not a job id")
+    path = (run_dir / "logs" / f"rank{rank}.log" if rank is not None
+            else Path(read_jobs(run_dir)[-1]["log"].replace("%j", job_id)))
+    if not path.exists() and not (follow and query(job_id, run_dir).active):
+        raise LaunchError(f"{path} does not exist (yet): the job has not started writing it")
+    print(f"==> {path} <==", flush=True)
+    offset = 0
+    while True:
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        if not follow:
+            return
+        if not query(job_id, run_dir).active:  # one last read after the job ended
+            follow = False
+            continue
+        time.sleep(1)
 
 
 def job_command(argv) -> None:
-    p = argparse.ArgumentParser(prog="moe-launch", description="query or cancel a SLURM job")
+    p = argparse.ArgumentParser(prog="moe-launch",
+                                description="state, cancel or logs of a submitted SLURM job")
     p.add_argument("action", choices=JOB_COMMANDS)
     p.add_argument("target", help="a run directory that moe-launch submitted, or a job id")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="logs: keep printing new lines until the job ends")
+    p.add_argument("--rank", type=int, help="logs: this rank's log instead of the job log")
     args = p.parse_args(argv)
-    job_id = job_id_of(args.target)
+    if args.action != "logs" and (args.follow or args.rank is not None):
+        p.error("-f and --rank go with logs")
     if args.action == "cancel":
-        proc = slurm_command(["scancel", job_id])
-        if proc.returncode != 0:
-            raise LaunchError(f"scancel {job_id} failed: {proc.stderr.strip()}")
-        print(f"cancelled SLURM job {job_id}")
-        return
-    state = job_state(job_id)
-    print(f"job {job_id}: {state or 'unknown to SLURM (finished long ago or never existed)'}")
+        cancel(args.target)
+    elif args.action == "logs":
+        try:
+            logs(args.target, args.follow, args.rank)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C ends following, as with tail -f
+    else:
+        status(args.target)
 
 
 @exits_cleanly

@@ -1,6 +1,16 @@
-"""moe-train: the per-rank training entry point that every launcher starts."""
+"""moe-train: the per-rank training entry point that every launcher starts.
+
+Preemption signals are held from the first instruction (launch.signal_latch): a signal during
+start-up ends the rank with the preempted exit code once every rank can agree on it, instead of
+killing it with the default action.
+"""
 
 from __future__ import annotations
+
+from launch.signal_latch import LATCH
+
+if __name__ == "__main__":  # as the schedulers start it (python -m launch.train): before torch
+    LATCH.install()
 
 import argparse
 import logging
@@ -12,12 +22,13 @@ import torch
 from launch.cli import exits_cleanly, setup_logging
 from moe.training.config import load_config
 from moe.training.cpu_allocator import keep_freed_memory
-from moe.training.preemption import Preempted
+from moe.training.preemption import SIGNALS, Preempted, hold_signals
 from moe.training.trainer import dist_env_from_environment, train
 
 
 @exits_cleanly
 def main(argv=None) -> None:
+    LATCH.install()  # a no-op under python -m; the first instruction for the moe-train script
     p = argparse.ArgumentParser(prog="moe-train", description=__doc__)
     p.add_argument("--config", required=True, help="resolved run config (YAML)")
     p.add_argument("--resume", default="auto",
@@ -27,6 +38,9 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    kept = {SIGNALS[n] for n in cfg.checkpoint.save_on_signals}
+    hold_signals(kept, first=LATCH.first)  # now until the first step (PreemptionHook)
+    LATCH.keep_only(kept)
     env = dist_env_from_environment()
     # One rendezvous for every launcher: DeepSpeed then skips its own MPI discovery.
     os.environ.update(env.torch_env())

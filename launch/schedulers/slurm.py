@@ -18,13 +18,18 @@ import re
 import shlex
 from pathlib import Path
 
+from launch.jobs import ENDS_FILE
 from launch.plan import RESOLVED_CONFIG, Plan, entry_point
 from moe.errors import ConfigError
 from moe.training.config import RunConfig
 from moe.training.preemption import PREEMPTED_MARKER
 
 JOB_SCRIPT = "job.sbatch"
-JOB_RECORD = "slurm_job.json"
+
+
+def job_log(cfg: RunConfig, run_dir: Path) -> str:
+    """The job log path as given to sbatch (SLURM fills in %j and friends)."""
+    return cfg.launch.slurm.output or str(run_dir / "logs" / "slurm-%j.out")
 
 
 def sbatch_directive(option: str, value: object = None) -> str:
@@ -44,7 +49,7 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
     world = cfg.parallel.world_size
     per_node = world // s.nodes
     q = shlex.quote
-    output = s.output or str(run_dir / "logs" / "slurm-%j.out")
+    output = job_log(cfg, run_dir)
     directives = [("--job-name", s.job_name or cfg.name), ("--nodes", s.nodes),
                   ("--ntasks-per-node", per_node), ("--cpus-per-task", s.cpus_per_task)]
     if s.gpus_per_node:
@@ -56,10 +61,21 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
         directives.append(("--signal", f"USR1@{s.signal_seconds}"))
     directives.append(("--requeue" if s.requeue else "--no-requeue", None))
     lines = ["#!/bin/bash", f"# Written by moe-launch for run {cfg.name!r}; resubmit with: "
-                            f"sbatch {run_dir / JOB_SCRIPT}".replace("\n", " ")]
+                            f"sbatch {q(str(run_dir / JOB_SCRIPT))}".replace("\n", " ")]
     lines += [sbatch_directive(*d) for d in directives]
     lines += [f"#SBATCH {d}" for d in s.extra_sbatch]  # the user's own sbatch syntax
-    lines += ["set -euo pipefail", f"cd {q(str(cwd))}"]
+    lines += ["set -euo pipefail",
+              # SLURM may signal this shell alone (--signal=B:..., scancel --batch): hold a
+              # signal until srun runs, then pass it on to srun, which hands it to every rank.
+              # bash runs a trap only between commands, so srun runs in the background and the
+              # script waits for it, again after each trap.
+              "srun_pid=",
+              "held=",
+              'forward() { if [ -n "$srun_pid" ]; then kill -s "$1" "$srun_pid" 2>/dev/null '
+              '|| true; else held=$1; fi; }',
+              "trap 'forward USR1' USR1",
+              "trap 'forward TERM' TERM",
+              f"cd {q(str(cwd))}"]
     env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env}
     if s.socket_ifname:
         env |= {"GLOO_SOCKET_IFNAME": s.socket_ifname, "NCCL_SOCKET_IFNAME": s.socket_ifname}
@@ -80,13 +96,26 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
         f'echo "job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {world} ranks, '
         'master $MASTER_ADDR:$MASTER_PORT"',
         f"rm -f {marker}",
+        # A signal before srun starts: no rank has started, so there is nothing to save.
+        'if [ -n "$held" ]; then',
+        f"""  printf '{{"step": null, "signal": "%s"}}\\n' "$held" > {marker}""",
+        "else",
+        "  " + " ".join(q(a) for a in srun) + " &",
+        "  srun_pid=$!",
+        "fi",
         "status=0",
-        " ".join(q(a) for a in srun) + " || status=$?",
+        'if [ -n "$srun_pid" ]; then',
+        '  while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
+        '  wait "$srun_pid" || status=$?',
+        "fi",
         f"if [ -e {marker} ]; then",
-        '  echo "checkpoint saved after a preemption signal; requeueing job $SLURM_JOB_ID"',
+        f'  echo "preemption signal ($(cat {marker})); requeueing job $SLURM_JOB_ID"',
     ]
-    lines += ['  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
-    lines += ["fi", 'exit "$status"']
+    ends = q(str(run_dir / ENDS_FILE))  # for moe-launch status once SLURM forgot the job
+    lines += [f'  printf "%s %s requeued\\n" "$SLURM_JOB_ID" "$status" >> {ends} || true',
+              '  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
+    lines += ["fi", f'printf "%s %s ended\\n" "$SLURM_JOB_ID" "$status" >> {ends} || true',
+              'exit "$status"']
     return "\n".join(lines) + "\n"
 
 

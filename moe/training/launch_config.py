@@ -18,8 +18,40 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Host, partition, account and interface names: what clusters actually use. Anything else is
 # far more likely an injection or a typo than a real name.
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
-# SLURM --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}\Z")
+# SLURM --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit.
+SLURM_TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+))?(?::(\d+))?|(\d+)(?::(\d+))?(?::(\d+))?)\Z")
+UNLIMITED = ("UNLIMITED", "INFINITE")
+
+
+def slurm_time_seconds(value: str) -> int | None:
+    """Seconds of a SLURM time limit; None for no limit. Raises ValueError, naming the field,
+    for anything SLURM does not accept: a field after the first out of range (minutes and
+    seconds 0-59, hours after a day 0-23) or a shape it does not know."""
+    if value.upper() in UNLIMITED:
+        return None
+    m = SLURM_TIME.match(value)
+    if not m:
+        raise ValueError("not a SLURM time")
+    days, d_hours, d_minutes, d_seconds, first, second, third = m.groups()
+    if days is not None:
+        fields = [("hours", d_hours, 24), ("minutes", d_minutes, 60), ("seconds", d_seconds, 60)]
+        total = int(days) * 86400
+        units = (3600, 60, 1)
+    elif third is not None:  # HH:MM:SS
+        fields = [("minutes", second, 60), ("seconds", third, 60)]
+        total, units = int(first) * 3600, (60, 1)
+    elif second is not None:  # MM:SS
+        fields = [("seconds", second, 60)]
+        total, units = int(first) * 60, (1,)
+    else:  # minutes
+        return int(first) * 60
+    for (name, text, bound), unit in zip(fields, units):
+        if text is None:
+            continue
+        if int(text) >= bound:
+            raise ValueError(f"{name} {text} out of range 0-{bound - 1}")
+        total += int(text) * unit
+    return total
 
 
 def line_breaks(value: str) -> bool:
@@ -107,8 +139,19 @@ class SlurmConfig:
         if isinstance(self.time, int):
             out.append(f"time: got the number {self.time}; write the limit as a quoted string, "
                        f"e.g. '24:00:00' (YAML reads an unquoted 24:00:00 as 86400)")
-        elif self.time is not None and not SLURM_TIME.match(self.time):
-            out.append(f"time: {self.time!r} is not a SLURM time (MM, HH:MM:SS or D-HH:MM:SS)")
+        elif self.time is not None:
+            try:
+                limit = slurm_time_seconds(self.time)
+            except ValueError as e:
+                out.append(f"time: {self.time!r} is not a SLURM time ({e}); write minutes, "
+                           f"MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")
+            else:
+                if limit is not None and self.signal_seconds and \
+                        limit <= self.signal_seconds + 60:
+                    out.append(f"time: a limit of {limit} s leaves no time to train before the "
+                               f"preemption signal at signal_seconds ({self.signal_seconds} s) "
+                               f"before it; it must exceed {self.signal_seconds + 60} s "
+                               f"(signal_seconds + 60): raise time or lower signal_seconds")
         out += name_problems("partition", self.partition, "partition name")
         out += name_problems("account", self.account, "account name")
         out += name_problems("socket_ifname", self.socket_ifname, "network interface name")
@@ -120,6 +163,11 @@ class SlurmConfig:
             if line_breaks(item) or not item.startswith("-"):
                 out.append(f"extra_sbatch[{i}]: {item!r} must be one sbatch option on one line, "
                            f"e.g. '--exclusive'")
+            elif item.startswith("--signal") and self.signal_seconds:
+                out.append(f"extra_sbatch[{i}]: {item!r} would conflict with the job's own "
+                           f"--signal=USR1@{self.signal_seconds} (signal_seconds); set "
+                           f"signal_seconds: 0 to use yours (the job script passes B: signals "
+                           f"on to the ranks) or drop it")
         out += port_problems("master_port", self.master_port)
         if self.signal_seconds < 0:
             out.append(f"signal_seconds: must be >= 0, got {self.signal_seconds}")

@@ -8,6 +8,12 @@ at slightly different times, and a checkpoint is collective: if one rank saved w
 stepped on, both would hang). Then every rank saves, rank 0 leaves a marker for the job script,
 and all exit with PREEMPTED_EXIT_CODE; the requeued job resumes from that checkpoint through the
 trainer's ordinary auto-resume. A second SIGTERM is not caught: it ends the process at once.
+
+Before training begins (process-group start-up, checkpoint load, data start-up) the entry point
+holds the signals with ``hold_signals``. When the hook starts, just before the first step, the
+ranks agree on a held signal the same way; with nothing trained yet there is nothing to save:
+rank 0 leaves the marker and every rank exits with PREEMPTED_EXIT_CODE at once, so the job is
+requeued and starts again from where it stood.
 """
 
 from __future__ import annotations
@@ -33,9 +39,36 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is saved."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int | None):
         super().__init__(PREEMPTED_EXIT_CODE)
-        self.step = step
+        self.step = step  # None: before the first step, nothing saved
+
+
+class HeldSignal:
+    """The first preemption signal received before a PreemptionHook takes over."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def take(self) -> int | None:
+        signum, self.signum = self.signum, None
+        return signum
+
+
+HELD = HeldSignal()
+
+
+def hold_signals(signals, first: int | None = None) -> None:
+    """Record ``signals`` until training starts; ``first``: one already received (by a handler
+    installed before this module could be imported)."""
+    for signum in signals:
+        signal.signal(signum, HELD._on_signal)
+    if first is not None and HELD.signum is None:
+        HELD.signum = first
 
 
 SIGNALS = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2, "TERM": signal.SIGTERM}
@@ -51,7 +84,38 @@ class PreemptionHook(Hook):
         # Python only installs handlers from the main thread (tests may train elsewhere).
         if threading.current_thread() is threading.main_thread():
             for signum in signals:
-                self.previous[signum] = signal.signal(signum, self._on_signal)
+                previous = signal.signal(signum, self._on_signal)
+                # Holding was for start-up only: afterwards (and on a second SIGTERM) a signal
+                # takes its default action.
+                self.previous[signum] = signal.SIG_DFL if previous == HELD._on_signal else previous
+        held = HELD.take()  # after the handlers above: no signal falls between the two
+        self.signum = self.signum or held
+        self._stop_if_signalled_before_training()
+
+    def _agreed_signal(self) -> int:
+        """The signal number (0: none); the maximum over ranks names one that some rank got."""
+        flag = torch.tensor([float(self.signum or 0)])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _stop_if_signalled_before_training(self) -> None:
+        signum = self._agreed_signal()
+        if not signum:
+            return
+        if self.rank == 0:
+            name = signal.Signals(signum).name
+            self.marker.write_text(json.dumps({"step": None, "signal": name}))
+            log.info(f"{name} before the first step: nothing to save; exiting with code "
+                     f"{PREEMPTED_EXIT_CODE} so that the job can start again")
+        self._exit(None)
+
+    def _exit(self, step: int | None):
+        # No rank may exit (and have a scheduler kill the others) before the marker exists.
+        if dist.is_initialized():
+            dist.barrier()
+        self.close()
+        raise Preempted(step)
 
     def _on_signal(self, signum, frame) -> None:
         if self.signum is None:
@@ -61,24 +125,17 @@ class PreemptionHook(Hook):
             signal.signal(signum, self.previous.pop(signum))
 
     def on_step_end(self, s: StepState) -> None:
-        # The signal number (0: none); the maximum over ranks names one that some rank got.
-        flag = torch.tensor([float(self.signum or 0)])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum = self._agreed_signal()
         # At the last step the loop saves and ends anyway.
-        if not flag.item() or s.step >= s.max_steps:
+        if not signum or s.step >= s.max_steps:
             return
         self.checkpoint.save(s.step)
         if self.rank == 0:
-            name = signal.Signals(int(flag.item())).name
+            name = signal.Signals(signum).name
             self.marker.write_text(json.dumps({"step": s.step, "signal": name}))
             log.info(f"{name}: saved step {s.step}; exiting with code "
                      f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
-        # No rank may exit (and have a scheduler kill the others) before the marker exists.
-        if dist.is_initialized():
-            dist.barrier()
-        self.close()
-        raise Preempted(s.step)
+        self._exit(s.step)
 
     def close(self) -> None:
         for signum, previous in self.previous.items():

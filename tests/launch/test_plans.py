@@ -150,17 +150,21 @@ def test_status_needs_a_job_id_or_a_submitted_run(tmp_path, capsys):
 
 def test_status_and_cancel_ask_slurm_about_the_recorded_job(tmp_path, capsys, monkeypatch):
     """squeue/scancel replaced by recorders on PATH; the job id comes from the run directory."""
-    (tmp_path / "slurm_job.json").write_text(json.dumps({"job_id": "77"}))
+    (tmp_path / "slurm_jobs.json").write_text(json.dumps([{"job_id": "77", "log": "x-%j.out"}]))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"squeue": "echo RUNNING", "scancel": f"echo \"$@\" > {tmp_path}/cancelled"}.items():
+    squeue = (f"if [ -e {tmp_path}/cancelled ]; then echo 'CANCELLED|None|0:05|10:00'; "
+              f"else echo 'RUNNING|None|0:04|10:00'; fi")
+    for name, body in {"squeue": squeue,
+                       "scancel": f"echo \"$@\" > {tmp_path}/cancelled"}.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(stat.S_IRWXU)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     main(["status", str(tmp_path)])
-    assert "job 77: RUNNING" in capsys.readouterr().out
+    assert "job 77: RUNNING, elapsed 0:04 of 10:00" in capsys.readouterr().out
     main(["cancel", str(tmp_path)])
     assert (tmp_path / "cancelled").read_text().strip() == "77"
+    assert "cancelled SLURM job 77 (was RUNNING)" in capsys.readouterr().out
 
 
 def test_multi_host_hostfile_without_pdsh_is_a_clear_error(tmp_path, capsys, monkeypatch):

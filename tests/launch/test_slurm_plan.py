@@ -4,8 +4,10 @@ argument list and environment is compared with the literal hostile values."""
 
 import os
 import shlex
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from launch.schedulers.slurm import JOB_SCRIPT
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.training.config import RunConfig
+from moe.training.launch_config import slurm_time_seconds
 from moe.training.preemption import PREEMPTED_MARKER
 
 HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
@@ -53,11 +56,11 @@ def test_script_holds_requested_resources_and_entry_point(tmp_path):
                     "--partition": "gpu", "--account": "proj-1",
                     "--output": str(run_dir / "logs" / "slurm-%j.out"), "--open-mode": "append",
                     "--signal": "USR1@300", "--requeue": None, "--exclusive": None, "--mem": "0"}
-    srun = next(shlex.split(line) for line in script.splitlines() if line.startswith("srun "))
+    srun = next(shlex.split(line) for line in script.splitlines()
+                if line.lstrip().startswith("srun "))
     assert srun[1:6] == ["--ntasks=4", "--ntasks-per-node=2", "--cpus-per-task=6",
                          "--kill-on-bad-exit=1", "--label"]
-    assert srun[-6:] == ["-m", "launch.train", "--config", str(run_dir / "config.yaml"), "||",
-                         "status=$?"]
+    assert srun[-5:] == ["-m", "launch.train", "--config", str(run_dir / "config.yaml"), "&"]
     assert "export GLOO_SOCKET_IFNAME=ib0" in script.splitlines()
     assert plan.command == ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)]
     assert (plan.world_size, plan.nodes, plan.submits) == (4, 2, True)
@@ -81,14 +84,16 @@ def recorder(path: Path, log: Path, body: str = "") -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def run_script(tmp_path, cfg: RunConfig, srun_body: str = "") -> tuple[list[list[str]], dict]:
-    """Run the job script under bash as SLURM would, with recording srun and scontrol."""
+def run_script(tmp_path, cfg: RunConfig, srun_body: str = "", signal_shell=None,
+               scontrol_body: str = "") -> tuple[list[list[str]], dict]:
+    """Run the job script under bash as SLURM would, with recording srun and scontrol;
+    ``signal_shell(proc)`` is called while it runs."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "calls.log"
     recorder(bin_dir / "srun", log, srun_body)
     recorder(bin_dir / "scontrol", log,
-             'case "$1 $2" in\n'
+             scontrol_body + 'case "$1 $2" in\n'
              '  "show hostnames") printf "node7\\nnode8\\n";;\n'
              '  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.9.0.7 NodeHostName=$3";;\n'
              "esac\n")
@@ -97,8 +102,12 @@ def run_script(tmp_path, cfg: RunConfig, srun_body: str = "") -> tuple[list[list
     script.write_text(plan.files[JOB_SCRIPT])
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234",
            "SLURM_JOB_NODELIST": "node[7-8]", "HOME": str(tmp_path / "home")}
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)
+    popen = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    if signal_shell is not None:
+        signal_shell(popen)
+    stdout, stderr = popen.communicate(timeout=60)
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     assert proc.returncode == 0, proc.stderr
     calls = []
     for record in log.read_text().split("\n--end\n")[:-1]:
@@ -145,6 +154,53 @@ def test_script_requeues_after_a_preemption_checkpoint(tmp_path):
     assert "requeueing job 1234" in proc.stdout
 
 
+def test_a_signal_to_the_batch_shell_reaches_the_ranks_and_requeues(tmp_path):
+    """``--signal=B:USR1@N`` and ``scancel --signal=USR1 --batch`` signal the batch shell only:
+    it passes the signal on to srun (here a stand-in that saves like the ranks: marker, exit 75
+    on USR1)."""
+    cfg = slurm_config(tmp_path)
+    run_dir = tmp_path / "runs" / "tiny"
+    run_dir.mkdir(parents=True)
+    marker, started = run_dir / PREEMPTED_MARKER, tmp_path / "srun-started"
+    srun_body = (f"trap 'echo {{}} > {shlex.quote(str(marker))}; exit 75' USR1\n"
+                 f"touch {shlex.quote(str(started))}\n"
+                 "for i in $(seq 300); do sleep 0.1; done\nexit 0\n")
+
+    def usr1_once_srun_runs(popen):
+        deadline = time.time() + 30
+        while not started.exists():
+            assert time.time() < deadline and popen.poll() is None
+            time.sleep(0.05)
+        popen.send_signal(signal.SIGUSR1)
+
+    t0 = time.time()
+    calls, proc = run_script(tmp_path, cfg, srun_body, signal_shell=usr1_once_srun_runs)
+    assert time.time() - t0 < 20  # the stand-in srun ended on the signal, not after 30 s
+    assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
+    assert "requeueing job 1234" in proc.stdout
+
+
+def test_a_signal_before_srun_starts_requeues_without_starting_it(tmp_path):
+    cfg = slurm_config(tmp_path)
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    asked = tmp_path / "scontrol-asked"
+
+    def usr1_while_scontrol_runs(popen):  # the script asks scontrol for nodes before srun
+        deadline = time.time() + 30
+        while not asked.exists():
+            assert time.time() < deadline and popen.poll() is None
+            time.sleep(0.05)
+        popen.send_signal(signal.SIGUSR1)
+
+    slow_first_call = (f"if [ ! -e {shlex.quote(str(asked))} ]; then "
+                       f"touch {shlex.quote(str(asked))}; sleep 1; fi\n")
+    calls, proc = run_script(tmp_path, cfg, srun_body="exit 0\n",
+                             signal_shell=usr1_while_scontrol_runs, scontrol_body=slow_first_call)
+    assert not any(c[0][0] == "srun" for c in calls)
+    assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
+    assert '"signal": "USR1"' in proc.stdout and "requeueing job 1234" in proc.stdout
+
+
 @pytest.mark.parametrize("slurm, key", [
     ({"partition": "gpu; touch /tmp/x"}, "launch.slurm.partition"),
     ({"account": "$(id)"}, "launch.slurm.account"),
@@ -154,6 +210,10 @@ def test_script_requeues_after_a_preemption_checkpoint(tmp_path):
     ({"job_name": "a\nb"}, "launch.slurm.job_name"),
     ({"socket_ifname": "eth0 eth1"}, "launch.slurm.socket_ifname"),
     ({"nodes": 3}, "parallel.world_size"),
+    ({"extra_sbatch": ["--signal=B:USR1@60"]}, "launch.slurm.extra_sbatch[0]: '--signal=B:USR1"),
+    ({"time": "4:00", "signal_seconds": 180},
+     "a limit of 240 s leaves no time to train before the preemption signal at signal_seconds "
+     "(180 s) before it; it must exceed 240 s"),
 ])
 def test_values_no_quoting_can_carry_are_refused_with_their_key(tmp_path, slurm, key):
     with pytest.raises(ConfigError) as e:
@@ -166,3 +226,28 @@ def test_percent_in_the_run_directory_is_refused_for_the_job_log(tmp_path):
     cfg.output_dir = str(tmp_path / "runs%j")
     with pytest.raises(ConfigError, match="output_dir.*'%'"):
         build_plan(cfg)
+
+
+@pytest.mark.parametrize("time_limit, seconds", [
+    ("30", 1800), ("45:30", 2730), ("12:00:00", 43200), ("48:00:00", 172800), ("2-12", 216000),
+    ("2-12:30", 217800), ("2-12:30:15", 217815), ("UNLIMITED", None), ("infinite", None)])
+def test_every_slurm_time_format_is_accepted(time_limit, seconds):
+    assert slurm_time_seconds(time_limit) == seconds
+
+
+@pytest.mark.parametrize("time_limit, why", [
+    ("99:99:99", "minutes 99 out of range 0-59"), ("10:60", "seconds 60 out of range 0-59"),
+    ("1-24:00", "hours 24 out of range 0-23"), ("1:2:3:4", "not a SLURM time"),
+    ("2h", "not a SLURM time"), ("-5", "not a SLURM time")])
+def test_invalid_times_are_refused_with_the_reason(tmp_path, time_limit, why):
+    with pytest.raises(ConfigError, match=f"launch.slurm.time: '{time_limit}' is not a SLURM "
+                                          f"time \\({why}\\)"):
+        build_plan(slurm_config(tmp_path, time=time_limit))
+
+
+def test_resubmit_comment_is_shell_quoted(tmp_path):
+    cfg = slurm_config(tmp_path)
+    cfg.output_dir = str(tmp_path / "my runs; $(touch x)")
+    comment = build_plan(cfg).files[JOB_SCRIPT].splitlines()[1]
+    command = comment.split("resubmit with: ", 1)[1]
+    assert shlex.split(command) == ["sbatch", str(Path(cfg.output_dir) / "tiny" / JOB_SCRIPT)]

@@ -2,12 +2,23 @@
 name (after a barrier); it tears the process group down on every rank before the interpreter
 exits, after a finished and after a preempted run, and leaves it alone after an error."""
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
+import yaml
 
 import launch.train as train_entry
 from moe.errors import MoEError
-from moe.training.preemption import PREEMPTED_EXIT_CODE, Preempted
+from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, Preempted
+from tests.conftest import tiny_run_dict
 
 
 @pytest.fixture
@@ -59,3 +70,41 @@ def test_failed_run_leaves_the_group_alone(calls, error):
     with pytest.raises((SystemExit, RuntimeError)):
         run(error)
     assert seen == ["init", "barrier", "train"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("when", ["during imports", "during start-up"])
+def test_a_signal_before_the_first_step_exits_75_without_a_checkpoint(tiny_data, tmp_path, when):
+    """A real one-rank moe-train process: SIGUSR1 while Python imports torch, or once logging
+    started (DeepSpeed, engine, data start-up), ends it with the preempted exit code and the
+    marker, not with the default action (death by signal, a FAILED job)."""
+    run = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=50)
+    run["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(run))
+    run_dir = tmp_path / "runs" / "tiny"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen([sys.executable, "-m", "launch.train", "--config", str(config)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rank0 = run_dir / "logs" / "rank0.log"
+    if when == "during imports":
+        time.sleep(0.3)
+    else:
+        deadline = time.time() + 120
+        while not (rank0.exists() and "device:" in rank0.read_text()):
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
+    assert json.loads((run_dir / PREEMPTED_MARKER).read_text()) == {"step": None,
+                                                                     "signal": "SIGUSR1"}
+    assert "SIGUSR1 before the first step: nothing to save" in rank0.read_text()
+    assert not list((run_dir / "checkpoints").glob("step_*"))

@@ -1,0 +1,168 @@
+"""The SLURM jobs of a run directory: what moe-launch submitted, what SLURM says about them now,
+and what the run itself logged. Used by ``moe-launch status|cancel|logs`` and by a resubmission,
+which is refused while the run's job is still queued or running.
+
+The run directory keeps every job it ran in ``slurm_jobs.json`` (id, submit time, job log, final
+state once seen) and the job script appends one line per run of the job to ``slurm_job_ends.txt``
+(job id, exit status, whether it requeued itself), so the final state is known even after SLURM
+has forgotten the job and ``sacct`` has no accounting database to ask.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.plan import write_atomic
+from moe.errors import LaunchError
+
+JOBS_FILE = "slurm_jobs.json"
+ENDS_FILE = "slurm_job_ends.txt"
+# States in which a job still holds (or waits for) an allocation: the run directory is in use.
+ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
+          "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED",
+          "RESV_DEL_HOLD"}
+
+
+@dataclass
+class JobState:
+    job_id: str
+    state: str | None
+    """SLURM's state (PENDING, RUNNING, COMPLETED, ...); None when nobody knows it."""
+    source: str
+    """Where the state came from: squeue, sacct, or the run directory's records."""
+    reason: str = ""
+    elapsed: str = ""
+    limit: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+
+def slurm_command(argv: list[str]) -> subprocess.CompletedProcess | None:
+    """Run a SLURM client command; None when it is not installed."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        return None
+
+
+def read_jobs(run_dir: Path) -> list[dict]:
+    try:
+        return json.loads((run_dir / JOBS_FILE).read_text())
+    except FileNotFoundError:
+        return []
+    except ValueError as e:
+        raise LaunchError(f"{run_dir / JOBS_FILE} is not valid JSON ({e})") from None
+
+
+def record_submission(run_dir: Path, job_id: str, script: str, log: str) -> None:
+    jobs = read_jobs(run_dir) + [{"job_id": job_id,
+                                  "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                  "script": script, "log": log, "state": None}]
+    write_atomic(run_dir / JOBS_FILE, json.dumps(jobs, indent=2))
+
+
+def record_state(run_dir: Path, job: JobState) -> None:
+    """Keep a job's final state in the records once one is seen."""
+    if job.state is None or job.active or job.source == "records":
+        return
+    jobs = read_jobs(run_dir)
+    for record in jobs:
+        if record["job_id"] == job.job_id and record.get("state") != job.state:
+            record["state"] = job.state
+            write_atomic(run_dir / JOBS_FILE, json.dumps(jobs, indent=2))
+
+
+def state_from_ends(run_dir: Path, job_id: str) -> str | None:
+    """The state the job script itself wrote when it last ended (None: it never did)."""
+    state = None
+    try:
+        lines = (run_dir / ENDS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 3 and fields[0] == job_id:
+            state = ("REQUEUED" if fields[2] == "requeued" else
+                     "COMPLETED" if fields[1] == "0" else f"FAILED (exit code {fields[1]})")
+    return state
+
+
+def query(job_id: str, run_dir: Path | None = None) -> JobState:
+    """The job's state from the controller (squeue), else accounting (sacct), else the records
+    of ``run_dir``."""
+    proc = slurm_command(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%r|%M|%l"])
+    if proc is not None and proc.returncode == 0 and proc.stdout.strip():
+        state, reason, elapsed, limit = proc.stdout.strip().splitlines()[0].split("|")
+        return JobState(job_id, state, "squeue", reason, elapsed, limit)
+    proc = slurm_command(["sacct", "-n", "-X", "-P", "-j", job_id, "-o",
+                          "State,Reason,Elapsed,Timelimit"])
+    if proc is not None and proc.returncode == 0 and proc.stdout.strip():
+        state, reason, elapsed, limit = proc.stdout.strip().splitlines()[0].split("|")
+        return JobState(job_id, state.split()[0], "sacct", reason, elapsed, limit)
+    if run_dir is not None:
+        ended = state_from_ends(run_dir, job_id)
+        recorded = next((r.get("state") for r in read_jobs(run_dir) if r["job_id"] == job_id),
+                        None)
+        return JobState(job_id, recorded or ended, "records")
+    return JobState(job_id, None, "records")
+
+
+def refuse_if_active(run_dir: Path) -> None:
+    """A run directory belongs to one job at a time: resubmitting would overwrite the config
+    and plan under a queued or running job."""
+    jobs = read_jobs(run_dir)
+    if not jobs:
+        return
+    job = query(jobs[-1]["job_id"], run_dir)
+    record_state(run_dir, job)
+    if job.active:
+        raise LaunchError(f"run directory {run_dir} belongs to SLURM job {job.job_id}, which is "
+                          f"{job.state}; cancel it first (moe-launch cancel {run_dir}) or "
+                          f"submit under another name (name=...)")
+
+
+def last_steps(run_dir: Path) -> dict | None:
+    """The newest step the ranks logged: step, loss averaged over ranks, tokens per second.
+
+    ``logs/steps_rank*.jsonl`` gain the steps after a checkpoint again when a job resumes
+    from it; the last line of a step is the valid one."""
+    per_rank = []
+    for path in sorted((run_dir / "logs").glob("steps_rank*.jsonl")):
+        steps = {}
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line a rank was writing when it was killed
+            steps[record["step"]] = record
+        if steps:
+            per_rank.append(steps)
+    if not per_rank:
+        return None
+    step = min(max(steps) for steps in per_rank)  # every rank has logged it
+    losses = [steps[step]["loss"] for steps in per_rank if step in steps]
+    out = {"step": step, "loss": sum(losses) / len(losses), "tokens_per_s": None}
+    # Throughput is in rank 0's console log, not in the step records.
+    rank0 = run_dir / "logs" / "rank0.log"
+    if rank0.exists():
+        for line in reversed(rank0.read_text(errors="replace").splitlines()):
+            m = re.search(r"step +(\d+)/\d+ \|.*\| ([\d,]+) tok/s", line)
+            if m and int(m.group(1)) == step:
+                out["tokens_per_s"] = int(m.group(2).replace(",", ""))
+                break
+    return out
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    try:
+        tag = (run_dir / "checkpoints" / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return str(run_dir / "checkpoints" / tag)

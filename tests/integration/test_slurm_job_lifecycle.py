@@ -1,0 +1,130 @@
+"""The life of a SLURM job against a real single-node cluster (one cluster for the module):
+signals during start-up, refused resubmission, status and cancel, logs, the pre-submit check.
+Tiny one-rank runs of a few steps."""
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import tiny_run_dict
+from tests.helpers.slurm_cluster import single_node_cluster
+from tests.integration.launch_checks import moe_launch, write_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with single_node_cluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+def wait_for(predicate, timeout: float, what: str, cluster) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} after {timeout}s\n{cluster.logs()}")
+
+
+def slurm_run(tiny_data, tmp_path, name="tiny", max_steps=6, **slurm) -> tuple:
+    run = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=max_steps)
+    run["name"] = name
+    run["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
+    run["checkpoint"] = {"every_n_steps": 0}
+    run["launch"] = {"scheduler": "slurm", "slurm": {"cpus_per_task": 1, **slurm}}
+    return write_config(tmp_path / f"{name}.yaml", run), tmp_path / "runs" / name
+
+
+def submit(config, cluster, *overrides) -> str:
+    proc = moe_launch([str(config), *overrides], env=cluster.env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.split("submitted SLURM job ")[1].split()[0]
+
+
+def test_usr1_to_the_batch_shell_during_start_up_requeues_cleanly(tiny_data, tmp_path, cluster):
+    """``scancel --signal=USR1 --batch`` (what ``--signal=B:USR1@N`` does) while the rank is
+    still starting: the script passes it on, the rank exits 75 without a checkpoint, the job is
+    requeued and then finishes."""
+    config, run_dir = slurm_run(tiny_data, tmp_path)
+    job_id = submit(config, cluster)
+    rank0 = run_dir / "logs" / "rank0.log"
+    wait_for(rank0.exists, 120, "the rank did not start", cluster)
+    assert "step " not in rank0.read_text()  # still starting: imports, DeepSpeed, data
+    assert cluster.run(["scancel", "--signal=USR1", "--batch", job_id]).returncode == 0
+    state = cluster.wait_job(job_id, 300)
+    job_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", job_log[-3000:]
+    assert cluster.job_field(job_id, "Restarts") == "1"
+    log = rank0.read_text()
+    assert "SIGUSR1 before the first step: nothing to save" in log, log[-3000:]
+    assert "requeueing job" in job_log
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+    job_out = moe_launch(["logs", str(run_dir)], env=cluster.env)
+    assert job_out.returncode == 0 and "requeueing job" in job_out.stdout, job_out.stderr
+    rank_out = moe_launch(["logs", str(run_dir), "--rank", "0"], env=cluster.env)
+    assert "SIGUSR1 before the first step" in rank_out.stdout, rank_out.stderr
+
+
+def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, cluster):
+    config, run_dir = slurm_run(tiny_data, tmp_path, max_steps=100000, time="10:00")
+    job_id = submit(config, cluster)
+    resolved = (run_dir / "config.yaml").read_text()
+
+    # Resubmitting into the run directory of a queued or running job: refused, nothing touched.
+    again = moe_launch([str(config), "train.lr=0.5"], env=cluster.env)
+    assert again.returncode != 0
+    assert f"belongs to SLURM job {job_id}" in again.stderr, again.stderr
+    assert f"moe-launch cancel {run_dir}" in again.stderr and "name=" in again.stderr
+    assert (run_dir / "config.yaml").read_text() == resolved
+    assert [j["job_id"] for j in json.loads((run_dir / "slurm_jobs.json").read_text())] == [job_id]
+
+    # status: state, elapsed and limit, the last logged step, checkpoint, log paths.
+    steps = run_dir / "logs" / "steps_rank0.jsonl"
+    wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 3, 180,
+             "no steps logged", cluster)
+    out = moe_launch(["status", str(run_dir)], env=cluster.env)
+    assert out.returncode == 0, out.stderr
+    assert f"job {job_id}: RUNNING" in out.stdout and "of 10:00" in out.stdout, out.stdout
+    assert "last step       " in out.stdout and "loss " in out.stdout
+    assert "checkpoint      none yet" in out.stdout
+    assert f"job log         {run_dir / 'logs' / f'slurm-{job_id}.out'}" in out.stdout
+
+    # cancel: says what happened; a second cancel, or an unknown job, cancels nothing: exit != 0.
+    first = moe_launch(["cancel", str(run_dir)], env=cluster.env)
+    assert first.returncode == 0, first.stderr
+    assert f"cancelled SLURM job {job_id} (was RUNNING)" in first.stdout
+    second = moe_launch(["cancel", job_id], env=cluster.env)
+    assert second.returncode != 0 and f"nothing cancelled: job {job_id} is CANCELLED" \
+        in second.stderr, second.stderr
+    unknown = moe_launch(["cancel", "999999"], env=cluster.env)
+    assert unknown.returncode != 0 and "nothing cancelled: job 999999 is unknown" \
+        in unknown.stderr, unknown.stderr
+    assert json.loads((run_dir / "slurm_jobs.json").read_text())[0]["state"] == "CANCELLED"
+    # The job is over: the same run may be submitted again.
+    resubmitted = submit(config, cluster, "train.max_steps=2")
+    # logs -f follows the job log while the job runs and returns once it is over
+    followed = moe_launch(["logs", str(run_dir), "-f"], env=cluster.env, timeout=300)
+    assert followed.returncode == 0, followed.stderr
+    assert f"job {resubmitted} (restart 0)" in followed.stdout
+    assert "step     2/2" in followed.stdout, followed.stdout[-3000:]
+    assert cluster.wait_job(resubmitted, 60) == "COMPLETED"
+    jobs = json.loads((run_dir / "slurm_jobs.json").read_text())
+    assert [j["job_id"] for j in jobs] == [job_id, resubmitted]
+
+
+@pytest.mark.parametrize("override, reason", [
+    ("launch.slurm.partition=nosuchpartition", "Invalid partition name specified"),
+    ("launch.slurm.cpus_per_task=64", "Requested node configuration is not available"),
+])
+def test_sbatch_test_only_refuses_before_any_data_work(tiny_data, tmp_path, cluster, override,
+                                                       reason):
+    config, run_dir = slurm_run(tiny_data, tmp_path)
+    proc = moe_launch([str(config), override], env=cluster.env)
+    assert proc.returncode != 0
+    assert "SLURM would refuse this job (sbatch --test-only)" in proc.stderr, proc.stderr
+    assert reason in proc.stderr and "nothing was prepared or submitted" in proc.stderr
+    assert "data:" not in proc.stdout and not (run_dir / "slurm_jobs.json").exists()
+    assert cluster.run(["squeue", "-h"]).stdout.strip() == ""

@@ -1,0 +1,103 @@
+"""Job records of a run directory, without a cluster: the state once SLURM and sacct know
+nothing, the last step after a requeue repeated steps, and cancel of a job nobody knows."""
+
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.jobs import last_steps
+from launch.launch import main
+
+
+@pytest.fixture
+def no_slurm_memory(tmp_path, monkeypatch):
+    """squeue that has forgotten every job and sacct without an accounting database."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, message in [("squeue", "slurm_load_jobs error: Invalid job id specified"),
+                          ("sacct", "Slurm accounting storage is disabled"),
+                          ("scancel", "should not be called")]:
+        path = bin_dir / name
+        path.write_text(f"#!/bin/sh\necho '{message}' >&2\nexit 1\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_status_falls_back_to_the_run_directory_records(tmp_path, no_slurm_memory, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "41", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out", "state": None},
+        {"job_id": "42", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
+         "state": None}]))
+    (run_dir / "slurm_job_ends.txt").write_text("42 0 requeued\n42 0 ended\n")
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text("step_0000008\n")
+    main(["status", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "job 42: COMPLETED [from records]" in out
+    assert f"checkpoint      {run_dir / 'checkpoints' / 'step_0000008'}" in out
+    assert "job log         /x/slurm-42.out" in out
+    with pytest.raises(SystemExit) as e:
+        main(["cancel", str(run_dir)])
+    assert e.value.code != 0
+    assert "nothing cancelled: job 42 is COMPLETED [from records]" in capsys.readouterr().err
+
+
+def test_unknown_job_is_said_to_be_unknown(no_slurm_memory, capsys):
+    main(["status", "999"])
+    assert "job 999: unknown to SLURM" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["cancel", "999"])
+    assert e.value.code != 0 and "nothing cancelled" in capsys.readouterr().err
+
+
+def test_last_step_counts_a_rerun_step_once_with_its_latest_line(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # Steps 3 and 4 ran, the job was preempted after a checkpoint at step 2 and re-ran them.
+    for rank, shift in [(0, 0.0), (1, 1.0)]:
+        lines = [{"step": s, "loss": 10.0 + s + shift} for s in (1, 2, 3, 4)]
+        lines += [{"step": s, "loss": 20.0 + s + shift} for s in (3, 4)]
+        (logs / f"steps_rank{rank}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "lo')  # cut mid-write
+    (logs / "rank0.log").write_text(
+        "12:00:00 [rank 0] step     4/9 | loss 9.0 (lm 9 aux 0) | lr 1e-3 | 1,234 tok/s | x\n")
+    assert last_steps(tmp_path) == {"step": 4, "loss": 24.5, "tokens_per_s": 1234}
+
+
+def test_logs_show_the_job_log_and_a_rank_log(tmp_path, no_slurm_memory, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "42", "log": str(run_dir / "logs" / "slurm-%j.out"), "state": "COMPLETED"}]))
+    (run_dir / "logs" / "slurm-42.out").write_text("job 42 (restart 0): 2 ranks\n")
+    (run_dir / "logs" / "rank1.log").write_text("step 3/3\n")
+    main(["logs", str(run_dir), "-f"])  # the job is over: prints all and returns
+    assert capsys.readouterr().out.endswith("job 42 (restart 0): 2 ranks\n")
+    main(["logs", str(run_dir), "--rank", "1"])
+    assert "step 3/3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["logs", str(run_dir), "--rank", "5"])
+    assert "rank5.log does not exist" in capsys.readouterr().err
+
+
+def test_output_cut_short_by_the_reader_ends_without_a_traceback(tmp_path, no_slurm_memory):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "42", "log": str(run_dir / "logs" / "slurm-%j.out"), "state": "COMPLETED"}]))
+    (run_dir / "logs" / "slurm-42.out").write_text("a log line\n" * 200_000)  # > a pipe buffer
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m launch.launch logs {shlex.quote(str(run_dir))} | head -1",
+        shell=True, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.stdout.startswith("==> ")
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
