@@ -277,3 +277,37 @@ def test_moe_eval_evaluates_every_variant(checkpoints):
     assert len(results) == len(runs)
     for r in results:
         assert 0 < r["loss"] < 20, r
+
+
+# --- the weight mapping, on a state dict without a checkpoint ---------------------------------
+
+
+def _base_state(arch: str):
+    from moe.tools.export import _hf_state
+
+    model_cfg = from_dict(ModelConfig, {**copy.deepcopy(BASE), "vocab_size": 64})
+    # _hf_state reads the run config's model section only
+    return types.SimpleNamespace(model=model_cfg), MoETransformer(model_cfg).state_dict(), _hf_state
+
+
+@pytest.mark.parametrize("arch", sorted(hf_support.TARGETS))
+def test_the_mapping_names_a_tensor_it_does_not_place_or_cannot_find(arch):
+    from moe.errors import CheckpointError
+
+    cfg, state, hf_state = _base_state(arch)
+    assert len(hf_state(dict(state), cfg, arch)) > 0
+    extra = {**state, "positions.weight": torch.zeros(3)}
+    with pytest.raises(CheckpointError, match=r"does not place: \['positions.weight'\]"):
+        hf_state(extra, cfg, arch)
+    missing = {k: v for k, v in state.items() if k != "blocks.1.ffn_norm.weight"}
+    with pytest.raises(CheckpointError, match=r"no tensor blocks.1.ffn_norm.weight"):
+        hf_state(missing, cfg, arch)
+
+
+def test_a_zero_selection_bias_exports_and_a_learned_one_is_refused():
+    cfg, state, _ = _base_state("mixtral")
+    cfg.model.moe.router.bias_update_rate = 0.01
+    assert hf_support.problems(cfg.model, "mixtral", state) == []
+    state["blocks.0.ffn.router.score_bias"] = torch.tensor([0.0, 0.02, -0.01, 0.0])
+    assert [p.split(":")[0] for p in hf_support.problems(cfg.model, "mixtral", state)] == [
+        "model.moe.router.bias_update_rate"]
