@@ -345,7 +345,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto") -
     tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)
     hf_cfg = transformers.AutoConfig.for_model(**_hf_config(cfg, arch, token_ids))
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.model.tie_embeddings:
         expected.pop("lm_head.weight", None)  # the embedding, tied after loading
