@@ -8,6 +8,7 @@ import argparse
 
 from launch.cli import exits_cleanly
 from moe.tools.export import export_deepspeed, export_fp32, export_hf
+from moe.tools.hf_support import TARGETS
 
 
 @exits_cleanly
@@ -23,9 +24,10 @@ def main(argv=None) -> None:
                         "whole training state as a DeepSpeed checkpoint of one rank (expert "
                         "parallelism 1), readable by DeepSpeed's zero_to_fp32 and resumable; "
                         "needs the run's prepared data")
-    p.add_argument("--arch", choices=["auto", "mixtral", "qwen2_moe"], default="auto",
-                   help="Hugging Face architecture (auto: Mixtral unless the model has shared "
-                        "experts or dense layers)")
+    p.add_argument("--arch", choices=["auto", *TARGETS], default="auto",
+                   help="Hugging Face architecture (auto: the first of "
+                        f"{', '.join(TARGETS)} that holds the model exactly; a model none can "
+                        "hold is refused with every reason, see the README's export section)")
     args = p.parse_args(argv)
     if args.format == "fp32":
         out = export_fp32(args.checkpoint, args.output)

@@ -56,8 +56,12 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
     if rc != 0:
         raise LaunchError(f"training failed with exit code {rc}; per-rank logs in {run_dir / 'logs'}")
     summary = json.loads((run_dir / "train_summary.json").read_text())
+    tb_dir = run_dir / "tensorboard"
+    # Only point at event files that exist (logging.tensorboard: false writes none).
+    tensorboard = (f"tensorboard --logdir {tb_dir}" if tb_dir.is_dir()
+                   else "none written (logging.tensorboard: false)")
     lines = [f"run directory   {run_dir}",
-             f"tensorboard     tensorboard --logdir {run_dir / 'tensorboard'}",
+             f"tensorboard     {tensorboard}",
              f"checkpoint      {summary['checkpoint']}"]
     if summary["history"] and summary["history"][0]["step"] == 1:
         lines.append(f"step-1 loss     {summary['history'][0]['loss']:.4f}")

@@ -3,8 +3,10 @@
 - ``fp32``: the consolidated single-device state dict in safetensors (fp32 master weights when
   the checkpoint has ZeRO partitions), with the run config and the tokenizer;
 - ``hf``: a Hugging Face ``transformers`` model directory (config.json, safetensors weights and a
-  tokenizer ``AutoTokenizer`` loads) for configurations that match an architecture there:
-  Mixtral (no shared experts) or Qwen2-MoE (shared experts, dense layers allowed);
+  tokenizer ``AutoTokenizer`` loads) for configurations an architecture there computes exactly:
+  Mixtral (no shared experts) or Qwen2-MoE (shared experts, dense layers allowed). What each
+  target holds of every config field is stated in ``moe/tools/hf_support.py``; anything else is
+  refused before anything is written, and every tensor of the checkpoint must be placed;
 - ``deepspeed``: the whole training state re-saved as a DeepSpeed checkpoint of one rank with
   expert parallelism 1, the layout DeepSpeed's own tools (``zero_to_fp32``) read whatever layout
   saved the original.
@@ -32,6 +34,7 @@ from moe.checkpoint.consolidate import read_layout_free, zero_file
 from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint, verify_files
 from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
+from moe.tools import hf_support
 from moe.training.config import RunConfig, load_config
 from moe.training.load import load_consolidated
 
@@ -160,34 +163,34 @@ class _one_rank_process_group:
 
 
 def hf_problems(cfg: RunConfig, arch: str, state: dict) -> list[str]:
-    """Why the model cannot be expressed exactly as ``arch`` (empty when it can)."""
-    m, moe, r = cfg.model, cfg.model.moe, cfg.model.moe.router
-    out = []
-    if moe.activation != "swiglu":
-        out.append(f"model.moe.activation: {moe.activation!r}; {arch} experts are SwiGLU")
-    if r.score_func != "softmax":
-        out.append(f"model.moe.router.score_func: {r.score_func!r}; {arch} routes by softmax")
-    # Mixtral: top-k of the softmax, renormalized, which equals a softmax over the top-k logits.
-    mixtral_order = r.order == "topk_then_softmax" or r.renormalize
-    if arch == "mixtral" and not mixtral_order:
-        out.append("model.moe.router: Mixtral renormalizes the top-k weights; use order "
-                   "'topk_then_softmax' or renormalize: true")
-    if r.scaling_factor != 1.0:
-        out.append(f"model.moe.router.scaling_factor: {r.scaling_factor}; {arch} has none")
-    if moe.capacity_factor is not None:
-        out.append("model.moe.capacity_factor: token dropping has no Hugging Face equivalent; "
-                   "only dropless (null) models export exactly")
-    biases = [v for k, v in state.items() if k.endswith("router.score_bias")]
-    if r.bias_update_rate > 0 and any(b.abs().max() > 0 for b in biases):
-        out.append("model.moe.router.bias_update_rate: the selection bias has no equivalent in "
-                   f"{arch}")
-    if arch == "mixtral":
-        if moe.num_shared_experts:
-            out.append("model.moe.num_shared_experts: Mixtral has no shared experts (use qwen2_moe)")
-        if any(not moe.is_moe_layer(i) for i in range(m.n_layers)):
-            out.append("model.moe: Mixtral has no dense layers (first_dense_layers 0, "
-                       "every_n_layers 1; or use qwen2_moe)")
-    return out
+    """Why the model cannot be expressed exactly as ``arch`` (empty when it can), one entry per
+    offending config key, from the statement in ``moe/tools/hf_support.py``."""
+    return hf_support.problems(cfg.model, arch, state)
+
+
+def choose_arch(cfg: RunConfig, arch: str, state: dict, where: Path) -> str:
+    """The target to export to, or a CheckpointError naming every key that stands in the way
+    (for ``auto``: every target's reasons) and the formats that hold any checkpoint."""
+    fallback = ("Formats that hold this checkpoint exactly: --format fp32 (consolidated fp32 "
+                "safetensors with our parameter names, the run config and the tokenizer; "
+                "moe-eval and our model load it) or --format deepspeed.")
+    if arch != "auto":
+        problems = hf_problems(cfg, arch, state)
+        if not problems:
+            return arch
+        others = [a for a in hf_support.TARGETS if a != arch and not hf_problems(cfg, a, state)]
+        hint = f" (--arch {others[0]} can hold it)" if others else ""
+        raise CheckpointError(f"{where}: the model cannot be exported as {arch}{hint}:\n"
+                              + "".join(f"  - {p}\n" for p in problems) + fallback)
+    reasons = {}
+    for candidate in hf_support.TARGETS:
+        reasons[candidate] = hf_problems(cfg, candidate, state)
+        if not reasons[candidate]:
+            return candidate
+    raise CheckpointError(f"{where}: no Hugging Face architecture can hold this model exactly "
+                          f"(--arch auto tried {', '.join(reasons)}):\n"
+                          + "".join(f"  {a}:\n" + "".join(f"    - {p}\n" for p in ps)
+                                    for a, ps in reasons.items()) + fallback)
 
 
 def _hf_config(cfg: RunConfig, arch: str, tokenizer_ids: dict) -> dict:
@@ -209,45 +212,74 @@ def _hf_config(cfg: RunConfig, arch: str, tokenizer_ids: dict) -> dict:
                 moe_intermediate_size=moe.expert_hidden, num_experts=moe.num_experts,
                 shared_expert_intermediate_size=moe.num_shared_experts * moe.expert_hidden,
                 intermediate_size=moe.dense_width, decoder_sparse_step=1,
-                mlp_only_layers=[i for i in range(m.n_layers) if not moe.is_moe_layer(i)],
+                mlp_only_layers=[i for i in range(m.n_layers) if not m.is_moe_layer(i)],
                 norm_topk_prob=r.order == "topk_then_softmax" or r.renormalize, qkv_bias=False,
                 use_sliding_window=False, router_aux_loss_coef=r.aux_loss_coef)
 
 
+class _Tensors:
+    """Hands out the consolidated state dict's tensors, each exactly once; :meth:`finish`
+    names any tensor the mapping never used, so nothing is dropped without a word."""
+
+    def __init__(self, state: dict[str, torch.Tensor], arch: str):
+        self.left, self.arch = dict(state), arch
+
+    def take(self, key: str) -> torch.Tensor:
+        if key not in self.left:
+            raise CheckpointError(f"{self.arch} export: the checkpoint has no tensor {key} (or "
+                                  "the mapping used it twice)")
+        return self.left.pop(key)
+
+    def discard(self, key: str) -> None:
+        """Consume a tensor that cannot change the exported function (the rule that allows it
+        is in hf_support)."""
+        self.take(key)
+
+    def finish(self) -> None:
+        if self.left:
+            raise CheckpointError(f"{self.arch} export: tensors of the checkpoint that the "
+                                  f"mapping does not place: {sorted(self.left)}")
+
+
 def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]:
     m, moe = cfg.model, cfg.model.moe
-    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
-    if "lm_head.weight" in state:
-        out["lm_head.weight"] = state["lm_head.weight"]
+    t = _Tensors(state, arch)
+    out = {"model.embed_tokens.weight": t.take("embed.weight"),
+           "model.norm.weight": t.take("norm.weight")}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = t.take("lm_head.weight")
     for i in range(m.n_layers):
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{dst}self_attn.{proj}.weight"] = state[f"{src}attn.{proj}.weight"]
-        out[f"{dst}input_layernorm.weight"] = state[f"{src}attn_norm.weight"]
-        out[f"{dst}post_attention_layernorm.weight"] = state[f"{src}ffn_norm.weight"]
-        if moe.is_moe_layer(i):
-            out[f"{dst}mlp.gate.weight"] = state[f"{src}ffn.router.weight"]
-            out[f"{dst}mlp.experts.gate_up_proj"] = state[f"{src}ffn.experts.w_in"].transpose(1, 2)
-            out[f"{dst}mlp.experts.down_proj"] = state[f"{src}ffn.experts.w_out"].transpose(1, 2)
-            if arch == "qwen2_moe":
-                # Qwen2-MoE always has a shared expert; without ours it gets width 0 (adds 0).
-                if moe.num_shared_experts:
-                    _dense(out, state, f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.",
-                           scale=2.0)
-                else:
-                    for proj, shape in (("gate_proj", (0, m.d_model)), ("up_proj", (0, m.d_model)),
-                                        ("down_proj", (m.d_model, 0))):
-                        out[f"{dst}mlp.shared_expert.{proj}.weight"] = torch.zeros(shape)
-                out[f"{dst}mlp.shared_expert_gate.weight"] = torch.zeros(1, m.d_model)
-        else:
-            _dense(out, state, f"{src}ffn.", f"{dst}mlp.")
+            out[f"{dst}self_attn.{proj}.weight"] = t.take(f"{src}attn.{proj}.weight")
+        out[f"{dst}input_layernorm.weight"] = t.take(f"{src}attn_norm.weight")
+        out[f"{dst}post_attention_layernorm.weight"] = t.take(f"{src}ffn_norm.weight")
+        if not m.is_moe_layer(i):
+            _dense(out, t, f"{src}ffn.", f"{dst}mlp.")
+            continue
+        out[f"{dst}mlp.gate.weight"] = t.take(f"{src}ffn.router.weight")
+        t.discard(f"{src}ffn.router.score_bias")  # zero or unused (hf_support)
+        out[f"{dst}mlp.experts.gate_up_proj"] = t.take(f"{src}ffn.experts.w_in").transpose(1, 2)
+        # The routed scaling factor multiplies each expert's output, which is linear in w_out.
+        w_out = t.take(f"{src}ffn.experts.w_out") * moe.router.scaling_factor
+        out[f"{dst}mlp.experts.down_proj"] = w_out.transpose(1, 2)
+        if arch == "qwen2_moe":
+            # Qwen2-MoE always has a shared expert; without ours it gets width 0 (adds 0).
+            if moe.num_shared_experts:
+                _dense(out, t, f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.", scale=2.0)
+            else:
+                for proj, shape in (("gate_proj", (0, m.d_model)), ("up_proj", (0, m.d_model)),
+                                    ("down_proj", (m.d_model, 0))):
+                    out[f"{dst}mlp.shared_expert.{proj}.weight"] = torch.zeros(shape)
+            out[f"{dst}mlp.shared_expert_gate.weight"] = torch.zeros(1, m.d_model)
+    t.finish()
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _dense(out: dict, state: dict, src: str, dst: str, scale: float = 1.0) -> None:
-    gate, up = state[f"{src}w_in.weight"].chunk(2, dim=0)  # (2H, D) = [gate; up]
+def _dense(out: dict, t: _Tensors, src: str, dst: str, scale: float = 1.0) -> None:
+    gate, up = t.take(f"{src}w_in.weight").chunk(2, dim=0)  # (2H, D) = [gate; up]
     out[f"{dst}gate_proj.weight"], out[f"{dst}up_proj.weight"] = gate, up
-    out[f"{dst}down_proj.weight"] = state[f"{src}w_out.weight"] * scale
+    out[f"{dst}down_proj.weight"] = t.take(f"{src}w_out.weight") * scale
 
 
 def hf_tokenizer(model_file: Path):
@@ -299,31 +331,32 @@ def hf_tokenizer(model_file: Path):
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto") -> Path:
-    """Write a transformers model directory; ``arch``: mixtral, qwen2_moe or auto (mixtral when
-    the model has no shared experts and no dense layers, else qwen2_moe)."""
+    """Write a transformers model directory; ``arch``: one of ``hf_support.TARGETS`` or auto
+    (the first that can hold the model). A model no target holds exactly is refused before
+    anything is written, naming every offending config key."""
     try:
         import transformers
     except ImportError:
         raise CheckpointError("the Hugging Face export needs transformers: "
                               "pip install -c constraints.txt transformers") from None
     state, cfg, tag_dir = consolidated_fp32(checkpoint)
-    if arch == "auto":
-        arch = "qwen2_moe" if hf_problems(cfg, "mixtral", state) else "mixtral"
-    problems = hf_problems(cfg, arch, state)
-    if problems:
-        raise CheckpointError(f"{tag_dir / RUN_CONFIG}: the model cannot be exported as {arch}:\n"
-                              + "\n".join(f"  - {p}" for p in problems))
+    arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
+    hf_state = _hf_state(state, cfg, arch)
     tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)
     hf_cfg = transformers.AutoConfig.for_model(**_hf_config(cfg, arch, token_ids))
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
-    hf_state = _hf_state(state, cfg, arch)
-    missing, unexpected = model.load_state_dict(hf_state, strict=False, assign=True)
-    missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.model.tie_embeddings:
+        expected.pop("lm_head.weight", None)  # the embedding, tied after loading
+    wrong = ([f"{k}: not filled" for k in expected if k not in hf_state]
+             + [f"{k}: not part of the {arch} model" for k in hf_state if k not in expected]
+             + [f"{k}: shape {tuple(v.shape)}, {arch} needs {tuple(expected[k])}"
+                for k, v in hf_state.items() if k in expected and v.shape != expected[k]])
+    if wrong:
         raise CheckpointError(f"{arch} export does not line up with transformers "
-                              f"{transformers.__version__}: missing {missing[:5]}, unexpected "
-                              f"{unexpected[:5]}")
+                              f"{transformers.__version__}:\n" + "\n".join(f"  - {w}" for w in wrong))
+    model.load_state_dict(hf_state, strict=not cfg.model.tie_embeddings, assign=True)
     if cfg.model.tie_embeddings:
         model.tie_weights()
 

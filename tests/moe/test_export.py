@@ -110,10 +110,10 @@ def test_models_without_a_hugging_face_equivalent_are_refused(trained):
     arch, run_dir, out = trained
     _, cfg, _ = load_model(run_dir)
     cfg.model.moe.capacity_factor = 1.25
-    cfg.model.moe.router.scaling_factor = 2.5
+    cfg.model.moe.router.score_func = "sigmoid"
     problems = hf_problems(cfg, "mixtral", {})
-    assert any("capacity_factor" in p for p in problems)
-    assert any("scaling_factor" in p for p in problems)
+    assert any(p.startswith("model.moe.capacity_factor: 1.25: ") for p in problems)
+    assert any(p.startswith("model.moe.router.score_func: 'sigmoid': ") for p in problems)
     if arch == "qwen2_moe":
         assert any("num_shared_experts" in p for p in hf_problems(cfg, "mixtral", {}))
         with pytest.raises(CheckpointError, match="cannot be exported as mixtral"):
