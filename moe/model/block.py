@@ -12,6 +12,7 @@ from torch import nn
 
 from moe.model.attention import AttentionInputs, CausalSelfAttention
 from moe.model.norms import NormKind, build_norm
+from moe.model.recompute import recompute
 
 NormPlacement = Literal["pre", "post"]
 
@@ -25,16 +26,34 @@ class Block(nn.Module):
         self.attn = attn
         self.ffn_norm = build_norm(norm, d_model, norm_eps)
         self.ffn = ffn
+        # Activation recompute, set by moe.model.recompute.apply_recompute: the whole block as
+        # one region (dense feed-forward), the attention half only (MoE feed-forward: routing
+        # and dispatch stay outside), or each norm (selective).
+        self.recompute_block = False
+        self.recompute_attention = False
+        self.recompute_norms = False
 
     def forward(self, x_BSD: torch.Tensor, inputs: AttentionInputs):
         """Returns the block output and the feed-forward's balancing loss (0 for dense)."""
+        return recompute(self._forward, x_BSD, inputs, enabled=self.recompute_block)
+
+    def _forward(self, x_BSD: torch.Tensor, inputs: AttentionInputs):
+        x_BSD, h_BSD = recompute(self._attention, x_BSD, inputs, enabled=self.recompute_attention)
+        y_BSD, aux_loss = self._ffn(h_BSD)
         if self.pre_norm:
-            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), inputs)
-            y_BSD, aux_loss = self._ffn(self.ffn_norm(x_BSD))
             return x_BSD + y_BSD, aux_loss
-        x_BSD = self.attn_norm(x_BSD + self.attn(x_BSD, inputs))
-        y_BSD, aux_loss = self._ffn(x_BSD)
-        return self.ffn_norm(x_BSD + y_BSD), aux_loss
+        return self._norm(self.ffn_norm, x_BSD + y_BSD), aux_loss
+
+    def _attention(self, x_BSD: torch.Tensor, inputs: AttentionInputs):
+        """The residual stream after attention, and the feed-forward's input."""
+        if self.pre_norm:
+            x_BSD = x_BSD + self.attn(self._norm(self.attn_norm, x_BSD), inputs)
+            return x_BSD, self._norm(self.ffn_norm, x_BSD)
+        x_BSD = self._norm(self.attn_norm, x_BSD + self.attn(x_BSD, inputs))
+        return x_BSD, x_BSD
+
+    def _norm(self, norm: nn.Module, x_BSD: torch.Tensor) -> torch.Tensor:
+        return recompute(norm, x_BSD, enabled=self.recompute_norms)
 
     def _ffn(self, h_BSD: torch.Tensor):
         out = self.ffn(h_BSD)

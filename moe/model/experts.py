@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.model.recompute import recompute
+
 Activation = Literal["swiglu", "gelu"]
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -49,6 +51,9 @@ class GroupedExperts(nn.Module):
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
         nn.init.normal_(self.w_in, std=init_std)
         nn.init.normal_(self.w_out, std=out_init_std if out_init_std is not None else init_std)
+        # Selective recompute (moe/model/recompute.py): keep the (N, W) input projection,
+        # recompute the (N, H) activation and its scaled copy in the backward.
+        self.recompute_activation = False
 
     @property
     def num_experts(self) -> int:
@@ -61,18 +66,23 @@ class GroupedExperts(nn.Module):
         or the output (N, D) is narrower: for fine-grained experts that is 4x less work in the
         forward and in both backward products than scaling the output."""
         h_NW = grouped_mm(x_ND, self.w_in, counts_E)
-        if self.activation == "swiglu":
-            gate, up = h_NW.split(self.hidden, dim=-1)
-            h_NH = F.silu(gate) * up
-        else:
-            h_NH = F.gelu(h_NW)
         d_model = self.w_out.shape[-1]
         if scale_N is not None and self.hidden <= d_model:
-            h_NH = h_NH * scale_N.to(h_NH.dtype)[:, None]
+            h_NH = recompute(self._scaled_activation, h_NW, scale_N,
+                             enabled=self.recompute_activation)
+        else:
+            h_NH = recompute(self._activation, h_NW, enabled=self.recompute_activation)
         y_ND = grouped_mm(h_NH, self.w_out, counts_E)
         if scale_N is not None and self.hidden > d_model:
             y_ND = y_ND * scale_N.to(y_ND.dtype)[:, None]
         return y_ND
+
+    def _activation(self, h_NW: torch.Tensor) -> torch.Tensor:
+        return activate(h_NW, self.activation, self.hidden)
+
+    def _scaled_activation(self, h_NW: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
+        h_NH = activate(h_NW, self.activation, self.hidden)
+        return h_NH * scale_N.to(h_NH.dtype)[:, None]
 
 
 class DenseFFN(nn.Module):
@@ -88,15 +98,20 @@ class DenseFFN(nn.Module):
         self.w_out = nn.Linear(hidden, d_model, bias=False)
         nn.init.normal_(self.w_in.weight, std=init_std)
         nn.init.normal_(self.w_out.weight, std=out_init_std if out_init_std is not None else init_std)
+        self.recompute_activation = False  # selective recompute, as in GroupedExperts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.w_in(x)
-        if self.activation == "swiglu":
-            gate, up = h.split(self.hidden, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
+        h = recompute(activate, self.w_in(x), self.activation, self.hidden,
+                      enabled=self.recompute_activation)
         return self.w_out(h)
+
+
+def activate(h: torch.Tensor, activation: Activation, hidden: int) -> torch.Tensor:
+    """SwiGLU of the fused (gate, up) projection (..., 2H), or GELU of (..., H)."""
+    if activation == "swiglu":
+        gate, up = h.split(hidden, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
 
 
 def residual_init_std(base_std: float, num_layers: int) -> float:

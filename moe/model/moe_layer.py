@@ -10,6 +10,7 @@ from torch import nn
 from moe.config_schema import minimums
 from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
+from moe.model.recompute import outside_recompute, recompute
 from moe.model.router import RouterConfig, TopKRouter, capacity
 
 STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
@@ -78,9 +79,13 @@ class MoELayer(nn.Module):
         self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("step_sums", torch.zeros(len(STEP_SUMS)), persistent=False)
         self.stats: dict[str, torch.Tensor] = {}
+        # Full recompute (moe/model/recompute.py): the routed and shared experts are
+        # checkpointed regions; routing, dispatch, combine and _record never are.
+        self.recompute_experts = False
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the layer output and this layer's weighted balancing loss (a scalar)."""
+        outside_recompute("MoELayer routing and dispatch")
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.router(x_TD, seq_len=S)
@@ -92,10 +97,10 @@ class MoELayer(nn.Module):
 
         plan = self.dispatcher.plan(routing.indices_TK, keep_TK)
         x_ND, w_N, local_counts = self.dispatcher.dispatch(x_TD, routing.weights_TK, plan)
-        y_ND = self.experts(x_ND, local_counts, w_N)
+        y_ND = recompute(self.experts, x_ND, local_counts, w_N, enabled=self.recompute_experts)
         y_TD = self.dispatcher.combine(y_ND, plan)
         if self.shared_mlp is not None:
-            y_TD = y_TD + self.shared_mlp(x_TD)
+            y_TD = y_TD + recompute(self.shared_mlp, x_TD, enabled=self.recompute_experts)
 
         self._record(routing, plan.counts_E, B * S)
         rc = self.cfg.router

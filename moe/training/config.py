@@ -13,6 +13,7 @@ import yaml
 from data_pipeline.config import DataConfig
 from moe.config_schema import from_dict, minimums, to_dict
 from moe.errors import ConfigError
+from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig
 from moe.training.launch_config import LaunchConfig
 
@@ -43,11 +44,18 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     """Steps with a non-finite loss or gradient norm are skipped (no update); after this many in
     a row the run stops, keeping the last checkpoint."""
+    recompute: RecomputeMode = "none"
+    """Activation recompute (moe/model/recompute.py): none keeps every activation; full keeps
+    only each block's inputs and the routed token layout; selective recomputes the norms, the
+    experts' and FFNs' activation function and the attention core. Routing and the expert
+    all-to-all never run again: gradients and MoE statistics equal those of none."""
+    recompute_every_n_blocks: int = 1
+    """Recompute blocks 0, N, 2N, ... only (1: every block); the others keep their activations."""
 
     def problems(self) -> list[str]:
         out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
                        warmup_steps=0, grad_clip=0, threads_per_rank=1,
-                       max_consecutive_skips=1)
+                       max_consecutive_skips=1, recompute_every_n_blocks=1)
         if self.lr <= 0:
             out.append(f"lr: must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
