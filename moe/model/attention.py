@@ -106,8 +106,9 @@ def choose_backend(requested: AttentionBackend, device_type: str, documents: boo
     """
     if requested == "reference":
         return "reference", None
-    if cached:
-        return "reference", "a cached prefix needs the explicit mask"
+    if cached:  # auto's own choice, not a fallback
+        return "reference", (None if requested == "auto" else
+                             "a cached prefix needs the explicit mask")
     if requested == "auto":
         if not documents and not bias:
             return "sdpa", None
