@@ -44,6 +44,8 @@ FLEX_AVAILABLE = flex_attention is not None
 # Whether flex_attention runs compiled (fused, fast; compiles once per shape and score_mod). Eager
 # flex is the unfused reference implementation: slow, and it materializes every score.
 compile_flex = True
+# auto on CPU: packed documents run per-document SDPA from this length on, the mask below it.
+CPU_SDPA_DOCUMENTS_FROM = 2048
 
 log = logging.getLogger(__name__)
 _logged_fallbacks: set[tuple[str, str]] = set()
@@ -96,13 +98,14 @@ class AttentionInputs:
 
 
 def choose_backend(requested: AttentionBackend, device_type: str, documents: bool, bias: bool,
-                   cached: bool, grad: bool) -> tuple[str, str | None]:
+                   cached: bool, grad: bool, length: int = 0) -> tuple[str, str | None]:
     """The back end that runs, and the reason when it is not the requested one.
 
     ``auto``: a cached prefix -> reference; plain causal -> sdpa (the fused causal kernel);
     documents or a bias on CUDA -> flex; on CPU documents without bias -> sdpa (one causal call
-    per document; faster than the mask, BENCHMARKS.md), a bias -> reference (flex has no backward
-    on CPU, and without gradients its compile time outweighs the gain on one call).
+    per document) from ``length`` (L) CPU_SDPA_DOCUMENTS_FROM on and reference below it (measured
+    in BENCHMARKS.md: sdpa 0.38x the reference at 4096, 1.1-1.4x at 256 and 1024), a bias ->
+    reference (flex has no backward on CPU, and its compile time outweighs one inference call).
     """
     if requested == "reference":
         return "reference", None
@@ -114,7 +117,8 @@ def choose_backend(requested: AttentionBackend, device_type: str, documents: boo
             return "sdpa", None
         if device_type == "cuda" and FLEX_AVAILABLE:
             return "flex", None
-        return ("reference" if bias else "sdpa"), None
+        cpu_sdpa = not bias and length >= CPU_SDPA_DOCUMENTS_FROM
+        return ("sdpa" if cpu_sdpa else "reference"), None
     if requested == "flex":
         if not FLEX_AVAILABLE:
             return "reference", f"torch {torch.__version__} has no flex_attention (needs >= 2.5)"
@@ -149,7 +153,7 @@ def build_attention_inputs(requested: AttentionBackend, positions: PositionEncod
     rotary = positions.rotary(pos_BS)
     score_mod = positions.score_mod(pos_all_BL.expand(batch, L))
     run, reason = choose_backend(requested, device.type, doc_all_BL is not None,
-                                 score_mod is not None, past > 0, torch.is_grad_enabled())
+                                 score_mod is not None, past > 0, torch.is_grad_enabled(), L)
     lengths = None
     if run == "sdpa" and doc_all_BL is not None:
         lengths = document_lengths(doc_all_BL)

@@ -99,8 +99,9 @@ class ModelConfig:
     one call per packed document; a bias (alibi, t5) falls back to reference. flex:
     flex_attention (compiled) with a block-sparse document mask and the bias computed in the
     kernel, no (S, L) tensor; on CPU, which has no flex backward, training falls back to sdpa
-    (reference with a bias). auto: sdpa without documents and bias; with them flex on CUDA, on
-    CPU sdpa (documents) or reference (bias). Decoding past a KV-cached prefix always runs
+    (reference with a bias). auto: sdpa without documents and bias; with them flex on CUDA; on
+    CPU sdpa for documents from 2048 tokens on (measured faster; BENCHMARKS.md), otherwise
+    reference. Decoding past a KV-cached prefix always runs
     reference; fallbacks are logged once."""
     moe: MoEConfig = field(default_factory=MoEConfig)
 

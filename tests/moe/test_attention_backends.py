@@ -76,12 +76,15 @@ def run_attention(backend: str, position: str, n_kv_heads: int, docs: bool, devi
     return y, grads, inputs.backend
 
 
-def expected_backend(requested: str, position: str, docs: bool, device_type: str, grad: bool):
+def expected_backend(requested: str, position: str, docs: bool, device_type: str, grad: bool,
+                     length: int = 40):
     bias = position in ("alibi", "t5")
     if requested == "auto":
         if not docs and not bias:
             return "sdpa"
-        return "flex" if device_type == "cuda" else ("reference" if bias else "sdpa")
+        if device_type == "cuda":
+            return "flex"
+        return "sdpa" if not bias and length >= attention.CPU_SDPA_DOCUMENTS_FROM else "reference"
     if requested == "flex" and (device_type != "cpu" or not grad):
         return "flex"
     return "reference" if bias else "sdpa"
@@ -160,24 +163,29 @@ def test_flex_matches_reference_on_cuda(position, heads, docs):
         torch.testing.assert_close(g, g0, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length", [40, 4096])
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("grad", [True, False])
-def test_auto_and_fallbacks_choose_as_documented(device_type, grad):
+def test_auto_and_fallbacks_choose_as_documented(device_type, grad, length):
     for docs in (False, True):
         for bias in (False, True):
             position = "alibi" if bias else "rope"
             for requested in ("auto", "sdpa", "flex"):
-                got, _ = choose_backend(requested, device_type, docs, bias, False, grad)
-                assert got == expected_backend(requested, position, docs, device_type, grad)
+                got, _ = choose_backend(requested, device_type, docs, bias, False, grad, length)
+                assert got == expected_backend(requested, position, docs, device_type, grad,
+                                               length)
             assert choose_backend("reference", device_type, docs, bias, False, grad)[0] == \
                 "reference"
             for requested in ("auto", "sdpa", "flex"):  # past a cached prefix
                 assert choose_backend(requested, device_type, docs, bias, True, grad)[0] == \
                     "reference"
-    # The rule auto follows on CPU, spelled out: plain causal and documents run SDPA's causal
-    # kernel, a bias the explicit mask; on CUDA documents and biases run flex.
-    assert choose_backend("auto", "cpu", True, False, False, True)[0] == "sdpa"
-    assert choose_backend("auto", "cpu", True, True, False, True)[0] == "reference"
+    # The rule auto follows on CPU, spelled out: plain causal runs SDPA's causal kernel, long
+    # packed sequences per-document SDPA, short ones and biases the explicit mask; on CUDA
+    # documents and biases run flex.
+    assert choose_backend("auto", "cpu", False, False, False, True, 40)[0] == "sdpa"
+    assert choose_backend("auto", "cpu", True, False, False, True, 4096)[0] == "sdpa"
+    assert choose_backend("auto", "cpu", True, False, False, True, 1024)[0] == "reference"
+    assert choose_backend("auto", "cpu", True, True, False, True, 4096)[0] == "reference"
     assert choose_backend("auto", "cuda", True, True, False, True)[0] == \
         ("flex" if attention.FLEX_AVAILABLE else "reference")
 
