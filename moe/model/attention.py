@@ -1,12 +1,20 @@
 """Causal self-attention with grouped key/value heads (MHA, GQA, MQA), an optional KV cache,
-and the masks that causality, document boundaries and additive position biases need.
+and the four ways (``model.attention_backend``) of computing its core, softmax(q k^T + bias) v:
 
-``n_kv_heads == n_heads`` is multi-head attention, ``1 < n_kv_heads < n_heads`` grouped-query
-attention (each key/value head serves n_heads / n_kv_heads query heads), ``n_kv_heads == 1``
-multi-query attention. All go through PyTorch's ``scaled_dot_product_attention``: with
-``is_causal`` when the plain causal mask is all there is (the fused kernels' fast path), with an
-explicit boolean mask for documents or cached prefixes, and with a float mask (bias, -inf where
-masked) for ALiBi and T5 biases, which SDPA cannot take any other way.
+- ``reference``: PyTorch's ``scaled_dot_product_attention`` (SDPA) with an explicit mask: none
+  for plain causal attention (``is_causal``), a bool (B, 1, S, L) mask for documents or a cached
+  prefix, a float (B, H, S, L) mask (bias, -inf where masked) for ALiBi and T5 biases. Simple and
+  general; the mask is quadratic in the sequence and is kept for backward.
+- ``sdpa``: SDPA with ``is_causal`` only, which the fused kernels run without any (S, L)
+  tensor; packed documents become one ``is_causal`` call per document. A bias or a cached
+  prefix falls back to ``reference`` (logged once).
+- ``flex``: ``flex_attention`` with a BlockMask (causal and same document) and the position
+  bias as a ``score_mod``: no (S, L) tensor in forward or backward, and blocks that are wholly
+  masked are skipped. Compiled with ``torch.compile``, its documented mode (eager flex
+  materializes all scores). On CPU it has no backward (torch <= 2.13): with gradients enabled it
+  falls back to ``sdpa``, or to ``reference`` when there is a bias (logged once). A cached
+  prefix falls back to ``reference``.
+- ``auto``: see :func:`choose_backend`.
 
 Shapes here: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``S`` new tokens, ``L``
 all keys (cached + new), ``hd`` head dim.
@@ -14,13 +22,34 @@ all keys (cached + new), ``hd`` head dim.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from moe.model.positions import apply_rotary
+from moe.model.positions import PositionEncoding, apply_rotary
+
+try:  # torch >= 2.5; the GPU machines run 2.11, this is for older installs
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:
+    create_block_mask = flex_attention = None
+
+AttentionBackend = Literal["auto", "sdpa", "flex", "reference"]
+FLEX_AVAILABLE = flex_attention is not None
+# Whether flex_attention runs compiled (fused, fast; compiles once per shape and score_mod). Eager
+# flex is the unfused reference implementation: slow, and it materializes every score.
+compile_flex = True
+# auto on CPU: packed documents run per-document SDPA from this length on, the mask below it.
+CPU_SDPA_DOCUMENTS_FROM = 2048
+
+log = logging.getLogger(__name__)
+_logged_fallbacks: set[tuple[str, str]] = set()
+_compiled: dict[str, Callable] = {}
 
 
 class KVCache:
@@ -56,11 +85,143 @@ class KVCache:
 
 @dataclass
 class AttentionInputs:
-    """What every layer's attention shares in one forward, built once by the model."""
+    """What every layer's attention shares in one forward, built once by the model
+    (:func:`build_attention_inputs`)."""
 
     rotary: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin (B, 1, S, hd/2) or None
     mask: torch.Tensor | None  # None: plain causal; bool (B, 1, S, L) or float (B, H, S, L)
     cache: KVCache | None = None
+    backend: Literal["reference", "sdpa", "flex"] = "reference"  # the one that runs
+    doc_lengths: list[list[int]] | None = None  # sdpa: each row's document lengths, in order
+    block_mask: object | None = None  # flex: a BlockMask
+    score_mod: Callable | None = None  # flex: the position bias
+
+
+def choose_backend(requested: AttentionBackend, device_type: str, documents: bool, bias: bool,
+                   cached: bool, grad: bool, length: int = 0) -> tuple[str, str | None]:
+    """The back end that runs, and the reason when it is not the requested one.
+
+    ``auto``: a cached prefix -> reference; plain causal -> sdpa (the fused causal kernel);
+    documents or a bias on CUDA -> flex; on CPU documents without bias -> sdpa (one causal call
+    per document) from ``length`` (L) CPU_SDPA_DOCUMENTS_FROM on and reference below it (measured
+    in BENCHMARKS.md: sdpa 0.38x the reference at 4096, 1.1-1.4x at 256 and 1024), a bias ->
+    reference (flex has no backward on CPU, and its compile time outweighs one inference call).
+    """
+    if requested == "reference":
+        return "reference", None
+    if cached:  # auto's own choice, not a fallback
+        return "reference", (None if requested == "auto" else
+                             "a cached prefix needs the explicit mask")
+    if requested == "auto":
+        if not documents and not bias:
+            return "sdpa", None
+        if device_type == "cuda" and FLEX_AVAILABLE:
+            return "flex", None
+        cpu_sdpa = not bias and length >= CPU_SDPA_DOCUMENTS_FROM
+        return ("sdpa" if cpu_sdpa else "reference"), None
+    if requested == "flex":
+        if not FLEX_AVAILABLE:
+            return "reference", f"torch {torch.__version__} has no flex_attention (needs >= 2.5)"
+        if device_type == "cpu" and grad:
+            return ("reference" if bias else "sdpa"), "flex_attention has no backward on CPU"
+        return "flex", None
+    if bias:
+        return "reference", "SDPA takes an ALiBi/T5 bias only as an explicit float mask"
+    return "sdpa", None
+
+
+def document_lengths(doc_BL: torch.Tensor) -> list[list[int]] | None:
+    """Each row's runs of equal document ids as lengths; None when an id comes back after
+    another document (the mask lets equal ids attend to each other, separate runs would not).
+    A host sync: only for CPU, or where flex is missing."""
+    rows = []
+    for doc_L in doc_BL:
+        ids, lengths = torch.unique_consecutive(doc_L, return_counts=True)
+        if ids.unique().numel() != ids.numel():
+            return None
+        rows.append(lengths.tolist())
+    return rows
+
+
+def build_attention_inputs(requested: AttentionBackend, positions: PositionEncoding,
+                           pos_all_BL: torch.Tensor, doc_all_BL: torch.Tensor | None, batch: int,
+                           past: int = 0, cache: KVCache | None = None) -> AttentionInputs:
+    """Rotations and masks for the S = L - past new tokens at positions ``pos_all_BL[:, past:]``
+    ((1, L) when every row has the same positions), in the form the chosen back end needs."""
+    device, L = pos_all_BL.device, pos_all_BL.shape[1]
+    pos_BS = pos_all_BL[:, past:]
+    rotary = positions.rotary(pos_BS)
+    score_mod = positions.score_mod(pos_all_BL.expand(batch, L))
+    run, reason = choose_backend(requested, device.type, doc_all_BL is not None,
+                                 score_mod is not None, past > 0, torch.is_grad_enabled(), L)
+    lengths = None
+    if run == "sdpa" and doc_all_BL is not None:
+        lengths = document_lengths(doc_all_BL)
+        if lengths is None:
+            run, reason = "reference", "a document id recurs after another document"
+    if reason is not None and (requested, reason) not in _logged_fallbacks:
+        _logged_fallbacks.add((requested, reason))
+        log.warning("attention_backend %s: running %s instead: %s", requested, run, reason)
+    if run == "sdpa":
+        return AttentionInputs(rotary, None, cache, "sdpa", doc_lengths=lengths)
+    if run == "flex":
+        return AttentionInputs(rotary, None, cache, "flex", score_mod=score_mod,
+                               block_mask=_block_mask(doc_all_BL, batch, L, device))
+    bias = positions.score_bias(pos_BS, pos_all_BL)
+    mask = None  # plain causal: SDPA's is_causal path
+    if past or doc_all_BL is not None or bias is not None:
+        mask = build_mask(torch.arange(past, L, device=device), torch.arange(L, device=device),
+                          None if doc_all_BL is None else doc_all_BL[:, past:], doc_all_BL, bias)
+    return AttentionInputs(rotary, mask, cache)
+
+
+def _block_mask(doc_BL: torch.Tensor | None, batch: int, L: int, device: torch.device):
+    """Causal and same-document BlockMask, from (B, L) ids: per 128 x 128 block, whether it is
+    empty, full or partial; the mask function is evaluated per element only in partial ones."""
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def causal_same_doc(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_BL[b, q_idx] == doc_BL[b, kv_idx])
+
+    # Eager create_block_mask evaluates the mask densely (a transient bool (B, L, L)); compiled it
+    # does not, and on CUDA the compile is cheap next to training. On CPU flex only serves
+    # inference, where the transient is freed at once.
+    build = _compiled_fn("create_block_mask", create_block_mask) if device.type == "cuda" \
+        else create_block_mask
+    if doc_BL is None:
+        return build(causal, None, None, L, L, device=device)
+    return build(causal_same_doc, batch, None, L, L, device=device)
+
+
+def _compiled_fn(name: str, fn: Callable) -> Callable:
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn)
+    return _compiled[name]
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs,
+                   gqa: bool) -> torch.Tensor:
+    """q (B, H, S, hd), k and v (B, Hkv, L, hd) -> (B, H, S, hd) with the chosen back end."""
+    if inputs.backend == "flex":
+        flex = _compiled_fn("flex_attention", flex_attention) if compile_flex else flex_attention
+        return flex(q, k, v, score_mod=inputs.score_mod, block_mask=inputs.block_mask,
+                    enable_gqa=gqa)
+    if inputs.doc_lengths is not None:
+        rows = []
+        for b, lengths in enumerate(inputs.doc_lengths):
+            parts = zip(q[b:b + 1].split(lengths, 2), k[b:b + 1].split(lengths, 2),
+                        v[b:b + 1].split(lengths, 2))
+            rows.append(torch.cat([F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                                  enable_gqa=gqa)
+                                   for qd, kd, vd in parts], dim=2))
+        return torch.cat(rows, dim=0)
+    mask = inputs.mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=gqa)
 
 
 def build_mask(q_idx_S: torch.Tensor, k_idx_L: torch.Tensor, q_doc_BS: torch.Tensor | None,
@@ -83,6 +244,9 @@ class CausalSelfAttention(nn.Module):
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.layer_index = layer_index  # its slot in a KVCache
+        # Selective recompute: run the attention core (scores, softmax, weighted sum) again in
+        # backward instead of keeping what it saves; set by the trainer.
+        self.recompute_core = False
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
@@ -97,9 +261,10 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, inputs.rotary), apply_rotary(k, inputs.rotary)
         if inputs.cache is not None:
             k, v = inputs.cache.append(self.layer_index, k, v)  # (B, Hkv, L, hd)
-        mask = inputs.mask
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask.to(q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        gqa = self.n_kv_heads != self.n_heads
+        if self.recompute_core and torch.is_grad_enabled():
+            # Keeps only q, k, v for backward; the core runs again there.
+            y = checkpoint(attention_core, q, k, v, inputs, gqa, use_reentrant=False)
+        else:
+            y = attention_core(q, k, v, inputs, gqa)  # (B, H, S, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))

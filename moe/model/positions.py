@@ -6,7 +6,8 @@ the hooks of :class:`PositionEncoding` (the others return None):
 - ``embedding(pos_BS)``: a (B, S, D) vector added to the token embeddings (sinusoidal, learned);
 - ``rotary(pos_BS)``: cos/sin tables that rotate queries and keys inside attention (RoPE);
 - ``score_bias(q_pos_BS, k_pos_BL)``: a (B, H, S, L) additive bias on attention scores (ALiBi,
-  T5 relative buckets).
+  T5 relative buckets); those two also give the same bias as ``score_mod(pos_BL)``, a function of
+  one (batch, head, query, key) index for ``flex_attention``, which never materializes (S, L).
 
 Positions are explicit (B, S) integer tensors rather than ``arange(S)``: document masking resets
 them at document starts and the KV cache continues them from the cached length.
@@ -15,12 +16,16 @@ them at document starts and the KV cache continues them from the cached length.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import nn
 
 PositionKind = Literal["rope", "sinusoidal", "learned", "alibi", "t5"]
+# (score, batch, head, query index, key index) -> score, all 0-d tensors (flex_attention's vmap).
+ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                    torch.Tensor]
 
 
 class PositionEncoding(nn.Module):
@@ -31,6 +36,11 @@ class PositionEncoding(nn.Module):
         return None
 
     def score_bias(self, q_pos_BS: torch.Tensor, k_pos_BL: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def score_mod(self, pos_BL: torch.Tensor) -> ScoreMod | None:
+        """``score_bias`` as a flex_attention score_mod, for queries and keys both at the (B, L)
+        positions ``pos_BL`` (no cached prefix)."""
         return None
 
 
@@ -117,6 +127,14 @@ class AlibiBias(PositionEncoding):
         dist_BSL = (q_pos_BS[:, :, None] - k_pos_BL[:, None, :]).float()
         return -self.slopes_H[None, :, None, None] * dist_BSL[:, None]
 
+    def score_mod(self, pos_BL):
+        slopes_H = self.slopes_H
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes_H[h] * (pos_BL[b, q_idx] - pos_BL[b, kv_idx]).float()
+
+        return alibi
+
 
 def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
     """T5's causal relative-position bucket of ``distance = query pos - key pos`` (>= 0 where
@@ -146,6 +164,16 @@ class T5RelativeBias(PositionEncoding):
         dist_BSL = q_pos_BS[:, :, None] - k_pos_BL[:, None, :]
         buckets_BSL = t5_bucket(dist_BSL, self.num_buckets, self.max_distance)
         return self.bias(buckets_BSL).permute(0, 3, 1, 2)  # (B, H, S, L)
+
+    def score_mod(self, pos_BL):
+        # The table is captured, not copied: flex_attention's backward accumulates its gradient.
+        table_NH, num_buckets, max_distance = self.bias.weight, self.num_buckets, self.max_distance
+
+        def t5(score, b, h, q_idx, kv_idx):
+            bucket = t5_bucket(pos_BL[b, q_idx] - pos_BL[b, kv_idx], num_buckets, max_distance)
+            return score + table_NH[bucket, h]
+
+        return t5
 
 
 def positions_from_doc_ids(doc_ids_BL: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.model.attention import AttentionInputs, CausalSelfAttention, KVCache, build_mask
+from moe.model.attention import (
+    FLEX_AVAILABLE,
+    AttentionBackend,
+    AttentionInputs,
+    CausalSelfAttention,
+    KVCache,
+    build_attention_inputs,
+)
 from moe.model.block import Block, NormPlacement
 from moe.model.experts import DenseFFN, residual_init_std
 from moe.model.moe_layer import MoEConfig, MoELayer
@@ -86,6 +93,16 @@ class ModelConfig:
     (moe/training/upcycle.py). Ignored when the run resumes from its own checkpoint."""
     upcycle_noise_std: float = 0.0
     """Relative std of Gaussian noise added to each upcycled expert (0: exact copies)."""
+    attention_backend: AttentionBackend = "auto"
+    """How attention is computed (moe/model/attention.py); all give the same result. reference:
+    SDPA with an explicit (S, L) mask for documents and biases. sdpa: SDPA's fused causal kernel,
+    one call per packed document; a bias (alibi, t5) falls back to reference. flex:
+    flex_attention (compiled) with a block-sparse document mask and the bias computed in the
+    kernel, no (S, L) tensor; on CPU, which has no flex backward, training falls back to sdpa
+    (reference with a bias). auto: sdpa without documents and bias; with them flex on CUDA; on
+    CPU sdpa for documents from 2048 tokens on (measured faster; BENCHMARKS.md), otherwise
+    reference. Decoding past a KV-cached prefix always runs
+    reference; fallbacks are logged once."""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def problems(self) -> list[str]:
@@ -116,6 +133,9 @@ class ModelConfig:
             out.append(f"init_std: must be > 0, got {self.init_std}")
         if self.upcycle_noise_std < 0:
             out.append(f"upcycle_noise_std: must be >= 0, got {self.upcycle_noise_std}")
+        if self.attention_backend == "flex" and not FLEX_AVAILABLE:
+            out.append(f"attention_backend: flex needs torch >= 2.5 (installed {torch.__version__});"
+                       " use sdpa or auto")
         return out
 
     @property
@@ -211,7 +231,8 @@ class MoETransformer(nn.Module):
                                   ignore_index=-100)
         return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
 
-    def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache):
+    def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache) -> tuple[torch.Tensor,
+                                                                          AttentionInputs]:
         """Positions of the new tokens and the masks/rotations all layers share."""
         S = input_ids_BS.shape[1]
         device = input_ids_BS.device
@@ -229,10 +250,6 @@ class MoETransformer(nn.Module):
             pos_all_BL = torch.arange(past + S, device=device)[None]  # (1, L): same for all rows
         if cache is not None:
             cache.positions_BL, cache.doc_ids_BL = pos_all_BL, doc_all_BL
-        pos_BS = pos_all_BL[:, past:]
-        bias = self.positions.score_bias(pos_BS, pos_all_BL)
-        mask = None  # plain causal: SDPA's is_causal path
-        if past or doc_ids_BS is not None or bias is not None:
-            mask = build_mask(torch.arange(past, past + S, device=device),
-                              torch.arange(past + S, device=device), doc_ids_BS, doc_all_BL, bias)
-        return pos_BS, AttentionInputs(self.positions.rotary(pos_BS), mask, cache)
+        inputs = build_attention_inputs(self.cfg.attention_backend, self.positions, pos_all_BL,
+                                        doc_all_BL, input_ids_BS.shape[0], past, cache)
+        return pos_all_BL[:, past:], inputs
