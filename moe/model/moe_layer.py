@@ -10,7 +10,7 @@ from torch import nn
 from moe.config_schema import minimums
 from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
-from moe.model.router import RouterConfig, TopKRouter, capacity
+from moe.model.router import RouterConfig, TopKRouter, at_least_fp32, capacity
 
 STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
 
@@ -78,6 +78,12 @@ class MoELayer(nn.Module):
         self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("step_sums", torch.zeros(len(STEP_SUMS)), persistent=False)
         self.stats: dict[str, torch.Tensor] = {}
+
+    def _apply(self, fn, recurse=True):
+        # The step counters stay fp32 under any cast: bf16 counts exactly only up to 256.
+        super()._apply(fn, recurse)
+        self.step_load_E, self.step_sums = map(at_least_fp32, (self.step_load_E, self.step_sums))
+        return self
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the layer output and this layer's weighted balancing loss (a scalar)."""
