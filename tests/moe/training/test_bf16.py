@@ -233,3 +233,59 @@ def test_bf16_loss_curve_and_expert_choices_follow_fp32(runs, tiny_data):
     print(f"expert slots agreeing: initial weights {at_start:.4f}, final fp32 weights "
           f"{final:.4f}; bf16-trained vs fp32-trained {trained:.4f}")
     assert at_start >= 0.99 and final >= 0.99
+
+
+def _bf16_checkpoint(runs):
+    from moe.checkpoint.files import resolve_checkpoint
+
+    return resolve_checkpoint(runs / "runs" / "bf16")
+
+
+def test_bf16_checkpoint_evaluates_its_fp32_master_weights(runs):
+    from moe.checkpoint.consolidate import read_consolidated, read_layout_free
+    from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir, load_model
+
+    tag_dir = _bf16_checkpoint(runs)
+    saved, _ = read_consolidated(tag_dir)
+    master = read_layout_free(tag_dir)["params"]
+    assert saved["lm_head.weight"].dtype == torch.bfloat16  # what the forward used
+    model, _, _ = load_model(tag_dir)
+    state = model.state_dict()
+    for name, value in master.items():
+        assert torch.equal(state[name], value), name
+    # The masters are not bf16 numbers: evaluation does not see the rounded copies.
+    assert not torch.equal(master["lm_head.weight"].bfloat16().float(), master["lm_head.weight"])
+
+    opts = EvalOptions(max_tokens=2000, device="cpu")
+    ours, theirs = (evaluate_checkpoint_dir(runs / "runs" / name, opts) for name in ("bf16", "fp32"))
+    assert ours["step"] == STEPS and len(ours["experts"]) == 2
+    # The trained models differ as the loss curves do: within the step-30 tolerance's drift
+    # term, eps * (L_1 - L_30) (validation averages many tokens, the forward term vanishes).
+    fp32 = _history(runs / "runs" / "fp32")
+    eps = math.sqrt(ROUNDINGS) * U / math.sqrt(3)
+    print(f"validation loss: bf16 {ours['loss']:.5f}, fp32 {theirs['loss']:.5f}, allowed "
+          f"{eps * (fp32[0] - fp32[-1]):.4f}")
+    assert abs(ours["loss"] - theirs["loss"]) <= eps * (fp32[0] - fp32[-1]), (ours["loss"], theirs["loss"])
+
+
+def test_bf16_checkpoint_exports_fp32_masters_and_to_hugging_face(runs, tmp_path):
+    import transformers
+    from safetensors.torch import load_file
+
+    from moe.checkpoint.consolidate import read_layout_free
+    from moe.evaluation.evaluate import load_model
+    from moe.tools.export import FP32_FILE, export_fp32, export_hf
+
+    tag_dir = _bf16_checkpoint(runs)
+    master = read_layout_free(tag_dir)["params"]
+    exported = load_file(str(export_fp32(tag_dir, tmp_path / "fp32") / FP32_FILE))
+    for name, value in master.items():
+        assert exported[name].dtype == torch.float32
+        assert torch.equal(exported[name], value), name
+
+    model, cfg, _ = load_model(tag_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(export_hf(tag_dir, tmp_path / "hf")), dtype=torch.float32).eval()
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
