@@ -51,21 +51,29 @@ def _record_all_to_all(rank, out_file):
     deepspeed_adapter._AllToAll.apply = apply
 
 
+def _engine_dtypes(cfg_dict, env):
+    from moe.training.trainer import build_engine, resolve_vocab
+
+    engine, _ = build_engine(resolve_vocab(from_dict(RunConfig, copy.deepcopy(cfg_dict))), env)
+    opt = engine.optimizer
+    return {"optimizer": type(opt).__name__, "bit16": str(opt.dtype),
+            "grad_accum": str(opt.gradient_accumulation_dtype),
+            "communication": str(engine.communication_data_type),
+            "master": str(opt.single_partition_of_fp32_groups[0].dtype),
+            "score_bias": str(engine.module.blocks[0].ffn.deepspeed_moe.router.score_bias.dtype),
+            "lm_head": str(engine.module.lm_head.weight.dtype)}
+
+
 def _train_worker(rank, world, cfg_dicts, out_dir):
-    from moe.training.trainer import DistEnv, build_engine, resolve_vocab, train
+    from moe.training.trainer import DistEnv, train
 
     env = DistEnv(rank, world, rank, world)
     _record_all_to_all(rank, f"{out_dir}/all_to_all_rank{rank}.json")
-    engine, _ = build_engine(resolve_vocab(from_dict(RunConfig, copy.deepcopy(cfg_dicts[1]))), env)
-    opt = engine.optimizer
+    bf16_reduced = copy.deepcopy(cfg_dicts[1])
+    bf16_reduced["train"]["grad_reduce_dtype"] = "bf16"
     with open(f"{out_dir}/engine_rank{rank}.json", "w") as f:
-        json.dump({"optimizer": type(opt).__name__, "bit16": str(opt.dtype),
-                   "grad_accum": str(opt.gradient_accumulation_dtype),
-                   "communication": str(engine.communication_data_type),
-                   "master": str(opt.single_partition_of_fp32_groups[0].dtype),
-                   "score_bias": str(engine.module.blocks[0].ffn.deepspeed_moe.router.score_bias.dtype),
-                   "lm_head": str(engine.module.lm_head.weight.dtype)}, f)
-    del engine, opt
+        json.dump({"fp32": _engine_dtypes(cfg_dicts[1], env),
+                   "bf16": _engine_dtypes(bf16_reduced, env)}, f)
     for d in cfg_dicts:
         train(from_dict(RunConfig, copy.deepcopy(d)), env)
 
@@ -107,12 +115,12 @@ def _losses(run_dir, rank):
 
 
 def test_deepspeed_runs_bf16_with_fp32_master_weights_and_fp32_gradient_reduction(runs):
+    common = {"optimizer": "DeepSpeedZeroOptimizer", "bit16": "torch.bfloat16",
+              "master": "torch.float32", "score_bias": "torch.float32", "lm_head": "torch.bfloat16"}
     for rank in range(2):
-        info = json.loads((runs / f"engine_rank{rank}.json").read_text())
-        assert info == {"optimizer": "DeepSpeedZeroOptimizer", "bit16": "torch.bfloat16",
-                        "grad_accum": "torch.float32", "communication": "torch.float32",
-                        "master": "torch.float32", "score_bias": "torch.float32",
-                        "lm_head": "torch.bfloat16"}
+        by_reduce_dtype = json.loads((runs / f"engine_rank{rank}.json").read_text())
+        for reduce, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
+            assert by_reduce_dtype[reduce] == {**common, "grad_accum": dtype, "communication": dtype}
 
 
 def test_expert_all_to_all_moves_bf16_activations(runs):
