@@ -297,3 +297,46 @@ def test_bf16_checkpoint_exports_fp32_masters_and_to_hugging_face(runs, tmp_path
     ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def _converted_worker(rank, world, cfg_dict, tag_dir, out_file):
+    """Resume a 2-rank bf16 checkpoint on 1 rank and record, right after loading, whether the
+    engine's fp32 masters and bf16 weights are the checkpoint's masters."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from moe.checkpoint.consolidate import read_layout_free, single_device_name
+    from moe.training import trainer
+
+    original = trainer.resume_from
+
+    def resume_from(engine, model, *args):
+        client = original(engine, model, *args)
+        saved = read_layout_free(tag_dir)["params"]
+        wrong = []
+        for name, p in model.named_parameters():
+            want = saved[single_device_name(name)]
+            if not (torch.equal(safe_get_full_fp32_param(p), want)
+                    and torch.equal(p.data, want.bfloat16())):
+                wrong.append(name)
+        with open(out_file, "w") as f:
+            json.dump({"checked": len(list(model.parameters())), "wrong": wrong}, f)
+        return client
+
+    trainer.resume_from = resume_from
+    trainer.train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), trainer.DistEnv(0, 1, 0, 1),
+                  resume=str(tag_dir))
+
+
+def test_bf16_checkpoint_resumes_on_another_layout_with_its_fp32_masters(runs, tiny_data):
+    tag_dir = runs / "runs" / "bf16" / "checkpoints" / "step_0000010"
+    d = run_dict(tiny_data, runs / "runs", "converted", "bf16")
+    d["train"].update(max_steps=11, grad_accum_steps=2)  # the same global batch of 4 sequences
+    d["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
+    run_distributed(_converted_worker, 1, d, tag_dir, str(runs / "converted.json"))
+    result = json.loads((runs / "converted.json").read_text())
+    assert result["checked"] > 10 and result["wrong"] == []
+    step11 = _losses(runs / "runs" / "converted", 0)[11]
+    two_ranks = sum(_losses(runs / "runs" / "bf16", r)[11] for r in range(2)) / 2
+    # The same bf16 weights and sequences: only the order of fp32 sums differs (a few fp32
+    # roundings of a loss near 6 are ~1e-6; a bf16 rounding of the weights would be ~1e-3).
+    assert abs(step11 - two_ranks) < 1e-5, (step11, two_ranks)
