@@ -3,8 +3,9 @@ ZeRO 2, expert parallelism 2): the loss curve follows fp32's from the same initi
 killed and resumed run repeats the uninterrupted one exactly, the expert all-to-all moves bf16
 activations, and the checkpoints evaluate and export like fp32 ones with the fp32 master weights.
 
-Three runs of 30 steps share one module fixture (about a minute on 2 cores): fp32, bf16, and
-bf16 killed after its step-10 checkpoint then resumed."""
+Three runs of 30 steps share one module fixture (one to two minutes on 2 shared cores): fp32,
+bf16, and bf16 killed after its step-10 checkpoint then resumed; and 11 steps of bf16 at ZeRO
+stage 1 (DeepSpeed's BF16_Optimizer) whose checkpoint is resumed on another layout."""
 
 import copy
 import json
@@ -99,9 +100,13 @@ def runs(tiny_data, tmp_path_factory):
     fp32 = run_dict(tiny_data, out / "runs", "fp32", "fp32")
     bf16 = run_dict(tiny_data, out / "runs", "bf16", "bf16")
     resumed = run_dict(tiny_data, out / "runs", "resumed", "bf16")
+    # ZeRO stage 1 (the large presets' setting): DeepSpeed then uses its BF16_Optimizer.
+    zero1 = run_dict(tiny_data, out / "runs", "bf16_zero1", "bf16")
+    zero1["train"]["max_steps"] = 11
+    zero1["parallel"]["zero_stage"] = 1
     with pytest.raises(torch.multiprocessing.ProcessExitedException):
         run_distributed(_killed_worker, 2, resumed)
-    run_distributed(_train_worker, 2, [fp32, bf16, resumed], str(out))
+    run_distributed(_train_worker, 2, [fp32, bf16, resumed, zero1], str(out))
     return out
 
 
@@ -327,16 +332,19 @@ def _converted_worker(rank, world, cfg_dict, tag_dir, out_file):
                   resume=str(tag_dir))
 
 
-def test_bf16_checkpoint_resumes_on_another_layout_with_its_fp32_masters(runs, tiny_data):
-    tag_dir = runs / "runs" / "bf16" / "checkpoints" / "step_0000010"
-    d = run_dict(tiny_data, runs / "runs", "converted", "bf16")
+@pytest.mark.parametrize("source,zero_stage", [("bf16", 2), ("bf16_zero1", 1)])
+def test_bf16_checkpoint_resumes_on_another_layout_with_its_fp32_masters(runs, tiny_data, source,
+                                                                         zero_stage):
+    tag_dir = runs / "runs" / source / "checkpoints" / "step_0000010"
+    name = f"converted_{source}"
+    d = run_dict(tiny_data, runs / "runs", name, "bf16")
     d["train"].update(max_steps=11, grad_accum_steps=2)  # the same global batch of 4 sequences
-    d["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
-    run_distributed(_converted_worker, 1, d, tag_dir, str(runs / "converted.json"))
-    result = json.loads((runs / "converted.json").read_text())
+    d["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": zero_stage}
+    run_distributed(_converted_worker, 1, d, tag_dir, str(runs / f"{name}.json"))
+    result = json.loads((runs / f"{name}.json").read_text())
     assert result["checked"] > 10 and result["wrong"] == []
-    step11 = _losses(runs / "runs" / "converted", 0)[11]
-    two_ranks = sum(_losses(runs / "runs" / "bf16", r)[11] for r in range(2)) / 2
+    step11 = _losses(runs / "runs" / name, 0)[11]
+    two_ranks = sum(_losses(runs / "runs" / source, r)[11] for r in range(2)) / 2
     # The same bf16 weights and sequences: only the order of fp32 sums differs (a few fp32
     # roundings of a loss near 6 are ~1e-6; a bf16 rounding of the weights would be ~1e-3).
     assert abs(step11 - two_ranks) < 1e-5, (step11, two_ranks)
