@@ -191,12 +191,15 @@ def derived_tolerances(fp32_losses, sensitivity, tokens_per_step):
       U/sqrt(3)); independent roundings add in quadrature, so every logit carries a relative
       error of rms eps = sqrt(ROUNDINGS) * U / sqrt(3) (1.5%). A token's loss
       logsumexp(z) - z_y moves by sum_i (p_i - y_i) dz_i, of rms eps * sqrt(sum_i (p_i - y_i)^2
-      z_i^2): ``sensitivity`` is that root sum, averaged over the tokens of a fixed batch of the
-      fp32 model. The step loss averages ``tokens_per_step`` tokens with independent roundings:
-      rms eps * sensitivity / sqrt(tokens). We allow 4 of these standard deviations.
+      z_i^2) with z centered on its p-weighted mean (the loss ignores a common shift):
+      ``sensitivity`` is that root sum, averaged over the tokens of a fixed batch of the fp32
+      model. The step loss averages ``tokens_per_step`` tokens with independent roundings: rms
+      eps * sensitivity / sqrt(tokens). We allow 4 of these standard deviations. (The weight
+      roundings are shared by all tokens; their effect on the mean loss is the first-order
+      <grad L, dW>, smaller still: counting them like activation roundings over-covers them.)
     - Trajectory. From step 2 on the weights differ: each gradient carries the same relative
       error eps (the backward rounds as often), and every optimizer step's loss decrease is off
-      by at most eps of itself, so after step t the curves can have drifted by eps times the
+      by about eps of itself, so after step t the curves can have drifted by eps times the
       decrease so far, eps * (L_1 - L_t), taken in the worst case where all errors line up.
     The loss itself is computed in fp32 (a bf16 loss near 6 would be off by up to 0.016 alone).
     """
