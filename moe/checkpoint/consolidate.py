@@ -108,8 +108,18 @@ def read_consolidated(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def zero_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def zero_file(rank: int, bf16: bool = False) -> str:
+    """DeepSpeed's name for a rank's ZeRO optimizer file; bf16 runs prefix it with ``bf16_``."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def find_zero_file(tag_dir: Path, rank: int) -> Path | None:
+    """The ZeRO optimizer file of ``rank`` in ``tag_dir``, whichever precision saved it."""
+    for bf16 in (False, True):
+        path = Path(tag_dir) / zero_file(rank, bf16)
+        if path.is_file():
+            return path
+    return None
 
 
 def _load_zero_file(path: Path) -> dict:
@@ -137,9 +147,9 @@ def read_layout_free(tag_dir: Path) -> dict:
     fragments: dict[tuple[str, int | None], list] = defaultdict(list)
     files = {}
     for rank in range(world):
-        path = tag_dir / zero_file(rank)
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing; converting the layout needs the ZeRO optimizer "
+        path = find_zero_file(tag_dir, rank)
+        if path is None:
+            raise CheckpointError(f"{tag_dir / zero_file(rank)}: missing; converting the layout needs the ZeRO optimizer "
                                   "files of every rank (ZeRO stage 1 or 2)")
         sd = _load_zero_file(path)["optimizer_state_dict"]
         files[rank] = sd

@@ -11,7 +11,7 @@ from moe.config_schema import minimums
 from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
 from moe.model.recompute import outside_recompute, recompute
-from moe.model.router import RouterConfig, TopKRouter, capacity
+from moe.model.router import RouterConfig, TopKRouter, at_least_fp32, capacity
 
 STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
 
@@ -82,6 +82,12 @@ class MoELayer(nn.Module):
         # Full recompute (moe/model/recompute.py): the routed and shared experts are
         # checkpointed regions; routing, dispatch, combine and _record never are.
         self.recompute_experts = False
+
+    def _apply(self, fn, recurse=True):
+        # The step counters stay fp32 under any cast: bf16 counts exactly only up to 256.
+        super()._apply(fn, recurse)
+        self.step_load_E, self.step_sums = map(at_least_fp32, (self.step_load_E, self.step_sums))
+        return self
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the layer output and this layer's weighted balancing loss (a scalar)."""

@@ -85,10 +85,17 @@ class TopKRouter(nn.Module):
         self.register_buffer("score_bias", torch.zeros(num_experts))
         nn.init.normal_(self.weight, std=0.02)
 
+    def _apply(self, fn, recurse=True):
+        # Every cast (model.bfloat16(), .to(dtype)) passes here: the bias stays fp32, since
+        # bf16 (8-bit mantissa) would round away updates smaller than 2^-8 of its size.
+        super()._apply(fn, recurse)
+        self.score_bias = at_least_fp32(self.score_bias)
+        return self
+
     def forward(self, x_TD: torch.Tensor, seq_len: int | None = None) -> Routing:
         cfg = self.cfg
         # At least fp32 whatever the model dtype (bf16 logits make top-k selection unstable).
-        x_TD = x_TD.to(torch.promote_types(x_TD.dtype, torch.float32))
+        x_TD = at_least_fp32(x_TD)
         if self.training and cfg.jitter_eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - cfg.jitter_eps, 1 + cfg.jitter_eps)
         logits_TE = F.linear(x_TD, self.weight.to(x_TD.dtype))
@@ -132,6 +139,10 @@ class TopKRouter(nn.Module):
         if self.cfg.bias_update_rate > 0:
             load_E = load_E.float()
             self.score_bias += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor, num_experts: int,

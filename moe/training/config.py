@@ -35,7 +35,15 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 42
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32, or bf16 mixed precision (DeepSpeed's bf16 mode): bf16 weights and activations in
+    the forward and backward, fp32 master weights and Adam moments in the ZeRO optimizer; the
+    router, the losses and the norm statistics compute in fp32 whatever the model dtype.
+    fp16 is refused: it needs dynamic loss scaling, which this trainer does not do."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """bf16 only: the dtype gradients are reduced across ranks and accumulated over micro-batches
+    in (DeepSpeed's communication_data_type and data_types.grad_accum_dtype). bf16 halves the
+    gradient traffic and buffers at 8 bits of mantissa per sum."""
     threads_per_rank: int | None = None
     """torch intra-op threads per rank; null: this machine's cores divided by the local ranks."""
     cpu_keep_freed_memory: bool = True
@@ -63,6 +71,10 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 out.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
+        if self.precision == "fp16":
+            out.append("precision: fp16 is not supported (it needs dynamic loss scaling, which "
+                       "this trainer does not do); use bf16 (same memory, fp32's exponent range, "
+                       "no loss scaling) or fp32")
         return out
 
 
@@ -160,6 +172,10 @@ class RunConfig:
         if self.data.seq_len > self.model.max_seq_len:
             out.append(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len "
                        f"({self.model.max_seq_len})")
+        if self.train.precision == "bf16" and self.parallel.zero_stage == 0:
+            out.append("parallel.zero_stage: train.precision bf16 needs ZeRO stage 1 or 2 (the "
+                       "fp32 master weights live in the ZeRO optimizer; DeepSpeed 0.19.8 refuses "
+                       "bf16 weights with fp32 gradient accumulation at stage 0)")
         if not self.name or "/" in self.name or self.name.startswith("."):
             out.append(f"name: {self.name!r} must be a plain directory name")
         return out
@@ -179,9 +195,17 @@ class RunConfig:
             # We pass torch optimizers; ZeRO 1/2 only needs them to step flat fp32 partitions.
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": t.precision == "bf16"},
+            **(self._bf16_reduction() if t.precision == "bf16" else {}),
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
+
+    def _bf16_reduction(self) -> dict:
+        # DeepSpeed's bf16 defaults reduce and accumulate gradients in bf16; ZeRO 1/2 keep an
+        # fp32 partition for them when grad_accum_dtype is fp32 and cast bf16 gradients to
+        # fp32 before the all-reduce when communication_data_type is fp32.
+        dtype = self.train.grad_reduce_dtype
+        return {"communication_data_type": dtype, "data_types": {"grad_accum_dtype": dtype}}
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

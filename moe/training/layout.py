@@ -31,7 +31,12 @@ def load_other_layout(engine, model, tag_dir: Path) -> dict:
 
     tag_dir = Path(tag_dir)
     opt = engine.optimizer
-    if not hasattr(opt, "single_partition_of_fp32_groups"):
+    # ZeRO 1/2's optimizer, or DeepSpeed's BF16_Optimizer (bf16 at ZeRO stage 1 with fp32
+    # gradient accumulation): both keep this rank's fp32 partition of each group.
+    lp_groups = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)
+    hp_groups = (getattr(opt, "single_partition_of_fp32_groups", None)
+                 or getattr(opt, "fp32_groups_flat_partition", None))
+    if lp_groups is None or hp_groups is None:
         raise CheckpointError(f"{tag_dir}: resuming on another layout needs ZeRO stage 1 or 2 "
                               "(parallel.zero_stage)")
     state = read_layout_free(tag_dir)
@@ -55,8 +60,8 @@ def load_other_layout(engine, model, tag_dir: Path) -> dict:
         return full[expert_slice[name]] if name in expert_slice else full
 
     base = opt.optimizer
-    for g, params in enumerate(opt.bit16_groups):
-        hp = opt.single_partition_of_fp32_groups[g]
+    for g, params in enumerate(lp_groups):
+        hp = hp_groups[g]
         moments = {k: torch.zeros_like(hp) for k in MOMENTS}
         step = None
         for p in params:

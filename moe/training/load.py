@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe.checkpoint.consolidate import read_consolidated
+from moe.checkpoint.consolidate import find_zero_file, read_consolidated, read_layout_free
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint
 from moe.errors import CheckpointError
 from moe.model.transformer import MoETransformer
@@ -34,6 +34,12 @@ def load_consolidated(path: str | Path) -> tuple[dict, RunConfig, Path]:
     if problems:
         raise CheckpointError(f"{tag_dir}: checkpoint does not match its config "
                               f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems))
+    if cfg.train.precision != "fp32" and find_zero_file(tag_dir, 0) is not None:
+        # The model states hold the bf16 copies the forward used; evaluate and upcycle the
+        # fp32 master weights the optimizer trained.
+        for name, value in read_layout_free(tag_dir)["params"].items():
+            if name in state and state[name].shape == value.shape:
+                state[name] = value
     return state, cfg, tag_dir
 
 
