@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from moe.checkpoint.consolidate import read_layout_free, zero_file
 from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint, verify_files
 from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
@@ -43,16 +42,9 @@ FP32_FILE = "model.safetensors"
 
 def consolidated_fp32(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     """Single-device fp32 state dict of a checkpoint saved with any layout, checked for
-    integrity. Parameters come from the fp32 master copies in the ZeRO partitions when present
-    (exact even for bf16 training), buffers from the model states."""
+    integrity: the fp32 master weights whatever the training precision (load_consolidated reads
+    them from the ZeRO partitions of a bf16 run), buffers from the model states."""
     state, cfg, tag_dir = load_consolidated(path)
-    if (tag_dir / zero_file(0)).is_file():
-        master = read_layout_free(tag_dir)["params"]
-        for name, value in master.items():
-            if name not in state or state[name].shape != value.shape:
-                raise CheckpointError(f"{tag_dir}: the optimizer's copy of {name} does not match "
-                                      "the model states")
-            state[name] = value
     if cfg.model.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as embed.weight
     return {k: v.float().contiguous() for k, v in state.items()}, cfg, tag_dir

@@ -38,8 +38,10 @@ def load_consolidated(path: str | Path) -> tuple[dict, RunConfig, Path]:
         # The model states hold the bf16 copies the forward used; evaluate and upcycle the
         # fp32 master weights the optimizer trained.
         for name, value in read_layout_free(tag_dir)["params"].items():
-            if name in state and state[name].shape == value.shape:
-                state[name] = value
+            if name not in state or state[name].shape != value.shape:
+                raise CheckpointError(f"{tag_dir}: the optimizer's copy of {name} does not match "
+                                      "the model states")
+            state[name] = value
     return state, cfg, tag_dir
 
 
