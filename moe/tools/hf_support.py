@@ -134,6 +134,8 @@ _COMMON: dict[str, Rule] = {
     "document_masking": _training("training only: a plain forward (no document ids), as "
                                   "evaluation and generation run it, attends causally"),
     "init_std": _training("initialization only (initializer_range)"),
+    "attention_backend": _training("kernel choice only: every back end computes the same "
+                                   "attention (tests/moe/test_attention_backends.py)"),
     "init_from": _training("initialization only"),
     "upcycle_noise_std": _training("initialization only"),
     "moe.num_experts": _config("num_local_experts / num_experts"),
