@@ -1,4 +1,5 @@
-"""moe-plan: parameters, FLOPs per token and memory per GPU of a run config, before running it.
+"""moe-plan: parameters, FLOPs per token and memory per GPU of a run config, before running it;
+with --gpus and --gpu-memory, the layouts that fit, best first.
 
 Formulas and their conventions are documented in moe/model/size.py and moe/tools/planning.py."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,7 +15,14 @@ from data_pipeline.shards import MANIFEST, read_manifest
 from launch.cli import exits_cleanly
 from moe.errors import ConfigError
 from moe.model.size import COMPONENTS, count_parameters, flops_per_token
-from moe.tools.planning import memory_per_gpu
+from moe.tools.planning import (
+    GIB,
+    MICRO_BATCHES,
+    USABLE_FRACTION,
+    Layout,
+    fitting_layouts,
+    memory_per_gpu,
+)
 from moe.training.config import RunConfig, load_config
 
 
@@ -42,7 +51,8 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
                    "total_sum": counts.total_params, "active_sum": counts.active_params},
         "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         "memory": [asdict(memory_per_gpu(cfg.model, world_size, ep_size, z, t.precision,
-                                         t.micro_batch_size, cfg.data.seq_len))
+                                         t.micro_batch_size, cfg.data.seq_len, t.recompute,
+                                         t.recompute_every_n_blocks))
                    for z in zero_stages],
     }
 
@@ -55,7 +65,72 @@ def _n(x: float) -> str:
 
 
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
+    return f"{x / GIB:.2f} GiB"
+
+
+def _total(m: dict) -> float:
+    return (m["weights_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activation_bytes"]
+            + m["transient_bytes"])
+
+
+LAYOUT_RULE = (
+    "Layouts are ordered best throughput first: (1) compute factor, the training FLOPs with "
+    "recompute over those without (full adds one forward of the blocks, about 1.33; selective "
+    "adds the attention core's forward, a few percent), lower first; (2) larger micro-batch; "
+    "(3) fewer bytes each GPU sends per step (expert all-to-alls, gradient reduction; ZeRO-2 "
+    "reduces every micro-batch); (4) lower ZeRO stage. A layout fits when its planned peak "
+    f"(model states, kept activations, working set) is at most {USABLE_FRACTION:.0%} of "
+    "--gpu-memory. Exit status 1 when nothing fits.")
+
+
+def global_batch(cfg: RunConfig) -> int:
+    """Sequences per optimizer step in the config, kept when the micro-batch varies."""
+    t = cfg.train
+    return t.micro_batch_size * t.grad_accum_steps * cfg.parallel.world_size
+
+
+def layouts_report(cfg: RunConfig, gpus: int, gpu_memory: float, top: int) -> tuple[dict, bool]:
+    """The fitting layouts (best first, at most ``top``) as data, and whether any fits."""
+    t = cfg.train
+    gb = global_batch(cfg)
+    fits, considered = fitting_layouts(cfg.model, gpus, gpu_memory, cfg.data.seq_len, gb,
+                                       t.precision, t.recompute_every_n_blocks)
+    row = _layout_row
+    return {"gpus": gpus, "gpu_memory_gib": gpu_memory, "global_batch": gb,
+            "precision": t.precision, "considered": len(considered), "fitting": len(fits),
+            "layouts": [row(lay) for lay in fits[:top]],
+            "smallest": [row(lay) for lay in considered[:1]]}, bool(fits)
+
+
+def _layout_row(lay: Layout) -> dict:
+    return {"ep": lay.expert_parallel_size, "zero": lay.zero_stage, "recompute": lay.recompute,
+            "micro_batch": lay.micro_batch_size, "grad_accum": lay.grad_accum_steps,
+            "peak_gib": _total(asdict(lay.memory)) / GIB,
+            "activations_gib": lay.memory.activation_bytes / GIB,
+            "compute_factor": lay.compute_factor, "comm_gib_per_step": lay.comm_bytes / GIB}
+
+
+def render_layouts(r: dict) -> str:
+    head = (f"{r['gpus']} GPUs of {r['gpu_memory_gib']:g} GiB, {r['precision']}, global batch "
+            f"{r['global_batch']} sequences: {r['fitting']} of {r['considered']} layouts fit "
+            f"(usable {USABLE_FRACTION:.0%})")
+    if not r["layouts"]:
+        s = r["smallest"][0] if r["smallest"] else None
+        why = (f"the smallest needs {s['peak_gib']:.1f} GiB per GPU (ep {s['ep']}, ZeRO "
+               f"{s['zero']}, recompute {s['recompute']}, micro-batch {s['micro_batch']})"
+               if s else f"no micro-batch in {MICRO_BATCHES} divides the global batch evenly")
+        return f"{head}\nnothing fits: {why}"
+    lines = [head, "", f"{'rank':>4} {'ep':>3} {'zero':>4} {'recompute':>9} {'mb':>3} "
+                      f"{'accum':>5} {'peak GiB':>9} {'act GiB':>8} {'compute':>8} "
+                      f"{'comm GiB/step':>13}"]
+    for i, x in enumerate(r["layouts"], 1):
+        lines.append(f"{i:>4} {x['ep']:>3} {x['zero']:>4} {x['recompute']:>9} "
+                     f"{x['micro_batch']:>3} {x['grad_accum']:>5} {x['peak_gib']:>9.1f} "
+                     f"{x['activations_gib']:>8.1f} {x['compute_factor']:>7.2f}x "
+                     f"{x['comm_gib_per_step']:>13.1f}")
+    if r["fitting"] > len(r["layouts"]):
+        lines.append(f"... {r['fitting'] - len(r['layouts'])} more (--top)")
+    return "\n".join(lines)
 
 
 def render(report: dict, cfg: RunConfig) -> str:
@@ -69,6 +144,8 @@ def render(report: dict, cfg: RunConfig) -> str:
     lines += ["", f"FLOPs per token (seq_len {cfg.data.seq_len}): forward {_n(f['forward'])} "
                   f"(attention {_n(f['attention_forward'])}), training {_n(f['training'])}"]
     t = cfg.train
+    every = (f" every {t.recompute_every_n_blocks} blocks"
+             if t.recompute != "none" and t.recompute_every_n_blocks > 1 else "")
     for m in report["memory"]:
         lines += ["", f"memory per GPU: world {m['world_size']}, expert parallel "
                       f"{m['expert_parallel_size']}, ZeRO {m['zero_stage']}, {m['precision']}",
@@ -76,15 +153,18 @@ def render(report: dict, cfg: RunConfig) -> str:
                   f"  weights           {_gib(m['weights_bytes'])}",
                   f"  gradients         {_gib(m['grads_bytes'])}",
                   f"  optimizer states  {_gib(m['optimizer_bytes'])}",
-                  f"  activations       {_gib(m['activation_bytes'])} per micro-batch of "
-                  f"{t.micro_batch_size} x {cfg.data.seq_len} tokens (+ "
-                  f"{_gib(m['attention_probs_bytes'])} if attention is not fused)"]
+                  f"  activations       {_gib(m['activation_bytes'])} kept per micro-batch of "
+                  f"{t.micro_batch_size} x {cfg.data.seq_len} tokens (recompute {m['recompute']}"
+                  f"{every}; attention masks {_gib(m['attention_mask_bytes'])})",
+                  f"  working set       {_gib(m['transient_bytes'])} (logits, recomputed block, "
+                  "all-to-all buffers)",
+                  f"  peak              {_gib(_total(m))}"]
     return "\n".join(lines)
 
 
 @exits_cleanly
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="moe-plan", description=__doc__)
+    p = argparse.ArgumentParser(prog="moe-plan", description=__doc__, epilog=LAYOUT_RULE)
     p.add_argument("config", help="run config (YAML)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.micro_batch_size=4")
     p.add_argument("--world-size", type=int, help="GPUs (default: parallel.world_size)")
@@ -93,9 +173,25 @@ def main(argv=None) -> None:
     p.add_argument("--zero", type=int, choices=[0, 1, 2], action="append",
                    help="ZeRO stage(s) to show (default: 0, 1 and 2)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    p.add_argument("--gpus", type=int, help="list the layouts that fit this many GPUs "
+                   "(with --gpu-memory), best first; exit status 1 when none fits")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory of one GPU in GiB")
+    p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     args = p.parse_args(argv)
+    if (args.gpus is None) != (args.gpu_memory is None):
+        p.error("--gpus and --gpu-memory go together")
     cfg = load_config(args.config, args.overrides)
     vocab_from = resolve_vocab_for_planning(cfg)
+    if args.gpus is not None:
+        if args.gpus < 1 or args.gpu_memory <= 0:
+            p.error("--gpus must be >= 1 and --gpu-memory > 0")
+        report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top)
+        print(json.dumps(report, indent=2) if args.json else
+              f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n\n"
+              + render_layouts(report))
+        if not fits:
+            sys.exit(1)
+        return
     report = build_report(cfg, args.world_size or cfg.parallel.world_size,
                           args.ep or cfg.parallel.expert_parallel_size, args.zero or [0, 1, 2])
     if args.json:

@@ -1,33 +1,106 @@
 """Sizing a run before starting it: memory per GPU from a config alone (parameters and FLOPs
-per token come from :mod:`moe.model.size`).
+per token come from :mod:`moe.model.size`), and the layouts that fit a cluster.
 
-Memory per GPU for weights, gradients and Adam states follows the ZeRO paper's accounting:
-bf16 training keeps 2-byte weights and gradients and K = 12 bytes of optimizer state per
-parameter (fp32 master copy, momentum, variance); fp32 training 4-byte weights and gradients
-and 8 bytes of state. ZeRO stage 1 partitions the optimizer states and stage 2 also the
-gradients over the data-parallel ranks. Expert parameters are first split over the
+Model states. Memory per GPU for weights, gradients and Adam states follows the ZeRO paper's
+accounting: bf16 training keeps 2-byte weights and gradients and K = 12 bytes of optimizer
+state per parameter (fp32 master copy, momentum, variance); fp32 training 4-byte weights and
+gradients and 8 bytes of state. ZeRO stage 1 partitions the optimizer states and stage 2 also
+the gradients over the data-parallel ranks. Expert parameters are first split over the
 expert-parallel group (each rank holds num_experts / ep experts) and then partitioned over the
 expert-data-parallel group (world / ep ranks); all other parameters over all ranks.
 
-Activation memory per micro-batch estimates the tensors autograd saves for the backward pass
-(no activation checkpointing), per token and layer, in units of the activation dtype:
+Activations: what one micro-batch keeps for its backward. Each term below is a storage that
+autograd saves (or a checkpointed region holds as its input) in the forward of this code base,
+found by listing the saved tensors with ``torch.autograd.graph.saved_tensors_hooks``; each
+storage is counted once (a tensor saved by two ops, or a view, costs once), and tensors whose
+graph is dropped in the forward (the router entropy, computed under ``detach``) cost nothing.
+``tests/moe/test_planning_measured.py`` measures it and holds the estimate to 10%.
 
-- attention: 2D (norm input/output) + (H + 2 H_kv) hd (q, k, v) + 2 H hd (attention output and
-  the output projection's input), plus H * S per token for the attention probabilities when the
-  attention kernel is not fused (``attention_probs_bytes``, reported separately);
-- feed-forward: 2D (norm input/output) plus, for a dense FFN of width F, 4F (SwiGLU: the fused
-  input projection output 2F, silu(gate), the product) or 2F (GELU); for an MoE layer, per
-  routed copy (K per token) 2D (dispatched input, expert output) plus the expert's FFN term,
-  the shared experts' FFN term, and 3E fp32 values for router logits/scores;
-- the head: 2D + 2V fp32 (logits and log-softmax of the loss).
+Notation: T = micro_batch_size * S tokens, D model width, H / Hkv query / key-value heads, hd
+head dim, V vocabulary, E experts, K top_k, Hx expert hidden, F dense FFN width, Fs = shared
+experts * Hx, e = 2 (bf16) or 4 (fp32) bytes, N = routed copies kept per rank = T * K dropless
+(balanced: every rank receives T*K copies under expert parallelism too), at most
+E * ceil(capacity_factor * T * K / E) with a capacity factor. "w" = 3 for SwiGLU (the fused
+gate/up output 2, then silu(gate)), 1 for GELU.
+
+- Norm (RMSNorm, computed in fp32), not recomputed: its fp32 input 4TD (in fp32 the input
+  tensor itself, in bf16 a copy), the rsqrt 4T, the normalized fp32 4TD, and its output eTD
+  (saved by the next linear). LayerNorm: 4TD + 8T (mean, rstd) + eTD. Selective: the region
+  keeps its input eTD, the output eTD is kept by the next linear.
+- Attention, none: q, k, v after rotary (H + 2 Hkv) hd eT (GQA keys/values are not expanded),
+  the core's output H hd eT and log-sum-exp 4HT, the output projection's input H hd eT.
+  Selective: q, k, v and the output projection's input (the core's output and log-sum-exp
+  are recomputed). Back end ``reference`` with documents or an ALiBi/T5 bias (what ``auto``
+  picks on CUDA is flex, which keeps none): SDPA keeps the mask it receives as a float
+  (B, 1, S, S) (documents) or (B, H, S, S) (bias) tensor of the model dtype, per layer; plain
+  causal attention passes no mask. No back end keeps the S x S probabilities (SDPA's fused
+  kernels keep the log-sum-exp instead); ``attention_mask_bytes`` reports the mask part.
+- Dense FFN of width F, none: its output projection's input eTF and the activation's
+  intermediates w eTF (SwiGLU: the fused 2F projection and silu(gate); GELU: its input).
+  Selective: the activation's input (2F or F) and output F.
+- MoE layer: router (never recomputed, fp32 whatever the model dtype): its fp32 input 4TD
+  (the norm output itself in fp32, a copy in bf16; the bf16 norm output eTD is kept only
+  when shared experts read it), the logits 4TE (the z-loss's logsumexp), the scores 4TE,
+  the logsumexp 4T, the top-k ids 8TK, + 4TK for topk_then_softmax, + 4TK + 4T for
+  renormalize, + 4T for sigmoid scores; in bf16 also the fp32 copy of the router weight 4ED.
+  Dispatch: two int64 index vectors 16N (+ 8N for the expert-parallel regrouping).
+  Routed experts, none: the dispatched rows eND, the expert input projection w eN Hx, the
+  activation eN Hx, the combine-weighted copy where it is applied (eN Hx when Hx <= D, else the
+  output eND), the output rows kept by the combine eND, and the combine weights 4N (2N
+  in bf16). Selective: the activation's intermediates (silu(gate) in the w term) are
+  recomputed. Full: the region keeps its inputs (rows eND, weights 4N) and its output rows eND.
+  Shared experts: a dense FFN of width Fs on the norm output, dropped (but for its input)
+  under full.
+- Block under full recompute: a dense block keeps its input eTD; an MoE block its input eTD
+  (attention region), the router and dispatch terms, and the experts' region above.
+  ``recompute_every_n_blocks`` n: blocks 0, n, 2n, ... use the mode, the others none.
+- Outside the blocks: token ids 8T and targets 8T, rotary tables 4 S hd (B times with
+  documents), the final norm (never recomputed), and the loss's fp32 log-softmax 4TV.
+
+Working set on top of the saved activations (``transient_bytes``): the largest of (a) the
+logits around the loss, TV (2e + 4) (the model-dtype logits, their fp32 log-softmax gradient
+and its model-dtype cast), (b) what the backward rebuilds of one recomputed block (its none
+estimate minus what it kept), (c) under expert parallelism the all-to-all send and receive
+buffers of one MoE layer, 2 eND + 8N. The peak is modelled as model states + saved + transient.
+
+Layouts (``fitting_layouts``): for a number of GPUs and their memory, every expert-parallel
+size dividing both the GPU count and num_experts, ZeRO stage 0/1/2 (1/2 only for bf16), each
+recompute mode and a micro-batch size from MICRO_BATCHES whose gradient accumulation keeps the
+config's global batch, whose peak fits in USABLE_FRACTION of the memory (the rest is left
+to the CUDA context, NCCL and allocator fragmentation). They are ordered by, first, the compute
+factor (training FLOPs with recompute over training FLOPs without: full recompute adds one
+forward of the blocks it covers, 4/3; selective adds the attention core's forward once more,
+4 S H hd per layer and token, a few percent), then the larger micro-batch (better matmul
+efficiency, fewer accumulation steps), then the fewer bytes each GPU sends per step (the
+expert all-to-alls and the gradient reduction; ZeRO-2 reduces every micro-batch), then the
+lower ZeRO stage.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from moe.model.size import count_parameters
+from moe.model.attention import choose_backend
+from moe.model.size import count_parameters, flops_per_token
 from moe.model.transformer import ModelConfig
+
+MODES = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+USABLE_FRACTION = 0.9
+GIB = 2**30
+
+
+@dataclass
+class ActivationEstimate:
+    saved_bytes: float
+    """Kept for the backward by one micro-batch (all terms of the module docstring)."""
+    transient_bytes: float
+    """Largest short-lived working set on top of ``saved_bytes``."""
+    attention_mask_bytes: float
+    """The part of ``saved_bytes`` that is S x S attention masks (back end ``reference``)."""
+    alltoall_bytes: float
+    """Expert-parallel send and receive buffers of one MoE layer (0 without expert parallelism)."""
 
 
 @dataclass
@@ -36,16 +109,22 @@ class MemoryPlan:
     expert_parallel_size: int
     zero_stage: int
     precision: str
+    recompute: str
     params_per_gpu: float
     weights_bytes: float
     grads_bytes: float
     optimizer_bytes: float
     activation_bytes: float
-    attention_probs_bytes: float
+    transient_bytes: float
+    attention_mask_bytes: float
 
     @property
     def model_states_bytes(self) -> float:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.model_states_bytes + self.activation_bytes + self.transient_bytes
 
 
 def _state_bytes(precision: str) -> tuple[int, int, int]:
@@ -53,8 +132,13 @@ def _state_bytes(precision: str) -> tuple[int, int, int]:
     return (2, 2, 12) if precision == "bf16" else (4, 4, 8)
 
 
+def elem_bytes(precision: str) -> int:
+    return 2 if precision == "bf16" else 4
+
+
 def memory_per_gpu(cfg: ModelConfig, world_size: int, ep_size: int, zero_stage: int,
-                   precision: str, micro_batch_size: int, seq_len: int) -> MemoryPlan:
+                   precision: str, micro_batch_size: int, seq_len: int,
+                   recompute: str = "none", every_n_blocks: int = 1) -> MemoryPlan:
     counts = count_parameters(cfg)
     experts = counts.total["routed_experts"]
     others = counts.total_params - experts
@@ -63,33 +147,231 @@ def memory_per_gpu(cfg: ModelConfig, world_size: int, ep_size: int, zero_stage: 
     w, g, k = _state_bytes(precision)
     grads_div = (dp, edp) if zero_stage >= 2 else (1, 1)
     optim_div = (dp, edp) if zero_stage >= 1 else (1, 1)
-    act, probs = activation_bytes(cfg, micro_batch_size, seq_len, 2 if precision == "bf16" else 4)
+    act = activation_bytes(cfg, micro_batch_size, seq_len, precision, recompute, every_n_blocks,
+                           ep_size)
     return MemoryPlan(
         world_size=world_size, expert_parallel_size=ep_size, zero_stage=zero_stage,
-        precision=precision, params_per_gpu=others + local_experts,
+        precision=precision, recompute=recompute, params_per_gpu=others + local_experts,
         weights_bytes=w * (others + local_experts),
         grads_bytes=g * (others / grads_div[0] + local_experts / grads_div[1]),
         optimizer_bytes=k * (others / optim_div[0] + local_experts / optim_div[1]),
-        activation_bytes=act, attention_probs_bytes=probs)
+        activation_bytes=act.saved_bytes, transient_bytes=act.transient_bytes,
+        attention_mask_bytes=act.attention_mask_bytes)
+
+
+def routed_copies(cfg: ModelConfig, tokens: int) -> int:
+    """N: routed token copies an MoE layer keeps (per rank, balanced) for ``tokens`` tokens."""
+    moe = cfg.moe
+    n = tokens * moe.router.top_k
+    if moe.capacity_factor is not None:
+        cap = max(1, math.ceil(moe.capacity_factor * tokens * moe.router.top_k / moe.num_experts))
+        n = min(n, moe.num_experts * cap)
+    return n
+
+
+def _norm(cfg: ModelConfig, T: int, e: int, selective: bool) -> float:
+    """A norm's saved bytes, its output (kept by the next linear) included."""
+    D = cfg.d_model
+    if selective:
+        return 2 * e * T * D
+    internals = 4 * T * D + 4 * T if cfg.norm == "rmsnorm" else 8 * T
+    return 4 * T * D + internals + e * T * D
+
+
+def _ffn(T: int, width: int, swiglu: bool, e: int, selective: bool) -> float:
+    """A dense FFN's saved bytes, its input excluded."""
+    act_in = (2 if swiglu else 1) * width
+    if selective:
+        return e * T * (act_in + width)
+    return e * T * (act_in + (width if swiglu else 0) + width)
+
+
+def _attention(cfg: ModelConfig, B: int, S: int, e: int, selective: bool,
+               mask_per_layer: float) -> float:
+    T, H, hd = B * S, cfg.n_heads, cfg.d_model // cfg.n_heads
+    qkv_o = e * T * hd * (H + 2 * cfg.kv_heads) + e * T * H * hd
+    if selective:
+        return qkv_o
+    return qkv_o + e * T * H * hd + 4 * T * H + mask_per_layer
+
+
+def _router(cfg: ModelConfig, T: int, e: int) -> float:
+    r, E, K, D = cfg.moe.router, cfg.moe.num_experts, cfg.moe.router.top_k, cfg.d_model
+    out = 4 * T * D + 8 * T * E + 4 * T + 8 * T * K
+    out += 4 * T * K * (r.order == "topk_then_softmax")
+    out += (4 * T * K + 4 * T) * r.renormalize + 4 * T * (r.score_func == "sigmoid")
+    if e != 4:
+        out += 4 * E * D  # the fp32 copy of the router weight
+    return out
+
+
+def _experts(cfg: ModelConfig, N: int, e: int, mode: str) -> float:
+    moe, D = cfg.moe, cfg.d_model
+    Hx, swiglu = moe.expert_hidden, moe.activation == "swiglu"
+    if mode == "full":
+        return 2 * e * N * D + 4 * N
+    act_in = (2 if swiglu else 1) * Hx
+    if mode == "selective":  # the activation's intermediates are rebuilt in the backward
+        inner = act_in + Hx
+    else:
+        inner = act_in + (Hx if swiglu else 0) + Hx + (Hx if Hx <= D else 0)
+    if Hx <= D:  # the combine weight scales the (N, Hx) activation
+        weights = 4 * N if mode == "selective" or e == 4 else 2 * N
+        return e * N * (D + inner + D) + weights
+    return e * N * (D + inner + 2 * D) + e * N  # the weight is applied to the (N, D) output
+
+
+def _moe_block_ffn(cfg: ModelConfig, T: int, e: int, mode: str, ep_size: int) -> float:
+    """An MoE layer's saved bytes, router and dispatch included, its norm excluded."""
+    moe = cfg.moe
+    N = routed_copies(cfg, T)
+    out = _router(cfg, T, e) + 16 * N + (8 * N if ep_size > 1 else 0)
+    out += _experts(cfg, N, e, mode)
+    shared = moe.num_shared_experts * moe.expert_hidden
+    if shared:
+        out += (e * T * cfg.d_model if e != 4 else 0)  # bf16 norm output read by the shared FFN
+        if mode != "full":
+            out += _ffn(T, shared, moe.activation == "swiglu", e, mode == "selective")
+    return out
+
+
+def _block(cfg: ModelConfig, i: int, B: int, S: int, e: int, mode: str, ep_size: int,
+           mask_per_layer: float) -> float:
+    T, D = B * S, cfg.d_model
+    sel = mode == "selective"
+    if cfg.is_moe_layer(i):
+        ffn = _moe_block_ffn(cfg, T, e, mode, ep_size)
+        if mode == "full":
+            return e * T * D + ffn
+        # The FFN norm's output is the router's fp32 input in fp32 (counted there); in bf16
+        # the router keeps an fp32 copy and the output itself only when shared experts read it.
+        ffn_norm = _norm(cfg, T, e, sel) - e * T * D
+        return _norm(cfg, T, e, sel) + _attention(cfg, B, S, e, sel, mask_per_layer) \
+            + ffn_norm + ffn
+    if mode == "full":
+        return e * T * D
+    width = cfg.moe.dense_width
+    return (2 * _norm(cfg, T, e, sel) + _attention(cfg, B, S, e, sel, mask_per_layer)
+            + _ffn(T, width, cfg.moe.activation == "swiglu", e, sel))
+
+
+def attention_masks(cfg: ModelConfig, B: int, S: int, e: int) -> tuple[float, float]:
+    """(bytes per layer, bytes once) of the (S, S) masks SDPA keeps with the back end training
+    runs on CUDA: a document mask is converted to the model dtype by every layer's SDPA call;
+    a bias is built once in fp32 ((1, H, S, S), (B, H, S, S) with documents) and cast per layer
+    in bf16."""
+    bias = cfg.position in ("alibi", "t5")
+    run, _ = choose_backend(cfg.attention_backend, "cuda", cfg.document_masking, bias,
+                            cached=False, grad=True, length=S)
+    if run != "reference" or not (bias or cfg.document_masking):
+        return 0.0, 0.0
+    if not bias:
+        return e * B * S * S, 0.0
+    size = (B if cfg.document_masking else 1) * cfg.n_heads * S * S
+    return (0.0, 4 * size) if e == 4 else (e * size, 4 * size)
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch_size: int, seq_len: int,
-                     elem_bytes: int) -> tuple[float, float]:
-    """(saved activations, extra attention probabilities if unfused) for one micro-batch."""
-    D, H, moe = cfg.d_model, cfg.n_heads, cfg.moe
-    hd = D // H
-    ffn_mult = 4 if moe.activation == "swiglu" else 2
-    tokens = micro_batch_size * seq_len
-    per_token = 0.0
+                     precision: str = "fp32", recompute: str = "none", every_n_blocks: int = 1,
+                     ep_size: int = 1) -> ActivationEstimate:
+    """What one micro-batch keeps for the backward (see the module docstring for each term)."""
+    if recompute not in MODES:
+        raise ValueError(f"recompute mode {recompute!r} is not one of {', '.join(MODES)}")
+    e = elem_bytes(precision)
+    B, S, D = micro_batch_size, seq_len, cfg.d_model
+    T, hd = B * S, D // cfg.n_heads
+    mask, mask_once = attention_masks(cfg, B, S, e)
+    saved, rebuilt = 0.0, 0.0
     for i in range(cfg.n_layers):
-        per_token += 2 * D + (H + 2 * cfg.kv_heads) * hd + 2 * H * hd + 2 * D
-        if cfg.is_moe_layer(i):
-            K = moe.router.top_k
-            per_token += K * (2 * D + ffn_mult * moe.expert_hidden)
-            per_token += ffn_mult * moe.num_shared_experts * moe.expert_hidden
-            per_token += 3 * moe.num_experts * 4 / elem_bytes  # fp32 router values
-        else:
-            per_token += ffn_mult * moe.dense_width
-    per_token += 2 * D + 2 * cfg.vocab_size * 4 / elem_bytes  # fp32 logits and log-softmax
-    probs = cfg.n_layers * H * seq_len * tokens * elem_bytes
-    return per_token * tokens * elem_bytes, probs
+        mode = recompute if i % every_n_blocks == 0 else "none"
+        kept = _block(cfg, i, B, S, e, mode, ep_size, mask)
+        saved += kept
+        rebuilt = max(rebuilt, _block(cfg, i, B, S, e, "none", ep_size, mask) - kept)
+    rotary = 4 * S * hd * (B if cfg.document_masking else 1) if cfg.position == "rope" else 0
+    final_norm = _norm(cfg, T, e, False) if cfg.norm_placement == "pre" else e * T * D
+    saved += 16 * T + rotary + final_norm + 4 * T * cfg.vocab_size + mask_once
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    N = routed_copies(cfg, T)
+    alltoall = (2 * e * N * D + 8 * N) if ep_size > 1 and n_moe else 0.0
+    logits = T * cfg.vocab_size * (2 * e + 4)
+    kept_masks = cfg.n_layers if recompute == "none" else sum(
+        i % every_n_blocks != 0 for i in range(cfg.n_layers))
+    masks = mask * kept_masks + mask_once
+    return ActivationEstimate(saved_bytes=saved, transient_bytes=max(logits, rebuilt) + alltoall,
+                              attention_mask_bytes=masks, alltoall_bytes=alltoall)
+
+
+def compute_factor(cfg: ModelConfig, seq_len: int, recompute: str, every_n_blocks: int = 1) -> float:
+    """Training FLOPs with recompute over training FLOPs without (module docstring)."""
+    f = flops_per_token(cfg, seq_len)
+    share = math.ceil(cfg.n_layers / every_n_blocks) / cfg.n_layers  # blocks that recompute
+    if recompute == "full":
+        blocks = f["forward"] - 2 * cfg.vocab_size * cfg.d_model  # the head is not recomputed
+        return 1 + share * blocks / f["training"]
+    if recompute == "selective":
+        return 1 + share * f["attention_forward"] / f["training"]
+    return 1.0
+
+
+@dataclass
+class Layout:
+    expert_parallel_size: int
+    zero_stage: int
+    recompute: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    memory: MemoryPlan
+    compute_factor: float
+    comm_bytes: float
+    """Bytes each GPU sends per optimizer step: expert all-to-alls and gradient reduction."""
+
+    @property
+    def sort_key(self):
+        return (round(self.compute_factor, 4), -self.micro_batch_size, self.comm_bytes,
+                self.zero_stage)
+
+
+def comm_bytes_per_step(cfg: ModelConfig, world: int, ep: int, zero: int, precision: str,
+                        micro_batch_size: int, accum: int, seq_len: int) -> float:
+    """Expert all-to-all (dispatch and combine, forward and backward, the share that leaves the
+    rank) and the gradient reduction (ring all-reduce 2x the gradients once per step for ZeRO
+    0/1; ZeRO-2 reduce-scatters every micro-batch and all-gathers the updated parameters)."""
+    e = elem_bytes(precision)
+    counts = count_parameters(cfg)
+    experts = counts.total["routed_experts"]
+    held = counts.total_params - experts + experts / ep
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    N = routed_copies(cfg, micro_batch_size * seq_len)
+    a2a = 4 * n_moe * N * cfg.d_model * e * (ep - 1) / ep * accum
+    grad = held * e
+    frac = (world - 1) / world if world > 1 else 0.0
+    reduce = 2 * grad * frac if zero < 2 else grad * frac * (accum + 1)
+    return a2a + reduce
+
+
+def fitting_layouts(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, seq_len: int,
+                    global_batch: int, precision: str, every_n_blocks: int = 1) -> tuple[
+                        list[Layout], list[Layout]]:
+    """(layouts that fit, ordered best first; all layouts considered, smallest peak first).
+    ``global_batch``: sequences per optimizer step, kept by gradient accumulation."""
+    budget = USABLE_FRACTION * gpu_memory_gib * GIB
+    E = cfg.moe.num_experts if cfg.ffn == "moe" else 1
+    eps = [ep for ep in range(1, gpus + 1) if gpus % ep == 0 and E % ep == 0]
+    zeros = (1, 2) if precision == "bf16" else (0, 1, 2)
+    considered = []
+    for mb in MICRO_BATCHES:
+        if global_batch % (mb * gpus):
+            continue
+        accum = global_batch // (mb * gpus)
+        for ep in eps:
+            for zero in zeros:
+                for mode in MODES:
+                    m = memory_per_gpu(cfg, gpus, ep, zero, precision, mb, seq_len, mode,
+                                       every_n_blocks)
+                    considered.append(Layout(
+                        ep, zero, mode, mb, accum, m,
+                        compute_factor(cfg, seq_len, mode, every_n_blocks),
+                        comm_bytes_per_step(cfg, gpus, ep, zero, precision, mb, accum, seq_len)))
+    fits = sorted((lay for lay in considered if lay.memory.total_bytes <= budget),
+                  key=lambda lay: lay.sort_key)
+    return fits, sorted(considered, key=lambda lay: lay.memory.total_bytes)

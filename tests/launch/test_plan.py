@@ -38,3 +38,32 @@ def test_null_vocabulary_comes_from_the_manifest_or_the_tokenizer(tiny_data, tmp
     cfg = load_config("configs/default.yaml", [f"data.dir={tmp_path / 'none'}"])
     assert resolve_vocab_for_planning(cfg) == "data.tokenizer.vocab_size"
     assert cfg.model.vocab_size == 4096
+
+
+def test_moe_plan_lists_fitting_layouts_best_first(capsys):
+    main(["configs/mixtral-8x7b.yaml", "--gpus", "64", "--gpu-memory", "80", "--json",
+          "--top", "100"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["fitting"] == len(r["layouts"]) > 0 and r["global_batch"] == 1024
+    keys = [(round(x["compute_factor"], 4), -x["micro_batch"], x["comm_gib_per_step"], x["zero"])
+            for x in r["layouts"]]
+    assert keys == sorted(keys)
+    for x in r["layouts"]:
+        assert 64 % x["ep"] == 0 and 8 % x["ep"] == 0 and x["zero"] in (1, 2)  # bf16: ZeRO 1/2
+        assert x["micro_batch"] * x["grad_accum"] * 64 == 1024  # the global batch is kept
+        assert x["peak_gib"] <= 0.9 * 80
+
+
+def test_moe_plan_says_when_nothing_fits(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["configs/mixtral-8x7b.yaml", "--gpus", "8", "--gpu-memory", "80"])
+    assert e.value.code == 1
+    assert "nothing fits: the smallest needs" in capsys.readouterr().out
+
+
+def test_more_memory_never_fits_fewer_layouts(capsys):
+    counts = []
+    for gib in (24, 40, 80):
+        main(["configs/moe-125m.yaml", "--gpus", "8", "--gpu-memory", str(gib), "--json"])
+        counts.append(json.loads(capsys.readouterr().out)["fitting"])
+    assert counts == sorted(counts) and counts[-1] > 0

@@ -1,0 +1,162 @@
+"""The memory planner against measured memory: what a training step's forward keeps for the
+backward (every configuration x recompute mode, fp32 and bf16 on CPU), and on a GPU the peak
+of a whole step against the planner's total."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import pytest
+import torch
+
+from moe.model.moe_layer import MoEConfig
+from moe.model.recompute import apply_recompute
+from moe.model.router import RouterConfig
+from moe.model.size import count_parameters
+from moe.model.transformer import ModelConfig, MoETransformer
+from moe.tools.planning import activation_bytes, memory_per_gpu
+
+B, S, VOCAB = 2, 96, 512
+
+CONFIGS = {
+    "dense_ffn": ModelConfig(vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=4, max_seq_len=S,
+                             ffn="dense", moe=MoEConfig(expert_hidden=128)),
+    "8_experts_top2": ModelConfig(vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=4,
+                                  max_seq_len=S, moe=MoEConfig(num_experts=8, expert_hidden=128)),
+    "32_fine_top8_shared": ModelConfig(
+        vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=4, max_seq_len=S,
+        moe=MoEConfig(num_experts=32, expert_hidden=32, num_shared_experts=1,
+                      router=RouterConfig(top_k=8))),
+    "every_other_layer_moe_gqa": ModelConfig(
+        vocab_size=VOCAB, d_model=96, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=S,
+        moe=MoEConfig(num_experts=8, expert_hidden=64, every_n_layers=2, dense_hidden=160,
+                      router=RouterConfig(top_k=2, order="topk_then_softmax"))),
+}
+MODES = ("none", "selective", "full")
+
+
+def measure_saved_bytes(model: torch.nn.Module, ids_BS, targets_BS, doc_ids_BS=None) -> int:
+    """Bytes autograd keeps for the backward after the forward of a training step: every saved
+    tensor (a checkpointed region's inputs are saved the same way), each untyped storage once
+    (by data pointer), parameters and buffers excluded. Only storages still referenced by the
+    graph at the end of the forward count: a graph dropped early (a detached statistic) frees
+    its tensors, and the allocator may hand their address to a later tensor."""
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    packed: list[tuple[weakref.ref, int, int]] = []
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            packed.append((weakref.ref(t), s.data_ptr(), s.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids_BS, targets_BS, doc_ids_BS=doc_ids_BS)
+    alive = {ptr: n for ref, ptr, n in packed if ref() is not None}
+    assert out.loss.requires_grad
+    return sum(alive.values())
+
+
+def measured_and_planned(cfg: ModelConfig, mode: str, precision: str, every_n: int = 1,
+                         docs: bool = False) -> tuple[int, float]:
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    if precision == "bf16":
+        model = model.bfloat16()
+    apply_recompute(model, mode, every_n)
+    ids = torch.randint(0, VOCAB, (B, S + 1))
+    doc_ids = (torch.arange(S) // 40)[None].expand(B, S) if docs else None
+    measured = measure_saved_bytes(model, ids[:, :-1], ids[:, 1:], doc_ids)
+    planned = activation_bytes(cfg, B, S, precision, mode, every_n).saved_bytes
+    return measured, planned
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_planned_activations_are_within_10_percent_of_what_a_step_keeps(name, mode, precision):
+    measured, planned = measured_and_planned(CONFIGS[name], mode, precision)
+    assert abs(planned / measured - 1) < 0.10, (measured, planned)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_every_second_block(mode):
+    cfg = CONFIGS["every_other_layer_moe_gqa"]
+    measured, planned = measured_and_planned(cfg, mode, "fp32", every_n=2)
+    assert abs(planned / measured - 1) < 0.10, (measured, planned)
+    # Between keeping everything and recomputing every block.
+    assert measured_and_planned(cfg, mode, "fp32")[0] < measured
+    assert measured < measured_and_planned(cfg, "none", "fp32")[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reference_attention_keeps_a_mask_per_layer_that_sdpa_does_not(precision):
+    """Documents with the reference back end: SDPA keeps an (S, S) mask per layer."""
+    base = dataclasses.replace(CONFIGS["8_experts_top2"], document_masking=True, n_layers=3)
+    ref = dataclasses.replace(base, attention_backend="reference")
+    measured_ref, planned_ref = measured_and_planned(ref, "none", precision, docs=True)
+    assert abs(planned_ref / measured_ref - 1) < 0.10, (measured_ref, planned_ref)
+    e = 2 if precision == "bf16" else 4
+    masks = activation_bytes(ref, B, S, precision).attention_mask_bytes
+    assert masks == 3 * e * B * S * S
+    # The fused per-document kernel keeps none of it (what sdpa and flex plan for).
+    measured_sdpa, _ = measured_and_planned(dataclasses.replace(base, attention_backend="sdpa"),
+                                            "none", precision, docs=True)
+    assert abs((measured_ref - measured_sdpa) / masks - 1) < 0.15
+
+
+def test_capacity_factor_bounds_the_routed_copies():
+    cfg = dataclasses.replace(CONFIGS["8_experts_top2"],
+                              moe=dataclasses.replace(CONFIGS["8_experts_top2"].moe,
+                                                      capacity_factor=0.5))
+    measured, planned = measured_and_planned(cfg, "none", "fp32")
+    # Random routing fills some experts below capacity: the plan is an upper bound, close by.
+    assert measured <= planned * 1.02 and planned / measured - 1 < 0.15, (measured, planned)
+
+
+def bf16_master_step(model, masters, opt, ids_BS) -> None:
+    """Forward and backward in bf16, fp32 master gradients, Adam on the masters, bf16 copy back."""
+    model(ids_BS[:, :-1], ids_BS[:, 1:]).loss.backward()
+    for p, m in zip(model.parameters(), masters):
+        m.grad = p.grad.float()
+        p.grad = None
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), masters):
+            p.copy_(m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", MODES)
+def test_peak_memory_of_a_bf16_training_step_matches_the_planned_total(mode):
+    """One device, bf16 weights and activations, fp32 master weights and plain torch Adam
+    (fp32 moments) on the masters; the bf16 gradients are copied into fp32 master gradients
+    before the step. Planned: the planner's bf16 model states on one GPU (2 + 2 + 12 bytes per
+    parameter), plus the 4 bytes per parameter of fp32 master gradients this loop adds, plus
+    saved activations and the transient working set; the step's peak is the larger of the
+    forward/backward peak and the optimizer step's (activations freed, master gradients held).
+    Tolerance 15%: the CUDA caching allocator rounds blocks up and kernels take workspaces."""
+    cfg = ModelConfig(vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, max_seq_len=2048,
+                      moe=MoEConfig(num_experts=16, expert_hidden=1024,
+                                    router=RouterConfig(top_k=2)))
+    mb, seq = 4, 2048
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = MoETransformer(cfg).to(dev, torch.bfloat16)
+    apply_recompute(model, mode)
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.Adam(masters, lr=1e-4, foreach=False)
+    ids = torch.randint(0, cfg.vocab_size, (mb, seq + 1), device=dev)
+    bf16_master_step(model, masters, opt, ids)  # Adam's moments exist from here on
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    bf16_master_step(model, masters, opt, ids)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    plan = memory_per_gpu(cfg, 1, 1, 0, "bf16", mb, seq, mode)
+    params = count_parameters(cfg).total_params
+    planned = max(plan.total_bytes, plan.model_states_bytes + 4 * params)
+    assert abs(planned / peak - 1) < 0.15, (peak, planned)
