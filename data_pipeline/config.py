@@ -13,7 +13,7 @@ class SourceConfig:
     type: Literal["stdlib", "text", "jsonl", "parquet", "arrow"] = "stdlib"
     """``stdlib``: docstrings and comments of the installed Python standard library.
     ``text``: plain-text files, one document per file. ``jsonl``: one JSON object per line, the
-    document is its ``field``. ``parquet`` / ``arrow`` (Arrow IPC files): one document per row,
+    document is its ``field``. Text and JSONL files may be gzip or zstd compressed. ``parquet`` / ``arrow`` (Arrow IPC files): one document per row,
     taken from the column ``field``."""
     paths: list[str] = field(default_factory=list)
     """Files, directories (searched recursively) or glob patterns (``**`` allowed)."""

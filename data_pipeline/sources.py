@@ -6,23 +6,30 @@ parallel processes and writes their documents in item order, so the result does 
 number of workers. Each document has an id that is stable for the same input files; the
 train/validation split is a hash of (source name, document id).
 Bytes that are not valid UTF-8 are decoded with U+FFFD and counted, never silently dropped.
+Text and JSONL files may be gzip or zstd compressed (known by their first bytes, whatever their
+name); they are decompressed as streams, never to disk.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import glob
+import gzip
 import io
 import itertools
 import json
 import os
 import sysconfig
 import tokenize
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import zstandard
 
 from data_pipeline.config import SourceConfig
 from data_pipeline.errors import DataError
@@ -62,6 +69,81 @@ JSONL_CHUNK_BYTES = 8 << 20
 """JSONL files are split into byte ranges of about this size (cut at line ends)."""
 
 
+# --- compressed files: gzip and zstd, read as streams ---
+
+MAGIC = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd"}
+SUFFIX = {".gz": "gzip", ".zst": "zstd"}
+STREAM_CHUNK = 1 << 20
+
+
+def compression(path: Path) -> str | None:
+    """``gzip``, ``zstd`` or None (plain), from the file's first bytes: a ``.txt`` that holds
+    gzip is read as gzip. A ``.gz`` or ``.zst`` suffix that the bytes contradict is an error
+    (a truncated download, a mislabelled file) rather than a guess."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from e
+    found = next((kind for kind, magic in MAGIC.items() if head.startswith(magic)), None)
+    claimed = SUFFIX.get(path.suffix.lower())
+    if claimed and found != claimed:
+        raise DataError(f"{path}: named {path.suffix} but does not start like {claimed} data "
+                        f"(first bytes {head.hex() or 'none'}); the file is damaged or mislabelled")
+    return found
+
+
+class _ZstdStream(io.RawIOBase):
+    """Decompresses a zstd file frame after frame. Unlike zstandard's ``stream_reader``, a
+    truncated last frame is an error here, not a silent end of file."""
+
+    def __init__(self, raw):
+        self._raw, self._obj, self._pending = raw, zstandard.ZstdDecompressor().decompressobj(), b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self._pending:
+            chunk = self._raw.read(STREAM_CHUNK)
+            if not chunk:
+                if not self._obj.eof:
+                    raise zstandard.ZstdError("truncated: the last frame is incomplete")
+                return 0
+            while chunk:
+                if self._obj.eof:  # next frame
+                    self._obj = zstandard.ZstdDecompressor().decompressobj()
+                self._pending += self._obj.decompress(chunk)
+                chunk = self._obj.unused_data if self._obj.eof else b""
+        n = min(len(buf), len(self._pending))
+        buf[:n], self._pending = self._pending[:n], self._pending[n:]
+        return n
+
+
+STREAM_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
+"""What a damaged compressed stream raises while it is read (gzip.BadGzipFile is an OSError)."""
+
+
+@contextlib.contextmanager
+def open_stream(path: Path) -> Iterator[io.BufferedIOBase]:
+    """The file's (decompressed) bytes as a buffered binary stream; nothing is written to disk.
+    Any decompression or read error, also one raised while the caller reads, becomes a
+    DataError that names the file."""
+    kind = compression(path)
+    try:
+        with open(path, "rb") as raw:
+            if kind == "gzip":
+                stream = gzip.GzipFile(fileobj=raw)
+            elif kind == "zstd":
+                stream = io.BufferedReader(_ZstdStream(raw), STREAM_CHUNK)
+            else:
+                stream = raw
+            yield stream
+    except STREAM_ERRORS as e:
+        what = f"corrupt {kind} data" if kind else "unreadable"
+        raise DataError(f"{path}: {what} ({getattr(e, 'strerror', None) or e})") from e
+
+
 def _glob_base(pattern: str) -> Path:
     """The directory part of a pattern before its first wildcard."""
     parts = Path(pattern).parts
@@ -92,8 +174,8 @@ def matching_files(patterns: list[str], source: str) -> list[tuple[Path, str]]:
 @dataclass(frozen=True)
 class WorkItem:
     """A piece of a source read by one worker: ``part`` is a byte range (JSONL), a row group
-    (Parquet) or a record batch (Arrow); None for a whole file. ``name`` identifies the file in
-    document ids."""
+    (Parquet) or a record batch (Arrow); None for a whole file (a text file, a compressed JSONL
+    file). ``name`` identifies the file in document ids."""
 
     path: str
     name: str
@@ -128,7 +210,9 @@ def work_items(source: SourceConfig) -> list[WorkItem]:
     if source.type == "text":
         return [WorkItem(str(p), n) for p, n in files]
     if source.type == "jsonl":
-        return [WorkItem(str(p), n, r) for p, n in files for r in _jsonl_ranges(p)]
+        # A compressed file cannot be entered in the middle: it is one item, read as a stream.
+        return [WorkItem(str(p), n, r) for p, n in files
+                for r in ([None] if compression(p) else _jsonl_ranges(p))]
     if source.type == "parquet":
         return [WorkItem(str(p), n, g) for p, n in files
                 for g in range(_open_parquet(p).num_row_groups)]
@@ -163,17 +247,23 @@ def decode(raw: bytes) -> tuple[str, int]:
 
 
 def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}") from e
+    with open_stream(path) as f:
+        return f.read()
 
 
-def _jsonl_documents(path: Path, name: str, start: int, end: int, fieldname: str,
-                     out: ItemDocuments) -> None:
-    # A range owns the lines that start inside it: skip the partial line at its start (the
-    # previous range reads it), read past its end to finish the last line.
-    with open(path, "rb") as f:
+def _jsonl_lines(path: Path, part: tuple[int, int] | None) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of the lines of a byte range of a plain file, or of a whole compressed
+    file (offsets in its decompressed bytes)."""
+    with open_stream(path) as f:
+        if part is None:
+            offset = 0
+            for line in f:
+                yield offset, line
+                offset += len(line)
+            return
+        # A range owns the lines that start inside it: skip the partial line at its start (the
+        # previous range reads it), read past its end to finish the last line.
+        start, end = part
         f.seek(max(0, start - 1))
         if start > 0 and f.read(1) != b"\n":
             f.readline()
@@ -182,21 +272,27 @@ def _jsonl_documents(path: Path, name: str, start: int, end: int, fieldname: str
             line = f.readline()
             if not line:
                 break
-            if not line.strip():
-                continue
-            text, bad = decode(line)
-            out.invalid_utf8 += bad
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: the line at byte {offset} is not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or fieldname not in record:
-                raise DataError(f"{path}: the line at byte {offset} has no field {fieldname!r}")
-            value = record[fieldname]
-            if value is not None and not isinstance(value, str):
-                raise DataError(f"{path}: field {fieldname!r} at byte {offset} is "
-                                f"{type(value).__name__}, expected a string")
-            out.add(f"{name}@{offset}", value)
+            yield offset, line
+
+
+def _jsonl_documents(path: Path, name: str, part: tuple[int, int] | None, fieldname: str,
+                     out: ItemDocuments) -> None:
+    for offset, line in _jsonl_lines(path, part):
+        if not line.strip():
+            continue
+        text, bad = decode(line)
+        out.invalid_utf8 += bad
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: the line at byte {offset} is not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or fieldname not in record:
+            raise DataError(f"{path}: the line at byte {offset} has no field {fieldname!r}")
+        value = record[fieldname]
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{path}: field {fieldname!r} at byte {offset} is "
+                            f"{type(value).__name__}, expected a string")
+        out.add(f"{name}@{offset}", value)
 
 
 def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch, fieldname: str,
@@ -227,7 +323,7 @@ def read_item(source_type: str, fieldname: str, item: WorkItem) -> ItemDocuments
         text, out.invalid_utf8 = decode(_read_bytes(path))
         out.add(item.name, text)
     elif source_type == "jsonl":
-        _jsonl_documents(path, item.name, *item.part, fieldname, out)
+        _jsonl_documents(path, item.name, item.part, fieldname, out)
     elif source_type == "parquet":
         try:
             table = _open_parquet(path).read_row_group(item.part)
