@@ -67,6 +67,8 @@ def config_hash(cfg: DataConfig) -> str:
         d.pop(k)
     for s in d["sources"]:
         s.pop("weight")
+        if s["filter"]["column"] is None:  # data prepared before filters keeps its hash
+            s.pop("filter")
     model_file = cfg.tokenizer.model_file
     if model_file and Path(model_file).is_file():
         d["tokenizer"]["model_sha256"] = hashlib.sha256(Path(model_file).read_bytes()).hexdigest()
@@ -97,32 +99,33 @@ def _init_worker(tokenizer_path: str | None) -> None:
 
 def _dump_docs(docs: ItemDocuments, path: str) -> None:
     with open(path, "w", encoding="ascii") as f:  # ensure_ascii: any str survives
-        json.dump({"docs": docs.docs, "invalid_utf8": docs.invalid_utf8, "empty": docs.empty}, f)
+        json.dump({"docs": docs.docs, "invalid_utf8": docs.invalid_utf8, "empty": docs.empty,
+                   "filtered": docs.filtered}, f)
 
 
 def _load_docs(path: str) -> ItemDocuments:
     with open(path, encoding="ascii") as f:
         d = json.load(f)
     return ItemDocuments([(doc_id, text) for doc_id, text in d["docs"]], d["invalid_utf8"],
-                         d["empty"])
+                         d["empty"], d["filtered"])
 
 
-def _read(args: tuple[str, str, WorkItem, str]) -> str:
-    """Read one work item into the spill file ``args[3]``; returns its path."""
-    source_type, source_field, item, spill = args
-    _dump_docs(read_item(source_type, source_field, item), spill)
+def _read(args: tuple[SourceConfig, WorkItem, str]) -> str:
+    """Read one work item into the spill file ``args[2]``; returns its path."""
+    source, item, spill = args
+    _dump_docs(read_item(source, item), spill)
     return spill
 
 
 def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]
-            ) -> tuple[str, list[int], int, int]:
+            ) -> tuple[str, list[int], int, int, int]:
     """Read (or load from its spill file) and tokenize one work item; write per split, in
     ``SPLITS`` order, the document lengths (int64) and then the concatenated token ids (uint32,
     each document followed by EOS) to the raw spill file ``args[4]``. Returns (that path, the
-    documents per split, invalid UTF-8 count, empty documents)."""
+    documents per split, invalid UTF-8 count, empty documents, rows filtered out)."""
     source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
-    docs = _load_docs(cached) if cached else read_item(source.type, source.field, item)
+    docs = _load_docs(cached) if cached else read_item(source, item)
     eos = _TOKENIZER.eos_id
     counts = []
     with open(spill, "wb") as f:
@@ -135,7 +138,7 @@ def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]
             np.fromiter((t for x in ids for t in (*x, eos)), dtype=np.uint32,
                         count=int(lengths.sum())).tofile(f)
             counts.append(len(ids))
-    return spill, counts, docs.invalid_utf8, docs.empty
+    return spill, counts, docs.invalid_utf8, docs.empty, docs.filtered
 
 
 def _load_encoded(path: str, counts: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -218,7 +221,7 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
         with ctx.Pool(workers) as pool:
             for source in cfg.sources:
                 docs_seen, kept = 0, []
-                jobs = [(source.type, source.field, it, str(spill / f"read-{source.name}-{i}.json"))
+                jobs = [(source, it, str(spill / f"read-{source.name}-{i}.json"))
                         for i, it in enumerate(items[source.name])]
                 for path in _bar(progress, iterable=pool.imap(_read, jobs, chunksize=4),
                                  total=len(jobs), desc=f"read {source.name}", unit="item"):
@@ -258,15 +261,16 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
                      str(spill / f"encode-{source.name}-{i}.bin"))
                     for i, (it, cached) in enumerate(zip(items[source.name], kept))]
             stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
-                     "empty_documents": 0, "invalid_utf8": 0}
+                     "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0}
             bar = _bar(progress, total=len(jobs), desc=f"tokenize {source.name}", unit="item")
-            for path, counts, invalid_utf8, empty in pool.imap(_encode, jobs, chunksize=4):
+            for path, counts, invalid_utf8, empty, filtered in pool.imap(_encode, jobs, chunksize=4):
                 for split, (tokens, lengths) in _load_encoded(path, counts).items():
                     writers[split].add(tokens, lengths)
                     stats["documents"][split] += len(lengths)
                     stats["tokens"][split] += len(tokens)
                 Path(path).unlink()
                 stats["empty_documents"] += empty
+                stats["filtered_documents"] += filtered
                 stats["invalid_utf8"] += invalid_utf8
                 bar.update()
                 bar.set_postfix(tokens=f"{sum(stats['tokens'].values()):,}")
@@ -279,7 +283,9 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
                 writers[split].flush()
                 splits[split].shards += writers[split].shards
             source_stats.append({"name": source.name, "type": source.type,
-                                 "paths": list(source.paths), "field": source.field, **stats})
+                                 "paths": list(source.paths), "field": source.field,
+                                 "filter": dataclasses.asdict(source.row_filter) if source.row_filter else None,
+                                 **stats})
     timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
     shutil.rmtree(spill)
     if not splits["valid"].shards:
@@ -305,4 +311,7 @@ def _cpu_seconds() -> float:
 def _check_not_empty(source: SourceConfig, documents: int) -> None:
     if not documents:
         where = f" ({', '.join(source.paths)})" if source.paths else ""
-        raise DataError(f"source {source.name!r}{where} holds no text: every document is empty")
+        kept = (f" or left out by its filter ({source.filter.column} == {source.filter.value!r})"
+                if source.row_filter else "")
+        raise DataError(f"source {source.name!r}{where} holds no text: every document is "
+                        f"empty{kept}")

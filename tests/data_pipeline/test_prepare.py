@@ -138,7 +138,7 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     (item,) = work_items(source)
     spill = tmp_path / "spill"
     spill.mkdir()
-    read_result = prep._read(("text", source.field, item, str(spill / "r.json")))
+    read_result = prep._read((source, item, str(spill / "r.json")))
     docs = prep._load_docs(read_result)
     assert sum(len(t) for _, t in docs.docs) > 400_000  # one file, one document
     prep._init_worker(str(Path(tiny_data.dir) / TOKENIZER_FILE))
@@ -237,7 +237,7 @@ def test_stdlib_source_reads_docstrings_and_comments():
     items = work_items(SourceConfig())
     assert len(items) > 500 and all(not Path(i.name).is_absolute() for i in items)
     (item,) = [i for i in items if i.name == "textwrap.py"]
-    (doc_id, text), = read_item("stdlib", "text", item).docs
+    (doc_id, text), = read_item(SourceConfig(), item).docs
     assert doc_id == "textwrap.py"
     assert "Text wrapping and filling." in text  # the module docstring
     assert "import re" not in text  # code is left out
