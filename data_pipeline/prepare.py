@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from data_pipeline.config import DataConfig, SourceConfig
 from data_pipeline.errors import DataError
+from data_pipeline.progress import Progress
 from data_pipeline.shards import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -263,9 +264,20 @@ def _encode_jobs(cfg: DataConfig, source: SourceConfig, items: list[WorkItem],
             for i, (it, c) in enumerate(zip(items, kept))]
 
 
+def item_bytes(source: SourceConfig, items: list[WorkItem]) -> list[int]:
+    """Input bytes of each item, for progress: a JSONL byte range's length, else the item's
+    share of its file (compressed files count their compressed bytes)."""
+    per_file: dict[str, int] = {}
+    for it in items:
+        per_file[it.path] = per_file.get(it.path, 0) + 1
+    return [it.part[1] - it.part[0] if source.type == "jsonl" and it.part is not None
+            else Path(it.path).stat().st_size // per_file[it.path] for it in items]
+
+
 def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                   encoded: Callable[[SourceConfig], Iterator[Encoded]], keep_spill: bool,
-                  progress: bool) -> tuple[dict[str, SplitInfo], list[dict]]:
+                  progress: bool, items: dict[str, list[WorkItem]]
+                  ) -> tuple[dict[str, SplitInfo], list[dict]]:
     """Write each source's shards from its encoded work items, taken in item order: the one
     place where documents meet shards, for a single machine and for a merge of parts alike."""
     splits = {split: SplitInfo() for split in SPLITS}
@@ -275,19 +287,21 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                                       tokenizer.vocab_size) for split in SPLITS}
         stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
                  "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0}
-        bar = _bar(progress, desc=f"tokenize {source.name}", unit="item")
-        for path, counts, invalid_utf8, empty, filtered in encoded(source):
+        sizes = item_bytes(source, items[source.name])
+        bar = Progress(f"tokenize {source.name}", sum(sizes), progress)
+        for size, (path, counts, invalid_utf8, empty, filtered) in zip(sizes, encoded(source)):
+            docs = tokens_seen = 0
             for split, (tokens, lengths) in _load_encoded(path, counts).items():
                 writers[split].add(tokens, lengths)
                 stats["documents"][split] += len(lengths)
                 stats["tokens"][split] += len(tokens)
+                docs, tokens_seen = docs + len(lengths), tokens_seen + len(tokens)
             if not keep_spill:
                 Path(path).unlink()
             stats["empty_documents"] += empty
             stats["filtered_documents"] += filtered
             stats["invalid_utf8"] += invalid_utf8
-            bar.update()
-            bar.set_postfix(tokens=f"{sum(stats['tokens'].values()):,}")
+            bar.update(size, docs, tokens_seen)
         bar.close()
         _check_not_empty(source, sum(stats["documents"].values()))
         if not stats["documents"]["train"]:
@@ -335,7 +349,8 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
             jobs = _encode_jobs(cfg, source, items[source.name], cached, spill)
             return pool.imap(_encode, jobs, chunksize=4)
 
-        splits, source_stats = _write_shards(cfg, staging, tokenizer, encoded, False, progress)
+        splits, source_stats = _write_shards(cfg, staging, tokenizer, encoded, False, progress,
+                                             items)
     timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
     shutil.rmtree(spill)
     return _finish(staging, want, tokenizer, splits, source_stats, timings)
@@ -476,7 +491,8 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
                 yield str(path), split_counts, invalid, empty, filtered
 
     t = time.time()
-    splits, source_stats = _write_shards(cfg, staging, tokenizer, encoded, True, progress)
+    items = {s.name: [it for t, _, it in numbered if t is s] for s in cfg.sources}
+    splits, source_stats = _write_shards(cfg, staging, tokenizer, encoded, True, progress, items)
     return _finish(staging, want, tokenizer, splits, source_stats, {"merge": time.time() - t})
 
 
