@@ -19,6 +19,7 @@ setup(
         "numpy",
         "pyyaml",
         "tqdm",
+        "zstandard",
         "safetensors",
         "matplotlib",
     ],

@@ -2,23 +2,58 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
+
+
+@dataclass
+class FilterConfig:
+    """Keep only the rows (JSON records) whose ``column`` equals ``value``; no column: keep
+    every row. (Not Optional in SourceConfig so that a mistake inside it is reported by key.)"""
+
+    column: str | None = None
+    """The column (Parquet, Arrow, hf_disk) or JSON field compared; every row must have it."""
+    value: str | bool | int | float | None = None
+    """The value a row keeps; compared with the column's own type (``en``, ``true``, ``3``)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.column is None and self.value is not None:
+            out.append("column: name the column to filter on, e.g. {column: lang, value: en}")
+        if self.column == "":
+            out.append("column: must be a column name, e.g. lang")
+        if self.column is not None and self.value is None:
+            out.append(f"value: give the value of {self.column!r} that rows must have")
+        return out
+
+
+COLUMN_TYPES = ("jsonl", "parquet", "arrow", "hf_disk")
+"""Source types whose documents come from a named field or column."""
 
 
 @dataclass
 class SourceConfig:
     name: str = "stdlib"
     """A name for this source (used in the manifest, for mixture weights and in the counters)."""
-    type: Literal["stdlib", "text", "jsonl", "parquet", "arrow"] = "stdlib"
+    type: Literal["stdlib", "text", "jsonl", "parquet", "arrow", "hf_disk"] = "stdlib"
     """``stdlib``: docstrings and comments of the installed Python standard library.
     ``text``: plain-text files, one document per file. ``jsonl``: one JSON object per line, the
-    document is its ``field``. ``parquet`` / ``arrow`` (Arrow IPC files): one document per row,
-    taken from the column ``field``."""
+    document is its ``field``. Text and JSONL files may be gzip or zstd compressed (known by
+    their first bytes). ``parquet`` / ``arrow`` (Arrow IPC files): one document per row, taken
+    from the column ``field``. ``hf_disk``: Hugging Face datasets written by ``save_to_disk``
+    (each path a directory with ``state.json`` and ``data-*.arrow``), read with pyarrow alone,
+    one document per row."""
     paths: list[str] = field(default_factory=list)
-    """Files, directories (searched recursively) or glob patterns (``**`` allowed)."""
+    """Files, directories (searched recursively; ``parquet`` and ``arrow`` take only the
+    ``.parquet`` / ``.arrow`` files in them; hidden entries are skipped) or glob patterns
+    (``**`` allowed, e.g. ``corpus/**/*.jsonl.gz``)."""
     field: str = "text"
-    """The JSON field or table column holding the text (``jsonl``, ``parquet``, ``arrow``)."""
+    """The JSON field or table column holding the text (``jsonl``, ``parquet``, ``arrow``,
+    ``hf_disk``)."""
+    filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)  # `field` is taken
+    """Keep only rows whose column equals a value, e.g. ``{column: lang, value: en}``
+    (``jsonl``, ``parquet``, ``arrow``, ``hf_disk``). Rows left out are counted in the manifest."""
     weight: float | None = None
     """Mixture weight when reading (relative; normalized over sources). Null on every source:
     each source in proportion to its tokens. Not part of the prepared data: change it freely."""
@@ -31,9 +66,19 @@ class SourceConfig:
             out.append("paths: a 'stdlib' source takes no paths")
         if not self.name or "/" in self.name:
             out.append(f"name: {self.name!r} must be a non-empty name without '/'")
+        out += [f"filter.{p}" for p in self.filter.problems()]
+        if self.filter.column is not None:
+            if self.type not in COLUMN_TYPES:
+                out.append(f"filter: a {self.type!r} source has no columns to filter on; "
+                           f"filters apply to {', '.join(COLUMN_TYPES)} sources")
         if self.weight is not None and not self.weight > 0:
             out.append(f"weight: must be > 0 (or null), got {self.weight}")
         return out
+
+    @property
+    def row_filter(self) -> FilterConfig | None:
+        """The filter, or None when every row is kept."""
+        return self.filter if self.filter.column is not None else None
 
 
 @dataclass

@@ -6,23 +6,32 @@ parallel processes and writes their documents in item order, so the result does 
 number of workers. Each document has an id that is stable for the same input files; the
 train/validation split is a hash of (source name, document id).
 Bytes that are not valid UTF-8 are decoded with U+FFFD and counted, never silently dropped.
+Text and JSONL files may be gzip or zstd compressed (known by their first bytes, whatever their
+name); they are decompressed as streams, never to disk.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import glob
+import gzip
 import io
 import itertools
 import json
 import os
 import sysconfig
 import tokenize
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import zstandard
 
 from data_pipeline.config import SourceConfig
 from data_pipeline.errors import DataError
@@ -62,6 +71,81 @@ JSONL_CHUNK_BYTES = 8 << 20
 """JSONL files are split into byte ranges of about this size (cut at line ends)."""
 
 
+# --- compressed files: gzip and zstd, read as streams ---
+
+MAGIC = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd"}
+SUFFIX = {".gz": "gzip", ".zst": "zstd"}
+STREAM_CHUNK = 1 << 20
+
+
+def compression(path: Path) -> str | None:
+    """``gzip``, ``zstd`` or None (plain), from the file's first bytes: a ``.txt`` that holds
+    gzip is read as gzip. A ``.gz`` or ``.zst`` suffix that the bytes contradict is an error
+    (a truncated download, a mislabelled file) rather than a guess."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from e
+    found = next((kind for kind, magic in MAGIC.items() if head.startswith(magic)), None)
+    claimed = SUFFIX.get(path.suffix.lower())
+    if claimed and found != claimed:
+        raise DataError(f"{path}: named {path.suffix} but does not start like {claimed} data "
+                        f"(first bytes {head.hex() or 'none'}); the file is damaged or mislabelled")
+    return found
+
+
+class _ZstdStream(io.RawIOBase):
+    """Decompresses a zstd file frame after frame. Unlike zstandard's ``stream_reader``, a
+    truncated last frame is an error here, not a silent end of file."""
+
+    def __init__(self, raw):
+        self._raw, self._obj, self._pending = raw, zstandard.ZstdDecompressor().decompressobj(), b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self._pending:
+            chunk = self._raw.read(STREAM_CHUNK)
+            if not chunk:
+                if not self._obj.eof:
+                    raise zstandard.ZstdError("truncated: the last frame is incomplete")
+                return 0
+            while chunk:
+                if self._obj.eof:  # next frame
+                    self._obj = zstandard.ZstdDecompressor().decompressobj()
+                self._pending += self._obj.decompress(chunk)
+                chunk = self._obj.unused_data if self._obj.eof else b""
+        n = min(len(buf), len(self._pending))
+        buf[:n], self._pending = self._pending[:n], self._pending[n:]
+        return n
+
+
+STREAM_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
+"""What a damaged compressed stream raises while it is read (gzip.BadGzipFile is an OSError)."""
+
+
+@contextlib.contextmanager
+def open_stream(path: Path) -> Iterator[io.BufferedIOBase]:
+    """The file's (decompressed) bytes as a buffered binary stream; nothing is written to disk.
+    Any decompression or read error, also one raised while the caller reads, becomes a
+    DataError that names the file."""
+    kind = compression(path)
+    try:
+        with open(path, "rb") as raw:
+            if kind == "gzip":
+                stream = gzip.GzipFile(fileobj=raw)
+            elif kind == "zstd":
+                stream = io.BufferedReader(_ZstdStream(raw), STREAM_CHUNK)
+            else:
+                stream = raw
+            yield stream
+    except STREAM_ERRORS as e:
+        what = f"corrupt {kind} data" if kind else "unreadable"
+        raise DataError(f"{path}: {what} ({getattr(e, 'strerror', None) or e})") from e
+
+
 def _glob_base(pattern: str) -> Path:
     """The directory part of a pattern before its first wildcard."""
     parts = Path(pattern).parts
@@ -69,10 +153,23 @@ def _glob_base(pattern: str) -> Path:
     return Path(*fixed) if fixed else Path(".")
 
 
-def matching_files(patterns: list[str], source: str) -> list[tuple[Path, str]]:
+DIRECTORY_SUFFIX = {"parquet": ".parquet", "arrow": ".arrow"}
+"""In a directory, these source types read only files with this suffix (a dataset downloaded
+from the Hub also holds README.md, .gitattributes and the like)."""
+
+
+def _visible_files(root: Path, suffix: str | None) -> list[Path]:
+    return [q for q in root.rglob("*") if q.is_file()
+            and not any(part.startswith(".") for part in q.relative_to(root).parts)
+            and (suffix is None or q.name.endswith(suffix))]
+
+
+def matching_files(patterns: list[str], source: str, suffix: str | None = None,
+                   directories: bool = False) -> list[tuple[Path, str]]:
     """Files matched by the patterns, each with its name relative to its pattern's base (a
     directory pattern: that directory; a file: its parent). Document ids use that name, so the
-    train/validation split does not depend on where the files live."""
+    train/validation split does not depend on where the files live. A directory is searched for
+    the (non-hidden) files ending with ``suffix``, or returned itself if ``directories``."""
     files: dict[Path, str] = {}
     for pattern in patterns:
         pattern = os.path.expanduser(pattern)
@@ -82,18 +179,26 @@ def matching_files(patterns: list[str], source: str) -> list[tuple[Path, str]]:
         base = _glob_base(pattern)
         for m in matches:
             p = Path(m)
-            if p.is_dir():
-                files.update((q, str(q.relative_to(p))) for q in p.rglob("*") if q.is_file())
-            else:
-                files[p] = str(p.relative_to(base)) if base in p.parents else p.name
+            name = str(p.relative_to(base)) if base in p.parents else p.name
+            if p.is_dir() and not directories:
+                found = _visible_files(p, suffix)
+                if not found:
+                    raise DataError(f"source {source!r}: directory {p} holds no "
+                                    f"{'*' + suffix + ' ' if suffix else ''}files")
+                files.update((q, str(q.relative_to(p))) for q in found)
+            elif p.is_dir() == directories:
+                files[p] = name
+    if not files:
+        kind = "directories" if directories else "files"
+        raise DataError(f"source {source!r}: {patterns} match no {kind}")
     return sorted(files.items())
 
 
 @dataclass(frozen=True)
 class WorkItem:
     """A piece of a source read by one worker: ``part`` is a byte range (JSONL), a row group
-    (Parquet) or a record batch (Arrow); None for a whole file. ``name`` identifies the file in
-    document ids."""
+    (Parquet), a record batch (Arrow) or a range of record batches (hf_disk); None for a whole
+    file (a text file, a compressed JSONL file). ``name`` identifies the file in document ids."""
 
     path: str
     name: str
@@ -119,16 +224,76 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from e
 
 
+def hf_disk_files(directory: Path) -> list[Path]:
+    """The Arrow files of a dataset written by ``datasets.Dataset.save_to_disk``, in its own
+    order (``state.json``). The file names come from the dataset: only plain names inside the
+    directory are accepted."""
+    if (directory / "dataset_dict.json").exists():
+        splits = sorted(p.name for p in directory.iterdir() if p.is_dir())
+        raise DataError(f"{directory} holds a DatasetDict; name one of its splits "
+                        f"({', '.join(splits)}), e.g. {directory / (splits[0] if splits else 'train')}")
+    state = directory / "state.json"
+    try:
+        files = json.loads(state.read_text(encoding="utf-8"))["_data_files"]
+        names = [f["filename"] for f in files]
+    except FileNotFoundError:
+        raise DataError(f"{directory}: no state.json; not a dataset written by save_to_disk") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{state}: unreadable ({type(e).__name__}: {e})") from e
+    out = []
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise DataError(f"{state}: data file {name!r} is not a file name in {directory}")
+        if not (directory / name).is_file():
+            raise DataError(f"{state}: lists {name}, which is missing")
+        out.append(directory / name)
+    return out
+
+
+def _open_arrow_stream(path: Path) -> pa.ipc.RecordBatchStreamReader:
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path), "r"))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a readable Arrow IPC stream ({e})") from e
+
+
+def _stream_batches(path: Path) -> Iterator[pa.RecordBatch]:
+    try:
+        yield from _open_arrow_stream(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: corrupt or truncated Arrow IPC stream ({e})") from e
+
+
+def _batch_ranges(path: Path) -> list[tuple[int, int]]:
+    """Record batches of a stream file grouped into ranges of about JSONL_CHUNK_BYTES (a memory
+    mapped stream is walked without reading its data)."""
+    ranges, start, size, n = [], 0, 0, 0
+    for batch in _stream_batches(path):
+        n, size = n + 1, size + batch.nbytes
+        if size >= JSONL_CHUNK_BYTES:
+            ranges.append((start, n))
+            start, size = n, 0
+    if start < n or not ranges:
+        ranges.append((start, n))
+    return ranges
+
+
 def work_items(source: SourceConfig) -> list[WorkItem]:
     """The source's work items, in a deterministic order."""
     if source.type == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         return [WorkItem(str(p), str(p.relative_to(root))) for p in stdlib_files()]
-    files = matching_files(source.paths, source.name)
+    if source.type == "hf_disk":
+        return [WorkItem(str(f), f"{name}/{f.name}", r)
+                for d, name in matching_files(source.paths, source.name, directories=True)
+                for f in hf_disk_files(d) for r in _batch_ranges(f)]
+    files = matching_files(source.paths, source.name, DIRECTORY_SUFFIX.get(source.type))
     if source.type == "text":
         return [WorkItem(str(p), n) for p, n in files]
     if source.type == "jsonl":
-        return [WorkItem(str(p), n, r) for p, n in files for r in _jsonl_ranges(p)]
+        # A compressed file cannot be entered in the middle: it is one item, read as a stream.
+        return [WorkItem(str(p), n, r) for p, n in files
+                for r in ([None] if compression(p) else _jsonl_ranges(p))]
     if source.type == "parquet":
         return [WorkItem(str(p), n, g) for p, n in files
                 for g in range(_open_parquet(p).num_row_groups)]
@@ -145,6 +310,8 @@ class ItemDocuments:
     """Invalid UTF-8 sequences replaced by U+FFFD."""
     empty: int = 0
     """Documents with no text (empty, whitespace or null), skipped."""
+    filtered: int = 0
+    """Rows left out by the source's filter."""
 
     def add(self, doc_id: str, text: str | None) -> None:
         if text is None or not text.strip():
@@ -163,17 +330,23 @@ def decode(raw: bytes) -> tuple[str, int]:
 
 
 def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}") from e
+    with open_stream(path) as f:
+        return f.read()
 
 
-def _jsonl_documents(path: Path, name: str, start: int, end: int, fieldname: str,
-                     out: ItemDocuments) -> None:
-    # A range owns the lines that start inside it: skip the partial line at its start (the
-    # previous range reads it), read past its end to finish the last line.
-    with open(path, "rb") as f:
+def _jsonl_lines(path: Path, part: tuple[int, int] | None) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of the lines of a byte range of a plain file, or of a whole compressed
+    file (offsets in its decompressed bytes)."""
+    with open_stream(path) as f:
+        if part is None:
+            offset = 0
+            for line in f:
+                yield offset, line
+                offset += len(line)
+            return
+        # A range owns the lines that start inside it: skip the partial line at its start (the
+        # previous range reads it), read past its end to finish the last line.
+        start, end = part
         f.seek(max(0, start - 1))
         if start > 0 and f.read(1) != b"\n":
             f.readline()
@@ -182,28 +355,69 @@ def _jsonl_documents(path: Path, name: str, start: int, end: int, fieldname: str
             line = f.readline()
             if not line:
                 break
-            if not line.strip():
+            yield offset, line
+
+
+def _jsonl_documents(path: Path, name: str, part: tuple[int, int] | None, source: SourceConfig,
+                     out: ItemDocuments) -> None:
+    fieldname, keep = source.field, source.row_filter
+    for offset, line in _jsonl_lines(path, part):
+        if not line.strip():
+            continue
+        text, bad = decode(line)
+        out.invalid_utf8 += bad
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: the line at byte {offset} is not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or fieldname not in record:
+            raise DataError(f"{path}: the line at byte {offset} has no field {fieldname!r}")
+        if keep is not None:
+            if keep.column not in record:
+                raise DataError(f"{path}: the line at byte {offset} has no field {keep.column!r} "
+                                "(the source's filter column)")
+            if record[keep.column] != keep.value:
+                out.filtered += 1
                 continue
-            text, bad = decode(line)
-            out.invalid_utf8 += bad
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: the line at byte {offset} is not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or fieldname not in record:
-                raise DataError(f"{path}: the line at byte {offset} has no field {fieldname!r}")
-            value = record[fieldname]
-            if value is not None and not isinstance(value, str):
-                raise DataError(f"{path}: field {fieldname!r} at byte {offset} is "
-                                f"{type(value).__name__}, expected a string")
-            out.add(f"{name}@{offset}", value)
+        value = record[fieldname]
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{path}: field {fieldname!r} at byte {offset} is "
+                            f"{type(value).__name__}, expected a string")
+        out.add(f"{name}@{offset}", value)
 
 
-def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch, fieldname: str,
-                      part: int, out: ItemDocuments) -> None:
-    if fieldname not in table.schema.names:
-        raise DataError(f"{path}: no column {fieldname!r} (columns: {table.schema.names})")
-    column = table.column(fieldname)
+def _check_columns(path: Path, names: list[str], source: SourceConfig) -> list[str]:
+    """The columns to read (text, then the filter's), each checked to exist."""
+    wanted = [source.field] + ([source.filter.column] if source.row_filter else [])
+    for column in wanted:
+        if column not in names:
+            role = "text" if column == source.field else "filter"
+            raise DataError(f"{path}: no column {column!r} (the source's {role} column; "
+                            f"columns: {names})")
+    return list(dict.fromkeys(wanted))
+
+
+def _kept_rows(path: Path, table: pa.Table | pa.RecordBatch, source: SourceConfig) -> np.ndarray:
+    """Indices of the rows the source's filter keeps (all rows without a filter)."""
+    if source.row_filter is None:
+        return np.arange(table.num_rows)
+    column = table.column(source.filter.column)
+    try:
+        mask = pc.fill_null(pc.equal(column, pa.scalar(source.filter.value)), False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+        raise DataError(f"{path}: column {source.filter.column!r} is {column.type}, which cannot "
+                        f"be compared with the filter value {source.filter.value!r} ({e})") from e
+    return np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+
+
+def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch,
+                      source: SourceConfig, part: int, out: ItemDocuments) -> None:
+    _check_columns(path, table.schema.names, source)
+    rows = _kept_rows(path, table, source)
+    out.filtered += table.num_rows - len(rows)
+    column = table.column(source.field)
+    if len(rows) < table.num_rows:
+        column = column.take(pa.array(rows))
     if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
         values = []
         for raw in column.to_pylist():
@@ -213,28 +427,34 @@ def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch, f
     elif pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         values = column.to_pylist()
     else:
-        raise DataError(f"{path}: column {fieldname!r} is {column.type}, expected strings")
-    for row, text in enumerate(values):
+        raise DataError(f"{path}: column {source.field!r} is {column.type}, expected strings")
+    for row, text in zip(rows.tolist(), values):
         out.add(f"{name}#{part}:{row}", text)
 
 
-def read_item(source_type: str, fieldname: str, item: WorkItem) -> ItemDocuments:
+def read_item(source: SourceConfig, item: WorkItem) -> ItemDocuments:
     """Read one work item (runs in a worker process)."""
     path, out = Path(item.path), ItemDocuments()
-    if source_type == "stdlib":
+    if source.type == "stdlib":
         out.add(item.name, stdlib_document(path))
-    elif source_type == "text":
+    elif source.type == "text":
         text, out.invalid_utf8 = decode(_read_bytes(path))
         out.add(item.name, text)
-    elif source_type == "jsonl":
-        _jsonl_documents(path, item.name, *item.part, fieldname, out)
-    elif source_type == "parquet":
+    elif source.type == "jsonl":
+        _jsonl_documents(path, item.name, item.part, source, out)
+    elif source.type == "parquet":
+        parquet = _open_parquet(path)
+        columns = _check_columns(path, parquet.schema_arrow.names, source)
         try:
-            table = _open_parquet(path).read_row_group(item.part)
+            table = parquet.read_row_group(item.part, columns=columns)
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: unreadable row group {item.part} ({e})") from e
-        _column_documents(path, item.name, table, fieldname, item.part, out)
+        _column_documents(path, item.name, table, source, item.part, out)
+    elif source.type == "hf_disk":
+        first, stop = item.part
+        for i, batch in enumerate(itertools.islice(_stream_batches(path), first, stop), first):
+            _column_documents(path, item.name, batch, source, i, out)
     else:
-        _column_documents(path, item.name, _open_arrow(path).get_batch(item.part), fieldname,
+        _column_documents(path, item.name, _open_arrow(path).get_batch(item.part), source,
                           item.part, out)
     return out

@@ -1,11 +1,14 @@
 """moe-prepare: build the tokenizer and tokenized Arrow shards described by a run config, or
-verify prepared data (every shard against the manifest: schema, counts, SHA-256, token range)."""
+verify prepared data (every shard against the manifest: schema, counts, SHA-256, token range).
+
+On many machines sharing a file system: --tokenizer-only once, then --part i/N on each machine
+(i = 0 .. N-1), then --merge once; the result is byte for byte that of one machine."""
 
 from __future__ import annotations
 
 import argparse
 
-from data_pipeline.prepare import prepare
+from data_pipeline.prepare import merge_parts, prepare, prepare_part, prepare_tokenizer
 from data_pipeline.verify import verify
 from launch.cli import exits_cleanly
 from moe.training.config import load_config
@@ -20,6 +23,13 @@ def main(argv=None) -> None:
     p.add_argument("--force", action="store_true", help="replace data prepared from another config")
     p.add_argument("--verify", metavar="DATA_DIR", help="check prepared data instead of preparing")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--tokenizer-only", action="store_true",
+                       help="many machines, step 1: build the tokenizer into DATA_DIR.parts")
+    steps.add_argument("--part", metavar="I/N", type=_part,
+                       help="many machines, step 2: prepare part I of N (0-based) with that tokenizer")
+    steps.add_argument("--merge", action="store_true",
+                       help="many machines, step 3: write the shards and manifest from the parts")
     args = p.parse_args(argv)
     if args.verify:
         summary = verify(args.verify)
@@ -28,7 +38,15 @@ def main(argv=None) -> None:
     if not args.config:
         p.error("a config is needed (or --verify DATA_DIR)")
     cfg = load_config(args.config, args.overrides)
-    report = prepare(cfg.data, force=args.force, progress=not args.quiet)
+    if args.tokenizer_only:
+        print(f"tokenizer: {prepare_tokenizer(cfg.data, progress=not args.quiet)}")
+        return
+    if args.part:
+        print(f"part {args.part[0]}/{args.part[1]}: "
+              f"{prepare_part(cfg.data, *args.part, progress=not args.quiet)}")
+        return
+    build = merge_parts if args.merge else prepare
+    report = build(cfg.data, force=args.force, progress=not args.quiet)
     m = report.manifest
     verb = "already prepared" if report.skipped else f"prepared in {report.seconds:.1f}s"
     print(f"{report.data_dir}: {verb}; train {m.splits['train'].tokens:,} tokens in "
@@ -40,6 +58,16 @@ def main(argv=None) -> None:
                   "replaced with U+FFFD")
         if s["empty_documents"]:
             print(f"note: source {s['name']!r}: {s['empty_documents']} empty documents skipped")
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/4, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"{text}: I must be between 0 and N - 1")
+    return index, count
 
 
 if __name__ == "__main__":

@@ -211,3 +211,25 @@ def test_non_utf8_bytes_are_replaced_and_counted(tiny_data, tmp_path, capsys):
     streams = [TokenStream(tmp_path / "out", split) for split in ("train", "valid")]
     text = tok.decode([t for s in streams for t in s.read(0, len(s)) if t != tok.eos_id])
     assert "valid text \ufffd then \ufffd\ufffd and a cut \ufffd end" in text
+
+
+def test_corrupt_or_mislabelled_compressed_input(tiny_data, tmp_path, capsys):
+    import gzip
+
+    import zstandard
+    raw = b"".join(json.dumps({"text": f"line {i} " * 20}).encode() + b"\n" for i in range(3000))
+    gz, zst = gzip.compress(raw), zstandard.ZstdCompressor().compress(raw)
+    cases = {"truncated.jsonl.gz": (gz[:len(gz) // 2], "corrupt gzip data"),
+             "flipped.jsonl.gz": (gz[:40] + bytes(b ^ 0x55 for b in gz[40:80]) + gz[80:],
+                                  "corrupt gzip data"),
+             "truncated.jsonl.zst": (zst[:len(zst) // 2], "corrupt zstd data"),
+             "garbled.jsonl.zst": (zst[:4] + b"\x00" * 64 + zst[68:], "corrupt zstd data"),
+             "plain.jsonl.gz": (raw, "does not start like gzip")}
+    for name, (data, message) in cases.items():
+        bad = tmp_path / "in" / name
+        bad.parent.mkdir(exist_ok=True)
+        bad.write_bytes(data)
+        config = run_config(tiny_data, tmp_path, [{"name": "j", "type": "jsonl", "paths": [str(bad)]}])
+        cli_fails([str(config), "--quiet"], capsys, str(bad), message)
+        assert_nothing_written(tmp_path)
+        bad.unlink()

@@ -138,7 +138,7 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     (item,) = work_items(source)
     spill = tmp_path / "spill"
     spill.mkdir()
-    read_result = prep._read(("text", source.field, item, str(spill / "r.json")))
+    read_result = prep._read((source, item, str(spill / "r.json")))
     docs = prep._load_docs(read_result)
     assert sum(len(t) for _, t in docs.docs) > 400_000  # one file, one document
     prep._init_worker(str(Path(tiny_data.dir) / TOKENIZER_FILE))
@@ -237,7 +237,41 @@ def test_stdlib_source_reads_docstrings_and_comments():
     items = work_items(SourceConfig())
     assert len(items) > 500 and all(not Path(i.name).is_absolute() for i in items)
     (item,) = [i for i in items if i.name == "textwrap.py"]
-    (doc_id, text), = read_item("stdlib", "text", item).docs
+    (doc_id, text), = read_item(SourceConfig(), item).docs
     assert doc_id == "textwrap.py"
     assert "Text wrapping and filling." in text  # the module docstring
     assert "import re" not in text  # code is left out
+
+
+def test_progress_logs_lines_when_not_on_a_terminal(tiny_data, tmp_path, monkeypatch):
+    import io
+
+    from data_pipeline import progress as progress_module
+    out = io.StringIO()  # not a terminal: log lines, no bar
+    real = progress_module.Progress
+
+    def logging_progress(desc, total, enabled=True):
+        return real(desc, total, enabled, stream=out, interval=0.0)
+
+    monkeypatch.setattr("data_pipeline.prepare.Progress", logging_progress)
+    cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"), prepare_workers=1,
+                              tokenizer=dataclasses.replace(
+                                  tiny_data.tokenizer,
+                                  model_file=str(Path(tiny_data.dir) / TOKENIZER_FILE)))
+    prepare(cfg, progress=True)
+    lines = out.getvalue().splitlines()
+    manifest = read_manifest(cfg.dir)
+    total_mb = sum(p.stat().st_size for p in Path(tiny_data.sources[0].paths[0]).iterdir()) / 1e6
+    assert len(lines) == len(manifest_items := list(Path(tiny_data.sources[0].paths[0]).iterdir())) + 1
+    assert all(line.startswith("tokenize docs: ") for line in lines)
+    assert f"of {total_mb:,.1f} MB" in lines[0] and "ETA" in lines[0] and "tokens/s" in lines[0]
+    tokens = manifest.splits["train"].tokens + manifest.splits["valid"].tokens
+    docs = manifest.splits["train"].documents + manifest.splits["valid"].documents
+    assert lines[-1].endswith("(done)") and "(100%)" in lines[-1] and "ETA 0:00:00" in lines[-1]
+    assert f"{docs:,} documents, {tokens:,} tokens" in lines[-1]
+    assert len(manifest_items) > 1
+    quiet = io.StringIO()
+    p = real("x", 10, enabled=False, stream=quiet, interval=0.0)
+    p.update(10, 1, 1)
+    p.close()
+    assert quiet.getvalue() == ""

@@ -1,0 +1,128 @@
+"""Preparation throughput (not a test): megabytes of raw text per second per worker, against
+SentencePiece's own ``encode`` of the same text in the same run, and the speed-up from 1 to 2
+workers.
+
+    python benchmarks/prepare_bench.py --mb 40 --rounds 3 --work-dir /tmp/prepare_bench
+    python benchmarks/prepare_bench.py --mb 8 --profile   # cProfile of the encode path, in-process
+
+1. Writes a JSONL corpus of about ``--mb`` MB (docstrings and comments of the standard library,
+   repeated with a counter so no two documents are equal) and trains one tokenizer on it, which
+   every preparation reuses (``tokenizer.model_file``): the figures are the read, tokenize and
+   write path alone.
+2. Rounds, interleaved so that machine load hits every variant alike: SentencePiece
+   ``Encode(texts, num_threads=1)`` over all documents held in memory (the ceiling of one
+   worker); ``prepare`` with 1 worker; ``prepare`` with 2 workers. Each prepare figure is its
+   encode phase (read, tokenize, write shards) over the corpus's raw bytes.
+3. Prints medians and spreads (min-max) as JSON: prepare MB/s per worker / SentencePiece MB/s
+   (goal >= 0.8) and 2-worker / 1-worker MB/s (goal >= 1.7 on 2 free cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import json
+import os
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
+from data_pipeline.prepare import _encode, _init_worker, prepare
+from data_pipeline.sources import read_item, stdlib_document, stdlib_files, work_items
+from data_pipeline.tokenizer import Tokenizer, train_tokenizer
+
+
+def write_corpus(path: Path, megabytes: float) -> list[str]:
+    """Standard-library text as JSONL documents until ``megabytes``; returns the documents."""
+    base = [d for d in (stdlib_document(p) for p in stdlib_files()[:600]) if d.strip()]
+    texts, size, i = [], 0, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while size < megabytes * 1e6:
+            text = f"[{i}] {base[i % len(base)]}"
+            line = json.dumps({"text": text}) + "\n"
+            f.write(line)
+            texts.append(text)
+            size, i = size + len(text.encode()), i + 1
+    return texts
+
+
+def sp_encode(tok: Tokenizer, texts: list[str], mb: float) -> float:
+    t = time.perf_counter()
+    tok.sp.Encode(texts, num_threads=1)
+    return mb / (time.perf_counter() - t)
+
+
+def prepare_rate(cfg: DataConfig, workers: int, mb: float, out: Path) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    report = prepare(dataclasses.replace(cfg, dir=str(out), prepare_workers=workers), progress=False)
+    return mb / report.timings["encode"]
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3),
+            "max": round(max(xs), 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--mb", type=float, default=40.0, help="raw text, megabytes")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--profile", action="store_true", help="cProfile the encode path instead")
+    args = p.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="prepare_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        texts = write_corpus(work / "corpus.jsonl", args.mb)
+        mb = sum(len(t.encode()) for t in texts) / 1e6
+        tok_cfg = TokenizerConfig(vocab_size=args.vocab)
+        tok = train_tokenizer([line for t in texts[:3000] for line in t.splitlines() if line.strip()],
+                              tok_cfg, work / "tok.model")
+        cfg = DataConfig(sources=[SourceConfig(name="web", type="jsonl",
+                                               paths=[str(work / "corpus.jsonl")])],
+                         tokenizer=dataclasses.replace(tok_cfg, model_file=str(tok.path)),
+                         shard_tokens=4_000_000)
+        if args.profile:
+            source = cfg.sources[0]
+            _init_worker(str(tok.path))
+            prof = cProfile.Profile()
+            prof.enable()
+            for i, item in enumerate(work_items(source)):
+                _encode((source, cfg.valid_fraction, item, None, str(work / f"e{i}.bin")))
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+            read = time.perf_counter()
+            for item in work_items(source):
+                read_item(source, item)
+            print(f"read_item alone: {mb / (time.perf_counter() - read):.2f} MB/s")
+            return
+        rates: dict[str, list[float]] = {"sentencepiece": [], "prepare_1": [], "prepare_2": []}
+        for _ in range(args.rounds):
+            rates["sentencepiece"].append(sp_encode(tok, texts, mb))
+            rates["prepare_1"].append(prepare_rate(cfg, 1, mb, work / "out"))
+            rates["prepare_2"].append(prepare_rate(cfg, 2, mb, work / "out"))
+        per_worker = [a / b for a, b in zip(rates["prepare_1"], rates["sentencepiece"])]
+        per_worker_2 = [a / 2 / b for a, b in zip(rates["prepare_2"], rates["sentencepiece"])]
+        scaling = [b / a for a, b in zip(rates["prepare_1"], rates["prepare_2"])]
+        print(json.dumps({
+            "raw_text_mb": round(mb, 1), "documents": len(texts), "rounds": args.rounds,
+            "load_average": os.getloadavg(), "mb_per_s": {k: spread(v) for k, v in rates.items()},
+            "prepare_1_worker_over_sentencepiece": spread(per_worker),
+            "prepare_2_workers_per_worker_over_sentencepiece": spread(per_worker_2),
+            "speedup_2_over_1_workers": spread(scaling)}, indent=2))
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
