@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.model.compile import grouped_mm_op, is_compiling
 from moe.model.recompute import recompute
 
 Activation = Literal["swiglu", "gelu"]
@@ -23,6 +24,8 @@ def grouped_mm(x_ND: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) 
     row_bytes_ok = all((d * x_ND.element_size()) % 16 == 0 for d in w_EIO.shape[1:])
     if x_ND.dtype in _GROUPED_DTYPES and row_bytes_ok and hasattr(torch, "_grouped_mm"):
         offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        if x_ND.dtype != torch.bfloat16 and is_compiling():  # see moe/model/compile.py
+            return grouped_mm_op(x_ND.contiguous(), w_EIO, offs)
         return torch._grouped_mm(x_ND.contiguous(), w_EIO, offs=offs)
     out = []
     start = 0
