@@ -47,11 +47,13 @@ def count_per_expert(flat_e: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _kept_copies(order: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """The first sum(counts_E) entries of ``order``. Their number is data dependent: one host
-    sync, only when dropping, and under compile a graph break (this runs eagerly), after which
-    the row count is a dynamic size, not a new compile for each count (moe/model/compile.py)."""
-    return mark_rows_dynamic(order[: int(counts_E.sum())])
+def _kept_copies(order: torch.Tensor, counts_E: torch.Tensor, top_k: int):
+    """The first sum(counts_E) entries of ``order`` and their tokens. Their number is data
+    dependent: one host sync, only when dropping, and under compile a graph break (this runs
+    eagerly), after which the row count is a dynamic size, not a new compile for each count
+    (moe/model/compile.py)."""
+    kept_N = order[: int(counts_E.sum())]
+    return mark_rows_dynamic(kept_N), mark_rows_dynamic(kept_N // top_k)
 
 
 class LocalDispatcher:
@@ -68,8 +70,10 @@ class LocalDispatcher:
         counts = count_per_expert(flat_e, self.num_experts + 1)
         order = torch.argsort(flat_e, stable=True)
         if keep_TK is not None:
-            order = _kept_copies(order, counts[: self.num_experts])
-        return DispatchPlan(copy_N=order, token_N=order // K, counts_E=counts[: self.num_experts],
+            order, token_N = _kept_copies(order, counts[: self.num_experts], K)
+        else:
+            token_N = order // K
+        return DispatchPlan(copy_N=order, token_N=token_N, counts_E=counts[: self.num_experts],
                             num_tokens=T)
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan):
