@@ -78,6 +78,8 @@ if CUSTOM_OPS:
         return grad_x, _weight_grad(x_ND, grad_NO, offs_E), None
 
     grouped_mm_op.register_autograd(_backward, setup_context=_save)
+else:
+    grouped_mm_op = None  # compiled experts then run the per-expert loop (a graph break)
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> int:
