@@ -209,19 +209,27 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: At
         return flex(q, k, v, score_mod=inputs.score_mod, block_mask=inputs.block_mask,
                     enable_gqa=gqa)
     if inputs.doc_lengths is not None:
-        rows = []
-        for b, lengths in enumerate(inputs.doc_lengths):
-            parts = zip(q[b:b + 1].split(lengths, 2), k[b:b + 1].split(lengths, 2),
-                        v[b:b + 1].split(lengths, 2))
-            rows.append(torch.cat([F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                                  enable_gqa=gqa)
-                                   for qd, kd, vd in parts], dim=2))
-        return torch.cat(rows, dim=0)
+        return _sdpa_per_document(q, k, v, inputs.doc_lengths, gqa)
     mask = inputs.mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=gqa)
+
+
+@torch.compiler.disable
+def _sdpa_per_document(q, k, v, doc_lengths: list[list[int]], gqa: bool) -> torch.Tensor:
+    """One causal SDPA call per packed document. Eager under ``train.compile`` (a graph break):
+    the document lengths are Python ints that change every batch, and a graph would be
+    specialized on them and compiled again for each batch."""
+    rows = []
+    for b, lengths in enumerate(doc_lengths):
+        parts = zip(q[b:b + 1].split(lengths, 2), k[b:b + 1].split(lengths, 2),
+                    v[b:b + 1].split(lengths, 2))
+        rows.append(torch.cat([F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                              enable_gqa=gqa)
+                               for qd, kd, vd in parts], dim=2))
+    return torch.cat(rows, dim=0)
 
 
 def build_mask(q_idx_S: torch.Tensor, k_idx_L: torch.Tensor, q_doc_BS: torch.Tensor | None,

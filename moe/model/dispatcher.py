@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.model.compile import mark_rows_dynamic
+
 
 @dataclass
 class DispatchPlan:
@@ -28,13 +30,30 @@ def capacity_keep_mask(indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_e
     flat_e = indices_TK.reshape(-1)
     by_weight = torch.argsort(weights_TK.reshape(-1).detach(), descending=True, stable=True)
     order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
-    counts_E = torch.bincount(flat_e, minlength=num_experts)
+    counts_E = count_per_expert(flat_e, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_e = flat_e[order]
     rank_in_expert = torch.arange(order.numel(), device=order.device) - starts_E[sorted_e]
     keep = torch.empty_like(flat_e, dtype=torch.bool)
     keep[order] = rank_in_expert < capacity
     return keep.view_as(indices_TK)
+
+
+def count_per_expert(flat_e: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Copies per expert id in [0, num_experts) as int64. Not ``bincount``: its output length
+    depends on the largest id, which a compiled graph cannot know (a graph break); this one's
+    length is fixed."""
+    return flat_e.new_zeros(num_experts).index_add_(0, flat_e, torch.ones_like(flat_e))
+
+
+@torch.compiler.disable
+def _kept_copies(order: torch.Tensor, counts_E: torch.Tensor, top_k: int):
+    """The first sum(counts_E) entries of ``order`` and their tokens. Their number is data
+    dependent: one host sync, only when dropping, and under compile a graph break (this runs
+    eagerly), after which the row count is a dynamic size, not a new compile for each count
+    (moe/model/compile.py)."""
+    kept_N = order[: int(counts_E.sum())]
+    return mark_rows_dynamic(kept_N), mark_rows_dynamic(kept_N // top_k)
 
 
 class LocalDispatcher:
@@ -48,12 +67,13 @@ class LocalDispatcher:
         flat_e = indices_TK.reshape(-1)
         if keep_TK is not None:
             flat_e = torch.where(keep_TK.reshape(-1), flat_e, self.num_experts)
-        counts = torch.bincount(flat_e, minlength=self.num_experts + 1)
+        counts = count_per_expert(flat_e, self.num_experts + 1)
         order = torch.argsort(flat_e, stable=True)
         if keep_TK is not None:
-            # The number of kept copies is data dependent: one host sync, only when dropping.
-            order = order[: int(counts[: self.num_experts].sum())]
-        return DispatchPlan(copy_N=order, token_N=order // K, counts_E=counts[: self.num_experts],
+            order, token_N = _kept_copies(order, counts[: self.num_experts], K)
+        else:
+            token_N = order // K
+        return DispatchPlan(copy_N=order, token_N=token_N, counts_E=counts[: self.num_experts],
                             num_tokens=T)
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan):

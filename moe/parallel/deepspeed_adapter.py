@@ -36,6 +36,7 @@ from torch import nn
 from moe.checkpoint.consolidate import EXPERT_KEY
 from moe.checkpoint.files import EXPERT_DIR
 from moe.checkpoint.fingerprints import expert_fingerprints, fingerprint_problems
+from moe.model.compile import mark_rows_dynamic
 from moe.model.dispatcher import DispatchPlan, LocalDispatcher
 from moe.model.moe_layer import MoELayer
 from moe.model.transformer import MoETransformer
@@ -82,13 +83,19 @@ class _AllToAll(torch.autograd.Function):
 class ExpertParallelDispatcher(LocalDispatcher):
     """Dispatch across the expert-parallel group. Rank r owns global experts
     [r * E_local, (r + 1) * E_local). Token counts are exchanged first (one small all-to-all and
-    one host sync for the split sizes), then the variable-sized token blocks."""
+    one host sync for the split sizes), then the variable-sized token blocks.
+
+    Under ``train.compile`` plan, dispatch and combine run eagerly (graph breaks): the split
+    sizes are host integers that change every step, and gloo's all-to-all is not traceable.
+    The received rows are marked as a dynamic size, so the compiled experts between dispatch
+    and combine are compiled once for every row count (moe/model/compile.py)."""
 
     def __init__(self, num_experts: int, group, ep_size: int):
         super().__init__(num_experts)
         self.group, self.ep_size = group, ep_size
         self.num_local = num_experts // ep_size
 
+    @torch.compiler.disable
     def plan(self, indices_TK, keep_TK):
         local = super().plan(indices_TK, keep_TK)
         send_counts = local.counts_E.view(self.ep_size, self.num_local)  # [dest rank, its expert]
@@ -101,14 +108,16 @@ class ExpertParallelDispatcher(LocalDispatcher):
         regroup = torch.argsort(row_expert, stable=True)
         return _EPPlan(local, counts_host[0], counts_host[1], regroup, recv_counts.sum(0))
 
+    @torch.compiler.disable
     def dispatch(self, x_TD, weights_TK, plan):
         x_ND, w_N, _ = super().dispatch(x_TD, weights_TK, plan.local)
         x_recv = _AllToAll.apply(x_ND, plan.recv_splits, plan.send_splits, self.group)
         # The combine weights go with their copies (one float per row; the experts apply them).
         w_recv = _AllToAll.apply(w_N[:, None], plan.recv_splits, plan.send_splits, self.group)
-        return (x_recv.index_select(0, plan.regroup), w_recv[:, 0].index_select(0, plan.regroup),
-                plan.local_counts)
+        return (mark_rows_dynamic(x_recv.index_select(0, plan.regroup)),
+                mark_rows_dynamic(w_recv[:, 0].index_select(0, plan.regroup)), plan.local_counts)
 
+    @torch.compiler.disable
     def combine(self, y_ND, plan):
         y_recv = torch.empty_like(y_ND).index_copy(0, plan.regroup, y_ND)
         y_back = _AllToAll.apply(y_recv, plan.send_splits, plan.recv_splits, self.group)

@@ -59,6 +59,10 @@ class TrainConfig:
     all-to-all never run again: gradients and MoE statistics equal those of none."""
     recompute_every_n_blocks: int = 1
     """Recompute blocks 0, N, 2N, ... only (1: every block); the others keep their activations."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (inductor), MoE layer included
+    (moe/model/compile.py): one compile per distinct block graph in the first step, none after;
+    the expert all-to-alls and the capacity cut run eagerly between the compiled pieces."""
 
     def problems(self) -> list[str]:
         out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,

@@ -20,6 +20,7 @@ from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
 from moe.checkpoint.files import verify_checkpoint
 from moe.errors import CheckpointError, ConfigError, LaunchError
+from moe.model.compile import compile_blocks
 from moe.model.recompute import apply_recompute
 from moe.model.size import flops_per_token
 from moe.model.transformer import MoETransformer
@@ -134,6 +135,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     wrap_moe_layers(model, ep, expert_parallel_rank(env.rank, ep))
     t = cfg.train
     apply_recompute(model, t.recompute, t.recompute_every_n_blocks)
+    if t.compile:  # last: it compiles the model as wrapped and recomputed
+        compile_blocks(model)
     groups = optimizer_param_groups(model, t.weight_decay)
     if make_optimizer is not None:
         optimizer = make_optimizer(groups)
