@@ -19,6 +19,14 @@ class DispatchPlan:
     token_N: torch.Tensor  # source token of each kept copy
     counts_E: torch.Tensor  # kept copies per expert (int64)
     num_tokens: int
+    counts_host: list[int] | None = None  # counts_E on the host, where already read
+
+
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in ``ids`` (int64). Not ``torch.bincount``: on CUDA it
+    reads the maximum id back to the host to size its output, a sync per call."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids))
 
 
 def capacity_keep_mask(indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
@@ -28,7 +36,7 @@ def capacity_keep_mask(indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_e
     flat_e = indices_TK.reshape(-1)
     by_weight = torch.argsort(weights_TK.reshape(-1).detach(), descending=True, stable=True)
     order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
-    counts_E = torch.bincount(flat_e, minlength=num_experts)
+    counts_E = count_ids(flat_e, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_e = flat_e[order]
     rank_in_expert = torch.arange(order.numel(), device=order.device) - starts_E[sorted_e]
@@ -48,10 +56,11 @@ class LocalDispatcher:
         flat_e = indices_TK.reshape(-1)
         if keep_TK is not None:
             flat_e = torch.where(keep_TK.reshape(-1), flat_e, self.num_experts)
-        counts = torch.bincount(flat_e, minlength=self.num_experts + 1)
+        counts = count_ids(flat_e, self.num_experts + 1)
         order = torch.argsort(flat_e, stable=True)
         if keep_TK is not None:
-            # The number of kept copies is data dependent: one host sync, only when dropping.
+            # The number of kept copies is data dependent: one host sync per layer, only with a
+            # capacity factor (the default, dropless, has none here).
             order = order[: int(counts[: self.num_experts].sum())]
         return DispatchPlan(copy_N=order, token_N=order // K, counts_E=counts[: self.num_experts],
                             num_tokens=T)

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe.training.device import comm_device
+
 log = logging.getLogger("moe.train")
 
 
@@ -139,6 +141,10 @@ class MoEStatsHook(Hook):
             layer.step_sums.zero_()
 
     def _publish(self, s: StepState, loads_LE: torch.Tensor, sums_LS: torch.Tensor) -> None:
+        # The one read of the routing statistics, on logging steps only: they accumulate on the
+        # device over the step's micro-batches and layers (moe_layer.py), for all layers at once.
+        biases = [layer.router.score_bias for layer in self.layers]
+        spread_L = torch.stack([b.max() - b.min() for b in biases]).float().cpu()
         for i, (load_E, sums, layer) in enumerate(zip(loads_LE.float().cpu(), sums_LS.cpu(),
                                                        self.layers)):
             routed, entropy, aux, z, count = sums.tolist()
@@ -152,8 +158,7 @@ class MoEStatsHook(Hook):
             s.extra[f"{p}/aux_loss"] = aux / max(count, 1.0)
             s.extra[f"{p}/z_loss"] = z / max(count, 1.0)
             if layer.router.cfg.bias_update_rate > 0:
-                bias = layer.router.score_bias
-                s.extra[f"{p}/expert_bias_spread"] = float(bias.max() - bias.min())
+                s.extra[f"{p}/expert_bias_spread"] = float(spread_L[i])
 
 
 class ThroughputHook(Hook):
@@ -189,12 +194,13 @@ class ResourceHook(Hook):
             return
         mem = torch.tensor([self.proc.memory_info().rss / 2**30,
                             torch.cuda.max_memory_allocated() / 2**30
-                            if torch.cuda.is_available() else 0.0])
+                            if torch.cuda.is_available() else 0.0], device=comm_device())
         if dist.is_initialized():
             dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=self.group)
-        s.extra["system/process_memory_gib"] = float(mem[0])
+        rss, gpu = mem.tolist()
+        s.extra["system/process_memory_gib"] = rss
         if torch.cuda.is_available():
-            s.extra["system/gpu_max_allocated_gib"] = float(mem[1])
+            s.extra["system/gpu_max_allocated_gib"] = gpu
 
 
 def add_bucket_histogram(writer, tag: str, counts: torch.Tensor, step: int) -> None:
@@ -238,19 +244,24 @@ class ValidationHook(Hook):
     @torch.no_grad()
     def evaluate(self) -> dict:
         module = self.engine.module
+        device = self.engine.device
         was_training = module.training
         module.eval()
-        sums = torch.zeros(2, dtype=torch.float64)
+        # Summed on the device and read once (device and comm_device agree: both are CUDA with
+        # NCCL, both the CPU with gloo).
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
         for inputs, targets in self._batches():
+            inputs, targets = inputs.to(device), targets.to(device)
             logits = module(inputs).logits.float()
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                      ignore_index=-100, reduction="sum")
-            sums += torch.tensor([float(loss), float((targets != -100).sum())], dtype=torch.float64)
+            sums += torch.stack([loss.double(), (targets != -100).sum().double()])
         module.train(was_training)
         if dist.is_initialized():
             dist.all_reduce(sums)
-        mean = float(sums[0] / sums[1].clamp_min(1))
-        return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": int(sums[1])}
+        total, tokens = sums.tolist()
+        mean = total / max(tokens, 1.0)
+        return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": int(tokens)}
 
     def on_step_end(self, s: StepState) -> None:
         if self.every and (s.step % self.every == 0 or s.step == s.max_steps):

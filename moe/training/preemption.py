@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moe.training.checkpoint import CheckpointHook
+from moe.training.device import comm_device
 from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")
@@ -62,15 +63,17 @@ class PreemptionHook(Hook):
 
     def on_step_end(self, s: StepState) -> None:
         # The signal number (0: none); the maximum over ranks names one that some rank got.
-        flag = torch.tensor([float(self.signum or 0)])
+        flag = torch.tensor([float(self.signum or 0)], device=comm_device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        # Read every step (a host sync with NCCL): every rank must stop at the same step.
+        signum = int(flag.item())
         # At the last step the loop saves and ends anyway.
-        if not flag.item() or s.step >= s.max_steps:
+        if not signum or s.step >= s.max_steps:
             return
         self.checkpoint.save(s.step)
         if self.rank == 0:
-            name = signal.Signals(int(flag.item())).name
+            name = signal.Signals(signum).name
             self.marker.write_text(json.dumps({"step": s.step, "signal": name}))
             log.info(f"{name}: saved step {s.step}; exiting with code "
                      f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")

@@ -1,0 +1,44 @@
+"""Where a rank computes and communicates: its device, the process-group backend, and moving
+batches there."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from data_pipeline.reader import PackedBatch
+
+
+def device_and_backend(local_rank: int, cuda_available: bool | None = None
+                       ) -> tuple[torch.device, str]:
+    """``cuda:LOCAL_RANK`` and NCCL when CUDA is present, the CPU and gloo otherwise."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def comm_device() -> torch.device:
+    """The device of tensors handed to collectives: NCCL only takes CUDA tensors (the current
+    device, set to ``cuda:LOCAL_RANK`` at start-up), gloo CPU tensors."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pin(batch: PackedBatch) -> PackedBatch:
+    """Page-locked copies (only when CUDA is present), so the copy to the GPU can overlap
+    compute."""
+    if not torch.cuda.is_available():
+        return batch
+    return PackedBatch(batch.tokens_BS.pin_memory(),
+                       None if batch.doc_ids_BS is None else batch.doc_ids_BS.pin_memory())
+
+
+def to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
+    """Asynchronous when the batch is pinned: the host goes on queuing kernels."""
+    if batch.tokens_BS.device == device:
+        return batch
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)
+    return PackedBatch(move(batch.tokens_BS), move(batch.doc_ids_BS))
