@@ -63,7 +63,8 @@ class PreemptionHook(Hook):
 
     def on_step_end(self, s: StepState) -> None:
         # The signal number (0: none); the maximum over ranks names one that some rank got.
-        flag = torch.tensor([float(self.signum or 0)], device=comm_device())
+        # torch.full: filled on the device, no host-to-device copy.
+        flag = torch.full((1,), float(self.signum or 0), device=comm_device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         # Read every step (a host sync with NCCL): every rank must stop at the same step.

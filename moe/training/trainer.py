@@ -213,8 +213,8 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     sums /= t.grad_accum_steps * (env.world_size if is_log and dist.is_initialized() else 1)
     grad_norm = engine.get_global_grad_norm()
     norm = (grad_norm.detach().float().reshape(1).to(sums.device) if torch.is_tensor(grad_norm)
-            else torch.tensor([math.nan if grad_norm is None else float(grad_norm)],
-                              device=sums.device))
+            else torch.full((1,), math.nan if grad_norm is None else float(grad_norm),
+                            device=sums.device))
     # The step's one read of ours (a host sync on GPUs).
     loss, lm_loss, aux_loss, local_sum, norm_value = torch.cat([sums, local_sum, norm]).tolist()
     samples = t.micro_batch_size * t.grad_accum_steps * env.world_size
