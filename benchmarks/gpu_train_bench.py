@@ -39,23 +39,13 @@ from moe.model.experts import DenseFFN
 from moe.model.size import flops_per_token
 from moe.tools.planning import memory_per_gpu
 from moe.training.config import RunConfig, load_config
-from moe.training.device import device_and_backend
+from moe.training.device import device_and_backend, peak_bf16_flops
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-PEAK_BF16_DENSE = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
-                   ("A100", 312e12), ("L40S", 362e12), ("B200", 2250e12)]
-"""Peak dense bf16 FLOP/s by device-name substring (vendor data sheets; first match wins)."""
 REGIONS = ("attention", "moe.experts", "moe.dispatch", "moe.combine", "dense_ffn", "optimizer")
 COLUMNS = {"attention": ("attention",), "expert GEMMs": ("moe.experts",),
            "dispatch": ("moe.dispatch", "moe.combine"), "dense FFN": ("dense_ffn",),
            "optimizer": ("optimizer",)}
-
-
-def peak_flops(device: torch.device, given: float | None) -> float | None:
-    if given is not None or device.type != "cuda":
-        return given
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_DENSE if key in name), None)
 
 
 def tiny_dict(dense: bool) -> dict:
@@ -193,7 +183,7 @@ def bench(name: str, cfg: RunConfig, device: torch.device, args) -> dict:
         sync(device)
     tokens = args.steps * cfg.train.micro_batch_size * cfg.data.seq_len
     tok_s = tokens / seconds
-    peak = peak_flops(device, args.peak_flops)
+    peak = args.peak_flops or peak_bf16_flops(device)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
     return {"model": name, "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak if peak else None,
             "peak_mem": peak_mem, "planned_mem": planned_bytes(cfg),

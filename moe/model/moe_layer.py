@@ -112,6 +112,10 @@ class MoELayer(nn.Module):
         # Tensors only (no .item()): reading them is the monitor's choice, not a sync per layer.
         routed = num_tokens * self.cfg.router.top_k
         aux, z = routing.aux_loss.detach(), routing.z_loss.detach()
+        if self.step_load_E.dtype != torch.float32:
+            # The module was cast (bf16 training casts buffers too): counters stay fp32, in which
+            # token counts are exact up to 2^24 (bf16 is exact only up to 256).
+            self.step_load_E, self.step_sums = self.step_load_E.float(), self.step_sums.float()
         if self.training:  # step counters describe training steps only, not validation passes
             self.step_load_E += counts_E.to(self.step_load_E.dtype)
             self.step_sums[0] += routed

@@ -19,6 +19,19 @@ def device_and_backend(local_rank: int, cuda_available: bool | None = None
     return torch.device("cpu"), "gloo"
 
 
+PEAK_BF16_DENSE = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+                   ("A100", 312e12), ("L40S", 362e12), ("B200", 2250e12)]
+"""Peak dense bf16 FLOP/s by CUDA device-name substring (vendor data sheets; first match wins)."""
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The device's peak dense bf16 FLOP/s where its name is known, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_DENSE if key in name), None)
+
+
 def comm_device() -> torch.device:
     """The device of tensors handed to collectives: NCCL only takes CUDA tensors (the current
     device, set to ``cuda:LOCAL_RANK`` at start-up), gloo CPU tensors."""

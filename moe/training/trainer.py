@@ -36,7 +36,7 @@ from moe.training.checkpoint import (
     resolve_resume,
 )
 from moe.training.config import RunConfig, dump_config
-from moe.training.device import to_device
+from moe.training.device import peak_bf16_flops, to_device
 from moe.training.hooks import (
     ConsoleHook,
     Hook,
@@ -184,6 +184,13 @@ def _token_hash(batches: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
+    """logging.peak_flops_per_device, or for bf16 runs the device's known bf16 peak."""
+    if cfg.logging.peak_flops_per_device is not None or cfg.train.precision != "bf16":
+        return cfg.logging.peak_flops_per_device
+    return peak_bf16_flops(device)
+
+
 def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
                step: int) -> StepState:
     """One optimizer step over ``grad_accum_steps`` micro-batches.
@@ -262,7 +269,7 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
                                     cfg.eval.batch_size, env.rank, env.world_size))
     train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
     hooks += [MoEStatsHook(moe_layers), ResourceHook(),
-              ThroughputHook(train_flops, cfg.logging.peak_flops_per_device, env.world_size),
+              ThroughputHook(train_flops, peak_flops(cfg, engine.device), env.world_size),
               ConsoleHook(env.rank),
               StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl"),
               NonFiniteGuard(t.max_consecutive_skips, env.rank)]

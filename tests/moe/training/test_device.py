@@ -51,3 +51,33 @@ def test_to_device_copies_asynchronously(monkeypatch):
     out = to_device(batch, torch.device("meta"))
     assert calls == [((torch.device("meta"),), {"non_blocking": True})]
     assert out.doc_ids_BS is None and out.tokens_BS.dtype == torch.float64
+
+
+def test_peak_flops_from_the_device_name(monkeypatch):
+    from moe.training.device import peak_bf16_flops
+
+    cuda = torch.device("cuda", 0)
+    for name, want in [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                       ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                       ("Tesla T4", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d, name=name: name)
+        assert peak_bf16_flops(cuda) == want, name
+    assert peak_bf16_flops(torch.device("cpu")) is None
+
+
+def test_trainer_mfu_peak_prefers_the_config_and_needs_bf16(monkeypatch):
+    from moe.config_schema import from_dict
+    from moe.training.config import RunConfig
+    from moe.training.trainer import peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda", 0)
+    base = {"name": "x", "data": {"dir": "unused"}}
+    bf16 = from_dict(RunConfig, {**base, "train": {"precision": "bf16"}})
+    fp32 = from_dict(RunConfig, {**base, "train": {"precision": "fp32"}})
+    given = from_dict(RunConfig, {**base, "train": {"precision": "bf16"},
+                                  "logging": {"peak_flops_per_device": 1e15}})
+    assert peak_flops(bf16, cuda) == 989e12
+    assert peak_flops(fp32, cuda) is None  # a bf16 peak would understate fp32 utilization
+    assert peak_flops(given, cuda) == 1e15
+    assert peak_flops(bf16, torch.device("cpu")) is None
