@@ -58,12 +58,15 @@ class LocalDispatcher:
             flat_e = torch.where(keep_TK.reshape(-1), flat_e, self.num_experts)
         counts = count_ids(flat_e, self.num_experts + 1)
         order = torch.argsort(flat_e, stable=True)
+        counts_host = None
         if keep_TK is not None:
             # The number of kept copies is data dependent: one host sync per layer, only with a
-            # capacity factor (the default, dropless, has none here).
-            order = order[: int(counts[: self.num_experts].sum())]
+            # capacity factor (the default, dropless, has none here). The per-expert counts
+            # come with it, for the experts' loop fallback.
+            counts_host = counts[: self.num_experts].tolist()
+            order = order[: sum(counts_host)]
         return DispatchPlan(copy_N=order, token_N=order // K, counts_E=counts[: self.num_experts],
-                            num_tokens=T)
+                            num_tokens=T, counts_host=counts_host)
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan):
         """Expert-sorted inputs, their combine weights, and the copies per (local) expert.

@@ -85,3 +85,25 @@ def test_cuda_needs_bf16_and_a_capable_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, cap=cap: cap)
         monkeypatch.setattr(experts_mod, "_torch_version", lambda version=version: version)
         assert grouped_mm_supported(dtype, cuda) == want, (cap, version, dtype)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "cf1.0"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["grouped", "loop"])
+def test_host_reads_of_one_moe_layer_forward_and_backward(kernel, capacity_factor, monkeypatch):
+    """Dropless with the kernel: none. The loop: one (the counts, read once for both GEMMs). A
+    capacity factor: one (the kept count, which brings the counts for the loop with it)."""
+    from moe.model.moe_layer import MoEConfig, MoELayer
+
+    if kernel and not grouped_mm_supported(torch.float32, torch.device("cpu")):
+        pytest.skip("torch._grouped_mm does not take fp32 on the CPU in this torch")
+    if not kernel:
+        monkeypatch.setattr(experts_mod, "grouped_mm_supported", lambda dtype, device: False)
+    torch.manual_seed(0)
+    layer = MoELayer(16, MoEConfig(num_experts=4, expert_hidden=16,
+                                   capacity_factor=capacity_factor))
+    x = torch.randn(2, 24, 16, requires_grad=True)
+    with count_host_reads() as reads:
+        y, aux = layer(x)
+        (y.square().sum() + aux).backward()
+    want = 0 if kernel and capacity_factor is None else 1
+    assert sum(reads.values()) == want, reads
