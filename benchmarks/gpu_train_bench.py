@@ -65,6 +65,8 @@ def one_gpu(cfg: RunConfig, micro_batch: int | None) -> RunConfig:
     cfg.train.precision, cfg.train.grad_accum_steps = "bf16", 1
     if micro_batch:
         cfg.train.micro_batch_size = micro_batch
+    if cfg.model.vocab_size is None:  # presets that take it from the tokenizer they train
+        cfg.model.vocab_size = cfg.data.tokenizer.vocab_size
     return cfg
 
 
@@ -74,20 +76,28 @@ def planned_bytes(cfg: RunConfig) -> float:
     return plan.model_states_bytes + plan.activation_bytes
 
 
+def largest_fitting(budget_bytes: float, micro_batch: int | None) -> tuple[str, RunConfig] | None:
+    """The MoE preset in configs/ with the largest planned memory on one GPU with expert
+    parallelism 1 that stays within ``budget_bytes`` (None if none does)."""
+    fitting = []
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        cfg = one_gpu(load_config(path), micro_batch)
+        if cfg.model.ffn == "moe" and planned_bytes(cfg) <= budget_bytes:
+            fitting.append((planned_bytes(cfg), path.stem, cfg))
+    if not fitting:
+        return None
+    _, name, cfg = max(fitting, key=lambda f: f[0])
+    return name, cfg
+
+
 def gpu_models(device: torch.device, micro_batch: int | None) -> list[tuple[str, RunConfig]]:
     base = one_gpu(load_config(CONFIGS / "moe-125m.yaml"), micro_batch)
     dense = one_gpu(load_config(CONFIGS / "moe-125m.yaml", ["model.ffn=dense"]), micro_batch)
     out = [("dense-125m", dense), ("moe-125m", base)]
-    budget = 0.9 * torch.cuda.get_device_properties(device).total_memory
-    fitting = []
-    for path in sorted(CONFIGS.glob("*.yaml")):
-        cfg = one_gpu(load_config(path), micro_batch)
-        if cfg.model.ffn == "moe" and planned_bytes(cfg) <= budget:
-            fitting.append((planned_bytes(cfg), path.stem, cfg))
-    if fitting:
-        _, name, cfg = max(fitting, key=lambda f: f[0])
-        if name != "moe-125m":
-            out.append((name, cfg))
+    largest = largest_fitting(0.9 * torch.cuda.get_device_properties(device).total_memory,
+                              micro_batch)
+    if largest is not None and largest[0] != "moe-125m":
+        out.append(largest)
     return out
 
 

@@ -42,3 +42,16 @@ def test_cpu_tiny_mode_prints_the_table():
     assert moe["expert GEMMs"] > 0 and moe["dispatch"] > 0 and moe["dense FFN"] == 0
     assert dense["dense FFN"] > 0 and dense["expert GEMMs"] == 0 and dense["dispatch"] == 0
     assert moe["attention"] > 0 and dense["attention"] > 0
+
+
+def test_the_largest_preset_is_chosen_by_planned_memory():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_train_bench import largest_fitting, planned_bytes
+
+    name, cfg = largest_fitting(0.9 * 80 * 2**30, micro_batch=None)  # an 80 GB GPU
+    assert name == "moe-125m"  # deepseek-moe-16b and mixtral-8x7b need far more with ep 1
+    assert planned_bytes(cfg) <= 0.9 * 80 * 2**30
+    assert cfg.parallel.expert_parallel_size == 1 and cfg.train.precision == "bf16"
+    name, _ = largest_fitting(2**40, micro_batch=1)  # 1 TiB: the biggest preset fits
+    assert name == "mixtral-8x7b"
+    assert largest_fitting(2**20, micro_batch=1) is None
