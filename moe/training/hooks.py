@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,23 +143,24 @@ class MoEStatsHook(Hook):
 
     def _publish(self, s: StepState, loads_LE: torch.Tensor, sums_LS: torch.Tensor) -> None:
         # The one read of the routing statistics, on logging steps only: they accumulate on the
-        # device over the step's micro-batches and layers (moe_layer.py), for all layers at once.
-        biases = [layer.router.score_bias for layer in self.layers]
-        spread_L = torch.stack([b.max() - b.min() for b in biases]).float().cpu()
-        for i, (load_E, sums, layer) in enumerate(zip(loads_LE.float().cpu(), sums_LS.cpu(),
-                                                       self.layers)):
-            routed, entropy, aux, z, count = sums.tolist()
-            mean = max(float(load_E.mean()), 1e-9)
+        # device over the step's micro-batches (moe_layer.py); all layers come in one copy.
+        spread_L = torch.stack([layer.router.score_bias.max() - layer.router.score_bias.min()
+                                for layer in self.layers])
+        E = loads_LE.shape[1]
+        rows = torch.cat([loads_LE.float(), sums_LS.float(), spread_L.float()[:, None]], 1).tolist()
+        for i, (row, layer) in enumerate(zip(rows, self.layers)):
+            load, (routed, entropy, aux, z, count), spread = row[:E], row[E:-1], row[-1]
+            mean = max(sum(load) / E, 1e-9)
             p = f"moe/layer{i}"
-            s.histograms[f"{p}/expert_load"] = load_E
-            s.extra[f"{p}/max_over_mean_load"] = float(load_E.max()) / mean
-            s.extra[f"{p}/load_cv"] = float(load_E.std(unbiased=False)) / mean
-            s.extra[f"{p}/dropped_fraction"] = 1.0 - float(load_E.sum()) / max(routed, 1.0)
+            s.histograms[f"{p}/expert_load"] = torch.tensor(load)
+            s.extra[f"{p}/max_over_mean_load"] = max(load) / mean
+            s.extra[f"{p}/load_cv"] = statistics.pstdev(load) / mean
+            s.extra[f"{p}/dropped_fraction"] = 1.0 - sum(load) / max(routed, 1.0)
             s.extra[f"{p}/router_entropy"] = entropy / max(count, 1.0)
             s.extra[f"{p}/aux_loss"] = aux / max(count, 1.0)
             s.extra[f"{p}/z_loss"] = z / max(count, 1.0)
             if layer.router.cfg.bias_update_rate > 0:
-                s.extra[f"{p}/expert_bias_spread"] = float(spread_L[i])
+                s.extra[f"{p}/expert_bias_spread"] = spread
 
 
 class ThroughputHook(Hook):
