@@ -22,6 +22,7 @@ import torch
 from launch.cli import exits_cleanly, setup_logging
 from moe.training.config import load_config
 from moe.training.cpu_allocator import keep_freed_memory
+from moe.training.device import device_and_backend
 from moe.training.preemption import SIGNALS, Preempted, hold_signals
 from moe.training.trainer import dist_env_from_environment, train
 
@@ -56,11 +57,15 @@ def main(argv=None) -> None:
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device, backend = device_and_backend(env.local_rank)
+    if device.type == "cuda":
+        # Before the process group and the engine: NCCL and DeepSpeed use the current device.
+        torch.cuda.set_device(device)
     if env.rank == 0:
+        where = device if device.type == "cuda" else "cpu (no CUDA device visible)"
         logging.getLogger("moe.train").info(
-            f"device: {'cuda' if backend == 'nccl' else 'cpu (no CUDA device visible)'}, "
-            f"backend {backend}, {env.world_size} rank(s), {threads} thread(s) per rank")
+            f"device: {where} (rank 0), backend {backend}, {env.world_size} rank(s), "
+            f"{threads} thread(s) per rank")
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if backend == "gloo":
         unlink_cpu_allreduce_buffer(env.rank)

@@ -87,6 +87,10 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> in
     arguments go to ``torch.compile``). Call it after the model is final: after wrapping its
     MoE layers for expert parallelism and after ``apply_recompute``. Returns the number of
     blocks compiled."""
+    for module in model.modules():  # eager work that must not run inside a traced graph
+        before = getattr(module, "before_compile", None)
+        if callable(before):
+            before()
     for block in model.blocks:
         block.compile(backend=backend, **options)
     return len(model.blocks)

@@ -21,6 +21,7 @@ class DispatchPlan:
     token_N: torch.Tensor  # source token of each kept copy
     counts_E: torch.Tensor  # kept copies per expert (int64)
     num_tokens: int
+    counts_host: list[int] | None = None  # counts_E on the host, where already read
 
 
 def capacity_keep_mask(indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
@@ -30,7 +31,7 @@ def capacity_keep_mask(indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_e
     flat_e = indices_TK.reshape(-1)
     by_weight = torch.argsort(weights_TK.reshape(-1).detach(), descending=True, stable=True)
     order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
-    counts_E = count_per_expert(flat_e, num_experts)
+    counts_E = count_ids(flat_e, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_e = flat_e[order]
     rank_in_expert = torch.arange(order.numel(), device=order.device) - starts_E[sorted_e]
@@ -39,21 +40,24 @@ def capacity_keep_mask(indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_e
     return keep.view_as(indices_TK)
 
 
-def count_per_expert(flat_e: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Copies per expert id in [0, num_experts) as int64. Not ``bincount``: its output length
-    depends on the largest id, which a compiled graph cannot know (a graph break); this one's
-    length is fixed."""
-    return flat_e.new_zeros(num_experts).index_add_(0, flat_e, torch.ones_like(flat_e))
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in ``ids`` (int64). Not ``torch.bincount``: its output
+    length depends on the largest id, which a compiled graph cannot know (a graph break), and on
+    CUDA it reads that maximum back to the host, a sync per call; this one's length is fixed."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids))
 
 
 @torch.compiler.disable
 def _kept_copies(order: torch.Tensor, counts_E: torch.Tensor, top_k: int):
-    """The first sum(counts_E) entries of ``order`` and their tokens. Their number is data
-    dependent: one host sync, only when dropping, and under compile a graph break (this runs
-    eagerly), after which the row count is a dynamic size, not a new compile for each count
-    (moe/model/compile.py)."""
-    kept_N = order[: int(counts_E.sum())]
-    return mark_rows_dynamic(kept_N), mark_rows_dynamic(kept_N // top_k)
+    """The first sum(counts_E) entries of ``order``, their tokens, and counts_E on the host.
+    Their number is data dependent: one host sync per layer, only when dropping (the default,
+    dropless, has none here); the per-expert counts come with it, for the experts' loop
+    fallback. Under compile this runs eagerly (a graph break), after which the row count is a
+    dynamic size, not a new compile for each count (moe/model/compile.py)."""
+    counts_host = counts_E.tolist()
+    kept_N = order[: sum(counts_host)]
+    return mark_rows_dynamic(kept_N), mark_rows_dynamic(kept_N // top_k), counts_host
 
 
 class LocalDispatcher:
@@ -67,14 +71,15 @@ class LocalDispatcher:
         flat_e = indices_TK.reshape(-1)
         if keep_TK is not None:
             flat_e = torch.where(keep_TK.reshape(-1), flat_e, self.num_experts)
-        counts = count_per_expert(flat_e, self.num_experts + 1)
+        counts = count_ids(flat_e, self.num_experts + 1)
         order = torch.argsort(flat_e, stable=True)
+        counts_host = None
         if keep_TK is not None:
-            order, token_N = _kept_copies(order, counts[: self.num_experts], K)
+            order, token_N, counts_host = _kept_copies(order, counts[: self.num_experts], K)
         else:
             token_N = order // K
         return DispatchPlan(copy_N=order, token_N=token_N, counts_E=counts[: self.num_experts],
-                            num_tokens=T)
+                            num_tokens=T, counts_host=counts_host)
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan):
         """Expert-sorted inputs, their combine weights, and the copies per (local) expert.

@@ -14,29 +14,94 @@ from moe.model.recompute import recompute
 
 Activation = Literal["swiglu", "gelu"]
 
-_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_probed: dict[tuple, bool] = {}
 
 
-def grouped_mm(x_ND: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x_ND`` are grouped by expert (``counts_E`` rows each); row block e is multiplied
-    by ``w_EIO[e]``. Uses ``torch._grouped_mm`` where it supports the dtype and layout, otherwise
-    a loop over contiguous slices (one host sync for the counts)."""
-    row_bytes_ok = all((d * x_ND.element_size()) % 16 == 0 for d in w_EIO.shape[1:])
-    compiled_other_dtype = x_ND.dtype != torch.bfloat16 and is_compiling()
-    if (x_ND.dtype in _GROUPED_DTYPES and row_bytes_ok and hasattr(torch, "_grouped_mm")
-            and not (compiled_other_dtype and grouped_mm_op is None)):
-        offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        if compiled_other_dtype:  # the fake kernel takes bf16 only: moe/model/compile.py
-            return grouped_mm_op(x_ND.contiguous(), w_EIO, offs)
-        return torch._grouped_mm(x_ND.contiguous(), w_EIO, offs=offs)
-    out = []
-    start = 0
-    for e, n in enumerate(counts_E.tolist()):
-        out.append(x_ND[start:start + n] @ w_EIO[e])
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` computes (E, ...) grouped products for ``dtype`` on
+    ``device``. On CUDA it takes bf16 only, on Hopper (sm90) since torch 2.8; torch 2.13
+    documents sm >= 80. On CPU (torch 2.13) it takes fp32 and bf16. Other versions and dtypes
+    are not assumed: a tiny call per (device kind, capability, dtype) is checked against the
+    loop once (cached), and anything that raises or disagrees uses the loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if dtype != torch.bfloat16 or cap < (8, 0) or (cap[0] != 9 and _torch_version() < (2, 13)):
+            return False
+        key = ("cuda", cap, dtype)
+    elif device.type == "cpu":
+        key = ("cpu", None, dtype)
+    else:
+        return False
+    if key not in _probed:
+        if is_compiling():
+            # No probe inside a graph being traced: compile_blocks probes every expert layer's
+            # (dtype, device) eagerly first (GroupedExperts.before_compile); anything it did not
+            # probe runs the loop.
+            return False
+        _probed[key] = _probe(dtype, device)
+    return _probed[key]
+
+
+@torch.no_grad()
+def _probe(dtype: torch.dtype, device: torch.device) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 16, generator=gen).to(device, dtype)
+    w = torch.randn(3, 16, 8, generator=gen).to(device, dtype)
+    counts = [10, 0, 14]  # an expert with no tokens included
+    try:
+        got = torch._grouped_mm(x, w, offs=torch.tensor([10, 10, 24], dtype=torch.int32,
+                                                         device=device))
+    except (RuntimeError, NotImplementedError):
+        return False
+    want = _loop_mm(x, w, counts)
+    return bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
+
+
+def _loop_mm(x_ND: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """One matmul per expert over its contiguous block of rows."""
+    blocks, start = [x_ND.new_zeros(0, w_EIO.shape[-1])], 0
+    for e, n in enumerate(counts):
+        blocks.append(x_ND[start:start + n] @ w_EIO[e])
         start += n
-    if not out:
-        return x_ND.new_zeros(0, w_EIO.shape[-1])
-    return torch.cat(out, dim=0)
+    return torch.cat(blocks, dim=0)
+
+
+def uses_grouped_kernel(x_ND: torch.Tensor, w_EIO: torch.Tensor) -> bool:
+    """:func:`grouped_mm` calls ``torch._grouped_mm`` (else it loops over experts)."""
+    # The kernels also need 16-byte aligned row strides in both operands (transposed in the
+    # backward).
+    aligned = all((d * x_ND.element_size()) % 16 == 0 for d in w_EIO.shape[1:])
+    if x_ND.dtype != torch.bfloat16 and is_compiling() and grouped_mm_op is None:
+        return False
+    return (x_ND.dtype == w_EIO.dtype and aligned
+            and grouped_mm_supported(x_ND.dtype, x_ND.device))
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor,
+               counts_host: list[int] | None = None) -> torch.Tensor:
+    """Rows of ``x_ND`` are grouped by expert (``counts_E`` rows each, experts with no rows
+    allowed); row block e is multiplied by ``w_EIO[e]``.
+
+    Uses ``torch._grouped_mm`` where :func:`grouped_mm_supported` (no host sync: the offsets
+    stay on the device); otherwise a loop over experts, which needs the counts on the host:
+    ``counts_host`` if the caller has them, else one ``tolist`` here (a host sync)."""
+    if uses_grouped_kernel(x_ND, w_EIO):
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        if x_ND.dtype != torch.bfloat16 and is_compiling():
+            # The kernel's fake (meta) form takes bf16 only: an opaque custom op around the same
+            # eager kernel (moe/model/compile.py).
+            return grouped_mm_op(x_ND.contiguous(), w_EIO, offs_E)
+        return torch._grouped_mm(x_ND.contiguous(), w_EIO, offs=offs_E)
+    if counts_host is None:
+        counts_host = counts_E.tolist()  # host sync: the loop needs the block sizes
+    return _loop_mm(x_ND, w_EIO, counts_host)
 
 
 class GroupedExperts(nn.Module):
@@ -65,22 +130,34 @@ class GroupedExperts(nn.Module):
         return self.w_in.shape[0]
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor,
-                scale_N: torch.Tensor | None = None) -> torch.Tensor:
+                scale_N: torch.Tensor | None = None,
+                counts_host: list[int] | None = None) -> torch.Tensor:
         """``scale_N`` (the router's combine weights) multiplies each copy's output. Since the
         output projection is linear, it is applied to whichever of the hidden activation (N, H)
         or the output (N, D) is narrower: for fine-grained experts that is 4x less work in the
-        forward and in both backward products than scaling the output."""
-        h_NW = grouped_mm(x_ND, self.w_in, counts_E)
+        forward and in both backward products than scaling the output. ``counts_host``: the
+        counts on the host when the caller already read them (the loop fallback needs them)."""
+        if counts_host is None and not all(uses_grouped_kernel(x_ND, w)
+                                           for w in (self.w_in, self.w_out)):
+            # Host sync (fallback only): the loop over experts needs the block sizes; read once
+            # for both products.
+            counts_host = counts_E.tolist()
+        h_NW = grouped_mm(x_ND, self.w_in, counts_E, counts_host)
         d_model = self.w_out.shape[-1]
         if scale_N is not None and self.hidden <= d_model:
             h_NH = recompute(self._scaled_activation, h_NW, scale_N,
                              enabled=self.recompute_activation)
         else:
             h_NH = recompute(self._activation, h_NW, enabled=self.recompute_activation)
-        y_ND = grouped_mm(h_NH, self.w_out, counts_E)
+        y_ND = grouped_mm(h_NH, self.w_out, counts_E, counts_host)
         if scale_N is not None and self.hidden > d_model:
             y_ND = y_ND * scale_N.to(y_ND.dtype)[:, None]
         return y_ND
+
+    def before_compile(self) -> None:
+        """Probe the grouped kernel for this layer's weights eagerly (see grouped_mm_supported);
+        compile_blocks calls it."""
+        grouped_mm_supported(self.w_in.dtype, self.w_in.device)
 
     def _activation(self, h_NW: torch.Tensor) -> torch.Tensor:
         return activate(h_NW, self.activation, self.hidden)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from moe.config_schema import minimums
 from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
@@ -101,10 +102,15 @@ class MoELayer(nn.Module):
             cap = capacity(B * S, self.num_experts, self.cfg.router.top_k, self.cfg.capacity_factor)
             keep_TK = capacity_keep_mask(routing.indices_TK, routing.weights_TK, self.num_experts, cap)
 
-        plan = self.dispatcher.plan(routing.indices_TK, keep_TK)
-        x_ND, w_N, local_counts = self.dispatcher.dispatch(x_TD, routing.weights_TK, plan)
-        y_ND = recompute(self.experts, x_ND, local_counts, w_N, enabled=self.recompute_experts)
-        y_TD = self.dispatcher.combine(y_ND, plan)
+        # Named ranges for the profiler (benchmarks/gpu_train_bench.py splits step time by them).
+        with record_function("moe.dispatch"):
+            plan = self.dispatcher.plan(routing.indices_TK, keep_TK)
+            x_ND, w_N, local_counts = self.dispatcher.dispatch(x_TD, routing.weights_TK, plan)
+        with record_function("moe.experts"):
+            y_ND = recompute(self.experts, x_ND, local_counts, w_N, plan.counts_host,
+                             enabled=self.recompute_experts)
+        with record_function("moe.combine"):
+            y_TD = self.dispatcher.combine(y_ND, plan)
         if self.shared_mlp is not None:
             y_TD = y_TD + recompute(self.shared_mlp, x_TD, enabled=self.recompute_experts)
 

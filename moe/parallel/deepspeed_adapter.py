@@ -101,12 +101,18 @@ class ExpertParallelDispatcher(LocalDispatcher):
         send_counts = local.counts_E.view(self.ep_size, self.num_local)  # [dest rank, its expert]
         recv_counts = torch.empty_like(send_counts)  # [source rank, my expert]
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
-        counts_host = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        local_counts = recv_counts.sum(0)
+        # The one host sync of an expert-parallel MoE layer (per forward): all_to_all_single
+        # takes its split sizes as Python ints. The same read brings the local experts' counts,
+        # which the loop fallback of the expert GEMMs needs (the grouped kernel does not).
+        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1), local_counts]).tolist()
+        send, recv = sizes[:self.ep_size], sizes[self.ep_size:2 * self.ep_size]
         # Received rows arrive ordered (source, my expert); experts need them ordered (expert, source).
         block_expert = torch.arange(self.num_local, device=recv_counts.device).repeat(self.ep_size)
-        row_expert = torch.repeat_interleave(block_expert, recv_counts.reshape(-1))
+        row_expert = torch.repeat_interleave(block_expert, recv_counts.reshape(-1),
+                                             output_size=sum(recv))
         regroup = torch.argsort(row_expert, stable=True)
-        return _EPPlan(local, counts_host[0], counts_host[1], regroup, recv_counts.sum(0))
+        return _EPPlan(local, send, recv, regroup, local_counts, sizes[2 * self.ep_size:])
 
     @torch.compiler.disable
     def dispatch(self, x_TD, weights_TK, plan):
@@ -125,9 +131,11 @@ class ExpertParallelDispatcher(LocalDispatcher):
 
 
 class _EPPlan:
-    def __init__(self, local: DispatchPlan, send_splits, recv_splits, regroup, local_counts):
+    def __init__(self, local: DispatchPlan, send_splits, recv_splits, regroup, local_counts,
+                 counts_host):
         self.local, self.send_splits, self.recv_splits = local, send_splits, recv_splits
         self.regroup, self.local_counts = regroup, local_counts
+        self.counts_host = counts_host  # local_counts on the host
 
     @property
     def counts_E(self):

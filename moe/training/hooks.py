@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from moe.training.device import comm_device
 
 log = logging.getLogger("moe.train")
 
@@ -139,21 +142,25 @@ class MoEStatsHook(Hook):
             layer.step_sums.zero_()
 
     def _publish(self, s: StepState, loads_LE: torch.Tensor, sums_LS: torch.Tensor) -> None:
-        for i, (load_E, sums, layer) in enumerate(zip(loads_LE.float().cpu(), sums_LS.cpu(),
-                                                       self.layers)):
-            routed, entropy, aux, z, count = sums.tolist()
-            mean = max(float(load_E.mean()), 1e-9)
+        # The one read of the routing statistics, on logging steps only: they accumulate on the
+        # device over the step's micro-batches (moe_layer.py); all layers come in one copy.
+        spread_L = torch.stack([layer.router.score_bias.max() - layer.router.score_bias.min()
+                                for layer in self.layers])
+        E = loads_LE.shape[1]
+        rows = torch.cat([loads_LE.float(), sums_LS.float(), spread_L.float()[:, None]], 1).tolist()
+        for i, (row, layer) in enumerate(zip(rows, self.layers)):
+            load, (routed, entropy, aux, z, count), spread = row[:E], row[E:-1], row[-1]
+            mean = max(sum(load) / E, 1e-9)
             p = f"moe/layer{i}"
-            s.histograms[f"{p}/expert_load"] = load_E
-            s.extra[f"{p}/max_over_mean_load"] = float(load_E.max()) / mean
-            s.extra[f"{p}/load_cv"] = float(load_E.std(unbiased=False)) / mean
-            s.extra[f"{p}/dropped_fraction"] = 1.0 - float(load_E.sum()) / max(routed, 1.0)
+            s.histograms[f"{p}/expert_load"] = torch.tensor(load)
+            s.extra[f"{p}/max_over_mean_load"] = max(load) / mean
+            s.extra[f"{p}/load_cv"] = statistics.pstdev(load) / mean
+            s.extra[f"{p}/dropped_fraction"] = 1.0 - sum(load) / max(routed, 1.0)
             s.extra[f"{p}/router_entropy"] = entropy / max(count, 1.0)
             s.extra[f"{p}/aux_loss"] = aux / max(count, 1.0)
             s.extra[f"{p}/z_loss"] = z / max(count, 1.0)
             if layer.router.cfg.bias_update_rate > 0:
-                bias = layer.router.score_bias
-                s.extra[f"{p}/expert_bias_spread"] = float(bias.max() - bias.min())
+                s.extra[f"{p}/expert_bias_spread"] = spread
 
 
 class ThroughputHook(Hook):
@@ -189,12 +196,13 @@ class ResourceHook(Hook):
             return
         mem = torch.tensor([self.proc.memory_info().rss / 2**30,
                             torch.cuda.max_memory_allocated() / 2**30
-                            if torch.cuda.is_available() else 0.0])
+                            if torch.cuda.is_available() else 0.0], device=comm_device())
         if dist.is_initialized():
             dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=self.group)
-        s.extra["system/process_memory_gib"] = float(mem[0])
+        rss, gpu = mem.tolist()
+        s.extra["system/process_memory_gib"] = rss
         if torch.cuda.is_available():
-            s.extra["system/gpu_max_allocated_gib"] = float(mem[1])
+            s.extra["system/gpu_max_allocated_gib"] = gpu
 
 
 def add_bucket_histogram(writer, tag: str, counts: torch.Tensor, step: int) -> None:
@@ -238,19 +246,24 @@ class ValidationHook(Hook):
     @torch.no_grad()
     def evaluate(self) -> dict:
         module = self.engine.module
+        device = self.engine.device
         was_training = module.training
         module.eval()
-        sums = torch.zeros(2, dtype=torch.float64)
+        # Summed on the device and read once (device and comm_device agree: both are CUDA with
+        # NCCL, both the CPU with gloo).
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
         for inputs, targets in self._batches():
+            inputs, targets = inputs.to(device), targets.to(device)
             logits = module(inputs).logits.float()
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                      ignore_index=-100, reduction="sum")
-            sums += torch.tensor([float(loss), float((targets != -100).sum())], dtype=torch.float64)
+            sums += torch.stack([loss.double(), (targets != -100).sum().double()])
         module.train(was_training)
         if dist.is_initialized():
             dist.all_reduce(sums)
-        mean = float(sums[0] / sums[1].clamp_min(1))
-        return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": int(sums[1])}
+        total, tokens = sums.tolist()
+        mean = total / max(tokens, 1.0)
+        return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": int(tokens)}
 
     def on_step_end(self, s: StepState) -> None:
         if self.every and (s.step % self.every == 0 or s.step == s.max_steps):

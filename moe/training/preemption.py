@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moe.training.checkpoint import CheckpointHook
+from moe.training.device import comm_device
 from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")
@@ -94,9 +95,11 @@ class PreemptionHook(Hook):
 
     def _agreed_signal(self) -> int:
         """The signal number (0: none); the maximum over ranks names one that some rank got."""
-        flag = torch.tensor([float(self.signum or 0)])
+        # torch.full: filled on the device, no host-to-device copy.
+        flag = torch.full((1,), float(self.signum or 0), device=comm_device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        # Read every step (a host sync with NCCL): every rank must stop at the same step.
         return int(flag.item())
 
     def _stop_if_signalled_before_training(self) -> None:

@@ -38,6 +38,7 @@ from moe.training.checkpoint import (
     resolve_resume,
 )
 from moe.training.config import RunConfig, dump_config
+from moe.training.device import peak_bf16_flops, to_device
 from moe.training.hooks import (
     ConsoleHook,
     Hook,
@@ -52,6 +53,7 @@ from moe.training.hooks import (
 from moe.training.layout import load_other_layout
 from moe.training.nan_guard import NonFiniteGuard, poison_nonfinite
 from moe.training.preemption import PREEMPTED_MARKER, SIGNALS, PreemptionHook
+from moe.training.prefetch import PrefetchingReader
 from moe.training.upcycle import initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
@@ -180,10 +182,60 @@ def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistE
 
 
 def _token_hash(batches: list[torch.Tensor]) -> str:
+    """Of the host copies of the batches (the device has its own): no device read."""
     h = hashlib.sha256()
     for b in batches:
         h.update(b.numpy().astype(np.int64).tobytes())
     return h.hexdigest()[:16]
+
+
+def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
+    """logging.peak_flops_per_device, or for bf16 runs the device's known bf16 peak."""
+    if cfg.logging.peak_flops_per_device is not None or cfg.train.precision != "bf16":
+        return cfg.logging.peak_flops_per_device
+    return peak_bf16_flops(device)
+
+
+def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
+               step: int) -> StepState:
+    """One optimizer step over ``grad_accum_steps`` micro-batches.
+
+    Host syncs of our code in a step (DeepSpeed's own optimizer step reads the gradient norm
+    and the overflow flag besides): the loss sums and gradient norm are read once, after the
+    optimizer step, in one transfer (the non-finite guard and the per-step record need them
+    every step). Nothing is read per micro-batch: the losses add up on the device, and a
+    micro-batch's copy to the device is asynchronous from pinned memory."""
+    t = cfg.train
+    t0 = time.time()
+    packed = loader.next_step()
+    sums = torch.zeros(3, device=engine.device)  # (loss, lm loss, aux loss) summed
+    for p in packed:
+        p_dev = to_device(p, engine.device)
+        doc_ids = None if p_dev.doc_ids_BS is None else p_dev.doc_ids_BS[:, :-1]
+        out = engine(p_dev.tokens_BS[:, :-1], p_dev.tokens_BS[:, 1:], doc_ids_BS=doc_ids)
+        engine.backward(poison_nonfinite(out.loss))
+        engine.step()
+        sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
+    skipped = not engine.was_step_applied()
+    is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
+              or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0))
+    local_sum = sums[:1].clone()
+    if is_log and dist.is_initialized():
+        dist.all_reduce(sums)
+    sums /= t.grad_accum_steps * (env.world_size if is_log and dist.is_initialized() else 1)
+    grad_norm = engine.get_global_grad_norm()
+    norm = (grad_norm.detach().float().reshape(1).to(sums.device) if torch.is_tensor(grad_norm)
+            else torch.full((1,), math.nan if grad_norm is None else float(grad_norm),
+                            device=sums.device))
+    # The step's one read of ours (a host sync on GPUs).
+    loss, lm_loss, aux_loss, local_sum, norm_value = torch.cat([sums, local_sum, norm]).tolist()
+    samples = t.micro_batch_size * t.grad_accum_steps * env.world_size
+    return StepState(
+        step=step, max_steps=t.max_steps, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss,
+        lr=engine.get_lr()[0], grad_norm=None if grad_norm is None else norm_value,
+        step_seconds=time.time() - t0, tokens_per_step=samples * cfg.data.seq_len,
+        samples_per_step=samples, is_log_step=is_log, local_loss=local_sum / t.grad_accum_steps,
+        tokens_sha256=_token_hash([p.tokens_BS for p in packed]), skipped=skipped)
 
 
 def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
@@ -222,7 +274,7 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
                                     cfg.eval.batch_size, env.rank, env.world_size))
     train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
     hooks += [MoEStatsHook(moe_layers), ResourceHook(),
-              ThroughputHook(train_flops, cfg.logging.peak_flops_per_device, env.world_size),
+              ThroughputHook(train_flops, peak_flops(cfg, engine.device), env.world_size),
               ConsoleHook(env.rank),
               StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl"),
               NonFiniteGuard(t.max_consecutive_skips, env.rank)]
@@ -233,7 +285,8 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
         tokenizer_sha256=tokenizer_sha, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
-    ckpt_hook = CheckpointHook(engine, reader, ckpt_dir, cfg.checkpoint.every_n_steps, save_ctx,
+    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
+    ckpt_hook = CheckpointHook(engine, loader, ckpt_dir, cfg.checkpoint.every_n_steps, save_ctx,
                                env.rank)
     hooks.append(ckpt_hook)  # after the guard: a step the guard stops on is never saved
     hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank,
@@ -245,41 +298,19 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
     if resume_dir is not None and resume_dir.parent.resolve() == ckpt_dir.resolve():
         ckpt_hook.last_tag, ckpt_hook.last_step = resume_dir.name, start_step
     ckpt_hook.tokens = tokens
-    samples_per_step = t.micro_batch_size * t.grad_accum_steps * env.world_size
     history = []
-    for step in range(start_step + 1, t.max_steps + 1):
-        t0 = time.time()
-        sums = torch.zeros(3)
-        packed = reader.next_step(t.grad_accum_steps)
-        batches = [p.tokens_BS for p in packed]
-        for p in packed:
-            doc_ids = None if p.doc_ids_BS is None else p.doc_ids_BS[:, :-1]
-            out = engine(p.tokens_BS[:, :-1], p.tokens_BS[:, 1:], doc_ids_BS=doc_ids)
-            engine.backward(poison_nonfinite(out.loss))
-            engine.step()
-            sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
-        skipped = not engine.was_step_applied()
-        local_loss = float(sums[0]) / t.grad_accum_steps
-        is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
-                  or (cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0))
-        if is_log and dist.is_initialized():
-            dist.all_reduce(sums)
-        sums /= t.grad_accum_steps * (env.world_size if is_log and dist.is_initialized() else 1)
-        grad_norm = engine.get_global_grad_norm()
-        ckpt_hook.tokens += samples_per_step * cfg.data.seq_len
-        state = StepState(
-            step=step, max_steps=t.max_steps, loss=float(sums[0]), lm_loss=float(sums[1]),
-            aux_loss=float(sums[2]), lr=engine.get_lr()[0],
-            grad_norm=float(grad_norm) if grad_norm is not None else None,
-            step_seconds=time.time() - t0, tokens_per_step=samples_per_step * cfg.data.seq_len,
-            samples_per_step=samples_per_step, is_log_step=is_log, local_loss=local_loss,
-            tokens_sha256=_token_hash(batches), skipped=skipped)
-        for hook in hooks:
-            hook.on_step_end(state)
-        if is_log:
-            history.append({"step": step, "loss": state.loss, "lm_loss": state.lm_loss,
-                            "tokens_per_s": state.tokens_per_second})
-    ckpt_hook.save(t.max_steps)
+    try:
+        for step in range(start_step + 1, t.max_steps + 1):
+            state = train_step(engine, loader, cfg, env, step)
+            ckpt_hook.tokens += state.tokens_per_step
+            for hook in hooks:
+                hook.on_step_end(state)
+            if state.is_log_step:
+                history.append({"step": step, "loss": state.loss, "lm_loss": state.lm_loss,
+                                "tokens_per_s": state.tokens_per_second})
+        ckpt_hook.save(t.max_steps)
+    finally:
+        loader.close()
     for hook in hooks:
         hook.close()
     summary = {"steps": t.max_steps, "history": history,

@@ -14,7 +14,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -22,15 +22,19 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     try:
         fn(rank, world_size, *args)
     finally:
         torch.distributed.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args) -> None:
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> None:
     """Start ``world_size`` processes running ``fn(rank, world_size, *args)``; raise if any
-    fails. ``fn`` must be a module-level function (processes are spawned)."""
-    mp.start_processes(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size,
+    fails. ``fn`` must be a module-level function (processes are spawned). ``backend="nccl"``
+    puts rank r on ``cuda:r``."""
+    mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, backend),
+                       nprocs=world_size,
                        join=True, start_method="spawn")

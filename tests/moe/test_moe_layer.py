@@ -157,3 +157,15 @@ def test_experts_with_zero_tokens():
     y.sum().backward()
     assert layer.stats["tokens_per_expert"].tolist() == [0, 0, 0, 10, 0, 0, 0, 0]
     assert layer.experts.w_in.grad[3].abs().sum() > 0 and layer.experts.w_in.grad[0].abs().sum() == 0
+
+
+def test_step_counters_stay_exact_fp32_in_a_bf16_layer():
+    torch.manual_seed(0)
+    layer = MoELayer(16, MoEConfig(num_experts=4, expert_hidden=16)).to(torch.bfloat16)
+    total = torch.zeros(4)
+    for _ in range(3):
+        layer(torch.randn(2, 300, 16, dtype=torch.bfloat16))
+        total += layer.stats["tokens_per_expert"].float()
+    assert layer.step_load_E.dtype == torch.float32 and layer.step_sums.dtype == torch.float32
+    assert torch.equal(layer.step_load_E, total)  # exact, though counts exceed 256
+    assert layer.step_sums[0].item() == 3 * 600 * 2  # routed copies
