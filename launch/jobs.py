@@ -88,10 +88,26 @@ def state_from_ends(run_dir: Path, job_id: str) -> str | None:
         return None
     for line in lines:
         fields = line.split()
-        if len(fields) == 3 and fields[0] == job_id:
+        if len(fields) >= 3 and fields[0] == job_id:
             state = ("REQUEUED" if fields[2] == "requeued" else
                      "COMPLETED" if fields[1] == "0" else f"FAILED (exit code {fields[1]})")
     return state
+
+
+def requeued_at(run_dir: Path, job_id: str) -> int | None:
+    """The step a preempted job will resume from, while its newest run ended in a requeue
+    (the job script writes ``JOB STATUS requeued STEP``); None once a later run ended."""
+    step = None
+    try:
+        lines = (run_dir / ENDS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 3 and fields[0] == job_id:
+            step = int(fields[3]) if fields[2] == "requeued" and fields[3:4] != [] \
+                and fields[3].isdigit() else None
+    return step
 
 
 def query(job_id: str, run_dir: Path | None = None) -> JobState:
