@@ -8,7 +8,8 @@
 Builds a plan (commands, environment, job script) from the run config, validates it, then
 prints it (--dry-run) or prepares the data, writes the run directory (resolved config, plan,
 job files) and runs it: local, hostfile and mpi runs train to the end and evaluate the final
-checkpoint; slurm submits the job and prints its id.
+checkpoint; slurm submits the job and prints its id (the job evaluates its final
+checkpoint itself, see launch/finish.py).
 """
 
 from __future__ import annotations
