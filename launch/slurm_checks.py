@@ -58,13 +58,13 @@ def partition_problems(cfg: RunConfig) -> list[str]:
     nodes = slurm_command(["sinfo", "-h", "-N", "-p", name, "-o", "%N|%c|%G"])
     if nodes is not None and nodes.returncode == 0 and nodes.stdout.strip():
         rows = [line.split("|") for line in nodes.stdout.splitlines() if line.count("|") == 2]
-        cpus = max(int(c) for _, c, _ in rows if c.isdigit())
+        cpus = max((int(c) for _, c, _ in rows if c.isdigit()), default=None)
         per_node = cfg.parallel.world_size // s.nodes * s.cpus_per_task
-        if per_node > cpus:
+        if cpus is not None and per_node > cpus:
             problems.append(f"launch.slurm.cpus_per_task: {cfg.parallel.world_size // s.nodes} "
                             f"tasks per node x {s.cpus_per_task} CPUs = {per_node} CPUs per node, "
                             f"but the largest node of partition {name!r} has {cpus}")
-        gpus = max(gpu_count(g) for _, _, g in rows)
+        gpus = max((gpu_count(g) for _, _, g in rows), default=0)
         if s.gpus_per_node and gpus == 0:
             problems.append(f"launch.slurm.gpus_per_node: {s.gpus_per_node} GPUs per node "
                             f"requested, but the nodes of partition {name!r} have no GPUs "
