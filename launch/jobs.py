@@ -105,8 +105,8 @@ def requeued_at(run_dir: Path, job_id: str) -> int | None:
     for line in lines:
         fields = line.split()
         if len(fields) >= 3 and fields[0] == job_id:
-            step = int(fields[3]) if fields[2] == "requeued" and fields[3:4] != [] \
-                and fields[3].isdigit() else None
+            requeued = fields[2] == "requeued" and len(fields) > 3 and fields[3].isdigit()
+            step = int(fields[3]) if requeued else None
     return step
 
 

@@ -5,7 +5,9 @@ The script finds rank 0's node in the allocation and uses the address SLURM itse
 the rendezvous port from the job id so that jobs sharing a node do not collide. srun exports
 SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID to each task, which the entry point maps to rank and world
 size. Before the time limit SLURM sends the ranks SIGUSR1; they save a checkpoint at the next step
-boundary and leave a marker, and the script then requeues the job, which resumes from it.
+boundary and leave a marker, and the script then requeues the job, which resumes from it. Once
+training has finished, the script evaluates the final checkpoint on one task of the allocation
+(``launch.finish``, what moe-launch runs after a local run).
 
 Quoting: values in the script body go through shlex.quote. ``#SBATCH`` lines are read by sbatch,
 not by a shell; their values are double-quoted for sbatch's own tokenizer, and anything that
