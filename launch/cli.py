@@ -26,6 +26,16 @@ def setup_logging(rank: int = 0, log_file: str | None = None) -> None:
         root.addHandler(h)
     root.setLevel(logging.INFO)
     root.propagate = False
+    # Python warnings (DeprecationWarning, FutureWarning, ...) go to the rank's log as well as
+    # its console, so that a rank's log holds everything it reported.
+    logging.captureWarnings(True)
+    warnings_log = logging.getLogger("py.warnings")
+    warnings_log.handlers.clear()
+    warnings_log.addHandler(logging.StreamHandler(sys.stderr))
+    for h in handlers:
+        if isinstance(h, logging.FileHandler):
+            warnings_log.addHandler(h)
+    warnings_log.propagate = False
 
 
 def exits_cleanly(main):

@@ -79,19 +79,33 @@ def record_state(run_dir: Path, job: JobState) -> None:
             write_atomic(run_dir / JOBS_FILE, json.dumps(jobs, indent=2))
 
 
-def state_from_ends(run_dir: Path, job_id: str) -> str | None:
-    """The state the job script itself wrote when it last ended (None: it never did)."""
-    state = None
+def last_end(run_dir: Path, job_id: str) -> list[str] | None:
+    """How the job's newest run ended, as the job script wrote it: ``[JOB, STATUS, "ended"]``
+    or ``[JOB, STATUS, "requeued", STEP]`` (older scripts wrote no STEP); None: never."""
     try:
         lines = (run_dir / ENDS_FILE).read_text().splitlines()
     except FileNotFoundError:
         return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) == 3 and fields[0] == job_id:
-            state = ("REQUEUED" if fields[2] == "requeued" else
-                     "COMPLETED" if fields[1] == "0" else f"FAILED (exit code {fields[1]})")
-    return state
+    ends = [fields for fields in map(str.split, lines) if len(fields) >= 3 and fields[0] == job_id]
+    return ends[-1] if ends else None
+
+
+def state_from_ends(run_dir: Path, job_id: str) -> str | None:
+    """The state the job script itself wrote when it last ended (None: it never did)."""
+    end = last_end(run_dir, job_id)
+    if end is None:
+        return None
+    return ("REQUEUED" if end[2] == "requeued" else
+            "COMPLETED" if end[1] == "0" else f"FAILED (exit code {end[1]})")
+
+
+def requeued_at(run_dir: Path, job_id: str) -> int | None:
+    """The step a preempted job will resume from, while its newest run ended in a requeue;
+    None once a later run ended."""
+    end = last_end(run_dir, job_id)
+    if end is None or end[2] != "requeued" or len(end) < 4 or not end[3].isdigit():
+        return None
+    return int(end[3])
 
 
 def query(job_id: str, run_dir: Path | None = None) -> JobState:

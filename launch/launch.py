@@ -8,7 +8,8 @@
 Builds a plan (commands, environment, job script) from the run config, validates it, then
 prints it (--dry-run) or prepares the data, writes the run directory (resolved config, plan,
 job files) and runs it: local, hostfile and mpi runs train to the end and evaluate the final
-checkpoint; slurm submits the job and prints its id.
+checkpoint; slurm submits the job and prints its id (the job evaluates its final
+checkpoint itself, see launch/finish.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from data_pipeline.prepare import prepare
 from launch.cli import exits_cleanly
-from launch.evaluate import evaluate_checkpoint
+from launch.finish import finish
 from launch.jobs import (
     JOBS_FILE,
     JobState,
@@ -33,11 +34,13 @@ from launch.jobs import (
     record_state,
     record_submission,
     refuse_if_active,
+    requeued_at,
     slurm_command,
 )
 from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
-from launch.schedulers import build_plan
-from launch.schedulers.slurm import JOB_SCRIPT, job_log
+from launch.schedulers import build_plan, plan_problems
+from launch.schedulers.slurm import job_log
+from launch.slurm_checks import check_submission
 from moe.errors import LaunchError
 from moe.training.config import dump_config, load_config
 from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
@@ -50,39 +53,18 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
     print(f"launch: {plan.render().splitlines()[-1]}", flush=True)
     rc = subprocess.call(plan.command, env=plan.run_env())
     if rc == PREEMPTED_EXIT_CODE or (run_dir / PREEMPTED_MARKER).exists():
-        raise LaunchError(f"training stopped after a preemption signal and saved a checkpoint "
-                          f"({(run_dir / PREEMPTED_MARKER).read_text().strip()}); run the same "
-                          f"command again to resume")
+        marker = run_dir / PREEMPTED_MARKER
+        step = json.loads(marker.read_text()).get("step") if marker.exists() else None
+        resume = newest_checkpoint(run_dir)
+        where = (f"saved a checkpoint at step {step}; run the same command again to resume "
+                 f"from step {step}" if step is not None else
+                 f"before the first step, nothing to save; run the same command again to "
+                 f"{'resume from ' + resume if resume else 'start'}")
+        raise LaunchError(f"preempted (exit code {PREEMPTED_EXIT_CODE}, not a failure): "
+                          f"training stopped on a preemption signal and {where}")
     if rc != 0:
         raise LaunchError(f"training failed with exit code {rc}; per-rank logs in {run_dir / 'logs'}")
-    summary = json.loads((run_dir / "train_summary.json").read_text())
-    tb_dir = run_dir / "tensorboard"
-    # Only point at event files that exist (logging.tensorboard: false writes none).
-    tensorboard = (f"tensorboard --logdir {tb_dir}" if tb_dir.is_dir()
-                   else "none written (logging.tensorboard: false)")
-    lines = [f"run directory   {run_dir}",
-             f"tensorboard     {tensorboard}",
-             f"checkpoint      {summary['checkpoint']}"]
-    if summary["history"] and summary["history"][0]["step"] == 1:
-        lines.append(f"step-1 loss     {summary['history'][0]['loss']:.4f}")
-    if evaluate:
-        r = evaluate_checkpoint(summary["checkpoint"])
-        lines += [f"valid loss      {r['loss']:.4f} nats/token over {r['tokens']:,} tokens "
-                  f"(uniform guess {r['uniform_loss']:.4f})",
-                  f"perplexity      {r['perplexity']:.2f}",
-                  f"evaluation      {r['output']}"]
-    print("\n".join(lines))
-
-
-def check_with_sbatch(plan: Plan) -> None:
-    """``sbatch --test-only``: would SLURM take this job (partition, node count, CPUs, GPUs,
-    time limit)? It schedules nothing; its reason is quoted when it would not."""
-    proc = subprocess.run([plan.command[0], "--test-only"], input=plan.files[JOB_SCRIPT],
-                          env=plan.run_env(), capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        reason = (proc.stderr.strip() or proc.stdout.strip()).replace("sbatch: error: ", "")
-        raise LaunchError(f"SLURM would refuse this job (sbatch --test-only): {reason}; "
-                          f"nothing was prepared or submitted (--dry-run prints the job script)")
+    print("\n".join(finish(run_dir, evaluate)))
 
 
 def submit(plan: Plan, run_dir: Path, log: str) -> str:
@@ -116,8 +98,8 @@ def launch(argv) -> None:
     overrides = list(args.overrides)
     if args.scheduler:
         overrides.append(f"launch.scheduler={args.scheduler}")
-    cfg = load_config(args.config, overrides)
-    plan = build_plan(cfg)
+    cfg = load_config(args.config, overrides, checks=plan_problems)
+    plan = build_plan(cfg, evaluate=not args.no_eval)
     if args.dry_run:
         print(plan.render())
         return
@@ -130,7 +112,7 @@ def launch(argv) -> None:
     plan.write(run_dir)
 
     if plan.submits:
-        check_with_sbatch(plan)  # SLURM's own verdict before any data work
+        check_submission(cfg, plan)  # SLURM's own verdict before any data work
     report = prepare(cfg.data)
     print(f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "
           f"{report.manifest.splits['train'].tokens:,} train tokens)", flush=True)
@@ -173,6 +155,10 @@ def status(target: str) -> None:
             speed = (f", {steps['tokens_per_s']:,} tokens/s" if steps["tokens_per_s"] is not None
                      else "")
             lines.append(f"last step       {steps['step']}, loss {steps['loss']:.4f}{speed}")
+        resume = requeued_at(run_dir, job_id)
+        if resume is not None and job.active:
+            lines.append(f"preempted       exit code {PREEMPTED_EXIT_CODE} on purpose (not a "
+                         f"failure): requeued, will resume from step {resume}")
         lines += [f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",
                   f"job log         {record['log'].replace('%j', job_id)}",
                   f"rank logs       {run_dir / 'logs'}/rank*.log",

@@ -67,6 +67,7 @@ def main(argv=None) -> None:
             f"device: {where} (rank 0), backend {backend}, {env.world_size} rank(s), "
             f"{threads} thread(s) per rank")
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    gather_under_current_name()
     if backend == "gloo":
         unlink_cpu_allreduce_buffer(env.rank)
     try:
@@ -75,6 +76,22 @@ def main(argv=None) -> None:
         shut_down_distributed()  # every rank stops at the same step (the signal is all-reduced)
         raise
     shut_down_distributed()
+
+
+def gather_under_current_name() -> None:
+    """Have DeepSpeed's communication back end all-gather through ``all_gather_single``.
+
+    DeepSpeed 0.19.8 picks ``torch.distributed.all_gather_into_tensor`` when torch has it; torch
+    2.13 deprecates that name (a FutureWarning on every rank at ZeRO's first all-gather) and
+    only forwards it to ``all_gather_single``, which takes the same arguments. Where torch has
+    the new name, the back end calls it directly; older torch (2.11) keeps DeepSpeed's choice."""
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+
+    backend = ds_comm.cdb
+    if (hasattr(dist, "all_gather_single") and backend is not None
+            and getattr(backend, "all_gather_function", None) is dist.all_gather_into_tensor):
+        backend.all_gather_function = dist.all_gather_single
 
 
 SHM_DIR = Path("/dev/shm")

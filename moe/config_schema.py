@@ -12,11 +12,23 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from moe.errors import ConfigError
 
 T = TypeVar("T")
+
+
+class _Invalid:
+    """What a conversion returns when the value could not be converted (its problem recorded):
+    distinct from None, which an optional field may legitimately hold."""
+
+    def __repr__(self) -> str:
+        return "<invalid>"
+
+
+INVALID: Any = _Invalid()
 
 
 def _describe(tp: Any) -> str:
@@ -38,7 +50,7 @@ def _describe(tp: Any) -> str:
 
 
 def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
-    """Convert ``value`` to type ``tp`` or record a problem and return None."""
+    """Convert ``value`` to type ``tp``, or record a problem and return INVALID."""
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -54,42 +66,45 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             if not trial:
                 return out
         problems.append(f"{key}: expected {_describe(tp)}, got {value!r}")
-        return None
+        return INVALID
     if origin is Literal:
         if value in get_args(tp):
             return value
         problems.append(f"{key}: {value!r} is not allowed; expected {_describe(tp)}")
-        return None
+        return INVALID
     if dataclasses.is_dataclass(tp):
         if value is None:
             value = {}
         if not isinstance(value, dict):
             problems.append(f"{key}: expected a mapping, got {value!r}")
-            return None
+            return INVALID
         return _build(tp, value, key, problems)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             problems.append(f"{key}: expected {_describe(tp)}, got {value!r}")
-            return None
+            return INVALID
         (item_tp,) = get_args(tp)[:1] or (Any,)
         items = [_convert(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+        if any(v is INVALID for v in items):
+            return INVALID
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
             problems.append(f"{key}: expected a mapping, got {value!r}")
-            return None
+            return INVALID
         _, val_tp = get_args(tp) or (str, Any)
-        return {str(k): _convert(v, val_tp, f"{key}.{k}", problems) for k, v in value.items()}
+        out = {str(k): _convert(v, val_tp, f"{key}.{k}", problems) for k, v in value.items()}
+        return INVALID if any(v is INVALID for v in out.values()) else out
     if tp is bool:
         if isinstance(value, bool):
             return value
         problems.append(f"{key}: expected true or false, got {value!r}")
-        return None
+        return INVALID
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         problems.append(f"{key}: expected an integer, got {value!r}")
-        return None
+        return INVALID
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -100,16 +115,21 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             except ValueError:
                 pass
         problems.append(f"{key}: expected a number, got {value!r}")
-        return None
+        return INVALID
     if tp is str:
         if isinstance(value, str):
             return value
         problems.append(f"{key}: expected a string, got {value!r}")
-        return None
+        return INVALID
     raise TypeError(f"unsupported config field type {tp!r} at {key}")
 
 
-def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T | None:
+def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
+    """Fill ``cls`` from ``data``, recording every problem. The object is built, and its own
+    ``problems()`` (checks of values, also across its sub-sections) run, whenever every field
+    could be converted: a value problem in one section does not hide those of another, nor the
+    checks that span sections. Only a field that cannot be converted at all (a wrong type, a
+    missing required key) leaves nothing to check further: INVALID is returned."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for name in data:
@@ -119,14 +139,16 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T | No
             allowed = ", ".join(sorted(fields))
             problems.append(f"{_join(prefix, name)}: unknown key{hint} (allowed: {allowed})")
     kwargs = {}
-    n_before = len(problems)
+    complete = True
     for name, f in fields.items():
         if name in data:
             kwargs[name] = _convert(data[name], hints[name], _join(prefix, name), problems)
+            complete &= kwargs[name] is not INVALID
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             problems.append(f"{_join(prefix, name)}: required key is missing")
-    if len(problems) > n_before:
-        return None
+            complete = False
+    if not complete:
+        return INVALID
     obj = cls(**kwargs)
     check = getattr(obj, "problems", None)
     if check is not None:
@@ -149,15 +171,19 @@ def minimums(obj: Any, **bounds: float) -> list[str]:
     return out
 
 
-def from_dict(cls: type[T], data: dict | None, source: str | None = None) -> T:
-    """Build ``cls`` from ``data``; raise ConfigError listing every problem."""
+def from_dict(cls: type[T], data: dict | None, source: str | None = None,
+              checks: Callable[[T], list[str]] | None = None) -> T:
+    """Build ``cls`` from ``data``; raise ConfigError listing every problem. ``checks`` adds
+    the problems a caller finds in the built object (a scheduler's own limits): reported in
+    the same error as the config's own."""
     problems: list[str] = []
     if data is not None and not isinstance(data, dict):
         raise ConfigError([f"top level: expected a mapping, got {type(data).__name__}"], source)
     obj = _build(cls, data or {}, "", problems)
+    if obj is not INVALID and checks is not None:
+        problems.extend(checks(obj))
     if problems:
         raise ConfigError(problems, source)
-    assert obj is not None
     return obj
 
 

@@ -5,7 +5,9 @@ The script finds rank 0's node in the allocation and uses the address SLURM itse
 the rendezvous port from the job id so that jobs sharing a node do not collide. srun exports
 SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID to each task, which the entry point maps to rank and world
 size. Before the time limit SLURM sends the ranks SIGUSR1; they save a checkpoint at the next step
-boundary and leave a marker, and the script then requeues the job, which resumes from it.
+boundary and leave a marker, and the script then requeues the job, which resumes from it. Once
+training has finished, the script evaluates the final checkpoint on one task of the allocation
+(``launch.finish``, what moe-launch runs after a local run).
 
 Quoting: values in the script body go through shlex.quote. ``#SBATCH`` lines are read by sbatch,
 not by a shell; their values are double-quoted for sbatch's own tokenizer, and anything that
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 from pathlib import Path
 
 from launch.jobs import ENDS_FILE
@@ -44,7 +47,7 @@ def sbatch_directive(option: str, value: object = None) -> str:
     return f'#SBATCH {option}="{text}"'
 
 
-def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
+def job_script(cfg: RunConfig, run_dir: Path, cwd: Path, evaluate: bool = True) -> str:
     s = cfg.launch.slurm
     world = cfg.parallel.world_size
     per_node = world // s.nodes
@@ -108,18 +111,46 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path) -> str:
         '  while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
         '  wait "$srun_pid" || status=$?',
         "fi",
+        # Preempted: the ranks saved (or had nothing to save yet) and exited 75 on purpose.
+        # srun reports that as "Exited with exit code 75"; say what it means right below it.
         f"if [ -e {marker} ]; then",
-        f'  echo "preemption signal ($(cat {marker})); requeueing job $SLURM_JOB_ID"',
+        f"""  step=$(sed -n 's/.*"step": *\\([0-9][0-9]*\\).*/\\1/p' {marker})""",
+        '  if [ -z "$step" ]; then  # signalled before the first step: the newest checkpoint',
+        f"    latest=$(cat {q(str(run_dir / 'checkpoints' / 'latest'))} 2>/dev/null || true)",
+        "    latest=${latest##*_}",
+        "    case $latest in ''|*[!0-9]*) latest=0;; esac",
+        "    step=$(( 10#$latest ))",
+        "  fi",
+        f'  echo "preemption signal ($(cat {marker})): the exit code 75 above is the planned '
+        'exit of a preempted run, not a failure"',
     ]
     ends = q(str(run_dir / ENDS_FILE))  # for moe-launch status once SLURM forgot the job
-    lines += [f'  printf "%s %s requeued\\n" "$SLURM_JOB_ID" "$status" >> {ends} || true',
-              '  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"] if s.requeue else []
-    lines += ["fi", f'printf "%s %s ended\\n" "$SLURM_JOB_ID" "$status" >> {ends} || true',
+    if s.requeue:
+        lines += ['  echo "preempted, requeued, will resume from step $step (requeueing job '
+                  '$SLURM_JOB_ID)"',
+                  f'  printf "%s %s requeued %s\\n" "$SLURM_JOB_ID" "$status" "$step" >> {ends} '
+                  "|| true",
+                  '  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"]
+    else:
+        lines += ['  echo "preempted, not requeued (launch.slurm.requeue: false): submit the '
+                  'same run again to resume from step $step"']
+    # Training finished: the summary, and the evaluation of the final checkpoint on one task of
+    # the same allocation (the code moe-launch runs after a local run). Not after a preemption:
+    # that requeued the job above, and the requeued job evaluates once it finishes.
+    finish = ["srun", "--ntasks=1", "--nodes=1", f"--cpus-per-task={s.cpus_per_task}",
+              sys.executable, "-u", "-m", "launch.finish", str(run_dir), *([] if evaluate else ["--no-eval"])]
+    lines += ["fi", 'if [ "$status" -eq 0 ]; then',
+              '  echo "training finished; ' + ("evaluating the final checkpoint on one task"
+                                               if evaluate else "evaluation skipped (--no-eval)")
+              + '"',
+              "  " + " ".join(q(a) for a in finish) + " || status=$?",
+              "fi",
+              f'printf "%s %s ended\\n" "$SLURM_JOB_ID" "$status" >> {ends} || true',
               'exit "$status"']
     return "\n".join(lines) + "\n"
 
 
-def plan(cfg: RunConfig, run_dir: Path) -> Plan:
+def plan(cfg: RunConfig, run_dir: Path, evaluate: bool = True) -> Plan:
     s = cfg.launch.slurm
     problems = []
     if cfg.parallel.world_size % s.nodes:
@@ -133,6 +164,6 @@ def plan(cfg: RunConfig, run_dir: Path) -> Plan:
         problems.append("output_dir/name: a line break cannot appear in a job script line")
     if problems:
         raise ConfigError(problems)
-    script = job_script(cfg, run_dir, Path.cwd())
+    script = job_script(cfg, run_dir, Path.cwd(), evaluate)
     return Plan("slurm", ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)], str(run_dir),
                 cfg.parallel.world_size, nodes=s.nodes, files={JOB_SCRIPT: script}, submits=True)

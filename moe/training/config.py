@@ -4,6 +4,7 @@ DeepSpeed config (never written by hand)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -229,7 +230,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+def load_config(path: str | Path, overrides: list[str] | None = None,
+                checks: Callable[[RunConfig], list[str]] | None = None) -> RunConfig:
+    """The run config of a YAML file and ``key=value`` overrides. Every problem is reported in
+    one ConfigError: each section's, those across sections, and ``checks``' (a caller's own,
+    e.g. the scheduler's limits) once the config could be built."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -238,7 +243,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     except yaml.YAMLError as e:
         raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
     raw = apply_overrides(raw or {}, overrides or [])
-    return from_dict(RunConfig, raw, source=str(path))
+    return from_dict(RunConfig, raw, source=str(path), checks=checks)
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -278,18 +278,43 @@ class ValidationHook(Hook):
 class StepRecordHook(Hook):
     """Every rank appends one JSON line per step to its own file: the step, this rank's loss and
     a hash of its token ids. Comparing these files shows whether a resumed run repeated the
-    uninterrupted one exactly and whether the data stream repeated or skipped anything. A resumed
-    run appends the steps after its checkpoint again; the last line of a step is the valid one."""
+    uninterrupted one exactly and whether the data stream repeated or skipped anything.
+
+    A run resumed from a checkpoint runs the steps after it again (an earlier run logged them
+    before it was preempted or killed): at its first step the file is cut back to the steps
+    before it, so it holds every step exactly once, as the run that finished computed it."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a")
+        self.path = path
+        self.file = None  # opened at the first step, once the resumed step is known
 
     def on_step_end(self, s: StepState) -> None:
+        if self.file is None:
+            self.file = self._open_from(s.step)
         # repr of a Python float round-trips exactly: equal strings mean bitwise equal losses.
         self.file.write(json.dumps({"step": s.step, "loss": s.local_loss,
                                     "tokens_sha256": s.tokens_sha256, "skipped": s.skipped}) + "\n")
         self.file.flush()
 
+    def _open_from(self, step: int):
+        """Keep the records of the steps before ``step`` (dropping a line cut short by a kill),
+        replace the file with them in one rename, and append from there."""
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                        and record["step"] < step:
+                    kept.append(line + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
+        return open(self.path, "a")
+
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()

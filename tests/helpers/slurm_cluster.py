@@ -71,8 +71,9 @@ class Cluster:
             for p in self.procs:
                 if p.poll() is not None:
                     raise RuntimeError(f"a SLURM daemon exited ({p.args}):\n{self.logs()}")
-            states = self.run(["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()
-            if states.count("idle") == nodes:
+            # One line per node and partition: count each node once.
+            rows = set(self.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.splitlines())
+            if [row.split()[-1] for row in rows].count("idle") == nodes:
                 return
             time.sleep(0.5)
         raise RuntimeError(f"the SLURM cluster did not come up in {timeout}s:\n{self.logs()}")
@@ -136,7 +137,8 @@ def write_munge(root: Path) -> list[str]:
             f"--log-file={root / 'munged.log'}", f"--seed-file={root / 'munged.seed'}"]
 
 
-def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int) -> str:
+def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int,
+               partitions: tuple[str, ...] = ()) -> str:
     root.mkdir(parents=True, exist_ok=True)
     lines = [
         "ClusterName=moetest", f"SlurmctldHost={controller}",
@@ -157,18 +159,20 @@ def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int) -> str:
         f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd-%n.log'}",
         *nodes,
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+        *partitions,
     ]
     (root / "state").mkdir()
     return "\n".join(lines) + "\n"
 
 
 @contextlib.contextmanager
-def single_node_cluster(root: Path, cpus: int = 2):
+def single_node_cluster(root: Path, cpus: int = 2, partitions: tuple[str, ...] = ()):
+    """``partitions``: more ``PartitionName=...`` lines besides the default ``debug``."""
     require_slurm()
     host = socket.gethostname()
     conf = root / "slurm.conf"
     conf.write_text(slurm_conf(root, host, [f"NodeName={host} CPUs={cpus} RealMemory=20000"],
-                               cpus))
+                               cpus, partitions))
     cluster = Cluster(root, conf)
     try:
         cluster.start(write_munge(root), "munged-stdout.log")

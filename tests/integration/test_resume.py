@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from moe.checkpoint.files import complete_tags
+from moe.training.hooks import StepRecordHook
 from tests.conftest import tiny_run_dict
 
 pytestmark = pytest.mark.integration
@@ -39,7 +41,7 @@ def launch(config: Path, **kw):
 
 
 def steps(run_dir: Path, rank: int) -> dict[int, dict]:
-    """The last record of each step (a resumed run repeats the steps after its checkpoint)."""
+    """The record of each step (a line being written when a rank was killed is skipped)."""
     path = run_dir / "logs" / f"steps_rank{rank}.jsonl"
     if not path.exists():
         return {}
@@ -100,6 +102,9 @@ def test_sigkill_one_rank_then_resume_reproduces_the_uninterrupted_run(tiny_data
 
     hashes = set()
     for rank in (0, 1):
+        # The resumed run cut its step log back to its checkpoint: every step exactly once.
+        lines = (run_dir / "logs" / f"steps_rank{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == list(range(1, MAX_STEPS + 1))
         want, got = steps(tmp_path / "runs" / "reference", rank), steps(run_dir, rank)
         assert sorted(got) == list(range(1, MAX_STEPS + 1))
         for step in want:
@@ -109,3 +114,22 @@ def test_sigkill_one_rank_then_resume_reproduces_the_uninterrupted_run(tiny_data
             hashes.add(got[step]["tokens_sha256"])
     assert len(hashes) == 2 * MAX_STEPS  # no batch was read twice
     assert complete_tags(run_dir / "checkpoints") == ["step_0000009", "step_0000012"]
+
+
+def test_step_log_is_cut_back_to_the_resumed_step(tmp_path):
+    """The writer's side on its own: a log that ran to step 8 before a kill (the last line cut
+    short) and a run resumed from step 5's checkpoint: steps 1-5 kept, 6 onward once."""
+    path = tmp_path / "logs" / "steps_rank0.jsonl"
+    path.parent.mkdir()
+    old = [json.dumps({"step": i, "loss": float(i), "tokens_sha256": "old", "skipped": False})
+           for i in range(1, 9)]
+    path.write_text("\n".join(old) + '\n{"step": 9, "lo')
+    hook = StepRecordHook(path)
+    assert path.read_text().startswith(old[0])  # nothing changes before the first step
+    for step in (6, 7):
+        hook.on_step_end(SimpleNamespace(step=step, local_loss=0.5, tokens_sha256="new",
+                                         skipped=False))
+    hook.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["tokens_sha256"] for r in rows] == ["old"] * 5 + ["new"] * 2

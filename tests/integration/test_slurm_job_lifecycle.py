@@ -16,7 +16,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with single_node_cluster(tmp_path_factory.mktemp("cluster")) as c:
+    # A second partition that takes only the account "physics". Without an accounting database
+    # sbatch --test-only accepts any account there (checked): moe-launch's own check refuses it.
+    restricted = "PartitionName=restricted Nodes=ALL AllowAccounts=physics MaxTime=INFINITE State=UP"
+    with single_node_cluster(tmp_path_factory.mktemp("cluster"), partitions=(restricted,)) as c:
         yield c
 
 
@@ -61,6 +64,19 @@ def test_usr1_to_the_batch_shell_during_start_up_requeues_cleanly(tiny_data, tmp
     log = rank0.read_text()
     assert "SIGUSR1 before the first step: nothing to save" in log, log[-3000:]
     assert "requeueing job" in job_log
+    # srun's "Exited with exit code 75" is the planned exit of a preemption, and says so.
+    exited = job_log.index("Exited with exit code 75")
+    assert job_log.index("the exit code 75 above is the planned exit of a preempted run") > exited
+    assert "preempted, requeued, will resume from step 0" in job_log
+    # Evaluated once, in the same allocation, after the requeued run finished; not after exit 75.
+    assert job_log.count("training finished; evaluating the final checkpoint on one task") == 1
+    assert job_log.index("requeueing job") < job_log.index("training finished")
+    tail = job_log.splitlines()[-2:]
+    report = run_dir / "checkpoints" / "step_0000006" / "eval" / "report.md"
+    assert tail == [f"eval report     {report}",
+                    f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, "
+                    "one table)"], job_log[-2000:]
+    assert report.is_file() and (report.parent / "eval.json").is_file()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000006"
     job_out = moe_launch(["logs", str(run_dir)], env=cluster.env)
     assert job_out.returncode == 0 and "requeueing job" in job_out.stdout, job_out.stderr
@@ -104,27 +120,50 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
         in unknown.stderr, unknown.stderr
     assert json.loads((run_dir / "slurm_jobs.json").read_text())[0]["state"] == "CANCELLED"
     # The job is over: the same run may be submitted again.
-    resubmitted = submit(config, cluster, "train.max_steps=2")
+    resubmitted = submit(config, cluster, "train.max_steps=2", "--no-eval")
     # logs -f follows the job log while the job runs and returns once it is over
     followed = moe_launch(["logs", str(run_dir), "-f"], env=cluster.env, timeout=300)
     assert followed.returncode == 0, followed.stderr
     assert f"job {resubmitted} (restart 0)" in followed.stdout
     assert "step     2/2" in followed.stdout, followed.stdout[-3000:]
+    assert "training finished; evaluation skipped (--no-eval)" in followed.stdout
+    assert not (run_dir / "checkpoints" / "step_0000002" / "eval").exists()
     assert cluster.wait_job(resubmitted, 60) == "COMPLETED"
     jobs = json.loads((run_dir / "slurm_jobs.json").read_text())
     assert [j["job_id"] for j in jobs] == [job_id, resubmitted]
 
 
-@pytest.mark.parametrize("override, reason", [
-    ("launch.slurm.partition=nosuchpartition", "Invalid partition name specified"),
-    ("launch.slurm.cpus_per_task=64", "Requested node configuration is not available"),
+@pytest.mark.parametrize("overrides, reason, finding", [
+    (["launch.slurm.partition=nosuchpartition"], "Invalid partition name specified",
+     "launch.slurm.partition: SLURM has no partition 'nosuchpartition' (partitions: debug, "
+     "restricted)"),
+    (["launch.slurm.cpus_per_task=64"], "Requested node configuration is not available",
+     "launch.slurm.cpus_per_task: 1 tasks per node x 64 CPUs = 64 CPUs per node, but the "
+     "largest node of partition 'debug' has 2"),
+    (["launch.slurm.nodes=2", "parallel.world_size=2"],
+     "Requested node configuration is not available",
+     "launch.slurm.nodes: 2 nodes requested, partition 'debug' has 1"),
+    (["launch.slurm.gpus_per_node=1"], "Invalid generic resource (gres) specification",
+     "launch.slurm.gpus_per_node: 1 GPUs per node requested, but the nodes of partition 'debug' "
+     "have no GPUs"),
+    (["launch.slurm.partition=restricted", "launch.slurm.account=chemistry"], None,
+     "launch.slurm.account: partition 'restricted' allows only the accounts physics, not "
+     "'chemistry'"),
 ])
-def test_sbatch_test_only_refuses_before_any_data_work(tiny_data, tmp_path, cluster, override,
-                                                       reason):
+def test_impossible_requests_are_refused_before_any_data_work(tiny_data, tmp_path, cluster,
+                                                              overrides, reason, finding):
+    """Each case against the real controller: SLURM's own reason from ``sbatch --test-only``
+    where it gives one, and what the partition lacks, named by config key."""
     config, run_dir = slurm_run(tiny_data, tmp_path)
-    proc = moe_launch([str(config), override], env=cluster.env)
+    proc = moe_launch([str(config), *overrides], env=cluster.env)
     assert proc.returncode != 0
-    assert "SLURM would refuse this job (sbatch --test-only)" in proc.stderr, proc.stderr
-    assert reason in proc.stderr and "nothing was prepared or submitted" in proc.stderr
+    assert "SLURM would refuse this job; nothing was prepared or submitted" in proc.stderr, \
+        proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "sbatch --test-only: " in line]
+    if reason is not None:  # SLURM's own words
+        assert len(said) == 1 and reason in said[0], proc.stderr
+    else:
+        assert said == [], proc.stderr
+    assert f"  - {finding}" in proc.stderr, proc.stderr
     assert "data:" not in proc.stdout and not (run_dir / "slurm_jobs.json").exists()
     assert cluster.run(["squeue", "-h"]).stdout.strip() == ""

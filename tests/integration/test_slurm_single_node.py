@@ -71,6 +71,17 @@ def test_slurm_two_tasks_ep2_preempt_requeue_resume(tiny_data, tmp_path):
     assert 2 <= saved < max_steps
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:07d}'} at step {saved}" in log
     assert (run_dir / "checkpoints" / f"step_{saved:07d}").is_dir()
+    # The job log: srun's exit code 75 explained as a preemption, the step it resumes from, then
+    # (once, after the requeued run finished) the evaluation; no rank printed a FutureWarning.
+    job_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "the exit code 75 above is the planned exit of a preempted run, not a failure" \
+        in job_log, job_log[-3000:]
+    assert f"preempted, requeued, will resume from step {saved} (requeueing job {job_id})" \
+        in job_log
+    assert job_log.count("training finished; evaluating the final checkpoint on one task") == 1
+    assert f"eval report     {run_dir / 'checkpoints' / f'step_{max_steps:07d}' / 'eval'}" \
+        in job_log
+    assert "FutureWarning" not in job_log
     check_finished_run(run_dir, max_steps)
     assert not sentinel.exists()
     print(f"\nsingle-node SLURM job (submit, preempt, requeue, finish): {seconds:.1f}s")

@@ -101,3 +101,30 @@ def test_output_cut_short_by_the_reader_ends_without_a_traceback(tmp_path, no_sl
         env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.stdout.startswith("==> ")
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_status_of_a_requeued_job_says_preempted_and_where_it_resumes(tmp_path, monkeypatch,
+                                                                     capsys):
+    """After a preemption the job is pending again (SLURM's requeue): status says that exit 75
+    was the planned stop and from which step the job resumes, until a later run ended."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    squeue.write_text("#!/bin/sh\necho 'PENDING|BeginTime|0:00|30:00'\n")
+    squeue.chmod(squeue.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "42", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
+         "state": None}]))
+    ends = run_dir / "slurm_job_ends.txt"
+    ends.write_text("42 75 requeued 17\n")
+    main(["status", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "job 42: PENDING (BeginTime)" in out
+    assert ("preempted       exit code 75 on purpose (not a failure): requeued, will resume "
+            "from step 17") in out
+    ends.write_text("42 75 requeued 17\n42 0 ended\n")  # the requeued run finished
+    main(["status", str(run_dir)])
+    assert "preempted" not in capsys.readouterr().out

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.jobs import requeued_at
 from launch.launch import main
 from launch.schedulers import build_plan
 from launch.schedulers.slurm import JOB_SCRIPT
@@ -85,19 +86,21 @@ def recorder(path: Path, log: Path, body: str = "") -> None:
 
 
 def run_script(tmp_path, cfg: RunConfig, srun_body: str = "", signal_shell=None,
-               scontrol_body: str = "") -> tuple[list[list[str]], dict]:
+               scontrol_body: str = "", evaluate: bool = True,
+               expect_rc: int = 0) -> tuple[list[list[str]], dict]:
     """Run the job script under bash as SLURM would, with recording srun and scontrol;
     ``signal_shell(proc)`` is called while it runs."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "calls.log"
+    log.unlink(missing_ok=True)  # this run's calls only
     recorder(bin_dir / "srun", log, srun_body)
     recorder(bin_dir / "scontrol", log,
              scontrol_body + 'case "$1 $2" in\n'
              '  "show hostnames") printf "node7\\nnode8\\n";;\n'
              '  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.9.0.7 NodeHostName=$3";;\n'
              "esac\n")
-    plan = build_plan(cfg)
+    plan = build_plan(cfg, evaluate=evaluate)
     script = tmp_path / "job.sh"
     script.write_text(plan.files[JOB_SCRIPT])
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234",
@@ -108,7 +111,7 @@ def run_script(tmp_path, cfg: RunConfig, srun_body: str = "", signal_shell=None,
         signal_shell(popen)
     stdout, stderr = popen.communicate(timeout=60)
     proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == expect_rc, proc.stderr
     calls = []
     for record in log.read_text().split("\n--end\n")[:-1]:
         argv_part, env_part = record.split("\n--env\n")
@@ -148,10 +151,53 @@ def test_script_requeues_after_a_preemption_checkpoint(tmp_path):
     assert not marker.exists()
     assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
     # The ranks saved and left the marker, then exited 75: the script requeues the job.
-    calls, proc = run_script(tmp_path, cfg, srun_body=f"echo '{{}}' > {shlex.quote(str(marker))}\n"
+    saved = '{"step": 17, "signal": "SIGUSR1"}'
+    calls, proc = run_script(tmp_path, cfg, srun_body=f"echo '{saved}' > {shlex.quote(str(marker))}\n"
                                                       "exit 75\n")
     assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
-    assert "requeueing job 1234" in proc.stdout
+    # srun's "Exited with exit code 75" is followed by what it means.
+    assert proc.stdout.splitlines()[-2:] == [
+        f"preemption signal ({saved}): the exit code 75 above is the planned exit of a "
+        "preempted run, not a failure",
+        "preempted, requeued, will resume from step 17 (requeueing job 1234)"]
+    ends = (tmp_path / "runs" / "tiny" / "slurm_job_ends.txt").read_text().splitlines()
+    assert ends[-1] == "1234 75 requeued 17"
+    assert requeued_at(tmp_path / "runs" / "tiny", "1234") == 17
+    # Signalled before the first step: nothing saved, resumes from the newest checkpoint.
+    (marker.parent / "checkpoints").mkdir()
+    (marker.parent / "checkpoints" / "latest").write_text("step_0000040")
+    calls, proc = run_script(tmp_path, cfg, srun_body=f"echo '{{\"step\": null}}' > "
+                                                      f"{shlex.quote(str(marker))}\nexit 75\n")
+    assert "preempted, requeued, will resume from step 40 (requeueing job 1234)" in proc.stdout
+
+
+def finish_calls(calls) -> list[list[str]]:
+    return [c[0] for c in calls if c[0][0] == "srun" and "launch.finish" in c[0]]
+
+
+@pytest.mark.parametrize("evaluate", [True, False])
+def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(tmp_path, evaluate):
+    cfg = slurm_config(tmp_path, nodes=2, cpus_per_task=3)
+    run_dir = tmp_path / "runs" / "tiny"
+    marker = run_dir / PREEMPTED_MARKER
+    run_dir.mkdir(parents=True)
+    plan = build_plan(cfg, evaluate=evaluate)
+    assert plan.files[JOB_SCRIPT] != build_plan(cfg, evaluate=not evaluate).files[JOB_SCRIPT]
+    # Training finished (the ranks' srun exits 0): one more srun, one task, the finish step.
+    calls, proc = run_script(tmp_path, cfg, srun_body="exit 0\n", evaluate=evaluate)
+    (finish,) = finish_calls(calls)
+    assert finish[1:4] == ["--ntasks=1", "--nodes=1", "--cpus-per-task=3"]
+    assert finish[5:] == ["-u", "-m", "launch.finish", str(run_dir),
+                          *([] if evaluate else ["--no-eval"])]
+    assert ("evaluating the final checkpoint" in proc.stdout) == evaluate
+    # Preempted (marker, exit 75): requeued, no evaluation of a checkpoint that is not final.
+    calls, proc = run_script(tmp_path, cfg, srun_body=f"echo '{{}}' > {shlex.quote(str(marker))}\n"
+                                                      "exit 75\n", evaluate=evaluate)
+    assert finish_calls(calls) == [] and "requeueing job 1234" in proc.stdout
+    # Training failed: no evaluation, the job fails with the ranks' status.
+    calls, proc = run_script(tmp_path, cfg, srun_body="exit 3\n", evaluate=evaluate,
+                             expect_rc=3)
+    assert finish_calls(calls) == []
 
 
 def test_a_signal_to_the_batch_shell_reaches_the_ranks_and_requeues(tmp_path):

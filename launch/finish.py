@@ -1,0 +1,63 @@
+"""What a finished training run ends with, whichever scheduler ran it: the summary of the run
+and, unless asked not to, the evaluation of its final checkpoint on one process.
+
+moe-launch calls :func:`finish` after a local, hostfile or mpi run; a SLURM job script runs
+``python -m launch.finish RUN_DIR`` as one task of its allocation once training has finished
+(never after a preemption, which requeues the job instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from launch.cli import exits_cleanly
+from launch.evaluate import evaluate_checkpoint
+from moe.errors import LaunchError
+
+SUMMARY_FILE = "train_summary.json"
+
+
+def finish(run_dir: Path, evaluate: bool) -> list[str]:
+    """The closing lines of a finished run: where everything is, the evaluation's results, where
+    its report is and the command that compares the run's checkpoints."""
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except FileNotFoundError:
+        raise LaunchError(f"{run_dir / SUMMARY_FILE} is missing: training did not finish "
+                          f"(per-rank logs in {run_dir / 'logs'})") from None
+    tb_dir = run_dir / "tensorboard"
+    # Only point at event files that exist (logging.tensorboard: false writes none).
+    tensorboard = (f"tensorboard --logdir {tb_dir}" if tb_dir.is_dir()
+                   else "none written (logging.tensorboard: false)")
+    lines = [f"run directory   {run_dir}",
+             f"tensorboard     {tensorboard}",
+             f"checkpoint      {summary['checkpoint']}"]
+    if summary["history"] and summary["history"][0]["step"] == 1:
+        lines.append(f"step-1 loss     {summary['history'][0]['loss']:.4f}")
+    if evaluate:
+        r = evaluate_checkpoint(summary["checkpoint"])
+        lines += [f"valid loss      {r['loss']:.4f} nats/token over {r['tokens']:,} tokens "
+                  f"(uniform guess {r['uniform_loss']:.4f})",
+                  f"perplexity      {r['perplexity']:.2f}",
+                  f"evaluation      {r['output']}",
+                  f"eval report     {r['report']}",
+                  f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, "
+                  f"one table)"]
+    else:
+        lines.append(f"evaluate        moe-eval {summary['checkpoint']}   (skipped: --no-eval)")
+    return lines
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m launch.finish", description=__doc__)
+    p.add_argument("run_dir", help="the run directory of a finished training run")
+    p.add_argument("--no-eval", action="store_true", help="skip evaluating the final checkpoint")
+    args = p.parse_args(argv)
+    print("\n".join(finish(Path(args.run_dir), evaluate=not args.no_eval)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
