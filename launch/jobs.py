@@ -21,6 +21,8 @@ from launch.plan import write_atomic
 from moe.errors import LaunchError
 
 JOBS_FILE = "slurm_jobs.json"
+OLD_JOB_FILE = "slurm_job.json"
+"""The one-job record that earlier versions wrote; still read, as a one-entry list."""
 ENDS_FILE = "slurm_job_ends.txt"
 # States in which a job still holds (or waits for) an allocation: the run directory is in use.
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
@@ -53,12 +55,15 @@ def slurm_command(argv: list[str]) -> subprocess.CompletedProcess | None:
 
 
 def read_jobs(run_dir: Path) -> list[dict]:
-    try:
-        return json.loads((run_dir / JOBS_FILE).read_text())
-    except FileNotFoundError:
-        return []
-    except ValueError as e:
-        raise LaunchError(f"{run_dir / JOBS_FILE} is not valid JSON ({e})") from None
+    for name, wrap in ((JOBS_FILE, False), (OLD_JOB_FILE, True)):
+        try:
+            jobs = json.loads((run_dir / name).read_text())
+        except FileNotFoundError:
+            continue
+        except ValueError as e:
+            raise LaunchError(f"{run_dir / name} is not valid JSON ({e})") from None
+        return [{"state": None, **jobs}] if wrap else jobs
+    return []
 
 
 def record_submission(run_dir: Path, job_id: str, script: str, log: str) -> None:

@@ -128,3 +128,17 @@ def test_status_of_a_requeued_job_says_preempted_and_where_it_resumes(tmp_path, 
     ends.write_text("42 75 requeued 17\n42 0 ended\n")  # the requeued run finished
     main(["status", str(run_dir)])
     assert "preempted" not in capsys.readouterr().out
+
+
+def test_a_run_directory_from_before_the_job_list_is_still_read(tmp_path):
+    """Earlier versions kept one job in slurm_job.json; status, cancel and logs still find it."""
+    import json
+
+    from launch.jobs import read_jobs
+
+    (tmp_path / "slurm_job.json").write_text(json.dumps(
+        {"job_id": "77", "submitted": "2026-01-01T00:00:00+0000", "script": "job.sbatch"}))
+    jobs = read_jobs(tmp_path)
+    assert [j["job_id"] for j in jobs] == ["77"] and jobs[0]["state"] is None
+    (tmp_path / "slurm_jobs.json").write_text(json.dumps([{"job_id": "78", "state": None}]))
+    assert [j["job_id"] for j in read_jobs(tmp_path)] == ["78"]
