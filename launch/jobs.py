@@ -62,7 +62,10 @@ def read_jobs(run_dir: Path) -> list[dict]:
             continue
         except ValueError as e:
             raise LaunchError(f"{run_dir / name} is not valid JSON ({e})") from None
-        return [{"state": None, **jobs}] if wrap else jobs
+        # The old record named no log: it was the default one unless launch.slurm.output said
+        # otherwise.
+        return ([{"state": None, "log": str(run_dir / "logs" / "slurm-%j.out"), **jobs}]
+                if wrap else jobs)
     return []
 
 

@@ -140,5 +140,6 @@ def test_a_run_directory_from_before_the_job_list_is_still_read(tmp_path):
         {"job_id": "77", "submitted": "2026-01-01T00:00:00+0000", "script": "job.sbatch"}))
     jobs = read_jobs(tmp_path)
     assert [j["job_id"] for j in jobs] == ["77"] and jobs[0]["state"] is None
+    assert jobs[0]["log"] == str(tmp_path / "logs" / "slurm-%j.out")
     (tmp_path / "slurm_jobs.json").write_text(json.dumps([{"job_id": "78", "state": None}]))
     assert [j["job_id"] for j in read_jobs(tmp_path)] == ["78"]
