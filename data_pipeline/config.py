@@ -71,6 +71,9 @@ class SourceConfig:
             if self.type not in COLUMN_TYPES:
                 out.append(f"filter: a {self.type!r} source has no columns to filter on; "
                            f"filters apply to {', '.join(COLUMN_TYPES)} sources")
+        if self.type == "hf_disk" and any(p.startswith("s3://") for p in self.paths):
+            out.append("paths: an 'hf_disk' source is read from local disk only; point a "
+                       "'parquet' or 'arrow' source at the dataset's files in the bucket")
         if self.weight is not None and not self.weight > 0:
             out.append(f"weight: must be > 0 (or null), got {self.weight}")
         return out
@@ -111,11 +114,34 @@ class TokenizerConfig:
 
 
 @dataclass
+class S3Config:
+    """How ``s3://`` paths are reached. Credentials are never part of the config: the AWS SDK
+    reads them from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (and
+    ``AWS_SESSION_TOKEN``), ``AWS_PROFILE`` or ``~/.aws/credentials`` and ``~/.aws/config``."""
+
+    endpoint_url: str | None = None
+    """An S3-compatible store (MinIO, Ceph, R2, ...), e.g. ``http://minio.local:9000``; null:
+    AWS itself."""
+    region: str | None = None
+    """The bucket's region, e.g. ``eu-west-1``; null: the SDK's default (``AWS_DEFAULT_REGION``,
+    ``~/.aws/config``)."""
+
+    def problems(self) -> list[str]:
+        url = self.endpoint_url
+        if url is not None and not (url.startswith(("http://", "https://")) and len(url) > 8):
+            return [f"endpoint_url: must be an http:// or https:// URL such as "
+                    f"http://127.0.0.1:9000, got {url!r}"]
+        return []
+
+
+@dataclass
 class DataConfig:
     dir: str = "data/stdlib"
     """Where prepared data lives: manifest.json, the tokenizer and the train/valid shards."""
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    s3: S3Config = field(default_factory=S3Config)
+    """Endpoint and region for sources whose paths are ``s3://bucket/prefix/...`` URLs."""
     valid_fraction: float = 0.02
     """Share of documents in the validation split, chosen by a hash of the document id."""
     shard_tokens: int = 4_000_000
@@ -142,6 +168,7 @@ class DataConfig:
     def problems(self) -> list[str]:
         out = [f"sources[{i}].{p}" for i, s in enumerate(self.sources) for p in s.problems()]
         out += [f"tokenizer.{p}" for p in self.tokenizer.problems()]
+        out += [f"s3.{p}" for p in self.s3.problems()]
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             out.append(f"sources: names must be unique, got {names}")

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_pipeline.config import DataConfig, SourceConfig
+from data_pipeline import storage
+from data_pipeline.config import DataConfig, S3Config, SourceConfig
 from data_pipeline.errors import DataError
 from data_pipeline.progress import Progress
 from data_pipeline.shards import (
@@ -67,7 +68,7 @@ def config_hash(cfg: DataConfig) -> str:
     nor how it is read (order seed, sequence length, mixture weights, loader workers)."""
     d = dataclasses.asdict(cfg)  # tuples stay tuples: json.dumps writes them as lists
     for k in ("dir", "prepare_workers", "seq_len", "seed", "loader_workers",
-              "allow_other_data_on_resume"):
+              "allow_other_data_on_resume", "s3"):  # s3: how to reach the inputs
         d.pop(k)
     for s in d["sources"]:
         s.pop("weight")
@@ -87,11 +88,14 @@ def in_valid_split(source: str, doc_id: str, fraction: float) -> bool:
 # --- worker side (each pool process holds its own tokenizer) ---
 
 _TOKENIZER: Tokenizer | None = None
+_S3 = S3Config()
+"""How this worker reaches s3:// inputs (data.s3), set with the tokenizer."""
 
 
-def _init_worker(tokenizer_path: str | None) -> None:
-    global _TOKENIZER
+def _init_worker(tokenizer_path: str | None, s3: S3Config = _S3) -> None:
+    global _TOKENIZER, _S3
     _TOKENIZER = Tokenizer(tokenizer_path) if tokenizer_path else None
+    _S3 = s3
 
 
 # Documents and token arrays travel between the processes through spill files in the staging
@@ -117,7 +121,7 @@ def _load_docs(path: str) -> ItemDocuments:
 def _read(args: tuple[SourceConfig, WorkItem, str]) -> str:
     """Read one work item into the spill file ``args[2]``; returns its path."""
     source, item, spill = args
-    _dump_docs(read_item(source, item), spill)
+    _dump_docs(read_item(source, item, _S3), spill)
     return spill
 
 
@@ -129,7 +133,7 @@ def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]
     documents per split, invalid UTF-8 count, empty documents, rows filtered out)."""
     source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
-    docs = _load_docs(cached) if cached else read_item(source, item)
+    docs = _load_docs(cached) if cached else read_item(source, item, _S3)
     eos = _TOKENIZER.eos_id
     valid = [in_valid_split(source.name, doc_id, valid_fraction) for doc_id, _ in docs.docs]
     counts = []
@@ -222,7 +226,8 @@ def _build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path
     sample = LineSample(cfg.tokenizer.sample_sentences, SAMPLE_SEED)
     cache: dict[str, list[str]] | None = {}
     cached_chars = 0
-    with mp.get_context("spawn").Pool(cfg.prepare_workers) as pool:
+    with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
+                                      initargs=(None, cfg.s3)) as pool:
         for source in cfg.sources:
             docs_seen, kept = 0, []
             jobs = [(source, it, str(spill / f"read-{source.name}-{i}.json"))
@@ -264,14 +269,15 @@ def _encode_jobs(cfg: DataConfig, source: SourceConfig, items: list[WorkItem],
             for i, (it, c) in enumerate(zip(items, kept))]
 
 
-def item_bytes(source: SourceConfig, items: list[WorkItem]) -> list[int]:
+def item_bytes(source: SourceConfig, items: list[WorkItem], s3: S3Config) -> list[int]:
     """Input bytes of each item, for progress: a JSONL byte range's length, else the item's
     share of its file (compressed files count their compressed bytes)."""
     per_file: dict[str, int] = {}
     for it in items:
         per_file[it.path] = per_file.get(it.path, 0) + 1
+    file_bytes = {path: storage.size(path, s3) for path in per_file}  # one request per object
     return [it.part[1] - it.part[0] if source.type == "jsonl" and it.part is not None
-            else Path(it.path).stat().st_size // per_file[it.path] for it in items]
+            else file_bytes[it.path] // per_file[it.path] for it in items]
 
 
 def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
@@ -287,7 +293,7 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                                       tokenizer.vocab_size) for split in SPLITS}
         stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
                  "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0}
-        sizes = item_bytes(source, items[source.name])
+        sizes = item_bytes(source, items[source.name], cfg.s3)
         bar = Progress(f"tokenize {source.name}", sum(sizes), progress)
         for size, (path, counts, invalid_utf8, empty, filtered) in zip(sizes, encoded(source)):
             docs = tokens_seen = 0
@@ -334,7 +340,7 @@ def _finish(staging: Path, want: str, tokenizer: Tokenizer, splits: dict[str, Sp
 
 def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> PrepareReport:
     timings: dict[str, float] = {}
-    items = {s.name: work_items(s) for s in cfg.sources}  # bad paths fail before any work
+    items = {s.name: work_items(s, cfg.s3) for s in cfg.sources}  # bad paths fail before any work
     spill = staging / ".spill"  # see _dump_docs; removed before the data is swapped in
     spill.mkdir()
     t = time.time()
@@ -343,7 +349,7 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
 
     t, cpu = time.time(), _cpu_seconds()
     with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
-                                      initargs=(str(tokenizer.path),)) as pool:
+                                      initargs=(str(tokenizer.path), cfg.s3)) as pool:
         def encoded(source: SourceConfig) -> Iterator[Encoded]:
             cached = cache[source.name] if cache is not None else None
             jobs = _encode_jobs(cfg, source, items[source.name], cached, spill)
@@ -371,7 +377,7 @@ def _part_name(index: int, count: int) -> str:
 def _numbered_items(cfg: DataConfig) -> list[tuple[SourceConfig, int, WorkItem]]:
     """Every work item of every source as (source, its index in the source, item), in the order
     a single-machine preparation takes them."""
-    return [(s, i, it) for s in cfg.sources for i, it in enumerate(work_items(s))]
+    return [(s, i, it) for s in cfg.sources for i, it in enumerate(work_items(s, cfg.s3))]
 
 
 def _items_hash(numbered: list[tuple[SourceConfig, int, WorkItem]]) -> str:
@@ -384,7 +390,7 @@ def prepare_tokenizer(cfg: DataConfig, progress: bool = True) -> Path:
     """Step 1 of a preparation on many machines: build the tokenizer once, into parts_dir."""
     parts = parts_dir(cfg)
     parts.mkdir(parents=True, exist_ok=True)
-    items = {s.name: work_items(s) for s in cfg.sources}
+    items = {s.name: work_items(s, cfg.s3) for s in cfg.sources}
     tmp = parts / ".tokenizer.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -428,7 +434,7 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
                 for s, i, it in mine]
         results = {}
         with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
-                                          initargs=(str(tokenizer.path),)) as pool:
+                                          initargs=(str(tokenizer.path), cfg.s3)) as pool:
             for (s, i, _), (path, *rest) in zip(mine, _bar(
                     progress, iterable=pool.imap(_encode, jobs, chunksize=4), total=len(jobs),
                     desc=f"part {index}/{count}", unit="item")):

@@ -7,7 +7,8 @@ number of workers. Each document has an id that is stable for the same input fil
 train/validation split is a hash of (source name, document id).
 Bytes that are not valid UTF-8 are decoded with U+FFFD and counted, never silently dropped.
 Text and JSONL files may be gzip or zstd compressed (known by their first bytes, whatever their
-name); they are decompressed as streams, never to disk.
+name); they are decompressed as streams, never to disk. Paths may be ``s3://bucket/key`` URLs
+(globs included) for every file-based type but ``hf_disk``; see storage.py.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import zstandard
 
-from data_pipeline.config import SourceConfig
+from data_pipeline import storage
+from data_pipeline.config import S3Config, SourceConfig
 from data_pipeline.errors import DataError
+
+LOCAL = S3Config()
+"""The default S3 settings, for callers that read only local files."""
 
 
 def stdlib_files() -> list[Path]:
@@ -78,19 +83,20 @@ SUFFIX = {".gz": "gzip", ".zst": "zstd"}
 STREAM_CHUNK = 1 << 20
 
 
-def compression(path: Path) -> str | None:
+def compression(path: Path | str, s3: S3Config = LOCAL) -> str | None:
     """``gzip``, ``zstd`` or None (plain), from the file's first bytes: a ``.txt`` that holds
     gzip is read as gzip. A ``.gz`` or ``.zst`` suffix that the bytes contradict is an error
     (a truncated download, a mislabelled file) rather than a guess."""
     try:
-        with open(path, "rb") as f:
+        with storage.open_input(str(path), s3) as f:
             head = f.read(4)
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from e
+    suffix = os.path.splitext(str(path))[1]
     found = next((kind for kind, magic in MAGIC.items() if head.startswith(magic)), None)
-    claimed = SUFFIX.get(path.suffix.lower())
+    claimed = SUFFIX.get(suffix.lower())
     if claimed and found != claimed:
-        raise DataError(f"{path}: named {path.suffix} but does not start like {claimed} data "
+        raise DataError(f"{path}: named {suffix} but does not start like {claimed} data "
                         f"(first bytes {head.hex() or 'none'}); the file is damaged or mislabelled")
     return found
 
@@ -127,13 +133,13 @@ STREAM_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
 
 
 @contextlib.contextmanager
-def open_stream(path: Path) -> Iterator[io.BufferedIOBase]:
+def open_stream(path: Path | str, s3: S3Config = LOCAL) -> Iterator[io.BufferedIOBase]:
     """The file's (decompressed) bytes as a buffered binary stream; nothing is written to disk.
     Any decompression or read error, also one raised while the caller reads, becomes a
     DataError that names the file."""
-    kind = compression(path)
+    kind = compression(path, s3)
     try:
-        with open(path, "rb") as raw:
+        with storage.open_input(str(path), s3) as raw:
             if kind == "gzip":
                 stream = gzip.GzipFile(fileobj=raw)
             elif kind == "zstd":
@@ -164,14 +170,42 @@ def _visible_files(root: Path, suffix: str | None) -> list[Path]:
             and (suffix is None or q.name.endswith(suffix))]
 
 
+def _matching_s3(pattern: str, source: str, suffix: str | None, s3: S3Config
+                 ) -> dict[str, str]:
+    """matching_files for one ``s3://`` pattern: prefixes play the part of directories."""
+    parts = pattern[len(storage.S3_SCHEME):].rstrip("/").split("/")
+    base = storage.S3_SCHEME + "/".join(itertools.takewhile(lambda p: not glob.has_magic(p), parts))
+    files: dict[str, str] = {}
+    for url, is_prefix in storage.glob_s3(pattern, s3):
+        if not is_prefix:
+            files[url] = url[len(base) + 1:] if url.startswith(base + "/") else url.rsplit("/", 1)[-1]
+            continue
+        found = {}
+        for info in storage.list_s3(url, s3):
+            name = info.path[len(url) - len(storage.S3_SCHEME) + 1:]
+            if (not any(part.startswith(".") for part in name.split("/"))
+                    and (suffix is None or name.endswith(suffix))):
+                found[storage.S3_SCHEME + info.path] = name
+        if not found:
+            raise DataError(f"source {source!r}: {url} holds no "
+                            f"{'*' + suffix + ' ' if suffix else ''}objects")
+        files.update(found)
+    return files
+
+
 def matching_files(patterns: list[str], source: str, suffix: str | None = None,
-                   directories: bool = False) -> list[tuple[Path, str]]:
+                   directories: bool = False, s3: S3Config = LOCAL
+                   ) -> list[tuple[Path | str, str]]:
     """Files matched by the patterns, each with its name relative to its pattern's base (a
     directory pattern: that directory; a file: its parent). Document ids use that name, so the
     train/validation split does not depend on where the files live. A directory is searched for
-    the (non-hidden) files ending with ``suffix``, or returned itself if ``directories``."""
-    files: dict[Path, str] = {}
+    the (non-hidden) files ending with ``suffix``, or returned itself if ``directories``.
+    ``s3://`` patterns give URLs (str), searched the same way with prefixes as directories."""
+    files: dict[Path | str, str] = {}
     for pattern in patterns:
+        if storage.is_s3(pattern):
+            files.update(_matching_s3(pattern, source, suffix, s3))
+            continue
         pattern = os.path.expanduser(pattern)
         matches = glob.glob(pattern, recursive=True)
         if not matches:
@@ -191,7 +225,10 @@ def matching_files(patterns: list[str], source: str, suffix: str | None = None,
     if not files:
         kind = "directories" if directories else "files"
         raise DataError(f"source {source!r}: {patterns} match no {kind}")
-    return sorted(files.items())
+    # Compared by parts like Path does, so local files keep their order and a bucket holding
+    # the same tree gives the same order.
+    return sorted(files.items(), key=lambda f: f[0].parts if isinstance(f[0], Path)
+                  else tuple(f[0].split("/")))
 
 
 @dataclass(frozen=True)
@@ -205,21 +242,21 @@ class WorkItem:
     part: tuple[int, int] | int | None = None
 
 
-def _jsonl_ranges(path: Path) -> list[tuple[int, int]]:
-    size = path.stat().st_size
+def _jsonl_ranges(path: Path | str, s3: S3Config) -> list[tuple[int, int]]:
+    size = storage.size(str(path), s3)
     return [(a, min(a + JSONL_CHUNK_BYTES, size)) for a in range(0, size, JSONL_CHUNK_BYTES)] or [(0, 0)]
 
 
-def _open_arrow(path: Path) -> pa.ipc.RecordBatchFileReader:
+def _open_arrow(path: Path | str, s3: S3Config) -> pa.ipc.RecordBatchFileReader:
     try:
-        return pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        return pa.ipc.open_file(storage.random_access(str(path), s3))
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: not a readable Arrow IPC file ({e})") from e
 
 
-def _open_parquet(path: Path) -> pq.ParquetFile:
+def _open_parquet(path: Path | str, s3: S3Config) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(storage.random_access(str(path), s3))
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from e
 
@@ -278,8 +315,8 @@ def _batch_ranges(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
-def work_items(source: SourceConfig) -> list[WorkItem]:
-    """The source's work items, in a deterministic order."""
+def work_items(source: SourceConfig, s3: S3Config = LOCAL) -> list[WorkItem]:
+    """The source's work items, in a deterministic order (``s3``: how to reach s3:// paths)."""
     if source.type == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         return [WorkItem(str(p), str(p.relative_to(root))) for p in stdlib_files()]
@@ -287,18 +324,18 @@ def work_items(source: SourceConfig) -> list[WorkItem]:
         return [WorkItem(str(f), f"{name}/{f.name}", r)
                 for d, name in matching_files(source.paths, source.name, directories=True)
                 for f in hf_disk_files(d) for r in _batch_ranges(f)]
-    files = matching_files(source.paths, source.name, DIRECTORY_SUFFIX.get(source.type))
+    files = matching_files(source.paths, source.name, DIRECTORY_SUFFIX.get(source.type), s3=s3)
     if source.type == "text":
         return [WorkItem(str(p), n) for p, n in files]
     if source.type == "jsonl":
         # A compressed file cannot be entered in the middle: it is one item, read as a stream.
         return [WorkItem(str(p), n, r) for p, n in files
-                for r in ([None] if compression(p) else _jsonl_ranges(p))]
+                for r in ([None] if compression(p, s3) else _jsonl_ranges(p, s3))]
     if source.type == "parquet":
         return [WorkItem(str(p), n, g) for p, n in files
-                for g in range(_open_parquet(p).num_row_groups)]
+                for g in range(_open_parquet(p, s3).num_row_groups)]
     return [WorkItem(str(p), n, b) for p, n in files
-            for b in range(_open_arrow(p).num_record_batches)]
+            for b in range(_open_arrow(p, s3).num_record_batches)]
 
 
 @dataclass
@@ -329,15 +366,16 @@ def decode(raw: bytes) -> tuple[str, int]:
         return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
 
 
-def _read_bytes(path: Path) -> bytes:
-    with open_stream(path) as f:
+def _read_bytes(path: Path | str, s3: S3Config) -> bytes:
+    with open_stream(path, s3) as f:
         return f.read()
 
 
-def _jsonl_lines(path: Path, part: tuple[int, int] | None) -> Iterator[tuple[int, bytes]]:
+def _jsonl_lines(path: Path | str, part: tuple[int, int] | None, s3: S3Config
+                 ) -> Iterator[tuple[int, bytes]]:
     """(offset, line) of the lines of a byte range of a plain file, or of a whole compressed
     file (offsets in its decompressed bytes)."""
-    with open_stream(path) as f:
+    with open_stream(path, s3) as f:
         if part is None:
             offset = 0
             for line in f:
@@ -358,10 +396,10 @@ def _jsonl_lines(path: Path, part: tuple[int, int] | None) -> Iterator[tuple[int
             yield offset, line
 
 
-def _jsonl_documents(path: Path, name: str, part: tuple[int, int] | None, source: SourceConfig,
-                     out: ItemDocuments) -> None:
+def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
+                     source: SourceConfig, out: ItemDocuments, s3: S3Config) -> None:
     fieldname, keep = source.field, source.row_filter
-    for offset, line in _jsonl_lines(path, part):
+    for offset, line in _jsonl_lines(path, part, s3):
         if not line.strip():
             continue
         text, bad = decode(line)
@@ -432,18 +470,18 @@ def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch,
         out.add(f"{name}#{part}:{row}", text)
 
 
-def read_item(source: SourceConfig, item: WorkItem) -> ItemDocuments:
+def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> ItemDocuments:
     """Read one work item (runs in a worker process)."""
-    path, out = Path(item.path), ItemDocuments()
+    path, out = (item.path if storage.is_s3(item.path) else Path(item.path)), ItemDocuments()
     if source.type == "stdlib":
         out.add(item.name, stdlib_document(path))
     elif source.type == "text":
-        text, out.invalid_utf8 = decode(_read_bytes(path))
+        text, out.invalid_utf8 = decode(_read_bytes(path, s3))
         out.add(item.name, text)
     elif source.type == "jsonl":
-        _jsonl_documents(path, item.name, item.part, source, out)
+        _jsonl_documents(path, item.name, item.part, source, out, s3)
     elif source.type == "parquet":
-        parquet = _open_parquet(path)
+        parquet = _open_parquet(path, s3)
         columns = _check_columns(path, parquet.schema_arrow.names, source)
         try:
             table = parquet.read_row_group(item.part, columns=columns)
@@ -455,6 +493,6 @@ def read_item(source: SourceConfig, item: WorkItem) -> ItemDocuments:
         for i, batch in enumerate(itertools.islice(_stream_batches(path), first, stop), first):
             _column_documents(path, item.name, batch, source, i, out)
     else:
-        _column_documents(path, item.name, _open_arrow(path).get_batch(item.part), source,
+        _column_documents(path, item.name, _open_arrow(path, s3).get_batch(item.part), source,
                           item.part, out)
     return out

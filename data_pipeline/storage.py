@@ -1,0 +1,161 @@
+"""Where input files live: local paths, or objects behind the S3 protocol (``s3://bucket/key``).
+
+Objects are read through pyarrow's S3 file system, as streams or by ranges, never copied to
+disk. Credentials come only from the AWS SDK's usual places (``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``~/.aws/credentials``, ``~/.aws/config``,
+``AWS_PROFILE``), never from the run config; error messages name the object, never a secret.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import io
+import os
+import re
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from data_pipeline.config import S3Config
+from data_pipeline.errors import DataError
+
+S3_SCHEME = "s3://"
+READ_BUFFER = 1 << 20
+"""Bytes fetched per ranged GET when an object is read as a stream."""
+
+
+def is_s3(path: str) -> bool:
+    return str(path).startswith(S3_SCHEME)
+
+
+def _fs(s3: S3Config) -> pafs.S3FileSystem:
+    # Not cached: the SDK reads the credentials when the file system is made, and they may be
+    # rotated (session tokens) while a long preparation runs.
+    kwargs = {}
+    if s3.endpoint_url:
+        kwargs["endpoint_override"] = s3.endpoint_url
+    if s3.region:
+        kwargs["region"] = s3.region
+    return pafs.S3FileSystem(**kwargs)
+
+
+def _key(url: str) -> str:
+    """``bucket/key`` as pyarrow names an object."""
+    return url[len(S3_SCHEME):].rstrip("/")
+
+
+def _redacted(message: str) -> str:
+    """The message with any credential the SDK might have read from the environment removed."""
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        secret = os.environ.get(name)
+        if secret:
+            message = message.replace(secret, "***")
+    return message
+
+
+DENIED = ("ACCESS_DENIED", "SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY_ID", "EXPIRED_TOKEN",
+          "INVALID_CLIENT_TOKEN_ID", "MISSING_AUTHENTICATION_TOKEN")
+
+
+def s3_error(url: str, e: BaseException) -> DataError:
+    """A DataError naming the object, with what the store said and what to check."""
+    text = _redacted(str(e))
+    if isinstance(e, FileNotFoundError) or "NO_SUCH_KEY" in text:
+        return DataError(f"{url}: no such object")
+    if "NO_SUCH_BUCKET" in text:
+        return DataError(f"{url}: the bucket {_key(url).split('/')[0]!r} does not exist ({text})")
+    if any(code in text for code in DENIED):
+        return DataError(f"{url}: access denied; check the credentials (AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials) and the "
+                         f"bucket's permissions ({text})")
+    return DataError(f"{url}: unreadable ({text})")
+
+
+def _info(url: str, s3: S3Config) -> pafs.FileInfo:
+    try:
+        return _fs(s3).get_file_info(_key(url))
+    except OSError as e:
+        raise s3_error(url, e) from None
+
+
+def _missing(url: str, s3: S3Config) -> DataError:
+    """Why ``url`` is not there: its bucket is missing, or the object is."""
+    bucket = S3_SCHEME + _key(url).split("/")[0]
+    if _info(bucket, s3).type == pafs.FileType.NotFound:
+        return DataError(f"{url}: the bucket {bucket} does not exist (or is not visible with "
+                         "these credentials)")
+    return DataError(f"{url}: no such object or prefix")
+
+
+def open_input(path: str, s3: S3Config) -> io.BufferedIOBase:
+    """A buffered binary reader of a local file or an object (seekable: ranged reads)."""
+    if not is_s3(path):
+        return open(path, "rb")
+    try:
+        raw = _fs(s3).open_input_file(_key(path))
+    except OSError as e:
+        raise (_missing(path, s3) if isinstance(e, FileNotFoundError) else s3_error(path, e)) from None
+    return io.BufferedReader(raw, READ_BUFFER)
+
+
+def random_access(path: str, s3: S3Config) -> pa.NativeFile:
+    """A file Arrow and Parquet readers can seek in: memory-mapped locally, ranged GETs on S3."""
+    if not is_s3(path):
+        return pa.memory_map(str(path), "r")
+    try:
+        return _fs(s3).open_input_file(_key(path))
+    except OSError as e:
+        raise (_missing(path, s3) if isinstance(e, FileNotFoundError) else s3_error(path, e)) from None
+
+
+def size(path: str, s3: S3Config) -> int:
+    if not is_s3(path):
+        return os.path.getsize(path)
+    info = _info(path, s3)
+    if info.type != pafs.FileType.File:
+        raise _missing(path, s3)
+    return info.size
+
+
+def _segments_match(pattern: list[str], name: list[str]) -> bool:
+    """Glob match of '/'-separated segments: ``*``, ``?``, ``[..]`` within a segment, ``**``
+    across any number of them (as glob.glob with recursive=True)."""
+    if not pattern:
+        return not name
+    if pattern[0] == "**":
+        return any(_segments_match(pattern[1:], name[i:]) for i in range(len(name) + 1))
+    return (bool(name) and re.fullmatch(fnmatch.translate(pattern[0]), name[0]) is not None
+            and _segments_match(pattern[1:], name[1:]))
+
+
+def glob_s3(pattern: str, s3: S3Config) -> list[tuple[str, bool]]:
+    """(url, is a prefix) of the objects and prefixes a ``s3://`` pattern matches."""
+    parts = _key(pattern).split("/")
+    fixed = []
+    for part in parts:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    base = S3_SCHEME + "/".join(fixed)
+    if len(fixed) == len(parts):
+        info = _info(base, s3)
+        if info.type == pafs.FileType.NotFound:
+            raise _missing(base, s3)
+        return [(base, info.type == pafs.FileType.Directory)]
+    rest = parts[len(fixed):]
+    return [(S3_SCHEME + info.path, info.type == pafs.FileType.Directory)
+            for info in list_s3(base, s3, files_only=False)
+            if _segments_match(rest, info.path[len(_key(base)) + 1:].split("/"))]
+
+
+def list_s3(prefix: str, s3: S3Config, files_only: bool = True) -> list[pafs.FileInfo]:
+    """Everything under a prefix (a "directory"), recursively, in name order."""
+    try:
+        found = _fs(s3).get_file_info(pafs.FileSelector(_key(prefix), recursive=True))
+    except FileNotFoundError:
+        raise _missing(prefix, s3) from None
+    except OSError as e:
+        raise s3_error(prefix, e) from None
+    return sorted((i for i in found if i.type == pafs.FileType.File or not files_only),
+                  key=lambda i: i.path)
