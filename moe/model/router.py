@@ -50,6 +50,9 @@ class RouterConfig:
     forward without a pre-pass (outside the trainer) counts its own micro-batch."""
     z_loss_coef: float = 0.0
     """Coefficient of the ST-MoE router z-loss mean(logsumexp(logits)^2)."""
+    init_std: float = 0.02
+    """Standard deviation of the router weight's normal initialization (small: near-uniform
+    routing at the start)."""
     bias_update_rate: float = 0.0
     """DeepSeek-V3 auxiliary-loss-free balancing: if > 0, a per-expert bias is added to the scores
     for selection only and moved by ``rate * sign(mean_load - load)`` after each step."""
@@ -62,6 +65,8 @@ class RouterConfig:
             out.append(f"top_k: {self.top_k} must be at most the number of experts ({num_experts})")
         if self.order == "topk_then_softmax" and self.score_func != "softmax":
             out.append("order: 'topk_then_softmax' needs score_func 'softmax'")
+        if self.init_std <= 0:
+            out.append(f"init_std: must be > 0, got {self.init_std}")
         for name in ("jitter_eps", "logit_noise_std", "aux_loss_coef", "z_loss_coef",
                      "bias_update_rate"):
             if getattr(self, name) < 0:
@@ -96,7 +101,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         # Selection-only bias for auxiliary-loss-free balancing; a buffer, never trained by SGD.
         self.register_buffer("score_bias", torch.zeros(num_experts))
-        nn.init.normal_(self.weight, std=0.02)
+        nn.init.normal_(self.weight, std=cfg.init_std)
 
     def _apply(self, fn, recurse=True):
         # Every cast (model.bfloat16(), .to(dtype)) passes here: the bias stays fp32, since

@@ -118,3 +118,15 @@ def test_counting_pass_sets_f_and_leaves_step_counters_alone():
 def test_global_batch_needs_batch_level_aux_loss():
     problems = RouterConfig(aux_loss_scope="global_batch", aux_loss_type="sequence").problems(8)
     assert any("aux_loss_scope" in p for p in problems)
+
+
+def test_router_init_std_sets_the_router_weight_scale():
+    from moe.model.router import TopKRouter
+
+    torch.manual_seed(0)
+    wide = TopKRouter(256, 64, RouterConfig(init_std=0.2)).weight.std()
+    torch.manual_seed(0)
+    default = TopKRouter(256, 64, RouterConfig()).weight.std()
+    torch.testing.assert_close(wide, torch.tensor(0.2), rtol=0.02, atol=0)
+    torch.testing.assert_close(default, torch.tensor(0.02), rtol=0.02, atol=0)
+    assert RouterConfig(init_std=0.0).problems(8)
