@@ -111,8 +111,37 @@ class ExpertStatsCollector:
                 "router_entropy": float(self.entropy_sum_L[i]) / max(int(self.tokens_L[i]), 1),
                 "router_entropy_uniform": math.log(E),
                 "top_tokens": self._preferences(i, decode_piece, top_n, min_count),
+                **self._specialisation(i, decode_piece, top_n, min_count),
             })
         return out
+
+    def _specialisation(self, i: int, decode_piece, top_n: int, min_count: int) -> dict:
+        """Per expert: its most over-represented tokens, by lift = (the token's share of the
+        expert's routed copies) / (its share of the data), tokens seen at least ``min_count``
+        times; and how concentrated the expert's tokens are: the effective number of distinct
+        tokens exp(entropy of its token distribution), next to the data's own."""
+        pairs_EV = self.pairs_LEV[i].double()
+        freq_V = self.token_freq_V.double()
+        data_p_V = freq_V / freq_V.sum().clamp_min(1)
+        expert_p_EV = pairs_EV / pairs_EV.sum(1, keepdim=True).clamp_min(1)
+        lift_EV = expert_p_EV / data_p_V.clamp_min(1e-30)
+        lift_EV[:, self.token_freq_V < min_count] = -1.0
+
+        def effective(p: torch.Tensor) -> float:
+            return math.exp(float(-(p * p.clamp_min(1e-30).log()).sum()))
+
+        over = []
+        for e, lift_V in enumerate(lift_EV):
+            best = [v for v in lift_V.argsort(descending=True, stable=True)[:top_n].tolist()
+                    if lift_V[v] > 0]
+            over.append([{"id": v, "piece": decode_piece(v) if decode_piece else str(v),
+                          "lift": round(float(lift_V[v]), 4),
+                          "expert_share": round(float(expert_p_EV[e, v]), 6),
+                          "data_share": round(float(data_p_V[v]), 6),
+                          "routed": int(pairs_EV[e, v]), "count": int(freq_V[v])} for v in best])
+        return {"over_represented": over,
+                "effective_tokens": [effective(p_V) for p_V in expert_p_EV],
+                "data_effective_tokens": effective(data_p_V)}
 
     def _preferences(self, i: int, decode_piece, top_n: int, min_count: int) -> list[list[dict]]:
         freq_V = self.token_freq_V

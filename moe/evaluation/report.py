@@ -199,6 +199,21 @@ def _checkpoint_section(c: dict, plot: str | None) -> list[str]:
                                            for t in toks) or "-"]
                              for e, toks in enumerate(layer["top_tokens"])])
             md.append("")
+    if layers and "over_represented" in layers[0]:
+        md += ["### Expert specialisation", "",
+               "Per expert, the tokens most over-represented among its routed tokens: lift = the "
+               "token's share of the expert's tokens / its share of the data (1.0: no preference), "
+               "shown as `piece` lift; and the effective number of distinct tokens it sees, "
+               "exp(entropy), against the data's own (smaller: a more concentrated expert).", ""]
+        for layer in layers:
+            md += [f"Block {layer['block']} (data: {layer['data_effective_tokens']:.1f} effective "
+                   "tokens):", ""]
+            md += _md_table(["expert", "effective tokens", "over-represented tokens"],
+                            [[e, f"{eff:.1f}",
+                              ", ".join(f"{_piece(t['piece'])} {t['lift']:.1f}" for t in toks) or "-"]
+                             for e, (eff, toks) in enumerate(zip(layer["effective_tokens"],
+                                                                 layer["over_represented"]))])
+            md.append("")
     gens = c.get("generations") or []
     if gens:
         md += ["### Generations", ""]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,10 @@ class MoELayer(nn.Module):
         # STEP_SUMS = (routed copies, router entropy, aux loss, z-loss, micro-batches).
         self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("step_sums", torch.zeros(len(STEP_SUMS)), persistent=False)
+        # Routed copies per expert over the global batch (router.aux_loss_scope: global_batch),
+        # filled by a counting pass (counting_routes) and summed over ranks by the trainer.
+        self.register_buffer("batch_counts_E", torch.zeros(cfg.num_experts), persistent=False)
+        self.counting = False
         self.stats: dict[str, torch.Tensor] = {}
         # Full recompute (moe/model/recompute.py): the routed and shared experts are
         # checkpointed regions; routing, dispatch, combine and _record never are.
@@ -87,7 +92,8 @@ class MoELayer(nn.Module):
     def _apply(self, fn, recurse=True):
         # The step counters stay fp32 under any cast: bf16 counts exactly only up to 256.
         super()._apply(fn, recurse)
-        self.step_load_E, self.step_sums = map(at_least_fp32, (self.step_load_E, self.step_sums))
+        self.step_load_E, self.step_sums, self.batch_counts_E = map(
+            at_least_fp32, (self.step_load_E, self.step_sums, self.batch_counts_E))
         return self
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +101,14 @@ class MoELayer(nn.Module):
         outside_recompute("MoELayer routing and dispatch")
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        routing = self.router(x_TD, seq_len=S)
+        rc = self.cfg.router
+        global_counts = rc.aux_loss_scope == "global_batch" and self.training
+        routing = self.router(x_TD, seq_len=S,
+                              batch_counts_E=self.batch_counts_E if global_counts else None)
+        if self.counting:
+            with torch.no_grad():
+                self.batch_counts_E += torch.bincount(
+                    routing.indices_TK.flatten(), minlength=self.num_experts).to(self.batch_counts_E.dtype)
 
         keep_TK = None
         if self.cfg.capacity_factor is not None:
@@ -114,8 +127,8 @@ class MoELayer(nn.Module):
         if self.shared_mlp is not None:
             y_TD = y_TD + recompute(self.shared_mlp, x_TD, enabled=self.recompute_experts)
 
-        self._record(routing, plan.counts_E, B * S)
-        rc = self.cfg.router
+        if not self.counting:  # a counting pass is not a training micro-batch
+            self._record(routing, plan.counts_E, B * S)
         loss = rc.aux_loss_coef * routing.aux_loss + rc.z_loss_coef * routing.z_loss
         return y_TD.view(B, S, D), loss
 
@@ -137,3 +150,17 @@ class MoELayer(nn.Module):
             "z_loss": z,
             "expert_bias": self.router.score_bias,
         }
+
+
+@contextmanager
+def counting_routes(layers: list[MoELayer]):
+    """Forward passes inside this block add each layer's routed copies per expert to its
+    ``batch_counts_E`` (zeroed on entry) and leave the step counters alone."""
+    for layer in layers:
+        layer.batch_counts_E.zero_()
+        layer.counting = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.counting = False

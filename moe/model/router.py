@@ -38,8 +38,21 @@ class RouterConfig:
     """Coefficient of the Switch/GShard load-balancing loss E * sum_e f_e * P_e."""
     aux_loss_type: Literal["batch", "sequence"] = "batch"
     """Balance over the whole micro-batch, or per sequence and averaged (DeepSeek-V3)."""
+    aux_loss_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    """Where the token fractions f_e of the aux loss are counted. ``micro_batch``: in the
+    micro-batch itself. ``global_batch``: in the whole global batch of the optimizer step (all
+    micro-batches of gradient accumulation on all data-parallel ranks), counted before the step
+    by a no-gradient forward pass of every micro-batch (the trainer's routing pre-pass, about a
+    third more compute), so that each micro-batch's loss is ``E * sum_e f_e(global) * P_e(micro)``.
+    f has no gradient and P is a mean over tokens, so the mean of these losses over micro-batches
+    and ranks is exactly the loss of the global batch taken as one micro-batch: its value and
+    gradient do not depend on how the batch is split. Needs ``aux_loss_type: batch``. A training
+    forward without a pre-pass (outside the trainer) counts its own micro-batch."""
     z_loss_coef: float = 0.0
     """Coefficient of the ST-MoE router z-loss mean(logsumexp(logits)^2)."""
+    init_std: float = 0.02
+    """Standard deviation of the router weight's normal initialization (small: near-uniform
+    routing at the start)."""
     bias_update_rate: float = 0.0
     """DeepSeek-V3 auxiliary-loss-free balancing: if > 0, a per-expert bias is added to the scores
     for selection only and moved by ``rate * sign(mean_load - load)`` after each step."""
@@ -52,10 +65,15 @@ class RouterConfig:
             out.append(f"top_k: {self.top_k} must be at most the number of experts ({num_experts})")
         if self.order == "topk_then_softmax" and self.score_func != "softmax":
             out.append("order: 'topk_then_softmax' needs score_func 'softmax'")
+        if self.init_std <= 0:
+            out.append(f"init_std: must be > 0, got {self.init_std}")
         for name in ("jitter_eps", "logit_noise_std", "aux_loss_coef", "z_loss_coef",
                      "bias_update_rate"):
             if getattr(self, name) < 0:
                 out.append(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.aux_loss_scope == "global_batch" and self.aux_loss_type != "batch":
+            out.append("aux_loss_scope: 'global_batch' needs aux_loss_type 'batch' (per-sequence "
+                       "balancing has no global-batch form)")
         if self.jitter_eps >= 1:
             out.append(f"jitter_eps: must be < 1, got {self.jitter_eps}")
         if self.scaling_factor <= 0:
@@ -83,7 +101,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         # Selection-only bias for auxiliary-loss-free balancing; a buffer, never trained by SGD.
         self.register_buffer("score_bias", torch.zeros(num_experts))
-        nn.init.normal_(self.weight, std=0.02)
+        nn.init.normal_(self.weight, std=cfg.init_std)
 
     def _apply(self, fn, recurse=True):
         # Every cast (model.bfloat16(), .to(dtype)) passes here: the bias stays fp32, since
@@ -92,7 +110,10 @@ class TopKRouter(nn.Module):
         self.score_bias = at_least_fp32(self.score_bias)
         return self
 
-    def forward(self, x_TD: torch.Tensor, seq_len: int | None = None) -> Routing:
+    def forward(self, x_TD: torch.Tensor, seq_len: int | None = None,
+                batch_counts_E: torch.Tensor | None = None) -> Routing:
+        """``batch_counts_E``: routed copies per expert over a larger batch this micro-batch
+        belongs to; when given (and not all zero), the aux loss takes its f_e from them."""
         cfg = self.cfg
         # At least fp32 whatever the model dtype (bf16 logits make top-k selection unstable).
         x_TD = at_least_fp32(x_TD)
@@ -128,7 +149,8 @@ class TopKRouter(nn.Module):
             weights_TK=weights_TK,
             scores_TE=scores_TE,
             aux_loss=load_balancing_loss(probs_TE, indices_TK, self.num_experts,
-                                         seq_len if cfg.aux_loss_type == "sequence" else None),
+                                         seq_len if cfg.aux_loss_type == "sequence" else None,
+                                         batch_counts_E),
             z_loss=torch.logsumexp(logits_TE, dim=-1).pow(2).mean(),
             entropy=-(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean().detach(),
         )
@@ -146,15 +168,25 @@ def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor, num_experts: int,
-                        seq_len: int | None = None) -> torch.Tensor:
+                        seq_len: int | None = None,
+                        batch_counts_E: torch.Tensor | None = None) -> torch.Tensor:
     """Switch/GShard loss ``E * sum_e f_e * P_e``.
 
     ``f_e`` is the fraction of the T*K routed copies sent to expert e (from the actual
     selection, so it has no gradient) and ``P_e`` the mean router probability of e. With
     ``seq_len`` the loss is computed per sequence and averaged (sequence-level balancing).
-    Perfect balance gives 1.0 for any E and K.
+    With ``batch_counts_E`` (routed copies per expert over the global batch), f_e is their
+    fraction instead, unless they are all zero (nothing was counted). Perfect balance gives 1.0
+    for any E and K.
     """
     T, K = indices_TK.shape
+    if batch_counts_E is not None:
+        local_E = torch.bincount(indices_TK.flatten(), minlength=num_experts).to(probs_TE.dtype)
+        total = batch_counts_E.sum()
+        # torch.where, not an if: no host read of the counts inside the forward.
+        f_E = torch.where(total > 0, batch_counts_E.to(probs_TE.dtype) / total.clamp_min(1),
+                          local_E / (T * K))
+        return num_experts * (f_E * probs_TE.mean(dim=0)).sum()
     groups = 1 if seq_len is None else T // seq_len
     counts_GE = torch.zeros(groups, num_experts, device=probs_TE.device, dtype=probs_TE.dtype)
     counts_GE.scatter_add_(1, indices_TK.reshape(groups, -1),

@@ -140,6 +140,7 @@ class MoEStatsHook(Hook):
         for layer in self.layers:
             layer.step_load_E.zero_()
             layer.step_sums.zero_()
+            layer.batch_counts_E.zero_()  # global-batch counts belong to the step just done
 
     def _publish(self, s: StepState, loads_LE: torch.Tensor, sums_LS: torch.Tensor) -> None:
         # The one read of the routing statistics, on logging steps only: they accumulate on the

@@ -21,6 +21,7 @@ from data_pipeline.shards import read_manifest
 from moe.checkpoint.files import verify_checkpoint
 from moe.errors import CheckpointError, ConfigError, LaunchError
 from moe.model.compile import compile_blocks
+from moe.model.moe_layer import counting_routes
 from moe.model.recompute import apply_recompute
 from moe.model.size import flops_per_token
 from moe.model.transformer import MoETransformer
@@ -196,6 +197,28 @@ def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
     return peak_bf16_flops(device)
 
 
+def count_global_routing(engine, batches: list) -> None:
+    """For routers with ``aux_loss_scope: global_batch``: route every micro-batch of the step
+    once without gradients, sum the routed copies per expert over the micro-batches and all
+    ranks, and leave them in each layer's ``batch_counts_E`` for the step's training forwards.
+
+    ``batches``: the step's micro-batches as (input ids, document ids or None), on the device.
+    The random state is restored afterwards, so jitter and logit noise draw the same values in
+    the training forwards and the counted routing is the routing they use."""
+    layers = [m for m in engine.module.moe_layers() if m.cfg.router.aux_loss_scope == "global_batch"]
+    if not layers:
+        return
+    cuda = [engine.device] if engine.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda), counting_routes(layers):
+        for input_ids_BS, doc_ids_BS in batches:
+            engine.module(input_ids_BS, doc_ids_BS=doc_ids_BS)
+    counts_LE = torch.stack([m.batch_counts_E for m in layers])
+    if dist.is_initialized():
+        dist.all_reduce(counts_LE)  # every expert's routed copies over all data-parallel ranks
+    for m, row in zip(layers, counts_LE):
+        m.batch_counts_E.copy_(row)
+
+
 def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
                step: int) -> StepState:
     """One optimizer step over ``grad_accum_steps`` micro-batches.
@@ -209,10 +232,14 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     t0 = time.time()
     packed = loader.next_step()
     sums = torch.zeros(3, device=engine.device)  # (loss, lm loss, aux loss) summed
+    batches = []
     for p in packed:
         p_dev = to_device(p, engine.device)
         doc_ids = None if p_dev.doc_ids_BS is None else p_dev.doc_ids_BS[:, :-1]
-        out = engine(p_dev.tokens_BS[:, :-1], p_dev.tokens_BS[:, 1:], doc_ids_BS=doc_ids)
+        batches.append((p_dev.tokens_BS[:, :-1], p_dev.tokens_BS[:, 1:], doc_ids))
+    count_global_routing(engine, [(x, d) for x, _, d in batches])
+    for inputs, targets, doc_ids in batches:
+        out = engine(inputs, targets, doc_ids_BS=doc_ids)
         engine.backward(poison_nonfinite(out.loss))
         engine.step()
         sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()

@@ -125,3 +125,41 @@ def test_hooks_are_removed_and_observe_is_required():
     assert c.summary()[0]["tokens"] == ids.numel()
     with pytest.raises(RuntimeError, match="observe"), ExpertStatsCollector(model), torch.no_grad():
         model(ids)
+
+
+def test_specialisation_finds_the_tokens_a_deliberately_specialised_router_sends():
+    """One MoE block whose attention adds nothing and whose router reads the token embedding:
+    token v goes to expert v % E (top-1). Each expert's over-represented tokens are then its own
+    class, each with lift N / N_e, and its effective token count is that of its class."""
+    moe = MoEConfig(num_experts=E, expert_hidden=8, router=RouterConfig(top_k=1))
+    model = MoETransformer(ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2,
+                                       max_seq_len=32, moe=moe)).eval()
+    with torch.no_grad():
+        model.blocks[0].attn.o_proj.weight.zero_()
+        model.embed.weight.zero_()
+        model.embed.weight[torch.arange(V), torch.arange(V) % E] = 1.0
+        model.moe_layers()[0].router.weight.copy_(10 * torch.eye(E, 16))
+    torch.manual_seed(6)
+    batches = [torch.randint(0, V, (4, 30)) for _ in range(2)]
+    layer = collect(model, batches).summary(top_n=3, min_count=1)[0]
+    tokens = torch.cat([b.flatten() for b in batches])
+    freq = torch.bincount(tokens, minlength=V).double()
+    assert layer["selected_per_expert"] == [int(freq[e::E].sum()) for e in range(E)]
+    for e, over in enumerate(layer["over_represented"]):
+        assert over and all(t["id"] % E == e for t in over)
+        for t in over:
+            assert math.isclose(t["lift"], round(len(tokens) / freq[e::E].sum().item(), 4))
+        p = freq[e::E] / freq[e::E].sum()
+        p = p[p > 0]
+        assert math.isclose(layer["effective_tokens"][e], math.exp(-(p * p.log()).sum().item()),
+                            rel_tol=1e-9)
+        assert layer["effective_tokens"][e] < layer["data_effective_tokens"]
+
+    from moe.evaluation.report import _checkpoint_section, _piece
+
+    md = "\n".join(_checkpoint_section({"label": "x", "checkpoint": "c", "batch_size": 4,
+                                        "seq_len": 30, "capacity_factor": None,
+                                        "experts": [layer]}, None))
+    assert "### Expert specialisation" in md
+    best = layer["over_represented"][1][0]
+    assert f"| 1 | {layer['effective_tokens'][1]:.1f} | {_piece(best['piece'])} {best['lift']:.1f}" in md

@@ -1,0 +1,216 @@
+"""Does MoE earn its FLOPs? A dense baseline against MoE variants at equal active parameters
+and equal tokens, each trained by the real entry point (``python -m launch.train``, one rank,
+the run config of ``--config`` with overrides), several seeds, validation every ``--eval-every``
+steps.
+
+Prints, per variant: the final validation loss (mean and spread over seeds), the step at which
+the seed-mean validation curve first reaches the dense model's final validation loss, as a
+fraction of the dense run's steps (interpolated linearly between evaluations), and the median
+step time relative to dense. Writes a PNG of validation loss against steps and the numbers as
+JSON. The validation losses are read back from each run's TensorBoard events.
+
+    python -m launch.prepare configs/default.yaml            # data/stdlib, once
+    python -m benchmarks.quality_bench --variants moe global_balance experts16 --seeds 3
+    python -m benchmarks.quality_bench --quick --variants moe top1     # a minute or two
+
+Variants (all at the active FFN width of the base MoE config: top_k x expert_hidden; the dense
+baseline is ``model.ffn: dense`` of that width) are listed in ``variant_overrides``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from moe.training.config import load_config
+
+# Tiny model and run for --quick (exploration, not measurement).
+QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
+         "model.moe.expert_hidden=64", "data.seq_len=64", "train.micro_batch_size=4",
+         "train.warmup_steps=2", "eval.max_tokens=4096"]
+
+VARIANTS = ["dense", "moe", "global_balance", "loss_free", "loss_free_plus_aux", "zloss",
+            "router_init_small", "router_init_large", "fine_grained_shared", "experts16",
+            "experts32", "experts64", "top1", "capacity"]
+
+
+def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
+    """Overrides of one variant, relative to the base config (an MoE with ``top_k`` experts of
+    width ``expert_hidden`` per token). Every variant keeps the active FFN width
+    ``top_k * expert_hidden``."""
+    r = "model.moe.router."
+    if name == "fine_grained_shared":
+        # Experts half as wide; twice as many routed per token minus one, plus one always-on
+        # shared expert: (2 * top_k - 1 + 1) * expert_hidden / 2 = top_k * expert_hidden.
+        if expert_hidden % 2:
+            raise SystemExit(f"fine_grained_shared needs an even expert_hidden, got {expert_hidden}")
+        return ["model.moe.num_experts=16", f"model.moe.expert_hidden={expert_hidden // 2}",
+                f"{r}top_k={2 * top_k - 1}", "model.moe.num_shared_experts=1"]
+    if name == "top1":
+        return [f"{r}top_k=1", f"model.moe.expert_hidden={expert_hidden * top_k}"]
+    table = {
+        "dense": ["model.ffn=dense"],
+        "moe": [],  # the base: micro-batch aux loss
+        "global_balance": [f"{r}aux_loss_scope=global_batch"],
+        "loss_free": [f"{r}aux_loss_coef=0.0", f"{r}bias_update_rate=0.001"],
+        "loss_free_plus_aux": [f"{r}bias_update_rate=0.001"],
+        "zloss": [f"{r}z_loss_coef=0.001"],
+        "router_init_small": [f"{r}init_std=0.002"],
+        "router_init_large": [f"{r}init_std=0.2"],
+        "experts16": ["model.moe.num_experts=16"],
+        "experts32": ["model.moe.num_experts=32"],
+        "experts64": ["model.moe.num_experts=64"],
+        "capacity": ["model.moe.capacity_factor=1.25"],
+    }
+    return table[name]
+
+
+def run_one(config: str, overrides: list[str], run_dir: Path, log_file: Path) -> None:
+    """One training run through moe-train's entry point, as a single rank."""
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
+        env.pop(key, None)  # a single rank with its own rendezvous
+    cmd = [sys.executable, "-m", "launch.train", "--config", config, "--resume", "none",
+           *overrides, f"output_dir={run_dir.parent}", f"name={run_dir.name}"]
+    with open(log_file, "w") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if done.returncode:
+        raise SystemExit(f"training failed ({done.returncode}): {' '.join(cmd)}; see {log_file}")
+
+
+def read_run(run_dir: Path) -> dict:
+    """Validation curve and step times from the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    valid = [(e.step, e.value) for e in acc.Scalars("valid/loss")]
+    # Step 1 includes one-off start-up work; the median of the rest is the step time.
+    times = [e.value for e in acc.Scalars("train/step_time_s") if e.step > 1]
+    return {"steps": [s for s, _ in valid], "valid_loss": [v for _, v in valid],
+            "step_time_s": statistics.median(times) if times else math.nan}
+
+
+def first_crossing(steps: list[int], losses: list[float], target: float) -> float | None:
+    """The first step where the curve reaches ``target``, linear between evaluations."""
+    prev = None
+    for s, v in zip(steps, losses):
+        if v <= target:
+            if prev is None:
+                return float(s)
+            (s0, v0) = prev
+            return s0 + (s - s0) * (v0 - target) / (v0 - v)
+        prev = (s, v)
+    return None
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per variant: final loss mean/spread, the crossing of dense's final loss, time ratio."""
+    dense = runs["dense"]
+    dense_steps = dense[0]["steps"][-1]
+    dense_final = statistics.mean(r["valid_loss"][-1] for r in dense)
+    dense_time = statistics.mean(r["step_time_s"] for r in dense)
+    out = {}
+    for name, seeds in runs.items():
+        finals = [r["valid_loss"][-1] for r in seeds]
+        steps = seeds[0]["steps"]
+        mean_curve = [statistics.mean(r["valid_loss"][i] for r in seeds) for i in range(len(steps))]
+        cross = first_crossing(steps, mean_curve, dense_final)
+        out[name] = {
+            "final_mean": statistics.mean(finals),
+            "final_std": statistics.pstdev(finals),
+            "steps_to_dense_ratio": None if cross is None else cross / dense_steps,
+            "step_time_ratio": statistics.mean(r["step_time_s"] for r in seeds) / dense_time,
+            "steps": steps, "mean_curve": mean_curve, "seeds": len(seeds),
+        }
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = [f"{'variant':<22} {'final valid loss':>22} {'steps to dense final':>21} "
+             f"{'step time / dense':>18}"]
+    for name, s in summary.items():
+        ratio = "not reached" if s["steps_to_dense_ratio"] is None else f"{s['steps_to_dense_ratio']:.3f}"
+        final = f"{s['final_mean']:.4f} +- {s['final_std']:.4f}"
+        lines.append(f"{name:<22} {final:>22} {ratio:>21} {s['step_time_ratio']:>18.3f}")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, runs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, s in summary.items():
+        line, = ax.plot(s["steps"], s["mean_curve"], marker="o", ms=3, label=name)
+        for r in runs[name]:  # each seed, faint
+            ax.plot(r["steps"], r["valid_loss"], color=line.get_color(), alpha=0.25, lw=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation loss")
+    ax.set_title("validation loss, mean over seeds (faint: each seed)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument("--variants", nargs="+", default=["moe", "global_balance"],
+                   choices=[v for v in VARIANTS if v != "dense"],
+                   help="MoE variants to compare with the dense baseline (always run)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: config's)")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny model, 40 steps, validation every 10: exploration, not a result")
+    p.add_argument("--out", default="quality_bench", help="folder for runs, PNG and JSON")
+    p.add_argument("overrides", nargs="*", help="key=value applied to every run")
+    args = p.parse_args(argv)
+
+    steps, every = args.steps, args.eval_every
+    common = list(QUICK) if args.quick else []
+    if args.quick:
+        steps, every = steps or 40, 10
+    common += args.overrides
+    base = load_config(args.config, common)
+    steps = steps or base.train.max_steps
+    common += ["parallel.world_size=1", "parallel.expert_parallel_size=1",
+               f"train.max_steps={steps}", f"eval.every_n_steps={every}",
+               f"logging.log_every={max(1, min(10, every))}", "checkpoint.every_n_steps=0",
+               "train.threads_per_rank=" + str(base.train.threads_per_rank or os.cpu_count() or 1)]
+    moe = base.model.moe
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {}
+    for name in ["dense", *args.variants]:
+        runs[name] = []
+        overrides = variant_overrides(name, moe.expert_hidden, moe.router.top_k)
+        for seed in range(args.seeds):
+            run_dir = out / "runs" / f"{name}-seed{seed}"
+            print(f"training {name} seed {seed} ...", flush=True)
+            run_one(args.config, [*common, *overrides, f"train.seed={seed}"],
+                    run_dir, out / f"{name}-seed{seed}.log")
+            runs[name].append(read_run(run_dir))
+    summary = summarize(runs)
+    print(f"\n{steps} steps, {args.seeds} seed(s), validation every {every} steps"
+          f"{' (--quick: a smoke run, not a measurement)' if args.quick else ''}")
+    print(table(summary))
+    plot(summary, runs, out / "validation_loss.png")
+    (out / "results.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
+    print(f"wrote {out / 'validation_loss.png'} and {out / 'results.json'}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
