@@ -131,6 +131,11 @@ class CheckpointConfig:
     (preempted; SLURM jobs requeue and resume): any of USR1 (what the SLURM back end asks for
     before the time limit), USR2, TERM. With TERM listed, a first SIGTERM saves and a second
     one ends the process at once."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """When a save fails (disk full, permission lost, an I/O error) on any rank, the partial
+    checkpoint is removed and the previous complete one stays the newest; then stop: every rank
+    stops with an error naming the file and the cause; continue: warn and keep training, trying
+    again at the next save (the steps since the last complete checkpoint are at risk)."""
 
     def problems(self) -> list[str]:
         from moe.training.preemption import SIGNALS

@@ -287,7 +287,7 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
     loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
     ckpt_hook = CheckpointHook(engine, loader, ckpt_dir, cfg.checkpoint.every_n_steps, save_ctx,
-                               env.rank)
+                               env.rank, cfg.checkpoint.on_save_error)
     hooks.append(ckpt_hook)  # after the guard: a step the guard stops on is never saved
     hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank,
                                 tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)))
