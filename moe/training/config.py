@@ -17,6 +17,7 @@ from moe.errors import ConfigError
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig
 from moe.training.launch_config import LaunchConfig
+from moe.training.spike_guard import SpikeConfig
 
 
 @dataclass
@@ -58,6 +59,8 @@ class TrainConfig:
     only each block's inputs and the routed token layout; selective recomputes the norms, the
     experts' and FFNs' activation function and the attention core. Routing and the expert
     all-to-all never run again: gradients and MoE statistics equal those of none."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """Loss spike detection and skipping (moe/training/spike_guard.py)."""
     recompute_every_n_blocks: int = 1
     """Recompute blocks 0, N, 2N, ... only (1: every block); the others keep their activations."""
     compile: bool = False
@@ -183,6 +186,9 @@ class RunConfig:
         if self.data.seq_len > self.model.max_seq_len:
             out.append(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len "
                        f"({self.model.max_seq_len})")
+        if self.train.spike.action != "off" and self.parallel.zero_stage == 0:
+            out.append(f"parallel.zero_stage: train.spike.action {self.train.spike.action} needs "
+                       "ZeRO stage 1 or 2 (skipping a step relies on ZeRO's overflow check)")
         if self.train.precision == "bf16" and self.parallel.zero_stage == 0:
             out.append("parallel.zero_stage: train.precision bf16 needs ZeRO stage 1 or 2 (the "
                        "fp32 master weights live in the ZeRO optimizer; DeepSpeed 0.19.8 refuses "
