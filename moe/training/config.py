@@ -61,6 +61,10 @@ class TrainConfig:
     all-to-all never run again: gradients and MoE statistics equal those of none."""
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     """Loss spike detection and skipping (moe/training/spike_guard.py)."""
+    hang_timeout_s: float = 1800.0
+    """A rank that completes no step for this many seconds (checkpoint saves and validation
+    included) writes every thread's stack to RUN_DIR/logs/hang_rank{R}.txt and exits with code
+    70 (moe/training/watchdog.py); 0: off."""
     recompute_every_n_blocks: int = 1
     """Recompute blocks 0, N, 2N, ... only (1: every block); the others keep their activations."""
     compile: bool = False
@@ -71,7 +75,7 @@ class TrainConfig:
     def problems(self) -> list[str]:
         out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
                        warmup_steps=0, grad_clip=0, threads_per_rank=1,
-                       max_consecutive_skips=1, recompute_every_n_blocks=1)
+                       max_consecutive_skips=1, recompute_every_n_blocks=1, hang_timeout_s=0)
         if self.lr <= 0:
             out.append(f"lr: must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:

@@ -57,6 +57,7 @@ from moe.training.preemption import PREEMPTED_MARKER, SIGNALS, PreemptionHook
 from moe.training.prefetch import PrefetchingReader
 from moe.training.spike_guard import LossSpikeGuard
 from moe.training.upcycle import initialize_from_checkpoint
+from moe.training.watchdog import HangWatchdog
 
 log = logging.getLogger("moe.train")
 
@@ -320,6 +321,11 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
     if resume_dir is not None and resume_dir.parent.resolve() == ckpt_dir.resolve():
         ckpt_hook.last_tag, ckpt_hook.last_step = resume_dir.name, start_step
     ckpt_hook.tokens = tokens
+    watchdog = (HangWatchdog(t.hang_timeout_s, run_dir / "logs", env.rank)
+                if t.hang_timeout_s else None)
+    if watchdog is not None:
+        hooks.append(watchdog)
+        watchdog.start(start_step)
     history = []
     try:
         for step in range(start_step + 1, t.max_steps + 1):
@@ -332,6 +338,8 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
                                 "tokens_per_s": state.tokens_per_second})
         ckpt_hook.save(t.max_steps)
     finally:
+        if watchdog is not None:  # also when the loop raised: never end a later caller
+            watchdog.close()
         loader.close()
     for hook in hooks:
         hook.close()
