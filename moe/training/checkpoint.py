@@ -152,20 +152,27 @@ class CheckpointHook(Hook):
                         tag_dir.rename(tag_dir.with_name(f"{tag}.replaced.{int(time.time())}"))
                     else:
                         shutil.rmtree(tag_dir)
-        # after this exchange: rank 0 has cleared any debris
-        if not self._failed(step, tag_dir, _exchange(errors)):
-            self._write(step, tag, tag_dir, errors)
-            if not self._failed(step, tag_dir, _exchange(errors)):  # every rank's files are written
-                if self.rank == 0:  # now, and only now, publish
-                    with _recorded(errors, tag_dir):
-                        self._publish(tag_dir, step)
-                    if not errors:
-                        self._prune()
-                if not self._failed(step, tag_dir, _exchange(errors)):
-                    self.last_tag, self.last_step = tag, step
-                    self.last_save_seconds = time.time() - t0
-                    if self.rank == 0:
-                        log.info(f"saved checkpoint {tag_dir} in {self.last_save_seconds:.2f}s")
+        # after this exchange: rank 0 has cleared any debris (a failure here wrote nothing, and
+        # what it could not move aside may be another history's complete checkpoint: kept)
+        if self._failed(step, tag_dir, _exchange(errors), remove=False):
+            return
+        self._write(step, tag, tag_dir, errors)
+        if self._failed(step, tag_dir, _exchange(errors)):  # every rank's files are written
+            return
+        if self.rank == 0:  # now, and only now, publish
+            with _recorded(errors, tag_dir):
+                self._publish(tag_dir, step)
+            if not errors:
+                try:
+                    self._prune()
+                except OSError as e:  # the new checkpoint is complete: keep it, prune next time
+                    log.warning(f"pruning old checkpoints failed: {_describe(e, self.ckpt_dir)}")
+        if self._failed(step, tag_dir, _exchange(errors)):
+            return
+        self.last_tag, self.last_step = tag, step
+        self.last_save_seconds = time.time() - t0
+        if self.rank == 0:
+            log.info(f"saved checkpoint {tag_dir} in {self.last_save_seconds:.2f}s")
 
     def _write(self, step: int, tag: str, tag_dir: Path, errors: list[str]) -> None:
         """This rank's files; write errors are recorded in ``errors``, never raised (see the
@@ -188,22 +195,24 @@ class CheckpointHook(Hook):
             with _recorded(errors, tag_dir / TOKENIZER_COPY):
                 write_atomic(tag_dir / TOKENIZER_COPY, self.ctx.tokenizer_file.read_bytes())
 
-    def _failed(self, step: int, tag_dir: Path, errors_by_rank: list[list[str]]) -> bool:
-        """After an exchange: if some rank failed, remove the partial checkpoint (rank 0), then
-        stop (raise on every rank) or warn and go on, as ``on_save_error`` says."""
+    def _failed(self, step: int, tag_dir: Path, errors_by_rank: list[list[str]],
+                remove: bool = True) -> bool:
+        """After an exchange: if some rank failed, remove the partial checkpoint (rank 0, when
+        ``remove``), then stop (raise on every rank) or warn and go on, as ``on_save_error``
+        says."""
         failed = {r: e for r, e in enumerate(errors_by_rank) if e}
         if not failed:
             return False
         self.failed_saves += 1
-        if self.rank == 0:
+        if self.rank == 0 and remove:
             (tag_dir / MARKER).unlink(missing_ok=True)  # first: never a complete-looking rest
             shutil.rmtree(tag_dir, ignore_errors=True)
         latest = find_latest(self.ckpt_dir) if self.ckpt_dir.is_dir() else None
         what = "; ".join(f"rank {r}: {', '.join(e)}" for r, e in failed.items())
         kept = (f"the newest complete checkpoint is still {self.ckpt_dir / latest}" if latest
                 else "there is no complete checkpoint yet")
-        msg = (f"saving checkpoint {tag_dir} at step {step} failed ({what}); the partial "
-               f"checkpoint was removed and {kept}")
+        msg = (f"saving checkpoint {tag_dir} at step {step} failed ({what}); "
+               f"{'the partial checkpoint was removed and ' if remove else ''}{kept}")
         _barrier()  # the partial directory is gone before any rank goes on
         if self.on_error == "stop":
             raise CheckpointSaveError(f"{msg}. Free space or fix the storage, then resume (or set "

@@ -54,8 +54,8 @@ def _worker(rank, world, cfg_dict, result_path, ballast):
 
     original = ckpt_mod.CheckpointHook._failed
 
-    def failed(self, *args):
-        out = original(self, *args)
+    def failed(self, *args, **kw):
+        out = original(self, *args, **kw)
         if out and ballast and rank == 0 and Path(ballast).exists():
             ckpt = Path(ballast).parent
             Path(f"{result_path}.after_failure").write_text(json.dumps(
