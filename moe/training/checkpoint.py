@@ -18,10 +18,19 @@ the newest directory that has a marker, whatever DeepSpeed's ``latest`` file say
 that file, after the marker, for DeepSpeed's own tools). Older checkpoints are pruned only after
 the new one is complete, marker first, so an interrupted prune leaves an incomplete directory and
 never a complete-looking partial one.
+
+A save that fails (disk full, permission lost, an I/O error) on any rank fails on every rank:
+each phase ends in one collective where the ranks exchange their errors instead of a bare
+barrier, and a rank whose write failed still runs DeepSpeed's whole save (its file writes are
+caught and recorded, see :class:`_RecordingEngine`) so that no rank waits in a barrier the others
+never reach. Rank 0 then removes the partial directory (it never got a marker); the previous
+complete checkpoint stays the newest, and nothing is pruned. ``checkpoint.on_save_error`` decides
+whether training stops (:class:`CheckpointSaveError`) or goes on and tries again at the next save.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -109,8 +118,10 @@ class CheckpointHook(Hook):
     (end of training, a preemption signal). All ranks must call it together."""
 
     def __init__(self, engine, reader, ckpt_dir: Path, every_n_steps: int, ctx: SaveContext,
-                 rank: int):
+                 rank: int, on_error: str = "stop"):
         self.engine, self.reader = engine, reader
+        self.on_error = on_error  # checkpoint.on_save_error: stop | continue
+        self.failed_saves = 0
         self.ckpt_dir, self.every = Path(ckpt_dir), every_n_steps
         self.ctx, self.rank = ctx, rank
         self.last_tag: str | None = None
@@ -129,38 +140,87 @@ class CheckpointHook(Hook):
         t0 = time.time()
         tag = tag_for(step)
         tag_dir = self.ckpt_dir / tag
+        errors: list[str] = []
         if self.rank == 0:
-            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            if tag_dir.exists():
-                # A complete checkpoint of this step belongs to another run history (e.g. one
-                # resumed from an earlier checkpoint): move it aside rather than overwrite it;
-                # an incomplete one is debris of an interrupted save.
-                if read_marker(tag_dir) is not None:
-                    tag_dir.rename(tag_dir.with_name(f"{tag}.replaced.{int(time.time())}"))
-                else:
-                    shutil.rmtree(tag_dir)
-        _barrier()
-        if self.ctx.num_moe_layers:  # after the barrier: rank 0 has cleared any debris
-            (tag_dir / EXPERT_DIR).mkdir(parents=True, exist_ok=True)
-        from moe.parallel.deepspeed_adapter import gather_expert_fingerprints  # (imports deepspeed)
-
-        self.fingerprints = gather_expert_fingerprints(self.engine.module)
-        client = {"step": step, "tokens": self.tokens, "data": self.reader.state_dict()}
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client,
-                                    save_latest=False)
-        write_atomic(tag_dir / rng_file(self.rank), _serialize(rng_state()))
-        if self.rank == 0:
-            write_atomic(tag_dir / RUN_CONFIG, self.ctx.config_text.encode())
-            write_atomic(tag_dir / TOKENIZER_COPY, self.ctx.tokenizer_file.read_bytes())
-        _barrier()  # every rank's files are written: now, and only now, publish
-        if self.rank == 0:
-            self._publish(tag_dir, step)
-            self._prune()
-        _barrier()
+            with _recorded(errors, self.ckpt_dir):
+                self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                if tag_dir.exists():
+                    # A complete checkpoint of this step belongs to another run history (e.g.
+                    # one resumed from an earlier checkpoint): move it aside rather than
+                    # overwrite it; an incomplete one is debris of an interrupted save.
+                    if read_marker(tag_dir) is not None:
+                        tag_dir.rename(tag_dir.with_name(f"{tag}.replaced.{int(time.time())}"))
+                    else:
+                        shutil.rmtree(tag_dir)
+        # after this exchange: rank 0 has cleared any debris (a failure here wrote nothing, and
+        # what it could not move aside may be another history's complete checkpoint: kept)
+        if self._failed(step, tag_dir, _exchange(errors), remove=False):
+            return
+        self._write(step, tag, tag_dir, errors)
+        if self._failed(step, tag_dir, _exchange(errors)):  # every rank's files are written
+            return
+        if self.rank == 0:  # now, and only now, publish
+            with _recorded(errors, tag_dir):
+                self._publish(tag_dir, step)
+            if not errors:
+                try:
+                    self._prune()
+                except OSError as e:  # the new checkpoint is complete: keep it, prune next time
+                    log.warning(f"pruning old checkpoints failed: {_describe(e, self.ckpt_dir)}")
+        if self._failed(step, tag_dir, _exchange(errors)):
+            return
         self.last_tag, self.last_step = tag, step
         self.last_save_seconds = time.time() - t0
         if self.rank == 0:
             log.info(f"saved checkpoint {tag_dir} in {self.last_save_seconds:.2f}s")
+
+    def _write(self, step: int, tag: str, tag_dir: Path, errors: list[str]) -> None:
+        """This rank's files; write errors are recorded in ``errors``, never raised (see the
+        module docstring)."""
+        from moe.parallel.deepspeed_adapter import gather_expert_fingerprints  # (imports deepspeed)
+
+        with _recorded(errors, tag_dir / EXPERT_DIR):
+            if self.ctx.num_moe_layers:
+                (tag_dir / EXPERT_DIR).mkdir(parents=True, exist_ok=True)
+        self.fingerprints = gather_expert_fingerprints(self.engine.module)
+        client = {"step": step, "tokens": self.tokens, "data": self.reader.state_dict()}
+        with _RecordingEngine(self.engine, errors):
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client,
+                                        save_latest=False)
+        with _recorded(errors, tag_dir / rng_file(self.rank)):
+            write_atomic(tag_dir / rng_file(self.rank), _serialize(rng_state()))
+        if self.rank == 0:
+            with _recorded(errors, tag_dir / RUN_CONFIG):
+                write_atomic(tag_dir / RUN_CONFIG, self.ctx.config_text.encode())
+            with _recorded(errors, tag_dir / TOKENIZER_COPY):
+                write_atomic(tag_dir / TOKENIZER_COPY, self.ctx.tokenizer_file.read_bytes())
+
+    def _failed(self, step: int, tag_dir: Path, errors_by_rank: list[list[str]],
+                remove: bool = True) -> bool:
+        """After an exchange: if some rank failed, remove the partial checkpoint (rank 0, when
+        ``remove``), then stop (raise on every rank) or warn and go on, as ``on_save_error``
+        says."""
+        failed = {r: e for r, e in enumerate(errors_by_rank) if e}
+        if not failed:
+            return False
+        self.failed_saves += 1
+        if self.rank == 0 and remove:
+            (tag_dir / MARKER).unlink(missing_ok=True)  # first: never a complete-looking rest
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        latest = find_latest(self.ckpt_dir) if self.ckpt_dir.is_dir() else None
+        what = "; ".join(f"rank {r}: {', '.join(e)}" for r, e in failed.items())
+        kept = (f"the newest complete checkpoint is still {self.ckpt_dir / latest}" if latest
+                else "there is no complete checkpoint yet")
+        msg = (f"saving checkpoint {tag_dir} at step {step} failed ({what}); "
+               f"{'the partial checkpoint was removed and ' if remove else ''}{kept}")
+        _barrier()  # the partial directory is gone before any rank goes on
+        if self.on_error == "stop":
+            raise CheckpointSaveError(f"{msg}. Free space or fix the storage, then resume (or set "
+                                      "checkpoint.on_save_error: continue to keep training)")
+        if self.rank == 0:
+            log.warning(f"{msg}; training goes on (checkpoint.on_save_error: continue) and the "
+                        "next save tries again")
+        return True
 
     def _publish(self, tag_dir: Path, step: int) -> None:
         files = {}
@@ -196,6 +256,88 @@ class CheckpointHook(Hook):
             d = self.ckpt_dir / tag
             (d / MARKER).unlink(missing_ok=True)  # first: a half-deleted one is never "complete"
             shutil.rmtree(d, ignore_errors=True)
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (disk full, permissions, I/O error) and the run config
+    says to stop (``checkpoint.on_save_error: stop``)."""
+
+
+def _describe(e: OSError, path) -> str:
+    code = errno.errorcode.get(e.errno, "?") if e.errno is not None else "?"
+    return f"{e.filename or path}: {e.strerror or e} ({code}, errno {e.errno})"
+
+
+class _recorded:
+    """``with _recorded(errors, path):`` appends an OSError of the block to ``errors`` (naming
+    the file and the cause) instead of raising it."""
+
+    def __init__(self, errors: list[str], path):
+        self.errors, self.path = errors, path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if isinstance(e, OSError):
+            self.errors.append(_describe(e, self.path))
+            return True
+        return False
+
+
+class _RecordingEngine:
+    """While active, DeepSpeed's file writes in ``engine.save_checkpoint`` record their OSErrors
+    instead of raising, so that a rank that cannot write still runs DeepSpeed's collectives
+    (its save ends in a barrier). Files are written through a Python file object: torch.save to a
+    path reports a full disk as an errno-less RuntimeError, through a file object as OSError."""
+
+    def __init__(self, engine, errors: list[str]):
+        self.engine, self.errors = engine, errors
+        self.inner = engine.checkpoint_engine
+
+    def __enter__(self):
+        self.engine.checkpoint_engine = self
+        copy_script = self.engine._copy_recovery_script  # rank 0 copies zero_to_fp32.py
+
+        def copy_recorded(save_path):
+            with _recorded(self.errors, save_path):
+                copy_script(save_path)
+
+        self.engine._copy_recovery_script = copy_recorded
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.checkpoint_engine = self.inner
+        del self.engine._copy_recovery_script  # back to the class's method
+
+    def save(self, state_dict, path: str) -> None:
+        with _recorded(self.errors, path):
+            try:
+                with open(path, "wb") as f:
+                    torch.save(state_dict, f)
+            except RuntimeError as e:
+                # torch's zip writer fails again while closing after the failed write; the
+                # cause is the OSError underneath.
+                if isinstance(e.__context__, OSError):
+                    raise e.__context__ from None
+                raise
+
+    def makedirs(self, path, exist_ok: bool = False) -> None:
+        with _recorded(self.errors, path):
+            self.inner.makedirs(path, exist_ok=exist_ok)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _exchange(errors: list[str]) -> list[list[str]]:
+    """Every rank's errors, on every rank (a collective: it also orders the ranks like a
+    barrier)."""
+    if not dist.is_initialized():
+        return [list(errors)]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(errors))
+    return out
 
 
 def _serialize(obj) -> bytes:

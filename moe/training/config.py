@@ -17,6 +17,7 @@ from moe.errors import ConfigError
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig
 from moe.training.launch_config import LaunchConfig
+from moe.training.spike_guard import SpikeConfig
 
 
 @dataclass
@@ -58,6 +59,12 @@ class TrainConfig:
     only each block's inputs and the routed token layout; selective recomputes the norms, the
     experts' and FFNs' activation function and the attention core. Routing and the expert
     all-to-all never run again: gradients and MoE statistics equal those of none."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """Loss spike detection and skipping (moe/training/spike_guard.py)."""
+    hang_timeout_s: float = 1800.0
+    """A rank that completes no step for this many seconds (checkpoint saves and validation
+    included) writes every thread's stack to RUN_DIR/logs/hang_rank{R}.txt and exits with code
+    70 (moe/training/watchdog.py); 0: off."""
     recompute_every_n_blocks: int = 1
     """Recompute blocks 0, N, 2N, ... only (1: every block); the others keep their activations."""
     compile: bool = False
@@ -68,7 +75,7 @@ class TrainConfig:
     def problems(self) -> list[str]:
         out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
                        warmup_steps=0, grad_clip=0, threads_per_rank=1,
-                       max_consecutive_skips=1, recompute_every_n_blocks=1)
+                       max_consecutive_skips=1, recompute_every_n_blocks=1, hang_timeout_s=0)
         if self.lr <= 0:
             out.append(f"lr: must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
@@ -131,6 +138,11 @@ class CheckpointConfig:
     (preempted; SLURM jobs requeue and resume): any of USR1 (what the SLURM back end asks for
     before the time limit), USR2, TERM. With TERM listed, a first SIGTERM saves and a second
     one ends the process at once."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """When a save fails (disk full, permission lost, an I/O error) on any rank, the partial
+    checkpoint is removed and the previous complete one stays the newest; then stop: every rank
+    stops with an error naming the file and the cause; continue: warn and keep training, trying
+    again at the next save (the steps since the last complete checkpoint are at risk)."""
 
     def problems(self) -> list[str]:
         from moe.training.preemption import SIGNALS
@@ -178,6 +190,9 @@ class RunConfig:
         if self.data.seq_len > self.model.max_seq_len:
             out.append(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len "
                        f"({self.model.max_seq_len})")
+        if self.train.spike.action != "off" and self.parallel.zero_stage == 0:
+            out.append(f"parallel.zero_stage: train.spike.action {self.train.spike.action} needs "
+                       "ZeRO stage 1 or 2 (skipping a step relies on ZeRO's overflow check)")
         if self.train.precision == "bf16" and self.parallel.zero_stage == 0:
             out.append("parallel.zero_stage: train.precision bf16 needs ZeRO stage 1 or 2 (the "
                        "fp32 master weights live in the ZeRO optimizer; DeepSpeed 0.19.8 refuses "

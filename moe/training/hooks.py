@@ -37,6 +37,7 @@ class StepState:
     local_loss: float = math.nan  # this rank's mean loss over its micro-batches
     tokens_sha256: str = ""  # hash of the token ids this rank trained on in this step
     skipped: bool = False  # the update was skipped (non-finite loss or gradient norm)
+    spike_zscore: float | None = None  # a loss spike: the largest z-score (spike_guard.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -79,6 +80,7 @@ class TensorBoardHook(Hook):
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
         self.skipped = 0  # steps skipped for a non-finite loss or gradient norm, so far
+        self.spikes = 0  # loss spikes, so far
         self.writer.add_text("config", "```\n" + config_text + "\n```", 0)
         if hparams:
             # Written into this run's own event file (SummaryWriter.add_hparams would open a
@@ -89,9 +91,14 @@ class TensorBoardHook(Hook):
 
     def on_step_end(self, s: StepState) -> None:
         self.skipped += int(s.skipped)
+        w = self.writer
+        if s.spike_zscore is not None:  # every event, logging step or not
+            self.spikes += 1
+            w.add_scalar("train/loss_spike_zscore", s.spike_zscore, s.step)
+            w.add_scalar("train/loss_spikes", self.spikes, s.step)
+            w.flush()
         if not s.is_log_step:
             return
-        w = self.writer
         w.add_scalar("train/skipped_steps", self.skipped, s.step)
         w.add_scalar("train/loss", s.loss, s.step)
         w.add_scalar("train/lm_loss", s.lm_loss, s.step)

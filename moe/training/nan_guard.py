@@ -32,7 +32,8 @@ def step_is_finite(loss: float, grad_norm: float | None) -> bool:
 
 
 class NonFiniteGuard(Hook):
-    """Warns on every skipped step; raises after ``max_skips`` consecutive ones. Raises at once
+    """Warns on every skipped step; raises after ``max_skips`` consecutive ones (steps skipped
+    for a loss spike count too: the spike guard poisons their loss the same way). Raises at once
     if a non-finite step was applied anyway (no ZeRO: nothing skips it, the weights are lost)."""
 
     def __init__(self, max_skips: int, rank: int):
@@ -50,12 +51,13 @@ class NonFiniteGuard(Hook):
                                 "without ZeRO stage 1 or 2); stopping. Resume from the last "
                                 "checkpoint, with ZeRO stage 1 or 2 to skip such steps")
         self.consecutive += 1
-        if self.rank == 0:
+        if self.rank == 0 and s.spike_zscore is None:  # a spike skip: spike_guard.py warns
             log.warning(f"step {s.step}: skipped: non-finite loss ({s.loss}) or gradient norm "
                         f"({s.grad_norm}); {self.consecutive} consecutive skip(s) of at most "
                         f"{self.max_skips}")
         if self.consecutive >= self.max_skips:
             raise TrainingError(f"step {s.step}: {self.consecutive} consecutive steps had a "
-                                "non-finite loss or gradient norm; stopping. The last checkpoint "
+                                "non-finite loss or gradient norm (or a loss spike, "
+                                "train.spike); stopping. The last checkpoint "
                                 "holds the last good state: lower train.lr or raise "
                                 "train.grad_clip, then resume")

@@ -40,6 +40,7 @@ from moe.training.checkpoint import (
 )
 from moe.training.config import RunConfig, dump_config
 from moe.training.device import peak_bf16_flops, to_device
+from moe.training.faults import FaultInjector
 from moe.training.hooks import (
     ConsoleHook,
     Hook,
@@ -55,7 +56,9 @@ from moe.training.layout import load_other_layout
 from moe.training.nan_guard import NonFiniteGuard, poison_nonfinite
 from moe.training.preemption import PREEMPTED_MARKER, SIGNALS, PreemptionHook
 from moe.training.prefetch import PrefetchingReader
+from moe.training.spike_guard import LossSpikeGuard
 from moe.training.upcycle import initialize_from_checkpoint
+from moe.training.watchdog import HangWatchdog
 
 log = logging.getLogger("moe.train")
 
@@ -220,7 +223,8 @@ def count_global_routing(engine, batches: list) -> None:
 
 
 def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
-               step: int) -> StepState:
+               step: int, spike: LossSpikeGuard | None = None,
+               faults: FaultInjector | None = None) -> StepState:
     """One optimizer step over ``grad_accum_steps`` micro-batches.
 
     Host syncs of our code in a step (DeepSpeed's own optimizer step reads the gradient norm
@@ -231,6 +235,9 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     t = cfg.train
     t0 = time.time()
     packed = loader.next_step()
+    if faults is not None:
+        packed = faults.batches(step, packed)
+        faults.before_update(step, engine)
     sums = torch.zeros(3, device=engine.device)  # (loss, lm loss, aux loss) summed
     batches = []
     for p in packed:
@@ -238,36 +245,48 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
         doc_ids = None if p_dev.doc_ids_BS is None else p_dev.doc_ids_BS[:, :-1]
         batches.append((p_dev.tokens_BS[:, :-1], p_dev.tokens_BS[:, 1:], doc_ids))
     count_global_routing(engine, [(x, d) for x, _, d in batches])
+    spike_ref = spike.reference() if spike is not None else None
+    z_max = torch.full((1,), -math.inf, device=engine.device)
     for inputs, targets, doc_ids in batches:
         out = engine(inputs, targets, doc_ids_BS=doc_ids)
-        engine.backward(poison_nonfinite(out.loss))
+        loss = out.loss
+        if spike_ref is not None:
+            loss, z = spike.check(loss, spike_ref)
+            z_max = torch.maximum(z_max, z.reshape(1))
+        engine.backward(poison_nonfinite(loss))
         engine.step()
         sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
     skipped = not engine.was_step_applied()
     is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
               or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0))
+    # The spike guard's window needs the loss averaged over the ranks every step.
+    mean_over_ranks = (is_log or spike is not None) and dist.is_initialized()
     local_sum = sums[:1].clone()
-    if is_log and dist.is_initialized():
+    if mean_over_ranks:
         dist.all_reduce(sums)
-    sums /= t.grad_accum_steps * (env.world_size if is_log and dist.is_initialized() else 1)
+    sums /= t.grad_accum_steps * (env.world_size if mean_over_ranks else 1)
     grad_norm = engine.get_global_grad_norm()
     norm = (grad_norm.detach().float().reshape(1).to(sums.device) if torch.is_tensor(grad_norm)
             else torch.full((1,), math.nan if grad_norm is None else float(grad_norm),
                             device=sums.device))
     # The step's one read of ours (a host sync on GPUs).
-    loss, lm_loss, aux_loss, local_sum, norm_value = torch.cat([sums, local_sum, norm]).tolist()
+    loss, lm_loss, aux_loss, local_sum, norm_value, z_value = torch.cat(
+        [sums, local_sum, norm, z_max]).tolist()
     samples = t.micro_batch_size * t.grad_accum_steps * env.world_size
     return StepState(
         step=step, max_steps=t.max_steps, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss,
         lr=engine.get_lr()[0], grad_norm=None if grad_norm is None else norm_value,
         step_seconds=time.time() - t0, tokens_per_step=samples * cfg.data.seq_len,
         samples_per_step=samples, is_log_step=is_log, local_loss=local_sum / t.grad_accum_steps,
-        tokens_sha256=_token_hash([p.tokens_BS for p in packed]), skipped=skipped)
+        tokens_sha256=_token_hash([p.tokens_BS for p in packed]), skipped=skipped,
+        spike_zscore=z_value if spike_ref is not None and z_value > spike.cfg.zscore else None)
 
 
-def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
+def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
+          faults: FaultInjector | None = None) -> dict:
     """Train to ``cfg.train.max_steps``. ``resume``: ``auto`` (the newest complete checkpoint of
-    the run directory, if any), ``none``, or a checkpoint directory."""
+    the run directory, if any), ``none``, or a checkpoint directory. ``faults``: tests only
+    (moe/training/faults.py)."""
     cfg = resolve_vocab(cfg)
     run_dir = cfg.run_dir
     manifest = read_manifest(cfg.data.dir)
@@ -305,6 +324,11 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
               ConsoleHook(env.rank),
               StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl"),
               NonFiniteGuard(t.max_consecutive_skips, env.rank)]
+    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
+    spike = (LossSpikeGuard(t.spike, run_dir, loader, env.rank, env.world_size)
+             if t.spike.action == "skip" else None)
+    if spike is not None:
+        hooks.append(spike)
     if env.rank == 0 and cfg.logging.tensorboard:
         hooks.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
     save_ctx = SaveContext(
@@ -312,9 +336,8 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
         tokenizer_sha256=tokenizer_sha, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
-    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
     ckpt_hook = CheckpointHook(engine, loader, ckpt_dir, cfg.checkpoint.every_n_steps, save_ctx,
-                               env.rank)
+                               env.rank, cfg.checkpoint.on_save_error)
     hooks.append(ckpt_hook)  # after the guard: a step the guard stops on is never saved
     hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank,
                                 tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)))
@@ -325,10 +348,15 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
     if resume_dir is not None and resume_dir.parent.resolve() == ckpt_dir.resolve():
         ckpt_hook.last_tag, ckpt_hook.last_step = resume_dir.name, start_step
     ckpt_hook.tokens = tokens
+    watchdog = (HangWatchdog(t.hang_timeout_s, run_dir / "logs", env.rank)
+                if t.hang_timeout_s else None)
+    if watchdog is not None:
+        hooks.append(watchdog)
+        watchdog.start(start_step)
     history = []
     try:
         for step in range(start_step + 1, t.max_steps + 1):
-            state = train_step(engine, loader, cfg, env, step)
+            state = train_step(engine, loader, cfg, env, step, spike, faults)
             ckpt_hook.tokens += state.tokens_per_step
             for hook in hooks:
                 hook.on_step_end(state)
@@ -337,6 +365,8 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto") -> dict:
                                 "tokens_per_s": state.tokens_per_second})
         ckpt_hook.save(t.max_steps)
     finally:
+        if watchdog is not None:  # also when the loop raised: never end a later caller
+            watchdog.close()
         loader.close()
     for hook in hooks:
         hook.close()

@@ -1,0 +1,118 @@
+"""The loss spike guard on a real 2-rank run (gloo): a test-only fault injector feeds rank 1 a
+batch of one repeated rare token at one step and inflates that step's learning rate 300-fold;
+the spike is detected, the update is skipped on every rank, the event is recorded."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from moe.checkpoint.files import complete_tags
+from moe.config_schema import from_dict
+from moe.errors import ConfigError
+from moe.training.config import RunConfig
+from moe.training.faults import FaultInjector
+from moe.training.spike_guard import SKIPPED_BATCHES
+from moe.training.trainer import DistEnv, train
+from tests.conftest import tiny_run_dict
+from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.multiprocess
+
+BAD_STEP = 9
+
+
+class BadBatch(FaultInjector):
+    def __init__(self, rank: int, vocab_size: int):
+        self.rank, self.token = rank, vocab_size - 1  # the last merge: a rare token
+
+    def batches(self, step, packed):
+        if step == BAD_STEP and self.rank == 1:
+            for p in packed:
+                p.tokens_BS = torch.full_like(p.tokens_BS, self.token)
+        return packed
+
+    def before_update(self, step, engine):
+        if step == BAD_STEP:  # the schedule sets the next step's rate again
+            for group in engine.optimizer.param_groups:
+                group["lr"] *= 300
+
+
+def _worker(rank, world, cfg_dict):
+    cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
+    train(cfg, DistEnv(rank, world, rank, world),
+          faults=BadBatch(rank, cfg_dict["model"].get("vocab_size") or 512))
+
+
+def _steps(run_dir, rank):
+    return [json.loads(line) for line in (run_dir / "logs" / f"steps_rank{rank}.jsonl").open()]
+
+
+def _run(tiny_data, tmp_path, name, action):
+    cfg = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=BAD_STEP + 1, lr=1e-2,
+                        min_lr=1e-2, spike={"action": action, "window": 6, "min_steps": 4,
+                                            "zscore": 4.0})
+    cfg["name"] = name
+    cfg["checkpoint"] = {"every_n_steps": 1}
+    run_distributed(_worker, 2, cfg)
+    return tmp_path / "runs" / name
+
+
+def _params(ckpt, step):
+    from moe.training.layout import read_layout_free
+
+    return read_layout_free(ckpt / f"step_{step:07d}")["params"]
+
+
+def test_a_loss_spike_skips_the_update_on_every_rank_and_is_recorded(tiny_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = _run(tiny_data, tmp_path, "spike", "skip")
+    for rank in range(2):
+        skipped = [r["step"] for r in _steps(run_dir, rank) if r["skipped"]]
+        assert skipped == [BAD_STEP], skipped
+    # Parameters unchanged by the bad step (despite its 300x learning rate), changed by the next.
+    ckpt = run_dir / "checkpoints"
+    before, after, next_ = (_params(ckpt, s) for s in (BAD_STEP - 1, BAD_STEP, BAD_STEP + 1))
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    assert any(not torch.equal(after[n], next_[n]) for n in after)
+
+    events = [json.loads(line) for line in (run_dir / SKIPPED_BATCHES).open()]
+    assert len(events) == 1
+    e = events[0]
+    global_batch = 2 * 1 * 2  # micro_batch_size * grad_accum_steps * world size
+    assert e["step"] == BAD_STEP and e["reason"] == "loss_spike" and not e["applied"]
+    assert e["samples"] == [(BAD_STEP - 1) * global_batch, BAD_STEP * global_batch]
+    assert e["zscore"] > 4.0
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    z = acc.Scalars("train/loss_spike_zscore")
+    assert [(s.step, round(s.value, 3)) for s in z] == [(BAD_STEP, round(e["zscore"], 3))]
+
+
+def test_without_the_guard_the_bad_step_is_applied(tiny_data, tmp_path):
+    """The same fault with train.spike.action off: the step is applied, the weights move (the
+    test above would fail if the guard did nothing), and nothing is recorded."""
+    run_dir = _run(tiny_data, tmp_path, "nospike", "off")
+    assert not any(r["skipped"] for r in _steps(run_dir, 0))
+    ckpt = run_dir / "checkpoints"
+    before, after = _params(ckpt, BAD_STEP - 1), _params(ckpt, BAD_STEP)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert not (run_dir / SKIPPED_BATCHES).exists()
+    assert complete_tags(ckpt)[-1] == f"step_{BAD_STEP + 1:07d}"
+
+
+def test_spike_settings_are_validated(tiny_data, tmp_path):
+    cfg = tiny_run_dict(tiny_data, tmp_path, spike={"action": "rollback", "window": 3,
+                                                    "min_steps": 5, "zscore": 0})
+    cfg["parallel"]["zero_stage"] = 0
+    with pytest.raises(ConfigError) as e:
+        from_dict(RunConfig, cfg)
+    msg = str(e.value)
+    assert "rollback is not implemented yet" in msg
+    assert "min_steps: 5 exceeds window (3)" in msg
+    assert "zscore: must be > 0" in msg
+    assert "needs ZeRO stage 1 or 2" in msg
