@@ -157,6 +157,9 @@ _COMMON: dict[str, Rule] = {
     "moe.router.aux_loss_coef": _training("loss only (router_aux_loss_coef)"),
     "moe.router.aux_loss_type": _training("loss only"),
     "moe.router.z_loss_coef": _training("loss only"),
+    "moe.router.aux_loss_scope": _training("loss only: which tokens' counts the balancing "
+                                           "loss uses"),
+    "moe.router.init_std": _training("initialization only"),
     "moe.router.bias_update_rate": Rule(
         "limited", "the selection bias must be zero (never updated, or rate 0)",
         _nonzero_selection_bias),
