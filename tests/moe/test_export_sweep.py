@@ -52,7 +52,7 @@ NUMERIC = {
     "moe.dense_hidden": [24], "moe.router.top_k": [1, 3], "moe.router.scaling_factor": [2.5],
     "moe.router.jitter_eps": [0.1], "moe.router.logit_noise_std": [0.5],
     "moe.router.aux_loss_coef": [0.1], "moe.router.z_loss_coef": [1e-3],
-    "moe.router.bias_update_rate": [0.01],
+    "moe.router.bias_update_rate": [0.01], "moe.router.init_std": [0.1],
 }
 NOT_VARIED = {
     "init_from": "needs another run's checkpoint; only chooses the starting weights",
