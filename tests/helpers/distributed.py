@@ -8,6 +8,24 @@ import socket
 import torch.multiprocessing as mp
 
 
+def count_all_to_all() -> list[int]:
+    """From now on in this process, count the calls of ``torch.distributed.all_to_all_single``
+    (the expert-parallel dispatcher looks it up there). Returns a one-element list holding the
+    count, which the caller reads and resets. Meant for worker processes, which end with the
+    test."""
+    import torch.distributed as dist
+
+    calls = [0]
+    original = dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_to_all_single = counting
+    return calls
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

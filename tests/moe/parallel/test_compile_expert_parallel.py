@@ -8,13 +8,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from moe.config_schema import from_dict
 from moe.training.config import RunConfig
 from moe.training.trainer import DistEnv, build_engine
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import count_all_to_all, run_distributed
 from tests.moe.test_layout_equivalence import global_params
 
 pytestmark = pytest.mark.multiprocess
@@ -34,14 +33,7 @@ def run_config(compiled: bool, recompute: str) -> dict:
 
 
 def _worker(rank, world, batches, out_dir):
-    calls = [0]
-    all_to_all = dist.all_to_all_single
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return all_to_all(*args, **kwargs)
-
-    dist.all_to_all_single = counting
+    calls = count_all_to_all()
     results = {}
     for name, compiled, recompute in (("eager", False, "none"), ("compiled", True, "full")):
         cfg = from_dict(RunConfig, copy.deepcopy(run_config(compiled, recompute)))

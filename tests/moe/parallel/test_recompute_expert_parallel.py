@@ -7,12 +7,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe.config_schema import from_dict
 from moe.training.config import RunConfig
 from moe.training.trainer import DistEnv, build_engine
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import count_all_to_all, run_distributed
 from tests.moe.test_layout_equivalence import global_params
 
 pytestmark = pytest.mark.multiprocess
@@ -35,14 +34,7 @@ def run_config(mode: str) -> dict:
 
 
 def _worker(rank, world, batches, out_dir):
-    calls = [0]
-    all_to_all = dist.all_to_all_single
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return all_to_all(*args, **kwargs)
-
-    dist.all_to_all_single = counting  # the dispatcher looks it up on torch.distributed
+    calls = count_all_to_all()
     results = {}
     for mode in MODES:
         cfg = from_dict(RunConfig, copy.deepcopy(run_config(mode)))
