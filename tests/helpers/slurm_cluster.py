@@ -25,6 +25,17 @@ import pytest
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol")
 
 
+def wait_for(predicate, timeout: float, what: str, cluster, poll: float = 0.2) -> None:
+    """Poll ``predicate`` until it holds; after ``timeout`` seconds fail with ``what`` and the
+    cluster's daemon logs."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(poll)
+    raise TimeoutError(f"{what} after {timeout}s\n{cluster.logs()}")
+
+
 def require_slurm() -> None:
     missing = [d for d in DAEMONS if shutil.which(d) is None]
     if missing:

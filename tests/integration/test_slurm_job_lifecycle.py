@@ -3,12 +3,11 @@ signals during start-up, refused resubmission, status and cancel, logs, the pre-
 Tiny one-rank runs of a few steps."""
 
 import json
-import time
 
 import pytest
 
 from tests.conftest import tiny_run_dict
-from tests.helpers.slurm_cluster import single_node_cluster
+from tests.helpers.slurm_cluster import single_node_cluster, wait_for
 from tests.integration.launch_checks import moe_launch, write_config
 
 pytestmark = pytest.mark.integration
@@ -23,13 +22,6 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def wait_for(predicate, timeout: float, what: str, cluster) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} after {timeout}s\n{cluster.logs()}")
 
 
 def slurm_run(tiny_data, tmp_path, name="tiny", max_steps=6, **slurm) -> tuple:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.conftest import tiny_run_dict
-from tests.helpers.slurm_cluster import single_node_cluster
+from tests.helpers.slurm_cluster import single_node_cluster, wait_for
 from tests.integration.launch_checks import check_finished_run, moe_launch, write_config
 
 pytestmark = pytest.mark.integration
@@ -15,13 +15,6 @@ pytestmark = pytest.mark.integration
 HOSTILE = "x; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ #"
 
 
-def wait_for(predicate, timeout: float, what: str, cluster) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} after {timeout}s\n{cluster.logs()}")
 
 
 def test_slurm_two_tasks_ep2_preempt_requeue_resume(tiny_data, tmp_path):
