@@ -39,6 +39,7 @@ from moe.checkpoint.fingerprints import expert_fingerprints, fingerprint_problem
 from moe.model.compile import mark_rows_dynamic
 from moe.model.dispatcher import DispatchPlan, LocalDispatcher
 from moe.model.moe_layer import MoELayer
+from moe.model.router import TopKRouter
 from moe.model.transformer import MoETransformer
 
 _EXPERT_NAMES = ("w_in", "w_out")
@@ -226,7 +227,8 @@ def wrap_moe_layers(model: MoETransformer, ep_size: int, ep_rank: int) -> MoETra
     return model
 
 
-def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def optimizer_param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
+                           router_lr_scale: float = 1.0, expert_lr_scale: float = 1.0) -> list[dict]:
     """Parameter groups as DeepSpeed's ZeRO optimizer expects them: the non-expert parameters in
     two groups (norm weights and biases get no weight decay), and **one group per expert
     tensor**, marked ``moe`` with its expert group's name.
@@ -235,20 +237,35 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     tensor per group costs nothing measurable and makes each rank's ZeRO partition of an expert
     group exactly its slice of the stacked experts: when the expert-parallel size equals the
     world size, concatenating the ranks' partitions in rank order (what ``zero_to_fp32`` does)
-    gives the whole stacked tensor, experts in global order."""
-    decay, no_decay, experts = [], [], []
+    gives the whole stacked tensor, experts in global order.
+
+    With ``lr`` given, a ``router_lr_scale`` other than 1 puts the routers' weights in a group of
+    their own at ``lr * router_lr_scale``, and the expert groups get ``lr * expert_lr_scale``.
+    At scale 1 the groups are exactly those above, so earlier checkpoints still load."""
+    routers = set()
+    if lr is not None and router_lr_scale != 1.0:
+        routers = {id(m.weight) for m in model.modules() if isinstance(m, TopKRouter)}
+    decay, no_decay, router, experts = [], [], [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if is_moe_param(p):
             experts.append(p)
+        elif id(p) in routers:
+            router.append(p)
         else:
             (no_decay if p.ndim < 2 else decay).append(p)
     out = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    if router:
+        out.append({"params": router, "weight_decay": weight_decay, "name": "router",
+                    "lr": lr * router_lr_scale})
     for p in experts:
-        out.append({"params": [p], "weight_decay": weight_decay if p.ndim >= 2 else 0.0,
-                    "name": p.group_name, "moe": True})
+        group = {"params": [p], "weight_decay": weight_decay if p.ndim >= 2 else 0.0,
+                 "name": p.group_name, "moe": True}
+        if lr is not None:
+            group["lr"] = lr * expert_lr_scale
+        out.append(group)
     return out
 
 

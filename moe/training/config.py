@@ -4,6 +4,7 @@ DeepSpeed config (never written by hand)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ class TrainConfig:
     warmup_steps: int = 20
     """Linear warmup, then cosine decay to min_lr at max_steps."""
     weight_decay: float = 0.1
+    router_lr_scale: float = 1.0
+    """The routers' learning rate as a multiple of lr (warm-up and decay apply alike)."""
+    expert_lr_scale: float = 1.0
+    """The routed experts' learning rate as a multiple of lr (shared experts count as dense)."""
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
@@ -80,6 +85,9 @@ class TrainConfig:
             out.append(f"lr: must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             out.append(f"min_lr: must be between 0 and lr ({self.lr}), got {self.min_lr}")
+        for name in ("router_lr_scale", "expert_lr_scale"):
+            if not 0 <= getattr(self, name) < math.inf:
+                out.append(f"{name}: must be a finite number >= 0, got {getattr(self, name)}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 out.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")

@@ -143,7 +143,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     apply_recompute(model, t.recompute, t.recompute_every_n_blocks)
     if t.compile:  # last: it compiles the model as wrapped and recomputed
         compile_blocks(model)
-    groups = optimizer_param_groups(model, t.weight_decay)
+    groups = optimizer_param_groups(model, t.weight_decay, t.lr, t.router_lr_scale,
+                                    t.expert_lr_scale)
     if make_optimizer is not None:
         optimizer = make_optimizer(groups)
     else:
