@@ -23,9 +23,11 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe.training.config import load_config
@@ -36,7 +38,8 @@ QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_s
          "train.warmup_steps=2", "eval.max_tokens=4096"]
 
 VARIANTS = ["dense", "moe", "global_balance", "loss_free", "loss_free_plus_aux", "zloss",
-            "router_init_small", "router_init_large", "fine_grained_shared", "experts16",
+            "router_init_small", "router_init_large", "router_lr_small", "router_lr_large",
+            "expert_lr_large", "fine_grained_shared", "fine_grained32_shared", "experts16",
             "experts32", "experts64", "top1", "capacity"]
 
 
@@ -52,6 +55,14 @@ def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
             raise SystemExit(f"fine_grained_shared needs an even expert_hidden, got {expert_hidden}")
         return ["model.moe.num_experts=16", f"model.moe.expert_hidden={expert_hidden // 2}",
                 f"{r}top_k={2 * top_k - 1}", "model.moe.num_shared_experts=1"]
+    if name == "fine_grained32_shared":
+        # Experts a quarter as wide, 4 * top_k - 2 routed per token, plus a shared expert half
+        # as wide as the base experts (two of the quarter width): for top-2 of width h, 6 of h/4
+        # plus h/2 shared (the DeepSeekMoE shape).
+        if expert_hidden % 4:
+            raise SystemExit(f"fine_grained32_shared needs expert_hidden divisible by 4, got {expert_hidden}")
+        return ["model.moe.num_experts=32", f"model.moe.expert_hidden={expert_hidden // 4}",
+                f"{r}top_k={4 * top_k - 2}", "model.moe.num_shared_experts=2"]
     if name == "top1":
         return [f"{r}top_k=1", f"model.moe.expert_hidden={expert_hidden * top_k}"]
     table = {
@@ -63,6 +74,9 @@ def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
         "zloss": [f"{r}z_loss_coef=0.001"],
         "router_init_small": [f"{r}init_std=0.002"],
         "router_init_large": [f"{r}init_std=0.2"],
+        "router_lr_small": ["train.router_lr_scale=0.1"],
+        "router_lr_large": ["train.router_lr_scale=3.0"],
+        "expert_lr_large": ["train.expert_lr_scale=2.0"],
         "experts16": ["model.moe.num_experts=16"],
         "experts32": ["model.moe.num_experts=32"],
         "experts64": ["model.moe.num_experts=64"],
@@ -83,6 +97,11 @@ def run_one(config: str, overrides: list[str], run_dir: Path, log_file: Path) ->
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode:
         raise SystemExit(f"training failed ({done.returncode}): {' '.join(cmd)}; see {log_file}")
+
+
+def _same_overrides(run_dir: Path, overrides: list[str]) -> bool:
+    recorded = run_dir / "bench_overrides.json"
+    return recorded.exists() and json.loads(recorded.read_text()) == overrides
 
 
 def read_run(run_dir: Path) -> dict:
@@ -175,6 +194,12 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true",
                    help="a tiny model, 40 steps, validation every 10: exploration, not a result")
     p.add_argument("--out", default="quality_bench", help="folder for runs, PNG and JSON")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, each with cores / jobs threads; step times are then "
+                        "measured on a shared machine (compare them only at --jobs 1)")
+    p.add_argument("--reuse", action="store_true",
+                   help="read runs already finished under --out (same overrides) instead of "
+                        "training them again")
     p.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = p.parse_args(argv)
 
@@ -192,17 +217,34 @@ def main(argv=None) -> dict:
     moe = base.model.moe
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {}
+    jobs = []
     for name in ["dense", *args.variants]:
-        runs[name] = []
         overrides = variant_overrides(name, moe.expert_hidden, moe.router.top_k)
         for seed in range(args.seeds):
-            run_dir = out / "runs" / f"{name}-seed{seed}"
+            jobs.append((name, seed, [*common, *overrides, f"train.seed={seed}"]))
+    if args.jobs > 1:  # each concurrent run gets its share of the cores
+        threads = max(1, (base.train.threads_per_rank or os.cpu_count() or 1) // args.jobs)
+        jobs = [(n, s, [*o, f"train.threads_per_rank={threads}"]) for n, s, o in jobs]
+
+    def one(job) -> dict:
+        name, seed, overrides = job
+        run_dir = out / "runs" / f"{name}-seed{seed}"
+        done = run_dir / "train_summary.json"
+        if not (args.reuse and done.exists() and _same_overrides(run_dir, overrides)):
             print(f"training {name} seed {seed} ...", flush=True)
-            run_one(args.config, [*common, *overrides, f"train.seed={seed}"],
-                    run_dir, out / f"{name}-seed{seed}.log")
-            runs[name].append(read_run(run_dir))
+            shutil.rmtree(run_dir, ignore_errors=True)  # no events of an earlier run mixed in
+            run_one(args.config, overrides, run_dir, out / f"{name}-seed{seed}.log")
+            (run_dir / "bench_overrides.json").write_text(json.dumps(overrides))
+        return read_run(run_dir)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(one, jobs))
+    runs: dict[str, list[dict]] = {}
+    for (name, _, _), result in zip(jobs, results):
+        runs.setdefault(name, []).append(result)
     summary = summarize(runs)
+    if args.jobs > 1:
+        print(f"(--jobs {args.jobs}: runs shared the machine; step-time ratios are indicative only)")
     print(f"\n{steps} steps, {args.seeds} seed(s), validation every {every} steps"
           f"{' (--quick: a smoke run, not a measurement)' if args.quick else ''}")
     print(table(summary))
