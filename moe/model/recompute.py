@@ -34,6 +34,7 @@ measures both.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Literal
@@ -116,18 +117,20 @@ def saved_activation_bytes(exclude: nn.Module | None = None):
     """Measure what a forward keeps for its backward: yields a dict whose ``"bytes"`` is, after
     the block, the size of every storage saved by autograd or held as the input of a
     checkpointed region, each storage once (by its data pointer). Parameters and buffers of
-    ``exclude`` (the model) are not activations and are left out."""
+    ``exclude`` (the model) are not activations and are left out. Only tensors still alive
+    when the block ends count: a graph dropped early (a detached statistic) frees what it
+    saved, and the allocator may hand that address to a later tensor, which must not hide it."""
     skip = set()
     if exclude is not None:
         skip = {t.untyped_storage().data_ptr() for t in (*exclude.parameters(), *exclude.buffers())}
-    seen: dict[int, int] = {}
+    held: list[tuple[weakref.ref, int, int]] = []
     result = {"bytes": 0, "storages": 0}
 
     def count(t):
         if isinstance(t, torch.Tensor):
             s = t.untyped_storage()
             if s.data_ptr() not in skip:
-                seen[s.data_ptr()] = s.nbytes()
+                held.append((weakref.ref(t), s.data_ptr(), s.nbytes()))
 
     def observe(args):
         for a in args:
@@ -145,8 +148,9 @@ def saved_activation_bytes(exclude: nn.Module | None = None):
             yield result
     finally:
         _state.observers = observers
-    result["bytes"] = sum(seen.values())
-    result["storages"] = len(seen)
+    alive = {ptr: n for ref, ptr, n in held if ref() is not None}
+    result["bytes"] = sum(alive.values())
+    result["storages"] = len(alive)
 
 
 def _tensors(obj):

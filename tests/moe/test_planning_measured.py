@@ -5,13 +5,12 @@ of a whole step against the planner's total."""
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import pytest
 import torch
 
 from moe.model.moe_layer import MoEConfig
-from moe.model.recompute import apply_recompute
+from moe.model.recompute import apply_recompute, saved_activation_bytes
 from moe.model.router import RouterConfig
 from moe.model.size import count_parameters
 from moe.model.transformer import ModelConfig, MoETransformer
@@ -37,25 +36,12 @@ MODES = ("none", "selective", "full")
 
 
 def measure_saved_bytes(model: torch.nn.Module, ids_BS, targets_BS, doc_ids_BS=None) -> int:
-    """Bytes autograd keeps for the backward after the forward of a training step: every saved
-    tensor (a checkpointed region's inputs are saved the same way), each untyped storage once
-    (by data pointer), parameters and buffers excluded. Only storages still referenced by the
-    graph at the end of the forward count: a graph dropped early (a detached statistic) frees
-    its tensors, and the allocator may hand their address to a later tensor."""
-    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    packed: list[tuple[weakref.ref, int, int]] = []
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            packed.append((weakref.ref(t), s.data_ptr(), s.nbytes()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Bytes autograd keeps for the backward after the forward of a training step (see
+    :func:`saved_activation_bytes`: each storage once, weights excluded, only what is alive)."""
+    with saved_activation_bytes(exclude=model) as saved:
         out = model(ids_BS, targets_BS, doc_ids_BS=doc_ids_BS)
-    alive = {ptr: n for ref, ptr, n in packed if ref() is not None}
-    assert out.loss.requires_grad
-    return sum(alive.values())
+        assert out.loss.requires_grad
+    return saved["bytes"]
 
 
 def measured_and_planned(cfg: ModelConfig, mode: str, precision: str, every_n: int = 1,
