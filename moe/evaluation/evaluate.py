@@ -15,8 +15,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data_pipeline import storage
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
+from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import TokenStream
 from data_pipeline.shards import MANIFEST
 from data_pipeline.tokenizer import Tokenizer
@@ -123,7 +125,10 @@ class EvalData(NamedTuple):
 
 
 def run_tokenizer(cfg: RunConfig) -> Tokenizer | None:
-    """The tokenizer the run trained with: prepared next to its data's manifest."""
+    """The tokenizer the run trained with: prepared next to its data's manifest (fetched when
+    the data is on S3)."""
+    if storage.is_s3(cfg.data.dir):
+        return Tokenizer(PreparedData.from_config(cfg.data).tokenizer_file())
     path = Path(cfg.data.dir) / TOKENIZER_FILE
     return Tokenizer(path) if path.exists() else None
 
@@ -146,16 +151,17 @@ def open_eval_data(cfg: RunConfig, data_dir: str | Path | None = None,
                             "does not exist (prepare the run's data or pass a tokenizer file)")
         return EvalData(tokenize_text_files(text_files, tokenizer),
                         f"{len(text_files)} text file(s) tokenized with {tokenizer.path}", tokenizer)
-    data_dir = Path(data_dir if data_dir is not None else cfg.data.dir)
-    if not (data_dir / MANIFEST).exists():
+    data_dir = data_dir if data_dir is not None else cfg.data.dir
+    if not storage.is_s3(str(data_dir)) and not (Path(data_dir) / MANIFEST).exists():
         raise DataError(f"{data_dir}: no prepared data ({MANIFEST} missing); run moe-prepare "
                         "with the run's config or pass another data directory")
-    stream = TokenStream(data_dir, split)
+    data = PreparedData(data_dir, cfg.data.s3, cfg.data.cache_dir, cfg.data.cache_bytes)
+    stream = TokenStream(data, split)
     if tokenizer is not None and stream.manifest.tokenizer.get("sha256") != tokenizer.sha256:
         raise DataError(f"{data_dir} was tokenized with another tokenizer than {tokenizer.path} "
                         "(sha256 differs): its token ids mean other text to this model")
     if tokenizer is None:
-        tokenizer = Tokenizer(data_dir / TOKENIZER_FILE)
+        tokenizer = Tokenizer(data.tokenizer_file())
     if stream.vocab_size > cfg.model.vocab_size:
         raise DataError(f"{data_dir}: its tokenizer's vocabulary ({stream.vocab_size}) is larger "
                         f"than the model's ({cfg.model.vocab_size})")
