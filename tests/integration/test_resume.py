@@ -18,6 +18,7 @@ import yaml
 from moe.checkpoint.files import complete_tags
 from moe.training.hooks import StepRecordHook
 from tests.conftest import tiny_run_dict
+from tests.integration.launch_checks import steps, training_rank_pid
 
 pytestmark = pytest.mark.integration
 
@@ -38,36 +39,6 @@ def launch(config: Path, **kw):
     return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **kw)
-
-
-def steps(run_dir: Path, rank: int) -> dict[int, dict]:
-    """The record of each step (a line being written when a rank was killed is skipped)."""
-    path = run_dir / "logs" / f"steps_rank{rank}.jsonl"
-    if not path.exists():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.endswith("}"):
-            row = json.loads(line)
-            out[row["step"]] = row
-    return out
-
-
-def training_rank_pid(session: int, rank: int) -> int | None:
-    """The pid of training rank ``rank`` among the processes of our launcher's session."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[3]) == session and b"launch.train" in cmdline and f"RANK={rank}".encode() in environ:
-            return int(entry)
-    return None
 
 
 def test_sigkill_one_rank_then_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
