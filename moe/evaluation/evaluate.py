@@ -19,6 +19,7 @@ from data_pipeline import storage
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.prepared import PreparedData
+from data_pipeline.progress import Progress
 from data_pipeline.reader import TokenStream
 from data_pipeline.shards import MANIFEST
 from data_pipeline.tokenizer import Tokenizer
@@ -87,9 +88,11 @@ def batches(windows: Iterable[torch.Tensor], batch_size: int) -> Iterator[torch.
 
 @torch.no_grad()
 def evaluate_loss(model: MoETransformer, windows: Iterable[torch.Tensor], batch_size: int = 8,
-                  collector: ExpertStatsCollector | None = None, source: str = "data") -> dict:
+                  collector: ExpertStatsCollector | None = None, source: str = "data",
+                  progress: Progress | None = None) -> dict:
     """Token-weighted mean next-token loss (nats) over ``windows``, and its perplexity. With a
-    ``collector``, the same forwards also feed its expert statistics."""
+    ``collector``, the same forwards also feed its expert statistics; ``progress`` counts the
+    tokens predicted."""
     if batch_size < 1:
         raise ConfigError([f"batch_size: must be >= 1, got {batch_size}"], "evaluation")
     total_loss, total_tokens = 0.0, 0
@@ -104,6 +107,10 @@ def evaluate_loss(model: MoETransformer, windows: Iterable[torch.Tensor], batch_
                                reduction="sum")
         total_loss += float(loss)
         total_tokens += targets_BS.numel()
+        if progress is not None:
+            progress.update(targets_BS.numel())
+    if progress is not None:
+        progress.close()
     if total_tokens == 0:
         raise DataError(f"{source}: no tokens to evaluate (at least 2 are needed)")
     mean = total_loss / total_tokens
@@ -197,6 +204,8 @@ class EvalOptions:
     """One entry per decoding strategy to show (empty: no generation)."""
     device: str | None = None
     """Where the model runs (default: the GPU if there is one, else the CPU)."""
+    progress: bool = True
+    """A progress bar on a terminal, else a log line every 30 s (stderr)."""
 
 
 def checkpoint_step(tag_dir: Path) -> int | None:
@@ -215,6 +224,9 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
     batch_size = opts.batch_size or (cfg.train.micro_batch_size if drops else cfg.eval.batch_size)
     max_tokens = opts.max_tokens if opts.max_tokens is not None else cfg.eval.max_tokens
     windows = token_windows(data.tokens, cfg.data.seq_len, max_tokens)
+    predicted = max(len(data.tokens) - 1, 0) if max_tokens is None else \
+        min(max(len(data.tokens) - 1, 0), max_tokens)
+    bar = Progress(f"evaluate {tag_dir.name}", predicted, opts.progress, unit="tokens")
     result = {"checkpoint": str(tag_dir), "tag": tag_dir.name, "step": checkpoint_step(tag_dir),
               "run_dir": str(tag_dir.parent.parent), "data": data.description,
               "vocab_size": cfg.model.vocab_size, "uniform_loss": math.log(cfg.model.vocab_size),
@@ -222,11 +234,13 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
               "capacity_factor": cfg.model.moe.capacity_factor}
     if opts.expert_stats and model.moe_layers():
         with ExpertStatsCollector(model) as collector:
-            result.update(evaluate_loss(model, windows, batch_size, collector, data.description))
+            result.update(evaluate_loss(model, windows, batch_size, collector, data.description,
+                                        bar))
         piece = data.tokenizer.sp.IdToPiece if data.tokenizer is not None else None
         result["experts"] = collector.summary(piece, opts.top_tokens, opts.min_token_count)
     else:
-        result.update(evaluate_loss(model, windows, batch_size, source=data.description))
+        result.update(evaluate_loss(model, windows, batch_size, source=data.description,
+                                    progress=bar))
     if opts.generation:
         result["generations"] = generate_samples(model, data, opts)
     result["seconds"] = round(time.perf_counter() - t0, 2)
