@@ -39,6 +39,7 @@ from pathlib import Path
 from data_pipeline import storage
 from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError
+from data_pipeline.shards import fsync_path
 
 ROOM_WAIT_S = 600.0
 """How long a fetch waits for other ranks to release shards when the cache is full of shards in
@@ -194,7 +195,7 @@ class ObjectCache:
             try:
                 self._download(url, sha256, size, tmp)
                 os.rename(tmp, path)
-                _fsync_dir(self.root)
+                fsync_path(self.root)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
@@ -287,14 +288,6 @@ def _touch(path: Path) -> None:
     except OSError as e:  # another user's file in a shared cache: its age stays as it was
         if e.errno not in (errno.EPERM, errno.EACCES, errno.ENOENT):
             raise
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ReadAhead:

@@ -107,6 +107,15 @@ def write_atomic(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's names (a rename into it), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def shard_schema(ttype: pa.DataType) -> pa.Schema:
     return pa.schema([pa.field("tokens", pa.list_(ttype))],
                      metadata={"schema_version": str(SCHEMA_VERSION)})

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -80,3 +82,21 @@ def training_rank_pid(session: int, rank: int) -> int | None:
         if int(fields[3]) == session and b"launch.train" in cmdline and f"RANK={rank}".encode() in environ:
             return int(entry)
     return None
+
+
+def kill_rank_after(proc, run_dir: Path, after_steps: int, rank: int = 1) -> str:
+    """SIGKILL training rank ``rank`` of the launcher ``proc`` once it has logged
+    ``after_steps`` steps; the launcher's output once it has exited (non-zero)."""
+    victim = None
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if len(steps(run_dir, rank)) >= after_steps:
+            victim = training_rank_pid(proc.pid, rank)
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+                break
+        time.sleep(0.05)
+    assert victim is not None, f"rank {rank} was not found running"
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    return out

@@ -4,11 +4,8 @@ from the newest complete checkpoint and must reproduce the uninterrupted run's p
 bit for bit (CPU, fp32) on the same token ids (the data stream neither repeats nor skips)."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +15,7 @@ import yaml
 from moe.checkpoint.files import complete_tags
 from moe.training.hooks import StepRecordHook
 from tests.conftest import tiny_run_dict
-from tests.integration.launch_checks import steps, training_rank_pid
+from tests.integration.launch_checks import kill_rank_after, steps
 
 pytestmark = pytest.mark.integration
 
@@ -48,19 +45,7 @@ def test_sigkill_one_rank_then_resume_reproduces_the_uninterrupted_run(tiny_data
 
     config = write_config(tiny_data, tmp_path, "crashed")
     run_dir = tmp_path / "runs" / "crashed"
-    proc = launch(config)
-    victim = None
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if len(steps(run_dir, 1)) >= 5:
-            victim = training_rank_pid(proc.pid, 1)
-            if victim is not None:
-                os.kill(victim, signal.SIGKILL)
-                break
-        time.sleep(0.05)
-    assert victim is not None, "rank 1 was not found running"
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0
+    kill_rank_after(launch(config), run_dir, 5)
     killed_at = max(steps(run_dir, 1))
     assert killed_at < MAX_STEPS
     tags = complete_tags(run_dir / "checkpoints")

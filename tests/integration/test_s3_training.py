@@ -8,10 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ import yaml
 from data_pipeline.shards import read_manifest
 from tests.conftest import tiny_run_dict
 from tests.helpers import s3 as helper_s3
-from tests.integration.launch_checks import steps, training_rank_pid
+from tests.integration.launch_checks import kill_rank_after, steps
 
 pytestmark = pytest.mark.integration
 
@@ -78,19 +76,7 @@ def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp
         finish(reference)  # one run at a time on two cores
 
         run_dir = tmp_path / "runs" / "s3"
-        proc = launch(config, s3_env)
-        victim = None
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if len(steps(run_dir, 1)) >= 3:
-                victim = training_rank_pid(proc.pid, 1)
-                if victim is not None:
-                    os.kill(victim, signal.SIGKILL)
-                    break
-            time.sleep(0.05)
-        assert victim is not None, "rank 1 was not found running"
-        first, _ = proc.communicate(timeout=300)
-        assert proc.returncode != 0
+        first = kill_rank_after(launch(config, s3_env), run_dir, 3)
         assert max(steps(run_dir, 1)) < MAX_STEPS
         second = finish(launch(config, s3_env))
         assert "resumed from" in second
