@@ -137,11 +137,24 @@ class S3Config:
 @dataclass
 class DataConfig:
     dir: str = "data/stdlib"
-    """Where prepared data lives: manifest.json, the tokenizer and the train/valid shards."""
+    """Where prepared data lives: manifest.json, the tokenizer and the train/valid shards. A
+    local directory, or an ``s3://bucket/prefix`` that training streams the shards from
+    (through a local cache, ``cache_dir``; reached with the ``s3`` settings)."""
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     s3: S3Config = field(default_factory=S3Config)
-    """Endpoint and region for sources whose paths are ``s3://bucket/prefix/...`` URLs."""
+    """Endpoint and region for ``s3://bucket/prefix/...`` URLs: sources' paths and ``dir``."""
+    cache_dir: str | None = None
+    """Local directory where shards of an ``s3://`` ``dir`` are kept while training reads them;
+    ranks of one node share it (downloads are atomic and locked per shard). Null:
+    ``$XDG_CACHE_HOME/moe-pretrain/shards`` (``~/.cache/...``). Ignored for local data."""
+    cache_bytes: int = 20 * 10**9
+    """Bound on the cache's size in bytes: the least recently used shards not open by any rank
+    are evicted to keep under it. It must hold a few shards per rank of the node
+    (one being read and ``read_ahead`` fetched ahead)."""
+    read_ahead: int = 2
+    """Shards of an ``s3://`` ``dir`` fetched in the background ahead of the one being read
+    (0: fetch each when it is needed)."""
     valid_fraction: float = 0.02
     """Share of documents in the validation split, chosen by a hash of the document id."""
     shard_tokens: int = 4_000_000
@@ -188,4 +201,10 @@ class DataConfig:
             out.append(f"prepare_workers: must be >= 1, got {self.prepare_workers}")
         if self.loader_workers < 0:
             out.append(f"loader_workers: must be >= 0, got {self.loader_workers}")
+        if self.cache_bytes < 1:
+            out.append(f"cache_bytes: must be > 0 bytes, got {self.cache_bytes}")
+        if self.read_ahead < 0:
+            out.append(f"read_ahead: must be >= 0, got {self.read_ahead}")
+        if self.dir.startswith("s3://") and len(self.dir.rstrip("/")) <= len("s3://"):
+            out.append(f"dir: {self.dir!r} names no bucket; use s3://bucket/prefix")
         return out

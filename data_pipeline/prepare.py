@@ -15,6 +15,7 @@ import json
 import multiprocessing as mp
 import resource
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ and tokenized without reading the sources again; larger corpora are read twice."
 
 @dataclass
 class PrepareReport:
-    data_dir: Path
+    data_dir: Path | str
     manifest: Manifest
     seconds: float
     skipped: bool
@@ -68,7 +69,8 @@ def config_hash(cfg: DataConfig) -> str:
     nor how it is read (order seed, sequence length, mixture weights, loader workers)."""
     d = dataclasses.asdict(cfg)  # tuples stay tuples: json.dumps writes them as lists
     for k in ("dir", "prepare_workers", "seq_len", "seed", "loader_workers",
-              "allow_other_data_on_resume", "s3"):  # s3: how to reach the inputs
+              "allow_other_data_on_resume", "s3", "cache_dir", "cache_bytes", "read_ahead"):
+        # s3: how to reach the inputs; cache_*, read_ahead: how shards are read
         d.pop(k)
     for s in d["sources"]:
         s.pop("weight")
@@ -173,19 +175,24 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
             build: Callable[[DataConfig, Path, str, bool], PrepareReport] | None = None
             ) -> PrepareReport:
     """Prepare ``cfg.dir``; a no-op when it already holds data prepared from the same config.
-    ``build`` fills the staging directory (default: read, tokenize and write here)."""
+    ``build`` fills the staging directory (default: read, tokenize and write here). An
+    ``s3://`` ``cfg.dir`` is prepared in a local temporary directory and uploaded, the manifest
+    last (until it is there, the prefix holds no data a reader accepts)."""
     t0 = time.time()
-    data_dir = Path(cfg.dir)
     want = config_hash(cfg)
-    if (data_dir / MANIFEST).exists() and not force:
+    remote = storage.is_s3(cfg.dir)
+    data_dir = cfg.dir if remote else Path(cfg.dir)
+    if not force and (_exists_remote(cfg) if remote else (data_dir / MANIFEST).exists()):
         replace = "run moe-prepare with --force to replace it, or choose another data.dir"
         try:
-            existing = read_manifest(data_dir)
+            existing = read_manifest(data_dir, cfg.s3)
         except DataError as e:
             raise DataError(f"{e}; {replace}") from e
         if existing.config_hash == want:
             return PrepareReport(data_dir, existing, time.time() - t0, skipped=True)
         raise DataError(f"{data_dir} holds data prepared from a different config; {replace}")
+    if remote:
+        return _prepare_and_upload(cfg, force, progress, build, t0)
     staging = data_dir.with_name(f".{data_dir.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)  # left by a killed preparation
     staging.mkdir(parents=True)
@@ -196,6 +203,28 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     report.data_dir, report.seconds = data_dir, time.time() - t0
+    return report
+
+
+def _exists_remote(cfg: DataConfig) -> bool:
+    try:
+        storage.size(str(storage.join(cfg.dir, MANIFEST)), cfg.s3)
+    except DataError as e:
+        if "no such object" in str(e):
+            return False
+        raise
+    return True
+
+
+def _prepare_and_upload(cfg: DataConfig, force: bool, progress: bool, build, t0: float
+                        ) -> PrepareReport:
+    with tempfile.TemporaryDirectory(prefix="moe-prepare-") as tmp:
+        local = dataclasses.replace(cfg, dir=str(Path(tmp) / "data"))
+        report = prepare(local, force=force, progress=progress, build=build)
+        files = sorted(p for p in Path(local.dir).iterdir() if p.is_file() and p.name != MANIFEST)
+        for path in [*files, Path(local.dir) / MANIFEST]:
+            storage.upload(path, str(storage.join(cfg.dir, path.name)), cfg.s3)
+    report.data_dir, report.seconds = cfg.dir, time.time() - t0
     return report
 
 
@@ -366,6 +395,10 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
 
 def parts_dir(cfg: DataConfig) -> Path:
     """Where --tokenizer-only and --part write, beside data.dir (on storage every machine sees)."""
+    if storage.is_s3(cfg.dir):
+        raise DataError(f"data.dir {cfg.dir}: the --tokenizer-only, --part and --merge steps "
+                        "work in a directory every machine sees; prepare into one, then upload "
+                        "it (or run moe-prepare with data.dir=s3://... on one machine)")
     data_dir = Path(cfg.dir)
     return data_dir.with_name(f"{data_dir.name}.parts")
 

@@ -28,13 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data_pipeline.cache import ReadAhead
 from data_pipeline.errors import DataError
 from data_pipeline.mixture import MixtureSchedule
 from data_pipeline.permutation import FeistelPermutation, round_keys
-from data_pipeline.shards import Manifest, ShardInfo, open_shard, read_manifest
+from data_pipeline.prepared import PreparedData
+from data_pipeline.shards import Manifest, ShardInfo
+
+Pieces = list[tuple[int, int, int]]
+"""A row that crosses shards: (shard, first token, end token) of each of its parts, in order."""
 
 STATE_VERSION = 1
 PLAN_TOKENS, PLAN_ROWS = 1 << 24, 1 << 14
@@ -66,20 +72,26 @@ def document_ids(tokens_BS: np.ndarray, eos_id: int) -> np.ndarray:
     return doc_BS
 
 
-class SourceStream:
-    """One source's shards of one split, as windows of ``window`` tokens (see module doc)."""
+def prepared(data: str | Path | PreparedData) -> PreparedData:
+    return data if isinstance(data, PreparedData) else PreparedData(data)
 
-    def __init__(self, data_dir: Path, name: str, shards: list[ShardInfo], ttype: str,
-                 window: int, key: tuple):
+
+class SourceStream:
+    """One source's shards of one split, as windows of ``window`` tokens (see module doc).
+    Local shards are memory-mapped (and checked) at once, remote ones when they are read."""
+
+    def __init__(self, data: PreparedData, name: str, shards: list[ShardInfo], window: int,
+                 key: tuple):
         if not shards:
-            raise DataError(f"{data_dir}: source {name!r} has no shards in this split")
+            raise DataError(f"{data}: source {name!r} has no shards in this split")
         self.name, self.window, self.key = name, window, key
-        self.files = [data_dir / s.file for s in shards]
-        self.arrays = [open_shard(f, s, ttype) for f, s in zip(self.files, shards)]
-        self.lengths = np.array([len(a) for a in self.arrays], dtype=np.int64)
+        self.infos = shards
+        self.files = [data.location(s.file) for s in shards]
+        self.arrays = None if data.remote else [data.open_local(s) for s in shards]
+        self.lengths = np.array([s.tokens for s in shards], dtype=np.int64)
         self.num_samples = int(self.lengths.sum()) // window
         if self.num_samples < 1:
-            raise DataError(f"{data_dir}: source {name!r} has {int(self.lengths.sum())} tokens, "
+            raise DataError(f"{data}: source {name!r} has {int(self.lengths.sum())} tokens, "
                             f"fewer than one sequence of {window}")
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray, FeistelPermutation]] = {}
 
@@ -88,16 +100,16 @@ class SourceStream:
             if len(self._epochs) >= 4:
                 self._epochs.pop(next(iter(self._epochs)))
             seed = np.frombuffer(round_keys(*self.key, "shards", epoch).tobytes(), np.uint32)
-            order = np.random.default_rng(seed).permutation(len(self.arrays))
+            order = np.random.default_rng(seed).permutation(len(self.infos))
             starts = np.zeros(len(order) + 1, dtype=np.int64)
             np.cumsum(self.lengths[order], out=starts[1:])
             perm = FeistelPermutation(self.num_samples, round_keys(*self.key, "samples", epoch))
             self._epochs[epoch] = (order, starts, perm)
         return self._epochs[epoch]
 
-    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
-        """For source sample indices ``k``: the shard and offset of each window, and the rows of
-        windows that cross a shard boundary, already assembled (shard set to -1)."""
+    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, Pieces]]:
+        """For source sample indices ``k``: the shard and offset of each window, and the parts
+        of the windows that cross a shard boundary (their shard set to -1)."""
         epoch, index = np.divmod(k, self.num_samples)
         shard, offset = np.empty_like(k), np.empty_like(k)
         crossing: dict[int, np.ndarray] = {}
@@ -110,17 +122,18 @@ class SourceStream:
             pos = np.searchsorted(starts, begin, side="right") - 1
             shard[sel], offset[sel] = order[pos], begin - starts[pos]
             for i in np.flatnonzero(begin + self.window > starts[pos + 1]).tolist():
-                crossing[int(sel[i])] = self._assemble(order, starts, int(pos[i]), int(begin[i]))
+                crossing[int(sel[i])] = self._pieces(order, starts, int(pos[i]), int(begin[i]))
                 shard[sel[i]] = -1
         return shard, offset, crossing
 
-    def _assemble(self, order: np.ndarray, starts: np.ndarray, pos: int, begin: int) -> np.ndarray:
+    def _pieces(self, order: np.ndarray, starts: np.ndarray, pos: int, begin: int) -> Pieces:
         parts, need, local = [], self.window, begin - int(starts[pos])
         while need:
-            piece = self.arrays[order[pos]][local:local + need]
-            parts.append(piece)
-            need, pos, local = need - len(piece), pos + 1, 0
-        return np.concatenate(parts)
+            g = int(order[pos])
+            take = min(need, int(self.lengths[g]) - local)
+            parts.append((g, local, local + take))
+            need, pos, local = need - take, pos + 1, 0
+        return parts
 
     def where(self, k: int) -> str:
         """The file and offset a sample starts at (for error messages)."""
@@ -136,32 +149,33 @@ class PackedReader:
 
     ``weights`` (source name -> weight) mixes the sources; None takes each in proportion to its
     tokens. ``loader_workers`` > 0 packs batches ahead in DataLoader worker processes.
-    ``document_ids`` adds per-token document ids to :meth:`next_step`'s batches."""
+    ``document_ids`` adds per-token document ids to :meth:`next_step`'s batches. ``data_dir``
+    is a local directory or a :class:`PreparedData` (which may be on S3)."""
 
-    def __init__(self, data_dir: str | Path, seq_len: int, seed: int, rank: int = 0,
+    def __init__(self, data_dir: str | Path | PreparedData, seq_len: int, seed: int, rank: int = 0,
                  world: int = 1, micro_batch: int = 1, *, weights: dict[str, float] | None = None,
                  loader_workers: int = 0, document_ids: bool = False,
                  allow_other_data: bool = False):
         if not 0 <= rank < world or micro_batch < 1 or seq_len < 1:
             raise ValueError(f"bad layout: rank {rank}, world {world}, micro_batch {micro_batch}, "
                              f"seq_len {seq_len}")
-        self._spec = dict(data_dir=str(data_dir), seq_len=seq_len, seed=seed, rank=rank,
+        self.data = prepared(data_dir)
+        self._spec = dict(data_dir=self.data, seq_len=seq_len, seed=seed, rank=rank,
                           world=world, micro_batch=micro_batch, weights=weights,
                           loader_workers=0, document_ids=document_ids,
                           allow_other_data=allow_other_data)
-        self.data_dir = Path(data_dir)
+        self.data_dir = self.data.dir
         self.seq_len, self.seed = seq_len, seed
         self.rank, self.world, self.micro_batch = rank, world, micro_batch
         self.loader_workers, self.document_ids = loader_workers, document_ids
         self.allow_other_data = allow_other_data
-        self.manifest: Manifest = read_manifest(self.data_dir)
+        self.manifest: Manifest = self.data.manifest
         self.fingerprint = self.manifest.fingerprint
         self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
         self.eos_id = int(self.manifest.tokenizer["eos_id"])
         names = self.manifest.source_names
         shards = self.manifest.splits["train"]
-        self.streams = [SourceStream(self.data_dir, n, shards.of_source(n),
-                                     self.manifest.token_type, seq_len + 1,
+        self.streams = [SourceStream(self.data, n, shards.of_source(n), seq_len + 1,
                                      (self.fingerprint, seed, n)) for n in names]
         if weights is None:
             self.weights = [float(s.lengths.sum()) for s in self.streams]
@@ -172,7 +186,10 @@ class PackedReader:
             self.weights = [float(weights[n]) for n in names]
         self.schedule = MixtureSchedule(self.weights)
         # Shards of all sources in one list: source s's shards start at _first_shard[s].
-        self._first_shard = np.cumsum([0] + [len(s.arrays) for s in self.streams[:-1]]).tolist()
+        self._first_shard = np.cumsum([0] + [len(s.infos) for s in self.streams[:-1]]).tolist()
+        self._infos = [i for s in self.streams for i in s.infos]
+        self._read_ahead = (ReadAhead(self.data.cache)
+                            if self.data.remote and self.data.read_ahead > 0 else None)
         self.consumed = 0  # global samples consumed at step boundaries: the cursor
         self._iter: Iterator[PackedBatch] | None = None
         self._iter_key: tuple[int, int] | None = None
@@ -191,15 +208,45 @@ class PackedReader:
         source, k = self.schedule.locate(positions.reshape(-1))
         shard = np.empty_like(k)
         offset = np.empty_like(k)
-        prebuilt: dict[int, np.ndarray] = {}
+        pieces: dict[int, Pieces] = {}
         for s, stream in enumerate(self.streams):
             rows = np.flatnonzero(source == s)
             if rows.size:
                 sh, off, crossing = stream.locate(k[rows])
                 shard[rows], offset[rows] = sh + self._first_shard[s], off
-                prebuilt.update((int(rows[i]), row) for i, row in crossing.items())
+                first = self._first_shard[s]
+                pieces.update((int(rows[i]), [(g + first, a, b) for g, a, b in parts])
+                              for i, parts in crossing.items())
                 shard[rows[sh < 0]] = -1
-        return source, k, shard, offset, prebuilt
+        return source, k, shard, offset, pieces
+
+    def _gather(self, shard: np.ndarray, offset: np.ndarray, pieces: dict[int, Pieces],
+                S: int, dtype: np.dtype) -> np.ndarray:
+        """(R, S) stored tokens of a plan's rows, read shard by shard: each shard the plan needs
+        is opened (fetched into the cache if needed) once, in shard order, while the next
+        ``read_ahead`` ones are fetched in the background."""
+        plan_RS = np.empty((len(shard), S), dtype)
+        by_shard = np.argsort(shard, kind="stable")
+        bounds = np.searchsorted(shard[by_shard], np.arange(len(self._infos) + 1))
+        parts: dict[int, list[tuple[int, int, int, int]]] = {}
+        for r, row_parts in pieces.items():
+            col = 0
+            for g, a, b in row_parts:
+                parts.setdefault(g, []).append((r, col, a, b))
+                col += b - a
+        needed = sorted(set(np.unique(shard[shard >= 0]).tolist()) | set(parts))
+        ahead = self.data.read_ahead
+        for j, g in enumerate(needed):
+            if self._read_ahead is not None:
+                self._read_ahead.want(self.data.fetch_items(
+                    [self._infos[h] for h in needed[j + 1:j + 1 + ahead]]))
+            with self.data.shard(self._infos[g]) as tokens:
+                rows = by_shard[bounds[g]:bounds[g + 1]]
+                if rows.size:
+                    plan_RS[rows] = tokens[offset[rows, None] + np.arange(S)]
+                for r, col, a, b in parts.get(g, ()):
+                    plan_RS[r, col:col + b - a] = tokens[a:b]
+        return plan_RS
 
     def _batches(self, start: int, accum: int, worker: int = 0,
                  num_workers: int = 1) -> Iterator[PackedBatch]:
@@ -217,24 +264,31 @@ class PackedReader:
         S, B = self.seq_len + 1, self.micro_batch
         per_plan = max(1, min(PLAN_TOKENS // (S * B), PLAN_ROWS // B))
         group = B * max(1, min(GROUP_ROWS // B, GROUP_TOKENS // (B * S)))  # rows
-        arrays = [a for s in self.streams for a in s.arrays]
-        dtype = arrays[0].dtype
+        dtype = np.dtype(getattr(pa, self.manifest.token_type)().to_pandas_dtype())
+        remote = self.data.remote
+        arrays = [] if remote else [a for s in self.streams for a in s.arrays]
         # Shard -1 (a row that crosses shards) slices the empty view; the row is patched in.
         views = [memoryview(a) for a in arrays] + [memoryview(b"")]
         first = worker
         while True:
             micro = first + num_workers * np.arange(per_plan)
-            source, k, shard, offset, prebuilt = self._locate(self.rank_positions(start, accum, micro))
+            source, k, shard, offset, pieces = self._locate(self.rank_positions(start, accum, micro))
+            if remote:
+                plan_RS = self._gather(shard, offset, pieces, S, dtype)
             shards, offsets = shard.tolist(), offset.tolist()
             crossing: dict[int, list[tuple[int, np.ndarray]]] = {}
-            for r, row in prebuilt.items():
+            for r, parts in ({} if remote else pieces).items():
+                row = np.concatenate([arrays[g][a:b] for g, a, b in parts])
                 crossing.setdefault(r - r % group, []).append((r % group, row))
             for i in range(0, per_plan * B, group):
                 n = min(group, per_plan * B - i)
-                rows = [views[g][a:a + S] for g, a in zip(shards[i:i + n], offsets[i:i + n])]
-                for r, row in crossing.get(i, ()):
-                    rows[r] = row
-                stored_RS = np.frombuffer(b"".join(rows), dtype).reshape(n, S)
+                if remote:
+                    stored_RS = plan_RS[i:i + n]
+                else:
+                    rows = [views[g][a:a + S] for g, a in zip(shards[i:i + n], offsets[i:i + n])]
+                    for r, row in crossing.get(i, ()):
+                        rows[r] = row
+                    stored_RS = np.frombuffer(b"".join(rows), dtype).reshape(n, S)
                 # The first row holding an out-of-range id (n if none): the micro-batch that
                 # holds it raises, the ones before it are delivered.
                 bad = n
@@ -349,18 +403,26 @@ class _RankDataset(IterableDataset):
 
 class TokenStream:
     """Random access to a split's tokens (its shards concatenated in manifest order, or one
-    source's), memory-mapped shard by shard."""
+    source's), memory-mapped shard by shard; remote shards are copied into memory as they are
+    fetched, so that none stays pinned in the shard cache."""
 
-    def __init__(self, data_dir: str | Path, split: str, source: str | None = None):
-        self.data_dir = Path(data_dir)
-        self.manifest = read_manifest(self.data_dir)
+    def __init__(self, data_dir: str | Path | PreparedData, split: str, source: str | None = None):
+        data = prepared(data_dir)
+        self.data_dir = data.dir
+        self.manifest = data.manifest
         if split not in self.manifest.splits:
             raise DataError(f"{self.data_dir}: no split {split!r} in the manifest")
         infos = self.manifest.splits[split].shards
         if source is not None:
             infos = [s for s in infos if s.source == source]
-        self.files = [self.data_dir / s.file for s in infos]
-        self.shards = [open_shard(f, s, self.manifest.token_type) for f, s in zip(self.files, infos)]
+        self.files = [data.location(s.file) for s in infos]
+        if data.remote:
+            self.shards = []
+            for info in infos:
+                with data.shard(info) as tokens:
+                    self.shards.append(np.array(tokens))
+        else:
+            self.shards = [data.open_local(s) for s in infos]
         self.starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
         np.cumsum([len(s) for s in self.shards], out=self.starts[1:])
         self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
@@ -384,7 +446,7 @@ class TokenStream:
         return out
 
 
-def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int | None = None,
+def validation_windows(data_dir: str | Path | PreparedData, seq_len: int, max_tokens: int | None = None,
                        source: str | None = None) -> Iterator[torch.Tensor]:
     """A fixed pass over the validation split (or one source's part of it): consecutive windows
     of seq_len + 1 tokens that overlap by one token, so every token after the first is predicted

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from data_pipeline import storage
+from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError
 
 SCHEMA_VERSION = 2
@@ -41,6 +43,8 @@ class ShardInfo:
     documents: int
     tokens: int
     sha256: str
+    bytes: int | None = None
+    """File size; absent in manifests written before it was recorded (the store is asked)."""
 
 
 @dataclass
@@ -103,6 +107,15 @@ def write_atomic(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's names (a rename into it), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def shard_schema(ttype: pa.DataType) -> pa.Schema:
     return pa.schema([pa.field("tokens", pa.list_(ttype))],
                      metadata={"schema_version": str(SCHEMA_VERSION)})
@@ -127,7 +140,7 @@ def write_shard(path: Path, source: str, tokens: np.ndarray, lengths: np.ndarray
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, buf)
     return ShardInfo(file=path.name, source=source, documents=len(lengths), tokens=len(tokens),
-                     sha256=hashlib.sha256(buf).hexdigest())
+                     sha256=hashlib.sha256(buf).hexdigest(), bytes=buf.size)
 
 
 class ShardWriter:
@@ -175,13 +188,18 @@ def write_manifest(data_dir: Path, manifest: Manifest) -> None:
     write_atomic(data_dir / MANIFEST, json.dumps(manifest.to_json(), indent=2).encode())
 
 
-def read_manifest(data_dir: str | Path) -> Manifest:
-    path = Path(data_dir) / MANIFEST
+def read_manifest(data_dir: str | Path, s3: S3Config | None = None) -> Manifest:
+    """The manifest of a local data directory or of an ``s3://`` prefix (reached with ``s3``)."""
+    path = storage.join(data_dir, MANIFEST)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(storage.read_bytes(path, s3 or S3Config()))
     except FileNotFoundError:
         raise DataError(f"{path}: no manifest; prepare the data first (moe-prepare)") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except DataError as e:
+        if "no such object" not in str(e):
+            raise
+        raise DataError(f"{path}: no manifest; prepare the data first (moe-prepare)") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: unreadable manifest ({e})") from e
     try:
         if raw["schema_version"] != SCHEMA_VERSION:

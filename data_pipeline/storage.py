@@ -13,6 +13,7 @@ import glob
 import io
 import os
 import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -38,6 +39,13 @@ def _fs(s3: S3Config) -> pafs.S3FileSystem:
     if s3.region:
         kwargs["region"] = s3.region
     return pafs.S3FileSystem(**kwargs)
+
+
+def join(base: str | os.PathLike, name: str) -> str | os.PathLike:
+    """``name`` inside a local directory (a Path) or under an ``s3://`` prefix (a URL)."""
+    if is_s3(str(base)):
+        return f"{str(base).rstrip('/')}/{name}"
+    return Path(base) / name
 
 
 def _key(url: str) -> str:
@@ -107,6 +115,36 @@ def random_access(path: str, s3: S3Config) -> pa.NativeFile:
         return _fs(s3).open_input_file(_key(path))
     except OSError as e:
         raise (_missing(path, s3) if isinstance(e, FileNotFoundError) else s3_error(path, e)) from None
+
+
+def read_bytes(path: str | os.PathLike, s3: S3Config) -> bytes:
+    """A whole (small) file or object."""
+    if not is_s3(str(path)):
+        return Path(path).read_bytes()
+    with open_input(str(path), s3) as f:
+        try:
+            return f.read()
+        except OSError as e:
+            raise s3_error(str(path), e) from None
+
+
+def open_object(url: str, s3: S3Config) -> pa.NativeFile:
+    """An object as a forward-only stream (one GET)."""
+    try:
+        return _fs(s3).open_input_stream(_key(url))
+    except OSError as e:
+        raise (_missing(url, s3) if isinstance(e, FileNotFoundError) else s3_error(url, e)) from None
+
+
+def upload(local: Path, url: str, s3: S3Config) -> None:
+    """Copy a local file to an object. Callers upload what refers to objects (a manifest) last:
+    an interrupted upload leaves nothing a reader would take for complete data."""
+    try:
+        with _fs(s3).open_output_stream(_key(url)) as out, open(local, "rb") as f:
+            for block in iter(lambda: f.read(READ_BUFFER * 8), b""):
+                out.write(block)
+    except OSError as e:
+        raise s3_error(url, e) from None
 
 
 def size(path: str, s3: S3Config) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
+from data_pipeline.progress import Progress
 from data_pipeline.shards import open_shard, read_manifest
 from data_pipeline.tokenizer import Tokenizer
 
@@ -25,23 +26,29 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(data_dir: str | Path) -> str:
-    """Raise DataError naming the first bad file; return a one-line summary."""
+def verify(data_dir: str | Path, progress: bool = True) -> str:
+    """Raise DataError naming the first bad file; return a one-line summary. ``progress``:
+    a bar (terminal) or a log line every 30 s on stderr."""
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
+    infos = [info for split in manifest.splits.values() for info in split.shards]
+    bar = Progress(f"verify {data_dir}", sum((data_dir / i.file).stat().st_size
+                                             for i in infos if (data_dir / i.file).exists()),
+                   progress)
     tok = Tokenizer(data_dir / TOKENIZER_FILE)
     if tok.sha256 != manifest.tokenizer["sha256"]:
         raise DataError(f"{tok.path}: SHA-256 differs from the manifest's")
     vocab = int(manifest.tokenizer["vocab_size"])
     shards = tokens = 0
-    for split in manifest.splits.values():
-        for info in split.shards:
-            path = data_dir / info.file
-            array = open_shard(path, info, manifest.token_type)
-            if _sha256(path) != info.sha256:
-                raise DataError(f"{path}: SHA-256 differs from the manifest's (corrupt shard)")
-            if len(array) and int(array.max()) >= vocab:
-                raise DataError(f"{path}: token id {int(array.max())} out of range for the "
-                                f"tokenizer's vocabulary of {vocab}")
-            shards, tokens = shards + 1, tokens + len(array)
+    for info in infos:
+        path = data_dir / info.file
+        array = open_shard(path, info, manifest.token_type)
+        if _sha256(path) != info.sha256:
+            raise DataError(f"{path}: SHA-256 differs from the manifest's (corrupt shard)")
+        if len(array) and int(array.max()) >= vocab:
+            raise DataError(f"{path}: token id {int(array.max())} out of range for the "
+                            f"tokenizer's vocabulary of {vocab}")
+        shards, tokens = shards + 1, tokens + len(array)
+        bar.update(path.stat().st_size, info.documents, len(array))
+    bar.close()
     return f"{shards} shards, {tokens:,} tokens, fingerprint {manifest.fingerprint}"

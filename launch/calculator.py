@@ -9,8 +9,9 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
+from data_pipeline import storage
+from data_pipeline.errors import DataError
 from data_pipeline.shards import MANIFEST, read_manifest
 from launch.cli import exits_cleanly
 from moe.errors import ConfigError
@@ -31,10 +32,12 @@ def resolve_vocab_for_planning(cfg: RunConfig) -> str:
     config; returns where it came from."""
     if cfg.model.vocab_size is not None:
         return "model.vocab_size"
-    manifest = Path(cfg.data.dir) / MANIFEST
-    if manifest.exists():
-        cfg.model.vocab_size = int(read_manifest(cfg.data.dir).tokenizer["vocab_size"])
+    manifest = storage.join(cfg.data.dir, MANIFEST)
+    try:
+        cfg.model.vocab_size = int(read_manifest(cfg.data.dir, cfg.data.s3).tokenizer["vocab_size"])
         return str(manifest)
+    except DataError:
+        pass  # not prepared yet
     cfg.model.vocab_size = cfg.data.tokenizer.vocab_size
     return "data.tokenizer.vocab_size"
 

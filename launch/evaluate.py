@@ -86,6 +86,8 @@ def parse_args(argv):
     p.add_argument("--all", action="store_true", help="evaluate every checkpoint of the run(s)")
     p.add_argument("--output", help="report directory (default: CHECKPOINT/eval, or RUN/eval for "
                                     "several checkpoints of one run)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (or, off a terminal, no progress lines)")
     d = p.add_argument_group("data")
     d.add_argument("--data-dir", help="prepared data to evaluate on (default: the run's)")
     d.add_argument("--split", default="valid", help="split of the prepared data (default: valid)")
@@ -142,7 +144,7 @@ def options_from_args(args) -> EvalOptions:
                        batch_size=args.batch_size, expert_stats=not args.no_expert_stats,
                        top_tokens=args.top_tokens, min_token_count=args.min_token_count,
                        prompts=args.prompt, data_prompts=args.num_prompts, generation=gens,
-                       device=args.device)
+                       device=args.device, progress=not args.quiet)
 
 
 @exits_cleanly

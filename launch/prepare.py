@@ -32,7 +32,7 @@ def main(argv=None) -> None:
                        help="many machines, step 3: write the shards and manifest from the parts")
     args = p.parse_args(argv)
     if args.verify:
-        summary = verify(args.verify)
+        summary = verify(args.verify, progress=not args.quiet)
         print(f"{args.verify}: ok; {summary}")
         return
     if not args.config:

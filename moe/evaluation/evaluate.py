@@ -15,8 +15,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data_pipeline import storage
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
+from data_pipeline.prepared import PreparedData
+from data_pipeline.progress import Progress
 from data_pipeline.reader import TokenStream
 from data_pipeline.shards import MANIFEST
 from data_pipeline.tokenizer import Tokenizer
@@ -85,9 +88,11 @@ def batches(windows: Iterable[torch.Tensor], batch_size: int) -> Iterator[torch.
 
 @torch.no_grad()
 def evaluate_loss(model: MoETransformer, windows: Iterable[torch.Tensor], batch_size: int = 8,
-                  collector: ExpertStatsCollector | None = None, source: str = "data") -> dict:
+                  collector: ExpertStatsCollector | None = None, source: str = "data",
+                  progress: Progress | None = None) -> dict:
     """Token-weighted mean next-token loss (nats) over ``windows``, and its perplexity. With a
-    ``collector``, the same forwards also feed its expert statistics."""
+    ``collector``, the same forwards also feed its expert statistics; ``progress`` counts the
+    tokens predicted."""
     if batch_size < 1:
         raise ConfigError([f"batch_size: must be >= 1, got {batch_size}"], "evaluation")
     total_loss, total_tokens = 0.0, 0
@@ -102,6 +107,10 @@ def evaluate_loss(model: MoETransformer, windows: Iterable[torch.Tensor], batch_
                                reduction="sum")
         total_loss += float(loss)
         total_tokens += targets_BS.numel()
+        if progress is not None:
+            progress.update(targets_BS.numel())
+    if progress is not None:
+        progress.close()
     if total_tokens == 0:
         raise DataError(f"{source}: no tokens to evaluate (at least 2 are needed)")
     mean = total_loss / total_tokens
@@ -123,7 +132,10 @@ class EvalData(NamedTuple):
 
 
 def run_tokenizer(cfg: RunConfig) -> Tokenizer | None:
-    """The tokenizer the run trained with: prepared next to its data's manifest."""
+    """The tokenizer the run trained with: prepared next to its data's manifest (fetched when
+    the data is on S3)."""
+    if storage.is_s3(cfg.data.dir):
+        return Tokenizer(PreparedData.from_config(cfg.data).tokenizer_file())
     path = Path(cfg.data.dir) / TOKENIZER_FILE
     return Tokenizer(path) if path.exists() else None
 
@@ -146,16 +158,17 @@ def open_eval_data(cfg: RunConfig, data_dir: str | Path | None = None,
                             "does not exist (prepare the run's data or pass a tokenizer file)")
         return EvalData(tokenize_text_files(text_files, tokenizer),
                         f"{len(text_files)} text file(s) tokenized with {tokenizer.path}", tokenizer)
-    data_dir = Path(data_dir if data_dir is not None else cfg.data.dir)
-    if not (data_dir / MANIFEST).exists():
+    data_dir = data_dir if data_dir is not None else cfg.data.dir
+    if not storage.is_s3(str(data_dir)) and not (Path(data_dir) / MANIFEST).exists():
         raise DataError(f"{data_dir}: no prepared data ({MANIFEST} missing); run moe-prepare "
                         "with the run's config or pass another data directory")
-    stream = TokenStream(data_dir, split)
+    data = PreparedData(data_dir, cfg.data.s3, cfg.data.cache_dir, cfg.data.cache_bytes)
+    stream = TokenStream(data, split)
     if tokenizer is not None and stream.manifest.tokenizer.get("sha256") != tokenizer.sha256:
         raise DataError(f"{data_dir} was tokenized with another tokenizer than {tokenizer.path} "
                         "(sha256 differs): its token ids mean other text to this model")
     if tokenizer is None:
-        tokenizer = Tokenizer(data_dir / TOKENIZER_FILE)
+        tokenizer = Tokenizer(data.tokenizer_file())
     if stream.vocab_size > cfg.model.vocab_size:
         raise DataError(f"{data_dir}: its tokenizer's vocabulary ({stream.vocab_size}) is larger "
                         f"than the model's ({cfg.model.vocab_size})")
@@ -191,6 +204,8 @@ class EvalOptions:
     """One entry per decoding strategy to show (empty: no generation)."""
     device: str | None = None
     """Where the model runs (default: the GPU if there is one, else the CPU)."""
+    progress: bool = True
+    """A progress bar on a terminal, else a log line every 30 s (stderr)."""
 
 
 def checkpoint_step(tag_dir: Path) -> int | None:
@@ -209,6 +224,9 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
     batch_size = opts.batch_size or (cfg.train.micro_batch_size if drops else cfg.eval.batch_size)
     max_tokens = opts.max_tokens if opts.max_tokens is not None else cfg.eval.max_tokens
     windows = token_windows(data.tokens, cfg.data.seq_len, max_tokens)
+    predicted = max(len(data.tokens) - 1, 0) if max_tokens is None else \
+        min(max(len(data.tokens) - 1, 0), max_tokens)
+    bar = Progress(f"evaluate {tag_dir.name}", predicted, opts.progress, unit="tokens")
     result = {"checkpoint": str(tag_dir), "tag": tag_dir.name, "step": checkpoint_step(tag_dir),
               "run_dir": str(tag_dir.parent.parent), "data": data.description,
               "vocab_size": cfg.model.vocab_size, "uniform_loss": math.log(cfg.model.vocab_size),
@@ -216,11 +234,13 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
               "capacity_factor": cfg.model.moe.capacity_factor}
     if opts.expert_stats and model.moe_layers():
         with ExpertStatsCollector(model) as collector:
-            result.update(evaluate_loss(model, windows, batch_size, collector, data.description))
+            result.update(evaluate_loss(model, windows, batch_size, collector, data.description,
+                                        bar))
         piece = data.tokenizer.sp.IdToPiece if data.tokenizer is not None else None
         result["experts"] = collector.summary(piece, opts.top_tokens, opts.min_token_count)
     else:
-        result.update(evaluate_loss(model, windows, batch_size, source=data.description))
+        result.update(evaluate_loss(model, windows, batch_size, source=data.description,
+                                    progress=bar))
     if opts.generation:
         result["generations"] = generate_samples(model, data, opts)
     result["seconds"] = round(time.perf_counter() - t0, 2)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -44,7 +43,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipeline.shards import write_atomic  # temp name, fsync, rename
+from data_pipeline.shards import (
+    fsync_path,
+    write_atomic,  # temp name, fsync, rename
+)
 from moe.checkpoint.files import (
     EXPERT_DIR,
     FORMAT_VERSION,
@@ -64,14 +66,6 @@ from moe.errors import CheckpointError
 from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- RNG state --------------------------------------------------------------------------------
@@ -226,10 +220,10 @@ class CheckpointHook(Hook):
         files = {}
         for p in sorted(tag_dir.rglob("*")):
             if p.is_file() and p.name != MARKER:
-                _fsync(p)
+                fsync_path(p)
                 files[p.relative_to(tag_dir).as_posix()] = p.stat().st_size
         if (tag_dir / EXPERT_DIR).is_dir():
-            _fsync(tag_dir / EXPERT_DIR)
+            fsync_path(tag_dir / EXPERT_DIR)
         ctx = self.ctx
         marker = {"format": FORMAT_VERSION, "tag": tag_dir.name, "step": step,
                   "tokens": self.tokens, "world_size": ctx.world_size,
@@ -238,9 +232,9 @@ class CheckpointHook(Hook):
                   "tokenizer": {"file": ctx.tokenizer_file.name, "sha256": ctx.tokenizer_sha256},
                   "expert_fingerprints": self.fingerprints, "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         write_atomic(tag_dir / MARKER, json.dumps(marker, indent=1).encode())
-        _fsync(tag_dir)
+        fsync_path(tag_dir)
         write_atomic(self.ckpt_dir / LATEST, tag_dir.name.encode())  # for DeepSpeed's own tools
-        _fsync(self.ckpt_dir)
+        fsync_path(self.ckpt_dir)
 
     def _prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints; drop debris of interrupted saves

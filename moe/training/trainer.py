@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
 from moe.checkpoint.files import verify_checkpoint
@@ -93,7 +94,7 @@ class DistEnv:
 
 def resolve_vocab(cfg: RunConfig) -> RunConfig:
     """Fill model.vocab_size from the tokenizer and refuse a tokenizer the model cannot hold."""
-    manifest = read_manifest(cfg.data.dir)
+    manifest = read_manifest(cfg.data.dir, cfg.data.s3)
     tok_vocab = int(manifest.tokenizer["vocab_size"])
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tok_vocab
@@ -290,14 +291,15 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
     (moe/training/faults.py)."""
     cfg = resolve_vocab(cfg)
     run_dir = cfg.run_dir
-    manifest = read_manifest(cfg.data.dir)
+    data = PreparedData.from_config(cfg.data)  # a local directory or s3:// (through a cache)
+    manifest = data.manifest
     tokenizer_sha = manifest.tokenizer["sha256"]
     ckpt_dir = run_dir / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_dir)
     if resume_dir is not None:
         verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
     engine, model = build_engine(cfg, env)
-    reader = PackedReader(cfg.data.dir, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
+    reader = PackedReader(data, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
                           cfg.train.micro_batch_size, weights=cfg.data.weights(),
                           loader_workers=cfg.data.loader_workers,
                           allow_other_data=cfg.data.allow_other_data_on_resume,
@@ -316,7 +318,7 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
     t = cfg.train
     hooks: list[Hook] = []
     if cfg.eval.every_n_steps:
-        windows = list(validation_windows(cfg.data.dir, cfg.data.seq_len, cfg.eval.max_tokens))
+        windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.max_tokens))
         hooks.append(ValidationHook(engine, cfg.eval.every_n_steps, windows, cfg.data.seq_len,
                                     cfg.eval.batch_size, env.rank, env.world_size))
     train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
@@ -333,7 +335,7 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
     if env.rank == 0 and cfg.logging.tensorboard:
         hooks.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
     save_ctx = SaveContext(
-        config_text=config_text, tokenizer_file=Path(cfg.data.dir) / manifest.tokenizer["file"],
+        config_text=config_text, tokenizer_file=data.tokenizer_file(),
         tokenizer_sha256=tokenizer_sha, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)

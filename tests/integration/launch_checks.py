@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -49,3 +52,51 @@ def check_finished_run(run_dir: Path, max_steps: int, ranks: int = 2, experts: i
     losses = acc.Scalars("train/loss")
     assert sorted({e.step for e in losses}) == list(range(1, max_steps + 1))
     assert all(math.isfinite(e.value) for e in losses)
+
+
+def steps(run_dir: Path, rank: int) -> dict[int, dict]:
+    """The record of each step (a line being written when a rank was killed is skipped)."""
+    path = run_dir / "logs" / f"steps_rank{rank}.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.endswith("}"):
+            row = json.loads(line)
+            out[row["step"]] = row
+    return out
+
+
+def training_rank_pid(session: int, rank: int) -> int | None:
+    """The pid of training rank ``rank`` among the processes of our launcher's session."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == session and b"launch.train" in cmdline and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+def kill_rank_after(proc, run_dir: Path, after_steps: int, rank: int = 1) -> str:
+    """SIGKILL training rank ``rank`` of the launcher ``proc`` once it has logged
+    ``after_steps`` steps; the launcher's output once it has exited (non-zero)."""
+    victim = None
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if len(steps(run_dir, rank)) >= after_steps:
+            victim = training_rank_pid(proc.pid, rank)
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+                break
+        time.sleep(0.05)
+    assert victim is not None, f"rank {rank} was not found running"
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    return out

@@ -4,11 +4,8 @@ from the newest complete checkpoint and must reproduce the uninterrupted run's p
 bit for bit (CPU, fp32) on the same token ids (the data stream neither repeats nor skips)."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +15,7 @@ import yaml
 from moe.checkpoint.files import complete_tags
 from moe.training.hooks import StepRecordHook
 from tests.conftest import tiny_run_dict
+from tests.integration.launch_checks import kill_rank_after, steps
 
 pytestmark = pytest.mark.integration
 
@@ -40,36 +38,6 @@ def launch(config: Path, **kw):
                             start_new_session=True, **kw)
 
 
-def steps(run_dir: Path, rank: int) -> dict[int, dict]:
-    """The record of each step (a line being written when a rank was killed is skipped)."""
-    path = run_dir / "logs" / f"steps_rank{rank}.jsonl"
-    if not path.exists():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.endswith("}"):
-            row = json.loads(line)
-            out[row["step"]] = row
-    return out
-
-
-def training_rank_pid(session: int, rank: int) -> int | None:
-    """The pid of training rank ``rank`` among the processes of our launcher's session."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[3]) == session and b"launch.train" in cmdline and f"RANK={rank}".encode() in environ:
-            return int(entry)
-    return None
-
-
 def test_sigkill_one_rank_then_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
     reference = launch(write_config(tiny_data, tmp_path, "reference"))
     out, _ = reference.communicate(timeout=600)
@@ -77,19 +45,7 @@ def test_sigkill_one_rank_then_resume_reproduces_the_uninterrupted_run(tiny_data
 
     config = write_config(tiny_data, tmp_path, "crashed")
     run_dir = tmp_path / "runs" / "crashed"
-    proc = launch(config)
-    victim = None
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if len(steps(run_dir, 1)) >= 5:
-            victim = training_rank_pid(proc.pid, 1)
-            if victim is not None:
-                os.kill(victim, signal.SIGKILL)
-                break
-        time.sleep(0.05)
-    assert victim is not None, "rank 1 was not found running"
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0
+    kill_rank_after(launch(config), run_dir, 5)
     killed_at = max(steps(run_dir, 1))
     assert killed_at < MAX_STEPS
     tags = complete_tags(run_dir / "checkpoints")

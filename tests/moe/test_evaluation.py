@@ -92,3 +92,23 @@ def test_bad_evaluation_data_names_the_problem(run_cfg, tiny_data, tmp_path):
     data = open_eval_data(run_cfg, text_files=[str(tmp_path / "empty.txt")])
     with pytest.raises(DataError, match="no tokens to evaluate"):
         evaluate_loss(MoETransformer(run_cfg.model), token_windows(data.tokens, 8), 2, source="empty")
+
+
+def test_evaluation_progress_counts_the_predicted_tokens(model, tiny_data):
+    import io
+
+    from data_pipeline.progress import Progress
+    from launch.evaluate import options_from_args, parse_args
+    from moe.evaluation.evaluate import batches
+
+    out = io.StringIO()  # not a terminal: log lines
+    windows = token_windows(TokenStream(tiny_data.dir, "valid"), tiny_data.seq_len, 500)
+    bar = Progress("evaluate x", 500, stream=out, interval=0.0, unit="tokens")
+    r = evaluate_loss(model, windows, 4, progress=bar)
+    lines = out.getvalue().splitlines()
+    forwards = len(list(batches(token_windows(TokenStream(tiny_data.dir, "valid"),
+                                              tiny_data.seq_len, 500), 4)))
+    assert r["tokens"] == 500 and len(lines) == forwards + 1  # a line per forward, then done
+    assert lines[-1].startswith("evaluate x: 500 of 500 tokens (100%)") and "(done)" in lines[-1]
+    assert options_from_args(parse_args(["ckpt"])).progress
+    assert not options_from_args(parse_args(["ckpt", "--quiet"])).progress

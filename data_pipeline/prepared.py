@@ -1,0 +1,99 @@
+"""Prepared data where it lives: a local directory (shards memory-mapped in place) or an
+``s3://`` prefix (shards fetched on demand into a bounded local cache, checked against the
+manifest's SHA-256 when fetched, memory-mapped from there).
+
+Nothing the reader's state or order depends on comes from here: both places yield the same
+tokens, so a run may move between them and resume exactly."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from data_pipeline import storage
+from data_pipeline.cache import ObjectCache, default_cache_dir
+from data_pipeline.config import DataConfig, S3Config
+from data_pipeline.errors import DataError
+from data_pipeline.shards import Manifest, ShardInfo, open_shard, read_manifest, write_atomic
+
+DEFAULT_CACHE_BYTES = DataConfig.cache_bytes
+
+
+class PreparedData:
+    """The manifest, tokenizer and shards of prepared data at ``dir`` (a path or ``s3://``)."""
+
+    def __init__(self, dir: str | Path, s3: S3Config | None = None,
+                 cache_dir: str | Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 read_ahead: int = 2):
+        self.dir = str(dir).rstrip("/") if storage.is_s3(str(dir)) else Path(dir)
+        self.remote = storage.is_s3(str(dir))
+        self.s3 = s3 or S3Config()
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.cache_bytes, self.read_ahead = cache_bytes, read_ahead
+        self.manifest: Manifest = read_manifest(self.dir, self.s3)
+        self._cache: ObjectCache | None = None
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> PreparedData:
+        return cls(cfg.dir, cfg.s3, cfg.cache_dir, cfg.cache_bytes, cfg.read_ahead)
+
+    def __getstate__(self) -> dict:  # DataLoader workers make their own cache object
+        return {**self.__dict__, "_cache": None}
+
+    def __str__(self) -> str:
+        return str(self.dir)
+
+    def location(self, name: str) -> str | Path:
+        """Where the file ``name`` of the data lives (a path or a URL, for messages)."""
+        return storage.join(self.dir, name)
+
+    @property
+    def cache(self) -> ObjectCache:
+        """The shard cache, cleaned of what a crashed run left when first used."""
+        if self._cache is None:
+            self._cache = ObjectCache(self.cache_dir, self.cache_bytes, self.s3)
+            self._cache.clean({s.sha256: s.bytes for split in self.manifest.splits.values()
+                               for s in split.shards})
+        return self._cache
+
+    def tokenizer_file(self) -> Path:
+        """A local copy of the tokenizer (fetched and checked against the manifest's SHA-256)."""
+        info = self.manifest.tokenizer
+        if not self.remote:
+            return Path(self.dir) / info["file"]
+        local = self.cache_dir / f"tokenizer-{info['sha256'][:16]}" / info["file"]
+        if not local.exists():
+            url = str(self.location(info["file"]))
+            data = storage.read_bytes(url, self.s3)
+            if hashlib.sha256(data).hexdigest() != info["sha256"]:
+                raise DataError(f"{url}: corrupt object: its SHA-256 differs from the manifest's")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(local, data)
+        return local
+
+    def open_local(self, info: ShardInfo) -> np.ndarray:
+        """A local shard's tokens, memory-mapped (checked: schema and counts)."""
+        return open_shard(Path(self.dir) / info.file, info, self.manifest.token_type)
+
+    @contextmanager
+    def shard(self, info: ShardInfo) -> Iterator[np.ndarray]:
+        """A shard's tokens, memory-mapped, for the duration of the block (on S3: fetched if not
+        cached, and kept from eviction while the block runs)."""
+        if not self.remote:
+            yield self.open_local(info)
+            return
+        url = str(self.location(info.file))
+        with self.cache.open(url, info.sha256, info.bytes) as path:
+            try:
+                tokens = open_shard(path, info, self.manifest.token_type)
+            except DataError as e:  # name the object, not the cache file
+                raise DataError(str(e).replace(str(path), url)) from None
+            yield tokens
+
+    def fetch_items(self, infos: list[ShardInfo]) -> list[tuple[str, str, int | None]]:
+        """(url, sha256, bytes) of shards, as the cache's read-ahead takes them."""
+        return [(str(self.location(s.file)), s.sha256, s.bytes) for s in infos]

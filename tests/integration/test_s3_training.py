@@ -1,0 +1,100 @@
+"""Training from s3:// shards with the real launcher: two ranks share one node-local cache smaller
+than the data, rank 1 is killed with SIGKILL, the same command resumes, and every step's loss
+and token ids equal those of the same run read from local disk. The store is a real moto S3
+server (tests/helpers/s3.py); the credentials reach the ranks only through the environment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data_pipeline.shards import read_manifest
+from tests.conftest import tiny_run_dict
+from tests.helpers import s3 as helper_s3
+from tests.integration.launch_checks import kill_rank_after, steps
+
+pytestmark = pytest.mark.integration
+
+MAX_STEPS = 6
+
+
+def write_config(tiny_data, tmp_path: Path, name: str, **data) -> Path:
+    d = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=MAX_STEPS)
+    d["name"] = name
+    d["data"].update(data)
+    d["checkpoint"] = {"every_n_steps": 2, "keep_last": 2}
+    d["logging"] = {"log_every": 1, "tensorboard": False}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def launch(config: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp_path):
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    reference = launch(write_config(tiny_data, tmp_path, "local"), env)
+
+    with helper_s3.moto_server(tmp_path / "empty", check_credentials=False) as (endpoint, key_id,
+                                                                                  secret):
+        boto3 = pytest.importorskip("boto3")
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id=key_id, aws_secret_access_key=secret)
+        for path in sorted(Path(tiny_data.dir).iterdir()):
+            client.put_object(Bucket=helper_s3.BUCKET, Key=f"tiny/{path.name}",
+                              Body=path.read_bytes())
+        shards = [s for split in read_manifest(tiny_data.dir).splits.values() for s in split.shards]
+        bound = 2 * max(s.bytes for s in shards)  # two shards of the four
+        assert bound < sum(s.bytes for s in shards)
+        cache = tmp_path / "cache"
+        config = write_config(tiny_data, tmp_path, "s3", dir=f"s3://{helper_s3.BUCKET}/tiny",
+                              s3={"endpoint_url": endpoint, "region": "us-east-1"},
+                              cache_dir=str(cache), cache_bytes=bound)
+        assert secret not in config.read_text()
+        s3_env = dict(env, AWS_ACCESS_KEY_ID=key_id, AWS_SECRET_ACCESS_KEY=secret,
+                      AWS_EC2_METADATA_DISABLED="true",
+                      AWS_CONFIG_FILE=str(tmp_path / "none"),
+                      AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+        finish(reference)  # one run at a time on two cores
+
+        run_dir = tmp_path / "runs" / "s3"
+        first = kill_rank_after(launch(config, s3_env), run_dir, 3)
+        assert max(steps(run_dir, 1)) < MAX_STEPS
+        second = finish(launch(config, s3_env))
+        assert "resumed from" in second
+
+    for rank in (0, 1):
+        lines = (run_dir / "logs" / f"steps_rank{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == list(range(1, MAX_STEPS + 1))
+        want, got = steps(tmp_path / "runs" / "local", rank), steps(run_dir, rank)
+        for step in range(1, MAX_STEPS + 1):
+            assert got[step]["loss"] == want[step]["loss"], (rank, step)
+            assert got[step]["tokens_sha256"] == want[step]["tokens_sha256"], (rank, step)
+    # The shared cache ends within its bound, holding only whole, verified shards.
+    names = os.listdir(cache)
+    files = [n for n in names if len(n) == 64]
+    assert files and not [n for n in names if n.endswith(".tmp")]
+    assert all(hashlib.sha256((cache / n).read_bytes()).hexdigest() == n for n in files)
+    assert sum((cache / n).stat().st_size for n in files) <= bound
+    logs = first + second + "".join(p.read_text(errors="replace")
+                                    for p in run_dir.rglob("*") if p.is_file()
+                                    and p.suffix in (".log", ".jsonl", ".yaml", ".json"))
+    assert secret not in logs
