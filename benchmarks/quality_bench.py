@@ -37,7 +37,7 @@ QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_s
          "model.moe.expert_hidden=64", "data.seq_len=64", "train.micro_batch_size=4",
          "train.warmup_steps=2", "eval.max_tokens=4096"]
 
-VARIANTS = ["dense", "moe", "global_balance", "loss_free", "loss_free_plus_aux", "zloss",
+VARIANTS = ["dense", "moe", "renormalize", "global_balance", "loss_free", "loss_free_plus_aux", "zloss",
             "router_init_small", "router_init_large", "router_lr_small", "router_lr_large",
             "expert_lr_large", "fine_grained_shared", "fine_grained32_shared", "experts16",
             "experts32", "experts64", "top1", "capacity"]
@@ -48,6 +48,8 @@ def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
     width ``expert_hidden`` per token). Every variant keeps the active FFN width
     ``top_k * expert_hidden``."""
     r = "model.moe.router."
+    if "+" in name:  # a combination: the parts' overrides, later ones winning
+        return [o for part in name.split("+") for o in variant_overrides(part, expert_hidden, top_k)]
     if name == "fine_grained_shared":
         # Experts half as wide; twice as many routed per token minus one, plus one always-on
         # shared expert: (2 * top_k - 1 + 1) * expert_hidden / 2 = top_k * expert_hidden.
@@ -68,6 +70,7 @@ def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
     table = {
         "dense": ["model.ffn=dense"],
         "moe": [],  # the base: micro-batch aux loss
+        "renormalize": [f"{r}renormalize=true"],  # the selected weights sum to 1
         "global_balance": [f"{r}aux_loss_scope=global_batch"],
         "loss_free": [f"{r}aux_loss_coef=0.0", f"{r}bias_update_rate=0.001"],
         "loss_free_plus_aux": [f"{r}bias_update_rate=0.001"],
@@ -83,6 +86,14 @@ def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
         "capacity": ["model.moe.capacity_factor=1.25"],
     }
     return table[name]
+
+
+def variant_name(name: str) -> str:
+    unknown = [part for part in name.split("+") if part not in VARIANTS or part == "dense"]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variant {', '.join(unknown)}; choose from "
+                                         f"{', '.join(v for v in VARIANTS if v != 'dense')}")
+    return name
 
 
 def run_one(config: str, overrides: list[str], run_dir: Path, log_file: Path) -> None:
@@ -185,9 +196,10 @@ def plot(summary: dict, runs: dict[str, list[dict]], path: Path) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/default.yaml")
-    p.add_argument("--variants", nargs="+", default=["moe", "global_balance"],
-                   choices=[v for v in VARIANTS if v != "dense"],
-                   help="MoE variants to compare with the dense baseline (always run)")
+    p.add_argument("--variants", nargs="+", default=["moe", "global_balance"], type=variant_name,
+                   help="MoE variants to compare with the dense baseline (always run): "
+                        f"{', '.join(v for v in VARIANTS if v != 'dense')}, or several joined "
+                        "by '+' (their overrides combined, e.g. renormalize+expert_lr_large)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: config's)")
     p.add_argument("--eval-every", type=int, default=50)
