@@ -84,13 +84,16 @@ def _read_jsonl(path: Path, offset: int = 0) -> list[dict]:
 class Attempt:
     """One run of the launcher: the exit records and step records it adds."""
 
-    def __init__(self, run_dir: Path, world_size: int):
+    def __init__(self, run_dir: Path, world_size: int, started: float | None = None,
+                 resumed_step: int | None = None):
         self.logs = run_dir / "logs"
         self.world = world_size
-        self.started = time.time()
+        self.started = time.time() if started is None else started
         self.offsets = {r: self._size(exits_file(self.logs, r)) for r in range(world_size)}
-        tag = newest_complete(run_dir)
-        self.resumed_step = int(tag.rsplit("_", 1)[1]) if tag else 0
+        if resumed_step is None:
+            tag = newest_complete(run_dir)
+            resumed_step = int(tag.rsplit("_", 1)[1]) if tag else 0
+        self.resumed_step = resumed_step
 
     @staticmethod
     def _size(path: Path) -> int:
@@ -202,3 +205,19 @@ def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: 
                                 "failed_after_s": round(time.time() - attempt.started, 3),
                                 "time": time.time()}) + "\n")
         previous = failure
+
+
+def main(argv: list[str]) -> None:
+    """``python -m launch.supervise RUN_DIR WORLD_SIZE STARTED RESUMED_STEP``: print the step a
+    failed attempt (started at epoch second STARTED, resumed from step RESUMED_STEP) was in; a
+    SLURM job script's restart loop asks this after a failed srun step."""
+    run_dir, world, started, resumed = argv
+    # Whole seconds from the shell: a record written in the attempt's first second counts.
+    attempt = Attempt(Path(run_dir), int(world), float(started) - 1, int(resumed))
+    print(attempt.last_step(None) + 1)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
