@@ -307,7 +307,7 @@ class StepRecordHook(Hook):
         samples = [s.consumed_samples - s.samples_per_step, s.consumed_samples]
         self.file.write(json.dumps({"step": s.step, "loss": s.local_loss,
                                     "tokens_sha256": s.tokens_sha256, "skipped": s.skipped,
-                                    "samples": samples}) + "\n")
+                                    "samples": samples, "time": time.time()}) + "\n")
         self.file.flush()
 
     def _open_from(self, step: int):

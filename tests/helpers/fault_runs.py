@@ -97,3 +97,58 @@ def checkpoint_problems(run_dir: Path) -> list[str]:
         except CheckpointError as e:
             out.append(f"{tag}: {e}")
     return out
+
+
+# (kind, phase) of the campaign's faults, in turn.
+FAULTS = [("kill", "forward"), ("kill", "backward"), ("kill", "optimizer"), ("kill", "save"),
+          ("kill", "eval"), ("term", "forward"), ("hang", "backward"), ("save_error", "save")]
+
+
+def campaign_plan(fired_dir: Path, n: int, seed: int, eval_every: int, hang_s: float) -> dict:
+    """``n`` faults, each kind in turn, at seeded random steps of a run of
+    :func:`campaign_steps` steps (checkpoints every step), on a random rank. A fault in a save
+    fails the step after it (the save is the step's last hook): no two faults fail the same
+    step, so no failure looks like the one before (the launcher stops on a repeat)."""
+    import random
+
+    rng = random.Random(seed)
+    last = campaign_steps(n)
+    failing: set[int] = set()  # the step each fault makes the run fail in
+    faults = []
+    for i in range(n):
+        kind, phase = FAULTS[i % len(FAULTS)]
+        while True:
+            step = rng.randrange(1, last + 1)
+            fails_in = step + 1 if phase == "save" else step
+            if phase == "eval" and step % eval_every and step != last:
+                continue  # validation runs every eval_every steps and at the end
+            if fails_in not in failing and not (phase == "save" and step == last):
+                break
+        failing.add(fails_in)
+        faults.append({"id": i, "kind": kind, "phase": phase, "step": step,
+                       "rank": rng.randrange(2), "seconds": hang_s * 20})
+    return {"fired_dir": str(fired_dir), "faults": faults}
+
+
+def campaign_steps(n: int) -> int:
+    return n + n // 2 + 2
+
+
+def campaign_figures(run_dir: Path, plan: dict) -> dict:
+    """Faults injected (fired), recovered (restarts that led on to the next step), steps
+    recomputed per fault (steps completed after the resumed checkpoint, lost) and the time from
+    a fault to the first step completed after its restart."""
+    fired = {int(p.name.split("_")[1]): float(p.read_text())
+             for p in Path(plan["fired_dir"]).glob("fault_*")}
+    records = restarts(run_dir)
+    steps = {r["step"]: r["time"] for r in step_records(run_dir, 0)}
+    recomputed = [r["step"] - 1 - int(Path(r["resume"]).name.split("_")[1]) if r["resume"]
+                  else r["step"] - 1 for r in records]
+    recover = []
+    for r in records:
+        resumed = int(Path(r["resume"]).name.split("_")[1]) if r["resume"] else 0
+        fault_time = max((t for t in fired.values() if t <= r["time"]), default=None)
+        if fault_time is not None and resumed + 1 in steps:
+            recover.append(steps[resumed + 1] - fault_time)
+    return {"injected": len(fired), "restarts": len(records), "recomputed": recomputed,
+            "recover_s": recover}
