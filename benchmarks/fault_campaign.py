@@ -19,19 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data_pipeline.prepare import prepare
-from tests.conftest import tiny_data_config, tiny_run_dict, write_corpus
-from tests.helpers.fault_runs import (
-    campaign_figures,
-    campaign_plan,
-    campaign_steps,
-    checkpoint_problems,
-    launch,
-    loss_mismatches,
-    sample_problems,
-    write_run_config,
-)
-
-EVAL_EVERY, HANG_S = 2, 6
+from tests.conftest import tiny_data_config, write_corpus
+from tests.helpers import fault_runs as fr
 
 
 def main() -> None:
@@ -45,29 +34,25 @@ def main() -> None:
     write_corpus(root / "corpus")
     data = tiny_data_config(root)
     prepare(data, progress=False)
-    steps = campaign_steps(args.faults)
-
-    def config(name: str) -> Path:
-        d = tiny_run_dict(data, root / "runs", max_steps=steps, hang_timeout_s=HANG_S)
-        d.update(name=name, checkpoint={"every_n_steps": 1, "keep_last": 3},
-                 logging={"log_every": 1, "tensorboard": False},
-                 eval={"every_n_steps": EVAL_EVERY, "max_tokens": 256, "batch_size": 2},
-                 launch={"max_restarts": args.faults + 2})
-        return write_run_config(root / f"{name}.yaml", d)
+    steps = fr.campaign_steps(args.faults)
 
     t0 = time.time()
-    ref = launch(config("reference"), ["launch.max_restarts=0"])
+    ref = fr.launch(fr.campaign_config(data, root, "reference", args.faults),
+                    ["launch.max_restarts=0"])
     ref_s = time.time() - t0
     if ref.returncode:
         sys.exit(f"reference run failed:\n{ref.stderr[-3000:]}")
-    plan = campaign_plan(root / "fired", args.faults, args.seed, EVAL_EVERY, HANG_S)
+    plan = fr.campaign_plan(root / "fired", args.faults, args.seed, fr.CAMPAIGN_EVAL_EVERY,
+                            fr.CAMPAIGN_HANG_S)
     t0 = time.time()
-    proc = launch(config("campaign"), plan=plan, timeout=24 * 3600)
+    proc = fr.launch(fr.campaign_config(data, root, "campaign", args.faults), plan=plan,
+                     timeout=24 * 3600)
     campaign_s = time.time() - t0
     run_dir = root / "runs" / "campaign"
-    f = campaign_figures(run_dir, plan)
-    problems = (loss_mismatches(run_dir, root / "runs" / "reference", steps)
-                + sample_problems(run_dir, steps, global_batch=4) + checkpoint_problems(run_dir))
+    f = fr.campaign_figures(run_dir, plan)
+    losses = fr.loss_mismatches(run_dir, root / "runs" / "reference", steps)
+    samples = fr.sample_problems(run_dir, steps, global_batch=4)
+    problems = losses + samples + fr.checkpoint_problems(run_dir)
     rec, rs = f["recomputed"], f["recover_s"]
     print(f"faults injected         {f['injected']} (plan {args.faults}, seed {args.seed}, "
           f"{steps} steps, checkpoint every step)")
@@ -78,9 +63,8 @@ def main() -> None:
     if rs:
         print(f"time to recover         median {statistics.median(rs):.1f}s, max {max(rs):.1f}s "
               f"(fault -> first step completed after the restart)")
-    print(f"samples repeated/skipped {sum('repeated' in p for p in problems)} problem lines "
-          f"(0 means every sample exactly once)")
-    print(f"losses equal reference  {not any('step' in p for p in problems)}")
+    print(f"samples                 {'every index consumed exactly once' if not samples else samples}")
+    print(f"losses equal reference  {'at every step, both ranks' if not losses else losses}")
     print(f"wall time               campaign {campaign_s:.0f}s, uninterrupted run {ref_s:.0f}s")
     for line in problems:
         print("PROBLEM", line)

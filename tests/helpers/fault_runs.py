@@ -152,3 +152,28 @@ def campaign_figures(run_dir: Path, plan: dict) -> dict:
             recover.append(steps[resumed + 1] - fault_time)
     return {"injected": len(fired), "restarts": len(records), "recomputed": recomputed,
             "recover_s": recover}
+
+
+CAMPAIGN_EVAL_EVERY, CAMPAIGN_HANG_S = 2, 6
+
+
+def campaign_config(data, out_dir: Path, name: str, faults: int) -> Path:
+    """The campaign's run: the tiny config, a checkpoint every step, validation every
+    :data:`CAMPAIGN_EVAL_EVERY` steps, a short hang timeout, restarts enough for every fault."""
+    from tests.conftest import tiny_run_dict
+
+    d = tiny_run_dict(data, out_dir / "runs", max_steps=campaign_steps(faults),
+                      hang_timeout_s=CAMPAIGN_HANG_S)
+    d.update(name=name, checkpoint={"every_n_steps": 1, "keep_last": 3},
+             logging={"log_every": 1, "tensorboard": False},
+             eval={"every_n_steps": CAMPAIGN_EVAL_EVERY, "max_tokens": 256, "batch_size": 2},
+             launch={"max_restarts": faults + 2})
+    return write_run_config(out_dir / f"{name}.yaml", d)
+
+
+def campaign_problems(run_dir: Path, reference: Path, faults: int) -> list[str]:
+    """Losses unlike the reference run's, samples not consumed exactly once, checkpoints that
+    do not verify."""
+    steps = campaign_steps(faults)
+    return (loss_mismatches(run_dir, reference, steps)
+            + sample_problems(run_dir, steps, global_batch=4) + checkpoint_problems(run_dir))
