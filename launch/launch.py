@@ -41,6 +41,7 @@ from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
 from launch.schedulers import build_plan, plan_problems
 from launch.schedulers.slurm import job_log
 from launch.slurm_checks import check_submission
+from launch.supervise import run_with_restarts
 from moe.errors import LaunchError
 from moe.training.config import dump_config, load_config
 from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
@@ -48,11 +49,18 @@ from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 JOB_COMMANDS = ("status", "cancel", "logs")
 
 
-def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
+def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0) -> None:
+    """Run the plan to its end, restarting it after a failure up to ``max_restarts`` times
+    (launch/supervise.py)."""
     (run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # left by an earlier, requeued run
     print(f"launch: {plan.render().splitlines()[-1]}", flush=True)
-    rc = subprocess.call(plan.command, env=plan.run_env())
-    if rc == PREEMPTED_EXIT_CODE or (run_dir / PREEMPTED_MARKER).exists():
+
+    def preempted(rc: int) -> bool:
+        return rc == PREEMPTED_EXIT_CODE or (run_dir / PREEMPTED_MARKER).exists()
+
+    rc = run_with_restarts(plan.command, plan.run_env(), run_dir, plan.world_size,
+                           max_restarts, preempted)
+    if preempted(rc):
         marker = run_dir / PREEMPTED_MARKER
         step = json.loads(marker.read_text()).get("step") if marker.exists() else None
         resume = newest_checkpoint(run_dir)
@@ -62,8 +70,6 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool) -> None:
                  f"{'resume from ' + resume if resume else 'start'}")
         raise LaunchError(f"preempted (exit code {PREEMPTED_EXIT_CODE}, not a failure): "
                           f"training stopped on a preemption signal and {where}")
-    if rc != 0:
-        raise LaunchError(f"training failed with exit code {rc}; per-rank logs in {run_dir / 'logs'}")
     print("\n".join(finish(run_dir, evaluate)))
 
 
@@ -119,7 +125,8 @@ def launch(argv) -> None:
     if plan.submits:
         submit(plan, run_dir, job_log(cfg, run_dir))
     else:
-        run_to_end(plan, run_dir, evaluate=not args.no_eval)
+        run_to_end(plan, run_dir, evaluate=not args.no_eval,
+                   max_restarts=cfg.launch.max_restarts)
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:

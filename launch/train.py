@@ -15,14 +15,17 @@ if __name__ == "__main__":  # as the schedulers start it (python -m launch.train
 import argparse
 import logging
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from launch.cli import exits_cleanly, setup_logging
+from moe.training.collectives import record_collectives
 from moe.training.config import load_config
 from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
+from moe.training.faults import PlannedFaults
 from moe.training.preemption import SIGNALS, Preempted, hold_signals
 from moe.training.trainer import dist_env_from_environment, train
 
@@ -66,12 +69,18 @@ def main(argv=None) -> None:
         logging.getLogger("moe.train").info(
             f"device: {where} (rank 0), backend {backend}, {env.world_size} rank(s), "
             f"{threads} thread(s) per rank")
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    # Collectives time out with the hang watchdog's setting (0: the process group's default),
+    # and the last one entered is recorded for the watchdog's report.
+    t = cfg.train.hang_timeout_s
+    record_collectives(env.rank, t)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False,
+                               **({"timeout": timedelta(seconds=t)} if t else {}))
     gather_under_current_name()
     if backend == "gloo":
         unlink_cpu_allreduce_buffer(env.rank)
     try:
-        train(cfg, env, resume=args.resume)
+        # Test-only fault plan from the environment (moe/training/faults.py); None for users.
+        train(cfg, env, resume=args.resume, faults=PlannedFaults.from_environment(env.rank))
     except Preempted:
         shut_down_distributed()  # every rank stops at the same step (the signal is all-reduced)
         raise

@@ -114,7 +114,7 @@ def plan(cfg: RunConfig, run_dir: Path) -> Plan:
         cmd += ["--exclude", h.exclude]
     if not h.ssh_check:
         cmd.append("--no_ssh_check")
-    cmd += ["--log_level", "warning", "--no_local_rank", "--module", "launch.train",
+    cmd += ["--log_level", "warning", "--no_local_rank", "--module", "launch.rank",
             "--config", str(config_path)]
     env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env}
     env_file = "".join(f"{k}={v}\n" for k, v in env.items())

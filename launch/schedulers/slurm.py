@@ -84,62 +84,100 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path, evaluate: bool = True) 
         env |= {"GLOO_SOCKET_IFNAME": s.socket_ifname, "NCCL_SOCKET_IFNAME": s.socket_ifname}
     lines += [f"export {k}={q(v)}" for k, v in env.items()]
     port = (str(s.master_port) if s.master_port is not None else
-            "$(( 15000 + (SLURM_JOB_ID % 3750) * 4 + ${SLURM_RESTART_COUNT:-0} % 4 ))")
+            "$(( 15000 + (SLURM_JOB_ID % 3750) * 4 + (${SLURM_RESTART_COUNT:-0} + restarts) % 4 ))")
     marker = q(str(run_dir / PREEMPTED_MARKER))
     srun = ["srun", f"--ntasks={world}", f"--ntasks-per-node={per_node}",
             f"--cpus-per-task={s.cpus_per_task}", "--kill-on-bad-exit=1", "--label",
             *s.srun_args, *entry_point(run_dir / RESOLVED_CONFIG)]
+    latest_file = q(str(run_dir / "checkpoints" / "latest"))
     lines += [
         "# Rank 0 runs on the allocation's first node; reach it by the address SLURM uses for it.",
         'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         'master_node=${nodes%%$\'\\n\'*}',
         "MASTER_ADDR=$(scontrol show node \"$master_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         'export MASTER_ADDR=${MASTER_ADDR:-$master_node}',
-        f"export MASTER_PORT={port}",
-        f'echo "job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {world} ranks, '
-        'master $MASTER_ADDR:$MASTER_PORT"',
-        f"rm -f {marker}",
+        "newest_step() {  # the step of the newest checkpoint (0: none)",
+        f"  local latest; latest=$(cat {latest_file} 2>/dev/null || true)",
+        "  latest=${latest##*_}",
+        "  case $latest in ''|*[!0-9]*) latest=0;; esac",
+        "  echo $(( 10#$latest ))",
+        "}",
+        # A failed srun step is started again inside this allocation (launch.max_restarts):
+        # no wait in the queue, the same nodes. srun --kill-on-bad-exit ends every task once
+        # one fails. Requeueing stays for preemption, which is not a failure.
+        "restarts=0",
+        "previous=",
+        "while :; do",
+        f"  export MASTER_PORT={port}",
+        f'  echo "job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}, attempt '
+        f'$(( restarts + 1 ))): {world} ranks, master $MASTER_ADDR:$MASTER_PORT"',
+        f"  rm -f {marker}",
+        "  started=$(date +%s)",
+        "  resumed=$(newest_step)",
         # A signal before srun starts: no rank has started, so there is nothing to save.
-        'if [ -n "$held" ]; then',
-        f"""  printf '{{"step": null, "signal": "%s"}}\\n' "$held" > {marker}""",
-        "else",
-        "  " + " ".join(q(a) for a in srun) + " &",
-        "  srun_pid=$!",
-        "fi",
-        "status=0",
-        'if [ -n "$srun_pid" ]; then',
-        '  while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
-        '  wait "$srun_pid" || status=$?',
-        "fi",
+        '  if [ -n "$held" ]; then',
+        f"""    printf '{{"step": null, "signal": "%s"}}\\n' "$held" > {marker}""",
+        "  else",
+        "    " + " ".join(q(a) for a in srun) + " &",
+        "    srun_pid=$!",
+        "  fi",
+        "  status=0",
+        '  if [ -n "$srun_pid" ]; then',
+        '    while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
+        '    wait "$srun_pid" || status=$?',
+        "  fi",
+        "  srun_pid=",
         # Preempted: the ranks saved (or had nothing to save yet) and exited 75 on purpose.
         # srun reports that as "Exited with exit code 75"; say what it means right below it.
-        f"if [ -e {marker} ]; then",
-        f"""  step=$(sed -n 's/.*"step": *\\([0-9][0-9]*\\).*/\\1/p' {marker})""",
-        '  if [ -z "$step" ]; then  # signalled before the first step: the newest checkpoint',
-        f"    latest=$(cat {q(str(run_dir / 'checkpoints' / 'latest'))} 2>/dev/null || true)",
-        "    latest=${latest##*_}",
-        "    case $latest in ''|*[!0-9]*) latest=0;; esac",
-        "    step=$(( 10#$latest ))",
-        "  fi",
-        f'  echo "preemption signal ($(cat {marker})): the exit code 75 above is the planned '
+        f"  if [ -e {marker} ]; then",
+        f"""    step=$(sed -n 's/.*"step": *\\([0-9][0-9]*\\).*/\\1/p' {marker})""",
+        '    if [ -z "$step" ]; then  # signalled before the first step: the newest checkpoint',
+        "      step=$(newest_step)",
+        "    fi",
+        f'    echo "preemption signal ($(cat {marker})): the exit code 75 above is the planned '
         'exit of a preempted run, not a failure"',
     ]
     ends = q(str(run_dir / ENDS_FILE))  # for moe-launch status once SLURM forgot the job
     if s.requeue:
-        lines += ['  echo "preempted, requeued, will resume from step $step (requeueing job '
+        lines += ['    echo "preempted, requeued, will resume from step $step (requeueing job '
                   '$SLURM_JOB_ID)"',
-                  f'  printf "%s %s requeued %s\\n" "$SLURM_JOB_ID" "$status" "$step" >> {ends} '
+                  f'    printf "%s %s requeued %s\\n" "$SLURM_JOB_ID" "$status" "$step" >> {ends} '
                   "|| true",
-                  '  scontrol requeue "$SLURM_JOB_ID"', "  exit 0"]
+                  '    scontrol requeue "$SLURM_JOB_ID"', "    exit 0"]
     else:
-        lines += ['  echo "preempted, not requeued (launch.slurm.requeue: false): submit the '
-                  'same run again to resume from step $step"']
+        lines += ['    echo "preempted, not requeued (launch.slurm.requeue: false): submit the '
+                  'same run again to resume from step $step"', "    break"]
+    # The step a failed attempt was in (launch/supervise.py reads the ranks' step records).
+    failed_step = [sys.executable, "-m", "launch.supervise", str(run_dir), str(world)]
+    n = cfg.launch.max_restarts
+    lines += [
+        "  fi",
+        '  if [ "$status" -eq 0 ]; then break; fi',
+        "  step=$(" + " ".join(q(a) for a in failed_step)
+        + ' "$started" "$resumed" 2>/dev/null) || step=unknown',
+        f'  if [ "$restarts" -ge {n} ]; then',
+        f'    echo "training failed: srun exited with status $status at step $step, after '
+        f'$restarts restart(s) (launch.max_restarts {n})"',
+        "    break",
+        "  fi",
+        '  if [ "$status:$step" = "$previous" ]; then',
+        '    echo "training failed the same way twice in a row: srun exited with status $status '
+        'at step $step; not restarting again"',
+        "    break",
+        "  fi",
+        '  previous="$status:$step"',
+        "  restarts=$(( restarts + 1 ))",
+        f'  echo "restart $restarts/{n}: srun exited with status $status at step $step (srun\'s '
+        'task lines above name the failing rank); starting the step again in this allocation '
+        'from the newest complete checkpoint"',
+        "done",
+    ]
     # Training finished: the summary, and the evaluation of the final checkpoint on one task of
     # the same allocation (the code moe-launch runs after a local run). Not after a preemption:
     # that requeued the job above, and the requeued job evaluates once it finishes.
     finish = ["srun", "--ntasks=1", "--nodes=1", f"--cpus-per-task={s.cpus_per_task}",
               sys.executable, "-u", "-m", "launch.finish", str(run_dir), *([] if evaluate else ["--no-eval"])]
-    lines += ["fi", 'if [ "$status" -eq 0 ]; then',
+    lines += ['if [ "$status" -eq 0 ]; then',
               '  echo "training finished; ' + ("evaluating the final checkpoint on one task"
                                                if evaluate else "evaluation skipped (--no-eval)")
               + '"',

@@ -38,6 +38,7 @@ class StepState:
     tokens_sha256: str = ""  # hash of the token ids this rank trained on in this step
     skipped: bool = False  # the update was skipped (non-finite loss or gradient norm)
     spike_zscore: float | None = None  # a loss spike: the largest z-score (spike_guard.py)
+    consumed_samples: int = 0  # global samples the data stream has handed out after this step
 
     @property
     def tokens_per_second(self) -> float:
@@ -284,8 +285,9 @@ class ValidationHook(Hook):
 
 
 class StepRecordHook(Hook):
-    """Every rank appends one JSON line per step to its own file: the step, this rank's loss and
-    a hash of its token ids. Comparing these files shows whether a resumed run repeated the
+    """Every rank appends one JSON line per step to its own file: the step, this rank's loss, a
+    hash of its token ids and the global sample positions ``[start, end)`` the step consumed
+    (every rank's samples of the step). Comparing these files shows whether a resumed run repeated the
     uninterrupted one exactly and whether the data stream repeated or skipped anything.
 
     A run resumed from a checkpoint runs the steps after it again (an earlier run logged them
@@ -301,8 +303,11 @@ class StepRecordHook(Hook):
         if self.file is None:
             self.file = self._open_from(s.step)
         # repr of a Python float round-trips exactly: equal strings mean bitwise equal losses.
+        # samples: the global sample positions [start, end) the step consumed (all ranks').
+        samples = [s.consumed_samples - s.samples_per_step, s.consumed_samples]
         self.file.write(json.dumps({"step": s.step, "loss": s.local_loss,
-                                    "tokens_sha256": s.tokens_sha256, "skipped": s.skipped}) + "\n")
+                                    "tokens_sha256": s.tokens_sha256, "skipped": s.skipped,
+                                    "samples": samples, "time": time.time()}) + "\n")
         self.file.flush()
 
     def _open_from(self, step: int):

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moe.config_schema import minimums
+
 Scheduler = Literal["local", "hostfile", "slurm", "mpi"]
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -206,7 +208,14 @@ class LaunchConfig:
     hostfile: HostfileConfig = field(default_factory=HostfileConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     mpi: MpiConfig = field(default_factory=MpiConfig)
+    max_restarts: int = 3
+    """When a rank exits abnormally (a crash, a kill, the hang watchdog's exit 70), stop the
+    other ranks and start all ranks again from the newest complete checkpoint, up to this many
+    times (0: never). The same failure (exit code or signal) at the same step twice in a row
+    stops at once. Local and hostfile launches restart in moe-launch; a SLURM job restarts its
+    srun step inside the allocation. A preemption (exit code 75) is not a failure."""
 
     def problems(self) -> list[str]:
-        return [f"env.{k}: not a valid environment variable name" for k in self.env
-                if not ENV_NAME.match(k)]
+        out = [f"env.{k}: not a valid environment variable name" for k in self.env
+               if not ENV_NAME.match(k)]
+        return out + minimums(self, max_restarts=0)

@@ -249,13 +249,19 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     count_global_routing(engine, [(x, d) for x, _, d in batches])
     spike_ref = spike.reference() if spike is not None else None
     z_max = torch.full((1,), -math.inf, device=engine.device)
-    for inputs, targets, doc_ids in batches:
+    for i, (inputs, targets, doc_ids) in enumerate(batches):
+        if faults is not None and i == 0:
+            faults.at("forward", step)
         out = engine(inputs, targets, doc_ids_BS=doc_ids)
         loss = out.loss
         if spike_ref is not None:
             loss, z = spike.check(loss, spike_ref)
             z_max = torch.maximum(z_max, z.reshape(1))
+        if faults is not None and i == 0:
+            faults.at("backward", step)
         engine.backward(poison_nonfinite(loss))
+        if faults is not None and i == len(batches) - 1:
+            faults.at("optimizer", step)  # the last micro-batch's step() updates the weights
         engine.step()
         sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
     skipped = not engine.was_step_applied()
@@ -281,7 +287,8 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
         step_seconds=time.time() - t0, tokens_per_step=samples * cfg.data.seq_len,
         samples_per_step=samples, is_log_step=is_log, local_loss=local_sum / t.grad_accum_steps,
         tokens_sha256=_token_hash([p.tokens_BS for p in packed]), skipped=skipped,
-        spike_zscore=z_value if spike_ref is not None and z_value > spike.cfg.zscore else None)
+        spike_zscore=z_value if spike_ref is not None and z_value > spike.cfg.zscore else None,
+        consumed_samples=int(loader.state_dict()["consumed_samples"]))
 
 
 def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",

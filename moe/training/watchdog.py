@@ -3,9 +3,10 @@ for ``train.hang_timeout_s`` seconds.
 
 A hung collective (a dead peer, a stuck file system, a deadlock) otherwise holds every rank's
 allocation until the scheduler's time limit, with nothing in the logs. On a timeout the watchdog
-writes the Python stack of every thread to ``RUN_DIR/logs/hang_rank{R}.txt``, logs one line naming
-the rank, and ends the process with :data:`HANG_EXIT_CODE` through ``os._exit`` (a hung main
-thread would never run an exception handler or exit hooks).
+writes the Python stack of every thread and the last collective the rank entered
+(moe/training/collectives.py) to ``RUN_DIR/logs/hang_rank{R}.txt``, logs one line naming the
+rank, and ends the process with :data:`HANG_EXIT_CODE` through ``os._exit`` (a hung main thread
+would never run an exception handler or exit hooks).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from moe.training.collectives import LAST
 from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")
@@ -60,8 +62,8 @@ class HangWatchdog(Hook):
                f"{self.last_step}); the stack of every thread is in {self.path}; exiting with "
                f"code {HANG_EXIT_CODE}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("w") as f:
-            f.write(msg + "\n\n")
+        with self.path.open("a") as f:  # an earlier attempt's stacks stay
+            f.write(f"{msg}\nin step {self.last_step + 1}, {LAST.describe()}\n\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
         log.error(msg)

@@ -33,7 +33,10 @@ def write_config(tiny_data, tmp_path, name) -> Path:
 
 
 def launch(config: Path, **kw):
-    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
+    # launch.max_restarts 0: this test resumes by hand (tests/integration/test_restarts.py
+    # tests the automatic restart).
+    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval",
+                             "launch.max_restarts=0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **kw)
 
@@ -84,8 +87,10 @@ def test_step_log_is_cut_back_to_the_resumed_step(tmp_path):
     assert path.read_text().startswith(old[0])  # nothing changes before the first step
     for step in (6, 7):
         hook.on_step_end(SimpleNamespace(step=step, local_loss=0.5, tokens_sha256="new",
+                                         consumed_samples=4 * step, samples_per_step=4,
                                          skipped=False))
     hook.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
     assert [r["tokens_sha256"] for r in rows] == ["old"] * 5 + ["new"] * 2
+    assert [r["samples"] for r in rows[5:]] == [[20, 24], [24, 28]]

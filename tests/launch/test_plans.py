@@ -26,7 +26,7 @@ def test_local_plan_starts_world_size_ranks_of_the_entry_point(tmp_path):
     plan = build_plan(run_config(tmp_path, "local", world_size=4, env={"OMP_NUM_THREADS": "1"}))
     cmd = plan.command
     assert cmd[cmd.index("--num_gpus") + 1] == "4"
-    assert cmd[-3:] == ["launch.train", "--config", str(tmp_path / "runs" / "tiny" / "config.yaml")]
+    assert cmd[-3:] == ["launch.rank", "--config", str(tmp_path / "runs" / "tiny" / "config.yaml")]
     assert plan.env["OMP_NUM_THREADS"] == "1" and not plan.submits
 
 

@@ -297,3 +297,43 @@ def test_resubmit_comment_is_shell_quoted(tmp_path):
     comment = build_plan(cfg).files[JOB_SCRIPT].splitlines()[1]
     command = comment.split("resubmit with: ", 1)[1]
     assert shlex.split(command) == ["sbatch", str(Path(cfg.output_dir) / "tiny" / JOB_SCRIPT)]
+
+
+def training_calls(calls) -> list[list[str]]:
+    return [c[0] for c in calls if c[0][0] == "srun" and "launch.train" in c[0]]
+
+
+def test_a_failed_srun_step_is_started_again_in_the_allocation(tmp_path):
+    """launch.max_restarts: srun fails (the ranks reached step 3), the script starts the step
+    again with another master port; it fails again at the same step with the same status and
+    the script stops there; max_restarts 0 never restarts."""
+    run_dir = tmp_path / "runs" / "tiny"
+    (run_dir / "logs").mkdir(parents=True)
+    counter = tmp_path / "attempts"
+    steps = " ".join(shlex.quote(str(run_dir / "logs" / f"steps_rank{r}.jsonl")) for r in range(4))
+    # Attempt 1 fails with status 9 in step 3, attempt 2 finishes.
+    body = (f"n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}\n"
+            f'case "$*" in *launch.train*) for f in {steps}; do printf \'{{"step": 1}}\\n'
+            f'{{"step": 2}}\\n\' >> "$f"; done;; *) exit 0;; esac\n'
+            'if [ "$n" -eq 0 ]; then exit 9; fi\nexit ${SECOND_STATUS:-0}\n')
+    calls, proc = run_script(tmp_path, slurm_config(tmp_path), srun_body=body)
+    trains = training_calls(calls)
+    assert len(trains) == 2 and len(finish_calls(calls)) == 1
+    assert ("restart 1/3: srun exited with status 9 at step 3 (srun's task lines above name the "
+            "failing rank); starting the step again in this allocation") in proc.stdout
+    ports = [env["MASTER_PORT"] for argv, env in calls if argv in trains]
+    assert ports == [str(15000 + 1234 * 4), str(15000 + 1234 * 4 + 1)]
+
+    counter.unlink()
+    body = body.replace("exit ${SECOND_STATUS:-0}", "exit 9")
+    calls, proc = run_script(tmp_path, slurm_config(tmp_path), srun_body=body, expect_rc=9)
+    assert len(training_calls(calls)) == 2 and finish_calls(calls) == []
+    assert ("training failed the same way twice in a row: srun exited with status 9 at step 3"
+            in proc.stdout)
+
+    counter.unlink()
+    cfg = slurm_config(tmp_path)
+    cfg.launch.max_restarts = 0
+    calls, proc = run_script(tmp_path, cfg, srun_body=body, expect_rc=9)
+    assert len(training_calls(calls)) == 1
+    assert "after 0 restart(s) (launch.max_restarts 0)" in proc.stdout

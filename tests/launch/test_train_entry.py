@@ -39,7 +39,8 @@ def calls(monkeypatch, tiny_config_file):
         monkeypatch.delenv(key, raising=False)
 
     def run(outcome):
-        def fake_train(cfg, env, resume):
+        def fake_train(cfg, env, resume, faults):
+            assert faults is None  # no test-only fault plan in the environment
             seen.append("train")
             if outcome is not None:
                 raise outcome

@@ -1,0 +1,71 @@
+"""What local and hostfile launches start once per rank: the training entry point
+(``launch.train``) as a child process, and a record of how it ended.
+
+DeepSpeed's launcher reports one exit code per node and never which rank failed, and a rank
+killed by a signal cannot say anything itself. Its parent can: when the rank ends, this process
+appends one JSON line (rank, pid, exit code or signal, time) to
+``RUN_DIR/logs/exits_rank{R}.jsonl``, from which moe-launch names the failing rank in its
+restart line (launch/supervise.py), then exits with the rank's exit code (128 + N for signal N).
+Signals it receives (USR1, USR2, TERM, INT) are passed on to the rank. Standard library only,
+so that it starts at once and holds signals from its first instructions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+def exits_file(logs_dir: Path, rank: int) -> Path:
+    return Path(logs_dir) / f"exits_rank{rank}.jsonl"
+
+
+def exit_record(rank: int, pid: int, returncode: int) -> dict:
+    """How rank ``rank`` (process ``pid``) ended; ``returncode`` as subprocess reports it
+    (negative: killed by that signal)."""
+    if returncode < 0:
+        return {"rank": rank, "pid": pid, "returncode": None,
+                "signal": signal.Signals(-returncode).name, "time": time.time()}
+    return {"rank": rank, "pid": pid, "returncode": returncode, "signal": None,
+            "time": time.time()}
+
+
+def main(argv: list[str]) -> int:
+    child: subprocess.Popen | None = None
+    held: list[int] = []
+
+    def forward(signum, frame) -> None:
+        if child is None:
+            held.append(signum)
+        else:
+            try:
+                child.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    rank = int(os.environ.get("RANK", "0"))
+    config = argv[argv.index("--config") + 1] if "--config" in argv else None
+    child = subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv])
+    for signum in held:
+        child.send_signal(signum)
+    rc = child.wait()  # signal handlers run while it waits (PEP 475 retries the wait)
+    if config is not None:
+        record = exit_record(rank, child.pid, rc)
+        path = exits_file(Path(config).parent / "logs", rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    return rc if rc >= 0 else 128 - rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,223 @@
+"""Automatic restart of a local, hostfile or mpi launch (``launch.max_restarts``).
+
+moe-launch runs the plan's command (a launcher that starts every rank) and waits. When a rank
+exits abnormally, the other ranks are stopped: DeepSpeed's per-node launcher terminates its own
+ranks within about a second of seeing one fail, and ranks on other nodes, which it does not know
+about, are stopped here: once a rank's end is recorded (launch/rank.py) and the launcher has not
+ended within :data:`GRACE_S`, its whole process tree is terminated (DeepSpeed's multi-node runner
+then kills the remote ranks through pdsh). Then every rank starts again with the same command,
+which resumes from the newest complete checkpoint (``--resume auto``), up to
+``launch.max_restarts`` times. Each restart is printed and appended to
+``RUN_DIR/logs/restarts.jsonl``. The same failure (exit code or signal, whichever rank) at the
+same step twice in a row is not restarted again: it will most likely happen a third time.
+
+Nothing a run wrote is lost on a restart: rank logs, hang stacks and exit records are appended
+to, TensorBoard starts a new event file, the step records keep every step before the resumed
+checkpoint and the resumed run writes the steps after it again.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from launch.rank import exits_file
+from moe.checkpoint.files import find_latest
+from moe.errors import LaunchError
+
+RESTARTS_FILE = "restarts.jsonl"
+GRACE_S = 10.0
+"""After a rank's abnormal end, how long the launcher may take to stop the others itself."""
+POLL_S = 0.5
+
+
+@dataclass
+class Failure:
+    rank: int | None
+    """None: no rank recorded its end (a launcher without launch/rank.py, or the launcher
+    itself failed)."""
+    returncode: int | None
+    signal: str | None
+    step: int
+    """The step the rank was in: one after the last step it completed in this attempt."""
+
+    @property
+    def cause(self) -> str:
+        return f"signal {self.signal}" if self.signal else f"code {self.returncode}"
+
+    def same_as(self, other: Failure | None) -> bool:
+        """Same cause at the same step, whichever rank."""
+        return (other is not None and (self.returncode, self.signal, self.step)
+                == (other.returncode, other.signal, other.step))
+
+    def describe(self) -> str:
+        who = f"rank {self.rank}" if self.rank is not None else "a rank (the launcher did not say which)"
+        return f"{who} exited with {self.cause} at step {self.step}"
+
+
+def newest_complete(run_dir: Path) -> str | None:
+    """The tag of the checkpoint a restart resumes from (``--resume auto``)."""
+    ckpt_dir = run_dir / "checkpoints"
+    return find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+
+
+def _read_jsonl(path: Path, offset: int = 0) -> list[dict]:
+    """The complete JSON lines of ``path`` from byte ``offset`` (a line cut short is skipped)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+class Attempt:
+    """One run of the launcher: the exit records and step records it adds."""
+
+    def __init__(self, run_dir: Path, world_size: int, started: float | None = None,
+                 resumed_step: int | None = None):
+        self.logs = run_dir / "logs"
+        self.world = world_size
+        self.started = time.time() if started is None else started
+        self.offsets = {r: self._size(exits_file(self.logs, r)) for r in range(world_size)}
+        if resumed_step is None:
+            tag = newest_complete(run_dir)
+            resumed_step = int(tag.rsplit("_", 1)[1]) if tag else 0
+        self.resumed_step = resumed_step
+
+    @staticmethod
+    def _size(path: Path) -> int:
+        return path.stat().st_size if path.exists() else 0
+
+    def abnormal_ends(self) -> list[dict]:
+        """The ranks that ended this attempt with a nonzero code or a signal, earliest first."""
+        ends = [e for r in range(self.world)
+                for e in _read_jsonl(exits_file(self.logs, r), self.offsets[r])
+                if e.get("signal") or e.get("returncode")]
+        return sorted(ends, key=lambda e: e["time"])
+
+    def last_step(self, rank: int | None) -> int:
+        """The last step ``rank`` (None: every rank) completed in this attempt; the resumed
+        checkpoint's step if it completed none."""
+        ranks = range(self.world) if rank is None else [rank]
+        steps = []
+        for r in ranks:
+            path = self.logs / f"steps_rank{r}.jsonl"
+            records = (_read_jsonl(path) if path.exists()
+                       and path.stat().st_mtime >= self.started else [])
+            steps.append(max((rec["step"] for rec in records if isinstance(rec.get("step"), int)),
+                             default=self.resumed_step))
+        return min(steps)
+
+    def failure(self, launcher_rc: int) -> Failure:
+        ends = self.abnormal_ends()
+        if not ends:
+            return Failure(None, launcher_rc, None, self.last_step(None) + 1)
+        first = ends[0]
+        return Failure(first["rank"], first["returncode"], first["signal"],
+                       self.last_step(first["rank"]) + 1)
+
+
+def stop_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Terminate the launcher ``proc`` first (DeepSpeed's multi-node runner then kills its
+    remote ranks), then every descendant; kill what is left after ``timeout`` seconds. The
+    launcher itself is waited for through ``proc``: reaping it elsewhere would hide its exit
+    status."""
+    import psutil  # a DeepSpeed dependency
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    proc.terminate()
+    for p in descendants:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(descendants, timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def run_attempt(command: list[str], env: dict, attempt: Attempt) -> int:
+    """Run the launcher once; stop it if it outlives a rank's abnormal end by :data:`GRACE_S`."""
+    proc = subprocess.Popen(command, env=env)
+    seen = None
+    while proc.poll() is None:
+        time.sleep(POLL_S)
+        if seen is None and attempt.abnormal_ends():
+            seen = time.monotonic()
+        if seen is not None and time.monotonic() - seen > GRACE_S and proc.poll() is None:
+            print(f"launch: a rank ended abnormally {GRACE_S:g}s ago and the launcher still "
+                  f"runs: stopping every rank", flush=True)
+            stop_tree(proc)
+    return proc.wait()
+
+
+def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: int,
+                      max_restarts: int, preempted) -> int:
+    """Run ``command`` until it succeeds, is preempted (``preempted(rc)`` true: returned at
+    once) or has failed ``max_restarts + 1`` times (LaunchError). Returns its exit code."""
+    previous: Failure | None = None
+    restart = 0
+    while True:
+        attempt = Attempt(run_dir, world_size)
+        rc = run_attempt(command, env, attempt)
+        if rc == 0 or preempted(rc):
+            return rc
+        failure = attempt.failure(rc)
+        logs = run_dir / "logs"
+        if restart == max_restarts:
+            raise LaunchError(f"training failed: {failure.describe()}"
+                              + (f", after {max_restarts} restart(s) (launch.max_restarts)"
+                                 if max_restarts else " (launch.max_restarts: 0)")
+                              + f"; per-rank logs in {logs}")
+        if failure.same_as(previous):
+            raise LaunchError(f"training failed the same way twice in a row: "
+                              f"{failure.describe()}, as before restart {restart}/{max_restarts}; "
+                              f"not restarting again. Per-rank logs in {logs}")
+        restart += 1
+        tag = newest_complete(run_dir)
+        resume = str(run_dir / "checkpoints" / tag) if tag else None
+        print(f"launch: restart {restart}/{max_restarts}: {failure.describe()}; "
+              f"resuming from {resume or 'the start (no complete checkpoint yet)'}", flush=True)
+        with (logs / RESTARTS_FILE).open("a") as f:
+            f.write(json.dumps({"restart": restart, "max_restarts": max_restarts,
+                                **asdict(failure), "resume": resume,
+                                "failed_after_s": round(time.time() - attempt.started, 3),
+                                "time": time.time()}) + "\n")
+        previous = failure
+
+
+def main(argv: list[str]) -> None:
+    """``python -m launch.supervise RUN_DIR WORLD_SIZE STARTED RESUMED_STEP``: print the step a
+    failed attempt (started at epoch second STARTED, resumed from step RESUMED_STEP) was in; a
+    SLURM job script's restart loop asks this after a failed srun step."""
+    run_dir, world, started, resumed = argv
+    # Whole seconds from the shell: a record written in the attempt's first second counts.
+    attempt = Attempt(Path(run_dir), int(world), float(started) - 1, int(resumed))
+    print(attempt.last_step(None) + 1)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

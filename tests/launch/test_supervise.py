@@ -1,0 +1,148 @@
+"""The restart loop of local and hostfile launches (launch/supervise.py) with a fake launcher: a
+small script that plays both ranks (their step records, their exit records as launch/rank.py
+writes them) and follows a per-attempt script of outcomes. The real launch is tested in
+tests/integration/test_restarts.py."""
+
+import json
+import sys
+import time
+
+import pytest
+
+from launch import supervise
+from launch.rank import exit_record, exits_file
+from launch.supervise import RESTARTS_FILE, run_with_restarts
+from moe.errors import LaunchError
+from tests.launch.test_config_errors import launch_errors
+
+FAKE = r'''
+import json, sys, time
+from pathlib import Path
+from launch.rank import exit_record, exits_file
+
+run_dir, script = Path(sys.argv[1]), json.loads(sys.argv[2])
+logs = run_dir / "logs"
+counter = logs / "attempts"
+n = int(counter.read_text()) if counter.exists() else 0
+counter.write_text(str(n + 1))
+outcome = script[min(n, len(script) - 1)]
+ckpt = run_dir / "checkpoints"
+tags = sorted(p.name for p in ckpt.glob("step_*")) if ckpt.exists() else []
+start = int(tags[-1].split("_")[1]) if tags else 0
+for rank in (0, 1):
+    with (logs / f"steps_rank{rank}.jsonl").open("a") as f:
+        for step in range(start + 1, outcome["reach"] + 1):
+            f.write(json.dumps({"step": step}) + "\n")
+for rank, rc in enumerate(outcome["ranks"]):
+    if rc is not None:
+        with exits_file(logs, rank).open("a") as f:
+            f.write(json.dumps(exit_record(rank, 1000 + rank, rc)) + "\n")
+    time.sleep(0.01)  # the failing rank's end comes first
+if outcome.get("linger"):
+    time.sleep(3600)
+sys.exit(outcome["launcher"])
+'''
+
+
+def run(tmp_path, script, max_restarts=3, checkpoints=(), preempted=lambda rc: rc == 75):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for step in checkpoints:  # a complete checkpoint: its directory and its marker
+        tag = run_dir / "checkpoints" / f"step_{step:07d}"
+        tag.mkdir(parents=True)
+        (tag / "checkpoint.json").write_text("{}")
+    fake = tmp_path / "fake_launcher.py"
+    fake.write_text(FAKE)
+    cmd = [sys.executable, str(fake), str(run_dir), json.dumps(script)]
+    rc = run_with_restarts(cmd, None, run_dir, 2, max_restarts, preempted)
+    return rc, run_dir
+
+
+def attempts(run_dir) -> int:
+    return int((run_dir / "logs" / "attempts").read_text())
+
+
+def restarts(run_dir) -> list[dict]:
+    path = run_dir / "logs" / RESTARTS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+KILLED = -9  # subprocess's return code of a process killed by SIGKILL
+
+
+def test_failures_are_restarted_and_logged_with_rank_cause_and_step(tmp_path, capsys):
+    script = [{"reach": 4, "ranks": [None, KILLED], "launcher": 137},
+              {"reach": 6, "ranks": [70, 143], "launcher": 70},
+              {"reach": 8, "ranks": [0, 0], "launcher": 0}]
+    rc, run_dir = run(tmp_path, script)
+    assert rc == 0 and attempts(run_dir) == 3
+    out = capsys.readouterr().out
+    assert "restart 1/3: rank 1 exited with signal SIGKILL at step 5; resuming from the start" in out
+    assert "restart 2/3: rank 0 exited with code 70 at step 7" in out
+    got = restarts(run_dir)
+    assert [(r["restart"], r["rank"], r["returncode"], r["signal"], r["step"]) for r in got] == \
+        [(1, 1, None, "SIGKILL", 5), (2, 0, 70, None, 7)]
+
+
+def test_the_failing_step_counts_from_the_checkpoint_the_attempt_resumed(tmp_path, capsys):
+    """An attempt that dies before completing a step: the step after the resumed checkpoint, not
+    the step an earlier attempt had reached."""
+    script = [{"reach": 9, "ranks": [1, None], "launcher": 1},
+              {"reach": 0, "ranks": [2, None], "launcher": 2},
+              {"reach": 9, "ranks": [0, 0], "launcher": 0}]
+    run(tmp_path, script, checkpoints=[6])
+    out = capsys.readouterr().out
+    assert "rank 0 exited with code 1 at step 10" in out
+    assert "rank 0 exited with code 2 at step 7" in out
+
+
+def test_the_same_failure_at_the_same_step_twice_stops_early(tmp_path):
+    script = [{"reach": 4, "ranks": [None, 3], "launcher": 3},
+              {"reach": 4, "ranks": [3, None], "launcher": 3}]  # another rank, same cause
+    with pytest.raises(LaunchError, match=r"failed the same way twice in a row: rank 0 exited "
+                                          r"with code 3 at step 5, as before restart 1/5"):
+        run(tmp_path, script, max_restarts=5)
+    assert attempts(tmp_path / "run") == 2
+
+
+def test_restarts_run_out(tmp_path):
+    script = [{"reach": s, "ranks": [None, 1], "launcher": 1} for s in (2, 4, 6)]
+    with pytest.raises(LaunchError, match=r"rank 1 exited with code 1 at step 7, after 2 "
+                                          r"restart\(s\) \(launch.max_restarts\)"):
+        run(tmp_path, script, max_restarts=2)
+    assert attempts(tmp_path / "run") == 3
+
+
+def test_max_restarts_0_never_restarts(tmp_path):
+    with pytest.raises(LaunchError, match=r"launch.max_restarts: 0"):
+        run(tmp_path, [{"reach": 2, "ranks": [None, 1], "launcher": 1}], max_restarts=0)
+    assert attempts(tmp_path / "run") == 1
+
+
+def test_a_preemption_is_returned_not_restarted(tmp_path):
+    rc, run_dir = run(tmp_path, [{"reach": 2, "ranks": [75, 75], "launcher": 75}])
+    assert rc == 75 and attempts(run_dir) == 1 and restarts(run_dir) == []
+
+
+def test_a_launcher_that_outlives_a_failed_rank_is_stopped(tmp_path, monkeypatch):
+    """Ranks on other nodes are not DeepSpeed's per-node launcher's to stop: once a rank's end
+    is recorded and the launcher still runs after the grace period, its tree is terminated."""
+    monkeypatch.setattr(supervise, "GRACE_S", 1.0)
+    script = [{"reach": 3, "ranks": [None, KILLED], "launcher": 1, "linger": True},
+              {"reach": 5, "ranks": [0, 0], "launcher": 0}]
+    t0 = time.monotonic()
+    rc, run_dir = run(tmp_path, script)
+    assert rc == 0 and time.monotonic() - t0 < 30
+    assert restarts(run_dir)[0]["signal"] == "SIGKILL"
+
+
+def test_exit_records_name_a_signal_or_a_code(tmp_path):
+    assert exit_record(1, 5, -15)["signal"] == "SIGTERM"
+    assert exit_record(1, 5, 70)["returncode"] == 70
+    assert exits_file(tmp_path, 3).name == "exits_rank3.jsonl"
+
+
+def test_max_restarts_is_validated_by_name(tmp_path, capsys):
+    problems = launch_errors(tmp_path, capsys, "launch.max_restarts=-1", "launch.max_restart=2")
+    assert "launch.max_restarts: must be >= 0, got -1" in problems
+    assert any(p.startswith("launch.max_restart: unknown key") for p in problems)
