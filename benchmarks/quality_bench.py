@@ -39,7 +39,7 @@ QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_s
 
 VARIANTS = ["dense", "moe", "renormalize", "global_balance", "loss_free", "loss_free_plus_aux", "zloss",
             "router_init_small", "router_init_large", "router_lr_small", "router_lr_large",
-            "expert_lr_large", "fine_grained_shared", "fine_grained32_shared", "experts16",
+            "expert_lr_large", "expert_lr_x4", "fine_grained_shared", "fine_grained32_shared", "experts16",
             "experts32", "experts64", "top1", "capacity"]
 
 
@@ -80,6 +80,7 @@ def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
         "router_lr_small": ["train.router_lr_scale=0.1"],
         "router_lr_large": ["train.router_lr_scale=3.0"],
         "expert_lr_large": ["train.expert_lr_scale=2.0"],
+        "expert_lr_x4": ["train.expert_lr_scale=4.0"],
         "experts16": ["model.moe.num_experts=16"],
         "experts32": ["model.moe.num_experts=32"],
         "experts64": ["model.moe.num_experts=64"],
