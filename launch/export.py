@@ -28,13 +28,17 @@ def main(argv=None) -> None:
                    help="Hugging Face architecture (auto: the first of "
                         f"{', '.join(TARGETS)} that holds the model exactly; a model none can "
                         "hold is refused with every reason, see the README's export section)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (or, off a terminal, no progress lines) while the "
+                        "checkpoint is read (fp32 and hf)")
     args = p.parse_args(argv)
+    progress = not args.quiet
     if args.format == "fp32":
-        out = export_fp32(args.checkpoint, args.output)
+        out = export_fp32(args.checkpoint, args.output, progress)
     elif args.format == "deepspeed":
         out = export_deepspeed(args.checkpoint, args.output)
     else:
-        out = export_hf(args.checkpoint, args.output, args.arch)
+        out = export_hf(args.checkpoint, args.output, args.arch, progress)
     print(f"exported {args.checkpoint} -> {out} ({args.format})")
 
 

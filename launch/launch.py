@@ -38,6 +38,7 @@ from launch.jobs import (
     slurm_command,
 )
 from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
+from launch.prepare_slurm import is_prepare_dir
 from launch.schedulers import build_plan, plan_problems
 from launch.schedulers.slurm import job_log
 from launch.slurm_checks import check_submission
@@ -150,25 +151,36 @@ def describe(job: JobState) -> str:
     return text + ("" if job.source == "squeue" else f" [from {job.source}]")
 
 
+def training_lines(run_dir: Path, job: JobState) -> list[str]:
+    """What a training run's directory says beyond SLURM: last step, requeue, checkpoint."""
+    lines = []
+    steps = last_steps(run_dir)
+    if steps:
+        speed = (f", {steps['tokens_per_s']:,} tokens/s" if steps["tokens_per_s"] is not None
+                 else "")
+        lines.append(f"last step       {steps['step']}, loss {steps['loss']:.4f}{speed}")
+    resume = requeued_at(run_dir, job.job_id)
+    if resume is not None and job.active:
+        lines.append(f"preempted       exit code {PREEMPTED_EXIT_CODE} on purpose (not a "
+                     f"failure): requeued, will resume from step {resume}")
+    return lines + [f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",
+                    f"rank logs       {run_dir / 'logs'}/rank*.log"]
+
+
 def status(target: str) -> None:
     job_id, run_dir = resolve_target(target)
     job = query(job_id, run_dir)
     lines = [f"job {job_id}: {describe(job)}"]
     if run_dir is not None:
         record_state(run_dir, job)
+        if not is_prepare_dir(run_dir):
+            lines += training_lines(run_dir, job)
+        else:  # moe-prepare --slurm-parts: the jobs before the newest matter as much
+            for record in read_jobs(run_dir)[:-1]:
+                if not record.get("state"):
+                    record_state(run_dir, query(str(record["job_id"]), run_dir))
         record = read_jobs(run_dir)[-1]
-        steps = last_steps(run_dir)
-        if steps:
-            speed = (f", {steps['tokens_per_s']:,} tokens/s" if steps["tokens_per_s"] is not None
-                     else "")
-            lines.append(f"last step       {steps['step']}, loss {steps['loss']:.4f}{speed}")
-        resume = requeued_at(run_dir, job_id)
-        if resume is not None and job.active:
-            lines.append(f"preempted       exit code {PREEMPTED_EXIT_CODE} on purpose (not a "
-                         f"failure): requeued, will resume from step {resume}")
-        lines += [f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",
-                  f"job log         {record['log'].replace('%j', job_id)}",
-                  f"rank logs       {run_dir / 'logs'}/rank*.log",
+        lines += [f"job log         {record['log'].replace('%j', job_id)}",
                   "jobs of the run " + ", ".join(f"{r['job_id']} ({r.get('state') or 'no final state seen yet'})"
                                                  for r in read_jobs(run_dir))]
     print("\n".join(lines))

@@ -2,7 +2,9 @@
 verify prepared data (every shard against the manifest: schema, counts, SHA-256, token range).
 
 On many machines sharing a file system: --tokenizer-only once, then --part i/N on each machine
-(i = 0 .. N-1), then --merge once; the result is byte for byte that of one machine."""
+(i = 0 .. N-1), then --merge once; the result is byte for byte that of one machine. On a SLURM
+cluster --slurm-parts N submits the three steps as chained jobs (the parts as an array job),
+with the config's launch.slurm settings; with --dry-run it prints them instead."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import argparse
 
 from data_pipeline.prepare import merge_parts, prepare, prepare_part, prepare_tokenizer
 from data_pipeline.verify import verify
+from launch import prepare_slurm
 from launch.cli import exits_cleanly
 from moe.training.config import load_config
 
@@ -30,14 +33,28 @@ def main(argv=None) -> None:
                        help="many machines, step 2: prepare part I of N (0-based) with that tokenizer")
     steps.add_argument("--merge", action="store_true",
                        help="many machines, step 3: write the shards and manifest from the parts")
-    args = p.parse_args(argv)
+    steps.add_argument("--slurm-parts", metavar="N", type=int,
+                       help="submit all three steps to SLURM: the tokenizer job, an array job "
+                            "of N parts, the merge job, each after the one before succeeded")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --slurm-parts: print the job scripts and sbatch commands only")
+    args = p.parse_intermixed_args(argv)
     if args.verify:
         summary = verify(args.verify, progress=not args.quiet)
         print(f"{args.verify}: ok; {summary}")
         return
     if not args.config:
         p.error("a config is needed (or --verify DATA_DIR)")
+    if args.dry_run and args.slurm_parts is None:
+        p.error("--dry-run goes with --slurm-parts")
     cfg = load_config(args.config, args.overrides)
+    if args.slurm_parts is not None:
+        jobs = prepare_slurm.build(cfg, args.slurm_parts, force=args.force)
+        if args.dry_run:
+            print(jobs.render())
+        else:
+            print("\n".join(prepare_slurm.watch_lines(jobs, prepare_slurm.submit(cfg, jobs))))
+        return
     if args.tokenizer_only:
         print(f"tokenizer: {prepare_tokenizer(cfg.data, progress=not args.quiet)}")
         return

@@ -25,6 +25,7 @@ from launch.jobs import ENDS_FILE
 from launch.plan import RESOLVED_CONFIG, Plan, entry_point
 from moe.errors import ConfigError
 from moe.training.config import RunConfig
+from moe.training.launch_config import SlurmConfig
 from moe.training.preemption import PREEMPTED_MARKER
 
 JOB_SCRIPT = "job.sbatch"
@@ -47,6 +48,22 @@ def sbatch_directive(option: str, value: object = None) -> str:
     return f'#SBATCH {option}="{text}"'
 
 
+def site_directives(s: SlurmConfig) -> list[tuple[str, object]]:
+    """Where and how long any job of the run may run: time limit, partition, account."""
+    return [(f"--{key}", getattr(s, key)) for key in ("time", "partition", "account")
+            if getattr(s, key) is not None]
+
+
+def extra_directives(s: SlurmConfig) -> list[str]:
+    return [f"#SBATCH {d}" for d in s.extra_sbatch]  # the user's own sbatch syntax
+
+
+def env_exports(cfg: RunConfig, extra: dict[str, str] | None = None) -> list[str]:
+    """``export`` lines for unbuffered Python output and the config's launch.env."""
+    env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env, **(extra or {})}
+    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+
+
 def job_script(cfg: RunConfig, run_dir: Path, cwd: Path, evaluate: bool = True) -> str:
     s = cfg.launch.slurm
     world = cfg.parallel.world_size
@@ -57,8 +74,7 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path, evaluate: bool = True) 
                   ("--ntasks-per-node", per_node), ("--cpus-per-task", s.cpus_per_task)]
     if s.gpus_per_node:
         directives.append(("--gpus-per-node", s.gpus_per_node))
-    directives += [(f"--{key}", getattr(s, key)) for key in ("time", "partition", "account")
-                   if getattr(s, key) is not None]
+    directives += site_directives(s)
     directives += [("--output", output), ("--open-mode", "append")]
     if s.signal_seconds:
         directives.append(("--signal", f"USR1@{s.signal_seconds}"))
@@ -66,7 +82,7 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path, evaluate: bool = True) 
     lines = ["#!/bin/bash", f"# Written by moe-launch for run {cfg.name!r}; resubmit with: "
                             f"sbatch {q(str(run_dir / JOB_SCRIPT))}".replace("\n", " ")]
     lines += [sbatch_directive(*d) for d in directives]
-    lines += [f"#SBATCH {d}" for d in s.extra_sbatch]  # the user's own sbatch syntax
+    lines += extra_directives(s)
     lines += ["set -euo pipefail",
               # SLURM may signal this shell alone (--signal=B:..., scancel --batch): hold a
               # signal until srun runs, then pass it on to srun, which hands it to every rank.
@@ -79,10 +95,10 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path, evaluate: bool = True) 
               "trap 'forward USR1' USR1",
               "trap 'forward TERM' TERM",
               f"cd {q(str(cwd))}"]
-    env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env}
+    env = {}
     if s.socket_ifname:
         env |= {"GLOO_SOCKET_IFNAME": s.socket_ifname, "NCCL_SOCKET_IFNAME": s.socket_ifname}
-    lines += [f"export {k}={q(v)}" for k, v in env.items()]
+    lines += env_exports(cfg, env)
     port = (str(s.master_port) if s.master_port is not None else
             "$(( 15000 + (SLURM_JOB_ID % 3750) * 4 + (${SLURM_RESTART_COUNT:-0} + restarts) % 4 ))")
     marker = q(str(run_dir / PREEMPTED_MARKER))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,21 +76,35 @@ def consolidated_state_dict(main_module_state: dict, expert_states: dict[tuple[i
     return out
 
 
-def read_consolidated(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def state_files(tag_dir: Path) -> list[Path]:
+    """The files :func:`read_consolidated` reads: the main model states, then every expert file."""
+    tag_dir = Path(tag_dir)
+    experts = sorted(f for f in [*tag_dir.iterdir(), *(tag_dir / EXPERT_DIR).glob("*")]
+                     if expert_file_ids(f.name) is not None)
+    return [tag_dir / MAIN_STATES, *experts]
+
+
+def read_consolidated(tag_dir: Path, on_file: Callable[[], None] | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict]:
     """(single-device state dict, completion marker) of the checkpoint ``tag_dir`` saved with
     any layout, after checking it: complete, no file missing or truncated, every expert of every
     layer present exactly once, and each expert holding the weights its fingerprint recorded (or,
-    for a checkpoint without fingerprints, no two experts with identical weights)."""
+    for a checkpoint without fingerprints, no two experts with identical weights). ``on_file``
+    is called after each of :func:`state_files` is read (progress)."""
     tag_dir = Path(tag_dir)
     marker = verify_files(tag_dir)
-    main = load_file(tag_dir / MAIN_STATES)
+    main_file, *expert_files = state_files(tag_dir)
+    main = load_file(main_file)
+    if on_file:
+        on_file()
     experts = {}
-    for f in sorted([*tag_dir.iterdir(), *(tag_dir / EXPERT_DIR).glob("*")]):
+    for f in expert_files:
         ids = expert_file_ids(f.name)
-        if ids is not None:
-            if ids in experts:
-                raise CheckpointError(f"{f}: expert {ids[1]} of MoE layer {ids[0]} has two files")
-            experts[ids] = load_file(f)
+        if ids in experts:
+            raise CheckpointError(f"{f}: expert {ids[1]} of MoE layer {ids[0]} has two files")
+        experts[ids] = load_file(f)
+        if on_file:
+            on_file()
     try:
         state = consolidated_state_dict(main["module"], experts, str(tag_dir))
     except ValueError as e:

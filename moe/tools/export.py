@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.progress import Progress
+from moe.checkpoint.consolidate import state_files
 from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint, verify_files
 from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
@@ -40,11 +42,17 @@ from moe.training.load import load_consolidated
 FP32_FILE = "model.safetensors"
 
 
-def consolidated_fp32(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
+def consolidated_fp32(path: str | Path, progress: bool = False
+                      ) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     """Single-device fp32 state dict of a checkpoint saved with any layout, checked for
     integrity: the fp32 master weights whatever the training precision (load_consolidated reads
-    them from the ZeRO partitions of a bf16 run), buffers from the model states."""
-    state, cfg, tag_dir = load_consolidated(path)
+    them from the ZeRO partitions of a bf16 run), buffers from the model states. ``progress``:
+    a bar over the files read on a terminal, log lines otherwise (a big checkpoint is mostly
+    reading)."""
+    tag_dir = resolve_checkpoint(path)
+    bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
+    state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
+    bar.close()
     if cfg.model.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as embed.weight
     return {k: v.float().contiguous() for k, v in state.items()}, cfg, tag_dir
@@ -71,10 +79,10 @@ def _publish(out_dir: Path, write) -> Path:
     return out_dir
 
 
-def export_fp32(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def export_fp32(checkpoint: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
     from safetensors.torch import save_file
 
-    state, cfg, tag_dir = consolidated_fp32(checkpoint)
+    state, cfg, tag_dir = consolidated_fp32(checkpoint, progress)
 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / FP32_FILE), metadata={"format": "pt", "source": str(tag_dir)})
@@ -322,7 +330,8 @@ def hf_tokenizer(model_file: Path):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **specials), ids
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto") -> Path:
+def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
+              progress: bool = False) -> Path:
     """Write a transformers model directory; ``arch``: one of ``hf_support.TARGETS`` or auto
     (the first that can hold the model). A model no target holds exactly is refused before
     anything is written, naming every offending config key."""
@@ -331,7 +340,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto") -
     except ImportError:
         raise CheckpointError("the Hugging Face export needs transformers: "
                               "pip install -c constraints.txt transformers") from None
-    state, cfg, tag_dir = consolidated_fp32(checkpoint)
+    state, cfg, tag_dir = consolidated_fp32(checkpoint, progress)
     arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
     hf_state = _hf_state(state, cfg, arch)
     tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)

@@ -4,6 +4,7 @@ checkpoint is read outside a training engine: evaluation, export, ``model.init_f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from moe.checkpoint.consolidate import find_zero_file, read_consolidated, read_layout_free
@@ -13,13 +14,14 @@ from moe.model.transformer import MoETransformer
 from moe.training.config import RunConfig, load_config
 
 
-def load_consolidated(path: str | Path) -> tuple[dict, RunConfig, Path]:
+def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = None
+                      ) -> tuple[dict, RunConfig, Path]:
     """The single-device state dict of a checkpoint saved with any layout, its run config and
     its directory, after checking it: complete, no file missing or truncated, every expert of
     every layer present exactly once and holding the weights saved under its id, every tensor
-    shaped as the config says."""
+    shaped as the config says. ``on_file``: called after each file read (progress)."""
     tag_dir = resolve_checkpoint(path)
-    state, _ = read_consolidated(tag_dir)
+    state, _ = read_consolidated(tag_dir, on_file)
     cfg = load_config(tag_dir / RUN_CONFIG)
     if cfg.model.vocab_size is None:
         raise CheckpointError(f"{tag_dir / RUN_CONFIG}: model.vocab_size is not resolved")

@@ -60,6 +60,9 @@ def test_fp32_export_equals_the_checkpoint(trained):
     proc = subprocess.run([sys.executable, "-m", "launch.export", str(run_dir), str(out / "fp32")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # Not a terminal: the progress of reading the checkpoint comes as log lines, here the last.
+    assert f"export: read {tag_dir}: " in proc.stderr and "(100%)" in proc.stderr
+    assert proc.stderr.rstrip().endswith("(done)"), proc.stderr[-2000:]
     state = load_file(str(out / "fp32" / FP32_FILE))
     expected = model.state_dict()
     assert state.keys() == expected.keys()
@@ -119,3 +122,26 @@ def test_models_without_a_hugging_face_equivalent_are_refused(trained):
         with pytest.raises(CheckpointError, match="cannot be exported as mixtral"):
             export_hf(run_dir, out / "refused", arch="mixtral")
         assert not (out / "refused").exists()
+
+
+def test_export_progress_logs_each_file_off_a_terminal(trained, capsys, monkeypatch):
+    from data_pipeline import progress as progress_module
+    from launch.export import main
+    from moe.checkpoint.consolidate import state_files
+    from moe.checkpoint.files import resolve_checkpoint
+
+    arch, run_dir, out = trained
+    real = progress_module.Progress
+    monkeypatch.setattr("moe.tools.export.Progress",
+                        lambda *a, **kw: real(*a, **{**kw, "interval": 0.0}))
+    tag_dir = resolve_checkpoint(run_dir)
+    files = len(state_files(tag_dir))
+    assert files > 2  # the main states and an expert file per expert
+    main([str(run_dir), str(out / "fp32-progress")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("export:")]
+    assert [line.split(": ")[2].split(" of ")[0] for line in lines] == \
+        [str(i) for i in range(1, files + 1)] + [str(files)]
+    assert lines[0].startswith(f"export: read {tag_dir}: 1 of {files} files")
+    assert lines[-1].endswith("(done)")
+    main([str(run_dir), str(out / "fp32-quiet"), "--quiet"])
+    assert "export:" not in capsys.readouterr().err
