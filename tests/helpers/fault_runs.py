@@ -1,7 +1,7 @@
 """Real launches with injected faults (moe/training/faults.py's test-only plan), and the checks
 a recovered run must pass against an uninterrupted one: the same loss at every step on every
 rank, every global sample consumed exactly once, every checkpoint on disk verifying. Used by
-tests/integration/test_restarts.py, tests/integration/test_fault_campaign.py and
+tests/integration/test_fault_campaign.py and
 benchmarks/fault_campaign.py."""
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def campaign_config(data, out_dir: Path, name: str, faults: int) -> Path:
     d = tiny_run_dict(data, out_dir / "runs", max_steps=campaign_steps(faults),
                       hang_timeout_s=CAMPAIGN_HANG_S)
     d.update(name=name, checkpoint={"every_n_steps": 1, "keep_last": 3},
-             logging={"log_every": 1, "tensorboard": False},
+             logging={"log_every": 1},
              eval={"every_n_steps": CAMPAIGN_EVAL_EVERY, "max_tokens": 256, "batch_size": 2},
              launch={"max_restarts": faults + 2})
     return write_run_config(out_dir / f"{name}.yaml", d)

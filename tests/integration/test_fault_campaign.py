@@ -3,10 +3,16 @@
 the optimizer step, a checkpoint save and the evaluation, SIGTERM, a hang and a failed save, and
 recovers from each by itself (launch.max_restarts). At the end: every step's loss equals an
 uninterrupted run's on every rank (fp32, bitwise), every global sample index was consumed exactly
-once, every checkpoint verifies. benchmarks/fault_campaign.py runs the same with 100 faults."""
+once, every checkpoint verifies. Each restart is announced with the failing rank, its signal or
+exit code and the step; the hang is detected within train.hang_timeout_s (not waited out), with
+its stacks and last collective on disk; nothing an earlier attempt wrote is lost.
+benchmarks/fault_campaign.py runs the same with 100 faults."""
+
+import json
 
 import pytest
 
+from moe.training.watchdog import HANG_EXIT_CODE, hang_file
 from tests.helpers import fault_runs as fr
 
 pytestmark = pytest.mark.integration
@@ -31,3 +37,27 @@ def test_ten_faults_in_one_job_recover_to_the_uninterrupted_run(tiny_data, tmp_p
     assert figures["injected"] == FAULTS and figures["restarts"] == FAULTS, figures
     assert all(0 <= n <= 1 for n in figures["recomputed"]), figures  # checkpoint interval: 1
     assert fr.campaign_problems(run_dir, tmp_path / "runs" / "reference", FAULTS) == []
+
+    records = fr.restarts(run_dir)
+    first = records[0]
+    assert first["signal"] == "SIGKILL", first  # the plan's first fault: a kill in the forward
+    assert (f"launch: restart 1/{FAULTS + 2}: rank {first['rank']} exited with signal SIGKILL "
+            f"at step {first['step']}; resuming from {first['resume']}") in proc.stdout + proc.stderr
+    hang = next(f for f in plan["faults"] if f["kind"] == "hang")
+    hang_restart = next(r for r in records if r["returncode"] == HANG_EXIT_CODE)
+    assert hang_restart["step"] == hang["step"], (hang, hang_restart)
+    # Detected within the timeout plus the watchdog's polling, not waited out (the fault sleeps
+    # 20 timeouts).
+    hung_at = float((tmp_path / "fired" / f"fault_{hang['id']}").read_text())
+    ends = [json.loads(line) for line in
+            (run_dir / "logs" / f"exits_rank{hang['rank']}.jsonl").read_text().splitlines()]
+    hang_end = next(e for e in ends if e["returncode"] == HANG_EXIT_CODE and e["time"] > hung_at)
+    assert hang_end["time"] - hung_at < fr.CAMPAIGN_HANG_S + 4
+    stacks = hang_file(run_dir / "logs", hang["rank"]).read_text()
+    assert f"the last completed step is {hang['step'] - 1}" in stacks and "in _fire" in stacks
+    assert "last collective entered" in stacks
+    # Nothing written before a restart is lost: rank 0's log holds every resumption, and every
+    # attempt wrote its own TensorBoard event file.
+    resumed = sum(1 for r in records if r["resume"])
+    assert (run_dir / "logs" / "rank0.log").read_text().count("resumed from") == resumed
+    assert len(list((run_dir / "tensorboard").glob("events.*"))) == len(records) + 1

@@ -32,7 +32,7 @@ def write_config(tiny_data, tmp_path: Path, name: str, **data) -> Path:
     d["checkpoint"] = {"every_n_steps": 2, "keep_last": 2}
     d["logging"] = {"log_every": 1, "tensorboard": False}
     # The kill below must end the job so that the same command resumes it by hand (automatic
-    # restarts are tested in test_restarts.py and test_fault_campaign.py).
+    # restarts are tested in test_fault_campaign.py).
     d["launch"] = {"max_restarts": 0}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(d))

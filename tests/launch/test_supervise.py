@@ -1,7 +1,7 @@
 """The restart loop of local and hostfile launches (launch/supervise.py) with a fake launcher: a
 small script that plays both ranks (their step records, their exit records as launch/rank.py
 writes them) and follows a per-attempt script of outcomes. The real launch is tested in
-tests/integration/test_restarts.py."""
+tests/integration/test_fault_campaign.py."""
 
 import json
 import sys
