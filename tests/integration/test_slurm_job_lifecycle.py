@@ -116,7 +116,7 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
     # logs -f follows the job log while the job runs and returns once it is over
     followed = moe_launch(["logs", str(run_dir), "-f"], env=cluster.env, timeout=300)
     assert followed.returncode == 0, followed.stderr
-    assert f"job {resubmitted} (restart 0)" in followed.stdout
+    assert f"job {resubmitted} (restart 0, attempt 1): " in followed.stdout
     assert "step     2/2" in followed.stdout, followed.stdout[-3000:]
     assert "training finished; evaluation skipped (--no-eval)" in followed.stdout
     assert not (run_dir / "checkpoints" / "step_0000002" / "eval").exists()
