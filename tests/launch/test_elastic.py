@@ -3,6 +3,7 @@ hosts, the replanned command, and the config checks. The real launch is tested i
 tests/integration/test_elastic_restart.py."""
 
 import json
+import os
 
 import pytest
 
@@ -124,3 +125,29 @@ def test_elastic_and_min_world_size_are_validated_by_name(tmp_path, capsys):
     assert "launch.min_world_size: 3 exceeds parallel.world_size (2)" in problems
     assert any(p.startswith("parallel.zero_stage: launch.elastic needs ZeRO stage 1 or 2")
                for p in problems), problems
+
+
+def fake_program(tmp_path, monkeypatch, name, body):
+    """``name`` on PATH as a small shell script (the real one may be absent here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text("#!/bin/sh\n" + body)
+    (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+def test_the_ssh_probe_asks_without_a_prompt_and_a_connect_timeout(tmp_path, monkeypatch):
+    log = tmp_path / "ssh.log"
+    fake_program(tmp_path, monkeypatch, "ssh",
+                 f'echo "$@" >> {log}\n[ "$7" = alpha ] || exit 255\n')
+    assert elastic.reachable("alpha", timeout=3) and not elastic.reachable("beta", timeout=3)
+    assert log.read_text().splitlines()[0] == ("-o PasswordAuthentication=no -o BatchMode=yes "
+                                               "-o ConnectTimeout=3 alpha true")
+
+
+def test_visible_gpus_counts_nvidia_smi_within_cuda_visible_devices(tmp_path, monkeypatch):
+    fake_program(tmp_path, monkeypatch, "nvidia-smi",
+                 'echo "GPU 0: NVIDIA H100 (UUID: GPU-a)"\necho "GPU 1: NVIDIA H100 (UUID: GPU-b)"\n')
+    assert elastic.visible_gpus({}) == 2
+    assert elastic.visible_gpus({"CUDA_VISIBLE_DEVICES": "1"}) == 1
+    assert elastic.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) is None  # a CPU run
