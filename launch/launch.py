@@ -23,6 +23,7 @@ from pathlib import Path
 
 from data_pipeline.prepare import prepare
 from launch.cli import exits_cleanly
+from launch.elastic import Elastic
 from launch.finish import finish
 from launch.jobs import (
     JOBS_FILE,
@@ -50,9 +51,10 @@ from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 JOB_COMMANDS = ("status", "cancel", "logs")
 
 
-def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0) -> None:
+def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
+               replan=None) -> None:
     """Run the plan to its end, restarting it after a failure up to ``max_restarts`` times
-    (launch/supervise.py)."""
+    (launch/supervise.py); ``replan``: the next attempt's command (launch/elastic.py)."""
     (run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # left by an earlier, requeued run
     print(f"launch: {plan.render().splitlines()[-1]}", flush=True)
 
@@ -60,7 +62,7 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0)
         return rc == PREEMPTED_EXIT_CODE or (run_dir / PREEMPTED_MARKER).exists()
 
     rc = run_with_restarts(plan.command, plan.run_env(), run_dir, plan.world_size,
-                           max_restarts, preempted)
+                           max_restarts, preempted, replan)
     if preempted(rc):
         marker = run_dir / PREEMPTED_MARKER
         step = json.loads(marker.read_text()).get("step") if marker.exists() else None
@@ -127,7 +129,8 @@ def launch(argv) -> None:
         submit(plan, run_dir, job_log(cfg, run_dir))
     else:
         run_to_end(plan, run_dir, evaluate=not args.no_eval,
-                   max_restarts=cfg.launch.max_restarts)
+                   max_restarts=cfg.launch.max_restarts,
+                   replan=Elastic(cfg, plan.run_env()) if cfg.launch.elastic else None)
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:

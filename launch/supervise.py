@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from launch.rank import exits_file
@@ -56,6 +57,18 @@ class Failure:
     def describe(self) -> str:
         who = f"rank {self.rank}" if self.rank is not None else "a rank (the launcher did not say which)"
         return f"{who} exited with {self.cause} at step {self.step}"
+
+
+@dataclass
+class Relaunch:
+    """What the next attempt runs, when it may differ from the first (launch/elastic.py)."""
+
+    command: list[str]
+    world_size: int
+    note: str | None = None
+    """Printed after the restart line: why the layout changed."""
+    record: dict = field(default_factory=dict)
+    """Added to the restart's line in restarts.jsonl."""
 
 
 def newest_complete(run_dir: Path) -> str | None:
@@ -173,9 +186,12 @@ def run_attempt(command: list[str], env: dict, attempt: Attempt) -> int:
 
 
 def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: int,
-                      max_restarts: int, preempted) -> int:
+                      max_restarts: int, preempted,
+                      replan: Callable[[], Relaunch] | None = None) -> int:
     """Run ``command`` until it succeeds, is preempted (``preempted(rc)`` true: returned at
-    once) or has failed ``max_restarts + 1`` times (LaunchError). Returns its exit code."""
+    once) or has failed ``max_restarts + 1`` times (LaunchError). Returns its exit code.
+    ``replan``: asked before each restart for the command and world size to restart with
+    (LaunchError: no restart)."""
     previous: Failure | None = None
     restart = 0
     while True:
@@ -194,16 +210,26 @@ def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: 
             raise LaunchError(f"training failed the same way twice in a row: "
                               f"{failure.describe()}, as before restart {restart}/{max_restarts}; "
                               f"not restarting again. Per-rank logs in {logs}")
+        relaunch = Relaunch(command, world_size)
+        if replan is not None:
+            try:
+                relaunch = replan()
+            except LaunchError as e:
+                raise LaunchError(f"training failed: {failure.describe()}; not restarted: {e}. "
+                                  f"Per-rank logs in {logs}") from None
+        command, world_size = relaunch.command, relaunch.world_size
         restart += 1
         tag = newest_complete(run_dir)
         resume = str(run_dir / "checkpoints" / tag) if tag else None
         print(f"launch: restart {restart}/{max_restarts}: {failure.describe()}; "
               f"resuming from {resume or 'the start (no complete checkpoint yet)'}", flush=True)
+        if relaunch.note:
+            print(f"launch: {relaunch.note}", flush=True)
         with (logs / RESTARTS_FILE).open("a") as f:
             f.write(json.dumps({"restart": restart, "max_restarts": max_restarts,
                                 **asdict(failure), "resume": resume,
                                 "failed_after_s": round(time.time() - attempt.started, 3),
-                                "time": time.time()}) + "\n")
+                                "time": time.time(), **relaunch.record}) + "\n")
         previous = failure
 
 

@@ -205,6 +205,12 @@ class RunConfig:
             out.append("parallel.zero_stage: train.precision bf16 needs ZeRO stage 1 or 2 (the "
                        "fp32 master weights live in the ZeRO optimizer; DeepSpeed 0.19.8 refuses "
                        "bf16 weights with fp32 gradient accumulation at stage 0)")
+        if self.launch.elastic and self.parallel.zero_stage == 0:
+            out.append("parallel.zero_stage: launch.elastic needs ZeRO stage 1 or 2 (resuming "
+                       "on fewer ranks rebuilds the optimizer state from ZeRO's partitions)")
+        if self.launch.min_world_size > self.parallel.world_size:
+            out.append(f"launch.min_world_size: {self.launch.min_world_size} exceeds "
+                       f"parallel.world_size ({self.parallel.world_size})")
         if not self.name or "/" in self.name or self.name.startswith("."):
             out.append(f"name: {self.name!r} must be a plain directory name")
         return out

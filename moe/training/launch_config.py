@@ -15,6 +15,8 @@ from typing import Literal
 from moe.config_schema import minimums
 
 Scheduler = Literal["local", "hostfile", "slurm", "mpi"]
+ELASTIC_SCHEDULERS = ("local", "hostfile")
+"""Where moe-launch itself restarts the ranks and can start fewer of them (launch.elastic)."""
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Host, partition, account and interface names: what clusters actually use. Anything else is
@@ -214,8 +216,21 @@ class LaunchConfig:
     times (0: never). The same failure (exit code or signal) at the same step twice in a row
     stops at once. Local and hostfile launches restart in moe-launch; a SLURM job restarts its
     srun step inside the allocation. A preemption (exit code 75) is not a failure."""
+    elastic: bool = False
+    """Local and hostfile launches: before each automatic restart, check which hosts (hostfile:
+    over ssh, as DeepSpeed's runner reaches them) or GPUs (local) are usable; with fewer than
+    ``parallel.world_size`` slots, resume on the largest smaller world size that keeps the
+    global batch (more gradient accumulation) and that an expert-parallel size divides, from
+    the newest checkpoint (launch/elastic.py). A later restart with every slot usable again
+    goes back to the configured layout."""
+    min_world_size: int = 1
+    """launch.elastic: stop instead of resuming on fewer ranks than this."""
 
     def problems(self) -> list[str]:
         out = [f"env.{k}: not a valid environment variable name" for k in self.env
                if not ENV_NAME.match(k)]
-        return out + minimums(self, max_restarts=0)
+        if self.elastic and self.scheduler not in ELASTIC_SCHEDULERS:
+            out.append(f"elastic: the {self.scheduler} scheduler does not resume on fewer ranks "
+                       f"by itself (launch.elastic applies to "
+                       f"{' and '.join(ELASTIC_SCHEDULERS)} launches); set elastic: false")
+        return out + minimums(self, max_restarts=0, min_world_size=1)

@@ -27,10 +27,11 @@ def write_run_config(path: Path, run: dict) -> Path:
 
 
 def launch(config: Path, overrides: list[str] = (), plan: dict | None = None,
-           timeout: float = 900) -> subprocess.CompletedProcess:
+           timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """moe-launch CONFIG --no-eval OVERRIDES in a fresh process, with this checkout importable
-    by every rank and, if given, ``plan`` as the ranks' fault plan."""
-    env = dict(os.environ)
+    by every rank and, if given, ``plan`` as the ranks' fault plan and ``env`` added to its
+    environment."""
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop(PLAN_ENV, None)
     if plan is not None:
@@ -68,11 +69,12 @@ def loss_mismatches(run_dir: Path, reference: Path, max_steps: int, ranks: int =
     return out
 
 
-def sample_problems(run_dir: Path, max_steps: int, global_batch: int) -> list[str]:
+def sample_problems(run_dir: Path, max_steps: int, global_batch: int,
+                    ranks: tuple[int, ...] = (0, 1)) -> list[str]:
     """Every global sample index in [0, max_steps * global_batch) consumed by exactly one step
-    of the final history, on every rank's records."""
+    of the final history, on the records of each of ``ranks``."""
     out = []
-    for rank in (0, 1):
+    for rank in ranks:
         counts = [0] * (max_steps * global_batch)
         for r in step_records(run_dir, rank):
             start, end = r["samples"]

@@ -11,7 +11,7 @@ import pytest
 
 from launch import supervise
 from launch.rank import exit_record, exits_file
-from launch.supervise import RESTARTS_FILE, run_with_restarts
+from launch.supervise import RESTARTS_FILE, Relaunch, run_with_restarts
 from moe.errors import LaunchError
 from tests.launch.test_config_errors import launch_errors
 
@@ -44,7 +44,8 @@ sys.exit(outcome["launcher"])
 '''
 
 
-def run(tmp_path, script, max_restarts=3, checkpoints=(), preempted=lambda rc: rc == 75):
+def run(tmp_path, script, max_restarts=3, checkpoints=(), preempted=lambda rc: rc == 75,
+        replan=None):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for step in checkpoints:  # a complete checkpoint: its directory and its marker
@@ -54,7 +55,8 @@ def run(tmp_path, script, max_restarts=3, checkpoints=(), preempted=lambda rc: r
     fake = tmp_path / "fake_launcher.py"
     fake.write_text(FAKE)
     cmd = [sys.executable, str(fake), str(run_dir), json.dumps(script)]
-    rc = run_with_restarts(cmd, None, run_dir, 2, max_restarts, preempted)
+    rc = run_with_restarts(cmd, None, run_dir, 2, max_restarts, preempted,
+                           replan and (lambda: replan(cmd)))
     return rc, run_dir
 
 
@@ -146,3 +148,29 @@ def test_max_restarts_is_validated_by_name(tmp_path, capsys):
     problems = launch_errors(tmp_path, capsys, "launch.max_restarts=-1", "launch.max_restart=2")
     assert "launch.max_restarts: must be >= 0, got -1" in problems
     assert any(p.startswith("launch.max_restart: unknown key") for p in problems)
+
+
+def test_a_replanned_restart_runs_the_new_command_and_logs_why(tmp_path, capsys):
+    """launch.elastic's hook (launch/elastic.py): the restart runs the command and world size
+    it returns, prints its note and adds its record."""
+    failing = [{"reach": 2, "ranks": [None, KILLED], "launcher": 137}]
+
+    def replan(cmd):
+        # The first command would fail forever; the replanned one finishes.
+        return Relaunch(cmd[:-1] + [json.dumps([{"reach": 4, "ranks": [0], "launcher": 0}])], 1,
+                        "elastic: host b unreachable", {"elastic": {"world_size": 1}})
+
+    rc, run_dir = run(tmp_path, failing, replan=replan)
+    assert rc == 0 and attempts(run_dir) == 2
+    assert "launch: elastic: host b unreachable" in capsys.readouterr().out
+    assert restarts(run_dir)[0]["elastic"] == {"world_size": 1}
+
+
+def test_a_replan_that_finds_no_layout_stops_without_restarting(tmp_path):
+    def replan(cmd):
+        raise LaunchError("elastic: 0 usable slot(s) of 2")
+
+    with pytest.raises(LaunchError, match=r"training failed: rank 1 exited with code 1 at step 3; "
+                                          r"not restarted: elastic: 0 usable slot\(s\) of 2"):
+        run(tmp_path, [{"reach": 2, "ranks": [None, 1], "launcher": 1}], replan=replan)
+    assert attempts(tmp_path / "run") == 1
