@@ -41,8 +41,9 @@ def test_ten_faults_in_one_job_recover_to_the_uninterrupted_run(tiny_data, tmp_p
     records = fr.restarts(run_dir)
     first = records[0]
     assert first["signal"] == "SIGKILL", first  # the plan's first fault: a kill in the forward
+    resumed_from = first["resume"] or "the start (no complete checkpoint yet)"
     assert (f"launch: restart 1/{FAULTS + 2}: rank {first['rank']} exited with signal SIGKILL "
-            f"at step {first['step']}; resuming from {first['resume']}") in proc.stdout + proc.stderr
+            f"at step {first['step']}; resuming from {resumed_from}") in proc.stdout + proc.stderr
     hang = next(f for f in plan["faults"] if f["kind"] == "hang")
     hang_restart = next(r for r in records if r["returncode"] == HANG_EXIT_CODE)
     assert hang_restart["step"] == hang["step"], (hang, hang_restart)
