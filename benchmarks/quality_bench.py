@@ -13,8 +13,12 @@ JSON. The validation losses are read back from each run's TensorBoard events.
     python -m benchmarks.quality_bench --variants moe global_balance experts16 --seeds 3
     python -m benchmarks.quality_bench --quick --variants moe top1     # a minute or two
 
-Variants (all at the active FFN width of the base MoE config: top_k x expert_hidden; the dense
-baseline is ``model.ffn: dense`` of that width) are listed in ``variant_overrides``.
+The levers are measured against a plain MoE of the config's active FFN width A = (top_k +
+shared experts) x expert_hidden: 8 experts of width A/2, top-2, no shared expert, the top-k
+weights not renormalized, one learning rate (:func:`plain_moe`). The dense baseline is
+``model.ffn: dense`` of width A. Every variant keeps A (``variant_overrides``); ``recipe`` is
+the config's own MoE settings (the default config's: fine-grained experts with a shared expert,
+renormalized weights, twice the experts' learning rate).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_s
          "model.moe.expert_hidden=64", "data.seq_len=64", "train.micro_batch_size=4",
          "train.warmup_steps=2", "eval.max_tokens=4096"]
 
-VARIANTS = ["dense", "moe", "renormalize", "global_balance", "loss_free", "loss_free_plus_aux", "zloss",
+VARIANTS = ["dense", "moe", "recipe", "renormalize", "global_balance", "loss_free", "loss_free_plus_aux", "zloss",
             "router_init_small", "router_init_large", "router_lr_small", "router_lr_large",
             "expert_lr_large", "expert_lr_x4", "fine_grained_shared", "fine_grained32_shared", "experts16",
             "experts32", "experts64", "top1", "capacity"]
@@ -69,7 +73,8 @@ def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
         return [f"{r}top_k=1", f"model.moe.expert_hidden={expert_hidden * top_k}"]
     table = {
         "dense": ["model.ffn=dense"],
-        "moe": [],  # the base: micro-batch aux loss
+        "moe": [],  # the plain base: micro-batch aux loss
+        "recipe": [],  # main() puts the config's own MoE settings back (see plain_moe)
         "renormalize": [f"{r}renormalize=true"],  # the selected weights sum to 1
         "global_balance": [f"{r}aux_loss_scope=global_batch"],
         "loss_free": [f"{r}aux_loss_coef=0.0", f"{r}bias_update_rate=0.001"],
@@ -87,6 +92,24 @@ def variant_overrides(name: str, expert_hidden: int, top_k: int) -> list[str]:
         "capacity": ["model.moe.capacity_factor=1.25"],
     }
     return table[name]
+
+
+def plain_moe(moe, train) -> tuple[list[str], list[str], int]:
+    """Overrides that make the config's MoE the plain 8-expert top-2 baseline of the same active
+    width, overrides that restore the config's own MoE settings (the ``recipe`` variant), and
+    the plain experts' width."""
+    active = (moe.router.top_k + moe.num_shared_experts) * moe.expert_hidden
+    if active % 2:
+        raise SystemExit(f"the active FFN width {active} must be even (8 experts of half of it, top-2)")
+    r = "model.moe.router."
+    plain = ["model.moe.num_experts=8", f"model.moe.expert_hidden={active // 2}",
+             "model.moe.num_shared_experts=0", f"{r}top_k=2", f"{r}renormalize=false",
+             "train.expert_lr_scale=1.0"]
+    recipe = [f"model.moe.num_experts={moe.num_experts}", f"model.moe.expert_hidden={moe.expert_hidden}",
+              f"model.moe.num_shared_experts={moe.num_shared_experts}", f"{r}top_k={moe.router.top_k}",
+              f"{r}renormalize={str(moe.router.renormalize).lower()}",
+              f"train.expert_lr_scale={train.expert_lr_scale}"]
+    return plain, recipe, active // 2
 
 
 def variant_name(name: str) -> str:
@@ -227,12 +250,14 @@ def main(argv=None) -> dict:
                f"train.max_steps={steps}", f"eval.every_n_steps={every}",
                f"logging.log_every={max(1, min(10, every))}", "checkpoint.every_n_steps=0",
                "train.threads_per_rank=" + str(base.train.threads_per_rank or os.cpu_count() or 1)]
-    moe = base.model.moe
+    plain, recipe, hidden = plain_moe(base.model.moe, base.train)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = []
     for name in ["dense", *args.variants]:
-        overrides = variant_overrides(name, moe.expert_hidden, moe.router.top_k)
+        parts = name.split("+")
+        overrides = [*plain, *(recipe if "recipe" in parts else []),
+                     *variant_overrides(name, hidden, 2)]
         for seed in range(args.seeds):
             jobs.append((name, seed, [*common, *overrides, f"train.seed={seed}"]))
     if args.jobs > 1:  # each concurrent run gets its share of the cores

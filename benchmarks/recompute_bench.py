@@ -2,7 +2,8 @@
 
 The model is configs/moe-125m.yaml's, shrunk to fit a CPU step: 4 of its 12 layers and a
 4096-token vocabulary instead of 32000 (the head would otherwise be most of the step); width
-768, 12 heads, 8 SwiGLU experts of hidden 864, top-2, z-loss and RoPE as in the preset; one
+768, 12 heads, 16 SwiGLU experts of hidden 432, top-3, one shared expert, z-loss and RoPE as in
+the preset; one
 micro-batch of 2 x 256 tokens (the preset: 8 x 2048), fp32. A step is forward + backward, no
 optimizer. Modes are timed interleaved round by round; the median of the rounds and the
 min-max spread are reported, with each mode's ratio to ``none`` in the same round.

@@ -67,3 +67,20 @@ def test_variants_keep_the_active_width():
         k = int(over.get("model.moe.router.top_k", 2))
         shared = int(over.get("model.moe.num_shared_experts", 0))
         assert (k + shared) * hidden == 128, name
+
+
+def test_levers_start_from_a_plain_moe_of_the_configs_active_width_and_recipe_restores_it():
+    from moe.training.config import load_config
+
+    cfg = load_config("configs/default.yaml")
+    m = cfg.model.moe
+    active = (m.router.top_k + m.num_shared_experts) * m.expert_hidden
+    plain, recipe, hidden = quality_bench.plain_moe(m, cfg.train)
+    assert hidden == active // 2
+    base = load_config("configs/default.yaml", plain)
+    assert (base.model.moe.num_experts, base.model.moe.router.top_k,
+            base.model.moe.num_shared_experts, base.model.moe.router.renormalize,
+            base.train.expert_lr_scale) == (8, 2, 0, False, 1.0)
+    assert 2 * base.model.moe.expert_hidden == active
+    again = load_config("configs/default.yaml", [*plain, *recipe])
+    assert again.model.moe == m and again.train.expert_lr_scale == cfg.train.expert_lr_scale
