@@ -323,4 +323,4 @@ class ReadAhead:
                 self.cache.fetch(url, sha, nbytes, wait=False)
                 self.fetched += not there
             except (NoRoom, DataError, OSError):
-                pass
+                pass  # read-ahead only: the reader's own fetch of this shard raises it, naming it
