@@ -46,8 +46,8 @@ gate/up output 2, then silu(gate)), 1 for GELU.
   Dispatch: two int64 index vectors 16N (+ 8N for the expert-parallel regrouping).
   Routed experts, none: the dispatched rows eND, the expert input projection w eN Hx, the
   activation eN Hx, the combine-weighted copy where it is applied (eN Hx when Hx <= D, else the
-  output eND), the output rows kept by the combine eND, and the combine weights 4N (2N
-  in bf16). Selective: the activation's intermediates (silu(gate) in the w term) are
+  output eND), the output rows kept by the combine eND, and the combine weights 4N (fp32
+  in any dtype: the product is formed in fp32). Selective: the activation's intermediates (silu(gate) in the w term) are
   recomputed. Full: the region keeps its inputs (rows eND, weights 4N) and its output rows eND.
   Shared experts: a dense FFN of width Fs on the norm output, dropped (but for its input)
   under full.
@@ -216,9 +216,8 @@ def _experts(cfg: ModelConfig, N: int, e: int, mode: str) -> float:
     else:
         inner = act_in + (Hx if swiglu else 0) + Hx + (Hx if Hx <= D else 0)
     if Hx <= D:  # the combine weight scales the (N, Hx) activation
-        weights = 4 * N if mode == "selective" or e == 4 else 2 * N
-        return e * N * (D + inner + D) + weights
-    return e * N * (D + inner + 2 * D) + e * N  # the weight is applied to the (N, D) output
+        return e * N * (D + inner + D) + 4 * N
+    return e * N * (D + inner + 2 * D) + 4 * N  # the weight is applied to the (N, D) output
 
 
 def _moe_block_ffn(cfg: ModelConfig, T: int, e: int, mode: str, ep_size: int) -> float:

@@ -245,6 +245,8 @@ def test_bf16_loss_curve_and_expert_choices_follow_fp32(runs, tiny_data):
     initial16, _ = _routing(initial.bfloat16(), ids)
     at_start = _slot_agreement(initial32, initial16)
     # Not asserted: the two trained models differ by 30 steps of drift, not by precision alone.
+    # The tiny routers stay near uniform, so any perturbation grows: fp32 training whose
+    # initial router weights moved by one fp32 ulp already disagrees on 0.3-0.6% of slots.
     trained = _slot_agreement(picked32, _routing(bf16_model.bfloat16(), ids)[0])
     print(f"expert slots agreeing: initial weights {at_start:.4f}, final fp32 weights "
           f"{final:.4f}; bf16-trained vs fp32-trained {trained:.4f}")

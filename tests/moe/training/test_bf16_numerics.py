@@ -1,6 +1,7 @@
 """What stays fp32 when the model runs in bf16, on one process: the router (logits, scores,
-top-k, combine weights, balancing losses), the language-model loss, the expert bias and the
-step counters, the norm statistics; and how train.precision / grad_reduce_dtype reach DeepSpeed.
+top-k, combine weights and their product with the expert rows, balancing losses), the
+language-model loss, the expert bias and the step counters, the norm statistics; and how
+train.precision / grad_reduce_dtype reach DeepSpeed.
 
 Each numeric check compares with an fp64 reference computed from the same bf16 inputs, with a
 tolerance of fp32 rounding (about 1e-6): a computation done in bf16 misses it by
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
+from moe.model.experts import GroupedExperts, scale_rows
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.norms import LayerNorm, RMSNorm
 from moe.model.router import RouterConfig, TopKRouter, load_balancing_loss
@@ -75,6 +77,43 @@ def test_expert_bias_and_step_counters_stay_fp32_under_a_cast():
             routed += layer.stats["tokens_per_expert"].float()
     assert torch.equal(layer.step_load_E, routed) and routed.sum() == 768
     assert layer.step_sums[0] == 768 and layer.step_sums[4] == 6
+
+
+def test_combine_weights_scale_bf16_rows_in_fp32_with_an_fp32_gradient():
+    """The router's combine weights multiply the experts' bf16 rows in fp32 and are rounded once
+    with the product; their gradient (the router's share of the language-model gradient) is
+    summed in fp32. A bf16 multiply would round the weight and the gradient to 8 bits."""
+    torch.manual_seed(0)
+    h_NH = torch.randn(512, 64).bfloat16()
+    scale_N = (0.2 + 0.6 * torch.rand(512)).requires_grad_()  # fp32, like the router's weights
+    g_NH = torch.randn(512, 64).bfloat16()
+    out = scale_rows(h_NH, scale_N)
+    assert out.dtype == torch.bfloat16
+    out.backward(g_NH)
+    assert scale_N.grad.dtype == torch.float32
+    ref64 = h_NH.double() * scale_N.detach().double()[:, None]
+    assert _bf16_rounding_errors(out, ref64).max() <= 0.5 + 1e-3
+    grad64 = (g_NH.double() * h_NH.double()).sum(-1)
+    torch.testing.assert_close(scale_N.grad.double(), grad64, rtol=1e-5, atol=1e-6)
+    # The same check catches the bf16 multiply (weight and gradient rounded to bf16).
+    naive = scale_N.detach().clone().requires_grad_()
+    (h_NH * naive.to(torch.bfloat16)[:, None]).backward(g_NH)
+    assert ((naive.grad.double() - grad64).abs() / grad64.abs().clamp_min(1e-3)).max() > 1e-3
+
+
+@pytest.mark.parametrize("hidden", [16, 64])  # the weight scales the activation / the output
+def test_bf16_experts_give_their_combine_weights_an_fp32_gradient(hidden):
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, hidden, "swiglu").bfloat16()
+    x_ND = torch.randn(64, 32).bfloat16()
+    counts_E = torch.tensor([16, 16, 16, 16])
+    scale_N = torch.rand(64, requires_grad=True)
+    y_ND = experts(x_ND, counts_E, scale_N)
+    assert y_ND.dtype == torch.bfloat16
+    y_ND.float().pow(2).sum().backward()
+    assert scale_N.grad.dtype == torch.float32
+    # Not a bf16 number: formed in fp32, never rounded to 8 bits.
+    assert not torch.equal(scale_N.grad.bfloat16().float(), scale_N.grad)
 
 
 def _bf16_rounding_errors(out_bf16: torch.Tensor, ref64: torch.Tensor) -> torch.Tensor:
