@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moe.model.compile import eager_under_compile
 from moe.model.positions import PositionEncoding, apply_rotary
 
 try:  # torch >= 2.5; the GPU machines run 2.11, this is for older installs
@@ -217,7 +218,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: At
                                           enable_gqa=gqa)
 
 
-@torch.compiler.disable
+@eager_under_compile
 def _sdpa_per_document(q, k, v, doc_lengths: list[list[int]], gqa: bool) -> torch.Tensor:
     """One causal SDPA call per packed document. Eager under ``train.compile`` (a graph break):
     the document lengths are Python ints that change every batch, and a graph would be

@@ -24,6 +24,8 @@ same eager kernel, with its backward written with the same kernel.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -36,11 +38,21 @@ def is_compiling() -> bool:
     return hasattr(torch, "compiler") and torch.compiler.is_compiling()
 
 
+def eager_under_compile(fn):
+    """``torch.compiler.disable`` (a compiled graph that reaches ``fn`` runs it eagerly, a graph
+    break) without importing dynamo when the module is imported: that import costs about a
+    second of CPU, which every command line that only reads configs or checkpoints would pay.
+    ``torch._disable_dynamo`` (torch >= 2.4) imports it at the first call instead."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
 def mark_rows_dynamic(x_ND: torch.Tensor) -> torch.Tensor:
     """Call eagerly (outside a graph) on a tensor whose row count depends on the routing: the
     graph that takes it is then compiled for any row count the first time, instead of once for
     the first count and again, dynamic, for the second (dynamo's automatic dynamic shapes)."""
-    mark = getattr(torch._dynamo, "maybe_mark_dynamic", None)
+    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing is compiled
+    mark = getattr(dynamo, "maybe_mark_dynamic", None)
     if mark is not None and x_ND.dim() and not is_compiling():
         mark(x_ND, 0)
     return x_ND

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.model.compile import mark_rows_dynamic
+from moe.model.compile import eager_under_compile, mark_rows_dynamic
 
 
 @dataclass
@@ -48,7 +48,7 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
         0, ids, torch.ones_like(ids))
 
 
-@torch.compiler.disable
+@eager_under_compile
 def _kept_copies(order: torch.Tensor, counts_E: torch.Tensor, top_k: int):
     """The first sum(counts_E) entries of ``order``, their tokens, and counts_E on the host.
     Their number is data dependent: one host sync per layer, only when dropping (the default,

@@ -36,7 +36,7 @@ from torch import nn
 from moe.checkpoint.consolidate import EXPERT_KEY
 from moe.checkpoint.files import EXPERT_DIR
 from moe.checkpoint.fingerprints import expert_fingerprints, fingerprint_problems
-from moe.model.compile import mark_rows_dynamic
+from moe.model.compile import eager_under_compile, mark_rows_dynamic
 from moe.model.dispatcher import DispatchPlan, LocalDispatcher
 from moe.model.moe_layer import MoELayer
 from moe.model.router import TopKRouter
@@ -96,7 +96,7 @@ class ExpertParallelDispatcher(LocalDispatcher):
         self.group, self.ep_size = group, ep_size
         self.num_local = num_experts // ep_size
 
-    @torch.compiler.disable
+    @eager_under_compile
     def plan(self, indices_TK, keep_TK):
         local = super().plan(indices_TK, keep_TK)
         send_counts = local.counts_E.view(self.ep_size, self.num_local)  # [dest rank, its expert]
@@ -115,7 +115,7 @@ class ExpertParallelDispatcher(LocalDispatcher):
         regroup = torch.argsort(row_expert, stable=True)
         return _EPPlan(local, send, recv, regroup, local_counts, sizes[2 * self.ep_size:])
 
-    @torch.compiler.disable
+    @eager_under_compile
     def dispatch(self, x_TD, weights_TK, plan):
         x_ND, w_N, _ = super().dispatch(x_TD, weights_TK, plan.local)
         x_recv = _AllToAll.apply(x_ND, plan.recv_splits, plan.send_splits, self.group)
@@ -124,7 +124,7 @@ class ExpertParallelDispatcher(LocalDispatcher):
         return (mark_rows_dynamic(x_recv.index_select(0, plan.regroup)),
                 mark_rows_dynamic(w_recv[:, 0].index_select(0, plan.regroup)), plan.local_counts)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def combine(self, y_ND, plan):
         y_recv = torch.empty_like(y_ND).index_copy(0, plan.regroup, y_ND)
         y_back = _AllToAll.apply(y_recv, plan.send_splits, plan.recv_splits, self.group)

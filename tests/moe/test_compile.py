@@ -125,3 +125,15 @@ def test_fifty_steps_compile_a_bounded_number_of_graphs_in_the_first_two_steps()
     assert routed[0].sum() < 2 * B * S  # copies were dropped: the kept count varies per step
     assert 0 < res["graphs"][-1] <= MAX_GRAPHS_50_STEPS, res["graphs"]
     assert res["graphs"][-1] == res["graphs"][1], res["graphs"]  # none after step 2
+
+
+def test_command_lines_do_not_import_dynamo():
+    """The eager regions (graph breaks under compile) import dynamo at their first call, not at
+    import: a command that only reads configs, plans or reports does not pay for it."""
+    import subprocess
+    import sys
+    code = ("import sys, launch.launch, launch.evaluate, launch.prepare, moe.parallel.deepspeed_adapter; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
