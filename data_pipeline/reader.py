@@ -191,6 +191,7 @@ class PackedReader:
         self._read_ahead = (ReadAhead(self.data.cache)
                             if self.data.remote and self.data.read_ahead > 0 else None)
         self.consumed = 0  # global samples consumed at step boundaries: the cursor
+        self.skipped: list[tuple[int, int]] = []  # global sample ranges [start, end) never read
         self._iter: Iterator[PackedBatch] | None = None
         self._iter_key: tuple[int, int] | None = None
 
@@ -311,8 +312,18 @@ class PackedReader:
 
     # --- the training interface ---
 
+    def skip(self, ranges) -> None:
+        """Never read the global sample positions ``[start, end)`` of ``ranges``: a step that
+        would start inside one starts at its end instead (the order of the other samples does
+        not change: it is a function of the position)."""
+        self.skipped = sorted({(int(a), int(b)) for a, b in [*self.skipped, *ranges] if b > a})
+
     def next_step(self, accum: int) -> list[PackedBatch]:
-        """The ``accum`` micro-batches of this rank's next optimizer step; advances the cursor."""
+        """The ``accum`` micro-batches of this rank's next optimizer step; advances the cursor
+        (past the skipped ranges first)."""
+        for a, b in self.skipped:
+            if a <= self.consumed < b:
+                self.consumed = b
         if self._iter is None or self._iter_key != (self.consumed, accum):
             self._iter = self._open_iter(accum)
         out = [next(self._iter) for _ in range(accum)]

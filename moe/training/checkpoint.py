@@ -109,11 +109,15 @@ class SaveContext:
 
 class CheckpointHook(Hook):
     """Saves every ``every_n_steps`` steps; :meth:`save` may also be called at any step boundary
-    (end of training, a preemption signal). All ranks must call it together."""
+    (end of training, a preemption signal). All ranks must call it together.
+
+    ``client_state``: more entries of the checkpoint's client state, name -> a function giving
+    the value at save time (the spike guard's window)."""
 
     def __init__(self, engine, reader, ckpt_dir: Path, every_n_steps: int, ctx: SaveContext,
-                 rank: int, on_error: str = "stop"):
+                 rank: int, on_error: str = "stop", client_state: dict | None = None):
         self.engine, self.reader = engine, reader
+        self.client_state = client_state or {}
         self.on_error = on_error  # checkpoint.on_save_error: stop | continue
         self.failed_saves = 0
         self.ckpt_dir, self.every = Path(ckpt_dir), every_n_steps
@@ -125,8 +129,17 @@ class CheckpointHook(Hook):
         self.fingerprints: dict[str, list[float]] = {}
 
     def on_step_end(self, s: StepState) -> None:
-        if self.every and s.step % self.every == 0:
+        # A step that rolls back is undone next: never saved.
+        if self.every and s.step % self.every == 0 and s.rollback_to is None:
             self.save(s.step)
+
+    def on_rollback(self, client: dict) -> None:
+        self.tokens = int(client.get("tokens", 0))
+
+    def latest(self) -> tuple[int, Path] | None:
+        """(step, directory) of the newest complete checkpoint of this run's history: the last
+        one saved or resumed from (None before the first)."""
+        return None if self.last_tag is None else (self.last_step, self.ckpt_dir / self.last_tag)
 
     def save(self, step: int) -> None:
         if step == self.last_step:  # already saved at this step (periodic, or resumed here)
@@ -177,7 +190,8 @@ class CheckpointHook(Hook):
             if self.ctx.num_moe_layers:
                 (tag_dir / EXPERT_DIR).mkdir(parents=True, exist_ok=True)
         self.fingerprints = gather_expert_fingerprints(self.engine.module)
-        client = {"step": step, "tokens": self.tokens, "data": self.reader.state_dict()}
+        client = {"step": step, "tokens": self.tokens, "data": self.reader.state_dict(),
+                  **{name: value() for name, value in self.client_state.items()}}
         with _RecordingEngine(self.engine, errors):
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client,
                                         save_latest=False)

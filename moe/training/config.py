@@ -65,7 +65,7 @@ class TrainConfig:
     experts' and FFNs' activation function and the attention core. Routing and the expert
     all-to-all never run again: gradients and MoE statistics equal those of none."""
     spike: SpikeConfig = field(default_factory=SpikeConfig)
-    """Loss spike detection and skipping (moe/training/spike_guard.py)."""
+    """Loss spike detection, skipping and rollback (moe/training/spike_guard.py)."""
     hang_timeout_s: float = 1800.0
     """A rank that completes no step for this many seconds (checkpoint saves and validation
     included) writes every thread's stack to RUN_DIR/logs/hang_rank{R}.txt and exits with code
@@ -201,6 +201,10 @@ class RunConfig:
         if self.train.spike.action != "off" and self.parallel.zero_stage == 0:
             out.append(f"parallel.zero_stage: train.spike.action {self.train.spike.action} needs "
                        "ZeRO stage 1 or 2 (skipping a step relies on ZeRO's overflow check)")
+        if self.train.spike.action == "rollback" and self.checkpoint.every_n_steps == 0:
+            out.append("checkpoint.every_n_steps: train.spike.action rollback restores the newest "
+                       "checkpoint, so it needs periodic ones (set checkpoint.every_n_steps > 0, "
+                       "e.g. 200, or use train.spike.action skip)")
         if self.train.precision == "bf16" and self.parallel.zero_stage == 0:
             out.append("parallel.zero_stage: train.precision bf16 needs ZeRO stage 1 or 2 (the "
                        "fp32 master weights live in the ZeRO optimizer; DeepSpeed 0.19.8 refuses "

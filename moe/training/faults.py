@@ -25,8 +25,9 @@ KINDS = ("kill", "term", "hang", "save_error")
 class FaultInjector:
     """Does nothing; tests override what they need."""
 
-    def batches(self, step: int, packed: list) -> list:
-        """The micro-batches step ``step`` trains on (``packed``: the reader's)."""
+    def batches(self, step: int, packed: list, samples: tuple[int, int]) -> list:
+        """The micro-batches step ``step`` trains on (``packed``: the reader's, this rank's part
+        of the global sample positions ``samples``, ``[start, end)``)."""
         return packed
 
     def before_update(self, step: int, engine) -> None:

@@ -39,6 +39,7 @@ class StepState:
     skipped: bool = False  # the update was skipped (non-finite loss or gradient norm)
     spike_zscore: float | None = None  # a loss spike: the largest z-score (spike_guard.py)
     consumed_samples: int = 0  # global samples the data stream has handed out after this step
+    rollback_to: int | None = None  # a loss spike rolls back to this checkpoint step (spike_guard.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -48,6 +49,11 @@ class StepState:
 class Hook:
     def on_step_end(self, state: StepState) -> None:
         """Called on every rank after each optimizer step."""
+
+    def on_rollback(self, client: dict) -> None:
+        """Called on every rank after the loop restored the checkpoint whose client state (step,
+        tokens, data cursor, ...) is ``client``: the steps after ``client["step"]`` will run
+        again, so drop what was kept of them."""
 
     def close(self) -> None:
         pass
@@ -82,6 +88,7 @@ class TensorBoardHook(Hook):
         self.writer = SummaryWriter(log_dir=str(log_dir))
         self.skipped = 0  # steps skipped for a non-finite loss or gradient norm, so far
         self.spikes = 0  # loss spikes, so far
+        self.rollbacks = 0  # rollbacks for a loss spike, so far
         self.writer.add_text("config", "```\n" + config_text + "\n```", 0)
         if hparams:
             # Written into this run's own event file (SummaryWriter.add_hparams would open a
@@ -97,6 +104,10 @@ class TensorBoardHook(Hook):
             self.spikes += 1
             w.add_scalar("train/loss_spike_zscore", s.spike_zscore, s.step)
             w.add_scalar("train/loss_spikes", self.spikes, s.step)
+            if s.rollback_to is not None:
+                self.rollbacks += 1
+                w.add_scalar("train/loss_rollbacks", self.rollbacks, s.step)
+                w.add_scalar("train/loss_rollback_to_step", s.rollback_to, s.step)
             w.flush()
         if not s.is_log_step:
             return
@@ -309,6 +320,10 @@ class StepRecordHook(Hook):
                                     "tokens_sha256": s.tokens_sha256, "skipped": s.skipped,
                                     "samples": samples, "time": time.time()}) + "\n")
         self.file.flush()
+
+    def on_rollback(self, client: dict) -> None:
+        self.close()
+        self.file = None  # reopened at the next step, cut back to the steps before it
 
     def _open_from(self, step: int):
         """Keep the records of the steps before ``step`` (dropping a line cut short by a kill),

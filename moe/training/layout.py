@@ -22,6 +22,7 @@ import torch
 from moe.checkpoint.consolidate import MOMENTS, read_layout_free, single_device_name
 from moe.checkpoint.files import MAIN_STATES, load_file
 from moe.errors import CheckpointError
+from moe.training.spike_guard import SPIKE_STATE
 
 
 @torch.no_grad()
@@ -93,4 +94,4 @@ def load_other_layout(engine, model, tag_dir: Path) -> dict:
     engine.global_steps = main["global_steps"]
     engine.global_samples = main.get("global_samples", 0)
     engine.skipped_steps = main.get("skipped_steps", 0)
-    return {k: main[k] for k in ("step", "tokens", "data") if k in main}
+    return {k: main[k] for k in ("step", "tokens", "data", SPIKE_STATE) if k in main}

@@ -40,6 +40,9 @@ class NonFiniteGuard(Hook):
         self.max_skips, self.rank = max_skips, rank
         self.consecutive = 0
 
+    def on_rollback(self, client: dict) -> None:
+        self.consecutive = 0  # the skipped steps are undone
+
     def on_step_end(self, s: StepState) -> None:
         finite = step_is_finite(s.loss, s.grad_norm)
         if finite and not s.skipped:

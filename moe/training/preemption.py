@@ -132,13 +132,16 @@ class PreemptionHook(Hook):
         # At the last step the loop saves and ends anyway.
         if not signum or s.step >= s.max_steps:
             return
-        self.checkpoint.save(s.step)
+        # A step that rolls back for a loss spike is undone: the checkpoint it rolls back to is
+        # the one to resume from (the skipped data is recorded in the run directory already).
+        step = s.step if s.rollback_to is None else s.rollback_to
+        self.checkpoint.save(step)
         if self.rank == 0:
             name = signal.Signals(signum).name
-            self.marker.write_text(json.dumps({"step": s.step, "signal": name}))
-            log.info(f"{name}: saved step {s.step}; exiting with code "
+            self.marker.write_text(json.dumps({"step": step, "signal": name}))
+            log.info(f"{name}: saved step {step}; exiting with code "
                      f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
-        self._exit(s.step)
+        self._exit(step)
 
     def close(self) -> None:
         for signum, previous in self.previous.items():

@@ -62,6 +62,12 @@ class PrefetchingReader:
         self.reader.load_state_dict(state, allow_other_data)
         self._state = None
 
+    def skip(self, ranges) -> None:
+        """Never read the global sample ranges ``ranges`` (:meth:`PackedReader.skip`); what was
+        read ahead is dropped first, as it may lie in one."""
+        self.close()
+        self.reader.skip(ranges)
+
     def close(self) -> None:
         """Stop the thread (after the step it is reading, if any) and drop what it read: the
         reader is put back to the state after the last step handed out."""

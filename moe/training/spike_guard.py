@@ -1,4 +1,4 @@
-"""Skipping steps whose training loss spikes far above its recent values.
+"""Skipping or rolling back steps whose training loss spikes far above its recent values.
 
 Detection: after ``min_steps`` applied steps, a micro-batch whose loss, averaged over the ranks,
 lies more than ``zscore`` standard deviations above the mean of the last ``window`` applied
@@ -13,6 +13,22 @@ every rank (no weight, optimizer or LR-schedule change). Skipped steps count tow
 (``train/loss_spike_zscore``) and recorded in ``RUN_DIR/skipped_batches.jsonl`` with the global
 sample positions the step consumed (the data order is a function of the position, so the record
 of consumed samples stays exact: the samples were read, not trained on).
+
+Rolling back (``action: rollback``) starts the same way: the spiking step's update is dropped.
+Then every rank restores model, optimizer, LR schedule, data cursor, RNG and this guard's window
+from the newest complete checkpoint (step c), in this process, through the code path of a
+resumed run (``trainer.roll_back``), and never reads the samples of the last
+``rollback_skip_steps`` steps after c up to the spiking step s again: steps c+1.. run again on
+the samples they had, and once the cursor reaches the skipped window it jumps past it. In process
+rather than by exiting for the launcher to restart: it costs one checkpoint load instead of a
+new job start, and works the same under every launcher, without one and with
+``launch.max_restarts: 0``. The event, with the skipped ranges, is appended to
+``skipped_batches.jsonl`` before the restore; every later start of the run reads the file, so a
+run killed and resumed from a checkpoint before the window skips the same samples. A checkpoint
+holds this guard's window (:data:`SPIKE_STATE`), so re-run steps detect spikes as they did.
+Spikes at one step number roll back at most ``max_rollbacks`` times, counted over the whole
+record; one more stops the run. Before the first checkpoint there is nothing to roll back to: the
+step is skipped as with ``action: skip`` (with a warning), and recorded as such.
 """
 
 from __future__ import annotations
@@ -20,8 +36,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,21 +47,25 @@ import torch
 import torch.distributed as dist
 
 from moe.config_schema import minimums
+from moe.errors import TrainingError
 from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")
 
 SKIPPED_BATCHES = "skipped_batches.jsonl"
+SPIKE_STATE = "spike_guard"
+"""The guard's entry in a checkpoint's client state: its window of losses."""
 
 
 @dataclass
 class SpikeConfig:
     action: Literal["off", "skip", "rollback"] = "off"
     """What to do when the loss spikes: off (nothing), skip (drop that step's update on every
-    rank and record its samples). rollback (restore the last checkpoint and skip the data window)
-    is not implemented yet and is refused. Off by default: a z-score over a short window of an
-    early, fast-falling loss is noisy, and skipping changes the training result, so a run opts
-    in once its loss curve is known."""
+    rank and record its samples), rollback (drop the update, restore the newest checkpoint on
+    every rank and never train on the samples of the spiking step, or of the last
+    ``rollback_skip_steps`` steps; needs checkpoint.every_n_steps). Off by default: a z-score
+    over a short window of an early, fast-falling loss is noisy, and skipping changes the
+    training result, so a run opts in once its loss curve is known."""
     window: int = 100
     """Applied steps whose losses form the reference mean and standard deviation."""
     zscore: float = 6.0
@@ -52,31 +73,79 @@ class SpikeConfig:
     spike (only upward spikes)."""
     min_steps: int = 50
     """Warm-up: no detection before this many applied steps are in the window."""
+    rollback_skip_steps: int = 1
+    """rollback: the samples of this many steps, ending with the spiking one, are skipped (only
+    steps after the checkpoint: earlier ones are in it already)."""
+    max_rollbacks: int = 3
+    """rollback: how often spikes at one step number may roll back; the next spike there stops
+    the run with an error naming the step."""
 
     def problems(self) -> list[str]:
-        out = minimums(self, window=2, min_steps=2)
+        out = minimums(self, window=2, min_steps=2, rollback_skip_steps=1, max_rollbacks=1)
         if self.zscore <= 0:
             out.append(f"zscore: must be > 0, got {self.zscore}")
         if self.min_steps > self.window:
             out.append(f"min_steps: {self.min_steps} exceeds window ({self.window}); the window "
                        "never holds that many steps")
-        if self.action == "rollback":
-            out.append("action: rollback is not implemented yet; use skip (the step's update is "
-                       "dropped on every rank and its samples recorded) or off")
         return out
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[list[int]]:
+    """Adjacent ``[start, end)`` ranges joined, in order."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return out
+
+
+def recorded_events(run_dir: Path) -> list[dict]:
+    """The events of ``RUN_DIR/skipped_batches.jsonl`` (a line cut short by a kill is dropped),
+    read by rank 0 and sent to every rank."""
+    events: list = []
+    path = Path(run_dir) / SKIPPED_BATCHES
+    if (not dist.is_initialized() or dist.get_rank() == 0) and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+    if dist.is_initialized():
+        box = [events]
+        dist.broadcast_object_list(box, src=0)
+        events = box[0]
+    return [e for e in events if isinstance(e, dict)]
+
+
+def skipped_windows(events: list[dict]) -> list[list[int]]:
+    """The global sample ranges that rollbacks took out of the data stream."""
+    return [r for e in events if e.get("action") == "rollback" for r in e["skipped_samples"]]
 
 
 class LossSpikeGuard(Hook):
     """Holds the window of recent losses; :meth:`check` marks a spiking micro-batch's loss for
-    skipping, :meth:`on_step_end` records each event. One per rank; all ranks hold the same
-    window (it is built from losses averaged over the ranks)."""
+    skipping, :meth:`on_step_end` records each event and, for rollback, names the checkpoint in
+    the step state (``rollback_to``) for the loop to restore. One per rank; all ranks hold the
+    same window (it is built from losses averaged over the ranks) and decide alike.
 
-    def __init__(self, cfg: SpikeConfig, run_dir: Path, loader, rank: int, world_size: int):
+    ``checkpoints``: the run's checkpoint hook (its ``latest()``); ``events``: the run's
+    recorded events (:func:`recorded_events`), which count earlier rollbacks."""
+
+    def __init__(self, cfg: SpikeConfig, run_dir: Path, loader, rank: int, world_size: int,
+                 checkpoints=None, events: list[dict] = ()):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.loader = loader  # its state_dict() gives the data cursor after the step
+        self.checkpoints = checkpoints
         self.path = Path(run_dir) / SKIPPED_BATCHES
         self.losses: deque[float] = deque(maxlen=cfg.window)
+        # (step, first sample, end) of the latest steps: the window a rollback skips.
+        self.recent: deque[tuple[int, int, int]] = deque(maxlen=cfg.rollback_skip_steps)
         self.events = 0
+        self.rollbacks = Counter(e["step"] for e in events if e.get("action") == "rollback")
+        self.target: Path | None = None  # the checkpoint of the rollback the loop is to do
+        self.pending: list[list[int]] = []  # and the sample ranges it skips
 
     def reference(self) -> tuple[float, float] | None:
         """(mean, std) of the window, or None during the warm-up."""
@@ -97,22 +166,68 @@ class LossSpikeGuard(Hook):
         spike = z > self.cfg.zscore
         return loss * torch.where(spike, math.nan, 1.0).to(loss.dtype), z
 
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """From a checkpoint (None, one saved without it: the warm-up starts again)."""
+        self.losses.clear()
+        self.losses.extend((state or {}).get("losses", ()))
+        self.recent.clear()
+
+    def on_rollback(self, client: dict) -> None:
+        self.load_state_dict(client.get(SPIKE_STATE))
+        self.loader.skip(self.pending)  # the loop restored the checkpoint's cursor before it
+        self.target, self.pending = None, []
+
     def on_step_end(self, s: StepState) -> None:
+        end = int(self.loader.state_dict()["consumed_samples"])
+        self.recent.append((s.step, end - s.samples_per_step, end))
         if s.spike_zscore is None:
             if not s.skipped:
                 self.losses.append(s.loss)  # averaged over the ranks every step (trainer)
             return
         self.events += 1
-        end = int(self.loader.state_dict()["consumed_samples"])
         mean, std = self.reference()
-        event = {"step": s.step, "reason": "loss_spike", "loss": s.loss,
+        event = {"step": s.step, "reason": "loss_spike", "action": "skip", "loss": s.loss,
                  "zscore": s.spike_zscore, "window_mean": mean, "window_std": std,
                  "samples": [end - s.samples_per_step, end], "applied": not s.skipped}
+        what = (f"step {s.step}: loss spike (z-score {s.spike_zscore:.1f} > {self.cfg.zscore} "
+                f"over the last {len(self.losses)} steps, mean {mean:.4f}, std {std:.4f})")
+        target = self.checkpoints.latest() if self.cfg.action == "rollback" else None
+        if target is not None:
+            self._roll_back(s, event, what, *target)
+        elif self.rank == 0:
+            fallback = (" (train.spike.action rollback: no checkpoint to roll back to yet)"
+                        if self.cfg.action == "rollback" else "")
+            log.warning(f"{what}; update skipped on every rank{fallback}; global samples "
+                        f"[{event['samples'][0]}, {event['samples'][1]}) recorded in {self.path}")
+        self._record(event)
+
+    def _roll_back(self, s: StepState, event: dict, what: str, step: int, tag_dir: Path) -> None:
+        done = self.rollbacks[s.step]
+        if done >= self.cfg.max_rollbacks:
+            raise TrainingError(
+                f"{what} after {done} rollback(s) for spikes at step {s.step} "
+                f"(train.spike.max_rollbacks {self.cfg.max_rollbacks}); stopping. The skipped "
+                f"data is recorded in {self.path}; lower train.lr or raise train.spike.zscore, "
+                "then resume")
+        self.rollbacks[s.step] += 1
+        skipped = _merged([(a, b) for st, a, b in self.recent if st > step])
+        event.update(action="rollback", rolled_back_to=step, checkpoint=str(tag_dir),
+                     skipped_samples=skipped, rollback=done + 1)
+        s.rollback_to, self.target, self.pending = step, tag_dir, skipped
+        if self.rank == 0:
+            ranges = ", ".join(f"[{a}, {b})" for a, b in skipped)
+            log.warning(f"{what}; update dropped; rolling back every rank to {tag_dir} (step "
+                        f"{step}, rollback {done + 1} of at most {self.cfg.max_rollbacks} for "
+                        f"step {s.step}); global samples {ranges} will not be trained on, "
+                        f"recorded in {self.path}")
+
+    def _record(self, event: dict) -> None:
         if self.rank != 0:
             return
-        log.warning(f"step {s.step}: loss spike (z-score {s.spike_zscore:.1f} > "
-                    f"{self.cfg.zscore} over the last {len(self.losses)} steps, mean {mean:.4f}, "
-                    f"std {std:.4f}); update skipped on every rank; global samples "
-                    f"[{event['samples'][0]}, {event['samples'][1]}) recorded in {self.path}")
         with self.path.open("a") as f:
             f.write(json.dumps(event) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # a rollback's skipped window must outlive a kill right after

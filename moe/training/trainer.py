@@ -57,7 +57,12 @@ from moe.training.layout import load_other_layout
 from moe.training.nan_guard import NonFiniteGuard, poison_nonfinite
 from moe.training.preemption import PREEMPTED_MARKER, SIGNALS, PreemptionHook
 from moe.training.prefetch import PrefetchingReader
-from moe.training.spike_guard import LossSpikeGuard
+from moe.training.spike_guard import (
+    SPIKE_STATE,
+    LossSpikeGuard,
+    recorded_events,
+    skipped_windows,
+)
 from moe.training.upcycle import initialize_from_checkpoint
 from moe.training.watchdog import HangWatchdog
 
@@ -187,6 +192,22 @@ def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistE
     return client
 
 
+def roll_back(engine, model, loader, tag_dir: Path, cfg: RunConfig, env: DistEnv,
+              tokenizer_sha256: str, hooks: list[Hook]) -> int:
+    """Restore the checkpoint ``tag_dir`` in this process, on every rank, the way a resumed run
+    loads it (model, optimizer, LR schedule, data cursor, RNG), and let each hook drop what it
+    kept of the steps after it (:meth:`Hook.on_rollback`). Returns the checkpoint's step."""
+    t0 = time.time()
+    client = resume_from(engine, model, loader, tag_dir, cfg, env, tokenizer_sha256)
+    for hook in hooks:
+        hook.on_rollback(client)
+    step = int(client["step"])
+    if env.rank == 0:
+        log.info(f"rolled back to {tag_dir} (step {step}) in {time.time() - t0:.2f}s; "
+                 f"the steps after it run again")
+    return step
+
+
 def _token_hash(batches: list[torch.Tensor]) -> str:
     """Of the host copies of the batches (the device has its own): no device read."""
     h = hashlib.sha256()
@@ -237,8 +258,10 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     t = cfg.train
     t0 = time.time()
     packed = loader.next_step()
+    samples = t.micro_batch_size * t.grad_accum_steps * env.world_size
     if faults is not None:
-        packed = faults.batches(step, packed)
+        end = int(loader.state_dict()["consumed_samples"])
+        packed = faults.batches(step, packed, (end - samples, end))
         faults.before_update(step, engine)
     sums = torch.zeros(3, device=engine.device)  # (loss, lm loss, aux loss) summed
     batches = []
@@ -280,7 +303,6 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     # The step's one read of ours (a host sync on GPUs).
     loss, lm_loss, aux_loss, local_sum, norm_value, z_value = torch.cat(
         [sums, local_sum, norm, z_max]).tolist()
-    samples = t.micro_batch_size * t.grad_accum_steps * env.world_size
     return StepState(
         step=step, max_steps=t.max_steps, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss,
         lr=engine.get_lr()[0], grad_norm=None if grad_norm is None else norm_value,
@@ -311,7 +333,7 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
                           loader_workers=cfg.data.loader_workers,
                           allow_other_data=cfg.data.allow_other_data_on_resume,
                           document_ids=cfg.model.document_masking)
-    start_step, tokens = 0, 0
+    start_step, tokens, client = 0, 0, {}
     if resume_dir is not None:
         t_load = time.time()
         client = resume_from(engine, model, reader, resume_dir, cfg, env, tokenizer_sha)
@@ -335,19 +357,26 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
               StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl"),
               NonFiniteGuard(t.max_consecutive_skips, env.rank)]
     loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
-    spike = (LossSpikeGuard(t.spike, run_dir, loader, env.rank, env.world_size)
-             if t.spike.action == "skip" else None)
-    if spike is not None:
-        hooks.append(spike)
-    if env.rank == 0 and cfg.logging.tensorboard:
-        hooks.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
+    # Whatever train.spike says now: data that a rollback took out stays out.
+    events = recorded_events(run_dir)
+    loader.skip(skipped_windows(events))
     save_ctx = SaveContext(
         config_text=config_text, tokenizer_file=data.tokenizer_file(),
         tokenizer_sha256=tokenizer_sha, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
+    spike = None
+    if t.spike.action != "off":
+        spike = LossSpikeGuard(t.spike, run_dir, loader, env.rank, env.world_size, events=events)
+        spike.load_state_dict(client.get(SPIKE_STATE))
+        hooks.append(spike)
+    if env.rank == 0 and cfg.logging.tensorboard:
+        hooks.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
     ckpt_hook = CheckpointHook(engine, loader, ckpt_dir, cfg.checkpoint.every_n_steps, save_ctx,
-                               env.rank, cfg.checkpoint.on_save_error)
+                               env.rank, cfg.checkpoint.on_save_error,
+                               {SPIKE_STATE: spike.state_dict} if spike is not None else None)
+    if spike is not None:
+        spike.checkpoints = ckpt_hook
     hooks.append(ckpt_hook)  # after the guard: a step the guard stops on is never saved
     hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank,
                                 tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)))
@@ -364,12 +393,19 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
         hooks.append(watchdog)
         watchdog.start(start_step)
     history = []
+    step = start_step
     try:
-        for step in range(start_step + 1, t.max_steps + 1):
+        while step < t.max_steps:
+            step += 1
             state = train_step(engine, loader, cfg, env, step, spike, faults)
             ckpt_hook.tokens += state.tokens_per_step
             for hook in hooks:
                 hook.on_step_end(state)
+            if state.rollback_to is not None:  # a loss spike (spike_guard.py)
+                step = roll_back(engine, model, loader, spike.target, cfg, env, tokenizer_sha,
+                                 hooks)
+                history = [h for h in history if h["step"] <= step]
+                continue
             if state.is_log_step:
                 history.append({"step": step, "loss": state.loss, "lm_loss": state.lm_loss,
                                 "tokens_per_s": state.tokens_per_second})

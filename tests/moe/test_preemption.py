@@ -42,6 +42,21 @@ def test_sigusr1_saves_at_the_next_step_boundary_and_exits_75(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) == previous  # handler given back
 
 
+def test_a_signal_at_a_step_that_rolls_back_exits_on_the_checkpoint_it_rolls_back_to(tmp_path):
+    """The step is undone (a loss spike, spike_guard.py): nothing of it is saved, and the job
+    resumes from the checkpoint the rollback restores (CheckpointHook.save returns at once for
+    the step it saved last)."""
+    ckpt = RecordingCheckpoint()
+    hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    s = state(7)
+    s.rollback_to = 4
+    with pytest.raises(Preempted) as e:
+        hook.on_step_end(s)
+    assert e.value.step == 4 and ckpt.saved == [4]
+    assert json.loads((tmp_path / "preempted.json").read_text())["step"] == 4
+
+
 def test_first_sigterm_saves_and_a_second_would_end_the_process(tmp_path):
     """With TERM in save_on_signals: the first SIGTERM is handled like USR1; the handler is then
     given back at once, so a second SIGTERM gets the old disposition (death by default)."""

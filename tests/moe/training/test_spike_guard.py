@@ -27,7 +27,7 @@ class BadBatch(FaultInjector):
     def __init__(self, rank: int, vocab_size: int):
         self.rank, self.token = rank, vocab_size - 1  # the last merge: a rare token
 
-    def batches(self, step, packed):
+    def batches(self, step, packed, samples):
         if step == BAD_STEP and self.rank == 1:
             for p in packed:
                 p.tokens_BS = torch.full_like(p.tokens_BS, self.token)
@@ -112,7 +112,6 @@ def test_spike_settings_are_validated(tiny_data, tmp_path):
     with pytest.raises(ConfigError) as e:
         from_dict(RunConfig, cfg)
     msg = str(e.value)
-    assert "rollback is not implemented yet" in msg
     assert "min_steps: 5 exceeds window (3)" in msg
     assert "zscore: must be > 0" in msg
     assert "needs ZeRO stage 1 or 2" in msg
