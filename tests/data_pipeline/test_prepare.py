@@ -276,6 +276,20 @@ def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tm
     PackedReader(cfg.dir, 8, 0).micro_batches(1)
 
 
+def test_cli_module_imports_no_model_code():
+    """Spawned workers run moe-prepare's module again as they start: importing torch there
+    (through the run config) cost each worker seconds of CPU before its first document."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = "import sys, launch.prepare; print(sorted({'torch', 'moe.training.config'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "[]"
+
+
 def test_cli_prepares_then_verifies(tiny_data, tmp_path, capsys):
     import yaml
 
