@@ -15,6 +15,11 @@ workers.
    encode phase (read, tokenize, write shards) over the corpus's raw bytes.
 3. Prints medians and spreads (min-max) as JSON: prepare MB/s per worker / SentencePiece MB/s
    (goal >= 0.8) and 2-worker / 1-worker MB/s (goal >= 1.7 on 2 free cores).
+4. And where the CPU time of each prepare went, which a busy machine does not blur: the main
+   process's share of all CPU seconds of the encode phase (it competes with the workers for the
+   cores), each worker's CPU seconds (read from /proc while it runs; Linux only), and from them
+   the speed-up the 2-worker split allows on 2 free cores (a run takes at least its busiest
+   process's CPU seconds, and half of all of them).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,10 +66,55 @@ def sp_encode(tok: Tokenizer, texts: list[str], mb: float) -> float:
     return mb / (time.perf_counter() - t)
 
 
-def prepare_rate(cfg: DataConfig, workers: int, mb: float, out: Path) -> float:
+class ChildCpu(threading.Thread):
+    """CPU seconds of each child process, read from /proc every ``interval`` seconds until
+    stopped (a pool worker's last reading is at most that long before its end). Empty where
+    /proc has no ``children`` files."""
+
+    def __init__(self, interval: float = 0.1):
+        super().__init__(daemon=True)
+        self.interval, self.seconds, self._done = interval, {}, threading.Event()
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def run(self) -> None:
+        tasks = Path(f"/proc/{os.getpid()}/task")
+        while not self._done.wait(self.interval):
+            try:
+                pids = {int(p) for t in tasks.iterdir()
+                        for p in (t / "children").read_text().split()}
+            except OSError:
+                return
+            for pid in pids:
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # ended since the listing
+                self.seconds[pid] = (int(fields[11]) + int(fields[12])) / self._tick
+
+    def stop(self) -> list[float]:
+        """Each child's CPU seconds, largest first (the resource tracker's near 0 left out)."""
+        self._done.set()
+        self.join()
+        return sorted((s for s in self.seconds.values() if s >= 0.05), reverse=True)
+
+
+def prepare_rate(cfg: DataConfig, workers: int, mb: float, out: Path) -> tuple[float, dict]:
+    """MB/s of the encode phase, and its CPU seconds: main process, each worker."""
     shutil.rmtree(out, ignore_errors=True)
-    report = prepare(dataclasses.replace(cfg, dir=str(out), prepare_workers=workers), progress=False)
-    return mb / report.timings["encode"]
+    children = ChildCpu()
+    children.start()
+    try:
+        report = prepare(dataclasses.replace(cfg, dir=str(out), prepare_workers=workers),
+                         progress=False)
+    finally:
+        per_worker = children.stop()
+    main = report.timings["encode_cpu_main"]
+    return mb / report.timings["encode"], {"main": main, "all": report.timings["encode_cpu"],
+                                           "workers": per_worker}
+
+
+def _cpu_bound(seconds: dict) -> float:
+    return max(seconds["main"], *seconds["workers"], seconds["all"] / 2)
 
 
 def spread(xs: list[float]) -> dict:
@@ -106,19 +157,34 @@ def main() -> None:
             print(f"read_item alone: {mb / (time.perf_counter() - read):.2f} MB/s")
             return
         rates: dict[str, list[float]] = {"sentencepiece": [], "prepare_1": [], "prepare_2": []}
+        cpu: dict[str, list[dict]] = {"prepare_1": [], "prepare_2": []}
         for _ in range(args.rounds):
             rates["sentencepiece"].append(sp_encode(tok, texts, mb))
-            rates["prepare_1"].append(prepare_rate(cfg, 1, mb, work / "out"))
-            rates["prepare_2"].append(prepare_rate(cfg, 2, mb, work / "out"))
+            for workers in (1, 2):
+                rate, seconds = prepare_rate(cfg, workers, mb, work / "out")
+                rates[f"prepare_{workers}"].append(rate)
+                cpu[f"prepare_{workers}"].append(seconds)
+                print(f"prepare, {workers} worker(s): {rate:.2f} MB/s; CPU s: main "
+                      f"{seconds['main']:.2f} of {seconds['all']:.2f}, workers "
+                      f"{[round(w, 2) for w in seconds['workers']]}", file=sys.stderr, flush=True)
         per_worker = [a / b for a, b in zip(rates["prepare_1"], rates["sentencepiece"])]
         per_worker_2 = [a / 2 / b for a, b in zip(rates["prepare_2"], rates["sentencepiece"])]
         scaling = [b / a for a, b in zip(rates["prepare_1"], rates["prepare_2"])]
+        # On 2 free cores a run takes at least as long as its busiest process and as half its
+        # CPU seconds: what the split of the work allows, whatever the machine's load.
+        allowed = [_cpu_bound(one) / _cpu_bound(two)
+                   for one, two in zip(cpu["prepare_1"], cpu["prepare_2"]) if two["workers"]]
         print(json.dumps({
             "raw_text_mb": round(mb, 1), "documents": len(texts), "rounds": args.rounds,
             "load_average": os.getloadavg(), "mb_per_s": {k: spread(v) for k, v in rates.items()},
             "prepare_1_worker_over_sentencepiece": spread(per_worker),
             "prepare_2_workers_per_worker_over_sentencepiece": spread(per_worker_2),
-            "speedup_2_over_1_workers": spread(scaling)}, indent=2))
+            "speedup_2_over_1_workers": spread(scaling),
+            "main_process_cpu_share": {k: spread([c["main"] / c["all"] for c in v])
+                                       for k, v in cpu.items()},
+            "cpu_seconds": {k: spread([c["all"] for c in v]) for k, v in cpu.items()},
+            "speedup_2_over_1_on_free_cores_from_cpu_split": spread(allowed) if allowed else None},
+            indent=2))
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)

@@ -50,6 +50,11 @@ change the prepared data."""
 READ_CACHE_CHARS = 256 << 20
 """Documents read for the tokenizer sample are kept in spill files (up to this many characters)
 and tokenized without reading the sources again; larger corpora are read twice."""
+TASK_BYTES = 1 << 20
+TASK_ITEMS = 16
+"""Consecutive work items go to the pool in tasks of about TASK_BYTES of input and at most
+TASK_ITEMS items: small enough that the workers finish together, large enough that a source of
+many small files is not one message per file."""
 
 
 @dataclass
@@ -61,7 +66,8 @@ class PrepareReport:
     invalid_utf8: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: read (tokenizer sample), tokenizer, encode (read, tokenize, write);
-    ``encode_cpu``: CPU seconds of the encode phase over all its processes."""
+    ``encode_cpu``: CPU seconds of the encode phase over all its processes, ``encode_cpu_main``
+    the main process's share of them (what competes with the workers for the cores)."""
 
 
 def config_hash(cfg: DataConfig) -> str:
@@ -127,12 +133,16 @@ def _read(args: tuple[SourceConfig, WorkItem, str]) -> str:
     return spill
 
 
-def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]
-            ) -> tuple[str, list[int], int, int, int]:
+ItemCounts = tuple[list[int], int, int, int]
+"""What a worker returns for a work item: documents per split, invalid UTF-8 sequences, empty
+documents, rows filtered out. Its tokens are in the spill file the main process named."""
+
+
+def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]) -> ItemCounts:
     """Read (or load from its spill file) and tokenize one work item; write per split, in
     ``SPLITS`` order, the document lengths (int64) and then the concatenated token ids (uint32,
-    each document followed by EOS) to the raw spill file ``args[4]``. Returns (that path, the
-    documents per split, invalid UTF-8 count, empty documents, rows filtered out)."""
+    each document followed by EOS) to the raw spill file ``args[4]``. Returns the item's
+    counts (:data:`ItemCounts`)."""
     source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
     docs = _load_docs(cached) if cached else read_item(source, item, _S3)
@@ -151,7 +161,37 @@ def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]
             np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32,
                         count=int(lengths.sum())).tofile(f)
             counts.append(len(ids))
-    return spill, counts, docs.invalid_utf8, docs.empty, docs.filtered
+    return counts, docs.invalid_utf8, docs.empty, docs.filtered
+
+
+def _encode_task(jobs: list[tuple]) -> list[ItemCounts]:
+    """One pool task: consecutive work items (see :func:`_tasks`), each encoded by :func:`_encode`."""
+    return [_encode(job) for job in jobs]
+
+
+def _tasks(jobs: list[tuple], sizes: list[int]) -> list[list[tuple]]:
+    """``jobs`` (in order) cut into consecutive runs of about TASK_BYTES input bytes (``sizes``)
+    and at most TASK_ITEMS jobs. What a task sends is a few work items (a file, a byte range,
+    a row group) and spill file names, never documents; what comes back is a few counts per
+    item, never tokens (those are in the spill files)."""
+    tasks: list[list[tuple]] = []
+    run: list[tuple] = []
+    run_bytes = 0
+    for job, size in zip(jobs, sizes, strict=True):
+        run.append(job)
+        run_bytes += size
+        if run_bytes >= TASK_BYTES or len(run) == TASK_ITEMS:
+            tasks.append(run)
+            run, run_bytes = [], 0
+    if run:
+        tasks.append(run)
+    return tasks
+
+
+def _run_tasks(pool, jobs: list[tuple], sizes: list[int]) -> Iterator[ItemCounts]:
+    """Every job's counts, in job order, from tasks spread over the pool."""
+    for counts in pool.imap(_encode_task, _tasks(jobs, sizes)):
+        yield from counts
 
 
 def _load_encoded(path: str, counts: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -287,8 +327,7 @@ def _build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path
 
 
 Encoded = tuple[str, list[int], int, int, int]
-"""What :func:`_encode` returns for a work item: spill path, documents per split, invalid
-UTF-8, empty documents, rows filtered out."""
+"""An encoded work item: its spill path, then its :data:`ItemCounts`."""
 
 
 def _encode_jobs(cfg: DataConfig, source: SourceConfig, items: list[WorkItem],
@@ -310,11 +349,14 @@ def item_bytes(source: SourceConfig, items: list[WorkItem], s3: S3Config) -> lis
 
 
 def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
-                  encoded: Callable[[SourceConfig], Iterator[Encoded]], keep_spill: bool,
-                  progress: bool, items: dict[str, list[WorkItem]]
+                  encoded: Callable[[SourceConfig, list[int]], Iterator[Encoded]],
+                  keep_spill: bool, progress: bool, items: dict[str, list[WorkItem]]
                   ) -> tuple[dict[str, SplitInfo], list[dict]]:
-    """Write each source's shards from its encoded work items, taken in item order: the one
-    place where documents meet shards, for a single machine and for a merge of parts alike."""
+    """Write each source's shards from its encoded work items (``encoded(source, input bytes
+    of each item)``), taken in item order: the one place where documents meet shards, for a
+    single machine and for a merge of parts alike. This is all the main process does while the
+    workers tokenize: per item, read one spill file of token arrays and append it to the shard
+    writers (cheap slicing and, per shard, one concatenation, Arrow write and hash)."""
     splits = {split: SplitInfo() for split in SPLITS}
     source_stats = []
     for source in cfg.sources:
@@ -324,7 +366,8 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                  "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0}
         sizes = item_bytes(source, items[source.name], cfg.s3)
         bar = Progress(f"tokenize {source.name}", sum(sizes), progress)
-        for size, (path, counts, invalid_utf8, empty, filtered) in zip(sizes, encoded(source)):
+        for size, (path, counts, invalid_utf8, empty, filtered) in zip(
+                sizes, encoded(source, sizes), strict=True):
             docs = tokens_seen = 0
             for split, (tokens, lengths) in _load_encoded(path, counts).items():
                 writers[split].add(tokens, lengths)
@@ -376,17 +419,19 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
     tokenizer, cache = _build_tokenizer(cfg, items, staging / TOKENIZER_FILE, spill, progress)
     timings["tokenizer"] = time.time() - t
 
-    t, cpu = time.time(), _cpu_seconds()
+    t, cpu, main_cpu = time.time(), _cpu_seconds(), time.process_time()
     with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
                                       initargs=(str(tokenizer.path), cfg.s3)) as pool:
-        def encoded(source: SourceConfig) -> Iterator[Encoded]:
+        def encoded(source: SourceConfig, sizes: list[int]) -> Iterator[Encoded]:
             cached = cache[source.name] if cache is not None else None
             jobs = _encode_jobs(cfg, source, items[source.name], cached, spill)
-            return pool.imap(_encode, jobs, chunksize=4)
+            for job, counts in zip(jobs, _run_tasks(pool, jobs, sizes)):
+                yield (job[-1], *counts)
 
         splits, source_stats = _write_shards(cfg, staging, tokenizer, encoded, False, progress,
                                              items)
     timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
+    timings["encode_cpu_main"] = time.process_time() - main_cpu
     shutil.rmtree(spill)
     return _finish(staging, want, tokenizer, splits, source_stats, timings)
 
@@ -465,13 +510,16 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
     try:
         jobs = [(s, cfg.valid_fraction, it, None, str(tmp / f"{s.name}-{i}.bin"))
                 for s, i, it in mine]
+        sizes = []
+        for source in cfg.sources:
+            sizes += item_bytes(source, [it for s, _, it in mine if s is source], cfg.s3)
         results = {}
         with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
                                           initargs=(str(tokenizer.path), cfg.s3)) as pool:
-            for (s, i, _), (path, *rest) in zip(mine, _bar(
-                    progress, iterable=pool.imap(_encode, jobs, chunksize=4), total=len(jobs),
+            for (s, i, _), job, counts in zip(mine, jobs, _bar(
+                    progress, iterable=_run_tasks(pool, jobs, sizes), total=len(jobs),
                     desc=f"part {index}/{count}", unit="item")):
-                results[f"{s.name}/{i}"] = [Path(path).name, *rest]
+                results[f"{s.name}/{i}"] = [Path(job[-1]).name, *counts]
         marker = {"config_hash": config_hash(cfg), "tokenizer_sha256": tokenizer.sha256,
                   "items_hash": _items_hash(numbered), "items": results}
         write_atomic(tmp / "part.json", json.dumps(marker).encode())
@@ -523,7 +571,7 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
     shutil.copyfile(tokenizer.path, staging / TOKENIZER_FILE)
     tokenizer = Tokenizer(staging / TOKENIZER_FILE)
 
-    def encoded(source: SourceConfig) -> Iterator[Encoded]:
+    def encoded(source: SourceConfig, sizes: list[int]) -> Iterator[Encoded]:
         for s, i, _ in numbered:
             if s is source:
                 path, (split_counts, invalid, empty, filtered) = results[f"{s.name}/{i}"]

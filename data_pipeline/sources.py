@@ -73,7 +73,11 @@ def stdlib_document(path: Path) -> str:
 
 
 JSONL_CHUNK_BYTES = 8 << 20
-"""JSONL files are split into byte ranges of about this size (cut at line ends)."""
+"""JSONL files are split into byte ranges of about this size (cut at line ends)..."""
+JSONL_MIN_CHUNK_BYTES = 1 << 20
+JSONL_CHUNKS = 64
+"""...or smaller for a small source: about this many ranges, of at least JSONL_MIN_CHUNK_BYTES,
+so that a pool of workers shares a source of a few files evenly."""
 
 
 # --- compressed files: gzip and zstd, read as streams ---
@@ -242,9 +246,14 @@ class WorkItem:
     part: tuple[int, int] | int | None = None
 
 
-def _jsonl_ranges(path: Path | str, s3: S3Config) -> list[tuple[int, int]]:
-    size = storage.size(str(path), s3)
-    return [(a, min(a + JSONL_CHUNK_BYTES, size)) for a in range(0, size, JSONL_CHUNK_BYTES)] or [(0, 0)]
+def jsonl_chunk_bytes(total: int) -> int:
+    """Byte range size for the plain JSONL files of a source, ``total`` bytes together. It
+    depends on the inputs alone (never on the workers), like the ranges and their documents."""
+    return max(JSONL_MIN_CHUNK_BYTES, min(JSONL_CHUNK_BYTES, total // JSONL_CHUNKS))
+
+
+def _jsonl_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
+    return [(a, min(a + chunk, size)) for a in range(0, size, chunk)] or [(0, 0)]
 
 
 def _open_arrow(path: Path | str, s3: S3Config) -> pa.ipc.RecordBatchFileReader:
@@ -329,8 +338,10 @@ def work_items(source: SourceConfig, s3: S3Config = LOCAL) -> list[WorkItem]:
         return [WorkItem(str(p), n) for p, n in files]
     if source.type == "jsonl":
         # A compressed file cannot be entered in the middle: it is one item, read as a stream.
+        plain = {p: storage.size(str(p), s3) for p, _ in files if not compression(p, s3)}
+        chunk = jsonl_chunk_bytes(sum(plain.values()))
         return [WorkItem(str(p), n, r) for p, n in files
-                for r in ([None] if compression(p, s3) else _jsonl_ranges(p, s3))]
+                for r in (_jsonl_ranges(plain[p], chunk) if p in plain else [None])]
     if source.type == "parquet":
         return [WorkItem(str(p), n, g) for p, n in files
                 for g in range(_open_parquet(p, s3).num_row_groups)]

@@ -12,9 +12,12 @@ import argparse
 
 from data_pipeline.prepare import merge_parts, prepare, prepare_part, prepare_tokenizer
 from data_pipeline.verify import verify
-from launch import prepare_slurm
 from launch.cli import exits_cleanly
-from moe.training.config import load_config
+
+# The run config and the SLURM steps are imported in main(), not here: the preparation's worker
+# processes are spawned, and each runs this module again as it starts. At the top, the run
+# config's import of the model (torch) cost every worker seconds of CPU before its first
+# document, more than tokenizing a 20 MB corpus.
 
 
 @exits_cleanly
@@ -47,8 +50,10 @@ def main(argv=None) -> None:
         p.error("a config is needed (or --verify DATA_DIR)")
     if args.dry_run and args.slurm_parts is None:
         p.error("--dry-run goes with --slurm-parts")
+    from moe.training.config import load_config
     cfg = load_config(args.config, args.overrides)
     if args.slurm_parts is not None:
+        from launch import prepare_slurm
         jobs = prepare_slurm.build(cfg, args.slurm_parts, force=args.force)
         if args.dry_run:
             print(jobs.render())

@@ -143,12 +143,103 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     assert sum(len(t) for _, t in docs.docs) > 400_000  # one file, one document
     prep._init_worker(str(Path(tiny_data.dir) / TOKENIZER_FILE))
     encode_result = prep._encode((source, 0.1, item, read_result, str(spill / "e.bin")))
-    for result in (read_result, encode_result):
+    # A whole task of items comes back as one message: a few counts per item.
+    job = (source, 0.1, item, None, str(spill / "e.bin"))
+    task_result = prep._encode_task([job] * prep.TASK_ITEMS)
+    for result in (read_result, encode_result, task_result):
         assert len(pickle.dumps(result)) < 4096
-    arrays = prep._load_encoded(*encode_result[:2])
+    arrays = prep._load_encoded(str(spill / "e.bin"), encode_result[0])
     assert sum(len(tokens) for tokens, _ in arrays.values()) > 100_000
     for tokens, lengths in arrays.values():
         assert lengths.sum() == len(tokens)
+
+
+def test_tasks_group_consecutive_items_by_input_bytes():
+    from data_pipeline import prepare as prep
+
+    jobs = list(range(40))
+    sizes = [prep.TASK_BYTES // 4] * 8 + [3 * prep.TASK_BYTES] * 2 + [10] * 30
+    tasks = prep._tasks(jobs, sizes)
+    assert [j for task in tasks for j in task] == jobs  # every job once, in order
+    assert [len(t) for t in tasks] == [4, 4, 1, 1, prep.TASK_ITEMS, 30 - prep.TASK_ITEMS]
+    assert prep._tasks([], []) == []
+
+
+def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, tmp_path,
+                                                                  monkeypatch):
+    """With N workers on N cores, per-document work in the main process takes a core from
+    them: it must never read, parse or tokenize a document. It sends work items (a file, a
+    byte range) and spill file names, and gets back a few counts per item; tokens come as
+    arrays in spill files. The result is that of the reference preparation, byte for byte."""
+    import pickle
+
+    from data_pipeline import prepare as prep
+    from data_pipeline import sources, tokenizer
+
+    def per_document(*args, **kw):
+        raise AssertionError("per-document work in the main process")
+
+    # The workers are spawned: they import their own, unpatched modules.
+    for module, name in ((prep, "read_item"), (sources, "read_item"), (prep, "_load_docs"),
+                         (tokenizer.Tokenizer, "encode_batch"), (tokenizer.Tokenizer, "encode"),
+                         (sources, "decode"), (sources, "_jsonl_documents")):
+        monkeypatch.setattr(module, name, per_document)
+    sent, received = [], []
+    real_tasks, real_task = prep._tasks, prep._encode_task
+
+    def spy_tasks(jobs, sizes):
+        tasks = real_tasks(jobs, sizes)
+        sent.extend(tasks)
+        return tasks
+
+    monkeypatch.setattr(prep, "_tasks", spy_tasks)
+    real_run = prep._run_tasks
+
+    def spy_run(pool, jobs, sizes):
+        for counts in real_run(pool, jobs, sizes):
+            received.append(counts)
+            yield counts
+
+    monkeypatch.setattr(prep, "_run_tasks", spy_run)
+    texts = [t for p in sorted(Path(mixed_data.sources[0].paths[0]).iterdir())
+             for t in p.read_text(encoding="utf-8").split("\n\n") if len(t) > 40]
+    cfg = dataclasses.replace(mixed_data, dir=str(tmp_path / "data"), prepare_workers=2,
+                              tokenizer=dataclasses.replace(
+                                  mixed_data.tokenizer,
+                                  model_file=str(Path(mixed_data.dir) / TOKENIZER_FILE)))
+    prepare(cfg, progress=False)
+    assert read_manifest(cfg.dir).fingerprint == read_manifest(mixed_data.dir).fingerprint
+    assert real_task is prep._encode_task and sent and len(received) == sum(map(len, sent))
+    for task in sent:
+        raw = pickle.dumps(task)
+        assert len(raw) < 2048 * len(task)
+        assert not any(t.encode() in raw or t.upper().encode() in raw for t in texts[:20])
+    for split_docs, invalid, empty, filtered in received:
+        assert all(type(n) is int for n in [*split_docs, invalid, empty, filtered])
+
+
+def test_jsonl_ranges_of_any_size_read_the_same_documents(tmp_path, monkeypatch):
+    """Smaller sources are cut into smaller byte ranges (so that every worker gets several);
+    the documents, their ids and their order do not depend on where the cuts fall."""
+    from data_pipeline import sources
+
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i} " + "é " * (i % 37)}) + "\n"
+                            for i in range(300)), encoding="utf-8")
+    source = SourceConfig(name="j", type="jsonl", paths=[str(path)])
+
+    def documents() -> tuple[int, list]:
+        items = sources.work_items(source)
+        return len(items), [d for it in items for d in sources.read_item(source, it).docs]
+
+    one_range, want = documents()
+    assert one_range == 1 and len(want) == 300
+    for chunk in (1, 7, 64, 1000):
+        monkeypatch.setattr(sources, "JSONL_MIN_CHUNK_BYTES", chunk)
+        n, got = documents()
+        assert n > 1 and got == want
+    assert sources.jsonl_chunk_bytes(10 << 30) == sources.JSONL_CHUNK_BYTES
+    assert sources.jsonl_chunk_bytes(0) == sources.JSONL_MIN_CHUNK_BYTES
 
 
 def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tmp_path, monkeypatch):
@@ -183,6 +274,20 @@ def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tm
     assert read_manifest(cfg.dir).fingerprint == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     PackedReader(cfg.dir, 8, 0).micro_batches(1)
+
+
+def test_cli_module_imports_no_model_code():
+    """Spawned workers run moe-prepare's module again as they start: importing torch there
+    (through the run config) cost each worker seconds of CPU before its first document."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = "import sys, launch.prepare; print(sorted({'torch', 'moe.training.config'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "[]"
 
 
 def test_cli_prepares_then_verifies(tiny_data, tmp_path, capsys):
