@@ -299,6 +299,7 @@ class ReadAhead:
         self._wanted: list[tuple[str, str, int | None]] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._stopped = False
         self.fetched = 0
         """Objects this thread downloaded."""
 
@@ -306,17 +307,33 @@ class ReadAhead:
         """Replace the list of objects to fetch next (url, sha256, bytes), in order."""
         with self._cond:
             self._wanted = list(items)
-            if self._thread is None and items:
+            if (self._thread is None or not self._thread.is_alive()) and items:
+                self._stopped = False
                 self._thread = threading.Thread(target=self._run, name="shard-read-ahead",
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify()
 
+    def stop(self, timeout: float = 120.0) -> None:
+        """Fetch nothing more and wait for the fetch under way, which removes its temporary
+        file if it fails: after a read error, nothing of a failed object is left in the cache
+        (the thread may have taken the object the reader just failed on off its list before the
+        reader's own fetch took the lock, and would fetch it again after). A later ``want``
+        starts again."""
+        with self._cond:
+            self._wanted, self._stopped = [], True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._wanted:
+                while not self._wanted and not self._stopped:
                     self._cond.wait()
+                if self._stopped:
+                    return
                 url, sha, nbytes = self._wanted.pop(0)
             there = (self.cache.root / sha).exists()
             try:

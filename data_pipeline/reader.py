@@ -241,12 +241,17 @@ class PackedReader:
             if self._read_ahead is not None:
                 self._read_ahead.want(self.data.fetch_items(
                     [self._infos[h] for h in needed[j + 1:j + 1 + ahead]]))
-            with self.data.shard(self._infos[g]) as tokens:
-                rows = by_shard[bounds[g]:bounds[g + 1]]
-                if rows.size:
-                    plan_RS[rows] = tokens[offset[rows, None] + np.arange(S)]
-                for r, col, a, b in parts.get(g, ()):
-                    plan_RS[r, col:col + b - a] = tokens[a:b]
+            try:
+                with self.data.shard(self._infos[g]) as tokens:
+                    rows = by_shard[bounds[g]:bounds[g + 1]]
+                    if rows.size:
+                        plan_RS[rows] = tokens[offset[rows, None] + np.arange(S)]
+                    for r, col, a, b in parts.get(g, ()):
+                        plan_RS[r, col:col + b - a] = tokens[a:b]
+            except BaseException:
+                if self._read_ahead is not None:
+                    self._read_ahead.stop()  # its fetch under way cleans up before we raise
+                raise
         return plan_RS
 
     def _batches(self, start: int, accum: int, worker: int = 0,

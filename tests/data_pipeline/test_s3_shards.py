@@ -275,3 +275,36 @@ def test_cache_settings_are_validated(tmp_path):
     problems = cfg.problems()
     for key in ("cache_bytes", "read_ahead", "dir"):
         assert any(p.startswith(key) for p in problems), (key, problems)
+
+
+def test_stopping_read_ahead_waits_for_its_fetch_and_fetches_nothing_more():
+    """The race behind a reader error: the thread has taken an object off its list and is
+    fetching it (here: blocked in fetch) when the reader fails. ``stop`` returns only after that
+    fetch has ended, so its temporary file is gone; the rest of the list is never fetched."""
+    from data_pipeline.cache import ReadAhead
+
+    entered, release, fetched = threading.Event(), threading.Event(), []
+
+    class SlowCache:
+        root = Path("/nonexistent")
+
+        def fetch(self, url, sha, nbytes, wait=True):
+            entered.set()
+            release.wait(30)
+            fetched.append(url)
+
+    ahead = ReadAhead(SlowCache())
+    ahead.want([("a", "0" * 64, 1), ("b", "1" * 64, 1)])
+    assert entered.wait(30)
+    stopper = threading.Thread(target=ahead.stop)
+    stopper.start()
+    stopper.join(0.3)
+    assert stopper.is_alive()  # waiting for the fetch under way
+    release.set()
+    stopper.join(30)
+    assert not stopper.is_alive() and fetched == ["a"]
+    entered.clear()
+    ahead.want([("c", "2" * 64, 1)])  # a later want starts again
+    assert entered.wait(30)
+    ahead.stop()
+    assert fetched == ["a", "c"]
