@@ -329,6 +329,15 @@ class PackedReader:
         for a, b in self.skipped:
             if a <= self.consumed < b:
                 self.consumed = b
+        end = self.consumed + accum * self.world * self.micro_batch
+        for a, b in self.skipped:
+            if self.consumed < a < end:
+                raise DataError(
+                    f"the samples [{a}, {b}) that a loss-spike rollback took out (the run "
+                    f"directory's skipped_batches.jsonl) begin inside this step's samples "
+                    f"[{self.consumed}, {end}): the global batch changed since the rollback. "
+                    "Resume with the global batch of the run that rolled back, at least until "
+                    "past these samples")
         if self._iter is None or self._iter_key != (self.consumed, accum):
             self._iter = self._open_iter(accum)
         out = [next(self._iter) for _ in range(accum)]

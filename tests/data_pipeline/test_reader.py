@@ -109,6 +109,13 @@ def test_skipped_ranges_are_never_read_and_the_rest_keeps_its_order(mixed_data):
     again.skip([(4, 12)])
     rows = np.concatenate([again.micro_batches(1)[0].numpy() for _ in range(3)])
     assert np.array_equal(rows, ref[[0, 1, 2, 3, 12, 13]])
+    # A global batch that no longer lines up with a skipped range: refused, naming both ranges.
+    wider = reader(mixed_data, micro_batch=3)
+    wider.skip([(4, 6)])
+    wider.micro_batches(1)
+    with pytest.raises(DataError, match=r"samples \[4, 6\).*begin inside this step's samples "
+                                        r"\[3, 6\): the global batch changed"):
+        wider.micro_batches(1)
 
 
 def test_state_is_small_and_counts_each_source(mixed_data):
