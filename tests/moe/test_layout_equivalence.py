@@ -42,31 +42,31 @@ def global_params(model, ep_rank: int) -> dict:
     return out
 
 
-def _worker(rank, world, cfg_dict, batches, out_dir):
-    cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
-    ep = cfg.parallel.expert_parallel_size
-    engine, model = build_engine(cfg, DistEnv(rank, world, rank, world),
-                                 make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0))
-    before = global_params(model, rank % ep)
-    accum = cfg.train.grad_accum_steps
-    losses = []
-    for m in range(accum):
-        batch = batches[m * world + rank]  # the global batch, split over ranks and micro-steps
-        out = engine(batch[:, :-1], batch[:, 1:])
-        engine.backward(out.loss)
-        engine.step()
-        losses.append(out.loss.detach())
-    after = global_params(model, rank % ep)
-    torch.save({"before": before, "after": after, "losses": torch.stack(losses),
-                "grad_norm": torch.tensor(float(engine.get_global_grad_norm()))},
-               f"{out_dir}/rank{rank}.pt")
+def _worker(rank, world, cases, batches, out_dir):
+    """Each case (tag, config) in turn, each with its own engine, in one process per rank."""
+    for tag, cfg_dict in cases:
+        cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
+        ep = cfg.parallel.expert_parallel_size
+        engine, model = build_engine(cfg, DistEnv(rank, world, rank, world),
+                                     make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0))
+        before = global_params(model, rank % ep)
+        accum = cfg.train.grad_accum_steps
+        losses = []
+        for m in range(accum):
+            batch = batches[m * world + rank]  # the global batch, split over ranks and micro-steps
+            out = engine(batch[:, :-1], batch[:, 1:])
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.detach())
+        after = global_params(model, rank % ep)
+        torch.save({"before": before, "after": after, "losses": torch.stack(losses),
+                    "grad_norm": torch.tensor(float(engine.get_global_grad_norm()))},
+                   f"{out_dir}/{tag}_rank{rank}.pt")
 
 
-def run_layout(tmp_path, world, ep, accum, zero, moe, batches, tag):
-    out = tmp_path / tag
-    out.mkdir()
-    run_distributed(_worker, world, run_config(world, ep, accum, zero, moe), batches, str(out))
-    results = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+def merged_results(out, tag, world):
+    results = [torch.load(out / f"world{world}" / f"{tag}_rank{r}.pt", weights_only=True)
+               for r in range(world)]
     merged = {"before": {}, "after": {}}
     for res in results:
         for key in ("before", "after"):
@@ -79,15 +79,33 @@ def run_layout(tmp_path, world, ep, accum, zero, moe, batches, tag):
     return merged, losses.mean(), results[0]["grad_norm"]
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-@pytest.mark.parametrize("moe", [{}, {"capacity_factor": 1.0, "num_shared_experts": 1,
-                                      "router": {"top_k": 1, "z_loss_coef": 0.01}}],
-                         ids=["dropless-top2", "dropping-shared-top1"])
-def test_ep2_on_two_ranks_equals_one_process(tmp_path, zero, moe):
+MOES = {"dropless-top2": {},
+        "dropping-shared-top1": {"capacity_factor": 1.0, "num_shared_experts": 1,
+                                 "router": {"top_k": 1, "z_loss_coef": 0.01}}}
+ZEROS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """Every case on one process and on 2 ranks with expert parallelism 2: one start of each
+    layout for all cases (a start costs more than the cases' steps)."""
     torch.manual_seed(0)
     batches = [torch.randint(0, VOCAB, (MB, SEQ + 1)) for _ in range(2)]
-    single, loss1, norm1 = run_layout(tmp_path, 1, 1, 2, zero, moe, batches, "single")
-    multi, loss2, norm2 = run_layout(tmp_path, 2, 2, 1, zero, moe, batches, "ep2")
+    out = tmp_path_factory.mktemp("layouts")
+    cases = [(f"{moe_id}-zero{zero}", moe, zero) for moe_id, moe in MOES.items() for zero in ZEROS]
+    for world, ep, accum in ((1, 1, 2), (2, 2, 1)):
+        (out / f"world{world}").mkdir()
+        run_distributed(_worker, world, [(tag, run_config(world, ep, accum, zero, moe))
+                                         for tag, moe, zero in cases], batches,
+                        str(out / f"world{world}"))
+    return out
+
+
+@pytest.mark.parametrize("zero", ZEROS)
+@pytest.mark.parametrize("moe_id", list(MOES))
+def test_ep2_on_two_ranks_equals_one_process(layouts, zero, moe_id):
+    single, loss1, norm1 = merged_results(layouts, f"{moe_id}-zero{zero}", 1)
+    multi, loss2, norm2 = merged_results(layouts, f"{moe_id}-zero{zero}", 2)
 
     assert single["before"].keys() == multi["before"].keys()
     for name in single["before"]:

@@ -60,6 +60,12 @@ def _assert_equals_our_model(ckpt_dir, out_dir):
     assert not torch.equal(w_in[0], w_in[-1])
 
 
+@pytest.fixture(scope="module")
+def w4ep2(tiny_data, tmp_path_factory):
+    """EP 2 on 4 ranks, trained once for the two tests that need it."""
+    return _run(tiny_data, tmp_path_factory.mktemp("w4ep2"), "w4ep2", 4, 2)
+
+
 @pytest.mark.parametrize("world,ep", [(2, 2), (2, 1), (1, 1)])
 def test_zero_to_fp32_rebuilds_the_model(tiny_data, tmp_path, world, ep):
     ckpt_dir = _run(tiny_data, tmp_path / "runs", f"w{world}ep{ep}", world, ep)
@@ -68,12 +74,12 @@ def test_zero_to_fp32_rebuilds_the_model(tiny_data, tmp_path, world, ep):
     _assert_equals_our_model(ckpt_dir, tmp_path / "fp32")
 
 
-def test_zero_to_fp32_refuses_expert_partitions_it_cannot_order(tiny_data, tmp_path):
+def test_zero_to_fp32_refuses_expert_partitions_it_cannot_order(w4ep2, tmp_path):
     """EP 2 on 4 ranks: the experts' ZeRO partitions are split over expert-data-parallel pairs;
     zero_to_fp32 stops with an error and writes nothing, and our export still works."""
     from moe.tools.export import consolidated_fp32
 
-    ckpt_dir = _run(tiny_data, tmp_path / "runs", "w4ep2", 4, 2)
+    ckpt_dir = w4ep2
     result = zero_to_fp32(ckpt_dir, tmp_path / "fp32")
     assert result.returncode != 0
     assert "numels" in result.stderr, result.stderr[-2000:]
@@ -82,13 +88,13 @@ def test_zero_to_fp32_refuses_expert_partitions_it_cannot_order(tiny_data, tmp_p
     assert state["blocks.0.ffn.experts.w_in"].shape[0] == 4
 
 
-def test_moe_export_deepspeed_makes_any_layout_readable_by_zero_to_fp32(tiny_data, tmp_path):
+def test_moe_export_deepspeed_makes_any_layout_readable_by_zero_to_fp32(w4ep2, tmp_path):
     """Where zero_to_fp32 refuses (EP 2 on 4 ranks), `moe-export --format deepspeed` re-saves
     the training state on one rank; zero_to_fp32 then rebuilds exactly our model, and the
     converted checkpoint holds the same weights and Adam moments as the original."""
     from moe.training.layout import read_layout_free
 
-    ckpt_dir = _run(tiny_data, tmp_path / "runs", "w4ep2", 4, 2)
+    ckpt_dir = w4ep2
     out = tmp_path / "converted"
     result = subprocess.run([sys.executable, "-m", "launch.export", str(ckpt_dir.parent), str(out),
                              "--format", "deepspeed"], capture_output=True, text=True, timeout=300)
