@@ -1,16 +1,20 @@
-"""The life of a SLURM job against a real single-node cluster (one cluster for the module):
-signals during start-up, refused resubmission, status and cancel, logs, the pre-submit check.
-Tiny one-rank runs of a few steps."""
+"""The life of a SLURM job against a real single-node cluster (one cluster for the module): a
+2-task job through a signal during start-up, a killed rank (restarted inside the allocation), a
+preemption and its finish; refused resubmission, status and cancel, logs, the pre-submit check."""
 
 import json
 
 import pytest
 
+from moe.training.faults import PLAN_ENV
 from tests.conftest import tiny_run_dict
+from tests.helpers import fault_runs as fr
 from tests.helpers.slurm_cluster import single_node_cluster, wait_for
-from tests.integration.launch_checks import moe_launch, write_config
+from tests.integration.launch_checks import check_finished_run, moe_launch, write_config
 
 pytestmark = pytest.mark.integration
+
+HOSTILE = "x; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ #"
 
 
 @pytest.fixture(scope="module")
@@ -39,37 +43,98 @@ def submit(config, cluster, *overrides) -> str:
     return proc.stdout.split("submitted SLURM job ")[1].split()[0]
 
 
-def test_usr1_to_the_batch_shell_during_start_up_requeues_cleanly(tiny_data, tmp_path, cluster):
-    """``scancel --signal=USR1 --batch`` (what ``--signal=B:USR1@N`` does) while the rank is
-    still starting: the script passes it on, the rank exits 75 without a checkpoint, the job is
-    requeued and then finishes."""
-    config, run_dir = slurm_run(tiny_data, tmp_path)
+def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_finish(
+        tiny_data, tmp_path, cluster):
+    """2 tasks, expert parallelism 2, hostile run directory, job name and environment value
+    (they must arrive literally). In one job: ``scancel --signal=USR1 --batch`` while the ranks
+    start (what ``--signal=B:USR1@N`` does): requeued without a checkpoint. Then rank 1 is
+    killed at step 25 (SIGKILL, the test-only fault plan): the job script starts srun again in
+    the same allocation from the step-20 checkpoint (launch.max_restarts). Then SIGUSR1 to the
+    ranks mid-run: checkpoint, requeue, resume. Then the finish and one evaluation. Every sample
+    index is consumed exactly once over the whole history."""
+    sentinel = tmp_path / "SENTINEL"
+    hostile = HOSTILE.format(s=sentinel)
+    # SLURM reads '\\' and '%' in log paths as its own patterns: the launcher refuses those there.
+    out_dir = tmp_path / f"runs {hostile.replace(chr(92), '')}"
+    max_steps, kill_at = 200, 25
+    run = tiny_run_dict(tiny_data, out_dir, max_steps=max_steps)
+    run["checkpoint"] = {"every_n_steps": 20}
+    plan = tmp_path / "faults" / "plan.json"
+    plan.parent.mkdir()
+    plan.write_text(json.dumps({"fired_dir": str(plan.parent), "faults": [
+        {"id": 0, "kind": "kill", "rank": 1, "step": kill_at, "phase": "backward"}]}))
+    run["launch"] = {"scheduler": "slurm",
+                     "env": {"MOE_TEST_VALUE": hostile, PLAN_ENV: str(plan)},
+                     "slurm": {"job_name": hostile, "cpus_per_task": 1}}
+    config = write_config(tmp_path / "tiny.yaml", run)
+    run_dir = out_dir / "tiny"
     job_id = submit(config, cluster)
-    rank0 = run_dir / "logs" / "rank0.log"
+    assert cluster.run(["squeue", "-h", "-j", job_id, "-o", "%j"]).stdout.rstrip("\n") == hostile
+    rank0, job_log_path = run_dir / "logs" / "rank0.log", run_dir / "logs" / f"slurm-{job_id}.out"
+
+    # 1. A signal to the batch shell while the ranks start: passed on, nothing to save, requeued.
     wait_for(rank0.exists, 120, "the rank did not start", cluster)
     assert "step " not in rank0.read_text()  # still starting: imports, DeepSpeed, data
     assert cluster.run(["scancel", "--signal=USR1", "--batch", job_id]).returncode == 0
-    state = cluster.wait_job(job_id, 300)
-    job_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
-    assert state == "COMPLETED", job_log[-3000:]
-    assert cluster.job_field(job_id, "Restarts") == "1"
+    wait_for(lambda: "requeueing job" in job_log_path.read_text(), 120, "no requeue", cluster)
+
+    # 2. Rank 1 killed at step 25: srun started again in the allocation, from step 20.
+    wait_for(lambda: "restart 1/3: srun exited" in job_log_path.read_text(), 240,
+             "no restart inside the allocation", cluster)
+    # The ranks' own environment holds the hostile value, byte for byte.
+    wait_for(lambda: len(cluster.run(["scontrol", "listpids", job_id]).stdout.splitlines()) > 2,
+             60, "no ranks after the restart", cluster)
+    rows = [r.split() for r in cluster.run(["scontrol", "listpids", job_id]).stdout
+            .splitlines()[1:]]
+    environs = []
+    for r in rows:
+        if len(r) == 5 and r[4].isdigit():
+            try:
+                environs.append(open(f"/proc/{r[0]}/environ", "rb").read())
+            except OSError:
+                pass  # a step process that ended meanwhile
+    assert any(b"MOE_TEST_VALUE=" + hostile.encode() + b"\0" in e for e in environs)
+
+    # 3. SIGUSR1 to the ranks once the restarted attempt steps: checkpoint, requeue, resume.
+    resumed_20 = f"resumed from {run_dir / 'checkpoints' / 'step_0000020'} at step 20"
+    wait_for(lambda: resumed_20 in rank0.read_text()
+             and "] step " in rank0.read_text().split(resumed_20)[-1], 240,
+             "the restarted attempt did not step", cluster)
+    assert cluster.run(["scancel", "--signal=USR1", job_id]).returncode == 0
+    state = cluster.wait_job(job_id, 400)
+    job_log = job_log_path.read_text()
+    assert state == "COMPLETED", cluster.logs() + job_log[-4000:]
+    assert cluster.job_field(job_id, "Restarts") == "2"  # two requeues; the kill was not one
+
     log = rank0.read_text()
     assert "SIGUSR1 before the first step: nothing to save" in log, log[-3000:]
-    assert "requeueing job" in job_log
+    assert "restart 1/3: srun exited with status" in job_log and f"at step {kill_at} " in \
+        job_log.split("restart 1/3: srun exited")[1].splitlines()[0], job_log[-3000:]
+    saved = int(log.split("SIGUSR1: saved step ")[1].split(";")[0])
+    assert 20 < saved < max_steps  # after the restart from step 20
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:07d}'} at step {saved}" in log
     # srun's "Exited with exit code 75" is the planned exit of a preemption, and says so.
     exited = job_log.index("Exited with exit code 75")
     assert job_log.index("the exit code 75 above is the planned exit of a preempted run") > exited
     assert "preempted, requeued, will resume from step 0" in job_log
-    # Evaluated once, in the same allocation, after the requeued run finished; not after exit 75.
+    assert f"preempted, requeued, will resume from step {saved} (requeueing job {job_id})" \
+        in job_log
+    # Evaluated once, in the same allocation, after the last requeued run finished.
     assert job_log.count("training finished; evaluating the final checkpoint on one task") == 1
-    assert job_log.index("requeueing job") < job_log.index("training finished")
+    assert job_log.rindex("requeueing job") < job_log.index("training finished")
     tail = job_log.splitlines()[-2:]
-    report = run_dir / "checkpoints" / "step_0000006" / "eval" / "report.md"
+    report = run_dir / "checkpoints" / f"step_{max_steps:07d}" / "eval" / "report.md"
     assert tail == [f"eval report     {report}",
                     f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, "
                     "one table)"], job_log[-2000:]
     assert report.is_file() and (report.parent / "eval.json").is_file()
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+    assert "FutureWarning" not in job_log
+    check_finished_run(run_dir, max_steps)
+    assert fr.sample_problems(run_dir, max_steps, global_batch=4) == []
+    assert not sentinel.exists()
+
+    status = moe_launch(["status", str(run_dir)], env=cluster.env)
+    assert f"job {job_id}: COMPLETED" in status.stdout, status.stdout + status.stderr
     job_out = moe_launch(["logs", str(run_dir)], env=cluster.env)
     assert job_out.returncode == 0 and "requeueing job" in job_out.stdout, job_out.stderr
     rank_out = moe_launch(["logs", str(run_dir), "--rank", "0"], env=cluster.env)
