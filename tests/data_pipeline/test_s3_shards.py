@@ -308,3 +308,25 @@ def test_stopping_read_ahead_waits_for_its_fetch_and_fetches_nothing_more():
     assert entered.wait(30)
     ahead.stop()
     assert fetched == ["a", "c"]
+
+
+def test_a_cache_full_of_open_shards_times_out_naming_the_setting(tmp_path):
+    """Room for a new shard only comes from evicting shards nobody has open: when every cached
+    shard is held open (by other ranks of the node) past the wait, the fetch fails with the
+    cache, its bound and the key to raise, and leaves no temporary file. A shard that is not
+    held is evicted instead."""
+    cache = ObjectCache(tmp_path / "cache", max_bytes=1000, s3=S3Config(), room_wait_s=0.5)
+    held = cache.root / ("a" * 64)
+    held.write_bytes(b"x" * 800)
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # another rank reading it
+    try:
+        with pytest.raises(DataError, match=r"s3://b/new: no room in the shard cache .*"
+                                            r"1,000 bytes, data.cache_bytes\) after 0s.*"
+                                            r"raise data.cache_bytes"):
+            cache.fetch("s3://b/new", "b" * 64, nbytes=400)
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(cache.root)) == ["a" * 64, "b" * 64 + ".lock", "cache.lock"]
+    # Not held any more: evicted to make room (the download itself is not reached here).
+    assert cache._make_room(400) and not held.exists()
