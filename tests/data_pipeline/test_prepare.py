@@ -104,11 +104,15 @@ def test_jsonl_parquet_arrow_sources_read_the_named_field(tmp_path):
         assert sorted(got) == sorted(texts)
 
 
+def reusing_tokenizer(data, out_dir, workers: int):
+    """``data`` prepared again into ``out_dir`` with ``workers`` workers and its tokenizer."""
+    return dataclasses.replace(data, dir=str(out_dir), prepare_workers=workers,
+                               tokenizer=dataclasses.replace(
+                                   data.tokenizer, model_file=str(Path(data.dir) / TOKENIZER_FILE)))
+
+
 def test_result_does_not_depend_on_workers_and_reuses_a_tokenizer(mixed_data, tmp_path):
-    one = dataclasses.replace(mixed_data, dir=str(tmp_path / "one"), prepare_workers=1,
-                              tokenizer=dataclasses.replace(
-                                  mixed_data.tokenizer,
-                                  model_file=str(Path(mixed_data.dir) / TOKENIZER_FILE)))
+    one = reusing_tokenizer(mixed_data, tmp_path / "one", workers=1)
     prepare(one, progress=False)
     assert read_manifest(one.dir).fingerprint == read_manifest(mixed_data.dir).fingerprint
 
@@ -203,10 +207,7 @@ def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, t
     monkeypatch.setattr(prep, "_run_tasks", spy_run)
     texts = [t for p in sorted(Path(mixed_data.sources[0].paths[0]).iterdir())
              for t in p.read_text(encoding="utf-8").split("\n\n") if len(t) > 40]
-    cfg = dataclasses.replace(mixed_data, dir=str(tmp_path / "data"), prepare_workers=2,
-                              tokenizer=dataclasses.replace(
-                                  mixed_data.tokenizer,
-                                  model_file=str(Path(mixed_data.dir) / TOKENIZER_FILE)))
+    cfg = reusing_tokenizer(mixed_data, tmp_path / "data", workers=2)
     prepare(cfg, progress=False)
     assert read_manifest(cfg.dir).fingerprint == read_manifest(mixed_data.dir).fingerprint
     assert real_task is prep._encode_task and sent and len(received) == sum(map(len, sent))
