@@ -24,6 +24,7 @@ same eager kernel, with its backward written with the same kernel.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -40,11 +41,24 @@ def is_compiling() -> bool:
 
 def eager_under_compile(fn):
     """``torch.compiler.disable`` (a compiled graph that reaches ``fn`` runs it eagerly, a graph
-    break) without importing dynamo when the module is imported: that import costs about a
-    second of CPU, which every command line that only reads configs or checkpoints would pay.
-    ``torch._disable_dynamo`` (torch >= 2.4) imports it at the first call instead."""
+    break) without importing dynamo where nothing is compiled: that import costs about a second
+    of CPU, which every command line that only reads configs or checkpoints, and every rank of
+    an eager run, would pay. While dynamo is not imported nothing can be compiling, and ``fn``
+    is called as it is; once it is, the call goes through ``torch._disable_dynamo`` (torch >=
+    2.4), which makes the disabled function at its first call."""
     lazy = getattr(torch, "_disable_dynamo", None)
-    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+    if lazy is None:
+        return torch.compiler.disable(fn)
+    disabled = lazy(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        # Under tracing is_compiling() is True, so dynamo never reads sys.modules here.
+        if torch.compiler.is_compiling() or "torch._dynamo" in sys.modules:
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def mark_rows_dynamic(x_ND: torch.Tensor) -> torch.Tensor:

@@ -43,10 +43,13 @@ def _entry(rank: int, world_size: int, port: int, fn, args, backend: str = "gloo
     if backend == "nccl":
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        torch.distributed.destroy_process_group()
+    fn(rank, world_size, *args)
+    # As launch/train.py ends a rank: every rank done before any tears its groups down, while
+    # the interpreter is alive (a peer still inside a collective, or a group left to its
+    # destructor at exit, can abort a rank with "terminate called without an active exception").
+    # After an error the process just exits: a peer may still be inside a collective.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> None:

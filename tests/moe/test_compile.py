@@ -127,12 +127,24 @@ def test_fifty_steps_compile_a_bounded_number_of_graphs_in_the_first_two_steps()
     assert res["graphs"][-1] == res["graphs"][1], res["graphs"]  # none after step 2
 
 
-def test_command_lines_do_not_import_dynamo():
-    """The eager regions (graph breaks under compile) import dynamo at their first call, not at
-    import: a command that only reads configs, plans or reports does not pay for it."""
+def test_command_lines_and_eager_models_do_not_import_dynamo():
+    """The eager regions (graph breaks under compile) import dynamo only once something may be
+    compiled: a command that only reads configs, plans or reports, and an eager forward and
+    backward through them (capacity dropping, per-document SDPA), do not pay for it."""
     import subprocess
     import sys
-    code = ("import sys, launch.launch, launch.evaluate, launch.prepare, moe.parallel.deepspeed_adapter; "
+    code = ("import sys, torch, launch.launch, launch.evaluate, launch.prepare, "
+            "moe.parallel.deepspeed_adapter\n"
+            "from moe.model.moe_layer import MoEConfig\n"
+            "from moe.model.router import RouterConfig\n"
+            "from moe.model.transformer import ModelConfig, MoETransformer\n"
+            "moe = MoEConfig(num_experts=4, expert_hidden=16, capacity_factor=1.0, "
+            "router=RouterConfig(top_k=2))\n"
+            "m = MoETransformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, "
+            "max_seq_len=16, moe=moe, attention_backend='sdpa', document_masking=True))\n"
+            "ids = torch.randint(0, 64, (2, 17))\n"
+            "docs = (torch.arange(16) >= 7).long().expand(2, 16)\n"
+            "m(ids[:, :-1], ids[:, 1:], doc_ids_BS=docs).loss.backward()\n"
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
