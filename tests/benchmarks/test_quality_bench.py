@@ -17,13 +17,13 @@ def logged_valid(run_dir):
 
 def test_quick_run_reports_what_the_runs_logged(tiny_data, tmp_path, capsys):
     out = tmp_path / "bench"
-    summary = quality_bench.main(["--quick", "--steps", "20", "--variants", "moe", "top1",
+    summary = quality_bench.main(["--quick", "--steps", "20", "--variants", "top1",
                                   "--seeds", "1", "--out", str(out), f"data.dir={tiny_data.dir}"])
     printed = capsys.readouterr().out
     assert (out / "validation_loss.png").stat().st_size > 1000
     assert (out / "results.json").exists()
 
-    curves = {name: logged_valid(out / "runs" / f"{name}-seed0") for name in ("dense", "moe", "top1")}
+    curves = {name: logged_valid(out / "runs" / f"{name}-seed0") for name in ("dense", "top1")}
     dense_final = curves["dense"][-1][1]
     for name, curve in curves.items():
         assert [s for s, _ in curve] == [10, 20]  # validation every 10 steps in --quick
@@ -47,9 +47,9 @@ def test_quick_run_reports_what_the_runs_logged(tiny_data, tmp_path, capsys):
             assert "not reached" in row
     assert summary["dense"]["steps_to_dense_ratio"] == pytest.approx(1.0)
     assert summary["dense"]["step_time_ratio"] == pytest.approx(1.0)
-    assert summary["moe"]["step_time_ratio"] > 0
+    assert summary["top1"]["step_time_ratio"] > 0
     # The variants really differ (top1 trains another model).
-    assert curves["top1"] != curves["moe"]
+    assert curves["top1"] != curves["dense"]
 
 
 def test_first_crossing_interpolates_between_evaluations():

@@ -10,7 +10,6 @@ import json
 import pytest
 
 from launch.elastic import USABLE_SLOTS_ENV
-from tests.conftest import tiny_run_dict
 from tests.helpers.fault_runs import (
     checkpoint_problems,
     launch,
@@ -19,17 +18,16 @@ from tests.helpers.fault_runs import (
     step_records,
     write_run_config,
 )
+from tests.integration.conftest import REFERENCE_STEPS, reference_dict
 
 pytestmark = pytest.mark.integration
 
-MAX_STEPS, GLOBAL_BATCH = 6, 4  # 2 sequences per micro-batch x 1 accumulation step x 2 ranks
+MAX_STEPS, GLOBAL_BATCH = REFERENCE_STEPS, 4  # 2 sequences per micro-batch x 1 x 2 ranks
 
 
 def config(tiny_data, tmp_path, name):
-    d = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=MAX_STEPS)
-    d.update(name=name, checkpoint={"every_n_steps": 2},
-             logging={"log_every": 1, "tensorboard": False},
-             launch={"elastic": True, "max_restarts": 1})
+    d = reference_dict(tiny_data, tmp_path / "runs", name)
+    d["launch"] = {"elastic": True, "max_restarts": 1}
     return write_run_config(tmp_path / f"{name}.yaml", d)
 
 
@@ -38,10 +36,8 @@ def global_losses(run_dir, ranks) -> dict[int, float]:
     return {s: sum(p[s] for p in per_rank) / len(ranks) for s in per_rank[0]}
 
 
-def test_a_lost_slot_resumes_on_one_rank_with_the_same_global_batch(tiny_data, tmp_path):
-    ref = launch(config(tiny_data, tmp_path, "reference"))
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-
+def test_a_lost_slot_resumes_on_one_rank_with_the_same_global_batch(tiny_data, tmp_path,
+                                                                    reference_run):
     usable = tmp_path / "usable.json"
     usable.write_text(json.dumps({"localhost": 1}))
     plan = {"fired_dir": str(tmp_path / "fired"),
@@ -63,7 +59,7 @@ def test_a_lost_slot_resumes_on_one_rank_with_the_same_global_batch(tiny_data, t
 
     assert sample_problems(run_dir, MAX_STEPS, GLOBAL_BATCH, ranks=(0,)) == []
     got = global_losses(run_dir, ranks=(0,))
-    want = global_losses(tmp_path / "runs" / "reference", ranks=(0, 1))
+    want = global_losses(reference_run, ranks=(0, 1))
     assert sorted(got) == list(range(1, MAX_STEPS + 1))
     for step in range(3, MAX_STEPS + 1):  # on 1 rank from step 3 on
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-5), step

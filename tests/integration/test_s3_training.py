@@ -16,21 +16,19 @@ import pytest
 import yaml
 
 from data_pipeline.shards import read_manifest
-from tests.conftest import tiny_run_dict
 from tests.helpers import s3 as helper_s3
+from tests.integration.conftest import REFERENCE_STEPS, reference_dict
 from tests.integration.launch_checks import kill_rank_after, steps
 
 pytestmark = pytest.mark.integration
 
-MAX_STEPS = 6
+MAX_STEPS = REFERENCE_STEPS
 
 
 def write_config(tiny_data, tmp_path: Path, name: str, **data) -> Path:
-    d = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=MAX_STEPS)
-    d["name"] = name
+    d = reference_dict(tiny_data, tmp_path / "runs", name)
     d["data"].update(data)
-    d["checkpoint"] = {"every_n_steps": 2, "keep_last": 2}
-    d["logging"] = {"log_every": 1, "tensorboard": False}
+    d["checkpoint"]["keep_last"] = 2
     # The kill below must end the job so that the same command resumes it by hand (automatic
     # restarts are tested in test_fault_campaign.py).
     d["launch"] = {"max_restarts": 0}
@@ -51,10 +49,10 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp_path):
+def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp_path,
+                                                                  reference_run):
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    reference = launch(write_config(tiny_data, tmp_path, "local"), env)
 
     with helper_s3.moto_server(tmp_path / "empty", check_credentials=False) as (endpoint, key_id,
                                                                                   secret):
@@ -76,7 +74,6 @@ def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp
                       AWS_EC2_METADATA_DISABLED="true",
                       AWS_CONFIG_FILE=str(tmp_path / "none"),
                       AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
-        finish(reference)  # one run at a time on two cores
 
         run_dir = tmp_path / "runs" / "s3"
         first = kill_rank_after(launch(config, s3_env), run_dir, 3)
@@ -87,7 +84,7 @@ def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp
     for rank in (0, 1):
         lines = (run_dir / "logs" / f"steps_rank{rank}.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == list(range(1, MAX_STEPS + 1))
-        want, got = steps(tmp_path / "runs" / "local", rank), steps(run_dir, rank)
+        want, got = steps(reference_run, rank), steps(run_dir, rank)
         for step in range(1, MAX_STEPS + 1):
             assert got[step]["loss"] == want[step]["loss"], (rank, step)
             assert got[step]["tokens_sha256"] == want[step]["tokens_sha256"], (rank, step)
