@@ -6,7 +6,8 @@ rounds is reported, so the ratios hold even when the machine's absolute speed dr
     python benchmarks/moe_layer_bench.py            # both shapes, 7 rounds
     python benchmarks/moe_layer_bench.py --rounds 11 --shape b
 
-Contenders (fp32, CPU unless CUDA is present, T tokens of width D, SwiGLU experts):
+Contenders (fp32 unless --dtype bf16, CPU unless CUDA is present, T tokens of width D, SwiGLU
+experts):
   floor        dense SwiGLU FFN with hidden k * H: the same active FLOPs, no routing
   ours         moe.moe_layer.MoELayer, dropless
   ds_drop      deepspeed.moe.layer.MoE, capacity factor 1.0 (drops tokens)
@@ -88,11 +89,14 @@ def time_once(fn, params, x) -> float:
     return CLOCK() - t0
 
 
-def bench(shape: str, tokens: int, d: int, rounds: int) -> dict[str, float]:
+def bench(shape: str, tokens: int, d: int, rounds: int,
+          dtype: torch.dtype = torch.float32) -> dict[str, float]:
     s = SHAPES[shape]
     torch.manual_seed(0)
     cands = contenders(d, s["num_experts"], s["top_k"], s["hidden"])
-    x = torch.randn(1, tokens, d, requires_grad=True)
+    for _, module in cands.values():
+        module.to(dtype)  # our router keeps its fp32 buffers and computes in fp32 (router.py)
+    x = torch.randn(1, tokens, d, dtype=dtype, requires_grad=True)
     times: dict[str, list[float]] = {name: [] for name in cands}
     for fn, module in cands.values():  # warm-up
         time_once(fn, list(module.parameters()), x)
@@ -146,6 +150,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="every contender's weights and input (bf16: a bf16 model's compute)")
     p.add_argument("--system-malloc", action="store_true",
                    help="leave glibc malloc as it is (moe-train keeps freed memory by default)")
     p.add_argument("--cpu-time", action="store_true",
@@ -163,11 +169,12 @@ def main() -> None:
     init_single_process_group()
     clock = "process CPU time" if args.cpu_time else "wall time"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock}, T={args.tokens}, "
-          f"D={args.d_model}, fp32, median of {args.rounds} interleaved rounds, "
+          f"D={args.d_model}, {args.dtype}, median of {args.rounds} interleaved rounds, "
           f"{'system malloc' if args.system_malloc else 'malloc keeps freed memory'}")
     for shape in (["a", "b"] if args.shape == "both" else [args.shape]):
         s = SHAPES[shape]
-        m = bench(shape, args.tokens, args.d_model, args.rounds)
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        m = bench(shape, args.tokens, args.d_model, args.rounds, dtype)
         print(f"\n({shape}) {s['num_experts']} experts, top-{s['top_k']}, expert hidden {s['hidden']}")
         for name, t in m.items():
             print(f"  {name:<12} {t * 1e3:8.1f} ms")
