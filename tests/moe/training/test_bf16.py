@@ -143,8 +143,8 @@ def test_killed_bf16_run_resumes_exactly(runs):
         assert resumed == uninterrupted  # bitwise: floats compared exactly
 
 
-def _fixed_batch(tiny_data, rows=8):
-    """The first validation windows: (inputs, targets), 8 x 32 tokens."""
+def _fixed_batch(tiny_data, rows=64):
+    """The first validation windows: (inputs, targets), 64 x 32 tokens."""
     from data_pipeline.reader import validation_windows
 
     windows = list(validation_windows(tiny_data.dir, tiny_data.seq_len, rows * (tiny_data.seq_len + 1)))
@@ -244,9 +244,12 @@ def test_bf16_loss_curve_and_expert_choices_follow_fp32(runs, tiny_data):
     initial32, _ = _routing(initial, ids)
     initial16, _ = _routing(initial.bfloat16(), ids)
     at_start = _slot_agreement(initial32, initial16)
-    # Not asserted: the two trained models differ by 30 steps of drift, not by precision alone.
-    # The tiny routers stay near uniform, so any perturbation grows: fp32 training whose
-    # initial router weights moved by one fp32 ulp already disagrees on 0.3-0.6% of slots.
+    # The two trained models are compared but not held to 99%: on this config that figure
+    # measures how far 30 steps carry a bf16-sized change of the weights, not bf16 arithmetic.
+    # fp32 training from the initial weights rounded to bf16 once (no bf16 arithmetic at all)
+    # keeps 95.6-98.9% of slots over 5 seeds, as bf16 training does (95.6-99.1%); and computing
+    # the router in bf16, a real bug, moves the trained pair by little while the final fp32
+    # weights run in bf16 fall to 97.5-98.3% above (BENCHMARKS.md, "bf16 and expert choices").
     trained = _slot_agreement(picked32, _routing(bf16_model.bfloat16(), ids)[0])
     print(f"expert slots agreeing: initial weights {at_start:.4f}, final fp32 weights "
           f"{final:.4f}; bf16-trained vs fp32-trained {trained:.4f}")
