@@ -77,7 +77,8 @@ JSONL_CHUNK_BYTES = 8 << 20
 JSONL_MIN_CHUNK_BYTES = 1 << 20
 JSONL_CHUNKS = 64
 """...or smaller for a small source: about this many ranges, of at least JSONL_MIN_CHUNK_BYTES,
-so that a pool of workers shares a source of a few files evenly."""
+so that a pool of workers shares a source of a few files evenly. Parquet row groups larger than
+the same size (uncompressed, from the file's metadata) are cut into row ranges the same way."""
 
 
 # --- compressed files: gzip and zstd, read as streams ---
@@ -238,12 +239,13 @@ def matching_files(patterns: list[str], source: str, suffix: str | None = None,
 @dataclass(frozen=True)
 class WorkItem:
     """A piece of a source read by one worker: ``part`` is a byte range (JSONL), a row group
-    (Parquet), a record batch (Arrow) or a range of record batches (hf_disk); None for a whole
-    file (a text file, a compressed JSONL file). ``name`` identifies the file in document ids."""
+    (Parquet) or rows [start, stop) of one, ``(group, start, stop)``, a record batch (Arrow) or a
+    range of record batches (hf_disk); None for a whole file (a text file, a compressed JSONL
+    file). ``name`` identifies the file in document ids."""
 
     path: str
     name: str
-    part: tuple[int, int] | int | None = None
+    part: tuple[int, int] | tuple[int, int, int] | int | None = None
 
 
 def jsonl_chunk_bytes(total: int) -> int:
@@ -254,6 +256,47 @@ def jsonl_chunk_bytes(total: int) -> int:
 
 def _jsonl_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, size)) for a in range(0, size, chunk)] or [(0, 0)]
+
+
+def row_ranges(rows: int, nbytes: int, chunk: int) -> list[tuple[int, int]] | None:
+    """Consecutive row ranges of about ``chunk`` bytes for a row group of ``rows`` rows and
+    ``nbytes`` uncompressed bytes; None when it stays one item."""
+    pieces = min(rows, -(-nbytes // chunk))
+    if pieces <= 1:
+        return None
+    step = -(-rows // pieces)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def _parquet_items(files: list[tuple[Path | str, str]], s3: S3Config) -> list[WorkItem]:
+    """A work item per row group, or per row range of a row group above the chunk size: a
+    source of one file with one large row group is still shared by every worker."""
+    metas = [(p, n, _open_parquet(p, s3).metadata) for p, n in files]
+    groups = [(p, n, g, md.row_group(g)) for p, n, md in metas for g in range(md.num_row_groups)]
+    chunk = jsonl_chunk_bytes(sum(rg.total_byte_size for *_, rg in groups))
+    items = []
+    for p, n, g, rg in groups:
+        ranges = row_ranges(rg.num_rows, rg.total_byte_size, chunk)
+        items += ([WorkItem(str(p), n, g)] if ranges is None
+                  else [WorkItem(str(p), n, (g, a, b)) for a, b in ranges])
+    return items
+
+
+def _read_rows(parquet: pq.ParquetFile, group: int, start: int, stop: int,
+               columns: list[str]) -> pa.Table:
+    """Rows [start, stop) of a row group, decoding it only as far as ``stop``."""
+    pieces, offset = [], 0
+    for batch in parquet.iter_batches(batch_size=min(stop - start, 65536) or 1,
+                                      row_groups=[group], columns=columns):
+        end = offset + batch.num_rows
+        if end > start:
+            pieces.append(batch.slice(max(start - offset, 0), min(stop, end) - max(start, offset)))
+        offset = end
+        if offset >= stop:
+            break
+    if offset < stop:
+        raise DataError(f"row group {group} has {offset} rows, expected at least {stop}")
+    return pa.Table.from_batches(pieces)
 
 
 def _open_arrow(path: Path | str, s3: S3Config) -> pa.ipc.RecordBatchFileReader:
@@ -343,8 +386,7 @@ def work_items(source: SourceConfig, s3: S3Config = LOCAL) -> list[WorkItem]:
         return [WorkItem(str(p), n, r) for p, n in files
                 for r in (_jsonl_ranges(plain[p], chunk) if p in plain else [None])]
     if source.type == "parquet":
-        return [WorkItem(str(p), n, g) for p, n in files
-                for g in range(_open_parquet(p, s3).num_row_groups)]
+        return _parquet_items(files, s3)
     return [WorkItem(str(p), n, b) for p, n in files
             for b in range(_open_arrow(p, s3).num_record_batches)]
 
@@ -460,7 +502,9 @@ def _kept_rows(path: Path, table: pa.Table | pa.RecordBatch, source: SourceConfi
 
 
 def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch,
-                      source: SourceConfig, part: int, out: ItemDocuments) -> None:
+                      source: SourceConfig, part: int, out: ItemDocuments,
+                      first_row: int = 0) -> None:
+    """``first_row``: the row of ``part`` that ``table`` starts at (for document ids)."""
     _check_columns(path, table.schema.names, source)
     rows = _kept_rows(path, table, source)
     out.filtered += table.num_rows - len(rows)
@@ -478,7 +522,7 @@ def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch,
     else:
         raise DataError(f"{path}: column {source.field!r} is {column.type}, expected strings")
     for row, text in zip(rows.tolist(), values):
-        out.add(f"{name}#{part}:{row}", text)
+        out.add(f"{name}#{part}:{row + first_row}", text)
 
 
 def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> ItemDocuments:
@@ -494,11 +538,15 @@ def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> Ite
     elif source.type == "parquet":
         parquet = _open_parquet(path, s3)
         columns = _check_columns(path, parquet.schema_arrow.names, source)
+        group, start, stop = item.part if isinstance(item.part, tuple) else (item.part, 0, None)
         try:
-            table = parquet.read_row_group(item.part, columns=columns)
+            table = (parquet.read_row_group(group, columns=columns) if stop is None
+                     else _read_rows(parquet, group, start, stop, columns))
         except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path}: unreadable row group {item.part} ({e})") from e
-        _column_documents(path, item.name, table, source, item.part, out)
+            raise DataError(f"{path}: unreadable row group {group} ({e})") from e
+        except DataError as e:
+            raise DataError(f"{path}: {e}") from e
+        _column_documents(path, item.name, table, source, group, out, start)
     elif source.type == "hf_disk":
         first, stop = item.part
         for i, batch in enumerate(itertools.islice(_stream_batches(path), first, stop), first):

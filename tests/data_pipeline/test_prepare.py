@@ -243,6 +243,64 @@ def test_jsonl_ranges_of_any_size_read_the_same_documents(tmp_path, monkeypatch)
     assert sources.jsonl_chunk_bytes(0) == sources.JSONL_MIN_CHUNK_BYTES
 
 
+def _one_row_group_parquet(path: Path) -> list:
+    texts = [f"row {i} " + "ünïcode words " * (i % 23) for i in range(4000)]
+    texts[17], texts[333] = None, ""
+    langs = ["en" if i % 3 else "fr" for i in range(4000)]
+    pq.write_table(pa.table({"text": texts, "lang": langs}), path, row_group_size=4000)
+    return texts
+
+
+@pytest.mark.parametrize("row_filter", [None, {"column": "lang", "value": "en"}])
+def test_parquet_row_groups_cut_into_row_ranges_read_the_same_documents(tmp_path, monkeypatch,
+                                                                       row_filter):
+    """A large row group is cut into row ranges (so that one file of one row group still
+    feeds every worker); documents, ids, order and counts do not depend on the cuts."""
+    from data_pipeline import sources
+    from data_pipeline.config import FilterConfig
+
+    _one_row_group_parquet(tmp_path / "a.parquet")
+    source = SourceConfig(name="p", type="parquet", paths=[str(tmp_path / "a.parquet")],
+                          filter=FilterConfig(**row_filter) if row_filter else FilterConfig())
+
+    def read() -> tuple[list, list, tuple[int, int]]:
+        items = sources.work_items(source)
+        got = [sources.read_item(source, it) for it in items]
+        return ([it.part for it in items], [d for r in got for d in r.docs],
+                (sum(r.filtered for r in got), sum(r.empty for r in got)))
+
+    parts, want, counts = read()
+    assert parts == [0] and len(want) == (2665 if row_filter else 3998)
+    assert ("a.parquet#0:5", "row 5 " + "ünïcode words " * 5) in want
+    for chunk in (30_000, 4096, 1):
+        monkeypatch.setattr(sources, "JSONL_MIN_CHUNK_BYTES", chunk)
+        parts, got, got_counts = read()
+        assert len(parts) > 2 and all(p[0] == 0 for p in parts)
+        # consecutive, covering every row once
+        assert [p[1] for p in parts] == [0] + [p[2] for p in parts[:-1]] and parts[-1][2] == 4000
+        assert got == want and got_counts == counts
+    assert sources.row_ranges(10, 100, 1000) is None
+    assert sources.row_ranges(3, 10_000, 1) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_one_parquet_row_group_is_shared_by_the_workers_with_the_same_result(tiny_data, tmp_path,
+                                                                             monkeypatch):
+    from data_pipeline import sources
+
+    _one_row_group_parquet(tmp_path / "a.parquet")
+    whole = dataclasses.replace(
+        tiny_data, dir=str(tmp_path / "whole"), prepare_workers=2,
+        sources=[SourceConfig(name="p", type="parquet", paths=[str(tmp_path / "a.parquet")])],
+        tokenizer=dataclasses.replace(tiny_data.tokenizer,
+                                      model_file=str(Path(tiny_data.dir) / TOKENIZER_FILE)))
+    prepare(whole, progress=False)
+    monkeypatch.setattr(sources, "JSONL_MIN_CHUNK_BYTES", 4096)
+    assert len(sources.work_items(whole.sources[0])) > 8
+    cut = dataclasses.replace(whole, dir=str(tmp_path / "cut"))
+    prepare(cut, progress=False)
+    assert read_manifest(cut.dir).fingerprint == read_manifest(whole.dir).fingerprint
+
+
 def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tmp_path, monkeypatch):
     from data_pipeline import shards
     cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"), prepare_workers=1)
