@@ -4,6 +4,7 @@ workers.
 
     python benchmarks/prepare_bench.py --mb 40 --rounds 3 --work-dir /tmp/prepare_bench
     python benchmarks/prepare_bench.py --mb 8 --profile   # cProfile of the encode path, in-process
+    python benchmarks/prepare_bench.py --mb 20 --format parquet   # one file, one row group
 
 1. Writes a JSONL corpus of about ``--mb`` MB (docstrings and comments of the standard library,
    repeated with a counter so no two documents are equal) and trains one tokenizer on it, which
@@ -15,6 +16,9 @@ workers.
    encode phase (read, tokenize, write shards) over the corpus's raw bytes.
 3. Prints medians and spreads (min-max) as JSON: prepare MB/s per worker / SentencePiece MB/s
    (goal >= 0.8) and 2-worker / 1-worker MB/s (goal >= 1.7 on 2 free cores).
+   With ``--format parquet`` the corpus is one Parquet file of one row group, and a fourth
+   variant prepares it with 2 workers and the row group left whole (one work item, as before
+   row groups were cut into row ranges): ``speedup_2_cut_over_2_uncut``.
 4. And where the CPU time of each prepare went, which a busy machine does not blur: the main
    process's share of all CPU seconds of the encode phase (it competes with the workers for the
    cores), each worker's CPU seconds (read from /proc while it runs; Linux only), and from them
@@ -40,6 +44,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_pipeline import sources
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.prepare import _encode, _init_worker, prepare
 from data_pipeline.sources import read_item, stdlib_document, stdlib_files, work_items
@@ -98,15 +106,21 @@ class ChildCpu(threading.Thread):
         return sorted((s for s in self.seconds.values() if s >= 0.05), reverse=True)
 
 
-def prepare_rate(cfg: DataConfig, workers: int, mb: float, out: Path) -> tuple[float, dict]:
-    """MB/s of the encode phase, and its CPU seconds: main process, each worker."""
+def prepare_rate(cfg: DataConfig, workers: int, mb: float, out: Path,
+                 uncut: bool = False) -> tuple[float, dict]:
+    """MB/s of the encode phase, and its CPU seconds: main process, each worker. ``uncut``:
+    Parquet row groups stay one work item each (the work items are made in this process)."""
     shutil.rmtree(out, ignore_errors=True)
     children = ChildCpu()
     children.start()
+    saved = sources.JSONL_MIN_CHUNK_BYTES
+    if uncut:
+        sources.JSONL_MIN_CHUNK_BYTES = 1 << 62
     try:
         report = prepare(dataclasses.replace(cfg, dir=str(out), prepare_workers=workers),
                          progress=False)
     finally:
+        sources.JSONL_MIN_CHUNK_BYTES = saved
         per_worker = children.stop()
     main = report.timings["encode_cpu_main"]
     return mb / report.timings["encode"], {"main": main, "all": report.timings["encode_cpu"],
@@ -129,6 +143,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--profile", action="store_true", help="cProfile the encode path instead")
+    p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
+                   help="parquet: the corpus as one file of one row group")
     args = p.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="prepare_bench_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -138,8 +154,11 @@ def main() -> None:
         tok_cfg = TokenizerConfig(vocab_size=args.vocab)
         tok = train_tokenizer([line for t in texts[:3000] for line in t.splitlines() if line.strip()],
                               tok_cfg, work / "tok.model")
-        cfg = DataConfig(sources=[SourceConfig(name="web", type="jsonl",
-                                               paths=[str(work / "corpus.jsonl")])],
+        corpus = work / "corpus.jsonl"
+        if args.format == "parquet":
+            corpus = work / "corpus.parquet"
+            pq.write_table(pa.table({"text": texts}), corpus, row_group_size=len(texts))
+        cfg = DataConfig(sources=[SourceConfig(name="web", type=args.format, paths=[str(corpus)])],
                          tokenizer=dataclasses.replace(tok_cfg, model_file=str(tok.path)),
                          shard_tokens=4_000_000)
         if args.profile:
@@ -156,15 +175,18 @@ def main() -> None:
                 read_item(source, item)
             print(f"read_item alone: {mb / (time.perf_counter() - read):.2f} MB/s")
             return
-        rates: dict[str, list[float]] = {"sentencepiece": [], "prepare_1": [], "prepare_2": []}
-        cpu: dict[str, list[dict]] = {"prepare_1": [], "prepare_2": []}
+        variants = [("prepare_1", 1, False), ("prepare_2", 2, False)]
+        if args.format == "parquet":
+            variants.append(("prepare_2_uncut", 2, True))
+        rates: dict[str, list[float]] = {"sentencepiece": [], **{v[0]: [] for v in variants}}
+        cpu: dict[str, list[dict]] = {v[0]: [] for v in variants}
         for _ in range(args.rounds):
             rates["sentencepiece"].append(sp_encode(tok, texts, mb))
-            for workers in (1, 2):
-                rate, seconds = prepare_rate(cfg, workers, mb, work / "out")
-                rates[f"prepare_{workers}"].append(rate)
-                cpu[f"prepare_{workers}"].append(seconds)
-                print(f"prepare, {workers} worker(s): {rate:.2f} MB/s; CPU s: main "
+            for name, workers, uncut in variants:
+                rate, seconds = prepare_rate(cfg, workers, mb, work / "out", uncut)
+                rates[name].append(rate)
+                cpu[name].append(seconds)
+                print(f"{name}: {rate:.2f} MB/s; CPU s: main "
                       f"{seconds['main']:.2f} of {seconds['all']:.2f}, workers "
                       f"{[round(w, 2) for w in seconds['workers']]}", file=sys.stderr, flush=True)
         per_worker = [a / b for a, b in zip(rates["prepare_1"], rates["sentencepiece"])]
@@ -174,8 +196,12 @@ def main() -> None:
         # CPU seconds: what the split of the work allows, whatever the machine's load.
         allowed = [_cpu_bound(one) / _cpu_bound(two)
                    for one, two in zip(cpu["prepare_1"], cpu["prepare_2"]) if two["workers"]]
+        extra = {}
+        if args.format == "parquet":
+            extra["speedup_2_cut_over_2_uncut"] = spread(
+                [a / b for a, b in zip(rates["prepare_2"], rates["prepare_2_uncut"])])
         print(json.dumps({
-            "raw_text_mb": round(mb, 1), "documents": len(texts), "rounds": args.rounds,
+            **extra, "format": args.format, "raw_text_mb": round(mb, 1), "documents": len(texts), "rounds": args.rounds,
             "load_average": os.getloadavg(), "mb_per_s": {k: spread(v) for k, v in rates.items()},
             "prepare_1_worker_over_sentencepiece": spread(per_worker),
             "prepare_2_workers_per_worker_over_sentencepiece": spread(per_worker_2),
