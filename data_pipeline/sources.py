@@ -286,7 +286,7 @@ def _read_rows(parquet: pq.ParquetFile, group: int, start: int, stop: int,
                columns: list[str]) -> pa.Table:
     """Rows [start, stop) of a row group, decoding it only as far as ``stop``."""
     pieces, offset = [], 0
-    for batch in parquet.iter_batches(batch_size=min(stop - start, 65536) or 1,
+    for batch in parquet.iter_batches(batch_size=min(stop - start, 65536),
                                       row_groups=[group], columns=columns):
         end = offset + batch.num_rows
         if end > start:
