@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from data_pipeline.prepare import prepare
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
-from moe.training.config import RunConfig
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_data_config, tiny_run_dict, write_corpus
 from tests.helpers.distributed import run_distributed
@@ -58,8 +58,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="training steps; a save every 2")
     args = ap.parse_args()
+    from moe.parallel.layout import read_layout_free
     from moe.tools.export import export_fp32
-    from moe.training.layout import read_layout_free
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

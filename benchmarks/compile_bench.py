@@ -21,9 +21,9 @@ import time
 
 import torch
 
+from moe.config.run import load_config
 from moe.model.compile import compile_blocks
 from moe.model.transformer import MoETransformer
-from moe.training.config import load_config
 
 
 def build(compiled: bool, vocab: int) -> tuple[MoETransformer, torch.optim.Optimizer]:

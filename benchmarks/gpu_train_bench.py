@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from moe.config.run import RunConfig, load_config
 from moe.config_schema import from_dict
 from moe.model.experts import DenseFFN
 from moe.model.size import flops_per_token
 from moe.tools.planning import memory_per_gpu
-from moe.training.config import RunConfig, load_config
 from moe.training.device import device_and_backend, peak_bf16_flops
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

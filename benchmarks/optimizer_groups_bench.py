@@ -37,7 +37,7 @@ def _deepspeed_groups(model, weight_decay):
 
 def _worker(rank, world, variant, steps, out):
     import moe.training.trainer as trainer
-    from moe.training.config import load_config
+    from moe.config.run import load_config
 
     if variant == "deepspeed":
         trainer.optimizer_param_groups = _deepspeed_groups

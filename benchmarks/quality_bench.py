@@ -34,7 +34,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from moe.training.config import load_config
+from moe.config.run import load_config
 
 # Tiny model and run for --quick (exploration, not measurement).
 QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",

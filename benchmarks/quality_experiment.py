@@ -22,12 +22,12 @@ import torch
 
 from data_pipeline.reader import PackedReader
 from data_pipeline.shards import read_manifest
+from moe.config.run import TrainConfig
 from moe.evaluation.evaluate import evaluate_perplexity
 from moe.model.moe_layer import MoEConfig
 from moe.model.router import RouterConfig
 from moe.model.size import count_parameters
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.training.config import TrainConfig
 from moe.training.trainer import lr_lambda
 
 

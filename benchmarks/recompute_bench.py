@@ -23,9 +23,9 @@ import time
 
 import torch
 
+from moe.config.run import load_config
 from moe.model.recompute import apply_recompute, saved_activation_bytes
 from moe.model.transformer import MoETransformer
-from moe.training.config import load_config
 from moe.training.cpu_allocator import keep_freed_memory
 
 MODES = {"none": ("none", 1), "selective": ("selective", 1), "full": ("full", 1),

@@ -37,11 +37,11 @@ from data_pipeline.shards import (
     SplitInfo,
     read_manifest,
     token_type,
-    write_atomic,
     write_manifest,
 )
 from data_pipeline.sources import ItemDocuments, WorkItem, read_item, work_items
 from data_pipeline.tokenizer import LineSample, Tokenizer, train_tokenizer
+from moe.fileio import write_atomic
 
 TOKENIZER_FILE = "tokenizer.model"
 SAMPLE_SEED = 0

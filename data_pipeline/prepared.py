@@ -18,7 +18,8 @@ from data_pipeline import storage
 from data_pipeline.cache import ObjectCache, default_cache_dir
 from data_pipeline.config import DataConfig, S3Config
 from data_pipeline.errors import DataError
-from data_pipeline.shards import Manifest, ShardInfo, open_shard, read_manifest, write_atomic
+from data_pipeline.shards import Manifest, ShardInfo, open_shard, read_manifest
+from moe.fileio import write_atomic
 
 DEFAULT_CACHE_BYTES = DataConfig.cache_bytes
 

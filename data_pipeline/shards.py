@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pyarrow as pa
 from data_pipeline import storage
 from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError
+from moe.fileio import write_atomic
 
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
@@ -95,25 +95,6 @@ class Manifest:
             out["splits"][name]["tokens"] = split.tokens
             out["splits"][name]["documents"] = split.documents
         return out
-
-
-def write_atomic(path: Path, data) -> None:
-    """Write bytes (or any buffer) to ``path`` so that it is either complete or absent."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's data, or a directory's names (a rename into it), to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def shard_schema(ttype: pa.DataType) -> pa.Schema:

@@ -14,6 +14,7 @@ from data_pipeline import storage
 from data_pipeline.errors import DataError
 from data_pipeline.shards import MANIFEST, read_manifest
 from launch.cli import exits_cleanly
+from moe.config.run import RunConfig, load_config
 from moe.errors import ConfigError
 from moe.model.size import COMPONENTS, count_parameters, flops_per_token
 from moe.tools.planning import (
@@ -24,7 +25,6 @@ from moe.tools.planning import (
     fitting_layouts,
     memory_per_gpu,
 )
-from moe.training.config import RunConfig, load_config
 
 
 def resolve_vocab_for_planning(cfg: RunConfig) -> str:

@@ -16,7 +16,7 @@ accumulation steps grow by the ratio, which must be an integer), is at least
 ``launch.min_world_size`` and is divided by an expert-parallel size (the configured one, or the
 largest smaller divisor of the number of experts and the new world size). The ranks get the new
 layout as overrides and resume from the newest complete checkpoint, which loads on any layout
-(moe/training/layout.py); the data stream continues at the same global sample.
+(moe/parallel/layout.py); the data stream continues at the same global sample.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from launch.schedulers import build_plan
 from launch.schedulers.hostfile import active_slots, read_hostfile
 from launch.supervise import Relaunch
+from moe.config.run import RunConfig
 from moe.errors import ConfigError, LaunchError
-from moe.training.config import RunConfig
 
 USABLE_SLOTS_ENV = "MOE_TEST_USABLE_SLOTS"
 """Test only: the path of a JSON object ``{HOST: N}`` that replaces the probe's answer for those

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.plan import write_atomic
 from moe.errors import LaunchError
+from moe.fileio import write_atomic
 
 JOBS_FILE = "slurm_jobs.json"
 OLD_JOB_FILE = "slurm_job.json"

@@ -38,15 +38,16 @@ from launch.jobs import (
     requeued_at,
     slurm_command,
 )
-from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
+from launch.plan import RESOLVED_CONFIG, Plan
 from launch.prepare_slurm import is_prepare_dir
 from launch.schedulers import build_plan, plan_problems
 from launch.schedulers.slurm import job_log
 from launch.slurm_checks import check_submission
 from launch.supervise import run_with_restarts
+from moe.config.run import dump_config, load_config
 from moe.errors import LaunchError
-from moe.training.config import dump_config, load_config
-from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+from moe.fileio import write_atomic
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 JOB_COMMANDS = ("status", "cancel", "logs")
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moe.errors import LaunchError
+from moe.fileio import write_atomic
 
 RESOLVED_CONFIG = "config.yaml"
 PLAN_FILE = "plan.json"
@@ -60,13 +61,6 @@ class Plan:
 
     def run_env(self) -> dict[str, str]:
         return {**os.environ, **self.env}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def entry_point(config_path: Path) -> list[str]:

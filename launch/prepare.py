@@ -50,7 +50,7 @@ def main(argv=None) -> None:
         p.error("a config is needed (or --verify DATA_DIR)")
     if args.dry_run and args.slurm_parts is None:
         p.error("--dry-run goes with --slurm-parts")
-    from moe.training.config import load_config
+    from moe.config.run import load_config
     cfg = load_config(args.config, args.overrides)
     if args.slurm_parts is not None:
         from launch import prepare_slurm

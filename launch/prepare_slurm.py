@@ -20,15 +20,16 @@ from pathlib import Path
 
 from data_pipeline.prepare import parts_dir
 from launch.jobs import query, read_jobs, record_submission
-from launch.plan import RESOLVED_CONFIG, write_atomic
+from launch.plan import RESOLVED_CONFIG
 from launch.schedulers.slurm import (
     env_exports,
     extra_directives,
     sbatch_directive,
     site_directives,
 )
+from moe.config.run import RunConfig, dump_config
 from moe.errors import ConfigError, LaunchError
-from moe.training.config import RunConfig, dump_config
+from moe.fileio import write_atomic
 
 STEPS = ("tokenizer", "parts", "merge")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
-# Every signal checkpoint.save_on_signals may name (moe.training.preemption.SIGNALS).
+# Every signal checkpoint.save_on_signals may name (moe.training.resilience.preemption.SIGNALS).
 CATCHABLE = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 
 

@@ -15,8 +15,8 @@ import subprocess
 from launch.jobs import slurm_command
 from launch.plan import Plan
 from launch.schedulers.slurm import JOB_SCRIPT
+from moe.config.run import RunConfig
 from moe.errors import LaunchError
-from moe.training.config import RunConfig
 
 
 def fields(line: str) -> dict[str, str]:

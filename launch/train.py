@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from launch.cli import exits_cleanly, setup_logging
-from moe.training.collectives import record_collectives
-from moe.training.config import load_config
+from moe.config.run import SIGNALS, load_config
 from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
-from moe.training.faults import PlannedFaults
-from moe.training.preemption import SIGNALS, Preempted, hold_signals
+from moe.training.resilience.collectives import record_collectives
+from moe.training.resilience.faults import PlannedFaults
+from moe.training.resilience.preemption import Preempted, hold_signals
 from moe.training.trainer import dist_env_from_environment, train
 
 
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     if backend == "gloo":
         unlink_cpu_allreduce_buffer(env.rank)
     try:
-        # Test-only fault plan from the environment (moe/training/faults.py); None for users.
+        # Test-only fault plan from the environment (moe/training/resilience/faults.py); None for users.
         train(cfg, env, resume=args.resume, faults=PlannedFaults.from_environment(env.rank))
     except Preempted:
         shut_down_distributed()  # every rank stops at the same step (the signal is all-reduced)

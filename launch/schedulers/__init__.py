@@ -7,8 +7,8 @@ from pathlib import Path
 
 from launch.plan import Plan
 from launch.schedulers import hostfile, local, mpi, slurm
+from moe.config.run import RunConfig
 from moe.errors import ConfigError, LaunchError
-from moe.training.config import RunConfig
 
 BUILDERS = {"local": local.plan, "hostfile": hostfile.plan, "slurm": slurm.plan, "mpi": mpi.plan}
 

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 from launch.plan import RESOLVED_CONFIG, SHELL_INERT, Plan
+from moe.config.launch import PLAIN_NAME
+from moe.config.run import RunConfig
 from moe.errors import ConfigError, LaunchError
-from moe.training.config import RunConfig
-from moe.training.launch_config import PLAIN_NAME
 
 ENV_FILE = ".deepspeed_env"
 HOST_LINE = re.compile(r"(\S+)\s+slots=(\d+)\Z")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from launch.plan import RESOLVED_CONFIG, Plan
-from moe.training.config import RunConfig
+from moe.config.run import RunConfig
 
 
 def free_port() -> int:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from launch.plan import RESOLVED_CONFIG, Plan, entry_point
 from launch.schedulers.local import free_port
+from moe.config.run import RunConfig
 from moe.errors import LaunchError
-from moe.training.config import RunConfig
 
 
 def detect_flavor(mpiexec: str) -> str:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from launch.jobs import ENDS_FILE
 from launch.plan import RESOLVED_CONFIG, Plan, entry_point
+from moe.config.launch import SlurmConfig
+from moe.config.run import RunConfig
 from moe.errors import ConfigError
-from moe.training.config import RunConfig
-from moe.training.launch_config import SlurmConfig
-from moe.training.preemption import PREEMPTED_MARKER
+from moe.training.resilience.preemption import PREEMPTED_MARKER
 
 JOB_SCRIPT = "job.sbatch"
 

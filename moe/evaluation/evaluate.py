@@ -23,12 +23,12 @@ from data_pipeline.progress import Progress
 from data_pipeline.reader import TokenStream
 from data_pipeline.shards import MANIFEST
 from data_pipeline.tokenizer import Tokenizer
+from moe.config.run import RunConfig
 from moe.errors import ConfigError
 from moe.evaluation.expert_stats import ExpertStatsCollector
+from moe.load import load_model
 from moe.model.generation import GenerationConfig, KVCacheDecoder, generate
 from moe.model.transformer import MoETransformer
-from moe.training.config import RunConfig
-from moe.training.load import load_model
 
 
 class TokenArray:

@@ -33,11 +33,11 @@ import torch
 from data_pipeline.progress import Progress
 from moe.checkpoint.consolidate import state_files
 from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint, verify_files
+from moe.config.run import RunConfig, load_config
 from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
+from moe.load import load_consolidated
 from moe.tools import hf_support
-from moe.training.config import RunConfig, load_config
-from moe.training.load import load_consolidated
 
 FP32_FILE = "model.safetensors"
 

@@ -1,3 +1,3 @@
-"""Training: the run config, the DeepSpeed engine and loop, hooks around the step (checkpoints,
-TensorBoard, preemption, non-finite guards), resuming on any layout, and loading a checkpoint
-as one model."""
+"""Training: the DeepSpeed engine and the loop, hooks around the step (checkpoints,
+TensorBoard, throughput), resuming on any layout; ``resilience/`` holds preemption, the
+watchdog, the guards and fault injection."""

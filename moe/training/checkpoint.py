@@ -43,10 +43,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipeline.shards import (
-    fsync_path,
-    write_atomic,  # temp name, fsync, rename
-)
 from moe.checkpoint.files import (
     EXPERT_DIR,
     FORMAT_VERSION,
@@ -63,6 +59,7 @@ from moe.checkpoint.files import (
     tags_by_step,
 )
 from moe.errors import CheckpointError
+from moe.fileio import fsync_path, write_atomic  # temp name, fsync, rename
 from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")

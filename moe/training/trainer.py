@@ -20,6 +20,7 @@ from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
 from moe.checkpoint.files import verify_checkpoint
+from moe.config.run import SIGNALS, RunConfig, dump_config
 from moe.errors import CheckpointError, ConfigError, LaunchError
 from moe.model.compile import compile_blocks
 from moe.model.moe_layer import counting_routes
@@ -33,15 +34,14 @@ from moe.parallel.deepspeed_adapter import (
     report_global_expert_shapes,
     wrap_moe_layers,
 )
+from moe.parallel.layout import load_other_layout
 from moe.training.checkpoint import (
     CheckpointHook,
     SaveContext,
     load_rng,
     resolve_resume,
 )
-from moe.training.config import RunConfig, dump_config
 from moe.training.device import peak_bf16_flops, to_device
-from moe.training.faults import FaultInjector
 from moe.training.hooks import (
     ConsoleHook,
     Hook,
@@ -53,18 +53,18 @@ from moe.training.hooks import (
     ThroughputHook,
     ValidationHook,
 )
-from moe.training.layout import load_other_layout
-from moe.training.nan_guard import NonFiniteGuard, poison_nonfinite
-from moe.training.preemption import PREEMPTED_MARKER, SIGNALS, PreemptionHook
 from moe.training.prefetch import PrefetchingReader
-from moe.training.spike_guard import (
+from moe.training.resilience.faults import FaultInjector
+from moe.training.resilience.nan_guard import NonFiniteGuard, poison_nonfinite
+from moe.training.resilience.preemption import PREEMPTED_MARKER, PreemptionHook
+from moe.training.resilience.spike_guard import (
     SPIKE_STATE,
     LossSpikeGuard,
     recorded_events,
     skipped_windows,
 )
+from moe.training.resilience.watchdog import HangWatchdog
 from moe.training.upcycle import initialize_from_checkpoint
-from moe.training.watchdog import HangWatchdog
 
 log = logging.getLogger("moe.train")
 
@@ -317,7 +317,7 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
           faults: FaultInjector | None = None) -> dict:
     """Train to ``cfg.train.max_steps``. ``resume``: ``auto`` (the newest complete checkpoint of
     the run directory, if any), ``none``, or a checkpoint directory. ``faults``: tests only
-    (moe/training/faults.py)."""
+    (moe/training/resilience/faults.py)."""
     cfg = resolve_vocab(cfg)
     run_dir = cfg.run_dir
     data = PreparedData.from_config(cfg.data)  # a local directory or s3:// (through a cache)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from moe.errors import CheckpointError, ConfigError
+from moe.load import load_model
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.training.load import load_model
 
 # Fields that must agree for weights to mean the same thing (shapes alone miss e.g. positions).
 _SAME_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "position",

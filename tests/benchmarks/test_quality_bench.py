@@ -70,7 +70,7 @@ def test_variants_keep_the_active_width():
 
 
 def test_levers_start_from_a_plain_moe_of_the_configs_active_width_and_recipe_restores_it():
-    from moe.training.config import load_config
+    from moe.config.run import load_config
 
     cfg = load_config("configs/default.yaml")
     m = cfg.model.moe

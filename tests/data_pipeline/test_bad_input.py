@@ -19,9 +19,9 @@ from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import MANIFEST, read_manifest, write_manifest, write_shard
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
-from moe.training.config import RunConfig
 from moe.training.trainer import resolve_vocab
 from tests.conftest import tiny_run_dict
 from tests.helpers.reader_reference import ReferenceRows

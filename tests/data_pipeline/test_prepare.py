@@ -343,7 +343,7 @@ def test_cli_module_imports_no_model_code():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    code = "import sys, launch.prepare; print(sorted({'torch', 'moe.training.config'} & set(sys.modules)))"
+    code = "import sys, launch.prepare; print(sorted({'torch', 'moe.config.run'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert out.stdout.strip() == "[]"

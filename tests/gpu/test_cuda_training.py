@@ -33,8 +33,8 @@ def bf16_run(tiny_data, runs: Path, **train) -> dict:
 
 
 def _train(rank, world, cfg_dict):
+    from moe.config.run import RunConfig
     from moe.config_schema import from_dict
-    from moe.training.config import RunConfig
     from moe.training.trainer import DistEnv, resolve_vocab, train
 
     train(resolve_vocab(from_dict(RunConfig, cfg_dict)), DistEnv(0, 1, 0, 1), resume="none")
@@ -148,9 +148,9 @@ def test_model_forward_backward_syncs(loop_fallback, monkeypatch):
 
 
 def _train_step_syncs(rank, world, cfg_dict, out_path):
+    from moe.config.run import RunConfig
     from moe.config_schema import from_dict
     from moe.training import prefetch
-    from moe.training.config import RunConfig
     from moe.training.trainer import DistEnv, resolve_vocab, train
 
     ours = str(ROOT / "moe") + "/"

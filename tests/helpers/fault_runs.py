@@ -1,4 +1,4 @@
-"""Real launches with injected faults (moe/training/faults.py's test-only plan), and the checks
+"""Real launches with injected faults (moe/training/resilience/faults.py's test-only plan), and the checks
 a recovered run must pass against an uninterrupted one: the same loss at every step on every
 rank, every global sample consumed exactly once, every checkpoint on disk verifying. Used by
 tests/integration/test_fault_campaign.py and
@@ -16,7 +16,7 @@ import yaml
 
 from moe.checkpoint.files import complete_tags, verify_files
 from moe.errors import CheckpointError
-from moe.training.faults import PLAN_ENV
+from moe.training.resilience.faults import PLAN_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from moe.training.watchdog import HANG_EXIT_CODE, hang_file
+from moe.training.resilience.watchdog import HANG_EXIT_CODE, hang_file
 from tests.helpers import fault_runs as fr
 
 pytestmark = pytest.mark.integration

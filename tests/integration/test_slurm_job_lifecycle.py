@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moe.training.faults import PLAN_ENV
+from moe.training.resilience.faults import PLAN_ENV
 from tests.conftest import tiny_run_dict
 from tests.helpers import fault_runs as fr
 from tests.helpers.slurm_cluster import single_node_cluster, wait_for

@@ -16,10 +16,10 @@ from PIL import Image
 
 from data_pipeline.reader import TokenStream
 from launch.evaluate import main
+from moe.config.run import load_config
 from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir, load_model
 from moe.model.generation import GenerationConfig
 from moe.model.transformer import MoETransformer
-from moe.training.config import load_config
 from moe.training.trainer import seed_everything
 from tests.conftest import tiny_run_dict
 from tests.helpers.reference import reference_loss

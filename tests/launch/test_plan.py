@@ -6,7 +6,7 @@ import json
 import pytest
 
 from launch.calculator import main, resolve_vocab_for_planning
-from moe.training.config import load_config
+from moe.config.run import load_config
 
 
 def test_moe_plan_prints_parameters_flops_and_memory(capsys):

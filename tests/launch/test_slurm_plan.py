@@ -16,11 +16,11 @@ from launch.jobs import requeued_at
 from launch.launch import main
 from launch.schedulers import build_plan
 from launch.schedulers.slurm import JOB_SCRIPT
+from moe.config.launch import slurm_time_seconds
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
-from moe.training.config import RunConfig
-from moe.training.launch_config import slurm_time_seconds
-from moe.training.preemption import PREEMPTED_MARKER
+from moe.training.resilience.preemption import PREEMPTED_MARKER
 
 HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
 

@@ -17,7 +17,7 @@ import yaml
 
 import launch.train as train_entry
 from moe.errors import MoEError
-from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, Preempted
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, Preempted
 from tests.conftest import tiny_run_dict
 
 

@@ -1,8 +1,8 @@
 import pytest
 import yaml
 
+from moe.config.run import RunConfig, load_config
 from moe.errors import ConfigError
-from moe.training.config import RunConfig, load_config
 
 
 def write(tmp_path, data):
@@ -58,7 +58,7 @@ def test_overrides(tmp_path):
 
 
 def test_round_trip_of_resolved_config(tmp_path):
-    from moe.training.config import dump_config
+    from moe.config.run import dump_config
 
     cfg = load_config("configs/default.yaml")
     p = tmp_path / "resolved.yaml"

@@ -13,6 +13,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.reader import TokenStream
 from data_pipeline.tokenizer import Tokenizer
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.evaluation.evaluate import (
@@ -22,7 +23,6 @@ from moe.evaluation.evaluate import (
     token_windows,
 )
 from moe.model.transformer import MoETransformer
-from moe.training.config import RunConfig
 from tests.conftest import tiny_run_dict
 from tests.helpers.reference import reference_loss
 from tests.helpers.threads import single_thread  # noqa: F401 (fixture)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from data_pipeline.tokenizer import Tokenizer
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import CheckpointError
 from moe.evaluation.evaluate import load_model
 from moe.tools.export import FP32_FILE, export_fp32, export_hf, hf_problems
-from moe.training.config import RunConfig
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed

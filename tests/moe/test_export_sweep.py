@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.evaluation.evaluate import load_model
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.tools import hf_support
 from moe.training import trainer
-from moe.training.config import RunConfig
 from tests.conftest import tiny_run_dict
 
 transformers = pytest.importorskip("transformers")
@@ -249,8 +249,8 @@ def test_hf_export_is_exact_or_refused_by_name(checkpoints, variant, arch, capsy
 def test_fp32_export_loads_back_to_our_logits(checkpoints, variant, capsys):
     from safetensors.torch import load_file
 
+    from moe.config.run import load_config
     from moe.tools.export import FP32_FILE
-    from moe.training.config import load_config
 
     run_dir = checkpoints.runs[variant]
     out = checkpoints.root / "fp32" / run_dir.name

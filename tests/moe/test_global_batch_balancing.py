@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
-from moe.training.config import RunConfig
 from moe.training.trainer import DistEnv, build_engine, count_global_routing
 from tests.helpers.distributed import run_distributed
 from tests.moe.test_layout_equivalence import global_params

@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
-from moe.training.config import RunConfig
 from moe.training.trainer import DistEnv, build_engine
 from tests.helpers.distributed import run_distributed
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 import yaml
 
+from moe.config.run import load_config
 from moe.errors import ConfigError
 from moe.model.moe_layer import MoEConfig
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.training.config import load_config
 
 
 def test_new_options_load_from_yaml(tmp_path):

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.evaluation.evaluate import evaluate_perplexity, load_model
-from moe.training.config import RunConfig
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 

@@ -8,12 +8,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from launch.calculator import build_report
+from moe.config.run import load_config
 from moe.model.moe_layer import MoEConfig
 from moe.model.router import RouterConfig
 from moe.model.size import count_parameters, flops_per_token
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.tools.planning import activation_bytes, memory_per_gpu
-from moe.training.config import load_config
 
 
 def component_of(name: str) -> str:

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from moe.training.hooks import StepState
-from moe.training.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHook
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHook
 from tests.helpers.distributed import run_distributed
 
 
@@ -75,7 +75,7 @@ def test_first_sigterm_saves_and_a_second_would_end_the_process(tmp_path):
 
 
 def test_unknown_signal_in_the_config_is_named():
-    from moe.training.config import CheckpointConfig
+    from moe.config.run import CheckpointConfig
 
     problems = CheckpointConfig(save_on_signals=["USR1", "KILL"]).problems()
     assert problems == ["save_on_signals: 'KILL' is not one of ['TERM', 'USR1', 'USR2']"]

@@ -8,12 +8,12 @@ import copy
 import pytest
 import torch
 
+from moe.config.run import load_config
 from moe.errors import ConfigError
 from moe.model.moe_layer import MoEConfig
 from moe.model.recompute import apply_recompute, saved_activation_bytes
 from moe.model.router import RouterConfig
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.training.config import load_config
 from moe.training.hooks import MoEStatsHook, StepState
 
 VOCAB, B, S = 64, 2, 16

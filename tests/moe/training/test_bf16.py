@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
-from moe.training.config import RunConfig
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 

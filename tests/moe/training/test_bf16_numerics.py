@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.model.experts import GroupedExperts, scale_rows
@@ -19,7 +20,6 @@ from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.norms import LayerNorm, RMSNorm
 from moe.model.router import RouterConfig, TopKRouter, load_balancing_loss
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.training.config import RunConfig
 
 BF16_ULP = 2.0**-7  # spacing of bf16 numbers in [1, 2): 8 significant bits, 7 stored
 

@@ -23,9 +23,9 @@ from moe.checkpoint.files import (
     verify_checkpoint,
     verify_files,
 )
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import CheckpointError, TrainingError
-from moe.training.config import RunConfig
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
@@ -253,7 +253,7 @@ def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_persistent_nan_stops
         tiny_data, tmp_path):
     """Rank 1's loss is NaN at step 3 (one skip), finite at 4, NaN from 5 on: with at most 2
     consecutive skips the run stops at step 6, and nothing of step 6 is saved."""
-    from moe.training.layout import read_layout_free
+    from moe.parallel.layout import read_layout_free
 
     cfg = run_dict(tiny_data, tmp_path / "runs", "nan", max_steps=8, max_consecutive_skips=2)
     cfg["checkpoint"] = {"every_n_steps": 1}

@@ -21,7 +21,7 @@ def _worker(rank, port, out_dir):
     import torch
     import torch.distributed as dist
 
-    from moe.training.collectives import LAST, CollectiveTimeout, record_collectives
+    from moe.training.resilience.collectives import LAST, CollectiveTimeout, record_collectives
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     record_collectives(rank, TIMEOUT_S)

@@ -66,8 +66,8 @@ def test_peak_flops_from_the_device_name(monkeypatch):
 
 
 def test_trainer_mfu_peak_prefers_the_config_and_needs_bf16(monkeypatch):
+    from moe.config.run import RunConfig
     from moe.config_schema import from_dict
-    from moe.training.config import RunConfig
     from moe.training.trainer import peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from moe.checkpoint.files import MAIN_STATES, load_file
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
-from moe.training.config import RunConfig
-from moe.training.layout import read_layout_free
+from moe.parallel.layout import read_layout_free
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
@@ -107,7 +107,7 @@ def check_layout_free_state(tag_dir):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from moe.evaluation.evaluate import load_model
-    from moe.training.layout import single_device_name
+    from moe.parallel.layout import single_device_name
 
     state = read_layout_free(tag_dir)
     model, _, _ = load_model(tag_dir)

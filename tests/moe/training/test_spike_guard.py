@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from moe.checkpoint.files import complete_tags
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
-from moe.training.config import RunConfig
-from moe.training.faults import FaultInjector
-from moe.training.spike_guard import SKIPPED_BATCHES
+from moe.training.resilience.faults import FaultInjector
+from moe.training.resilience.spike_guard import SKIPPED_BATCHES
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
@@ -60,7 +60,7 @@ def _run(tiny_data, tmp_path, name, action):
 
 
 def _params(ckpt, step):
-    from moe.training.layout import read_layout_free
+    from moe.parallel.layout import read_layout_free
 
     return read_layout_free(ckpt / f"step_{step:07d}")["params"]
 

@@ -19,11 +19,11 @@ import json
 import pytest
 import torch
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import ConfigError, TrainingError
-from moe.training.config import RunConfig
-from moe.training.faults import FaultInjector
-from moe.training.spike_guard import SKIPPED_BATCHES
+from moe.training.resilience.faults import FaultInjector
+from moe.training.resilience.spike_guard import SKIPPED_BATCHES
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
@@ -222,7 +222,7 @@ def test_the_skipped_window_holds_the_last_steps_after_the_checkpoint_only(tmp_p
     skipped range); a second spike at step 7 goes past max_rollbacks, counted with the events
     of the run's record."""
     from moe.training.hooks import StepState
-    from moe.training.spike_guard import LossSpikeGuard, SpikeConfig
+    from moe.training.resilience.spike_guard import LossSpikeGuard, SpikeConfig
 
     cfg = SpikeConfig(action="rollback", window=4, min_steps=2, rollback_skip_steps=3,
                       max_rollbacks=2)

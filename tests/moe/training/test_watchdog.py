@@ -8,11 +8,11 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
-from moe.training.config import RunConfig
-from moe.training.faults import FaultInjector
+from moe.training.resilience.faults import FaultInjector
+from moe.training.resilience.watchdog import HANG_EXIT_CODE, hang_file
 from moe.training.trainer import DistEnv, train
-from moe.training.watchdog import HANG_EXIT_CODE, hang_file
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 

@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
+from moe.config.run import RunConfig
 from moe.config_schema import from_dict
-from moe.training.config import RunConfig
-from moe.training.layout import single_device_name
+from moe.parallel.layout import single_device_name
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
@@ -92,7 +92,7 @@ def test_moe_export_deepspeed_makes_any_layout_readable_by_zero_to_fp32(w4ep2, t
     """Where zero_to_fp32 refuses (EP 2 on 4 ranks), `moe-export --format deepspeed` re-saves
     the training state on one rank; zero_to_fp32 then rebuilds exactly our model, and the
     converted checkpoint holds the same weights and Adam moments as the original."""
-    from moe.training.layout import read_layout_free
+    from moe.parallel.layout import read_layout_free
 
     ckpt_dir = w4ep2
     out = tmp_path / "converted"

@@ -4,7 +4,7 @@ for ``train.hang_timeout_s`` seconds.
 A hung collective (a dead peer, a stuck file system, a deadlock) otherwise holds every rank's
 allocation until the scheduler's time limit, with nothing in the logs. On a timeout the watchdog
 writes the Python stack of every thread and the last collective the rank entered
-(moe/training/collectives.py) to ``RUN_DIR/logs/hang_rank{R}.txt``, logs one line naming the
+(moe/training/resilience/collectives.py) to ``RUN_DIR/logs/hang_rank{R}.txt``, logs one line naming the
 rank, and ends the process with :data:`HANG_EXIT_CODE` through ``os._exit`` (a hung main thread
 would never run an exception handler or exit hooks).
 """
@@ -18,8 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from moe.training.collectives import LAST
 from moe.training.hooks import Hook, StepState
+from moe.training.resilience.collectives import LAST
 
 log = logging.getLogger("moe.train")
 

@@ -72,10 +72,6 @@ def hold_signals(signals, first: int | None = None) -> None:
         HELD.signum = first
 
 
-SIGNALS = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2, "TERM": signal.SIGTERM}
-"""The signals ``checkpoint.save_on_signals`` may name."""
-
-
 class PreemptionHook(Hook):
     def __init__(self, checkpoint: CheckpointHook, marker: Path, rank: int,
                  signals: tuple[int, ...] = (signal.SIGUSR1,)):

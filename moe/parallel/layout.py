@@ -22,7 +22,7 @@ import torch
 from moe.checkpoint.consolidate import MOMENTS, read_layout_free, single_device_name
 from moe.checkpoint.files import MAIN_STATES, load_file
 from moe.errors import CheckpointError
-from moe.training.spike_guard import SPIKE_STATE
+from moe.training.resilience.spike_guard import SPIKE_STATE
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@
 communication layer and our code call, looked up by name at call time or bound when DeepSpeed's
 back end starts: so it runs before ``deepspeed.init_distributed``). Each call notes its name,
 the time and whether it returned: two assignments, no device work. The hang watchdog writes the
-note into the hang file (moe/training/watchdog.py). A collective that fails with the process
+note into the hang file (moe/training/resilience/watchdog.py). A collective that fails with the process
 group's timeout (``train.hang_timeout_s``, set where the group starts) is re-raised as a
 :class:`CollectiveTimeout` that names the collective, the rank and the setting, instead of
 gloo's or NCCL's bare "Timed out waiting ...".

@@ -39,55 +39,19 @@ import math
 import os
 import statistics
 from collections import Counter, deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from moe.config_schema import minimums
+from moe.checkpoint.files import SPIKE_STATE
+from moe.config.run import SpikeConfig
 from moe.errors import TrainingError
 from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")
 
 SKIPPED_BATCHES = "skipped_batches.jsonl"
-SPIKE_STATE = "spike_guard"
-"""The guard's entry in a checkpoint's client state: its window of losses."""
-
-
-@dataclass
-class SpikeConfig:
-    action: Literal["off", "skip", "rollback"] = "off"
-    """What to do when the loss spikes: off (nothing), skip (drop that step's update on every
-    rank and record its samples), rollback (drop the update, restore the newest checkpoint on
-    every rank and never train on the samples of the spiking step, or of the last
-    ``rollback_skip_steps`` steps; needs checkpoint.every_n_steps). Off by default: a z-score
-    over a short window of an early, fast-falling loss is noisy, and skipping changes the
-    training result, so a run opts in once its loss curve is known."""
-    window: int = 100
-    """Applied steps whose losses form the reference mean and standard deviation."""
-    zscore: float = 6.0
-    """A micro-batch loss more than this many standard deviations above the window mean is a
-    spike (only upward spikes)."""
-    min_steps: int = 50
-    """Warm-up: no detection before this many applied steps are in the window."""
-    rollback_skip_steps: int = 1
-    """rollback: the samples of this many steps, ending with the spiking one, are skipped (only
-    steps after the checkpoint: earlier ones are in it already)."""
-    max_rollbacks: int = 3
-    """rollback: how often spikes at one step number may roll back; the next spike there stops
-    the run with an error naming the step."""
-
-    def problems(self) -> list[str]:
-        out = minimums(self, window=2, min_steps=2, rollback_skip_steps=1, max_rollbacks=1)
-        if self.zscore <= 0:
-            out.append(f"zscore: must be > 0, got {self.zscore}")
-        if self.min_steps > self.window:
-            out.append(f"min_steps: {self.min_steps} exceeds window ({self.window}); the window "
-                       "never holds that many steps")
-        return out
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[list[int]]:

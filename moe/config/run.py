@@ -5,6 +5,7 @@ DeepSpeed config (never written by hand)."""
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,12 +14,44 @@ from typing import Literal
 import yaml
 
 from data_pipeline.config import DataConfig
+from moe.config.launch import LaunchConfig
 from moe.config_schema import from_dict, minimums, to_dict
 from moe.errors import ConfigError
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig
-from moe.training.launch_config import LaunchConfig
-from moe.training.spike_guard import SpikeConfig
+
+
+@dataclass
+class SpikeConfig:
+    action: Literal["off", "skip", "rollback"] = "off"
+    """What to do when the loss spikes: off (nothing), skip (drop that step's update on every
+    rank and record its samples), rollback (drop the update, restore the newest checkpoint on
+    every rank and never train on the samples of the spiking step, or of the last
+    ``rollback_skip_steps`` steps; needs checkpoint.every_n_steps). Off by default: a z-score
+    over a short window of an early, fast-falling loss is noisy, and skipping changes the
+    training result, so a run opts in once its loss curve is known."""
+    window: int = 100
+    """Applied steps whose losses form the reference mean and standard deviation."""
+    zscore: float = 6.0
+    """A micro-batch loss more than this many standard deviations above the window mean is a
+    spike (only upward spikes)."""
+    min_steps: int = 50
+    """Warm-up: no detection before this many applied steps are in the window."""
+    rollback_skip_steps: int = 1
+    """rollback: the samples of this many steps, ending with the spiking one, are skipped (only
+    steps after the checkpoint: earlier ones are in it already)."""
+    max_rollbacks: int = 3
+    """rollback: how often spikes at one step number may roll back; the next spike there stops
+    the run with an error naming the step."""
+
+    def problems(self) -> list[str]:
+        out = minimums(self, window=2, min_steps=2, rollback_skip_steps=1, max_rollbacks=1)
+        if self.zscore <= 0:
+            out.append(f"zscore: must be > 0, got {self.zscore}")
+        if self.min_steps > self.window:
+            out.append(f"min_steps: {self.min_steps} exceeds window ({self.window}); the window "
+                       "never holds that many steps")
+        return out
 
 
 @dataclass
@@ -65,11 +98,11 @@ class TrainConfig:
     experts' and FFNs' activation function and the attention core. Routing and the expert
     all-to-all never run again: gradients and MoE statistics equal those of none."""
     spike: SpikeConfig = field(default_factory=SpikeConfig)
-    """Loss spike detection, skipping and rollback (moe/training/spike_guard.py)."""
+    """Loss spike detection, skipping and rollback (moe/training/resilience/spike_guard.py)."""
     hang_timeout_s: float = 1800.0
     """A rank that completes no step for this many seconds (checkpoint saves and validation
     included) writes every thread's stack to RUN_DIR/logs/hang_rank{R}.txt and exits with code
-    70 (moe/training/watchdog.py); 0: off."""
+    70 (moe/training/resilience/watchdog.py); 0: off."""
     recompute_every_n_blocks: int = 1
     """Recompute blocks 0, N, 2N, ... only (1: every block); the others keep their activations."""
     compile: bool = False
@@ -133,6 +166,10 @@ class LoggingConfig:
         return out
 
 
+SIGNALS = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2, "TERM": signal.SIGTERM}
+"""The signals ``checkpoint.save_on_signals`` may name."""
+
+
 @dataclass
 class CheckpointConfig:
     every_n_steps: int = 0
@@ -153,8 +190,6 @@ class CheckpointConfig:
     again at the next save (the steps since the last complete checkpoint are at risk)."""
 
     def problems(self) -> list[str]:
-        from moe.training.preemption import SIGNALS
-
         out = minimums(self, every_n_steps=0, keep_last=1)
         for name in self.save_on_signals:
             if name not in SIGNALS:

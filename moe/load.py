@@ -9,9 +9,9 @@ from pathlib import Path
 
 from moe.checkpoint.consolidate import find_zero_file, read_consolidated, read_layout_free
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint
+from moe.config.run import RunConfig, load_config
 from moe.errors import CheckpointError
 from moe.model.transformer import MoETransformer
-from moe.training.config import RunConfig, load_config
 
 
 def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = None
