@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from data_pipeline.prepare import merge_parts, prepare, prepare_part, prepare_tokenizer
+from data_pipeline.prepare import (describe_empty, merge_parts, prepare, prepare_part,
+                                   prepare_tokenizer)
 from data_pipeline.verify import verify
 from launch.cli import exits_cleanly
 
@@ -79,7 +80,14 @@ def main(argv=None) -> None:
             print(f"warning: source {s['name']!r}: {s['invalid_utf8']} invalid UTF-8 sequences "
                   "replaced with U+FFFD")
         if s["empty_documents"]:
-            print(f"note: source {s['name']!r}: {s['empty_documents']} empty documents skipped")
+            files = s.get("empty_rows", {})
+            where = "; ".join(describe_empty(path, entry) for path, entry in list(files.items())[:3])
+            more = f"; and {len(files) - 3} more files" if len(files) > 3 else ""
+            print(f"note: source {s['name']!r}: {s['empty_documents']} empty documents skipped"
+                  f"{' (' + where + more + ')' if where else ''}")
+        if s.get("duplicates_dropped"):
+            print(f"note: source {s['name']!r}: {s['duplicates_dropped']} duplicate documents "
+                  "dropped (data.dedup: exact)")
 
 
 def _part(text: str) -> tuple[int, int]:
