@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import argparse
 
-from data_pipeline.prepare import (describe_empty, merge_parts, prepare, prepare_part,
-                                   prepare_tokenizer)
+from data_pipeline.prepare import (
+    describe_empty,
+    merge_parts,
+    prepare,
+    prepare_part,
+    prepare_tokenizer,
+)
 from data_pipeline.verify import verify
 from launch.cli import exits_cleanly
 
@@ -28,7 +33,10 @@ def main(argv=None) -> None:
                                              "prepare")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.dir=data/mine")
     p.add_argument("--force", action="store_true", help="replace data prepared from another config")
-    p.add_argument("--verify", metavar="DATA_DIR", help="check prepared data instead of preparing")
+    p.add_argument("--verify", metavar="DATA_DIR", nargs="?", const="",
+                   help="check prepared data (a directory or s3://bucket/prefix) instead of "
+                        "preparing; with a config: its data.dir (if DATA_DIR is left out) "
+                        "and its data.s3 settings")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--tokenizer-only", action="store_true",
@@ -43,7 +51,9 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="with --slurm-parts: print the job scripts and sbatch commands only")
     args = p.parse_intermixed_args(argv)
-    if args.verify:
+    if args.verify == "" and not args.config:
+        p.error("--verify needs a DATA_DIR or a config")
+    if args.verify is not None and not args.config:
         summary = verify(args.verify, progress=not args.quiet)
         print(f"{args.verify}: ok; {summary}")
         return
@@ -53,6 +63,11 @@ def main(argv=None) -> None:
         p.error("--dry-run goes with --slurm-parts")
     from moe.training.config import load_config
     cfg = load_config(args.config, args.overrides)
+    if args.verify is not None:
+        target = args.verify or cfg.data.dir
+        summary = verify(target, progress=not args.quiet, s3=cfg.data.s3)
+        print(f"{target}: ok; {summary}")
+        return
     if args.slurm_parts is not None:
         from launch import prepare_slurm
         jobs = prepare_slurm.build(cfg, args.slurm_parts, force=args.force)
