@@ -556,7 +556,8 @@ class EmptyRows:
 
 
 def describe_empty(path: str, entry: dict) -> str:
-    """``a.jsonl: 3 rows with null or empty text (lines 4, 9, 12)``, from a manifest entry."""
+    """``a.jsonl: 3 with null, empty or whitespace-only text (lines 4, 9, 12)``, from a
+    manifest entry (``empty_rows`` of a source)."""
     unit = next((k for k in ("lines", "rows") if k in entry), None)
     where = f" ({unit} {', '.join(map(str, entry[unit]))}" if unit else ""
     more = ", ..." if unit and entry["count"] > len(entry[unit]) else ""
