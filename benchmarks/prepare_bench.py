@@ -5,6 +5,7 @@ workers.
     python benchmarks/prepare_bench.py --mb 40 --rounds 3 --work-dir /tmp/prepare_bench
     python benchmarks/prepare_bench.py --mb 8 --profile   # cProfile of the encode path, in-process
     python benchmarks/prepare_bench.py --mb 20 --format parquet   # one file, one row group
+    python benchmarks/prepare_bench.py --mb 20 --dedup exact   # with exact deduplication
 
 1. Writes a JSONL corpus of about ``--mb`` MB (docstrings and comments of the standard library,
    repeated with a counter so no two documents are equal) and trains one tokenizer on it, which
@@ -145,6 +146,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile the encode path instead")
     p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
                    help="parquet: the corpus as one file of one row group")
+    p.add_argument("--dedup", choices=["none", "exact"], default="none",
+                   help="data.dedup of every prepare (exact: each document's key looked up)")
     args = p.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="prepare_bench_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -160,7 +163,7 @@ def main() -> None:
             pq.write_table(pa.table({"text": texts}), corpus, row_group_size=len(texts))
         cfg = DataConfig(sources=[SourceConfig(name="web", type=args.format, paths=[str(corpus)])],
                          tokenizer=dataclasses.replace(tok_cfg, model_file=str(tok.path)),
-                         shard_tokens=4_000_000)
+                         shard_tokens=4_000_000, dedup=args.dedup)
         if args.profile:
             source = cfg.sources[0]
             _init_worker(str(tok.path))

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from data_pipeline import storage
 from data_pipeline.config import S3Config
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataError, corrupt
 from moe.fileio import fsync_path
 
 ROOM_WAIT_S = 600.0
@@ -276,10 +276,12 @@ class ObjectCache:
                 out.write(block)
             out.flush()
             os.fsync(out.fileno())
-        if got != size or h.hexdigest() != sha256:
-            raise DataError(f"{url}: corrupt object: its {'SHA-256' if got == size else 'size'} "
-                            f"differs from the manifest's ({got:,} bytes read, {size:,} expected);"
-                            " prepare and upload the data again")
+        if got != size:
+            raise DataError(f"{url}: corrupt object: its size differs from the manifest's "
+                            f"({got:,} bytes read, {size:,} expected); prepare and upload the "
+                            "data again")
+        if h.hexdigest() != sha256:
+            raise corrupt(url, "object", h.hexdigest(), sha256)
 
 
 def _touch(path: Path) -> None:

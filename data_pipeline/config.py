@@ -156,7 +156,18 @@ class DataConfig:
     """Shards of an ``s3://`` ``dir`` fetched in the background ahead of the one being read
     (0: fetch each when it is needed)."""
     valid_fraction: float = 0.02
-    """Share of documents in the validation split, chosen by a hash of the document id."""
+    """Share of documents in the validation split, chosen by a hash of each document's text
+    (after ``str.strip()`` and Unicode NFC): the same documents get the same split whatever
+    their container, compression, order, sharding or worker count, and copies of a text
+    always share it (docs/data.md)."""
+    dedup: Literal["none", "exact"] = "none"
+    """``exact``: keep only the first document of each text (same key as the split: stripped,
+    NFC), across all sources, in source and file order; the documents dropped are counted per
+    source. ``none``: keep every document."""
+    on_empty: Literal["skip", "error"] = "skip"
+    """Rows whose text is null, empty or whitespace: ``skip`` them (counted per file in the
+    manifest, with their first row numbers) or stop the preparation with an ``error`` naming
+    the file and rows."""
     shard_tokens: int = 4_000_000
     """Target tokens per shard (a shard closes at the first document end past it)."""
     seq_len: int = 256

@@ -15,11 +15,14 @@ import json
 import multiprocessing as mp
 import resource
 import shutil
+import sys
 import tempfile
 import time
+import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -39,7 +42,7 @@ from data_pipeline.shards import (
     token_type,
     write_manifest,
 )
-from data_pipeline.sources import ItemDocuments, WorkItem, read_item, work_items
+from data_pipeline.sources import EMPTY_ROWS_KEPT, ItemDocuments, WorkItem, read_item, work_items
 from data_pipeline.tokenizer import LineSample, Tokenizer, train_tokenizer
 from moe.fileio import write_atomic
 
@@ -64,6 +67,9 @@ class PrepareReport:
     seconds: float
     skipped: bool
     invalid_utf8: int = 0
+    moved_from_location_rule: int = 0
+    """Documents whose split differs from the one the location rule (manifests without
+    ``split_rule``) gives them: what a preparation over such data changes."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: read (tokenizer sample), tokenizer, encode (read, tokenize, write);
     ``encode_cpu``: CPU seconds of the encode phase over all its processes, ``encode_cpu_main``
@@ -75,9 +81,13 @@ def config_hash(cfg: DataConfig) -> str:
     nor how it is read (order seed, sequence length, mixture weights, loader workers)."""
     d = dataclasses.asdict(cfg)  # tuples stay tuples: json.dumps writes them as lists
     for k in ("dir", "prepare_workers", "seq_len", "seed", "loader_workers",
-              "allow_other_data_on_resume", "s3", "cache_dir", "cache_bytes", "read_ahead"):
-        # s3: how to reach the inputs; cache_*, read_ahead: how shards are read
+              "allow_other_data_on_resume", "s3", "cache_dir", "cache_bytes", "read_ahead",
+              "on_empty"):
+        # s3: how to reach the inputs; cache_*, read_ahead: how shards are read; on_empty:
+        # whether empty rows stop the preparation (data made either way is the same)
         d.pop(k)
+    if d["dedup"] == "none":  # data prepared before deduplication keeps its hash
+        d.pop("dedup")
     for s in d["sources"]:
         s.pop("weight")
         if s["filter"]["column"] is None:  # data prepared before filters keeps its hash
@@ -88,7 +98,33 @@ def config_hash(cfg: DataConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def in_valid_split(source: str, doc_id: str, fraction: float) -> bool:
+SPLIT_RULE = "content-v1"
+"""The rule that puts documents in the validation split, recorded in the manifest: a document
+is in it when the first 8 bytes of its :func:`content_key`, as a big-endian integer over 2**64,
+are below ``valid_fraction``. Manifests without ``split_rule`` were made by the location rule
+(:func:`in_valid_split_by_location`)."""
+KEY_BYTES = 16
+"""Bytes of a document's content key kept for deduplication (128 bits: no accidental equal
+keys among billions of documents)."""
+
+
+def content_key(text: str) -> bytes:
+    """What identifies a document's text for the split and for deduplication: SHA-256 of its
+    UTF-8 bytes after ``str.strip()`` (Unicode whitespace at both ends) and Unicode NFC, its
+    first KEY_BYTES bytes. The text tokenized is the document's own, unchanged."""
+    text = unicodedata.normalize("NFC", text.strip())
+    # surrogatepass: JSON may hold lone surrogates ("\ud800"), which strict UTF-8 refuses
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:KEY_BYTES]
+
+
+def in_valid_split(key: bytes, fraction: float) -> bool:
+    """Whether the document of content key ``key`` is in the validation split (SPLIT_RULE)."""
+    return int.from_bytes(key[:8], "big") / 2**64 < fraction
+
+
+def in_valid_split_by_location(source: str, doc_id: str, fraction: float) -> bool:
+    """The rule before SPLIT_RULE, by the document's place in its container: kept only to
+    count what a new preparation over such data moves."""
     digest = hashlib.sha256(f"{source}\0{doc_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
@@ -116,14 +152,15 @@ def _init_worker(tokenizer_path: str | None, s3: S3Config = _S3) -> None:
 def _dump_docs(docs: ItemDocuments, path: str) -> None:
     with open(path, "w", encoding="ascii") as f:  # ensure_ascii: any str survives
         json.dump({"docs": docs.docs, "invalid_utf8": docs.invalid_utf8, "empty": docs.empty,
-                   "filtered": docs.filtered}, f)
+                   "filtered": docs.filtered, "empty_rows": docs.empty_rows,
+                   "rows": docs.rows}, f)
 
 
 def _load_docs(path: str) -> ItemDocuments:
     with open(path, encoding="ascii") as f:
         d = json.load(f)
     return ItemDocuments([(doc_id, text) for doc_id, text in d["docs"]], d["invalid_utf8"],
-                         d["empty"], d["filtered"])
+                         d["empty"], d["filtered"], d["empty_rows"], d["rows"])
 
 
 def _read(args: tuple[SourceConfig, WorkItem, str]) -> str:
@@ -133,25 +170,40 @@ def _read(args: tuple[SourceConfig, WorkItem, str]) -> str:
     return spill
 
 
-ItemCounts = tuple[list[int], int, int, int]
-"""What a worker returns for a work item: documents per split, invalid UTF-8 sequences, empty
-documents, rows filtered out. Its tokens are in the spill file the main process named."""
+class ItemCounts(NamedTuple):
+    """What a worker returns for a work item (its tokens are in the spill file the main
+    process named): a few numbers, short enough for the pool's pipes."""
+
+    documents: list[int]
+    """Documents per split, in SPLITS order."""
+    invalid_utf8: int
+    empty: int
+    filtered: int
+    empty_rows: list[int]
+    """The first empty rows, from the item's first row (ItemDocuments.empty_rows)."""
+    rows: int
+    moved: int
+    """Documents whose split by the location rule differs (PrepareReport.moved_from_location_rule)."""
 
 
 def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]) -> ItemCounts:
     """Read (or load from its spill file) and tokenize one work item; write per split, in
-    ``SPLITS`` order, the document lengths (int64) and then the concatenated token ids (uint32,
-    each document followed by EOS) to the raw spill file ``args[4]``. Returns the item's
-    counts (:data:`ItemCounts`)."""
+    ``SPLITS`` order, the document lengths (int64), the concatenated token ids (uint32, each
+    document followed by EOS) and the documents' content keys (KEY_BYTES each) to the raw
+    spill file ``args[4]``. Returns the item's counts (:data:`ItemCounts`)."""
     source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
     docs = _load_docs(cached) if cached else read_item(source, item, _S3)
     eos = _TOKENIZER.eos_id
-    valid = [in_valid_split(source.name, doc_id, valid_fraction) for doc_id, _ in docs.docs]
+    keys = [content_key(text) for _, text in docs.docs]
+    valid = [in_valid_split(key, valid_fraction) for key in keys]
+    moved = sum(v != in_valid_split_by_location(source.name, doc_id, valid_fraction)
+                for v, (doc_id, _) in zip(valid, docs.docs))
     counts = []
     with open(spill, "wb") as f:
         for split in SPLITS:
-            texts = [text for (_, text), v in zip(docs.docs, valid) if v == (split == "valid")]
+            mine = [v == (split == "valid") for v in valid]
+            texts = [text for (_, text), m in zip(docs.docs, mine) if m]
             ids = _TOKENIZER.encode_batch(texts)
             for x in ids:
                 x.append(eos)
@@ -160,8 +212,10 @@ def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]) -> Item
             # chain.from_iterable flattens in C: a generator over every token cost 13% of encode.
             np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32,
                         count=int(lengths.sum())).tofile(f)
+            f.write(b"".join(key for key, m in zip(keys, mine) if m))
             counts.append(len(ids))
-    return counts, docs.invalid_utf8, docs.empty, docs.filtered
+    return ItemCounts(counts, docs.invalid_utf8, docs.empty, docs.filtered, docs.empty_rows,
+                      docs.rows, moved)
 
 
 def _encode_task(jobs: list[tuple]) -> list[ItemCounts]:
@@ -194,8 +248,10 @@ def _run_tasks(pool, jobs: list[tuple], sizes: list[int]) -> Iterator[ItemCounts
         yield from counts
 
 
-def _load_encoded(path: str, counts: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{split: (token ids, document lengths)} from an :func:`_encode` spill file."""
+def _load_encoded(path: str, counts: list[int]
+                  ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """{split: (token ids, document lengths, content keys)} from an :func:`_encode` spill
+    file (keys: one ``V{KEY_BYTES}`` element per document)."""
     raw = Path(path).read_bytes()
     out, pos = {}, 0
     for split, n in zip(SPLITS, counts):
@@ -203,7 +259,9 @@ def _load_encoded(path: str, counts: list[int]) -> dict[str, tuple[np.ndarray, n
         pos += lengths.nbytes
         tokens = np.frombuffer(raw, np.uint32, count=int(lengths.sum()), offset=pos)
         pos += tokens.nbytes
-        out[split] = (tokens, lengths)
+        keys = np.frombuffer(raw, f"V{KEY_BYTES}", count=n, offset=pos)
+        pos += keys.nbytes
+        out[split] = (tokens, lengths, keys)
     if pos != len(raw):
         raise DataError(f"{path}: {len(raw)} bytes, expected {pos} (spill file damaged)")
     return out
@@ -222,22 +280,29 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
     want = config_hash(cfg)
     remote = storage.is_s3(cfg.dir)
     data_dir = cfg.dir if remote else Path(cfg.dir)
-    if not force and (_exists_remote(cfg) if remote else (data_dir / MANIFEST).exists()):
+    exists = _exists_remote(cfg) if remote else (data_dir / MANIFEST).exists()
+    if not force and exists:
         replace = "run moe-prepare with --force to replace it, or choose another data.dir"
         try:
             existing = read_manifest(data_dir, cfg.s3)
         except DataError as e:
             raise DataError(f"{e}; {replace}") from e
         if existing.config_hash == want:
+            if existing.split_rule is None:
+                _note(f"{data_dir} was split by document location (before split_rule "
+                      f"{SPLIT_RULE}) and is used as it is; moe-prepare --force splits it by "
+                      "content, which moves documents between train and valid")
             return PrepareReport(data_dir, existing, time.time() - t0, skipped=True)
         raise DataError(f"{data_dir} holds data prepared from a different config; {replace}")
+    old = _replaced_manifest(data_dir, cfg.s3) if exists else None
     if remote:
-        return _prepare_and_upload(cfg, force, progress, build, t0)
+        return _prepare_and_upload(cfg, force, progress, build, t0, old)
     staging = data_dir.with_name(f".{data_dir.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)  # left by a killed preparation
     staging.mkdir(parents=True)
     try:
         report = (build or _prepare_into)(cfg, staging, want, progress)
+        _announce_split_change(old, report, data_dir)
         _swap_in(staging, data_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -256,11 +321,40 @@ def _exists_remote(cfg: DataConfig) -> bool:
     return True
 
 
-def _prepare_and_upload(cfg: DataConfig, force: bool, progress: bool, build, t0: float
-                        ) -> PrepareReport:
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def _replaced_manifest(data_dir: Path | str, s3: S3Config) -> Manifest | None:
+    """The manifest of the data a --force preparation replaces (None: unreadable)."""
+    try:
+        return read_manifest(data_dir, s3)
+    except DataError:
+        return None
+
+
+def _announce_split_change(old: Manifest | None, report: PrepareReport,
+                           data_dir: Path | str) -> None:
+    """Before data of the location rule is replaced: say that the split changes, and for the
+    same config (the same documents) by how many documents."""
+    if old is None or old.split_rule is not None:
+        return
+    what = (f"{data_dir} was split by document location (before split_rule {SPLIT_RULE}); "
+            "the data replacing it is split by content")
+    if old.config_hash != report.manifest.config_hash:
+        _note(f"{what} (and made from another config, so its documents are not compared)")
+        return
+    read = sum(sum(s["documents"].values()) + s["duplicates_dropped"]
+               for s in report.manifest.sources)
+    _note(f"{what}: {report.moved_from_location_rule:,} of its {read:,} documents change split")
+
+
+def _prepare_and_upload(cfg: DataConfig, force: bool, progress: bool, build, t0: float,
+                        old: Manifest | None) -> PrepareReport:
     with tempfile.TemporaryDirectory(prefix="moe-prepare-") as tmp:
         local = dataclasses.replace(cfg, dir=str(Path(tmp) / "data"))
         report = prepare(local, force=force, progress=progress, build=build)
+        _announce_split_change(old, report, cfg.dir)
         files = sorted(p for p in Path(local.dir).iterdir() if p.is_file() and p.name != MANIFEST)
         for path in [*files, Path(local.dir) / MANIFEST]:
             storage.upload(path, str(storage.join(cfg.dir, path.name)), cfg.s3)
@@ -326,8 +420,8 @@ def _build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path
                            num_threads=cfg.prepare_workers), cache
 
 
-Encoded = tuple[str, list[int], int, int, int]
-"""An encoded work item: its spill path, then its :data:`ItemCounts`."""
+Encoded = tuple[str, ItemCounts]
+"""An encoded work item: its spill path and its counts."""
 
 
 def _encode_jobs(cfg: DataConfig, source: SourceConfig, items: list[WorkItem],
@@ -351,34 +445,48 @@ def item_bytes(source: SourceConfig, items: list[WorkItem], s3: S3Config) -> lis
 def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                   encoded: Callable[[SourceConfig, list[int]], Iterator[Encoded]],
                   keep_spill: bool, progress: bool, items: dict[str, list[WorkItem]]
-                  ) -> tuple[dict[str, SplitInfo], list[dict]]:
+                  ) -> tuple[dict[str, SplitInfo], list[dict], int]:
     """Write each source's shards from its encoded work items (``encoded(source, input bytes
     of each item)``), taken in item order: the one place where documents meet shards, for a
     single machine and for a merge of parts alike. This is all the main process does while the
     workers tokenize: per item, read one spill file of token arrays and append it to the shard
-    writers (cheap slicing and, per shard, one concatenation, Arrow write and hash)."""
+    writers (cheap slicing and, per shard, one concatenation, Arrow write and hash); with
+    ``dedup: exact``, also look up each document's content key. Returns the splits, the
+    sources' statistics and the documents the location rule would split otherwise."""
     splits = {split: SplitInfo() for split in SPLITS}
     source_stats = []
+    moved = 0
+    seen: set[bytes] | None = set() if cfg.dedup == "exact" else None  # across all sources
     for source in cfg.sources:
         writers = {split: ShardWriter(staging, split, source.name, cfg.shard_tokens,
                                       tokenizer.vocab_size) for split in SPLITS}
         stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
-                 "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0}
+                 "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0,
+                 "duplicates_dropped": 0}
+        empties = EmptyRows(source)
         sizes = item_bytes(source, items[source.name], cfg.s3)
         bar = Progress(f"tokenize {source.name}", sum(sizes), progress)
-        for size, (path, counts, invalid_utf8, empty, filtered) in zip(
-                sizes, encoded(source, sizes), strict=True):
+        for size, item, (path, counts) in zip(sizes, items[source.name],
+                                              encoded(source, sizes), strict=True):
             docs = tokens_seen = 0
-            for split, (tokens, lengths) in _load_encoded(path, counts).items():
+            for split, (tokens, lengths, keys) in _load_encoded(path, counts.documents).items():
+                if seen is not None:
+                    tokens, lengths, dropped = _drop_seen(tokens, lengths, keys, seen)
+                    stats["duplicates_dropped"] += dropped
                 writers[split].add(tokens, lengths)
                 stats["documents"][split] += len(lengths)
                 stats["tokens"][split] += len(tokens)
                 docs, tokens_seen = docs + len(lengths), tokens_seen + len(tokens)
             if not keep_spill:
                 Path(path).unlink()
-            stats["empty_documents"] += empty
-            stats["filtered_documents"] += filtered
-            stats["invalid_utf8"] += invalid_utf8
+            empties.add(item, counts)
+            if counts.empty and cfg.on_empty == "error":
+                raise DataError(f"source {source.name!r}: {empties.describe(item.path)}; "
+                                "data.on_empty is 'error' (set it to 'skip' to leave them out)")
+            stats["empty_documents"] += counts.empty
+            stats["filtered_documents"] += counts.filtered
+            stats["invalid_utf8"] += counts.invalid_utf8
+            moved += counts.moved
             bar.update(size, docs, tokens_seen)
         bar.close()
         _check_not_empty(source, sum(stats["documents"].values()))
@@ -391,23 +499,82 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
         source_stats.append({"name": source.name, "type": source.type,
                              "paths": list(source.paths), "field": source.field,
                              "filter": dataclasses.asdict(source.row_filter) if source.row_filter else None,
-                             **stats})
+                             **stats, "empty_rows": empties.files})
     if not splits["valid"].shards:
         raise DataError(f"the validation split is empty: too few documents for valid_fraction "
                         f"{cfg.valid_fraction}")
-    return splits, source_stats
+    return splits, source_stats, moved
+
+
+def _drop_seen(tokens: np.ndarray, lengths: np.ndarray, keys: np.ndarray, seen: set[bytes]
+               ) -> tuple[np.ndarray, np.ndarray, int]:
+    """The documents whose content key is not in ``seen``, which gets theirs: the first copy
+    of each text in the order documents reach the shards (the same for any worker count or
+    --part split). Returns their tokens, lengths and how many were dropped."""
+    keep = np.ones(len(lengths), dtype=bool)
+    for i, key in enumerate(keys.tolist()):  # V16 elements come out as bytes
+        if key in seen:
+            keep[i] = False
+        else:
+            seen.add(key)
+    if keep.all():
+        return tokens, lengths, 0
+    return tokens[np.repeat(keep, lengths)], lengths[keep], int(len(keep) - keep.sum())
+
+
+EMPTY_FILES_KEPT = 100
+"""Files listed with their empty rows in a source's manifest entry (the count is of all)."""
+
+
+class EmptyRows:
+    """A source's empty rows per file, numbered from the file's start: its work items come in
+    file order, each saying how many rows it covers. JSONL rows are lines, numbered from 1 as
+    editors do; table rows (Parquet, Arrow, hf_disk) from 0 as pyarrow and pandas do; a text
+    file (one document) is named alone."""
+
+    def __init__(self, source: SourceConfig):
+        self.unit, self.first = {"jsonl": ("lines", 1), "text": (None, 0),
+                                 "stdlib": (None, 0)}.get(source.type, ("rows", 0))
+        self.files: dict[str, dict] = {}
+        self._rows_before: dict[str, int] = {}
+
+    def add(self, item: WorkItem, counts: ItemCounts) -> None:
+        before = self._rows_before.get(item.path, 0)
+        self._rows_before[item.path] = before + counts.rows
+        if not counts.empty:
+            return
+        if item.path not in self.files and len(self.files) == EMPTY_FILES_KEPT:
+            return
+        entry = self.files.setdefault(item.path, {"count": 0} | ({self.unit: []} if self.unit else {}))
+        entry["count"] += counts.empty
+        if self.unit:
+            rows = entry[self.unit]
+            rows += [self.first + before + r for r in counts.empty_rows][:EMPTY_ROWS_KEPT - len(rows)]
+
+    def describe(self, path: str) -> str:
+        return describe_empty(path, self.files[path])
+
+
+def describe_empty(path: str, entry: dict) -> str:
+    """``a.jsonl: 3 with null, empty or whitespace-only text (lines 4, 9, 12)``, from a
+    manifest entry (``empty_rows`` of a source)."""
+    unit = next((k for k in ("lines", "rows") if k in entry), None)
+    where = f" ({unit} {', '.join(map(str, entry[unit]))}" if unit else ""
+    more = ", ..." if unit and entry["count"] > len(entry[unit]) else ""
+    return (f"{path}: {entry['count']} with null, empty or whitespace-only text"
+            f"{where}{more}{')' if unit else ''}")
 
 
 def _finish(staging: Path, want: str, tokenizer: Tokenizer, splits: dict[str, SplitInfo],
-            source_stats: list[dict], timings: dict[str, float]) -> PrepareReport:
+            source_stats: list[dict], moved: int, timings: dict[str, float]) -> PrepareReport:
     manifest = Manifest(schema_version=SCHEMA_VERSION, config_hash=want,
                         tokenizer=tokenizer.describe(),
                         token_type=str(token_type(tokenizer.vocab_size)), splits=splits,
-                        sources=source_stats)
+                        sources=source_stats, split_rule=SPLIT_RULE)
     write_manifest(staging, manifest)
     return PrepareReport(staging, manifest, 0.0, skipped=False,
                          invalid_utf8=sum(s["invalid_utf8"] for s in source_stats),
-                         timings=timings)
+                         moved_from_location_rule=moved, timings=timings)
 
 
 def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> PrepareReport:
@@ -426,14 +593,14 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
             cached = cache[source.name] if cache is not None else None
             jobs = _encode_jobs(cfg, source, items[source.name], cached, spill)
             for job, counts in zip(jobs, _run_tasks(pool, jobs, sizes)):
-                yield (job[-1], *counts)
+                yield job[-1], counts
 
-        splits, source_stats = _write_shards(cfg, staging, tokenizer, encoded, False, progress,
-                                             items)
+        splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded, False,
+                                                    progress, items)
     timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
     timings["encode_cpu_main"] = time.process_time() - main_cpu
     shutil.rmtree(spill)
-    return _finish(staging, want, tokenizer, splits, source_stats, timings)
+    return _finish(staging, want, tokenizer, splits, source_stats, moved, timings)
 
 
 # --- many machines: the tokenizer once, disjoint parts, one merge ---
@@ -521,7 +688,8 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
                     desc=f"part {index}/{count}", unit="item")):
                 results[f"{s.name}/{i}"] = [Path(job[-1]).name, *counts]
         marker = {"config_hash": config_hash(cfg), "tokenizer_sha256": tokenizer.sha256,
-                  "items_hash": _items_hash(numbered), "items": results}
+                  "split_rule": SPLIT_RULE, "items_hash": _items_hash(numbered),
+                  "items": results}
         write_atomic(tmp / "part.json", json.dumps(marker).encode())
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -549,7 +717,7 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
     if len(counts) != 1:
         raise DataError(f"{parts}: expected the parts of one --part i/N split, found {found or 'none'}")
     (count,) = counts
-    results: dict[str, tuple[Path, list]] = {}
+    results: dict[str, tuple[Path, ItemCounts]] = {}
     for index in range(count):
         part = parts / _part_name(index, count)
         try:
@@ -559,12 +727,15 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
                             f"{index}/{count}") from None
         if (marker.get("config_hash"), marker.get("tokenizer_sha256")) != (want, tokenizer.sha256):
             raise DataError(f"{part} was prepared from another config or tokenizer; prepare it again")
+        if marker.get("split_rule") != SPLIT_RULE:
+            raise DataError(f"{part} was split by an earlier rule than {SPLIT_RULE}; prepare it "
+                            "again")
         if marker.get("items_hash") != _items_hash(numbered):
             raise DataError(f"{part} saw other input files than this machine; prepare it again")
         for key, (name, *rest) in marker["items"].items():
             if Path(name).name != name:
                 raise DataError(f"{part}/part.json: bad file name {name!r}")
-            results[key] = (part / name, rest)
+            results[key] = (part / name, ItemCounts(*rest))
     missing = [f"{s.name}/{i}" for s, i, _ in numbered if f"{s.name}/{i}" not in results]
     if missing:
         raise DataError(f"{parts}: the parts lack work items {missing[:5]}; prepare them again")
@@ -574,13 +745,15 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
     def encoded(source: SourceConfig, sizes: list[int]) -> Iterator[Encoded]:
         for s, i, _ in numbered:
             if s is source:
-                path, (split_counts, invalid, empty, filtered) = results[f"{s.name}/{i}"]
-                yield str(path), split_counts, invalid, empty, filtered
+                path, counts = results[f"{s.name}/{i}"]
+                yield str(path), counts
 
     t = time.time()
     items = {s.name: [it for t, _, it in numbered if t is s] for s in cfg.sources}
-    splits, source_stats = _write_shards(cfg, staging, tokenizer, encoded, True, progress, items)
-    return _finish(staging, want, tokenizer, splits, source_stats, {"merge": time.time() - t})
+    splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded, True, progress,
+                                                items)
+    return _finish(staging, want, tokenizer, splits, source_stats, moved,
+                   {"merge": time.time() - t})
 
 
 def _cpu_seconds() -> float:

@@ -17,7 +17,7 @@ import numpy as np
 from data_pipeline import storage
 from data_pipeline.cache import ObjectCache, default_cache_dir
 from data_pipeline.config import DataConfig, S3Config
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataError, corrupt
 from data_pipeline.shards import Manifest, ShardInfo, open_shard, read_manifest
 from moe.fileio import write_atomic
 
@@ -70,8 +70,9 @@ class PreparedData:
         if not local.exists():
             url = str(self.location(info["file"]))
             data = storage.read_bytes(url, self.s3)
-            if hashlib.sha256(data).hexdigest() != info["sha256"]:
-                raise DataError(f"{url}: corrupt object: its SHA-256 differs from the manifest's")
+            found = hashlib.sha256(data).hexdigest()
+            if found != info["sha256"]:
+                raise corrupt(url, "object", found, info["sha256"])
             local.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(local, data)
         return local

@@ -72,8 +72,11 @@ class Manifest:
     token_type: str
     splits: dict[str, SplitInfo]
     sources: list[dict]
-    """Per source: name, type, paths, field, documents, empty documents skipped, invalid UTF-8
-    sequences replaced, tokens per split."""
+    """Per source: name, type, paths, field, documents, empty documents skipped (and per file,
+    where), duplicates dropped, invalid UTF-8 sequences replaced, tokens per split."""
+    split_rule: str | None = None
+    """How documents were put in the validation split (data_pipeline.prepare.SPLIT_RULE);
+    None: by the location rule of data prepared before it was recorded."""
 
     @property
     def source_names(self) -> list[str]:
@@ -189,7 +192,7 @@ def read_manifest(data_dir: str | Path, s3: S3Config | None = None) -> Manifest:
         splits = {name: SplitInfo([ShardInfo(**s) for s in raw["splits"][name]["shards"]])
                   for name in SPLITS}
         manifest = Manifest(raw["schema_version"], raw["config_hash"], raw["tokenizer"],
-                            raw["token_type"], splits, raw["sources"])
+                            raw["token_type"], splits, raw["sources"], raw.get("split_rule"))
         names = {s.source for split in splits.values() for s in split.shards}
         if not names <= set(manifest.source_names):
             raise DataError(f"{path}: shards of unknown sources {sorted(names - set(manifest.source_names))}")

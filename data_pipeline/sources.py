@@ -3,8 +3,8 @@
 A source is cut into work items (a file, a byte range of a JSONL file, a Parquet row group, an
 Arrow record batch), listed in a deterministic order; the preparation reads and tokenizes items in
 parallel processes and writes their documents in item order, so the result does not depend on the
-number of workers. Each document has an id that is stable for the same input files; the
-train/validation split is a hash of (source name, document id).
+number of workers. Each document has an id that is stable for the same input files (its place
+in them); the train/validation split is decided by the document's text (see prepare.py).
 Bytes that are not valid UTF-8 are decoded with U+FFFD and counted, never silently dropped.
 Text and JSONL files may be gzip or zstd compressed (known by their first bytes, whatever their
 name); they are decompressed as streams, never to disk. Paths may be ``s3://bucket/key`` URLs
@@ -391,6 +391,10 @@ def work_items(source: SourceConfig, s3: S3Config = LOCAL) -> list[WorkItem]:
             for b in range(_open_arrow(p, s3).num_record_batches)]
 
 
+EMPTY_ROWS_KEPT = 5
+"""Positions of the first few empty rows kept per work item (and per file in the manifest)."""
+
+
 @dataclass
 class ItemDocuments:
     """The documents of one work item: (id, text) pairs, plus what was replaced or skipped."""
@@ -402,10 +406,17 @@ class ItemDocuments:
     """Documents with no text (empty, whitespace or null), skipped."""
     filtered: int = 0
     """Rows left out by the source's filter."""
+    empty_rows: list[int] = field(default_factory=list)
+    """Where the first EMPTY_ROWS_KEPT empty documents are: their rows (JSONL: lines) counted
+    from the item's first, which is row ``rows`` of the items before it in the same file."""
+    rows: int = 0
+    """Rows (JSONL: lines, blank ones included) this item covers."""
 
-    def add(self, doc_id: str, text: str | None) -> None:
+    def add(self, doc_id: str, text: str | None, row: int = 0) -> None:
         if text is None or not text.strip():
             self.empty += 1
+            if len(self.empty_rows) < EMPTY_ROWS_KEPT:
+                self.empty_rows.append(row)
         else:
             self.docs.append((doc_id, text))
 
@@ -449,10 +460,29 @@ def _jsonl_lines(path: Path | str, part: tuple[int, int] | None, s3: S3Config
             yield offset, line
 
 
+def line_number(path: Path | str, offset: int, s3: S3Config) -> int:
+    """The 1-based line number of the line at byte ``offset`` of a JSONL file (decompressed
+    bytes for a compressed one): its newlines before ``offset`` are counted. For error messages
+    only: it reads the file up to there."""
+    newlines = 0
+    with open_stream(path, s3) as f:
+        while offset > 0:
+            block = f.read(min(STREAM_CHUNK, offset))
+            if not block:
+                break
+            newlines, offset = newlines + block.count(b"\n"), offset - len(block)
+    return newlines + 1
+
+
 def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
                      source: SourceConfig, out: ItemDocuments, s3: S3Config) -> None:
     fieldname, keep = source.field, source.row_filter
-    for offset, line in _jsonl_lines(path, part, s3):
+
+    def where(offset: int) -> str:
+        return f"{path}: line {line_number(path, offset, s3)} (byte {offset})"
+
+    for index, (offset, line) in enumerate(_jsonl_lines(path, part, s3)):
+        out.rows = index + 1
         if not line.strip():
             continue
         text, bad = decode(line)
@@ -460,21 +490,23 @@ def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: the line at byte {offset} is not valid JSON ({e.msg})") from None
+            near = text[max(0, e.pos - 30):e.pos + 30].strip()
+            raise DataError(f"{where(offset)} is not valid JSON: {e.msg} at column {e.colno} "
+                            f"(near {near!r})") from None
         if not isinstance(record, dict) or fieldname not in record:
-            raise DataError(f"{path}: the line at byte {offset} has no field {fieldname!r}")
+            raise DataError(f"{where(offset)} has no field {fieldname!r}")
         if keep is not None:
             if keep.column not in record:
-                raise DataError(f"{path}: the line at byte {offset} has no field {keep.column!r} "
+                raise DataError(f"{where(offset)} has no field {keep.column!r} "
                                 "(the source's filter column)")
             if record[keep.column] != keep.value:
                 out.filtered += 1
                 continue
         value = record[fieldname]
         if value is not None and not isinstance(value, str):
-            raise DataError(f"{path}: field {fieldname!r} at byte {offset} is "
+            raise DataError(f"{where(offset)}: field {fieldname!r} is "
                             f"{type(value).__name__}, expected a string")
-        out.add(f"{name}@{offset}", value)
+        out.add(f"{name}@{offset}", value, index)
 
 
 def _check_columns(path: Path, names: list[str], source: SourceConfig) -> list[str]:
@@ -504,7 +536,8 @@ def _kept_rows(path: Path, table: pa.Table | pa.RecordBatch, source: SourceConfi
 def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch,
                       source: SourceConfig, part: int, out: ItemDocuments,
                       first_row: int = 0) -> None:
-    """``first_row``: the row of ``part`` that ``table`` starts at (for document ids)."""
+    """``first_row``: the row of ``part`` that ``table`` starts at (for document ids). The
+    table's rows follow the item's rows read so far (``out.rows``)."""
     _check_columns(path, table.schema.names, source)
     rows = _kept_rows(path, table, source)
     out.filtered += table.num_rows - len(rows)
@@ -522,7 +555,8 @@ def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch,
     else:
         raise DataError(f"{path}: column {source.field!r} is {column.type}, expected strings")
     for row, text in zip(rows.tolist(), values):
-        out.add(f"{name}#{part}:{row + first_row}", text)
+        out.add(f"{name}#{part}:{row + first_row}", text, out.rows + row)
+    out.rows += table.num_rows
 
 
 def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> ItemDocuments:
@@ -530,9 +564,11 @@ def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> Ite
     path, out = (item.path if storage.is_s3(item.path) else Path(item.path)), ItemDocuments()
     if source.type == "stdlib":
         out.add(item.name, stdlib_document(path))
+        out.rows = 1
     elif source.type == "text":
         text, out.invalid_utf8 = decode(_read_bytes(path, s3))
         out.add(item.name, text)
+        out.rows = 1
     elif source.type == "jsonl":
         _jsonl_documents(path, item.name, item.part, source, out, s3)
     elif source.type == "parquet":

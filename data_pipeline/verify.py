@@ -1,17 +1,24 @@
 """A full check of prepared data, for when start-up's O(1) per-shard checks are not enough
 (after copying data between machines, or when a run reports odd tokens): every shard's bytes
 against the manifest's SHA-256, its schema and counts, and every token id against the
-vocabulary. Reads all the data once."""
+vocabulary. Reads all the data once: local files in place, the objects of an ``s3://`` prefix
+downloaded one at a time into a temporary directory (removed as each is checked)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from data_pipeline.errors import DataError
+from data_pipeline import storage
+from data_pipeline.config import S3Config
+from data_pipeline.errors import DataError, corrupt
 from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.progress import Progress
-from data_pipeline.shards import open_shard, read_manifest
+from data_pipeline.shards import ShardInfo, open_shard, read_manifest
 from data_pipeline.tokenizer import Tokenizer
 
 
@@ -26,29 +33,75 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(data_dir: str | Path, progress: bool = True) -> str:
-    """Raise DataError naming the first bad file; return a one-line summary. ``progress``:
-    a bar (terminal) or a log line every 30 s on stderr."""
-    data_dir = Path(data_dir)
-    manifest = read_manifest(data_dir)
+class _Files:
+    """The data's files as local paths: in place for a directory, downloaded for a prefix."""
+
+    def __init__(self, data_dir: str | Path, s3: S3Config, tmp: Path | None):
+        self.data_dir, self.s3, self.tmp = data_dir, s3, tmp
+
+    def where(self, name: str) -> str:
+        return str(storage.join(self.data_dir, name))
+
+    def size(self, info: ShardInfo) -> int:
+        """The shard's bytes, for progress (0: missing, reported when it is checked)."""
+        if info.bytes is not None:
+            return info.bytes
+        if self.tmp is not None:
+            return storage.size(self.where(info.file), self.s3)
+        path = Path(self.data_dir) / info.file
+        return path.stat().st_size if path.exists() else 0
+
+    @contextlib.contextmanager
+    def local(self, name: str) -> Iterator[Path]:
+        if self.tmp is None:
+            yield Path(self.data_dir) / name
+            return
+        path = self.tmp / name
+        url = self.where(name)
+        try:
+            with storage.open_object(url, self.s3) as src, open(path, "wb") as out:
+                shutil.copyfileobj(src, out, storage.READ_BUFFER)
+        except OSError as e:
+            raise storage.s3_error(url, e) from None
+        try:
+            yield path
+        except DataError as e:  # name the object, not the temporary copy
+            raise DataError(str(e).replace(str(path), url)) from None
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def verify(data_dir: str | Path, progress: bool = True, s3: S3Config | None = None) -> str:
+    """Raise DataError naming the first bad file; return a one-line summary. ``data_dir``: a
+    directory or an ``s3://`` prefix (reached with ``s3``). ``progress``: a bar (terminal) or
+    a log line every 30 s on stderr."""
+    s3 = s3 or S3Config()
+    remote = storage.is_s3(str(data_dir))
+    data_dir = str(data_dir).rstrip("/") if remote else Path(data_dir)
+    manifest = read_manifest(data_dir, s3)
     infos = [info for split in manifest.splits.values() for info in split.shards]
-    bar = Progress(f"verify {data_dir}", sum((data_dir / i.file).stat().st_size
-                                             for i in infos if (data_dir / i.file).exists()),
-                   progress)
-    tok = Tokenizer(data_dir / TOKENIZER_FILE)
-    if tok.sha256 != manifest.tokenizer["sha256"]:
-        raise DataError(f"{tok.path}: SHA-256 differs from the manifest's")
-    vocab = int(manifest.tokenizer["vocab_size"])
-    shards = tokens = 0
-    for info in infos:
-        path = data_dir / info.file
-        array = open_shard(path, info, manifest.token_type)
-        if _sha256(path) != info.sha256:
-            raise DataError(f"{path}: SHA-256 differs from the manifest's (corrupt shard)")
-        if len(array) and int(array.max()) >= vocab:
-            raise DataError(f"{path}: token id {int(array.max())} out of range for the "
-                            f"tokenizer's vocabulary of {vocab}")
-        shards, tokens = shards + 1, tokens + len(array)
-        bar.update(path.stat().st_size, info.documents, len(array))
-    bar.close()
+    with tempfile.TemporaryDirectory(prefix="moe-verify-") as tmp:
+        files = _Files(data_dir, s3, Path(tmp) if remote else None)
+        sizes = [files.size(info) for info in infos]
+        bar = Progress(f"verify {data_dir}", sum(sizes), progress)
+        with files.local(TOKENIZER_FILE) as path:
+            found = _sha256(path)
+            if found != manifest.tokenizer["sha256"]:
+                raise corrupt(files.where(TOKENIZER_FILE), "tokenizer", found,
+                              manifest.tokenizer["sha256"])
+            Tokenizer(path)  # a readable model
+        vocab = int(manifest.tokenizer["vocab_size"])
+        shards = tokens = 0
+        for info, size in zip(infos, sizes):
+            with files.local(info.file) as path:
+                array = open_shard(path, info, manifest.token_type)
+                found = _sha256(path)
+                if found != info.sha256:
+                    raise corrupt(files.where(info.file), "shard", found, info.sha256)
+                if len(array) and int(array.max()) >= vocab:
+                    raise DataError(f"{files.where(info.file)}: token id {int(array.max())} out "
+                                    f"of range for the tokenizer's vocabulary of {vocab}")
+                shards, tokens = shards + 1, tokens + len(array)
+            bar.update(size, info.documents, len(array))
+        bar.close()
     return f"{shards} shards, {tokens:,} tokens, fingerprint {manifest.fingerprint}"

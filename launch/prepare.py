@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import argparse
 
-from data_pipeline.prepare import merge_parts, prepare, prepare_part, prepare_tokenizer
+from data_pipeline.prepare import (
+    describe_empty,
+    merge_parts,
+    prepare,
+    prepare_part,
+    prepare_tokenizer,
+)
 from data_pipeline.verify import verify
 from launch.cli import exits_cleanly
 
@@ -27,7 +33,10 @@ def main(argv=None) -> None:
                                              "prepare")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.dir=data/mine")
     p.add_argument("--force", action="store_true", help="replace data prepared from another config")
-    p.add_argument("--verify", metavar="DATA_DIR", help="check prepared data instead of preparing")
+    p.add_argument("--verify", metavar="DATA_DIR", nargs="?", const="",
+                   help="check prepared data (a directory or s3://bucket/prefix) instead of "
+                        "preparing; with a config: its data.dir (if DATA_DIR is left out) "
+                        "and its data.s3 settings")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--tokenizer-only", action="store_true",
@@ -42,7 +51,9 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="with --slurm-parts: print the job scripts and sbatch commands only")
     args = p.parse_intermixed_args(argv)
-    if args.verify:
+    if args.verify == "" and not args.config:
+        p.error("--verify needs a DATA_DIR or a config")
+    if args.verify is not None and not args.config:
         summary = verify(args.verify, progress=not args.quiet)
         print(f"{args.verify}: ok; {summary}")
         return
@@ -52,6 +63,11 @@ def main(argv=None) -> None:
         p.error("--dry-run goes with --slurm-parts")
     from moe.config.run import load_config
     cfg = load_config(args.config, args.overrides)
+    if args.verify is not None:
+        target = args.verify or cfg.data.dir
+        summary = verify(target, progress=not args.quiet, s3=cfg.data.s3)
+        print(f"{target}: ok; {summary}")
+        return
     if args.slurm_parts is not None:
         from launch import prepare_slurm
         jobs = prepare_slurm.build(cfg, args.slurm_parts, force=args.force)
@@ -79,7 +95,14 @@ def main(argv=None) -> None:
             print(f"warning: source {s['name']!r}: {s['invalid_utf8']} invalid UTF-8 sequences "
                   "replaced with U+FFFD")
         if s["empty_documents"]:
-            print(f"note: source {s['name']!r}: {s['empty_documents']} empty documents skipped")
+            files = s.get("empty_rows", {})
+            where = "; ".join(describe_empty(path, entry) for path, entry in list(files.items())[:3])
+            more = f"; and {len(files) - 3} more files" if len(files) > 3 else ""
+            print(f"note: source {s['name']!r}: {s['empty_documents']} empty documents skipped"
+                  f"{' (' + where + more + ')' if where else ''}")
+        if s.get("duplicates_dropped"):
+            print(f"note: source {s['name']!r}: {s['duplicates_dropped']} duplicate documents "
+                  "dropped (data.dedup: exact)")
 
 
 def _part(text: str) -> tuple[int, int]:

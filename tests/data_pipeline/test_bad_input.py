@@ -2,6 +2,7 @@
 and nothing half-written."""
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import shutil
@@ -84,7 +85,10 @@ def test_corrupt_bytes_inside_a_shard_are_caught_by_verify(tiny_data, tmp_path, 
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # a flipped bit in the token data: structure still valid
     shard.write_bytes(bytes(data))
-    cli_fails(["--verify", str(copy)], capsys, str(shard), "SHA-256")
+    info = next(i for i in read_manifest(copy).splits["train"].shards if i.file == shard.name)
+    found = hashlib.sha256(bytes(data)).hexdigest()
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "SHA-256", f"is {found}",
+              f"manifest's is {info.sha256}")
 
 
 def test_truncated_arrow_file(tiny_data, tmp_path, capsys):
@@ -188,6 +192,17 @@ def test_bad_jsonl_and_missing_columns(tiny_data, tmp_path, capsys):
     cli_fails([str(config), "--quiet"], capsys, str(bad), "byte 17", "no field 'text'")
     bad.write_text('{"text": "fine"}\n{"text": "unterminated\n')
     cli_fails([str(config), "--quiet"], capsys, str(bad), "not valid JSON")
+    # In a byte range that starts mid-file, the line is numbered from the file's start, and
+    # the whole reason (what, where in the line) is given.
+    lines = [json.dumps({"text": f"line {i} " * 80}) for i in range(3000)]
+    lines[2345] = '{"text": "a quote missing, "x": 1}'
+    bad.write_text("".join(line + "\n" for line in lines))
+    offset = sum(len(line) + 1 for line in lines[:2345])
+    assert offset > 1 << 20  # past the first of the file's byte ranges
+    err = cli_fails([str(config), "--quiet"], capsys, str(bad),
+                    f"line 2346 (byte {offset}) is not valid JSON: Expecting ',' delimiter at "
+                    "column 29", "x")
+    assert "Traceback" not in err
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "t.parquet")
     config = run_config(tiny_data, tmp_path, [{"name": "p", "type": "parquet",
@@ -233,3 +248,42 @@ def test_corrupt_or_mislabelled_compressed_input(tiny_data, tmp_path, capsys):
         cli_fails([str(config), "--quiet"], capsys, str(bad), message)
         assert_nothing_written(tmp_path)
         bad.unlink()
+
+
+def test_empty_rows_are_counted_per_file_with_their_rows_or_refused(tiny_data, tmp_path, capsys,
+                                                                    monkeypatch):
+    import pyarrow.parquet as pq
+
+    from data_pipeline import sources
+    lines = [json.dumps({"text": f"record {i} with some words"}) for i in range(12)]
+    lines[2], lines[5], lines[8] = '{"text": null}', '{"text": "   "}', '{"text": ""}'
+    lines[7] = ""  # a blank line is no record, but it is a line
+    (tmp_path / "a.jsonl").write_text("".join(line + "\n" for line in lines))
+    texts = [f"row {i} text" for i in range(8)]
+    texts[2], texts[5] = None, " \n"
+    pq.write_table(pa.table({"text": texts}), tmp_path / "b.parquet", row_group_size=4)
+    monkeypatch.setattr(sources, "JSONL_MIN_CHUNK_BYTES", 64)  # several ranges, cut mid-line
+    config = run_config(tiny_data, tmp_path, [
+        {"name": "docs", "type": "text", "paths": tiny_data.sources[0].paths},
+        {"name": "j", "type": "jsonl", "paths": [str(tmp_path / "a.jsonl")]},
+        {"name": "p", "type": "parquet", "paths": [str(tmp_path / "b.parquet")]}])
+    raw = yaml.safe_load(config.read_text())
+    raw["data"]["tokenizer"] = {"model_file": str(Path(tiny_data.dir) / TOKENIZER_FILE)}
+    config.write_text(yaml.safe_dump(raw))
+    prepare_cli.main([str(config), "--quiet"])
+    out = capsys.readouterr().out
+    assert (f"source 'j': 3 empty documents skipped ({tmp_path / 'a.jsonl'}: 3 with null, "
+            "empty or whitespace-only text (lines 3, 6, 9))") in out
+    assert f"source 'p': 2 empty documents skipped ({tmp_path / 'b.parquet'}: 2 with" in out
+    stats = {s["name"]: s for s in read_manifest(tmp_path / "out").sources}
+    assert stats["j"]["empty_rows"] == {str(tmp_path / "a.jsonl"): {"count": 3, "lines": [3, 6, 9]}}
+    assert stats["p"]["empty_rows"] == {str(tmp_path / "b.parquet"): {"count": 2, "rows": [2, 5]}}
+    assert stats["docs"]["empty_rows"] == {} and stats["j"]["documents"]["train"] + \
+        stats["j"]["documents"]["valid"] == 8
+
+    shutil.rmtree(tmp_path / "out")
+    raw["data"]["on_empty"] = "error"
+    config.write_text(yaml.safe_dump(raw))
+    cli_fails([str(config), "--quiet"], capsys, "source 'j'", str(tmp_path / "a.jsonl"),
+              "(lines 3", "data.on_empty is 'error'")
+    assert_nothing_written(tmp_path)

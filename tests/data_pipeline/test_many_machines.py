@@ -3,6 +3,7 @@ the data one machine prepares from the same config."""
 
 import dataclasses
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -65,6 +66,12 @@ def test_parts_of_other_inputs_are_refused(mixed_data, tmp_path):
     (corpus / "new.txt").write_text("a file that appeared after part 0 listed its inputs\n")
     prepare_part(cfg, 1, 2, progress=False)
     with pytest.raises(DataError, match="part-00000-of-00002 saw other input files"):
+        merge_parts(cfg, progress=False)
+    marker = parts / "part-00000-of-00002" / "part.json"
+    raw = json.loads(marker.read_text())
+    del raw["split_rule"]  # a part made before the split followed the documents
+    marker.write_text(json.dumps(raw))
+    with pytest.raises(DataError, match="part-00000-of-00002 was split by an earlier rule"):
         merge_parts(cfg, progress=False)
     with pytest.raises(DataError, match="made for another data config"):
         prepare_part(dataclasses.replace(cfg, valid_fraction=0.5), 0, 2, progress=False)

@@ -13,7 +13,7 @@ import pytest
 
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import TOKENIZER_FILE, in_valid_split, prepare
+from data_pipeline.prepare import TOKENIZER_FILE, content_key, in_valid_split, prepare
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import SCHEMA_VERSION, read_manifest, token_type
 from data_pipeline.tokenizer import Tokenizer
@@ -30,8 +30,9 @@ def test_round_trip_text_to_stream(tiny_data):
     files = sorted(Path(src.paths[0]).iterdir())
     expected = {"train": [], "valid": []}
     for f in files:
-        split = "valid" if in_valid_split(src.name, f.name, tiny_data.valid_fraction) else "train"
-        expected[split] += tok.encode(f.read_text(encoding="utf-8")) + [tok.eos_id]
+        text = f.read_text(encoding="utf-8")
+        split = "valid" if in_valid_split(content_key(text), tiny_data.valid_fraction) else "train"
+        expected[split] += tok.encode(text) + [tok.eos_id]
     for f in files[:3]:  # identity normalization + byte fallback: decoding gives the text back
         text = f.read_text(encoding="utf-8")
         assert tok.decode(tok.encode(text)) == text
@@ -153,9 +154,9 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     for result in (read_result, encode_result, task_result):
         assert len(pickle.dumps(result)) < 4096
     arrays = prep._load_encoded(str(spill / "e.bin"), encode_result[0])
-    assert sum(len(tokens) for tokens, _ in arrays.values()) > 100_000
-    for tokens, lengths in arrays.values():
-        assert lengths.sum() == len(tokens)
+    assert sum(len(tokens) for tokens, _, _ in arrays.values()) > 100_000
+    for tokens, lengths, keys in arrays.values():
+        assert lengths.sum() == len(tokens) and len(keys) == len(lengths)
 
 
 def test_tasks_group_consecutive_items_by_input_bytes():
@@ -215,8 +216,9 @@ def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, t
         raw = pickle.dumps(task)
         assert len(raw) < 2048 * len(task)
         assert not any(t.encode() in raw or t.upper().encode() in raw for t in texts[:20])
-    for split_docs, invalid, empty, filtered in received:
-        assert all(type(n) is int for n in [*split_docs, invalid, empty, filtered])
+    for counts in received:
+        assert all(type(n) is int for n in [*counts.documents, counts.invalid_utf8, counts.empty,
+                                            counts.filtered, counts.rows, counts.moved])
 
 
 def test_jsonl_ranges_of_any_size_read_the_same_documents(tmp_path, monkeypatch):

@@ -202,7 +202,9 @@ def test_batches_match_the_per_row_definition(mixed_data, monkeypatch, micro_bat
     ref = ReferenceRows(r)
     G = accum * world * micro_batch
     positions = []
-    for t in range(8000 // G + 1):
+    # Sources are drawn in proportion to their sizes: a tenth more than all their samples
+    # passes the end of every source's first epoch.
+    for t in range(int(1.1 * sum(s.num_samples for s in r.streams)) // G + 1):
         for m, batch in enumerate(r.next_step(accum)):
             pos = t * G + (m * world + rank) * micro_batch + np.arange(micro_batch)
             want = np.stack([ref(int(g)) for g in pos])

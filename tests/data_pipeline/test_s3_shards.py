@@ -256,7 +256,9 @@ def test_corrupt_or_missing_object_is_named_and_nothing_is_left(local_data, remo
     try:
         with pytest.raises(DataError, match="corrupt") as err:
             _read(_data(remote_data, cache_dir), steps=3)
-        assert str(err.value).startswith(f"{PREFIX}/{victim.file}")
+        assert str(err.value).startswith(f"{PREFIX}/{victim.file}: corrupt object: its SHA-256 is "
+                                         f"{hashlib.sha256(bad).hexdigest()}, the manifest's is "
+                                         f"{victim.sha256}")
         assert not [n for n in os.listdir(cache_dir) if n.startswith(victim.sha256)
                     and not n.endswith(".lock")]
         client.delete_object(Bucket=helper_s3.BUCKET, Key=key)
@@ -330,3 +332,38 @@ def test_a_cache_full_of_open_shards_times_out_naming_the_setting(tmp_path):
     assert sorted(os.listdir(cache.root)) == ["a" * 64, "b" * 64 + ".lock", "cache.lock"]
     # Not held any more: evicted to make room (the download itself is not reached here).
     assert cache._make_room(400) and not held.exists()
+
+
+def test_verify_checks_every_object_of_an_s3_prefix(local_data, remote_data, creds, tmp_path,
+                                                    capsys):
+    import yaml
+
+    from launch import prepare as prepare_cli
+    from tests.conftest import tiny_run_dict
+    run = tiny_run_dict(remote_data, tmp_path / "runs")
+    run["data"].update(dir=PREFIX, s3={"endpoint_url": creds, "region": "us-east-1"})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(run))
+    fingerprint = read_manifest(local_data.dir).fingerprint
+    prepare_cli.main([str(config), "--verify", "--quiet"])  # the config's data.dir and data.s3
+    assert capsys.readouterr().out.startswith(f"{PREFIX}: ok; ")
+    prepare_cli.main([str(config), "--verify", PREFIX + "/", "--quiet"])  # a prefix named
+    out = capsys.readouterr().out
+    assert out.startswith(f"{PREFIX}/: ok; ") and fingerprint in out
+
+    client = _boto(creds)
+    victim = read_manifest(local_data.dir).splits["valid"].shards[0]
+    good = (Path(local_data.dir) / victim.file).read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x01  # in the token data: the structure stays valid
+    client.put_object(Bucket=helper_s3.BUCKET, Key=f"prepared/{victim.file}", Body=bytes(bad))
+    try:
+        with pytest.raises(SystemExit) as exc:
+            prepare_cli.main([str(config), "--verify", "--quiet"])
+    finally:
+        client.put_object(Bucket=helper_s3.BUCKET, Key=f"prepared/{victim.file}", Body=good)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert (f"{PREFIX}/{victim.file}: corrupt shard: its SHA-256 is "
+            f"{hashlib.sha256(bad).hexdigest()}, the manifest's is {victim.sha256}") in err
+    assert not list(tmp_path.glob("moe-verify-*"))

@@ -194,7 +194,7 @@ def test_bad_columns_and_filters_name_the_file(tmp_path):
     with pytest.raises(DataError, match="broken.parquet: not a readable Parquet file"):
         documents(dataclasses.replace(base, paths=[str(tmp_path / "broken.parquet")]))
     (tmp_path / "a.jsonl").write_text('{"text": "x", "lang": "en"}\n{"text": "y"}\n')
-    with pytest.raises(DataError, match="a.jsonl: the line at byte 28 has no field 'lang'"):
+    with pytest.raises(DataError, match=r"a.jsonl: line 2 \(byte 28\) has no field 'lang'"):
         documents(SourceConfig(name="j", type="jsonl", paths=[str(tmp_path / "a.jsonl")],
                                filter=FilterConfig(column="lang", value="en")))
 
