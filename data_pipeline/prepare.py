@@ -13,13 +13,14 @@ import hashlib
 import itertools
 import json
 import multiprocessing as mp
+import re
 import resource
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 from tqdm import tqdm
@@ -35,6 +36,7 @@ from data_pipeline.shards import (
     Manifest,
     ShardWriter,
     SplitInfo,
+    fsync_path,
     read_manifest,
     token_type,
     write_atomic,
@@ -215,9 +217,13 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
             build: Callable[[DataConfig, Path, str, bool], PrepareReport] | None = None
             ) -> PrepareReport:
     """Prepare ``cfg.dir``; a no-op when it already holds data prepared from the same config.
-    ``build`` fills the staging directory (default: read, tokenize and write here). An
-    ``s3://`` ``cfg.dir`` is prepared in a local temporary directory and uploaded, the manifest
-    last (until it is there, the prefix holds no data a reader accepts)."""
+    ``build`` fills a staging directory (default: read, tokenize and write here).
+
+    The data is written as a new generation (see :data:`GENERATION`) that no live manifest
+    references, in ``cfg.dir`` itself or, for an ``s3://`` ``cfg.dir``, in a local temporary
+    directory uploaded object by object; then the manifest is replaced in one write (the
+    switch), and only then are the files of the earlier generation removed. A kill at any point
+    leaves either the earlier data whole or the new data complete."""
     t0 = time.time()
     want = config_hash(cfg)
     remote = storage.is_s3(cfg.dir)
@@ -231,19 +237,110 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
         if existing.config_hash == want:
             return PrepareReport(data_dir, existing, time.time() - t0, skipped=True)
         raise DataError(f"{data_dir} holds data prepared from a different config; {replace}")
+    live = _live_manifest(cfg)
+    gen = _next_generation(live, _stored_names(cfg))
     if remote:
-        return _prepare_and_upload(cfg, force, progress, build, t0)
-    staging = data_dir.with_name(f".{data_dir.name}.staging")
-    shutil.rmtree(staging, ignore_errors=True)  # left by a killed preparation
-    staging.mkdir(parents=True)
-    try:
-        report = (build or _prepare_into)(cfg, staging, want, progress)
-        _swap_in(staging, data_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    report.data_dir, report.seconds = data_dir, time.time() - t0
+        with tempfile.TemporaryDirectory(prefix="moe-prepare-") as tmp:
+            staging = Path(tmp) / gen
+            staging.mkdir()
+            report = (build or _prepare_into)(cfg, staging, want, progress)
+            manifest = _in_generation(report.manifest, gen)
+            for path in sorted(p for p in staging.iterdir() if p.name != MANIFEST):
+                storage.upload(path, str(storage.join(cfg.dir, f"{gen}/{path.name}")), cfg.s3)
+            write_manifest(Path(tmp), manifest)
+            storage.upload(Path(tmp) / MANIFEST, str(storage.join(cfg.dir, MANIFEST)), cfg.s3)
+    else:
+        for legacy in (".staging", ".old"):  # left by versions that swapped whole directories
+            shutil.rmtree(data_dir.with_name(f".{data_dir.name}{legacy}"), ignore_errors=True)
+        created = not data_dir.exists()
+        staging = data_dir / gen
+        shutil.rmtree(staging, ignore_errors=True)  # empty directories a killed run left
+        try:
+            staging.mkdir(parents=True)
+            report = (build or _prepare_into)(cfg, staging, want, progress)
+            manifest = _in_generation(report.manifest, gen)
+            (staging / MANIFEST).unlink()
+            fsync_path(staging)  # the shards' names are on disk before the manifest names them
+            write_manifest(data_dir, manifest)
+            fsync_path(data_dir)
+        except BaseException:
+            shutil.rmtree(data_dir if created else staging, ignore_errors=True)
+            raise
+    _remove(cfg, _stale(_stored_names(cfg), live, gen), gen)
+    report.manifest, report.data_dir, report.seconds = manifest, data_dir, time.time() - t0
     return report
+
+
+GENERATION = re.compile(r"gen-(\d+)")
+"""A generation of prepared data: the shards and tokenizer of one preparation, in the directory
+(or under the prefix) ``gen-N`` of data.dir, N one more than any generation there. Data
+prepared before generations has its files at the top of data.dir; it is read as it is, and
+replaced like any other generation."""
+
+
+def _live_manifest(cfg: DataConfig) -> Manifest | None:
+    """The manifest readers take now, if any can be read."""
+    try:
+        return read_manifest(cfg.dir, cfg.s3)
+    except DataError:
+        return None
+
+
+def _referenced(manifest: Manifest | None) -> set[str]:
+    if manifest is None:
+        return set()
+    return {manifest.tokenizer["file"]} | {s.file for split in manifest.splits.values()
+                                            for s in split.shards}
+
+
+def _generation(name: str) -> int | None:
+    top = PurePosixPath(name).parts
+    match = GENERATION.fullmatch(top[0]) if len(top) > 1 else None
+    return int(match.group(1)) if match else None
+
+
+def _next_generation(live: Manifest | None, stored: list[str]) -> str:
+    """A generation no manifest references and no earlier (perhaps killed) preparation wrote."""
+    numbers = [_generation(name) for name in [*stored, *_referenced(live)]]
+    return f"gen-{max([n for n in numbers if n is not None], default=0) + 1}"
+
+
+def _in_generation(manifest: Manifest, gen: str) -> Manifest:
+    """The manifest with its files named inside the generation directory ``gen``."""
+    splits = {name: SplitInfo([dataclasses.replace(s, file=f"{gen}/{s.file}")
+                               for s in split.shards])
+              for name, split in manifest.splits.items()}
+    tokenizer = {**manifest.tokenizer, "file": f"{gen}/{manifest.tokenizer['file']}"}
+    return dataclasses.replace(manifest, tokenizer=tokenizer, splits=splits)
+
+
+def _stored_names(cfg: DataConfig) -> list[str]:
+    """Every file under data.dir, relative to it ('/'-separated)."""
+    if storage.is_s3(cfg.dir):
+        base = cfg.dir.rstrip("/")
+        return [info.path[len(base) - len(storage.S3_SCHEME) + 1:]
+                for info in storage.list_s3(base, cfg.s3, missing_ok=True)]
+    data_dir = Path(cfg.dir)
+    return [p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*") if p.is_file()]
+
+
+def _stale(stored: list[str], live: Manifest | None, gen: str) -> list[str]:
+    """What the switch to generation ``gen`` left unreferenced: the earlier manifest's files and
+    every other generation's (a killed preparation's)."""
+    old = _referenced(live)
+    keep = int(gen.split("-")[1])
+    return [name for name in stored
+            if name in old or _generation(name) not in (None, keep)
+            or name.startswith(f".{MANIFEST}.tmp")]
+
+
+def _remove(cfg: DataConfig, names: list[str], gen: str) -> None:
+    for name in names:
+        storage.delete(str(storage.join(cfg.dir, name)), cfg.s3)
+    if not storage.is_s3(cfg.dir):  # directories of generations (S3 prefixes end with their objects)
+        for d in Path(cfg.dir).iterdir():
+            if GENERATION.fullmatch(d.name) and d.name != gen:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def _exists_remote(cfg: DataConfig) -> bool:
@@ -254,27 +351,6 @@ def _exists_remote(cfg: DataConfig) -> bool:
             return False
         raise
     return True
-
-
-def _prepare_and_upload(cfg: DataConfig, force: bool, progress: bool, build, t0: float
-                        ) -> PrepareReport:
-    with tempfile.TemporaryDirectory(prefix="moe-prepare-") as tmp:
-        local = dataclasses.replace(cfg, dir=str(Path(tmp) / "data"))
-        report = prepare(local, force=force, progress=progress, build=build)
-        files = sorted(p for p in Path(local.dir).iterdir() if p.is_file() and p.name != MANIFEST)
-        for path in [*files, Path(local.dir) / MANIFEST]:
-            storage.upload(path, str(storage.join(cfg.dir, path.name)), cfg.s3)
-    report.data_dir, report.seconds = cfg.dir, time.time() - t0
-    return report
-
-
-def _swap_in(staging: Path, data_dir: Path) -> None:
-    old = data_dir.with_name(f".{data_dir.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if data_dir.exists():
-        data_dir.rename(old)
-    staging.rename(data_dir)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _bar(progress: bool, **kw) -> tqdm:

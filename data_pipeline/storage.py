@@ -187,13 +187,29 @@ def glob_s3(pattern: str, s3: S3Config) -> list[tuple[str, bool]]:
             if _segments_match(rest, info.path[len(_key(base)) + 1:].split("/"))]
 
 
-def list_s3(prefix: str, s3: S3Config, files_only: bool = True) -> list[pafs.FileInfo]:
-    """Everything under a prefix (a "directory"), recursively, in name order."""
+def list_s3(prefix: str, s3: S3Config, files_only: bool = True,
+            missing_ok: bool = False) -> list[pafs.FileInfo]:
+    """Everything under a prefix (a "directory"), recursively, in name order (``missing_ok``:
+    nothing when there is no such prefix)."""
     try:
-        found = _fs(s3).get_file_info(pafs.FileSelector(_key(prefix), recursive=True))
+        found = _fs(s3).get_file_info(pafs.FileSelector(_key(prefix), recursive=True,
+                                                        allow_not_found=missing_ok))
     except FileNotFoundError:
         raise _missing(prefix, s3) from None
     except OSError as e:
         raise s3_error(prefix, e) from None
     return sorted((i for i in found if i.type == pafs.FileType.File or not files_only),
                   key=lambda i: i.path)
+
+
+def delete(path: str | os.PathLike, s3: S3Config) -> None:
+    """Remove a file or an object; one already gone is no error."""
+    if not is_s3(str(path)):
+        Path(path).unlink(missing_ok=True)
+        return
+    try:
+        _fs(s3).delete_file(_key(str(path)))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise s3_error(str(path), e) from None

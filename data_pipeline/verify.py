@@ -9,7 +9,6 @@ import hashlib
 from pathlib import Path
 
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.progress import Progress
 from data_pipeline.shards import open_shard, read_manifest
 from data_pipeline.tokenizer import Tokenizer
@@ -35,7 +34,7 @@ def verify(data_dir: str | Path, progress: bool = True) -> str:
     bar = Progress(f"verify {data_dir}", sum((data_dir / i.file).stat().st_size
                                              for i in infos if (data_dir / i.file).exists()),
                    progress)
-    tok = Tokenizer(data_dir / TOKENIZER_FILE)
+    tok = Tokenizer(data_dir / manifest.tokenizer["file"])
     if tok.sha256 != manifest.tokenizer["sha256"]:
         raise DataError(f"{tok.path}: SHA-256 differs from the manifest's")
     vocab = int(manifest.tokenizer["vocab_size"])
