@@ -245,7 +245,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
             staging.mkdir()
             report = (build or _prepare_into)(cfg, staging, want, progress)
             manifest = _in_generation(report.manifest, gen)
-            for path in sorted(p for p in staging.iterdir() if p.name != MANIFEST):
+            for path in sorted(staging.iterdir()):
                 storage.upload(path, str(storage.join(cfg.dir, f"{gen}/{path.name}")), cfg.s3)
             write_manifest(Path(tmp), manifest)
             storage.upload(Path(tmp) / MANIFEST, str(storage.join(cfg.dir, MANIFEST)), cfg.s3)
@@ -259,7 +259,6 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
             staging.mkdir(parents=True)
             report = (build or _prepare_into)(cfg, staging, want, progress)
             manifest = _in_generation(report.manifest, gen)
-            (staging / MANIFEST).unlink()
             fsync_path(staging)  # the shards' names are on disk before the manifest names them
             write_manifest(data_dir, manifest)
             fsync_path(data_dir)
@@ -480,7 +479,6 @@ def _finish(staging: Path, want: str, tokenizer: Tokenizer, splits: dict[str, Sp
                         tokenizer=tokenizer.describe(),
                         token_type=str(token_type(tokenizer.vocab_size)), splits=splits,
                         sources=source_stats)
-    write_manifest(staging, manifest)
     return PrepareReport(staging, manifest, 0.0, skipped=False,
                          invalid_utf8=sum(s["invalid_utf8"] for s in source_stats),
                          timings=timings)
