@@ -143,11 +143,14 @@ def test_killed_force_to_s3_after_shard_uploads_keeps_the_old_data(corpus, bucke
     pointed at overwritten shards."""
     old, new = _configs(corpus, f"s3://{helper_s3.BUCKET}/six", bucket)
     prepare(old, progress=False)
-    want = _read(old, tmp_path / "cache-before")
+    cache = tmp_path / "cache"  # one node's cache, kept across both generations
+    want = _read(old, cache)
     assert _killed(new, "upload", 6, tmp_path)
-    assert _same(_read(old, tmp_path / "cache-after"), want)
-    assert prepare(new, force=True, progress=False).manifest.splits["valid"].documents > 0
-    assert _read(new, tmp_path / "cache-new")["tokenizer"] != want["tokenizer"]
+    assert _same(_read(old, tmp_path / "fresh-cache"), want)
+    assert _same(_read(old, cache), want)
+    prepare(new, force=True, progress=False)
+    got = _read(new, cache)  # nothing of the old generation is served for the new one
+    assert _same(got, _read(new, tmp_path / "new-cache")) and got["tokenizer"] != want["tokenizer"]
     # Only the new generation and its manifest are left.
     assert {name.split("/")[0] for name in _stored(new)} == {"gen-3", "manifest.json"}
 
