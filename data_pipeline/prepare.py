@@ -140,14 +140,16 @@ ItemCounts = tuple[list[int], int, int, int]
 documents, rows filtered out. Its tokens are in the spill file the main process named."""
 
 
-def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]) -> ItemCounts:
-    """Read (or load from its spill file) and tokenize one work item; write per split, in
-    ``SPLITS`` order, the document lengths (int64) and then the concatenated token ids (uint32,
-    each document followed by EOS) to the raw spill file ``args[4]``. Returns the item's
-    counts (:data:`ItemCounts`)."""
+def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str],
+            docs: ItemDocuments | None = None) -> ItemCounts:
+    """Read (or load from its spill file, or take ``docs`` read already) and tokenize one work
+    item; write per split, in ``SPLITS`` order, the document lengths (int64) and then the
+    concatenated token ids (uint32, each document followed by EOS) to the raw spill file
+    ``args[4]``. Returns the item's counts (:data:`ItemCounts`)."""
     source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
-    docs = _load_docs(cached) if cached else read_item(source, item, _S3)
+    if docs is None:
+        docs = _load_docs(cached) if cached else read_item(source, item, _S3)
     eos = _TOKENIZER.eos_id
     valid = [in_valid_split(source.name, doc_id, valid_fraction) for doc_id, _ in docs.docs]
     counts = []
@@ -171,6 +173,26 @@ def _encode_task(jobs: list[tuple]) -> list[ItemCounts]:
     return [_encode(job) for job in jobs]
 
 
+def _docs_sha256(docs: ItemDocuments) -> str:
+    """What a work item read: a SHA-256 of its documents' text, each prefixed by its length.
+    Hashing runs at about 1 GB/s, tokenizing at a few MB/s: the cost does not show."""
+    h = hashlib.sha256()
+    for _, text in docs.docs:
+        data = text.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def _encode_part_task(jobs: list[tuple]) -> list[tuple[ItemCounts, str]]:
+    """A pool task of ``--part``: each work item read, hashed (:func:`_docs_sha256`) and encoded."""
+    out = []
+    for job in jobs:
+        docs = read_item(job[0], job[2], _S3)
+        out.append((_encode(job, docs), _docs_sha256(docs)))
+    return out
+
+
 def _tasks(jobs: list[tuple], sizes: list[int]) -> list[list[tuple]]:
     """``jobs`` (in order) cut into consecutive runs of about TASK_BYTES input bytes (``sizes``)
     and at most TASK_ITEMS jobs. What a task sends is a few work items (a file, a byte range,
@@ -190,10 +212,10 @@ def _tasks(jobs: list[tuple], sizes: list[int]) -> list[list[tuple]]:
     return tasks
 
 
-def _run_tasks(pool, jobs: list[tuple], sizes: list[int]) -> Iterator[ItemCounts]:
-    """Every job's counts, in job order, from tasks spread over the pool."""
-    for counts in pool.imap(_encode_task, _tasks(jobs, sizes)):
-        yield from counts
+def _run_tasks(pool, jobs: list[tuple], sizes: list[int], task=_encode_task) -> Iterator:
+    """Every job's result (its counts), in job order, from tasks spread over the pool."""
+    for results in pool.imap(task, _tasks(jobs, sizes)):
+        yield from results
 
 
 def _load_encoded(path: str, counts: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -547,25 +569,65 @@ def prepare_tokenizer(cfg: DataConfig, progress: bool = True) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        # A tokenizer trained on the inputs is theirs: the merge checks they did not change.
+        inputs = (None if cfg.tokenizer.model_file else
+                  _input_stats([it.path for its in items.values() for it in its], cfg.s3))
         _build_tokenizer(cfg, items, tmp / TOKENIZER_FILE, tmp, progress)
+        if inputs is not None:
+            _check_inputs(inputs, cfg.s3, "while the tokenizer was trained on it",
+                          "run moe-prepare CONFIG --tokenizer-only again")
         write_atomic(parts / TOKENIZER_FILE, (tmp / TOKENIZER_FILE).read_bytes())
-        write_atomic(parts / "tokenizer.json", json.dumps({"config_hash": config_hash(cfg)}).encode())
+        write_atomic(parts / "tokenizer.json", json.dumps(
+            {"config_hash": config_hash(cfg), "inputs": inputs}).encode())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return parts / TOKENIZER_FILE
 
 
 def _parts_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The parts' tokenizer, checked: made for this config, from inputs that did not change
+    since (when it was trained on them)."""
     parts = parts_dir(cfg)
     try:
-        made_for = json.loads((parts / "tokenizer.json").read_text())["config_hash"]
+        record = json.loads((parts / "tokenizer.json").read_text())
+        made_for = record["config_hash"]
     except (OSError, ValueError, KeyError, TypeError):
         raise DataError(f"{parts}: no tokenizer for the parts; run moe-prepare CONFIG "
                         "--tokenizer-only first") from None
     if made_for != config_hash(cfg):
         raise DataError(f"{parts}/{TOKENIZER_FILE} was made for another data config; run "
                         "moe-prepare CONFIG --tokenizer-only again")
+    if record.get("inputs"):
+        _check_inputs(record["inputs"], cfg.s3, f"after {parts}/{TOKENIZER_FILE} was trained on it",
+                      "run moe-prepare CONFIG --tokenizer-only again, then every --part I/N")
     return Tokenizer(parts / TOKENIZER_FILE)
+
+
+InputStats = dict[str, list[int]]
+"""Per input file (path or URL): its size in bytes and modification time in nanoseconds."""
+
+
+def _input_stats(paths: list[str], s3: S3Config) -> InputStats:
+    return {path: list(storage.stat(path, s3)) for path in sorted(set(paths))}
+
+
+def _check_inputs(recorded: InputStats, s3: S3Config, when: str, redo: str) -> None:
+    """Refuse inputs whose size or modification time differ from ``recorded``, naming the
+    first such file, what changed, ``when`` (it was read) and the command that redoes it."""
+    for path, (size, mtime_ns) in sorted(recorded.items()):
+        try:
+            now_size, now_mtime = storage.stat(path, s3)
+        except DataError:
+            raise DataError(f"{path} is gone {when}; {redo}") from None
+        if (now_size, now_mtime) != (size, mtime_ns):
+            raise DataError(
+                f"{path} changed {when}: {size:,} bytes modified {_when(mtime_ns)} then, "
+                f"{now_size:,} bytes modified {_when(now_mtime)} now; {redo}")
+
+
+def _when(mtime_ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(mtime_ns / 1e9)) + \
+        f".{mtime_ns % 10**9:09d} UTC"
 
 
 def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True) -> Path:
@@ -581,21 +643,27 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    redo = f"run moe-prepare CONFIG --part {index}/{count} again"
     try:
         jobs = [(s, cfg.valid_fraction, it, None, str(tmp / f"{s.name}-{i}.bin"))
                 for s, i, it in mine]
         sizes = []
         for source in cfg.sources:
             sizes += item_bytes(source, [it for s, _, it in mine if s is source], cfg.s3)
-        results = {}
+        inputs = _input_stats([it.path for _, _, it in mine], cfg.s3)
+        results, files, read = {}, {}, {}
         with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
                                           initargs=(str(tokenizer.path), cfg.s3)) as pool:
-            for (s, i, _), job, counts in zip(mine, jobs, _bar(
-                    progress, iterable=_run_tasks(pool, jobs, sizes), total=len(jobs),
-                    desc=f"part {index}/{count}", unit="item")):
-                results[f"{s.name}/{i}"] = [Path(job[-1]).name, *counts]
+            for (s, i, _), job, (counts, sha) in zip(mine, jobs, _bar(
+                    progress, iterable=_run_tasks(pool, jobs, sizes, _encode_part_task),
+                    total=len(jobs), desc=f"part {index}/{count}", unit="item")):
+                key = f"{s.name}/{i}"
+                results[key] = [Path(job[-1]).name, *counts]
+                files[key], read[key] = Path(job[-1]).stat().st_size, sha
+        _check_inputs(inputs, cfg.s3, f"while part {index}/{count} read it", redo)
         marker = {"config_hash": config_hash(cfg), "tokenizer_sha256": tokenizer.sha256,
-                  "items_hash": _items_hash(numbered), "items": results}
+                  "items_hash": _items_hash(numbered), "items": results,
+                  "inputs": inputs, "bytes": files, "read_sha256": read}
         write_atomic(tmp / "part.json", json.dumps(marker).encode())
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -635,9 +703,15 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
             raise DataError(f"{part} was prepared from another config or tokenizer; prepare it again")
         if marker.get("items_hash") != _items_hash(numbered):
             raise DataError(f"{part} saw other input files than this machine; prepare it again")
+        redo = f"run moe-prepare CONFIG --part {index}/{count} again"
+        if "inputs" not in marker:
+            raise DataError(f"{part} records no fingerprints of its inputs (made by an earlier "
+                            f"moe-prepare); {redo}")
+        _check_inputs(marker["inputs"], cfg.s3, f"after {part.name} read it", redo)
         for key, (name, *rest) in marker["items"].items():
             if Path(name).name != name:
                 raise DataError(f"{part}/part.json: bad file name {name!r}")
+            _check_part_file(part / name, marker["bytes"][key], redo)
             results[key] = (part / name, rest)
     missing = [f"{s.name}/{i}" for s, i, _ in numbered if f"{s.name}/{i}" not in results]
     if missing:
@@ -655,6 +729,16 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
     items = {s.name: [it for t, _, it in numbered if t is s] for s in cfg.sources}
     splits, source_stats = _write_shards(cfg, staging, tokenizer, encoded, True, progress, items)
     return _finish(staging, want, tokenizer, splits, source_stats, {"merge": time.time() - t})
+
+
+def _check_part_file(path: Path, expected: int, redo: str) -> None:
+    try:
+        found = path.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing from its part; {redo}") from None
+    if found != expected:
+        raise DataError(f"{path}: damaged part file, {found:,} bytes where {expected:,} were "
+                        f"written; {redo}")
 
 
 def _cpu_seconds() -> float:
