@@ -299,6 +299,10 @@ prepared before generations has its files at the top of data.dir; it is read as 
 replaced like any other generation."""
 
 
+_LEGACY = re.compile(rf"{re.escape(TOKENIZER_FILE)}|(?:{'|'.join(SPLITS)})-.+-\d{{5}}\.arrow")
+"""The files of data prepared before generations, at the top of data.dir."""
+
+
 def _live_manifest(cfg: DataConfig) -> Manifest | None:
     """The manifest readers take now, if any can be read."""
     try:
@@ -346,13 +350,14 @@ def _stored_names(cfg: DataConfig) -> list[str]:
 
 
 def _stale(stored: list[str], live: Manifest | None, gen: str) -> list[str]:
-    """What the switch to generation ``gen`` left unreferenced: the earlier manifest's files and
-    every other generation's (a killed preparation's)."""
+    """What the switch to generation ``gen`` left unreferenced: the earlier manifest's files,
+    every other generation's (a killed preparation's), and files of data prepared before
+    generations whose removal a kill cut short."""
     old = _referenced(live)
     keep = int(gen.split("-")[1])
     return [name for name in stored
             if name in old or _generation(name) not in (None, keep)
-            or name.startswith(f".{MANIFEST}.tmp")]
+            or name.startswith(f".{MANIFEST}.tmp") or _LEGACY.fullmatch(name)]
 
 
 def _remove(cfg: DataConfig, names: list[str], gen: str) -> None:

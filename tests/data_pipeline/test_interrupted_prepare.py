@@ -179,8 +179,12 @@ def test_old_layout_is_read_and_replaced(corpus, tmp_path):
     (data_dir / "manifest.json").write_text(raw)
     assert read_manifest(old.dir).fingerprint == fingerprint
     _read(old, tmp_path / "cache")
+    # Killed after the switch, while removing the old files; the next --force removes the rest.
+    assert _killed(new, "remove", 1, tmp_path)
+    assert prepare(new, progress=False).skipped
+    assert any(not name.startswith(("gen-", "manifest")) for name in _stored(new))
     prepare(new, force=True, progress=False)
-    assert {name.split("/")[0] for name in _stored(new)} == {"gen-1", "manifest.json"}
+    assert {name.split("/")[0] for name in _stored(new)} == {"gen-2", "manifest.json"}
 
 
 @pytest.mark.integration
