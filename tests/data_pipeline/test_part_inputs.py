@@ -98,23 +98,23 @@ def test_merge_refuses_a_tokenizer_trained_on_a_rewritten_input(tiny_data, tmp_p
     assert "--tokenizer-only again" in err
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_merge_names_a_damaged_part_file_and_the_command_that_redoes_it(tiny_data, tmp_path,
-                                                                        capsys, damage):
+                                                                        capsys):
     cfg, config, _ = _setup(tiny_data, tmp_path, trained=False)
     prepare_cli.main([config, "--tokenizer-only", "--quiet"])
     for i in (0, 1):
         prepare_cli.main([config, "--part", f"{i}/2", "--quiet"])
-    victim = parts_dir(cfg) / "part-00000-of-00002" / "paras-0.bin"
-    size = victim.stat().st_size
-    if damage == "delete":
-        victim.unlink()
-    else:
-        os.truncate(victim, size - 100)
-    err = _fails([config, "--merge", "--quiet"], capsys)
-    assert str(victim) in err and "run moe-prepare CONFIG --part 0/2 again" in err
-    assert ("missing from its part" if damage == "delete" else
-            f"damaged part file, {size - 100:,} bytes where {size:,} were written") in err
-    assert not Path(cfg.dir).exists()
-    prepare_cli.main([config, "--part", "0/2", "--quiet"])
+    for part, damage in ((0, "delete"), (1, "truncate")):
+        victim = parts_dir(cfg) / f"part-0000{part}-of-00002" / f"paras-{part}.bin"
+        size = victim.stat().st_size
+        if damage == "delete":
+            victim.unlink()
+        else:
+            os.truncate(victim, size - 100)
+        err = _fails([config, "--merge", "--quiet"], capsys)
+        assert str(victim) in err and f"run moe-prepare CONFIG --part {part}/2 again" in err
+        assert ("missing from its part" if damage == "delete" else
+                f"damaged part file, {size - 100:,} bytes where {size:,} were written") in err
+        assert not Path(cfg.dir).exists()
+        prepare_cli.main([config, "--part", f"{part}/2", "--quiet"])
     prepare_cli.main([config, "--merge", "--quiet"])
