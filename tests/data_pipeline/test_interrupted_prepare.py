@@ -22,6 +22,7 @@ import pytest
 
 from data_pipeline import storage
 from data_pipeline.config import S3Config
+from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, TokenStream
@@ -153,6 +154,25 @@ def test_killed_force_to_s3_after_shard_uploads_keeps_the_old_data(corpus, bucke
     assert _same(got, _read(new, tmp_path / "new-cache")) and got["tokenizer"] != want["tokenizer"]
     # Only the new generation and its manifest are left.
     assert {name.split("/")[0] for name in _stored(new)} == {"gen-3", "manifest.json"}
+
+
+def test_failed_upload_leaves_the_prefix_as_it_was(corpus, bucket, tmp_path, monkeypatch):
+    old, new = _configs(corpus, f"s3://{helper_s3.BUCKET}/failed", bucket)
+    prepare(old, progress=False)
+    before, want = _stored(old), _read(old, tmp_path / "cache")
+    calls = []
+
+    def failing(local, url, s3):
+        calls.append(url)
+        if len(calls) == 3:
+            raise storage.s3_error(url, OSError("AWS Error NETWORK_CONNECTION during PutObject"))
+        helper_s3.put_object(local, url, s3)
+
+    monkeypatch.setattr(storage, "upload", failing)
+    with pytest.raises(DataError, match="NETWORK_CONNECTION"):
+        prepare(new, force=True, progress=False)
+    assert _stored(old) == before and "/gen-2/" in calls[0]
+    assert _same(_read(old, tmp_path / "fresh-cache"), want)
 
 
 def test_killed_force_on_local_disk_keeps_the_old_data(corpus, tmp_path):
