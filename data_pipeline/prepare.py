@@ -1,8 +1,8 @@
 """Data preparation: sources -> tokenizer -> tokenized train/valid Arrow shards + manifest.
 
-Everything is built in a staging directory next to ``data.dir`` and swapped in at the end, so
-an interrupted or failed preparation never leaves data the reader would accept (and never
-damages data prepared before). Work items are read and tokenized by a pool of processes and
+Everything is built as a new generation (``data.dir/gen-N/``, see :func:`prepare`) that the
+manifest names only once it is complete, so an interrupted or failed preparation never leaves
+data the reader would accept, and never damages data prepared before. Work items are read and tokenized by a pool of processes and
 written in item order: the shards do not depend on the number of workers.
 """
 
@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import multiprocessing as mp
+import re
 import resource
 import shutil
 import sys
@@ -21,7 +22,7 @@ import time
 import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +39,7 @@ from data_pipeline.shards import (
     Manifest,
     ShardWriter,
     SplitInfo,
+    fsync_path,
     read_manifest,
     token_type,
     write_manifest,
@@ -186,14 +188,17 @@ class ItemCounts(NamedTuple):
     """Documents whose split by the location rule differs (PrepareReport.moved_from_location_rule)."""
 
 
-def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str]) -> ItemCounts:
-    """Read (or load from its spill file) and tokenize one work item; write per split, in
-    ``SPLITS`` order, the document lengths (int64), the concatenated token ids (uint32, each
-    document followed by EOS) and the documents' content keys (KEY_BYTES each) to the raw
-    spill file ``args[4]``. Returns the item's counts (:data:`ItemCounts`)."""
+def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str],
+            docs: ItemDocuments | None = None) -> ItemCounts:
+    """Read (or load from its spill file, or take ``docs`` read already) and tokenize one work
+    item; write per split, in ``SPLITS`` order, the document lengths (int64), the concatenated
+    token ids (uint32, each document followed by EOS) and the documents' content keys
+    (KEY_BYTES each) to the raw spill file ``args[4]``. Returns the item's counts
+    (:data:`ItemCounts`)."""
     source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
-    docs = _load_docs(cached) if cached else read_item(source, item, _S3)
+    if docs is None:
+        docs = _load_docs(cached) if cached else read_item(source, item, _S3)
     eos = _TOKENIZER.eos_id
     keys = [content_key(text) for _, text in docs.docs]
     valid = [in_valid_split(key, valid_fraction) for key in keys]
@@ -223,6 +228,26 @@ def _encode_task(jobs: list[tuple]) -> list[ItemCounts]:
     return [_encode(job) for job in jobs]
 
 
+def _docs_sha256(docs: ItemDocuments) -> str:
+    """What a work item read: a SHA-256 of its documents' text, each prefixed by its length.
+    About 2% of the time tokenizing the same text takes (BENCHMARKS.md)."""
+    h = hashlib.sha256()
+    for _, text in docs.docs:
+        data = text.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def _encode_part_task(jobs: list[tuple]) -> list[tuple[ItemCounts, str]]:
+    """A pool task of ``--part``: each work item read, hashed (:func:`_docs_sha256`) and encoded."""
+    out = []
+    for job in jobs:
+        docs = read_item(job[0], job[2], _S3)
+        out.append((_encode(job, docs), _docs_sha256(docs)))
+    return out
+
+
 def _tasks(jobs: list[tuple], sizes: list[int]) -> list[list[tuple]]:
     """``jobs`` (in order) cut into consecutive runs of about TASK_BYTES input bytes (``sizes``)
     and at most TASK_ITEMS jobs. What a task sends is a few work items (a file, a byte range,
@@ -242,10 +267,10 @@ def _tasks(jobs: list[tuple], sizes: list[int]) -> list[list[tuple]]:
     return tasks
 
 
-def _run_tasks(pool, jobs: list[tuple], sizes: list[int]) -> Iterator[ItemCounts]:
-    """Every job's counts, in job order, from tasks spread over the pool."""
-    for counts in pool.imap(_encode_task, _tasks(jobs, sizes)):
-        yield from counts
+def _run_tasks(pool, jobs: list[tuple], sizes: list[int], task=_encode_task) -> Iterator:
+    """Every job's result (its counts), in job order, from tasks spread over the pool."""
+    for results in pool.imap(task, _tasks(jobs, sizes)):
+        yield from results
 
 
 def _load_encoded(path: str, counts: list[int]
@@ -273,9 +298,13 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
             build: Callable[[DataConfig, Path, str, bool], PrepareReport] | None = None
             ) -> PrepareReport:
     """Prepare ``cfg.dir``; a no-op when it already holds data prepared from the same config.
-    ``build`` fills the staging directory (default: read, tokenize and write here). An
-    ``s3://`` ``cfg.dir`` is prepared in a local temporary directory and uploaded, the manifest
-    last (until it is there, the prefix holds no data a reader accepts)."""
+    ``build`` fills a staging directory (default: read, tokenize and write here).
+
+    The data is written as a new generation (see :data:`GENERATION`) that no live manifest
+    references, in ``cfg.dir`` itself or, for an ``s3://`` ``cfg.dir``, in a local temporary
+    directory uploaded object by object; then the manifest is replaced in one write (the
+    switch), and only then are the files of the earlier generation removed. A kill at any point
+    leaves either the earlier data whole or the new data complete."""
     t0 = time.time()
     want = config_hash(cfg)
     remote = storage.is_s3(cfg.dir)
@@ -295,20 +324,128 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
             return PrepareReport(data_dir, existing, time.time() - t0, skipped=True)
         raise DataError(f"{data_dir} holds data prepared from a different config; {replace}")
     old = _replaced_manifest(data_dir, cfg.s3) if exists else None
+    live = _live_manifest(cfg)
+    gen = _next_generation(live, _stored_names(cfg))
     if remote:
-        return _prepare_and_upload(cfg, force, progress, build, t0, old)
-    staging = data_dir.with_name(f".{data_dir.name}.staging")
-    shutil.rmtree(staging, ignore_errors=True)  # left by a killed preparation
-    staging.mkdir(parents=True)
-    try:
-        report = (build or _prepare_into)(cfg, staging, want, progress)
-        _announce_split_change(old, report, data_dir)
-        _swap_in(staging, data_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    report.data_dir, report.seconds = data_dir, time.time() - t0
+        with tempfile.TemporaryDirectory(prefix="moe-prepare-") as tmp:
+            staging = Path(tmp) / gen
+            staging.mkdir()
+            report = (build or _prepare_into)(cfg, staging, want, progress)
+            _announce_split_change(old, report, data_dir)
+            manifest = _in_generation(report.manifest, gen)
+            files = sorted(staging.iterdir())
+            done = 0
+            try:
+                for path in files:
+                    storage.upload(path, str(storage.join(cfg.dir, f"{gen}/{path.name}")), cfg.s3)
+                    done += 1
+            except BaseException:  # before the switch: what was uploaded is no one's
+                _remove(cfg, [f"{gen}/{p.name}" for p in files[:done + 1]], gen, quiet=True)
+                raise
+            write_manifest(Path(tmp), manifest)
+            storage.upload(Path(tmp) / MANIFEST, str(storage.join(cfg.dir, MANIFEST)), cfg.s3)
+    else:
+        for legacy in (".staging", ".old"):  # left by versions that swapped whole directories
+            shutil.rmtree(data_dir.with_name(f".{data_dir.name}{legacy}"), ignore_errors=True)
+        created = not data_dir.exists()
+        staging = data_dir / gen
+        shutil.rmtree(staging, ignore_errors=True)  # empty directories a killed run left
+        try:
+            staging.mkdir(parents=True)
+            report = (build or _prepare_into)(cfg, staging, want, progress)
+            _announce_split_change(old, report, data_dir)
+            manifest = _in_generation(report.manifest, gen)
+            fsync_path(staging)  # the shards' names are on disk before the manifest names them
+            write_manifest(data_dir, manifest)
+            fsync_path(data_dir)
+        except BaseException:
+            shutil.rmtree(data_dir if created else staging, ignore_errors=True)
+            raise
+    _remove(cfg, _stale(_stored_names(cfg), live, gen), gen)
+    report.manifest, report.data_dir, report.seconds = manifest, data_dir, time.time() - t0
     return report
+
+
+GENERATION = re.compile(r"gen-(\d+)")
+"""A generation of prepared data: the shards and tokenizer of one preparation, in the directory
+(or under the prefix) ``gen-N`` of data.dir, N one more than any generation there. Data
+prepared before generations has its files at the top of data.dir; it is read as it is, and
+replaced like any other generation."""
+
+
+_LEGACY = re.compile(rf"{re.escape(TOKENIZER_FILE)}|(?:{'|'.join(SPLITS)})-.+-\d{{5}}\.arrow")
+"""The files of data prepared before generations, at the top of data.dir."""
+
+
+def _live_manifest(cfg: DataConfig) -> Manifest | None:
+    """The manifest readers take now, if any can be read."""
+    try:
+        return read_manifest(cfg.dir, cfg.s3)
+    except DataError:
+        return None
+
+
+def _referenced(manifest: Manifest | None) -> set[str]:
+    if manifest is None:
+        return set()
+    return {manifest.tokenizer["file"]} | {s.file for split in manifest.splits.values()
+                                            for s in split.shards}
+
+
+def _generation(name: str) -> int | None:
+    top = PurePosixPath(name).parts
+    match = GENERATION.fullmatch(top[0]) if len(top) > 1 else None
+    return int(match.group(1)) if match else None
+
+
+def _next_generation(live: Manifest | None, stored: list[str]) -> str:
+    """A generation no manifest references and no earlier (perhaps killed) preparation wrote."""
+    numbers = [_generation(name) for name in [*stored, *_referenced(live)]]
+    return f"gen-{max([n for n in numbers if n is not None], default=0) + 1}"
+
+
+def _in_generation(manifest: Manifest, gen: str) -> Manifest:
+    """The manifest with its files named inside the generation directory ``gen``."""
+    splits = {name: SplitInfo([dataclasses.replace(s, file=f"{gen}/{s.file}")
+                               for s in split.shards])
+              for name, split in manifest.splits.items()}
+    tokenizer = {**manifest.tokenizer, "file": f"{gen}/{manifest.tokenizer['file']}"}
+    return dataclasses.replace(manifest, tokenizer=tokenizer, splits=splits)
+
+
+def _stored_names(cfg: DataConfig) -> list[str]:
+    """Every file under data.dir, relative to it ('/'-separated)."""
+    if storage.is_s3(cfg.dir):
+        base = cfg.dir.rstrip("/")
+        return [info.path[len(base) - len(storage.S3_SCHEME) + 1:]
+                for info in storage.list_s3(base, cfg.s3, missing_ok=True)]
+    data_dir = Path(cfg.dir)
+    return [p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*") if p.is_file()]
+
+
+def _stale(stored: list[str], live: Manifest | None, gen: str) -> list[str]:
+    """What the switch to generation ``gen`` left unreferenced: the earlier manifest's files,
+    every other generation's (a killed preparation's), and files of data prepared before
+    generations whose removal a kill cut short."""
+    old = _referenced(live)
+    keep = int(gen.split("-")[1])
+    return [name for name in stored
+            if name in old or _generation(name) not in (None, keep)
+            or name.startswith(f".{MANIFEST}.tmp") or _LEGACY.fullmatch(name)]
+
+
+def _remove(cfg: DataConfig, names: list[str], gen: str, quiet: bool = False) -> None:
+    """Remove files of data.dir (``quiet``: as far as the store lets us, after another error)."""
+    for name in names:
+        try:
+            storage.delete(str(storage.join(cfg.dir, name)), cfg.s3)
+        except DataError:
+            if not quiet:
+                raise
+    if not storage.is_s3(cfg.dir):  # directories of generations (S3 prefixes end with their objects)
+        for d in Path(cfg.dir).iterdir():
+            if GENERATION.fullmatch(d.name) and d.name != gen:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def _exists_remote(cfg: DataConfig) -> bool:
@@ -347,28 +484,6 @@ def _announce_split_change(old: Manifest | None, report: PrepareReport,
     read = sum(sum(s["documents"].values()) + s["duplicates_dropped"]
                for s in report.manifest.sources)
     _note(f"{what}: {report.moved_from_location_rule:,} of its {read:,} documents change split")
-
-
-def _prepare_and_upload(cfg: DataConfig, force: bool, progress: bool, build, t0: float,
-                        old: Manifest | None) -> PrepareReport:
-    with tempfile.TemporaryDirectory(prefix="moe-prepare-") as tmp:
-        local = dataclasses.replace(cfg, dir=str(Path(tmp) / "data"))
-        report = prepare(local, force=force, progress=progress, build=build)
-        _announce_split_change(old, report, cfg.dir)
-        files = sorted(p for p in Path(local.dir).iterdir() if p.is_file() and p.name != MANIFEST)
-        for path in [*files, Path(local.dir) / MANIFEST]:
-            storage.upload(path, str(storage.join(cfg.dir, path.name)), cfg.s3)
-    report.data_dir, report.seconds = cfg.dir, time.time() - t0
-    return report
-
-
-def _swap_in(staging: Path, data_dir: Path) -> None:
-    old = data_dir.with_name(f".{data_dir.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if data_dir.exists():
-        data_dir.rename(old)
-    staging.rename(data_dir)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _bar(progress: bool, **kw) -> tqdm:
@@ -571,7 +686,6 @@ def _finish(staging: Path, want: str, tokenizer: Tokenizer, splits: dict[str, Sp
                         tokenizer=tokenizer.describe(),
                         token_type=str(token_type(tokenizer.vocab_size)), splits=splits,
                         sources=source_stats, split_rule=SPLIT_RULE)
-    write_manifest(staging, manifest)
     return PrepareReport(staging, manifest, 0.0, skipped=False,
                          invalid_utf8=sum(s["invalid_utf8"] for s in source_stats),
                          moved_from_location_rule=moved, timings=timings)
@@ -640,25 +754,65 @@ def prepare_tokenizer(cfg: DataConfig, progress: bool = True) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        # A tokenizer trained on the inputs is theirs: the merge checks they did not change.
+        inputs = (None if cfg.tokenizer.model_file else
+                  _input_stats([it.path for its in items.values() for it in its], cfg.s3))
         _build_tokenizer(cfg, items, tmp / TOKENIZER_FILE, tmp, progress)
+        if inputs is not None:
+            _check_inputs(inputs, cfg.s3, "while the tokenizer was trained on it",
+                          "run moe-prepare CONFIG --tokenizer-only again")
         write_atomic(parts / TOKENIZER_FILE, (tmp / TOKENIZER_FILE).read_bytes())
-        write_atomic(parts / "tokenizer.json", json.dumps({"config_hash": config_hash(cfg)}).encode())
+        write_atomic(parts / "tokenizer.json", json.dumps(
+            {"config_hash": config_hash(cfg), "inputs": inputs}).encode())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return parts / TOKENIZER_FILE
 
 
 def _parts_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The parts' tokenizer, checked: made for this config, from inputs that did not change
+    since (when it was trained on them)."""
     parts = parts_dir(cfg)
     try:
-        made_for = json.loads((parts / "tokenizer.json").read_text())["config_hash"]
+        record = json.loads((parts / "tokenizer.json").read_text())
+        made_for = record["config_hash"]
     except (OSError, ValueError, KeyError, TypeError):
         raise DataError(f"{parts}: no tokenizer for the parts; run moe-prepare CONFIG "
                         "--tokenizer-only first") from None
     if made_for != config_hash(cfg):
         raise DataError(f"{parts}/{TOKENIZER_FILE} was made for another data config; run "
                         "moe-prepare CONFIG --tokenizer-only again")
+    if record.get("inputs"):
+        _check_inputs(record["inputs"], cfg.s3, f"after {parts}/{TOKENIZER_FILE} was trained on it",
+                      "run moe-prepare CONFIG --tokenizer-only again, then every --part I/N")
     return Tokenizer(parts / TOKENIZER_FILE)
+
+
+InputStats = dict[str, list[int]]
+"""Per input file (path or URL): its size in bytes and modification time in nanoseconds."""
+
+
+def _input_stats(paths: list[str], s3: S3Config) -> InputStats:
+    return {path: list(storage.stat(path, s3)) for path in sorted(set(paths))}
+
+
+def _check_inputs(recorded: InputStats, s3: S3Config, when: str, redo: str) -> None:
+    """Refuse inputs whose size or modification time differ from ``recorded``, naming the
+    first such file, what changed, ``when`` (it was read) and the command that redoes it."""
+    for path, (size, mtime_ns) in sorted(recorded.items()):
+        try:
+            now_size, now_mtime = storage.stat(path, s3)
+        except DataError:
+            raise DataError(f"{path} is gone {when}; {redo}") from None
+        if (now_size, now_mtime) != (size, mtime_ns):
+            raise DataError(
+                f"{path} changed {when}: {size:,} bytes modified {_when(mtime_ns)} then, "
+                f"{now_size:,} bytes modified {_when(now_mtime)} now; {redo}")
+
+
+def _when(mtime_ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(mtime_ns / 1e9)) + \
+        f".{mtime_ns % 10**9:09d} UTC"
 
 
 def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True) -> Path:
@@ -674,22 +828,27 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    redo = f"run moe-prepare CONFIG --part {index}/{count} again"
     try:
         jobs = [(s, cfg.valid_fraction, it, None, str(tmp / f"{s.name}-{i}.bin"))
                 for s, i, it in mine]
         sizes = []
         for source in cfg.sources:
             sizes += item_bytes(source, [it for s, _, it in mine if s is source], cfg.s3)
-        results = {}
+        inputs = _input_stats([it.path for _, _, it in mine], cfg.s3)
+        results, files, read = {}, {}, {}
         with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
                                           initargs=(str(tokenizer.path), cfg.s3)) as pool:
-            for (s, i, _), job, counts in zip(mine, jobs, _bar(
-                    progress, iterable=_run_tasks(pool, jobs, sizes), total=len(jobs),
-                    desc=f"part {index}/{count}", unit="item")):
-                results[f"{s.name}/{i}"] = [Path(job[-1]).name, *counts]
+            for (s, i, _), job, (counts, sha) in zip(mine, jobs, _bar(
+                    progress, iterable=_run_tasks(pool, jobs, sizes, _encode_part_task),
+                    total=len(jobs), desc=f"part {index}/{count}", unit="item")):
+                key = f"{s.name}/{i}"
+                results[key] = [Path(job[-1]).name, *counts]
+                files[key], read[key] = Path(job[-1]).stat().st_size, sha
+        _check_inputs(inputs, cfg.s3, f"while part {index}/{count} read it", redo)
         marker = {"config_hash": config_hash(cfg), "tokenizer_sha256": tokenizer.sha256,
                   "split_rule": SPLIT_RULE, "items_hash": _items_hash(numbered),
-                  "items": results}
+                  "items": results, "inputs": inputs, "bytes": files, "read_sha256": read}
         write_atomic(tmp / "part.json", json.dumps(marker).encode())
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -732,9 +891,15 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
                             "again")
         if marker.get("items_hash") != _items_hash(numbered):
             raise DataError(f"{part} saw other input files than this machine; prepare it again")
+        redo = f"run moe-prepare CONFIG --part {index}/{count} again"
+        if "inputs" not in marker:
+            raise DataError(f"{part} records no fingerprints of its inputs (made by an earlier "
+                            f"moe-prepare); {redo}")
+        _check_inputs(marker["inputs"], cfg.s3, f"after {part.name} read it", redo)
         for key, (name, *rest) in marker["items"].items():
             if Path(name).name != name:
                 raise DataError(f"{part}/part.json: bad file name {name!r}")
+            _check_part_file(part / name, marker["bytes"][key], redo)
             results[key] = (part / name, ItemCounts(*rest))
     missing = [f"{s.name}/{i}" for s, i, _ in numbered if f"{s.name}/{i}" not in results]
     if missing:
@@ -754,6 +919,16 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
                                                 items)
     return _finish(staging, want, tokenizer, splits, source_stats, moved,
                    {"merge": time.time() - t})
+
+
+def _check_part_file(path: Path, expected: int, redo: str) -> None:
+    try:
+        found = path.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing from its part; {redo}") from None
+    if found != expected:
+        raise DataError(f"{path}: damaged part file, {found:,} bytes where {expected:,} were "
+                        f"written; {redo}")
 
 
 def _cpu_seconds() -> float:

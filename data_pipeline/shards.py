@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pyarrow as pa
@@ -38,7 +38,7 @@ def token_type(vocab_size: int) -> pa.DataType:
 
 @dataclass
 class ShardInfo:
-    file: str  # relative to the data directory
+    file: str  # relative to the data directory: gen-N/NAME (NAME in data written before generations)
     source: str
     documents: int
     tokens: int
@@ -84,11 +84,14 @@ class Manifest:
 
     @property
     def fingerprint(self) -> str:
-        """Identity of the tokenized data: the tokenizer and every shard's name, counts and hash."""
+        """Identity of the tokenized data: the tokenizer and every shard's name, counts and hash
+        (the name without its generation directory: where a preparation put the data is not
+        what the data is)."""
         h = hashlib.sha256(self.tokenizer["sha256"].encode())
         for name in sorted(self.splits):
             for s in self.splits[name].shards:
-                h.update(f"{name}:{s.file}:{s.source}:{s.documents}:{s.tokens}:{s.sha256}".encode())
+                file = PurePosixPath(s.file).name
+                h.update(f"{name}:{file}:{s.source}:{s.documents}:{s.tokens}:{s.sha256}".encode())
         return h.hexdigest()[:16]
 
     def to_json(self) -> dict:

@@ -147,6 +147,19 @@ def upload(local: Path, url: str, s3: S3Config) -> None:
         raise s3_error(url, e) from None
 
 
+def delete(path: str | os.PathLike, s3: S3Config) -> None:
+    """Remove a file or an object; one already gone is no error."""
+    if not is_s3(str(path)):
+        Path(path).unlink(missing_ok=True)
+        return
+    try:
+        _fs(s3).delete_file(_key(str(path)))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise s3_error(str(path), e) from None
+
+
 def size(path: str, s3: S3Config) -> int:
     if not is_s3(path):
         return os.path.getsize(path)
@@ -154,6 +167,20 @@ def size(path: str, s3: S3Config) -> int:
     if info.type != pafs.FileType.File:
         raise _missing(path, s3)
     return info.size
+
+
+def stat(path: str, s3: S3Config) -> tuple[int, int]:
+    """(size in bytes, modification time in nanoseconds) of a file or an object."""
+    if not is_s3(path):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise DataError(f"{path}: {e.strerror}") from None
+        return st.st_size, st.st_mtime_ns
+    info = _info(path, s3)
+    if info.type != pafs.FileType.File:
+        raise _missing(path, s3)
+    return info.size, info.mtime_ns
 
 
 def _segments_match(pattern: list[str], name: list[str]) -> bool:
@@ -187,13 +214,17 @@ def glob_s3(pattern: str, s3: S3Config) -> list[tuple[str, bool]]:
             if _segments_match(rest, info.path[len(_key(base)) + 1:].split("/"))]
 
 
-def list_s3(prefix: str, s3: S3Config, files_only: bool = True) -> list[pafs.FileInfo]:
-    """Everything under a prefix (a "directory"), recursively, in name order."""
+def list_s3(prefix: str, s3: S3Config, files_only: bool = True,
+            missing_ok: bool = False) -> list[pafs.FileInfo]:
+    """Everything under a prefix (a "directory"), recursively, in name order (``missing_ok``:
+    nothing when there is no such prefix)."""
     try:
-        found = _fs(s3).get_file_info(pafs.FileSelector(_key(prefix), recursive=True))
+        found = _fs(s3).get_file_info(pafs.FileSelector(_key(prefix), recursive=True,
+                                                        allow_not_found=missing_ok))
     except FileNotFoundError:
         raise _missing(prefix, s3) from None
     except OSError as e:
         raise s3_error(prefix, e) from None
     return sorted((i for i in found if i.type == pafs.FileType.File or not files_only),
                   key=lambda i: i.path)
+

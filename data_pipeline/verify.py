@@ -16,7 +16,6 @@ from pathlib import Path
 from data_pipeline import storage
 from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError, corrupt
-from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.progress import Progress
 from data_pipeline.shards import ShardInfo, open_shard, read_manifest
 from data_pipeline.tokenizer import Tokenizer
@@ -84,10 +83,11 @@ def verify(data_dir: str | Path, progress: bool = True, s3: S3Config | None = No
         files = _Files(data_dir, s3, Path(tmp) if remote else None)
         sizes = [files.size(info) for info in infos]
         bar = Progress(f"verify {data_dir}", sum(sizes), progress)
-        with files.local(TOKENIZER_FILE) as path:
+        tokenizer_file = manifest.tokenizer["file"]
+        with files.local(tokenizer_file) as path:
             found = _sha256(path)
             if found != manifest.tokenizer["sha256"]:
-                raise corrupt(files.where(TOKENIZER_FILE), "tokenizer", found,
+                raise corrupt(files.where(tokenizer_file), "tokenizer", found,
                               manifest.tokenizer["sha256"])
             Tokenizer(path)  # a readable model
         vocab = int(manifest.tokenizer["vocab_size"])

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from data_pipeline import storage
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import TOKENIZER_FILE
 from data_pipeline.prepared import PreparedData
 from data_pipeline.progress import Progress
 from data_pipeline.reader import TokenStream
@@ -134,10 +133,9 @@ class EvalData(NamedTuple):
 def run_tokenizer(cfg: RunConfig) -> Tokenizer | None:
     """The tokenizer the run trained with: prepared next to its data's manifest (fetched when
     the data is on S3)."""
-    if storage.is_s3(cfg.data.dir):
+    if storage.is_s3(cfg.data.dir) or (Path(cfg.data.dir) / MANIFEST).exists():
         return Tokenizer(PreparedData.from_config(cfg.data).tokenizer_file())
-    path = Path(cfg.data.dir) / TOKENIZER_FILE
-    return Tokenizer(path) if path.exists() else None
+    return None
 
 
 def open_eval_data(cfg: RunConfig, data_dir: str | Path | None = None,
@@ -154,8 +152,8 @@ def open_eval_data(cfg: RunConfig, data_dir: str | Path | None = None,
                         f"than the model's ({cfg.model.vocab_size})")
     if text_files:
         if tokenizer is None:
-            raise DataError(f"no tokenizer for the text files: {Path(cfg.data.dir) / TOKENIZER_FILE} "
-                            "does not exist (prepare the run's data or pass a tokenizer file)")
+            raise DataError(f"no tokenizer for the text files: {cfg.data.dir} holds no prepared "
+                            "data (prepare the run's data or pass a tokenizer file)")
         return EvalData(tokenize_text_files(text_files, tokenizer),
                         f"{len(text_files)} text file(s) tokenized with {tokenizer.path}", tokenizer)
     data_dir = data_dir if data_dir is not None else cfg.data.dir

@@ -15,7 +15,7 @@ import yaml
 
 from data_pipeline import reader as reader_module
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import TOKENIZER_FILE
+from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import MANIFEST, read_manifest, write_manifest, write_shard
 from data_pipeline.tokenizer import Tokenizer
@@ -222,7 +222,7 @@ def test_non_utf8_bytes_are_replaced_and_counted(tiny_data, tmp_path, capsys):
     assert "source 'docs': 12 invalid UTF-8 sequences replaced" in out
     manifest = read_manifest(tmp_path / "out")
     assert manifest.sources[0]["invalid_utf8"] == 12
-    tok = Tokenizer(tmp_path / "out" / TOKENIZER_FILE)
+    tok = Tokenizer(PreparedData(tmp_path / "out").tokenizer_file())
     streams = [TokenStream(tmp_path / "out", split) for split in ("train", "valid")]
     text = tok.decode([t for s in streams for t in s.read(0, len(s)) if t != tok.eos_id])
     assert "valid text \ufffd then \ufffd\ufffd and a cut \ufffd end" in text

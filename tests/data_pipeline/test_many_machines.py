@@ -12,14 +12,15 @@ import yaml
 
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import merge_parts, parts_dir, prepare_part
+from data_pipeline.prepared import PreparedData
 from data_pipeline.shards import MANIFEST, read_manifest
 from launch import prepare as prepare_cli
 from tests.conftest import tiny_run_dict
 
 
 def digests(data_dir: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(data_dir).iterdir())}
+    return {p.relative_to(data_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(data_dir).rglob("*")) if p.is_file()}
 
 
 def test_parts_merged_equal_one_machine_byte_for_byte(mixed_data, tmp_path, capsys):
@@ -59,7 +60,7 @@ def test_parts_of_other_inputs_are_refused(mixed_data, tmp_path):
     cfg = dataclasses.replace(mixed_data, dir=str(tmp_path / "data"), sources=sources)
     parts = parts_dir(cfg)
     parts.mkdir()
-    shutil.copyfile(Path(mixed_data.dir) / "tokenizer.model", parts / "tokenizer.model")
+    shutil.copyfile(PreparedData(mixed_data.dir).tokenizer_file(), parts / "tokenizer.model")
     from data_pipeline.prepare import config_hash
     (parts / "tokenizer.json").write_text(f'{{"config_hash": "{config_hash(cfg)}"}}')
     prepare_part(cfg, 0, 2, progress=False)

@@ -14,6 +14,7 @@ import pytest
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import TOKENIZER_FILE, content_key, in_valid_split, prepare
+from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import SCHEMA_VERSION, read_manifest, token_type
 from data_pipeline.tokenizer import Tokenizer
@@ -23,8 +24,8 @@ from launch import prepare as prepare_cli
 def test_round_trip_text_to_stream(tiny_data):
     """Tokenizing the corpus directly gives exactly the stream the shards hold."""
     manifest = read_manifest(tiny_data.dir)
-    tok = Tokenizer(Path(tiny_data.dir) / TOKENIZER_FILE)
-    assert manifest.tokenizer["sha256"] == tok.sha256 and manifest.tokenizer["file"] == TOKENIZER_FILE
+    tok = Tokenizer(PreparedData(tiny_data.dir).tokenizer_file())
+    assert manifest.tokenizer["sha256"] == tok.sha256 and manifest.tokenizer["file"] == f"gen-1/{TOKENIZER_FILE}"
     assert tok.vocab_size == 512 and (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == (1, 2, 3, 0)
     src = tiny_data.sources[0]
     files = sorted(Path(src.paths[0]).iterdir())
@@ -51,7 +52,7 @@ def test_manifest_records_schema_tokenizer_sources_and_shards(mixed_data):
     assert m.source_names == ["files", "paras"] and m.token_type == "uint16"
     for split in ("train", "valid"):
         for s in m.splits[split].shards:
-            assert s.file.startswith(f"{split}-{s.source}-")
+            assert s.file.startswith(f"gen-1/{split}-{s.source}-")
             table = pa.ipc.open_file(pa.memory_map(str(Path(mixed_data.dir) / s.file))).read_all()
             assert table.schema.field("tokens").type == pa.list_(pa.uint16())
             assert (table.num_rows, sum(len(x) for x in table.column(0).to_pylist())) == \
@@ -97,7 +98,7 @@ def test_jsonl_parquet_arrow_sources_read_the_named_field(tmp_path):
                  for t, ext in (("jsonl", "jsonl"), ("parquet", "parquet"), ("arrow", "arrow"))],
         tokenizer=TokenizerConfig(vocab_size=300, special_tokens=["<sep>"]))
     prepare(cfg, progress=False)
-    tok = Tokenizer(Path(cfg.dir) / TOKENIZER_FILE)
+    tok = Tokenizer(PreparedData(cfg.dir).tokenizer_file())
     assert "<sep>" in tok.sp.EncodeAsPieces("a<sep>b")  # a special token is never split
     for name in ("jsonl", "parquet", "arrow"):
         got = _texts_of(tok, TokenStream(cfg.dir, "train", name)) + \
@@ -109,7 +110,7 @@ def reusing_tokenizer(data, out_dir, workers: int):
     """``data`` prepared again into ``out_dir`` with ``workers`` workers and its tokenizer."""
     return dataclasses.replace(data, dir=str(out_dir), prepare_workers=workers,
                                tokenizer=dataclasses.replace(
-                                   data.tokenizer, model_file=str(Path(data.dir) / TOKENIZER_FILE)))
+                                   data.tokenizer, model_file=str(PreparedData(data.dir).tokenizer_file())))
 
 
 def test_result_does_not_depend_on_workers_and_reuses_a_tokenizer(mixed_data, tmp_path):
@@ -146,7 +147,7 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     read_result = prep._read((source, item, str(spill / "r.json")))
     docs = prep._load_docs(read_result)
     assert sum(len(t) for _, t in docs.docs) > 400_000  # one file, one document
-    prep._init_worker(str(Path(tiny_data.dir) / TOKENIZER_FILE))
+    prep._init_worker(str(PreparedData(tiny_data.dir).tokenizer_file()))
     encode_result = prep._encode((source, 0.1, item, read_result, str(spill / "e.bin")))
     # A whole task of items comes back as one message: a few counts per item.
     job = (source, 0.1, item, None, str(spill / "e.bin"))
@@ -294,7 +295,7 @@ def test_one_parquet_row_group_is_shared_by_the_workers_with_the_same_result(tin
         tiny_data, dir=str(tmp_path / "whole"), prepare_workers=2,
         sources=[SourceConfig(name="p", type="parquet", paths=[str(tmp_path / "a.parquet")])],
         tokenizer=dataclasses.replace(tiny_data.tokenizer,
-                                      model_file=str(Path(tiny_data.dir) / TOKENIZER_FILE)))
+                                      model_file=str(PreparedData(tiny_data.dir).tokenizer_file())))
     prepare(whole, progress=False)
     monkeypatch.setattr(sources, "JSONL_MIN_CHUNK_BYTES", 4096)
     assert len(sources.work_items(whole.sources[0])) > 8
@@ -423,7 +424,7 @@ def test_progress_logs_lines_when_not_on_a_terminal(tiny_data, tmp_path, monkeyp
     cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"), prepare_workers=1,
                               tokenizer=dataclasses.replace(
                                   tiny_data.tokenizer,
-                                  model_file=str(Path(tiny_data.dir) / TOKENIZER_FILE)))
+                                  model_file=str(PreparedData(tiny_data.dir).tokenizer_file())))
     prepare(cfg, progress=True)
     lines = out.getvalue().splitlines()
     manifest = read_manifest(cfg.dir)

@@ -96,10 +96,12 @@ def test_prepare_into_s3_then_read_is_identical_to_local(local_data, remote_data
     listed = {o["Key"]: o["Size"] for o in client.list_objects_v2(
         Bucket=helper_s3.BUCKET, Prefix="prepared/")["Contents"]}
     local = Path(local_data.dir)
-    for path in local.iterdir():
-        body = client.get_object(Bucket=helper_s3.BUCKET, Key=f"prepared/{path.name}")["Body"]
+    files = [p for p in local.rglob("*") if p.is_file()]
+    for path in files:
+        key = f"prepared/{path.relative_to(local).as_posix()}"
+        body = client.get_object(Bucket=helper_s3.BUCKET, Key=key)["Body"]
         assert hashlib.sha256(body.read()).digest() == hashlib.sha256(path.read_bytes()).digest()
-    assert len(listed) == len(list(local.iterdir())) > 20
+    assert len(listed) == len(files) > 20
     again = prepare(remote_data, progress=False)
     assert again.skipped
 
@@ -110,7 +112,7 @@ def test_prepare_into_s3_then_read_is_identical_to_local(local_data, remote_data
     assert reader.state_dict() == local_reader.state_dict()
     assert [w.tolist() for w in validation_windows(data, 16)] == \
         [w.tolist() for w in validation_windows(local_data.dir, 16)]
-    assert data.tokenizer_file().read_bytes() == (local / "tokenizer.model").read_bytes()
+    assert data.tokenizer_file().read_bytes() == PreparedData(local).tokenizer_file().read_bytes()
     # Every cached file is a verified copy named by its SHA-256; nothing else is left.
     names = sorted(os.listdir(tmp_path / "cache"))
     files = [n for n in names if len(n) == 64]

@@ -13,7 +13,8 @@ import zstandard
 
 from data_pipeline.config import DataConfig, FilterConfig, SourceConfig
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import TOKENIZER_FILE, prepare
+from data_pipeline.prepare import prepare
+from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import TokenStream
 from data_pipeline.shards import read_manifest
 from data_pipeline.sources import read_item, work_items
@@ -80,7 +81,7 @@ def test_prepare_reads_compressed_sources_and_filtered_datasets(tiny_data, tmp_p
     cfg = dataclasses.replace(
         tiny_data, dir=str(tmp_path / "data"), valid_fraction=0.1, prepare_workers=1,
         tokenizer=dataclasses.replace(tiny_data.tokenizer,
-                                      model_file=str(Path(tiny_data.dir) / TOKENIZER_FILE)),
+                                      model_file=str(PreparedData(tiny_data.dir).tokenizer_file())),
         sources=[SourceConfig(name="gz", type="jsonl", paths=[str(tmp_path / "a.jsonl.gz")],
                               field="body"),
                  SourceConfig(name="zst", type="jsonl", paths=[str(tmp_path / "b.jsonl.zst")],
@@ -88,7 +89,7 @@ def test_prepare_reads_compressed_sources_and_filtered_datasets(tiny_data, tmp_p
                  SourceConfig(name="en", type="hf_disk", paths=[str(tmp_path / "hf")],
                               filter=FilterConfig(column="lang", value="en"))])
     prepare(cfg, progress=False)
-    tok = Tokenizer(Path(cfg.dir) / TOKENIZER_FILE)
+    tok = Tokenizer(PreparedData(cfg.dir).tokenizer_file())
     for name, want in (("gz", TEXTS), ("zst", TEXTS), ("en", ENGLISH)):
         got = [t for split in ("train", "valid") for t in _texts_of(tok, TokenStream(cfg.dir, split, name))]
         assert sorted(got) == sorted(want)

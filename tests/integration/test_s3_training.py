@@ -59,8 +59,9 @@ def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp
         boto3 = pytest.importorskip("boto3")
         client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                               aws_access_key_id=key_id, aws_secret_access_key=secret)
-        for path in sorted(Path(tiny_data.dir).iterdir()):
-            client.put_object(Bucket=helper_s3.BUCKET, Key=f"tiny/{path.name}",
+        for path in sorted(p for p in Path(tiny_data.dir).rglob("*") if p.is_file()):
+            client.put_object(Bucket=helper_s3.BUCKET,
+                              Key=f"tiny/{path.relative_to(tiny_data.dir).as_posix()}",
                               Body=path.read_bytes())
         shards = [s for split in read_manifest(tiny_data.dir).splits.values() for s in split.shards]
         bound = 2 * max(s.bytes for s in shards)  # two shards of the four

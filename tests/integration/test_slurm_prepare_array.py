@@ -22,8 +22,8 @@ HOSTILE = "d; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' #"
 
 
 def digests(data_dir: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(data_dir).iterdir())}
+    return {p.relative_to(data_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(data_dir).rglob("*")) if p.is_file()}
 
 
 def test_array_job_prepares_what_one_machine_prepares(tiny_data, tmp_path):

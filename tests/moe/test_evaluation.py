@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import TOKENIZER_FILE
+from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
@@ -62,7 +62,7 @@ def test_text_files_are_tokenized_with_the_runs_tokenizer(model, run_cfg, tiny_d
         files.append(tmp_path / f"doc{i}.txt")
         files[-1].write_text(t, encoding="utf-8")
     data = open_eval_data(run_cfg, text_files=[str(f) for f in files])
-    tok = Tokenizer(f"{tiny_data.dir}/{TOKENIZER_FILE}")
+    tok = Tokenizer(PreparedData(tiny_data.dir).tokenizer_file())
     expected = np.array([i for t in texts for i in tok.encode(t) + [tok.eos_id]])
     assert np.array_equal(data.tokens.read(0, len(data.tokens)), expected)
     r = evaluate_loss(model, token_windows(data.tokens, 8), batch_size=3)
