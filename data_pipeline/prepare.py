@@ -39,14 +39,13 @@ from data_pipeline.shards import (
     Manifest,
     ShardWriter,
     SplitInfo,
-    fsync_path,
     read_manifest,
     token_type,
     write_manifest,
 )
 from data_pipeline.sources import EMPTY_ROWS_KEPT, ItemDocuments, WorkItem, read_item, work_items
 from data_pipeline.tokenizer import LineSample, Tokenizer, train_tokenizer
-from moe.fileio import write_atomic
+from moe.fileio import fsync_path, write_atomic
 
 TOKENIZER_FILE = "tokenizer.model"
 SAMPLE_SEED = 0
