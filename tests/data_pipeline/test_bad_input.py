@@ -268,7 +268,7 @@ def test_empty_rows_are_counted_per_file_with_their_rows_or_refused(tiny_data, t
         {"name": "j", "type": "jsonl", "paths": [str(tmp_path / "a.jsonl")]},
         {"name": "p", "type": "parquet", "paths": [str(tmp_path / "b.parquet")]}])
     raw = yaml.safe_load(config.read_text())
-    raw["data"]["tokenizer"] = {"model_file": str(Path(tiny_data.dir) / TOKENIZER_FILE)}
+    raw["data"]["tokenizer"] = {"model_file": str(PreparedData(tiny_data.dir).tokenizer_file())}
     config.write_text(yaml.safe_dump(raw))
     prepare_cli.main([str(config), "--quiet"])
     out = capsys.readouterr().out
