@@ -52,7 +52,7 @@ def _worker(rank, world, cfg_dict, result_path, ballast):
     failed save."""
     from moe.training import checkpoint as ckpt_mod
 
-    original = ckpt_mod.CheckpointHook._failed
+    original = ckpt_mod.Checkpointer._failed
 
     def failed(self, *args, **kw):
         out = original(self, *args, **kw)
@@ -64,7 +64,7 @@ def _worker(rank, world, cfg_dict, result_path, ballast):
             Path(ballast).unlink()
         return out
 
-    ckpt_mod.CheckpointHook._failed = failed
+    ckpt_mod.Checkpointer._failed = failed
     try:
         summary = train(from_dict(RunConfig, copy.deepcopy(cfg_dict)),
                         DistEnv(rank, world, rank, world))
