@@ -43,6 +43,7 @@ from moe.parallel.deepspeed_adapter import (
 from moe.parallel.layout import load_other_layout
 from moe.training.checkpoint import (
     Checkpointer,
+    CheckpointSaveError,
     SaveContext,
     load_rng,
     resolve_resume,
@@ -435,6 +436,8 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str,
     resume_dir = resolve_resume(resume, ckpt_dir)
     if resume_dir is not None:
         verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
+    if env.rank == 0:  # written again when this run ends with its checkpoint; none till then
+        (cfg.run_dir / SUMMARY).unlink(missing_ok=True)
     engine, model = build_engine(cfg, env)
     reader = PackedReader(data, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
                           cfg.train.micro_batch_size, weights=cfg.data.weights(),
@@ -509,13 +512,29 @@ SUMMARY = "train_summary.json"
 
 
 def finish_run(run: Run) -> dict:
-    """The run's summary, written by rank 0 to ``RUN_DIR/train_summary.json``."""
-    ts = run.state
-    summary = {"steps": run.cfg.train.max_steps, "history": ts.history,
-               "checkpoint": None if ts.checkpoint is None else str(ts.checkpoint),
+    """The run's summary, written by rank 0 to ``RUN_DIR/train_summary.json``. A run whose last
+    save failed (``checkpoint.on_save_error: continue``) has no checkpoint of its result: the
+    summary names none and the steps left unsaved, and every rank raises
+    :class:`CheckpointSaveError`."""
+    ts, max_steps = run.state, run.cfg.train.max_steps
+    summary = {"steps": max_steps, "history": ts.history,
+               "checkpoint": None if ts.failed_saves or ts.checkpoint is None
+               else str(ts.checkpoint),
                "last_save_seconds": ts.last_save_seconds}
+    if ts.failed_saves:
+        first = max(ts.checkpoint_step, 0) + 1
+        summary.update(unsaved_steps=[first, max_steps], failed_saves=ts.failed_saves,
+                       newest_checkpoint=None if ts.checkpoint is None else str(ts.checkpoint))
     if run.env.rank == 0:
         (run.cfg.run_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+    if ts.failed_saves:
+        kept = (f"the newest complete checkpoint is {ts.checkpoint} (step {ts.checkpoint_step})"
+                if ts.checkpoint is not None else "there is no complete checkpoint")
+        raise CheckpointSaveError(
+            f"the run's final checkpoint is missing: the saves at step(s) "
+            f"{', '.join(map(str, ts.failed_saves))} failed (checkpoint.on_save_error: "
+            f"continue), so steps {first} to {max_steps} are not saved; {kept}. Free space or "
+            "fix the storage, then resume: those steps train again")
     return summary
 
 
