@@ -27,6 +27,12 @@ def finish(run_dir: Path, evaluate: bool) -> list[str]:
     except FileNotFoundError:
         raise LaunchError(f"{run_dir / SUMMARY_FILE} is missing: training did not finish "
                           f"(per-rank logs in {run_dir / 'logs'})") from None
+    if summary["checkpoint"] is None:  # the last save failed (checkpoint.on_save_error: continue)
+        first, last = summary.get("unsaved_steps") or ("?", "?")
+        raise LaunchError(f"{run_dir}: training ended without a checkpoint of its last step: "
+                          f"steps {first} to {last} are not saved (the newest complete "
+                          f"checkpoint is {summary.get('newest_checkpoint')}); resume once the "
+                          "storage is fixed")
     tb_dir = run_dir / "tensorboard"
     # Only point at event files that exist (logging.tensorboard: false writes none).
     tensorboard = (f"tensorboard --logdir {tb_dir}" if tb_dir.is_dir()

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from launch.cli import exits_cleanly, setup_logging
+from launch.rank_env import dist_env_from_environment
 from moe.config.run import SIGNALS, load_config
 from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
 from moe.training.resilience.collectives import record_collectives
 from moe.training.resilience.faults import PlannedFaults
 from moe.training.resilience.preemption import Preempted, hold_signals
-from moe.training.trainer import dist_env_from_environment, train
+from moe.training.trainer import train
 
 
 @exits_cleanly
@@ -43,7 +44,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     kept = {SIGNALS[n] for n in cfg.checkpoint.save_on_signals}
-    hold_signals(kept, first=LATCH.first)  # now until the first step (PreemptionHook)
+    hold_signals(kept, first=LATCH.first)  # now until the first step (PreemptionGuard)
     LATCH.keep_only(kept)
     env = dist_env_from_environment()
     # One rendezvous for every launcher: DeepSpeed then skips its own MPI discovery.

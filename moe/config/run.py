@@ -187,7 +187,9 @@ class CheckpointConfig:
     """When a save fails (disk full, permission lost, an I/O error) on any rank, the partial
     checkpoint is removed and the previous complete one stays the newest; then stop: every rank
     stops with an error naming the file and the cause; continue: warn and keep training, trying
-    again at the next save (the steps since the last complete checkpoint are at risk)."""
+    again at the next save (the steps since the last complete checkpoint are at risk). A run
+    whose last save failed ends in an error naming the unsaved steps either way, and its
+    train_summary.json names no checkpoint."""
 
     def problems(self) -> list[str]:
         out = minimums(self, every_n_steps=0, keep_last=1)

@@ -60,7 +60,6 @@ from moe.checkpoint.files import (
 )
 from moe.errors import CheckpointError
 from moe.fileio import fsync_path, write_atomic  # temp name, fsync, rename
-from moe.training.hooks import Hook, StepState
 
 log = logging.getLogger("moe.train")
 
@@ -104,43 +103,26 @@ class SaveContext:
     keep_last: int | None = None
 
 
-class CheckpointHook(Hook):
-    """Saves every ``every_n_steps`` steps; :meth:`save` may also be called at any step boundary
-    (end of training, a preemption signal). All ranks must call it together.
+class Checkpointer:
+    """Writes the checkpoint of a step when the loop asks (every ``checkpoint.every_n_steps``,
+    at the end, on a preemption). All ranks must call :meth:`save` together.
 
     ``client_state``: more entries of the checkpoint's client state, name -> a function giving
     the value at save time (the spike guard's window)."""
 
-    def __init__(self, engine, reader, ckpt_dir: Path, every_n_steps: int, ctx: SaveContext,
-                 rank: int, on_error: str = "stop", client_state: dict | None = None):
+    def __init__(self, engine, reader, ckpt_dir: Path, ctx: SaveContext, rank: int,
+                 on_error: str = "stop", client_state: dict | None = None):
         self.engine, self.reader = engine, reader
         self.client_state = client_state or {}
         self.on_error = on_error  # checkpoint.on_save_error: stop | continue
-        self.failed_saves = 0
-        self.ckpt_dir, self.every = Path(ckpt_dir), every_n_steps
+        self.ckpt_dir = Path(ckpt_dir)
         self.ctx, self.rank = ctx, rank
-        self.last_tag: str | None = None
-        self.last_step = -1
-        self.tokens = 0  # tokens trained on, kept up to date by the loop
-        self.last_save_seconds: float | None = None
         self.fingerprints: dict[str, list[float]] = {}
 
-    def on_step_end(self, s: StepState) -> None:
-        # A step that rolls back is undone next: never saved.
-        if self.every and s.step % self.every == 0 and s.rollback_to is None:
-            self.save(s.step)
-
-    def on_rollback(self, client: dict) -> None:
-        self.tokens = int(client.get("tokens", 0))
-
-    def latest(self) -> tuple[int, Path] | None:
-        """(step, directory) of the newest complete checkpoint of this run's history: the last
-        one saved or resumed from (None before the first)."""
-        return None if self.last_tag is None else (self.last_step, self.ckpt_dir / self.last_tag)
-
-    def save(self, step: int) -> None:
-        if step == self.last_step:  # already saved at this step (periodic, or resumed here)
-            return
+    def save(self, step: int, tokens: int) -> Path | None:
+        """The complete checkpoint of ``step`` (``tokens`` trained on so far); None when the save
+        failed and ``on_save_error`` is ``continue`` (with ``stop`` it raises
+        :class:`CheckpointSaveError`)."""
         t0 = time.time()
         tag = tag_for(step)
         tag_dir = self.ckpt_dir / tag
@@ -159,26 +141,25 @@ class CheckpointHook(Hook):
         # after this exchange: rank 0 has cleared any debris (a failure here wrote nothing, and
         # what it could not move aside may be another history's complete checkpoint: kept)
         if self._failed(step, tag_dir, _exchange(errors), remove=False):
-            return
-        self._write(step, tag, tag_dir, errors)
+            return None
+        self._write(step, tokens, tag, tag_dir, errors)
         if self._failed(step, tag_dir, _exchange(errors)):  # every rank's files are written
-            return
+            return None
         if self.rank == 0:  # now, and only now, publish
             with _recorded(errors, tag_dir):
-                self._publish(tag_dir, step)
+                self._publish(tag_dir, step, tokens)
             if not errors:
                 try:
                     self._prune()
                 except OSError as e:  # the new checkpoint is complete: keep it, prune next time
                     log.warning(f"pruning old checkpoints failed: {_describe(e, self.ckpt_dir)}")
         if self._failed(step, tag_dir, _exchange(errors)):
-            return
-        self.last_tag, self.last_step = tag, step
-        self.last_save_seconds = time.time() - t0
+            return None
         if self.rank == 0:
-            log.info(f"saved checkpoint {tag_dir} in {self.last_save_seconds:.2f}s")
+            log.info(f"saved checkpoint {tag_dir} in {time.time() - t0:.2f}s")
+        return tag_dir
 
-    def _write(self, step: int, tag: str, tag_dir: Path, errors: list[str]) -> None:
+    def _write(self, step: int, tokens: int, tag: str, tag_dir: Path, errors: list[str]) -> None:
         """This rank's files; write errors are recorded in ``errors``, never raised (see the
         module docstring)."""
         from moe.parallel.deepspeed_adapter import gather_expert_fingerprints  # (imports deepspeed)
@@ -187,7 +168,7 @@ class CheckpointHook(Hook):
             if self.ctx.num_moe_layers:
                 (tag_dir / EXPERT_DIR).mkdir(parents=True, exist_ok=True)
         self.fingerprints = gather_expert_fingerprints(self.engine.module)
-        client = {"step": step, "tokens": self.tokens, "data": self.reader.state_dict(),
+        client = {"step": step, "tokens": tokens, "data": self.reader.state_dict(),
                   **{name: value() for name, value in self.client_state.items()}}
         with _RecordingEngine(self.engine, errors):
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client,
@@ -208,7 +189,6 @@ class CheckpointHook(Hook):
         failed = {r: e for r, e in enumerate(errors_by_rank) if e}
         if not failed:
             return False
-        self.failed_saves += 1
         if self.rank == 0 and remove:
             (tag_dir / MARKER).unlink(missing_ok=True)  # first: never a complete-looking rest
             shutil.rmtree(tag_dir, ignore_errors=True)
@@ -227,7 +207,7 @@ class CheckpointHook(Hook):
                         "next save tries again")
         return True
 
-    def _publish(self, tag_dir: Path, step: int) -> None:
+    def _publish(self, tag_dir: Path, step: int, tokens: int) -> None:
         files = {}
         for p in sorted(tag_dir.rglob("*")):
             if p.is_file() and p.name != MARKER:
@@ -237,7 +217,7 @@ class CheckpointHook(Hook):
             fsync_path(tag_dir / EXPERT_DIR)
         ctx = self.ctx
         marker = {"format": FORMAT_VERSION, "tag": tag_dir.name, "step": step,
-                  "tokens": self.tokens, "world_size": ctx.world_size,
+                  "tokens": tokens, "world_size": ctx.world_size,
                   "expert_parallel_size": ctx.expert_parallel_size,
                   "num_moe_layers": ctx.num_moe_layers, "num_experts": ctx.num_experts,
                   "tokenizer": {"file": ctx.tokenizer_file.name, "sha256": ctx.tokenizer_sha256},

@@ -1,12 +1,17 @@
-"""Cross-cutting concerns around the training step: console progress, TensorBoard, router
-balancing, checkpoints. The loop calls each hook's ``on_step_end``; hooks never change the step."""
+"""What the loop reports about a step, in two kinds, neither of which changes the step:
+
+- meters (throughput, memory, validation) measure: ``measure(state)`` returns more scalars, which
+  the loop adds to the step state before anything reports it;
+- observers (console, TensorBoard, step records) report the step state: ``on_step_end``.
+
+Decisions about the step (skip, roll back, stop) are the guards' (moe/training/resilience/),
+and saving and the router-bias update are explicit calls of the loop (trainer.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,16 +44,16 @@ class StepState:
     skipped: bool = False  # the update was skipped (non-finite loss or gradient norm)
     spike_zscore: float | None = None  # a loss spike: the largest z-score (spike_guard.py)
     consumed_samples: int = 0  # global samples the data stream has handed out after this step
-    rollback_to: int | None = None  # a loss spike rolls back to this checkpoint step (spike_guard.py)
+    rollback_to: int | None = None  # the loop rolls back to this checkpoint step (spike_guard.py)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_per_step / max(self.step_seconds, 1e-9)
 
 
-class Hook:
+class Observer:
     def on_step_end(self, state: StepState) -> None:
-        """Called on every rank after each optimizer step."""
+        """Called on every rank after each optimizer step, once the guards have decided."""
 
     def on_rollback(self, client: dict) -> None:
         """Called on every rank after the loop restored the checkpoint whose client state (step,
@@ -59,7 +64,7 @@ class Hook:
         pass
 
 
-class ConsoleHook(Hook):
+class ConsoleHook(Observer):
     """One concise rank-0 line per logging interval."""
 
     def __init__(self, rank: int):
@@ -78,7 +83,7 @@ class ConsoleHook(Hook):
                  f"ETA {eta / 60:.1f} min")
 
 
-class TensorBoardHook(Hook):
+class TensorBoardHook(Observer):
     """Rank 0 writes scalars; values are already averaged over ranks by the loop."""
 
     def __init__(self, log_dir: Path, config_text: str, hparams: dict | None = None):
@@ -131,59 +136,7 @@ class TensorBoardHook(Hook):
         self.writer.close()
 
 
-class MoEStatsHook(Hook):
-    """After each step: sum every MoE layer's routing counters over the step's micro-batches and
-    all ranks (one all-reduce for all layers), apply the auxiliary-loss-free bias update, publish
-    per-layer statistics for the loggers, and reset the counters.
-
-    The all-reduce runs every step when some router uses the loss-free bias (every rank must
-    apply the same update), otherwise only on logging steps."""
-
-    def __init__(self, moe_layers: list, group=None):
-        self.layers = moe_layers
-        self.group = group
-        self.bias_in_use = any(layer.router.cfg.bias_update_rate > 0 for layer in moe_layers)
-
-    def on_step_end(self, s: StepState) -> None:
-        if not self.layers:
-            return
-        if self.bias_in_use or s.is_log_step:
-            E = self.layers[0].num_experts
-            packed = torch.stack([torch.cat([layer.step_load_E, layer.step_sums]) for layer in self.layers])
-            if dist.is_initialized():
-                dist.all_reduce(packed, group=self.group)
-            for layer, row in zip(self.layers, packed):
-                layer.router.update_bias(row[:E])
-            if s.is_log_step:
-                self._publish(s, packed[:, :E], packed[:, E:])
-        for layer in self.layers:
-            layer.step_load_E.zero_()
-            layer.step_sums.zero_()
-            layer.batch_counts_E.zero_()  # global-batch counts belong to the step just done
-
-    def _publish(self, s: StepState, loads_LE: torch.Tensor, sums_LS: torch.Tensor) -> None:
-        # The one read of the routing statistics, on logging steps only: they accumulate on the
-        # device over the step's micro-batches (moe_layer.py); all layers come in one copy.
-        spread_L = torch.stack([layer.router.score_bias.max() - layer.router.score_bias.min()
-                                for layer in self.layers])
-        E = loads_LE.shape[1]
-        rows = torch.cat([loads_LE.float(), sums_LS.float(), spread_L.float()[:, None]], 1).tolist()
-        for i, (row, layer) in enumerate(zip(rows, self.layers)):
-            load, (routed, entropy, aux, z, count), spread = row[:E], row[E:-1], row[-1]
-            mean = max(sum(load) / E, 1e-9)
-            p = f"moe/layer{i}"
-            s.histograms[f"{p}/expert_load"] = torch.tensor(load)
-            s.extra[f"{p}/max_over_mean_load"] = max(load) / mean
-            s.extra[f"{p}/load_cv"] = statistics.pstdev(load) / mean
-            s.extra[f"{p}/dropped_fraction"] = 1.0 - sum(load) / max(routed, 1.0)
-            s.extra[f"{p}/router_entropy"] = entropy / max(count, 1.0)
-            s.extra[f"{p}/aux_loss"] = aux / max(count, 1.0)
-            s.extra[f"{p}/z_loss"] = z / max(count, 1.0)
-            if layer.router.cfg.bias_update_rate > 0:
-                s.extra[f"{p}/expert_bias_spread"] = spread
-
-
-class ThroughputHook(Hook):
+class ThroughputHook:
     """Model FLOPs per second and utilization (MFU) from the training FLOPs per token of the
     active parameters and attention (moe/model/size.py documents the formula)."""
 
@@ -193,16 +146,17 @@ class ThroughputHook(Hook):
         self.peak = peak_flops_per_device
         self.world = world_size
 
-    def on_step_end(self, s: StepState) -> None:
+    def measure(self, s: StepState) -> dict[str, float]:
         if not s.is_log_step:
-            return
+            return {}
         achieved = s.tokens_per_second * self.flops_per_token
-        s.extra["train/model_tflops_per_s"] = achieved / 1e12
+        out = {"train/model_tflops_per_s": achieved / 1e12}
         if self.peak:
-            s.extra["train/mfu"] = achieved / (self.peak * self.world)
+            out["train/mfu"] = achieved / (self.peak * self.world)
+        return out
 
 
-class ResourceHook(Hook):
+class ResourceHook:
     """Process memory (resident set, max over ranks) and accelerator memory when present."""
 
     def __init__(self, group=None):
@@ -211,18 +165,19 @@ class ResourceHook(Hook):
         self.proc = psutil.Process()
         self.group = group
 
-    def on_step_end(self, s: StepState) -> None:
+    def measure(self, s: StepState) -> dict[str, float]:
         if not s.is_log_step:
-            return
+            return {}
         mem = torch.tensor([self.proc.memory_info().rss / 2**30,
                             torch.cuda.max_memory_allocated() / 2**30
                             if torch.cuda.is_available() else 0.0], device=comm_device())
         if dist.is_initialized():
             dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=self.group)
         rss, gpu = mem.tolist()
-        s.extra["system/process_memory_gib"] = rss
+        out = {"system/process_memory_gib": rss}
         if torch.cuda.is_available():
-            s.extra["system/gpu_max_allocated_gib"] = gpu
+            out["system/gpu_max_allocated_gib"] = gpu
+        return out
 
 
 def add_bucket_histogram(writer, tag: str, counts: torch.Tensor, step: int) -> None:
@@ -238,7 +193,7 @@ def add_bucket_histogram(writer, tag: str, counts: torch.Tensor, step: int) -> N
         bucket_counts=counts.tolist(), global_step=step)
 
 
-class ValidationHook(Hook):
+class ValidationHook:
     """Every N steps: token-weighted loss and perplexity over (a bounded part of) the validation
     split, computed by all ranks together. Every rank runs the same number of forward passes,
     padding with fully masked batches, because an expert-parallel forward is a collective."""
@@ -268,7 +223,7 @@ class ValidationHook(Hook):
         module = self.engine.module
         device = self.engine.device
         was_training = module.training
-        module.eval()
+        self.engine.eval()
         # Summed on the device and read once (device and comm_device agree: both are CUDA with
         # NCCL, both the CPU with gloo).
         sums = torch.zeros(2, dtype=torch.float64, device=device)
@@ -278,24 +233,24 @@ class ValidationHook(Hook):
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                      ignore_index=-100, reduction="sum")
             sums += torch.stack([loss.double(), (targets != -100).sum().double()])
-        module.train(was_training)
+        self.engine.train(was_training)
         if dist.is_initialized():
             dist.all_reduce(sums)
         total, tokens = sums.tolist()
         mean = total / max(tokens, 1.0)
         return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": int(tokens)}
 
-    def on_step_end(self, s: StepState) -> None:
-        if self.every and (s.step % self.every == 0 or s.step == s.max_steps):
-            self.last = self.evaluate()
-            s.extra["valid/loss"] = self.last["loss"]
-            s.extra["valid/perplexity"] = self.last["perplexity"]
-            if self.rank == 0:
-                log.info(f"step {s.step:>5} | validation loss {self.last['loss']:.4f} | "
-                         f"perplexity {self.last['perplexity']:.2f} over {self.last['tokens']:,} tokens")
+    def measure(self, s: StepState) -> dict[str, float]:
+        if not (self.every and (s.step % self.every == 0 or s.step == s.max_steps)):
+            return {}
+        self.last = self.evaluate()
+        if self.rank == 0:
+            log.info(f"step {s.step:>5} | validation loss {self.last['loss']:.4f} | "
+                     f"perplexity {self.last['perplexity']:.2f} over {self.last['tokens']:,} tokens")
+        return {"valid/loss": self.last["loss"], "valid/perplexity": self.last["perplexity"]}
 
 
-class StepRecordHook(Hook):
+class StepRecordHook(Observer):
     """Every rank appends one JSON line per step to its own file: the step, this rank's loss, a
     hash of its token ids and the global sample positions ``[start, end)`` the step consumed
     (every rank's samples of the step). Comparing these files shows whether a resumed run repeated the

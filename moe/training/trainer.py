@@ -1,4 +1,11 @@
-"""Build a DeepSpeed engine around the MoE model and run the training loop."""
+"""Build a DeepSpeed engine around the MoE model and run the training loop.
+
+Reading order: :func:`train`, then :func:`run_step` (one step and everything that follows it),
+then :func:`start_run` and :func:`add_parts` (what the loop is made of). The loop owns a
+:class:`TrainState` (step, tokens, newest checkpoint). After each step, in this order: meters add
+their scalars, the router bias moves, the guards decide (moe/training/decision.py), observers
+report, and the loop acts: it raises on a stop, saves, exits on a preemption, rolls back. Nothing
+else changes the course of training."""
 
 from __future__ import annotations
 
@@ -6,10 +13,9 @@ import hashlib
 import json
 import logging
 import math
-import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +27,7 @@ from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
 from moe.checkpoint.files import verify_checkpoint
 from moe.config.run import SIGNALS, RunConfig, dump_config
-from moe.errors import CheckpointError, ConfigError, LaunchError
+from moe.errors import CheckpointError, ConfigError, LaunchError, TrainingError
 from moe.model.compile import compile_blocks
 from moe.model.moe_layer import counting_routes
 from moe.model.recompute import apply_recompute
@@ -36,16 +42,17 @@ from moe.parallel.deepspeed_adapter import (
 )
 from moe.parallel.layout import load_other_layout
 from moe.training.checkpoint import (
-    CheckpointHook,
+    Checkpointer,
+    CheckpointSaveError,
     SaveContext,
     load_rng,
     resolve_resume,
 )
+from moe.training.decision import Continue, Decision, Rollback, Stop
 from moe.training.device import peak_bf16_flops, to_device
 from moe.training.hooks import (
     ConsoleHook,
-    Hook,
-    MoEStatsHook,
+    Observer,
     ResourceHook,
     StepRecordHook,
     StepState,
@@ -56,7 +63,7 @@ from moe.training.hooks import (
 from moe.training.prefetch import PrefetchingReader
 from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.nan_guard import NonFiniteGuard, poison_nonfinite
-from moe.training.resilience.preemption import PREEMPTED_MARKER, PreemptionHook
+from moe.training.resilience.preemption import PREEMPTED_MARKER, PreemptionGuard
 from moe.training.resilience.spike_guard import (
     SPIKE_STATE,
     LossSpikeGuard,
@@ -64,6 +71,7 @@ from moe.training.resilience.spike_guard import (
     skipped_windows,
 )
 from moe.training.resilience.watchdog import HangWatchdog
+from moe.training.routing import RouterBalance
 from moe.training.upcycle import initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
@@ -192,22 +200,6 @@ def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistE
     return client
 
 
-def roll_back(engine, model, loader, tag_dir: Path, cfg: RunConfig, env: DistEnv,
-              tokenizer_sha256: str, hooks: list[Hook]) -> int:
-    """Restore the checkpoint ``tag_dir`` in this process, on every rank, the way a resumed run
-    loads it (model, optimizer, LR schedule, data cursor, RNG), and let each hook drop what it
-    kept of the steps after it (:meth:`Hook.on_rollback`). Returns the checkpoint's step."""
-    t0 = time.time()
-    client = resume_from(engine, model, loader, tag_dir, cfg, env, tokenizer_sha256)
-    for hook in hooks:
-        hook.on_rollback(client)
-    step = int(client["step"])
-    if env.rank == 0:
-        log.info(f"rolled back to {tag_dir} (step {step}) in {time.time() - t0:.2f}s; "
-                 f"the steps after it run again")
-    return step
-
-
 def _token_hash(batches: list[torch.Tensor]) -> str:
     """Of the host copies of the batches (the device has its own): no device read."""
     h = hashlib.sha256()
@@ -246,8 +238,7 @@ def count_global_routing(engine, batches: list) -> None:
 
 
 def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
-               step: int, spike: LossSpikeGuard | None = None,
-               faults: FaultInjector | None = None) -> StepState:
+               step: int, spike: LossSpikeGuard | None = None) -> StepState:
     """One optimizer step over ``grad_accum_steps`` micro-batches.
 
     Host syncs of our code in a step (DeepSpeed's own optimizer step reads the gradient norm
@@ -259,10 +250,6 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     t0 = time.time()
     packed = loader.next_step()
     samples = t.micro_batch_size * t.grad_accum_steps * env.world_size
-    if faults is not None:
-        end = int(loader.state_dict()["consumed_samples"])
-        packed = faults.batches(step, packed, (end - samples, end))
-        faults.before_update(step, engine)
     sums = torch.zeros(3, device=engine.device)  # (loss, lm loss, aux loss) summed
     batches = []
     for p in packed:
@@ -272,20 +259,14 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     count_global_routing(engine, [(x, d) for x, _, d in batches])
     spike_ref = spike.reference() if spike is not None else None
     z_max = torch.full((1,), -math.inf, device=engine.device)
-    for i, (inputs, targets, doc_ids) in enumerate(batches):
-        if faults is not None and i == 0:
-            faults.at("forward", step)
+    for inputs, targets, doc_ids in batches:
         out = engine(inputs, targets, doc_ids_BS=doc_ids)
         loss = out.loss
         if spike_ref is not None:
             loss, z = spike.check(loss, spike_ref)
             z_max = torch.maximum(z_max, z.reshape(1))
-        if faults is not None and i == 0:
-            faults.at("backward", step)
         engine.backward(poison_nonfinite(loss))
-        if faults is not None and i == len(batches) - 1:
-            faults.at("optimizer", step)  # the last micro-batch's step() updates the weights
-        engine.step()
+        engine.step()  # the last micro-batch's step() updates the weights
         sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
     skipped = not engine.was_step_applied()
     is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
@@ -313,114 +294,247 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
         consumed_samples=int(loader.state_dict()["consumed_samples"]))
 
 
+@dataclass
+class TrainState:
+    """What the loop owns and changes: where training stands and the run's newest checkpoint."""
+
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0  # tokens trained on
+    checkpoint: Path | None = None  # the newest complete checkpoint of this run's history
+    checkpoint_step: int = -1
+    failed_saves: list[int] = field(default_factory=list)  # steps saved in vain since then
+    last_save_seconds: float | None = None
+    history: list[dict] = field(default_factory=list)  # the logging steps' losses
+
+    def latest(self) -> tuple[int, Path] | None:
+        """(step, directory) of the newest complete checkpoint, the one a rollback restores."""
+        return None if self.checkpoint is None else (self.checkpoint_step, self.checkpoint)
+
+
+@dataclass
+class Run:
+    """What the loop drives, built once by :func:`start_run`."""
+
+    cfg: RunConfig
+    env: DistEnv
+    engine: object
+    model: MoETransformer
+    loader: PrefetchingReader
+    tokenizer_sha256: str
+    state: TrainState
+    checkpointer: Checkpointer | None = None
+    router: RouterBalance | None = None
+    meters: list = field(default_factory=list)  # measure(step state) -> more scalars
+    observers: list[Observer] = field(default_factory=list)  # report the step, change nothing
+    nonfinite: NonFiniteGuard | None = None
+    spike: LossSpikeGuard | None = None
+    preemption: PreemptionGuard | None = None
+    watchdog: HangWatchdog | None = None
+
+
 def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
           faults: FaultInjector | None = None) -> dict:
     """Train to ``cfg.train.max_steps``. ``resume``: ``auto`` (the newest complete checkpoint of
     the run directory, if any), ``none``, or a checkpoint directory. ``faults``: tests only
     (moe/training/resilience/faults.py)."""
+    run = start_run(cfg, env, resume, faults)
+    try:
+        while run.state.step < run.cfg.train.max_steps:
+            run_step(run)
+        save(run, run.cfg.train.max_steps)
+    finally:
+        if run.watchdog is not None:  # also when the loop raised: never end a later caller
+            run.watchdog.close()
+        run.loader.close()
+    for observer in run.observers:
+        observer.close()
+    run.preemption.close()
+    return finish_run(run)
+
+
+def run_step(run: Run) -> None:
+    """One optimizer step and what follows it, in this order: measure, let the guards decide,
+    report, then act on the decision (stop, save, preempt, roll back)."""
+    ts, every = run.state, run.cfg.checkpoint.every_n_steps
+    state = train_step(run.engine, run.loader, run.cfg, run.env, ts.step + 1, run.spike)
+    ts.step, ts.tokens = state.step, ts.tokens + state.tokens_per_step
+    for meter in run.meters:
+        state.extra.update(meter.measure(state))
+    run.router.update(state)  # the loss-free router bias for the next step; routing statistics
+    decision = decide(run, state)
+    if isinstance(decision, Rollback):
+        state.rollback_to = decision.step
+    for observer in run.observers:
+        observer.on_step_end(state)
+    if isinstance(decision, Stop):
+        raise TrainingError(decision.reason)
+    if every and ts.step % every == 0 and not isinstance(decision, Rollback):
+        save(run, ts.step)  # a step that rolls back is undone next: never saved
+    preempted = run.preemption.decide(state)  # every rank, every step: a collective
+    if isinstance(preempted, Stop):
+        save(run, preempted.step)
+        run.preemption.exit(preempted)
+    if run.watchdog is not None:
+        run.watchdog.on_step_end(state)  # the step is done: its clock starts again
+    if isinstance(decision, Rollback):
+        roll_back(run, decision)
+    elif state.is_log_step:
+        ts.history.append({"step": ts.step, "loss": state.loss, "lm_loss": state.lm_loss,
+                           "tokens_per_s": state.tokens_per_second})
+
+
+def decide(run: Run, state: StepState) -> Decision:
+    """The guards' decision on the step: the non-finite guard's stop wins; otherwise the spike
+    guard's skip, rollback or stop, if any; otherwise the non-finite guard's."""
+    decision = run.nonfinite.decide(state)
+    if isinstance(decision, Stop) or run.spike is None:
+        return decision
+    spike = run.spike.decide(state, run.state.latest())
+    return decision if isinstance(spike, Continue) else spike
+
+
+def save(run: Run, step: int) -> None:
+    """Save step ``step`` unless the newest checkpoint is of it (saved already, or resumed
+    from); a failed save (``checkpoint.on_save_error: continue``) is remembered."""
+    ts = run.state
+    if step == ts.checkpoint_step:
+        return
+    t0 = time.time()
+    saved = run.checkpointer.save(step, ts.tokens)
+    if saved is None:
+        if step not in ts.failed_saves:
+            ts.failed_saves.append(step)
+        return
+    ts.checkpoint, ts.checkpoint_step, ts.failed_saves = saved, step, []
+    ts.last_save_seconds = time.time() - t0
+
+
+def roll_back(run: Run, decision: Rollback) -> None:
+    """Restore the checkpoint ``decision.checkpoint`` in this process, on every rank, the way a
+    resumed run loads it (model, optimizer, LR schedule, data cursor, RNG); the guards and
+    observers drop what they kept of the steps after it."""
+    t0, ts = time.time(), run.state
+    client = resume_from(run.engine, run.model, run.loader, decision.checkpoint, run.cfg,
+                         run.env, run.tokenizer_sha256)
+    ts.step, ts.tokens = int(client["step"]), int(client.get("tokens", 0))
+    ts.history = [h for h in ts.history if h["step"] <= ts.step]
+    for part in (run.nonfinite, run.spike, *run.observers):
+        part.on_rollback(client)
+    if run.env.rank == 0:
+        log.info(f"rolled back to {decision.checkpoint} (step {ts.step}) in "
+                 f"{time.time() - t0:.2f}s; the steps after it run again")
+
+
+def start_run(cfg: RunConfig, env: DistEnv, resume: str,
+              faults: FaultInjector | None = None) -> Run:
+    """The engine, the data, the resumed state; then the checkpointer, meters, observers and
+    guards around them."""
     cfg = resolve_vocab(cfg)
-    run_dir = cfg.run_dir
     data = PreparedData.from_config(cfg.data)  # a local directory or s3:// (through a cache)
-    manifest = data.manifest
-    tokenizer_sha = manifest.tokenizer["sha256"]
-    ckpt_dir = run_dir / "checkpoints"
+    tokenizer_sha = data.manifest.tokenizer["sha256"]
+    ckpt_dir = cfg.run_dir / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_dir)
     if resume_dir is not None:
         verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
+    if env.rank == 0:  # written again when this run ends with its checkpoint; none till then
+        (cfg.run_dir / SUMMARY).unlink(missing_ok=True)
     engine, model = build_engine(cfg, env)
     reader = PackedReader(data, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
                           cfg.train.micro_batch_size, weights=cfg.data.weights(),
                           loader_workers=cfg.data.loader_workers,
                           allow_other_data=cfg.data.allow_other_data_on_resume,
                           document_ids=cfg.model.document_masking)
-    start_step, tokens, client = 0, 0, {}
+    state, client = TrainState(), {}
     if resume_dir is not None:
         t_load = time.time()
         client = resume_from(engine, model, reader, resume_dir, cfg, env, tokenizer_sha)
-        start_step, tokens = int(client["step"]), int(client.get("tokens", 0))
+        state.step, state.tokens = int(client["step"]), int(client.get("tokens", 0))
+        if resume_dir.parent.resolve() == ckpt_dir.resolve():
+            state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
         if env.rank == 0:
-            log.info(f"resumed from {resume_dir} at step {start_step} (loaded in "
+            log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
                      f"{time.time() - t_load:.2f}s)")
+    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
+    if faults is not None:  # tests only: proxies that call the injector (resilience/faults.py)
+        engine, loader = faults.install(engine, loader, state)
+    run = Run(cfg, env, engine, model, loader, tokenizer_sha, state)
+    add_parts(run, data, client)
+    if state.step >= cfg.train.max_steps and env.rank == 0:
+        log.info(f"the latest checkpoint is at step {state.step}; nothing left to train "
+                 f"(max_steps {cfg.train.max_steps})")
+    return run
 
+
+def add_parts(run: Run, data: PreparedData, client: dict) -> None:
+    """The run's checkpointer, router balance, meters, observers and guards; the preemption
+    guard and the watchdog last, just before the first step."""
+    cfg, env, t = run.cfg, run.env, run.cfg.train
+    run_dir, moe_layers = cfg.run_dir, run.model.moe_layers()
     config_text = dump_config(cfg)
-    moe_layers = model.moe_layers()
-    t = cfg.train
-    hooks: list[Hook] = []
     if cfg.eval.every_n_steps:
         windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.max_tokens))
-        hooks.append(ValidationHook(engine, cfg.eval.every_n_steps, windows, cfg.data.seq_len,
-                                    cfg.eval.batch_size, env.rank, env.world_size))
+        run.meters.append(ValidationHook(run.engine, cfg.eval.every_n_steps, windows,
+                                         cfg.data.seq_len, cfg.eval.batch_size, env.rank,
+                                         env.world_size))
     train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
-    hooks += [MoEStatsHook(moe_layers), ResourceHook(),
-              ThroughputHook(train_flops, peak_flops(cfg, engine.device), env.world_size),
-              ConsoleHook(env.rank),
-              StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl"),
-              NonFiniteGuard(t.max_consecutive_skips, env.rank)]
-    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
+    run.meters += [ResourceHook(), ThroughputHook(train_flops, peak_flops(cfg, run.engine.device),
+                                                  env.world_size)]
+    run.router = RouterBalance(moe_layers)
+    run.observers += [ConsoleHook(env.rank),
+                      StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl")]
+    if env.rank == 0 and cfg.logging.tensorboard:
+        run.observers.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
+    run.nonfinite = NonFiniteGuard(t.max_consecutive_skips, env.rank)
     # Whatever train.spike says now: data that a rollback took out stays out.
     events = recorded_events(run_dir)
-    loader.skip(skipped_windows(events))
+    run.loader.skip(skipped_windows(events))
+    if t.spike.action != "off":
+        run.spike = LossSpikeGuard(t.spike, run_dir, run.loader, env.rank, env.world_size,
+                                   events=events)
+        run.spike.load_state_dict(client.get(SPIKE_STATE))
     save_ctx = SaveContext(
         config_text=config_text, tokenizer_file=data.tokenizer_file(),
-        tokenizer_sha256=tokenizer_sha, world_size=env.world_size,
+        tokenizer_sha256=run.tokenizer_sha256, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
-    spike = None
-    if t.spike.action != "off":
-        spike = LossSpikeGuard(t.spike, run_dir, loader, env.rank, env.world_size, events=events)
-        spike.load_state_dict(client.get(SPIKE_STATE))
-        hooks.append(spike)
-    if env.rank == 0 and cfg.logging.tensorboard:
-        hooks.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
-    ckpt_hook = CheckpointHook(engine, loader, ckpt_dir, cfg.checkpoint.every_n_steps, save_ctx,
-                               env.rank, cfg.checkpoint.on_save_error,
-                               {SPIKE_STATE: spike.state_dict} if spike is not None else None)
-    if spike is not None:
-        spike.checkpoints = ckpt_hook
-    hooks.append(ckpt_hook)  # after the guard: a step the guard stops on is never saved
-    hooks.append(PreemptionHook(ckpt_hook, run_dir / PREEMPTED_MARKER, env.rank,
-                                tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)))
+    run.checkpointer = Checkpointer(
+        run.engine, run.loader, run_dir / "checkpoints", save_ctx, env.rank,
+        cfg.checkpoint.on_save_error,
+        {SPIKE_STATE: run.spike.state_dict} if run.spike is not None else None)
+    run.preemption = PreemptionGuard(run_dir / PREEMPTED_MARKER, env.rank,
+                                     tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals))
+    if t.hang_timeout_s:
+        run.watchdog = HangWatchdog(t.hang_timeout_s, run_dir / "logs", env.rank)
+        run.watchdog.start(run.state.step)
 
-    if start_step >= t.max_steps and env.rank == 0:
-        log.info(f"the latest checkpoint is at step {start_step}; nothing left to train "
-                 f"(max_steps {t.max_steps})")
-    if resume_dir is not None and resume_dir.parent.resolve() == ckpt_dir.resolve():
-        ckpt_hook.last_tag, ckpt_hook.last_step = resume_dir.name, start_step
-    ckpt_hook.tokens = tokens
-    watchdog = (HangWatchdog(t.hang_timeout_s, run_dir / "logs", env.rank)
-                if t.hang_timeout_s else None)
-    if watchdog is not None:
-        hooks.append(watchdog)
-        watchdog.start(start_step)
-    history = []
-    step = start_step
-    try:
-        while step < t.max_steps:
-            step += 1
-            state = train_step(engine, loader, cfg, env, step, spike, faults)
-            ckpt_hook.tokens += state.tokens_per_step
-            for hook in hooks:
-                hook.on_step_end(state)
-            if state.rollback_to is not None:  # a loss spike (spike_guard.py)
-                step = roll_back(engine, model, loader, spike.target, cfg, env, tokenizer_sha,
-                                 hooks)
-                history = [h for h in history if h["step"] <= step]
-                continue
-            if state.is_log_step:
-                history.append({"step": step, "loss": state.loss, "lm_loss": state.lm_loss,
-                                "tokens_per_s": state.tokens_per_second})
-        ckpt_hook.save(t.max_steps)
-    finally:
-        if watchdog is not None:  # also when the loop raised: never end a later caller
-            watchdog.close()
-        loader.close()
-    for hook in hooks:
-        hook.close()
-    summary = {"steps": t.max_steps, "history": history,
-               "checkpoint": str(ckpt_dir / ckpt_hook.last_tag) if ckpt_hook.last_tag else None,
-               "last_save_seconds": ckpt_hook.last_save_seconds}
-    if env.rank == 0:
-        (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
+
+SUMMARY = "train_summary.json"
+
+
+def finish_run(run: Run) -> dict:
+    """The run's summary, written by rank 0 to ``RUN_DIR/train_summary.json``. A run whose last
+    save failed (``checkpoint.on_save_error: continue``) has no checkpoint of its result: the
+    summary names none and the steps left unsaved, and every rank raises
+    :class:`CheckpointSaveError`."""
+    ts, max_steps = run.state, run.cfg.train.max_steps
+    summary = {"steps": max_steps, "history": ts.history,
+               "checkpoint": None if ts.failed_saves or ts.checkpoint is None
+               else str(ts.checkpoint),
+               "last_save_seconds": ts.last_save_seconds}
+    if ts.failed_saves:
+        first = max(ts.checkpoint_step, 0) + 1
+        summary.update(unsaved_steps=[first, max_steps], failed_saves=ts.failed_saves,
+                       newest_checkpoint=None if ts.checkpoint is None else str(ts.checkpoint))
+    if run.env.rank == 0:
+        (run.cfg.run_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+    if ts.failed_saves:
+        kept = (f"the newest complete checkpoint is {ts.checkpoint} (step {ts.checkpoint_step})"
+                if ts.checkpoint is not None else "there is no complete checkpoint")
+        raise CheckpointSaveError(
+            f"the run's final checkpoint is missing: the saves at step(s) "
+            f"{', '.join(map(str, ts.failed_saves))} failed (checkpoint.on_save_error: "
+            f"continue), so steps {first} to {max_steps} are not saved; {kept}. Free space or "
+            "fix the storage, then resume: those steps train again")
     return summary
 
 
@@ -439,43 +553,3 @@ def hparams(cfg: RunConfig) -> dict:
 
     walk("", {k: v for k, v in to_dict(cfg).items() if k in ("model", "train", "parallel")})
     return flat
-
-
-def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """SLURM's compressed per-node task counts, e.g. ``2(x3),1``: entry ``node_id``."""
-    counts = []
-    for part in tasks_per_node.split(","):
-        n, _, rep = part.partition("(x")
-        counts += [int(n)] * (int(rep.rstrip(")")) if rep else 1)
-    return counts[min(node_id, len(counts) - 1)]
-
-
-def dist_env_from_environment(env: dict | None = None) -> DistEnv:
-    """Rank and world size from whichever launcher started us, in this order: torch/DeepSpeed
-    variables (RANK, WORLD_SIZE), MPI (Open MPI, MPICH/Hydra and Intel MPI), SLURM's srun. MPI
-    comes before SLURM because mpiexec inside a SLURM allocation inherits the batch step's
-    SLURM_PROCID (0 on every rank). Nothing set: a single rank."""
-    env = os.environ if env is None else env
-    master = (env.get("MASTER_ADDR"), int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None)
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_RANK", 0))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", world)))
-    elif "OMPI_COMM_WORLD_RANK" in env:
-        rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
-        local = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
-        local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", world))
-    elif "PMI_RANK" in env:
-        rank, world = int(env["PMI_RANK"]), int(env["PMI_SIZE"])
-        local = int(env.get("MPI_LOCALRANKID", 0))
-        local_world = int(env.get("MPI_LOCALNRANKS", world))
-    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
-        # Only inside an srun step: the batch script itself also has SLURM_PROCID (0).
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local = int(env.get("SLURM_LOCALID", 0))
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        local_world = (_slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0)))
-                       if per_node else 1)
-    else:
-        rank, world, local, local_world = 0, 1, 0, 1
-    return DistEnv(rank, world, local, local_world, *master)

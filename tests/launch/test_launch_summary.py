@@ -4,8 +4,12 @@ event files exist."""
 import json
 import sys
 
+import pytest
+
+from launch.finish import finish
 from launch.launch import run_to_end
 from launch.plan import Plan
+from moe.errors import LaunchError
 
 
 def _finish(run_dir, tensorboard: bool, capsys) -> str:
@@ -28,3 +32,13 @@ def test_summary_without_tensorboard_names_no_logdir(tmp_path, capsys):
 def test_summary_with_tensorboard_names_the_existing_logdir(tmp_path, capsys):
     out = _finish(tmp_path, tensorboard=True, capsys=capsys)
     assert f"tensorboard     tensorboard --logdir {tmp_path / 'tensorboard'}" in out
+
+
+def test_a_run_without_its_final_checkpoint_is_not_finished_with_an_older_one(tmp_path):
+    """A summary whose last save failed (checkpoint.on_save_error: continue) names no
+    checkpoint: finishing it names the unsaved steps instead of evaluating an older one."""
+    (tmp_path / "train_summary.json").write_text(json.dumps(
+        {"checkpoint": None, "history": [], "unsaved_steps": [11, 40],
+         "newest_checkpoint": "RUN/checkpoints/step_0000010"}))
+    with pytest.raises(LaunchError, match="steps 11 to 40 are not saved .*step_0000010"):
+        finish(tmp_path, evaluate=True)

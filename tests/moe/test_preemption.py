@@ -1,4 +1,4 @@
-"""The preemption hook: a signal on any rank makes every rank save the same step and exit 75."""
+"""The preemption guard: a signal on any rank makes every rank save the same step and exit 75."""
 
 import json
 import os
@@ -6,19 +6,29 @@ import signal
 
 import pytest
 
+from moe.training.decision import Continue, Stop
 from moe.training.hooks import StepState
-from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHook
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from tests.helpers.distributed import run_distributed
 
 
 class RecordingCheckpoint:
-    """Stands in for CheckpointHook (which needs a DeepSpeed engine): records saved steps."""
+    """Stands in for the loop's save (which needs a DeepSpeed engine): records saved steps."""
 
     def __init__(self):
         self.saved = []
 
     def save(self, step: int) -> None:
         self.saved.append(step)
+
+
+def end_of_step(guard: PreemptionGuard, ckpt: RecordingCheckpoint, s: StepState) -> None:
+    """What the loop does with the guard's decision: save the step it names, then exit."""
+    decision = guard.decide(s)
+    if isinstance(decision, Stop):
+        ckpt.save(decision.step)
+        guard.exit(decision)
+    assert isinstance(decision, Continue)
 
 
 def state(step: int, max_steps: int = 10) -> StepState:
@@ -30,12 +40,12 @@ def state(step: int, max_steps: int = 10) -> StepState:
 def test_sigusr1_saves_at_the_next_step_boundary_and_exits_75(tmp_path):
     ckpt = RecordingCheckpoint()
     previous = signal.getsignal(signal.SIGUSR1)
-    hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0)
-    hook.on_step_end(state(3))
+    hook = PreemptionGuard(tmp_path / "preempted.json", rank=0)
+    end_of_step(hook, ckpt, state(3))
     assert ckpt.saved == []
     os.kill(os.getpid(), signal.SIGUSR1)  # handled, not fatal
     with pytest.raises(Preempted) as e:
-        hook.on_step_end(state(4))
+        end_of_step(hook, ckpt, state(4))
     assert e.value.code == PREEMPTED_EXIT_CODE and e.value.step == 4
     assert ckpt.saved == [4]
     assert json.loads((tmp_path / "preempted.json").read_text())["step"] == 4
@@ -44,15 +54,15 @@ def test_sigusr1_saves_at_the_next_step_boundary_and_exits_75(tmp_path):
 
 def test_a_signal_at_a_step_that_rolls_back_exits_on_the_checkpoint_it_rolls_back_to(tmp_path):
     """The step is undone (a loss spike, spike_guard.py): nothing of it is saved, and the job
-    resumes from the checkpoint the rollback restores (CheckpointHook.save returns at once for
-    the step it saved last)."""
+    resumes from the checkpoint the rollback restores (the loop's save returns at once for the
+    step of its newest checkpoint)."""
     ckpt = RecordingCheckpoint()
-    hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0)
+    hook = PreemptionGuard(tmp_path / "preempted.json", rank=0)
     os.kill(os.getpid(), signal.SIGUSR1)
     s = state(7)
     s.rollback_to = 4
     with pytest.raises(Preempted) as e:
-        hook.on_step_end(s)
+        end_of_step(hook, ckpt, s)
     assert e.value.step == 4 and ckpt.saved == [4]
     assert json.loads((tmp_path / "preempted.json").read_text())["step"] == 4
 
@@ -62,13 +72,13 @@ def test_first_sigterm_saves_and_a_second_would_end_the_process(tmp_path):
     given back at once, so a second SIGTERM gets the old disposition (death by default)."""
     ckpt = RecordingCheckpoint()
     previous = signal.getsignal(signal.SIGTERM)
-    hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0,
+    hook = PreemptionGuard(tmp_path / "preempted.json", rank=0,
                           signals=(signal.SIGUSR1, signal.SIGTERM))
     assert signal.getsignal(signal.SIGTERM) == hook._on_signal
     os.kill(os.getpid(), signal.SIGTERM)  # handled, not fatal
     assert signal.getsignal(signal.SIGTERM) == previous
     with pytest.raises(Preempted) as e:
-        hook.on_step_end(state(5))
+        end_of_step(hook, ckpt, state(5))
     assert e.value.code == PREEMPTED_EXIT_CODE and ckpt.saved == [5]
     assert json.loads((tmp_path / "preempted.json").read_text()) == {"step": 5, "signal": "SIGTERM"}
     assert signal.getsignal(signal.SIGUSR1) != hook._on_signal  # all handlers given back
@@ -83,22 +93,22 @@ def test_unknown_signal_in_the_config_is_named():
 
 def test_a_signal_at_the_last_step_leaves_the_ordinary_final_save(tmp_path):
     ckpt = RecordingCheckpoint()
-    hook = PreemptionHook(ckpt, tmp_path / "preempted.json", rank=0)
+    hook = PreemptionGuard(tmp_path / "preempted.json", rank=0)
     os.kill(os.getpid(), signal.SIGUSR1)
-    hook.on_step_end(state(10, max_steps=10))
+    end_of_step(hook, ckpt, state(10, max_steps=10))
     hook.close()
     assert ckpt.saved == [] and not (tmp_path / "preempted.json").exists()
 
 
 def _one_rank_signalled(rank, world_size, marker_dir, signum):
     ckpt = RecordingCheckpoint()
-    hook = PreemptionHook(ckpt, marker_dir / "preempted.json", rank,
+    hook = PreemptionGuard(marker_dir / "preempted.json", rank,
                           signals=(signal.SIGUSR1, signal.SIGTERM))
-    hook.on_step_end(state(1))
+    end_of_step(hook, ckpt, state(1))
     if rank == 1:
         os.kill(os.getpid(), signum)
     try:
-        hook.on_step_end(state(2))
+        end_of_step(hook, ckpt, state(2))
     except Preempted as e:
         assert e.step == 2 and ckpt.saved == [2]
         (marker_dir / f"exited{rank}").write_text("")

@@ -14,7 +14,8 @@ from moe.model.moe_layer import MoEConfig
 from moe.model.recompute import apply_recompute, saved_activation_bytes
 from moe.model.router import RouterConfig
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.training.hooks import MoEStatsHook, StepState
+from moe.training.hooks import StepState
+from moe.training.routing import RouterBalance
 
 VOCAB, B, S = 64, 2, 16
 
@@ -48,7 +49,7 @@ def train_steps(cfg: ModelConfig, mode: str, every_n: int = 1, steps: int = 2, a
     torch.manual_seed(0)
     model = MoETransformer(copy.deepcopy(cfg))
     apply_recompute(model, mode, every_n)
-    hook = MoEStatsHook(model.moe_layers())
+    hook = RouterBalance(model.moe_layers())
     router_calls = []
     for layer in model.moe_layers():
         layer.router.register_forward_hook(lambda *_: router_calls.append(1))
@@ -66,7 +67,7 @@ def train_steps(cfg: ModelConfig, mode: str, every_n: int = 1, steps: int = 2, a
         out["counters"].append([torch.cat([layer.step_load_E, layer.step_sums]).clone()
                                 for layer in model.moe_layers()])
         state = step_state(step + 1)
-        hook.on_step_end(state)
+        hook.update(state)
         out["metrics"].append(state.extra)
         out["bias"].append([layer.router.score_bias.clone() for layer in model.moe_layers()])
     out["router_calls"] = len(router_calls)

@@ -1,10 +1,13 @@
-"""Fault injection for tests: ``train(cfg, env, faults=...)`` calls these at fixed points of
-every step, so that tests can feed a bad batch, change the learning rate, stall or kill a rank.
-No config key or command line creates one: a user's run always has ``faults=None``.
+"""Fault injection for tests: ``train(cfg, env, faults=...)`` puts a proxy around the engine and
+the data loader (:meth:`FaultInjector.install`, one line of the trainer, only when faults are
+given), which calls the injector at fixed points of every step, so that tests can feed a bad
+batch, change the learning rate, stall or kill a rank, or fail a checkpoint write. The training
+step itself has no fault call sites, and no config key or command line creates an injector: a
+user's run always has ``faults=None``.
 
 Tests of a real launch (ranks are processes the launcher starts) name a JSON fault plan in the
-environment variable :data:`PLAN_ENV` (test-only: nothing in the project sets it, and the entry
-point ignores it unless it is set); see :class:`PlannedFaults`."""
+environment variable :data:`PLAN_ENV`, read here only (:meth:`PlannedFaults.from_environment`;
+test-only: nothing in the project sets it, and the entry point ignores it unless it is set)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch.distributed as dist
 
 PLAN_ENV = "MOE_TEST_FAULT_PLAN"
 """Test only: the path of a JSON fault plan for the ranks of a launch (see PlannedFaults)."""
@@ -35,7 +40,92 @@ class FaultInjector:
 
     def at(self, phase: str, step: int) -> None:
         """Called in step ``step`` before the first micro-batch's ``forward``, ``backward`` and
-        optimizer step (``optimizer``)."""
+        optimizer step (``optimizer``), and at the start of a validation pass (``eval``)."""
+
+    def save(self, step: int, save):
+        """Runs the checkpoint save of step ``step`` (DeepSpeed's ``save_checkpoint``, bound to
+        its arguments: ``save()``) and returns what it returns."""
+        return save()
+
+    def install(self, engine, loader, state) -> tuple:
+        """(the engine, the loader) behind proxies that call this injector; ``state``: the
+        loop's TrainState (its ``step`` counts the steps completed)."""
+        engine = _FaultyEngine(engine, self)
+        return engine, _FaultyLoader(loader, engine, state)
+
+
+class _FaultyEngine:
+    """The engine, with the injector called around forward, backward, step, save and eval.
+    Everything else (attributes included, also when set) is the engine's own."""
+
+    _OWN = ("_inner", "_faults", "_step", "_first")
+
+    def __init__(self, inner, faults: FaultInjector):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_faults", faults)
+        object.__setattr__(self, "_step", 0)  # the step running (its batches were read)
+        object.__setattr__(self, "_first", set())  # phases not yet passed in this step
+
+    def _begin(self, step: int) -> None:
+        object.__setattr__(self, "_step", step)
+        object.__setattr__(self, "_first", {"forward", "backward"})
+
+    def _once(self, phase: str) -> None:
+        if phase in self._first:
+            self._first.discard(phase)
+            self._faults.at(phase, self._step)
+
+    def __call__(self, *args, **kwargs):
+        self._once("forward")
+        return self._inner(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        self._once("backward")
+        return self._inner.backward(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        if self._inner.is_gradient_accumulation_boundary():  # this step() updates the weights
+            self._faults.at("optimizer", self._step)
+        return self._inner.step(*args, **kwargs)
+
+    def save_checkpoint(self, *args, **kwargs):
+        return self._faults.save(self._step, lambda: self._inner.save_checkpoint(*args, **kwargs))
+
+    def eval(self):
+        self._faults.at("eval", self._step)
+        return self._inner.eval()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value) -> None:
+        setattr(self._inner, name, value)
+
+    def __delattr__(self, name) -> None:
+        delattr(self._inner, name)
+
+
+class _FaultyLoader:
+    """The loader, with the injector given each step's batches (and its turn before the
+    step's first forward)."""
+
+    def __init__(self, inner, engine: _FaultyEngine, state):
+        self.inner, self.engine, self.state = inner, engine, state
+
+    def next_step(self) -> list:
+        step = self.state.step + 1
+        packed = self.inner.next_step()
+        faults = self.engine._faults
+        end = int(self.inner.state_dict()["consumed_samples"])
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        per_step = sum(p.tokens_BS.shape[0] for p in packed) * world  # every rank's samples
+        packed = faults.batches(step, packed, (end - per_step, end))
+        self.engine._begin(step)
+        faults.before_update(step, self.engine._inner)
+        return packed
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 class PlannedFaults(FaultInjector):
@@ -56,8 +146,6 @@ class PlannedFaults(FaultInjector):
         self.rank = rank
         self.fired_dir = Path(plan["fired_dir"])
         self.faults = [f for f in plan["faults"] if f["rank"] == rank]
-        self.step = 0
-        self._patched = False
 
     @classmethod
     def from_environment(cls, rank: int) -> PlannedFaults | None:
@@ -92,29 +180,15 @@ class PlannedFaults(FaultInjector):
         elif f["kind"] == "hang":
             time.sleep(f.get("seconds", 3600))
 
-    def before_update(self, step: int, engine) -> None:
-        self.step = step
-        if self._patched:
-            return
-        self._patched = True
-        save, module_eval = engine.save_checkpoint, engine.module.eval
-
-        def save_checkpoint(*args, **kwargs):
-            f = self._due("save", self.step)
-            if f is not None and f["kind"] == "save_error":
-                with _failing_writes():
-                    return save(*args, **kwargs)
-            out = save(*args, **kwargs)
-            if f is not None:
-                self._fire(f)
-            return out
-
-        def eval_():
-            self.at("eval", self.step)
-            return module_eval()
-
-        engine.save_checkpoint = save_checkpoint
-        engine.module.eval = eval_
+    def save(self, step: int, save):
+        f = self._due("save", step)
+        if f is not None and f["kind"] == "save_error":
+            with _failing_writes():
+                return save()
+        out = save()
+        if f is not None:
+            self._fire(f)
+        return out
 
 
 @contextmanager

@@ -4,8 +4,8 @@ How a step is skipped: a non-finite loss is turned into NaN gradients (:func:`po
 the gradient norm is all-reduced, so every rank sees the same non-finite norm, and DeepSpeed's
 ZeRO optimizer (stages 1 and 2, fp32 and bf16) then drops the gradients without touching the
 parameters, the optimizer moments or the LR schedule. :class:`NonFiniteGuard` counts consecutive
-skips and stops the run after ``max_skips`` of them, before the checkpoint hook could save
-anything, so the last checkpoint on disk is the last good state.
+skips and tells the loop to stop after ``max_skips`` of them, before it saves anything, so the
+last checkpoint on disk is the last good state.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from moe.errors import TrainingError
-from moe.training.hooks import Hook, StepState
+from moe.training.decision import CONTINUE, Decision, Skip, Stop
+from moe.training.hooks import StepState
 
 log = logging.getLogger("moe.train")
 
@@ -31,10 +31,10 @@ def step_is_finite(loss: float, grad_norm: float | None) -> bool:
     return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
 
 
-class NonFiniteGuard(Hook):
-    """Warns on every skipped step; raises after ``max_skips`` consecutive ones (steps skipped
-    for a loss spike count too: the spike guard poisons their loss the same way). Raises at once
-    if a non-finite step was applied anyway (no ZeRO: nothing skips it, the weights are lost)."""
+class NonFiniteGuard:
+    """Warns on every skipped step; stops after ``max_skips`` consecutive ones (steps skipped for
+    a loss spike count too: the spike guard poisons their loss the same way). Stops at once if a
+    non-finite step was applied anyway (no ZeRO: nothing skips it, the weights are lost)."""
 
     def __init__(self, max_skips: int, rank: int):
         self.max_skips, self.rank = max_skips, rank
@@ -43,24 +43,24 @@ class NonFiniteGuard(Hook):
     def on_rollback(self, client: dict) -> None:
         self.consecutive = 0  # the skipped steps are undone
 
-    def on_step_end(self, s: StepState) -> None:
+    def decide(self, s: StepState) -> Decision:
         finite = step_is_finite(s.loss, s.grad_norm)
         if finite and not s.skipped:
             self.consecutive = 0
-            return
+            return CONTINUE
         if not s.skipped:
-            raise TrainingError(f"step {s.step}: non-finite loss ({s.loss}) or gradient norm "
-                                f"({s.grad_norm}) was applied to the weights (nothing skips steps "
-                                "without ZeRO stage 1 or 2); stopping. Resume from the last "
-                                "checkpoint, with ZeRO stage 1 or 2 to skip such steps")
+            return Stop(f"step {s.step}: non-finite loss ({s.loss}) or gradient norm "
+                        f"({s.grad_norm}) was applied to the weights (nothing skips steps "
+                        "without ZeRO stage 1 or 2); stopping. Resume from the last "
+                        "checkpoint, with ZeRO stage 1 or 2 to skip such steps")
         self.consecutive += 1
         if self.rank == 0 and s.spike_zscore is None:  # a spike skip: spike_guard.py warns
             log.warning(f"step {s.step}: skipped: non-finite loss ({s.loss}) or gradient norm "
                         f"({s.grad_norm}); {self.consecutive} consecutive skip(s) of at most "
                         f"{self.max_skips}")
         if self.consecutive >= self.max_skips:
-            raise TrainingError(f"step {s.step}: {self.consecutive} consecutive steps had a "
-                                "non-finite loss or gradient norm (or a loss spike, "
-                                "train.spike); stopping. The last checkpoint "
-                                "holds the last good state: lower train.lr or raise "
-                                "train.grad_clip, then resume")
+            return Stop(f"step {s.step}: {self.consecutive} consecutive steps had a "
+                        "non-finite loss or gradient norm (or a loss spike, train.spike); "
+                        "stopping. The last checkpoint holds the last good state: lower "
+                        "train.lr or raise train.grad_clip, then resume")
+        return Skip(f"step {s.step}: non-finite loss or gradient norm, or a loss spike")

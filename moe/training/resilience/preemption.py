@@ -5,12 +5,13 @@ SIGTERM (what Kubernetes, torchrun and most schedulers send before they kill a p
 The signal handler only sets a flag: saving inside a handler could interrupt a collective. At
 each step boundary the ranks agree on the flag with one tiny all-reduce (a signal reaches ranks
 at slightly different times, and a checkpoint is collective: if one rank saved while another
-stepped on, both would hang). Then every rank saves, rank 0 leaves a marker for the job script,
-and all exit with PREEMPTED_EXIT_CODE; the requeued job resumes from that checkpoint through the
+stepped on, both would hang); :meth:`PreemptionGuard.decide` tells the loop to stop. Then every
+rank saves, rank 0 leaves a marker for the job script (:meth:`PreemptionGuard.exit`), and all
+exit with PREEMPTED_EXIT_CODE; the requeued job resumes from that checkpoint through the
 trainer's ordinary auto-resume. A second SIGTERM is not caught: it ends the process at once.
 
 Before training begins (process-group start-up, checkpoint load, data start-up) the entry point
-holds the signals with ``hold_signals``. When the hook starts, just before the first step, the
+holds the signals with ``hold_signals``. When the guard starts, just before the first step, the
 ranks agree on a held signal the same way; with nothing trained yet there is nothing to save:
 rank 0 leaves the marker and every rank exits with PREEMPTED_EXIT_CODE at once, so the job is
 requeued and starts again from where it stood.
@@ -27,9 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe.training.checkpoint import CheckpointHook
+from moe.training.decision import CONTINUE, Decision, Stop
 from moe.training.device import comm_device
-from moe.training.hooks import Hook, StepState
+from moe.training.hooks import StepState
 
 log = logging.getLogger("moe.train")
 
@@ -46,7 +47,7 @@ class Preempted(SystemExit):
 
 
 class HeldSignal:
-    """The first preemption signal received before a PreemptionHook takes over."""
+    """The first preemption signal received before a PreemptionGuard takes over."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -72,10 +73,9 @@ def hold_signals(signals, first: int | None = None) -> None:
         HELD.signum = first
 
 
-class PreemptionHook(Hook):
-    def __init__(self, checkpoint: CheckpointHook, marker: Path, rank: int,
-                 signals: tuple[int, ...] = (signal.SIGUSR1,)):
-        self.checkpoint, self.marker, self.rank = checkpoint, marker, rank
+class PreemptionGuard:
+    def __init__(self, marker: Path, rank: int, signals: tuple[int, ...] = (signal.SIGUSR1,)):
+        self.marker, self.rank = marker, rank
         self.signum: int | None = None  # the first signal received
         self.previous: dict[int, object] = {}
         # Python only installs handlers from the main thread (tests may train elsewhere).
@@ -123,21 +123,26 @@ class PreemptionHook(Hook):
             # Someone means it: the next SIGTERM gets the old disposition (by default, death).
             signal.signal(signum, self.previous.pop(signum))
 
-    def on_step_end(self, s: StepState) -> None:
+    def decide(self, s: StepState) -> Decision:
+        """Every rank calls it at every step boundary (a collective): stop, on every rank alike,
+        when some rank got a signal; the step to save is ``Stop.step``."""
         signum = self._agreed_signal()
         # At the last step the loop saves and ends anyway.
         if not signum or s.step >= s.max_steps:
-            return
+            return CONTINUE
         # A step that rolls back for a loss spike is undone: the checkpoint it rolls back to is
         # the one to resume from (the skipped data is recorded in the run directory already).
         step = s.step if s.rollback_to is None else s.rollback_to
-        self.checkpoint.save(step)
+        return Stop(signal.Signals(signum).name, signal=signum, step=step)
+
+    def exit(self, decision: Stop):
+        """After the loop saved ``decision.step``: leave the marker and exit (raises
+        :class:`Preempted` on every rank)."""
         if self.rank == 0:
-            name = signal.Signals(signum).name
-            self.marker.write_text(json.dumps({"step": step, "signal": name}))
-            log.info(f"{name}: saved step {step}; exiting with code "
+            self.marker.write_text(json.dumps({"step": decision.step, "signal": decision.reason}))
+            log.info(f"{decision.reason}: saved step {decision.step}; exiting with code "
                      f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
-        self._exit(step)
+        self._exit(decision.step)
 
     def close(self) -> None:
         for signum, previous in self.previous.items():

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from moe.checkpoint.files import SPIKE_STATE
 from moe.config.run import SpikeConfig
-from moe.errors import TrainingError
-from moe.training.hooks import Hook, StepState
+from moe.training.decision import CONTINUE, Decision, Rollback, Skip, Stop
+from moe.training.hooks import StepState
 
 log = logging.getLogger("moe.train")
 
@@ -88,28 +88,26 @@ def skipped_windows(events: list[dict]) -> list[list[int]]:
     return [r for e in events if e.get("action") == "rollback" for r in e["skipped_samples"]]
 
 
-class LossSpikeGuard(Hook):
+class LossSpikeGuard:
     """Holds the window of recent losses; :meth:`check` marks a spiking micro-batch's loss for
-    skipping, :meth:`on_step_end` records each event and, for rollback, names the checkpoint in
-    the step state (``rollback_to``) for the loop to restore. One per rank; all ranks hold the
-    same window (it is built from losses averaged over the ranks) and decide alike.
+    skipping, :meth:`decide` records each event and tells the loop to skip the step or to roll
+    back to a checkpoint. One per rank; all ranks hold the same window (it is built from losses
+    averaged over the ranks) and decide alike.
 
-    ``checkpoints``: the run's checkpoint hook (its ``latest()``); ``events``: the run's
-    recorded events (:func:`recorded_events`), which count earlier rollbacks."""
+    ``events``: the run's recorded events (:func:`recorded_events`), which count earlier
+    rollbacks."""
 
     def __init__(self, cfg: SpikeConfig, run_dir: Path, loader, rank: int, world_size: int,
-                 checkpoints=None, events: list[dict] = ()):
+                 events: list[dict] = ()):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.loader = loader  # its state_dict() gives the data cursor after the step
-        self.checkpoints = checkpoints
         self.path = Path(run_dir) / SKIPPED_BATCHES
         self.losses: deque[float] = deque(maxlen=cfg.window)
         # (step, first sample, end) of the latest steps: the window a rollback skips.
         self.recent: deque[tuple[int, int, int]] = deque(maxlen=cfg.rollback_skip_steps)
         self.events = 0
         self.rollbacks = Counter(e["step"] for e in events if e.get("action") == "rollback")
-        self.target: Path | None = None  # the checkpoint of the rollback the loop is to do
-        self.pending: list[list[int]] = []  # and the sample ranges it skips
+        self.pending: list[list[int]] = []  # the sample ranges the decided rollback skips
 
     def reference(self) -> tuple[float, float] | None:
         """(mean, std) of the window, or None during the warm-up."""
@@ -142,15 +140,17 @@ class LossSpikeGuard(Hook):
     def on_rollback(self, client: dict) -> None:
         self.load_state_dict(client.get(SPIKE_STATE))
         self.loader.skip(self.pending)  # the loop restored the checkpoint's cursor before it
-        self.target, self.pending = None, []
+        self.pending = []
 
-    def on_step_end(self, s: StepState) -> None:
+    def decide(self, s: StepState, latest: tuple[int, Path] | None) -> Decision:
+        """``latest``: (step, directory) of the newest complete checkpoint of the run's history,
+        the one a rollback restores (None before the first)."""
         end = int(self.loader.state_dict()["consumed_samples"])
         self.recent.append((s.step, end - s.samples_per_step, end))
         if s.spike_zscore is None:
             if not s.skipped:
                 self.losses.append(s.loss)  # averaged over the ranks every step (trainer)
-            return
+            return CONTINUE
         self.events += 1
         mean, std = self.reference()
         event = {"step": s.step, "reason": "loss_spike", "action": "skip", "loss": s.loss,
@@ -158,20 +158,25 @@ class LossSpikeGuard(Hook):
                  "samples": [end - s.samples_per_step, end], "applied": not s.skipped}
         what = (f"step {s.step}: loss spike (z-score {s.spike_zscore:.1f} > {self.cfg.zscore} "
                 f"over the last {len(self.losses)} steps, mean {mean:.4f}, std {std:.4f})")
-        target = self.checkpoints.latest() if self.cfg.action == "rollback" else None
-        if target is not None:
-            self._roll_back(s, event, what, *target)
-        elif self.rank == 0:
-            fallback = (" (train.spike.action rollback: no checkpoint to roll back to yet)"
-                        if self.cfg.action == "rollback" else "")
-            log.warning(f"{what}; update skipped on every rank{fallback}; global samples "
-                        f"[{event['samples'][0]}, {event['samples'][1]}) recorded in {self.path}")
-        self._record(event)
+        if self.cfg.action == "rollback" and latest is not None:
+            decision = self._roll_back(s, event, what, *latest)
+        else:
+            decision = Skip(what)
+            if self.rank == 0:
+                fallback = (" (train.spike.action rollback: no checkpoint to roll back to yet)"
+                            if self.cfg.action == "rollback" else "")
+                log.warning(f"{what}; update skipped on every rank{fallback}; global samples "
+                            f"[{event['samples'][0]}, {event['samples'][1]}) recorded in "
+                            f"{self.path}")
+        if not isinstance(decision, Stop):
+            self._record(event)
+        return decision
 
-    def _roll_back(self, s: StepState, event: dict, what: str, step: int, tag_dir: Path) -> None:
+    def _roll_back(self, s: StepState, event: dict, what: str, step: int,
+                   tag_dir: Path) -> Decision:
         done = self.rollbacks[s.step]
         if done >= self.cfg.max_rollbacks:
-            raise TrainingError(
+            return Stop(
                 f"{what} after {done} rollback(s) for spikes at step {s.step} "
                 f"(train.spike.max_rollbacks {self.cfg.max_rollbacks}); stopping. The skipped "
                 f"data is recorded in {self.path}; lower train.lr or raise train.spike.zscore, "
@@ -180,13 +185,14 @@ class LossSpikeGuard(Hook):
         skipped = _merged([(a, b) for st, a, b in self.recent if st > step])
         event.update(action="rollback", rolled_back_to=step, checkpoint=str(tag_dir),
                      skipped_samples=skipped, rollback=done + 1)
-        s.rollback_to, self.target, self.pending = step, tag_dir, skipped
+        self.pending = skipped
         if self.rank == 0:
             ranges = ", ".join(f"[{a}, {b})" for a, b in skipped)
             log.warning(f"{what}; update dropped; rolling back every rank to {tag_dir} (step "
                         f"{step}, rollback {done + 1} of at most {self.cfg.max_rollbacks} for "
                         f"step {s.step}); global samples {ranges} will not be trained on, "
                         f"recorded in {self.path}")
+        return Rollback(step, tag_dir, what)
 
     def _record(self, event: dict) -> None:
         if self.rank != 0:

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from moe.training.hooks import Hook, StepState
+from moe.training.hooks import StepState
 from moe.training.resilience.collectives import LAST
 
 log = logging.getLogger("moe.train")
@@ -30,7 +30,7 @@ def hang_file(logs_dir: Path, rank: int) -> Path:
     return Path(logs_dir) / f"hang_rank{rank}.txt"
 
 
-class HangWatchdog(Hook):
+class HangWatchdog:
     """Started with the loop; every completed step resets its clock; :meth:`close` stops it."""
 
     def __init__(self, timeout_s: float, logs_dir: Path, rank: int):

@@ -80,18 +80,16 @@ def _train_worker(rank, world, cfg_dicts, out_dir):
 
 
 def _killed_worker(rank, world, cfg_dict):
-    from moe.training import checkpoint
+    from moe.training.resilience.faults import FaultInjector
     from moe.training.trainer import DistEnv, train
 
-    original = checkpoint.CheckpointHook.on_step_end
+    class KillAfter(FaultInjector):
+        def before_update(self, step, engine):  # step KILL_AFTER ended, saves included
+            if step == KILL_AFTER + 1:
+                os.kill(os.getpid(), signal.SIGKILL)
 
-    def on_step_end(self, s):
-        original(self, s)
-        if s.step == KILL_AFTER:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    checkpoint.CheckpointHook.on_step_end = on_step_end
-    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world))
+    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world),
+          faults=KillAfter())
 
 
 @pytest.fixture(scope="module")

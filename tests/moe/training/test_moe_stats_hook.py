@@ -1,4 +1,4 @@
-"""MoEStatsHook reads every layer's routing counters in one copy on logging steps only, and
+"""RouterBalance reads every layer's routing counters in one copy on logging steps only, and
 publishes the same numbers the counters hold."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import torch
 
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
-from moe.training.hooks import MoEStatsHook, StepState
+from moe.training.hooks import StepState
+from moe.training.routing import RouterBalance
 from tests.helpers.syncs import count_host_reads
 
 
@@ -30,7 +31,7 @@ def test_reads_once_per_logging_step_and_publishes_the_counters(is_log):
     loads = [layer.step_load_E.clone() for layer in layers]
     s = state(is_log)
     with count_host_reads() as reads:
-        MoEStatsHook(layers).on_step_end(s)
+        RouterBalance(layers).update(s)
     assert sum(reads.values()) == (1 if is_log else 0), reads
     for layer in layers:  # counters reset, bias moved either way
         assert layer.step_load_E.sum() == 0 and layer.router.score_bias.abs().sum() > 0

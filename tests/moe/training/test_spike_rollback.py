@@ -15,6 +15,7 @@ All runs share one pair of processes (starting ranks is most of the cost):
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -208,44 +209,37 @@ class _Cursor:
         self.skipped += ranges
 
 
-class _Checkpoints:
-    def __init__(self, step, path):
-        self.step, self.path = step, path
-
-    def latest(self):
-        return self.step, self.path
-
-
 def test_the_skipped_window_holds_the_last_steps_after_the_checkpoint_only(tmp_path):
     """rollback_skip_steps 3 at a spike in step 7 with the checkpoint at step 5: steps 6 and 7
     (step 5 is in the checkpoint), as ranges of the samples they read (step 7's start after a
     skipped range); a second spike at step 7 goes past max_rollbacks, counted with the events
     of the run's record."""
+    from moe.training.decision import Rollback, Stop
     from moe.training.hooks import StepState
     from moe.training.resilience.spike_guard import LossSpikeGuard, SpikeConfig
 
     cfg = SpikeConfig(action="rollback", window=4, min_steps=2, rollback_skip_steps=3,
                       max_rollbacks=2)
     cursor = _Cursor()
-    guard = LossSpikeGuard(cfg, tmp_path, cursor, 0, 1, _Checkpoints(5, tmp_path / "step_5"),
-                           events=[{"step": 7, "action": "rollback"}])
+    guard = LossSpikeGuard(cfg, tmp_path, cursor, 0, 1, events=[{"step": 7, "action": "rollback"}])
 
     def step(n, start, z=None):
         cursor.consumed = start + 4
         s = StepState(step=n, max_steps=9, loss=1.0, lm_loss=1.0, aux_loss=0.0, lr=1.0,
                       grad_norm=1.0, step_seconds=1.0, tokens_per_step=1, samples_per_step=4,
                       is_log_step=False, spike_zscore=z, skipped=z is not None)
-        guard.on_step_end(s)
-        return s
+        return guard.decide(s, (5, tmp_path / "step_5"))
 
     for n in range(1, 7):
         step(n, 4 * (n - 1))
-    s = step(7, 28, z=9.0)  # samples [24, 28) were skipped earlier
-    assert s.rollback_to == 5 and guard.target == tmp_path / "step_5"
+    decision = step(7, 28, z=9.0)  # samples [24, 28) were skipped earlier
+    assert isinstance(decision, Rollback)
+    assert decision.step == 5 and decision.checkpoint == tmp_path / "step_5"
     assert guard.pending == [[20, 24], [28, 32]]
     [e] = [json.loads(line) for line in (tmp_path / SKIPPED_BATCHES).open()]
     assert e["skipped_samples"] == [[20, 24], [28, 32]] and e["rollback"] == 2
     guard.on_rollback({"step": 5, "spike_guard": {"losses": [1.0, 1.0]}})
     assert cursor.skipped == [[20, 24], [28, 32]] and list(guard.losses) == [1.0, 1.0]
-    with pytest.raises(TrainingError, match="step 7: loss spike .* after 2 rollback"):
-        step(7, 32, z=9.0)
+    decision = step(7, 32, z=9.0)
+    assert isinstance(decision, Stop) and decision.signal is None  # the loop raises TrainingError
+    assert re.search("step 7: loss spike .* after 2 rollback", decision.reason)

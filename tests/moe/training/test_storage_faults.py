@@ -52,7 +52,7 @@ def _worker(rank, world, cfg_dict, result_path, ballast):
     failed save."""
     from moe.training import checkpoint as ckpt_mod
 
-    original = ckpt_mod.CheckpointHook._failed
+    original = ckpt_mod.Checkpointer._failed
 
     def failed(self, *args, **kw):
         out = original(self, *args, **kw)
@@ -64,7 +64,7 @@ def _worker(rank, world, cfg_dict, result_path, ballast):
             Path(ballast).unlink()
         return out
 
-    ckpt_mod.CheckpointHook._failed = failed
+    ckpt_mod.Checkpointer._failed = failed
     try:
         summary = train(from_dict(RunConfig, copy.deepcopy(cfg_dict)),
                         DistEnv(rank, world, rank, world))
@@ -153,3 +153,45 @@ def test_full_disk_with_continue_keeps_training_and_saves_once_space_is_freed(
         assert find_latest(ckpt) == "step_0000006"
         assert not any((d / MARKER).exists() for d in ckpt.iterdir()
                        if d.is_dir() and d.name != "step_0000006")
+
+
+def _planned_worker(rank, world, cfg_dict, result_path, plan):
+    """Train with a test fault plan (moe/training/resilience/faults.py); record how it ended."""
+    from moe.training.resilience.faults import PlannedFaults
+
+    try:
+        summary = train(from_dict(RunConfig, copy.deepcopy(cfg_dict)),
+                        DistEnv(rank, world, rank, world), faults=PlannedFaults(plan, rank))
+        outcome = {"finished": summary["checkpoint"]}
+    except CheckpointError as e:
+        outcome = {"error": type(e).__name__, "message": str(e)}
+    Path(f"{result_path}.{rank}").write_text(json.dumps(outcome))
+
+
+def test_continue_with_a_failed_final_save_ends_in_error_and_names_the_unsaved_steps(
+        tiny_data, tmp_path):
+    """on_save_error: continue, and every save of the last step fails (rank 1's first checkpoint
+    write, at the periodic save and again at the final one): the run does not end as a success,
+    every rank names the unsaved steps and the newest checkpoint, and train_summary.json points
+    evaluation at no checkpoint."""
+    cfg = run_dict(tiny_data, tmp_path / "runs", "lost", max_steps=4)
+    cfg["checkpoint"] = {"every_n_steps": 2, "on_save_error": "continue"}
+    run_dir = tmp_path / "runs" / "lost"
+    ckpt = run_dir / "checkpoints"
+    fault = {"kind": "save_error", "phase": "save", "rank": 1, "step": 4}
+    plan = {"fired_dir": str(tmp_path / "fired"), "faults": [{"id": 0, **fault}, {"id": 1, **fault}]}
+    (tmp_path / "fired").mkdir()
+    run_distributed(_planned_worker, 2, cfg, str(tmp_path / "result"), plan)
+    assert sorted(p.name for p in (tmp_path / "fired").iterdir()) == ["fault_0", "fault_1"]
+    for outcome in _outcomes(tmp_path):
+        assert outcome.get("error") == "CheckpointSaveError", outcome
+        msg = outcome["message"]
+        assert "final checkpoint is missing" in msg
+        assert "saves at step(s) 4 failed" in msg and "steps 3 to 4 are not saved" in msg
+        assert f"newest complete checkpoint is {ckpt / 'step_0000002'} (step 2)" in msg
+    assert [r["step"] for r in _steps(run_dir, 0)] == [1, 2, 3, 4]  # it trained to the end
+    assert complete_tags(ckpt) == ["step_0000002"]
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["checkpoint"] is None
+    assert summary["unsaved_steps"] == [3, 4] and summary["failed_saves"] == [4]
+    assert summary["newest_checkpoint"] == str(ckpt / "step_0000002")

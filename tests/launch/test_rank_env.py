@@ -2,8 +2,8 @@
 
 import pytest
 
+from launch.rank_env import dist_env_from_environment
 from moe.errors import LaunchError
-from moe.training.trainer import dist_env_from_environment
 
 
 @pytest.mark.parametrize("env, expected", [
