@@ -47,5 +47,6 @@ def test_a_timed_out_collective_names_itself_and_the_setting(tmp_path):
     seconds, message, record = (tmp_path / "error").read_text().split("\n", 2)
     assert float(seconds) < TIMEOUT_S * 3
     assert message.startswith(f"rank 0: all_reduce did not complete within {TIMEOUT_S}s "
-                              f"(train.hang_timeout_s, the process group's timeout)"), message
+                              f"(the process group's timeout: train.hang_timeout_s plus the hang "
+                              f"watchdog's margin)"), message
     assert record.startswith("last collective entered: all_reduce") and "still inside" in record
