@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     p.add_argument("--arch", choices=["auto", *TARGETS], default="auto",
                    help="Hugging Face architecture (auto: the first of "
                         f"{', '.join(TARGETS)} that holds the model exactly; a model none can "
-                        "hold is refused with every reason, see the README's export section)")
+                        "hold is refused with every reason, see docs/checkpoints.md, Exporting)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (or, off a terminal, no progress lines) while the "
                         "checkpoint is read (fp32 and hf)")

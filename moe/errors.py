@@ -28,3 +28,7 @@ class TrainingError(MoEError):
 
 class LaunchError(MoEError):
     """A launch plan cannot be built or run."""
+
+
+class ScalingError(MoEError):
+    """A scaling sweep cannot be planned, run, fitted or used for a prediction."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from moe.checkpoint.consolidate import find_zero_file, read_consolidated, read_layout_free
-from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint
+from moe.checkpoint.consolidate import read_consolidated
+from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint, verify_files
 from moe.config.run import RunConfig, load_config
 from moe.errors import CheckpointError
 from moe.model.transformer import MoETransformer
@@ -19,12 +19,27 @@ def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = Non
     """The single-device state dict of a checkpoint saved with any layout, its run config and
     its directory, after checking it: complete, no file missing or truncated, every expert of
     every layer present exactly once and holding the weights saved under its id, every tensor
-    shaped as the config says. ``on_file``: called after each file read (progress)."""
+    shaped as the config says. A bf16 run gives the fp32 master weights its optimizer trained.
+    ``on_file``: called after each file read (progress).
+
+    One way through the checkpoint: resolve the path, verify the files against the marker, read
+    the config, read the tensors, check them against the model the config builds."""
     tag_dir = resolve_checkpoint(path)
-    state, _ = read_consolidated(tag_dir, on_file)
+    marker = verify_files(tag_dir)
     cfg = load_config(tag_dir / RUN_CONFIG)
     if cfg.model.vocab_size is None:
         raise CheckpointError(f"{tag_dir / RUN_CONFIG}: model.vocab_size is not resolved")
+    state, _ = read_consolidated(tag_dir, on_file, marker,
+                                 master_weights=cfg.train.precision != "fp32")
+    problems = _shape_problems(state, cfg)
+    if problems:
+        raise CheckpointError(f"{tag_dir}: checkpoint does not match its config "
+                              f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems))
+    return state, cfg, tag_dir
+
+
+def _shape_problems(state: dict, cfg: RunConfig) -> list[str]:
+    """Every tensor the model needs and lacks, shaped otherwise, or that the model does not have."""
     expected = {k: v.shape for k, v in MoETransformer(cfg.model).state_dict().items()}
     problems = []
     for key, shape in expected.items():
@@ -32,19 +47,7 @@ def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = Non
             problems.append(f"{key}: missing")
         elif key in state and state[key].shape != shape:
             problems.append(f"{key}: shape {tuple(state[key].shape)}, the config needs {tuple(shape)}")
-    problems += [f"{key}: not part of the model" for key in state if key not in expected]
-    if problems:
-        raise CheckpointError(f"{tag_dir}: checkpoint does not match its config "
-                              f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems))
-    if cfg.train.precision != "fp32" and find_zero_file(tag_dir, 0) is not None:
-        # The model states hold the bf16 copies the forward used; evaluate and upcycle the
-        # fp32 master weights the optimizer trained.
-        for name, value in read_layout_free(tag_dir)["params"].items():
-            if name not in state or state[name].shape != value.shape:
-                raise CheckpointError(f"{tag_dir}: the optimizer's copy of {name} does not match "
-                                      "the model states")
-            state[name] = value
-    return state, cfg, tag_dir
+    return problems + [f"{key}: not part of the model" for key in state if key not in expected]
 
 
 def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:

@@ -84,15 +84,20 @@ def state_files(tag_dir: Path) -> list[Path]:
     return [tag_dir / MAIN_STATES, *experts]
 
 
-def read_consolidated(tag_dir: Path, on_file: Callable[[], None] | None = None
+def read_consolidated(tag_dir: Path, on_file: Callable[[], None] | None = None,
+                      marker: dict | None = None, master_weights: bool = False
                       ) -> tuple[dict[str, torch.Tensor], dict]:
     """(single-device state dict, completion marker) of the checkpoint ``tag_dir`` saved with
     any layout, after checking it: complete, no file missing or truncated, every expert of every
     layer present exactly once, and each expert holding the weights its fingerprint recorded (or,
     for a checkpoint without fingerprints, no two experts with identical weights). ``on_file``
-    is called after each of :func:`state_files` is read (progress)."""
+    is called after each of :func:`state_files` is read (progress). ``marker``: the one
+    :func:`verify_files` returned, when the caller verified already. ``master_weights``: replace
+    the parameters by the fp32 master weights of the ZeRO files where the run kept them (a bf16
+    run's model states hold the bf16 copies its forward used)."""
     tag_dir = Path(tag_dir)
-    marker = verify_files(tag_dir)
+    if marker is None:
+        marker = verify_files(tag_dir)
     main_file, *expert_files = state_files(tag_dir)
     main = load_file(main_file)
     if on_file:
@@ -117,6 +122,12 @@ def read_consolidated(tag_dir: Path, on_file: Callable[[], None] | None = None
     if problems:
         raise CheckpointError(f"{tag_dir}: experts do not hold the weights saved under their ids:\n"
                               + "\n".join(f"  - {p}" for p in problems))
+    if master_weights and find_zero_file(tag_dir, 0) is not None:
+        for name, value in read_layout_free(tag_dir, marker)["params"].items():
+            if name not in state or state[name].shape != value.shape:
+                raise CheckpointError(f"{tag_dir}: the optimizer's copy of {name} does not match "
+                                      "the model states")
+            state[name] = value
     return state, marker
 
 
@@ -147,11 +158,12 @@ def _load_zero_file(path: Path) -> dict:
         return load_file(path)
 
 
-def read_layout_free(tag_dir: Path) -> dict:
+def read_layout_free(tag_dir: Path, marker: dict | None = None) -> dict:
     """{"params": {name: fp32}, "exp_avg": {...}, "exp_avg_sq": {...}, "step": {name: float}}
-    under single-device names, from a ZeRO stage 1/2 checkpoint saved with any layout."""
+    under single-device names, from a ZeRO stage 1/2 checkpoint saved with any layout.
+    ``marker``: its completion marker, when the caller read it already."""
     tag_dir = Path(tag_dir)
-    marker = read_marker(tag_dir)
+    marker = marker or read_marker(tag_dir)
     if marker is None:
         raise CheckpointError(f"{tag_dir}: incomplete checkpoint (no completion marker)")
     world, ep = marker["world_size"], marker["expert_parallel_size"]

@@ -1,0 +1,109 @@
+"""Does the scaling law predict? Dense and the default MoE recipe on the stdlib corpus.
+
+For each seed: a sweep (``moe-scaling plan``) of --sizes shapes per budget and family, run
+through the real launcher; the laws are fitted on every budget but the largest; the predicted
+compute-optimal run of the largest budget is trained; then, per family, the predicted against the
+measured final validation loss, whether the measured best size of the largest budget lies inside
+the predicted 95% interval, and the MoE/dense compute multiplier of each budget (median and spread
+over the seeds). Prints one table and the whole benchmark's time.
+
+    python benchmarks/scaling_bench.py --budgets 3e12,1e13,3e13 --sizes 4 --seeds 1,2 --out /tmp/sb
+
+Time on 2 CPU cores grows with the sum of the budgets (about 3e13 FLOPs per 7 minutes for the
+default model on 2 ranks, plus about 20 s of start-up per run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from launch.scaling import results  # noqa: E402
+from moe.tools import scaling, scaling_report  # noqa: E402
+
+
+def sh(*args) -> str:
+    out = subprocess.run([sys.executable, "-m", *map(str, args)], cwd=ROOT, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, args))} failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    return out.stdout
+
+
+def final_loss(run_dir: Path) -> float:
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    return float(json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())["loss"])
+
+
+def one_seed(args, seed: int) -> dict:
+    sweep = Path(args.out) / f"seed{seed}"
+    if not (sweep / "sweep.json").exists():
+        sh("launch.scaling", "plan", args.config, f"train.seed={seed}", f"name=scaling-s{seed}",
+           "--budgets", args.budgets, "--sizes", args.sizes, "--families", "dense,moe",
+           "--out", sweep)
+    sh("launch.scaling", "run", sweep, "--jobs", args.jobs)
+    rows = results(sweep)
+    largest = max(r["budget"] for r in rows)
+    fit_rows = [r for r in rows if r["budget"] < largest]
+    held = scaling_report.analyse(fit_rows, bootstrap=args.bootstrap)
+    full = scaling_report.analyse(rows, bootstrap=0)
+    out = {"seed": seed, "multiplier": full["families"]["moe"].get("multiplier", {})}
+    for family in ("dense", "moe"):
+        pred = scaling_report.predict(held, family, largest)
+        cfg = sweep / f"predicted-{family}.yaml"
+        sh("launch.scaling", "predict", sweep, "--budget", largest, "--family", family,
+           "--bootstrap", args.bootstrap, "--write-config", cfg)
+        run_dir = Path(args.out) / "predicted" / f"s{seed}-{family}"
+        sh("launch.launch", cfg, f"output_dir={run_dir.parent}", f"name={run_dir.name}",
+           f"train.seed={seed}")
+        measured = final_loss(run_dir)
+        best = next(m for m in full["families"][family]["minima"] if m.budget == largest)
+        lo, hi = pred["n_interval"]
+        out[family] = {"predicted": pred["loss"], "measured": measured,
+                       "error": measured / pred["loss"] - 1, "best_n": best.n_opt,
+                       "interval": (lo, hi), "inside": lo <= best.n_opt <= hi}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    p.add_argument("--budgets", default="3e12,1e13,3e13")
+    p.add_argument("--sizes", default="4")
+    p.add_argument("--seeds", default="1,2")
+    p.add_argument("--jobs", default="1")
+    p.add_argument("--bootstrap", default="100")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    budgets = sorted(float(b) for b in args.budgets.split(","))
+    if len(budgets) < 3 or budgets[-1] < 10 * budgets[0]:
+        raise SystemExit("--budgets: at least 3 budgets spanning at least 10x")
+    start = time.monotonic()
+    per_seed = [one_seed(args, int(s)) for s in args.seeds.split(",")]
+    print("| family | seed | predicted loss | measured loss | error | measured best N | "
+          "predicted N interval | inside |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in per_seed:
+        for family in ("dense", "moe"):
+            f = r[family]
+            print(f"| {family} | {r['seed']} | {f['predicted']:.4f} | {f['measured']:.4f} | "
+                  f"{f['error']:+.2%} | {f['best_n']:.3g} | {f['interval'][0]:.3g}-"
+                  f"{f['interval'][1]:.3g} | {'yes' if f['inside'] else 'no'} |")
+    print("\n| budget | MoE/dense compute multiplier, median (min-max over seeds) |\n| --- | --- |")
+    for b in budgets:
+        values = [r["multiplier"][b] for r in per_seed if b in r["multiplier"]]
+        if values:
+            print(f"| {b:.3g} | {statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f}) |")
+    print(f"\ntarget: |error| <= 2%; the benchmark took {(time.monotonic() - start) / 60:.1f} min "
+          f"({len(per_seed)} seeds, {len(budgets)} budgets x {args.sizes} sizes x 2 families, "
+          f"widths from {scaling.WIDTHS[0]})")
+
+
+if __name__ == "__main__":
+    main()

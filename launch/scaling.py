@@ -1,0 +1,295 @@
+"""moe-scaling: plan, run and fit a scaling-law sweep, and predict the compute-optimal run.
+
+    moe-scaling plan CONFIG --budgets 3e13,1e14,3e14 [--sizes 5] [--families dense,moe]
+                     [--experts 8,16] [--out SWEEP] [--allow-repeat] [key=value ...]
+    moe-scaling run SWEEP [--jobs K]
+    moe-scaling fit SWEEP
+    moe-scaling predict SWEEP --budget C [--family moe] [--write-config OUT.yaml]
+
+The definitions (N, D, C, the ladder, the learning-rate rule) and the fits are documented in
+``moe/tools/scaling.py`` and docs/scaling.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from launch.cli import exits_cleanly
+from launch.finish import SUMMARY_FILE
+from moe.config.run import RunConfig, load_config
+from moe.config_schema import from_dict, to_dict
+from moe.errors import ScalingError
+from moe.fileio import write_atomic
+from moe.tools import scaling, scaling_report
+
+SWEEP_FILE = "sweep.json"
+STOP_GRACE_S = 120
+"""After a TERM or INT, launches still running this long (saving takes seconds) are killed."""
+
+
+def _base(cfg: RunConfig) -> scaling.Base:
+    from data_pipeline.prepare import prepare
+    from data_pipeline.shards import read_manifest
+
+    prepare(cfg.data)  # a no-op when prepared from the same data config
+    manifest = read_manifest(cfg.data.dir, cfg.data.s3)
+    model = cfg.model
+    if model.vocab_size is None:
+        model.vocab_size = int(manifest.tokenizer["vocab_size"])
+    t = cfg.train
+    return scaling.Base(model=model, seq_len=cfg.data.seq_len, world_size=cfg.parallel.world_size,
+                        micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
+                        lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                        corpus_tokens=manifest.splits["train"].tokens)
+
+
+def run_config(base: dict, run: scaling.PlannedRun, model: dict, sweep_dir: Path) -> dict:
+    """The full run config of one planned run, from the base config's dict."""
+    d = json.loads(json.dumps(base))
+    d.update(name=run.name, output_dir=str(sweep_dir / "runs"))
+    d["model"] = model
+    d["train"].update(max_steps=run.steps, micro_batch_size=run.micro_batch_size,
+                      grad_accum_steps=run.grad_accum_steps,
+                      lr=run.lr, min_lr=run.min_lr, warmup_steps=run.warmup_steps)
+    if run.family == "dense":
+        d["parallel"]["expert_parallel_size"] = 1
+    return d
+
+
+def plan(args) -> None:
+    cfg = load_config(args.config, args.overrides)
+    base = _base(cfg)
+    budgets = _numbers(args.budgets, "--budgets", float)
+    experts = _numbers(args.experts, "--experts", int) if args.experts else None
+    widths = _numbers(args.widths, "--widths", int) if args.widths else None
+    runs, models = scaling.plan_sweep(base, budgets, args.sizes, args.families.split(","),
+                                      experts, widths, args.allow_repeat)
+    out = Path(args.out or f"sweeps/{cfg.name}")
+    if (out / SWEEP_FILE).exists() and not args.force:
+        raise ScalingError(f"{out / SWEEP_FILE} exists: a sweep is planned there already "
+                           "(--force replaces its plan; finished runs of the same name are kept)")
+    base_dict = to_dict(cfg)
+    for run in runs:
+        d = run_config(base_dict, run, to_dict(models[run.name]), out.resolve())
+        from_dict(RunConfig, d, source=run.name)  # every config valid before anything is written
+        write_atomic(out / "configs" / f"{run.name}.yaml", yaml.safe_dump(d, sort_keys=False))
+    write_atomic(out / "plan.md", scaling.run_table(runs))
+    write_atomic(out / SWEEP_FILE, json.dumps({
+        "config": str(Path(args.config).resolve()), "overrides": args.overrides,
+        "budgets": budgets, "families": args.families.split(","), "experts": experts,
+        "runs": [scaling.planned_run_to_dict(r) for r in runs]}, indent=1))
+    print(scaling.run_table(runs))
+    total = sum(r.flops for r in runs)
+    print(f"{len(runs)} runs, {total:.3e} FLOPs in all; sweep in {out}\n"
+          f"next: moe-scaling run {out}")
+
+
+def _numbers(text: str, flag: str, kind) -> list:
+    try:
+        values = [kind(float(v)) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ScalingError(f"{flag} {text!r}: expected numbers separated by commas") from None
+    if not values or any(v <= 0 for v in values):
+        raise ScalingError(f"{flag} {text!r}: expected positive numbers")
+    return values
+
+
+def load_sweep(sweep_dir: Path) -> tuple[dict, list[scaling.PlannedRun]]:
+    try:
+        sweep = json.loads((sweep_dir / SWEEP_FILE).read_text())
+    except FileNotFoundError:
+        raise ScalingError(f"{sweep_dir / SWEEP_FILE}: no sweep planned there "
+                           "(moe-scaling plan CONFIG --budgets ... --out DIR)") from None
+    except (OSError, ValueError) as e:
+        raise ScalingError(f"{sweep_dir / SWEEP_FILE}: unreadable ({e})") from None
+    return sweep, [scaling.planned_run_from_dict(r) for r in sweep["runs"]]
+
+
+def finished(sweep_dir: Path, run: scaling.PlannedRun) -> dict | None:
+    """The final evaluation of a run that trained all its steps, or None."""
+    run_dir = sweep_dir / "runs" / run.name
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        result = json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+    if summary.get("steps") != run.steps or not str(summary.get("checkpoint")).endswith(
+            f"step_{run.steps:07d}"):
+        return None
+    return result
+
+
+def run(args) -> None:
+    sweep_dir = Path(args.sweep)
+    _, runs = load_sweep(sweep_dir)
+    todo = [r for r in runs if finished(sweep_dir, r) is None]
+    done_flops = sum(r.flops for r in runs if r not in todo)
+    total = sum(r.flops for r in runs)
+    print(f"{len(runs) - len(todo)} of {len(runs)} runs finished; {len(todo)} to run, "
+          f"{args.jobs} at a time (logs in {sweep_dir / 'logs'})")
+    failed = _run_all(sweep_dir, todo, args.jobs, done_flops, total, len(runs) - len(todo),
+                      len(runs))
+    if failed:
+        raise ScalingError(f"{len(failed)} run(s) failed: " + ", ".join(
+            f"{name} (exit {rc}, log {sweep_dir / 'logs' / (name + '.log')})"
+            for name, rc in failed) + f"; the rest finished. Run `moe-scaling run {sweep_dir}` "
+            "again to retry them (they resume from their checkpoints)")
+    print(f"every run finished; next: moe-scaling fit {sweep_dir}")
+
+
+def _run_all(sweep_dir, todo, jobs, done_flops, total, done, count) -> list[tuple[str, int]]:
+    """Run ``todo`` through moe-launch, ``jobs`` at a time, with one progress line over the
+    sweep; returns the failed runs. A TERM or INT is passed on to the running launches (they
+    save and stop) before this returns."""
+    from tqdm import tqdm
+
+    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
+    pending, running, failed = list(todo), {}, []
+    bar = tqdm(total=total, initial=done_flops, unit="FLOP", unit_scale=True, desc="sweep",
+               file=sys.stdout, disable=None)
+    stop, stop_time = [], []
+
+    def on_signal(signum, _frame):
+        # Every launch runs in its own process group: the signal reaches its ranks as well,
+        # which save on the signals checkpoint.save_on_signals names and stop on the others.
+        stop.append(signum)
+        stop_time.append(time.monotonic())
+        for proc, _ in running.values():
+            _signal_group(proc, signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while pending or running:
+            while pending and len(running) < jobs and not stop:
+                r = pending.pop(0)
+                log = open(sweep_dir / "logs" / f"{r.name}.log", "ab")
+                cmd = [sys.executable, "-m", "launch.launch",
+                       str(sweep_dir / "configs" / f"{r.name}.yaml")]
+                running[r.name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True), r)
+                log.close()
+            for name, (proc, r) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[name]
+                if proc.returncode == 0 and finished(sweep_dir, r) is not None:
+                    done += 1
+                    bar.update(r.flops)
+                elif not stop:
+                    failed.append((name, proc.returncode))
+                bar.set_postfix_str(f"runs {done}/{count}")
+            if stop and running and time.monotonic() - stop_time[0] > STOP_GRACE_S:
+                for proc, _ in running.values():
+                    _signal_group(proc, signal.SIGKILL)
+            if stop and not running:
+                raise ScalingError(f"stopped by signal {stop[0]}; {done} of {count} runs finished "
+                                   f"(moe-scaling run {sweep_dir} resumes the rest)")
+            time.sleep(0.5)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        bar.close()
+    return failed
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def results(sweep_dir: Path) -> list[dict]:
+    """Each finished run's plan and final validation loss."""
+    _, runs = load_sweep(sweep_dir)
+    out = []
+    for r in runs:
+        ev = finished(sweep_dir, r)
+        if ev is not None:
+            out.append({**scaling.planned_run_to_dict(r), "loss": float(ev["loss"])})
+    if not out:
+        raise ScalingError(f"{sweep_dir}: no finished run to fit ({len(runs)} planned; "
+                           f"moe-scaling run {sweep_dir})")
+    return out
+
+
+def fit(args) -> None:
+    sweep_dir = Path(args.sweep)
+    analysis = scaling_report.analyse(results(sweep_dir), bootstrap=args.bootstrap)
+    paths = scaling_report.write_report(analysis, sweep_dir / "report")
+    for w in analysis["warnings"]:
+        print(f"warning: {w}")
+    print(scaling_report.summary(analysis))
+    print(f"report: {paths['markdown']}\nplot:   {paths['plot']}")
+
+
+def predict(args) -> None:
+    sweep_dir = Path(args.sweep)
+    sweep, runs = load_sweep(sweep_dir)
+    analysis = scaling_report.analyse(results(sweep_dir), bootstrap=args.bootstrap)
+    pred = scaling_report.predict(analysis, args.family, args.budget)
+    print(scaling_report.prediction_text(pred))
+    if args.write_config:
+        cfg = load_config(sweep["config"], sweep["overrides"])
+        base = _base(cfg)
+        model = scaling.shape_for_width(base.model, pred["width"], args.family,
+                                        pred.get("experts") or None)
+        r = scaling._run_for(base, model, args.family, args.budget, Path(args.write_config).stem)
+        d = run_config(to_dict(cfg), r, to_dict(model), Path(cfg.output_dir).resolve())
+        d["output_dir"] = cfg.output_dir
+        from_dict(RunConfig, d, source=args.write_config)
+        write_atomic(Path(args.write_config), yaml.safe_dump(d, sort_keys=False))
+        print(f"config: {args.write_config} (width {r.width}, {r.active_params:,} active "
+              f"parameters, {r.tokens:,} tokens, {r.steps} steps; moe-plan "
+              f"{args.write_config} lays it out on GPUs)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-scaling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    pl = sub.add_parser("plan", help="write a sweep: a ladder of shapes per budget and family")
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*", help="key=value changes to the base config")
+    pl.add_argument("--budgets", required=True, help="training FLOPs per run, e.g. 3e13,1e14")
+    pl.add_argument("--sizes", type=int, default=5, help="model sizes per budget and family")
+    pl.add_argument("--families", default="dense,moe")
+    pl.add_argument("--experts", help="expert counts of the MoE family (default: the config's)")
+    pl.add_argument("--widths", help="the ladder's widths, instead of the rule's")
+    pl.add_argument("--out", help="the sweep directory (default: sweeps/NAME)")
+    pl.add_argument("--allow-repeat", action="store_true",
+                    help="allow runs that train on the corpus more than once")
+    pl.add_argument("--force", action="store_true", help="replace an existing plan")
+    r = sub.add_parser("run", help="train every unfinished run through moe-launch")
+    r.add_argument("sweep")
+    r.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    for name, text in (("fit", "fit the laws and write the report"),
+                       ("predict", "the compute-optimal run of a budget")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("sweep")
+        s.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples")
+        if name == "predict":
+            s.add_argument("--budget", type=float, required=True)
+            s.add_argument("--family", choices=scaling.FAMILIES, default="moe")
+            s.add_argument("--write-config", help="write a run config of the predicted shape")
+    return p
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if getattr(args, "jobs", 1) < 1:
+        raise ScalingError(f"--jobs {args.jobs}: must be at least 1")
+    {"plan": plan, "run": run, "fit": fit, "predict": predict}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

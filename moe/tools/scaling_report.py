@@ -1,0 +1,212 @@
+"""The analysis of a finished scaling sweep: the fits of ``moe/tools/scaling.py`` applied to
+every family, predictions for a budget, and the report (markdown and one PNG)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from moe.errors import ScalingError
+from moe.fileio import write_atomic
+from moe.tools import scaling
+
+
+def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0) -> dict:
+    """Per family: the IsoFLOP minimum of each budget, the power laws through them, the
+    parametric law with bootstrap fits and the FLOPs per token per parameter (k); for MoE the
+    compute multiplier against dense and, with several expert counts, the expert law."""
+    by_family: dict[str, list[dict]] = defaultdict(list)
+    for r in results:
+        by_family[r["family"]].append(r)
+    out: dict = {"families": {}, "warnings": [], "results": results}
+    for family, runs in sorted(by_family.items()):
+        out["families"][family] = _analyse_family(family, runs, bootstrap, seed, out["warnings"])
+    dense, moe = out["families"].get("dense"), out["families"].get("moe")
+    if dense and moe and dense.get("fit"):
+        law = dense["fit"].law
+        moe["multiplier"] = {m.budget: scaling.compute_multiplier(law, dense["k"], m.loss_opt, m.budget)
+                             for m in moe["minima"]}
+        if moe.get("fit"):
+            boot = dense["fit"].boot
+            moe["multiplier_interval"] = {
+                m.budget: tuple(np.percentile([scaling.compute_multiplier(b, dense["k"], m.loss_opt,
+                                                                          m.budget)
+                                               for b in boot], (2.5, 97.5)).tolist())
+                for m in moe["minima"]} if boot else {}
+    return out
+
+
+def _analyse_family(family, runs, bootstrap, seed, warnings) -> dict:
+    by_budget: dict[float, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_budget[r["budget"]].append(r)
+    minima = []
+    for budget, rs in sorted(by_budget.items()):
+        if len(rs) < 3:
+            warnings.append(f"{family}, budget {budget:.3g}: {len(rs)} finished runs, no minimum "
+                            "(a parabola needs 3)")
+            continue
+        rs = sorted(rs, key=lambda r: r["active_params"])
+        m = scaling.isoflop_minimum(budget, [r["active_params"] for r in rs], [r["loss"] for r in rs])
+        if m.at_edge:
+            warnings.append(f"{family}, budget {budget:.3g}: the loss is lowest at the edge of the "
+                            f"ladder (N {rs[0]['active_params']:,} to {rs[-1]['active_params']:,}); "
+                            "the optimum may lie outside it: add sizes on that side")
+        minima.append(m)
+    k = float(np.median([r["flops"] / (r["tokens"] * r["active_params"]) for r in runs]))
+    fam: dict = {"runs": runs, "minima": minima, "k": k}
+    if len(minima) >= 2:
+        fam["n_law"] = scaling.power_law([m.budget for m in minima], [m.n_opt for m in minima])
+        fam["d_law"] = scaling.power_law([m.budget for m in minima],
+                                         [m.budget / (k * m.n_opt) for m in minima])
+    if len(runs) >= 5:
+        fam["fit"] = scaling.fit_parametric([r["active_params"] for r in runs],
+                                            [r["tokens"] for r in runs], [r["loss"] for r in runs],
+                                            bootstrap=bootstrap, seed=seed)
+    else:
+        warnings.append(f"{family}: {len(runs)} finished runs; the parametric law needs 5")
+    if family == "moe" and len({r["experts"] for r in runs}) >= 2:
+        fam["expert_law"] = scaling.clark_law([r["active_params"] for r in runs],
+                                              [r["experts"] for r in runs], [r["loss"] for r in runs])
+    return fam
+
+
+def predict(analysis: dict, family: str, budget: float) -> dict:
+    """The compute-optimal N, D and loss of ``budget`` for ``family`` from its parametric law,
+    with 95% bootstrap intervals, and the ladder width whose N is nearest."""
+    fam = analysis["families"].get(family)
+    if fam is None:
+        raise ScalingError(f"the sweep has no finished {family} run")
+    if "fit" not in fam:
+        raise ScalingError(f"{family}: {len(fam['runs'])} finished runs; a prediction needs the "
+                           "parametric law, which needs 5")
+    fit, k = fam["fit"], fam["k"]
+    n, d, loss = fit.law.optimum(budget, k)
+    out = {"family": family, "budget": budget, "n_opt": n, "d_opt": d, "loss": loss,
+           "n_interval": fit.interval(lambda b: b.optimum(budget, k)[0]),
+           "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
+           "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2])}
+    runs = fam["runs"]
+    a, b = scaling.power_law([r["width"] for r in runs], [r["active_params"] for r in runs])
+    out["width"] = min(scaling.WIDTHS, key=lambda w: abs(math.log(a * w ** b / n)))
+    if family == "moe":
+        best = min(runs, key=lambda r: (abs(math.log(r["budget"] / budget)), r["loss"]))
+        out["experts"] = best["experts"]
+    budgets = sorted({r["budget"] for r in runs})
+    if budget > 10 * budgets[-1]:
+        analysis["warnings"].append(f"{budget:.3g} is {budget / budgets[-1]:.0f}x the sweep's "
+                                    "largest budget: the interval is only as good as the law")
+    return out
+
+
+def prediction_text(p: dict) -> str:
+    lo, hi = p["n_interval"]
+    dlo, dhi = p["d_interval"]
+    llo, lhi = p["loss_interval"]
+    lines = [f"{p['family']} at {p['budget']:.3g} FLOPs:",
+             f"  active parameters N  {p['n_opt']:.4g}  (95%: {lo:.4g} to {hi:.4g})",
+             f"  tokens D             {p['d_opt']:.4g}  (95%: {dlo:.4g} to {dhi:.4g})",
+             f"  tokens per parameter {p['d_opt'] / p['n_opt']:.1f}",
+             f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})",
+             f"  nearest ladder width {p['width']}"]
+    if p.get("experts"):
+        lines.append(f"  experts              {p['experts']}")
+    return "\n".join(lines)
+
+
+def summary(analysis: dict) -> str:
+    lines = []
+    for family, fam in analysis["families"].items():
+        lines.append(f"{family}: {len(fam['runs'])} runs, {len(fam['minima'])} budgets with a minimum")
+        for m in fam["minima"]:
+            mult = fam.get("multiplier", {}).get(m.budget)
+            lines.append(f"  C {m.budget:.3g}: N_opt {m.n_opt:.4g}, loss {m.loss_opt:.4f}"
+                         + (" (edge of the ladder)" if m.at_edge else "")
+                         + (f", compute multiplier vs dense {mult:.2f}x" if mult is not None else ""))
+        if "n_law" in fam:
+            lines.append(f"  N_opt = {fam['n_law'][0]:.3g} C^{fam['n_law'][1]:.3f}, "
+                         f"D_opt = {fam['d_law'][0]:.3g} C^{fam['d_law'][1]:.3f}")
+        if "fit" in fam:
+            law = fam["fit"].law
+            a_lo, a_hi = fam["fit"].interval(lambda b: b.alpha)
+            b_lo, b_hi = fam["fit"].interval(lambda b: b.beta)
+            lines.append(f"  L = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^"
+                         f"{law.beta:.3f}  (alpha 95%: {a_lo:.3f}-{a_hi:.3f}, beta: "
+                         f"{b_lo:.3f}-{b_hi:.3f})")
+        if "expert_law" in fam:
+            e = fam["expert_law"]
+            lines.append(f"  log L = {e['a']:.4f} log N + {e['b']:.4f} log E + {e['c']:.5f} "
+                         f"log N log E + {e['d']:.3f}  (Clark et al. 2022)")
+    return "\n".join(lines)
+
+
+def write_report(analysis: dict, out_dir: Path) -> dict[str, Path]:
+    """report.md (tables, fits, warnings) and scaling.png: IsoFLOP curves with their minima, the
+    fitted frontier with its 95% band, the residuals of the parametric law, and the MoE/dense
+    compute multiplier per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(2, 2, figsize=(12, 9))
+    colors = {"dense": "tab:blue", "moe": "tab:orange"}
+    for family, fam in analysis["families"].items():
+        c = colors.get(family, "k")
+        for m in fam["minima"]:
+            rs = [r for r in fam["runs"] if r["budget"] == m.budget]
+            n = np.array([r["active_params"] for r in rs])
+            ax[0, 0].scatter(n, [r["loss"] for r in rs], color=c, s=14)
+            x = np.linspace(np.log(n.min()), np.log(n.max()), 50)
+            ax[0, 0].plot(np.exp(x), np.polyval(m.coeffs, x), color=c, alpha=0.6)
+            ax[0, 0].scatter([m.n_opt], [m.loss_opt], color=c, marker="*", s=120,
+                             edgecolor="k")
+        budgets = np.array(sorted({r["budget"] for r in fam["runs"]}))
+        if "fit" in fam and len(budgets):
+            grid = np.geomspace(budgets.min(), budgets.max() * 10, 40)
+            opt = np.array([fam["fit"].law.optimum(C, fam["k"])[0] for C in grid])
+            band = np.array([np.percentile([b.optimum(C, fam["k"])[0] for b in fam["fit"].boot]
+                                           or [o], (2.5, 97.5)) for C, o in zip(grid, opt)])
+            ax[0, 1].plot(grid, opt, color=c, label=f"{family} law")
+            ax[0, 1].fill_between(grid, band[:, 0], band[:, 1], color=c, alpha=0.2)
+            law = fam["fit"].law
+            res = [np.log(law.loss(r["active_params"], r["tokens"])) - np.log(r["loss"])
+                   for r in fam["runs"]]
+            ax[1, 0].scatter([r["active_params"] for r in fam["runs"]], res, color=c, s=14,
+                             label=family)
+        ax[0, 1].scatter([m.budget for m in fam["minima"]], [m.n_opt for m in fam["minima"]],
+                         color=c, marker="*", s=80)
+        if "multiplier" in fam:
+            items = sorted(fam["multiplier"].items())
+            ax[1, 1].plot([b for b, _ in items], [v for _, v in items], "o-", color=c)
+    ax[0, 0].set(xscale="log", xlabel="active parameters N", ylabel="final validation loss",
+                 title="IsoFLOP curves (stars: minima)")
+    ax[0, 1].set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel="N_opt",
+                 title="compute-optimal size (band: 95% bootstrap)")
+    ax[1, 0].axhline(0, color="k", lw=0.5)
+    ax[1, 0].set(xscale="log", xlabel="N", ylabel="log predicted - log measured",
+                 title="residuals of L(N, D)")
+    ax[1, 1].axhline(1, color="k", lw=0.5)
+    ax[1, 1].set(xscale="log", xlabel="budget C", ylabel="dense FLOPs / MoE FLOPs",
+                 title="MoE compute multiplier")
+    for a in (ax[0, 1], ax[1, 0]):
+        if a.get_legend_handles_labels()[0]:
+            a.legend()
+    fig.tight_layout()
+    plot = out_dir / "scaling.png"
+    fig.savefig(plot, dpi=90)
+    plt.close(fig)
+    md = ["# Scaling sweep", "", "## Fits", "", "```", summary(analysis), "```", ""]
+    if analysis["warnings"]:
+        md += ["## Warnings", ""] + [f"- {w}" for w in analysis["warnings"]] + [""]
+    md += ["## Runs", "", "| run | family | budget | N | tokens | loss |", "| --- | --- | --- | --- | --- | --- |"]
+    md += [f"| {r['name']} | {r['family']} | {r['budget']:.3g} | {r['active_params']:,} "
+           f"| {r['tokens']:,} | {r['loss']:.4f} |" for r in analysis["results"]]
+    md += ["", "![scaling](scaling.png)", ""]
+    markdown = out_dir / "report.md"
+    write_atomic(markdown, "\n".join(md))
+    return {"markdown": markdown, "plot": plot}

@@ -1,0 +1,172 @@
+"""Scaling-law planning and fits (moe/tools/scaling.py, moe/tools/scaling_report.py) on
+synthetic losses whose constants are known."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from moe.errors import ScalingError
+from moe.model.size import flops_per_token
+from moe.model.transformer import ModelConfig
+from moe.tools import scaling, scaling_report
+from moe.tools.scaling import Law
+
+TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
+
+
+def synthetic(noise: float, seed: int = 1):
+    """A 40-point grid (8 sizes x 5 token counts) of TRUE's losses with relative noise."""
+    rng = np.random.default_rng(seed)
+    n, d = (a.ravel() for a in np.meshgrid(np.geomspace(1e7, 1e10, 8), np.geomspace(1e9, 1e12, 5)))
+    return n, d, TRUE.loss(n, d) * (1 + noise * rng.standard_normal(n.size))
+
+
+def test_the_parametric_fit_recovers_known_constants_with_bootstrap_intervals():
+    n, d, loss = synthetic(0.01)
+    fit = scaling.fit_parametric(n, d, loss, bootstrap=40)
+    assert abs(fit.law.alpha - TRUE.alpha) < 0.02
+    assert abs(fit.law.beta - TRUE.beta) < 0.02
+    lo, hi = fit.interval(lambda b: b.alpha)
+    assert lo <= TRUE.alpha <= hi
+    lo, hi = fit.interval(lambda b: b.beta)
+    assert lo <= TRUE.beta <= hi
+    assert len(fit.boot) == 40 and len({round(b.alpha, 6) for b in fit.boot}) > 5
+
+
+def test_the_compute_optimum_is_the_minimum_along_the_budget():
+    k, budget = 6.0, 1e21
+    n_opt, d_opt, loss = TRUE.optimum(budget, k)
+    assert math.isclose(k * n_opt * d_opt, budget, rel_tol=1e-9)
+    for f in (0.7, 0.9, 1.1, 1.4):  # any other split of the same compute is worse
+        n = n_opt * f
+        assert TRUE.loss(n, budget / (k * n)) > loss
+
+
+def test_isoflop_minimum_and_the_edge_of_the_ladder():
+    budget, k = 1e20, 6.0
+    n_opt = TRUE.optimum(budget, k)[0]
+    inside = n_opt * np.array([0.25, 0.5, 1.0, 2.0, 4.0])
+    m = scaling.isoflop_minimum(budget, inside, TRUE.loss(inside, budget / (k * inside)))
+    assert not m.at_edge and abs(math.log(m.n_opt / n_opt)) < 0.1
+    beyond = n_opt * np.array([4.0, 8.0, 16.0, 32.0])  # every size larger than the optimum
+    m = scaling.isoflop_minimum(budget, beyond, TRUE.loss(beyond, budget / (k * beyond)))
+    assert m.at_edge
+    runs = [{"name": f"r{i}", "family": "dense", "budget": budget, "active_params": float(x),
+             "tokens": budget / (k * x), "flops": budget, "width": 64 * (i + 1), "experts": 0,
+             "loss": float(TRUE.loss(x, budget / (k * x)))} for i, x in enumerate(beyond)]
+    analysis = scaling_report.analyse(runs, bootstrap=0)
+    assert any("edge of the ladder" in w for w in analysis["warnings"])
+
+
+def test_power_laws_through_the_minima():
+    budgets = np.geomspace(1e18, 1e22, 5)
+    a, b = scaling.power_law(budgets, 0.1 * budgets ** 0.5)
+    assert math.isclose(b, 0.5, rel_tol=1e-9) and math.isclose(a, 0.1, rel_tol=1e-6)
+
+
+def test_compute_multiplier():
+    k, budget = 6.0, 1e20
+    # A MoE that reaches exactly dense's optimal loss at the same budget saves nothing ...
+    assert math.isclose(scaling.compute_multiplier(TRUE, k, TRUE.optimum(budget, k)[2], budget),
+                        1.0, rel_tol=1e-6)
+    # ... one that reaches dense's optimal loss of 3x the budget saves 3x.
+    better = TRUE.optimum(3 * budget, k)[2]
+    assert math.isclose(scaling.compute_multiplier(TRUE, k, better, budget), 3.0, rel_tol=1e-5)
+    assert scaling.compute_multiplier(TRUE, k, TRUE.E * 0.99, budget) == math.inf
+
+
+def test_expert_law_recovers_its_constants():
+    rng = np.random.default_rng(0)
+    n = np.repeat(np.geomspace(1e6, 1e8, 6), 3)
+    e = np.tile([4, 16, 64], 6)
+    true = {"a": -0.08, "b": -0.03, "c": 0.001, "d": 2.4}
+    loss = np.exp(true["a"] * np.log(n) + true["b"] * np.log(e)
+                  + true["c"] * np.log(n) * np.log(e) + true["d"]) * (1 + 1e-4 * rng.standard_normal(n.size))
+    got = scaling.clark_law(n, e, loss)
+    for key, value in true.items():
+        assert abs(got[key] - value) < 2e-3 + 0.05 * abs(value)
+    with pytest.raises(ScalingError, match="two or more expert counts"):
+        scaling.clark_law(n, np.full(n.size, 8), loss)
+
+
+def base(corpus_tokens: int = 10 ** 12) -> scaling.Base:
+    model = ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
+    model = replace(model, moe=replace(model.moe, num_experts=16, expert_hidden=256,
+                                       num_shared_experts=1,
+                                       router=replace(model.moe.router, top_k=3)))
+    return scaling.Base(model=model, seq_len=256, world_size=2, micro_batch_size=8,
+                        grad_accum_steps=1, lr=3e-3, min_lr=3e-4, warmup_steps=20,
+                        corpus_tokens=corpus_tokens)
+
+
+@pytest.mark.parametrize("budgets", [[3e13, 1e14, 3e14], [1e15, 1e16], [5e12]])
+def test_planned_runs_spend_their_budget_within_two_percent(budgets):
+    runs, models = scaling.plan_sweep(base(), budgets, 5, ["dense", "moe"])
+    assert {r.family for r in runs} == {"dense", "moe"}
+    assert len(runs) == len(budgets) * 2 * 5
+    for r in runs:
+        assert abs(r.flops / r.budget - 1) <= 0.02, r
+        cfg = models[r.name]
+        # the FLOPs are the project's own count of the shape that will be trained
+        assert math.isclose(r.flops, r.tokens * flops_per_token(cfg, 256)["training"])
+        assert r.tokens == r.steps * r.batch_sequences * 256
+        assert r.batch_sequences == r.micro_batch_size * r.grad_accum_steps * 2
+        assert r.steps >= scaling.MIN_STEPS
+        assert cfg.ffn == r.family and cfg.d_model % cfg.n_heads == 0
+    # equal active parameters: each dense run has its MoE twin's N (up to the router)
+    dense = {(r.budget, r.width): r.active_params for r in runs if r.family == "dense"}
+    for r in runs:
+        if r.family == "moe":
+            router = models[r.name].n_layers * 16 * r.width
+            assert r.active_params - router == dense[(r.budget, r.width)]
+
+
+def test_the_ladder_is_centred_on_the_rule_of_thumb_optimum():
+    for budget in (1e14, 1e16, 1e18):
+        runs, _ = scaling.plan_sweep(base(), [budget], 5, ["dense"])
+        n = sorted(r.active_params for r in runs)
+        target = math.sqrt(budget / 120)
+        assert n[0] < target < n[-1] or n[0] == min(n)  # bracketed unless the ladder ends
+        assert sorted({r.width for r in runs}) == [r.width for r in sorted(runs, key=lambda r: r.width)]
+
+
+def test_bad_budgets_and_corpora_are_refused_with_numbers():
+    with pytest.raises(ScalingError) as e:
+        scaling.plan_sweep(base(), [1e9], 3, ["dense"], widths=[256])
+    assert "buys" in str(e.value) and "at least 25 steps" in str(e.value)
+    with pytest.raises(ScalingError) as e:
+        scaling.plan_sweep(base(corpus_tokens=1_000_000), [1e15], 3, ["dense"])
+    assert "epochs of the prepared corpus (1,000,000 training tokens)" in str(e.value)
+    runs, _ = scaling.plan_sweep(base(corpus_tokens=1_000_000), [1e15], 3, ["dense"],
+                                 allow_repeat=True)
+    assert max(r.epochs for r in runs) > 1
+    with pytest.raises(ScalingError, match="at least 3 sizes"):
+        scaling.plan_sweep(base(), [1e15], 2, ["dense"])
+    with pytest.raises(ScalingError, match="not among"):
+        scaling.plan_sweep(base(), [1e15], 3, ["sparse"])
+
+
+def test_a_prediction_carries_intervals_and_a_ladder_width():
+    runs, budget_k = [], 6.0
+    rng = np.random.default_rng(3)
+    for budget in (1e18, 3e18, 1e19):
+        n_opt = TRUE.optimum(budget, budget_k)[0]
+        for f, width in zip((0.25, 0.5, 1, 2, 4), (256, 384, 512, 768, 1024)):
+            n = n_opt * f
+            d = budget / (budget_k * n)
+            runs.append({"name": f"{budget}-{f}", "family": "dense", "budget": budget,
+                         "active_params": n, "tokens": d, "flops": budget, "width": width,
+                         "experts": 0,
+                         "loss": float(TRUE.loss(n, d) * (1 + 0.003 * rng.standard_normal()))})
+    analysis = scaling_report.analyse(runs, bootstrap=20)
+    p = scaling_report.predict(analysis, "dense", 1e20)
+    n_true, d_true, l_true = TRUE.optimum(1e20, budget_k)
+    assert p["n_interval"][0] < p["n_opt"] < p["n_interval"][1]
+    assert abs(math.log(p["n_opt"] / n_true)) < 0.5 and abs(p["loss"] / l_true - 1) < 0.02
+    assert p["width"] in scaling.WIDTHS
+    with pytest.raises(ScalingError, match="no finished moe run"):
+        scaling_report.predict(analysis, "moe", 1e20)
