@@ -18,7 +18,7 @@ import pytest
 from moe.training.resilience.watchdog import hang_file, hang_records_file
 from tests.conftest import tiny_run_dict
 from tests.helpers.fault_runs import ROOT, write_run_config
-from tests.integration.launch_checks import steps
+from tests.integration.launch_checks import steps, training_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -40,18 +40,6 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int, rank: int = 0)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.time() < deadline, f"rank {rank} did not reach step {n}"
         time.sleep(0.05)
-
-
-def rank_processes(proc: subprocess.Popen) -> dict[int, psutil.Process]:
-    """The training ranks (launch.train) under moe-launch, by rank."""
-    out = {}
-    for p in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if "launch.train" in p.cmdline():
-                out[int(p.environ()["RANK"])] = p
-        except psutil.Error:
-            continue
-    return out
 
 
 def alive(pids) -> list[int]:
@@ -77,7 +65,7 @@ def test_a_frozen_rank_is_named_by_the_healthy_one_and_killed(tiny_data, tmp_pat
                           hang_timeout_s=HANG_TIMEOUT_S)
     proc = start(cfg)
     wait_for_steps(proc, run_dir, 3, rank=1)
-    frozen = rank_processes(proc)[1]
+    frozen = training_ranks(proc.pid)[1]
     frozen.suspend()  # SIGSTOP
     t0 = time.monotonic()
     out, _ = proc.communicate(timeout=300)
@@ -114,7 +102,7 @@ def test_term_and_ctrl_c_save_and_exit_75_a_second_signal_stops_at_once(tiny_dat
     def interrupted(send, after_steps: int):
         proc = start(cfg)
         wait_for_steps(proc, run_dir, after_steps)
-        ranks = rank_processes(proc)
+        ranks = training_ranks(proc.pid)
         tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert len(ranks) == 2
         send(proc)

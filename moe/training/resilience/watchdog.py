@@ -17,7 +17,8 @@ those whose heartbeat stood still (stopped, frozen or gone: a SIGSTOP, a node lo
 alive but behind (stuck in computation or I/O). A store that does not answer names rank 0, the
 process that holds it.
 
-On a timeout each live rank appends its report (the stack of every thread, the last collective
+A rank that sees the alarm reports at once (its stacks; the verdict is the first rank's). On a
+timeout each live rank appends its report (the stack of every thread, the last collective
 it entered, the ranks that did not arrive) to ``RUN_DIR/logs/hang_rank{R}.txt`` and one JSON
 line to ``hangs_rank{R}.jsonl`` (read by the launcher to name the hung rank), logs one line,
 waits a little for its live peers' reports, and ends the process with :data:`HANG_EXIT_CODE`
@@ -231,9 +232,8 @@ class HangWatchdog(Hook):
         calls, inside = LAST.calls, not LAST.returned
         hb = self.heartbeats
         missing: dict[int, str] = {}
-        if hb is not None:
-            if alarm is None:
-                hb.raise_alarm()
+        if hb is not None and alarm is None:
+            hb.raise_alarm()
             first = hb.read()
             wait = 3 * self.poll
             self._pause(wait)
@@ -241,8 +241,9 @@ class HangWatchdog(Hook):
         self._report(idle, alarm, calls, missing)
         if hb is not None:
             hb.mark_reported()
-            live = [r for r in range(hb.world)
-                    if r not in missing or missing[r].startswith(ALIVE)]
+            # The first rank waits for every live peer's stacks; the others for its verdict.
+            live = ([r for r in range(hb.world) if r not in missing or missing[r].startswith(ALIVE)]
+                    if alarm is None else [alarm])
             end = time.monotonic() + 3 * self.poll
             while not hb.reported(live) and time.monotonic() < end:
                 self._pause(self.poll / 2)
@@ -257,6 +258,9 @@ class HangWatchdog(Hook):
         if missing:
             named = "; ".join(f"rank {r}: {reason}" for r, reason in missing.items())
             arrival = f"did not arrive at collective call {calls}: {named}"
+        elif alarm is not None and alarm != self.rank:
+            arrival = (f"which rank did not arrive: see the report of rank {alarm}, whose "
+                       f"watchdog fired first ({hang_file(self.path.parent, alarm).name})")
         elif self.heartbeats is None:
             arrival = "which rank did not arrive: unknown (no heartbeats in this run)"
         else:
