@@ -9,8 +9,13 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from launch.interrupts import LauncherSignals, catches, stop_session
+from launch.launch import run_to_end
+from launch.plan import Plan
+from moe.errors import LaunchError
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 
 def test_the_first_signal_saves_a_second_stopping_one_stops_at_once():
@@ -67,3 +72,24 @@ def test_stopping_a_session_kills_what_ignores_sigterm_and_keeps_the_exit_status
             assert p.status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             pass
+
+
+def _run(tmp_path, code: str, *args):
+    """run_to_end with "ranks" that are one small process running ``code``."""
+    plan = Plan(scheduler="local", command=[sys.executable, "-c", code, *map(str, args)],
+                run_dir=str(tmp_path), world_size=1)
+    run_to_end(plan, tmp_path, evaluate=False, max_restarts=0)
+
+
+def test_a_preemption_ends_moe_launch_with_75_and_a_failure_with_an_error(tmp_path, capsys):
+    saved = ("import json, sys; open(sys.argv[1], 'w').write(json.dumps({'step': 3, "
+             "'signal': 'SIGUSR1'})); sys.exit(75)")
+    with pytest.raises(SystemExit) as e:
+        _run(tmp_path, saved, tmp_path / PREEMPTED_MARKER)
+    assert e.value.code == PREEMPTED_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one message
+    assert ("launch: preempted (exit code 75, not a failure): training stopped on a preemption "
+            "signal and saved a checkpoint at step 3") in err
+    with pytest.raises(LaunchError, match="training failed: a rank"):  # moe-launch: exit 2
+        _run(tmp_path, "import sys; sys.exit(1)")

@@ -29,6 +29,11 @@ def _worker(rank, port, out_dir):
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     dist.barrier()
     assert LAST.name == "barrier" and LAST.returned
+    # A collective made of others (all_gather_object calls all_gather) counts once: the
+    # sequence numbers that ranks compare in a hang stay in step.
+    calls = LAST.calls
+    dist.all_gather_object([None, None], rank)
+    assert (LAST.name, LAST.calls, LAST.returned) == ("all_gather_object", calls + 1, True)
     if rank == 0:
         t0 = time.monotonic()
         try:
