@@ -166,7 +166,7 @@ def not_arrived(rank: int, calls: int, inside: bool, first: dict[int, dict | Non
             out[r] = "no heartbeat: it never reached the training loop, or is gone"
         elif before is not None and before["beat"] == now["beat"]:
             out[r] = (f"stopped responding: its heartbeat did not change in {waited_s:.1f}s "
-                      f"(last one {time.time() - now['time']:.1f}s ago; it was "
+                      f"(the last one, {time.time() - now['time']:.1f}s ago, said "
                       f"{_where(now)}): the process is stopped, frozen or gone")
         elif inside and now["calls"] < calls:
             out[r] = f"{ALIVE}: it is {_where(now)}"
