@@ -170,4 +170,8 @@ def stop_session(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
+    try:
+        proc.wait(timeout=KILL_AFTER_S)
+    except subprocess.TimeoutExpired:  # not a group leader, and it ignores SIGTERM
+        proc.kill()
+        proc.wait()
