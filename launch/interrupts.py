@@ -48,7 +48,9 @@ class LauncherSignals:
 
     def __enter__(self) -> LauncherSignals:
         for signum in HANDLED:
-            self._previous[signum] = signal.signal(signum, self._on_signal)
+            # An ignored signal stays ignored (nohup's SIGHUP, a background job's SIGINT).
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:

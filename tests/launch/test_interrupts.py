@@ -29,6 +29,19 @@ def test_the_first_signal_saves_a_second_stopping_one_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
 
 
+def test_an_ignored_signal_stays_ignored():
+    """Under nohup, a hang-up must not stop the run."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with LauncherSignals(signal.SIGUSR1) as s:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert s.received is None
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
 def test_without_a_save_signal_the_first_signal_stops():
     with LauncherSignals(None) as s:
         os.kill(os.getpid(), signal.SIGTERM)
