@@ -10,12 +10,18 @@ prints it (--dry-run) or prepares the data, writes the run directory (resolved c
 job files) and runs it: local, hostfile and mpi runs train to the end and evaluate the final
 checkpoint; slurm submits the job and prints its id (the job evaluates its final
 checkpoint itself, see launch/finish.py).
+
+Exit codes (docs/launching.md): 0 the run finished; 75 preempted: the ranks saved a checkpoint on
+a signal (to moe-launch or to them) and stopped, run the same command again to resume; 2 a
+failure or a refused config, with one message; 128+N stopped by signal N without a save (a
+second SIGTERM or Ctrl-C, or ``checkpoint.save_on_signals: []``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +31,7 @@ from data_pipeline.prepare import prepare
 from launch.cli import exits_cleanly
 from launch.elastic import Elastic
 from launch.finish import finish
+from launch.interrupts import LauncherSignals
 from launch.jobs import (
     JOBS_FILE,
     JobState,
@@ -44,7 +51,7 @@ from launch.schedulers import build_plan, plan_problems
 from launch.schedulers.slurm import job_log
 from launch.slurm_checks import check_submission
 from launch.supervise import run_with_restarts
-from moe.config.run import dump_config, load_config
+from moe.config.run import SIGNALS, dump_config, load_config
 from moe.errors import LaunchError
 from moe.fileio import write_atomic
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
@@ -52,18 +59,32 @@ from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MA
 JOB_COMMANDS = ("status", "cancel", "logs")
 
 
+def stopped(message: str, code: int):
+    """End moe-launch with ``code`` and one message (not an error: no "error:" prefix)."""
+    print(f"launch: {message}", file=sys.stderr, flush=True)
+    return SystemExit(code)
+
+
 def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
-               replan=None) -> None:
+               replan=None, save_signal: int | None = signal.SIGUSR1) -> None:
     """Run the plan to its end, restarting it after a failure up to ``max_restarts`` times
-    (launch/supervise.py); ``replan``: the next attempt's command (launch/elastic.py)."""
+    (launch/supervise.py); ``replan``: the next attempt's command (launch/elastic.py);
+    ``save_signal``: what the ranks get when moe-launch receives SIGTERM, SIGINT, SIGHUP or
+    SIGUSR1 (launch/interrupts.py; None: nothing saves on a signal, they are stopped)."""
     (run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # left by an earlier, requeued run
     print(f"launch: {plan.render().splitlines()[-1]}", flush=True)
 
     def preempted(rc: int) -> bool:
         return rc == PREEMPTED_EXIT_CODE or (run_dir / PREEMPTED_MARKER).exists()
 
-    rc = run_with_restarts(plan.command, plan.run_env(), run_dir, plan.world_size,
-                           max_restarts, preempted, replan)
+    with LauncherSignals(save_signal) as signals:
+        try:
+            rc = run_with_restarts(plan.command, plan.run_env(), run_dir, plan.world_size,
+                                   max_restarts, preempted, replan, signals)
+        except LaunchError:
+            if signals.received is None:
+                raise
+            rc = 1
     if preempted(rc):
         marker = run_dir / PREEMPTED_MARKER
         step = json.loads(marker.read_text()).get("step") if marker.exists() else None
@@ -72,8 +93,16 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
                  f"from step {step}" if step is not None else
                  f"before the first step, nothing to save; run the same command again to "
                  f"{'resume from ' + resume if resume else 'start'}")
-        raise LaunchError(f"preempted (exit code {PREEMPTED_EXIT_CODE}, not a failure): "
-                          f"training stopped on a preemption signal and {where}")
+        cause = f"on {signals.name} to moe-launch" if signals.received else "on a preemption signal"
+        raise stopped(f"preempted (exit code {PREEMPTED_EXIT_CODE}, not a failure): training "
+                      f"stopped {cause} and {where}", PREEMPTED_EXIT_CODE)
+    if signals.received is not None and rc != 0:
+        resume = newest_checkpoint(run_dir)
+        raise stopped(f"stopped by {signals.name} without saving (exit code "
+                      f"{128 + (signals.forced or signals.received)}); "
+                      f"{'the newest checkpoint is ' + resume if resume else 'no checkpoint yet'}; "
+                      f"per-rank logs in {run_dir / 'logs'}",
+                      128 + (signals.forced or signals.received))
     print("\n".join(finish(run_dir, evaluate)))
 
 
@@ -129,9 +158,11 @@ def launch(argv) -> None:
     if plan.submits:
         submit(plan, run_dir, job_log(cfg, run_dir))
     else:
+        saves_on = cfg.checkpoint.save_on_signals
         run_to_end(plan, run_dir, evaluate=not args.no_eval,
                    max_restarts=cfg.launch.max_restarts,
-                   replan=Elastic(cfg, plan.run_env()) if cfg.launch.elastic else None)
+                   replan=Elastic(cfg, plan.run_env()) if cfg.launch.elastic else None,
+                   save_signal=SIGNALS[saves_on[0]] if saves_on else None)
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:
@@ -265,10 +296,13 @@ def job_command(argv) -> None:
 @exits_cleanly
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in JOB_COMMANDS:
-        job_command(argv)
-    else:
-        launch(argv)
+    try:
+        if argv and argv[0] in JOB_COMMANDS:
+            job_command(argv)
+        else:
+            launch(argv)
+    except KeyboardInterrupt:  # Ctrl-C outside training (data preparation, evaluation)
+        raise stopped("interrupted (Ctrl-C)", 128 + signal.SIGINT) from None
 
 
 if __name__ == "__main__":

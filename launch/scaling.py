@@ -158,8 +158,8 @@ def _run_all(sweep_dir, todo, jobs, done_flops, total, done, count) -> list[tupl
     stop, stop_time = [], []
 
     def on_signal(signum, _frame):
-        # Every launch runs in its own process group: the signal reaches its ranks as well,
-        # which save on the signals checkpoint.save_on_signals names and stop on the others.
+        # Every launch runs in its own process group; moe-launch passes the signal on to its
+        # ranks, which save and stop (launch/interrupts.py).
         stop.append(signum)
         stop_time.append(time.monotonic())
         for proc, _ in running.values():
@@ -201,6 +201,20 @@ def _run_all(sweep_dir, todo, jobs, done_flops, total, done, count) -> list[tupl
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    if signum == signal.SIGKILL:
+        # moe-launch runs its ranks in a session of their own (launch/interrupts.py): killed,
+        # it could not stop them.
+        import psutil
+
+        try:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        for p in descendants:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
     try:
         os.killpg(proc.pid, signum)
     except ProcessLookupError:

@@ -7,7 +7,12 @@ about, are stopped here: once a rank's end is recorded (launch/rank.py) and the 
 ended within :data:`GRACE_S`, its whole process tree is terminated (DeepSpeed's multi-node runner
 then kills the remote ranks through pdsh). Then every rank starts again with the same command,
 which resumes from the newest complete checkpoint (``--resume auto``), up to
-``launch.max_restarts`` times. Each restart is printed and appended to
+``launch.max_restarts`` times. A training process that does not end within
+:data:`launch.interrupts.KILL_AFTER_S` of a rank's abnormal end (it ignores SIGTERM) is killed,
+a stopped one (SIGSTOP) at once. When hang watchdogs reported (exit 70), the failure names the
+rank they found missing from the collective, not the healthy rank whose watchdog fired.
+Signals to moe-launch (launch/interrupts.py) are acted on here, and end the run without a
+restart. Each restart is printed and appended to
 ``RUN_DIR/logs/restarts.jsonl``. The same failure (exit code or signal, whichever rank) at the
 same step twice in a row is not restarted again: it will most likely happen a third time.
 
@@ -25,9 +30,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from launch.interrupts import LauncherSignals, kill_unresponsive, stop_session
 from launch.rank import exits_file
 from moe.checkpoint.files import find_latest
 from moe.errors import LaunchError
+from moe.training.resilience.watchdog import HANG_EXIT_CODE, hang_records_file
 
 RESTARTS_FILE = "restarts.jsonl"
 GRACE_S = 10.0
@@ -44,6 +51,8 @@ class Failure:
     signal: str | None
     step: int
     """The step the rank was in: one after the last step it completed in this attempt."""
+    hang: str | None = None
+    """The hang watchdogs' verdict on ``rank``, which did not reach their collective."""
 
     @property
     def cause(self) -> str:
@@ -56,6 +65,8 @@ class Failure:
 
     def describe(self) -> str:
         who = f"rank {self.rank}" if self.rank is not None else "a rank (the launcher did not say which)"
+        if self.hang:
+            return f"{who} hung at step {self.step}: {self.hang}"
         return f"{who} exited with {self.cause} at step {self.step}"
 
 
@@ -103,6 +114,8 @@ class Attempt:
         self.world = world_size
         self.started = time.time() if started is None else started
         self.offsets = {r: self._size(exits_file(self.logs, r)) for r in range(world_size)}
+        self.hang_offsets = {r: self._size(hang_records_file(self.logs, r))
+                             for r in range(world_size)}
         if resumed_step is None:
             tag = newest_complete(run_dir)
             resumed_step = int(tag.rsplit("_", 1)[1]) if tag else 0
@@ -132,8 +145,28 @@ class Attempt:
                              default=self.resumed_step))
         return min(steps)
 
+    def hang(self) -> Failure | None:
+        """The rank the hang watchdogs of this attempt found missing from their collective
+        (the lowest, when several), with their verdict."""
+        reports = [h for r in range(self.world)
+                   for h in _read_jsonl(hang_records_file(self.logs, r), self.hang_offsets[r])]
+        named = {int(r): (why, h) for h in reports for r, why in h.get("missing", {}).items()}
+        if not named:
+            return None
+        rank = min(named)
+        why, h = named[rank]
+        reporters = sorted({h["rank"] for h in reports if str(rank) in h.get("missing", {})})
+        return Failure(rank, HANG_EXIT_CODE, None, h["step"],
+                       hang=f"{why}; it did not reach {h['collective']} (collective call "
+                            f"{h['call']}), reported by the hang watchdog of rank(s) "
+                            f"{', '.join(map(str, reporters))}; stacks of the live ranks in "
+                            f"{self.logs}/hang_rank*.txt")
+
     def failure(self, launcher_rc: int) -> Failure:
         ends = self.abnormal_ends()
+        hang = self.hang()
+        if hang is not None and ends and ends[0]["returncode"] == HANG_EXIT_CODE:
+            return hang
         if not ends:
             return Failure(None, launcher_rc, None, self.last_step(None) + 1)
         first = ends[0]
@@ -141,63 +174,47 @@ class Attempt:
                        self.last_step(first["rank"]) + 1)
 
 
-def stop_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """Terminate the launcher ``proc`` first (DeepSpeed's multi-node runner then kills its
-    remote ranks), then every descendant; kill what is left after ``timeout`` seconds. The
-    launcher itself is waited for through ``proc``: reaping it elsewhere would hide its exit
-    status."""
-    import psutil  # a DeepSpeed dependency
-
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    proc.terminate()
-    for p in descendants:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(descendants, timeout=timeout)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def run_attempt(command: list[str], env: dict, attempt: Attempt) -> int:
-    """Run the launcher once; stop it if it outlives a rank's abnormal end by :data:`GRACE_S`."""
-    proc = subprocess.Popen(command, env=env)
+def run_attempt(command: list[str], env: dict, attempt: Attempt,
+                signals: LauncherSignals | None = None) -> int:
+    """Run the launcher once; stop it if it outlives a rank's abnormal end by :data:`GRACE_S`.
+    ``signals``: the launcher runs in a session of its own and gets moe-launch's signals
+    through them."""
+    proc = subprocess.Popen(command, env=env, start_new_session=signals is not None)
     seen = None
     while proc.poll() is None:
         time.sleep(POLL_S)
+        if signals is not None:
+            if signals.forced is not None:
+                stop_session(proc)
+                break
+            signals.deliver(proc)
         if seen is None and attempt.abnormal_ends():
             seen = time.monotonic()
+        if seen is not None:
+            for line in kill_unresponsive(proc, time.monotonic() - seen):
+                print(line, flush=True)
         if seen is not None and time.monotonic() - seen > GRACE_S and proc.poll() is None:
             print(f"launch: a rank ended abnormally {GRACE_S:g}s ago and the launcher still "
                   f"runs: stopping every rank", flush=True)
-            stop_tree(proc)
+            stop_session(proc)
     return proc.wait()
 
 
 def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: int,
                       max_restarts: int, preempted,
-                      replan: Callable[[], Relaunch] | None = None) -> int:
+                      replan: Callable[[], Relaunch] | None = None,
+                      signals: LauncherSignals | None = None) -> int:
     """Run ``command`` until it succeeds, is preempted (``preempted(rc)`` true: returned at
     once) or has failed ``max_restarts + 1`` times (LaunchError). Returns its exit code.
     ``replan``: asked before each restart for the command and world size to restart with
-    (LaunchError: no restart)."""
+    (LaunchError: no restart). ``signals``: moe-launch's; once one arrived, the exit code is
+    returned whatever it is (the caller tells what happened)."""
     previous: Failure | None = None
     restart = 0
     while True:
         attempt = Attempt(run_dir, world_size)
-        rc = run_attempt(command, env, attempt)
-        if rc == 0 or preempted(rc):
+        rc = run_attempt(command, env, attempt, signals)
+        if rc == 0 or preempted(rc) or (signals is not None and signals.received is not None):
             return rc
         failure = attempt.failure(rc)
         logs = run_dir / "logs"

@@ -28,6 +28,7 @@ from moe.training.device import device_and_backend
 from moe.training.resilience.collectives import record_collectives
 from moe.training.resilience.faults import PlannedFaults
 from moe.training.resilience.preemption import Preempted, hold_signals
+from moe.training.resilience.watchdog import process_group_timeout_s
 from moe.training.trainer import train
 
 
@@ -70,9 +71,9 @@ def main(argv=None) -> None:
         logging.getLogger("moe.train").info(
             f"device: {where} (rank 0), backend {backend}, {env.world_size} rank(s), "
             f"{threads} thread(s) per rank")
-    # Collectives time out with the hang watchdog's setting (0: the process group's default),
-    # and the last one entered is recorded for the watchdog's report.
-    t = cfg.train.hang_timeout_s
+    # Collectives time out once the hang watchdog has reported (0: the process group's
+    # default), and the last one entered is recorded for the watchdog's report.
+    t = process_group_timeout_s(cfg.train.hang_timeout_s) if cfg.train.hang_timeout_s else 0
     record_collectives(env.rank, t)
     deepspeed.init_distributed(dist_backend=backend, verbose=False,
                                **({"timeout": timedelta(seconds=t)} if t else {}))

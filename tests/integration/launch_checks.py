@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import yaml
 
 
@@ -67,21 +68,27 @@ def steps(run_dir: Path, rank: int) -> dict[int, dict]:
     return out
 
 
-def training_rank_pid(session: int, rank: int) -> int | None:
-    """The pid of training rank ``rank`` among the processes of our launcher's session."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def training_ranks(launcher_pid: int) -> dict[int, psutil.Process]:
+    """The training ranks (``launch.train``) among the descendants of moe-launch, by rank (they
+    run in a session of their own, launch/interrupts.py)."""
+    out = {}
+    try:
+        descendants = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in descendants:
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
+            if "launch.train" in p.cmdline():
+                out[int(p.environ()["RANK"])] = p
+        except (psutil.Error, KeyError, ValueError):
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[3]) == session and b"launch.train" in cmdline and f"RANK={rank}".encode() in environ:
-            return int(entry)
-    return None
+    return out
+
+
+def training_rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of training rank ``rank`` under the launcher ``launcher_pid``."""
+    p = training_ranks(launcher_pid).get(rank)
+    return p.pid if p is not None else None
 
 
 def kill_rank_after(proc, run_dir: Path, after_steps: int, rank: int = 1) -> str:

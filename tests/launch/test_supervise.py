@@ -33,6 +33,9 @@ for rank in (0, 1):
     with (logs / f"steps_rank{rank}.jsonl").open("a") as f:
         for step in range(start + 1, outcome["reach"] + 1):
             f.write(json.dumps({"step": step}) + "\n")
+if outcome.get("hang"):  # what a hang watchdog writes before it exits with code 70
+    with (logs / "hangs_rank0.jsonl").open("a") as f:
+        f.write(json.dumps(outcome["hang"]) + "\n")
 for rank, rc in enumerate(outcome["ranks"]):
     if rc is not None:
         with exits_file(logs, rank).open("a") as f:
@@ -174,3 +177,21 @@ def test_a_replan_that_finds_no_layout_stops_without_restarting(tmp_path):
                                           r"not restarted: elastic: 0 usable slot\(s\) of 2"):
         run(tmp_path, [{"reach": 2, "ranks": [None, 1], "launcher": 1}], replan=replan)
     assert attempts(tmp_path / "run") == 1
+
+
+def test_a_hang_names_the_rank_that_did_not_arrive_not_the_one_that_reported_it(tmp_path, capsys):
+    """Rank 0's watchdog exits with 70 first; its report names rank 1 (frozen), which the
+    failure line blames."""
+    hang = {"rank": 0, "step": 4, "collective": "all_reduce", "call": 57, "inside": True,
+            "missing": {"1": "stopped responding: its heartbeat did not change in 1.8s"},
+            "time": time.time()}
+    script = [{"reach": 3, "ranks": [70, KILLED], "launcher": 70, "hang": hang},
+              {"reach": 5, "ranks": [0, 0], "launcher": 0}]
+    rc, run_dir = run(tmp_path, script)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert ("restart 1/3: rank 1 hung at step 4: stopped responding: its heartbeat did not "
+            "change in 1.8s; it did not reach all_reduce (collective call 57), reported by the "
+            "hang watchdog of rank(s) 0") in out, out
+    assert "rank 0 exited" not in out
+    assert restarts(run_dir)[0]["rank"] == 1 and restarts(run_dir)[0]["hang"]

@@ -3,11 +3,14 @@
 :func:`record_collectives` wraps torch.distributed's collectives (the functions DeepSpeed's
 communication layer and our code call, looked up by name at call time or bound when DeepSpeed's
 back end starts: so it runs before ``deepspeed.init_distributed``). Each call notes its name,
-the time and whether it returned: two assignments, no device work. The hang watchdog writes the
-note into the hang file (moe/training/resilience/watchdog.py). A collective that fails with the process
-group's timeout (``train.hang_timeout_s``, set where the group starts) is re-raised as a
-:class:`CollectiveTimeout` that names the collective, the rank and the setting, instead of
-gloo's or NCCL's bare "Timed out waiting ...".
+the time, whether it returned and how many collectives the process entered before (a collective
+called inside another, as ``all_gather_object`` calls ``all_gather``, counts as part of it):
+a few assignments, no device work. The hang watchdog writes the note into the hang file and
+publishes the count, so that a rank waiting in collective N can tell which peers never reached
+it (moe/training/resilience/watchdog.py). A collective that fails with the process group's
+timeout (set where the group starts: ``train.hang_timeout_s`` plus the watchdog's margin) is
+re-raised as a :class:`CollectiveTimeout` that names the collective, the rank and the setting,
+instead of gloo's or NCCL's bare "Timed out waiting ...".
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class LastCollective:
     entered: float = 0.0  # time.monotonic() when it was entered
     returned: bool = True
     calls: int = 0
+    """Collectives entered by this process (outermost calls): their sequence number."""
+    depth: int = 0
 
     def describe(self) -> str:
         if self.name is None:
@@ -55,18 +60,24 @@ def _is_timeout(e: BaseException) -> bool:
 def _wrap(name: str, fn, rank: int, timeout_s: float):
     @functools.wraps(fn)
     def recorded(*args, **kwargs):
-        LAST.name, LAST.entered, LAST.returned = name, time.monotonic(), False
-        LAST.calls += 1
+        outer = LAST.depth == 0
+        if outer:
+            LAST.name, LAST.entered, LAST.returned = name, time.monotonic(), False
+            LAST.calls += 1
+        LAST.depth += 1
         try:
             out = fn(*args, **kwargs)
         except RuntimeError as e:
             if _is_timeout(e):
                 raise CollectiveTimeout(
-                    f"rank {rank}: {name} did not complete within {timeout_s:g}s "
-                    f"(train.hang_timeout_s, the process group's timeout): a peer rank is hung "
-                    f"or gone ({str(e).splitlines()[0]})") from e
+                    f"rank {rank}: {name} did not complete within {timeout_s:g}s (the process "
+                    f"group's timeout: train.hang_timeout_s plus the hang watchdog's margin): a "
+                    f"peer rank is hung or gone ({str(e).splitlines()[0]})") from e
             raise
-        LAST.returned = True
+        finally:
+            LAST.depth -= 1
+        if outer:
+            LAST.returned = True
         return out
 
     recorded.__wrapped_collective__ = fn

@@ -29,6 +29,11 @@ def _worker(rank, port, out_dir):
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     dist.barrier()
     assert LAST.name == "barrier" and LAST.returned
+    # A collective made of others (all_gather_object calls all_gather) counts once: the
+    # sequence numbers that ranks compare in a hang stay in step.
+    calls = LAST.calls
+    dist.all_gather_object([None, None], rank)
+    assert (LAST.name, LAST.calls, LAST.returned) == ("all_gather_object", calls + 1, True)
     if rank == 0:
         t0 = time.monotonic()
         try:
@@ -47,5 +52,6 @@ def test_a_timed_out_collective_names_itself_and_the_setting(tmp_path):
     seconds, message, record = (tmp_path / "error").read_text().split("\n", 2)
     assert float(seconds) < TIMEOUT_S * 3
     assert message.startswith(f"rank 0: all_reduce did not complete within {TIMEOUT_S}s "
-                              f"(train.hang_timeout_s, the process group's timeout)"), message
+                              f"(the process group's timeout: train.hang_timeout_s plus the hang "
+                              f"watchdog's margin)"), message
     assert record.startswith("last collective entered: all_reduce") and "still inside" in record

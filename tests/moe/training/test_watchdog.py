@@ -1,8 +1,12 @@
 """Hang detection on a real 2-rank run (gloo): a test-only fault injector makes rank 1 sleep
 inside step 3; its watchdog (and rank 0's, blocked in the step's collectives) writes every
-thread's stack and ends the process with the hang exit code long before the sleep would end."""
+thread's stack and ends the process with the hang exit code long before the sleep would end.
+Rank 0 names rank 1 as the rank that did not reach its collective (alive: its heartbeat went
+on). A frozen rank (SIGSTOP) is tested through the real launcher in
+tests/integration/test_launcher_signals.py."""
 
 import copy
+import json
 import time
 
 import pytest
@@ -10,8 +14,17 @@ import torch.multiprocessing as mp
 
 from moe.config.run import RunConfig
 from moe.config_schema import from_dict
+from moe.training.resilience.collectives import record_collectives
 from moe.training.resilience.faults import FaultInjector
-from moe.training.resilience.watchdog import HANG_EXIT_CODE, hang_file
+from moe.training.resilience.watchdog import (
+    HANG_EXIT_CODE,
+    STORE_TIMEOUT_S,
+    hang_file,
+    hang_records_file,
+    not_arrived,
+    poll_s,
+    process_group_timeout_s,
+)
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
@@ -35,6 +48,9 @@ def stalled_inside_a_step():
 
 
 def _worker(rank, world, cfg_dict):
+    # As launch/train.py does (there before the group starts; the collectives our code and
+    # DeepSpeed look up at call time are recorded all the same).
+    record_collectives(rank, 0)
     train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world),
           faults=Stall(rank))
 
@@ -52,6 +68,36 @@ def test_a_stalled_rank_is_detected_and_its_stacks_written(tiny_data, tmp_path):
     assert stacks.startswith("rank 1: hang: no training step completed for ")
     assert f"the last completed step is {STALL_STEP - 1}" in stacks
     assert "stalled_inside_a_step" in stacks  # the sleeping frame, from the main thread
+    # Rank 0 waits inside a collective that rank 1 never entered, and says so.
+    logs = tmp_path / "runs" / "tiny" / "logs"
+    report = hang_file(logs, 0).read_text()
+    assert "still inside it" in report and "rank 1: alive but behind" in report, report
+    record = json.loads(hang_records_file(logs, 0).read_text().splitlines()[-1])
+    assert list(record["missing"]) == ["1"] and record["inside"] and record["step"] == STALL_STEP
+
+
+def test_two_readings_of_the_heartbeats_name_a_frozen_and_a_late_rank():
+    """Rank 0 waits in call 9: rank 1's heartbeat stood still (frozen), rank 2's moved on but
+    it is at call 7 (behind), rank 3 is in call 9 too (arrived)."""
+    def hb(beat, calls, inside=True):
+        return {"beat": beat, "calls": calls, "name": "all_reduce", "inside": inside,
+                "step": 4, "time": time.time()}
+
+    first = {0: hb(1, 9), 1: hb(5, 8), 2: hb(5, 7, False), 3: hb(5, 9)}
+    second = {0: hb(2, 9), 1: hb(5, 8), 2: hb(6, 7, False), 3: hb(6, 9)}
+    missing = not_arrived(0, 9, True, first, second, None, 1.5)
+    assert sorted(missing) == [1, 2]
+    assert missing[1].startswith("stopped responding: its heartbeat did not change in 1.5s")
+    assert missing[2].startswith("alive but behind: it is past collective call 7")
+    # A store that does not answer names the rank that holds it.
+    assert list(not_arrived(1, 9, True, first, {}, "timeout", 1.5)) == [0]
+    # Not inside a collective while the peers went further: this rank is the late one.
+    assert list(not_arrived(2, 7, False, first, second, None, 1.5)) == [1, 2]
+
+
+def test_the_process_group_times_out_after_the_watchdog_has_reported():
+    for timeout in (6, 60, 1800):
+        assert process_group_timeout_s(timeout) > timeout + 7 * poll_s(timeout) + STORE_TIMEOUT_S
 
 
 def test_a_run_that_keeps_stepping_is_left_alone(tiny_data, tmp_path):

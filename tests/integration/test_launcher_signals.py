@@ -1,0 +1,139 @@
+"""The local launcher's signals and exit codes, end to end (moe-launch -> deepspeed launcher ->
+2 ranks on the tiny config), and a frozen rank: SIGSTOP on rank 1 is reported by rank 0's hang
+watchdog before the collective times out, naming rank 1, and the stopped process is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from moe.training.resilience.watchdog import hang_file, hang_records_file
+from tests.conftest import tiny_run_dict
+from tests.helpers.fault_runs import ROOT, write_run_config
+from tests.integration.launch_checks import steps, training_ranks
+
+pytestmark = pytest.mark.integration
+
+HANG_TIMEOUT_S = 10
+
+
+def start(config: Path, *overrides: str) -> subprocess.Popen:
+    """moe-launch in a session of its own, as a shell starts a foreground job (a terminal's
+    Ctrl-C goes to its process group)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval",
+                             *overrides], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int, rank: int = 0) -> None:
+    deadline = time.time() + 300
+    while len(steps(run_dir, rank)) < n:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.time() < deadline, f"rank {rank} did not reach step {n}"
+        time.sleep(0.05)
+
+
+def alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def config(tiny_data, tmp_path: Path, name: str, **train) -> tuple[Path, Path]:
+    d = tiny_run_dict(tiny_data, tmp_path / "runs", **train)
+    d.update(name=name, checkpoint={"every_n_steps": 0}, launch={"max_restarts": 0},
+             logging={"log_every": 1, "tensorboard": False})
+    return write_run_config(tmp_path / f"{name}.yaml", d), tmp_path / "runs" / name
+
+
+def test_a_frozen_rank_is_named_by_the_healthy_one_and_killed(tiny_data, tmp_path):
+    cfg, run_dir = config(tiny_data, tmp_path, "frozen", max_steps=10_000,
+                          hang_timeout_s=HANG_TIMEOUT_S)
+    proc = start(cfg)
+    wait_for_steps(proc, run_dir, 3, rank=1)
+    frozen = training_ranks(proc.pid)[1]
+    frozen.suspend()  # SIGSTOP
+    t0 = time.monotonic()
+    out, _ = proc.communicate(timeout=300)
+    elapsed = time.monotonic() - t0
+
+    # Failed (not preempted), promptly: the watchdog fires after the timeout plus a few polls,
+    # and the stopped process is killed at once instead of being waited for.
+    assert proc.returncode == 2, out[-3000:]
+    assert elapsed < HANG_TIMEOUT_S + 25, (elapsed, out[-3000:])
+    assert alive([frozen.pid]) == []
+    assert f"launch: killed rank 1 (pid {frozen.pid}): stopped" in out, out[-3000:]
+    # The failure line blames rank 1, the frozen one, not rank 0 whose watchdog fired.
+    failure = [line for line in out.splitlines() if "training failed" in line]
+    assert len(failure) == 1 and "training failed: rank 1 hung at step" in failure[0], out[-3000:]
+    assert "stopped responding" in failure[0] and "rank 0 exited" not in out
+
+    logs = run_dir / "logs"
+    report = hang_file(logs, 0).read_text()
+    assert report.startswith("rank 0: hang: no training step completed for "), report[:500]
+    assert "last collective entered: " in report and "still inside it" in report, report[:800]
+    assert "rank 1: stopped responding: its heartbeat did not change" in report, report[:800]
+    assert 'File "' in report and "Thread 0x" in report  # every thread's stack
+    record = json.loads(hang_records_file(logs, 0).read_text().splitlines()[-1])
+    assert list(record["missing"]) == ["1"] and record["inside"] and record["collective"]
+    assert not hang_file(logs, 1).exists()  # a stopped process writes nothing
+    assert "hang: no training step completed" in (logs / "rank0.log").read_text()
+    assert json.loads((logs / "exits_rank1.jsonl").read_text().splitlines()[-1])["signal"] \
+        == "SIGKILL"
+
+
+def test_term_and_ctrl_c_save_and_exit_75_a_second_signal_stops_at_once(tiny_data, tmp_path):
+    cfg, run_dir = config(tiny_data, tmp_path, "signals", max_steps=10_000)
+
+    def interrupted(send, after_steps: int):
+        proc = start(cfg)
+        wait_for_steps(proc, run_dir, after_steps)
+        ranks = training_ranks(proc.pid)
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(ranks) == 2
+        send(proc)
+        out, _ = proc.communicate(timeout=300)
+        assert alive(tree) == [], out[-3000:]  # no orphan left behind, ranks included
+        assert "Traceback" not in out, out[-5000:]
+        return proc.returncode, out
+
+    # SIGTERM to moe-launch: every rank saves and stops; moe-launch exits 75, one message.
+    rc, out = interrupted(lambda p: p.send_signal(signal.SIGTERM), 3)
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    saved = marker["step"]
+    assert rc == 75, out[-3000:]
+    assert out.count("preempted (exit code 75") == 1 and "on SIGTERM to moe-launch" in out
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{saved:07d}"
+
+    # Ctrl-C (SIGINT to moe-launch's process group): the same, resuming from that checkpoint.
+    rc, out = interrupted(lambda p: os.killpg(p.pid, signal.SIGINT), saved + 2)
+    assert rc == 75, out[-3000:]
+    assert out.count("preempted (exit code 75") == 1 and "on SIGINT to moe-launch" in out
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:07d}'}" in out
+    second = json.loads((run_dir / "preempted.json").read_text())["step"]
+    assert second > saved
+
+    # A second signal does not wait for the save: Ctrl-C then SIGTERM (two of the same kind
+    # sent at once would merge into one) stop the ranks at once, exit 128 + 15, nothing saved.
+    def twice(p):
+        p.send_signal(signal.SIGINT)
+        p.send_signal(signal.SIGTERM)
+
+    rc, out = interrupted(twice, second + 2)
+    assert rc == 143, out[-3000:]
+    assert out.count("stopped by SIGTERM without saving (exit code 143)") == 1, out[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{second:07d}"
