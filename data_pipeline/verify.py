@@ -55,7 +55,7 @@ class _Files:
         if self.tmp is None:
             yield Path(self.data_dir) / name
             return
-        path = self.tmp / name
+        path = self.tmp / name.replace("/", "_")  # gen-N/shard: one flat temporary name
         url = self.where(name)
         try:
             with storage.open_object(url, self.s3) as src, open(path, "wb") as out:

@@ -19,7 +19,6 @@ from data_pipeline import prepare as prep
 from data_pipeline import sources
 from data_pipeline.config import SourceConfig
 from data_pipeline.prepare import (
-    TOKENIZER_FILE,
     content_key,
     in_valid_split,
     in_valid_split_by_location,
@@ -28,6 +27,7 @@ from data_pipeline.prepare import (
     prepare_part,
     prepare_tokenizer,
 )
+from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import MANIFEST, read_manifest
 from data_pipeline.tokenizer import Tokenizer
@@ -41,12 +41,12 @@ def _config(tiny_data, out: Path, sources_: list[SourceConfig], **kw):
     return dataclasses.replace(
         tiny_data, dir=str(out), valid_fraction=0.1, sources=sources_,
         tokenizer=dataclasses.replace(tiny_data.tokenizer,
-                                      model_file=str(Path(tiny_data.dir) / TOKENIZER_FILE)),
+                                      model_file=str(PreparedData(tiny_data.dir).tokenizer_file())),
         **{"prepare_workers": 1, **kw})
 
 
 def _docs(cfg, split: str, source: str) -> list[str]:
-    tok = Tokenizer(Path(cfg.dir) / TOKENIZER_FILE)
+    tok = Tokenizer(PreparedData(cfg.dir).tokenizer_file())
     return _texts_of(tok, TokenStream(cfg.dir, split, source))
 
 
