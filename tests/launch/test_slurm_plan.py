@@ -18,7 +18,7 @@ from launch.schedulers import build_plan
 from launch.schedulers.slurm import JOB_SCRIPT
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
-from moe.training.config import RunConfig
+from moe.training.config import RunConfig, load_config
 from moe.training.launch_config import slurm_time_seconds
 from moe.training.preemption import PREEMPTED_MARKER
 
@@ -251,7 +251,6 @@ def test_a_signal_before_srun_starts_requeues_without_starting_it(tmp_path):
     ({"partition": "gpu; touch /tmp/x"}, "launch.slurm.partition"),
     ({"account": "$(id)"}, "launch.slurm.account"),
     ({"time": "2h"}, "launch.slurm.time"),
-    ({"time": 86400}, "launch.slurm.time: got the number 86400"),
     ({"extra_sbatch": ["--mem=0\nrm -rf /"]}, "launch.slurm.extra_sbatch[0]"),
     ({"job_name": "a\nb"}, "launch.slurm.job_name"),
     ({"socket_ifname": "eth0 eth1"}, "launch.slurm.socket_ifname"),
@@ -276,7 +275,8 @@ def test_percent_in_the_run_directory_is_refused_for_the_job_log(tmp_path):
 
 @pytest.mark.parametrize("time_limit, seconds", [
     ("30", 1800), ("45:30", 2730), ("12:00:00", 43200), ("48:00:00", 172800), ("2-12", 216000),
-    ("2-12:30", 217800), ("2-12:30:15", 217815), ("UNLIMITED", None), ("infinite", None)])
+    ("2-12:30", 217800), ("2-12:30:15", 217815), ("UNLIMITED", None), ("infinite", None),
+    ("0", None), ("0:30", 30)])
 def test_every_slurm_time_format_is_accepted(time_limit, seconds):
     assert slurm_time_seconds(time_limit) == seconds
 
@@ -289,6 +289,27 @@ def test_invalid_times_are_refused_with_the_reason(tmp_path, time_limit, why):
     with pytest.raises(ConfigError, match=f"launch.slurm.time: '{time_limit}' is not a SLURM "
                                           f"time \\({why}\\)"):
         build_plan(slurm_config(tmp_path, time=time_limit))
+
+
+@pytest.mark.parametrize("yaml_text, directive, seconds", [
+    ("30", "30", 1800),  # a number is minutes, as sbatch reads --time=30
+    ("0", "0", None),  # no limit, as sbatch reads --time=0
+    ("0:30", "0:30", 30),  # YAML 1.1 would read the number 30 (base 60): 30 minutes
+    ("24:00:00", "24:00:00", 86400),
+    ("'90'", "90", 5400)])
+def test_time_is_read_from_yaml_as_sbatch_reads_it(tmp_path, yaml_text, directive, seconds):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"name: tiny\noutput_dir: {tmp_path / 'runs'}\n"
+                      f"parallel: {{world_size: 4, expert_parallel_size: 2}}\n"
+                      f"launch:\n  scheduler: slurm\n  slurm:\n    signal_seconds: 0\n"
+                      f"    time: {yaml_text}\n")
+    cfg = load_config(config)
+    assert str(cfg.launch.slurm.time) == directive
+    assert slurm_time_seconds(str(cfg.launch.slurm.time)) == seconds
+    assert sbatch_options(build_plan(cfg).files[JOB_SCRIPT])["--time"] == directive
+    # The same on the command line (key=value overrides are YAML too).
+    again = load_config(config, [f"launch.slurm.time={yaml_text}"])
+    assert str(again.launch.slurm.time) == directive
 
 
 def test_resubmit_comment_is_shell_quoted(tmp_path):
