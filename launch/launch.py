@@ -25,7 +25,10 @@ from data_pipeline.prepare import prepare
 from launch.cli import exits_cleanly
 from launch.elastic import Elastic
 from launch.finish import finish
-from launch.jobs import (
+from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
+from launch.schedulers import build_plan, plan_problems
+from launch.slurm.checks import check_submission
+from launch.slurm.jobs import (
     JOBS_FILE,
     JobState,
     last_steps,
@@ -38,11 +41,8 @@ from launch.jobs import (
     requeued_at,
     slurm_command,
 )
-from launch.plan import RESOLVED_CONFIG, Plan, write_atomic
-from launch.prepare_slurm import is_prepare_dir
-from launch.schedulers import build_plan, plan_problems
-from launch.schedulers.slurm import job_log
-from launch.slurm_checks import check_submission
+from launch.slurm.prepare import is_prepare_dir
+from launch.slurm.script import job_log
 from launch.supervise import run_with_restarts
 from moe.errors import LaunchError
 from moe.training.config import dump_config, load_config

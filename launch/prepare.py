@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     from moe.training.config import load_config
     cfg = load_config(args.config, args.overrides)
     if args.slurm_parts is not None:
-        from launch import prepare_slurm
+        from launch.slurm import prepare as prepare_slurm
         jobs = prepare_slurm.build(cfg, args.slurm_parts, force=args.force)
         if args.dry_run:
             print(jobs.render())

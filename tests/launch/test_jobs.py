@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.jobs import last_steps
 from launch.launch import main
+from launch.slurm.jobs import last_steps
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_a_requeued_job_slurm_forgot_is_finished_not_requeued_forever(tmp_path, 
     assert "REQUEUED" not in out and "will resume" not in out
     assert "jobs of the run 41 (COMPLETED), 42 (finished, final state unknown)" in out
     assert json.loads((run_dir / "slurm_jobs.json").read_text())[1]["state"] is None
-    from launch.jobs import refuse_if_active
+    from launch.slurm.jobs import refuse_if_active
 
     refuse_if_active(run_dir)  # resubmission is not blocked
     with pytest.raises(SystemExit):
@@ -105,7 +105,7 @@ def test_a_job_the_controller_cannot_be_asked_about_still_blocks_resubmission(tm
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     run_dir = tmp_path / "run"
     write_records(run_dir, "42 75 requeued 5\n")
-    from launch.jobs import refuse_if_active
+    from launch.slurm.jobs import refuse_if_active
     from moe.errors import LaunchError
 
     with pytest.raises(LaunchError, match="belongs to SLURM job 42, which is REQUEUED"):
@@ -226,7 +226,7 @@ def test_a_run_directory_from_before_the_job_list_is_still_read(tmp_path):
     """Earlier versions kept one job in slurm_job.json; status, cancel and logs still find it."""
     import json
 
-    from launch.jobs import read_jobs
+    from launch.slurm.jobs import read_jobs
 
     (tmp_path / "slurm_job.json").write_text(json.dumps(
         {"job_id": "77", "submitted": "2026-01-01T00:00:00+0000", "script": "job.sbatch"}))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.jobs import requeued_at
 from launch.launch import main
 from launch.schedulers import build_plan
-from launch.schedulers.slurm import JOB_SCRIPT
+from launch.slurm.jobs import requeued_at
+from launch.slurm.script import JOB_SCRIPT
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.training.config import RunConfig, load_config

@@ -21,8 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from launch.jobs import ENDS_FILE
 from launch.plan import RESOLVED_CONFIG, Plan, entry_point
+from launch.slurm.jobs import ENDS_FILE
 from moe.errors import ConfigError
 from moe.training.config import RunConfig
 from moe.training.launch_config import SlurmConfig
