@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # srun: no RANK
     config = argv[argv.index("--config") + 1] if "--config" in argv else None
     child = subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv])
     for signum in held:
