@@ -49,6 +49,8 @@ from moe.training.config import dump_config, load_config
 from moe.training.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 JOB_COMMANDS = ("status", "cancel", "logs")
+WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
+"""States of a requeued job that has not started again."""
 
 
 def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
@@ -167,7 +169,7 @@ def training_lines(run_dir: Path, job: JobState) -> list[str]:
                  else "")
         lines.append(f"last step       {steps['step']}, loss {steps['loss']:.4f}{speed}")
     resume = requeued_at(run_dir, job.job_id)
-    if resume is not None and job.active:
+    if resume is not None and job.state in WAITING:  # not once it runs (and resumed) again
         lines.append(f"preempted       exit code {PREEMPTED_EXIT_CODE} on purpose (not a "
                      f"failure): requeued, will resume from step {resume}")
     return lines + [f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",

@@ -46,12 +46,14 @@ def submit(config, cluster, *overrides) -> str:
 def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_finish(
         tiny_data, tmp_path, cluster):
     """2 tasks, expert parallelism 2, hostile run directory, job name and environment value
-    (they must arrive literally). In one job: ``scancel --signal=USR1 --batch`` while the ranks
-    start (what ``--signal=B:USR1@N`` does): requeued without a checkpoint. Then rank 1 is
-    killed at step 25 (SIGKILL, the test-only fault plan): the job script starts srun again in
-    the same allocation from the step-20 checkpoint (launch.max_restarts). Then SIGUSR1 to the
-    ranks mid-run: checkpoint, requeue, resume. Then the finish and one evaluation. Every sample
-    index is consumed exactly once over the whole history."""
+    (they must arrive literally). In one job: ``scancel --signal=TERM`` to the ranks while they
+    start (what a grace-time preemption sends; ``checkpoint.save_on_signals`` does not list
+    TERM): requeued without a checkpoint, no restart. Then rank 1 is killed at step 25 (SIGKILL,
+    the test-only fault plan): the supervisor starts srun again in the same allocation from the
+    step-20 checkpoint (launch.max_restarts), naming the rank. Then ``scancel --batch
+    --signal=TERM`` mid-run (to the supervisor, which passes USR1 on to the ranks): checkpoint,
+    requeue, resume. Then the finish and one evaluation. Every sample index is consumed exactly
+    once over the whole history."""
     sentinel = tmp_path / "SENTINEL"
     hostile = HOSTILE.format(s=sentinel)
     # SLURM reads '\\' and '%' in log paths as its own patterns: the launcher refuses those there.
@@ -72,14 +74,14 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     assert cluster.run(["squeue", "-h", "-j", job_id, "-o", "%j"]).stdout.rstrip("\n") == hostile
     rank0, job_log_path = run_dir / "logs" / "rank0.log", run_dir / "logs" / f"slurm-{job_id}.out"
 
-    # 1. A signal to the batch shell while the ranks start: passed on, nothing to save, requeued.
+    # 1. TERM to the ranks while they start: held, nothing to save, requeued.
     wait_for(rank0.exists, 120, "the rank did not start", cluster)
     assert "step " not in rank0.read_text()  # still starting: imports, DeepSpeed, data
-    assert cluster.run(["scancel", "--signal=USR1", "--batch", job_id]).returncode == 0
+    assert cluster.run(["scancel", "--signal=TERM", job_id]).returncode == 0
     wait_for(lambda: "requeueing job" in job_log_path.read_text(), 120, "no requeue", cluster)
 
     # 2. Rank 1 killed at step 25: srun started again in the allocation, from step 20.
-    wait_for(lambda: "restart 1/3: srun exited" in job_log_path.read_text(), 240,
+    wait_for(lambda: "launch: restart 1/3: " in job_log_path.read_text(), 240,
              "no restart inside the allocation", cluster)
     # The ranks' own environment holds the hostile value, byte for byte.
     wait_for(lambda: len(cluster.run(["scontrol", "listpids", job_id]).stdout.splitlines()) > 2,
@@ -95,21 +97,22 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
                 pass  # a step process that ended meanwhile
     assert any(b"MOE_TEST_VALUE=" + hostile.encode() + b"\0" in e for e in environs)
 
-    # 3. SIGUSR1 to the ranks once the restarted attempt steps: checkpoint, requeue, resume.
+    # 3. TERM to the supervisor once the restarted attempt steps: checkpoint, requeue, resume.
     resumed_20 = f"resumed from {run_dir / 'checkpoints' / 'step_0000020'} at step 20"
     wait_for(lambda: resumed_20 in rank0.read_text()
              and "] step " in rank0.read_text().split(resumed_20)[-1], 240,
              "the restarted attempt did not step", cluster)
-    assert cluster.run(["scancel", "--signal=USR1", job_id]).returncode == 0
+    assert cluster.run(["scancel", "--batch", "--signal=TERM", job_id]).returncode == 0
     state = cluster.wait_job(job_id, 400)
     job_log = job_log_path.read_text()
     assert state == "COMPLETED", cluster.logs() + job_log[-4000:]
     assert cluster.job_field(job_id, "Restarts") == "2"  # two requeues; the kill was not one
 
     log = rank0.read_text()
-    assert "SIGUSR1 before the first step: nothing to save" in log, log[-3000:]
-    assert "restart 1/3: srun exited with status" in job_log and f"at step {kill_at} " in \
-        job_log.split("restart 1/3: srun exited")[1].splitlines()[0], job_log[-3000:]
+    assert "SIGTERM before the first step: nothing to save" in log, log[-3000:]
+    assert (f"launch: restart 1/3: rank 1 exited with signal SIGKILL at step {kill_at}; "
+            f"resuming from {run_dir / 'checkpoints' / 'step_0000020'}") in job_log, job_log[-3000:]
+    assert job_log.count("launch: restart") == 1  # never for a signal
     saved = int(log.split("SIGUSR1: saved step ")[1].split(";")[0])
     assert 20 < saved < max_steps  # after the restart from step 20
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:07d}'} at step {saved}" in log
@@ -138,7 +141,7 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     job_out = moe_launch(["logs", str(run_dir)], env=cluster.env)
     assert job_out.returncode == 0 and "requeueing job" in job_out.stdout, job_out.stderr
     rank_out = moe_launch(["logs", str(run_dir), "--rank", "0"], env=cluster.env)
-    assert "SIGUSR1 before the first step" in rank_out.stdout, rank_out.stderr
+    assert "SIGTERM before the first step" in rank_out.stdout, rank_out.stderr
 
 
 def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, cluster):

@@ -217,6 +217,10 @@ def test_status_of_a_requeued_job_says_preempted_and_where_it_resumes(tmp_path, 
     assert "job 42: PENDING (BeginTime)" in out
     assert ("preempted       exit code 75 on purpose (not a failure): requeued, will resume "
             "from step 17") in out
+    squeue.write_text("#!/bin/sh\necho 'RUNNING|None|0:05|30:00'\n")  # it runs again
+    main(["status", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "job 42: RUNNING" in out and "will resume" not in out
     ends.write_text("42 75 requeued 17\n42 0 ended\n")  # the requeued run finished
     main(["status", str(run_dir)])
     assert "preempted" not in capsys.readouterr().out
