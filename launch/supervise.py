@@ -381,8 +381,9 @@ def stopped(job, marker: Path, rc: int | None, signal_name: str | None) -> int:
         step = int(tag.rsplit("_", 1)[1]) if tag else 0
     if rc is None:
         print(f"{signal_name} before srun started: no rank ran, nothing to save", flush=True)
-    elif saved is not None and rc == PREEMPTED_EXIT_CODE:
-        # srun reports the ranks' planned exit as "Exited with exit code 75"; say what it means.
+    elif saved is not None:
+        # srun reports the ranks' planned exit as "Exited with exit code 75" (and the others it
+        # then stopped with 143); say what it means.
         print(f"preemption signal ({marker.read_text().strip()}): the exit code 75 above is the "
               f"planned exit of a preempted run, not a failure", flush=True)
     elif saved is None:

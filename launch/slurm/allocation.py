@@ -120,9 +120,10 @@ class Allocation:
     def requeue(self) -> bool:
         proc = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True,
                               text=True, timeout=60)
-        if proc.returncode != 0:
+        # The requeue ends this batch step, scontrol included: killed by a signal, it worked.
+        if proc.returncode > 0:
             print(f"scontrol requeue {self.job_id} failed: {proc.stderr.strip()}", flush=True)
-        return proc.returncode == 0
+        return proc.returncode <= 0
 
 
 def ignore_stop_signals() -> None:

@@ -84,18 +84,19 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     wait_for(lambda: "launch: restart 1/3: " in job_log_path.read_text(), 240,
              "no restart inside the allocation", cluster)
     # The ranks' own environment holds the hostile value, byte for byte.
-    wait_for(lambda: len(cluster.run(["scontrol", "listpids", job_id]).stdout.splitlines()) > 2,
-             60, "no ranks after the restart", cluster)
-    rows = [r.split() for r in cluster.run(["scontrol", "listpids", job_id]).stdout
-            .splitlines()[1:]]
-    environs = []
-    for r in rows:
-        if len(r) == 5 and r[4].isdigit():
-            try:
-                environs.append(open(f"/proc/{r[0]}/environ", "rb").read())
-            except OSError:
-                pass  # a step process that ended meanwhile
-    assert any(b"MOE_TEST_VALUE=" + hostile.encode() + b"\0" in e for e in environs)
+    def rank_environs() -> list[bytes]:
+        environs = []
+        for r in cluster.run(["scontrol", "listpids", job_id]).stdout.splitlines()[1:]:
+            r = r.split()
+            if len(r) == 5 and r[4].isdigit():  # a task of the srun step (not the batch step)
+                try:
+                    environs.append(open(f"/proc/{r[0]}/environ", "rb").read())
+                except OSError:
+                    pass  # a step process that ended meanwhile
+        return environs
+
+    wait_for(lambda: any(b"MOE_TEST_VALUE=" + hostile.encode() + b"\0" in e
+                         for e in rank_environs()), 60, "no rank with the hostile value", cluster)
 
     # 3. TERM to the supervisor once the restarted attempt steps: checkpoint, requeue, resume.
     resumed_20 = f"resumed from {run_dir / 'checkpoints' / 'step_0000020'} at step 20"
@@ -215,8 +216,18 @@ def test_impossible_requests_are_refused_before_any_data_work(tiny_data, tmp_pat
     """Each case against the real controller: SLURM's own reason from ``sbatch --test-only``
     where it gives one, and what the partition lacks, named by config key."""
     config, run_dir = slurm_run(tiny_data, tmp_path)
+    # A finished run's directory, submitted again with an impossible request: refused, and
+    # left byte-identical.
+    records = [{"job_id": "424242", "submitted": "t", "script": "s", "log": "l",
+                "state": "COMPLETED"}]
+    files = {"config.yaml": "old config\n", "job.sbatch": "old script\n",
+             "plan.json": "{}\n", "slurm_jobs.json": json.dumps(records)}
+    run_dir.mkdir(parents=True)
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
     proc = moe_launch([str(config), *overrides], env=cluster.env)
     assert proc.returncode != 0
+    assert {p.name: p.read_text() for p in run_dir.iterdir()} == files
     assert "SLURM would refuse this job; nothing was prepared or submitted" in proc.stderr, \
         proc.stderr
     said = [line for line in proc.stderr.splitlines() if "sbatch --test-only: " in line]
@@ -225,5 +236,35 @@ def test_impossible_requests_are_refused_before_any_data_work(tiny_data, tmp_pat
     else:
         assert said == [], proc.stderr
     assert f"  - {finding}" in proc.stderr, proc.stderr
-    assert "data:" not in proc.stdout and not (run_dir / "slurm_jobs.json").exists()
+    assert "data:" not in proc.stdout
     assert cluster.run(["squeue", "-h"]).stdout.strip() == ""
+
+
+def test_time_limits_as_sbatch_reads_them_and_a_job_slurm_forgot(tiny_data, tmp_path, cluster):
+    """``time: 30`` is 30 minutes, ``0`` no limit, an unquoted ``0:30`` 30 seconds (never
+    YAML's base-60 30), as the controller itself reports them. Then, without accounting: a job
+    whose records say it was requeued but that the controller does not know is finished (state
+    unknown), status exits 1, and the run directory takes a new job."""
+    limits = {}
+    for name, value in [("thirty", "30"), ("none", "0"), ("seconds", "0:30")]:
+        config, run_dir = slurm_run(tiny_data, tmp_path, name=name, signal_seconds=0)
+        # Unquoted on the command line: read as YAML, as in a config file.
+        job_id = submit(config, cluster, f"launch.slurm.time={value}", "train.max_steps=100000")
+        limits[name] = cluster.run(["squeue", "-h", "-j", job_id, "-o", "%l"]).stdout.strip()
+        cluster.run(["scancel", job_id])
+    assert limits == {"thirty": "30:00", "none": "UNLIMITED", "seconds": "0:30"}, limits
+
+    config, run_dir = slurm_run(tiny_data, tmp_path, name="phantom")
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "999999", "submitted": "t", "script": "s", "log": "l", "state": None}]))
+    (run_dir / "slurm_job_ends.txt").write_text("999999 75 requeued 5\n")
+    status = moe_launch(["status", str(run_dir)], env=cluster.env)
+    assert status.returncode == 1, status.stdout + status.stderr
+    first = status.stdout.splitlines()[0]
+    assert first.startswith("job 999999: finished, final state unknown"), status.stdout
+    assert "jobs of the run 999999 (finished, final state unknown)" in status.stdout
+    job_id = submit(config, cluster, "train.max_steps=100000")  # not refused
+    assert moe_launch(["cancel", str(run_dir)], env=cluster.env).returncode == 0
+    assert [j["job_id"] for j in json.loads((run_dir / "slurm_jobs.json").read_text())] == \
+        ["999999", job_id]
