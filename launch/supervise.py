@@ -389,11 +389,23 @@ def stopped(job, marker: Path, rc: int | None, signal_name: str | None) -> int:
     elif saved is None:
         print(f"stopped by {signal_name or 'a signal'} before the ranks could save (srun exited "
               f"with status {rc}): not a training failure, not restarted", flush=True)
+    ended = job.ended_state()
+    if ended is not None:  # the signal was SLURM ending the job: a cancel or the time limit
+        job.record_end(rc if rc is not None else PREEMPTED_EXIT_CODE)
+        print(f"job {job.job_id} is {ended}: not requeued, not restarted; submit the same run "
+              f"again to resume from step {step}", flush=True)
+        return rc if rc else PREEMPTED_EXIT_CODE
     if job.cfg.launch.slurm.requeue:
+        # Said before asking: the requeue ends this batch step, this process included.
         job.record_end(rc if rc is not None else PREEMPTED_EXIT_CODE, step)
         print(f"preempted, requeued, will resume from step {step} (requeueing job "
               f"{job.job_id})", flush=True)
-        return 0 if job.requeue() else 1
+        if job.requeue():
+            return 0
+        job.record_end(PREEMPTED_EXIT_CODE)  # a cancelled or timed-out job cannot requeue
+        print(f"not requeued after all: submit the same run again to resume from step {step}",
+              flush=True)
+        return PREEMPTED_EXIT_CODE
     job.record_end(PREEMPTED_EXIT_CODE)
     print(f"preempted, not requeued (launch.slurm.requeue: false): submit the same run again to "
           f"resume from step {step}", flush=True)

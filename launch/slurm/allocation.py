@@ -117,12 +117,23 @@ class Allocation:
             print(f"could not record the job's end in {self.run_dir / ENDS_FILE}: {e}",
                   flush=True)
 
+    def ended_state(self) -> str | None:
+        """SLURM's state for this job when SLURM itself is ending it (CANCELLED, TIMEOUT,
+        DEADLINE): the TERM that reached the job was a cancel or the time limit, not a
+        preemption to requeue after. None while the job runs on."""
+        for token in scontrol("show", "job", self.job_id).split():
+            if token.startswith("JobState="):
+                state = token.split("=", 1)[1]
+                return state if state in ("CANCELLED", "TIMEOUT", "DEADLINE") else None
+        return None
+
     def requeue(self) -> bool:
         proc = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True,
                               text=True, timeout=60)
         # The requeue ends this batch step, scontrol included: killed by a signal, it worked.
         if proc.returncode > 0:
-            print(f"scontrol requeue {self.job_id} failed: {proc.stderr.strip()}", flush=True)
+            print(f"scontrol requeue {self.job_id} failed: {proc.stderr.strip()} (a cancelled "
+                  f"job, or one past its time limit, cannot be requeued)", flush=True)
         return proc.returncode <= 0
 
 

@@ -289,6 +289,36 @@ def test_a_stop_signal_to_the_supervisor_reaches_the_ranks_as_usr1_and_requeues(
     assert out.splitlines()[-1] == "preempted, requeued, will resume from step 0 (requeueing job 1234)"
 
 
+def test_a_job_slurm_will_not_requeue_ends_saying_so(tmp_path, slurm_job):
+    """A cancel or the time limit itself (TERM to everything): scontrol requeue is refused; the
+    job ends with 75 and its last line and record say it was not requeued."""
+    body, got, started = saving_srun(tmp_path)
+    signal_once(started, signal.SIGTERM)
+    refuse = ('if [ "$1" = requeue ]; then echo "Requested operation is presently disabled" >&2; '
+              "exit 1; fi\n")
+    calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=refuse, expect_rc=75)
+    assert out.splitlines()[-1] == ("not requeued after all: submit the same run again to resume "
+                                    "from step 0")
+    ends = (tmp_path / "runs" / "tiny" / "slurm_job_ends.txt").read_text().splitlines()
+    assert ends[-1] == "1234 75 ended"
+
+
+@pytest.mark.parametrize("state", ["CANCELLED", "TIMEOUT"])
+def test_a_cancel_or_the_time_limit_is_neither_restarted_nor_requeued(tmp_path, slurm_job,
+                                                                     state):
+    """``scancel JOB`` and the time limit send TERM to everything, srun kills the ranks (137):
+    SLURM already calls the job CANCELLED (TIMEOUT), and the supervisor says so, last."""
+    body, got, started = saving_srun(tmp_path)
+    body = body.replace("; echo {} > ", "; : ").replace("exit 75'", "exit 137'")
+    signal_once(started, signal.SIGTERM)
+    show_job = f'if [ "$1 $2" = "show job" ]; then echo "JobId=1234 JobState={state}"; fi\n'
+    calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=show_job, expect_rc=137)
+    assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
+    assert "launch: restart" not in out
+    assert out.splitlines()[-1] == (f"job 1234 is {state}: not requeued, not restarted; submit "
+                                    "the same run again to resume from step 0")
+
+
 def test_without_requeue_a_stop_signal_ends_the_job_cleanly(tmp_path, slurm_job):
     body, got, started = saving_srun(tmp_path)
     signal_once(started, signal.SIGTERM)
