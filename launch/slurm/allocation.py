@@ -190,6 +190,22 @@ def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
     return cleared
 
 
+OP_NAME = "deepspeed_shm_comm"
+
+
+def op_built() -> bool:
+    """Whether the op is built and no build of it is under way (a lock): then the ranks only load
+    it, and starting Python to ask DeepSpeed (seconds) is skipped."""
+    import torch
+
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        return True  # DeepSpeed builds this op only for its CPU accelerator
+    root = extensions_dir()
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        root = root / f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_cpu"
+    return (root / OP_NAME / f"{OP_NAME}.so").is_file() and not (root / OP_NAME / "lock").exists()
+
+
 BUILD_OP = ("from deepspeed.comm.torch import build_shm_op\n"
             "build_shm_op()\n")
 
@@ -200,6 +216,8 @@ def build_ops(env: dict[str, str], timeout: float = 1800) -> int:
     time-limit warning) can no longer kill a compiler and leave a half-built op and its lock.
     Returns the build's exit code (nonzero: the ranks build it themselves, as before)."""
     clear_stale_build_locks()
+    if op_built():
+        return 0
     proc = subprocess.run([sys.executable, "-c", BUILD_OP], env=env, capture_output=True,
                           text=True, timeout=timeout, preexec_fn=ignore_stop_signals)
     if proc.returncode != 0:
