@@ -180,15 +180,19 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
     assert unknown.returncode != 0 and "nothing cancelled: job 999999 is unknown" \
         in unknown.stderr, unknown.stderr
     assert json.loads((run_dir / "slurm_jobs.json").read_text())[0]["state"] == "CANCELLED"
-    # The job is over: the same run may be submitted again.
-    resubmitted = submit(config, cluster, "train.max_steps=2", "--no-eval")
+    # The cancel's TERM reached the ranks, which save on it under SLURM (within KillWait).
+    latest = run_dir / "checkpoints" / "latest"
+    saved = int(latest.read_text().split("_")[1]) if latest.exists() else 0
+    # The job is over: the same run may be submitted again; it goes on from there.
+    end = saved + 2
+    resubmitted = submit(config, cluster, f"train.max_steps={end}", "--no-eval")
     # logs -f follows the job log while the job runs and returns once it is over
     followed = moe_launch(["logs", str(run_dir), "-f"], env=cluster.env, timeout=300)
     assert followed.returncode == 0, followed.stderr
     assert f"job {resubmitted} (restart 0, attempt 1): " in followed.stdout
-    assert "step     2/2" in followed.stdout, followed.stdout[-3000:]
+    assert f"step {end:>5}/{end}" in followed.stdout, followed.stdout[-3000:]
     assert "training finished; evaluation skipped (--no-eval)" in followed.stdout
-    assert not (run_dir / "checkpoints" / "step_0000002" / "eval").exists()
+    assert not (run_dir / "checkpoints" / f"step_{end:07d}" / "eval").exists()
     assert cluster.wait_job(resubmitted, 60) == "COMPLETED"
     jobs = json.loads((run_dir / "slurm_jobs.json").read_text())
     assert [j["job_id"] for j in jobs] == [job_id, resubmitted]
