@@ -246,7 +246,8 @@ def test_impossible_requests_are_refused_before_any_data_work(tiny_data, tmp_pat
 
 def test_time_limits_as_sbatch_reads_them_and_a_job_slurm_forgot(tiny_data, tmp_path, cluster):
     """``time: 30`` is 30 minutes, ``0`` no limit, an unquoted ``0:30`` 30 seconds (never
-    YAML's base-60 30), as the controller itself reports them. Then, without accounting: a job
+    YAML's base-60 30; the controller rounds it up to a minute), as the controller itself
+    reports them. Then, without accounting: a job
     whose records say it was requeued but that the controller does not know is finished (state
     unknown), status exits 1, and the run directory takes a new job."""
     limits = {}
@@ -256,7 +257,8 @@ def test_time_limits_as_sbatch_reads_them_and_a_job_slurm_forgot(tiny_data, tmp_
         job_id = submit(config, cluster, f"launch.slurm.time={value}", "train.max_steps=100000")
         limits[name] = cluster.run(["squeue", "-h", "-j", job_id, "-o", "%l"]).stdout.strip()
         cluster.run(["scancel", job_id])
-    assert limits == {"thirty": "30:00", "none": "UNLIMITED", "seconds": "0:30"}, limits
+    # SLURM counts limits in whole minutes: 30 seconds become one minute, never 30 minutes.
+    assert limits == {"thirty": "30:00", "none": "UNLIMITED", "seconds": "1:00"}, limits
 
     config, run_dir = slurm_run(tiny_data, tmp_path, name="phantom")
     (run_dir / "logs").mkdir(parents=True)
