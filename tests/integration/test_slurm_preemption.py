@@ -20,7 +20,7 @@ SETTINGS = ("PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE")
 
 
 def test_grace_time_preemption_saves_requeues_and_resumes_bitwise(tiny_data, tmp_path):
-    max_steps = 24
+    max_steps = 120
     config, run_dir = slurm_run(tiny_data, tmp_path, name="low", max_steps=max_steps,
                                 partition="low", cpus_per_task=2)
     reference = moe_launch([str(config), "--scheduler", "local", "--no-eval", "name=reference"])
