@@ -32,7 +32,10 @@ from launch.cli import exits_cleanly
 from launch.elastic import Elastic
 from launch.finish import finish
 from launch.interrupts import LauncherSignals
-from launch.jobs import (
+from launch.plan import RESOLVED_CONFIG, Plan
+from launch.schedulers import build_plan, plan_problems
+from launch.slurm.checks import check_submission
+from launch.slurm.jobs import (
     JOBS_FILE,
     JobState,
     last_steps,
@@ -45,11 +48,8 @@ from launch.jobs import (
     requeued_at,
     slurm_command,
 )
-from launch.plan import RESOLVED_CONFIG, Plan
-from launch.prepare_slurm import is_prepare_dir
-from launch.schedulers import build_plan, plan_problems
-from launch.schedulers.slurm import job_log
-from launch.slurm_checks import check_submission
+from launch.slurm.prepare import is_prepare_dir
+from launch.slurm.script import job_log
 from launch.supervise import run_with_restarts
 from moe.config.run import SIGNALS, dump_config, load_config
 from moe.errors import LaunchError
@@ -57,6 +57,8 @@ from moe.fileio import write_atomic
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 JOB_COMMANDS = ("status", "cancel", "logs")
+WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
+"""States of a requeued job that has not started again."""
 
 
 def stopped(message: str, code: int):
@@ -145,13 +147,14 @@ def launch(argv) -> None:
     plan.check_runnable()
     run_dir = Path(plan.run_dir)
     if plan.submits:
-        refuse_if_active(run_dir)  # before anything in the run directory changes
+        # Every check before anything in the run directory changes: a refused submission
+        # leaves it byte-identical.
+        refuse_if_active(run_dir)
+        check_submission(cfg, plan)  # SLURM's own verdict, before any data work too
     write_atomic(run_dir / RESOLVED_CONFIG, dump_config(cfg))
     (run_dir / "logs").mkdir(exist_ok=True)  # SLURM does not create the job log's directory
     plan.write(run_dir)
 
-    if plan.submits:
-        check_submission(cfg, plan)  # SLURM's own verdict before any data work
     report = prepare(cfg.data)
     print(f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "
           f"{report.manifest.splits['train'].tokens:,} train tokens)", flush=True)
@@ -178,6 +181,9 @@ def resolve_target(target: str) -> tuple[str, Path | None]:
 
 
 def describe(job: JobState) -> str:
+    if job.state is None and job.forgotten:
+        return (f"{job.summary()}: neither squeue nor sacct knows the job any more (no "
+                f"accounting database), and it did not record how it ended")
     if job.state is None:
         return "unknown to SLURM, to sacct and to the run directory's records"
     text = job.state + (f" ({job.reason})" if job.reason and job.reason != "None" else "")
@@ -195,7 +201,7 @@ def training_lines(run_dir: Path, job: JobState) -> list[str]:
                  else "")
         lines.append(f"last step       {steps['step']}, loss {steps['loss']:.4f}{speed}")
     resume = requeued_at(run_dir, job.job_id)
-    if resume is not None and job.active:
+    if resume is not None and job.state in WAITING:  # not once it runs (and resumed) again
         lines.append(f"preempted       exit code {PREEMPTED_EXIT_CODE} on purpose (not a "
                      f"failure): requeued, will resume from step {resume}")
     return lines + [f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",
@@ -203,6 +209,8 @@ def training_lines(run_dir: Path, job: JobState) -> list[str]:
 
 
 def status(target: str) -> None:
+    """Print the job's state and what its run directory says; exit 1 when the state is not
+    known (a job nobody knows, or one SLURM forgot before it recorded its end)."""
     job_id, run_dir = resolve_target(target)
     job = query(job_id, run_dir)
     lines = [f"job {job_id}: {describe(job)}"]
@@ -215,10 +223,15 @@ def status(target: str) -> None:
                 if not record.get("state"):
                     record_state(run_dir, query(str(record["job_id"]), run_dir))
         record = read_jobs(run_dir)[-1]
+        # The newest job as the first line says; older ones as recorded.
+        history = [job.summary() if r["job_id"] == job_id else
+                   r.get("state") or "no final state seen" for r in read_jobs(run_dir)]
         lines += [f"job log         {record['log'].replace('%j', job_id)}",
-                  "jobs of the run " + ", ".join(f"{r['job_id']} ({r.get('state') or 'no final state seen yet'})"
-                                                 for r in read_jobs(run_dir))]
-    print("\n".join(lines))
+                  "jobs of the run " + ", ".join(f"{r['job_id']} ({h})"
+                                                 for r, h in zip(read_jobs(run_dir), history))]
+    print("\n".join(lines), flush=True)
+    if job.state is None:
+        sys.exit(1)
 
 
 def cancel(target: str) -> None:

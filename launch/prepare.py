@@ -69,7 +69,7 @@ def main(argv=None) -> None:
         print(f"{target}: ok; {summary}")
         return
     if args.slurm_parts is not None:
-        from launch import prepare_slurm
+        from launch.slurm import prepare as prepare_slurm
         jobs = prepare_slurm.build(cfg, args.slurm_parts, force=args.force)
         if args.dry_run:
             print(jobs.render())

@@ -6,7 +6,8 @@ killed by a signal cannot say anything itself. Its parent can: when the rank end
 appends one JSON line (rank, pid, exit code or signal, time) to
 ``RUN_DIR/logs/exits_rank{R}.jsonl``, from which moe-launch names the failing rank in its
 restart line (launch/supervise.py), then exits with the rank's exit code (128 + N for signal N).
-Signals it receives (USR1, USR2, TERM, INT) are passed on to the rank. Standard library only,
+Signals it receives (USR1, USR2, TERM, INT) are passed on to the rank (in an srun step, SLURM
+signals the rank itself, so only those that came before the rank started). Standard library only,
 so that it starts at once and holds signals from its first instructions.
 """
 
@@ -41,10 +42,14 @@ def main(argv: list[str]) -> int:
     child: subprocess.Popen | None = None
     held: list[int] = []
 
+    # In an srun step SLURM signals every process of the step, the rank too: passing a signal on
+    # would deliver it twice (and a second TERM ends a rank at once, unsaved).
+    in_step = "SLURM_STEP_ID" in os.environ
+
     def forward(signum, frame) -> None:
         if child is None:
             held.append(signum)
-        else:
+        elif not in_step:
             try:
                 child.send_signal(signum)
             except ProcessLookupError:
@@ -52,7 +57,7 @@ def main(argv: list[str]) -> int:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # srun: no RANK
     config = argv[argv.index("--config") + 1] if "--config" in argv else None
     child = subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv])
     for signum in held:

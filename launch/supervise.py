@@ -23,8 +23,15 @@ checkpoint and the resumed run writes the steps after it again.
 
 from __future__ import annotations
 
+from launch.signal_latch import CATCHABLE, LATCH
+
+if __name__ == "__main__":  # a SLURM job's one line: hold stop signals before any import
+    LATCH.install()
+
 import json
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,7 +40,7 @@ from pathlib import Path
 from launch.interrupts import LauncherSignals, kill_unresponsive, stop_session
 from launch.rank import exits_file
 from moe.checkpoint.files import find_latest
-from moe.errors import LaunchError
+from moe.errors import LaunchError, MoEError
 from moe.training.resilience.watchdog import HANG_EXIT_CODE, hang_records_file
 
 RESTARTS_FILE = "restarts.jsonl"
@@ -80,6 +87,21 @@ class Relaunch:
     """Printed after the restart line: why the layout changed."""
     record: dict = field(default_factory=dict)
     """Added to the restart's line in restarts.jsonl."""
+
+
+def final_file(logs_dir: Path, rank: int) -> Path:
+    return Path(logs_dir) / f"final_rank{rank}.jsonl"
+
+
+def record_final(logs_dir: Path, rank: int, kind: str, cause: str) -> None:
+    """A rank's word that it failed in a way no restart fixes (``kind``: storage, configuration,
+    data); the supervisor stops at once and repeats ``cause`` in its last line."""
+    line = json.dumps({"rank": rank, "kind": kind, "cause": cause, "time": time.time()})
+    try:
+        with final_file(logs_dir, rank).open("a") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass  # a full disk may refuse even this line: the failure is then restarted once more
 
 
 def newest_complete(run_dir: Path) -> str | None:
@@ -162,6 +184,17 @@ class Attempt:
                             f"{', '.join(map(str, reporters))}; stacks of the live ranks in "
                             f"{self.logs}/hang_rank*.txt")
 
+    def final_cause(self) -> str | None:
+        """The cause a rank recorded for a failure no restart can fix, in this attempt
+        (:func:`record_final`); None: every failure may be worth a restart."""
+        records = [r for rank in range(self.world)
+                   for r in _read_jsonl(final_file(self.logs, rank))
+                   if r.get("time", 0) >= self.started]
+        if not records:
+            return None
+        first = min(records, key=lambda r: r["time"])
+        return f"{first['kind']} on rank {first['rank']}: {first['cause']}"
+
     def failure(self, launcher_rc: int) -> Failure:
         ends = self.abnormal_ends()
         hang = self.hang()
@@ -175,11 +208,15 @@ class Attempt:
 
 
 def run_attempt(command: list[str], env: dict, attempt: Attempt,
-                signals: LauncherSignals | None = None) -> int:
+                signals: LauncherSignals | None = None,
+                started: Callable[[subprocess.Popen], None] | None = None) -> int:
     """Run the launcher once; stop it if it outlives a rank's abnormal end by :data:`GRACE_S`.
     ``signals``: the launcher runs in a session of its own and gets moe-launch's signals
-    through them."""
+    through them. ``started``: told the launcher's process as soon as it runs (a signal
+    forwarder)."""
     proc = subprocess.Popen(command, env=env, start_new_session=signals is not None)
+    if started is not None:
+        started(proc)
     seen = None
     while proc.poll() is None:
         time.sleep(POLL_S)
@@ -203,21 +240,29 @@ def run_attempt(command: list[str], env: dict, attempt: Attempt,
 def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: int,
                       max_restarts: int, preempted,
                       replan: Callable[[], Relaunch] | None = None,
-                      signals: LauncherSignals | None = None) -> int:
+                      signals: LauncherSignals | None = None,
+                      started: Callable[[subprocess.Popen], None] | None = None) -> int:
     """Run ``command`` until it succeeds, is preempted (``preempted(rc)`` true: returned at
     once) or has failed ``max_restarts + 1`` times (LaunchError). Returns its exit code.
     ``replan``: asked before each restart for the command and world size to restart with
     (LaunchError: no restart). ``signals``: moe-launch's; once one arrived, the exit code is
-    returned whatever it is (the caller tells what happened)."""
+    returned whatever it is (the caller tells what happened). ``started``: see
+    :func:`run_attempt`. A failure a restart cannot fix (a rank's final record: a full or
+    read-only disk, a configuration or data error) is not restarted: LaunchError at once,
+    naming the cause."""
     previous: Failure | None = None
     restart = 0
     while True:
         attempt = Attempt(run_dir, world_size)
-        rc = run_attempt(command, env, attempt, signals)
+        rc = run_attempt(command, env, attempt, signals, started)
         if rc == 0 or preempted(rc) or (signals is not None and signals.received is not None):
             return rc
         failure = attempt.failure(rc)
         logs = run_dir / "logs"
+        final = attempt.final_cause()
+        if final is not None:
+            raise LaunchError(f"training failed: {failure.describe()}; not restarted, a restart "
+                              f"cannot fix this: {final}")
         if restart == max_restarts:
             raise LaunchError(f"training failed: {failure.describe()}"
                               + (f", after {max_restarts} restart(s) (launch.max_restarts)"
@@ -250,10 +295,155 @@ def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: 
         previous = failure
 
 
+class SignalForwarder:
+    """The supervisor of a SLURM job is the batch step's process that SLURM signals: the
+    time-limit warning (``--signal=B:USR1@N``), ``scancel --batch`` and ``--full``. Each stop
+    signal is remembered and passed on to srun as :data:`~launch.slurm.allocation.SAVE_SIGNAL`,
+    which srun hands to every rank (TERM it would turn into SIGKILL). A signal before srun runs
+    is held: the supervisor then starts no rank at all."""
+
+    def __init__(self, save_signal: int, held: int | None = None):
+        self.save_signal = save_signal
+        self.received: list[int] = [held] if held is not None else []
+        self.proc: subprocess.Popen | None = None
+
+    def install(self, signals) -> None:
+        for signum in signals:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received.append(signum)
+        self._forward()
+
+    def _forward(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.send_signal(self.save_signal)
+            except ProcessLookupError:
+                pass
+
+    def started(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        if self.received:  # arrived while srun was being started
+            self._forward()
+
+    @property
+    def first(self) -> str | None:
+        return signal.Signals(self.received[0]).name if self.received else None
+
+
+def run_slurm_job(config_path: Path, evaluate: bool, held: int | None) -> int:
+    """Everything a SLURM job does inside its allocation: build DeepSpeed's op, run the ranks
+    with srun under the restart policy of :func:`run_with_restarts`, requeue after a preemption
+    (or after any stop signal), evaluate the finished run on one task. Returns the job's exit
+    code; its last line says why it ended."""
+    from launch.slurm.allocation import SAVE_SIGNAL, Allocation, build_ops
+    from moe.config.run import load_config
+    from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+
+    forwarder = SignalForwarder(SAVE_SIGNAL, held)
+    forwarder.install(CATCHABLE)
+    cfg = load_config(config_path)
+    job = Allocation.from_environment(cfg, config_path)
+    run_dir, marker = job.run_dir, job.run_dir / PREEMPTED_MARKER
+    marker.unlink(missing_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    attempt = 0
+    env = job.env(attempt)
+    print(job.header(attempt), flush=True)
+    if not forwarder.received:
+        build_ops(env)
+
+    def preempted(rc: int) -> bool:
+        return rc == PREEMPTED_EXIT_CODE or marker.exists() or bool(forwarder.received)
+
+    def replan() -> Relaunch:
+        nonlocal attempt
+        attempt += 1
+        env.update(job.env(attempt))
+        return Relaunch(job.srun(), cfg.parallel.world_size, note=job.header(attempt))
+
+    rc = None
+    if not forwarder.received:
+        try:
+            rc = run_with_restarts(job.srun(), env, run_dir, cfg.parallel.world_size,
+                                   cfg.launch.max_restarts, preempted, replan,
+                                   started=forwarder.started)
+        except LaunchError as e:
+            job.record_end(1)
+            print(f"error: {e}", flush=True)
+            return 1
+    if rc == 0 and not marker.exists():
+        print("training finished; " + ("evaluating the final checkpoint on one task"
+                                       if evaluate else "evaluation skipped (--no-eval)"),
+              flush=True)
+        status = subprocess.run(job.finish(evaluate), env=env).returncode
+        job.record_end(status)
+        return status
+    return stopped(job, marker, rc, forwarder.first)
+
+
+def stopped(job, marker: Path, rc: int | None, signal_name: str | None) -> int:
+    """A preemption (the ranks saved and exited 75, or had nothing to save yet), or a stop
+    signal the ranks could not act on: requeue the job, or end it cleanly when
+    ``launch.slurm.requeue`` is off. Never a restart: nothing failed."""
+    from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE
+
+    try:
+        saved = json.loads(marker.read_text()) if marker.exists() else None
+    except ValueError:  # cut short: the ranks saved, the step it names is lost
+        saved = {}
+    step = saved.get("step") if saved else None
+    if step is None:
+        tag = newest_complete(job.run_dir)
+        step = int(tag.rsplit("_", 1)[1]) if tag else 0
+    if rc is None:
+        print(f"{signal_name} before srun started: no rank ran, nothing to save", flush=True)
+    elif saved is not None:
+        # srun reports the ranks' planned exit as "Exited with exit code 75" (and the others it
+        # then stopped with 143); say what it means.
+        print(f"preemption signal ({marker.read_text().strip()}): the exit code 75 above is the "
+              f"planned exit of a preempted run, not a failure", flush=True)
+    elif saved is None:
+        print(f"stopped by {signal_name or 'a signal'} before the ranks could save (srun exited "
+              f"with status {rc}): not a training failure, not restarted", flush=True)
+    ended = job.ended_state()
+    if ended is not None:  # the signal was SLURM ending the job: a cancel or the time limit
+        job.record_end(rc if rc is not None else PREEMPTED_EXIT_CODE)
+        print(f"job {job.job_id} is {ended}: not requeued, not restarted; submit the same run "
+              f"again to resume from step {step}", flush=True)
+        return rc if rc else PREEMPTED_EXIT_CODE
+    if job.cfg.launch.slurm.requeue:
+        # Said before asking: the requeue ends this batch step, this process included.
+        job.record_end(rc if rc is not None else PREEMPTED_EXIT_CODE, step)
+        print(f"preempted, requeued, will resume from step {step} (requeueing job "
+              f"{job.job_id})", flush=True)
+        if job.requeue():
+            return 0
+        job.record_end(PREEMPTED_EXIT_CODE)  # a cancelled or timed-out job cannot requeue
+        print(f"not requeued after all: submit the same run again to resume from step {step}",
+              flush=True)
+        return PREEMPTED_EXIT_CODE
+    job.record_end(PREEMPTED_EXIT_CODE)
+    print(f"preempted, not requeued (launch.slurm.requeue: false): submit the same run again to "
+          f"resume from step {step}", flush=True)
+    return PREEMPTED_EXIT_CODE
+
+
 def main(argv: list[str]) -> None:
-    """``python -m launch.supervise RUN_DIR WORLD_SIZE STARTED RESUMED_STEP``: print the step a
-    failed attempt (started at epoch second STARTED, resumed from step RESUMED_STEP) was in; a
-    SLURM job script's restart loop asks this after a failed srun step."""
+    """``python -m launch.supervise slurm CONFIG [--no-eval]``: the one line of a SLURM job
+    script (launch/slurm/script.py).
+
+    ``python -m launch.supervise RUN_DIR WORLD_SIZE STARTED RESUMED_STEP``: print the step a
+    failed attempt (started at epoch second STARTED, resumed from step RESUMED_STEP) was in (what
+    job scripts of earlier versions ask after a failed srun step)."""
+    if argv[:1] == ["slurm"]:
+        config, evaluate = Path(argv[1]), "--no-eval" not in argv[2:]
+        try:
+            sys.exit(run_slurm_job(config, evaluate, LATCH.first))
+        except MoEError as e:
+            print(f"error: {e}", flush=True)
+            sys.exit(2)
     run_dir, world, started, resumed = argv
     # Whole seconds from the shell: a record written in the attempt's first second counts.
     attempt = Attempt(Path(run_dir), int(world), float(started) - 1, int(resumed))
@@ -261,6 +451,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

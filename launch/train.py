@@ -13,6 +13,7 @@ if __name__ == "__main__":  # as the schedulers start it (python -m launch.train
     LATCH.install()
 
 import argparse
+import errno
 import logging
 import os
 from datetime import timedelta
@@ -20,9 +21,14 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.errors import DataError
 from launch.cli import exits_cleanly, setup_logging
 from launch.rank_env import dist_env_from_environment
+from launch.supervise import record_final
+from moe.checkpoint.files import MARKER
 from moe.config.run import SIGNALS, load_config
+from moe.errors import ConfigError, MoEError
+from moe.training.checkpoint import CheckpointSaveError
 from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
 from moe.training.resilience.collectives import record_collectives
@@ -57,7 +63,17 @@ def main(argv=None) -> None:
     log_dir = cfg.run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(env.rank, str(log_dir / f"rank{env.rank}.log"))
+    try:
+        run(cfg, env, args.resume, threads)
+    except Preempted:
+        raise
+    except Exception as e:
+        record_stop(e, cfg.run_dir, env.rank)
+        raise
 
+
+def run(cfg, env, resume: str, threads: int) -> None:
+    """Join the process group and train (``main`` once the rank's log is set up)."""
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
@@ -82,11 +98,64 @@ def main(argv=None) -> None:
         unlink_cpu_allreduce_buffer(env.rank)
     try:
         # Test-only fault plan from the environment (moe/training/resilience/faults.py); None for users.
-        train(cfg, env, resume=args.resume, faults=PlannedFaults.from_environment(env.rank))
+        train(cfg, env, resume=resume, faults=PlannedFaults.from_environment(env.rank))
     except Preempted:
         shut_down_distributed()  # every rank stops at the same step (the signal is all-reduced)
         raise
     shut_down_distributed()
+
+
+FULL_BELOW_BYTES = 16 << 20
+"""Less free space than this (or than the newest checkpoint takes) after a failed save: the
+storage is full, and a restart would fail the same way."""
+
+
+def storage_verdict(ckpt_dir: Path) -> str | None:
+    """Why the checkpoint storage cannot take a checkpoint now (read-only, or full), checked on
+    the storage itself: a write error on a disk with room (a transient fault) may be restarted."""
+    probe = ckpt_dir if ckpt_dir.exists() else ckpt_dir.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return f"the checkpoint storage at {probe} is read-only"
+    free = st.f_bavail * st.f_frsize
+    newest = sorted(ckpt_dir.glob(f"step_*/{MARKER}")) if ckpt_dir.is_dir() else []
+    needed = max(FULL_BELOW_BYTES, sum(p.stat().st_size for p in newest[-1].parent.rglob("*")
+                                       if p.is_file()) if newest else 0)
+    if free < needed:
+        return (f"the checkpoint storage at {probe} is full: {free:,} bytes free, a checkpoint "
+                f"needs about {needed:,}")
+    return None
+
+
+def final_cause(e: Exception, ckpt_dir: Path) -> tuple[str, str] | None:
+    """(kind, cause) of a failure no restart can fix; None for one a restart may fix."""
+    if isinstance(e, (CheckpointSaveError, OSError)) and (
+            not isinstance(e, OSError) or e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)):
+        verdict = storage_verdict(ckpt_dir)
+        return ("storage", f"{verdict} ({e})") if verdict else None
+    if isinstance(e, ConfigError):
+        return "configuration", str(e)
+    if isinstance(e, DataError):
+        return "data", str(e)
+    return None
+
+
+def record_stop(e: Exception, run_dir: Path, rank: int) -> None:
+    """Every rank's own log holds the error that stopped it (its console may be another's); a
+    failure no restart can fix is also recorded for the supervisor (launch/supervise.py)."""
+    text = f"stopped by {type(e).__name__}: {e}"
+    for handler in logging.getLogger("moe").handlers:
+        if isinstance(handler, logging.FileHandler):
+            record = logging.LogRecord("moe.train", logging.ERROR, __file__, 0, text, None,
+                                       None if isinstance(e, (MoEError, DataError))
+                                       else (type(e), e, e.__traceback__))
+            handler.handle(record)
+    final = final_cause(e, run_dir / "checkpoints")
+    if final is not None:
+        record_final(run_dir / "logs", rank, *final)
 
 
 def gather_under_current_name() -> None:

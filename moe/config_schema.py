@@ -10,14 +10,35 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
+import yaml
+
 from moe.errors import ConfigError
 
 T = TypeVar("T")
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without YAML 1.1's base-60 numbers: ``0:30`` and ``24:00:00`` stay the
+    strings they look like (as YAML 1.2 reads them) instead of silently becoming 30 and 86400,
+    which would turn a SLURM time limit of 30 seconds into 30 minutes."""
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, re.compile(r"(?![^:]*:)" + rx.pattern, rx.flags)
+             if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") else rx)
+            for tag, rx in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def load_yaml(text: str) -> Any:
+    """Parse config YAML safely (no Python objects) and without base-60 numbers."""
+    return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader subclass: no Python objects
 
 
 class _Invalid:

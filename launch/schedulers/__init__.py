@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch.plan import Plan
-from launch.schedulers import hostfile, local, mpi, slurm
+from launch.schedulers import hostfile, local, mpi
+from launch.slurm import script as slurm
 from moe.config.run import RunConfig
 from moe.errors import ConfigError, LaunchError
 

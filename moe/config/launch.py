@@ -47,8 +47,8 @@ def slurm_time_seconds(value: str) -> int | None:
     elif second is not None:  # MM:SS
         fields = [("seconds", second, 60)]
         total, units = int(first) * 60, (1,)
-    else:  # minutes
-        return int(first) * 60
+    else:  # minutes; 0 asks for no limit (sbatch --time=0)
+        return int(first) * 60 or None
     for (name, text, bound), unit in zip(fields, units):
         if text is None:
             continue
@@ -110,8 +110,10 @@ class SlurmConfig:
     cpus_per_task: int = 1
     """CPU cores per rank."""
     time: str | int | None = None
-    """Time limit, e.g. ``'02:00:00'`` or ``1-00:00:00`` (null: the partition's default). Quote
-    it in YAML: unquoted, ``24:00:00`` is read as the number 86400 and refused."""
+    """Time limit as sbatch reads it: ``30`` is 30 minutes, ``'30:00'`` 30 minutes too, ``'02:00:00'``
+    two hours, ``1-00:00:00`` a day, ``0`` or ``UNLIMITED`` no limit (null: the partition's
+    default). Written unquoted, ``0:30`` stays the text ``0:30`` (30 seconds), never the base-60
+    number 30."""
     partition: str | None = None
     account: str | None = None
     job_name: str | None = None
@@ -140,12 +142,9 @@ class SlurmConfig:
                 out.append(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.gpus_per_node < 0:
             out.append(f"gpus_per_node: must be >= 0, got {self.gpus_per_node}")
-        if isinstance(self.time, int):
-            out.append(f"time: got the number {self.time}; write the limit as a quoted string, "
-                       f"e.g. '24:00:00' (YAML reads an unquoted 24:00:00 as 86400)")
-        elif self.time is not None:
+        if self.time is not None:
             try:
-                limit = slurm_time_seconds(self.time)
+                limit = slurm_time_seconds(str(self.time))  # a number: minutes, as sbatch
             except ValueError as e:
                 out.append(f"time: {self.time!r} is not a SLURM time ({e}); write minutes, "
                            f"MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")

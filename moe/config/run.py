@@ -15,7 +15,7 @@ import yaml
 
 from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
-from moe.config_schema import from_dict, minimums, to_dict
+from moe.config_schema import from_dict, load_yaml, minimums, to_dict
 from moe.errors import ConfigError
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig
@@ -296,7 +296,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ConfigError([f"override {item!r}: {k} is not a section"])
-        node[keys[-1]] = yaml.safe_load(value)
+        node[keys[-1]] = load_yaml(value)
     return raw
 
 
@@ -307,7 +307,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None,
     e.g. the scheduler's limits) once the config could be built."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except FileNotFoundError:
         raise ConfigError(["file not found"], str(path)) from None
     except yaml.YAMLError as e:

@@ -226,8 +226,8 @@ def test_kill_at_every_point_on_s3(corpus, bucket, tmp_path):
 def _train_worker(rank, world, cfg_dict, out):
     import json
 
+    from moe.config.run import RunConfig
     from moe.config_schema import from_dict
-    from moe.training.config import RunConfig
     from moe.training.trainer import DistEnv, train
 
     summary = train(from_dict(RunConfig, cfg_dict), DistEnv(rank, world, rank, world))

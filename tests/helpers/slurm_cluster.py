@@ -149,7 +149,7 @@ def write_munge(root: Path) -> list[str]:
 
 
 def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int,
-               partitions: tuple[str, ...] = ()) -> str:
+               partitions: tuple[str, ...] = (), settings: tuple[str, ...] = ()) -> str:
     root.mkdir(parents=True, exist_ok=True)
     lines = [
         "ClusterName=moetest", f"SlurmctldHost={controller}",
@@ -164,7 +164,7 @@ def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int,
         # A requeued job becomes eligible after cred_expire; the periodic pass (sched_interval)
         # is what then starts it.
         "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=2",
-        "KillWait=5", "InactiveLimit=0", "MinJobAge=600",
+        "KillWait=5", "InactiveLimit=0", "MinJobAge=600", *settings,
         f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool%n'}",
         f"SlurmctldPidFile={root / 'ctld.pid'}", f"SlurmdPidFile={root / 'd%n.pid'}",
         f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd-%n.log'}",
@@ -177,13 +177,15 @@ def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int,
 
 
 @contextlib.contextmanager
-def single_node_cluster(root: Path, cpus: int = 2, partitions: tuple[str, ...] = ()):
-    """``partitions``: more ``PartitionName=...`` lines besides the default ``debug``."""
+def single_node_cluster(root: Path, cpus: int = 2, partitions: tuple[str, ...] = (),
+                        settings: tuple[str, ...] = ()):
+    """``partitions``: more ``PartitionName=...`` lines besides the default ``debug``;
+    ``settings``: more slurm.conf lines (e.g. ``PreemptType=...``)."""
     require_slurm()
     host = socket.gethostname()
     conf = root / "slurm.conf"
     conf.write_text(slurm_conf(root, host, [f"NodeName={host} CPUs={cpus} RealMemory=20000"],
-                               cpus, partitions))
+                               cpus, partitions, settings))
     cluster = Cluster(root, conf)
     try:
         cluster.start(write_munge(root), "munged-stdout.log")

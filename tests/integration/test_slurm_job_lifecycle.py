@@ -46,12 +46,14 @@ def submit(config, cluster, *overrides) -> str:
 def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_finish(
         tiny_data, tmp_path, cluster):
     """2 tasks, expert parallelism 2, hostile run directory, job name and environment value
-    (they must arrive literally). In one job: ``scancel --signal=USR1 --batch`` while the ranks
-    start (what ``--signal=B:USR1@N`` does): requeued without a checkpoint. Then rank 1 is
-    killed at step 25 (SIGKILL, the test-only fault plan): the job script starts srun again in
-    the same allocation from the step-20 checkpoint (launch.max_restarts). Then SIGUSR1 to the
-    ranks mid-run: checkpoint, requeue, resume. Then the finish and one evaluation. Every sample
-    index is consumed exactly once over the whole history."""
+    (they must arrive literally). In one job: ``scancel --signal=TERM`` to the ranks while they
+    start (what a grace-time preemption sends; ``checkpoint.save_on_signals`` does not list
+    TERM): requeued without a checkpoint, no restart. Then rank 1 is killed at step 25 (SIGKILL,
+    the test-only fault plan): the supervisor starts srun again in the same allocation from the
+    step-20 checkpoint (launch.max_restarts), naming the rank. Then ``scancel --batch
+    --signal=TERM`` mid-run (to the supervisor, which passes USR1 on to the ranks): checkpoint,
+    requeue, resume. Then the finish and one evaluation. Every sample index is consumed exactly
+    once over the whole history."""
     sentinel = tmp_path / "SENTINEL"
     hostile = HOSTILE.format(s=sentinel)
     # SLURM reads '\\' and '%' in log paths as its own patterns: the launcher refuses those there.
@@ -72,44 +74,46 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     assert cluster.run(["squeue", "-h", "-j", job_id, "-o", "%j"]).stdout.rstrip("\n") == hostile
     rank0, job_log_path = run_dir / "logs" / "rank0.log", run_dir / "logs" / f"slurm-{job_id}.out"
 
-    # 1. A signal to the batch shell while the ranks start: passed on, nothing to save, requeued.
+    # 1. TERM to the ranks while they start: held, nothing to save, requeued.
     wait_for(rank0.exists, 120, "the rank did not start", cluster)
     assert "step " not in rank0.read_text()  # still starting: imports, DeepSpeed, data
-    assert cluster.run(["scancel", "--signal=USR1", "--batch", job_id]).returncode == 0
+    assert cluster.run(["scancel", "--signal=TERM", job_id]).returncode == 0
     wait_for(lambda: "requeueing job" in job_log_path.read_text(), 120, "no requeue", cluster)
 
     # 2. Rank 1 killed at step 25: srun started again in the allocation, from step 20.
-    wait_for(lambda: "restart 1/3: srun exited" in job_log_path.read_text(), 240,
+    wait_for(lambda: "launch: restart 1/3: " in job_log_path.read_text(), 240,
              "no restart inside the allocation", cluster)
     # The ranks' own environment holds the hostile value, byte for byte.
-    wait_for(lambda: len(cluster.run(["scontrol", "listpids", job_id]).stdout.splitlines()) > 2,
-             60, "no ranks after the restart", cluster)
-    rows = [r.split() for r in cluster.run(["scontrol", "listpids", job_id]).stdout
-            .splitlines()[1:]]
-    environs = []
-    for r in rows:
-        if len(r) == 5 and r[4].isdigit():
-            try:
-                environs.append(open(f"/proc/{r[0]}/environ", "rb").read())
-            except OSError:
-                pass  # a step process that ended meanwhile
-    assert any(b"MOE_TEST_VALUE=" + hostile.encode() + b"\0" in e for e in environs)
+    def rank_environs() -> list[bytes]:
+        environs = []
+        for r in cluster.run(["scontrol", "listpids", job_id]).stdout.splitlines()[1:]:
+            r = r.split()
+            if len(r) == 5 and r[4].isdigit():  # a task of the srun step (not the batch step)
+                try:
+                    environs.append(open(f"/proc/{r[0]}/environ", "rb").read())
+                except OSError:
+                    pass  # a step process that ended meanwhile
+        return environs
 
-    # 3. SIGUSR1 to the ranks once the restarted attempt steps: checkpoint, requeue, resume.
+    wait_for(lambda: any(b"MOE_TEST_VALUE=" + hostile.encode() + b"\0" in e
+                         for e in rank_environs()), 60, "no rank with the hostile value", cluster)
+
+    # 3. TERM to the supervisor once the restarted attempt steps: checkpoint, requeue, resume.
     resumed_20 = f"resumed from {run_dir / 'checkpoints' / 'step_0000020'} at step 20"
     wait_for(lambda: resumed_20 in rank0.read_text()
              and "] step " in rank0.read_text().split(resumed_20)[-1], 240,
              "the restarted attempt did not step", cluster)
-    assert cluster.run(["scancel", "--signal=USR1", job_id]).returncode == 0
+    assert cluster.run(["scancel", "--batch", "--signal=TERM", job_id]).returncode == 0
     state = cluster.wait_job(job_id, 400)
     job_log = job_log_path.read_text()
     assert state == "COMPLETED", cluster.logs() + job_log[-4000:]
     assert cluster.job_field(job_id, "Restarts") == "2"  # two requeues; the kill was not one
 
     log = rank0.read_text()
-    assert "SIGUSR1 before the first step: nothing to save" in log, log[-3000:]
-    assert "restart 1/3: srun exited with status" in job_log and f"at step {kill_at} " in \
-        job_log.split("restart 1/3: srun exited")[1].splitlines()[0], job_log[-3000:]
+    assert "SIGTERM before the first step: nothing to save" in log, log[-3000:]
+    assert (f"launch: restart 1/3: rank 1 exited with signal SIGKILL at step {kill_at}; "
+            f"resuming from {run_dir / 'checkpoints' / 'step_0000020'}") in job_log, job_log[-3000:]
+    assert job_log.count("launch: restart") == 1  # never for a signal
     saved = int(log.split("SIGUSR1: saved step ")[1].split(";")[0])
     assert 20 < saved < max_steps  # after the restart from step 20
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:07d}'} at step {saved}" in log
@@ -138,7 +142,7 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     job_out = moe_launch(["logs", str(run_dir)], env=cluster.env)
     assert job_out.returncode == 0 and "requeueing job" in job_out.stdout, job_out.stderr
     rank_out = moe_launch(["logs", str(run_dir), "--rank", "0"], env=cluster.env)
-    assert "SIGUSR1 before the first step" in rank_out.stdout, rank_out.stderr
+    assert "SIGTERM before the first step" in rank_out.stdout, rank_out.stderr
 
 
 def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, cluster):
@@ -176,15 +180,19 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
     assert unknown.returncode != 0 and "nothing cancelled: job 999999 is unknown" \
         in unknown.stderr, unknown.stderr
     assert json.loads((run_dir / "slurm_jobs.json").read_text())[0]["state"] == "CANCELLED"
-    # The job is over: the same run may be submitted again.
-    resubmitted = submit(config, cluster, "train.max_steps=2", "--no-eval")
+    # The cancel's TERM reached the ranks, which save on it under SLURM (within KillWait).
+    latest = run_dir / "checkpoints" / "latest"
+    saved = int(latest.read_text().split("_")[1]) if latest.exists() else 0
+    # The job is over: the same run may be submitted again; it goes on from there.
+    end = saved + 2
+    resubmitted = submit(config, cluster, f"train.max_steps={end}", "--no-eval")
     # logs -f follows the job log while the job runs and returns once it is over
     followed = moe_launch(["logs", str(run_dir), "-f"], env=cluster.env, timeout=300)
     assert followed.returncode == 0, followed.stderr
     assert f"job {resubmitted} (restart 0, attempt 1): " in followed.stdout
-    assert "step     2/2" in followed.stdout, followed.stdout[-3000:]
+    assert f"step {end:>5}/{end}" in followed.stdout, followed.stdout[-3000:]
     assert "training finished; evaluation skipped (--no-eval)" in followed.stdout
-    assert not (run_dir / "checkpoints" / "step_0000002" / "eval").exists()
+    assert not (run_dir / "checkpoints" / f"step_{end:07d}" / "eval").exists()
     assert cluster.wait_job(resubmitted, 60) == "COMPLETED"
     jobs = json.loads((run_dir / "slurm_jobs.json").read_text())
     assert [j["job_id"] for j in jobs] == [job_id, resubmitted]
@@ -212,8 +220,18 @@ def test_impossible_requests_are_refused_before_any_data_work(tiny_data, tmp_pat
     """Each case against the real controller: SLURM's own reason from ``sbatch --test-only``
     where it gives one, and what the partition lacks, named by config key."""
     config, run_dir = slurm_run(tiny_data, tmp_path)
+    # A finished run's directory, submitted again with an impossible request: refused, and
+    # left byte-identical.
+    records = [{"job_id": "424242", "submitted": "t", "script": "s", "log": "l",
+                "state": "COMPLETED"}]
+    files = {"config.yaml": "old config\n", "job.sbatch": "old script\n",
+             "plan.json": "{}\n", "slurm_jobs.json": json.dumps(records)}
+    run_dir.mkdir(parents=True)
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
     proc = moe_launch([str(config), *overrides], env=cluster.env)
     assert proc.returncode != 0
+    assert {p.name: p.read_text() for p in run_dir.iterdir()} == files
     assert "SLURM would refuse this job; nothing was prepared or submitted" in proc.stderr, \
         proc.stderr
     said = [line for line in proc.stderr.splitlines() if "sbatch --test-only: " in line]
@@ -222,5 +240,37 @@ def test_impossible_requests_are_refused_before_any_data_work(tiny_data, tmp_pat
     else:
         assert said == [], proc.stderr
     assert f"  - {finding}" in proc.stderr, proc.stderr
-    assert "data:" not in proc.stdout and not (run_dir / "slurm_jobs.json").exists()
+    assert "data:" not in proc.stdout
     assert cluster.run(["squeue", "-h"]).stdout.strip() == ""
+
+
+def test_time_limits_as_sbatch_reads_them_and_a_job_slurm_forgot(tiny_data, tmp_path, cluster):
+    """``time: 30`` is 30 minutes, ``0`` no limit, an unquoted ``0:30`` 30 seconds (never
+    YAML's base-60 30; the controller rounds it up to a minute), as the controller itself
+    reports them. Then, without accounting: a job
+    whose records say it was requeued but that the controller does not know is finished (state
+    unknown), status exits 1, and the run directory takes a new job."""
+    limits = {}
+    for name, value in [("thirty", "30"), ("none", "0"), ("seconds", "0:30")]:
+        config, run_dir = slurm_run(tiny_data, tmp_path, name=name, signal_seconds=0)
+        # Unquoted on the command line: read as YAML, as in a config file.
+        job_id = submit(config, cluster, f"launch.slurm.time={value}", "train.max_steps=100000")
+        limits[name] = cluster.run(["squeue", "-h", "-j", job_id, "-o", "%l"]).stdout.strip()
+        cluster.run(["scancel", job_id])
+    # SLURM counts limits in whole minutes: 30 seconds become one minute, never 30 minutes.
+    assert limits == {"thirty": "30:00", "none": "UNLIMITED", "seconds": "1:00"}, limits
+
+    config, run_dir = slurm_run(tiny_data, tmp_path, name="phantom")
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "999999", "submitted": "t", "script": "s", "log": "l", "state": None}]))
+    (run_dir / "slurm_job_ends.txt").write_text("999999 75 requeued 5\n")
+    status = moe_launch(["status", str(run_dir)], env=cluster.env)
+    assert status.returncode == 1, status.stdout + status.stderr
+    first = status.stdout.splitlines()[0]
+    assert first.startswith("job 999999: finished, final state unknown"), status.stdout
+    assert "jobs of the run 999999 (finished, final state unknown)" in status.stdout
+    job_id = submit(config, cluster, "train.max_steps=100000")  # not refused
+    assert moe_launch(["cancel", str(run_dir)], env=cluster.env).returncode == 0
+    assert [j["job_id"] for j in json.loads((run_dir / "slurm_jobs.json").read_text())] == \
+        ["999999", job_id]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.jobs import last_steps
 from launch.launch import main
+from launch.slurm.jobs import last_steps
 
 
 @pytest.fixture
@@ -50,9 +50,101 @@ def test_status_falls_back_to_the_run_directory_records(tmp_path, no_slurm_memor
     assert "nothing cancelled: job 42 is COMPLETED [from records]" in capsys.readouterr().err
 
 
-def test_unknown_job_is_said_to_be_unknown(no_slurm_memory, capsys):
-    main(["status", "999"])
+def test_unknown_job_is_said_to_be_unknown_and_status_exits_non_zero(no_slurm_memory, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["status", "999"])
+    assert e.value.code == 1
     assert "job 999: unknown to SLURM" in capsys.readouterr().out
+
+
+def write_records(run_dir: Path, ends: str) -> None:
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "41", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
+         "state": "COMPLETED"},
+        {"job_id": "42", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
+         "state": None}]))
+    (run_dir / "slurm_job_ends.txt").write_text(ends)
+
+
+def test_a_requeued_job_slurm_forgot_is_finished_not_requeued_forever(tmp_path, no_slurm_memory,
+                                                                      capsys):
+    """No accounting: the job requeued itself at step 5, was then killed hard and purged from
+    squeue. It is over, its state unknown: status says so (and exits 1), the history line says
+    the same, nothing is recorded as if known, and the run directory is free again."""
+    run_dir = tmp_path / "run"
+    write_records(run_dir, "42 75 requeued 5\n")
+    with pytest.raises(SystemExit) as e:
+        main(["status", str(run_dir)])
+    assert e.value.code == 1
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("job 42: finished, final state unknown: neither squeue nor sacct "
+                            "knows the job"), out
+    assert "REQUEUED" not in out and "will resume" not in out
+    assert "jobs of the run 41 (COMPLETED), 42 (finished, final state unknown)" in out
+    assert json.loads((run_dir / "slurm_jobs.json").read_text())[1]["state"] is None
+    from launch.slurm.jobs import refuse_if_active
+
+    refuse_if_active(run_dir)  # resubmission is not blocked
+    with pytest.raises(SystemExit):
+        main(["cancel", str(run_dir)])
+    assert "nothing cancelled: job 42 is finished, final state unknown" in capsys.readouterr().err
+
+
+def test_a_job_the_controller_cannot_be_asked_about_still_blocks_resubmission(tmp_path,
+                                                                              monkeypatch):
+    """squeue failing for another reason (controller down) proves nothing: a requeued job
+    stays requeued, and the run directory stays its own."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, message in [("squeue", "slurm_load_jobs error: Unable to contact slurm controller"),
+                          ("sacct", "Slurm accounting storage is disabled")]:
+        (bin_dir / name).write_text(f"#!/bin/sh\necho '{message}' >&2\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    run_dir = tmp_path / "run"
+    write_records(run_dir, "42 75 requeued 5\n")
+    from launch.slurm.jobs import refuse_if_active
+    from moe.errors import LaunchError
+
+    with pytest.raises(LaunchError, match="belongs to SLURM job 42, which is REQUEUED"):
+        refuse_if_active(run_dir)
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_submission_sbatch_refuses_leaves_the_run_directory_byte_identical(
+        tiny_data, tmp_path, no_slurm_memory, capsys):
+    """A finished run submitted again with a request SLURM refuses (sbatch --test-only): the
+    resolved config, job script, plan and records stay as they were, byte for byte."""
+    import yaml
+
+    from tests.conftest import tiny_run_dict
+
+    run = tiny_run_dict(tiny_data, tmp_path / "runs")
+    run["launch"] = {"scheduler": "slurm"}
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(run))
+    run_dir = tmp_path / "runs" / "tiny"
+    write_records(run_dir, "42 0 ended\n")
+    for name in ("config.yaml", "job.sbatch", "plan.json"):
+        (run_dir / name).write_text(f"the finished run's {name}\n")
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Requested "
+                      "node configuration is not available' >&2\nexit 1\n")
+    sbatch.chmod(0o755)
+    before = snapshot(run_dir)
+    with pytest.raises(SystemExit) as e:
+        main([str(config), "parallel.world_size=4", "launch.slurm.nodes=4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "SLURM would refuse this job; nothing was prepared or submitted" in err
+    assert "Requested node configuration is not available" in err
+    assert snapshot(run_dir) == before
     with pytest.raises(SystemExit) as e:
         main(["cancel", "999"])
     assert e.value.code != 0 and "nothing cancelled" in capsys.readouterr().err
@@ -125,6 +217,10 @@ def test_status_of_a_requeued_job_says_preempted_and_where_it_resumes(tmp_path, 
     assert "job 42: PENDING (BeginTime)" in out
     assert ("preempted       exit code 75 on purpose (not a failure): requeued, will resume "
             "from step 17") in out
+    squeue.write_text("#!/bin/sh\necho 'RUNNING|None|0:05|30:00'\n")  # it runs again
+    main(["status", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "job 42: RUNNING" in out and "will resume" not in out
     ends.write_text("42 75 requeued 17\n42 0 ended\n")  # the requeued run finished
     main(["status", str(run_dir)])
     assert "preempted" not in capsys.readouterr().out
@@ -134,7 +230,7 @@ def test_a_run_directory_from_before_the_job_list_is_still_read(tmp_path):
     """Earlier versions kept one job in slurm_job.json; status, cancel and logs still find it."""
     import json
 
-    from launch.jobs import read_jobs
+    from launch.slurm.jobs import read_jobs
 
     (tmp_path / "slurm_job.json").write_text(json.dumps(
         {"job_id": "77", "submitted": "2026-01-01T00:00:00+0000", "script": "job.sbatch"}))

@@ -3,7 +3,7 @@ real controller in tests/integration/test_slurm_job_lifecycle.py)."""
 
 import pytest
 
-from launch.slurm_checks import fields, gpu_count
+from launch.slurm.checks import fields, gpu_count
 
 
 @pytest.mark.parametrize("gres, gpus", [

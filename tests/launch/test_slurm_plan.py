@@ -1,27 +1,34 @@
 """The SLURM plan without a cluster: the sbatch script parsed back (no golden files), and the
-script itself run by bash with srun/scontrol replaced by recorders, so that what reaches srun's
-argument list and environment is compared with the literal hostile values."""
+job's one line (the supervisor) run with srun/scontrol replaced by recorders, so that what
+reaches srun's argument list and environment is compared with the literal hostile values, and
+the restart policy, the signals and the requeue are checked without a cluster."""
 
+import contextlib
+import io
 import os
 import shlex
 import signal
 import stat
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launch.jobs import requeued_at
+from launch import supervise
 from launch.launch import main
 from launch.schedulers import build_plan
-from launch.schedulers.slurm import JOB_SCRIPT
+from launch.signal_latch import CATCHABLE
+from launch.slurm import allocation
+from launch.slurm.jobs import requeued_at
+from launch.slurm.script import JOB_SCRIPT
 from moe.config.launch import slurm_time_seconds
-from moe.config.run import RunConfig
+from moe.config.run import RunConfig, dump_config, load_config
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.training.resilience.preemption import PREEMPTED_MARKER
 
+ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
 
 
@@ -43,7 +50,7 @@ def sbatch_options(script: str) -> dict[str, str | None]:
     return out
 
 
-def test_script_holds_requested_resources_and_entry_point(tmp_path):
+def test_script_holds_requested_resources_and_one_supervisor_line(tmp_path):
     cfg = slurm_config(tmp_path, nodes=2, gpus_per_node=2, cpus_per_task=6, time="1-02:00:00",
                        partition="gpu", account="proj-1", job_name="moe run",
                        extra_sbatch=["--exclusive", "--mem=0"], signal_seconds=300,
@@ -56,15 +63,28 @@ def test_script_holds_requested_resources_and_entry_point(tmp_path):
                     "--cpus-per-task": "6", "--gpus-per-node": "2", "--time": "1-02:00:00",
                     "--partition": "gpu", "--account": "proj-1",
                     "--output": str(run_dir / "logs" / "slurm-%j.out"), "--open-mode": "append",
-                    "--signal": "USR1@300", "--requeue": None, "--exclusive": None, "--mem": "0"}
-    srun = next(shlex.split(line) for line in script.splitlines()
-                if line.lstrip().startswith("srun "))
-    assert srun[1:6] == ["--ntasks=4", "--ntasks-per-node=2", "--cpus-per-task=6",
-                         "--kill-on-bad-exit=1", "--label"]
-    assert srun[-5:] == ["-m", "launch.train", "--config", str(run_dir / "config.yaml"), "&"]
-    assert "export GLOO_SOCKET_IFNAME=ib0" in script.splitlines()
+                    "--chdir": str(Path.cwd()), "--signal": "B:USR1@300", "--requeue": None,
+                    "--exclusive": None, "--mem": "0"}
+    # Directives, then the one line: the restart policy lives in Python, not in the script.
+    body = [line for line in script.splitlines() if not line.startswith("#")]
+    assert body == [shlex.join(["exec", sys.executable, "-u", "-m", "launch.supervise", "slurm",
+                                str(run_dir / "config.yaml")])]
     assert plan.command == ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)]
     assert (plan.world_size, plan.nodes, plan.submits) == (4, 2, True)
+
+
+def test_srun_starts_one_rank_wrapper_per_task_that_saves_on_usr1_and_term(tmp_path, slurm_job):
+    cfg = slurm_config(tmp_path, nodes=2, cpus_per_task=6, socket_ifname="ib0")
+    cfg.checkpoint.save_on_signals = ["USR2"]
+    calls, _ = slurm_job(cfg, srun_body="exit 0\n")
+    srun, env = next(c for c in calls if c[0][0] == "srun")
+    run_dir = tmp_path / "runs" / "tiny"
+    assert srun[:6] == ["srun", "--ntasks=4", "--ntasks-per-node=2", "--cpus-per-task=6",
+                        "--kill-on-bad-exit=1", "--label"]
+    assert srun[6:] == [sys.executable, "-u", "-m", "launch.rank", "--config",
+                        str(run_dir / "config.yaml"),
+                        "checkpoint.save_on_signals=[USR2, USR1, TERM]"]
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0" and env["PYTHONUNBUFFERED"] == "1"
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -85,43 +105,63 @@ def recorder(path: Path, log: Path, body: str = "") -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def run_script(tmp_path, cfg: RunConfig, srun_body: str = "", signal_shell=None,
-               scontrol_body: str = "", evaluate: bool = True,
-               expect_rc: int = 0) -> tuple[list[list[str]], dict]:
-    """Run the job script under bash as SLURM would, with recording srun and scontrol;
-    ``signal_shell(proc)`` is called while it runs."""
+@pytest.fixture
+def slurm_job(tmp_path, monkeypatch):
+    """Run a job as the allocation does (``python -m launch.supervise slurm CONFIG``), in this
+    process for speed, with recording srun and scontrol on PATH and DeepSpeed's op build
+    replaced by ``before_srun`` (what happens while the supervisor builds it). Returns
+    ``run(cfg, srun_body, ...) -> (calls, output)``; calls are (argv, env) pairs."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "calls.log"
-    log.unlink(missing_ok=True)  # this run's calls only
-    recorder(bin_dir / "srun", log, srun_body)
-    recorder(bin_dir / "scontrol", log,
-             scontrol_body + 'case "$1 $2" in\n'
-             '  "show hostnames") printf "node7\\nnode8\\n";;\n'
-             '  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.9.0.7 NodeHostName=$3";;\n'
-             "esac\n")
-    plan = build_plan(cfg, evaluate=evaluate)
-    script = tmp_path / "job.sh"
-    script.write_text(plan.files[JOB_SCRIPT])
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234",
-           "SLURM_JOB_NODELIST": "node[7-8]", "HOME": str(tmp_path / "home")}
-    popen = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    if signal_shell is not None:
-        signal_shell(popen)
-    stdout, stderr = popen.communicate(timeout=60)
-    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
-    assert proc.returncode == expect_rc, proc.stderr
-    calls = []
-    for record in log.read_text().split("\n--end\n")[:-1]:
-        argv_part, env_part = record.split("\n--env\n")
-        argv = argv_part.split("\0")[:-1]
-        argv[0] = Path(argv[0]).name
-        calls.append((argv, dict(kv.split("=", 1) for kv in env_part.split("\0") if "=" in kv)))
-    return calls, proc
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[7-8]")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    saved = {signum: signal.getsignal(signum) for signum in CATCHABLE}  # restored after each
+
+    def run(cfg: RunConfig, srun_body: str = "", scontrol_body: str = "", evaluate: bool = True,
+            expect_rc: int = 0, before_srun=None):
+        log.unlink(missing_ok=True)  # this run's calls only
+        recorder(bin_dir / "srun", log, srun_body)
+        recorder(bin_dir / "scontrol", log,
+                 scontrol_body + 'case "$1 $2" in\n'
+                 '  "show hostnames") printf "node7\\nnode8\\n";;\n'
+                 '  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.9.0.7 '
+                 'NodeHostName=$3";;\n'
+                 "esac\n")
+        plan = build_plan(cfg, evaluate=evaluate)
+        line = [t for t in plan.files[JOB_SCRIPT].splitlines() if t.startswith("exec ")]
+        argv = shlex.split(line[0])[1:]
+        assert argv[1:5] == ["-u", "-m", "launch.supervise", "slurm"]
+        config = Path(argv[5])
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(dump_config(cfg))
+        monkeypatch.setattr(allocation, "build_ops",
+                            lambda env: before_srun() if before_srun else 0)
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                rc = supervise.run_slurm_job(config, "--no-eval" not in argv, None)
+        finally:
+            for signum, handler in saved.items():
+                signal.signal(signum, handler)
+        assert rc == expect_rc, out.getvalue()
+        calls = []
+        text = log.read_text() if log.exists() else ""
+        for record in text.split("\n--end\n")[:-1]:
+            argv_part, env_part = record.split("\n--env\n")
+            call = argv_part.split("\0")[:-1]
+            call[0] = Path(call[0]).name
+            calls.append((call, dict(kv.split("=", 1) for kv in env_part.split("\0")
+                                     if "=" in kv)))
+        return calls, out.getvalue()
+
+    return run
 
 
-def test_hostile_values_reach_srun_literally_and_execute_nothing(tmp_path):
+def test_hostile_values_reach_srun_literally_and_execute_nothing(tmp_path, slurm_job):
     sentinel = tmp_path / "SENTINEL"
     hostile = HOSTILE.format(s=sentinel)
     cfg = slurm_config(tmp_path, nodes=2, socket_ifname="eth1",
@@ -130,10 +170,10 @@ def test_hostile_values_reach_srun_literally_and_execute_nothing(tmp_path):
     cfg.output_dir = str(tmp_path / "runs ; $(touch x) `touch y` 'q\"")
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "keep").write_text("still here")
-    calls, _ = run_script(tmp_path, cfg)
+    calls, _ = slurm_job(cfg)
     srun_argv, srun_env = next(c for c in calls if c[0][0] == "srun")
     assert f"--comment={hostile}" in srun_argv
-    assert srun_argv[-1] == str(Path(cfg.output_dir).absolute() / "tiny" / "config.yaml")
+    assert srun_argv[-2] == str(Path(cfg.output_dir).absolute() / "tiny" / "config.yaml")
     assert srun_env["MOE_VALUE"] == hostile
     assert (srun_env["MASTER_ADDR"], srun_env["MASTER_PORT"]) == ("10.9.0.7", str(15000 + 1234 * 4))
     assert srun_env["GLOO_SOCKET_IFNAME"] == srun_env["NCCL_SOCKET_IFNAME"] == "eth1"
@@ -141,34 +181,35 @@ def test_hostile_values_reach_srun_literally_and_execute_nothing(tmp_path):
     assert (tmp_path / "home" / "keep").exists()
 
 
-def test_script_requeues_after_a_preemption_checkpoint(tmp_path):
+def test_script_requeues_after_a_preemption_checkpoint(tmp_path, slurm_job):
     cfg = slurm_config(tmp_path)
     marker = tmp_path / "runs" / "tiny" / PREEMPTED_MARKER
     marker.parent.mkdir(parents=True)
     marker.write_text("stale: removed before srun starts")
     # Without a marker from this run: no requeue, srun's status is the job's.
-    calls, _ = run_script(tmp_path, cfg, srun_body="exit 0\n")
+    calls, _ = slurm_job(cfg, srun_body="exit 0\n")
     assert not marker.exists()
     assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
     # The ranks saved and left the marker, then exited 75: the script requeues the job.
     saved = '{"step": 17, "signal": "SIGUSR1"}'
-    calls, proc = run_script(tmp_path, cfg, srun_body=f"echo '{saved}' > {shlex.quote(str(marker))}\n"
+    calls, out = slurm_job(cfg, srun_body=f"echo '{saved}' > {shlex.quote(str(marker))}\n"
                                                       "exit 75\n")
     assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
     # srun's "Exited with exit code 75" is followed by what it means.
-    assert proc.stdout.splitlines()[-2:] == [
+    assert out.splitlines()[-2:] == [
         f"preemption signal ({saved}): the exit code 75 above is the planned exit of a "
         "preempted run, not a failure",
         "preempted, requeued, will resume from step 17 (requeueing job 1234)"]
     ends = (tmp_path / "runs" / "tiny" / "slurm_job_ends.txt").read_text().splitlines()
     assert ends[-1] == "1234 75 requeued 17"
     assert requeued_at(tmp_path / "runs" / "tiny", "1234") == 17
-    # Signalled before the first step: nothing saved, resumes from the newest checkpoint.
-    (marker.parent / "checkpoints").mkdir()
-    (marker.parent / "checkpoints" / "latest").write_text("step_0000040")
-    calls, proc = run_script(tmp_path, cfg, srun_body=f"echo '{{\"step\": null}}' > "
+    # Signalled before the first step: nothing saved, resumes from the newest complete
+    # checkpoint (its directory and its marker).
+    (marker.parent / "checkpoints" / "step_0000040").mkdir(parents=True)
+    (marker.parent / "checkpoints" / "step_0000040" / "checkpoint.json").write_text("{}")
+    calls, out = slurm_job(cfg, srun_body=f"echo '{{\"step\": null}}' > "
                                                       f"{shlex.quote(str(marker))}\nexit 75\n")
-    assert "preempted, requeued, will resume from step 40 (requeueing job 1234)" in proc.stdout
+    assert "preempted, requeued, will resume from step 40 (requeueing job 1234)" in out
 
 
 def finish_calls(calls) -> list[list[str]]:
@@ -176,7 +217,8 @@ def finish_calls(calls) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("evaluate", [True, False])
-def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(tmp_path, evaluate):
+def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(tmp_path, evaluate,
+                                                                       slurm_job):
     cfg = slurm_config(tmp_path, nodes=2, cpus_per_task=3)
     run_dir = tmp_path / "runs" / "tiny"
     marker = run_dir / PREEMPTED_MARKER
@@ -184,74 +226,154 @@ def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(tmp_path
     plan = build_plan(cfg, evaluate=evaluate)
     assert plan.files[JOB_SCRIPT] != build_plan(cfg, evaluate=not evaluate).files[JOB_SCRIPT]
     # Training finished (the ranks' srun exits 0): one more srun, one task, the finish step.
-    calls, proc = run_script(tmp_path, cfg, srun_body="exit 0\n", evaluate=evaluate)
+    calls, out = slurm_job(cfg, srun_body="exit 0\n", evaluate=evaluate)
     (finish,) = finish_calls(calls)
     assert finish[1:4] == ["--ntasks=1", "--nodes=1", "--cpus-per-task=3"]
     assert finish[5:] == ["-u", "-m", "launch.finish", str(run_dir),
                           *([] if evaluate else ["--no-eval"])]
-    assert ("evaluating the final checkpoint" in proc.stdout) == evaluate
+    assert ("evaluating the final checkpoint" in out) == evaluate
     # Preempted (marker, exit 75): requeued, no evaluation of a checkpoint that is not final.
-    calls, proc = run_script(tmp_path, cfg, srun_body=f"echo '{{}}' > {shlex.quote(str(marker))}\n"
+    calls, out = slurm_job(cfg, srun_body=f"echo '{{}}' > {shlex.quote(str(marker))}\n"
                                                       "exit 75\n", evaluate=evaluate)
-    assert finish_calls(calls) == [] and "requeueing job 1234" in proc.stdout
-    # Training failed: no evaluation, the job fails with the ranks' status.
-    calls, proc = run_script(tmp_path, cfg, srun_body="exit 3\n", evaluate=evaluate,
-                             expect_rc=3)
+    assert finish_calls(calls) == [] and "requeueing job 1234" in out
+    # Training failed (twice the same way): no evaluation, the job fails.
+    calls, out = slurm_job(cfg, srun_body="exit 3\n", evaluate=evaluate, expect_rc=1)
     assert finish_calls(calls) == []
+    assert out.splitlines()[-1].startswith("error: training failed the same way twice")
 
 
-def test_a_signal_to_the_batch_shell_reaches_the_ranks_and_requeues(tmp_path):
-    """``--signal=B:USR1@N`` and ``scancel --signal=USR1 --batch`` signal the batch shell only:
-    it passes the signal on to srun (here a stand-in that saves like the ranks: marker, exit 75
-    on USR1)."""
-    cfg = slurm_config(tmp_path)
+# A stand-in for srun that behaves like the ranks under it: on the save signal (USR1) it
+# leaves the marker and exits 75; it records which signal arrived.
+SAVING_SRUN = ("trap 'echo USR1 >> {got}; echo {{}} > {marker}; exit 75' USR1\n"
+               "trap 'echo TERM >> {got}; exit 137' TERM\n"
+               "touch {started}\n"
+               "for i in $(seq 300); do sleep 0.1; done\nexit 0\n")
+
+
+def saving_srun(tmp_path) -> tuple[str, Path, Path]:
     run_dir = tmp_path / "runs" / "tiny"
-    run_dir.mkdir(parents=True)
-    marker, started = run_dir / PREEMPTED_MARKER, tmp_path / "srun-started"
-    srun_body = (f"trap 'echo {{}} > {shlex.quote(str(marker))}; exit 75' USR1\n"
-                 f"touch {shlex.quote(str(started))}\n"
-                 "for i in $(seq 300); do sleep 0.1; done\nexit 0\n")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    got, started = tmp_path / "srun-got", tmp_path / "srun-started"
+    body = SAVING_SRUN.format(got=shlex.quote(str(got)), started=shlex.quote(str(started)),
+                              marker=shlex.quote(str(run_dir / PREEMPTED_MARKER)))
+    return body, got, started
 
-    def usr1_once_srun_runs(popen):
+
+def signal_once(path: Path, signum: int) -> None:
+    """Send this process (the supervisor) ``signum`` once ``path`` exists."""
+    import threading
+
+    def wait_then_signal():
         deadline = time.time() + 30
-        while not started.exists():
-            assert time.time() < deadline and popen.poll() is None
-            time.sleep(0.05)
-        popen.send_signal(signal.SIGUSR1)
+        while not path.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signum)
 
+    threading.Thread(target=wait_then_signal, daemon=True).start()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2])
+def test_a_stop_signal_to_the_supervisor_reaches_the_ranks_as_usr1_and_requeues(
+        tmp_path, slurm_job, signum):
+    """``--signal=B:USR1@N``, ``scancel --batch --signal=TERM|USR1|USR2`` signal the batch step:
+    the supervisor passes USR1 on to srun (never TERM, which srun turns into SIGKILL of every
+    rank), the ranks save, the job requeues, and no restart is attempted."""
+    body, got, started = saving_srun(tmp_path)
+    signal_once(started, signum)
     t0 = time.time()
-    calls, proc = run_script(tmp_path, cfg, srun_body, signal_shell=usr1_once_srun_runs)
+    calls, out = slurm_job(slurm_config(tmp_path), body)
     assert time.time() - t0 < 20  # the stand-in srun ended on the signal, not after 30 s
+    assert got.read_text().split() == ["USR1"]
     assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
-    assert "requeueing job 1234" in proc.stdout
+    assert len([c for c in calls if c[0][0] == "srun"]) == 1 and "launch: restart" not in out
+    assert out.splitlines()[-1] == "preempted, requeued, will resume from step 0 (requeueing job 1234)"
 
 
-def test_a_signal_before_srun_starts_requeues_without_starting_it(tmp_path):
-    cfg = slurm_config(tmp_path)
+def test_a_job_slurm_will_not_requeue_ends_saying_so(tmp_path, slurm_job):
+    """A cancel or the time limit itself (TERM to everything): scontrol requeue is refused; the
+    job ends with 75 and its last line and record say it was not requeued."""
+    body, got, started = saving_srun(tmp_path)
+    signal_once(started, signal.SIGTERM)
+    refuse = ('if [ "$1" = requeue ]; then echo "Requested operation is presently disabled" >&2; '
+              "exit 1; fi\n")
+    calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=refuse, expect_rc=75)
+    assert out.splitlines()[-1] == ("not requeued after all: submit the same run again to resume "
+                                    "from step 0")
+    ends = (tmp_path / "runs" / "tiny" / "slurm_job_ends.txt").read_text().splitlines()
+    assert ends[-1] == "1234 75 ended"
+
+
+@pytest.mark.parametrize("state", ["CANCELLED", "TIMEOUT"])
+def test_a_cancel_or_the_time_limit_is_neither_restarted_nor_requeued(tmp_path, slurm_job,
+                                                                     state):
+    """``scancel JOB`` and the time limit send TERM to everything, srun kills the ranks (137):
+    SLURM already calls the job CANCELLED (TIMEOUT), and the supervisor says so, last."""
+    body, got, started = saving_srun(tmp_path)
+    body = body.replace("; echo {} > ", "; : ").replace("exit 75'", "exit 137'")
+    signal_once(started, signal.SIGTERM)
+    show_job = f'if [ "$1 $2" = "show job" ]; then echo "JobId=1234 JobState={state}"; fi\n'
+    calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=show_job, expect_rc=137)
+    assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
+    assert "launch: restart" not in out
+    assert out.splitlines()[-1] == (f"job 1234 is {state}: not requeued, not restarted; submit "
+                                    "the same run again to resume from step 0")
+
+
+def test_without_requeue_a_stop_signal_ends_the_job_cleanly(tmp_path, slurm_job):
+    body, got, started = saving_srun(tmp_path)
+    signal_once(started, signal.SIGTERM)
+    calls, out = slurm_job(slurm_config(tmp_path, requeue=False), body, expect_rc=75)
+    assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
+    assert out.splitlines()[-1] == ("preempted, not requeued (launch.slurm.requeue: false): "
+                                    "submit the same run again to resume from step 0")
+
+
+@pytest.mark.parametrize("moment", ["building the op", "between build and srun"])
+def test_a_signal_before_srun_starts_requeues_without_starting_it(tmp_path, slurm_job, moment):
+    """While the supervisor builds DeepSpeed's op, or just after: no rank is started at all."""
     (tmp_path / "runs" / "tiny").mkdir(parents=True)
-    asked = tmp_path / "scontrol-asked"
 
-    def usr1_while_scontrol_runs(popen):  # the script asks scontrol for nodes before srun
-        deadline = time.time() + 30
-        while not asked.exists():
-            assert time.time() < deadline and popen.poll() is None
-            time.sleep(0.05)
-        popen.send_signal(signal.SIGUSR1)
+    def signal_now():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return 0
 
-    slow_first_call = (f"if [ ! -e {shlex.quote(str(asked))} ]; then "
-                       f"touch {shlex.quote(str(asked))}; sleep 1; fi\n")
-    calls, proc = run_script(tmp_path, cfg, srun_body="exit 0\n",
-                             signal_shell=usr1_while_scontrol_runs, scontrol_body=slow_first_call)
-    assert not any(c[0][0] == "srun" for c in calls)
+    if moment == "building the op":
+        calls, out = slurm_job(slurm_config(tmp_path), srun_body="exit 0\n",
+                               before_srun=signal_now)
+        assert "USR1 before srun started: no rank ran, nothing to save" in out
+    else:
+        # The signal lands while srun is being started: it is passed on at once, and the
+        # stand-in, which ends on USR1 like the ranks, is not waited for.
+        body, got, started = saving_srun(tmp_path)
+        calls, out = slurm_job(slurm_config(tmp_path), srun_body=body, before_srun=lambda: (
+            signal_once(tmp_path / "runs", signal.SIGUSR1), time.sleep(0.2), 0)[-1])
     assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
-    assert '"signal": "USR1"' in proc.stdout and "requeueing job 1234" in proc.stdout
+    assert "requeueing job 1234" in out
+
+
+def test_a_signal_the_ranks_could_not_act_on_requeues_from_the_newest_checkpoint(tmp_path,
+                                                                                 slurm_job):
+    """``scancel --full --signal=TERM`` also reaches srun, which kills every rank (137): nothing
+    new was saved, and that is no training failure either: no restart, a requeue from the
+    newest complete checkpoint."""
+    run_dir = tmp_path / "runs" / "tiny"
+    tag = run_dir / "checkpoints" / "step_0000010"
+    tag.mkdir(parents=True)
+    (tag / "checkpoint.json").write_text("{}")
+    body, got, started = saving_srun(tmp_path)
+    body = body.replace("; echo {} > ", "; : ").replace("exit 75'", "exit 137'")
+    signal_once(started, signal.SIGTERM)
+    calls, out = slurm_job(slurm_config(tmp_path), body)
+    assert "stopped by SIGTERM before the ranks could save (srun exited with status 137)" in out
+    assert "launch: restart" not in out
+    assert out.splitlines()[-1] == ("preempted, requeued, will resume from step 10 (requeueing "
+                                    "job 1234)")
 
 
 @pytest.mark.parametrize("slurm, key", [
     ({"partition": "gpu; touch /tmp/x"}, "launch.slurm.partition"),
     ({"account": "$(id)"}, "launch.slurm.account"),
     ({"time": "2h"}, "launch.slurm.time"),
-    ({"time": 86400}, "launch.slurm.time: got the number 86400"),
     ({"extra_sbatch": ["--mem=0\nrm -rf /"]}, "launch.slurm.extra_sbatch[0]"),
     ({"job_name": "a\nb"}, "launch.slurm.job_name"),
     ({"socket_ifname": "eth0 eth1"}, "launch.slurm.socket_ifname"),
@@ -276,7 +398,8 @@ def test_percent_in_the_run_directory_is_refused_for_the_job_log(tmp_path):
 
 @pytest.mark.parametrize("time_limit, seconds", [
     ("30", 1800), ("45:30", 2730), ("12:00:00", 43200), ("48:00:00", 172800), ("2-12", 216000),
-    ("2-12:30", 217800), ("2-12:30:15", 217815), ("UNLIMITED", None), ("infinite", None)])
+    ("2-12:30", 217800), ("2-12:30:15", 217815), ("UNLIMITED", None), ("infinite", None),
+    ("0", None), ("0:30", 30)])
 def test_every_slurm_time_format_is_accepted(time_limit, seconds):
     assert slurm_time_seconds(time_limit) == seconds
 
@@ -291,6 +414,27 @@ def test_invalid_times_are_refused_with_the_reason(tmp_path, time_limit, why):
         build_plan(slurm_config(tmp_path, time=time_limit))
 
 
+@pytest.mark.parametrize("yaml_text, directive, seconds", [
+    ("30", "30", 1800),  # a number is minutes, as sbatch reads --time=30
+    ("0", "0", None),  # no limit, as sbatch reads --time=0
+    ("0:30", "0:30", 30),  # YAML 1.1 would read the number 30 (base 60): 30 minutes
+    ("24:00:00", "24:00:00", 86400),
+    ("'90'", "90", 5400)])
+def test_time_is_read_from_yaml_as_sbatch_reads_it(tmp_path, yaml_text, directive, seconds):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"name: tiny\noutput_dir: {tmp_path / 'runs'}\n"
+                      f"parallel: {{world_size: 4, expert_parallel_size: 2}}\n"
+                      f"launch:\n  scheduler: slurm\n  slurm:\n    signal_seconds: 0\n"
+                      f"    time: {yaml_text}\n")
+    cfg = load_config(config)
+    assert str(cfg.launch.slurm.time) == directive
+    assert slurm_time_seconds(str(cfg.launch.slurm.time)) == seconds
+    assert sbatch_options(build_plan(cfg).files[JOB_SCRIPT])["--time"] == directive
+    # The same on the command line (key=value overrides are YAML too).
+    again = load_config(config, [f"launch.slurm.time={yaml_text}"])
+    assert str(again.launch.slurm.time) == directive
+
+
 def test_resubmit_comment_is_shell_quoted(tmp_path):
     cfg = slurm_config(tmp_path)
     cfg.output_dir = str(tmp_path / "my runs; $(touch x)")
@@ -300,40 +444,44 @@ def test_resubmit_comment_is_shell_quoted(tmp_path):
 
 
 def training_calls(calls) -> list[list[str]]:
-    return [c[0] for c in calls if c[0][0] == "srun" and "launch.train" in c[0]]
+    return [c[0] for c in calls if c[0][0] == "srun" and "launch.rank" in c[0]]
 
 
-def test_a_failed_srun_step_is_started_again_in_the_allocation(tmp_path):
-    """launch.max_restarts: srun fails (the ranks reached step 3), the script starts the step
-    again with another master port; it fails again at the same step with the same status and
-    the script stops there; max_restarts 0 never restarts."""
+def test_a_failed_srun_step_is_started_again_in_the_allocation(tmp_path, slurm_job):
+    """launch.max_restarts, the policy of every scheduler (launch/supervise.py): srun fails
+    (the ranks reached step 3), the supervisor starts the step again with another master port;
+    it fails again at the same step with the same status and the supervisor stops there;
+    max_restarts 0 never restarts."""
     run_dir = tmp_path / "runs" / "tiny"
     (run_dir / "logs").mkdir(parents=True)
     counter = tmp_path / "attempts"
     steps = " ".join(shlex.quote(str(run_dir / "logs" / f"steps_rank{r}.jsonl")) for r in range(4))
     # Attempt 1 fails with status 9 in step 3, attempt 2 finishes.
     body = (f"n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}\n"
-            f'case "$*" in *launch.train*) for f in {steps}; do printf \'{{"step": 1}}\\n'
+            f'case "$*" in *launch.rank*) for f in {steps}; do printf \'{{"step": 1}}\\n'
             f'{{"step": 2}}\\n\' >> "$f"; done;; *) exit 0;; esac\n'
             'if [ "$n" -eq 0 ]; then exit 9; fi\nexit ${SECOND_STATUS:-0}\n')
-    calls, proc = run_script(tmp_path, slurm_config(tmp_path), srun_body=body)
+    calls, out = slurm_job(slurm_config(tmp_path), srun_body=body)
     trains = training_calls(calls)
     assert len(trains) == 2 and len(finish_calls(calls)) == 1
-    assert ("restart 1/3: srun exited with status 9 at step 3 (srun's task lines above name the "
-            "failing rank); starting the step again in this allocation") in proc.stdout
+    assert ("launch: restart 1/3: a rank (the launcher did not say which) exited with code 9 at "
+            "step 3; resuming from the start (no complete checkpoint yet)\n"
+            "launch: job 1234 (restart 0, attempt 2): 4 ranks, master 10.9.0.7:") in out
     ports = [env["MASTER_PORT"] for argv, env in calls if argv in trains]
     assert ports == [str(15000 + 1234 * 4), str(15000 + 1234 * 4 + 1)]
 
     counter.unlink()
     body = body.replace("exit ${SECOND_STATUS:-0}", "exit 9")
-    calls, proc = run_script(tmp_path, slurm_config(tmp_path), srun_body=body, expect_rc=9)
+    calls, out = slurm_job(slurm_config(tmp_path), srun_body=body, expect_rc=1)
     assert len(training_calls(calls)) == 2 and finish_calls(calls) == []
-    assert ("training failed the same way twice in a row: srun exited with status 9 at step 3"
-            in proc.stdout)
+    assert out.splitlines()[-1].startswith(
+        "error: training failed the same way twice in a row: a rank (the launcher did not say "
+        "which) exited with code 9 at step 3")
 
     counter.unlink()
     cfg = slurm_config(tmp_path)
     cfg.launch.max_restarts = 0
-    calls, proc = run_script(tmp_path, cfg, srun_body=body, expect_rc=9)
+    calls, out = slurm_job(cfg, srun_body=body, expect_rc=1)
     assert len(training_calls(calls)) == 1
-    assert "after 0 restart(s) (launch.max_restarts 0)" in proc.stdout
+    assert "(launch.max_restarts: 0)" in out.splitlines()[-1]
+    assert (run_dir / "slurm_job_ends.txt").read_text().splitlines()[-1] == "1234 1 ended"

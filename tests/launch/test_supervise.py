@@ -36,6 +36,9 @@ for rank in (0, 1):
 if outcome.get("hang"):  # what a hang watchdog writes before it exits with code 70
     with (logs / "hangs_rank0.jsonl").open("a") as f:
         f.write(json.dumps(outcome["hang"]) + "\n")
+if outcome.get("final"):  # a rank's word that no restart fixes this (launch/train.py)
+    from launch.supervise import record_final
+    record_final(logs, 1, "storage", outcome["final"])
 for rank, rc in enumerate(outcome["ranks"]):
     if rc is not None:
         with exits_file(logs, rank).open("a") as f:
@@ -87,6 +90,25 @@ def test_failures_are_restarted_and_logged_with_rank_cause_and_step(tmp_path, ca
     got = restarts(run_dir)
     assert [(r["restart"], r["rank"], r["returncode"], r["signal"], r["step"]) for r in got] == \
         [(1, 1, None, "SIGKILL", 5), (2, 0, 70, None, 7)]
+
+
+def test_a_failure_no_restart_fixes_stops_at_once_naming_its_cause(tmp_path):
+    """A full disk recorded by rank 1: no restart (three were allowed), and the one error says
+    why, in its last words. A final record of an earlier attempt does not count."""
+    cause = "the checkpoint storage at /ckpt is full: 0 bytes free"
+    script = [{"reach": 4, "ranks": [2, 2], "launcher": 2, "final": cause},
+              {"reach": 8, "ranks": [0, 0], "launcher": 0}]
+    with pytest.raises(LaunchError) as e:
+        run(tmp_path, script)
+    assert str(e.value).endswith(f"not restarted, a restart cannot fix this: storage on rank 1: "
+                                 f"{cause}")
+    assert attempts(tmp_path / "run") == 1 and restarts(tmp_path / "run") == []
+    # The same record from a finished attempt: the next failure is restarted as usual.
+    (tmp_path / "run" / "logs" / "attempts").unlink()
+    script = [{"reach": 2, "ranks": [None, KILLED], "launcher": 137},
+              {"reach": 8, "ranks": [0, 0], "launcher": 0}]
+    rc, run_dir = run(tmp_path, script)
+    assert rc == 0 and attempts(run_dir) == 2 and len(restarts(run_dir)) == 1
 
 
 def test_the_failing_step_counts_from_the_checkpoint_the_attempt_resumed(tmp_path, capsys):

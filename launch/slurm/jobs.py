@@ -41,9 +41,19 @@ class JobState:
     elapsed: str = ""
     limit: str = ""
 
+    forgotten: bool = False
+    """Neither squeue nor sacct knows the job, though moe-launch submitted it: it is over (SLURM
+    keeps a job it still runs or queues), its final state unknown unless the records hold one."""
+
     @property
     def active(self) -> bool:
         return self.state in ACTIVE
+
+    def summary(self) -> str:
+        """The state in a few words, the same in every line that names this job."""
+        if self.state is not None:
+            return self.state
+        return "finished, final state unknown" if self.forgotten else "unknown"
 
 
 def slurm_command(argv: list[str]) -> subprocess.CompletedProcess | None:
@@ -123,17 +133,23 @@ def query(job_id: str, run_dir: Path | None = None) -> JobState:
     if proc is not None and proc.returncode == 0 and proc.stdout.strip():
         state, reason, elapsed, limit = proc.stdout.strip().splitlines()[0].split("|")
         return JobState(job_id, state, "squeue", reason, elapsed, limit)
+    # squeue answered and does not know the job (an unreachable controller proves nothing).
+    unknown_to_squeue = proc is not None and (proc.returncode == 0
+                                              or "Invalid job id" in proc.stderr)
     proc = slurm_command(["sacct", "-n", "-X", "-P", "-j", job_id, "-o",
                           "State,Reason,Elapsed,Timelimit"])
     if proc is not None and proc.returncode == 0 and proc.stdout.strip():
         state, reason, elapsed, limit = proc.stdout.strip().splitlines()[0].split("|")
         return JobState(job_id, state.split()[0], "sacct", reason, elapsed, limit)
-    if run_dir is not None:
-        ended = state_from_ends(run_dir, job_id)
-        recorded = next((r.get("state") for r in read_jobs(run_dir) if r["job_id"] == job_id),
-                        None)
-        return JobState(job_id, recorded or ended, "records")
-    return JobState(job_id, None, "records")
+    if run_dir is None or not any(r["job_id"] == job_id for r in read_jobs(run_dir)):
+        return JobState(job_id, None, "records")
+    recorded = next(r.get("state") for r in read_jobs(run_dir) if r["job_id"] == job_id)
+    state = recorded or state_from_ends(run_dir, job_id)
+    if state in ACTIVE and unknown_to_squeue:
+        # The job's last run requeued it, then it was killed hard (or purged) before it could
+        # write how it ended: SLURM, which keeps every job it still queues, forgot it.
+        state = None
+    return JobState(job_id, state, "records", forgotten=unknown_to_squeue)
 
 
 def refuse_if_active(run_dir: Path) -> None:

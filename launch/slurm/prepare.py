@@ -6,7 +6,7 @@ The jobs read a snapshot of the resolved config, written with their scripts, job
 job records (``slurm_jobs.json``, what ``moe-launch status`` reads) into ``<data.dir>.slurm``,
 beside the data: editing the config file after submitting changes nothing in the queued jobs.
 Values in the scripts go through shlex.quote; ``#SBATCH`` values through
-:func:`~launch.schedulers.slurm.sbatch_directive`.
+:func:`~launch.slurm.script.sbatch_directive`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline.prepare import parts_dir
-from launch.jobs import query, read_jobs, record_submission
 from launch.plan import RESOLVED_CONFIG
-from launch.schedulers.slurm import (
+from launch.slurm.jobs import query, read_jobs, record_submission
+from launch.slurm.script import (
     env_exports,
     extra_directives,
     sbatch_directive,

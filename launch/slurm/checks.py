@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 import subprocess
 
-from launch.jobs import slurm_command
 from launch.plan import Plan
-from launch.schedulers.slurm import JOB_SCRIPT
+from launch.slurm.jobs import slurm_command
+from launch.slurm.script import JOB_SCRIPT
 from moe.config.run import RunConfig
 from moe.errors import LaunchError
 
