@@ -14,8 +14,9 @@
 Weight layout: our stacked experts are ``w_in`` (E, D, 2H) = [gate | up] along the last dim and
 ``w_out`` (E, H, D); transformers' fused experts are ``gate_up_proj`` (E, 2H, D) = [gate; up] and
 ``down_proj`` (E, D, H): one transpose each. Qwen2-MoE scales its shared expert by
-``sigmoid(shared_expert_gate(x))``: a zero gate gives exactly 1/2, so the shared expert's output
-projection is exported times 2 (exact in floating point).
+``sigmoid(shared_expert_gate(x))``: our ``moe.shared_expert_gate`` is exactly that gate; without
+it a zero gate gives exactly 1/2, so the shared expert's output projection is exported times 2
+(exact in floating point).
 
 Every export is written into a temporary directory next to the destination and renamed into
 place at the end; an existing destination is never overwritten.
@@ -197,7 +198,7 @@ def _hf_config(cfg: RunConfig, arch: str, tokenizer_ids: dict) -> dict:
     m, moe, r = cfg.model, cfg.model.moe, cfg.model.moe.router
     common = dict(
         vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, head_dim=m.d_model // m.n_heads,
+        num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, head_dim=m.head_size,
         max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
         tie_word_embeddings=m.tie_embeddings, num_experts_per_tok=r.top_k,
@@ -213,7 +214,7 @@ def _hf_config(cfg: RunConfig, arch: str, tokenizer_ids: dict) -> dict:
                 shared_expert_intermediate_size=moe.num_shared_experts * moe.expert_hidden,
                 intermediate_size=moe.dense_width, decoder_sparse_step=1,
                 mlp_only_layers=[i for i in range(m.n_layers) if not m.is_moe_layer(i)],
-                norm_topk_prob=r.order == "topk_then_softmax" or r.renormalize, qkv_bias=False,
+                norm_topk_prob=r.order == "topk_then_softmax" or r.renormalize, qkv_bias=m.qkv_bias,
                 use_sliding_window=False, router_aux_loss_coef=r.aux_loss_coef)
 
 
@@ -252,6 +253,9 @@ def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             out[f"{dst}self_attn.{proj}.weight"] = t.take(f"{src}attn.{proj}.weight")
+        if m.qkv_bias:  # qwen2_moe only (hf_support)
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                out[f"{dst}self_attn.{proj}.bias"] = t.take(f"{src}attn.{proj}.bias")
         out[f"{dst}input_layernorm.weight"] = t.take(f"{src}attn_norm.weight")
         out[f"{dst}post_attention_layernorm.weight"] = t.take(f"{src}ffn_norm.weight")
         if not m.is_moe_layer(i):
@@ -265,13 +269,16 @@ def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]
         out[f"{dst}mlp.experts.down_proj"] = w_out.transpose(1, 2)
         if arch == "qwen2_moe":
             # Qwen2-MoE always has a shared expert; without ours it gets width 0 (adds 0).
+            gated = moe.shared_expert_gate
             if moe.num_shared_experts:
-                _dense(out, t, f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.", scale=2.0)
+                _dense(out, t, f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.",
+                       scale=1.0 if gated else 2.0)
             else:
                 for proj, shape in (("gate_proj", (0, m.d_model)), ("up_proj", (0, m.d_model)),
                                     ("down_proj", (m.d_model, 0))):
                     out[f"{dst}mlp.shared_expert.{proj}.weight"] = torch.zeros(shape)
-            out[f"{dst}mlp.shared_expert_gate.weight"] = torch.zeros(1, m.d_model)
+            out[f"{dst}mlp.shared_expert_gate.weight"] = (
+                t.take(f"{src}ffn.shared_gate.weight") if gated else torch.zeros(1, m.d_model))
     t.finish()
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -52,7 +52,7 @@ NUMERIC = {
     "moe.dense_hidden": [24], "moe.router.top_k": [1, 3], "moe.router.scaling_factor": [2.5],
     "moe.router.jitter_eps": [0.1], "moe.router.logit_noise_std": [0.5],
     "moe.router.aux_loss_coef": [0.1], "moe.router.z_loss_coef": [1e-3],
-    "moe.router.bias_update_rate": [0.01], "moe.router.init_std": [0.1],
+    "moe.router.bias_update_rate": [0.01], "moe.router.init_std": [0.1], "head_dim": [12],
 }
 NOT_VARIED = {
     "init_from": "needs another run's checkpoint; only chooses the starting weights",
@@ -104,7 +104,11 @@ PAIRS = [
     {"norm": "layernorm", "norm_placement": "post"},
     {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 20},
     {"tie_embeddings": True, "moe.num_shared_experts": 1, "moe.first_dense_layers": 1},
+    {"qkv_bias": True, "head_dim": 12, "moe.num_shared_experts": 2,
+     "moe.shared_expert_gate": True, "moe.router.renormalize": False},
 ]
+COMPANIONS = {("moe.shared_expert_gate", True): {"moe.num_shared_experts": 1}}
+"""A value that is valid only with another setting, which its variant then also takes."""
 
 
 def variants() -> dict[str, dict]:
@@ -112,7 +116,7 @@ def variants() -> dict[str, dict]:
     for path, values in FIELDS.items():
         for v in values or NUMERIC.get(path, []):
             if v != _base_value(path):
-                out[f"{path}={v}"] = {path: v}
+                out[f"{path}={v}"] = {path: v, **COMPANIONS.get((path, v), {})}
     for pair in PAIRS:
         out["+".join(f"{k}={v}" for k, v in pair.items())] = pair
     return out
