@@ -32,6 +32,7 @@ setup(
             "moe-eval=launch.evaluate:main",
             "moe-plan=launch.calculator:main",
             "moe-export=launch.export:main",
+            "moe-import=launch.import_hf:main",
         ]
     },
 )

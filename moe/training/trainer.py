@@ -64,7 +64,7 @@ from moe.training.resilience.spike_guard import (
     skipped_windows,
 )
 from moe.training.resilience.watchdog import HangWatchdog
-from moe.training.upcycle import initialize_from_checkpoint
+from moe.training.upcycle import check_source_tokenizer, initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
 
@@ -327,6 +327,8 @@ def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
     resume_dir = resolve_resume(resume, ckpt_dir)
     if resume_dir is not None:
         verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
+    elif cfg.model.init_from:
+        check_source_tokenizer(cfg.model.init_from, tokenizer_sha, str(cfg.data.dir))
     engine, model = build_engine(cfg, env)
     reader = PackedReader(data, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
                           cfg.train.micro_batch_size, weights=cfg.data.weights(),
