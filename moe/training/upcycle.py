@@ -26,8 +26,7 @@ from moe.model.transformer import ModelConfig, MoETransformer
 
 # Fields that must agree for weights to mean the same thing (shapes alone miss e.g. positions).
 _SAME_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "qkv_bias", "qk_norm",
-                "position",
-                "rope_theta", "t5_num_buckets", "t5_max_distance", "norm", "norm_placement",
+                "position", "rope_theta", "t5_num_buckets", "t5_max_distance", "norm", "norm_placement",
                 "tie_embeddings")
 _DENSE_FFN = re.compile(r"^blocks\.(\d+)\.ffn\.(w_in|w_out)\.weight$")
 _FRESH = re.compile(r"^blocks\.\d+\.ffn\.(router\.weight|router\.score_bias)$")

@@ -111,6 +111,15 @@ def test_imported_model_computes_the_transformers_logits(arch, tmp_path, capsys)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert (cfg.model.ffn == "dense") == (arch in ("llama", "mistral", "qwen2"))
+    # model.init_from: the checkpoint, or the directory itself, gives the same weights.
+    from moe.model.transformer import MoETransformer
+    from moe.training.upcycle import initialize_from_checkpoint
+
+    for source in (tmp_path / "ckpt", f"hf:{hf_dir}"):
+        started = MoETransformer(cfg.model).eval()
+        initialize_from_checkpoint(started, source)
+        with torch.no_grad():
+            assert torch.equal(started(x).logits, ours), source
 
 
 def bpe_tokenizer_json(corpus: Path, out: Path) -> Path:
