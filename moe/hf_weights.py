@@ -371,8 +371,13 @@ class SafetensorsDir:
         return None
 
     def tensor(self, name: str) -> torch.Tensor:
+        """The tensor as fp32, read through a mapping of its file opened for this read alone:
+        the file's pages leave this process's resident memory with it."""
+        from safetensors import safe_open
+
         self.read.add(name)
-        return self.handles[self.where[name]].get_tensor(name).float()
+        with safe_open(str(self.file(name)), framework="pt") as handle:
+            return handle.get_tensor(name).float()
 
     def unread(self) -> list[str]:
         return sorted(set(self.where) - self.read)
