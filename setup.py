@@ -33,6 +33,7 @@ setup(
             "moe-plan=launch.calculator:main",
             "moe-export=launch.export:main",
             "moe-scaling=launch.scaling:main",
+            "moe-import=launch.import_hf:main",
         ]
     },
 )

@@ -87,7 +87,9 @@ class SourceConfig:
 @dataclass
 class TokenizerConfig:
     model_file: str | None = None
-    """An existing SentencePiece model to use instead of training one."""
+    """An existing tokenizer to use instead of training one: a SentencePiece model, or a
+    Hugging Face ``tokenizer.json`` (an open-weights model's own; BOS/EOS/PAD/UNK found by
+    their usual names, e.g. ``<s>``, ``</s>``, ``<|endoftext|>``)."""
     vocab_size: int = 4096
     model_type: Literal["bpe", "unigram"] = "bpe"
     byte_fallback: bool = True

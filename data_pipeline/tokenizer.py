@@ -1,4 +1,6 @@
-"""SentencePiece tokenizer: training on a sample of the sources, loading, and identity (hash)."""
+"""Tokenizers: SentencePiece (trained on a sample of the sources, or given) or a Hugging Face
+``tokenizer.json`` (the ``tokenizers`` library; an open-weights model's own); loading, and
+identity (the sha256 of the file's bytes)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,27 @@ from data_pipeline.errors import DataError
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 
 
+# Special tokens of a tokenizer.json, by the names open-weights models use for them.
+HF_SPECIALS = {"bos": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
+               "eos": ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>"),
+               "pad": ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>"),
+               "unk": ("<unk>", "<|unk|>")}
+
+
 class Tokenizer:
+    """A SentencePiece model or a Hugging Face ``tokenizer.json``, told apart by content (the
+    prepared data keeps either under one file name)."""
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
             data = self.path.read_bytes()
         except OSError as e:
             raise DataError(f"cannot read tokenizer {self.path}: {e.strerror}") from e
+        if data.lstrip()[:1] == b"{":
+            self._load_json(data)
+            return
+        self.hf = None
         self.sp = spm.SentencePieceProcessor()
         try:
             self.sp.LoadFromSerializedProto(data)
@@ -35,14 +51,43 @@ class Tokenizer:
         if self.eos_id < 0:
             raise DataError(f"tokenizer {self.path} defines no EOS piece; documents need one")
 
+    def _load_json(self, data: bytes) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self.hf = HFTokenizer.from_str(data.decode())
+        except Exception as e:  # tokenizers raises its own exception type
+            raise DataError(f"{self.path} is neither a SentencePiece model nor a valid "
+                            f"tokenizer.json: {e}") from e
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        ids = {kind: next((i for name in names if (i := self.hf.token_to_id(name)) is not None),
+                          -1) for kind, names in HF_SPECIALS.items()}
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (ids["bos"], ids["eos"], ids["pad"],
+                                                              ids["unk"])
+        if self.eos_id < 0:
+            raise DataError(f"tokenizer {self.path} has none of the EOS tokens "
+                            f"{', '.join(HF_SPECIALS['eos'])}; documents need one")
+
     def encode(self, text: str) -> list[int]:
+        if self.hf is not None:
+            return self.hf.encode(text, add_special_tokens=False).ids
         return self.sp.EncodeAsIds(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self.hf is not None:
+            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
         # One thread: preparation parallelizes over processes.
         return self.sp.Encode(texts, num_threads=1)
 
+    def id_to_piece(self, i: int) -> str:
+        if self.hf is not None:
+            return self.hf.id_to_token(int(i)) or ""
+        return self.sp.IdToPiece(int(i))
+
     def decode(self, ids: Iterable[int]) -> str:
+        if self.hf is not None:
+            return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
         return self.sp.DecodeIds([int(i) for i in ids])
 
     def describe(self) -> dict:

@@ -24,6 +24,7 @@ LAYERS = (
     ("moe.evaluation", 7), ("moe.tools", 7),
     ("moe.training", 6), ("moe.parallel", 6),
     ("moe.load", 5),  # a checkpoint as one single-device model: evaluation, export, init_from
+    ("moe.hf_weights", 5),  # transformers weights as our model's: export, import, init_from
     ("moe.config", 4),  # run and launch schemas: hold the model's and the data's configs
     ("moe.model", 3),
     ("data_pipeline", 2),  # beside the model: imports the layer-0 foundations at most

@@ -234,7 +234,7 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
         with ExpertStatsCollector(model) as collector:
             result.update(evaluate_loss(model, windows, batch_size, collector, data.description,
                                         bar))
-        piece = data.tokenizer.sp.IdToPiece if data.tokenizer is not None else None
+        piece = data.tokenizer.id_to_piece if data.tokenizer is not None else None
         result["experts"] = collector.summary(piece, opts.top_tokens, opts.min_token_count)
     else:
         result.update(evaluate_loss(model, windows, batch_size, source=data.description,

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe.model.compile import eager_under_compile
+from moe.model.norms import RMSNorm
 from moe.model.positions import PositionEncoding, apply_rotary
 
 try:  # torch >= 2.5; the GPU machines run 2.11, this is for older installs
@@ -247,24 +248,51 @@ def build_mask(q_idx_S: torch.Tensor, k_idx_L: torch.Tensor, q_doc_BS: torch.Ten
     return bias_BHSL.masked_fill(~allowed_B1SL, float("-inf"))
 
 
+QKNorm = Literal["none", "head", "projection"]
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, layer_index: int = 0):
+    """``head_dim``: width of each head (default d_model / n_heads). ``qkv_bias``: the query,
+    key and value projections add a bias (Qwen2). ``qk_norm``: an RMSNorm on queries and keys
+    before the rotary embedding, over each head's ``head_dim`` channels (``head``, Qwen3) or over
+    the whole projection, all heads at once (``projection``, OLMoE)."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, layer_index: int = 0,
+                 head_dim: int | None = None, qkv_bias: bool = False, qk_norm: QKNorm = "none",
+                 norm_eps: float = 1e-6):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
         self.layer_index = layer_index  # its slot in a KVCache
         # Selective recompute: run the attention core (scores, softmax, weighted sum) again in
         # backward instead of keeping what it saves; set by the trainer.
         self.recompute_core = False
-        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            per_head = qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else n_heads * self.head_dim, norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else n_kv_heads * self.head_dim,
+                                  norm_eps)
+
+    def _heads(self, x_BSD: torch.Tensor, proj: nn.Linear, norm: str, heads: int) -> torch.Tensor:
+        """(B, S, D) -> (B, heads, S, hd): projected, normalized as ``qk_norm`` says."""
+        B, S, _ = x_BSD.shape
+        y = proj(x_BSD)  # (B, S, heads * hd)
+        if self.qk_norm == "projection":
+            y = getattr(self, norm)(y)
+        y = y.view(B, S, heads, self.head_dim)
+        if self.qk_norm == "head":
+            y = getattr(self, norm)(y)
+        return y.transpose(1, 2)
 
     def forward(self, x_BSD: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q = self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, hd)
-        k = self.k_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, hd)
+        q = self._heads(x_BSD, self.q_proj, "q_norm", self.n_heads)  # (B, H, S, hd)
+        k = self._heads(x_BSD, self.k_proj, "k_norm", self.n_kv_heads)  # (B, Hkv, S, hd)
         v = self.v_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if inputs.rotary is not None:
             q, k = apply_rotary(q, inputs.rotary), apply_rotary(k, inputs.rotary)

@@ -33,6 +33,9 @@ class MoEConfig:
     num_shared_experts: int = 0
     """Always-on experts (DeepSeek-MoE), fused into one dense FFN of width
     num_shared_experts * expert_hidden, added to the routed output."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x . g), g a learned vector
+    (Qwen2-MoE's shared_expert_gate); needs num_shared_experts >= 1."""
     every_n_layers: int = 1
     """Layer i (0-based) is MoE when i >= first_dense_layers and (i - first_dense_layers) %
     every_n_layers == 0; other layers are dense FFNs."""
@@ -47,6 +50,9 @@ class MoEConfig:
         out += [f"router.{p}" for p in self.router.problems(self.num_experts)]
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             out.append(f"capacity_factor: must be > 0 or null (dropless), got {self.capacity_factor}")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            out.append("shared_expert_gate: true needs num_shared_experts >= 1 (there is no "
+                       "shared expert to gate)")
         return out
 
     def is_moe_layer(self, index: int) -> bool:
@@ -74,6 +80,10 @@ class MoELayer(nn.Module):
         self.shared_mlp = (DenseFFN(d_model, cfg.num_shared_experts * cfg.expert_hidden,
                                     cfg.activation, init_std, out_init_std)
                            if cfg.num_shared_experts else None)
+        # Not "expert" in its name: DeepSpeed would move it into the expert files.
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
+        if self.shared_gate is not None:
+            nn.init.normal_(self.shared_gate.weight, std=init_std)
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         # Sums over the micro-batches of one optimizer step, read (and reset) by the training
         # hook that updates the loss-free bias and logs: kept copies per expert, and
@@ -125,7 +135,10 @@ class MoELayer(nn.Module):
         with record_function("moe.combine"):
             y_TD = self.dispatcher.combine(y_ND, plan)
         if self.shared_mlp is not None:
-            y_TD = y_TD + recompute(self.shared_mlp, x_TD, enabled=self.recompute_experts)
+            shared_TD = recompute(self.shared_mlp, x_TD, enabled=self.recompute_experts)
+            if self.shared_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD  # gate (T, 1)
+            y_TD = y_TD + shared_TD
 
         if not self.counting:  # a counting pass is not a training micro-batch
             self._record(routing, plan.counts_E, B * S)

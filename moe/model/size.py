@@ -45,24 +45,32 @@ def _ffn_params(d_model: int, hidden: int, activation: str) -> int:
     return d_model * hidden * (3 if activation == "swiglu" else 2)
 
 
+def _attention_vectors(cfg: ModelConfig) -> int:
+    """One layer's attention parameters that multiply no activation: q/k/v biases, q/k norms."""
+    hd, H, Hkv = cfg.head_size, cfg.n_heads, cfg.kv_heads
+    bias = (H + 2 * Hkv) * hd if cfg.qkv_bias else 0
+    return bias + {"none": 0, "head": 2 * hd, "projection": (H + Hkv) * hd}[cfg.qk_norm]
+
+
 def count_parameters(cfg: ModelConfig) -> ParamCounts:
     """Total and active parameters per component (tied embeddings counted once)."""
     if cfg.vocab_size is None:
         raise ValueError("model.vocab_size must be resolved before counting parameters")
     D, L, moe = cfg.d_model, cfg.n_layers, cfg.moe
-    hd = D // cfg.n_heads
+    hd, H, Hkv = cfg.head_size, cfg.n_heads, cfg.kv_heads
     norm_size = D if cfg.norm == "rmsnorm" else 2 * D
     n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
     total = dict.fromkeys(COMPONENTS, 0)
     total["embedding"] = cfg.vocab_size * D
     total["positions"] = {"learned": cfg.max_seq_len * D,
                           "t5": cfg.t5_num_buckets * cfg.n_heads}.get(cfg.position, 0)
-    total["attention"] = L * (2 * D * cfg.n_heads * hd + 2 * D * cfg.kv_heads * hd)
+    total["attention"] = L * (2 * D * H * hd + 2 * D * Hkv * hd + _attention_vectors(cfg))
     total["norms"] = norm_size * (2 * L + (cfg.norm_placement == "pre"))
     total["router"] = n_moe * moe.num_experts * D
     expert = _ffn_params(D, moe.expert_hidden, moe.activation)
     total["routed_experts"] = n_moe * moe.num_experts * expert
-    total["shared_experts"] = n_moe * moe.num_shared_experts * expert
+    total["shared_experts"] = n_moe * (moe.num_shared_experts * expert
+                                       + (D if moe.shared_expert_gate else 0))
     total["dense_ffn"] = (L - n_moe) * _ffn_params(D, moe.dense_width, moe.activation)
     total["lm_head"] = 0 if cfg.tie_embeddings else cfg.vocab_size * D
     active = dict(total)
@@ -73,9 +81,9 @@ def count_parameters(cfg: ModelConfig) -> ParamCounts:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Forward and training FLOPs per token (see the module docstring for the formula)."""
     a = count_parameters(cfg).active
-    matmul = (a["attention"] + a["router"] + a["routed_experts"] + a["shared_experts"]
+    matmul = (a["attention"] - cfg.n_layers * _attention_vectors(cfg) + a["router"] + a["routed_experts"] + a["shared_experts"]
               + a["dense_ffn"] + cfg.vocab_size * cfg.d_model)
-    attention = 4 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.d_model // cfg.n_heads)
+    attention = 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_size
     forward = 2 * matmul + attention
     return {"matmul_params": matmul, "forward": forward, "attention_forward": attention,
             "training": 3 * forward}

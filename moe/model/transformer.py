@@ -11,7 +11,8 @@ Initialization (``init_std`` = s, ``n_layers`` = L):
 - projections that write into the residual stream (attention output, FFN / expert / shared
   expert output): N(0, (s / sqrt(2L))^2), so the residual's variance stays roughly constant
   with depth (GPT-2);
-- the router: N(0, 0.02^2) (``moe/model/router.py``); norm gains 1, norm biases 0.
+- the router: N(0, 0.02^2) (``moe/model/router.py``); the shared-expert gate N(0, s^2);
+  norm gains (query/key norms included) 1, norm and q/k/v biases 0.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from moe.model.attention import (
     AttentionInputs,
     CausalSelfAttention,
     KVCache,
+    QKNorm,
     build_attention_inputs,
 )
 from moe.model.block import Block, NormPlacement
@@ -57,6 +59,16 @@ class ModelConfig:
     n_kv_heads: int | None = None
     """Key/value heads: null or n_heads is multi-head attention, a divisor of n_heads
     grouped-query attention, 1 multi-query attention."""
+    head_dim: int | None = None
+    """Width of each attention head; null: d_model / n_heads. Set it when the heads are
+    narrower or wider than that (Qwen3-MoE: 32 heads of 128 on d_model 2048)."""
+    qkv_bias: bool = False
+    """The query, key and value projections add a learned bias (Qwen2, Qwen2-MoE); the output
+    projection never has one."""
+    qk_norm: QKNorm = "none"
+    """RMSNorm (eps norm_eps) of queries and keys before the rotary embedding: none; head, over
+    each head's head_dim channels with one gain shared by the heads (Qwen3-MoE); projection,
+    over the whole query and key projections, all heads at once (OLMoE)."""
     max_seq_len: int = 256
     """Longest sequence (learned positions have one vector per position up to it)."""
     position: PositionKind = "rope"
@@ -88,9 +100,11 @@ class ModelConfig:
     """Normal init std for all weights; projections into the residual stream (attention output,
     FFN and expert output) use init_std / sqrt(2 * n_layers). See the module docstring."""
     init_from: str | None = None
-    """A checkpoint (tag, checkpoints or run directory) whose weights start training. Where it
-    has a dense FFN and this model an MoE layer, every expert is upcycled from that FFN
-    (moe/training/upcycle.py). Ignored when the run resumes from its own checkpoint."""
+    """A checkpoint (tag, checkpoints or run directory), or ``hf:DIR`` for a local Hugging Face
+    transformers directory (moe/hf_weights.py, docs/open-weights.md), whose weights start
+    training. Where it has a dense FFN and this model an MoE layer, every expert is upcycled
+    from that FFN (moe/training/upcycle.py). Ignored when the run resumes from its own
+    checkpoint."""
     upcycle_noise_std: float = 0.0
     """Relative std of Gaussian noise added to each upcycled expert (0: exact copies)."""
     attention_backend: AttentionBackend = "auto"
@@ -112,11 +126,14 @@ class ModelConfig:
         for name in ("d_model", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) < 1:
                 out.append(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.n_heads >= 1 and self.d_model % self.n_heads:
-            out.append(f"d_model: {self.d_model} must be divisible by n_heads ({self.n_heads})")
-        elif self.position == "rope" and self.n_heads >= 1 and (self.d_model // self.n_heads) % 2:
-            out.append(f"n_heads: head dim d_model/n_heads ({self.d_model // self.n_heads}) must "
-                       "be even for rotary embeddings (position: rope)")
+        if self.head_dim is not None and self.head_dim < 1:
+            out.append(f"head_dim: must be >= 1 or null (d_model / n_heads), got {self.head_dim}")
+        elif self.head_dim is None and self.n_heads >= 1 and self.d_model % self.n_heads:
+            out.append(f"d_model: {self.d_model} must be divisible by n_heads ({self.n_heads}), "
+                       "or set head_dim")
+        elif self.position == "rope" and self.n_heads >= 1 and self.head_size % 2:
+            out.append(f"head_dim: the head dim ({self.head_size}) must be even for rotary "
+                       "embeddings (position: rope)")
         kv = self.kv_heads
         if kv < 1 or (self.n_heads >= 1 and self.n_heads % kv):
             out.append(f"n_kv_heads: {kv} must divide n_heads ({self.n_heads})")
@@ -139,6 +156,11 @@ class ModelConfig:
         return out
 
     @property
+    def head_size(self) -> int:
+        """Each attention head's width: head_dim, or d_model / n_heads."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
@@ -155,7 +177,7 @@ class ModelOutput(NamedTuple):
 
 def build_positions(cfg: ModelConfig) -> PositionEncoding:
     if cfg.position == "rope":
-        return RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        return RotaryEmbedding(cfg.head_size, cfg.rope_theta)
     if cfg.position == "sinusoidal":
         return SinusoidalPositions(cfg.d_model)
     if cfg.position == "learned":
@@ -176,7 +198,8 @@ class MoETransformer(nn.Module):
         self.positions = build_positions(cfg)
         blocks = []
         for i in range(cfg.n_layers):
-            attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, layer_index=i)
+            attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, i, cfg.head_size,
+                                       cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps)
             if cfg.is_moe_layer(i):
                 ffn = MoELayer(cfg.d_model, cfg.moe, cfg.init_std, out_std)
             else:
@@ -200,6 +223,8 @@ class MoETransformer(nn.Module):
         for block in self.blocks:
             for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
                 nn.init.normal_(proj.weight, std=std)
+                if proj.bias is not None:
+                    nn.init.zeros_(proj.bias)
             nn.init.normal_(block.attn.o_proj.weight, std=out_std)
 
     def moe_layers(self) -> list[MoELayer]:

@@ -4,7 +4,8 @@
   the checkpoint has ZeRO partitions), with the run config and the tokenizer;
 - ``hf``: a Hugging Face ``transformers`` model directory (config.json, safetensors weights and a
   tokenizer ``AutoTokenizer`` loads) for configurations an architecture there computes exactly:
-  Mixtral (no shared experts) or Qwen2-MoE (shared experts, dense layers allowed). What each
+  Mixtral (no shared experts), Qwen2-MoE (shared experts, dense layers allowed) or Llama (every
+  layer dense). An imported model (``moe-import``) gets its own tokenizer files back. What each
   target holds of every config field is stated in ``moe/tools/hf_support.py``; anything else is
   refused before anything is written, and every tensor of the checkpoint must be placed;
 - ``deepspeed``: the whole training state re-saved as a DeepSpeed checkpoint of one rank with
@@ -14,8 +15,9 @@
 Weight layout: our stacked experts are ``w_in`` (E, D, 2H) = [gate | up] along the last dim and
 ``w_out`` (E, H, D); transformers' fused experts are ``gate_up_proj`` (E, 2H, D) = [gate; up] and
 ``down_proj`` (E, D, H): one transpose each. Qwen2-MoE scales its shared expert by
-``sigmoid(shared_expert_gate(x))``: a zero gate gives exactly 1/2, so the shared expert's output
-projection is exported times 2 (exact in floating point).
+``sigmoid(shared_expert_gate(x))``: our ``moe.shared_expert_gate`` is exactly that gate; without
+it a zero gate gives exactly 1/2, so the shared expert's output projection is exported times 2
+(exact in floating point).
 
 Every export is written into a temporary directory next to the destination and renamed into
 place at the end; an existing destination is never overwritten.
@@ -36,10 +38,13 @@ from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint,
 from moe.config.run import RunConfig, load_config
 from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
+from moe.hf_weights import links, to_hf
 from moe.load import load_consolidated
 from moe.tools import hf_support
 
 FP32_FILE = "model.safetensors"
+HF_TOKENIZER_DIR = "hf_tokenizer"
+"""Where ``moe-import`` keeps the tokenizer files of the model it read (tokenizer.json, ...)."""
 
 
 def consolidated_fp32(path: str | Path, progress: bool = False
@@ -197,12 +202,15 @@ def _hf_config(cfg: RunConfig, arch: str, tokenizer_ids: dict) -> dict:
     m, moe, r = cfg.model, cfg.model.moe, cfg.model.moe.router
     common = dict(
         vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, head_dim=m.d_model // m.n_heads,
+        num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, head_dim=m.head_size,
         max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        tie_word_embeddings=m.tie_embeddings, num_experts_per_tok=r.top_k,
-        initializer_range=m.init_std, attention_dropout=0.0, torch_dtype="float32",
-        **tokenizer_ids)
+        tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std,
+        attention_dropout=0.0, torch_dtype="float32", **tokenizer_ids)
+    if arch == "llama":
+        return dict(common, model_type="llama", architectures=["LlamaForCausalLM"],
+                    intermediate_size=moe.dense_width, attention_bias=False, mlp_bias=False)
+    common["num_experts_per_tok"] = r.top_k
     if arch == "mixtral":
         return dict(common, model_type="mixtral", architectures=["MixtralForCausalLM"],
                     intermediate_size=moe.expert_hidden, num_local_experts=moe.num_experts,
@@ -213,7 +221,7 @@ def _hf_config(cfg: RunConfig, arch: str, tokenizer_ids: dict) -> dict:
                 shared_expert_intermediate_size=moe.num_shared_experts * moe.expert_hidden,
                 intermediate_size=moe.dense_width, decoder_sparse_step=1,
                 mlp_only_layers=[i for i in range(m.n_layers) if not m.is_moe_layer(i)],
-                norm_topk_prob=r.order == "topk_then_softmax" or r.renormalize, qkv_bias=False,
+                norm_topk_prob=r.order == "topk_then_softmax" or r.renormalize, qkv_bias=m.qkv_bias,
                 use_sliding_window=False, router_aux_loss_coef=r.aux_loss_coef)
 
 
@@ -242,44 +250,17 @@ class _Tensors:
 
 
 def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]:
-    m, moe = cfg.model, cfg.model.moe
+    """The transformers state dict, placed by the one name table (moe/hf_weights.py)."""
     t = _Tensors(state, arch)
-    out = {"model.embed_tokens.weight": t.take("embed.weight"),
-           "model.norm.weight": t.take("norm.weight")}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = t.take("lm_head.weight")
-    for i in range(m.n_layers):
-        src, dst = f"blocks.{i}.", f"model.layers.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{dst}self_attn.{proj}.weight"] = t.take(f"{src}attn.{proj}.weight")
-        out[f"{dst}input_layernorm.weight"] = t.take(f"{src}attn_norm.weight")
-        out[f"{dst}post_attention_layernorm.weight"] = t.take(f"{src}ffn_norm.weight")
-        if not m.is_moe_layer(i):
-            _dense(out, t, f"{src}ffn.", f"{dst}mlp.")
+    out = {}
+    for link in links(cfg.model, arch):
+        if link.op == "fresh":
+            t.discard(link.ours)  # the selection bias: zero or unused (hf_support)
             continue
-        out[f"{dst}mlp.gate.weight"] = t.take(f"{src}ffn.router.weight")
-        t.discard(f"{src}ffn.router.score_bias")  # zero or unused (hf_support)
-        out[f"{dst}mlp.experts.gate_up_proj"] = t.take(f"{src}ffn.experts.w_in").transpose(1, 2)
-        # The routed scaling factor multiplies each expert's output, which is linear in w_out.
-        w_out = t.take(f"{src}ffn.experts.w_out") * moe.router.scaling_factor
-        out[f"{dst}mlp.experts.down_proj"] = w_out.transpose(1, 2)
-        if arch == "qwen2_moe":
-            # Qwen2-MoE always has a shared expert; without ours it gets width 0 (adds 0).
-            if moe.num_shared_experts:
-                _dense(out, t, f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.", scale=2.0)
-            else:
-                for proj, shape in (("gate_proj", (0, m.d_model)), ("up_proj", (0, m.d_model)),
-                                    ("down_proj", (m.d_model, 0))):
-                    out[f"{dst}mlp.shared_expert.{proj}.weight"] = torch.zeros(shape)
-            out[f"{dst}mlp.shared_expert_gate.weight"] = torch.zeros(1, m.d_model)
+        ours = None if link.ours is None else t.take(link.ours)
+        out.update(zip(link.theirs, to_hf(link, ours)))
     t.finish()
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def _dense(out: dict, t: _Tensors, src: str, dst: str, scale: float = 1.0) -> None:
-    gate, up = t.take(f"{src}w_in.weight").chunk(2, dim=0)  # (2H, D) = [gate; up]
-    out[f"{dst}gate_proj.weight"], out[f"{dst}up_proj.weight"] = gate, up
-    out[f"{dst}down_proj.weight"] = t.take(f"{src}w_out.weight") * scale
 
 
 def hf_tokenizer(model_file: Path):
@@ -291,6 +272,14 @@ def hf_tokenizer(model_file: Path):
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SentencePieceExtractor
 
+    if model_file.read_bytes().lstrip()[:1] == b"{":  # a tokenizer.json (an imported model's)
+        from data_pipeline.tokenizer import Tokenizer as OurTokenizer
+
+        ours = OurTokenizer(model_file)
+        ids = {f"{k}_token_id": i for k, i in (("bos", ours.bos_id), ("eos", ours.eos_id),
+                                               ("pad", ours.pad_id)) if i >= 0}
+        specials = {f"{k[:-9]}_token": ours.id_to_piece(i) for k, i in ids.items()}
+        return PreTrainedTokenizerFast(tokenizer_file=str(model_file), **specials), ids
     extractor = SentencePieceExtractor(str(model_file))
     proto = extractor.proto
     spec, trainer = proto.normalizer_spec, proto.trainer_spec
@@ -343,7 +332,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
     state, cfg, tag_dir = consolidated_fp32(checkpoint, progress)
     arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
     hf_state = _hf_state(state, cfg, arch)
-    tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)
+    imported_tokenizer = tag_dir / HF_TOKENIZER_DIR  # an imported model's own files (moe-import)
+    if (tag_dir / TOKENIZER_COPY).is_file() or not imported_tokenizer.is_dir():
+        tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)
+    else:
+        tokenizer, token_ids = None, {}
     hf_cfg = transformers.AutoConfig.for_model(**_hf_config(cfg, arch, token_ids))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
@@ -363,7 +356,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
 
     def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+        if tokenizer is None:
+            for f in imported_tokenizer.iterdir():
+                shutil.copy(f, tmp / f.name)
+        else:
+            tokenizer.save_pretrained(str(tmp))
         shutil.copy(tag_dir / RUN_CONFIG, tmp / RUN_CONFIG)
 
     return _publish(Path(out_dir), write)

@@ -120,7 +120,9 @@ _COMMON: dict[str, Rule] = {
     "vocab_size": _config("vocab_size"),
     "d_model": _config("hidden_size"),
     "n_layers": _config("num_hidden_layers"),
-    "n_heads": _config("num_attention_heads (head_dim = d_model / n_heads)"),
+    "n_heads": _config("num_attention_heads"),
+    "head_dim": _config("head_dim (null: d_model / n_heads)"),
+    "qk_norm": _only("qk_norm", ("none",), "the target normalizes neither queries nor keys"),
     "n_kv_heads": _config("num_key_value_heads (multi-head, grouped-query, multi-query)"),
     "max_seq_len": _config("max_position_embeddings (RoPE itself has no length limit)"),
     "position": _only("position", ("rope",), "positions are rotary embeddings (rope) only"),
@@ -173,6 +175,10 @@ TARGETS: dict[str, dict[str, Rule]] = {
                                         "Mixtral has no shared experts (use qwen2_moe)", has_moe),
         "moe.every_n_layers": _mixtral_all_moe("moe.every_n_layers"),
         "moe.first_dense_layers": _mixtral_all_moe("moe.first_dense_layers"),
+        "qkv_bias": _only("qkv_bias", (False,), "Mixtral's projections have no bias (use "
+                          "qwen2_moe)"),
+        "moe.shared_expert_gate": _only("moe.shared_expert_gate", (False,),
+                                        "Mixtral has no shared experts (use qwen2_moe)", has_moe),
         "moe.router.renormalize": Rule("limited", "the top-k weights must sum to 1 "
                                        "(renormalize or order topk_then_softmax)",
                                        _mixtral_normalized),
@@ -185,6 +191,22 @@ TARGETS: dict[str, dict[str, Rule]] = {
         "moe.every_n_layers": _config("mlp_only_layers"),
         "moe.first_dense_layers": _config("mlp_only_layers"),
         "moe.router.renormalize": _config("norm_topk_prob"),
+        "qkv_bias": _config("qkv_bias"),
+        "moe.shared_expert_gate": _config("shared_expert_gate (without ours: a zero gate, the "
+                                          "shared expert's output projection times 2)"),
+    },
+    "llama": {
+        **_COMMON,
+        "ffn": _only("ffn", ("dense",), "every Llama layer is a dense feed-forward (use mixtral "
+                     "or qwen2_moe for MoE layers)"),
+        "qkv_bias": _only("qkv_bias", (False,), "Llama's attention_bias would add one to the "
+                          "output projection too, which ours does not have"),
+        "moe.num_shared_experts": _config("with ffn dense, part of the dense width "
+                                          "(intermediate_size)"),
+        "moe.every_n_layers": _config("read only where there are MoE layers (ffn dense: none)"),
+        "moe.first_dense_layers": _config("read only where there are MoE layers"),
+        "moe.router.renormalize": _config("read only where there are MoE layers"),
+        "moe.shared_expert_gate": _config("read only where there are MoE layers"),
     },
 }
 """Target architecture -> config field -> how the target holds it. ``--arch auto`` tries them

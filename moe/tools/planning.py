@@ -188,7 +188,7 @@ def _ffn(T: int, width: int, swiglu: bool, e: int, selective: bool) -> float:
 
 def _attention(cfg: ModelConfig, B: int, S: int, e: int, selective: bool,
                mask_per_layer: float) -> float:
-    T, H, hd = B * S, cfg.n_heads, cfg.d_model // cfg.n_heads
+    T, H, hd = B * S, cfg.n_heads, cfg.head_size
     qkv_o = e * T * hd * (H + 2 * cfg.kv_heads) + e * T * H * hd
     if selective:
         return qkv_o

@@ -72,7 +72,7 @@ from moe.training.resilience.spike_guard import (
 )
 from moe.training.resilience.watchdog import HangWatchdog
 from moe.training.routing import RouterBalance
-from moe.training.upcycle import initialize_from_checkpoint
+from moe.training.upcycle import check_source_tokenizer, initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
 
@@ -436,6 +436,8 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str,
     resume_dir = resolve_resume(resume, ckpt_dir)
     if resume_dir is not None:
         verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
+    elif cfg.model.init_from:
+        check_source_tokenizer(cfg.model.init_from, tokenizer_sha, str(cfg.data.dir))
     if env.rank == 0:  # written again when this run ends with its checkpoint; none till then
         (cfg.run_dir / SUMMARY).unlink(missing_ok=True)
     engine, model = build_engine(cfg, env)

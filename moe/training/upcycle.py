@@ -6,7 +6,8 @@ fresh, and every other weight is copied. With dropless routing whose combine wei
 (top-k then softmax, or renormalized softmax-then-top-k, scaling factor 1) and no noise, the
 upcycled model computes exactly the dense model's function at step 0: sum_k w_k FFN(x) = FFN(x).
 
-Use it from a run with ``model.init_from: <dense checkpoint>`` (and ``model.upcycle_noise_std``);
+Use it from a run with ``model.init_from: <dense checkpoint>`` (or ``hf:<transformers directory>``;
+and ``model.upcycle_noise_std``);
 the experts' width (``model.moe.expert_hidden``) must equal the dense FFN's hidden width.
 """
 
@@ -17,13 +18,15 @@ from pathlib import Path
 
 import torch
 
+from moe.checkpoint.files import read_marker, resolve_checkpoint
 from moe.errors import CheckpointError, ConfigError
+from moe.hf_weights import read_hf_model, tokenizer_record
 from moe.load import load_model
 from moe.model.transformer import ModelConfig, MoETransformer
 
 # Fields that must agree for weights to mean the same thing (shapes alone miss e.g. positions).
-_SAME_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "position",
-                "rope_theta", "t5_num_buckets", "t5_max_distance", "norm", "norm_placement",
+_SAME_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "qkv_bias", "qk_norm",
+                "position", "rope_theta", "t5_num_buckets", "t5_max_distance", "norm", "norm_placement",
                 "tie_embeddings")
 _DENSE_FFN = re.compile(r"^blocks\.(\d+)\.ffn\.(w_in|w_out)\.weight$")
 _FRESH = re.compile(r"^blocks\.\d+\.ffn\.(router\.weight|router\.score_bias)$")
@@ -90,11 +93,42 @@ def upcycle_state_dict(dense_state: dict[str, torch.Tensor], model: MoETransform
     return out
 
 
+HF_PREFIX = "hf:"
+"""``model.init_from: hf:PATH`` reads a transformers model directory (moe/hf_weights.py)."""
+
+
+def source_tokenizer(path: str | Path) -> dict | None:
+    """{"file", "sha256"} of the tokenizer an open-weights source expects: a transformers
+    directory's own (``hf:DIR``) or the one ``moe-import`` recorded; None for other checkpoints
+    (the source of an upcycling may have been trained on other data)."""
+    if str(path).startswith(HF_PREFIX):
+        return tokenizer_record(Path(str(path)[len(HF_PREFIX):]))
+    marker = read_marker(resolve_checkpoint(path)) or {}
+    return marker.get("tokenizer") if marker.get("imported_from") else None
+
+
+def check_source_tokenizer(path: str | Path, data_sha256: str, data_dir: str) -> None:
+    """Refuse data tokenized otherwise than the open-weights model ``path`` expects: its ids
+    would mean other text to the model."""
+    expected = source_tokenizer(path)
+    if expected and expected["sha256"] != data_sha256:
+        raise ConfigError([f"model.init_from: {path} expects the tokenizer {expected['file']} "
+                           f"(sha256 {expected['sha256']}), the data in {data_dir} was prepared "
+                           f"with sha256 {data_sha256}; prepare it with data.tokenizer.model_file "
+                           "pointing at the model's tokenizer"])
+
+
 def initialize_from_checkpoint(model: MoETransformer, path: str | Path, noise_std: float = 0.0,
                                seed: int = 0) -> None:
-    """Load ``path`` (any layout, dense or MoE) into ``model``, upcycling where needed."""
-    source, source_cfg, tag_dir = load_model(path)
-    problems = incompatibilities(source_cfg.model, model.cfg)
+    """Load ``path`` (any layout, dense or MoE; ``hf:DIR`` a transformers directory) into
+    ``model``, upcycling where needed."""
+    if str(path).startswith(HF_PREFIX):
+        _, source_cfg, state = read_hf_model(str(path)[len(HF_PREFIX):])
+        where = str(path)
+    else:
+        source, run_cfg, tag_dir = load_model(path)
+        source_cfg, state, where = run_cfg.model, source.state_dict(), str(tag_dir)
+    problems = incompatibilities(source_cfg, model.cfg)
     if problems:
-        raise ConfigError(problems, f"model.init_from ({tag_dir})")
-    model.load_state_dict(upcycle_state_dict(source.state_dict(), model, noise_std, seed))
+        raise ConfigError(problems, f"model.init_from ({where})")
+    model.load_state_dict(upcycle_state_dict(state, model, noise_std, seed))

@@ -121,3 +121,38 @@ def test_kv_cache_needs_consistent_doc_ids():
     with pytest.raises(ValueError, match="doc_ids_BS"):
         model(torch.zeros(1, 1, dtype=torch.long), doc_ids_BS=torch.zeros(1, 1, dtype=torch.long),
               kv_cache=cache)
+
+
+def rms(x: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "head", "projection"])
+def test_head_dim_bias_and_query_key_norms_match_a_hand_computation(qk_norm):
+    """head: one RMSNorm per head over its head_dim channels (Qwen3-MoE); projection: one over
+    all heads' channels at once (OLMoE); both before the rotary embedding; biases on q, k, v."""
+    torch.manual_seed(0)
+    B, S, D, H, Hkv, hd = 2, 9, 24, 4, 2, 10  # hd * H != D
+    attn = CausalSelfAttention(D, H, Hkv, head_dim=hd, qkv_bias=True, qk_norm=qk_norm)
+    with torch.no_grad():
+        for p in attn.parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p) * 0.5 + 1)
+    x = torch.randn(B, S, D)
+    rope = RotaryEmbedding(hd).rotary(torch.arange(S)[None])
+    q = x @ attn.q_proj.weight.T + attn.q_proj.bias
+    k = x @ attn.k_proj.weight.T + attn.k_proj.bias
+    if qk_norm == "projection":
+        q, k = rms(q, attn.q_norm.weight), rms(k, attn.k_norm.weight)
+    q, k = q.view(B, S, H, hd), k.view(B, S, Hkv, hd)
+    if qk_norm == "head":
+        q, k = rms(q, attn.q_norm.weight), rms(k, attn.k_norm.weight)
+    from moe.model.positions import apply_rotary
+    q, k = apply_rotary(q.transpose(1, 2), rope), apply_rotary(k.transpose(1, 2), rope)
+    v = (x @ attn.v_proj.weight.T + attn.v_proj.bias).view(B, S, Hkv, hd).transpose(1, 2)
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(
+        torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    want = attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, S, H * hd))
+    got = attn(x, AttentionInputs(rope, None))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -264,13 +264,26 @@ def test_recompute_core_gives_identical_gradients(backend, position, docs, monke
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def tiny_model(position: str, backend: str) -> MoETransformer:
+def tiny_model(position: str, backend: str, **options) -> MoETransformer:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=64, position=position, t5_num_buckets=8, t5_max_distance=16,
-                      attention_backend=backend, moe=MoEConfig(num_experts=4, expert_hidden=16))
+                      attention_backend=backend, moe=MoEConfig(num_experts=4, expert_hidden=16),
+                      **options)
     assert not cfg.problems()
-    return MoETransformer(cfg)
+    model = MoETransformer(cfg)
+    with torch.no_grad():  # biases start at 0 and norm gains at 1: make both matter
+        for name, p in model.named_parameters():
+            if name.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight")):
+                p.copy_(torch.randn_like(p) * 0.5 + name.endswith("weight"))
+    return model
+
+
+# The attention options of the open-weights architectures (each head narrower than
+# d_model / n_heads, biases, query/key norms), on the back ends.
+ATTENTION_OPTIONS = {"qwen3": {"head_dim": 12, "qk_norm": "head"},
+                     "olmoe": {"qk_norm": "projection"},
+                     "qwen2": {"qkv_bias": True, "head_dim": 6}}
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
@@ -278,13 +291,24 @@ def tiny_model(position: str, backend: str) -> MoETransformer:
 def test_model_backends_match_reference(position, backend, monkeypatch):
     """Logits and every parameter's gradient (training on CPU: flex falls back), and logits
     without gradients (CPU flex runs, eager)."""
+    check_model_backend(position, backend, {}, monkeypatch)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
+@pytest.mark.parametrize("options", ATTENTION_OPTIONS.values(), ids=ATTENTION_OPTIONS.keys())
+def test_model_attention_options_match_reference_on_every_backend(options, backend,
+                                                                   monkeypatch):
+    check_model_backend("rope", backend, options, monkeypatch)
+
+
+def check_model_backend(position: str, backend: str, options: dict, monkeypatch):
     monkeypatch.setattr(attention, "compile_flex", False)
     torch.manual_seed(1)
     ids = torch.randint(0, 61, (2, 48))
     doc = packed_docs(2, 48)
     results = []
     for name in ("reference", backend):
-        model = tiny_model(position, name)
+        model = tiny_model(position, name, **options)
         out = model(ids, targets_BS=ids, doc_ids_BS=doc)
         out.loss.backward()
         with torch.no_grad():
@@ -300,13 +324,15 @@ def test_model_backends_match_reference(position, backend, monkeypatch):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "auto", "reference"])
-@pytest.mark.parametrize("position", ["rope", "t5"])
-def test_kv_cache_decoding_with_every_backend(position, backend, monkeypatch):
+@pytest.mark.parametrize("backend, position, options", [
+    *[(b, p, {}) for b in ("sdpa", "flex", "auto", "reference") for p in ("rope", "t5")],
+    ("flex", "rope", ATTENTION_OPTIONS["qwen3"]), ("sdpa", "rope", ATTENTION_OPTIONS["olmoe"]),
+    ("auto", "rope", ATTENTION_OPTIONS["qwen2"])])
+def test_kv_cache_decoding_with_every_backend(position, backend, options, monkeypatch):
     """Prefill runs the chosen back end (flex too: no gradients), decoding past the cached
     prefix the reference; together they equal one full forward."""
     monkeypatch.setattr(attention, "compile_flex", False)
-    model = tiny_model(position, backend).eval()
+    model = tiny_model(position, backend, **options).eval()
     torch.manual_seed(2)
     ids = torch.randint(0, 61, (2, 20))
     doc = torch.tensor([[0] * 9 + [1] * 11, [0] * 14 + [2] * 6])

@@ -110,6 +110,16 @@ def test_compiled_blocks_with_attention_backends_and_documents(attention_backend
     assert (compiled["breaks"] > 0) == (attention_backend == "sdpa")
 
 
+def test_compiled_blocks_with_open_weights_options_give_eager_losses():
+    """head_dim, q/k/v biases, per-head q/k norms and a gated shared expert, compiled with
+    selective recompute (which recomputes the norms)."""
+    cfg = model_config(head_dim=12, qkv_bias=True, qk_norm="head")
+    cfg.moe.shared_expert_gate = True
+    eager = train(cfg, 5)
+    compiled = train(cfg, 5, backend="aot_eager", recompute="selective")
+    torch.testing.assert_close(compiled["losses"], eager["losses"], **LOSS_TOL)
+
+
 # Over 50 steps, 9 graphs on torch 2.13, all in the first two steps: the dense block's, and
 # pieces of the MoE blocks' code (shared by both MoE blocks) split where the capacity cut runs
 # eagerly (a graph break inside nested calls ends a graph in each enclosing frame and resumes

@@ -38,10 +38,13 @@ from tests.conftest import tiny_run_dict
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
+DENSE_TARGETS = ("llama",)
+"""Targets whose layers are all dense: every MoE model is refused there."""
 BASE = {"d_model": 32, "n_layers": 3, "n_heads": 4, "max_seq_len": 64,
         "moe": {"num_experts": 4, "expert_hidden": 16,
                 "router": {"top_k": 2, "renormalize": True}}}
-"""Held exactly by every target: the reference point of the one-at-a-time variants."""
+"""Held exactly by every target but the dense ones: the reference point of the one-at-a-time
+variants."""
 
 NUMERIC = {
     "vocab_size": [600], "d_model": [48], "n_layers": [2], "n_heads": [2],
@@ -52,7 +55,7 @@ NUMERIC = {
     "moe.dense_hidden": [24], "moe.router.top_k": [1, 3], "moe.router.scaling_factor": [2.5],
     "moe.router.jitter_eps": [0.1], "moe.router.logit_noise_std": [0.5],
     "moe.router.aux_loss_coef": [0.1], "moe.router.z_loss_coef": [1e-3],
-    "moe.router.bias_update_rate": [0.01], "moe.router.init_std": [0.1],
+    "moe.router.bias_update_rate": [0.01], "moe.router.init_std": [0.1], "head_dim": [12],
 }
 NOT_VARIED = {
     "init_from": "needs another run's checkpoint; only chooses the starting weights",
@@ -104,7 +107,11 @@ PAIRS = [
     {"norm": "layernorm", "norm_placement": "post"},
     {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 20},
     {"tie_embeddings": True, "moe.num_shared_experts": 1, "moe.first_dense_layers": 1},
+    {"qkv_bias": True, "head_dim": 12, "moe.num_shared_experts": 2,
+     "moe.shared_expert_gate": True, "moe.router.renormalize": False},
 ]
+COMPANIONS = {("moe.shared_expert_gate", True): {"moe.num_shared_experts": 1}}
+"""A value that is valid only with another setting, which its variant then also takes."""
 
 
 def variants() -> dict[str, dict]:
@@ -112,7 +119,7 @@ def variants() -> dict[str, dict]:
     for path, values in FIELDS.items():
         for v in values or NUMERIC.get(path, []):
             if v != _base_value(path):
-                out[f"{path}={v}"] = {path: v}
+                out[f"{path}={v}"] = {path: v, **COMPANIONS.get((path, v), {})}
     for pair in PAIRS:
         out["+".join(f"{k}={v}" for k, v in pair.items())] = pair
     return out
@@ -229,6 +236,8 @@ def test_hf_export_is_exact_or_refused_by_name(checkpoints, variant, arch, capsy
         assert not out.parent.exists(), "the refusal wrote files"
         assert "--format fp32" in err
         named = [p for p in VARIANTS[variant] if f"model.{p}: " in err]
+        # The dense target refuses the MoE base itself, by its ffn key.
+        named += ["ffn"] if arch in DENSE_TARGETS and "model.ffn: 'moe': " in err else []
         assert named, f"the refusal names none of the varied keys {list(VARIANTS[variant])}:\n{err}"
         if arch == "auto":
             assert all(f"  {a}:\n" in err for a in hf_support.TARGETS), err

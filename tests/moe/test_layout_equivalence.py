@@ -21,8 +21,11 @@ VOCAB, SEQ, MB = 64, 16, 2
 
 
 def run_config(world: int, ep: int, accum: int, zero: int, moe: dict) -> dict:
+    moe = dict(moe)
+    model = moe.pop("model", {})  # model options beside the MoE ones
     return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": SEQ, "moe": {"num_experts": 4, "expert_hidden": 16, **moe}},
+                      "max_seq_len": SEQ, "moe": {"num_experts": 4, "expert_hidden": 16, **moe},
+                      **model},
             "data": {"seq_len": SEQ},
             "train": {"micro_batch_size": MB, "grad_accum_steps": accum, "grad_clip": 0.0,
                       "seed": 11},
@@ -81,7 +84,12 @@ def merged_results(out, tag, world):
 
 MOES = {"dropless-top2": {},
         "dropping-shared-top1": {"capacity_factor": 1.0, "num_shared_experts": 1,
-                                 "router": {"top_k": 1, "z_loss_coef": 0.01}}}
+                                 "router": {"top_k": 1, "z_loss_coef": 0.01}},
+        # Qwen2/3-MoE's and OLMoE's options: a gated shared expert (a replicated parameter
+        # beside the experts), head_dim, q/k/v biases, query/key norms.
+        "open-weights-options": {"num_shared_experts": 1, "shared_expert_gate": True,
+                                 "router": {"renormalize": True},
+                                 "model": {"head_dim": 12, "qkv_bias": True, "qk_norm": "head"}}}
 ZEROS = (1, 2)
 
 

@@ -39,7 +39,13 @@ def config_problems(tmp_path, model: dict) -> str:
       "rope_theta": 0.5},
      ["model.n_kv_heads: 3 must divide n_heads (4)", "model.t5_num_buckets",
       "model.upcycle_noise_std", "model.rope_theta"]),
-], ids=["choices", "values"])
+    ({"qk_norm": "layer"}, ["model.qk_norm: 'layer' is not allowed"]),
+    ({"head_dim": 0, "moe": {"shared_expert_gate": True}},
+     ["model.head_dim: must be >= 1",
+      "model.moe.shared_expert_gate: true needs num_shared_experts >= 1"]),
+    ({"d_model": 30, "n_heads": 4, "head_dim": 7},
+     ["model.head_dim: the head dim (7) must be even for rotary embeddings"]),
+], ids=["choices", "values", "qk-norm-choice", "head-dim-shared-gate", "odd-head-dim"])
 def test_invalid_model_options_are_all_named(tmp_path, model, expected):
     msg = config_problems(tmp_path, model)
     for text in expected:
@@ -51,6 +57,31 @@ def test_odd_head_dim_is_only_a_problem_for_rope():
     assert any("rotary" in p for p in ModelConfig(**odd).problems())
     for position in ("sinusoidal", "learned", "alibi", "t5"):
         assert not ModelConfig(position=position, **odd).problems()
+
+
+def test_head_dim_frees_the_head_width_from_d_model():
+    cfg = ModelConfig(vocab_size=50, d_model=30, n_heads=4, n_kv_heads=2, head_dim=8)
+    assert not cfg.problems()  # 30 is not divisible by 4: fine with an explicit head_dim
+    attn = MoETransformer(cfg).blocks[0].attn
+    assert attn.q_proj.weight.shape == (32, 30) and attn.k_proj.weight.shape == (16, 30)
+    assert attn.o_proj.weight.shape == (30, 32)
+    assert "d_model: 30 must be divisible by n_heads (4)" in " ".join(
+        ModelConfig(vocab_size=50, d_model=30, n_heads=4).problems())
+
+
+def test_options_of_open_weights_models_start_neutral():
+    """q/k/v biases start at 0, query/key norm gains at 1, the shared-expert gate like the
+    other input projections."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=64, n_heads=4, qkv_bias=True, qk_norm="head",
+                      moe=MoEConfig(num_shared_experts=1, shared_expert_gate=True))
+    block = MoETransformer(cfg).blocks[0]
+    for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+        assert (proj.bias == 0).all()
+    assert block.attn.o_proj.bias is None
+    assert (block.attn.q_norm.weight == 1).all() and block.attn.k_norm.weight.shape == (16,)
+    assert block.ffn.shared_gate.weight.shape == (1, 64)
+    assert block.ffn.shared_gate.weight.std().item() == pytest.approx(0.02, rel=0.3)
 
 
 def test_documented_initialization():

@@ -53,8 +53,11 @@ def reference(x, layer: MoELayer):
         out[t] = out[t] + w * (h @ w_out[e])
     out = torch.stack(out)
     if layer.shared_mlp is not None:
-        out = out + F.linear(_act(F.linear(x, layer.shared_mlp.w_in.weight.double()), cfg,
-                                  layer.shared_mlp.hidden), layer.shared_mlp.w_out.weight.double())
+        shared = F.linear(_act(F.linear(x, layer.shared_mlp.w_in.weight.double()), cfg,
+                               layer.shared_mlp.hidden), layer.shared_mlp.w_out.weight.double())
+        if layer.shared_gate is not None:  # Qwen2-MoE: sigmoid(x . g) per token
+            shared = torch.sigmoid(x @ layer.shared_gate.weight.double()[0])[:, None] * shared
+        out = out + shared
     return out, dropped
 
 
@@ -82,8 +85,9 @@ def make_layer(router: dict, dtype, **moe):
 
 @pytest.mark.parametrize("router", CASES, ids=lambda r: "-".join(f"{v}" for v in r.values()))
 @pytest.mark.parametrize("variant", [{}, {"capacity_factor": 1.0}, {"num_shared_experts": 2},
-                                     {"activation": "gelu", "capacity_factor": 0.5}],
-                         ids=["dropless", "cf1.0", "shared", "gelu-cf0.5"])
+                                     {"activation": "gelu", "capacity_factor": 0.5},
+                                     {"num_shared_experts": 1, "shared_expert_gate": True}],
+                         ids=["dropless", "cf1.0", "shared", "gelu-cf0.5", "gated-shared"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64-loop", "f32-grouped"])
 def test_matches_reference_outputs_and_gradients(router, variant, dtype):
     layer = make_layer(router, dtype, **variant)

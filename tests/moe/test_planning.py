@@ -32,7 +32,7 @@ def component_of(name: str) -> str:
         return "router"
     if ".ffn.experts." in name:
         return "routed_experts"
-    if ".ffn.shared_mlp." in name:
+    if ".ffn.shared_mlp." in name or ".ffn.shared_gate." in name:
         return "shared_experts"
     assert ".ffn.w_" in name, name
     return "dense_ffn"
@@ -64,6 +64,10 @@ VARIANTS = {
                                           moe=MoEConfig(num_experts=4, expert_hidden=24,
                                                         every_n_layers=2, dense_hidden=40)),
     "dense": small(ffn="dense"),
+    "head_dim_qkv_bias_head_norm": small(n_kv_heads=2, head_dim=12, qkv_bias=True,
+                                         qk_norm="head"),
+    "projection_norm_gated_shared": small(head_dim=6, qk_norm="projection", moe=MoEConfig(
+        num_experts=4, expert_hidden=8, num_shared_experts=2, shared_expert_gate=True)),
 }
 
 
@@ -94,17 +98,19 @@ def test_dense_baseline_has_the_moe_active_parameters_minus_the_router():
             a.active_params - a.total["router"]
 
 
-def test_forward_matmul_flops_match_a_flop_counter():
+@pytest.mark.parametrize("extra", [{}, {"head_dim": 12, "qkv_bias": True, "qk_norm": "head"}],
+                         ids=["plain", "head_dim_bias_norm"])
+def test_forward_matmul_flops_match_a_flop_counter(extra):
     # FlopCounterMode counts aten.mm (projections, FFNs, head); not CPU SDPA or grouped GEMMs,
     # so the dense model is the exact check of the 2 * N_matmul term.
-    cfg = small(ffn="dense", n_kv_heads=2)
+    cfg = small(ffn="dense", n_kv_heads=2, **extra)
     model = MoETransformer(cfg)
     ids = torch.randint(0, 97, (2, 40))
     with FlopCounterMode(display=False) as counter:
         model(ids)
     f = flops_per_token(cfg, seq_len=40)
     assert counter.get_total_flops() / ids.numel() == 2 * f["matmul_params"]
-    assert f["attention_forward"] == 4 * 3 * 40 * 32
+    assert f["attention_forward"] == 4 * 3 * 40 * cfg.n_heads * cfg.head_size
     assert f["training"] == 3 * f["forward"] == 3 * (2 * f["matmul_params"] + f["attention_forward"])
 
 

@@ -79,6 +79,8 @@ CASES = {
     "capacity-dropping": {"capacity_factor": 0.75},
     "noisy-router-wide-experts": {"expert_hidden": 48,  # hidden > d_model: scale after w_out
                                   "router": {"jitter_eps": 0.1, "logit_noise_std": 0.5}},
+    "open-weights-options": {"shared_expert_gate": True,
+                             "model": {"head_dim": 12, "qkv_bias": True, "qk_norm": "projection"}},
     "gelu-postnorm-layernorm": {"activation": "gelu", "capacity_factor": 1.0,
                                 "model": {"norm": "layernorm", "norm_placement": "post"}},
 }

@@ -1,0 +1,28 @@
+"""moe-import: a Hugging Face transformers model directory (config.json and safetensors weights,
+one file or shards with their index) written as one of our checkpoints: Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, and the dense Llama, Mistral and Qwen2. What each carries and what is refused:
+docs/open-weights.md."""
+
+from __future__ import annotations
+
+import argparse
+
+from launch.cli import exits_cleanly
+from moe.tools.hf_import import import_hf
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="moe-import", description=__doc__)
+    p.add_argument("hf_dir", help="a local transformers model directory")
+    p.add_argument("output", help="a new checkpoint directory to write (never overwritten)")
+    p.add_argument("--expert-parallel-size", type=int, default=1, metavar="N",
+                   help="the parallel section of the checkpoint's run config: expert "
+                        "parallelism N on N ranks (it must divide the number of experts)")
+    args = p.parse_args(argv)
+    out = import_hf(args.hf_dir, args.output, args.expert_parallel_size)
+    print(f"imported {args.hf_dir} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

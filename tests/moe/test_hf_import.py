@@ -1,0 +1,382 @@
+"""Starting from open weights (moe/hf_weights.py, moe-import, ``model.init_from: hf:DIR``).
+
+Every architecture is a tiny random transformers model built here from a config (no download),
+its norm gains and biases moved off 1 and 0 so that a misplaced tensor shows, saved in fp32 in
+several shards. Imported, it computes transformers' logits within 1e-4 with the same argmax
+everywhere (dropless routing); the trainer's first loss equals transformers' loss on the same
+batch; Mixtral, Qwen2-MoE and dense Llama export back to the very tensors they came from; a
+dense Llama upcycles into MoE with unchanged logits; everything the model cannot express, and
+every damaged directory, is refused before anything is written, by name, with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.import_hf import main as import_main
+from moe.errors import ConfigError
+from moe.hf_weights import read_hf_model
+from moe.load import load_model
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def hf_config(arch: str, **over):
+    c = dict(SMALL)
+    if arch == "mixtral":
+        c.update(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)
+        cls = transformers.MixtralConfig
+    elif arch == "qwen2_moe":
+        # A dense first layer, a gated shared expert of 2 expert widths, q/k/v biases.
+        c.update(intermediate_size=40, moe_intermediate_size=8, shared_expert_intermediate_size=16,
+                 num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=False)
+        cls = transformers.Qwen2MoeConfig
+    elif arch == "qwen3_moe":
+        # Heads wider than hidden_size / heads, per-head q/k norms, renormalized top-k.
+        c.update(intermediate_size=24, moe_intermediate_size=8, num_experts=4, head_dim=12,
+                 num_experts_per_tok=2, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeConfig
+    elif arch == "olmoe":
+        # q/k norms over the whole projections, no renormalization.
+        c.update(intermediate_size=8, num_experts=4, num_experts_per_tok=2, num_key_value_heads=4)
+        cls = transformers.OlmoeConfig
+    else:
+        c.update(intermediate_size=24)
+        cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}[arch]
+        if arch == "mistral":
+            c["sliding_window"] = None
+    c.update(over)
+    return cls(**c)
+
+
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "mistral", "qwen2"]
+
+
+def write_tokenizer(path: Path) -> None:
+    """A word-level tokenizer.json of VOCAB ids (the tokenizers library)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def make_hf(tmp: Path, arch: str, seed: int = 0, **over) -> tuple[Path, torch.nn.Module]:
+    """A random transformers model of ``arch`` saved sharded in fp32 at ``tmp / arch``."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **over),
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norm gains and biases
+                p.add_(torch.randn_like(p) * 0.3)
+    out = tmp / arch
+    model.save_pretrained(str(out), max_shard_size="40KB")
+    assert (out / "model.safetensors.index.json").is_file()
+    write_tokenizer(out)
+    return out, model
+
+
+def ids(vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def run_import(*argv) -> tuple[int, str]:
+    try:
+        import_main([str(a) for a in argv])
+        return 0, ""
+    except SystemExit as e:
+        return e.code, ""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_imported_model_computes_the_transformers_logits(arch, tmp_path, capsys):
+    hf_dir, hf = make_hf(tmp_path, arch)
+    rc, _ = run_import(hf_dir, tmp_path / "ckpt")
+    assert rc == 0, capsys.readouterr().err
+    model, cfg, _ = load_model(tmp_path / "ckpt")
+    x = ids()
+    with torch.no_grad():
+        ours, theirs = model(x).logits, hf(input_ids=x).logits
+    assert (theirs - theirs.mean()).abs().max() > 0.1  # not a constant output
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert (cfg.model.ffn == "dense") == (arch in ("llama", "mistral", "qwen2"))
+    # model.init_from: the checkpoint, or the directory itself, gives the same weights.
+    from moe.model.transformer import MoETransformer
+    from moe.training.upcycle import initialize_from_checkpoint
+
+    for source in (tmp_path / "ckpt", f"hf:{hf_dir}"):
+        started = MoETransformer(cfg.model).eval()
+        initialize_from_checkpoint(started, source)
+        with torch.no_grad():
+            assert torch.equal(started(x).logits, ours), source
+
+
+def bpe_tokenizer_json(corpus: Path, out: Path) -> Path:
+    """A byte-level BPE tokenizer.json trained with the tokenizers library, as open-weights
+    models ship them (EOS <|endoftext|>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(p) for p in sorted(corpus.glob("*.txt"))], trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out / "tokenizer.json"
+
+
+def test_data_prepared_with_the_models_tokenizer_json_trains_from_hf_weights_with_its_loss(
+        tiny_data, tmp_path, monkeypatch):
+    """Data prepared with a ``tokenizer.json`` (data.tokenizer.model_file), then through the
+    real trainer (one gloo rank, ``model.init_from: hf:DIR``) for Qwen2-MoE (shared expert
+    gate, biases, a dense layer) and Qwen3-MoE (head_dim, q/k norms): the language-model loss of
+    step 1 on the trainer's own batch equals transformers' loss on that batch. Data prepared
+    with another tokenizer is refused, naming both hashes."""
+    import copy
+    import dataclasses
+    import hashlib
+    import shutil
+
+    from data_pipeline.config import TokenizerConfig
+    from data_pipeline.prepare import prepare
+    from moe.config.run import RunConfig
+    from moe.config_schema import from_dict, to_dict
+    from moe.tools.export import _one_rank_process_group
+    from moe.training import trainer
+    from tests.conftest import tiny_run_dict
+
+    tok_json = bpe_tokenizer_json(Path(tiny_data.sources[0].paths[0]), tmp_path / "tok")
+    data = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"),
+                               tokenizer=TokenizerConfig(model_file=str(tok_json)))
+    prepare(data, progress=False)
+    seen = []
+
+    class Recording(trainer.MoETransformer):
+        def forward(self, input_ids_BS, targets_BS=None, **kw):
+            out = super().forward(input_ids_BS, targets_BS, **kw)
+            if self.training and targets_BS is not None and not seen:
+                seen.append((input_ids_BS.clone(), targets_BS.clone(), out.lm_loss.detach()))
+            return out
+
+    monkeypatch.setattr(trainer, "MoETransformer", Recording)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tok_json)).get_vocab_size()
+    with _one_rank_process_group():  # one group for every run (DeepSpeed keeps its groups)
+        for arch in ("qwen2_moe", "qwen3_moe"):
+            hf_dir, hf = make_hf(tmp_path, arch, vocab_size=vocab)
+            shutil.copy(tok_json, hf_dir / "tokenizer.json")
+            _, model_cfg, _ = read_hf_model(hf_dir)
+            d = tiny_run_dict(data, tmp_path / "runs", max_steps=1, warmup_steps=0)
+            d["data"]["tokenizer"] = {"model_file": str(tok_json)}
+            d["name"] = arch
+            d["model"] = to_dict(model_cfg)
+            d["model"].update(init_from=f"hf:{hf_dir}", max_seq_len=64)
+            d["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
+            d["logging"] = {"log_every": 1, "tensorboard": False}
+            d["eval"] = {"every_n_steps": 0}
+            seen.clear()
+            trainer.train(from_dict(RunConfig, copy.deepcopy(d)), trainer.DistEnv(0, 1, 0, 1),
+                          resume="none")
+            x, y, loss = seen[0]
+            assert int(x.max()) >= 300  # BPE merges of the tokenizer.json, not bytes alone
+            with torch.no_grad():
+                logits = hf(input_ids=x).logits
+            want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(),
+                                                     ignore_index=-100)
+            torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
+            step = json.loads((tmp_path / "runs" / arch / "logs" / "steps_rank0.jsonl")
+                              .read_text().splitlines()[0])
+            aux = step["loss"] - float(loss)  # the logged loss adds the balancing loss
+            assert 0 <= aux < 0.1
+        # The SentencePiece data of tiny_data with the same model: refused before training.
+        other = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=1)
+        # (vocab_size large enough for that tokenizer: the tokenizer check is what refuses)
+        other.update(name="mismatch", model={**d["model"], "vocab_size": 512},
+                     parallel=d["parallel"])
+        with pytest.raises(ConfigError) as e:
+            trainer.train(from_dict(RunConfig, other), trainer.DistEnv(0, 1, 0, 1),
+                          resume="none")
+    assert hashlib.sha256(tok_json.read_bytes()).hexdigest() in str(e.value)
+    data_sha = json.loads((Path(tiny_data.dir) / "manifest.json").read_text())["tokenizer"]["sha256"]
+    assert data_sha in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama"])
+def test_export_reproduces_every_tensor_of_the_original(arch, tmp_path, capsys):
+    from safetensors import safe_open
+
+    from launch.export import main as export_main
+
+    hf_dir, _ = make_hf(tmp_path, arch)
+    assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
+    target = {"llama": "llama"}.get(arch, arch)
+    export_main([str(tmp_path / "ckpt"), str(tmp_path / "back"), "--format", "hf",
+                 "--arch", target, "--quiet"])
+
+    def tensors(d: Path) -> dict:
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+        return out
+
+    original, back = tensors(hf_dir), tensors(tmp_path / "back")
+    assert original.keys() == back.keys()
+    for k in original:
+        assert torch.equal(original[k], back[k]), k
+    assert (json.loads((tmp_path / "back" / "config.json").read_text())["architectures"]
+            == json.loads((hf_dir / "config.json").read_text())["architectures"])
+
+
+def test_dense_llama_upcycles_into_moe_with_unchanged_logits(tmp_path):
+    from moe.model.moe_layer import MoEConfig
+    from moe.model.router import RouterConfig
+    from moe.model.transformer import MoETransformer
+    from moe.training.upcycle import initialize_from_checkpoint
+
+    hf_dir, hf = make_hf(tmp_path, "llama")
+    _, dense_cfg, _ = read_hf_model(hf_dir)
+    cfg = copy_config(dense_cfg, ffn="moe", moe=MoEConfig(
+        num_experts=4, expert_hidden=24, router=RouterConfig(top_k=2, renormalize=True)))
+    model = MoETransformer(cfg).eval()
+    initialize_from_checkpoint(model, f"hf:{hf_dir}")
+    assert len(model.moe_layers()) == 3
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, hf(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+
+
+def copy_config(cfg, **changes):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)
+
+
+@pytest.mark.parametrize("arch, over, named", [
+    ("mistral", {"sliding_window": 16}, ["sliding_window: 16"]),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+               "attention_bias": True, "hidden_act": "gelu"},
+     ["rope_parameters.rope_type: 'linear'", "attention_bias: True", "hidden_act: 'gelu'"]),
+    ("qwen2_moe", {"use_sliding_window": True, "shared_expert_intermediate_size": 12},
+     ["use_sliding_window: True", "shared_expert_intermediate_size: 12"]),
+    ("olmoe", {"clip_qkv": 8.0}, ["clip_qkv: 8.0"]),
+    ("qwen3_moe", {"mlp_only_layers": [2]}, ["mlp_only_layers: [2]"]),
+])
+def test_what_the_model_cannot_express_is_refused_by_name_before_any_work(
+        arch, over, named, tmp_path, capsys, monkeypatch):
+    hf_dir, _ = make_hf(tmp_path, arch)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.update(over)
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    opened = []
+    import safetensors
+
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: opened.append(a))
+    rc, _ = run_import(hf_dir, tmp_path / "ckpt")
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert str(hf_dir / "config.json") in err
+    for text in named:
+        assert text in err, err
+    assert not opened and not (tmp_path / "ckpt").exists()
+    assert not list(tmp_path.glob(".ckpt*"))
+
+
+def test_unknown_fields_and_architectures_are_refused(tmp_path):
+    hf_dir, _ = make_hf(tmp_path, "llama")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"bits": 4}}))
+    with pytest.raises(ConfigError, match="quantization_config: .*not understood"):
+        read_hf_model(hf_dir)
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
+        read_hf_model(hf_dir)
+
+
+def _rewrite(hf_dir: Path, change) -> None:
+    """Apply ``change(tensors)`` to the shard holding the first MoE layer's router."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    name = next(k for k in index["weight_map"] if k.endswith("layers.1.mlp.gate.weight")
+                or k.endswith("layers.1.block_sparse_moe.gate.weight"))
+    shard = hf_dir / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    change(tensors, name)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors
+                           or v != shard.name}
+    index["weight_map"].update({k: shard.name for k in tensors})
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("missing_shard", "shards listed in the index are missing"),
+    ("wrong_shape", "shape (4, 31), config.json describes (4, 32)"),
+    ("extra_tensor", "model.layers.1.mlp.extra.weight: no tensor of the model corresponds"),
+    ("missing_tensor", "missing (needed for blocks.1.ffn.router.weight)"),
+    ("int_dtype", "dtype I32"),
+])
+def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected, tmp_path,
+                                                                capsys):
+    hf_dir, _ = make_hf(tmp_path, "qwen3_moe")
+    if damage == "missing_shard":
+        next(hf_dir.glob("model-00002-*.safetensors")).unlink()
+    elif damage == "wrong_shape":
+        _rewrite(hf_dir, lambda t, n: t.__setitem__(n, t[n][:, :31].contiguous()))
+    elif damage == "extra_tensor":
+        _rewrite(hf_dir, lambda t, n: t.__setitem__("model.layers.1.mlp.extra.weight",
+                                                    torch.zeros(2)))
+    elif damage == "missing_tensor":
+        _rewrite(hf_dir, lambda t, n: t.pop(n))
+    else:
+        _rewrite(hf_dir, lambda t, n: t.__setitem__(n, t[n].to(torch.int32)))
+    rc, _ = run_import(hf_dir, tmp_path / "ckpt")
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert expected in err, err
+    if damage in ("wrong_shape", "extra_tensor", "int_dtype"):
+        assert ".safetensors: model.layers.1." in err  # the file and the tensor
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt*"))
+
+
+def test_bf16_weights_are_read_exactly(tmp_path):
+    hf_dir, hf = make_hf(tmp_path, "olmoe")
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"), max_shard_size="40KB")
+    _, _, state = read_hf_model(tmp_path / "bf16")
+    _, _, state32 = read_hf_model(hf_dir)
+    for k, v in state.items():
+        assert v.dtype == torch.float32
+        assert torch.equal(v, state32[k].to(torch.bfloat16).float()), k
+
+
+def test_expert_parallel_size_is_recorded_and_checked(tmp_path, capsys):
+    import yaml
+
+    from moe.checkpoint.files import MARKER
+
+    hf_dir, _ = make_hf(tmp_path, "mixtral")
+    rc, _ = run_import(hf_dir, tmp_path / "ep3", "--expert-parallel-size", "3")
+    assert rc == 2 and "expert_parallel_size" in capsys.readouterr().err
+    assert not (tmp_path / "ep3").exists()
+    assert run_import(hf_dir, tmp_path / "ep2", "--expert-parallel-size", "2")[0] == 0
+    saved = yaml.safe_load((tmp_path / "ep2" / "run_config.yaml").read_text())
+    assert saved["parallel"]["expert_parallel_size"] == 2
+    marker = json.loads((tmp_path / "ep2" / MARKER).read_text())
+    assert marker["expert_parallel_size"] == 2 and marker["num_moe_layers"] == 3
+    assert marker["tokenizer"]["file"] == "tokenizer.json"
+    assert (tmp_path / "ep2" / "hf_tokenizer" / "tokenizer.json").is_file()
