@@ -123,6 +123,7 @@ class Proof:
         whole process group is then ended)."""
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
+        started = time.time()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env or self.env(), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
@@ -140,6 +141,9 @@ class Proof:
                 except subprocess.TimeoutExpired:
                     continue
             log.write(f"\n[gpu_proof] ended after {timeout:.0f} s: out of time\n")
+            for lock in stale_build_locks(started):
+                lock.unlink(missing_ok=True)
+                log.write(f"[gpu_proof] removed {lock}: left by the ended build\n")
             return None
         log.write(f"[gpu_proof] exit status {rc}\n")
         log.flush()
@@ -509,6 +513,18 @@ def write_corpus(root: Path) -> Path:
                 if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))]
         (root / f"{name}.txt").write_text("\n\n".join(d for d in docs if d), encoding="utf-8")
     return root
+
+
+def stale_build_locks(since: float) -> list[Path]:
+    """The lock files of torch's just-in-time extension builds created since ``since``. On a CPU
+    DeepSpeed compiles a small op the first time a torch version meets it; a part ended in the
+    middle of that build leaves its lock behind, and every later build of the op would wait on
+    it for ever."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                or Path.home() / ".cache" / "torch_extensions")
+    if not root.is_dir():
+        return []
+    return [lock for lock in root.glob("**/lock") if lock.stat().st_mtime >= since - 1]
 
 
 def unpack_wheel(wheel: Path, target: Path) -> None:
