@@ -26,6 +26,7 @@ for the region of the forward operator they differentiate (autograd sequence num
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import time
@@ -226,6 +227,7 @@ def main(argv=None) -> list[dict]:
                    help="sequences per step (default: the preset's micro_batch_size)")
     p.add_argument("--peak-flops", type=float, default=None,
                    help="peak dense bf16 FLOP/s of the device (default: from its name)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -258,6 +260,9 @@ def main(argv=None) -> list[dict]:
     print(f"device: {where}; {args.steps} timed steps after {args.warmup} warm-up; time shares "
           f"from {args.profile_steps} profiled steps")
     print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "steps": args.steps,
+                                               "rows": rows}, indent=2))
     return rows
 
 

@@ -1,0 +1,175 @@
+"""The GPU proof (benchmarks/gpu_proof.sh) in its CPU dry run, and the wheel list of
+benchmarks/gpu_wheels.sh against what DeepSpeed and this project require."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROOF = ROOT / "benchmarks" / "gpu_proof.sh"
+WHEELS_SCRIPT = ROOT / "benchmarks" / "gpu_wheels.sh"
+# What the GPU machine has besides Python 3.12 (docs/gpu.md): a CUDA torch, pyarrow,
+# sentencepiece, tensorboard, mpi4py, transformers; numpy comes with them.
+GPU_MACHINE_HAS = {"torch", "pyarrow", "sentencepiece", "tensorboard", "mpi4py", "transformers",
+                   "numpy"}
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def make_wheel(folder: Path, name: str, version: str, module: str | None = None) -> Path:
+    """A minimal pure-Python wheel: one module and one script (``NAME.data/scripts``)."""
+    module = module or norm(name)
+    dist = f"{norm(name)}-{version}"
+    path = folder / f"{dist}-py3-none-any.whl"
+    files = {
+        f"{module}/__init__.py": f"__version__ = {version!r}\n",
+        f"{dist}.data/scripts/{module}-hello": "#!/bin/sh\necho hello\n",
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                   "Tag: py3-none-any\n",
+    }
+    record = "".join(f"{f},,\n" for f in files) + f"{dist}.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for f, text in files.items():
+            info = zipfile.ZipInfo(f)
+            info.external_attr = (0o100755 if "/scripts/" in f else 0o100644) << 16
+            z.writestr(info, text)
+        z.writestr(f"{dist}.dist-info/RECORD", record)
+    return path
+
+
+def run_proof(out: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(PROOF), str(out), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.integration
+def test_dry_run_on_the_cpu_runs_every_part(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels, "gpu-proof-probe", "1.0")  # missing here: installed into the target
+    make_wheel(wheels, "PyYAML", "0.0.1", module="yaml")  # present: must not shadow the real one
+    make_wheel(wheels, "torch", "0.0.1")  # never installed, whatever the folder holds
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    proc = run_proof(out, "--dry-run", "--device", "cpu", "--wheels", str(wheels),
+                     "--scratch", str(scratch))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(["summary.md", "summary.json", "install.log", "env.log",
+                            "pytest.log", "bench.log", "train.log", "eval.log"])
+    summary = json.loads((out / "summary.json").read_text())
+    parts = {p["name"]: p for p in summary["parts"]}
+    assert summary["ok"] and list(parts) == ["install", "env", "pytest", "bench", "train", "eval"]
+    assert all(p["status"] == "pass" for p in parts.values()), parts
+
+    # install: only the missing wheel, into the target with its script; torch refused.
+    assert parts["install"]["figures"]["installed"] == ["gpu_proof_probe"]
+    assert (scratch / "site" / "gpu_proof_probe" / "__init__.py").exists()
+    assert os.access(scratch / "site" / "bin" / "gpu_proof_probe-hello", os.X_OK)
+    assert not (scratch / "site" / "torch").exists() and not (scratch / "site" / "yaml").exists()
+    assert "refused" in (out / "install.log").read_text()
+
+    env = parts["env"]["figures"]
+    assert env["cuda_available"] is False and env["deepspeed_accelerator"] == "cpu"
+    assert env["torch"] == parts["install"]["figures"]["torch"]
+
+    # pytest -m gpu collected the GPU tests, and each skipped without CUDA.
+    assert parts["pytest"]["figures"]["skipped"] >= 9 and "passed" not in parts["pytest"]["figures"]
+
+    rows = parts["bench"]["figures"]["rows"]
+    assert [r["model"] for r in rows] == ["tiny-dense", "tiny-moe"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+
+    train = parts["train"]["figures"]
+    assert train["steps"] == 4 and train["checkpoint"].endswith("step_0000004")
+    assert math.isfinite(train["last_loss"])
+    assert "bf16" in (scratch / "runs" / "gpu-proof" / "config.yaml").read_text()
+
+    ev = parts["eval"]["figures"]
+    assert ev["tokens"] == 512 and math.isfinite(ev["loss"]) and ev["loss"] < math.log(512) + 0.5
+    assert "# GPU proof: PASS" in (out / "summary.md").read_text()
+
+
+def test_a_part_that_cannot_run_fails_the_proof_and_the_summary_is_still_written(tmp_path):
+    """With no time at all every part is skipped: exit status 1, all files written."""
+    out = tmp_path / "out"
+    proc = run_proof(out, "--dry-run", "--device", "cpu", "--budget", "1", "--scratch",
+                     str(tmp_path / "scratch"), timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["ok"] and {p["status"] for p in summary["parts"]} == {"skipped"}
+    assert len(list(out.iterdir())) == 8
+    assert "# GPU proof: FAIL" in (out / "summary.md").read_text()
+
+
+def test_the_output_directory_must_hold_nothing_else(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = run_proof(out, "--dry-run", "--device", "cpu", timeout=120)
+    assert proc.returncode == 2 and "notes.txt" in proc.stderr
+
+
+def wheel_pins() -> dict[str, str]:
+    text = WHEELS_SCRIPT.read_text()
+    block = re.search(r"^WHEELS=\((.*?)^\)", text, flags=re.S | re.M).group(1)
+    pins = dict(re.findall(r"^\s+([A-Za-z0-9_.-]+)==(\S+)", block, flags=re.M))
+    pins.update(dict(re.findall(r"^DEEPSPEED=(\S+)==(\S+)", text, flags=re.M)))
+    return {norm(k): v for k, v in pins.items()}
+
+
+def requirements(dist: str) -> set[str]:
+    """The distributions ``dist`` requires on Linux with Python 3.12 (no extras)."""
+    from packaging.requirements import Requirement
+
+    where = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+             "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    out = set()
+    for text in metadata.requires(dist) or []:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate(where):
+            out.add(norm(req.name))
+    return out
+
+
+def test_the_wheel_folder_covers_what_the_gpu_machine_lacks():
+    """Every requirement of this project, of DeepSpeed and of what the folder brings is either
+    on the GPU machine (its packages and what they require) or pinned in gpu_wheels.sh (mpich
+    is left out on purpose: the machine's mpi4py brings its own MPI)."""
+    pins = wheel_pins()
+    assert pins["deepspeed"] == "0.19.8"
+    setup = (ROOT / "setup.py").read_text()
+    ours = {norm(r) for r in re.findall(r'^\s+"([A-Za-z0-9_.-]+)",$', setup, flags=re.M)}
+    assert {"torch", "deepspeed", "zstandard", "matplotlib"} <= ours
+    there = {norm(n) for n in GPU_MACHINE_HAS}
+    there |= set().union(*(requirements(n) for n in GPU_MACHINE_HAS))
+    needed, todo = set(), (ours - {"mpich"}) | {"pytest", "pytest_timeout"}
+    while todo:  # what the folder must bring, and what that requires in turn
+        name = todo.pop()
+        needed.add(name)
+        if name not in there:
+            todo |= requirements(name) - needed
+    uncovered = needed - set(pins) - there
+    assert not uncovered, f"add to benchmarks/gpu_wheels.sh: {sorted(uncovered)}"
+    assert not {"torch", "triton"} & set(pins)
+    assert not [n for n in pins if n.startswith("nvidia_")]
+
+
+def test_the_wheel_folder_is_ignored_by_git_and_found_by_the_proof():
+    assert "/gpu-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+    assert "$ROOT/gpu-wheels" in WHEELS_SCRIPT.read_text()
+    assert 'ROOT / "gpu-wheels"' in (ROOT / "benchmarks" / "gpu_proof.py").read_text()
