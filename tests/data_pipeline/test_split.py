@@ -205,14 +205,14 @@ def test_data_of_the_location_rule_is_used_and_a_new_preparation_says_what_moves
                 != in_valid_split_by_location(source.name, name, cfg.valid_fraction)
                 for name, text in docs)
     assert moved > 0
-    real_swap, said = prep._swap_in, []
+    real_switch, said = prep.write_manifest, []
 
-    def swap(staging, data_dir):
+    def switch(data_dir, manifest):  # the manifest write that switches to the new data
         said.append(capsys.readouterr().err)  # what was said before anything was replaced
         assert read_manifest(data_dir).split_rule is None
-        real_swap(staging, data_dir)
+        real_switch(data_dir, manifest)
 
-    monkeypatch.setattr(prep, "_swap_in", swap)
+    monkeypatch.setattr(prep, "write_manifest", switch)
     prepare(cfg, force=True, progress=False)
     assert f"{moved:,} of its {len(docs):,} documents change split" in said[0]
     assert read_manifest(old).split_rule == "content-v1"
