@@ -31,15 +31,15 @@ class _Invalid:
 INVALID: Any = _Invalid()
 
 
-def _describe(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(tp))
+        return " or ".join(describe_type(a) for a in get_args(tp))
     if origin in (list, tuple):
         args = get_args(tp)
-        return f"a list of {_describe(args[0])}" if args else "a list"
+        return f"a list of {describe_type(args[0])}" if args else "a list"
     if origin is dict:
         return "a mapping"
     if tp is type(None):
@@ -65,12 +65,12 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             out = _convert(value, arg, key, trial)
             if not trial:
                 return out
-        problems.append(f"{key}: expected {_describe(tp)}, got {value!r}")
+        problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
         return INVALID
     if origin is Literal:
         if value in get_args(tp):
             return value
-        problems.append(f"{key}: {value!r} is not allowed; expected {_describe(tp)}")
+        problems.append(f"{key}: {value!r} is not allowed; expected {describe_type(tp)}")
         return INVALID
     if dataclasses.is_dataclass(tp):
         if value is None:
@@ -81,7 +81,7 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         return _build(tp, value, key, problems)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            problems.append(f"{key}: expected {_describe(tp)}, got {value!r}")
+            problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
             return INVALID
         (item_tp,) = get_args(tp)[:1] or (Any,)
         items = [_convert(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
