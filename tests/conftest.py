@@ -18,6 +18,20 @@ STDLIB_MODULES = ["argparse", "collections/__init__", "json/__init__", "pathlib"
                   "enum", "fractions", "calendar", "difflib"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist's ``--dist loadgroup`` (docs/testing.md): the tests of one file run on one
+    worker, so a module-scoped fixture (the export sweep's trained checkpoints) is built once;
+    every run of the real launcher (integration, slurm) is in one group, so no two run at once
+    (hostfile launches use the fixed master port 29500; SLURM clusters start daemons and
+    network namespaces, and each fills both cores)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        serial = item.get_closest_marker("integration") or item.get_closest_marker("slurm")
+        group = "launcher" if serial else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Every test leaves os.environ as it found it. An entry point run in-process (moe-train
