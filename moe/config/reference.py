@@ -77,7 +77,7 @@ def sections(cls: type = RunConfig, name: str = "") -> list[str]:
     head = ["| key | type | default | " + ("changes the function | " if model else "")
             + "description |",
             "|---" * (5 if model else 4) + "|"]
-    intro = _one_line(inspect.getdoc(cls) or "")
+    intro = _one_line((inspect.getdoc(cls) or "").split("\n\n")[0])  # the first paragraph
     out = [f"## `{name}`" if name else "## top level", ""]
     out += [intro, ""] if intro and not intro.startswith(f"{cls.__name__}(") else []  # not
     # the signature dataclass() writes where the class has no docstring

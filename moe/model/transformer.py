@@ -54,7 +54,12 @@ class ModelConfig:
     trained model computes: a checkpoint resumes only with the same value, every exporter holds
     or refuses it) or ``runtime(default)`` (initialization, training-only noise, losses, kernel
     choice); nested sections (``moe``, ``moe.router``) follow the same rule. The checkpoint
-    check, the exporters and docs/config.md read this classification."""
+    check, the exporters and docs/config.md read this classification.
+
+    A new field needs its declaration with a docstring, a rule per target in
+    moe/tools/hf_support.py (held or refused if it is ``arch``), and ``python -m
+    moe.config.reference > docs/config.md``; tests/moe/test_config_fields.py and
+    test_config_reference.py fail until all are there."""
 
     vocab_size: int | None = arch(None)
     """Vocabulary size; null takes the tokenizer's. It must hold every id the tokenizer makes."""
