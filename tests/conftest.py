@@ -18,6 +18,7 @@ STDLIB_MODULES = ["argparse", "collections/__init__", "json/__init__", "pathlib"
                   "enum", "fractions", "calendar", "difflib"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """For pytest-xdist's ``--dist loadgroup`` (docs/testing.md): the tests of one file run on one
     worker, so a module-scoped fixture (the export sweep's trained checkpoints) is built once;
