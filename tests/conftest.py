@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import yaml
 
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.prepare import prepare
+from launch.signal_latch import CATCHABLE
 
 STDLIB_MODULES = ["argparse", "collections/__init__", "json/__init__", "pathlib", "textwrap",
                   "shlex", "string", "heapq", "bisect", "functools", "typing", "dataclasses",
@@ -35,13 +37,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _restore_environment():
-    """Every test leaves os.environ as it found it. An entry point run in-process (moe-train
-    exports RANK/WORLD_SIZE for its rendezvous) would otherwise leak its rank variables into
-    launchers that later tests start, and their ranks would each believe they are alone."""
+    """Every test leaves os.environ and the preemption signals' handlers as it found them. An
+    entry point run in-process (moe-train exports RANK/WORLD_SIZE for its rendezvous) would
+    otherwise leak its rank variables into launchers that later tests start, and their ranks
+    would each believe they are alone."""
     saved = dict(os.environ)
+    handlers = {signum: signal.getsignal(signum) for signum in CATCHABLE}
     yield
     os.environ.clear()
     os.environ.update(saved)
+    for signum, handler in handlers.items():  # an entry point run in-process holds signals;
+        signal.signal(signum, handler)  # under pytest-xdist any test may run after it
 
 
 def write_corpus(root: Path) -> Path:
