@@ -145,7 +145,8 @@ def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
 
 def verify_checkpoint(tag_dir: Path, cfg=None, tokenizer_sha256: str | None = None) -> dict:
     """Everything checkable before loading: complete, no missing or truncated file, every expert
-    present once, the same architecture as ``cfg`` and the same tokenizer. Returns the marker."""
+    present once, the same function-changing model settings as ``cfg`` (config_mismatches) and
+    the same tokenizer. Returns the marker."""
     import yaml
 
     marker = verify_files(tag_dir)
