@@ -52,15 +52,15 @@ class _Invalid:
 INVALID: Any = _Invalid()
 
 
-def _describe(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(tp))
+        return " or ".join(describe_type(a) for a in get_args(tp))
     if origin in (list, tuple):
         args = get_args(tp)
-        return f"a list of {_describe(args[0])}" if args else "a list"
+        return f"a list of {describe_type(args[0])}" if args else "a list"
     if origin is dict:
         return "a mapping"
     if tp is type(None):
@@ -86,12 +86,12 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             out = _convert(value, arg, key, trial)
             if not trial:
                 return out
-        problems.append(f"{key}: expected {_describe(tp)}, got {value!r}")
+        problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
         return INVALID
     if origin is Literal:
         if value in get_args(tp):
             return value
-        problems.append(f"{key}: {value!r} is not allowed; expected {_describe(tp)}")
+        problems.append(f"{key}: {value!r} is not allowed; expected {describe_type(tp)}")
         return INVALID
     if dataclasses.is_dataclass(tp):
         if value is None:
@@ -102,7 +102,7 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         return _build(tp, value, key, problems)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            problems.append(f"{key}: expected {_describe(tp)}, got {value!r}")
+            problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
             return INVALID
         (item_tp,) = get_args(tp)[:1] or (Any,)
         items = [_convert(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
@@ -217,3 +217,55 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
+
+
+FUNCTION = "function"
+"""Field metadata key of model config fields: True when the field changes the function a trained
+model computes. Declare every model field with :func:`arch` or :func:`runtime`; the checkpoint
+check, the exporters and the config reference read this one classification."""
+
+
+def arch(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A model config field that changes the function a trained model computes: the shapes of
+    its weights, or what its forward pass computes at evaluation. A checkpoint resumes only with
+    the same value (``model.init_from`` starts a different model from its weights) and every
+    exporter must hold the value or refuse it."""
+    return dataclasses.field(default=default, metadata={FUNCTION: True}, **kw)
+
+
+def runtime(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A model config field that leaves a trained model's function unchanged: initialization,
+    noise applied in training only, loss coefficients, a kernel choice. It may change on
+    resume."""
+    return dataclasses.field(default=default, metadata={FUNCTION: False}, **kw)
+
+
+def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """(dotted path, field) of every leaf field of a config dataclass; the fields of nested
+    config sections are listed instead of the section itself."""
+    hints = typing.get_type_hints(cls)
+    out: list[tuple[str, dataclasses.Field]] = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += leaf_fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, f))
+    return out
+
+
+def function_classes(cls: type) -> dict[str, bool]:
+    """Dotted path -> whether the field changes the computed function, for every leaf field of
+    ``cls``. Raises TypeError naming each field declared without :func:`arch` or
+    :func:`runtime`."""
+    fields = leaf_fields(cls)
+    unclassified = [path for path, f in fields if FUNCTION not in f.metadata]
+    if unclassified:
+        raise TypeError(f"{cls.__name__}: fields {unclassified} are not classified; declare "
+                        "each with arch(...) (changes the computed function) or runtime(...) "
+                        "(moe/config_schema.py)")
+    return {path: f.metadata[FUNCTION] for path, f in fields}
+
+
+def function_keys(cls: type) -> list[str]:
+    """Dotted paths of the fields of ``cls`` that change the computed function."""
+    return [path for path, changes in function_classes(cls).items() if changes]

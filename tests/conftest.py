@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -12,21 +13,41 @@ import yaml
 
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.prepare import prepare
+from launch.signal_latch import CATCHABLE
 
 STDLIB_MODULES = ["argparse", "collections/__init__", "json/__init__", "pathlib", "textwrap",
                   "shlex", "string", "heapq", "bisect", "functools", "typing", "dataclasses",
                   "enum", "fractions", "calendar", "difflib"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist's ``--dist loadgroup`` (docs/testing.md): the tests of one file run on one
+    worker, so a module-scoped fixture (the export sweep's trained checkpoints) is built once;
+    every run of the real launcher (integration, slurm) is in one group, so no two run at once
+    (hostfile launches use the fixed master port 29500; SLURM clusters start daemons and
+    network namespaces, and each fills both cores)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        serial = item.get_closest_marker("integration") or item.get_closest_marker("slurm")
+        group = "launcher" if serial else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
-    """Every test leaves os.environ as it found it. An entry point run in-process (moe-train
-    exports RANK/WORLD_SIZE for its rendezvous) would otherwise leak its rank variables into
-    launchers that later tests start, and their ranks would each believe they are alone."""
+    """Every test leaves os.environ and the preemption signals' handlers as it found them. An
+    entry point run in-process (moe-train exports RANK/WORLD_SIZE for its rendezvous) would
+    otherwise leak its rank variables into launchers that later tests start, and their ranks
+    would each believe they are alone."""
     saved = dict(os.environ)
+    handlers = {signum: signal.getsignal(signum) for signum in CATCHABLE}
     yield
     os.environ.clear()
     os.environ.update(saved)
+    for signum, handler in handlers.items():  # an entry point run in-process holds signals;
+        signal.signal(signum, handler)  # under pytest-xdist any test may run after it
 
 
 def write_corpus(root: Path) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moe.config_schema import to_dict
+from moe.config_schema import function_keys, to_dict
 from moe.errors import CheckpointError
 
 RUN_CONFIG = "run_config.yaml"
@@ -42,14 +42,6 @@ _TAG = re.compile(r"^step_(\d{7,})$")
 
 
 _EXPERT_FILE = re.compile(r"(?:^|/)layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
-
-
-ARCHITECTURE_KEYS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "tie_embeddings",
-    "moe.num_experts", "moe.expert_hidden", "moe.activation", "moe.num_shared_experts",
-    "moe.every_n_layers", "moe.first_dense_layers", "moe.dense_hidden", "moe.router.top_k",
-    "moe.router.score_func", "moe.router.order",
-)
 
 
 def tag_for(step: int) -> str:
@@ -129,31 +121,45 @@ def verify_files(tag_dir: Path) -> dict:
     return marker
 
 
-def _get(d: dict, dotted: str):
+def _get(d: dict, dotted: str, absent=None):
     for k in dotted.split("."):
-        d = d.get(k) if isinstance(d, dict) else None
+        d = d.get(k, absent) if isinstance(d, dict) else absent
     return d
 
 
 def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
-    """Architecture settings on which a saved model config and ``model_cfg`` disagree."""
+    """Settings that change the computed function (the fields ``model_cfg``'s dataclass declares
+    with ``arch``, moe/config_schema.py) on which a saved model config and ``model_cfg``
+    disagree. A key the saved config lacks (a checkpoint older than the option) holds its
+    default."""
     current = to_dict(model_cfg)
-    return [f"model.{key}: the checkpoint has {_get(saved_model, key)!r}, the config has "
-            f"{_get(current, key)!r}"
-            for key in ARCHITECTURE_KEYS if _get(saved_model, key) != _get(current, key)]
+    defaults = to_dict(type(model_cfg)())
+    out = []
+    for key in function_keys(type(model_cfg)):
+        saved = _get(saved_model, key, absent=_get(defaults, key))
+        if saved != _get(current, key):
+            out.append(f"model.{key}: the checkpoint has {saved!r}, the config has "
+                       f"{_get(current, key)!r}")
+    return out
 
 
 def verify_checkpoint(tag_dir: Path, cfg=None, tokenizer_sha256: str | None = None) -> dict:
     """Everything checkable before loading: complete, no missing or truncated file, every expert
-    present once, the same architecture as ``cfg`` and the same tokenizer. Returns the marker."""
+    present once, the same function-changing model settings as ``cfg`` (config_mismatches) and
+    the same tokenizer. Returns the marker."""
     import yaml
 
     marker = verify_files(tag_dir)
     problems = []
     if cfg is not None:
         saved = yaml.safe_load((Path(tag_dir) / RUN_CONFIG).read_text())
-        problems += [f"{p} ({Path(tag_dir) / RUN_CONFIG})"
-                     for p in config_mismatches(saved.get("model", {}), cfg.model)]
+        changed = config_mismatches(saved.get("model", {}), cfg.model)
+        problems += [f"{p} ({Path(tag_dir) / RUN_CONFIG})" for p in changed]
+        if changed:
+            problems.append("these settings change the function the model computes, so a run "
+                            "resumes only with the checkpoint's values; to start a different "
+                            "model from its weights, set model.init_from to the checkpoint in a "
+                            "new run instead of resuming")
     saved_tok = marker.get("tokenizer") or {}
     if tokenizer_sha256 is not None and saved_tok.get("sha256") != tokenizer_sha256:
         problems.append(f"tokenizer: the checkpoint was trained with {saved_tok.get('file')} "

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from moe.config_schema import minimums
+from moe.config_schema import arch, minimums
 from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
 from moe.model.recompute import outside_recompute, recompute
@@ -20,27 +20,27 @@ STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
 
 @dataclass
 class MoEConfig:
-    num_experts: int = 8
+    num_experts: int = arch(8)
     """Routed experts per MoE layer."""
-    expert_hidden: int = 256
+    expert_hidden: int = arch(256)
     """Hidden width of each routed expert (independent of the model width: fine-grained experts
     use a small width and a larger top_k)."""
-    activation: Activation = "swiglu"
+    activation: Activation = arch("swiglu")
     router: RouterConfig = field(default_factory=RouterConfig)
-    capacity_factor: float | None = None
+    capacity_factor: float | None = arch(None)
     """Token copies an expert accepts, as a multiple of the balanced share T*K/E; copies over it
     are dropped (lowest router weight first) and pass through the residual only. null: dropless."""
-    num_shared_experts: int = 0
+    num_shared_experts: int = arch(0)
     """Always-on experts (DeepSeek-MoE), fused into one dense FFN of width
     num_shared_experts * expert_hidden, added to the routed output."""
-    shared_expert_gate: bool = False
+    shared_expert_gate: bool = arch(False)
     """Scale the shared experts' output per token by sigmoid(x . g), g a learned vector
     (Qwen2-MoE's shared_expert_gate); needs num_shared_experts >= 1."""
-    every_n_layers: int = 1
+    every_n_layers: int = arch(1)
     """Layer i (0-based) is MoE when i >= first_dense_layers and (i - first_dense_layers) %
     every_n_layers == 0; other layers are dense FFNs."""
-    first_dense_layers: int = 0
-    dense_hidden: int | None = None
+    first_dense_layers: int = arch(0)
+    dense_hidden: int | None = arch(None)
     """Hidden width of the dense layers (default: (top_k + num_shared_experts) * expert_hidden,
     the active expert width of an MoE layer)."""
 

@@ -14,31 +14,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config_schema import arch, runtime
+
 
 @dataclass
 class RouterConfig:
-    top_k: int = 2
+    top_k: int = arch(2)
     """Experts per token (1 to 8, at most the number of experts)."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: Literal["softmax", "sigmoid"] = arch("softmax")
     """How logits become scores: softmax over experts (Switch, Mixtral) or per-expert sigmoid
     (DeepSeek-V3)."""
-    order: Literal["softmax_then_topk", "topk_then_softmax"] = "softmax_then_topk"
+    order: Literal["softmax_then_topk", "topk_then_softmax"] = arch("softmax_then_topk")
     """``softmax_then_topk``: scores over all experts, the selected scores are the weights.
     ``topk_then_softmax`` (Mixtral): softmax over the selected logits only (softmax scores only)."""
-    renormalize: bool = False
+    renormalize: bool = arch(False)
     """Rescale the selected weights of each token to sum to 1."""
-    scaling_factor: float = 1.0
+    scaling_factor: float = arch(1.0)
     """Routed scaling factor multiplied into the combine weights (DeepSeek-V3 uses 2.5)."""
-    jitter_eps: float = 0.0
+    jitter_eps: float = runtime(0.0)
     """Switch-style multiplicative jitter: the router input is scaled by U(1-eps, 1+eps) in
     training."""
-    logit_noise_std: float = 0.0
+    logit_noise_std: float = runtime(0.0)
     """Standard deviation of Gaussian noise added to the router logits in training."""
-    aux_loss_coef: float = 0.01
+    aux_loss_coef: float = runtime(0.01)
     """Coefficient of the Switch/GShard load-balancing loss E * sum_e f_e * P_e."""
-    aux_loss_type: Literal["batch", "sequence"] = "batch"
+    aux_loss_type: Literal["batch", "sequence"] = runtime("batch")
     """Balance over the whole micro-batch, or per sequence and averaged (DeepSeek-V3)."""
-    aux_loss_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    aux_loss_scope: Literal["micro_batch", "global_batch"] = runtime("micro_batch")
     """Where the token fractions f_e of the aux loss are counted. ``micro_batch``: in the
     micro-batch itself. ``global_batch``: in the whole global batch of the optimizer step (all
     micro-batches of gradient accumulation on all data-parallel ranks), counted before the step
@@ -48,12 +50,12 @@ class RouterConfig:
     and ranks is exactly the loss of the global batch taken as one micro-batch: its value and
     gradient do not depend on how the batch is split. Needs ``aux_loss_type: batch``. A training
     forward without a pre-pass (outside the trainer) counts its own micro-batch."""
-    z_loss_coef: float = 0.0
+    z_loss_coef: float = runtime(0.0)
     """Coefficient of the ST-MoE router z-loss mean(logsumexp(logits)^2)."""
-    init_std: float = 0.02
+    init_std: float = runtime(0.02)
     """Standard deviation of the router weight's normal initialization (small: near-uniform
     routing at the start)."""
-    bias_update_rate: float = 0.0
+    bias_update_rate: float = arch(0.0)
     """DeepSeek-V3 auxiliary-loss-free balancing: if > 0, a per-expert bias is added to the scores
     for selection only and moved by ``rate * sign(mean_load - load)`` after each step."""
 

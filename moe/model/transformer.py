@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config_schema import arch, runtime
 from moe.model.attention import (
     FLEX_AVAILABLE,
     AttentionBackend,
@@ -51,63 +52,74 @@ from moe.model.positions import (
 
 @dataclass
 class ModelConfig:
-    vocab_size: int | None = None
+    """The model. Every field is declared once with ``arch(default)`` (changes the function the
+    trained model computes: a checkpoint resumes only with the same value, every exporter holds
+    or refuses it) or ``runtime(default)`` (initialization, training-only noise, losses, kernel
+    choice); nested sections (``moe``, ``moe.router``) follow the same rule. The checkpoint
+    check, the exporters and docs/config.md read this classification.
+
+    A new field needs its declaration with a docstring, a rule per target in
+    moe/tools/hf_support.py (held or refused if it is ``arch``), and ``python -m
+    moe.config.reference > docs/config.md``; tests/moe/test_config_fields.py and
+    test_config_reference.py fail until all are there."""
+
+    vocab_size: int | None = arch(None)
     """Vocabulary size; null takes the tokenizer's. It must hold every id the tokenizer makes."""
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None
+    d_model: int = arch(256)
+    n_layers: int = arch(4)
+    n_heads: int = arch(4)
+    n_kv_heads: int | None = arch(None)
     """Key/value heads: null or n_heads is multi-head attention, a divisor of n_heads
     grouped-query attention, 1 multi-query attention."""
-    head_dim: int | None = None
+    head_dim: int | None = arch(None)
     """Width of each attention head; null: d_model / n_heads. Set it when the heads are
     narrower or wider than that (Qwen3-MoE: 32 heads of 128 on d_model 2048)."""
-    qkv_bias: bool = False
+    qkv_bias: bool = arch(False)
     """The query, key and value projections add a learned bias (Qwen2, Qwen2-MoE); the output
     projection never has one."""
-    qk_norm: QKNorm = "none"
+    qk_norm: QKNorm = arch("none")
     """RMSNorm (eps norm_eps) of queries and keys before the rotary embedding: none; head, over
     each head's head_dim channels with one gain shared by the heads (Qwen3-MoE); projection,
     over the whole query and key projections, all heads at once (OLMoE)."""
-    max_seq_len: int = 256
+    max_seq_len: int = arch(256)
     """Longest sequence (learned positions have one vector per position up to it)."""
-    position: PositionKind = "rope"
+    position: PositionKind = arch("rope")
     """Positional information: rope (rotary, base rope_theta), sinusoidal (fixed absolute),
     learned (trained absolute), alibi (linear distance bias, standard head slopes) or t5
     (learned bias per bucketed relative distance, shared by all layers)."""
-    rope_theta: float = 10000.0
+    rope_theta: float = arch(10000.0)
     """RoPE base: channel pair i rotates by pos * rope_theta^(-2i/head_dim)."""
-    t5_num_buckets: int = 32
+    t5_num_buckets: int = arch(32)
     """T5 bias: relative-distance buckets (half exact, half logarithmic)."""
-    t5_max_distance: int = 128
+    t5_max_distance: int = arch(128)
     """T5 bias: distance from which all pairs share the last bucket."""
-    norm: NormKind = "rmsnorm"
-    norm_placement: NormPlacement = "pre"
+    norm: NormKind = arch("rmsnorm")
+    norm_placement: NormPlacement = arch("pre")
     """pre: x + f(norm(x)) and a final norm before the head; post: norm(x + f(x)) (the block
     outputs are already normalized, so there is no final norm)."""
-    norm_eps: float = 1e-6
-    ffn: Literal["moe", "dense"] = "moe"
+    norm_eps: float = arch(1e-6)
+    ffn: Literal["moe", "dense"] = arch("moe")
     """moe: layers chosen by moe.every_n_layers / moe.first_dense_layers are MoE layers, the
     others dense. dense: every layer is a dense FFN of width moe.dense_width, i.e. the active
     expert width (top_k + num_shared_experts) * expert_hidden: the dense baseline with the same
     active parameters (minus the router) is this one change."""
-    tie_embeddings: bool = False
+    tie_embeddings: bool = arch(False)
     """Use the token embedding matrix as the output head."""
-    document_masking: bool = False
+    document_masking: bool = runtime(False)
     """In training, restrict attention to each packed document and restart positions at its
     first token, from the data pipeline's document boundaries (EOS)."""
-    init_std: float = 0.02
+    init_std: float = runtime(0.02)
     """Normal init std for all weights; projections into the residual stream (attention output,
     FFN and expert output) use init_std / sqrt(2 * n_layers). See the module docstring."""
-    init_from: str | None = None
+    init_from: str | None = runtime(None)
     """A checkpoint (tag, checkpoints or run directory), or ``hf:DIR`` for a local Hugging Face
     transformers directory (moe/hf_weights.py, docs/open-weights.md), whose weights start
     training. Where it has a dense FFN and this model an MoE layer, every expert is upcycled
     from that FFN (moe/training/upcycle.py). Ignored when the run resumes from its own
     checkpoint."""
-    upcycle_noise_std: float = 0.0
+    upcycle_noise_std: float = runtime(0.0)
     """Relative std of Gaussian noise added to each upcycled expert (0: exact copies)."""
-    attention_backend: AttentionBackend = "auto"
+    attention_backend: AttentionBackend = runtime("auto")
     """How attention is computed (moe/model/attention.py); all give the same result. reference:
     SDPA with an explicit (S, L) mask for documents and biases. sdpa: SDPA's fused causal kernel,
     one call per packed document; a bias (alibi, t5) falls back to reference. flex:

@@ -5,7 +5,10 @@ and router fields by dotted path, e.g. ``moe.router.top_k``), how the exported m
 
 - ``config``: carried by config.json or the weights, any valid value;
 - ``training``: changes how the model is trained, not the function a checkpoint computes (noise
-  applied in training only, loss coefficients, initialization), so any value exports;
+  applied in training only, loss coefficients, initialization), so any value exports: exactly
+  the fields ModelConfig declares with ``runtime(...)``; a field declared with ``arch(...)``
+  must be held (``config``) or refused (``limited``), which tests/moe/test_config_fields.py
+  checks for every target;
 - ``limited``: only some values (or combinations) exist in the target; ``refuse`` says why the
   others cannot be exported.
 
@@ -17,13 +20,13 @@ exported by accident.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from moe.config_schema import leaf_fields
 from moe.model.transformer import ModelConfig
 
 Refusal = Callable[[ModelConfig, dict], "str | None"]
@@ -36,18 +39,6 @@ class Rule:
     note: str
     """How the target holds the field (or why it may be ignored)."""
     refuse: Refusal | None = None
-
-
-def config_fields(cls=ModelConfig, prefix: str = "") -> list[str]:
-    """Dotted paths of every leaf field of a config dataclass, nested configs included."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out += config_fields(hints[f.name], f"{prefix}{f.name}.")
-        else:
-            out.append(prefix + f.name)
-    return out
 
 
 def value_of(m: ModelConfig, path: str):
@@ -217,7 +208,7 @@ def problems(m: ModelConfig, arch: str, state: dict[str, torch.Tensor]) -> list[
     """Every field the target cannot hold, as 'model.KEY: VALUE: why' (empty when it can)."""
     rules = TARGETS[arch]
     out = [f"model.{path}: {value_of(m, path)!r}: the {arch} export has no rule for this option "
-           "yet (moe/tools/hf_support.py)" for path in config_fields() if path not in rules]
+           "yet (moe/tools/hf_support.py)" for path, _ in leaf_fields(ModelConfig) if path not in rules]
     for path, rule in rules.items():
         why = rule.refuse(m, state) if rule.refuse else None
         if why:

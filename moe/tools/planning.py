@@ -82,6 +82,7 @@ import math
 from dataclasses import dataclass
 
 from moe.model.attention import choose_backend
+from moe.model.router import capacity
 from moe.model.size import count_parameters, flops_per_token
 from moe.model.transformer import ModelConfig
 
@@ -164,8 +165,8 @@ def routed_copies(cfg: ModelConfig, tokens: int) -> int:
     moe = cfg.moe
     n = tokens * moe.router.top_k
     if moe.capacity_factor is not None:
-        cap = max(1, math.ceil(moe.capacity_factor * tokens * moe.router.top_k / moe.num_experts))
-        n = min(n, moe.num_experts * cap)
+        n = min(n, moe.num_experts * capacity(tokens, moe.num_experts, moe.router.top_k,
+                                               moe.capacity_factor))
     return n
 
 

@@ -12,7 +12,7 @@ from tests.helpers import fault_runs as fr
 from tests.helpers.slurm_cluster import single_node_cluster, wait_for
 from tests.integration.launch_checks import check_finished_run, moe_launch, write_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
 HOSTILE = "x; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ #"
 

@@ -16,7 +16,7 @@ from tests.conftest import tiny_run_dict
 from tests.helpers.slurm_cluster import single_node_cluster
 from tests.integration.launch_checks import moe_launch, write_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
 HOSTILE = "d; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' #"
 

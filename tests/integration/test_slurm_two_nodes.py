@@ -11,7 +11,7 @@ from tests.conftest import tiny_run_dict
 from tests.helpers.slurm_cluster import two_node_cluster
 from tests.integration.launch_checks import check_finished_run, moe_launch, write_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
 
 def test_slurm_two_nodes_one_rank_each_ep2(tiny_data, tmp_path):

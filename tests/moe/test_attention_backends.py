@@ -120,6 +120,7 @@ def test_flex_forward_matches_reference_without_gradients(position, heads, docs,
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # compiles flex_attention
 def test_compiled_flex_matches_reference_on_cpu():
     """The fused kernel (torch.compile), T5 bucket lookup inside it, documents, GQA, S not a
     multiple of the 128 block."""

@@ -27,6 +27,8 @@ from moe.model.recompute import apply_recompute
 from moe.model.router import RouterConfig
 from moe.model.transformer import ModelConfig, MoETransformer
 
+pytestmark = pytest.mark.slow  # inductor compiles: about 50 CPU seconds for the file
+
 VOCAB, B, S = 64, 2, 16
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 

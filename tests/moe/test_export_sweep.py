@@ -225,6 +225,7 @@ def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow  # every variant trained, exported and loaded back
 @pytest.mark.parametrize("arch", TARGETS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_hf_export_is_exact_or_refused_by_name(checkpoints, variant, arch, capsys):
@@ -254,6 +255,7 @@ def test_hf_export_is_exact_or_refused_by_name(checkpoints, variant, arch, capsy
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
 
 
+@pytest.mark.slow  # every variant trained, exported and loaded back
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_fp32_export_loads_back_to_our_logits(checkpoints, variant, capsys):
     from safetensors.torch import load_file
@@ -274,6 +276,7 @@ def test_fp32_export_loads_back_to_our_logits(checkpoints, variant, capsys):
         torch.testing.assert_close(back.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # every variant trained, exported and loaded back
 def test_moe_eval_evaluates_every_variant(checkpoints):
     report = checkpoints.root / "eval"
     runs = [str(checkpoints.runs[v]) for v in sorted(VARIANTS)]

@@ -217,6 +217,36 @@ def test_verify_checkpoint_accepts_the_matching_config(killed_run, tiny_data):
     assert verify_checkpoint(run_dir / "checkpoints" / "step_0000002", cfg, sha)["step"] == 2
 
 
+def test_resume_refuses_any_function_changing_setting_by_name(killed_run):
+    """Every field declared with arch() is checked, not a hand-kept list: position, norm,
+    capacity and router weighting were missing from that list and resumed silently."""
+    run_dir, cfg_dict = killed_run
+    ckpt = run_dir / "checkpoints" / "step_0000002"
+    bad = copy.deepcopy(cfg_dict)
+    bad["model"].update(position="alibi", norm="layernorm")
+    bad["model"]["moe"]["capacity_factor"] = 1.25
+    bad["model"]["moe"]["router"] = {"renormalize": True}
+    with pytest.raises(CheckpointError) as err:
+        train(from_dict(RunConfig, bad), DistEnv(0, 1, 0, 1), resume=str(ckpt))
+    msg = str(err.value)
+    for line in ("model.position: the checkpoint has 'rope', the config has 'alibi'",
+                 "model.norm: the checkpoint has 'rmsnorm', the config has 'layernorm'",
+                 "model.moe.capacity_factor: the checkpoint has None, the config has 1.25",
+                 "model.moe.router.renormalize: the checkpoint has False, the config has True"):
+        assert line in msg
+    assert "set model.init_from to the checkpoint in a new run" in msg
+
+
+def test_resume_accepts_changed_settings_that_keep_the_function(killed_run, tiny_data):
+    run_dir, cfg_dict = killed_run
+    d = copy.deepcopy(cfg_dict)
+    d["model"].update(init_std=0.01, attention_backend="reference", upcycle_noise_std=0.1)
+    d["model"]["moe"]["router"] = {"aux_loss_coef": 0.1, "z_loss_coef": 0.001, "jitter_eps": 0.1}
+    cfg = from_dict(RunConfig, d)
+    cfg.model.vocab_size = tiny_data.tokenizer.vocab_size
+    assert verify_checkpoint(run_dir / "checkpoints" / "step_0000002", cfg)["step"] == 2
+
+
 # --- NaN/Inf guard ------------------------------------------------------------------------------
 
 
