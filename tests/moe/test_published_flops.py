@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from moe.config.run import load_config
 from moe.model.size import count_parameters, flops_per_token
-from moe.training.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
