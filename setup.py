@@ -30,7 +30,7 @@ setup(
             "moe-launch=launch.launch:main",
             "moe-train=launch.train:main",
             "moe-eval=launch.evaluate:main",
-            "moe-plan=launch.calculator:main",
+            "moe-plan=launch.plan:main",
             "moe-export=launch.export:main",
             "moe-scaling=launch.scaling:main",
             "moe-import=launch.import_hf:main",

@@ -32,7 +32,7 @@ from launch.cli import exits_cleanly
 from launch.elastic import Elastic
 from launch.finish import finish
 from launch.interrupts import LauncherSignals
-from launch.plan import RESOLVED_CONFIG, Plan
+from launch.run_plan import RESOLVED_CONFIG, Plan
 from launch.schedulers import build_plan, plan_problems
 from launch.slurm.checks import check_submission
 from launch.slurm.jobs import (

@@ -1,72 +1,208 @@
-"""A launch plan: what moe-launch will run, as data. Printable (--dry-run), saved in the run
-directory (plan.json), and executed as an argument list, never through a shell."""
+"""moe-plan: parameters, FLOPs per token and memory per GPU of a run config, before running it;
+with --gpus and --gpu-memory, the layouts that fit, best first.
+
+Formulas and their conventions are documented in moe/model/size.py and moe/tools/planning.py."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import re
-import shlex
-import shutil
 import sys
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 
-from moe.errors import LaunchError
-from moe.fileio import write_atomic
-
-RESOLVED_CONFIG = "config.yaml"
-PLAN_FILE = "plan.json"
-
-
-@dataclass
-class Plan:
-    scheduler: str
-    command: list[str]
-    """What moe-launch runs on this host: a launcher that starts the ranks, or sbatch."""
-    run_dir: str
-    world_size: int
-    nodes: int = 1
-    env: dict[str, str] = field(default_factory=dict)
-    """Added to this host's environment for ``command``."""
-    files: dict[str, str] = field(default_factory=dict)
-    """Files (relative to the run directory) written before ``command`` runs: a job script,
-    DeepSpeed's environment file."""
-    requires: list[str] = field(default_factory=list)
-    """Programs this host needs besides ``command[0]`` (e.g. pdsh for a multi-node hostfile)."""
-    submits: bool = False
-    """True: ``command`` submits a job and returns; False: it runs the training to its end."""
-
-    def render(self) -> str:
-        where = (f"{self.nodes} node{'s' if self.nodes > 1 else ''}" if self.nodes
-                 else "the hosts of the machine file")
-        head = f"# {self.scheduler}: {self.world_size} ranks on {where}; run directory {self.run_dir}"
-        parts = [head]
-        for name, text in self.files.items():
-            parts.append(f"# file {Path(self.run_dir) / name}:\n{text.rstrip()}")
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        parts.append("# command:\n" + (env + " " if env else "") + shlex.join(self.command))
-        return "\n".join(parts)
-
-    def check_runnable(self) -> None:
-        for exe in [self.command[0], *self.requires]:
-            if shutil.which(exe) is None:
-                raise LaunchError(f"{exe!r} not found on PATH: the {self.scheduler} scheduler "
-                                  f"needs it on this host (--dry-run prints the plan without it)")
-
-    def write(self, run_dir: Path) -> None:
-        """Write the plan and its files; each file appears whole or not at all."""
-        for name, text in {**self.files, PLAN_FILE: json.dumps(asdict(self), indent=2)}.items():
-            write_atomic(run_dir / name, text)
-
-    def run_env(self) -> dict[str, str]:
-        return {**os.environ, **self.env}
+from data_pipeline import storage
+from data_pipeline.errors import DataError
+from data_pipeline.shards import MANIFEST, read_manifest
+from launch.cli import exits_cleanly
+from moe.config.run import RunConfig, load_config
+from moe.errors import ConfigError
+from moe.model.size import COMPONENTS, count_parameters, flops_per_token
+from moe.tools.planning import (
+    GIB,
+    MICRO_BATCHES,
+    USABLE_FRACTION,
+    Layout,
+    fitting_layouts,
+    memory_per_gpu,
+)
 
 
-def entry_point(config_path: Path) -> list[str]:
-    """The training entry point every scheduler starts once per rank."""
-    return [sys.executable, "-u", "-m", "launch.train", "--config", str(config_path)]
+def resolve_vocab_for_planning(cfg: RunConfig) -> str:
+    """Fill a null model.vocab_size from the prepared data's manifest, else from the tokenizer
+    config; returns where it came from."""
+    if cfg.model.vocab_size is not None:
+        return "model.vocab_size"
+    manifest = storage.join(cfg.data.dir, MANIFEST)
+    try:
+        cfg.model.vocab_size = int(read_manifest(cfg.data.dir, cfg.data.s3).tokenizer["vocab_size"])
+        return str(manifest)
+    except DataError:
+        pass  # not prepared yet
+    cfg.model.vocab_size = cfg.data.tokenizer.vocab_size
+    return "data.tokenizer.vocab_size"
 
 
-# What DeepSpeed's multi-node runner passes through a remote shell unquoted.
-SHELL_INERT = re.compile(r"[\w@%+=:,./-]*\Z")
+def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: list[int]) -> dict:
+    if world_size % ep_size or cfg.model.moe.num_experts % ep_size:
+        raise ConfigError([f"expert parallel size {ep_size} must divide the world size "
+                           f"({world_size}) and model.moe.num_experts "
+                           f"({cfg.model.moe.num_experts})"])
+    counts = count_parameters(cfg.model)
+    t = cfg.train
+    return {
+        "params": {"total": counts.total, "active": counts.active,
+                   "total_sum": counts.total_params, "active_sum": counts.active_params},
+        "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+        "memory": [asdict(memory_per_gpu(cfg.model, world_size, ep_size, z, t.precision,
+                                         t.micro_batch_size, cfg.data.seq_len, t.recompute,
+                                         t.recompute_every_n_blocks))
+                   for z in zero_stages],
+    }
+
+
+def _n(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f} GiB"
+
+
+def _total(m: dict) -> float:
+    return (m["weights_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activation_bytes"]
+            + m["transient_bytes"])
+
+
+LAYOUT_RULE = (
+    "Layouts are ordered best throughput first: (1) compute factor, the training FLOPs with "
+    "recompute over those without (full adds one forward of the blocks, about 1.33; selective "
+    "adds the attention core's forward, a few percent), lower first; (2) larger micro-batch; "
+    "(3) fewer bytes each GPU sends per step (expert all-to-alls, gradient reduction; ZeRO-2 "
+    "reduces every micro-batch); (4) lower ZeRO stage. A layout fits when its planned peak "
+    f"(model states, kept activations, working set) is at most {USABLE_FRACTION:.0%} of "
+    "--gpu-memory. Exit status 1 when nothing fits.")
+
+
+def global_batch(cfg: RunConfig) -> int:
+    """Sequences per optimizer step in the config, kept when the micro-batch varies."""
+    t = cfg.train
+    return t.micro_batch_size * t.grad_accum_steps * cfg.parallel.world_size
+
+
+def layouts_report(cfg: RunConfig, gpus: int, gpu_memory: float, top: int) -> tuple[dict, bool]:
+    """The fitting layouts (best first, at most ``top``) as data, and whether any fits."""
+    t = cfg.train
+    gb = global_batch(cfg)
+    fits, considered = fitting_layouts(cfg.model, gpus, gpu_memory, cfg.data.seq_len, gb,
+                                       t.precision, t.recompute_every_n_blocks)
+    row = _layout_row
+    return {"gpus": gpus, "gpu_memory_gib": gpu_memory, "global_batch": gb,
+            "precision": t.precision, "considered": len(considered), "fitting": len(fits),
+            "layouts": [row(lay) for lay in fits[:top]],
+            "smallest": [row(lay) for lay in considered[:1]]}, bool(fits)
+
+
+def _layout_row(lay: Layout) -> dict:
+    return {"ep": lay.expert_parallel_size, "zero": lay.zero_stage, "recompute": lay.recompute,
+            "micro_batch": lay.micro_batch_size, "grad_accum": lay.grad_accum_steps,
+            "peak_gib": _total(asdict(lay.memory)) / GIB,
+            "activations_gib": lay.memory.activation_bytes / GIB,
+            "compute_factor": lay.compute_factor, "comm_gib_per_step": lay.comm_bytes / GIB}
+
+
+def render_layouts(r: dict) -> str:
+    head = (f"{r['gpus']} GPUs of {r['gpu_memory_gib']:g} GiB, {r['precision']}, global batch "
+            f"{r['global_batch']} sequences: {r['fitting']} of {r['considered']} layouts fit "
+            f"(usable {USABLE_FRACTION:.0%})")
+    if not r["layouts"]:
+        s = r["smallest"][0] if r["smallest"] else None
+        why = (f"the smallest needs {s['peak_gib']:.1f} GiB per GPU (ep {s['ep']}, ZeRO "
+               f"{s['zero']}, recompute {s['recompute']}, micro-batch {s['micro_batch']})"
+               if s else f"no micro-batch in {MICRO_BATCHES} divides the global batch evenly")
+        return f"{head}\nnothing fits: {why}"
+    lines = [head, "", f"{'rank':>4} {'ep':>3} {'zero':>4} {'recompute':>9} {'mb':>3} "
+                      f"{'accum':>5} {'peak GiB':>9} {'act GiB':>8} {'compute':>8} "
+                      f"{'comm GiB/step':>13}"]
+    for i, x in enumerate(r["layouts"], 1):
+        lines.append(f"{i:>4} {x['ep']:>3} {x['zero']:>4} {x['recompute']:>9} "
+                     f"{x['micro_batch']:>3} {x['grad_accum']:>5} {x['peak_gib']:>9.1f} "
+                     f"{x['activations_gib']:>8.1f} {x['compute_factor']:>7.2f}x "
+                     f"{x['comm_gib_per_step']:>13.1f}")
+    if r["fitting"] > len(r["layouts"]):
+        lines.append(f"... {r['fitting'] - len(r['layouts'])} more (--top)")
+    return "\n".join(lines)
+
+
+def render(report: dict, cfg: RunConfig) -> str:
+    p, f = report["params"], report["flops_per_token"]
+    lines = [f"{'component':<16}{'total':>12}{'active':>12}"]
+    for c in COMPONENTS:
+        if p["total"][c]:
+            lines.append(f"{c:<16}{_n(p['total'][c]):>12}{_n(p['active'][c]):>12}")
+    lines.append(f"{'all':<16}{_n(p['total_sum']):>12}{_n(p['active_sum']):>12}"
+                 f"   ({p['total_sum']:,} / {p['active_sum']:,})")
+    lines += ["", f"FLOPs per token (seq_len {cfg.data.seq_len}): forward {_n(f['forward'])} "
+                  f"(attention {_n(f['attention_forward'])}), training {_n(f['training'])}"]
+    t = cfg.train
+    every = (f" every {t.recompute_every_n_blocks} blocks"
+             if t.recompute != "none" and t.recompute_every_n_blocks > 1 else "")
+    for m in report["memory"]:
+        lines += ["", f"memory per GPU: world {m['world_size']}, expert parallel "
+                      f"{m['expert_parallel_size']}, ZeRO {m['zero_stage']}, {m['precision']}",
+                  f"  parameters held   {_n(m['params_per_gpu'])}",
+                  f"  weights           {_gib(m['weights_bytes'])}",
+                  f"  gradients         {_gib(m['grads_bytes'])}",
+                  f"  optimizer states  {_gib(m['optimizer_bytes'])}",
+                  f"  activations       {_gib(m['activation_bytes'])} kept per micro-batch of "
+                  f"{t.micro_batch_size} x {cfg.data.seq_len} tokens (recompute {m['recompute']}"
+                  f"{every}; attention masks {_gib(m['attention_mask_bytes'])})",
+                  f"  working set       {_gib(m['transient_bytes'])} (logits, recomputed block, "
+                  "all-to-all buffers)",
+                  f"  peak              {_gib(_total(m))}"]
+    return "\n".join(lines)
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="moe-plan", description=__doc__, epilog=LAYOUT_RULE)
+    p.add_argument("config", help="run config (YAML)")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.micro_batch_size=4")
+    p.add_argument("--world-size", type=int, help="GPUs (default: parallel.world_size)")
+    p.add_argument("--ep", type=int, help="expert-parallel size (default: "
+                                          "parallel.expert_parallel_size)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2], action="append",
+                   help="ZeRO stage(s) to show (default: 0, 1 and 2)")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    p.add_argument("--gpus", type=int, help="list the layouts that fit this many GPUs "
+                   "(with --gpu-memory), best first; exit status 1 when none fits")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory of one GPU in GiB")
+    p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    args = p.parse_args(argv)
+    if (args.gpus is None) != (args.gpu_memory is None):
+        p.error("--gpus and --gpu-memory go together")
+    cfg = load_config(args.config, args.overrides)
+    vocab_from = resolve_vocab_for_planning(cfg)
+    if args.gpus is not None:
+        if args.gpus < 1 or args.gpu_memory <= 0:
+            p.error("--gpus must be >= 1 and --gpu-memory > 0")
+        report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top)
+        print(json.dumps(report, indent=2) if args.json else
+              f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n\n"
+              + render_layouts(report))
+        if not fits:
+            sys.exit(1)
+        return
+    report = build_report(cfg, args.world_size or cfg.parallel.world_size,
+                          args.ep or cfg.parallel.expert_parallel_size, args.zero or [0, 1, 2])
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n")
+        print(render(report, cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,11 @@
-"""Scheduler back ends. Each turns a validated run config into a :class:`~launch.plan.Plan`
+"""Scheduler back ends. Each turns a validated run config into a :class:`~launch.run_plan.Plan`
 that starts ``launch.train`` once per rank; none of them runs anything."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from launch.plan import Plan
+from launch.run_plan import Plan
 from launch.schedulers import hostfile, local, mpi
 from launch.slurm import script as slurm
 from moe.config.run import RunConfig

@@ -13,7 +13,7 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-from launch.plan import RESOLVED_CONFIG, SHELL_INERT, Plan
+from launch.run_plan import RESOLVED_CONFIG, SHELL_INERT, Plan
 from moe.config.launch import PLAIN_NAME
 from moe.config.run import RunConfig
 from moe.errors import ConfigError, LaunchError

@@ -6,7 +6,7 @@ import socket
 import sys
 from pathlib import Path
 
-from launch.plan import RESOLVED_CONFIG, Plan
+from launch.run_plan import RESOLVED_CONFIG, Plan
 from moe.config.run import RunConfig
 
 

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from launch.plan import RESOLVED_CONFIG, Plan, entry_point
+from launch.run_plan import RESOLVED_CONFIG, Plan, entry_point
 from launch.schedulers.local import free_port
 from moe.config.run import RunConfig
 from moe.errors import LaunchError

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from launch.plan import Plan
+from launch.run_plan import Plan
 from launch.slurm.jobs import slurm_command
 from launch.slurm.script import JOB_SCRIPT
 from moe.config.run import RunConfig

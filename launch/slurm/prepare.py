@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline.prepare import parts_dir
-from launch.plan import RESOLVED_CONFIG
+from launch.run_plan import RESOLVED_CONFIG
 from launch.slurm.jobs import query, read_jobs, record_submission
 from launch.slurm.script import (
     env_exports,

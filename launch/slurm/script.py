@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from launch.plan import RESOLVED_CONFIG, Plan
+from launch.run_plan import RESOLVED_CONFIG, Plan
 from moe.config.launch import SlurmConfig
 from moe.config.run import RunConfig
 from moe.errors import ConfigError

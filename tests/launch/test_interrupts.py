@@ -13,7 +13,7 @@ import pytest
 
 from launch.interrupts import LauncherSignals, catches, stop_session
 from launch.launch import run_to_end
-from launch.plan import Plan
+from launch.run_plan import Plan
 from moe.errors import LaunchError
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 

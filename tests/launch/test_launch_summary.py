@@ -8,7 +8,7 @@ import pytest
 
 from launch.finish import finish
 from launch.launch import run_to_end
-from launch.plan import Plan
+from launch.run_plan import Plan
 from moe.errors import LaunchError
 
 

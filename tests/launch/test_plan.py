@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from launch.calculator import main, resolve_vocab_for_planning
+from launch.plan import main, resolve_vocab_for_planning
 from moe.config.run import load_config
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from launch.calculator import build_report
+from launch.plan import build_report
 from moe.config.run import load_config
 from moe.model.moe_layer import MoEConfig
 from moe.model.router import RouterConfig
