@@ -107,3 +107,18 @@ def kill_rank_after(proc, run_dir: Path, after_steps: int, rank: int = 1) -> str
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     return out
+
+
+def start_launch(config: Path, env: dict | None = None) -> subprocess.Popen:
+    """moe-launch CONFIG --no-eval in a session of its own (a test may kill its ranks), its
+    output captured."""
+    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    """The output of a launch that must succeed."""
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return out

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import yaml
 from moe.config_schema import to_dict
 from moe.hf_weights import read_hf_model
 from tests.integration.conftest import REFERENCE_STEPS, reference_dict
-from tests.integration.launch_checks import kill_rank_after, steps
+from tests.integration.launch_checks import finish, kill_rank_after, start_launch, steps
 from tests.moe.test_hf_import import make_hf
 
 pytestmark = pytest.mark.integration
@@ -28,15 +27,7 @@ pytestmark = pytest.mark.integration
 def launch(config: Path) -> subprocess.Popen:
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
-
-
-def finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-    return out
+    return start_launch(config, env)
 
 
 def test_a_two_rank_run_from_hf_weights_is_killed_and_resumes_exactly(tiny_data, tmp_path):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import yaml
 from data_pipeline.shards import read_manifest
 from tests.helpers import s3 as helper_s3
 from tests.integration.conftest import REFERENCE_STEPS, reference_dict
-from tests.integration.launch_checks import kill_rank_after, steps
+from tests.integration.launch_checks import finish, kill_rank_after, start_launch, steps
 
 pytestmark = pytest.mark.integration
 
@@ -37,16 +35,6 @@ def write_config(tiny_data, tmp_path: Path, name: str, **data) -> Path:
     return path
 
 
-def launch(config: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
-
-
-def finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-    return out
 
 
 def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp_path,
@@ -77,9 +65,9 @@ def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp
                       AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
 
         run_dir = tmp_path / "runs" / "s3"
-        first = kill_rank_after(launch(config, s3_env), run_dir, 3)
+        first = kill_rank_after(start_launch(config, s3_env), run_dir, 3)
         assert max(steps(run_dir, 1)) < MAX_STEPS
-        second = finish(launch(config, s3_env))
+        second = finish(start_launch(config, s3_env))
         assert "resumed from" in second
 
     for rank in (0, 1):
