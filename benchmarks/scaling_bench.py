@@ -39,7 +39,8 @@ def sh(*args) -> str:
 
 def final_loss(run_dir: Path) -> float:
     summary = json.loads((run_dir / "train_summary.json").read_text())
-    return float(json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())["loss"])
+    report = json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())
+    return float(report["checkpoints"][-1]["loss"])
 
 
 def one_seed(args, seed: int) -> dict:

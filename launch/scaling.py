@@ -118,11 +118,11 @@ def finished(sweep_dir: Path, run: scaling.PlannedRun) -> dict | None:
     run_dir = sweep_dir / "runs" / run.name
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-        result = json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())
-    except (FileNotFoundError, KeyError, ValueError):
+        report = json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())
+        result = report["checkpoints"][-1]
+    except (FileNotFoundError, KeyError, IndexError, TypeError, ValueError):
         return None
-    if summary.get("steps") != run.steps or not str(summary.get("checkpoint")).endswith(
-            f"step_{run.steps:07d}"):
+    if summary.get("steps") != run.steps or result.get("step") != run.steps:
         return None
     return result
 

@@ -104,3 +104,16 @@ def tiny_config_file(tiny_data, tmp_path) -> Path:
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_run_dict(tiny_data, tmp_path / "runs")))
     return path
+
+
+def rarest_token(data_dir: str) -> int:
+    """The id that the prepared training split holds least often (none at all, where some id
+    is unused): a batch of it is a loss spike for any model trained on that split, whatever
+    the documents the split drew."""
+    import numpy as np
+
+    from data_pipeline.reader import TokenStream
+
+    stream = TokenStream(data_dir, "train")
+    counts = np.bincount(stream.read(0, len(stream)), minlength=stream.vocab_size)
+    return int(np.argmin(counts[4:])) + 4  # not UNK, BOS, EOS, PAD

@@ -17,6 +17,9 @@ from pathlib import Path
 from launch.slurm.jobs import ENDS_FILE
 from moe.config.run import SIGNALS, RunConfig
 
+ENDING_STATES = ("CANCELLED", "TIMEOUT", "DEADLINE", "COMPLETING")
+"""Job states in which SLURM itself is ending the job (see Allocation.ended_state)."""
+
 SAVE_SIGNAL = signal.SIGUSR1
 """What the supervisor sends srun when the job is told to stop (USR1, USR2 or TERM reaching the
 batch step). srun hands USR1 to every task as it is; TERM it would turn into SIGKILL."""
@@ -118,12 +121,14 @@ class Allocation:
 
     def ended_state(self) -> str | None:
         """SLURM's state for this job when SLURM itself is ending it (CANCELLED, TIMEOUT,
-        DEADLINE): the TERM that reached the job was a cancel or the time limit, not a
-        preemption to requeue after. None while the job runs on."""
+        DEADLINE, or COMPLETING: scontrol shows a cancelled job whose steps are still ending
+        as COMPLETING, and this batch step, still running, has not completed it): the TERM
+        that reached the job was a cancel or the time limit, not a preemption to requeue
+        after. None while the job runs on."""
         for token in scontrol("show", "job", self.job_id).split():
             if token.startswith("JobState="):
                 state = token.split("=", 1)[1]
-                return state if state in ("CANCELLED", "TIMEOUT", "DEADLINE") else None
+                return state if state in ENDING_STATES else None
         return None
 
     def requeue(self) -> bool:

@@ -221,10 +221,28 @@ def wrap_moe_layers(model: MoETransformer, ep_size: int, ep_rank: int) -> MoETra
 
     The full model is built first with the same seed on every rank, so each rank keeps its own
     slice of identically initialized experts: initialization does not depend on the layout."""
+    _forget_groups_of_an_earlier_world()
     for block in model.blocks:
         if isinstance(block.ffn, MoELayer):
             block.ffn = DeepSpeedMoE(block.ffn, ep_size, ep_rank)
     return model
+
+
+_GROUPS_WORLD: list = [None]
+"""The default process group DeepSpeed's cached expert groups were made in."""
+
+
+def _forget_groups_of_an_earlier_world() -> None:
+    """DeepSpeed keeps its expert and expert-data groups in module globals. A process that
+    destroys its process group and makes another (an in-process conversion such as
+    ``moe-export --format deepspeed``, or tests) would reuse groups the new world does not
+    know ("Group ... is not registered"): drop them when the world changed."""
+    world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    if world is not _GROUPS_WORLD[0]:
+        for cache in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                      groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+            cache.clear()
+        _GROUPS_WORLD[0] = world
 
 
 def optimizer_param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,

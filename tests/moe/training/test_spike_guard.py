@@ -15,7 +15,7 @@ from moe.errors import ConfigError
 from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.spike_guard import SKIPPED_BATCHES
 from moe.training.trainer import DistEnv, train
-from tests.conftest import tiny_run_dict
+from tests.conftest import rarest_token, tiny_run_dict
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -24,8 +24,8 @@ BAD_STEP = 9
 
 
 class BadBatch(FaultInjector):
-    def __init__(self, rank: int, vocab_size: int):
-        self.rank, self.token = rank, vocab_size - 1  # the last merge: a rare token
+    def __init__(self, rank: int, token: int):
+        self.rank, self.token = rank, token
 
     def batches(self, step, packed, samples):
         if step == BAD_STEP and self.rank == 1:
@@ -42,7 +42,7 @@ class BadBatch(FaultInjector):
 def _worker(rank, world, cfg_dict):
     cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
     train(cfg, DistEnv(rank, world, rank, world),
-          faults=BadBatch(rank, cfg_dict["model"].get("vocab_size") or 512))
+          faults=BadBatch(rank, rarest_token(cfg_dict["data"]["dir"])))
 
 
 def _steps(run_dir, rank):

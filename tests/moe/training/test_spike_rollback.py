@@ -26,7 +26,7 @@ from moe.errors import ConfigError, TrainingError
 from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.spike_guard import SKIPPED_BATCHES
 from moe.training.trainer import DistEnv, train
-from tests.conftest import tiny_run_dict
+from tests.conftest import rarest_token, tiny_run_dict
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -42,11 +42,11 @@ class Killed(Exception):
 
 class BadData(FaultInjector):
     """Steps whose global samples include a bad position train on bad data (rank 1's batch is
-    one repeated rare token) at ``lr_scale`` times the rate; ``kill_step``: raise in that step's
+    one repeated token, the training split's rarest) at ``lr_scale`` times the rate; ``kill_step``: raise in that step's
     forward on every rank, as a kill would stop them."""
 
-    def __init__(self, rank, vocab_size, bad, lr_scale=1.0, kill_step=None):
-        self.rank, self.token = rank, vocab_size - 1
+    def __init__(self, rank, token, bad, lr_scale=1.0, kill_step=None):
+        self.rank, self.token = rank, token
         self.bad, self.lr_scale, self.kill_step = set(bad), lr_scale, kill_step
         self.bad_step = None
 
@@ -77,7 +77,7 @@ def _config(tiny_data, out, name, max_steps, every=4, **spike):
 
 
 def _worker(rank, world, cfgs, out):
-    vocab = cfgs["A"]["model"].get("vocab_size") or 512
+    vocab = rarest_token(cfgs["A"]["data"]["dir"])  # the bad batch's token
     env = DistEnv(rank, world, rank, world)
 
     def run(name, faults):
