@@ -251,7 +251,10 @@ def test_bf16_loss_curve_and_expert_choices_follow_fp32(runs, tiny_data):
     trained = _slot_agreement(picked32, _routing(bf16_model.bfloat16(), ids)[0])
     print(f"expert slots agreeing: initial weights {at_start:.4f}, final fp32 weights "
           f"{final:.4f}; bf16-trained vs fp32-trained {trained:.4f}")
-    assert at_start >= 0.99 and final >= 0.99
+    # On the data as split by content (the split changed the training and validation documents)
+    # this seed's final fp32 weights agree at 0.984 when run in bf16; with the router computed
+    # in bf16 (the bug) at 0.969. 0.975 keeps both apart; 0.99 was set on the earlier split.
+    assert at_start >= 0.99 and final >= 0.975
 
 
 def _bf16_checkpoint(runs):
