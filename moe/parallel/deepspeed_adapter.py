@@ -239,9 +239,14 @@ def _forget_groups_of_an_earlier_world() -> None:
     know ("Group ... is not registered"): drop them when the world changed."""
     world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     if world is not _GROUPS_WORLD[0]:
-        for cache in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                      groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
-            cache.clear()
+        release = getattr(groups, "_release_process_group_references", None)
+        if release is not None:
+            release(None)  # every group DeepSpeed keeps: expert, data, world, sequence
+        else:  # DeepSpeed releases without it
+            for cache in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                          groups._EXPERT_DATA_PARALLEL_GROUP,
+                          groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+                cache.clear()
         _GROUPS_WORLD[0] = world
 
 
