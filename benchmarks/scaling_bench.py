@@ -19,8 +19,11 @@ import json
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,10 +46,27 @@ def final_loss(run_dir: Path) -> float:
     return float(report["checkpoints"][-1]["loss"])
 
 
+def corpus_config(args) -> str:
+    """The run config of the sweep: ``--config`` with, for ``--corpus packages``, the
+    docstrings and comments of every installed package (``type: python`` over site-packages)
+    in place of the standard library's, a corpus several times larger, so that no run of the
+    sweep repeats data."""
+    if args.corpus == "stdlib":
+        return args.config
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    cfg["data"]["dir"] = str(Path(args.out) / "data")
+    cfg["data"]["sources"] = [{"name": "packages", "type": "python",
+                               "paths": [sysconfig.get_paths()["purelib"]]}]
+    out = Path(args.out) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(out)
+
+
 def one_seed(args, seed: int) -> dict:
     sweep = Path(args.out) / f"seed{seed}"
     if not (sweep / "sweep.json").exists():
-        sh("launch.scaling", "plan", args.config, f"train.seed={seed}", f"name=scaling-s{seed}",
+        sh("launch.scaling", "plan", corpus_config(args), f"train.seed={seed}", f"name=scaling-s{seed}",
            "--budgets", args.budgets, "--sizes", args.sizes, "--families", "dense,moe",
            "--out", sweep)
     sh("launch.scaling", "run", sweep, "--jobs", args.jobs)
@@ -76,7 +96,10 @@ def one_seed(args, seed: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
-    p.add_argument("--budgets", default="3e12,1e13,3e13")
+    p.add_argument("--corpus", choices=("packages", "stdlib"), default="packages",
+                   help="packages: docstrings and comments of the installed packages (default); "
+                        "stdlib: the default config's corpus (about 1.7M tokens)")
+    p.add_argument("--budgets", default="5e11,1.6e12,5e12")
     p.add_argument("--sizes", default="4")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--jobs", default="1")

@@ -36,8 +36,10 @@ COLUMN_TYPES = ("jsonl", "parquet", "arrow", "hf_disk")
 class SourceConfig:
     name: str = "stdlib"
     """A name for this source (used in the manifest, for mixture weights and in the counters)."""
-    type: Literal["stdlib", "text", "jsonl", "parquet", "arrow", "hf_disk"] = "stdlib"
+    type: Literal["stdlib", "python", "text", "jsonl", "parquet", "arrow", "hf_disk"] = "stdlib"
     """``stdlib``: docstrings and comments of the installed Python standard library.
+    ``python``: docstrings and comments of the ``.py`` files in ``paths`` (a directory is
+    searched for them), one document per file; a file that does not parse gives nothing.
     ``text``: plain-text files, one document per file. ``jsonl``: one JSON object per line, the
     document is its ``field``. Text and JSONL files may be gzip or zstd compressed (known by
     their first bytes). ``parquet`` / ``arrow`` (Arrow IPC files): one document per row, taken
@@ -45,8 +47,8 @@ class SourceConfig:
     (each path a directory with ``state.json`` and ``data-*.arrow``), read with pyarrow alone,
     one document per row."""
     paths: list[str] = field(default_factory=list)
-    """Files, directories (searched recursively; ``parquet`` and ``arrow`` take only the
-    ``.parquet`` / ``.arrow`` files in them; hidden entries are skipped) or glob patterns
+    """Files, directories (searched recursively; ``parquet``, ``arrow`` and ``python`` take
+    only the ``.parquet`` / ``.arrow`` / ``.py`` files in them; hidden entries are skipped) or glob patterns
     (``**`` allowed, e.g. ``corpus/**/*.jsonl.gz``)."""
     field: str = "text"
     """The JSON field or table column holding the text (``jsonl``, ``parquet``, ``arrow``,

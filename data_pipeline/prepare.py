@@ -648,7 +648,7 @@ class EmptyRows:
 
     def __init__(self, source: SourceConfig):
         self.unit, self.first = {"jsonl": ("lines", 1), "text": (None, 0),
-                                 "stdlib": (None, 0)}.get(source.type, ("rows", 0))
+                                 "stdlib": (None, 0), "python": (None, 0)}.get(source.type, ("rows", 0))
         self.files: dict[str, dict] = {}
         self._rows_before: dict[str, int] = {}
 

@@ -50,9 +50,17 @@ def stdlib_files() -> list[Path]:
 def stdlib_document(path: Path) -> str:
     """Docstrings and comments of one standard-library module, in source order."""
     try:
-        src = path.read_text(encoding="utf-8", errors="replace")
+        return python_document(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return ""
+
+
+def python_document(src: str) -> str:
+    """Docstrings and comments of one Python module's source, in source order ("" when it does
+    not parse)."""
+    try:
         tree = ast.parse(src)
-    except (SyntaxError, ValueError, OSError):
+    except (SyntaxError, ValueError):
         return ""
     pieces: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -164,7 +172,7 @@ def _glob_base(pattern: str) -> Path:
     return Path(*fixed) if fixed else Path(".")
 
 
-DIRECTORY_SUFFIX = {"parquet": ".parquet", "arrow": ".arrow"}
+DIRECTORY_SUFFIX = {"parquet": ".parquet", "arrow": ".arrow", "python": ".py"}
 """In a directory, these source types read only files with this suffix (a dataset downloaded
 from the Hub also holds README.md, .gitattributes and the like)."""
 
@@ -377,7 +385,7 @@ def work_items(source: SourceConfig, s3: S3Config = LOCAL) -> list[WorkItem]:
                 for d, name in matching_files(source.paths, source.name, directories=True)
                 for f in hf_disk_files(d) for r in _batch_ranges(f)]
     files = matching_files(source.paths, source.name, DIRECTORY_SUFFIX.get(source.type), s3=s3)
-    if source.type == "text":
+    if source.type in ("text", "python"):
         return [WorkItem(str(p), n) for p, n in files]
     if source.type == "jsonl":
         # A compressed file cannot be entered in the middle: it is one item, read as a stream.
@@ -568,6 +576,10 @@ def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> Ite
     elif source.type == "text":
         text, out.invalid_utf8 = decode(_read_bytes(path, s3))
         out.add(item.name, text)
+        out.rows = 1
+    elif source.type == "python":
+        text, out.invalid_utf8 = decode(_read_bytes(path, s3))
+        out.add(item.name, python_document(text))
         out.rows = 1
     elif source.type == "jsonl":
         _jsonl_documents(path, item.name, item.part, source, out, s3)

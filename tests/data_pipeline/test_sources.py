@@ -215,3 +215,23 @@ def test_filter_config_is_validated():
     cfg = from_dict(DataConfig, {"sources": [{"name": "p", "type": "hf_disk", "paths": ["y"],
                                               "filter": {"column": "ok", "value": True}}]})
     assert cfg.sources[0].filter == FilterConfig(column="ok", value=True)
+
+
+def test_python_source_reads_docstrings_and_comments_of_py_files_only(tmp_path):
+    """``type: python``: each ``.py`` file under a directory gives its docstrings and comments
+    in source order (code left out); other files are skipped; a file that does not parse
+    gives an empty document (counted) rather than its code."""
+    pkg = tmp_path / "pkg" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "mod.py").write_text('"""Module doc."""\n# first comment\nx = 1  # trailing\n'
+                                'def f():\n    """Function doc."""\n    return "not text"\n')
+    (pkg / "notes.txt").write_text("not python")
+    (tmp_path / "pkg" / "broken.py").write_text("def (:\n    # lost\n")
+    source = SourceConfig(name="code", type="python", paths=[str(tmp_path / "pkg")])
+    items = work_items(source)
+    assert [i.name for i in items] == ["broken.py", "sub/mod.py"]
+    broken, mod = (read_item(source, i) for i in items)
+    assert mod.docs == [("sub/mod.py", "Module doc.\nfirst comment\ntrailing\nFunction doc.")]
+    assert (broken.docs, broken.empty) == ([], 1)  # counted as an empty document
+    with pytest.raises(ConfigError, match="paths"):
+        from_dict(DataConfig, {"sources": [{"name": "code", "type": "python"}]})
