@@ -82,11 +82,10 @@ def run(cfg, env, resume: str, threads: int) -> None:
     if device.type == "cuda":
         # Before the process group and the engine: NCCL and DeepSpeed use the current device.
         torch.cuda.set_device(device)
-    if env.rank == 0:
-        where = device if device.type == "cuda" else "cpu (no CUDA device visible)"
-        logging.getLogger("moe.train").info(
-            f"device: {where} (rank 0), backend {backend}, {env.world_size} rank(s), "
-            f"{threads} thread(s) per rank")
+    where = device if device.type == "cuda" else "cpu (no CUDA device visible)"
+    logging.getLogger("moe.train").info(  # every rank: each rank's log tells its own story
+        f"device: {where} (rank {env.rank}), backend {backend}, {env.world_size} rank(s), "
+        f"{threads} thread(s) per rank")
     # Collectives time out once the hang watchdog has reported (0: the process group's
     # default), and the last one entered is recorded for the watchdog's report.
     t = process_group_timeout_s(cfg.train.hang_timeout_s) if cfg.train.hang_timeout_s else 0

@@ -155,8 +155,8 @@ class Checkpointer:
                     log.warning(f"pruning old checkpoints failed: {_describe(e, self.ckpt_dir)}")
         if self._failed(step, tag_dir, _exchange(errors)):
             return None
-        if self.rank == 0:
-            log.info(f"saved checkpoint {tag_dir} in {time.time() - t0:.2f}s")
+        # every rank (its own files are part of it): each rank's log tells its own story
+        log.info(f"saved checkpoint {tag_dir} in {time.time() - t0:.2f}s")
         return tag_dir
 
     def _write(self, step: int, tokens: int, tag: str, tag_dir: Path, errors: list[str]) -> None:

@@ -420,9 +420,8 @@ def roll_back(run: Run, decision: Rollback) -> None:
     ts.history = [h for h in ts.history if h["step"] <= ts.step]
     for part in (run.nonfinite, run.spike, *run.observers):
         part.on_rollback(client)
-    if run.env.rank == 0:
-        log.info(f"rolled back to {decision.checkpoint} (step {ts.step}) in "
-                 f"{time.time() - t0:.2f}s; the steps after it run again")
+    log.info(f"rolled back to {decision.checkpoint} (step {ts.step}) in "
+             f"{time.time() - t0:.2f}s; the steps after it run again")
 
 
 def start_run(cfg: RunConfig, env: DistEnv, resume: str,
@@ -453,9 +452,8 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str,
         state.step, state.tokens = int(client["step"]), int(client.get("tokens", 0))
         if resume_dir.parent.resolve() == ckpt_dir.resolve():
             state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
-        if env.rank == 0:
-            log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
-                     f"{time.time() - t_load:.2f}s)")
+        log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
+                 f"{time.time() - t_load:.2f}s)")
     loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
     if faults is not None:  # tests only: proxies that call the injector (resilience/faults.py)
         engine, loader = faults.install(engine, loader, state)
@@ -537,6 +535,7 @@ def finish_run(run: Run) -> dict:
             f"{', '.join(map(str, ts.failed_saves))} failed (checkpoint.on_save_error: "
             f"continue), so steps {first} to {max_steps} are not saved; {kept}. Free space or "
             "fix the storage, then resume: those steps train again")
+    log.info(f"finished: step {ts.step} of {max_steps}, checkpoint {ts.checkpoint}")
     return summary
 
 

@@ -27,11 +27,15 @@ def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_config
     # DeepSpeed's CPU communication op made one shared-memory file per rank; none is left.
     assert shm_buffers() - shm_before == set()
 
-    # Both ranks ran and logged, and warned about nothing: Python warnings reach the rank logs
-    # too, and DeepSpeed's ZeRO all-gather no longer calls the name torch 2.13 deprecates.
+    # Both ranks ran and logged their own story (device, each checkpoint, the end), and warned
+    # about nothing: Python warnings reach the rank logs too, and DeepSpeed's ZeRO all-gather
+    # no longer calls the name torch 2.13 deprecates.
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
         assert "Warning" not in log, log
+        assert f"[rank {rank}] device: cpu (no CUDA device visible) (rank {rank})" in log, log
+        assert f"saved checkpoint {run_dir / 'checkpoints' / 'step_0000004'}" in log, log
+        assert f"[rank {rank}] finished: step 4 of 4" in log, log
     assert "FutureWarning" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
     # DeepSpeed checkpoint with one file per expert (global ids) for each MoE layer.

@@ -102,11 +102,11 @@ class PreemptionGuard:
         signum = self._agreed_signal()
         if not signum:
             return
+        name = signal.Signals(signum).name
         if self.rank == 0:
-            name = signal.Signals(signum).name
             self.marker.write_text(json.dumps({"step": None, "signal": name}))
-            log.info(f"{name} before the first step: nothing to save; exiting with code "
-                     f"{PREEMPTED_EXIT_CODE} so that the job can start again")
+        log.info(f"{name} before the first step: nothing to save; exiting with code "
+                 f"{PREEMPTED_EXIT_CODE} so that the job can start again")
         self._exit(None)
 
     def _exit(self, step: int | None):
@@ -140,8 +140,8 @@ class PreemptionGuard:
         :class:`Preempted` on every rank)."""
         if self.rank == 0:
             self.marker.write_text(json.dumps({"step": decision.step, "signal": decision.reason}))
-            log.info(f"{decision.reason}: saved step {decision.step}; exiting with code "
-                     f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
+        log.info(f"{decision.reason}: saved step {decision.step}; exiting with code "
+                 f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
         self._exit(decision.step)
 
     def close(self) -> None:
