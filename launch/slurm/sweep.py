@@ -227,25 +227,27 @@ def wait(members: list[Member], is_finished: Callable[[Member], bool],
     failed: dict[str, tuple[Member, JobState]] = {}
     try:
         while True:
-            done = [m for m in members if is_finished(m)]
             waiting = {}
             for m in members:
-                if m in done or m.name in failed:
-                    continue
-                records = read_jobs(m.run_dir)
-                if records:
-                    waiting[str(records[-1]["job_id"])] = m
+                if m.name not in failed and not is_finished(m):
+                    records = read_jobs(m.run_dir)
+                    if records:
+                        waiting[str(records[-1]["job_id"])] = m
             states = job_states(waiting) if waiting else {}
+            # Read after the states: a job ends after its run's final files are written.
+            done = [m for m in members if is_finished(m)]
             compute = sum(m.flops for m in done)
             running = queued = 0
             for job_id, m in waiting.items():
                 job = states[job_id]
+                if m in done:
+                    continue
                 if job.active:
                     running += job.state == "RUNNING"
                     queued += job.state != "RUNNING"
                     steps = last_steps(m.run_dir)
                     compute += m.flops * min(1.0, steps["step"] / m.steps) if steps else 0.0
-                elif not is_finished(m):  # it may have finished since ``done`` was read
+                else:
                     record_state(m.run_dir, job)
                     failed[m.name] = (m, job)
             note = f"{running} running, {queued} queued" + (f", {len(failed)} failed"

@@ -222,3 +222,24 @@ def test_local_runs_of_a_sweep_planned_for_slurm_train_here(sweep, fake_slurm, m
     assert len(commands) == 4 and all(c[-2:] == ["--scheduler", "local"] for c in commands)
     assert "4 run(s) failed" in capsys.readouterr().err
     assert not sbatch_calls(fake_slurm)
+
+
+def test_a_requeued_job_is_waited_for_not_reported(tmp_path, monkeypatch):
+    """A preempted job requeues itself and runs again from its checkpoint (the job's own
+    business): through REQUEUED and PENDING the wait goes on, and the run counts once finished."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "slurm_jobs.json").write_text(json.dumps([
+        {"job_id": "7", "submitted": "t", "script": "s", "log": "l", "state": None}]))
+    member = slurm_sweep.Member("run", tmp_path / "c.yaml", run_dir, 10.0, 5)
+    states = iter(["RUNNING", "REQUEUED", "PENDING", "RUNNING", "COMPLETING", "COMPLETED"])
+    polls = []
+    monkeypatch.setattr(slurm_sweep, "POLL_S", 0.0)
+    monkeypatch.setattr(slurm_sweep, "job_states",
+                        lambda jobs: (polls.append(1), {"7": JobState("7", next(states),
+                                                                       "squeue")})[1])
+    seen = []
+    outcome = slurm_sweep.wait([member], lambda m: len(polls) >= 6, lambda *a: seen.append(a))
+    assert outcome.failed == [] and len(polls) == 6
+    assert seen[1] == (0.0, 0, "0 running, 1 queued") and seen[-1] == (10.0, 1,
+                                                                      "0 running, 0 queued")
