@@ -1,8 +1,10 @@
 """moe-scaling run --scheduler slurm against a real single-node SLURM cluster started by the test:
 a 3-run dense sweep of tiny shapes, one job per run, at most 2 at once, in a directory whose name
-is hostile shell text. One run has a bad config (an srun option that does not exist): it fails,
-the others finish and fit, the failure is reported with the run's name, and running the sweep
-again while its jobs are queued submits nothing twice, once they ended only the failed run."""
+is hostile shell text. One run is preempted mid-run: its job requeues itself and resumes from its
+checkpoint while the sweep waits. One run has a bad config (an srun option that does not exist):
+it fails, the others finish and fit, the failure is reported with the run's name, and running the
+sweep again while its jobs are queued submits nothing twice, once they ended only the failed
+run."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moe.training.resilience.faults import PLAN_ENV
 from tests.conftest import tiny_run_dict
 from tests.helpers.slurm_cluster import single_node_cluster
 
@@ -57,6 +60,16 @@ def test_a_sweep_runs_as_slurm_jobs_resumes_and_reports_the_failed_run(tiny_data
     broken["launch"]["slurm"]["srun_args"] = ["--no-such-srun-option"]
     config.write_text(yaml.safe_dump(broken, sort_keys=False))
     runs = {n: sweep / "runs" / n for n in names}
+    # The first run is preempted at step 30 (a TERM to its rank, as a grace-time preemption
+    # sends): it saves, its job requeues itself and resumes, and the sweep waits through that.
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "plan.json").write_text(json.dumps({"fired_dir": str(faults), "faults": [
+        {"id": 0, "kind": "term", "rank": 0, "step": 30, "phase": "backward"}]}))
+    config = sweep / "configs" / f"{names[0]}.yaml"
+    preempted = yaml.safe_load(config.read_text())
+    preempted["launch"]["env"] = {PLAN_ENV: str(faults / "plan.json")}
+    config.write_text(yaml.safe_dump(preempted, sort_keys=False))
 
     with single_node_cluster(tmp_path / "cluster") as cluster:
         env = {**cluster.env, "PYTHONPATH": str(ROOT)}
@@ -85,6 +98,11 @@ def test_a_sweep_runs_as_slurm_jobs_resumes_and_reports_the_failed_run(tiny_data
         assert cluster.job_field(ids[bad], "StartTime") >= cluster.job_field(after, "EndTime")
         job_log = (runs[bad] / "logs" / f"slurm-{ids[bad]}.out").read_text()
         assert "no-such-srun-option" in job_log, job_log[-3000:]
+        # The preempted run resumed in its own job, requeued once, from the step it saved.
+        assert cluster.job_field(ids[names[0]], "Restarts") == "1"
+        rank0 = (runs[names[0]] / "logs" / "rank0.log").read_text()
+        saved = int(rank0.split(": saved step ")[1].split(";")[0])
+        assert f"at step {saved}" in rank0.split("resumed from")[-1], rank0[-3000:]
 
         # The finished runs leave what a local sweep leaves: the fit reads them.
         for n in names[:2]:
