@@ -28,6 +28,10 @@ calls.mkdir(exist_ok=True)
 if "--test-only" in sys.argv:
     sys.exit(0)
 n = len(list(calls.iterdir())) + 1
+if os.environ.get("FAKE_SBATCH_REFUSE") == str(n):
+    print("sbatch: error: Batch job submission failed: Job violates accounting/QOS policy",
+          file=sys.stderr)
+    sys.exit(1)
 (calls / f"{{n:03d}}.json").write_text(json.dumps(sys.argv[1:]))
 print(100 + n)
 """
@@ -243,3 +247,20 @@ def test_a_requeued_job_is_waited_for_not_reported(tmp_path, monkeypatch):
     assert outcome.failed == [] and len(polls) == 6
     assert seen[1] == (0.0, 0, "0 running, 1 queued") and seen[-1] == (10.0, 1,
                                                                       "0 running, 0 queued")
+
+
+def test_a_refusal_midway_names_the_submitted_jobs_and_a_rerun_completes_the_sweep(
+        sweep, fake_slurm, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_SBATCH_REFUSE", "3")
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(sweep), "--scheduler", "slurm", "--jobs", "2", "--no-wait"])
+    names = names_of(sweep)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{names[2]}: sbatch refused the job" in err
+    assert f"jobs already submitted: {names[0]} 101, {names[1]} 102" in err
+    assert len(sbatch_calls(fake_slurm)) == 2
+    set_states(fake_slurm, {"101": "RUNNING", "102": "PENDING"})
+    monkeypatch.delenv("FAKE_SBATCH_REFUSE")
+    main(["run", str(sweep), "--scheduler", "slurm", "--jobs", "2", "--no-wait"])
+    calls = sbatch_calls(fake_slurm)
+    assert [c[-1].split("/runs/")[1] for c in calls[2:]] == [f"{n}/job.sbatch" for n in names[2:]]
