@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from launch.cli import exits_cleanly
 from launch.elastic import Elastic
 from launch.finish import finish
 from launch.interrupts import LauncherSignals
-from launch.run_plan import RESOLVED_CONFIG, Plan
+from launch.run_plan import Plan
 from launch.schedulers import build_plan, plan_problems
 from launch.slurm.checks import check_submission
 from launch.slurm.jobs import (
@@ -43,17 +42,16 @@ from launch.slurm.jobs import (
     query,
     read_jobs,
     record_state,
-    record_submission,
     refuse_if_active,
     requeued_at,
     slurm_command,
+    submit_job,
 )
 from launch.slurm.prepare import is_prepare_dir
 from launch.slurm.script import job_log
 from launch.supervise import run_with_restarts
 from moe.config.run import SIGNALS, dump_config, load_config
 from moe.errors import LaunchError
-from moe.fileio import write_atomic
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 JOB_COMMANDS = ("status", "cancel", "logs")
@@ -109,14 +107,7 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
 
 
 def submit(plan: Plan, run_dir: Path, log: str) -> str:
-    proc = subprocess.run(plan.command, env=plan.run_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise LaunchError(f"sbatch refused the job (exit code {proc.returncode}): "
-                          f"{proc.stderr.strip() or proc.stdout.strip()}")
-    job_id = proc.stdout.strip().split(";")[0]
-    if not job_id.isdigit():
-        raise LaunchError(f"sbatch printed {proc.stdout.strip()!r}, not a job id")
-    record_submission(run_dir, job_id, plan.command[-1], log)
+    job_id = submit_job(plan.command, plan.run_env(), run_dir, log)
     print(f"submitted SLURM job {job_id}\n"
           f"run directory   {run_dir}\n"
           f"status          moe-launch status {run_dir}\n"
@@ -151,9 +142,7 @@ def launch(argv) -> None:
         # leaves it byte-identical.
         refuse_if_active(run_dir)
         check_submission(cfg, plan)  # SLURM's own verdict, before any data work too
-    write_atomic(run_dir / RESOLVED_CONFIG, dump_config(cfg))
-    (run_dir / "logs").mkdir(exist_ok=True)  # SLURM does not create the job log's directory
-    plan.write(run_dir)
+    plan.write_run_dir(dump_config(cfg))
 
     report = prepare(cfg.data)
     print(f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "

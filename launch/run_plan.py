@@ -59,6 +59,14 @@ class Plan:
         for name, text in {**self.files, PLAN_FILE: json.dumps(asdict(self), indent=2)}.items():
             write_atomic(run_dir / name, text)
 
+    def write_run_dir(self, config_text: str) -> None:
+        """The resolved config, the logs directory (SLURM does not create a job log's directory)
+        and the plan with its files."""
+        run_dir = Path(self.run_dir)
+        write_atomic(run_dir / RESOLVED_CONFIG, config_text)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        self.write(run_dir)
+
     def run_env(self) -> dict[str, str]:
         return {**os.environ, **self.env}
 

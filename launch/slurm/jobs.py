@@ -79,11 +79,37 @@ def read_jobs(run_dir: Path) -> list[dict]:
     return []
 
 
-def record_submission(run_dir: Path, job_id: str, script: str, log: str) -> None:
+def record_submission(run_dir: Path, job_id: str, script: str, log: str,
+                      after: str | None = None) -> None:
+    """``after``: the job this one waits for (``--dependency=afterany``), if any."""
     jobs = read_jobs(run_dir) + [{"job_id": job_id,
                                   "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                  "script": script, "log": log, "state": None}]
+                                  "script": script, "log": log, "state": None,
+                                  **({"after": after} if after else {})}]
     write_atomic(run_dir / JOBS_FILE, json.dumps(jobs, indent=2))
+
+
+def with_dependency(command: list[str], after: str | None) -> list[str]:
+    """``sbatch ... SCRIPT`` waiting for job ``after``, whatever way that one ends."""
+    if after is None:
+        return command
+    return [*command[:-1], f"--dependency=afterany:{after}", command[-1]]
+
+
+def submit_job(command: list[str], env: dict[str, str], run_dir: Path, log: str,
+               after: str | None = None) -> str:
+    """Run ``sbatch --parsable ... SCRIPT`` (``after``: a job id it waits for, whatever way that
+    one ends) and record the job in the run directory; its id."""
+    command = with_dependency(command, after)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LaunchError(f"sbatch refused the job (exit code {proc.returncode}): "
+                          f"{proc.stderr.strip() or proc.stdout.strip()}")
+    job_id = proc.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise LaunchError(f"sbatch printed {proc.stdout.strip()!r}, not a job id")
+    record_submission(run_dir, job_id, command[-1], log, after)
+    return job_id
 
 
 def record_state(run_dir: Path, job: JobState) -> None:
@@ -152,15 +178,22 @@ def query(job_id: str, run_dir: Path | None = None) -> JobState:
     return JobState(job_id, state, "records", forgotten=unknown_to_squeue)
 
 
+def newest_job(run_dir: Path) -> JobState | None:
+    """The state of the newest job submitted for ``run_dir`` (kept in its records once final);
+    None when none was."""
+    jobs = read_jobs(run_dir)
+    if not jobs:
+        return None
+    job = query(str(jobs[-1]["job_id"]), run_dir)
+    record_state(run_dir, job)
+    return job
+
+
 def refuse_if_active(run_dir: Path) -> None:
     """A run directory belongs to one job at a time: resubmitting would overwrite the config
     and plan under a queued or running job."""
-    jobs = read_jobs(run_dir)
-    if not jobs:
-        return
-    job = query(jobs[-1]["job_id"], run_dir)
-    record_state(run_dir, job)
-    if job.active:
+    job = newest_job(run_dir)
+    if job is not None and job.active:
         raise LaunchError(f"run directory {run_dir} belongs to SLURM job {job.job_id}, which is "
                           f"{job.state}; cancel it first (moe-launch cancel {run_dir}) or "
                           f"submit under another name (name=...)")

@@ -157,10 +157,10 @@ def write_report(analysis: dict, out_dir: Path) -> dict[str, Path]:
     colors = {"dense": "tab:blue", "moe": "tab:orange"}
     for family, fam in analysis["families"].items():
         c = colors.get(family, "k")
+        ax[0, 0].scatter([r["active_params"] for r in fam["runs"]],
+                         [r["loss"] for r in fam["runs"]], color=c, s=14)
         for m in fam["minima"]:
-            rs = [r for r in fam["runs"] if r["budget"] == m.budget]
-            n = np.array([r["active_params"] for r in rs])
-            ax[0, 0].scatter(n, [r["loss"] for r in rs], color=c, s=14)
+            n = np.array([r["active_params"] for r in fam["runs"] if r["budget"] == m.budget])
             x = np.linspace(np.log(n.min()), np.log(n.max()), 50)
             ax[0, 0].plot(np.exp(x), np.polyval(m.coeffs, x), color=c, alpha=0.6)
             ax[0, 0].scatter([m.n_opt], [m.loss_opt], color=c, marker="*", s=120,
@@ -178,21 +178,27 @@ def write_report(analysis: dict, out_dir: Path) -> dict[str, Path]:
                    for r in fam["runs"]]
             ax[1, 0].scatter([r["active_params"] for r in fam["runs"]], res, color=c, s=14,
                              label=family)
-        ax[0, 1].scatter([m.budget for m in fam["minima"]], [m.n_opt for m in fam["minima"]],
-                         color=c, marker="*", s=80)
+        if fam["minima"]:
+            ax[0, 1].scatter([m.budget for m in fam["minima"]], [m.n_opt for m in fam["minima"]],
+                             color=c, marker="*", s=80)
         if "multiplier" in fam:
             items = sorted(fam["multiplier"].items())
             ax[1, 1].plot([b for b, _ in items], [v for _, v in items], "o-", color=c)
-    ax[0, 0].set(xscale="log", xlabel="active parameters N", ylabel="final validation loss",
+    ax[0, 0].set(xlabel="active parameters N", ylabel="final validation loss",
                  title="IsoFLOP curves (stars: minima)")
-    ax[0, 1].set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel="N_opt",
+    ax[0, 1].set(xlabel="training FLOPs C", ylabel="N_opt",
                  title="compute-optimal size (band: 95% bootstrap)")
-    ax[1, 0].axhline(0, color="k", lw=0.5)
-    ax[1, 0].set(xscale="log", xlabel="N", ylabel="log predicted - log measured",
-                 title="residuals of L(N, D)")
-    ax[1, 1].axhline(1, color="k", lw=0.5)
-    ax[1, 1].set(xscale="log", xlabel="budget C", ylabel="dense FLOPs / MoE FLOPs",
+    ax[1, 0].set(xlabel="N", ylabel="log predicted - log measured", title="residuals of L(N, D)")
+    ax[1, 1].set(xlabel="budget C", ylabel="dense FLOPs / MoE FLOPs",
                  title="MoE compute multiplier")
+    # A panel without data (too few runs for a minimum or a law) keeps linear axes: matplotlib
+    # cannot lay out an empty log axis.
+    for a, scales in ((ax[0, 0], {"xscale": "log"}), (ax[0, 1], {"xscale": "log", "yscale": "log"}),
+                      (ax[1, 0], {"xscale": "log"}), (ax[1, 1], {"xscale": "log"})):
+        if a.has_data():
+            a.set(**scales)
+    ax[1, 0].axhline(0, color="k", lw=0.5)
+    ax[1, 1].axhline(1, color="k", lw=0.5)
     for a in (ax[0, 1], ax[1, 0]):
         if a.get_legend_handles_labels()[0]:
             a.legend()

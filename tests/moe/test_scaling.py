@@ -170,3 +170,16 @@ def test_a_prediction_carries_intervals_and_a_ladder_width():
     assert p["width"] in scaling.WIDTHS
     with pytest.raises(ScalingError, match="no finished moe run"):
         scaling_report.predict(analysis, "moe", 1e20)
+
+
+def test_a_report_of_too_few_runs_for_any_fit_is_written_with_the_warnings(tmp_path):
+    """Two finished runs of one budget (the rest failed or are still running): no minimum, no
+    law, yet the report and its plot are written (empty log-scaled panels broke the layout)."""
+    runs = [{"name": f"w{w}", "family": "dense", "budget": 3e9, "active_params": n,
+             "tokens": 3e9 / (6 * n), "flops": 3e9, "width": w, "experts": 0, "loss": loss}
+            for w, n, loss in ((64, 1e5, 6.1), (96, 2e5, 5.9))]
+    analysis = scaling_report.analyse(runs, bootstrap=5)
+    paths = scaling_report.write_report(analysis, tmp_path / "report")
+    assert paths["plot"].stat().st_size > 10_000
+    text = paths["markdown"].read_text()
+    assert "2 finished runs, no minimum" in text and "| w96 | dense |" in text
