@@ -152,6 +152,13 @@ def plan_jobs(members: list[Member], sweep: Sweep, k: int) -> None:
         except ConfigError as e:
             problems.append(str(e))
             continue
+        output = cfg.launch.slurm.output
+        if output is not None and "%j" not in output:
+            # Every run of the sweep would append to the same job log.
+            problems.append(f"{m.config}: launch.slurm.output: {output!r} is shared by every "
+                            "run of the sweep; include %j (the job id) or leave it null "
+                            "(RUN_DIR/logs/slurm-%j.out)")
+            continue
         built.append((m, cfg, build_plan(cfg)))
     if problems:
         raise LaunchError("the sweep's run configs are refused; nothing was submitted:\n"

@@ -169,6 +169,20 @@ def test_dry_run_prints_every_job_and_a_refused_config_submits_nothing(sweep, fa
     assert e.value.code == 2 and "go with --scheduler slurm" in capsys.readouterr().err
 
 
+def test_a_job_log_every_run_would_share_is_refused(sweep, fake_slurm, capsys):
+    """launch.slurm.output without %j: every run's job would write the same file."""
+    for name in names_of(sweep):
+        config = sweep / "configs" / f"{name}.yaml"
+        d = yaml.safe_load(config.read_text())
+        d.setdefault("launch", {}).setdefault("slurm", {})["output"] = "logs/sweep.out"
+        config.write_text(yaml.safe_dump(d))
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(sweep), "--scheduler", "slurm"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "launch.slurm.output" in err and "%j" in err
+    assert not sbatch_calls(fake_slurm) and not (sweep / "runs").exists()
+
+
 def test_chains_give_each_run_to_the_least_loaded_chain():
     runs = [slurm_sweep.Member(f"r{i}", Path("c"), Path("d"), f, 10)
             for i, f in enumerate((4.0, 1.0, 1.0, 1.0, 1.0))]
