@@ -344,3 +344,24 @@ def test_parts_and_deduplication_keep_the_masks(tiny_data, corpus, tmp_path):
     for tokens, mask in docs:
         assert tokens[-1] == tok.eos_id and mask[-1] == 1 and mask[0] == 0
         assert tok.decode(tokens[mask == 1][:-1].tolist()).endswith("\n\n")
+
+
+def test_a_tokenizer_json_gives_the_same_mask(tmp_path):
+    """The offsets of a Hugging Face tokenizer.json (byte-level BPE) decide the mask as
+    SentencePiece's do; a template that asks for BOS needs a tokenizer that has one."""
+    from data_pipeline.errors import DataError
+    from data_pipeline.instruction import canonical, encode, render
+    from tests.data_pipeline.test_tokenizer_json import write_json
+
+    write_json(tmp_path / "tokenizer.json")
+    tok = Tokenizer(tmp_path / "tokenizer.json")
+    text = canonical([("user", "pack my box"), ("assistant", "the quick brown fox")])
+    (ids,), (mask,) = encode([text], TemplateConfig(), tok)
+    assert ids == tok.encode(render(text, TemplateConfig())) + [tok.eos_id]
+    n = int(mask.sum())
+    assert mask.tolist() == [0] * (len(mask) - n) + [1] * n
+    assert tok.decode(ids[len(ids) - n:-1]) == " the quick brown fox\n\n"
+    assert tok.decode(ids[:len(ids) - n]) == "User: pack my box\n\nAssistant:"
+    write_json(tmp_path / "no_bos.json", specials=("</s>", "<pad>"))
+    with pytest.raises(DataError, match="template.add_bos: the tokenizer defines no BOS"):
+        encode([text], TemplateConfig(add_bos=True), Tokenizer(tmp_path / "no_bos.json"))
