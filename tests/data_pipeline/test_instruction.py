@@ -365,3 +365,23 @@ def test_a_tokenizer_json_gives_the_same_mask(tmp_path):
     write_json(tmp_path / "no_bos.json", specials=("</s>", "<pad>"))
     with pytest.raises(DataError, match="template.add_bos: the tokenizer defines no BOS"):
         encode([text], TemplateConfig(add_bos=True), Tokenizer(tmp_path / "no_bos.json"))
+
+
+def test_an_instruction_source_beside_plain_text_trains_every_text_token(tiny_data, corpus,
+                                                                          tmp_path):
+    """With an instruction source, every shard has the mask column; a text source's are all
+    ones, and the mixture reads both."""
+    write_jsonl(tmp_path / "chat.jsonl", conversations(corpus)[:80])
+    cfg = instruction_config(tiny_data, tmp_path)
+    cfg = dataclasses.replace(cfg, sources=[*cfg.sources, tiny_data.sources[0]])
+    prepare(cfg, progress=False)
+    manifest = read_manifest(cfg.dir)
+    assert manifest.loss_mask and "template" not in manifest.sources[1]
+    docs = TokenStream(cfg.dir, "train", "docs")
+    assert docs.read_mask(0, len(docs)).all()
+    chat = TokenStream(cfg.dir, "train", "chat")
+    assert not chat.read_mask(0, len(chat)).all()
+    reader = PackedReader(cfg.dir, 16, 1, micro_batch=8)
+    batches = [b for _ in range(20) for b in reader.next_step(1)]
+    assert all(b.targets_BS is not None for b in batches)
+    assert any((b.targets_BS == IGNORE_INDEX).any() for b in batches)

@@ -106,3 +106,25 @@ def test_the_trainer_reports_the_loss_of_the_trained_tokens(instruction_data, tm
     assert 0 < count < 2 * 3 * 16
     assert math.isclose(first["lm_loss"], total / count, rel_tol=1e-4), (first, total / count)
     assert not math.isclose(first["lm_loss"], every / (2 * 3 * 16), rel_tol=1e-2)
+
+
+def test_validation_during_training_reports_the_loss_of_the_trained_tokens(instruction_data):  # noqa: F811
+    """The trainer's validation (padded batches over the validation windows) gives the loss and
+    trained-token count that moe-eval's evaluation gives (itself checked by hand in
+    tests/data_pipeline/test_instruction.py)."""
+    from types import SimpleNamespace
+
+    from data_pipeline.reader import validation_windows
+    from moe.evaluation.evaluate import evaluate_perplexity
+    from moe.training.hooks import ValidationHook
+
+    torch.manual_seed(0)
+    model = MoETransformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4,
+                                       max_seq_len=16, init_std=0.5))
+    engine = SimpleNamespace(module=model, device=torch.device("cpu"), eval=model.eval,
+                             train=model.train)
+    windows = list(validation_windows(instruction_data.dir, 16))
+    got = ValidationHook(engine, 1, windows, 16, 3, 0, 1).evaluate()
+    want = evaluate_perplexity(model, instruction_data.dir, 16, batch_size=3)
+    assert got["tokens"] == want["tokens"] < want["positions"]
+    assert math.isclose(got["loss"], want["loss"], rel_tol=1e-5)
