@@ -385,3 +385,25 @@ def test_an_instruction_source_beside_plain_text_trains_every_text_token(tiny_da
     batches = [b for _ in range(20) for b in reader.next_step(1)]
     assert all(b.targets_BS is not None for b in batches)
     assert any((b.targets_BS == IGNORE_INDEX).any() for b in batches)
+
+
+def test_verify_refuses_a_mask_value_other_than_0_or_1(instruction_data, tmp_path):
+    import shutil
+
+    from data_pipeline.errors import DataError
+    from data_pipeline.shards import write_manifest, write_shard
+
+    copy = tmp_path / "data"
+    shutil.copytree(instruction_data.dir, copy)
+    manifest = read_manifest(copy)
+    info = manifest.splits["train"].shards[0]
+    table = pa.ipc.open_file(str(copy / info.file)).read_all()
+    lengths = [len(t) for t in table.column("tokens").to_pylist()]
+    mask = np.concatenate([np.array(m, np.uint8) for m in table.column("loss_mask").to_pylist()])
+    mask[5] = 2
+    tokens = np.concatenate([np.array(t) for t in table.column("tokens").to_pylist()])
+    new = write_shard(copy / info.file, info.source, tokens, np.array(lengths), 512, mask)
+    manifest.splits["train"].shards[0] = dataclasses.replace(new, file=info.file)
+    write_manifest(copy, manifest)
+    with pytest.raises(DataError, match=f"{info.file}: loss mask value 2"):
+        verify(copy, progress=False)
