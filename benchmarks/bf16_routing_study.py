@@ -103,7 +103,7 @@ def _fixed_batch(data):
     from data_pipeline.reader import validation_windows
 
     windows = list(validation_windows(data.dir, data.seq_len, ROWS * (data.seq_len + 1)))
-    return torch.stack([torch.as_tensor(w, dtype=torch.int64) for w in windows[:ROWS]])[:, :-1]
+    return torch.stack([w for w, _ in windows[:ROWS]])[:, :-1]
 
 
 # variant -> (run name, precision, start perturbation, router bug) of the run compared, and the

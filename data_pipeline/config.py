@@ -28,20 +28,79 @@ class FilterConfig:
         return out
 
 
-COLUMN_TYPES = ("jsonl", "parquet", "arrow", "hf_disk")
-"""Source types whose documents come from a named field or column."""
+COLUMN_TYPES = ("jsonl", "instruction", "parquet", "arrow", "hf_disk")
+"""Source types whose rows have named fields or columns (to filter on)."""
+
+ROLES = ("system", "user", "assistant")
+"""The roles of an instruction conversation's messages."""
+
+
+@dataclass
+class RoleTemplate:
+    """How one role's messages are written around their text: ``prefix + content + suffix``."""
+
+    prefix: str = ""
+    """Text before the message (never trained: it is what the model is given)."""
+    suffix: str = ""
+    """Text after the message, trained with it when the role is trained (e.g. an end-of-turn
+    marker the model must learn to write)."""
+
+
+@dataclass
+class TemplateConfig:
+    """How an ``instruction`` source's conversations become one document of tokens and which of
+    them the loss counts. Each message is written as its role's ``prefix + content + suffix``,
+    messages in order, then EOS (every document ends with EOS: packing and document masking
+    find documents by it); the text is tokenized whole and a token is trained when it covers a
+    character of a trained role's content or suffix. Part of the prepared data: a change is a
+    new preparation."""
+
+    system: RoleTemplate = field(default_factory=lambda: RoleTemplate("System: ", "\n\n"))
+    """Default ``{prefix: "System: ", suffix: "\\n\\n"}``; given here, both strings come from
+    the config (one left out is empty)."""
+    user: RoleTemplate = field(default_factory=lambda: RoleTemplate("User: ", "\n\n"))
+    """Default ``{prefix: "User: ", suffix: "\\n\\n"}``."""
+    assistant: RoleTemplate = field(default_factory=lambda: RoleTemplate("Assistant: ", "\n\n"))
+    """Default ``{prefix: "Assistant: ", suffix: "\\n\\n"}``."""
+    add_bos: bool = False
+    """Put BOS before each conversation (never trained)."""
+    train_eos: bool = True
+    """Train the closing EOS when the last message's role is trained: the model learns to stop
+    after its answer. False: EOS only separates documents."""
+    train_roles: list[Literal["system", "user", "assistant"]] = field(
+        default_factory=lambda: ["assistant"])
+    """Roles whose message text and suffix the loss counts (``{prompt, response}`` records are
+    a user message and an assistant message). Every other token is a prompt token: its target
+    is ignored."""
+
+    def role(self, name: str) -> RoleTemplate:
+        return getattr(self, name)
+
+    def check(self) -> list[str]:
+        """Problems (not ``problems()``: the source reports them, for instruction sources only)."""
+        out = []
+        if not self.train_roles:
+            out.append("train_roles: name at least one role whose text is trained, e.g. "
+                       "[assistant]")
+        if len(set(self.train_roles)) != len(self.train_roles):
+            out.append(f"train_roles: roles must be distinct, got {self.train_roles}")
+        return out
 
 
 @dataclass
 class SourceConfig:
     name: str = "stdlib"
     """A name for this source (used in the manifest, for mixture weights and in the counters)."""
-    type: Literal["stdlib", "python", "text", "jsonl", "parquet", "arrow", "hf_disk"] = "stdlib"
+    type: Literal["stdlib", "python", "text", "jsonl", "instruction", "parquet", "arrow",
+                  "hf_disk"] = "stdlib"
     """``stdlib``: docstrings and comments of the installed Python standard library.
     ``python``: docstrings and comments of the ``.py`` files in ``paths`` (a directory is
     searched for them), one document per file; a file that does not parse gives nothing.
     ``text``: plain-text files, one document per file. ``jsonl``: one JSON object per line, the
-    document is its ``field``. Text and JSONL files may be gzip or zstd compressed (known by
+    document is its ``field``. ``instruction``: JSONL of ``{"prompt": ..., "response": ...}``
+    or ``{"messages": [{"role": ..., "content": ...}, ...]}`` records, written with
+    ``template``; only the trained roles' tokens count in the loss (docs/data.md, "Instruction
+    data"). Text and JSONL files may be gzip or zstd compressed (known by
     their first bytes). ``parquet`` / ``arrow`` (Arrow IPC files): one document per row, taken
     from the column ``field``. ``hf_disk``: Hugging Face datasets written by ``save_to_disk``
     (each path a directory with ``state.json`` and ``data-*.arrow``), read with pyarrow alone,
@@ -56,6 +115,8 @@ class SourceConfig:
     filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)  # `field` is taken
     """Keep only rows whose column equals a value, e.g. ``{column: lang, value: en}``
     (``jsonl``, ``parquet``, ``arrow``, ``hf_disk``). Rows left out are counted in the manifest."""
+    template: TemplateConfig = dataclasses.field(default_factory=TemplateConfig)
+    """``instruction`` sources: how conversations are written and which roles are trained."""
     weight: float | None = None
     """Mixture weight when reading (relative; normalized over sources). Null on every source:
     each source in proportion to its tokens. Not part of the prepared data: change it freely."""
@@ -73,6 +134,11 @@ class SourceConfig:
             if self.type not in COLUMN_TYPES:
                 out.append(f"filter: a {self.type!r} source has no columns to filter on; "
                            f"filters apply to {', '.join(COLUMN_TYPES)} sources")
+        if self.type == "instruction":
+            out += [f"template.{p}" for p in self.template.check()]
+        elif self.template != TemplateConfig():
+            out.append(f"template: only 'instruction' sources have a template (this one is "
+                       f"{self.type!r})")
         if self.type == "hf_disk" and any(p.startswith("s3://") for p in self.paths):
             out.append("paths: an 'hf_disk' source is read from local disk only; point a "
                        "'parquet' or 'arrow' source at the dataset's files in the bucket")

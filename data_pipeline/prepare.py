@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from data_pipeline import storage
+from data_pipeline import instruction, storage
 from data_pipeline.config import DataConfig, S3Config, SourceConfig
 from data_pipeline.errors import DataError
 from data_pipeline.progress import Progress
@@ -43,7 +43,14 @@ from data_pipeline.shards import (
     token_type,
     write_manifest,
 )
-from data_pipeline.sources import EMPTY_ROWS_KEPT, ItemDocuments, WorkItem, read_item, work_items
+from data_pipeline.sources import (
+    EMPTY_ROWS_KEPT,
+    JSONL_TYPES,
+    ItemDocuments,
+    WorkItem,
+    read_item,
+    work_items,
+)
 from data_pipeline.tokenizer import LineSample, Tokenizer, train_tokenizer
 from moe.fileio import fsync_path, write_atomic
 
@@ -91,12 +98,30 @@ def config_hash(cfg: DataConfig) -> str:
         d.pop("dedup")
     for s in d["sources"]:
         s.pop("weight")
+        if s["type"] != "instruction":  # data prepared before templates keeps its hash
+            s.pop("template")
         if s["filter"]["column"] is None:  # data prepared before filters keeps its hash
             s.pop("filter")
     model_file = cfg.tokenizer.model_file
     if model_file and Path(model_file).is_file():
         d["tokenizer"]["model_sha256"] = hashlib.sha256(Path(model_file).read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def loss_masked(cfg: DataConfig) -> bool:
+    """Whether the data has a loss mask: some source is instruction data (then every shard,
+    of every source, has the ``loss_mask`` column; other sources' tokens are all trained)."""
+    return any(s.type == "instruction" for s in cfg.sources)
+
+
+def template_entry(source: SourceConfig) -> dict:
+    """The manifest's record of an instruction source's template: the template and its hash
+    (of the same JSON that enters the config hash, so a new template is a new preparation)."""
+    if source.type != "instruction":
+        return {}
+    template = dataclasses.asdict(source.template)
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+    return {"template": template, "template_sha256": digest}
 
 
 SPLIT_RULE = "content-v1"
@@ -191,9 +216,9 @@ def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str],
             docs: ItemDocuments | None = None) -> ItemCounts:
     """Read (or load from its spill file, or take ``docs`` read already) and tokenize one work
     item; write per split, in ``SPLITS`` order, the document lengths (int64), the concatenated
-    token ids (uint32, each document followed by EOS) and the documents' content keys
-    (KEY_BYTES each) to the raw spill file ``args[4]``. Returns the item's counts
-    (:data:`ItemCounts`)."""
+    token ids (uint32, each document followed by EOS), for an instruction source their loss
+    mask (uint8 per token), and the documents' content keys (KEY_BYTES each) to the raw spill
+    file ``args[4]``. Returns the item's counts (:data:`ItemCounts`)."""
     source, valid_fraction, item, cached, spill = args
     assert _TOKENIZER is not None
     if docs is None:
@@ -208,14 +233,20 @@ def _encode(args: tuple[SourceConfig, float, WorkItem, str | None, str],
         for split in SPLITS:
             mine = [v == (split == "valid") for v in valid]
             texts = [text for (_, text), m in zip(docs.docs, mine) if m]
-            ids = _TOKENIZER.encode_batch(texts)
-            for x in ids:
-                x.append(eos)
+            masks = None
+            if source.type == "instruction":
+                ids, masks = instruction.encode(texts, source.template, _TOKENIZER)
+            else:
+                ids = _TOKENIZER.encode_batch(texts)
+                for x in ids:
+                    x.append(eos)
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
             lengths.tofile(f)
             # chain.from_iterable flattens in C: a generator over every token cost 13% of encode.
             np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32,
                         count=int(lengths.sum())).tofile(f)
+            if masks is not None:
+                np.concatenate([np.zeros(0, np.uint8), *masks]).tofile(f)
             f.write(b"".join(key for key, m in zip(keys, mine) if m))
             counts.append(len(ids))
     return ItemCounts(counts, docs.invalid_utf8, docs.empty, docs.filtered, docs.empty_rows,
@@ -272,10 +303,18 @@ def _run_tasks(pool, jobs: list[tuple], sizes: list[int], task=_encode_task) -> 
         yield from results
 
 
-def _load_encoded(path: str, counts: list[int]
-                  ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """{split: (token ids, document lengths, content keys)} from an :func:`_encode` spill
-    file (keys: one ``V{KEY_BYTES}`` element per document)."""
+class EncodedSplit(NamedTuple):
+    tokens: np.ndarray
+    lengths: np.ndarray
+    keys: np.ndarray
+    """Content keys: one ``V{KEY_BYTES}`` element per document."""
+    mask: np.ndarray | None
+    """Loss mask per token (instruction sources); None: all ones."""
+
+
+def _load_encoded(path: str, counts: list[int], masked: bool = False) -> dict[str, EncodedSplit]:
+    """Each split's documents from an :func:`_encode` spill file (``masked``: of an
+    instruction source, with its loss mask)."""
     raw = Path(path).read_bytes()
     out, pos = {}, 0
     for split, n in zip(SPLITS, counts):
@@ -283,9 +322,13 @@ def _load_encoded(path: str, counts: list[int]
         pos += lengths.nbytes
         tokens = np.frombuffer(raw, np.uint32, count=int(lengths.sum()), offset=pos)
         pos += tokens.nbytes
+        mask = None
+        if masked:
+            mask = np.frombuffer(raw, np.uint8, count=len(tokens), offset=pos)
+            pos += mask.nbytes
         keys = np.frombuffer(raw, f"V{KEY_BYTES}", count=n, offset=pos)
         pos += keys.nbytes
-        out[split] = (tokens, lengths, keys)
+        out[split] = EncodedSplit(tokens, lengths, keys, mask)
     if pos != len(raw):
         raise DataError(f"{path}: {len(raw)} bytes, expected {pos} (spill file damaged)")
     return out
@@ -514,6 +557,8 @@ def _build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path
                 docs = _load_docs(path)
                 docs_seen += len(docs.docs)
                 for _, text in docs.docs:
+                    if source.type == "instruction":  # the text the template writes
+                        text = instruction.render(text, source.template)
                     sample.add(text)
                     cached_chars += len(text)
                 if cache is not None and cached_chars <= READ_CACHE_CHARS:
@@ -552,7 +597,7 @@ def item_bytes(source: SourceConfig, items: list[WorkItem], s3: S3Config) -> lis
     for it in items:
         per_file[it.path] = per_file.get(it.path, 0) + 1
     file_bytes = {path: storage.size(path, s3) for path in per_file}  # one request per object
-    return [it.part[1] - it.part[0] if source.type == "jsonl" and it.part is not None
+    return [it.part[1] - it.part[0] if source.type in JSONL_TYPES and it.part is not None
             else file_bytes[it.path] // per_file[it.path] for it in items]
 
 
@@ -571,23 +616,29 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
     source_stats = []
     moved = 0
     seen: set[bytes] | None = set() if cfg.dedup == "exact" else None  # across all sources
+    masked = loss_masked(cfg)
     for source in cfg.sources:
         writers = {split: ShardWriter(staging, split, source.name, cfg.shard_tokens,
-                                      tokenizer.vocab_size) for split in SPLITS}
+                                      tokenizer.vocab_size, masked) for split in SPLITS}
         stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
                  "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0,
                  "duplicates_dropped": 0}
+        if source.type == "instruction":
+            stats["trained_tokens"] = {s: 0 for s in SPLITS}
         empties = EmptyRows(source)
         sizes = item_bytes(source, items[source.name], cfg.s3)
         bar = Progress(f"tokenize {source.name}", sum(sizes), progress)
         for size, item, (path, counts) in zip(sizes, items[source.name],
                                               encoded(source, sizes), strict=True):
             docs = tokens_seen = 0
-            for split, (tokens, lengths, keys) in _load_encoded(path, counts.documents).items():
+            loaded = _load_encoded(path, counts.documents, source.type == "instruction")
+            for split, (tokens, lengths, keys, mask) in loaded.items():
                 if seen is not None:
-                    tokens, lengths, dropped = _drop_seen(tokens, lengths, keys, seen)
+                    tokens, lengths, mask, dropped = _drop_seen(tokens, lengths, keys, seen, mask)
                     stats["duplicates_dropped"] += dropped
-                writers[split].add(tokens, lengths)
+                writers[split].add(tokens, lengths, mask)
+                if mask is not None:
+                    stats["trained_tokens"][split] += int(np.count_nonzero(mask))
                 stats["documents"][split] += len(lengths)
                 stats["tokens"][split] += len(tokens)
                 docs, tokens_seen = docs + len(lengths), tokens_seen + len(tokens)
@@ -613,18 +664,20 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
         source_stats.append({"name": source.name, "type": source.type,
                              "paths": list(source.paths), "field": source.field,
                              "filter": dataclasses.asdict(source.row_filter) if source.row_filter else None,
-                             **stats, "empty_rows": empties.files})
+                             **template_entry(source), **stats, "empty_rows": empties.files})
     if not splits["valid"].shards:
         raise DataError(f"the validation split is empty: too few documents for valid_fraction "
                         f"{cfg.valid_fraction}")
     return splits, source_stats, moved
 
 
-def _drop_seen(tokens: np.ndarray, lengths: np.ndarray, keys: np.ndarray, seen: set[bytes]
-               ) -> tuple[np.ndarray, np.ndarray, int]:
+def _drop_seen(tokens: np.ndarray, lengths: np.ndarray, keys: np.ndarray, seen: set[bytes],
+               mask: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
     """The documents whose content key is not in ``seen``, which gets theirs: the first copy
     of each text in the order documents reach the shards (the same for any worker count or
-    --part split). Returns their tokens, lengths and how many were dropped."""
+    --part split). Returns their tokens, lengths, loss mask (if any) and how many were
+    dropped."""
     keep = np.ones(len(lengths), dtype=bool)
     for i, key in enumerate(keys.tolist()):  # V16 elements come out as bytes
         if key in seen:
@@ -632,8 +685,10 @@ def _drop_seen(tokens: np.ndarray, lengths: np.ndarray, keys: np.ndarray, seen: 
         else:
             seen.add(key)
     if keep.all():
-        return tokens, lengths, 0
-    return tokens[np.repeat(keep, lengths)], lengths[keep], int(len(keep) - keep.sum())
+        return tokens, lengths, mask, 0
+    per_token = np.repeat(keep, lengths)
+    return (tokens[per_token], lengths[keep], None if mask is None else mask[per_token],
+            int(len(keep) - keep.sum()))
 
 
 EMPTY_FILES_KEPT = 100
@@ -647,8 +702,9 @@ class EmptyRows:
     file (one document) is named alone."""
 
     def __init__(self, source: SourceConfig):
-        self.unit, self.first = {"jsonl": ("lines", 1), "text": (None, 0),
-                                 "stdlib": (None, 0), "python": (None, 0)}.get(source.type, ("rows", 0))
+        self.unit, self.first = {"jsonl": ("lines", 1), "instruction": ("lines", 1),
+                                 "text": (None, 0), "stdlib": (None, 0),
+                                 "python": (None, 0)}.get(source.type, ("rows", 0))
         self.files: dict[str, dict] = {}
         self._rows_before: dict[str, int] = {}
 
@@ -684,7 +740,8 @@ def _finish(staging: Path, want: str, tokenizer: Tokenizer, splits: dict[str, Sp
     manifest = Manifest(schema_version=SCHEMA_VERSION, config_hash=want,
                         tokenizer=tokenizer.describe(),
                         token_type=str(token_type(tokenizer.vocab_size)), splits=splits,
-                        sources=source_stats, split_rule=SPLIT_RULE)
+                        sources=source_stats, split_rule=SPLIT_RULE,
+                        loss_mask=any("template_sha256" in s for s in source_stats))
     return PrepareReport(staging, manifest, 0.0, skipped=False,
                          invalid_utf8=sum(s["invalid_utf8"] for s in source_stats),
                          moved_from_location_rule=moved, timings=timings)

@@ -18,7 +18,7 @@ from data_pipeline import storage
 from data_pipeline.cache import ObjectCache, default_cache_dir
 from data_pipeline.config import DataConfig, S3Config
 from data_pipeline.errors import DataError, corrupt
-from data_pipeline.shards import Manifest, ShardInfo, open_shard, read_manifest
+from data_pipeline.shards import Manifest, ShardData, ShardInfo, open_shard_data, read_manifest
 from moe.fileio import write_atomic
 
 DEFAULT_CACHE_BYTES = DataConfig.cache_bytes
@@ -77,24 +77,40 @@ class PreparedData:
             write_atomic(local, data)
         return local
 
+    @property
+    def masked(self) -> bool:
+        """Whether the shards carry a loss mask (instruction data)."""
+        return self.manifest.loss_mask
+
     def open_local(self, info: ShardInfo) -> np.ndarray:
         """A local shard's tokens, memory-mapped (checked: schema and counts)."""
-        return open_shard(Path(self.dir) / info.file, info, self.manifest.token_type)
+        return self.open_local_data(info).tokens
+
+    def open_local_data(self, info: ShardInfo) -> ShardData:
+        """A local shard's tokens and loss mask (None: data without one), memory-mapped."""
+        return open_shard_data(Path(self.dir) / info.file, info, self.manifest.token_type,
+                               self.masked)
 
     @contextmanager
     def shard(self, info: ShardInfo) -> Iterator[np.ndarray]:
         """A shard's tokens, memory-mapped, for the duration of the block (on S3: fetched if not
         cached, and kept from eviction while the block runs)."""
+        with self.shard_data(info) as data:
+            yield data.tokens
+
+    @contextmanager
+    def shard_data(self, info: ShardInfo) -> Iterator[ShardData]:
+        """:meth:`shard` with the loss mask (None: data without one)."""
         if not self.remote:
-            yield self.open_local(info)
+            yield self.open_local_data(info)
             return
         url = str(self.location(info.file))
         with self.cache.open(url, info.sha256, info.bytes) as path:
             try:
-                tokens = open_shard(path, info, self.manifest.token_type)
+                data = open_shard_data(path, info, self.manifest.token_type, self.masked)
             except DataError as e:  # name the object, not the cache file
                 raise DataError(str(e).replace(str(path), url)) from None
-            yield tokens
+            yield data
 
     def fetch_items(self, infos: list[ShardInfo]) -> list[tuple[str, str, int | None]]:
         """(url, sha256, bytes) of shards, as the cache's read-ahead takes them."""

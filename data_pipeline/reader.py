@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -59,6 +60,26 @@ class PackedBatch:
     """Per token, the index of its document within the sequence (0, 1, ...; a document's EOS
     belongs to it): attention can be restricted to equal ids and positions restarted where the
     id changes. None unless the reader was asked for document ids."""
+    targets_BS: torch.Tensor | None = None
+    """(B, S - 1) int64 next-token targets, ``IGNORE_INDEX`` where the loss mask of the token
+    is 0 (prompt tokens of instruction data); None: data without a loss mask, every target is
+    trained (``tokens_BS[:, 1:]``)."""
+
+    def targets(self) -> torch.Tensor:
+        return self.tokens_BS[:, 1:] if self.targets_BS is None else self.targets_BS
+
+
+IGNORE_INDEX = -100
+"""The target the model's loss ignores (``ignore_index`` of moe/model/transformer.py)."""
+
+
+def next_token_targets(tokens: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """int64 targets of windows of tokens (``(..., S)`` -> ``(..., S - 1)``): each next token,
+    or IGNORE_INDEX where its loss mask is 0."""
+    targets = tokens[..., 1:].astype(np.int64)
+    if mask is not None:
+        targets[mask[..., 1:] == 0] = IGNORE_INDEX
+    return targets
 
 
 def document_ids(tokens_BS: np.ndarray, eos_id: int) -> np.ndarray:
@@ -87,7 +108,9 @@ class SourceStream:
         self.name, self.window, self.key = name, window, key
         self.infos = shards
         self.files = [data.location(s.file) for s in shards]
-        self.arrays = None if data.remote else [data.open_local(s) for s in shards]
+        opened = [] if data.remote else [data.open_local_data(s) for s in shards]
+        self.arrays = None if data.remote else [o.tokens for o in opened]
+        self.masks = None if data.remote or not data.masked else [o.mask for o in opened]
         self.lengths = np.array([s.tokens for s in shards], dtype=np.int64)
         self.num_samples = int(self.lengths.sum()) // window
         if self.num_samples < 1:
@@ -222,11 +245,13 @@ class PackedReader:
         return source, k, shard, offset, pieces
 
     def _gather(self, shard: np.ndarray, offset: np.ndarray, pieces: dict[int, Pieces],
-                S: int, dtype: np.dtype) -> np.ndarray:
-        """(R, S) stored tokens of a plan's rows, read shard by shard: each shard the plan needs
-        is opened (fetched into the cache if needed) once, in shard order, while the next
-        ``read_ahead`` ones are fetched in the background."""
+                S: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | None]:
+        """(R, S) stored tokens of a plan's rows, and their loss mask (None: data without one),
+        read shard by shard: each shard the plan needs is opened (fetched into the cache if
+        needed) once, in shard order, while the next ``read_ahead`` ones are fetched in the
+        background."""
         plan_RS = np.empty((len(shard), S), dtype)
+        mask_RS = np.empty((len(shard), S), np.uint8) if self.data.masked else None
         by_shard = np.argsort(shard, kind="stable")
         bounds = np.searchsorted(shard[by_shard], np.arange(len(self._infos) + 1))
         parts: dict[int, list[tuple[int, int, int, int]]] = {}
@@ -242,17 +267,20 @@ class PackedReader:
                 self._read_ahead.want(self.data.fetch_items(
                     [self._infos[h] for h in needed[j + 1:j + 1 + ahead]]))
             try:
-                with self.data.shard(self._infos[g]) as tokens:
+                with self.data.shard_data(self._infos[g]) as (tokens, mask):
                     rows = by_shard[bounds[g]:bounds[g + 1]]
-                    if rows.size:
-                        plan_RS[rows] = tokens[offset[rows, None] + np.arange(S)]
-                    for r, col, a, b in parts.get(g, ()):
-                        plan_RS[r, col:col + b - a] = tokens[a:b]
+                    for out, stored in ((plan_RS, tokens), (mask_RS, mask)):
+                        if out is None:
+                            continue
+                        if rows.size:
+                            out[rows] = stored[offset[rows, None] + np.arange(S)]
+                        for r, col, a, b in parts.get(g, ()):
+                            out[r, col:col + b - a] = stored[a:b]
             except BaseException:
                 if self._read_ahead is not None:
                     self._read_ahead.stop()  # its fetch under way cleans up before we raise
                 raise
-        return plan_RS
+        return plan_RS, mask_RS
 
     def _batches(self, start: int, accum: int, worker: int = 0,
                  num_workers: int = 1) -> Iterator[PackedBatch]:
@@ -271,30 +299,39 @@ class PackedReader:
         per_plan = max(1, min(PLAN_TOKENS // (S * B), PLAN_ROWS // B))
         group = B * max(1, min(GROUP_ROWS // B, GROUP_TOKENS // (B * S)))  # rows
         dtype = np.dtype(getattr(pa, self.manifest.token_type)().to_pandas_dtype())
-        remote = self.data.remote
-        arrays = [] if remote else [a for s in self.streams for a in s.arrays]
+        remote, masked = self.data.remote, self.data.masked
+        # Token arrays, and the loss masks of masked data: copied row by row alike.
+        stored = [] if remote else [[a for s in self.streams for a in s.arrays]]
+        if masked and not remote:
+            stored.append([m for s in self.streams for m in s.masks])
         # Shard -1 (a row that crosses shards) slices the empty view; the row is patched in.
-        views = [memoryview(a) for a in arrays] + [memoryview(b"")]
+        views = [[memoryview(a) for a in arrays] + [memoryview(b"")] for arrays in stored]
+        dtypes = (dtype, np.uint8)
         first = worker
         while True:
             micro = first + num_workers * np.arange(per_plan)
             source, k, shard, offset, pieces = self._locate(self.rank_positions(start, accum, micro))
             if remote:
-                plan_RS = self._gather(shard, offset, pieces, S, dtype)
+                plan_RS, plan_mask_RS = self._gather(shard, offset, pieces, S, dtype)
             shards, offsets = shard.tolist(), offset.tolist()
-            crossing: dict[int, list[tuple[int, np.ndarray]]] = {}
+            crossing: dict[int, list[tuple[int, list[np.ndarray]]]] = {}
             for r, parts in ({} if remote else pieces).items():
-                row = np.concatenate([arrays[g][a:b] for g, a, b in parts])
-                crossing.setdefault(r - r % group, []).append((r % group, row))
+                rows = [np.concatenate([arrays[g][a:b] for g, a, b in parts]) for arrays in stored]
+                crossing.setdefault(r - r % group, []).append((r % group, rows))
             for i in range(0, per_plan * B, group):
                 n = min(group, per_plan * B - i)
+                mask_RS = None
                 if remote:
                     stored_RS = plan_RS[i:i + n]
+                    mask_RS = None if plan_mask_RS is None else plan_mask_RS[i:i + n]
                 else:
-                    rows = [views[g][a:a + S] for g, a in zip(shards[i:i + n], offsets[i:i + n])]
-                    for r, row in crossing.get(i, ()):
-                        rows[r] = row
-                    stored_RS = np.frombuffer(b"".join(rows), dtype).reshape(n, S)
+                    copied = []
+                    for c, view in enumerate(views):
+                        rows = [view[g][a:a + S] for g, a in zip(shards[i:i + n], offsets[i:i + n])]
+                        for r, row in crossing.get(i, ()):
+                            rows[r] = row[c]
+                        copied.append(np.frombuffer(b"".join(rows), dtypes[c]).reshape(n, S))
+                    stored_RS, mask_RS = copied[0], copied[1] if masked else None
                 # The first row holding an out-of-range id (n if none): the micro-batch that
                 # holds it raises, the ones before it are delivered.
                 bad = n
@@ -302,11 +339,14 @@ class PackedReader:
                     bad = int(np.flatnonzero(stored_RS.max(axis=1) >= self.vocab_size)[0])
                 tokens_RS = stored_RS.astype(np.int64)
                 doc_RS = document_ids(stored_RS, self.eos_id) if self.document_ids else None
+                targets_RS = None if mask_RS is None else next_token_targets(tokens_RS, mask_RS)
                 for j in range(0, n, B):
                     if j + B > bad:
                         self._out_of_range(stored_RS[j:j + B], source[i + j:], k[i + j:])
-                    yield PackedBatch(torch.from_numpy(tokens_RS[j:j + B]),
-                                      None if doc_RS is None else torch.from_numpy(doc_RS[j:j + B]))
+                    yield PackedBatch(
+                        torch.from_numpy(tokens_RS[j:j + B]),
+                        None if doc_RS is None else torch.from_numpy(doc_RS[j:j + B]),
+                        None if targets_RS is None else torch.from_numpy(targets_RS[j:j + B]))
             first += num_workers * per_plan
 
     def _out_of_range(self, tokens_BS: np.ndarray, source: np.ndarray, k: np.ndarray) -> None:
@@ -442,12 +482,15 @@ class TokenStream:
             infos = [s for s in infos if s.source == source]
         self.files = [data.location(s.file) for s in infos]
         if data.remote:
-            self.shards = []
+            opened = []
             for info in infos:
-                with data.shard(info) as tokens:
-                    self.shards.append(np.array(tokens))
+                with data.shard_data(info) as (tokens, mask):
+                    opened.append((np.array(tokens), None if mask is None else np.array(mask)))
         else:
-            self.shards = [data.open_local(s) for s in infos]
+            opened = [data.open_local_data(s) for s in infos]
+        self.shards = [tokens for tokens, _ in opened]
+        self.masks = [mask for _, mask in opened] if data.masked else None
+        """Loss masks per shard (uint8), None for data without one."""
         self.starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
         np.cumsum([len(s) for s in self.shards], out=self.starts[1:])
         self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
@@ -456,30 +499,57 @@ class TokenStream:
         return int(self.starts[-1])
 
     def read(self, start: int, length: int) -> np.ndarray:
-        out = np.empty(length, dtype=np.int64)
+        out = self._read(self.shards, start, length, np.int64)
+        if length and out.max() >= self.vocab_size:
+            shard = int(np.searchsorted(self.starts, start + int(np.argmax(out >= self.vocab_size)),
+                                        side="right")) - 1
+            raise DataError(f"{self.files[shard]}: token id {int(out.max())} out of range "
+                            f"for the tokenizer's vocabulary of {self.vocab_size}")
+        return out
+
+    def read_mask(self, start: int, length: int) -> np.ndarray | None:
+        """The loss mask of tokens ``[start, start + length)``; None: data without one."""
+        return None if self.masks is None else self._read(self.masks, start, length, np.uint8)
+
+    def _read(self, arrays: list[np.ndarray], start: int, length: int, dtype) -> np.ndarray:
+        out = np.empty(length, dtype=dtype)
         pos, filled = start, 0
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         while filled < length:
             local = pos - self.starts[shard]
-            take = min(length - filled, len(self.shards[shard]) - local)
-            piece = self.shards[shard][local:local + take]
-            if take and piece.max() >= self.vocab_size:
-                raise DataError(f"{self.files[shard]}: token id {int(piece.max())} out of range "
-                                f"for the tokenizer's vocabulary of {self.vocab_size}")
-            out[filled:filled + take] = piece
+            take = min(length - filled, len(arrays[shard]) - local)
+            out[filled:filled + take] = arrays[shard][local:local + take]
             filled, pos, shard = filled + take, pos + take, shard + 1
         return out
 
 
-def validation_windows(data_dir: str | Path | PreparedData, seq_len: int, max_tokens: int | None = None,
-                       source: str | None = None) -> Iterator[torch.Tensor]:
-    """A fixed pass over the validation split (or one source's part of it): consecutive windows
-    of seq_len + 1 tokens that overlap by one token, so every token after the first is predicted
-    exactly once."""
-    stream = TokenStream(data_dir, "valid", source)
-    total = len(stream) if max_tokens is None else min(len(stream), max_tokens + 1)
+class Window(NamedTuple):
+    """A window of evaluation: its tokens and what the loss predicts of them."""
+
+    tokens_S: torch.Tensor
+    """(S,) int64 token ids: the inputs are ``tokens_S[:-1]``."""
+    targets_S: torch.Tensor
+    """(S - 1,) int64: ``tokens_S[1:]``, IGNORE_INDEX where the loss mask is 0."""
+
+
+def token_windows(tokens, seq_len: int, max_tokens: int | None = None) -> Iterator[Window]:
+    """Consecutive windows of seq_len + 1 tokens overlapping by one token, so every token after
+    the first is predicted exactly once; at most ``max_tokens`` predictions. ``tokens`` has
+    ``len``, ``read(start, length)`` and ``read_mask(start, length)`` (None: no loss mask), as a
+    TokenStream."""
+    total = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
     start = 0
     while start + 1 < total:
         length = min(seq_len + 1, total - start)
-        yield torch.from_numpy(stream.read(start, length))
+        window = np.asarray(tokens.read(start, length), dtype=np.int64)
+        targets = next_token_targets(window, tokens.read_mask(start, length))
+        yield Window(torch.from_numpy(window), torch.from_numpy(targets))
         start += length - 1
+
+
+def validation_windows(data_dir: str | Path | PreparedData, seq_len: int, max_tokens: int | None = None,
+                       source: str | None = None) -> Iterator[Window]:
+    """A fixed pass over the validation split (or one source's part of it): consecutive windows
+    of seq_len + 1 tokens that overlap by one token, so every token after the first is predicted
+    exactly once (:func:`token_windows`)."""
+    return token_windows(TokenStream(data_dir, "valid", source), seq_len, max_tokens)

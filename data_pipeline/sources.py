@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import zstandard
 
+from data_pipeline import instruction as instruction_format
 from data_pipeline import storage
 from data_pipeline.config import S3Config, SourceConfig
 from data_pipeline.errors import DataError
@@ -80,6 +81,8 @@ def python_document(src: str) -> str:
     return "\n".join(text for _, text in pieces)
 
 
+JSONL_TYPES = ("jsonl", "instruction")
+"""Source types read from JSON lines (byte ranges of plain files, whole compressed files)."""
 JSONL_CHUNK_BYTES = 8 << 20
 """JSONL files are split into byte ranges of about this size (cut at line ends)..."""
 JSONL_MIN_CHUNK_BYTES = 1 << 20
@@ -387,7 +390,7 @@ def work_items(source: SourceConfig, s3: S3Config = LOCAL) -> list[WorkItem]:
     files = matching_files(source.paths, source.name, DIRECTORY_SUFFIX.get(source.type), s3=s3)
     if source.type in ("text", "python"):
         return [WorkItem(str(p), n) for p, n in files]
-    if source.type == "jsonl":
+    if source.type in JSONL_TYPES:
         # A compressed file cannot be entered in the middle: it is one item, read as a stream.
         plain = {p: storage.size(str(p), s3) for p, _ in files if not compression(p, s3)}
         chunk = jsonl_chunk_bytes(sum(plain.values()))
@@ -485,6 +488,7 @@ def line_number(path: Path | str, offset: int, s3: S3Config) -> int:
 def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
                      source: SourceConfig, out: ItemDocuments, s3: S3Config) -> None:
     fieldname, keep = source.field, source.row_filter
+    instruction = source.type == "instruction"
 
     def where(offset: int) -> str:
         return f"{path}: line {line_number(path, offset, s3)} (byte {offset})"
@@ -501,7 +505,10 @@ def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
             near = text[max(0, e.pos - 30):e.pos + 30].strip()
             raise DataError(f"{where(offset)} is not valid JSON: {e.msg} at column {e.colno} "
                             f"(near {near!r})") from None
-        if not isinstance(record, dict) or fieldname not in record:
+        if instruction:
+            if not isinstance(record, dict):
+                raise DataError(f"{where(offset)} is not a JSON object")
+        elif not isinstance(record, dict) or fieldname not in record:
             raise DataError(f"{where(offset)} has no field {fieldname!r}")
         if keep is not None:
             if keep.column not in record:
@@ -510,6 +517,11 @@ def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
             if record[keep.column] != keep.value:
                 out.filtered += 1
                 continue
+        if instruction:
+            messages = instruction_format.messages_of(record, where(offset),
+                                                      source.template.train_roles)
+            out.add(f"{name}@{offset}", instruction_format.canonical(messages), index)
+            continue
         value = record[fieldname]
         if value is not None and not isinstance(value, str):
             raise DataError(f"{where(offset)}: field {fieldname!r} is "
@@ -581,7 +593,7 @@ def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> Ite
         text, out.invalid_utf8 = decode(_read_bytes(path, s3))
         out.add(item.name, python_document(text))
         out.rows = 1
-    elif source.type == "jsonl":
+    elif source.type in JSONL_TYPES:
         _jsonl_documents(path, item.name, item.part, source, out, s3)
     elif source.type == "parquet":
         parquet = _open_parquet(path, s3)

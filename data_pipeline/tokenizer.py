@@ -10,6 +10,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 
 from data_pipeline.config import TokenizerConfig
@@ -79,6 +80,25 @@ class Tokenizer:
             return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
         # One thread: preparation parallelizes over processes.
         return self.sp.Encode(texts, num_threads=1)
+
+    def encode_spans(self, texts: list[str]) -> list[tuple[list[int], np.ndarray]]:
+        """Token ids of each text and, per token, the characters of the text it covers as an
+        (N, 2) array of [start, end) offsets (a piece of no text, such as SentencePiece's
+        dummy-prefix space or the first byte piece of a character, has start == end)."""
+        if self.hf is not None:
+            return [(e.ids, np.array(e.offsets, dtype=np.int64).reshape(-1, 2))
+                    for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        out = []
+        for text, proto in zip(texts, self.sp.Encode(texts, return_type="proto", num_threads=1)):
+            ids, spans = [], []
+            for piece in proto.pieces:
+                ids.append(piece.id)
+                spans.append((piece.begin, piece.end))
+            # SentencePiece counts UTF-8 bytes: char_at[b] is the character byte b starts.
+            raw = np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8)
+            char_at = np.concatenate([[0], np.cumsum((raw & 0xC0) != 0x80)])
+            out.append((ids, char_at[np.array(spans, dtype=np.int64).reshape(-1, 2)]))
+        return out
 
     def id_to_piece(self, i: int) -> str:
         if self.hf is not None:

@@ -1,7 +1,7 @@
 """A full check of prepared data, for when start-up's O(1) per-shard checks are not enough
 (after copying data between machines, or when a run reports odd tokens): every shard's bytes
-against the manifest's SHA-256, its schema and counts, and every token id against the
-vocabulary. Reads all the data once: local files in place, the objects of an ``s3://`` prefix
+against the manifest's SHA-256, its schema and counts, every token id against the vocabulary, and
+(instruction data) every loss mask value is 0 or 1. Reads all the data once: local files in place, the objects of an ``s3://`` prefix
 downloaded one at a time into a temporary directory (removed as each is checked)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from data_pipeline import storage
 from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError, corrupt
 from data_pipeline.progress import Progress
-from data_pipeline.shards import ShardInfo, open_shard, read_manifest
+from data_pipeline.shards import ShardInfo, open_shard_data, read_manifest
 from data_pipeline.tokenizer import Tokenizer
 
 
@@ -94,13 +94,16 @@ def verify(data_dir: str | Path, progress: bool = True, s3: S3Config | None = No
         shards = tokens = 0
         for info, size in zip(infos, sizes):
             with files.local(info.file) as path:
-                array = open_shard(path, info, manifest.token_type)
+                array, mask = open_shard_data(path, info, manifest.token_type, manifest.loss_mask)
                 found = _sha256(path)
                 if found != info.sha256:
                     raise corrupt(files.where(info.file), "shard", found, info.sha256)
                 if len(array) and int(array.max()) >= vocab:
                     raise DataError(f"{files.where(info.file)}: token id {int(array.max())} out "
                                     f"of range for the tokenizer's vocabulary of {vocab}")
+                if mask is not None and len(mask) and int(mask.max()) > 1:
+                    raise DataError(f"{files.where(info.file)}: loss mask value "
+                                    f"{int(mask.max())}; a loss mask holds only 0 and 1")
                 shards, tokens = shards + 1, tokens + len(array)
             bar.update(size, info.documents, len(array))
         bar.close()

@@ -19,7 +19,7 @@ from data_pipeline import storage
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
 from data_pipeline.progress import Progress
-from data_pipeline.reader import TokenStream
+from data_pipeline.reader import IGNORE_INDEX, TokenStream, Window, token_windows
 from data_pipeline.shards import MANIFEST
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
@@ -43,6 +43,9 @@ class TokenArray:
     def read(self, start: int, length: int) -> np.ndarray:
         return self.tokens[start:start + length]
 
+    def read_mask(self, start: int, length: int) -> None:
+        return None  # text files: every token is a target
+
 
 def tokenize_text_files(paths: list[str | Path], tokenizer: Tokenizer) -> TokenArray:
     """Each file is one document, encoded and ended with EOS, as data preparation does."""
@@ -60,60 +63,59 @@ def tokenize_text_files(paths: list[str | Path], tokenizer: Tokenizer) -> TokenA
     return TokenArray(np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64))
 
 
-def token_windows(tokens, seq_len: int, max_tokens: int | None = None) -> Iterator[torch.Tensor]:
-    """Consecutive windows of seq_len + 1 tokens overlapping by one token, so every token after
-    the first is predicted exactly once; at most ``max_tokens`` predictions. ``tokens`` has
-    ``len`` and ``read(start, length)`` (a TokenStream or a TokenArray)."""
-    total = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
-    start = 0
-    while start + 1 < total:
-        length = min(seq_len + 1, total - start)
-        yield torch.from_numpy(np.asarray(tokens.read(start, length), dtype=np.int64))
-        start += length - 1
+def batches(windows: Iterable[Window], batch_size: int
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Stack windows into (tokens, targets) batches of up to ``batch_size``; a shorter (final)
+    window starts its own batch."""
+    pending: list[Window] = []
 
+    def stacked():
+        return torch.stack([w.tokens_S for w in pending]), torch.stack([w.targets_S for w in pending])
 
-def batches(windows: Iterable[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
-    """Stack windows into batches of up to ``batch_size``; a shorter (final) window starts its
-    own batch."""
-    pending: list[torch.Tensor] = []
     for window in windows:
-        if pending and (len(window) != len(pending[0]) or len(pending) == batch_size):
-            yield torch.stack(pending)
+        if pending and (len(window.tokens_S) != len(pending[0].tokens_S)
+                        or len(pending) == batch_size):
+            yield stacked()
             pending = []
         pending.append(window)
     if pending:
-        yield torch.stack(pending)
+        yield stacked()
 
 
 @torch.no_grad()
-def evaluate_loss(model: MoETransformer, windows: Iterable[torch.Tensor], batch_size: int = 8,
+def evaluate_loss(model: MoETransformer, windows: Iterable[Window], batch_size: int = 8,
                   collector: ExpertStatsCollector | None = None, source: str = "data",
                   progress: Progress | None = None) -> dict:
-    """Token-weighted mean next-token loss (nats) over ``windows``, and its perplexity. With a
+    """Token-weighted mean next-token loss (nats) over the trained targets of ``windows`` (all
+    of them, but for the prompt tokens of instruction data), and its perplexity. ``tokens``: the
+    targets the loss averages over; ``positions``: every token predicted, trained or not. With a
     ``collector``, the same forwards also feed its expert statistics; ``progress`` counts the
-    tokens predicted."""
+    positions."""
     if batch_size < 1:
         raise ConfigError([f"batch_size: must be >= 1, got {batch_size}"], "evaluation")
-    total_loss, total_tokens = 0.0, 0
+    total_loss, total_tokens, positions = 0.0, 0, 0
     device = next(model.parameters()).device
-    for batch_BS in batches(windows, batch_size):
-        batch_BS = batch_BS.to(device)
-        inputs_BS, targets_BS = batch_BS[:, :-1], batch_BS[:, 1:]
+    for tokens_BS, targets_BS in batches(windows, batch_size):
+        inputs_BS, targets_BS = tokens_BS[:, :-1].to(device), targets_BS.to(device)
         if collector is not None:
             collector.observe(inputs_BS)
         logits_BSV = model(inputs_BS).logits
         loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(),
-                               reduction="sum")
+                               ignore_index=IGNORE_INDEX, reduction="sum")
         total_loss += float(loss)
-        total_tokens += targets_BS.numel()
+        total_tokens += int((targets_BS != IGNORE_INDEX).sum())
+        positions += targets_BS.numel()
         if progress is not None:
             progress.update(targets_BS.numel())
     if progress is not None:
         progress.close()
     if total_tokens == 0:
-        raise DataError(f"{source}: no tokens to evaluate (at least 2 are needed)")
+        what = "no trained tokens (every target is masked)" if positions else \
+            "no tokens to evaluate (at least 2 are needed)"
+        raise DataError(f"{source}: {what}")
     mean = total_loss / total_tokens
-    return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens}
+    return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens,
+            "positions": positions}
 
 
 def evaluate_perplexity(model: MoETransformer, data_dir: str | Path, seq_len: int,

@@ -264,8 +264,11 @@ class MoETransformer(nn.Module):
         logits_BSV = self.lm_head(self.norm(x_BSD))
         if targets_BS is None:
             return ModelOutput(logits_BSV, None, None, aux_loss)
-        lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(),
-                                  ignore_index=-100)
+        # Mean over the targets not ignored (-100: prompt tokens of instruction data, padding);
+        # 0, not NaN, when every target of the batch is ignored.
+        targets = targets_BS.flatten()
+        lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets, ignore_index=-100,
+                                  reduction="sum") / (targets != -100).sum().clamp(min=1)
         return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
 
     def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache) -> tuple[torch.Tensor,

@@ -45,8 +45,8 @@ def pin(batch: PackedBatch) -> PackedBatch:
     compute."""
     if not torch.cuda.is_available():
         return batch
-    return PackedBatch(batch.tokens_BS.pin_memory(),
-                       None if batch.doc_ids_BS is None else batch.doc_ids_BS.pin_memory())
+    return PackedBatch(*(None if t is None else t.pin_memory()
+                         for t in (batch.tokens_BS, batch.doc_ids_BS, batch.targets_BS)))
 
 
 def to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
@@ -54,4 +54,4 @@ def to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
     if batch.tokens_BS.device == device:
         return batch
     move = lambda t: None if t is None else t.to(device, non_blocking=True)
-    return PackedBatch(move(batch.tokens_BS), move(batch.doc_ids_BS))
+    return PackedBatch(move(batch.tokens_BS), move(batch.doc_ids_BS), move(batch.targets_BS))

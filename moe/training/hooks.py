@@ -213,9 +213,9 @@ class ValidationHook:
                                 start + (self.rank + 1) * self.batch_size]
             inputs = torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)
             targets = torch.full((self.batch_size, self.seq_len), -100, dtype=torch.long)
-            for i, w in enumerate(mine):
-                inputs[i, :len(w) - 1] = w[:-1]
-                targets[i, :len(w) - 1] = w[1:]
+            for i, (tokens_S, targets_S) in enumerate(mine):
+                inputs[i, :len(tokens_S) - 1] = tokens_S[:-1]
+                targets[i, :len(targets_S)] = targets_S  # -100 at prompt tokens too
             yield inputs, targets
 
     @torch.no_grad()

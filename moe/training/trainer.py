@@ -255,15 +255,21 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     for p in packed:
         p_dev = to_device(p, engine.device)
         doc_ids = None if p_dev.doc_ids_BS is None else p_dev.doc_ids_BS[:, :-1]
-        batches.append((p_dev.tokens_BS[:, :-1], p_dev.tokens_BS[:, 1:], doc_ids))
+        batches.append((p_dev.tokens_BS[:, :-1], p_dev.targets(), doc_ids))
     count_global_routing(engine, [(x, d) for x, _, d in batches])
+    weights, trained = trained_token_weights([t for _, t, _ in batches], env.world_size,
+                                             packed[0].targets_BS is not None)
     spike_ref = spike.reference() if spike is not None else None
     z_max = torch.full((1,), -math.inf, device=engine.device)
-    for inputs, targets, doc_ids in batches:
+    for (inputs, targets, doc_ids), weight in zip(batches, weights):
         out = engine(inputs, targets, doc_ids_BS=doc_ids)
+        scored = out.loss  # the micro-batch's own mean: what the spike guard compares
+        if weight is not None:  # masked data: each micro-batch's mean weighed by its targets
+            out = out._replace(loss=out.lm_loss * weight + out.aux_loss,
+                               lm_loss=out.lm_loss * weight)
         loss = out.loss
         if spike_ref is not None:
-            loss, z = spike.check(loss, spike_ref)
+            loss, z = spike.check(scored, spike_ref, loss)
             z_max = torch.maximum(z_max, z.reshape(1))
         engine.backward(poison_nonfinite(loss))
         engine.step()  # the last micro-batch's step() updates the weights
@@ -282,8 +288,8 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
             else torch.full((1,), math.nan if grad_norm is None else float(grad_norm),
                             device=sums.device))
     # The step's one read of ours (a host sync on GPUs).
-    loss, lm_loss, aux_loss, local_sum, norm_value, z_value = torch.cat(
-        [sums, local_sum, norm, z_max]).tolist()
+    loss, lm_loss, aux_loss, local_sum, norm_value, z_value, *n = torch.cat(
+        [sums, local_sum, norm, z_max, *([] if trained is None else [trained.reshape(1)])]).tolist()
     return StepState(
         step=step, max_steps=t.max_steps, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss,
         lr=engine.get_lr()[0], grad_norm=None if grad_norm is None else norm_value,
@@ -291,7 +297,27 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
         samples_per_step=samples, is_log_step=is_log, local_loss=local_sum / t.grad_accum_steps,
         tokens_sha256=_token_hash([p.tokens_BS for p in packed]), skipped=skipped,
         spike_zscore=z_value if spike_ref is not None and z_value > spike.cfg.zscore else None,
-        consumed_samples=int(loader.state_dict()["consumed_samples"]))
+        consumed_samples=int(loader.state_dict()["consumed_samples"]),
+        extra={} if trained is None else {"train/trained_tokens": n[0]})
+
+
+def trained_token_weights(targets: list[torch.Tensor], world_size: int, masked: bool
+                          ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+    """For data with a loss mask (targets holding -100): per micro-batch, the factor that turns
+    its mean loss (over its own trained targets) into its share of the mean over every trained
+    target of the step on all ranks, ``n_mb * A * W / N``, since the engine averages the
+    micro-batches' gradients and the ranks'; and ``N``, the step's trained targets. Computed on
+    the device (one all-reduce, no host read). Without a mask (``masked`` False: the same on
+    every rank, they read the same data) every micro-batch has the same number of targets:
+    ``[None, ...]`` and None."""
+    if not masked:
+        return [None] * len(targets), None
+    counts = torch.stack([(t != -100).sum() for t in targets]).float()
+    total = counts.sum()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    weights = counts * (len(targets) * world_size) / total.clamp(min=1.0)
+    return list(weights), total
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from data_pipeline.config import DataConfig, SourceConfig
-from data_pipeline.prepare import prepare
+from data_pipeline.prepare import merge_parts, prepare, prepare_part, prepare_tokenizer
 from tests.conftest import tiny_data_config, write_corpus
 
 
@@ -40,3 +40,12 @@ def mixed_data(tmp_path_factory) -> DataConfig:
     cfg = mixed_config(root)
     prepare(cfg, progress=False)
     return cfg
+
+
+def prepare_in_parts(cfg: DataConfig, count: int) -> None:
+    """The steps of a preparation on ``count`` machines, run here: the tokenizer, each part,
+    the merge."""
+    prepare_tokenizer(cfg, progress=False)
+    for i in range(count):
+        prepare_part(cfg, i, count, progress=False)
+    merge_parts(cfg, progress=False)

@@ -155,9 +155,9 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     for result in (read_result, encode_result, task_result):
         assert len(pickle.dumps(result)) < 4096
     arrays = prep._load_encoded(str(spill / "e.bin"), encode_result[0])
-    assert sum(len(tokens) for tokens, _, _ in arrays.values()) > 100_000
-    for tokens, lengths, keys in arrays.values():
-        assert lengths.sum() == len(tokens) and len(keys) == len(lengths)
+    assert sum(len(a.tokens) for a in arrays.values()) > 100_000
+    for tokens, lengths, keys, mask in arrays.values():
+        assert lengths.sum() == len(tokens) and len(keys) == len(lengths) and mask is None
 
 
 def test_tasks_group_consecutive_items_by_input_bytes():

@@ -243,14 +243,17 @@ def test_order_is_deterministic_and_seeded(mixed_data):
 
 def test_validation_windows_predict_every_token_once(tiny_data):
     stream = TokenStream(tiny_data.dir, "valid")
-    windows = list(validation_windows(tiny_data.dir, 32))
+    windows = [w for w, _ in validation_windows(tiny_data.dir, 32)]
     assert sum(len(w) - 1 for w in windows) == len(stream) - 1
     assert windows[0].tolist() == stream.read(0, 33).tolist()
-    assert [w.tolist() for w in windows] == [w.tolist() for w in validation_windows(tiny_data.dir, 32)]
+    assert [w.tolist() for w in windows] == \
+        [w.tolist() for w, _ in validation_windows(tiny_data.dir, 32)]
+    # Data without a loss mask: every next token is a target.
+    assert all(t.tolist() == w[1:].tolist() for w, t in validation_windows(tiny_data.dir, 32))
 
 
 def test_validation_windows_of_one_source(mixed_data):
     one = list(validation_windows(mixed_data.dir, 16, source="paras"))
     stream = TokenStream(mixed_data.dir, "valid", source="paras")
-    assert sum(len(w) - 1 for w in one) == len(stream) - 1
+    assert sum(len(w) - 1 for w, _ in one) == len(stream) - 1
     assert len(stream) < len(TokenStream(mixed_data.dir, "valid"))

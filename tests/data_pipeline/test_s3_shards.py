@@ -110,8 +110,8 @@ def test_prepare_into_s3_then_read_is_identical_to_local(local_data, remote_data
     got, reader = _read(data)
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
     assert reader.state_dict() == local_reader.state_dict()
-    assert [w.tolist() for w in validation_windows(data, 16)] == \
-        [w.tolist() for w in validation_windows(local_data.dir, 16)]
+    assert [w.tolist() for w, _ in validation_windows(data, 16)] == \
+        [w.tolist() for w, _ in validation_windows(local_data.dir, 16)]
     assert data.tokenizer_file().read_bytes() == PreparedData(local).tokenizer_file().read_bytes()
     # Every cached file is a verified copy named by its SHA-256; nothing else is left.
     names = sorted(os.listdir(tmp_path / "cache"))
@@ -369,3 +369,34 @@ def test_verify_checks_every_object_of_an_s3_prefix(local_data, remote_data, cre
     assert (f"{PREFIX}/{victim.file}: corrupt shard: its SHA-256 is "
             f"{hashlib.sha256(bad).hexdigest()}, the manifest's is {victim.sha256}") in err
     assert not list(tmp_path.glob("moe-verify-*"))
+
+
+def test_instruction_data_on_s3_reads_its_loss_mask_as_local(creds, tmp_path, monkeypatch):
+    """Masked shards through the bounded cache: the same tokens and targets as from local disk
+    (the tokenizer trained on the conversations as the template writes them)."""
+    from tests.data_pipeline.test_instruction import conversations
+    from tests.data_pipeline.test_instruction import write_jsonl as write_records
+
+    write_corpus(tmp_path / "corpus")
+    chat = write_records(tmp_path / "chat.jsonl", conversations(tmp_path / "corpus"))
+    local = dataclasses.replace(tiny_data_config(tmp_path), shard_tokens=2048, seq_len=16,
+                                sources=[SourceConfig(name="chat", type="instruction",
+                                                      paths=[str(chat)])])
+    prepare(local, progress=False)
+    remote = dataclasses.replace(local, dir=f"{PREFIX}-chat",
+                                 s3=S3Config(endpoint_url=creds, region="us-east-1"))
+    monkeypatch.setattr(storage, "upload", _put)
+    prepare(remote, progress=False)
+    assert read_manifest(local.dir).loss_mask and len(_shard_bytes(local)) > 3
+
+    def batches(data):
+        reader = PackedReader(data, 16, 7, 0, 1, MICRO)
+        return [(b.tokens_BS, b.targets_BS) for _ in range(STEPS) for b in reader.next_step(ACCUM)]
+
+    got = batches(_data(remote, tmp_path / "cache", read_ahead=1))
+    want = batches(local.dir)
+    assert all(a.equal(c) and b.equal(d) for (a, b), (c, d) in zip(got, want))
+    assert any((b == -100).any() and (b >= 0).any() for _, b in got)
+    remote_windows = validation_windows(_data(remote, tmp_path / "cache"), 16)
+    assert [t.tolist() for _, t in remote_windows] == \
+        [t.tolist() for _, t in validation_windows(local.dir, 16)]

@@ -22,10 +22,7 @@ from data_pipeline.prepare import (
     content_key,
     in_valid_split,
     in_valid_split_by_location,
-    merge_parts,
     prepare,
-    prepare_part,
-    prepare_tokenizer,
 )
 from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, TokenStream
@@ -33,6 +30,7 @@ from data_pipeline.shards import MANIFEST, read_manifest
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
 from tests.conftest import tiny_run_dict
+from tests.data_pipeline.conftest import prepare_in_parts
 from tests.data_pipeline.test_prepare import _texts_of
 from tests.data_pipeline.test_sources import TEXTS, jsonl_bytes, save_to_disk, zstd_frames
 
@@ -145,10 +143,7 @@ def test_exact_dedup_keeps_the_first_copy_whatever_the_workers_or_parts(tiny_dat
     out = capsys.readouterr().out
     assert "source 'p': 8 duplicate documents dropped (data.dedup: exact)" in out
     parts = dataclasses.replace(one, dir=str(tmp_path / "parts"))
-    prepare_tokenizer(parts, progress=False)
-    for i in range(3):
-        prepare_part(parts, i, 3, progress=False)
-    merge_parts(parts, progress=False)
+    prepare_in_parts(parts, 3)
     for other in (two, parts):
         assert (Path(other.dir) / MANIFEST).read_bytes() == (Path(one.dir) / MANIFEST).read_bytes()
 
@@ -174,10 +169,7 @@ def test_split_does_not_depend_on_files_order_workers_cuts_or_parts(tiny_data, t
     assert len(sources.work_items(cut.sources[0])) > 20
     prepare(cut, progress=False)
     parts = dataclasses.replace(cut, dir=str(tmp_path / "parts"))
-    prepare_tokenizer(parts, progress=False)
-    for i in range(3):
-        prepare_part(parts, i, 3, progress=False)
-    merge_parts(parts, progress=False)
+    prepare_in_parts(parts, 3)
     for split in ("train", "valid"):
         want = sorted(_docs(whole, split, "j"))
         assert want and sorted(_docs(cut, split, "j")) == want

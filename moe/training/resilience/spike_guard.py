@@ -116,17 +116,18 @@ class LossSpikeGuard:
         std = max(statistics.pstdev(self.losses), 1e-6)  # a flat window is not infinitely strict
         return statistics.fmean(self.losses), std
 
-    def check(self, loss: torch.Tensor, ref: tuple[float, float]) -> tuple[torch.Tensor,
-                                                                          torch.Tensor]:
-        """(the loss to back-propagate: ``loss`` or, on a spike, NaN times it; the z-score of
-        the micro-batch loss averaged over the ranks). No host read."""
+    def check(self, loss: torch.Tensor, ref: tuple[float, float],
+              backprop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to back-propagate: ``backprop`` (default ``loss``) or, on a spike, NaN times
+        it; the z-score of the micro-batch loss averaged over the ranks). No host read."""
         mean_loss = loss.detach().float().clone()
         if dist.is_initialized():
             dist.all_reduce(mean_loss)
             mean_loss /= self.world
         z = (mean_loss - ref[0]) / ref[1]
         spike = z > self.cfg.zscore
-        return loss * torch.where(spike, math.nan, 1.0).to(loss.dtype), z
+        backprop = loss if backprop is None else backprop
+        return backprop * torch.where(spike, math.nan, 1.0).to(backprop.dtype), z
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses)}

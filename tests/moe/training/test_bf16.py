@@ -146,7 +146,7 @@ def _fixed_batch(tiny_data, rows=64):
     from data_pipeline.reader import validation_windows
 
     windows = list(validation_windows(tiny_data.dir, tiny_data.seq_len, rows * (tiny_data.seq_len + 1)))
-    ids = torch.stack([torch.as_tensor(w, dtype=torch.int64) for w in windows[:rows]])
+    ids = torch.stack([w for w, _ in windows[:rows]])
     return ids[:, :-1], ids[:, 1:]
 
 
