@@ -11,7 +11,16 @@ from moe.checkpoint.consolidate import read_consolidated
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint, verify_files
 from moe.config.run import RunConfig, load_config
 from moe.errors import CheckpointError
+from moe.model.adapters.lora import apply_lora, merge_lora
 from moe.model.transformer import MoETransformer
+
+
+def build_model(cfg: RunConfig) -> MoETransformer:
+    """The single-device model a run trains: the base model and its adapters (finetune)."""
+    model = MoETransformer(cfg.model)
+    if cfg.finetune.method == "lora":
+        apply_lora(model, cfg.finetune.lora)
+    return model
 
 
 def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = None
@@ -40,7 +49,7 @@ def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = Non
 
 def _shape_problems(state: dict, cfg: RunConfig) -> list[str]:
     """Every tensor the model needs and lacks, shaped otherwise, or that the model does not have."""
-    expected = {k: v.shape for k, v in MoETransformer(cfg.model).state_dict().items()}
+    expected = {k: v.shape for k, v in build_model(cfg).state_dict().items()}
     problems = []
     for key, shape in expected.items():
         if key not in state and not (cfg.model.tie_embeddings and key == "lm_head.weight"):
@@ -51,9 +60,12 @@ def _shape_problems(state: dict, cfg: RunConfig) -> list[str]:
 
 
 def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
-    """Build the single-device model from a DeepSpeed checkpoint saved with any layout."""
+    """Build the single-device model from a DeepSpeed checkpoint saved with any layout. The
+    adapters of a fine-tuning run (LoRA) are merged into the base weights: the model is a plain
+    one, computing the fine-tuned function."""
     state, cfg, tag_dir = load_consolidated(path)
-    model = MoETransformer(cfg.model)
+    model = build_model(cfg)
     model.load_state_dict(state, strict=not cfg.model.tie_embeddings)
+    merge_lora(model)
     model.eval()
     return model, cfg, tag_dir

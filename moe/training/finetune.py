@@ -1,0 +1,51 @@
+"""Fine-tuning (``finetune:`` in the run config): which parameters of a model started from
+``model.init_from`` train. The adapters themselves are model code (moe/model/adapters/); this
+module adds them to the single-device model before it is wrapped for expert parallelism, and
+freezes the rest: a frozen parameter has ``requires_grad`` False, so it gets no gradient and,
+left out of the optimizer's groups (moe/parallel/deepspeed_adapter.py), no optimizer state."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from moe.config.run import FinetuneConfig
+from moe.errors import ConfigError
+from moe.model.adapters.lora import apply_lora
+from moe.model.router import TopKRouter
+
+log = logging.getLogger("moe.train")
+
+
+def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
+    """Add ``cfg``'s adapters to ``model`` and freeze what the method leaves frozen (method
+    none and full: nothing)."""
+    if cfg.method != "lora":
+        return
+    try:
+        trainable = {id(p) for p in apply_lora(model, cfg.lora)}
+    except ValueError as e:  # the config check catches these first; a direct caller gets this
+        raise ConfigError([f"finetune.lora: {e}"]) from None
+    if cfg.lora.train_router:
+        trainable |= {id(m.weight) for m in model.modules() if isinstance(m, TopKRouter)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trainable)
+
+
+def parameter_counts(model: nn.Module, ep_size: int = 1) -> dict[str, float]:
+    """Trainable and total parameters of the whole model (expert parameters, which this rank
+    holds 1/ep_size of, counted for all ranks; tied weights once), and the trainable share."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel() * (ep_size if getattr(p, "allreduce", True) is False else 1)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return {"trainable_params": trainable, "total_params": total,
+            "trainable_share": trainable / total}
+
+
+def log_parameter_counts(counts: dict[str, float], method: str) -> None:
+    log.info(f"finetune.method {method}: {counts['trainable_params']:,} of "
+             f"{counts['total_params']:,} parameters train "
+             f"({100 * counts['trainable_share']:.3f}%)")
