@@ -27,6 +27,7 @@ import re
 
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
 from deepspeed.moe.layer import MoE as _DeepSpeedMoEBase
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -78,6 +79,21 @@ def _moe_settings(self) -> None:
 
 
 DeepSpeedZeroOptimizer._configure_moe_settings = _moe_settings
+
+_deepspeed_load_module_state_dict = DeepSpeedEngine.load_module_state_dict
+
+
+def _load_module_state_dict(self, checkpoint, *args, **kwargs):
+    """DeepSpeed saves rank 0's frozen parameters beside the module states and, on load, copies
+    them by name into every rank's frozen parameters: a frozen expert stack of expert-parallel
+    rank 1 would get rank 0's experts. At ZeRO 1/2 the module states (and the per-expert files)
+    hold every parameter, frozen ones included, so they alone are loaded; the saved copy stays
+    in the file for DeepSpeed's zero_to_fp32."""
+    checkpoint = {k: v for k, v in checkpoint.items() if k != FROZEN_PARAM_FRAGMENTS}
+    return _deepspeed_load_module_state_dict(self, checkpoint, *args, **kwargs)
+
+
+DeepSpeedEngine.load_module_state_dict = _load_module_state_dict
 
 
 class _AllToAll(torch.autograd.Function):
