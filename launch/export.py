@@ -28,17 +28,24 @@ def main(argv=None) -> None:
                    help="Hugging Face architecture (auto: the first of "
                         f"{', '.join(TARGETS)} that holds the model exactly; a model none can "
                         "hold is refused with every reason, see docs/checkpoints.md, Exporting)")
+    p.add_argument("--merge-adapters", action="store_true",
+                   help="a fine-tuned checkpoint with LoRA adapters: fold them into the base "
+                        "weights and export the plain model (fp32 and hf; such a checkpoint is "
+                        "refused without it)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (or, off a terminal, no progress lines) while the "
                         "checkpoint is read (fp32 and hf)")
     args = p.parse_args(argv)
     progress = not args.quiet
+    if args.format == "deepspeed" and args.merge_adapters:
+        p.error("--merge-adapters goes with --format fp32 or hf (the deepspeed format keeps the "
+                "training state, adapters included)")
     if args.format == "fp32":
-        out = export_fp32(args.checkpoint, args.output, progress)
+        out = export_fp32(args.checkpoint, args.output, progress, args.merge_adapters)
     elif args.format == "deepspeed":
         out = export_deepspeed(args.checkpoint, args.output)
     else:
-        out = export_hf(args.checkpoint, args.output, args.arch, progress)
+        out = export_hf(args.checkpoint, args.output, args.arch, progress, args.merge_adapters)
     print(f"exported {args.checkpoint} -> {out} ({args.format})")
 
 

@@ -15,6 +15,7 @@ import moe.training.trainer as trainer
 from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.load import build_model, load_consolidated
+from moe.model.transformer import MoETransformer
 from moe.training.trainer import DistEnv, build_engine, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
@@ -144,9 +145,12 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def test_lora_run_from_a_checkpoint_trains_only_its_factors_and_resumes_exactly(
-        tiny_data, tmp_path):
-    runs = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def lora_runs(tiny_data, tmp_path_factory):
+    """A 2-step base run on 2 ranks (EP 2), then LoRA fine-tuning from its checkpoint for 8
+    steps, and the same 8 steps with a vanishing learning rate (the base's losses on the same
+    batches)."""
+    runs = tmp_path_factory.mktemp("lora_runs") / "runs"
     base = tiny_run_dict(tiny_data, runs, max_steps=2)
     base["name"] = "base"
     base["logging"]["tensorboard"] = False
@@ -163,9 +167,13 @@ def test_lora_run_from_a_checkpoint_trains_only_its_factors_and_resumes_exactly(
         return d
 
     run_distributed(_train_worker, 2, lora_run("lora"), "auto")
-    losses = _losses(runs / "lora")
-    # The same batches with a vanishing learning rate: the base model's losses on them.
     run_distributed(_train_worker, 2, lora_run("still", lr=1e-12), "auto")
+    return runs, base_ckpt, lora_run
+
+
+def test_lora_run_from_a_checkpoint_trains_only_its_factors(lora_runs):
+    runs, base_ckpt, _ = lora_runs
+    losses = _losses(runs / "lora")
     gain = {s: _losses(runs / "still")[s] - losses[s] for s in losses}
     assert gain[1] == 0 and min(gain[s] for s in range(3, 9)) > 0, gain  # measured: 0.03-0.11
     assert sum(gain[s] for s in range(5, 9)) / 4 > 0.03, gain
@@ -174,10 +182,10 @@ def test_lora_run_from_a_checkpoint_trains_only_its_factors_and_resumes_exactly(
     tuned, cfg, _ = load_consolidated(runs / "lora")
     factors = {k for k in tuned if "lora_" in k}
     assert tuned.keys() == base_state.keys() | factors
-    assert {k.rsplit(".", 1)[0] for k in factors} == {
-        *(f"blocks.{i}.attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")),
-        *(f"blocks.{i}.ffn.experts.w_{w}_lora_{f}".rsplit(".", 1)[0]
-          for i in range(2) for w in ("in", "out") for f in "AB")}
+    assert factors == {*(f"blocks.{i}.attn.{p}.lora_{f}" for i in range(2)
+                         for p in ("q_proj", "v_proj") for f in "AB"),
+                       *(f"blocks.{i}.ffn.experts.w_{w}_lora_{f}" for i in range(2)
+                         for w in ("in", "out") for f in "AB")}
     for key, value in base_state.items():
         assert torch.equal(tuned[key], value), f"base weight {key} changed"
     assert all(tuned[k].abs().sum() > 0 for k in factors if "lora_B" in k)  # the factors trained
@@ -196,13 +204,46 @@ def test_lora_run_from_a_checkpoint_trains_only_its_factors_and_resumes_exactly(
     assert hp["params.trainable_share"].number_value == pytest.approx(trainable / total)
     assert hp["finetune.method"].string_value == "lora"
 
-    # Stopped after step 4 and resumed: steps 5-8 as in the uninterrupted run, bit for bit.
+
+def test_stopped_lora_run_resumes_exactly(lora_runs):
+    """Stopped after step 4 and resumed (on 2 ranks, expert parallelism 2: each rank must get
+    its own frozen experts back): steps 5-8 as in the uninterrupted run, bit for bit."""
+    runs, _, lora_run = lora_runs
     run_distributed(_train_worker, 2, lora_run("resumed"),
                     str(runs / "lora" / "checkpoints" / "step_0000004"))
-    resumed = _losses(runs / "resumed")
+    losses, resumed = _losses(runs / "lora"), _losses(runs / "resumed")
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in resumed:
         assert resumed[step] == losses[step], step
     again, _, _ = load_consolidated(runs / "resumed")
+    tuned, _, _ = load_consolidated(runs / "lora")
     for key, value in tuned.items():
         assert torch.equal(again[key], value), key
+
+
+def test_export_merges_adapters_on_request(lora_runs, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from launch.export import main
+    from moe.config.run import load_config
+
+    runs = lora_runs[0]
+    with pytest.raises(SystemExit) as e:
+        main([str(runs / "lora"), str(tmp_path / "plain"), "--quiet"])
+    assert e.value.code == 2 and "--merge-adapters" in capsys.readouterr().err
+    assert not (tmp_path / "plain").exists()
+
+    main([str(runs / "lora"), str(tmp_path / "plain"), "--quiet", "--merge-adapters"])
+    cfg = load_config(tmp_path / "plain" / "run_config.yaml")
+    assert cfg.finetune.method == "none"
+    plain = MoETransformer(cfg.model)
+    plain.load_state_dict(load_file(tmp_path / "plain" / "model.safetensors"))
+    state, tuned_cfg, _ = load_consolidated(runs / "lora")
+    adapted = build_model(tuned_cfg)
+    adapted.load_state_dict(state)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = adapted.eval()(ids).logits
+        got = plain.eval()(ids).logits
+    assert (want - MoETransformer(cfg.model).eval()(ids).logits).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
