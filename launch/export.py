@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from launch.cli import exits_cleanly
-from moe.tools.export import export_deepspeed, export_fp32, export_hf
+from moe.tools.export import export_adapters, export_deepspeed, export_fp32, export_hf
 from moe.tools.hf_support import TARGETS
 
 
@@ -17,13 +17,14 @@ def main(argv=None) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest "
                                       "complete checkpoint)")
     p.add_argument("output", help="a new directory to write (never overwritten)")
-    p.add_argument("--format", choices=["fp32", "hf", "deepspeed"], default="fp32",
+    p.add_argument("--format", choices=["fp32", "hf", "deepspeed", "adapters"], default="fp32",
                    help="fp32: model.safetensors with our parameter names, the run config and "
                         "the tokenizer; hf: config.json, safetensors and tokenizer for "
                         "transformers' AutoModelForCausalLM / AutoTokenizer; deepspeed: the "
                         "whole training state as a DeepSpeed checkpoint of one rank (expert "
                         "parallelism 1), readable by DeepSpeed's zero_to_fp32 and resumable; "
-                        "needs the run's prepared data")
+                        "needs the run's prepared data; adapters: a LoRA run's factors alone "
+                        "(adapter.safetensors, for finetune.lora.init_from)")
     p.add_argument("--arch", choices=["auto", *TARGETS], default="auto",
                    help="Hugging Face architecture (auto: the first of "
                         f"{', '.join(TARGETS)} that holds the model exactly; a model none can "
@@ -37,13 +38,14 @@ def main(argv=None) -> None:
                         "checkpoint is read (fp32 and hf)")
     args = p.parse_args(argv)
     progress = not args.quiet
-    if args.format == "deepspeed" and args.merge_adapters:
-        p.error("--merge-adapters goes with --format fp32 or hf (the deepspeed format keeps the "
-                "training state, adapters included)")
+    if args.format in ("deepspeed", "adapters") and args.merge_adapters:
+        p.error("--merge-adapters goes with --format fp32 or hf")
     if args.format == "fp32":
         out = export_fp32(args.checkpoint, args.output, progress, args.merge_adapters)
     elif args.format == "deepspeed":
         out = export_deepspeed(args.checkpoint, args.output)
+    elif args.format == "adapters":
+        out = export_adapters(args.checkpoint, args.output, progress)
     else:
         out = export_hf(args.checkpoint, args.output, args.arch, progress, args.merge_adapters)
     print(f"exported {args.checkpoint} -> {out} ({args.format})")

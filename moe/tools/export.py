@@ -25,6 +25,7 @@ place at the end; an existing destination is never overwritten.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -39,7 +40,8 @@ from moe.config.run import RunConfig, dump_config, load_config
 from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
 from moe.hf_weights import links, to_hf
-from moe.load import load_consolidated, merged_adapters
+from moe.load import build_model, load_consolidated, merged_adapters
+from moe.model.adapters.lora import base_fingerprint, is_factor
 from moe.tools import hf_support
 
 FP32_FILE = "model.safetensors"
@@ -102,6 +104,35 @@ def export_fp32(checkpoint: str | Path, out_dir: str | Path, progress: bool = Fa
         shutil.copy(tag_dir / TOKENIZER_COPY, tmp / TOKENIZER_COPY)
 
     return _publish(Path(out_dir), write)
+
+
+ADAPTER_FILE = "adapter.safetensors"
+"""``--format adapters``: the LoRA factors alone, with the base's fingerprint and the LoRA
+settings in its metadata (``finetune.lora.init_from`` applies it)."""
+
+
+def export_adapters(checkpoint: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
+    """Write the LoRA factors of a fine-tuned checkpoint alone (single-device names, routed
+    experts' stacks over all global experts) into ``out_dir/adapter.safetensors``."""
+    from safetensors.torch import save_file
+
+    tag_dir = resolve_checkpoint(checkpoint)
+    bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
+    state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
+    bar.close()
+    if cfg.finetune.method != "lora":
+        raise CheckpointError(f"{tag_dir}: no adapters to export (finetune.method is "
+                              f"{cfg.finetune.method} in its run_config.yaml)")
+    if cfg.finetune.lora.train_router:
+        raise CheckpointError(f"{tag_dir}: the routers trained too (finetune.lora.train_router), "
+                              "which the adapters alone do not hold; export the whole model "
+                              "with --merge-adapters")
+    params = {name: state[name] for name, _ in build_model(cfg).named_parameters()}
+    factors = {k: v.float().contiguous() for k, v in params.items() if is_factor(k)}
+    metadata = {"format": "pt", "source": str(tag_dir), "base_sha256": base_fingerprint(params),
+                "lora": json.dumps(to_dict(cfg.finetune.lora))}
+    return _publish(Path(out_dir), lambda tmp: save_file(factors, str(tmp / ADAPTER_FILE),
+                                                         metadata=metadata))
 
 
 def _write_run_config(cfg: RunConfig, tag_dir: Path, tmp: Path, merged: bool) -> None:

@@ -6,13 +6,16 @@ left out of the optimizer's groups (moe/parallel/deepspeed_adapter.py), no optim
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
+import torch
 from torch import nn
 
 from moe.config.run import FinetuneConfig
 from moe.errors import ConfigError
-from moe.model.adapters.lora import apply_lora
+from moe.model.adapters.lora import LoRAConfig, apply_lora, base_fingerprint, is_factor
 from moe.model.router import TopKRouter
 
 log = logging.getLogger("moe.train")
@@ -27,6 +30,8 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
         trainable = {id(p) for p in apply_lora(model, cfg.lora)}
     except ValueError as e:  # the config check catches these first; a direct caller gets this
         raise ConfigError([f"finetune.lora: {e}"]) from None
+    if cfg.lora.init_from:
+        load_adapters(model, cfg.lora)
     if cfg.lora.train_router:
         trainable |= {id(m.weight) for m in model.modules() if isinstance(m, TopKRouter)}
     for p in model.parameters():
@@ -49,3 +54,47 @@ def log_parameter_counts(counts: dict[str, float], method: str) -> None:
     log.info(f"finetune.method {method}: {counts['trainable_params']:,} of "
              f"{counts['total_params']:,} parameters train "
              f"({100 * counts['trainable_share']:.3f}%)")
+
+
+LORA_SHAPE = ("targets", "rank", "alpha", "expert_rank")
+"""The LoRA settings an adapter file must share with the run that applies it."""
+
+
+@torch.no_grad()
+def load_adapters(model: nn.Module, cfg: LoRAConfig) -> None:
+    """Copy the factors of the adapter file ``cfg.init_from`` into ``model`` (single-device, its
+    LoRA factors added): refused, naming the file, when the file was trained on another base
+    (fingerprint of the base weights), with other LoRA settings, or holds other tensors."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(cfg.init_from)
+    key = "finetune.lora.init_from"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            factors = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise ConfigError([f"{key}: cannot read {path} ({e})"]) from None
+    if "base_sha256" not in meta or "lora" not in meta:
+        raise ConfigError([f"{key}: {path} is not an adapter file (moe-export --format adapters)"])
+    params = dict(model.named_parameters())
+    problems = []
+    if meta["base_sha256"] != base_fingerprint(params):
+        problems.append(f"{key}: {path} was trained on another base model (its base fingerprint "
+                        f"{meta['base_sha256'][:12]}... differs from this run's, "
+                        "model.init_from); apply it to the checkpoint it was trained from")
+    saved = json.loads(meta["lora"])
+    problems += [f"finetune.lora.{name}: {getattr(cfg, name)!r} here, {saved.get(name)!r} in "
+                 f"{path}" for name in LORA_SHAPE if saved.get(name) != _plain(getattr(cfg, name))]
+    ours = {n: p for n, p in params.items() if is_factor(n)}
+    if not problems and (factors.keys() != ours.keys()
+                         or any(factors[n].shape != p.shape for n, p in ours.items())):
+        problems.append(f"{key}: the factors in {path} do not match this model's")
+    if problems:
+        raise ConfigError(problems)
+    for name, p in ours.items():
+        p.copy_(factors[name])
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value

@@ -27,6 +27,7 @@ and the module's class becomes its LoRA subclass. :func:`merge_lora` folds them 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -67,6 +68,11 @@ class LoRAConfig:
     train_router: bool = False
     """Train the routers' weights in full (they are small: E x D); frozen by default, so that
     fine-tuning does not move which experts tokens go to."""
+    init_from: str | None = None
+    """An adapter file (``moe-export CHECKPOINT OUT --format adapters``) whose factors start
+    this run instead of fresh ones: its targets, rank, alpha and expert_rank must equal these,
+    and the base it was trained on must be this run's (checked by a fingerprint of the base
+    weights)."""
 
     def problems(self) -> list[str]:
         out = []
@@ -232,6 +238,22 @@ _BASE_CLASS = {v: k for k, v in _LORA_CLASS.items()}
 
 def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if type(m) in _BASE_CLASS]
+
+
+def is_factor(name: str) -> bool:
+    return "lora_" in name.rsplit(".", 1)[-1]
+
+
+@torch.no_grad()
+def base_fingerprint(params: dict[str, torch.Tensor]) -> str:
+    """sha256 of the base weights (every parameter that is not a LoRA factor, by single-device
+    name, in fp32): the base an adapter was trained on."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        if not is_factor(name):
+            h.update(name.encode())
+            h.update(params[name].detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ equals the same global batch on one process; a LoRA run from a checkpoint trains
 factors, records its trainable share, and resumes exactly."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -247,3 +248,39 @@ def test_export_merges_adapters_on_request(lora_runs, tmp_path, capsys):
         got = plain.eval()(ids).logits
     assert (want - MoETransformer(cfg.model).eval()(ids).logits).abs().max() > 1e-3
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_adapters_alone_apply_to_their_base_only(lora_runs, tmp_path):
+    from launch.export import main
+    from moe.config.run import FinetuneConfig
+    from moe.errors import ConfigError
+    from moe.training.finetune import prepare_finetune
+    from moe.training.upcycle import initialize_from_checkpoint
+
+    runs, base_ckpt, _ = lora_runs
+    main([str(runs / "lora"), str(tmp_path / "ad"), "--format", "adapters", "--quiet"])
+    adapter = tmp_path / "ad" / "adapter.safetensors"
+    main_states = runs / "lora" / "checkpoints" / "step_0000008" / "mp_rank_00_model_states.pt"
+    assert adapter.stat().st_size < main_states.stat().st_size / 4  # small: the factors alone
+
+    state, cfg, _ = load_consolidated(runs / "lora")
+    adapted = build_model(cfg)
+    adapted.load_state_dict(state)
+    lora = dataclasses.replace(cfg.finetune.lora, init_from=str(adapter))
+    model = MoETransformer(cfg.model)
+    initialize_from_checkpoint(model, base_ckpt)
+    prepare_finetune(model, FinetuneConfig("lora", lora))  # the base and the file
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, adapted.eval()(ids).logits,
+                                   rtol=0, atol=0)
+
+    with pytest.raises(ConfigError) as e:  # another base: the seeded initialization
+        prepare_finetune(MoETransformer(cfg.model), FinetuneConfig("lora", lora))
+    assert e.value.problems[0].startswith(
+        f"finetune.lora.init_from: {adapter} was trained on another base model")
+    base = MoETransformer(cfg.model)
+    initialize_from_checkpoint(base, base_ckpt)
+    with pytest.raises(ConfigError) as e:
+        prepare_finetune(base, FinetuneConfig("lora", dataclasses.replace(lora, rank=8)))
+    assert e.value.problems == [f"finetune.lora.rank: 8 here, 4 in {adapter}"]
