@@ -229,6 +229,11 @@ class FinetuneConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (method lora only)."""
 
+    FIXED_KEYS = ("method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
+                  "lora.train_router")
+    """What decides which parameters exist and train: a run resumes only with its checkpoint's
+    values (moe/checkpoint/files.py, finetune_mismatches)."""
+
     def problems(self) -> list[str]:
         if self.method in COMING_METHODS:
             return [f"method: {self.method} is not implemented yet (planned: "

@@ -284,3 +284,28 @@ def test_adapters_alone_apply_to_their_base_only(lora_runs, tmp_path):
     with pytest.raises(ConfigError) as e:
         prepare_finetune(base, FinetuneConfig("lora", dataclasses.replace(lora, rank=8)))
     assert e.value.problems == [f"finetune.lora.rank: 8 here, 4 in {adapter}"]
+
+
+def test_resume_refuses_other_adapters_by_key(lora_runs):
+    from moe.checkpoint.files import verify_checkpoint
+    from moe.errors import CheckpointError
+
+    runs, _, lora_run = lora_runs
+    tag = runs / "lora" / "checkpoints" / "step_0000004"
+
+    def config(method="lora", **lora):
+        d = lora_run("again")
+        d["model"]["vocab_size"] = 512  # resolved from the tokenizer, as the trainer does
+        d["finetune"]["method"] = method
+        d["finetune"]["lora"].update(lora)
+        return from_dict(RunConfig, d)
+
+    verify_checkpoint(tag, config())  # the same: accepted
+    verify_checkpoint(tag, config(dropout=0.1))  # dropout changes no parameter
+    with pytest.raises(CheckpointError, match="finetune.lora.rank: the checkpoint has 4, the "
+                                              "config has 8"):
+        verify_checkpoint(tag, config(rank=8))
+    with pytest.raises(CheckpointError, match="finetune.lora.targets: the checkpoint has"):
+        verify_checkpoint(tag, config(targets=["attention.q"]))
+    with pytest.raises(CheckpointError, match="finetune.method: the checkpoint has 'lora'"):
+        verify_checkpoint(tag, config(method="full"))
