@@ -136,9 +136,18 @@ def test_bad_targets_and_ranks_are_refused_by_name():
         .startswith("finetune.lora.targets[0]: 'attention.x' is not allowed")
     assert config_errors("finetune.method=esft")[0].startswith(
         "finetune.method: esft is not implemented yet")
-    with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["finetune.method=lora"])
-    assert e.value.problems[0].startswith("model.init_from: finetune.method lora starts from")
+    for method in ("full", "lora"):
+        with pytest.raises(ConfigError) as e:
+            load_config("configs/default.yaml", [f"finetune.method={method}"])
+        assert e.value.problems == [f"model.init_from: finetune.method {method} starts from "
+                                    "trained weights; set model.init_from to a checkpoint (or "
+                                    "hf:DIR)"]
+    load_config("configs/default.yaml", ["finetune.method=full", "model.init_from=ckpt"])
+    # The LoRA config asks for the base it adapts.
+    with pytest.raises(ConfigError, match="model.init_from: finetune.method lora"):
+        load_config("configs/finetune-lora.yaml")
+    cfg = load_config("configs/finetune-lora.yaml", ["model.init_from=runs/default"])
+    assert cfg.finetune.method == "lora" and cfg.finetune.lora.expert_rank_of(3) == 4
 
 
 def test_cli_exits_2_naming_the_key(tmp_path, capsys):
