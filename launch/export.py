@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from launch.cli import exits_cleanly
-from moe.tools.export import export_deepspeed, export_fp32, export_hf
+from moe.tools.export import export_adapters, export_deepspeed, export_fp32, export_hf
 from moe.tools.hf_support import TARGETS
 
 
@@ -17,28 +17,37 @@ def main(argv=None) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest "
                                       "complete checkpoint)")
     p.add_argument("output", help="a new directory to write (never overwritten)")
-    p.add_argument("--format", choices=["fp32", "hf", "deepspeed"], default="fp32",
+    p.add_argument("--format", choices=["fp32", "hf", "deepspeed", "adapters"], default="fp32",
                    help="fp32: model.safetensors with our parameter names, the run config and "
                         "the tokenizer; hf: config.json, safetensors and tokenizer for "
                         "transformers' AutoModelForCausalLM / AutoTokenizer; deepspeed: the "
                         "whole training state as a DeepSpeed checkpoint of one rank (expert "
                         "parallelism 1), readable by DeepSpeed's zero_to_fp32 and resumable; "
-                        "needs the run's prepared data")
+                        "needs the run's prepared data; adapters: a LoRA run's factors alone "
+                        "(adapter.safetensors, for finetune.lora.init_from)")
     p.add_argument("--arch", choices=["auto", *TARGETS], default="auto",
                    help="Hugging Face architecture (auto: the first of "
                         f"{', '.join(TARGETS)} that holds the model exactly; a model none can "
                         "hold is refused with every reason, see docs/checkpoints.md, Exporting)")
+    p.add_argument("--merge-adapters", action="store_true",
+                   help="a fine-tuned checkpoint with LoRA adapters: fold them into the base "
+                        "weights and export the plain model (fp32 and hf; such a checkpoint is "
+                        "refused without it)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (or, off a terminal, no progress lines) while the "
                         "checkpoint is read (fp32 and hf)")
     args = p.parse_args(argv)
     progress = not args.quiet
+    if args.format in ("deepspeed", "adapters") and args.merge_adapters:
+        p.error("--merge-adapters goes with --format fp32 or hf")
     if args.format == "fp32":
-        out = export_fp32(args.checkpoint, args.output, progress)
+        out = export_fp32(args.checkpoint, args.output, progress, args.merge_adapters)
     elif args.format == "deepspeed":
         out = export_deepspeed(args.checkpoint, args.output)
+    elif args.format == "adapters":
+        out = export_adapters(args.checkpoint, args.output, progress)
     else:
-        out = export_hf(args.checkpoint, args.output, args.arch, progress)
+        out = export_hf(args.checkpoint, args.output, args.arch, progress, args.merge_adapters)
     print(f"exported {args.checkpoint} -> {out} ({args.format})")
 
 

@@ -4,14 +4,24 @@ checkpoint is read outside a training engine: evaluation, export, ``model.init_f
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 from moe.checkpoint.consolidate import read_consolidated
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint, verify_files
-from moe.config.run import RunConfig, load_config
+from moe.config.run import FinetuneConfig, RunConfig, load_config
 from moe.errors import CheckpointError
+from moe.model.adapters.lora import apply_lora, merge_lora
 from moe.model.transformer import MoETransformer
+
+
+def build_model(cfg: RunConfig) -> MoETransformer:
+    """The single-device model a run trains: the base model and its adapters (finetune)."""
+    model = MoETransformer(cfg.model)
+    if cfg.finetune.method == "lora":
+        apply_lora(model, cfg.finetune.lora)
+    return model
 
 
 def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = None
@@ -40,7 +50,7 @@ def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = Non
 
 def _shape_problems(state: dict, cfg: RunConfig) -> list[str]:
     """Every tensor the model needs and lacks, shaped otherwise, or that the model does not have."""
-    expected = {k: v.shape for k, v in MoETransformer(cfg.model).state_dict().items()}
+    expected = {k: v.shape for k, v in build_model(cfg).state_dict().items()}
     problems = []
     for key, shape in expected.items():
         if key not in state and not (cfg.model.tie_embeddings and key == "lm_head.weight"):
@@ -50,9 +60,24 @@ def _shape_problems(state: dict, cfg: RunConfig) -> list[str]:
     return problems + [f"{key}: not part of the model" for key in state if key not in expected]
 
 
+def merged_adapters(state: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
+    """A fine-tuned run's single-device state dict with its adapters folded into the base
+    weights (moe/model/adapters/lora.py, merge_lora), and its config as a plain model's
+    (finetune.method none); other runs' are returned as they are."""
+    if cfg.finetune.method != "lora":
+        return state, cfg
+    model = build_model(cfg)
+    model.load_state_dict(state, strict=not cfg.model.tie_embeddings)
+    merge_lora(model)
+    return model.state_dict(), dataclasses.replace(cfg, finetune=FinetuneConfig())
+
+
 def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
-    """Build the single-device model from a DeepSpeed checkpoint saved with any layout."""
+    """Build the single-device model from a DeepSpeed checkpoint saved with any layout. The
+    adapters of a fine-tuning run (LoRA) are merged into the base weights: the model is a plain
+    one, computing the fine-tuned function."""
     state, cfg, tag_dir = load_consolidated(path)
+    state, _ = merged_adapters(state, cfg)
     model = MoETransformer(cfg.model)
     model.load_state_dict(state, strict=not cfg.model.tie_embeddings)
     model.eval()

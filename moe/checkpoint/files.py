@@ -143,6 +143,22 @@ def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
     return out
 
 
+def finetune_mismatches(saved_finetune: dict | None, finetune_cfg) -> list[str]:
+    """The settings of ``finetune_cfg`` that decide which parameters exist and train
+    (``finetune_cfg.FIXED_KEYS``) on which a saved ``finetune`` section disagrees; a checkpoint
+    without one (before fine-tuning existed, or not fine-tuned) holds the defaults."""
+    current = to_dict(finetune_cfg)
+    defaults = to_dict(type(finetune_cfg)())
+    keys = [k for k in finetune_cfg.FIXED_KEYS if k == "method" or current["method"] != "none"]
+    out = []
+    for key in keys:
+        saved = _get(saved_finetune or {}, key, absent=_get(defaults, key))
+        if saved != _get(current, key):
+            out.append(f"finetune.{key}: the checkpoint has {saved!r}, the config has "
+                       f"{_get(current, key)!r}")
+    return out
+
+
 def verify_checkpoint(tag_dir: Path, cfg=None, tokenizer_sha256: str | None = None) -> dict:
     """Everything checkable before loading: complete, no missing or truncated file, every expert
     present once, the same function-changing model settings as ``cfg`` (config_mismatches) and
@@ -154,6 +170,7 @@ def verify_checkpoint(tag_dir: Path, cfg=None, tokenizer_sha256: str | None = No
     if cfg is not None:
         saved = yaml.safe_load((Path(tag_dir) / RUN_CONFIG).read_text())
         changed = config_mismatches(saved.get("model", {}), cfg.model)
+        changed += finetune_mismatches(saved.get("finetune"), cfg.finetune)
         problems += [f"{p} ({Path(tag_dir) / RUN_CONFIG})" for p in changed]
         if changed:
             problems.append("these settings change the function the model computes, so a run "

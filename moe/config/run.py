@@ -4,6 +4,7 @@ DeepSpeed config (never written by hand)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 from collections.abc import Callable
@@ -11,14 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import torch
 import yaml
 
 from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
 from moe.config_schema import from_dict, load_yaml, minimums, to_dict
 from moe.errors import ConfigError
+from moe.model.adapters.lora import LoRAConfig, lora_problems
 from moe.model.recompute import RecomputeMode
-from moe.model.transformer import ModelConfig
+from moe.model.transformer import ModelConfig, MoETransformer
 
 
 @dataclass
@@ -211,6 +214,33 @@ class EvalConfig:
         return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
 
 
+COMING_METHODS = ("qlora", "esft", "prompt", "prefix", "adapter")
+"""Fine-tuning methods named in the roadmap (docs/finetuning.md) but not built yet: refused."""
+
+
+@dataclass
+class FinetuneConfig:
+    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix", "adapter"] = "none"
+    """none: not a fine-tuning run (pretraining, or continued training from model.init_from).
+    full: every parameter trains, starting from model.init_from. lora: the base model is frozen
+    (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
+    moe/model/adapters/lora.py). Both need model.init_from. qlora, esft, prompt, prefix and
+    adapter are planned and refused for now."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (method lora only)."""
+
+    FIXED_KEYS = ("method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
+                  "lora.train_router")
+    """What decides which parameters exist and train: a run resumes only with its checkpoint's
+    values (moe/checkpoint/files.py, finetune_mismatches)."""
+
+    def problems(self) -> list[str]:
+        if self.method in COMING_METHODS:
+            return [f"method: {self.method} is not implemented yet (planned: "
+                    f"{', '.join(COMING_METHODS)}); use full or lora"]
+        return []
+
+
 @dataclass
 class RunConfig:
     name: str = "run"
@@ -225,9 +255,11 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """How the ranks are started: moe-launch's scheduler and its options."""
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    """Fine-tuning from model.init_from: which parameters train (docs/finetuning.md)."""
 
     def problems(self) -> list[str]:
-        out = []
+        out = self._finetune_problems()
         ep = self.parallel.expert_parallel_size
         if ep >= 1 and self.model.moe.num_experts % ep:
             out.append(f"parallel.expert_parallel_size: {ep} must divide model.moe.num_experts "
@@ -254,6 +286,23 @@ class RunConfig:
                        f"parallel.world_size ({self.parallel.world_size})")
         if not self.name or "/" in self.name or self.name.startswith("."):
             out.append(f"name: {self.name!r} must be a plain directory name")
+        return out
+
+    def _finetune_problems(self) -> list[str]:
+        method = self.finetune.method
+        if method in ("none", *COMING_METHODS):
+            return []
+        out = []
+        if not self.model.init_from:
+            out.append(f"model.init_from: finetune.method {method} starts from trained weights; "
+                       "set model.init_from to a checkpoint (or hf:DIR)")
+        if method == "lora" and not self.model.problems():
+            # The targets and rank are checked against the model this config builds, on the
+            # meta device (shapes only, no memory).
+            with torch.device("meta"):
+                model = MoETransformer(dataclasses.replace(
+                    self.model, vocab_size=self.model.vocab_size or 4))
+            out += [f"finetune.lora.{p}" for p in lora_problems(model, self.finetune.lora)]
         return out
 
     @property

@@ -138,21 +138,27 @@ class GroupedExperts(nn.Module):
         forward and in both backward products than scaling the output. ``counts_host``: the
         counts on the host when the caller already read them (the loop fallback needs them)."""
         if counts_host is None and not all(uses_grouped_kernel(x_ND, w)
-                                           for w in (self.w_in, self.w_out)):
+                                           for w in self.parameters(recurse=False)):
             # Host sync (fallback only): the loop over experts needs the block sizes; read once
-            # for both products.
+            # for all products.
             counts_host = counts_E.tolist()
-        h_NW = grouped_mm(x_ND, self.w_in, counts_E, counts_host)
+        h_NW = self.project("w_in", x_ND, counts_E, counts_host)
         d_model = self.w_out.shape[-1]
         if scale_N is not None and self.hidden <= d_model:
             h_NH = recompute(self._scaled_activation, h_NW, scale_N,
                              enabled=self.recompute_activation)
         else:
             h_NH = recompute(self._activation, h_NW, enabled=self.recompute_activation)
-        y_ND = grouped_mm(h_NH, self.w_out, counts_E, counts_host)
+        y_ND = self.project("w_out", h_NH, counts_E, counts_host)
         if scale_N is not None and self.hidden > d_model:
             y_ND = scale_rows(y_ND, scale_N)
         return y_ND
+
+    def project(self, name: str, x_ND: torch.Tensor, counts_E: torch.Tensor,
+                counts_host: list[int] | None) -> torch.Tensor:
+        """Row block e of ``x_ND`` times expert e's ``name`` weight (``w_in`` or ``w_out``);
+        adapters (moe/model/adapters/) add their own products over the same blocks."""
+        return grouped_mm(x_ND, getattr(self, name), counts_E, counts_host)
 
     def before_compile(self) -> None:
         """Probe the grouped kernel for this layer's weights eagerly (see grouped_mm_supported);

@@ -121,7 +121,7 @@ class TopKRouter(nn.Module):
         x_TD = at_least_fp32(x_TD)
         if self.training and cfg.jitter_eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - cfg.jitter_eps, 1 + cfg.jitter_eps)
-        logits_TE = F.linear(x_TD, self.weight.to(x_TD.dtype))
+        logits_TE = self.logits(x_TD)
         if self.training and cfg.logit_noise_std > 0:
             logits_TE = logits_TE + torch.randn_like(logits_TE) * cfg.logit_noise_std
 
@@ -156,6 +156,10 @@ class TopKRouter(nn.Module):
             z_loss=torch.logsumexp(logits_TE, dim=-1).pow(2).mean(),
             entropy=-(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean().detach(),
         )
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """(T, E) router logits of at-least-fp32 inputs (adapters add to them)."""
+        return F.linear(x_TD, self.weight.to(x_TD.dtype))
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor) -> None:

@@ -27,9 +27,11 @@ import re
 
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
 from deepspeed.moe.layer import MoE as _DeepSpeedMoEBase
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import groups
 from torch import nn
 
@@ -61,6 +63,37 @@ def _expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu=None,
 
 # Save and load both go through this static method (load calls it on the class).
 DeepSpeedEngine._get_expert_ckpt_name = staticmethod(_expert_ckpt_name)
+
+_deepspeed_moe_settings = DeepSpeedZeroOptimizer._configure_moe_settings
+
+
+def _moe_settings(self) -> None:
+    """DeepSpeed's ZeRO 1/2 asserts that a model with MoE layers has an MoE optimizer group.
+    A fine-tuning run that adapts no routed expert (moe/training/finetune.py) has none: every
+    expert parameter is frozen, so there is nothing to reduce over the expert groups, and the
+    layers stay MoE layers for dispatch and the per-expert checkpoint files."""
+    if any(self.is_moe_group(g) for g in self.optimizer.param_groups):
+        _deepspeed_moe_settings(self)
+    else:
+        self.is_moe_param_group = [False] * len(self.optimizer.param_groups)
+
+
+DeepSpeedZeroOptimizer._configure_moe_settings = _moe_settings
+
+_deepspeed_load_module_state_dict = DeepSpeedEngine.load_module_state_dict
+
+
+def _load_module_state_dict(self, checkpoint, *args, **kwargs):
+    """DeepSpeed saves rank 0's frozen parameters beside the module states and, on load, copies
+    them by name into every rank's frozen parameters: a frozen expert stack of expert-parallel
+    rank 1 would get rank 0's experts. At ZeRO 1/2 the module states (and the per-expert files)
+    hold every parameter, frozen ones included, so they alone are loaded; the saved copy stays
+    in the file for DeepSpeed's zero_to_fp32."""
+    checkpoint = {k: v for k, v in checkpoint.items() if k != FROZEN_PARAM_FRAGMENTS}
+    return _deepspeed_load_module_state_dict(self, checkpoint, *args, **kwargs)
+
+
+DeepSpeedEngine.load_module_state_dict = _load_module_state_dict
 
 
 class _AllToAll(torch.autograd.Function):
@@ -185,15 +218,22 @@ class DeepSpeedMoE(_DeepSpeedMoEBase):
         return self.deepspeed_moe(x_BSD)
 
 
+def _stacked_names(experts: nn.Module) -> list[str]:
+    """The experts module's own parameters, all stacked (E, ...): the weights and any adapter
+    stacks (moe/model/adapters/), which live, reduce and are saved with their experts."""
+    return [name for name, _ in experts.named_parameters(recurse=False)]
+
+
 def _keep_local_experts(layer: MoELayer, ep_rank: int, num_local: int) -> None:
     lo = ep_rank * num_local
-    for name in _EXPERT_NAMES:
+    for name in _stacked_names(layer.experts):
         full = getattr(layer.experts, name)
-        setattr(layer.experts, name, nn.Parameter(full.data[lo:lo + num_local].clone()))
+        setattr(layer.experts, name, nn.Parameter(full.data[lo:lo + num_local].clone(),
+                                                  requires_grad=full.requires_grad))
 
 
 def _split_experts_hook(module, state_dict, prefix, local_metadata):
-    for name in _EXPERT_NAMES:
+    for name in _stacked_names(module):
         stacked = state_dict.pop(prefix + name)
         for i in range(stacked.shape[0]):
             state_dict[f"{prefix}{EXPERT_KEY}.{i}.{name}"] = stacked[i]
@@ -201,7 +241,7 @@ def _split_experts_hook(module, state_dict, prefix, local_metadata):
 
 def _stack_experts_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                         errors):
-    for name in _EXPERT_NAMES:
+    for name in _stacked_names(module):
         pattern = re.compile(re.escape(f"{prefix}{EXPERT_KEY}.") + r"(\d+)\." + re.escape(name) + "$")
         found = {int(m.group(1)): k for k in list(state_dict) if (m := pattern.match(k))}
         if found:
@@ -278,8 +318,11 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float, lr: float | No
             router.append(p)
         else:
             (no_decay if p.ndim < 2 else decay).append(p)
-    out = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-           {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    # A group left empty (fine-tuning freezes the parameters it would hold) is left out:
+    # DeepSpeed drops empty groups, and the LR schedule must see the groups it steps.
+    out = [g for g in ({"params": decay, "weight_decay": weight_decay, "name": "decay"},
+                       {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+           if g["params"]]
     if router:
         out.append({"params": router, "weight_decay": weight_decay, "name": "router",
                     "lr": lr * router_lr_scale})

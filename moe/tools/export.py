@@ -25,6 +25,7 @@ place at the end; an existing destination is never overwritten.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -35,11 +36,12 @@ import torch
 from data_pipeline.progress import Progress
 from moe.checkpoint.consolidate import state_files
 from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint, verify_files
-from moe.config.run import RunConfig, load_config
+from moe.config.run import RunConfig, dump_config, load_config
 from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
 from moe.hf_weights import links, to_hf
-from moe.load import load_consolidated
+from moe.load import build_model, load_consolidated, merged_adapters
+from moe.model.adapters.lora import base_fingerprint, is_factor
 from moe.tools import hf_support
 
 FP32_FILE = "model.safetensors"
@@ -47,17 +49,23 @@ HF_TOKENIZER_DIR = "hf_tokenizer"
 """Where ``moe-import`` keeps the tokenizer files of the model it read (tokenizer.json, ...)."""
 
 
-def consolidated_fp32(path: str | Path, progress: bool = False
+def consolidated_fp32(path: str | Path, progress: bool = False, merge_adapters: bool = False
                       ) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     """Single-device fp32 state dict of a checkpoint saved with any layout, checked for
     integrity: the fp32 master weights whatever the training precision (load_consolidated reads
     them from the ZeRO partitions of a bf16 run), buffers from the model states. ``progress``:
     a bar over the files read on a terminal, log lines otherwise (a big checkpoint is mostly
-    reading)."""
+    reading). A fine-tuned checkpoint with adapters (LoRA) is exported only with
+    ``merge_adapters``: the adapters folded into the base weights, the config a plain model's."""
     tag_dir = resolve_checkpoint(path)
     bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()
+    if cfg.finetune.method == "lora" and not merge_adapters:
+        raise CheckpointError(f"{tag_dir}: the checkpoint holds LoRA adapters (finetune.method "
+                              "lora in its run_config.yaml); pass --merge-adapters to fold them "
+                              "into the base weights and export a plain model")
+    state, cfg = merged_adapters(state, cfg)
     if cfg.model.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as embed.weight
     return {k: v.float().contiguous() for k, v in state.items()}, cfg, tag_dir
@@ -84,17 +92,55 @@ def _publish(out_dir: Path, write) -> Path:
     return out_dir
 
 
-def export_fp32(checkpoint: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
+def export_fp32(checkpoint: str | Path, out_dir: str | Path, progress: bool = False,
+                merge_adapters: bool = False) -> Path:
     from safetensors.torch import save_file
 
-    state, cfg, tag_dir = consolidated_fp32(checkpoint, progress)
+    state, cfg, tag_dir = consolidated_fp32(checkpoint, progress, merge_adapters)
 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / FP32_FILE), metadata={"format": "pt", "source": str(tag_dir)})
-        shutil.copy(tag_dir / RUN_CONFIG, tmp / RUN_CONFIG)
+        _write_run_config(cfg, tag_dir, tmp, merge_adapters)
         shutil.copy(tag_dir / TOKENIZER_COPY, tmp / TOKENIZER_COPY)
 
     return _publish(Path(out_dir), write)
+
+
+ADAPTER_FILE = "adapter.safetensors"
+"""``--format adapters``: the LoRA factors alone, with the base's fingerprint and the LoRA
+settings in its metadata (``finetune.lora.init_from`` applies it)."""
+
+
+def export_adapters(checkpoint: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
+    """Write the LoRA factors of a fine-tuned checkpoint alone (single-device names, routed
+    experts' stacks over all global experts) into ``out_dir/adapter.safetensors``."""
+    from safetensors.torch import save_file
+
+    tag_dir = resolve_checkpoint(checkpoint)
+    bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
+    state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
+    bar.close()
+    if cfg.finetune.method != "lora":
+        raise CheckpointError(f"{tag_dir}: no adapters to export (finetune.method is "
+                              f"{cfg.finetune.method} in its run_config.yaml)")
+    if cfg.finetune.lora.train_router:
+        raise CheckpointError(f"{tag_dir}: the routers trained too (finetune.lora.train_router), "
+                              "which the adapters alone do not hold; export the whole model "
+                              "with --merge-adapters")
+    params = {name: state[name] for name, _ in build_model(cfg).named_parameters()}
+    factors = {k: v.float().contiguous() for k, v in params.items() if is_factor(k)}
+    metadata = {"format": "pt", "source": str(tag_dir), "base_sha256": base_fingerprint(params),
+                "lora": json.dumps(to_dict(cfg.finetune.lora))}
+    return _publish(Path(out_dir), lambda tmp: save_file(factors, str(tmp / ADAPTER_FILE),
+                                                         metadata=metadata))
+
+
+def _write_run_config(cfg: RunConfig, tag_dir: Path, tmp: Path, merged: bool) -> None:
+    """The checkpoint's run config as saved, or a merged model's own (finetune.method none)."""
+    if merged:
+        (tmp / RUN_CONFIG).write_text(dump_config(cfg))
+    else:
+        shutil.copy(tag_dir / RUN_CONFIG, tmp / RUN_CONFIG)
 
 
 def export_deepspeed(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -320,7 +366,7 @@ def hf_tokenizer(model_file: Path):
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
-              progress: bool = False) -> Path:
+              progress: bool = False, merge_adapters: bool = False) -> Path:
     """Write a transformers model directory; ``arch``: one of ``hf_support.TARGETS`` or auto
     (the first that can hold the model). A model no target holds exactly is refused before
     anything is written, naming every offending config key."""
@@ -329,7 +375,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
     except ImportError:
         raise CheckpointError("the Hugging Face export needs transformers: "
                               "pip install -c constraints.txt transformers") from None
-    state, cfg, tag_dir = consolidated_fp32(checkpoint, progress)
+    state, cfg, tag_dir = consolidated_fp32(checkpoint, progress, merge_adapters)
     arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
     hf_state = _hf_state(state, cfg, arch)
     imported_tokenizer = tag_dir / HF_TOKENIZER_DIR  # an imported model's own files (moe-import)
@@ -361,6 +407,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
                 shutil.copy(f, tmp / f.name)
         else:
             tokenizer.save_pretrained(str(tmp))
-        shutil.copy(tag_dir / RUN_CONFIG, tmp / RUN_CONFIG)
+        _write_run_config(cfg, tag_dir, tmp, merge_adapters)
 
     return _publish(Path(out_dir), write)

@@ -50,6 +50,7 @@ from moe.training.checkpoint import (
 )
 from moe.training.decision import Continue, Decision, Rollback, Stop
 from moe.training.device import peak_bf16_flops, to_device
+from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
 from moe.training.hooks import (
     ConsoleHook,
     Observer,
@@ -152,7 +153,10 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     if cfg.model.init_from:  # a resumed run's checkpoint overwrites these weights later
         initialize_from_checkpoint(model, cfg.model.init_from, cfg.model.upcycle_noise_std,
                                    cfg.train.seed)
+    prepare_finetune(model, cfg.finetune)  # adapters and frozen parameters, before wrapping
     wrap_moe_layers(model, ep, expert_parallel_rank(env.rank, ep))
+    if env.rank == 0:
+        log_parameter_counts(parameter_counts(model, ep), cfg.finetune.method)
     t = cfg.train
     apply_recompute(model, t.recompute, t.recompute_every_n_blocks)
     if t.compile:  # last: it compiles the model as wrapped and recomputed
@@ -509,7 +513,9 @@ def add_parts(run: Run, data: PreparedData, client: dict) -> None:
     run.observers += [ConsoleHook(env.rank),
                       StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl")]
     if env.rank == 0 and cfg.logging.tensorboard:
-        run.observers.append(TensorBoardHook(run_dir / "tensorboard", config_text, hparams(cfg)))
+        counts = parameter_counts(run.model, cfg.parallel.expert_parallel_size)
+        run.observers.append(TensorBoardHook(run_dir / "tensorboard", config_text,
+                                             hparams(cfg, counts)))
     run.nonfinite = NonFiniteGuard(t.max_consecutive_skips, env.rank)
     # Whatever train.spike says now: data that a rollback took out stays out.
     events = recorded_events(run_dir)
@@ -565,8 +571,9 @@ def finish_run(run: Run) -> dict:
     return summary
 
 
-def hparams(cfg: RunConfig) -> dict:
-    """The run's scalar settings, flattened, for TensorBoard's hparams view."""
+def hparams(cfg: RunConfig, counts: dict | None = None) -> dict:
+    """The run's scalar settings, flattened, for TensorBoard's hparams view, and ``counts``
+    (:func:`~moe.training.finetune.parameter_counts`) under ``params.``."""
     from moe.config_schema import to_dict
 
     flat: dict = {}
@@ -578,5 +585,7 @@ def hparams(cfg: RunConfig) -> dict:
         elif isinstance(node, (int, float, str, bool)):
             flat[prefix] = node
 
-    walk("", {k: v for k, v in to_dict(cfg).items() if k in ("model", "train", "parallel")})
+    walk("", {k: v for k, v in to_dict(cfg).items()
+              if k in ("model", "train", "parallel", "finetune")})
+    walk("params", counts or {})
     return flat

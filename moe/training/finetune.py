@@ -1,0 +1,100 @@
+"""Fine-tuning (``finetune:`` in the run config): which parameters of a model started from
+``model.init_from`` train. The adapters themselves are model code (moe/model/adapters/); this
+module adds them to the single-device model before it is wrapped for expert parallelism, and
+freezes the rest: a frozen parameter has ``requires_grad`` False, so it gets no gradient and,
+left out of the optimizer's groups (moe/parallel/deepspeed_adapter.py), no optimizer state."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe.config.run import FinetuneConfig
+from moe.errors import ConfigError
+from moe.model.adapters.lora import LoRAConfig, apply_lora, base_fingerprint, is_factor
+from moe.model.router import TopKRouter
+
+log = logging.getLogger("moe.train")
+
+
+def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
+    """Add ``cfg``'s adapters to ``model`` and freeze what the method leaves frozen (method
+    none and full: nothing)."""
+    if cfg.method != "lora":
+        return
+    try:
+        trainable = {id(p) for p in apply_lora(model, cfg.lora)}
+    except ValueError as e:  # the config check catches these first; a direct caller gets this
+        raise ConfigError([f"finetune.lora: {e}"]) from None
+    if cfg.lora.init_from:
+        load_adapters(model, cfg.lora)
+    if cfg.lora.train_router:
+        trainable |= {id(m.weight) for m in model.modules() if isinstance(m, TopKRouter)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trainable)
+
+
+def parameter_counts(model: nn.Module, ep_size: int = 1) -> dict[str, float]:
+    """Trainable and total parameters of the whole model (expert parameters, which this rank
+    holds 1/ep_size of, counted for all ranks; tied weights once), and the trainable share."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel() * (ep_size if getattr(p, "allreduce", True) is False else 1)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return {"trainable_params": trainable, "total_params": total,
+            "trainable_share": trainable / total}
+
+
+def log_parameter_counts(counts: dict[str, float], method: str) -> None:
+    log.info(f"finetune.method {method}: {counts['trainable_params']:,} of "
+             f"{counts['total_params']:,} parameters train "
+             f"({100 * counts['trainable_share']:.3f}%)")
+
+
+LORA_SHAPE = ("targets", "rank", "alpha", "expert_rank")
+"""The LoRA settings an adapter file must share with the run that applies it."""
+
+
+@torch.no_grad()
+def load_adapters(model: nn.Module, cfg: LoRAConfig) -> None:
+    """Copy the factors of the adapter file ``cfg.init_from`` into ``model`` (single-device, its
+    LoRA factors added): refused, naming the file, when the file was trained on another base
+    (fingerprint of the base weights), with other LoRA settings, or holds other tensors."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(cfg.init_from)
+    key = "finetune.lora.init_from"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            factors = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise ConfigError([f"{key}: cannot read {path} ({e})"]) from None
+    if "base_sha256" not in meta or "lora" not in meta:
+        raise ConfigError([f"{key}: {path} is not an adapter file (moe-export --format adapters)"])
+    params = dict(model.named_parameters())
+    problems = []
+    if meta["base_sha256"] != base_fingerprint(params):
+        problems.append(f"{key}: {path} was trained on another base model (its base fingerprint "
+                        f"{meta['base_sha256'][:12]}... differs from this run's, "
+                        "model.init_from); apply it to the checkpoint it was trained from")
+    saved = json.loads(meta["lora"])
+    problems += [f"finetune.lora.{name}: {getattr(cfg, name)!r} here, {saved.get(name)!r} in "
+                 f"{path}" for name in LORA_SHAPE if saved.get(name) != _plain(getattr(cfg, name))]
+    ours = {n: p for n, p in params.items() if is_factor(n)}
+    if not problems and (factors.keys() != ours.keys()
+                         or any(factors[n].shape != p.shape for n, p in ours.items())):
+        problems.append(f"{key}: the factors in {path} do not match this model's")
+    if problems:
+        raise ConfigError(problems)
+    for name, p in ours.items():
+        p.copy_(factors[name])
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
