@@ -19,6 +19,7 @@ from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
 from moe.config_schema import from_dict, load_yaml, minimums, to_dict
 from moe.errors import ConfigError
+from moe.model.adapters.esft import ESFTConfig
 from moe.model.adapters.lora import LoRAConfig, lora_problems
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
@@ -214,7 +215,7 @@ class EvalConfig:
         return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
 
 
-COMING_METHODS = ("qlora", "esft", "prompt", "prefix", "adapter")
+COMING_METHODS = ("qlora", "prompt", "prefix", "adapter")
 """Fine-tuning methods named in the roadmap (docs/finetuning.md) but not built yet: refused."""
 
 
@@ -224,15 +225,20 @@ class FinetuneConfig:
     """none: not a fine-tuning run (pretraining, or continued training from model.init_from).
     full: every parameter trains, starting from model.init_from. lora: the base model is frozen
     (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
-    moe/model/adapters/lora.py). Both need model.init_from. qlora, esft, prompt, prefix and
-    adapter are planned and refused for now."""
+    moe/model/adapters/lora.py). esft: only the routed experts the training data uses most
+    train, everything else is frozen (finetune.esft). All but none need model.init_from. qlora,
+    prompt, prefix and adapter are planned and refused for now."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (method lora only)."""
+    esft: ESFTConfig = field(default_factory=ESFTConfig)
+    """Method esft (expert-specialised fine-tuning; moe/model/adapters/esft.py): how routed
+    experts are scored on the training data and the score share p the trained experts of each
+    MoE layer reach; every other parameter is frozen."""
 
     def problems(self) -> list[str]:
         if self.method in COMING_METHODS:
             return [f"method: {self.method} is not implemented yet (planned: "
-                    f"{', '.join(COMING_METHODS)}); use full or lora"]
+                    f"{', '.join(COMING_METHODS)}); use full, lora or esft"]
         return []
 
 
@@ -298,6 +304,10 @@ class RunConfig:
                 model = MoETransformer(dataclasses.replace(
                     self.model, vocab_size=self.model.vocab_size or 4))
             out += [f"finetune.lora.{p}" for p in lora_problems(model, self.finetune.lora)]
+        if method == "esft" and not any(map(self.model.is_moe_layer,
+                                            range(self.model.n_layers))):
+            out.append("finetune.method: esft trains selected routed experts, and this model "
+                       "has no MoE layer (model.ffn, model.moe.first_dense_layers, every_n_layers)")
         return out
 
     @property

@@ -12,6 +12,7 @@ from torch import nn
 
 from moe.config.run import FinetuneConfig
 from moe.errors import ConfigError
+from moe.model.adapters.esft import freeze_all_but_routed_experts
 from moe.model.adapters.lora import apply_lora
 from moe.model.router import TopKRouter
 
@@ -21,6 +22,9 @@ log = logging.getLogger("moe.train")
 def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
     """Add ``cfg``'s adapters to ``model`` and freeze what the method leaves frozen (method
     none and full: nothing)."""
+    if cfg.method == "esft":  # which experts train is decided on the data (moe/training/esft.py)
+        freeze_all_but_routed_experts(model)
+        return
     if cfg.method != "lora":
         return
     try:
@@ -35,12 +39,14 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
 
 def parameter_counts(model: nn.Module, ep_size: int = 1) -> dict[str, float]:
     """Trainable and total parameters of the whole model (expert parameters, which this rank
-    holds 1/ep_size of, counted for all ranks; tied weights once), and the trainable share."""
+    holds 1/ep_size of, counted for all ranks; tied weights once), and the trainable share. A
+    parameter marked ``trainable_fraction`` (an ESFT expert stack, moe/training/esft.py) counts
+    that fraction of its global size as trainable."""
     trainable = total = 0
     for p in model.parameters():
         n = p.numel() * (ep_size if getattr(p, "allreduce", True) is False else 1)
         total += n
-        trainable += n if p.requires_grad else 0
+        trainable += round(n * getattr(p, "trainable_fraction", 1)) if p.requires_grad else 0
     return {"trainable_params": trainable, "total_params": total,
             "trainable_share": trainable / total}
 
