@@ -11,6 +11,7 @@ from moe.checkpoint.consolidate import read_consolidated
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint, verify_files
 from moe.config.run import RunConfig, load_config
 from moe.errors import CheckpointError
+from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.lora import apply_lora, merge_lora
 from moe.model.transformer import MoETransformer
 
@@ -20,6 +21,8 @@ def build_model(cfg: RunConfig) -> MoETransformer:
     model = MoETransformer(cfg.model)
     if cfg.finetune.method == "lora":
         apply_lora(model, cfg.finetune.lora)
+    elif cfg.finetune.method == "adapter":  # kept by loaded models: adapters do not merge
+        apply_bottleneck_adapters(model, cfg.finetune.adapter)
     return model
 
 

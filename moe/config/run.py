@@ -19,6 +19,7 @@ from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
 from moe.config_schema import from_dict, load_yaml, minimums, to_dict
 from moe.errors import ConfigError
+from moe.model.adapters.bottleneck import BottleneckConfig, bottleneck_problems
 from moe.model.adapters.esft import ESFTConfig
 from moe.model.adapters.lora import LoRAConfig, lora_problems
 from moe.model.recompute import RecomputeMode
@@ -215,7 +216,7 @@ class EvalConfig:
         return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
 
 
-COMING_METHODS = ("qlora", "prompt", "prefix", "adapter")
+COMING_METHODS = ("qlora", "prompt", "prefix")
 """Fine-tuning methods named in the roadmap (docs/finetuning.md) but not built yet: refused."""
 
 
@@ -226,19 +227,23 @@ class FinetuneConfig:
     full: every parameter trains, starting from model.init_from. lora: the base model is frozen
     (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
     moe/model/adapters/lora.py). esft: only the routed experts the training data uses most
-    train, everything else is frozen (finetune.esft). All but none need model.init_from. qlora,
-    prompt, prefix and adapter are planned and refused for now."""
+    train, everything else is frozen (finetune.esft). adapter: the base model is frozen and
+    bottleneck adapters train (finetune.adapter). All but none need model.init_from. qlora,
+    prompt and prefix are planned and refused for now."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (method lora only)."""
     esft: ESFTConfig = field(default_factory=ESFTConfig)
     """Method esft (expert-specialised fine-tuning; moe/model/adapters/esft.py): how routed
     experts are scored on the training data and the score share p the trained experts of each
     MoE layer reach; every other parameter is frozen."""
+    adapter: BottleneckConfig = field(default_factory=BottleneckConfig)
+    """Method adapter (bottleneck adapters, Houlsby et al.; moe/model/adapters/bottleneck.py):
+    their width and after which sublayers of each block they go."""
 
     def problems(self) -> list[str]:
         if self.method in COMING_METHODS:
             return [f"method: {self.method} is not implemented yet (planned: "
-                    f"{', '.join(COMING_METHODS)}); use full, lora or esft"]
+                    f"{', '.join(COMING_METHODS)}); use full, lora, esft or adapter"]
         return []
 
 
@@ -308,6 +313,9 @@ class RunConfig:
                                             range(self.model.n_layers))):
             out.append("finetune.method: esft trains selected routed experts, and this model "
                        "has no MoE layer (model.ffn, model.moe.first_dense_layers, every_n_layers)")
+        if method == "adapter":
+            out += [f"finetune.adapter.{p}"
+                    for p in bottleneck_problems(self.model.d_model, self.finetune.adapter)]
         return out
 
     @property

@@ -12,6 +12,7 @@ from torch import nn
 
 from moe.config.run import FinetuneConfig
 from moe.errors import ConfigError
+from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.esft import freeze_all_but_routed_experts
 from moe.model.adapters.lora import apply_lora
 from moe.model.router import TopKRouter
@@ -24,6 +25,12 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
     none and full: nothing)."""
     if cfg.method == "esft":  # which experts train is decided on the data (moe/training/esft.py)
         freeze_all_but_routed_experts(model)
+        return
+    if cfg.method == "adapter":
+        try:
+            _train_only(model, apply_bottleneck_adapters(model, cfg.adapter))
+        except ValueError as e:  # the config check catches it first; a direct caller gets this
+            raise ConfigError([f"finetune.adapter: {e}"]) from None
         return
     if cfg.method != "lora":
         return
@@ -55,3 +62,9 @@ def log_parameter_counts(counts: dict[str, float], method: str) -> None:
     log.info(f"finetune.method {method}: {counts['trainable_params']:,} of "
              f"{counts['total_params']:,} parameters train "
              f"({100 * counts['trainable_share']:.3f}%)")
+
+
+def _train_only(model: nn.Module, params: list[nn.Parameter]) -> None:
+    keep = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)

@@ -9,8 +9,6 @@ import math
 import pytest
 import torch
 
-from moe.checkpoint.consolidate import read_consolidated
-from moe.checkpoint.files import find_latest
 from moe.config.run import RunConfig, load_config
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
@@ -19,8 +17,8 @@ from moe.model.adapters.esft import freeze_all_but_routed_experts, mask_expert_r
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.training.esft import score_experts
 from moe.training.finetune import parameter_counts
-from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
+from tests.helpers.finetune import base_and_finetune, latest_weights
 
 
 def test_selection_is_the_smallest_prefix_reaching_p():
@@ -148,16 +146,10 @@ def _runs(rank, world, base, ft, runs_dir):
 @pytest.mark.multiprocess
 def test_only_selected_experts_train_under_expert_parallelism(tiny_data, tmp_path):
     runs = tmp_path / "runs"
-    base = tiny_run_dict(tiny_data, runs)
-    base["name"] = "base"
-    base["model"]["moe"]["num_shared_experts"] = 1
-    base["train"].update(max_steps=6, micro_batch_size=4, lr=3e-3)
-    ft = copy.deepcopy(base)
-    ft["name"] = "ft"
-    ft["model"]["init_from"] = str(runs / "base")
-    ft["finetune"] = {"method": "esft", "esft": {"score": "gate", "p": 0.3, "max_batches": 2}}
     # Weight decay on: it must not shrink the frozen experts (their group's decay is zeroed).
-    ft["train"].update(max_steps=6, lr=1e-2, warmup_steps=1, weight_decay=0.1)
+    base, ft = base_and_finetune(
+        tiny_data, runs, {"method": "esft", "esft": {"score": "gate", "p": 0.3, "max_batches": 2}},
+        max_steps=6, lr=1e-2, warmup_steps=1, weight_decay=0.1)
     run_distributed(_runs, 2, base, ft, str(runs))
 
     selection = json.loads((runs / "ft" / "esft_selection.json").read_text())
@@ -171,9 +163,7 @@ def test_only_selected_experts_train_under_expert_parallelism(tiny_data, tmp_pat
     assert {e // 2 for s in got for e in s} == {0, 1}
     assert json.loads((runs / "ft2" / "esft_selection.json").read_text()) == selection
 
-    before, _ = read_consolidated(runs / "base" / "checkpoints" / find_latest(runs / "base" / "checkpoints"))
-    ckpt = runs / "ft" / "checkpoints"
-    after, _ = read_consolidated(ckpt / find_latest(ckpt))
+    before, after = latest_weights(runs / "base"), latest_weights(runs / "ft")
     assert before.keys() == after.keys()
     for name, w in before.items():
         if ".experts.w_" in name:
@@ -190,7 +180,6 @@ def test_only_selected_experts_train_under_expert_parallelism(tiny_data, tmp_pat
     assert loss["ft"] < loss["base"] - 0.01, loss  # measured: 5.675 -> 5.649
 
     # Killed after step 2 and resumed (on its checkpoint's selection): the same weights.
-    ckpt2 = runs / "ft2" / "checkpoints"
-    resumed, _ = read_consolidated(ckpt2 / find_latest(ckpt2))
+    resumed = latest_weights(runs / "ft2")
     for name, w in after.items():
         assert torch.equal(resumed[name], w), name
