@@ -13,6 +13,7 @@ from moe.config.run import RunConfig, load_config
 from moe.errors import CheckpointError
 from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.lora import apply_lora, merge_lora
+from moe.model.adapters.prompt import apply_prompt
 from moe.model.transformer import MoETransformer
 
 
@@ -23,6 +24,8 @@ def build_model(cfg: RunConfig) -> MoETransformer:
         apply_lora(model, cfg.finetune.lora)
     elif cfg.finetune.method == "adapter":  # kept by loaded models: adapters do not merge
         apply_bottleneck_adapters(model, cfg.finetune.adapter)
+    elif cfg.finetune.method == "prompt":  # the soft prompt goes before every sequence
+        apply_prompt(model, cfg.finetune.prompt)
     return model
 
 

@@ -22,6 +22,7 @@ from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import BottleneckConfig, bottleneck_problems
 from moe.model.adapters.esft import ESFTConfig
 from moe.model.adapters.lora import LoRAConfig, lora_problems
+from moe.model.adapters.prompt import PromptConfig
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
 
@@ -216,7 +217,7 @@ class EvalConfig:
         return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
 
 
-COMING_METHODS = ("qlora", "prompt", "prefix")
+COMING_METHODS = ("qlora", "prefix")
 """Fine-tuning methods named in the roadmap (docs/finetuning.md) but not built yet: refused."""
 
 
@@ -228,8 +229,9 @@ class FinetuneConfig:
     (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
     moe/model/adapters/lora.py). esft: only the routed experts the training data uses most
     train, everything else is frozen (finetune.esft). adapter: the base model is frozen and
-    bottleneck adapters train (finetune.adapter). All but none need model.init_from. qlora,
-    prompt and prefix are planned and refused for now."""
+    bottleneck adapters train (finetune.adapter). prompt: the base model is frozen and a soft
+    prompt trains (finetune.prompt). All but none need model.init_from. qlora and prefix are
+    planned and refused for now."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (method lora only)."""
     esft: ESFTConfig = field(default_factory=ESFTConfig)
@@ -239,11 +241,14 @@ class FinetuneConfig:
     adapter: BottleneckConfig = field(default_factory=BottleneckConfig)
     """Method adapter (bottleneck adapters, Houlsby et al.; moe/model/adapters/bottleneck.py):
     their width and after which sublayers of each block they go."""
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    """Method prompt (soft prompt tuning, Lester et al.; moe/model/adapters/prompt.py): the
+    prompt's length and initialization."""
 
     def problems(self) -> list[str]:
         if self.method in COMING_METHODS:
             return [f"method: {self.method} is not implemented yet (planned: "
-                    f"{', '.join(COMING_METHODS)}); use full, lora, esft or adapter"]
+                    f"{', '.join(COMING_METHODS)}); use full, lora, esft, adapter or prompt"]
         return []
 
 
@@ -316,6 +321,21 @@ class RunConfig:
         if method == "adapter":
             out += [f"finetune.adapter.{p}"
                     for p in bottleneck_problems(self.model.d_model, self.finetune.adapter)]
+        if method == "prompt":
+            out += self._prompt_problems()
+        return out
+
+    def _prompt_problems(self) -> list[str]:
+        out, n = [], self.finetune.prompt.tokens
+        if self.model.document_masking:
+            out.append("model.document_masking: finetune.method prompt does not support packed "
+                       "documents (a soft prompt in front of a row would be seen by its first "
+                       "document only); set it false")
+        if self.model.position == "learned" and self.data.seq_len + n > self.model.max_seq_len:
+            out.append(f"finetune.prompt.tokens: {n} prompt positions before data.seq_len "
+                       f"{self.data.seq_len} exceed model.max_seq_len ({self.model.max_seq_len}) "
+                       "of the learned position table; use at most "
+                       f"{self.model.max_seq_len - self.data.seq_len} tokens")
         return out
 
     @property

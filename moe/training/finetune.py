@@ -15,6 +15,7 @@ from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.esft import freeze_all_but_routed_experts
 from moe.model.adapters.lora import apply_lora
+from moe.model.adapters.prompt import apply_prompt
 from moe.model.router import TopKRouter
 
 log = logging.getLogger("moe.train")
@@ -26,11 +27,14 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
     if cfg.method == "esft":  # which experts train is decided on the data (moe/training/esft.py)
         freeze_all_but_routed_experts(model)
         return
-    if cfg.method == "adapter":
+    # Methods whose added parameters are all that trains.
+    added = {"adapter": lambda: apply_bottleneck_adapters(model, cfg.adapter),
+             "prompt": lambda: apply_prompt(model, cfg.prompt)}
+    if cfg.method in added:
         try:
-            _train_only(model, apply_bottleneck_adapters(model, cfg.adapter))
+            _train_only(model, added[cfg.method]())
         except ValueError as e:  # the config check catches it first; a direct caller gets this
-            raise ConfigError([f"finetune.adapter: {e}"]) from None
+            raise ConfigError([f"finetune.{cfg.method}: {e}"]) from None
         return
     if cfg.method != "lora":
         return
