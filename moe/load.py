@@ -13,6 +13,7 @@ from moe.config.run import RunConfig, load_config
 from moe.errors import CheckpointError
 from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.lora import apply_lora, merge_lora
+from moe.model.adapters.prefix import apply_prefix
 from moe.model.adapters.prompt import apply_prompt
 from moe.model.transformer import MoETransformer
 
@@ -26,6 +27,8 @@ def build_model(cfg: RunConfig) -> MoETransformer:
         apply_bottleneck_adapters(model, cfg.finetune.adapter)
     elif cfg.finetune.method == "prompt":  # the soft prompt goes before every sequence
         apply_prompt(model, cfg.finetune.prompt)
+    elif cfg.finetune.method == "prefix":
+        apply_prefix(model, cfg.finetune.prefix)
     return model
 
 

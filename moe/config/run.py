@@ -22,6 +22,7 @@ from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import BottleneckConfig, bottleneck_problems
 from moe.model.adapters.esft import ESFTConfig
 from moe.model.adapters.lora import LoRAConfig, lora_problems
+from moe.model.adapters.prefix import PrefixConfig, prefix_problems
 from moe.model.adapters.prompt import PromptConfig
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
@@ -217,7 +218,7 @@ class EvalConfig:
         return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
 
 
-COMING_METHODS = ("qlora", "prefix")
+COMING_METHODS = ("qlora",)
 """Fine-tuning methods named in the roadmap (docs/finetuning.md) but not built yet: refused."""
 
 
@@ -230,8 +231,9 @@ class FinetuneConfig:
     moe/model/adapters/lora.py). esft: only the routed experts the training data uses most
     train, everything else is frozen (finetune.esft). adapter: the base model is frozen and
     bottleneck adapters train (finetune.adapter). prompt: the base model is frozen and a soft
-    prompt trains (finetune.prompt). All but none need model.init_from. qlora and prefix are
-    planned and refused for now."""
+    prompt trains (finetune.prompt). prefix: the base model is frozen and per-layer key/value
+    prefixes train (finetune.prefix). All but none need model.init_from. qlora is planned and
+    refused for now."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (method lora only)."""
     esft: ESFTConfig = field(default_factory=ESFTConfig)
@@ -244,11 +246,14 @@ class FinetuneConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     """Method prompt (soft prompt tuning, Lester et al.; moe/model/adapters/prompt.py): the
     prompt's length and initialization."""
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    """Method prefix (prefix tuning, Li and Liang; moe/model/adapters/prefix.py): the key/value
+    pairs each attention layer gains."""
 
     def problems(self) -> list[str]:
         if self.method in COMING_METHODS:
             return [f"method: {self.method} is not implemented yet (planned: "
-                    f"{', '.join(COMING_METHODS)}); use full, lora, esft, adapter or prompt"]
+                    f"{', '.join(COMING_METHODS)}); use full, lora, esft, adapter, prompt or prefix"]
         return []
 
 
@@ -323,6 +328,9 @@ class RunConfig:
                     for p in bottleneck_problems(self.model.d_model, self.finetune.adapter)]
         if method == "prompt":
             out += self._prompt_problems()
+        if method == "prefix":
+            out += prefix_problems(self.model.attention_backend, self.model.position,
+                                   self.model.document_masking)
         return out
 
     def _prompt_problems(self) -> list[str]:

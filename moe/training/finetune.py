@@ -15,6 +15,7 @@ from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.esft import freeze_all_but_routed_experts
 from moe.model.adapters.lora import apply_lora
+from moe.model.adapters.prefix import apply_prefix
 from moe.model.adapters.prompt import apply_prompt
 from moe.model.router import TopKRouter
 
@@ -29,7 +30,8 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
         return
     # Methods whose added parameters are all that trains.
     added = {"adapter": lambda: apply_bottleneck_adapters(model, cfg.adapter),
-             "prompt": lambda: apply_prompt(model, cfg.prompt)}
+             "prompt": lambda: apply_prompt(model, cfg.prompt),
+             "prefix": lambda: apply_prefix(model, cfg.prefix)}
     if cfg.method in added:
         try:
             _train_only(model, added[cfg.method]())

@@ -2,20 +2,16 @@
 the same hard prompt does (positions and masks of every encoding and back end), the loss is the
 sequence's own, the KV cache, the frozen base, the config checks, and a real trainer run."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from data_pipeline.reader import PackedReader
-from moe.config.run import RunConfig, load_config
+from moe.config.run import load_config
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.training.finetune import parameter_counts, prepare_finetune
-from tests.helpers.distributed import run_distributed
-from tests.helpers.finetune import base_and_finetune, latest_weights
+from tests.helpers.finetune import finetune_over_frozen_base
 
 N = 5
 IDS = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
@@ -96,43 +92,12 @@ def test_bad_settings_are_refused_by_key():
                                              "finetune.prompt.tokens=0"])
 
 
-def trained_samples(data) -> torch.Tensor:
-    """The 64 samples of the fine-tuning run's 8 steps (2 ranks x micro-batch 4)."""
-    return PackedReader(data.dir, data.seq_len, data.seed, 0, 1, 64).next_step(1)[0].tokens_BS
-
-
-def _runs(rank, world, base, ft, data, out_file):
-    """Pretrain, measure the fine-tuning run's loss at step 0 (its model as the trainer builds
-    it, initial prompt included) on the samples it will train on, fine-tune."""
-    from moe.training.trainer import DistEnv, build_engine, resolve_vocab, train
-
-    env = DistEnv(rank, world, rank, world)
-    train(from_dict(RunConfig, copy.deepcopy(base)), env)
-    _, model = build_engine(resolve_vocab(from_dict(RunConfig, copy.deepcopy(ft))), env)
-    samples = trained_samples(data)
-    model.eval()
-    with torch.no_grad():
-        start = model(samples[:, :-1], samples[:, 1:]).lm_loss
-    torch.save(start, out_file)
-    train(from_dict(RunConfig, copy.deepcopy(ft)), env)
-
-
 @pytest.mark.multiprocess
 def test_prompt_run_trains_and_leaves_the_base_unchanged(tiny_data, tmp_path):
-    from moe.evaluation.evaluate import load_model
-
-    runs = tmp_path / "runs"
-    base, ft = base_and_finetune(tiny_data, runs, {"method": "prompt", "prompt": {"tokens": 8}},
-                                 max_steps=8, lr=3e-3, weight_decay=0.1)
-    run_distributed(_runs, 2, base, ft, tiny_data, str(tmp_path / "start.pt"))
-    before, after = latest_weights(runs / "base"), latest_weights(runs / "ft")
-    assert set(after) - set(before) == {"embed.prompt"}
-    for name, w in before.items():
-        assert torch.equal(after[name], w), name
-    samples = trained_samples(tiny_data)
-    with torch.no_grad():
-        end = load_model(runs / "ft")[0](samples[:, :-1], samples[:, 1:]).lm_loss.item()
-    start = torch.load(tmp_path / "start.pt", weights_only=True).item()
+    added, start, end = finetune_over_frozen_base(
+        tiny_data, tmp_path, {"method": "prompt", "prompt": {"tokens": 8}}, steps=8, lr=3e-3,
+        weight_decay=0.1)
+    assert added == {"embed.prompt"}
     # Measured: 5.69342 -> 5.69315. Small: 8 prompt vectors in front of a frozen model barely
     # past its start, 8 steps, every sample seen once (lr 3e-2 overshoots: 5.6941).
     assert end < start - 1e-4, (start, end)
