@@ -166,5 +166,6 @@ def prepare_esft(model, optimizer, reader: PackedReader, cfg: RunConfig, rank: i
             f"scored on {selection['tokens']:,} tokens")
         log.info(f"ESFT ({selection['score']}, p={selection['p']}), {how}: "
                  + "; ".join(f"{layer['name']}: experts {layer['selected']}"
-                             for layer in selection["layers"]))
+                             for layer in selection["layers"])
+                 + "; the experts train without weight decay (docs/finetuning.md)")
     return selection
