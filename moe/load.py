@@ -12,7 +12,10 @@ from moe.checkpoint.consolidate import read_consolidated
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint, verify_files
 from moe.config.run import FinetuneConfig, RunConfig, load_config
 from moe.errors import CheckpointError
+from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.lora import apply_lora, merge_lora
+from moe.model.adapters.prefix import apply_prefix
+from moe.model.adapters.prompt import apply_prompt
 from moe.model.transformer import MoETransformer
 
 
@@ -21,6 +24,12 @@ def build_model(cfg: RunConfig) -> MoETransformer:
     model = MoETransformer(cfg.model)
     if cfg.finetune.method == "lora":
         apply_lora(model, cfg.finetune.lora)
+    elif cfg.finetune.method == "adapter":  # kept by loaded models: adapters do not merge
+        apply_bottleneck_adapters(model, cfg.finetune.adapter)
+    elif cfg.finetune.method == "prompt":  # the soft prompt goes before every sequence
+        apply_prompt(model, cfg.finetune.prompt)
+    elif cfg.finetune.method == "prefix":
+        apply_prefix(model, cfg.finetune.prefix)
     return model
 
 

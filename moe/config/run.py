@@ -19,7 +19,11 @@ from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
 from moe.config_schema import from_dict, load_yaml, minimums, to_dict
 from moe.errors import ConfigError
+from moe.model.adapters.bottleneck import BottleneckConfig, bottleneck_problems
+from moe.model.adapters.esft import ESFTConfig
 from moe.model.adapters.lora import LoRAConfig, lora_problems
+from moe.model.adapters.prefix import PrefixConfig, prefix_problems
+from moe.model.adapters.prompt import PromptConfig
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
 
@@ -214,7 +218,7 @@ class EvalConfig:
         return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
 
 
-COMING_METHODS = ("qlora", "esft", "prompt", "prefix", "adapter")
+COMING_METHODS = ("qlora",)
 """Fine-tuning methods named in the roadmap (docs/finetuning.md) but not built yet: refused."""
 
 
@@ -224,10 +228,27 @@ class FinetuneConfig:
     """none: not a fine-tuning run (pretraining, or continued training from model.init_from).
     full: every parameter trains, starting from model.init_from. lora: the base model is frozen
     (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
-    moe/model/adapters/lora.py). Both need model.init_from. qlora, esft, prompt, prefix and
-    adapter are planned and refused for now."""
+    moe/model/adapters/lora.py). esft: only the routed experts the training data uses most
+    train, everything else is frozen (finetune.esft). adapter: the base model is frozen and
+    bottleneck adapters train (finetune.adapter). prompt: the base model is frozen and a soft
+    prompt trains (finetune.prompt). prefix: the base model is frozen and per-layer key/value
+    prefixes train (finetune.prefix). All but none need model.init_from. qlora is planned and
+    refused for now."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (method lora only)."""
+    esft: ESFTConfig = field(default_factory=ESFTConfig)
+    """Method esft (expert-specialised fine-tuning; moe/model/adapters/esft.py): how routed
+    experts are scored on the training data and the score share p the trained experts of each
+    MoE layer reach; every other parameter is frozen."""
+    adapter: BottleneckConfig = field(default_factory=BottleneckConfig)
+    """Method adapter (bottleneck adapters, Houlsby et al.; moe/model/adapters/bottleneck.py):
+    their width and after which sublayers of each block they go."""
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    """Method prompt (soft prompt tuning, Lester et al.; moe/model/adapters/prompt.py): the
+    prompt's length and initialization."""
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    """Method prefix (prefix tuning, Li and Liang; moe/model/adapters/prefix.py): the key/value
+    pairs each attention layer gains."""
 
     FIXED_KEYS = ("method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
                   "lora.train_router")
@@ -237,7 +258,7 @@ class FinetuneConfig:
     def problems(self) -> list[str]:
         if self.method in COMING_METHODS:
             return [f"method: {self.method} is not implemented yet (planned: "
-                    f"{', '.join(COMING_METHODS)}); use full or lora"]
+                    f"{', '.join(COMING_METHODS)}); use full, lora, esft, adapter, prompt or prefix"]
         return []
 
 
@@ -303,6 +324,31 @@ class RunConfig:
                 model = MoETransformer(dataclasses.replace(
                     self.model, vocab_size=self.model.vocab_size or 4))
             out += [f"finetune.lora.{p}" for p in lora_problems(model, self.finetune.lora)]
+        if method == "esft" and not any(map(self.model.is_moe_layer,
+                                            range(self.model.n_layers))):
+            out.append("finetune.method: esft trains selected routed experts, and this model "
+                       "has no MoE layer (model.ffn, model.moe.first_dense_layers, every_n_layers)")
+        if method == "adapter":
+            out += [f"finetune.adapter.{p}"
+                    for p in bottleneck_problems(self.model.d_model, self.finetune.adapter)]
+        if method == "prompt":
+            out += self._prompt_problems()
+        if method == "prefix":
+            out += prefix_problems(self.model.attention_backend, self.model.position,
+                                   self.model.document_masking)
+        return out
+
+    def _prompt_problems(self) -> list[str]:
+        out, n = [], self.finetune.prompt.tokens
+        if self.model.document_masking:
+            out.append("model.document_masking: finetune.method prompt does not support packed "
+                       "documents (a soft prompt in front of a row would be seen by its first "
+                       "document only); set it false")
+        if self.model.position == "learned" and self.data.seq_len + n > self.model.max_seq_len:
+            out.append(f"finetune.prompt.tokens: {n} prompt positions before data.seq_len "
+                       f"{self.data.seq_len} exceed model.max_seq_len ({self.model.max_seq_len}) "
+                       "of the learned position table; use at most "
+                       f"{self.model.max_seq_len - self.data.seq_len} tokens")
         return out
 
     @property

@@ -289,6 +289,11 @@ class CausalSelfAttention(nn.Module):
             y = getattr(self, norm)(y)
         return y.transpose(1, 2)
 
+    def extend_keys(self, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs):
+        """Keys and values (B, Hkv, L, hd) the queries attend to, and the inputs to use with them;
+        adapters (prefix tuning, moe/model/adapters/prefix.py) add their own in front."""
+        return k, v, inputs
+
     def forward(self, x_BSD: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = self._heads(x_BSD, self.q_proj, "q_norm", self.n_heads)  # (B, H, S, hd)
@@ -298,6 +303,7 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, inputs.rotary), apply_rotary(k, inputs.rotary)
         if inputs.cache is not None:
             k, v = inputs.cache.append(self.layer_index, k, v)  # (B, Hkv, L, hd)
+        k, v, inputs = self.extend_keys(k, v, inputs)
         gqa = self.n_kv_heads != self.n_heads
         if self.recompute_core and torch.is_grad_enabled():
             # Keeps only q, k, v for backward; the core runs again there.

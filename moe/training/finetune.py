@@ -15,7 +15,11 @@ from torch import nn
 
 from moe.config.run import FinetuneConfig
 from moe.errors import ConfigError
+from moe.model.adapters.bottleneck import apply_bottleneck_adapters
+from moe.model.adapters.esft import freeze_all_but_routed_experts
 from moe.model.adapters.lora import LoRAConfig, apply_lora, base_fingerprint, is_factor
+from moe.model.adapters.prefix import apply_prefix
+from moe.model.adapters.prompt import apply_prompt
 from moe.model.router import TopKRouter
 
 log = logging.getLogger("moe.train")
@@ -24,6 +28,19 @@ log = logging.getLogger("moe.train")
 def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
     """Add ``cfg``'s adapters to ``model`` and freeze what the method leaves frozen (method
     none and full: nothing)."""
+    if cfg.method == "esft":  # which experts train is decided on the data (moe/training/esft.py)
+        freeze_all_but_routed_experts(model)
+        return
+    # Methods whose added parameters are all that trains.
+    added = {"adapter": lambda: apply_bottleneck_adapters(model, cfg.adapter),
+             "prompt": lambda: apply_prompt(model, cfg.prompt),
+             "prefix": lambda: apply_prefix(model, cfg.prefix)}
+    if cfg.method in added:
+        try:
+            _train_only(model, added[cfg.method]())
+        except ValueError as e:  # the config check catches it first; a direct caller gets this
+            raise ConfigError([f"finetune.{cfg.method}: {e}"]) from None
+        return
     if cfg.method != "lora":
         return
     try:
@@ -40,12 +57,14 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
 
 def parameter_counts(model: nn.Module, ep_size: int = 1) -> dict[str, float]:
     """Trainable and total parameters of the whole model (expert parameters, which this rank
-    holds 1/ep_size of, counted for all ranks; tied weights once), and the trainable share."""
+    holds 1/ep_size of, counted for all ranks; tied weights once), and the trainable share. A
+    parameter marked ``trainable_fraction`` (an ESFT expert stack, moe/training/esft.py) counts
+    that fraction of its global size as trainable."""
     trainable = total = 0
     for p in model.parameters():
         n = p.numel() * (ep_size if getattr(p, "allreduce", True) is False else 1)
         total += n
-        trainable += n if p.requires_grad else 0
+        trainable += round(n * getattr(p, "trainable_fraction", 1)) if p.requires_grad else 0
     return {"trainable_params": trainable, "total_params": total,
             "trainable_share": trainable / total}
 
@@ -98,3 +117,9 @@ def load_adapters(model: nn.Module, cfg: LoRAConfig) -> None:
 
 def _plain(value):
     return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _train_only(model: nn.Module, params: list[nn.Parameter]) -> None:
+    keep = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)

@@ -50,6 +50,8 @@ from moe.training.checkpoint import (
 )
 from moe.training.decision import Continue, Decision, Rollback, Stop
 from moe.training.device import peak_bf16_flops, to_device
+from moe.training.esft import CLIENT_KEY as ESFT_STATE
+from moe.training.esft import prepare_esft
 from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
 from moe.training.hooks import (
     ConsoleHook,
@@ -155,7 +157,7 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
                                    cfg.train.seed)
     prepare_finetune(model, cfg.finetune)  # adapters and frozen parameters, before wrapping
     wrap_moe_layers(model, ep, expert_parallel_rank(env.rank, ep))
-    if env.rank == 0:
+    if env.rank == 0 and cfg.finetune.method != "esft":  # ESFT's, once it selected (start_run)
         log_parameter_counts(parameter_counts(model, ep), cfg.finetune.method)
     t = cfg.train
     apply_recompute(model, t.recompute, t.recompute_every_n_blocks)
@@ -360,6 +362,7 @@ class Run:
     spike: LossSpikeGuard | None = None
     preemption: PreemptionGuard | None = None
     watchdog: HangWatchdog | None = None
+    esft: dict | None = None  # finetune.method esft: the experts that train (moe/training/esft.py)
 
 
 def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
@@ -484,10 +487,17 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str,
             state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
         log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
                  f"{time.time() - t_load:.2f}s)")
+    esft = None
+    if cfg.finetune.method == "esft":  # after loading: a resumed run takes its checkpoint's
+        ep = cfg.parallel.expert_parallel_size
+        esft = prepare_esft(model, engine.optimizer, reader, cfg, env.rank,
+                            expert_parallel_rank(env.rank, ep), engine.device, client, resume_dir)
+        if env.rank == 0:
+            log_parameter_counts(parameter_counts(model, ep), "esft")
     loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
     if faults is not None:  # tests only: proxies that call the injector (resilience/faults.py)
         engine, loader = faults.install(engine, loader, state)
-    run = Run(cfg, env, engine, model, loader, tokenizer_sha, state)
+    run = Run(cfg, env, engine, model, loader, tokenizer_sha, state, esft=esft)
     add_parts(run, data, client)
     if state.step >= cfg.train.max_steps and env.rank == 0:
         log.info(f"the latest checkpoint is at step {state.step}; nothing left to train "
@@ -529,10 +539,12 @@ def add_parts(run: Run, data: PreparedData, client: dict) -> None:
         tokenizer_sha256=run.tokenizer_sha256, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
+    client_state = {SPIKE_STATE: run.spike.state_dict} if run.spike is not None else {}
+    if run.esft is not None:
+        client_state[ESFT_STATE] = lambda: run.esft
     run.checkpointer = Checkpointer(
         run.engine, run.loader, run_dir / "checkpoints", save_ctx, env.rank,
-        cfg.checkpoint.on_save_error,
-        {SPIKE_STATE: run.spike.state_dict} if run.spike is not None else None)
+        cfg.checkpoint.on_save_error, client_state)
     run.preemption = PreemptionGuard(run_dir / PREEMPTED_MARKER, env.rank,
                                      tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals))
     if t.hang_timeout_s:
