@@ -84,10 +84,11 @@ def merged_adapters(state: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
 def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
     """Build the single-device model from a DeepSpeed checkpoint saved with any layout. The
     adapters of a fine-tuning run (LoRA) are merged into the base weights: the model is a plain
-    one, computing the fine-tuned function."""
+    one, computing the fine-tuned function. Adapters that do not merge (bottleneck adapters,
+    prompt and prefix tuning) are kept as modules."""
     state, cfg, tag_dir = load_consolidated(path)
-    state, _ = merged_adapters(state, cfg)
-    model = MoETransformer(cfg.model)
+    state, plain = merged_adapters(state, cfg)
+    model = build_model(plain)
     model.load_state_dict(state, strict=not cfg.model.tie_embeddings)
     model.eval()
     return model, cfg, tag_dir
