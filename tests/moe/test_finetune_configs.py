@@ -1,0 +1,27 @@
+"""Every fine-tuning method has a config under configs/ that loads once given its base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe.config.run import load_config
+from moe.errors import ConfigError
+
+CONFIGS = sorted(Path("configs").glob("finetune-*.yaml"))
+
+
+def test_one_config_per_method():
+    assert {p.stem.removeprefix("finetune-") for p in CONFIGS} == {
+        "full", "lora", "esft", "adapter", "prompt", "prefix"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_each_config_asks_for_its_base_and_loads_with_it(path):
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert any(p.startswith("model.init_from:") for p in e.value.problems)
+    cfg = load_config(str(path), ["model.init_from=runs/default"])
+    assert cfg.finetune.method == path.stem.removeprefix("finetune-")
+    assert cfg.name == path.stem
