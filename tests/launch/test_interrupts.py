@@ -73,8 +73,11 @@ def test_stopping_a_session_kills_what_ignores_sigterm_and_keeps_the_exit_status
             "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
             "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    time.sleep(1.0)
-    grandchildren = psutil.Process(proc.pid).children(recursive=True)
+    deadline = time.monotonic() + 60  # a loaded machine starts Python slowly
+    while not (grandchildren := psutil.Process(proc.pid).children(recursive=True)):
+        assert time.monotonic() < deadline, "the grandchild never started"
+        time.sleep(0.1)
+    time.sleep(0.5)  # past its signal.signal() call, so that it ignores SIGTERM
     assert len(grandchildren) == 1
     t0 = time.monotonic()
     stop_session(proc)
