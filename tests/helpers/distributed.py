@@ -59,3 +59,17 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> None:
     mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, backend),
                        nprocs=world_size,
                        join=True, start_method="spawn")
+
+
+def global_params(model, ep_rank: int) -> dict:
+    """Parameters under single-device names, expert stacks (``allreduce`` False: the experts'
+    weights and their adapters) split by global expert id."""
+    out = {}
+    for name, p in model.named_parameters():
+        name = name.replace(".deepspeed_moe.", ".")
+        if getattr(p, "allreduce", True) is False:
+            for i in range(p.shape[0]):
+                out[f"{name}[{ep_rank * p.shape[0] + i}]"] = p[i].detach().clone()
+        else:
+            out[name] = p.detach().clone()
+    return out

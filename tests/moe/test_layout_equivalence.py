@@ -13,7 +13,7 @@ import torch
 from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.training.trainer import DistEnv, build_engine
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import global_params, run_distributed
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,19 +30,6 @@ def run_config(world: int, ep: int, accum: int, zero: int, moe: dict) -> dict:
             "train": {"micro_batch_size": MB, "grad_accum_steps": accum, "grad_clip": 0.0,
                       "seed": 11},
             "parallel": {"world_size": world, "expert_parallel_size": ep, "zero_stage": zero}}
-
-
-def global_params(model, ep_rank: int) -> dict:
-    """Parameters under single-device names, experts with global ids."""
-    out = {}
-    for name, p in model.named_parameters():
-        name = name.replace(".deepspeed_moe.", ".")
-        if name.endswith(("experts.w_in", "experts.w_out")):
-            for i in range(p.shape[0]):
-                out[f"{name}[{ep_rank * p.shape[0] + i}]"] = p[i].detach().clone()
-        else:
-            out[name] = p.detach().clone()
-    return out
 
 
 def _worker(rank, world, cases, batches, out_dir):

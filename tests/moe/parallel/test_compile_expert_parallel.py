@@ -13,8 +13,7 @@ from torch._dynamo.utils import counters
 from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.training.trainer import DistEnv, build_engine
-from tests.helpers.distributed import count_all_to_all, run_distributed
-from tests.moe.test_layout_equivalence import global_params
+from tests.helpers.distributed import count_all_to_all, global_params, run_distributed
 
 pytestmark = pytest.mark.multiprocess
 

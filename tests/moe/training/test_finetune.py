@@ -19,7 +19,7 @@ from moe.load import build_model, load_consolidated
 from moe.model.transformer import MoETransformer
 from moe.training.trainer import DistEnv, build_engine, train
 from tests.conftest import tiny_run_dict
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import global_params, run_distributed
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,19 +37,6 @@ def run_config(world: int, accum: int, targets: list[str]) -> dict:
             "parallel": {"world_size": world, "expert_parallel_size": world, "zero_stage": 2},
             "finetune": {"method": "lora",
                          "lora": {"targets": targets, "rank": 4, "train_router": True}}}
-
-
-def global_params(model, ep_rank: int) -> dict:
-    """Parameters under single-device names, expert stacks split by global expert id."""
-    out = {}
-    for name, p in model.named_parameters():
-        name = name.replace(".deepspeed_moe.", ".")
-        if getattr(p, "allreduce", True) is False:
-            for i in range(p.shape[0]):
-                out[f"{name}[{ep_rank * p.shape[0] + i}]"] = p[i].detach().clone()
-        else:
-            out[name] = p.detach().clone()
-    return out
 
 
 def _worker(rank, world, cases, batches, out_dir):
