@@ -78,10 +78,12 @@ def planned_bytes(cfg: RunConfig) -> float:
 
 
 def largest_fitting(budget_bytes: float, micro_batch: int | None) -> tuple[str, RunConfig] | None:
-    """The MoE preset in configs/ with the largest planned memory on one GPU with expert
+    """The MoE pretraining preset in configs/ with the largest planned memory on one GPU with expert
     parallelism 1 that stays within ``budget_bytes`` (None if none does)."""
     fitting = []
     for path in sorted(CONFIGS.glob("*.yaml")):
+        if path.stem.startswith("finetune-"):  # adapt a given base: not pretraining presets
+            continue
         cfg = one_gpu(load_config(path), micro_batch)
         if cfg.model.ffn == "moe" and planned_bytes(cfg) <= budget_bytes:
             fitting.append((planned_bytes(cfg), path.stem, cfg))
