@@ -85,7 +85,7 @@ def one_seed(args, seed: int) -> dict:
         pred = scaling_report.predict(held, family, largest)
         cfg = sweep / f"predicted-{family}.yaml"
         sh("launch.scaling", "predict", sweep, "--budget", largest, "--family", family,
-           "--bootstrap", args.bootstrap, "--write-config", cfg)
+           "--bootstrap", args.bootstrap, "--fit-below", largest, "--write-config", cfg)
         run_dir = Path(args.out) / "predicted" / f"s{seed}-{family}"
         sh("launch.launch", cfg, f"output_dir={run_dir.parent}", f"name={run_dir.name}",
            f"train.seed={seed}")
@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--sizes", default="4")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--jobs", default="1")
-    p.add_argument("--bootstrap", default="100")
+    p.add_argument("--bootstrap", type=int, default=100)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     budgets = sorted(float(b) for b in args.budgets.split(","))

@@ -4,7 +4,7 @@
                      [--experts 8,16] [--out SWEEP] [--allow-repeat] [key=value ...]
     moe-scaling run SWEEP [--jobs K] [--scheduler local|slurm] [--no-wait] [--dry-run]
     moe-scaling fit SWEEP
-    moe-scaling predict SWEEP --budget C [--family moe] [--write-config OUT.yaml]
+    moe-scaling predict SWEEP --budget C [--family moe] [--write-config OUT.yaml] [--fit-below C]
 
 The definitions (N, D, C, the ladder, the learning-rate rule) and the fits are documented in
 ``moe/tools/scaling.py`` and docs/scaling.md."""
@@ -362,7 +362,13 @@ def fit(args) -> None:
 def predict(args) -> None:
     sweep_dir = Path(args.sweep)
     sweep, runs = load_sweep(sweep_dir)
-    analysis = scaling_report.analyse(results(sweep_dir), bootstrap=args.bootstrap)
+    rows = results(sweep_dir)
+    if args.fit_below is not None:  # a held-out check: the law from the smaller budgets only
+        rows = [r for r in rows if r["budget"] < args.fit_below]
+        if not rows:
+            raise ScalingError(f"--fit-below {args.fit_below:.4g}: no finished run of a smaller "
+                               "budget")
+    analysis = scaling_report.analyse(rows, bootstrap=args.bootstrap)
     pred = scaling_report.predict(analysis, args.family, args.budget)
     print(scaling_report.prediction_text(pred))
     if args.write_config:
@@ -415,6 +421,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--budget", type=float, required=True)
             s.add_argument("--family", choices=scaling.FAMILIES, default="moe")
             s.add_argument("--write-config", help="write a run config of the predicted shape")
+            s.add_argument("--fit-below", type=float,
+                           help="fit only the runs of budgets below this (to check the law "
+                                "on a budget it has not seen)")
     return p
 
 

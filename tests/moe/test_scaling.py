@@ -183,3 +183,24 @@ def test_a_report_of_too_few_runs_for_any_fit_is_written_with_the_warnings(tmp_p
     assert paths["plot"].stat().st_size > 10_000
     text = paths["markdown"].read_text()
     assert "2 finished runs, no minimum" in text and "| w96 | dense |" in text
+
+
+def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch, tmp_path,
+                                                                     capsys):
+    """``moe-scaling predict --fit-below C``: the law comes from the runs of smaller budgets only
+    (the benchmark's held-out check); nothing below C is an error with the number."""
+    import launch.scaling as cli
+
+    rows = [{"budget": b, "family": "dense"} for b in (1e12, 3e12, 1e13)]
+    seen = []
+    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, []))
+    monkeypatch.setattr(cli, "results", lambda d: rows)
+    monkeypatch.setattr(cli.scaling_report, "analyse",
+                        lambda r, bootstrap: seen.append(r) or {"families": {}})
+    with pytest.raises(SystemExit):  # no dense law in the stub analysis: refused after it
+        cli.main(["predict", str(tmp_path), "--budget", "1e13", "--family", "dense",
+                  "--fit-below", "1e13"])
+    assert [r["budget"] for r in seen[0]] == [1e12, 3e12]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["predict", str(tmp_path), "--budget", "1e13", "--fit-below", "1e12"])
+    assert e.value.code == 2 and "--fit-below 1e+12" in capsys.readouterr().err
