@@ -4,6 +4,7 @@ watchdog before the collective times out, naming rank 1, and the stopped process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,6 +33,21 @@ def start(config: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval",
                              *overrides], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@contextlib.contextmanager
+def killed_on_failure(proc: subprocess.Popen):
+    """A failed check leaves no training behind (these runs have 10,000 steps)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        raise
 
 
 def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int, rank: int = 0) -> None:
@@ -64,11 +80,12 @@ def test_a_frozen_rank_is_named_by_the_healthy_one_and_killed(tiny_data, tmp_pat
     cfg, run_dir = config(tiny_data, tmp_path, "frozen", max_steps=10_000,
                           hang_timeout_s=HANG_TIMEOUT_S)
     proc = start(cfg)
-    wait_for_steps(proc, run_dir, 3, rank=1)
-    frozen = training_ranks(proc.pid)[1]
-    frozen.suspend()  # SIGSTOP
-    t0 = time.monotonic()
-    out, _ = proc.communicate(timeout=300)
+    with killed_on_failure(proc):
+        wait_for_steps(proc, run_dir, 3, rank=1)
+        frozen = training_ranks(proc.pid)[1]
+        frozen.suspend()  # SIGSTOP
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=300)
     elapsed = time.monotonic() - t0
 
     # Failed (not preempted), promptly: the watchdog fires after the timeout plus a few polls,
@@ -101,12 +118,13 @@ def test_term_and_ctrl_c_save_and_exit_75_a_second_signal_stops_at_once(tiny_dat
 
     def interrupted(send, after_steps: int):
         proc = start(cfg)
-        wait_for_steps(proc, run_dir, after_steps)
-        ranks = training_ranks(proc.pid)
-        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        assert len(ranks) == 2
-        send(proc)
-        out, _ = proc.communicate(timeout=300)
+        with killed_on_failure(proc):
+            wait_for_steps(proc, run_dir, after_steps)
+            ranks = training_ranks(proc.pid)
+            tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            assert len(ranks) == 2
+            send(proc)
+            out, _ = proc.communicate(timeout=300)
         assert alive(tree) == [], out[-3000:]  # no orphan left behind, ranks included
         assert "Traceback" not in out, out[-5000:]
         return proc.returncode, out
