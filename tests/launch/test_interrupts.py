@@ -2,7 +2,6 @@
 starts a save, which one stops at once, and when a process is ready to be sent the save signal.
 The real launch is tested in tests/integration/test_launcher_signals.py."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,11 +19,11 @@ from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MA
 
 def test_the_first_signal_saves_a_second_stopping_one_stops_at_once():
     with LauncherSignals(signal.SIGUSR1) as s:
-        os.kill(os.getpid(), signal.SIGUSR1)
+        signal.raise_signal(signal.SIGUSR1)
         assert (s.received, s.forced) == (signal.SIGUSR1, None)
-        os.kill(os.getpid(), signal.SIGUSR1)  # asking again to save changes nothing
+        signal.raise_signal(signal.SIGUSR1)  # asking again to save changes nothing
         assert s.forced is None
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt, a stop
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt, a stop
         assert (s.received, s.forced, s.name) == (signal.SIGUSR1, signal.SIGINT, "SIGINT")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
 
@@ -35,7 +34,7 @@ def test_an_ignored_signal_stays_ignored():
     try:
         with LauncherSignals(signal.SIGUSR1) as s:
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-            os.kill(os.getpid(), signal.SIGHUP)
+            signal.raise_signal(signal.SIGHUP)
             assert s.received is None
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
@@ -44,7 +43,7 @@ def test_an_ignored_signal_stays_ignored():
 
 def test_without_a_save_signal_the_first_signal_stops():
     with LauncherSignals(None) as s:
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
         assert s.forced == signal.SIGTERM
 
 
