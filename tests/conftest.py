@@ -35,6 +35,16 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+# A shell starts a background job (`cmd &` without job control) with SIGINT and SIGQUIT ignored,
+# and an ignored disposition is inherited by every child: the launcher then rightly keeps them
+# ignored (as under nohup), and the tests that send Ctrl-C would see nothing. Tests start from
+# Python's defaults however the suite was started.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Every test leaves os.environ and the preemption signals' handlers as it found them. An
