@@ -23,7 +23,7 @@ setup(
         "safetensors",
         "matplotlib",
     ],
-    extras_require={"hf": ["transformers"], "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "moto[server]"]},
+    extras_require={"hf": ["transformers"], "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft", "moto[server]"]},
     entry_points={
         "console_scripts": [
             "moe-prepare=launch.prepare:main",

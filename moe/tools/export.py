@@ -127,12 +127,21 @@ def export_adapters(checkpoint: str | Path, out_dir: str | Path, progress: bool 
         raise CheckpointError(f"{tag_dir}: the routers trained too (finetune.lora.train_router), "
                               "which the adapters alone do not hold; export the whole model "
                               "with --merge-adapters")
-    params = {name: state[name] for name, _ in build_model(cfg).named_parameters()}
-    factors = {k: v.float().contiguous() for k, v in params.items() if is_factor(k)}
-    metadata = {"format": "pt", "source": str(tag_dir), "base_sha256": base_fingerprint(params),
-                "lora": json.dumps(to_dict(cfg.finetune.lora))}
+    factors = {k: v.float().contiguous() for k, v in state.items() if is_factor(k)}
+    metadata = adapter_metadata(state, cfg, tag_dir)
     return _publish(Path(out_dir), lambda tmp: save_file(factors, str(tmp / ADAPTER_FILE),
                                                          metadata=metadata))
+
+
+def adapter_metadata(state: dict[str, torch.Tensor], cfg: RunConfig, tag_dir: Path
+                     ) -> dict[str, str]:
+    """safetensors metadata of an adapter file: its source, the fingerprint of the base it
+    was trained on and the LoRA settings."""
+    with torch.device("meta"):
+        names = [name for name, _ in build_model(cfg).named_parameters()]
+    return {"format": "pt", "source": str(tag_dir),
+            "base_sha256": base_fingerprint({n: state[n] for n in names}),
+            "lora": json.dumps(to_dict(cfg.finetune.lora))}
 
 
 def _write_run_config(cfg: RunConfig, tag_dir: Path, tmp: Path, merged: bool) -> None:
@@ -365,25 +374,22 @@ def hf_tokenizer(model_file: Path):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **specials), ids
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
-              progress: bool = False, merge_adapters: bool = False) -> Path:
-    """Write a transformers model directory; ``arch``: one of ``hf_support.TARGETS`` or auto
-    (the first that can hold the model). A model no target holds exactly is refused before
-    anything is written, naming every offending config key."""
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError("the Hugging Face export needs transformers: "
-                              "pip install -c constraints.txt transformers") from None
-    state, cfg, tag_dir = consolidated_fp32(checkpoint, progress, merge_adapters)
-    arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
+def _require(package: str, what: str) -> None:
+    """A CheckpointError saying how to install ``package`` when it is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise CheckpointError(f"{what} needs {package}: pip install -c constraints.txt {package}")
+
+
+def hf_model(state: dict[str, torch.Tensor], cfg: RunConfig, arch: str,
+             token_ids: dict | None = None):
+    """The transformers model (in memory, fp32) holding a plain model's single-device state
+    dict as ``arch``, every tensor placed and shaped as transformers expects."""
+    import transformers
+
     hf_state = _hf_state(state, cfg, arch)
-    imported_tokenizer = tag_dir / HF_TOKENIZER_DIR  # an imported model's own files (moe-import)
-    if (tag_dir / TOKENIZER_COPY).is_file() or not imported_tokenizer.is_dir():
-        tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)
-    else:
-        tokenizer, token_ids = None, {}
-    hf_cfg = transformers.AutoConfig.for_model(**_hf_config(cfg, arch, token_ids))
+    hf_cfg = transformers.AutoConfig.for_model(**_hf_config(cfg, arch, token_ids or {}))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -399,6 +405,23 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
     model.load_state_dict(hf_state, strict=not cfg.model.tie_embeddings, assign=True)
     if cfg.model.tie_embeddings:
         model.tie_weights()
+    return model
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
+              progress: bool = False, merge_adapters: bool = False) -> Path:
+    """Write a transformers model directory; ``arch``: one of ``hf_support.TARGETS`` or auto
+    (the first that can hold the model). A model no target holds exactly is refused before
+    anything is written, naming every offending config key."""
+    _require("transformers", "the Hugging Face export")
+    state, cfg, tag_dir = consolidated_fp32(checkpoint, progress, merge_adapters)
+    arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
+    imported_tokenizer = tag_dir / HF_TOKENIZER_DIR  # an imported model's own files (moe-import)
+    if (tag_dir / TOKENIZER_COPY).is_file() or not imported_tokenizer.is_dir():
+        tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)
+    else:
+        tokenizer, token_ids = None, {}
+    model = hf_model(state, cfg, arch, token_ids)
 
     def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)

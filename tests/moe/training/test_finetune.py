@@ -296,3 +296,56 @@ def test_resume_refuses_other_adapters_by_key(lora_runs):
         verify_checkpoint(tag, config(targets=["attention.q"]))
     with pytest.raises(CheckpointError, match="finetune.method: the checkpoint has 'lora'"):
         verify_checkpoint(tag, config(method="full"))
+
+
+def test_peft_export_goes_onto_the_base_export_only(lora_runs, tmp_path, capsys):
+    """moe-export --format peft on the trained LoRA run (attention q/v and routed experts, EP 2):
+    refused without its base's Hugging Face export, for a run that is not LoRA, and onto another
+    base, each time with nothing written; then peft loads it onto the base export (given, or
+    found through adapter_config.json) with our logits."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from launch.export import main
+
+    runs, base_ckpt, _ = lora_runs
+    out = tmp_path / "peft"
+
+    def refused(*args) -> str:
+        with pytest.raises(SystemExit) as e:
+            main([*map(str, args), "--format", "peft", "--quiet"])
+        assert e.value.code == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(made)  # nothing written
+        return capsys.readouterr().err
+
+    made = []
+    err = refused(runs / "lora", out)
+    assert "--base-hf" in err and f"moe-export {base_ckpt} DIR --format hf" in err
+    main([str(base_ckpt), str(tmp_path / "hf_base"), "--format", "hf", "--quiet"])
+    main([str(runs / "lora"), str(tmp_path / "hf_tuned"), "--format", "hf", "--quiet",
+          "--merge-adapters"])
+    made = ["hf_base", "hf_tuned"]
+    assert "finetune.method: none" in refused(runs / "base", out, "--base-hf", tmp_path / "hf_base")
+    err = refused(runs / "lora", out, "--base-hf", tmp_path / "hf_tuned")
+    assert "not the base model the adapters" in err and "blocks.0.attn.q_proj.weight" in err
+
+    main([str(runs / "lora"), str(out), "--format", "peft", "--quiet",
+          "--base-hf", str(tmp_path / "hf_base")])
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "hf_base").resolve())
+    assert config["target_modules"] == ["self_attn.q_proj", "self_attn.v_proj"]
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+    state, cfg, _ = load_consolidated(runs / "lora")
+    ours = build_model(cfg)
+    ours.load_state_dict(state)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 32),
+                        generator=torch.Generator().manual_seed(0))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_base"))
+    with torch.no_grad():
+        want = ours.eval()(ids).logits
+        assert (want - base.eval()(input_ids=ids).logits).abs().max() > 1e-3  # trained factors
+        for model in (peft.PeftModel.from_pretrained(base, str(out)),
+                      peft.AutoPeftModelForCausalLM.from_pretrained(str(out))):
+            got = model.eval()(input_ids=ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))

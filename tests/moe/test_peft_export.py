@@ -1,0 +1,114 @@
+"""The PEFT layout of a LoRA fine-tune (moe/tools/peft_export.py), checked by the peft library
+itself: for Mixtral (fused experts and router as target_parameters), Qwen2-MoE (also shared
+experts and a dense layer as target_modules) and Llama (every layer dense), our adapted model's
+logits equal those of peft's PeftModel.from_pretrained on the transformers export of the base.
+Every B factor is random, so any misplaced or mis-shaped factor shows in the logits."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from moe.config.run import FinetuneConfig, RunConfig
+from moe.config_schema import from_dict
+from moe.load import build_model
+from moe.model.adapters.lora import is_factor
+from moe.tools.export import hf_model
+from moe.tools.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter, peft_problems
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+ATTENTION = ["attention.q", "attention.k", "attention.v", "attention.o"]
+MOE = {"num_experts": 4, "expert_hidden": 24}
+CASES = {
+    # D (32) differs from the experts' hidden width (24): gate_up_proj's and down_proj's factors
+    # cannot trade places unnoticed. A routed scaling factor scales down_proj and its B.
+    "mixtral": ({"n_kv_heads": 2, "moe": {**MOE, "router": {
+        "top_k": 2, "order": "topk_then_softmax", "scaling_factor": 1.5}}},
+        {"targets": [*ATTENTION, "experts", "router"], "dropout": 0.1}),
+    # An ungated shared expert is exported times 2 on down_proj; the dense first layer's FFN.
+    "qwen2_moe": ({"n_layers": 3, "qkv_bias": True, "moe": {
+        **MOE, "num_shared_experts": 1, "first_dense_layers": 1, "router": {"top_k": 2}}},
+        {"targets": ["attention.q", "attention.v", "ffn", "shared_experts", "experts", "router"],
+         "expert_rank": "per_top_k"}),
+    "llama": ({"ffn": "dense", "moe": {"dense_hidden": 48}},
+              {"targets": [*ATTENTION, "ffn"], "dropout": 0.1}),
+}
+
+
+def _adapted(arch: str) -> tuple[torch.nn.Module, RunConfig]:
+    """Our model with LoRA on every target of the case and every factor random."""
+    model, lora = CASES[arch]
+    cfg = from_dict(RunConfig, {
+        "model": {"vocab_size": 96, "d_model": 32, "n_layers": 2, "n_heads": 4,
+                  "max_seq_len": 32, "init_from": "base", **model},
+        "data": {"seq_len": 32},
+        "finetune": {"method": "lora", "lora": {"rank": 4, "alpha": 6.0, **lora}}})
+    torch.manual_seed(0)
+    ours = build_model(cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if is_factor(name):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return ours.eval(), cfg
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_peft_loads_the_adapter_onto_the_base_with_our_logits(arch, tmp_path):
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    ours, cfg = _adapted(arch)
+    state = ours.state_dict()
+    base_state = {k: v for k, v in state.items() if not is_factor(k)}
+    plain_cfg = dataclasses.replace(cfg, finetune=FinetuneConfig())
+    hf_model(base_state, plain_cfg, arch).save_pretrained(str(tmp_path / "base"))  # as export_hf
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
+    config, tensors = peft_adapter(state, cfg, arch)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / ADAPTER_CONFIG).write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / "adapter" / ADAPTER_WEIGHTS))
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.model.vocab_size, (3, 24), generator=gen)
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        model = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        want = ours(ids).logits
+        got = model(input_ids=ids).logits
+    # peft placed every tensor of the file and created no factor the file lacks.
+    loaded = get_peft_model_state_dict(model)
+    assert loaded.keys() == tensors.keys(), loaded.keys() ^ tensors.keys()
+    for k, t in tensors.items():
+        torch.testing.assert_close(loaded[k], t, rtol=0, atol=0, msg=k)
+    assert (want - plain).abs().max() > 0.05  # the adapter changes the function
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+    lora = cfg.finetune.lora
+    moe = arch != "llama"
+    assert (config["target_parameters"] is not None) == moe
+    if moe:  # fused experts: peft's parameter targets, and no dropout there
+        assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                "mlp.gate.weight"} == set(config["target_parameters"])
+        assert config["lora_dropout"] == 0.0
+    else:
+        assert config["lora_dropout"] == lora.dropout
+    if lora.expert_rank == "per_top_k":  # rank 4 // top_k 2 for the routed experts alone
+        assert config["rank_pattern"] == {"mlp.experts.gate_up_proj": 2,
+                                          "mlp.experts.down_proj": 2}
+
+
+def test_only_lora_adapters_of_the_base_export():
+    _, cfg = _adapted("mixtral")
+    assert peft_problems(cfg) == []
+    ft = cfg.finetune
+    for method in ("full", "esft", "adapter", "prompt", "prefix"):
+        (problem,) = peft_problems(dataclasses.replace(
+            cfg, finetune=dataclasses.replace(ft, method=method)))
+        assert problem.startswith(f"finetune.method: {method}: only LoRA")
+    (problem,) = peft_problems(dataclasses.replace(cfg, finetune=dataclasses.replace(
+        ft, lora=dataclasses.replace(ft.lora, train_router=True))))
+    assert problem.startswith("finetune.lora.train_router: true")
