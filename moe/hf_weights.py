@@ -483,6 +483,23 @@ def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch
     return arch, cfg, state
 
 
+def read_hf_tensors(hf_dir: str | Path, names: list[str], arch: str, num_experts: int
+                    ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The transformers tensors ``names`` (in-memory names: stacked experts) as fp32, each that
+    the directory holds whole (files of one tensor per expert are stacked), and the names of the
+    directory's tensors none of them used."""
+    files = SafetensorsDir(Path(hf_dir))
+    out = {}
+    for name in names:
+        found = _disk_sources(files, arch, name, num_experts)
+        if not found or any(n not in files for group in found for n in group):
+            continue
+        # Every expert's files shaped alike (else they do not stack: not this tensor).
+        if len({tuple(files.shape(n) for n in group) for group in found}) == 1:
+            out[name] = _assemble(files, found)
+    return out, files.unread()
+
+
 def _assemble(files: SafetensorsDir, found: list[tuple[str, ...]]) -> torch.Tensor:
     """One in-memory tensor from its file tensors: as it is, or stacked over experts with each
     expert's (gate, up) concatenated."""

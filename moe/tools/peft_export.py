@@ -2,9 +2,9 @@
 loads (``PeftModel.from_pretrained``) onto the Hugging Face export of the run's base model.
 
 The adapter goes onto ``--base-hf DIR``: the ``--format hf`` export of ``model.init_from`` (or,
-for an ``hf:`` base, the directory it names). DIR is read through the importer and every base
-weight of the fine-tune must equal the directory's, so an adapter is never written for another
-base; the architecture (Mixtral, Qwen2-MoE or Llama) is the directory's.
+for an ``hf:`` base, the directory it names). DIR must hold exactly the tensors the Hugging Face
+export of the fine-tune's frozen base weights holds, so an adapter is never written for another
+base; the architecture (Mixtral, Qwen2-MoE or Llama) is the directory's config.json's.
 
 Layout (peft 0.21; every base tensor is placed by the export's name table, moe/hf_weights.py):
 
@@ -44,8 +44,8 @@ from moe.checkpoint.consolidate import state_files
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint
 from moe.config.run import RunConfig, load_config
 from moe.errors import CheckpointError, ConfigError
-from moe.hf_weights import links, read_hf_model
-from moe.load import build_model, load_consolidated
+from moe.hf_weights import links, read_hf_config, read_hf_tensors, to_hf
+from moe.load import load_consolidated
 from moe.model.adapters.lora import is_factor
 from moe.tools import hf_support
 from moe.tools.export import _publish, adapter_metadata
@@ -132,11 +132,12 @@ def _suffix(name: str) -> str:
     return re.sub(r"^model\.layers\.\d+\.", "", name)
 
 
-def _check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
-    """The architecture of ``base_hf``, after checking that it holds exactly the fine-tune's
-    base weights (CheckpointError naming --base-hf otherwise)."""
+def check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
+    """The architecture of ``base_hf``, after checking that it holds exactly what the
+    Hugging Face export of the fine-tune's base weights holds (CheckpointError naming --base-hf
+    otherwise)."""
     try:
-        arch, _, theirs = read_hf_model(base_hf)
+        arch, _ = read_hf_config(base_hf)
     except (CheckpointError, ConfigError) as e:
         raise CheckpointError(f"--base-hf {base_hf}: not a model the importer reads: {e}") from None
     if arch not in hf_support.TARGETS:
@@ -146,19 +147,22 @@ def _check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
     if problems:
         raise CheckpointError(f"--base-hf {base_hf}: this run's model is not a {arch} model:\n"
                               + "".join(f"  - {p}\n" for p in problems))
-    with torch.device("meta"):
-        model = build_model(cfg)
-    params = [n for n, _ in model.named_parameters() if not is_factor(n)]
-    differ = [n for n in params if n not in theirs or theirs[n].shape != state[n].shape
-              or not torch.allclose(theirs[n], state[n].float(), rtol=1e-6, atol=1e-30)]
-    extra = sorted(set(theirs) - set(model.state_dict()))
+    table = [link for link in links(cfg.model, arch) if link.op != "fresh"]
+    theirs, extra = read_hf_tensors(base_hf, [n for link in table for n in link.theirs], arch,
+                                    cfg.model.moe.num_experts)
+    differ = []
+    for link in table:
+        ours = None if link.ours is None else state[link.ours]
+        want = to_hf(link, None if ours is None else ours.float())
+        if not all(_same(theirs.get(name), w, ours) for name, w in zip(link.theirs, want)):
+            differ.append(link.ours or link.theirs[0])
     if differ or extra:
         init_from = cfg.model.init_from
         fix = ("pass the directory it names" if init_from.startswith("hf:") else
                f"export the base with: moe-export {init_from} DIR --format hf")
         found = []
         if differ:
-            found.append(f"{len(differ)} of {len(params)} weights differ "
+            found.append(f"{len(differ)} of {len(table)} weights differ "
                          f"({', '.join(differ[:3])})")
         if extra:
             found.append(f"it has tensors the base lacks ({', '.join(extra[:3])})")
@@ -166,6 +170,14 @@ def _check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
                               f"were trained on (model.init_from: {init_from}): "
                               f"{'; '.join(found)}; {fix}")
     return arch
+
+
+def _same(theirs: torch.Tensor | None, want: torch.Tensor, ours: torch.Tensor | None) -> bool:
+    """Equal up to the rounding of the precision the run held its frozen base in (a bf16 run
+    rounds it) and of the export's scalings."""
+    rtol = 1e-6 if ours is None or ours.dtype == torch.float32 else torch.finfo(ours.dtype).eps
+    return (theirs is not None and theirs.shape == want.shape
+            and torch.allclose(theirs, want, rtol=rtol, atol=1e-30))
 
 
 def export_peft(checkpoint: str | Path, out_dir: str | Path, base_hf: str | Path | None,
@@ -189,7 +201,7 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path, base_hf: str | Path
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()
     base_hf = Path(base_hf).resolve()
-    arch = _check_base(base_hf, state, cfg, tag_dir)
+    arch = check_base(base_hf, state, cfg, tag_dir)
     config, tensors = peft_adapter(state, cfg, arch)
     config["base_model_name_or_path"] = str(base_hf)
     metadata = adapter_metadata(state, cfg, tag_dir)

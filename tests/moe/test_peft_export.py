@@ -12,10 +12,17 @@ import torch
 
 from moe.config.run import FinetuneConfig, RunConfig
 from moe.config_schema import from_dict
+from moe.errors import CheckpointError
 from moe.load import build_model
 from moe.model.adapters.lora import is_factor
 from moe.tools.export import hf_model
-from moe.tools.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter, peft_problems
+from moe.tools.peft_export import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    check_base,
+    peft_adapter,
+    peft_problems,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -56,6 +63,13 @@ def _adapted(arch: str) -> tuple[torch.nn.Module, RunConfig]:
     return ours.eval(), cfg
 
 
+def _save_base(state: dict, cfg: RunConfig, arch: str, out) -> None:
+    """The Hugging Face export of the fine-tune's base, as export_hf writes it."""
+    base_state = {k: v for k, v in state.items() if not is_factor(k)}
+    plain_cfg = dataclasses.replace(cfg, finetune=FinetuneConfig())
+    hf_model(base_state, plain_cfg, arch).save_pretrained(str(out))
+
+
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_peft_loads_the_adapter_onto_the_base_with_our_logits(arch, tmp_path):
     from peft import PeftModel, get_peft_model_state_dict
@@ -63,9 +77,7 @@ def test_peft_loads_the_adapter_onto_the_base_with_our_logits(arch, tmp_path):
 
     ours, cfg = _adapted(arch)
     state = ours.state_dict()
-    base_state = {k: v for k, v in state.items() if not is_factor(k)}
-    plain_cfg = dataclasses.replace(cfg, finetune=FinetuneConfig())
-    hf_model(base_state, plain_cfg, arch).save_pretrained(str(tmp_path / "base"))  # as export_hf
+    _save_base(state, cfg, arch, tmp_path / "base")
     base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
     config, tensors = peft_adapter(state, cfg, arch)
     (tmp_path / "adapter").mkdir()
@@ -112,3 +124,23 @@ def test_only_lora_adapters_of_the_base_export():
     (problem,) = peft_problems(dataclasses.replace(cfg, finetune=dataclasses.replace(
         ft, lora=dataclasses.replace(ft.lora, train_router=True))))
     assert problem.startswith("finetune.lora.train_router: true")
+
+
+def test_the_base_directory_must_hold_the_fine_tunes_base(tmp_path):
+    ours, cfg = _adapted("qwen2_moe")
+    state = ours.state_dict()
+    _save_base(state, cfg, "qwen2_moe", tmp_path / "base")
+    assert check_base(tmp_path / "base", state, cfg, tmp_path) == "qwen2_moe"
+    # A bf16 run holds its frozen base in bf16: the fp32 export rounded alike.
+    half = {k: v if is_factor(k) else v.to(torch.bfloat16) for k, v in state.items()}
+    assert check_base(tmp_path / "base", half, cfg, tmp_path) == "qwen2_moe"
+
+    moved = dict(state)
+    moved["blocks.1.ffn.experts.w_out"] = state["blocks.1.ffn.experts.w_out"] * (1 + 1e-4)
+    with pytest.raises(CheckpointError, match=r"^--base-hf .*: not the base model the adapters "
+                       r"of .* were trained on \(model.init_from: base\): 1 of \d+ weights "
+                       r"differ \(blocks.1.ffn.experts.w_out\); export the base with: "
+                       r"moe-export base DIR --format hf"):
+        check_base(tmp_path / "base", moved, cfg, tmp_path)
+    with pytest.raises(CheckpointError, match="^--base-hf .*: not a model the importer reads"):
+        check_base(tmp_path / "nowhere", state, cfg, tmp_path)
