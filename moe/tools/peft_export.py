@@ -25,10 +25,11 @@ Layout (peft 0.21; every base tensor is placed by the export's name table, moe/h
 - Scaling alpha / r per module (``rank_pattern`` gives the routed experts their own rank with
   ``expert_rank: per_top_k``). ``lora_dropout`` is ours, but 0 when parameters are targeted:
   peft has no dropout for them, and dropout acts in training only.
+- Routers trained in full (``finetune.lora.train_router``) are saved whole, as peft saves a
+  module of ``modules_to_save`` (``mlp.gate``), with their LoRA update (if targeted) folded in.
 
 Refused before anything is written, naming the key: a run that is not a LoRA fine-tune
-(``finetune.method``), routers trained in full (``finetune.lora.train_router``: not an adapter
-of the base), no ``--base-hf``, a directory that is not this run's base.
+(``finetune.method``), no ``--base-hf``, a directory that is not this run's base.
 """
 
 from __future__ import annotations
@@ -65,10 +66,6 @@ def peft_problems(cfg: RunConfig) -> list[str]:
     if ft.method != "lora":
         return [f"finetune.method: {ft.method}: only LoRA fine-tunes (lora) export as a PEFT "
                 "adapter; --format fp32 or hf exports the whole model"]
-    if ft.lora.train_router:
-        return ["finetune.lora.train_router: true: the routers trained in full, which a LoRA "
-                "adapter of the base does not hold; export the whole model with --format hf "
-                "--merge-adapters"]
     return []
 
 
@@ -80,19 +77,22 @@ def peft_adapter(state: dict[str, torch.Tensor], cfg: RunConfig, arch: str
                  ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json's fields, adapter tensors by peft's names) of a LoRA fine-tune's
     single-device state dict, for the transformers model ``arch`` of its base."""
+    lora = cfg.finetune.lora
     table = {link.ours: link for link in links(cfg.model, arch)}
     tensors, modules, params, ranks = {}, set(), set(), {}
     for key in sorted(k for k in state if is_factor(k) and k.endswith("lora_A")):
         stem = key[: -len("lora_A")]
         # Stacked experts: <experts>.w_in_lora_A for <experts>.w_in; else <m>.lora_A for <m>.weight
         weight = stem[:-1] if stem.endswith("_") else stem + "weight"
+        if lora.train_router and _is_router(weight):
+            continue  # folded into the whole router below
         a, b = state[key].float(), state[stem + "lora_B"].float()
         link = table[weight]
         b = b * link.scale
         r = _rank_of(a)
         for theirs, pair in zip(link.theirs, _factors(a, b, link.op)):
             module, param = theirs.rsplit(".", 1)
-            if link.op == "transpose" or weight.endswith("router.weight"):
+            if link.op == "transpose" or _is_router(weight):
                 site, where = f"{module}.{param}", f"{module}{_NESTED.get(param, '')}"
                 params.add(_suffix(site))
             else:
@@ -103,16 +103,39 @@ def peft_adapter(state: dict[str, torch.Tensor], cfg: RunConfig, arch: str
                 tensors[f"{_PREFIX}{where}.{name}.weight"] = t.contiguous().clone()
             ranks.setdefault(_suffix(site), r)
             assert ranks[_suffix(site)] == r, site  # rank_pattern goes by name suffix
-    lora = cfg.finetune.lora
+    saved = _whole_routers(state, table.values(), lora.alpha, tensors) if lora.train_router else []
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
         "target_modules": sorted(modules) or None, "target_parameters": sorted(params) or None,
         "rank_pattern": {s: r for s, r in sorted(ranks.items()) if r != lora.rank},
         "alpha_pattern": {}, "lora_dropout": 0.0 if params else lora.dropout,
         "use_rslora": False, "use_dora": False, "bias": "none", "fan_in_fan_out": False,
-        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": sorted(saved) or None,
     }
     return config, tensors
+
+
+def _is_router(weight: str) -> bool:
+    return weight.endswith("router.weight")
+
+
+def _whole_routers(state: dict[str, torch.Tensor], table, alpha: float,
+                   tensors: dict[str, torch.Tensor]) -> set[str]:
+    """Put each router (trained in full: ``train_router``) into ``tensors`` whole, with its LoRA
+    update folded in, as peft saves a module of ``modules_to_save``; their module suffixes."""
+    saved = set()
+    for link in table:
+        if link.ours is None or not _is_router(link.ours):
+            continue
+        w = state[link.ours].float()
+        stem = link.ours[: -len("weight")]
+        if stem + "lora_A" in state:  # W + (alpha / r) B A, in the weight's (E, D) layout
+            a, b = state[stem + "lora_A"].float(), state[stem + "lora_B"].float()
+            w = w + alpha / a.shape[0] * (b @ a)
+        tensors[_PREFIX + link.theirs[0]] = (w * link.scale).contiguous()
+        saved.add(_suffix(link.theirs[0].rsplit(".", 1)[0]))
+    return saved
 
 
 def _factors(a: torch.Tensor, b: torch.Tensor, op: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -150,6 +173,8 @@ def check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
     table = [link for link in links(cfg.model, arch) if link.op != "fresh"]
     theirs, extra = read_hf_tensors(base_hf, [n for link in table for n in link.theirs], arch,
                                     cfg.model.moe.num_experts)
+    if cfg.finetune.lora.train_router:  # the run's own routers replace the base's
+        table = [link for link in table if not (link.ours and _is_router(link.ours))]
     differ = []
     for link in table:
         ours = None if link.ours is None else state[link.ours]

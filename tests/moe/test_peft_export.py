@@ -42,12 +42,17 @@ CASES = {
          "expert_rank": "per_top_k"}),
     "llama": ({"ffn": "dense", "moe": {"dense_hidden": 48}},
               {"targets": [*ATTENTION, "ffn"], "dropout": 0.1}),
+    # Routers trained in full and with LoRA: each saved whole (modules_to_save), LoRA folded in.
+    "mixtral+train_router": ({"moe": {**MOE, "router": {"top_k": 2, "renormalize": True}}},
+                             {"targets": ["attention.o", "experts", "router"],
+                              "train_router": True}),
 }
 
 
-def _adapted(arch: str) -> tuple[torch.nn.Module, RunConfig]:
-    """Our model with LoRA on every target of the case and every factor random."""
-    model, lora = CASES[arch]
+def _adapted(case: str) -> tuple[torch.nn.Module, RunConfig, dict]:
+    """Our model with LoRA on every target of the case and every factor random (and the routers
+    moved, where they train), and the base weights it started from."""
+    model, lora = CASES[case]
     cfg = from_dict(RunConfig, {
         "model": {"vocab_size": 96, "d_model": 32, "n_layers": 2, "n_heads": 4,
                   "max_seq_len": 32, "init_from": "base", **model},
@@ -55,29 +60,30 @@ def _adapted(arch: str) -> tuple[torch.nn.Module, RunConfig]:
         "finetune": {"method": "lora", "lora": {"rank": 4, "alpha": 6.0, **lora}}})
     torch.manual_seed(0)
     ours = build_model(cfg)
+    base = {k: v.clone() for k, v in ours.state_dict().items() if not is_factor(k)}
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in ours.named_parameters():
-            if is_factor(name):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return ours.eval(), cfg
+            if is_factor(name) or name.endswith("router.weight") and lora.get("train_router"):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return ours.eval(), cfg, base
 
 
-def _save_base(state: dict, cfg: RunConfig, arch: str, out) -> None:
+def _save_base(base_state: dict, cfg: RunConfig, arch: str, out) -> None:
     """The Hugging Face export of the fine-tune's base, as export_hf writes it."""
-    base_state = {k: v for k, v in state.items() if not is_factor(k)}
     plain_cfg = dataclasses.replace(cfg, finetune=FinetuneConfig())
     hf_model(base_state, plain_cfg, arch).save_pretrained(str(out))
 
 
-@pytest.mark.parametrize("arch", sorted(CASES))
-def test_peft_loads_the_adapter_onto_the_base_with_our_logits(arch, tmp_path):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peft_loads_the_adapter_onto_the_base_with_our_logits(case, tmp_path):
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    ours, cfg = _adapted(arch)
+    arch = case.split("+")[0]
+    ours, cfg, base_state = _adapted(case)
     state = ours.state_dict()
-    _save_base(state, cfg, arch, tmp_path / "base")
+    _save_base(base_state, cfg, arch, tmp_path / "base")
     base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
     config, tensors = peft_adapter(state, cfg, arch)
     (tmp_path / "adapter").mkdir()
@@ -103,33 +109,31 @@ def test_peft_loads_the_adapter_onto_the_base_with_our_logits(arch, tmp_path):
     moe = arch != "llama"
     assert (config["target_parameters"] is not None) == moe
     if moe:  # fused experts: peft's parameter targets, and no dropout there
-        assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-                "mlp.gate.weight"} == set(config["target_parameters"])
+        router = [] if lora.train_router else ["mlp.gate.weight"]
+        assert sorted(config["target_parameters"]) == sorted(
+            ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", *router])
         assert config["lora_dropout"] == 0.0
     else:
         assert config["lora_dropout"] == lora.dropout
+    assert config["modules_to_save"] == (["mlp.gate"] if lora.train_router else None)
     if lora.expert_rank == "per_top_k":  # rank 4 // top_k 2 for the routed experts alone
         assert config["rank_pattern"] == {"mlp.experts.gate_up_proj": 2,
                                           "mlp.experts.down_proj": 2}
 
 
 def test_only_lora_adapters_of_the_base_export():
-    _, cfg = _adapted("mixtral")
+    _, cfg, _ = _adapted("mixtral")
     assert peft_problems(cfg) == []
-    ft = cfg.finetune
     for method in ("full", "esft", "adapter", "prompt", "prefix"):
         (problem,) = peft_problems(dataclasses.replace(
-            cfg, finetune=dataclasses.replace(ft, method=method)))
+            cfg, finetune=dataclasses.replace(cfg.finetune, method=method)))
         assert problem.startswith(f"finetune.method: {method}: only LoRA")
-    (problem,) = peft_problems(dataclasses.replace(cfg, finetune=dataclasses.replace(
-        ft, lora=dataclasses.replace(ft.lora, train_router=True))))
-    assert problem.startswith("finetune.lora.train_router: true")
 
 
 def test_the_base_directory_must_hold_the_fine_tunes_base(tmp_path):
-    ours, cfg = _adapted("qwen2_moe")
+    ours, cfg, base_state = _adapted("qwen2_moe")
     state = ours.state_dict()
-    _save_base(state, cfg, "qwen2_moe", tmp_path / "base")
+    _save_base(base_state, cfg, "qwen2_moe", tmp_path / "base")
     assert check_base(tmp_path / "base", state, cfg, tmp_path) == "qwen2_moe"
     # A bf16 run holds its frozen base in bf16: the fp32 export rounded alike.
     half = {k: v if is_factor(k) else v.to(torch.bfloat16) for k, v in state.items()}
@@ -144,3 +148,11 @@ def test_the_base_directory_must_hold_the_fine_tunes_base(tmp_path):
         check_base(tmp_path / "base", moved, cfg, tmp_path)
     with pytest.raises(CheckpointError, match="^--base-hf .*: not a model the importer reads"):
         check_base(tmp_path / "nowhere", state, cfg, tmp_path)
+    # Routers trained in full are the run's own (saved whole): the base's are not compared.
+    ours, cfg, base_state = _adapted("mixtral+train_router")
+    _save_base(base_state, cfg, "mixtral", tmp_path / "mixtral")
+    assert check_base(tmp_path / "mixtral", ours.state_dict(), cfg, tmp_path) == "mixtral"
+    frozen = dataclasses.replace(cfg, finetune=dataclasses.replace(
+        cfg.finetune, lora=dataclasses.replace(cfg.finetune.lora, train_router=False)))
+    with pytest.raises(CheckpointError, match=r"2 of \d+ weights differ \(blocks.0.ffn.router"):
+        check_base(tmp_path / "mixtral", ours.state_dict(), frozen, tmp_path)
