@@ -156,3 +156,17 @@ def test_the_base_directory_must_hold_the_fine_tunes_base(tmp_path):
         cfg.finetune, lora=dataclasses.replace(cfg.finetune.lora, train_router=False)))
     with pytest.raises(CheckpointError, match=r"2 of \d+ weights differ \(blocks.0.ffn.router"):
         check_base(tmp_path / "mixtral", ours.state_dict(), frozen, tmp_path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--format", "hf", "--base-hf", "x"], "--base-hf goes with --format peft"),
+    (["--format", "peft", "--base-hf", "x", "--arch", "llama"], "--arch goes with --format hf"),
+    (["--format", "peft", "--merge-adapters"], "--merge-adapters goes with --format fp32 or hf"),
+])
+def test_options_that_do_not_go_with_the_format_are_refused(args, message, tmp_path, capsys):
+    from launch.export import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "ckpt"), str(tmp_path / "out"), *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
