@@ -14,7 +14,7 @@ CONFIGS = sorted(Path("configs").glob("finetune-*.yaml"))
 
 def test_one_config_per_method():
     assert {p.stem.removeprefix("finetune-") for p in CONFIGS} == {
-        "full", "lora", "esft", "adapter", "prompt", "prefix"}
+        "full", "lora", "qlora", "esft", "adapter", "prompt", "prefix"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
