@@ -49,8 +49,13 @@ def qlora_runs(tiny_data, tmp_path_factory):
 
     run_distributed(_train_worker, 1, qlora_run("qlora"), "auto")
     run_distributed(_train_worker, 1, qlora_run("still", lr=1e-12), "auto")
-    run_distributed(_train_worker, 1, qlora_run("resumed"),
-                    str(runs / "qlora" / "checkpoints" / "step_0000003"))
+    step3 = str(runs / "qlora" / "checkpoints" / "step_0000003")
+    run_distributed(_train_worker, 1, qlora_run("resumed"), step3)
+    # The same global batch on 2 ranks with expert parallelism 2, resumed from the 1-rank run.
+    wide = qlora_run("wide")
+    wide["train"]["grad_accum_steps"] = 1
+    wide["parallel"] = {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2}
+    run_distributed(_train_worker, 2, wide, step3)
     return runs, base_ckpt
 
 
@@ -98,6 +103,23 @@ def test_stopped_qlora_run_resumes_exactly(qlora_runs):
     assert again.keys() == tuned.keys()
     for key, value in tuned.items():
         assert torch.equal(again[key], value), key
+
+
+def test_qlora_run_resumes_on_another_layout(qlora_runs):
+    """Saved on 1 rank, resumed on 2 with expert parallelism 2: each rank quantises its own
+    experts from model.init_from again and gets the base the checkpoint holds."""
+    from tests.moe.training.test_layout_resume import assert_losses_match, global_losses
+
+    runs, _ = qlora_runs
+    assert_losses_match(global_losses(runs / "wide", 2), _losses(runs / "qlora"), [4, 5, 6])
+    wide, _, _ = load_consolidated(runs / "wide")
+    tuned, _, _ = load_consolidated(runs / "qlora")
+    assert wide.keys() == tuned.keys()
+    for key, value in tuned.items():
+        if "lora_" in key:
+            torch.testing.assert_close(wide[key], value, rtol=1e-4, atol=1e-6, msg=key)
+        else:  # the frozen base, NF4 parts included, bit for bit
+            assert torch.equal(wide[key], value), key
 
 
 def test_eval_and_merged_export_of_a_qlora_checkpoint(qlora_runs, tmp_path, capsys):
