@@ -138,9 +138,10 @@ def test_eval_and_merged_export_of_a_qlora_checkpoint(qlora_runs, tmp_path, caps
         for r in ("qlora", "base"))
     assert 0 < tuned_loss and tuned_loss != base_loss
 
-    with pytest.raises(SystemExit) as e:
-        export([str(runs / "qlora"), str(tmp_path / "plain"), "--quiet"])
-    assert e.value.code == 2 and "--merge-adapters" in capsys.readouterr().err
+    for extra in ([], ["--format", "adapters"]):  # the NF4 base has no fp32 fingerprint
+        with pytest.raises(SystemExit) as e:
+            export([str(runs / "qlora"), str(tmp_path / "plain"), "--quiet", *extra])
+        assert e.value.code == 2 and "--merge-adapters" in capsys.readouterr().err
     export([str(runs / "qlora"), str(tmp_path / "plain"), "--quiet", "--merge-adapters"])
     cfg = load_config(tmp_path / "plain" / "run_config.yaml")
     assert cfg.finetune.method == "none"
@@ -196,3 +197,5 @@ def test_qlora_on_two_expert_parallel_ranks_equals_one_process(tmp_path):
     for res in (*res1, *res2):  # only the factors are optimized
         assert res["optimized"] == res["trainable"]
         assert res["trainable"] and all("lora_" in n for n in res["trainable"])
+    # One rank holds the whole fp32 master copy: the factors' size, nothing of the base.
+    assert res1[0]["partition_numel"] == res1[0]["trainable_numel"]
