@@ -60,6 +60,8 @@ NF4_CODE = torch.tensor([
     -1.0000, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0000,
     0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0000])
 """The 16 NF4 values as torchao rounds them (QLoRA's quantiles of N(0, 1), scaled to [-1, 1])."""
+_BYTE_VALUES = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1)
+"""(256, 2): the two values a byte of codes holds (high nibble first, as torchao packs them)."""
 
 _PARTS = ("codes", "scales", "factor", "mean")
 
@@ -129,8 +131,9 @@ def dequantize_nf4(codes: torch.Tensor, scales: torch.Tensor, factor: torch.Tens
     # The absmax of each block: int8 / its scale block's factor + the matrix's mean.
     absmax_MB = (scales.view(m, factor.shape[1], SCALE_BLOCK).float()
                  / factor[:, :, None]).reshape(m, -1) + mean[:, None]
-    idx = torch.stack([codes >> 4, codes & 0b1111], dim=-1).long()  # two values per byte
-    values = NF4_CODE.to(codes.device)[idx].view(m, -1, BLOCK) * absmax_MB[:, :, None]
+    # One lookup per byte (int32 indices): a quarter of the index memory of one int64 per value.
+    values = _BYTE_VALUES.to(codes.device).index_select(0, codes.reshape(-1).int())
+    values = values.view(m, -1, BLOCK) * absmax_MB[:, :, None]
     return values.view(m, -1)[:, :math.prod(shape[1:])].view(shape)
 
 
