@@ -23,7 +23,9 @@ setup(
         "safetensors",
         "matplotlib",
     ],
-    extras_require={"hf": ["transformers"], "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft", "moto[server]"]},
+    extras_require={"hf": ["transformers"], "qlora": ["torchao"],
+                    "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft",
+                             "moto[server]", "torchao"]},
     entry_points={
         "console_scripts": [
             "moe-prepare=launch.prepare:main",

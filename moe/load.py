@@ -16,14 +16,18 @@ from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.lora import apply_lora, merge_lora
 from moe.model.adapters.prefix import apply_prefix
 from moe.model.adapters.prompt import apply_prompt
+from moe.model.adapters.qlora import dequantize_base, quantize_base
 from moe.model.transformer import MoETransformer
 
 
 def build_model(cfg: RunConfig) -> MoETransformer:
-    """The single-device model a run trains: the base model and its adapters (finetune)."""
+    """The single-device model a run trains: the base model and its adapters (finetune). A
+    qlora model's NF4 base is left empty, for a checkpoint's to be loaded into it."""
     model = MoETransformer(cfg.model)
-    if cfg.finetune.method == "lora":
+    if cfg.finetune.method in ("lora", "qlora"):
         apply_lora(model, cfg.finetune.lora)
+    if cfg.finetune.method == "qlora":  # NF4 buffers shaped for a checkpoint's (no torchao)
+        quantize_base(model, quantize=False)
     elif cfg.finetune.method == "adapter":  # kept by loaded models: adapters do not merge
         apply_bottleneck_adapters(model, cfg.finetune.adapter)
     elif cfg.finetune.method == "prompt":  # the soft prompt goes before every sequence
@@ -72,18 +76,20 @@ def _shape_problems(state: dict, cfg: RunConfig) -> list[str]:
 def merged_adapters(state: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
     """A fine-tuned run's single-device state dict with its adapters folded into the base
     weights (moe/model/adapters/lora.py, merge_lora), and its config as a plain model's
-    (finetune.method none); other runs' are returned as they are."""
-    if cfg.finetune.method != "lora":
+    (finetune.method none); other runs' are returned as they are. A qlora base is dequantised
+    first: the merged weight is the NF4 base's value plus the LoRA update."""
+    if cfg.finetune.method not in ("lora", "qlora"):
         return state, cfg
     model = build_model(cfg)
     model.load_state_dict(state, strict=not cfg.model.tie_embeddings)
+    dequantize_base(model)
     merge_lora(model)
     return model.state_dict(), dataclasses.replace(cfg, finetune=FinetuneConfig())
 
 
 def load_model(path: str | Path) -> tuple[MoETransformer, RunConfig, Path]:
     """Build the single-device model from a DeepSpeed checkpoint saved with any layout. The
-    adapters of a fine-tuning run (LoRA) are merged into the base weights: the model is a plain
+    adapters of a fine-tuning run (LoRA, QLoRA) are merged into the base weights: the model is a plain
     one, computing the fine-tuned function. Adapters that do not merge (bottleneck adapters,
     prompt and prefix tuning) are kept as modules."""
     state, cfg, tag_dir = load_consolidated(path)

@@ -24,6 +24,7 @@ from moe.model.adapters.esft import ESFTConfig
 from moe.model.adapters.lora import LoRAConfig, lora_problems
 from moe.model.adapters.prefix import PrefixConfig, prefix_problems
 from moe.model.adapters.prompt import PromptConfig
+from moe.model.adapters.qlora import torchao_missing
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
 
@@ -218,10 +219,6 @@ class EvalConfig:
         return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
 
 
-COMING_METHODS = ("qlora",)
-"""Fine-tuning methods named in the roadmap (docs/finetuning.md) but not built yet: refused."""
-
-
 @dataclass
 class FinetuneConfig:
     method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix", "adapter"] = "none"
@@ -232,10 +229,12 @@ class FinetuneConfig:
     train, everything else is frozen (finetune.esft). adapter: the base model is frozen and
     bottleneck adapters train (finetune.adapter). prompt: the base model is frozen and a soft
     prompt trains (finetune.prompt). prefix: the base model is frozen and per-layer key/value
-    prefixes train (finetune.prefix). All but none need model.init_from. qlora is planned and
-    refused for now."""
+    prefixes train (finetune.prefix). qlora: lora on a base whose linear and expert weights are
+    held in 4-bit NormalFloat with double quantisation (moe/model/adapters/qlora.py; needs
+    torchao: pip install torchao==0.18.0). All but none need model.init_from."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (method lora only)."""
+    """LoRA's targets, rank, alpha, dropout, routed-expert rank and router (methods lora and
+    qlora)."""
     esft: ESFTConfig = field(default_factory=ESFTConfig)
     """Method esft (expert-specialised fine-tuning; moe/model/adapters/esft.py): how routed
     experts are scored on the training data and the score share p the trained experts of each
@@ -256,9 +255,9 @@ class FinetuneConfig:
     values (moe/checkpoint/files.py, finetune_mismatches)."""
 
     def problems(self) -> list[str]:
-        if self.method in COMING_METHODS:
-            return [f"method: {self.method} is not implemented yet (planned: "
-                    f"{', '.join(COMING_METHODS)}); use full, lora, esft, adapter, prompt or prefix"]
+        if self.method == "qlora" and (missing := torchao_missing()):
+            return [f"method: qlora quantises the base with {missing} (or pip install "
+                    "-e .[qlora])"]
         return []
 
 
@@ -311,13 +310,13 @@ class RunConfig:
 
     def _finetune_problems(self) -> list[str]:
         method = self.finetune.method
-        if method in ("none", *COMING_METHODS):
+        if method == "none":
             return []
         out = []
         if not self.model.init_from:
             out.append(f"model.init_from: finetune.method {method} starts from trained weights; "
                        "set model.init_from to a checkpoint (or hf:DIR)")
-        if method == "lora" and not self.model.problems():
+        if method in ("lora", "qlora") and not self.model.problems():
             # The targets and rank are checked against the model this config builds, on the
             # meta device (shapes only, no memory).
             with torch.device("meta"):

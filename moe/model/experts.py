@@ -143,7 +143,7 @@ class GroupedExperts(nn.Module):
             # for all products.
             counts_host = counts_E.tolist()
         h_NW = self.project("w_in", x_ND, counts_E, counts_host)
-        d_model = self.w_out.shape[-1]
+        d_model = x_ND.shape[-1]  # not w_out's: a quantised stack (adapters/qlora.py) has none
         if scale_N is not None and self.hidden <= d_model:
             h_NH = recompute(self._scaled_activation, h_NW, scale_N,
                              enabled=self.recompute_activation)

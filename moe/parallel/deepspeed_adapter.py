@@ -219,15 +219,17 @@ class DeepSpeedMoE(_DeepSpeedMoEBase):
 
 
 def _stacked_names(experts: nn.Module) -> list[str]:
-    """The experts module's own parameters, all stacked (E, ...): the weights and any adapter
-    stacks (moe/model/adapters/), which live, reduce and are saved with their experts."""
-    return [name for name, _ in experts.named_parameters(recurse=False)]
+    """The experts module's own parameters and buffers, all stacked (E, ...): the weights, any
+    adapter stacks (moe/model/adapters/), which live, reduce and are saved with their experts,
+    and a quantised base's NF4 stacks (adapters/qlora.py), saved with their experts too."""
+    return [*(name for name, _ in experts.named_parameters(recurse=False)),
+            *(name for name, _ in experts.named_buffers(recurse=False))]
 
 
 def _keep_local_experts(layer: MoELayer, ep_rank: int, num_local: int) -> None:
+    # Parameters only: a QLoRA base is quantised after this, by each rank for its own experts.
     lo = ep_rank * num_local
-    for name in _stacked_names(layer.experts):
-        full = getattr(layer.experts, name)
+    for name, full in list(layer.experts.named_parameters(recurse=False)):
         setattr(layer.experts, name, nn.Parameter(full.data[lo:lo + num_local].clone(),
                                                   requires_grad=full.requires_grad))
 

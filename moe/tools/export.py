@@ -61,9 +61,9 @@ def consolidated_fp32(path: str | Path, progress: bool = False, merge_adapters: 
     bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()
-    if cfg.finetune.method == "lora" and not merge_adapters:
+    if cfg.finetune.method in ("lora", "qlora") and not merge_adapters:
         raise CheckpointError(f"{tag_dir}: the checkpoint holds LoRA adapters (finetune.method "
-                              "lora in its run_config.yaml); pass --merge-adapters to fold them "
+                              f"{cfg.finetune.method} in its run_config.yaml); pass --merge-adapters to fold them "
                               "into the base weights and export a plain model")
     state, cfg = merged_adapters(state, cfg)
     if cfg.model.tie_embeddings:
@@ -120,6 +120,10 @@ def export_adapters(checkpoint: str | Path, out_dir: str | Path, progress: bool 
     bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()
+    if cfg.finetune.method == "qlora":
+        raise CheckpointError(f"{tag_dir}: a qlora checkpoint holds its base in NF4, and an "
+                              "adapter file names its base by the fingerprint of fp32 weights; "
+                              "export the whole model with --merge-adapters")
     if cfg.finetune.method != "lora":
         raise CheckpointError(f"{tag_dir}: no adapters to export (finetune.method is "
                               f"{cfg.finetune.method} in its run_config.yaml)")

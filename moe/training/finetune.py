@@ -20,6 +20,8 @@ from moe.model.adapters.esft import freeze_all_but_routed_experts
 from moe.model.adapters.lora import LoRAConfig, apply_lora, base_fingerprint, is_factor
 from moe.model.adapters.prefix import apply_prefix
 from moe.model.adapters.prompt import apply_prompt
+from moe.model.adapters.qlora import quantized_numel
+from moe.model.experts import GroupedExperts
 from moe.model.router import TopKRouter
 
 log = logging.getLogger("moe.train")
@@ -41,7 +43,7 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
         except ValueError as e:  # the config check catches it first; a direct caller gets this
             raise ConfigError([f"finetune.{cfg.method}: {e}"]) from None
         return
-    if cfg.method != "lora":
+    if cfg.method not in ("lora", "qlora"):  # qlora's base is quantised once wrapped (trainer)
         return
     try:
         trainable = {id(p) for p in apply_lora(model, cfg.lora)}
@@ -57,10 +59,13 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
 
 def parameter_counts(model: nn.Module, ep_size: int = 1) -> dict[str, float]:
     """Trainable and total parameters of the whole model (expert parameters, which this rank
-    holds 1/ep_size of, counted for all ranks; tied weights once), and the trainable share. A
+    holds 1/ep_size of, counted for all ranks; tied weights once; weights held in NF4 counted
+    as frozen parameters), and the trainable share. A
     parameter marked ``trainable_fraction`` (an ESFT expert stack, moe/training/esft.py) counts
     that fraction of its global size as trainable."""
     trainable = total = 0
+    for m in model.modules():  # weights held in NF4 (qlora) are frozen buffers
+        total += quantized_numel(m) * (ep_size if isinstance(m, GroupedExperts) else 1)
     for p in model.parameters():
         n = p.numel() * (ep_size if getattr(p, "allreduce", True) is False else 1)
         total += n

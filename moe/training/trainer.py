@@ -28,6 +28,7 @@ from data_pipeline.shards import read_manifest
 from moe.checkpoint.files import verify_checkpoint
 from moe.config.run import SIGNALS, RunConfig, dump_config
 from moe.errors import CheckpointError, ConfigError, LaunchError, TrainingError
+from moe.model.adapters.qlora import quantize_base
 from moe.model.compile import compile_blocks
 from moe.model.moe_layer import counting_routes
 from moe.model.recompute import apply_recompute
@@ -157,6 +158,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
                                    cfg.train.seed)
     prepare_finetune(model, cfg.finetune)  # adapters and frozen parameters, before wrapping
     wrap_moe_layers(model, ep, expert_parallel_rank(env.rank, ep))
+    if cfg.finetune.method == "qlora":  # once wrapped: each rank quantises its own experts
+        quantize_base(model)
     if env.rank == 0 and cfg.finetune.method != "esft":  # ESFT's, once it selected (start_run)
         log_parameter_counts(parameter_counts(model, ep), cfg.finetune.method)
     t = cfg.train

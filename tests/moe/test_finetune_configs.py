@@ -8,17 +8,20 @@ import pytest
 
 from moe.config.run import load_config
 from moe.errors import ConfigError
+from moe.model.adapters.qlora import torchao_missing
 
 CONFIGS = sorted(Path("configs").glob("finetune-*.yaml"))
 
 
 def test_one_config_per_method():
     assert {p.stem.removeprefix("finetune-") for p in CONFIGS} == {
-        "full", "lora", "esft", "adapter", "prompt", "prefix"}
+        "full", "lora", "qlora", "esft", "adapter", "prompt", "prefix"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_each_config_asks_for_its_base_and_loads_with_it(path):
+    if path.stem == "finetune-qlora" and torchao_missing():
+        pytest.skip("needs torchao (the test extra installs it)")
     with pytest.raises(ConfigError) as e:
         load_config(str(path))
     assert any(p.startswith("model.init_from:") for p in e.value.problems)
