@@ -157,3 +157,19 @@ def test_moe_eval_and_generation_use_the_adapters(runs, method, tmp_path):
         (hyp,) = generate(FullForwardDecoder(tuned), g["prompt"],
                           GenerationConfig(max_new_tokens=NEW_TOKENS), eos_id=None)
         assert g["outputs"][0]["tokens"] == hyp.tokens[:len(g["outputs"][0]["tokens"])]
+
+
+@pytest.mark.parametrize("method, key, value", [
+    ("adapter", "hidden", 4), ("adapter", "placement", "ffn"), ("prompt", "tokens", 5),
+    ("prefix", "tokens", 5)])
+def test_resume_refuses_other_adapter_shapes_by_key(runs, tiny_data, method, key, value):
+    from moe.checkpoint.files import verify_checkpoint
+    from moe.errors import CheckpointError
+
+    tag = runs / method / "checkpoints" / f"step_{STOP:07d}"
+    d = _config(tiny_data, runs, method, method=method, **METHODS[method])
+    d["model"]["vocab_size"] = 512  # resolved from the tokenizer, as the trainer does
+    verify_checkpoint(tag, from_dict(RunConfig, copy.deepcopy(d)))  # the same: accepted
+    d["finetune"][method] = {**d["finetune"][method], key: value}
+    with pytest.raises(CheckpointError, match=f"finetune.{method}.{key}: the checkpoint has"):
+        verify_checkpoint(tag, from_dict(RunConfig, d))
