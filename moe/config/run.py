@@ -250,7 +250,8 @@ class FinetuneConfig:
     pairs each attention layer gains."""
 
     FIXED_KEYS = ("method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
-                  "lora.train_router")
+                  "lora.train_router", "adapter.hidden", "adapter.placement", "prompt.tokens",
+                  "prefix.tokens")
     """What decides which parameters exist and train: a run resumes only with its checkpoint's
     values (moe/checkpoint/files.py, finetune_mismatches)."""
 

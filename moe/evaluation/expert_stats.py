@@ -6,7 +6,9 @@ Nothing here routes tokens: forward hooks read what each layer's router decided
 entropy). Summed over every forward of the pass they give, per MoE layer: the load distribution,
 the dropped fraction at the trained capacity factor, the mean router entropy, and which input
 tokens each expert prefers (as in the ST-MoE analysis: how often a token is routed to an expert,
-relative to how often it occurs).
+relative to how often it occurs). A prompt-tuned model routes its soft prompt's positions too:
+they count in the load, dropped fraction and entropy (the experts did that work), not in the
+token preferences (they are no input token).
 
 Shapes: L MoE layers, E experts, V vocabulary, T tokens of one forward, K experts per token.
 """
@@ -17,6 +19,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from moe.model.moe_layer import MoELayer
 from moe.model.transformer import MoETransformer
@@ -59,8 +62,10 @@ class ExpertStatsCollector:
         self._handles.clear()
 
     def observe(self, input_ids_BS: torch.Tensor) -> None:
-        self._tokens_T = input_ids_BS.reshape(-1).cpu()
-        self.token_freq_V += torch.bincount(self._tokens_T, minlength=self.token_freq_V.numel())
+        ids_BS = input_ids_BS.cpu()
+        self.token_freq_V += torch.bincount(ids_BS.reshape(-1), minlength=self.token_freq_V.numel())
+        # The routing's rows: the model's prepended positions (id -1: no token), then the ids.
+        self._tokens_T = F.pad(ids_BS, (self.model.prepended_positions, 0), value=-1).reshape(-1)
 
     def _router_hook(self, i: int) -> Callable:
         def hook(module, args, routing):
@@ -82,7 +87,8 @@ class ExpertStatsCollector:
                 raise RuntimeError("ExpertStatsCollector.observe(input_ids) must be called with "
                                    "each batch before its forward")
             V = self.pairs_LEV.shape[2]
-            pair_N = indices_TK.reshape(-1) * V + self._tokens_T.repeat_interleave(K)
+            tokens_N = self._tokens_T.repeat_interleave(K)
+            pair_N = (indices_TK.reshape(-1) * V + tokens_N)[tokens_N >= 0]
             self.pairs_LEV[i].view(-1).index_add_(0, pair_N, torch.ones_like(pair_N))
             self._selection[i] = None
         return hook

@@ -105,7 +105,8 @@ class FullForwardDecoder:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.max_tokens = model.cfg.max_seq_len
+        # A soft prompt takes up positions of the sequence the model holds.
+        self.max_tokens = model.cfg.max_seq_len - model.prepended_positions
         self.device = next(model.parameters()).device
 
     @torch.no_grad()

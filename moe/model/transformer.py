@@ -245,6 +245,13 @@ class MoETransformer(nn.Module):
     def new_kv_cache(self) -> KVCache:
         return KVCache(self.cfg.n_layers)
 
+    @property
+    def prepended_positions(self) -> int:
+        """Positions the model runs in front of the input ids of a forward without a filled
+        cache (a soft prompt, moe/model/adapters/prompt.py): they take up sequence length and
+        are routed, but have no input id and no output."""
+        return 0
+
     def forward(self, input_ids_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 doc_ids_BS: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> ModelOutput:

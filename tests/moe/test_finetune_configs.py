@@ -28,3 +28,16 @@ def test_each_config_asks_for_its_base_and_loads_with_it(path):
     cfg = load_config(str(path), ["model.init_from=runs/default"])
     assert cfg.finetune.method == path.stem.removeprefix("finetune-")
     assert cfg.name == path.stem
+
+
+def test_the_lora_config_trains_at_most_two_percent():
+    """The share benchmarks/finetune_bench.py holds LoRA to, on the default-size model (the
+    default tokenizer's 4096 ids)."""
+    from moe.model.transformer import MoETransformer
+    from moe.training.finetune import parameter_counts, prepare_finetune
+
+    cfg = load_config("configs/finetune-lora.yaml",
+                      ["model.init_from=runs/default", "model.vocab_size=4096"])
+    model = MoETransformer(cfg.model)
+    prepare_finetune(model, cfg.finetune)
+    assert 0.005 < parameter_counts(model)["trainable_share"] <= 0.02

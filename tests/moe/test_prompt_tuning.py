@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from moe.config.run import load_config
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
+from moe.evaluation.expert_stats import ExpertStatsCollector
+from moe.model.generation import FullForwardDecoder, GenerationConfig, KVCacheDecoder, generate
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.training.finetune import parameter_counts, prepare_finetune
 from tests.helpers.finetune import finetune_over_frozen_base
@@ -75,6 +77,32 @@ def test_kv_cache_decoding_keeps_the_prompt_in_front():
         step = prompted(IDS[:, 8:9], kv_cache=cache).logits[:, -1]
         full = prompted(IDS[:, :9]).logits[:, -1]
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_counts_the_prompt_in_the_model_length():
+    """Learned positions, max_seq_len 24: N prompt positions leave 24 - N for the prompt and
+    the new tokens; one more is refused before any forward (it ran out of positions mid-way)."""
+    _, prompted, _ = models(position="learned")
+    ids = IDS[0, :4].tolist()
+    fits = GenerationConfig(max_new_tokens=24 - N - len(ids))
+    cached = generate(KVCacheDecoder(prompted), ids, fits)[0].tokens
+    assert cached == generate(FullForwardDecoder(prompted), ids, fits)[0].tokens
+    assert len(cached) == fits.max_new_tokens
+    with pytest.raises(ConfigError, match=f"exceeds the model's {24 - N} tokens"):
+        generate(KVCacheDecoder(prompted), ids, GenerationConfig(max_new_tokens=25 - N - 4))
+
+
+def test_expert_statistics_route_the_prompt_positions_and_rank_the_tokens():
+    _, prompted, _ = models()
+    with ExpertStatsCollector(prompted) as stats, torch.no_grad():
+        stats.observe(IDS)
+        prompted(IDS)
+    B, S = IDS.shape
+    K = prompted.cfg.moe.router.top_k
+    assert stats.tokens_L.tolist() == [B * (N + S)] * 2  # the experts' work: prompt included
+    assert stats.selected_LE.sum(1).tolist() == [B * (N + S) * K] * 2
+    assert stats.pairs_LEV.sum((1, 2)).tolist() == [B * S * K] * 2  # preferences: the tokens
+    assert stats.token_freq_V.sum() == B * S
 
 
 def test_bad_settings_are_refused_by_key():

@@ -52,12 +52,16 @@ class PromptEmbedding(nn.Embedding):
 
 
 class PromptTunedTransformer(MoETransformer):
+    @property
+    def prepended_positions(self) -> int:
+        return self.embed.prompt.shape[0]
+
     def forward(self, input_ids_BS, targets_BS=None, doc_ids_BS=None, kv_cache=None):
         if doc_ids_BS is not None:
             raise ValueError("prompt tuning does not support document ids (packed documents)")
         if kv_cache is not None and kv_cache.length:  # the prompt is in the cache already
             return super().forward(input_ids_BS, targets_BS, kv_cache=kv_cache)
-        n = self.embed.prompt.shape[0]
+        n = self.prepended_positions
         ids_BL = F.pad(input_ids_BS, (n, 0))  # placeholders (id 0), replaced by the prompt
         if targets_BS is not None:
             targets_BS = F.pad(targets_BS, (n, 0), value=IGNORE)
