@@ -1,4 +1,4 @@
-"""Fine-tuning benchmark (not a test), on one process, CPU, fp32. Three measurements, each a
+"""Fine-tuning benchmark (not a test), on one process, CPU, fp32. Four measurements, each a
 ratio against a baseline measured in the same run:
 
 (a) step time of LoRA against full fine-tuning of the same pretrained model (target: LoRA at
@@ -10,6 +10,11 @@ ratio against a baseline measured in the same run:
 (c) quality: the held-out masked loss after the same steps on the same batches, LoRA (the
     settings of configs/finetune-lora.yaml: at most 2% of the parameters train) against full
     fine-tuning (configs/finetune-full.yaml's settings) (target: LoRA within 0.05 nats).
+    Every other method (--methods: qlora, esft, adapter, prompt, prefix, with their shipped
+    configs) trains in the same lockstep and is reported against full alike.
+(d) peak memory: each method in a process of its own, the peak resident memory over a few
+    training steps after its base is loaded and dropped (Linux high-water mark, reset after
+    set-up), against full's; methods interleaved over repeats.
 
 The base is one of our checkpoints (default: runs/default, what ``moe-launch
 configs/default.yaml`` trains). The fine-tuning data is instruction-style and built here from
@@ -21,17 +26,21 @@ trainer's without the engine: the loss with the auxiliary loss, gradient clippin
 the trainable parameters in the trainer's groups, the trainer's LR schedule.
 
     python benchmarks/finetune_bench.py [--base runs/default] [--steps 30] [--repeats 3]
+        [--methods full,lora,...] [--skip experts|finetune|memory]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import hashlib
 import importlib
 import inspect
+import json
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,8 +58,11 @@ from data_pipeline.tokenizer import Tokenizer  # noqa: E402
 from moe.checkpoint.files import resolve_checkpoint  # noqa: E402
 from moe.config.run import load_config  # noqa: E402
 from moe.load import load_model  # noqa: E402
+from moe.model.adapters.esft import select_experts  # noqa: E402
+from moe.model.adapters.qlora import nf4_bytes, quantize_base, torchao_missing  # noqa: E402
 from moe.model.experts import grouped_mm, uses_grouped_kernel  # noqa: E402
 from moe.parallel.deepspeed_adapter import optimizer_param_groups  # noqa: E402
+from moe.training.esft import install_selection, score_experts  # noqa: E402
 from moe.training.finetune import parameter_counts, prepare_finetune  # noqa: E402
 from moe.training.trainer import lr_lambda  # noqa: E402
 
@@ -121,20 +133,39 @@ def pack(pairs, tokenizer: Tokenizer, seq_len: int) -> tuple[torch.Tensor, torch
     return ids_RL[:, :-1], targets
 
 
-class Tuner:
-    """One fine-tuning run of a method from the base, stepped from outside."""
+METHODS = {"full": "finetune-full.yaml", "lora": "finetune-lora.yaml",
+           "qlora": "finetune-qlora.yaml", "esft": "finetune-esft.yaml",
+           "adapter": "finetune-adapter.yaml", "prompt": "finetune-prompt.yaml",
+           "prefix": "finetune-prefix.yaml"}
+"""Each method with the settings of its shipped config (configs/finetune-*.yaml)."""
 
-    def __init__(self, base, config: str, steps: int, overrides: list[str]):  # KEY=VALUE
-        cfg = load_config(str(ROOT / "configs" / config),
+
+class Tuner:
+    """One fine-tuning run of a method from the base, stepped from outside. ``score_rows``: the
+    input rows ESFT scores the experts on before step 1 (the run's first micro-batches, as the
+    trainer scores them); qlora's base is quantised after the adapters are added, as the
+    trainer does."""
+
+    def __init__(self, base, method: str, steps: int, overrides: list[str],  # KEY=VALUE
+                 score_rows: list[torch.Tensor] = ()):
+        cfg = load_config(str(ROOT / "configs" / METHODS[method]),
                           ["model.init_from=base", f"train.max_steps={steps}", *overrides])
         self.cfg = cfg
         self.model = copy.deepcopy(base)
         prepare_finetune(self.model, cfg.finetune)
+        if cfg.finetune.method == "qlora":
+            quantize_base(self.model)
         self.model.train()
         t = cfg.train
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(optimizer_param_groups(self.model, t.weight_decay),
                                      lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+        if cfg.finetune.method == "esft":
+            esft = cfg.finetune.esft
+            scores = score_experts(self.model, [(x, None) for x in score_rows[:esft.max_batches]])
+            chosen = select_experts(scores[esft.score], esft.p)
+            install_selection(self.model, self.opt, {"layers": [{"selected": c} for c in chosen]},
+                              ep_rank=0)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.times: list[float] = []
 
@@ -165,47 +196,115 @@ def masked_loss(model, inputs, targets, batch: int) -> float:
     return total / count
 
 
-def finetune_runs(args) -> dict:
+def bench_data(args):
+    """(base model, its run config, train (inputs, targets), held-out (inputs, targets))."""
     tag = resolve_checkpoint(args.base)
     base, run_cfg, _ = load_model(tag)
     tokenizer = Tokenizer(tag / "tokenizer.model")
     pairs = stdlib_pairs()
     train = [p for p in pairs if not held_out(p[0])]
     valid = [p for p in pairs if held_out(p[0])]
-    seq = args.seq_len
-    train_x, train_y = pack(train, tokenizer, seq)
-    valid_x, valid_y = pack(valid, tokenizer, seq)
+    train_xy, valid_xy = pack(train, tokenizer, args.seq_len), pack(valid, tokenizer, args.seq_len)
     print(f"data: {len(train)} train / {len(valid)} held-out conversations from the stdlib; "
-          f"{len(train_x)} / {len(valid_x)} rows of {seq} tokens; trained targets "
-          f"{int((train_y != IGNORE).sum())} / {int((valid_y != IGNORE).sum())}", flush=True)
+          f"{len(train_xy[0])} / {len(valid_xy[0])} rows of {args.seq_len} tokens; trained "
+          f"targets {int((train_xy[1] != IGNORE).sum())} / {int((valid_xy[1] != IGNORE).sum())}",
+          file=sys.stderr, flush=True)
+    return base, run_cfg, train_xy, valid_xy
+
+
+def overrides(args, method: str, run_cfg) -> list[str]:
+    extra = args.lora if method in ("lora", "qlora") else []
+    return [f"model.vocab_size={run_cfg.model.vocab_size}", *extra]
+
+
+def batch_rows(order: torch.Tensor, step: int, micro_batch: int) -> torch.Tensor:
+    return order[(step * micro_batch + torch.arange(micro_batch)) % len(order)]
+
+
+def finetune_runs(args) -> dict:
+    base, run_cfg, (train_x, train_y), (valid_x, valid_y) = bench_data(args)
     base_loss = masked_loss(base, valid_x, valid_y, args.micro_batch)
     print(f"base: held-out masked loss {base_loss:.4f}", flush=True)
-    vocab = [f"model.vocab_size={run_cfg.model.vocab_size}"]
+    methods = args.methods
     shares, results = {}, []
     for r in range(args.repeats):
-        tuners = {"full": Tuner(base, "finetune-full.yaml", args.steps, vocab),
-                  "lora": Tuner(base, "finetune-lora.yaml", args.steps, vocab + args.lora)}
-        shares = {m: parameter_counts(t.model)["trainable_share"] for m, t in tuners.items()}
         order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(r))
+        first = [train_x[batch_rows(order, s, args.micro_batch)] for s in range(args.steps)]
         torch.manual_seed(r)
+        tuners = {m: Tuner(base, m, args.steps, overrides(args, m, run_cfg), first)
+                  for m in methods}
+        shares = {m: parameter_counts(t.model)["trainable_share"] for m, t in tuners.items()}
         for s in range(args.steps):
-            rows = order[(s * args.micro_batch + torch.arange(args.micro_batch)) % len(order)]
+            rows = batch_rows(order, s, args.micro_batch)
             x, y = train_x[rows], train_y[rows]
-            names = list(tuners) if s % 2 == 0 else list(tuners)[::-1]
-            for name in names:  # alternating which goes first: both see the same load
+            k = s % len(methods)  # rotating which goes first: all see the same load
+            for name in methods[k:] + methods[:k]:
                 tuners[name].step(x, y)
         res = {"repeat": r}
         for name, t in tuners.items():
             res[f"{name}_loss"] = masked_loss(t.model, valid_x, valid_y, args.micro_batch)
             res[f"{name}_step_s"] = statistics.median(t.times[2:])  # first steps: warm-up
-        res["step_ratio"] = res["lora_step_s"] / res["full_step_s"]
-        res["gap"] = res["lora_loss"] - res["full_loss"]
+        for name in methods:
+            res[f"{name}_step_ratio"] = res[f"{name}_step_s"] / res["full_step_s"]
+            res[f"{name}_gap"] = res[f"{name}_loss"] - res["full_loss"]
         results.append(res)
-        print(f"repeat {r}: held-out loss full {res['full_loss']:.4f} lora {res['lora_loss']:.4f}"
-              f" (gap {res['gap']:+.4f} nats); step full {res['full_step_s']:.3f} s lora "
-              f"{res['lora_step_s']:.3f} s (lora/full {res['step_ratio']:.3f})", flush=True)
+        print(f"repeat {r}: " + "; ".join(
+            f"{m} loss {res[f'{m}_loss']:.4f} step {res[f'{m}_step_s']:.3f} s" for m in methods),
+            flush=True)
         del tuners
     return {"base_loss": base_loss, "shares": shares, "repeats": results}
+
+
+def _malloc_trim() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def training_peak(args, method: str) -> dict:
+    """In this process: the method's run set up from the base, the base dropped, then the peak
+    resident memory over ``args.memory_steps`` steps (Linux: /proc/self/clear_refs resets the
+    high-water mark, so the loading of the fp32 base does not count)."""
+    base, run_cfg, (train_x, train_y), _ = bench_data(args)
+    order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(0))
+    first = [train_x[batch_rows(order, s, args.micro_batch)] for s in range(args.memory_steps)]
+    tuner = Tuner(base, method, args.memory_steps, overrides(args, method, run_cfg), first)
+    del base
+    gc.collect()
+    _malloc_trim()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    for s in range(args.memory_steps):
+        rows = batch_rows(order, s, args.micro_batch)
+        tuner.step(train_x[rows], train_y[rows])
+    return {"method": method, "before_mib": before / 1024,
+            "peak_mib": _status_kib("VmHWM") / 1024, "nf4_mib": nf4_bytes(tuner.model) / 2**20}
+
+
+def memory_runs(args) -> dict:
+    """Each method's training peak in a process of its own, methods interleaved over repeats."""
+    peaks: dict[str, list[dict]] = {m: [] for m in args.methods}
+    for r in range(args.repeats):
+        k = r % len(args.methods)
+        for m in args.methods[k:] + args.methods[:k]:
+            cmd = [sys.executable, __file__, "--memory-of", m, "--base", args.base,
+                   "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
+                   "--memory-steps", str(args.memory_steps)]
+            cmd += [f"--lora={o}" for o in args.lora]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            peaks[m].append(json.loads(out.strip().splitlines()[-1]))
+    return peaks
 
 
 # -- (b): the routed experts' LoRA path, grouped against a loop over experts -----------------
@@ -280,10 +379,26 @@ def main(argv=None) -> None:
     p.add_argument("--expert-rank", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5, help="(b): interleaved rounds")
     p.add_argument("--iters", type=int, default=2, help="(b): passes per round (fastest kept)")
-    p.add_argument("--skip", choices=["experts", "finetune"], action="append", default=[])
+    p.add_argument("--skip", choices=["experts", "finetune", "memory"], action="append",
+                   default=[])
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated methods compared with full (full is always run)")
+    p.add_argument("--memory-steps", type=int, default=4, help="steps per memory measurement")
+    p.add_argument("--memory-of", choices=list(METHODS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory_of:  # a child of memory_runs: one line of JSON
+        print(json.dumps(training_peak(args, args.memory_of)))
+        return
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"--methods: unknown {', '.join(unknown)} (known: {', '.join(METHODS)})")
+    if "qlora" in methods and (missing := torchao_missing()):
+        print(f"qlora left out: {missing}", flush=True)
+        methods.remove("qlora")
+    args.methods = ["full"] + [m for m in methods if m != "full"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     for tokens in [] if "experts" in args.skip else args.tokens:
         b = expert_lora_path(args, tokens)
@@ -297,15 +412,33 @@ def main(argv=None) -> None:
     if "finetune" not in args.skip:
         c = finetune_runs(args)
         reps = c["repeats"]
-        print(f"trainable share: full {100 * c['shares']['full']:.2f}%, lora "
-              f"{100 * c['shares']['lora']:.3f}% (target <= 2%)")
-        print(f"(a) step time lora / full: {spread([r['step_ratio'] for r in reps])} over "
-              f"{len(reps)} repeats (target <= 1); full {spread([r['full_step_s'] for r in reps])}"
-              f" s, lora {spread([r['lora_step_s'] for r in reps])} s")
-        print(f"(c) held-out masked loss after {args.steps} steps: base {c['base_loss']:.4f}, "
-              f"full {spread([r['full_loss'] for r in reps], '{:.4f}')}, lora "
-              f"{spread([r['lora_loss'] for r in reps], '{:.4f}')}; lora - full "
-              f"{spread([r['gap'] for r in reps], '{:+.4f}')} nats (target <= 0.05)")
+        print(f"after {args.steps} steps, {len(reps)} repeats (median (min-max)); base held-out "
+              f"masked loss {c['base_loss']:.4f}:")
+        print("| method | trainable | held-out masked loss | minus full (nats) | step time (s) "
+              "| step time / full |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for m in args.methods:
+            print(f"| {m} | {100 * c['shares'][m]:.3g}% "
+                  f"| {spread([r[f'{m}_loss'] for r in reps], '{:.4f}')} "
+                  f"| {spread([r[f'{m}_gap'] for r in reps], '{:+.4f}')} "
+                  f"| {spread([r[f'{m}_step_s'] for r in reps])} "
+                  f"| {spread([r[f'{m}_step_ratio'] for r in reps], '{:.2f}')} |")
+        if "lora" in args.methods:
+            gaps = spread([r["lora_gap"] for r in reps], "{:+.4f}")
+            print(f"(a) lora / full step time {spread([r['lora_step_ratio'] for r in reps])} "
+                  f"(target <= 1); (c) lora - full {gaps} nats (target <= 0.05) with "
+                  f"{100 * c['shares']['lora']:.3f}% trainable (target <= 2%)", flush=True)
+    if "memory" not in args.skip:
+        peaks = memory_runs(args)
+        full = statistics.median(p["peak_mib"] for p in peaks["full"])
+        print(f"peak resident memory over {args.memory_steps} training steps, each method in a "
+              f"process of its own after its base is loaded, {args.repeats} interleaved repeats:")
+        print("| method | resident before the steps (MiB) | peak (MiB) | peak / full's |")
+        print("| --- | --- | --- | --- |")
+        for m, ps in peaks.items():
+            print(f"| {m} | {spread([p['before_mib'] for p in ps], '{:.0f}')} "
+                  f"| {spread([p['peak_mib'] for p in ps], '{:.0f}')} "
+                  f"| {spread([p['peak_mib'] / full for p in ps], '{:.2f}')} |", flush=True)
 
 
 if __name__ == "__main__":
