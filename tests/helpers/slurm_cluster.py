@@ -1,7 +1,10 @@
 """Real SLURM clusters on this machine for the integration tests, started and stopped by the test.
 
-Everything lives in one temporary directory: a munge key and a private munged socket, the
-slurm.conf, state, spool, pid and log files. Daemons run in the foreground as children we hold,
+Everything lives in one temporary directory: a munge key, the slurm.conf, state, pid and log
+files; the munged socket and slurmd's spool (where each job step gets a Unix socket) live in a
+short directory of their own under the system's temporary directory, since a Unix socket's path
+may hold at most 108 bytes (a test's own directory under pytest-xdist is longer than that
+allows). Daemons run in the foreground as children we hold,
 so they are stopped by their own pid. ``two_node_cluster`` builds two hosts from network
 namespaces joined by a veth pair (each with its own address, interface ``eth1`` and hostname) with
 one slurmd in each and slurmctld on the first; client commands run inside the first host's
@@ -16,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +58,7 @@ def free_port() -> int:
 class Cluster:
     root: Path
     conf: Path
+    sockets: Path  # the short directory: munged's socket, slurmd's spool
     client_prefix: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
     netns: list[str] = field(default_factory=list)
@@ -137,18 +142,24 @@ class Cluster:
                 p.wait()
         for ns in self.netns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
 
-def write_munge(root: Path) -> list[str]:
+def socket_dir() -> Path:
+    """A short directory for Unix sockets (at most 108 bytes of path each)."""
+    return Path(tempfile.mkdtemp(prefix="slurm-"))
+
+
+def write_munge(root: Path, sockets: Path) -> list[str]:
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    return ["munged", "--foreground", "--force", f"--socket={root / 'munge.sock'}",
+    return ["munged", "--foreground", "--force", f"--socket={sockets / 'munge.sock'}",
             f"--key-file={key}", f"--pid-file={root / 'munged.pid'}",
             f"--log-file={root / 'munged.log'}", f"--seed-file={root / 'munged.seed'}"]
 
 
-def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int,
+def slurm_conf(root: Path, sockets: Path, controller: str, nodes: list[str], cpus: int,
                partitions: tuple[str, ...] = (), settings: tuple[str, ...] = ()) -> str:
     root.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -156,7 +167,7 @@ def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int,
         f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
         # cred_expire also delays a requeued job's restart (default 120 s).
-        f"AuthInfo=socket={root / 'munge.sock'},cred_expire=5",
+        f"AuthInfo=socket={sockets / 'munge.sock'},cred_expire=5",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
         "ReturnToService=2", "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none",
@@ -165,7 +176,7 @@ def slurm_conf(root: Path, controller: str, nodes: list[str], cpus: int,
         # is what then starts it.
         "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=2",
         "KillWait=5", "InactiveLimit=0", "MinJobAge=600", *settings,
-        f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool%n'}",
+        f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={sockets / 'spool%n'}",
         f"SlurmctldPidFile={root / 'ctld.pid'}", f"SlurmdPidFile={root / 'd%n.pid'}",
         f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd-%n.log'}",
         *nodes,
@@ -184,11 +195,13 @@ def single_node_cluster(root: Path, cpus: int = 2, partitions: tuple[str, ...] =
     require_slurm()
     host = socket.gethostname()
     conf = root / "slurm.conf"
-    conf.write_text(slurm_conf(root, host, [f"NodeName={host} CPUs={cpus} RealMemory=20000"],
-                               cpus, partitions, settings))
-    cluster = Cluster(root, conf)
+    sockets = socket_dir()
+    conf.write_text(slurm_conf(root, sockets, host,
+                               [f"NodeName={host} CPUs={cpus} RealMemory=20000"], cpus,
+                               partitions, settings))
+    cluster = Cluster(root, conf, sockets)
     try:
-        cluster.start(write_munge(root), "munged-stdout.log")
+        cluster.start(write_munge(root, sockets), "munged-stdout.log")
         time.sleep(0.5)
         cluster.start(["slurmctld", "-D", "-f", str(conf)], "slurmctld-stdout.log")
         cluster.start(["slurmd", "-D", "-f", str(conf)], "slurmd-stdout.log")
@@ -217,8 +230,9 @@ def two_node_cluster(root: Path, ifname: str = "eth1"):
     conf = root / "slurm.conf"
     nodes = [f"NodeName=node{i + 1} NodeAddr={a} CPUs=1 RealMemory=8000"
              for i, a in enumerate(addrs)]
-    conf.write_text(slurm_conf(root, f"node1({addrs[0]})", nodes, 1))
-    cluster = Cluster(root, conf, client_prefix=["nsenter", f"--net=/var/run/netns/{names[0]}"])
+    sockets = socket_dir()
+    conf.write_text(slurm_conf(root, sockets, f"node1({addrs[0]})", nodes, 1))
+    cluster = Cluster(root, conf, sockets, client_prefix=["nsenter", f"--net=/var/run/netns/{names[0]}"])
     try:
         for ns in names:
             _sh("ip", "netns", "add", ns)
@@ -232,7 +246,7 @@ def two_node_cluster(root: Path, ifname: str = "eth1"):
             _sh(*inside, "ip", "addr", "add", f"{addr}/24", "dev", ifname)
             _sh(*inside, "ip", "link", "set", ifname, "up")
             _sh(*inside, "ip", "link", "set", "lo", "up")
-        cluster.start(write_munge(root), "munged-stdout.log")
+        cluster.start(write_munge(root, sockets), "munged-stdout.log")
         time.sleep(0.5)
         for i, ns in enumerate(names, 1):
             # nsenter --net, not `ip netns exec` (which remounts /sys; slurmd then fails on
