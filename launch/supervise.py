@@ -135,6 +135,12 @@ class Attempt:
         self.logs = run_dir / "logs"
         self.world = world_size
         self.started = time.time() if started is None else started
+        # Whether a rank's step records changed in this attempt: by their file's state when the
+        # attempt started (a file's mtime comes from a coarse clock that can lag time.time() by
+        # milliseconds, so a step written right after the start could look older than it);
+        # ``started`` given after the fact (the job script's shell): by mtime.
+        self.step_files = (None if started is not None else
+                           {r: self._state(self._steps_file(r)) for r in range(world_size)})
         self.offsets = {r: self._size(exits_file(self.logs, r)) for r in range(world_size)}
         self.hang_offsets = {r: self._size(hang_records_file(self.logs, r))
                              for r in range(world_size)}
@@ -146,6 +152,23 @@ class Attempt:
     @staticmethod
     def _size(path: Path) -> int:
         return path.stat().st_size if path.exists() else 0
+
+    @staticmethod
+    def _state(path: Path) -> tuple | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _steps_file(self, rank: int) -> Path:
+        return self.logs / f"steps_rank{rank}.jsonl"
+
+    def _written(self, rank: int) -> bool:
+        path = self._steps_file(rank)
+        if self.step_files is not None:
+            return self._state(path) not in (None, self.step_files[rank])
+        return path.exists() and path.stat().st_mtime >= self.started
 
     def abnormal_ends(self) -> list[dict]:
         """The ranks that ended this attempt with a nonzero code or a signal, earliest first."""
@@ -160,9 +183,7 @@ class Attempt:
         ranks = range(self.world) if rank is None else [rank]
         steps = []
         for r in ranks:
-            path = self.logs / f"steps_rank{r}.jsonl"
-            records = (_read_jsonl(path) if path.exists()
-                       and path.stat().st_mtime >= self.started else [])
+            records = _read_jsonl(self._steps_file(r)) if self._written(r) else []
             steps.append(max((rec["step"] for rec in records if isinstance(rec.get("step"), int)),
                              default=self.resumed_step))
         return min(steps)

@@ -4,6 +4,7 @@ writes them) and follows a per-attempt script of outcomes. The real launch is te
 tests/integration/test_fault_campaign.py."""
 
 import json
+import os
 import sys
 import time
 
@@ -217,3 +218,24 @@ def test_a_hang_names_the_rank_that_did_not_arrive_not_the_one_that_reported_it(
             "hang watchdog of rank(s) 0") in out, out
     assert "rank 0 exited" not in out
     assert restarts(run_dir)[0]["rank"] == 1 and restarts(run_dir)[0]["hang"]
+
+
+def test_steps_written_in_an_attempt_count_even_when_the_file_clock_lags(tmp_path):
+    """A file's mtime comes from a coarse clock: a step written a moment after the attempt
+    started can carry an mtime before it. The attempt counts the steps its ranks wrote (the
+    file changed since it started), and none of an earlier attempt's."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    old = logs / "steps_rank1.jsonl"
+    old.write_text('{"step": 7}\n')  # an earlier attempt's, untouched in this one
+    attempt = supervise.Attempt(tmp_path, 2, resumed_step=2)
+    path = logs / "steps_rank0.jsonl"
+    path.write_text('{"step": 3}\n{"step": 4}\n')
+    lagging = attempt.started - 0.004
+    os.utime(path, (lagging, lagging))
+    assert attempt.last_step(0) == 4
+    assert attempt.last_step(1) == 2  # nothing written by rank 1 in this attempt: the resumed step
+    assert attempt.last_step(None) == 2
+    with old.open("a") as f:
+        f.write('{"step": 3}\n')
+    assert attempt.last_step(1) == 7 and attempt.last_step(None) == 4
