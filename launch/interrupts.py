@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 
@@ -150,8 +151,8 @@ def stop_session(proc: subprocess.Popen) -> None:
     """SIGTERM to the launcher ``proc`` first (DeepSpeed's multi-node runner then kills its
     remote ranks), then to every descendant, SIGKILL to those left after :data:`KILL_AFTER_S`
     and to the rest of its process group when it leads one (``start_new_session``); waits for
-    ``proc``. ``proc`` itself is waited for through ``proc`` only: reaping it elsewhere (psutil)
-    would turn its exit status into 0."""
+    ``proc`` and until the descendants it killed are dead. ``proc`` itself is waited for
+    through ``proc`` only: reaping it elsewhere (psutil) would turn its exit status into 0."""
     try:
         descendants = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -177,3 +178,19 @@ def stop_session(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:  # not a group leader, and it ignores SIGTERM
         proc.kill()
         proc.wait()
+    _wait_dead(alive, KILL_AFTER_S)
+
+
+def _wait_dead(procs: list[psutil.Process], timeout: float) -> None:
+    """Until every one of ``procs`` (sent SIGKILL) is gone or a zombie: a kill is delivered
+    asynchronously, and a rank still running holds its ports and memory. Zombies count as
+    dead: their new parent, not this process, reaps them."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
