@@ -93,10 +93,10 @@ def _merged(out, tag, world):
     return snapshots, torch.cat([r["losses"] for r in results]), results
 
 
-@pytest.mark.parametrize("tag", ["experts", "no-experts"])
-def test_lora_on_two_expert_parallel_ranks_equals_one_process(layouts, tag):
-    one, losses1, _ = _merged(layouts, tag, 1)
-    two, losses2, _ = _merged(layouts, tag, 2)
+def assert_same_training(one, losses1, two, losses2) -> set[str]:
+    """Two runs' merged parameters (``_merged``: before, after step 1 and after step 2) start
+    equal bit for bit and take the same updates, with the same losses; returns the names of
+    the parameters that moved."""
     torch.testing.assert_close(losses2.mean(), losses1.mean(), rtol=1e-6, atol=1e-6)
     assert one[0].keys() == two[0].keys()
     for name in one[0]:
@@ -105,7 +105,14 @@ def test_lora_on_two_expert_parallel_ranks_equals_one_process(layouts, tag):
             torch.testing.assert_close(two[step][name] - two[0][name],
                                        one[step][name] - one[0][name], rtol=1e-4, atol=1e-6,
                                        msg=f"update {step} of {name}")
-    moved = {n for n in one[0] if not torch.equal(one[2][n], one[0][n])}
+    return {n for n in one[0] if not torch.equal(one[2][n], one[0][n])}
+
+
+@pytest.mark.parametrize("tag", ["experts", "no-experts"])
+def test_lora_on_two_expert_parallel_ranks_equals_one_process(layouts, tag):
+    one, losses1, _ = _merged(layouts, tag, 1)
+    two, losses2, _ = _merged(layouts, tag, 2)
+    moved = assert_same_training(one, losses1, two, losses2)
     # Only the factors and the (train_router) routers move; the base stays bit for bit.
     assert moved and all("lora_" in n or "router.weight" in n for n in moved), moved
     if tag == "experts":  # the check has teeth: both expert factors moved, for every expert

@@ -15,7 +15,14 @@ from moe.model.adapters.qlora import dequantize_nf4, quantize_nf4, torchao_missi
 from moe.model.transformer import MoETransformer
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
-from tests.moe.training.test_finetune import _losses, _merged, _train_worker, _worker, run_config
+from tests.moe.training.test_finetune import (
+    _losses,
+    _merged,
+    _train_worker,
+    _worker,
+    assert_same_training,
+    run_config,
+)
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(torchao_missing() is not None, reason="needs torchao")]
@@ -183,15 +190,7 @@ def test_qlora_on_two_expert_parallel_ranks_equals_one_process(tmp_path):
         run_distributed(_worker, world, [(f"q-w{world}", cfg)], batches, str(tmp_path))
     one, losses1, res1 = _merged(tmp_path, "q", 1)
     two, losses2, res2 = _merged(tmp_path, "q", 2)
-    torch.testing.assert_close(losses2.mean(), losses1.mean(), rtol=1e-6, atol=1e-6)
-    assert one[0].keys() == two[0].keys()
-    for name in one[0]:
-        torch.testing.assert_close(two[0][name], one[0][name], rtol=0, atol=0, msg=name)
-        for step in (1, 2):
-            torch.testing.assert_close(two[step][name] - two[0][name],
-                                       one[step][name] - one[0][name], rtol=1e-4, atol=1e-6,
-                                       msg=f"update {step} of {name}")
-    moved = {n for n in one[0] if not torch.equal(one[2][n], one[0][n])}
+    moved = assert_same_training(one, losses1, two, losses2)
     assert moved and all("lora_" in n for n in moved), moved
     assert {f"blocks.1.ffn.experts.w_in_lora_{f}[{e}]" for f in "AB" for e in range(4)} <= moved
     for res in (*res1, *res2):  # only the factors are optimized
