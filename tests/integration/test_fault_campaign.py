@@ -48,11 +48,16 @@ def test_ten_faults_in_one_job_recover_to_the_uninterrupted_run(tiny_data, tmp_p
     hang_restart = next(r for r in records if r["returncode"] == HANG_EXIT_CODE)
     assert hang_restart["step"] == hang["step"], (hang, hang_restart)
     # Detected within the timeout plus the watchdog's polling and its two readings of the
-    # heartbeats (three polls apart), not waited out (the fault sleeps 20 timeouts).
+    # heartbeats (three polls apart), not waited out (the fault sleeps 20 timeouts). Either
+    # rank's watchdog may fire first and both exit with HANG_EXIT_CODE once both have reported;
+    # the launcher then kills what is left, so the hung rank's own exit may be that kill (or go
+    # unrecorded if its recorder is killed with it): the first watchdog exit after the fault is
+    # what the bound is about.
     hung_at = float((tmp_path / "fired" / f"fault_{hang['id']}").read_text())
-    ends = [json.loads(line) for line in
-            (run_dir / "logs" / f"exits_rank{hang['rank']}.jsonl").read_text().splitlines()]
-    hang_end = next(e for e in ends if e["returncode"] == HANG_EXIT_CODE and e["time"] > hung_at)
+    ends = [json.loads(line) for r in range(2) for line in
+            (run_dir / "logs" / f"exits_rank{r}.jsonl").read_text().splitlines()]
+    hang_end = min((e for e in ends if e["returncode"] == HANG_EXIT_CODE and e["time"] > hung_at),
+                   key=lambda e: e["time"])
     assert hang_end["time"] - hung_at < fr.CAMPAIGN_HANG_S + 4 + 3 * poll_s(fr.CAMPAIGN_HANG_S)
     stacks = hang_file(run_dir / "logs", hang["rank"]).read_text()
     assert f"the last completed step is {hang['step'] - 1}" in stacks and "in _fire" in stacks
