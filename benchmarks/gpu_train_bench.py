@@ -74,7 +74,7 @@ def one_gpu(cfg: RunConfig, micro_batch: int | None) -> RunConfig:
 def planned_bytes(cfg: RunConfig) -> float:
     plan = memory_per_gpu(cfg.model, 1, 1, cfg.parallel.zero_stage, cfg.train.precision,
                           cfg.train.micro_batch_size, cfg.data.seq_len)
-    return plan.model_states_bytes + plan.activation_bytes
+    return plan.total_bytes  # what moe-plan reports: states, saved activations, working set
 
 
 def largest_fitting(budget_bytes: float, micro_batch: int | None) -> tuple[str, RunConfig] | None:
