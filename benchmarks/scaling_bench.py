@@ -1,4 +1,5 @@
-"""Does the scaling law predict? Dense and the default MoE recipe on the stdlib corpus.
+"""Does the scaling law predict? Dense and the default MoE recipe on the installed packages'
+docstrings and comments (or the standard library's).
 
 For each seed: a sweep (``moe-scaling plan``) of --sizes shapes per budget and family, run
 through the real launcher; the laws are fitted on every budget but the largest; the predicted
@@ -7,10 +8,13 @@ measured final validation loss, whether the measured best size of the largest bu
 the predicted 95% interval, and the MoE/dense compute multiplier of each budget (median and spread
 over the seeds). Prints one table and the whole benchmark's time.
 
-    python benchmarks/scaling_bench.py --budgets 3e12,1e13,3e13 --sizes 4 --seeds 1,2 --out /tmp/sb
+    python benchmarks/scaling_bench.py --out /tmp/sb     # defaults below: 2 seeds x 30 runs
 
-Time on 2 CPU cores grows with the sum of the budgets (about 3e13 FLOPs per 7 minutes for the
-default model on 2 ranks, plus about 20 s of start-up per run)."""
+Defaults: budgets 5e11, 1.6e12, 5e12; 5 sizes per budget and family; a 1,024-token vocabulary
+(so that the output head does not dominate N at the small widths); one rank per run with the
+config's global batch. Time on 2 CPU cores grows with the optimizer steps of the sweep (about
+0.06 s per step at these widths on one rank) plus about 12 s of start-up and evaluation per
+run."""
 
 from __future__ import annotations
 
@@ -57,9 +61,24 @@ def corpus_config(args) -> str:
     package (``type: python`` over site-packages) in place of the standard library's: a corpus
     about 12 times larger, so that no run of the sweep repeats data."""
     cfg = yaml.safe_load(Path(args.config).read_text())
-    cfg.setdefault("eval", {})["max_tokens"] = EVAL_TOKENS
+    cfg.setdefault("eval", {})["max_tokens"] = args.eval_tokens
+    if args.vocab:
+        # A small vocabulary keeps the output head from dominating N at the ladder's small
+        # widths (with 4,096 tokens it is 80% of N at width 32).
+        cfg["data"]["tokenizer"]["vocab_size"] = args.vocab
+    cfg["data"]["dir"] = str(Path(args.out) / "data")  # prepared for this sweep's vocabulary
+    par, train = cfg["parallel"], cfg["train"]
+    if args.ranks != par["world_size"]:
+        # The same global batch on another number of ranks: at these widths one rank with both
+        # cores steps faster than two exchanging every expert's tokens.
+        global_batch = train["micro_batch_size"] * par["world_size"]
+        if global_batch % args.ranks:
+            raise SystemExit(f"--ranks {args.ranks}: does not divide the global batch of "
+                             f"{global_batch} sequences")
+        train["micro_batch_size"] = global_batch // args.ranks
+        par["world_size"] = args.ranks
+        par["expert_parallel_size"] = min(par.get("expert_parallel_size", 1), args.ranks)
     if args.corpus == "packages":
-        cfg["data"]["dir"] = str(Path(args.out) / "data")
         cfg["data"]["sources"] = [{"name": "packages", "type": "python",
                                    "paths": [sysconfig.get_paths()["purelib"]]}]
     out = Path(args.out) / "config.yaml"
@@ -105,10 +124,16 @@ def main() -> None:
                    help="packages: docstrings and comments of the installed packages (default); "
                         "stdlib: the default config's corpus (about 1.7M tokens)")
     p.add_argument("--budgets", default="5e11,1.6e12,5e12")
-    p.add_argument("--sizes", default="4")
+    p.add_argument("--sizes", default="5")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--jobs", default="1")
     p.add_argument("--bootstrap", type=int, default=100)
+    p.add_argument("--vocab", type=int, default=1024,
+                   help="tokenizer vocabulary of the sweep (0: the config's)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks of every run (the global batch of --config is kept)")
+    p.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS,
+                   help="validation tokens each run is evaluated on")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     budgets = sorted(float(b) for b in args.budgets.split(","))
@@ -131,7 +156,8 @@ def main() -> None:
             print(f"| {b:.3g} | {statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f}) |")
     print(f"\ntarget: |error| <= 2%; the benchmark took {(time.monotonic() - start) / 60:.1f} min "
           f"({len(per_seed)} seeds, {len(budgets)} budgets x {args.sizes} sizes x 2 families, "
-          f"widths from {scaling.WIDTHS[0]})")
+          f"widths from {scaling.WIDTHS[0]}, vocabulary {args.vocab or 'of the config'}, "
+          f"{args.ranks} rank(s) per run)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Definitions (the same everywhere in this module and in ``docs/scaling.md``):
   FLOPs per token (attention over the sequence included), so C is what ``moe-plan`` and the
   trainer's MFU count.
 - **The ladder** (:func:`shape_for_width`): widths from :data:`WIDTHS`; heads of 64 dimensions
-  (32 below a width of 128, 16 where 32 does not divide the width); ``n_layers = max(2, round(width / 64))`` (an aspect ratio of 64);
+  (32 below a width of 128, 16 where 32 does not divide the width, 8 where 16 does not);
+  ``n_layers = max(2, round(width / 64))`` (an aspect ratio of 64);
   MoE experts keep the base config's expert width / model width ratio, its expert count (or
   ``experts``), top-k and shared experts. The dense twin of each MoE shape has one FFN of the
   MoE's active width (top-k + shared experts), so both families have the same N at each width.
@@ -46,7 +47,7 @@ from moe.errors import ScalingError
 from moe.model.size import count_parameters, flops_per_token
 from moe.model.transformer import ModelConfig
 
-WIDTHS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+WIDTHS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 """Model widths a ladder draws from (about sqrt(2) apart)."""
 
 MIN_STEPS = 25
@@ -64,7 +65,8 @@ def shape_for_width(base: ModelConfig, width: int, family: str,
     """The ladder's model of ``width`` for ``family`` (see the module docstring)."""
     if family not in FAMILIES:
         raise ScalingError(f"family {family!r}: must be one of {FAMILIES}")
-    head_dim = 64 if width >= 128 and width % 64 == 0 else 32 if width % 32 == 0 else 16
+    head_dim = (64 if width >= 128 and width % 64 == 0 else 32 if width % 32 == 0
+                else 16 if width % 16 == 0 else 8)
     ratio = base.moe.expert_hidden / base.d_model
     expert_hidden = max(8, 8 * round(width * ratio / 8))
     moe = replace(base.moe, expert_hidden=expert_hidden, dense_hidden=None,

@@ -134,6 +134,26 @@ def test_the_ladder_is_centred_on_the_rule_of_thumb_optimum():
         assert sorted({r.width for r in runs}) == [r.width for r in sorted(runs, key=lambda r: r.width)]
 
 
+@pytest.mark.parametrize("width", scaling.WIDTHS[:6])
+def test_every_small_ladder_width_builds_a_model_that_trains(width):
+    """Widths 16 and 24 (heads of 16 and 8 dimensions) are ladder shapes like the others: the
+    model builds, its heads divide the width, and a forward and backward give finite values."""
+    import torch
+
+    from moe.model.transformer import MoETransformer
+
+    for family in scaling.FAMILIES:
+        cfg = replace(scaling.shape_for_width(base().model, width, family), vocab_size=64,
+                      max_seq_len=16)
+        head_dim = cfg.d_model // cfg.n_heads
+        assert cfg.n_heads * head_dim == width and head_dim in (8, 16, 32)
+        torch.manual_seed(0)
+        ids = torch.randint(0, 64, (2, 17))
+        loss = MoETransformer(cfg)(ids[:, :-1], ids[:, 1:]).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+
+
 def test_bad_budgets_and_corpora_are_refused_with_numbers():
     with pytest.raises(ScalingError) as e:
         scaling.plan_sweep(base(), [1e9], 3, ["dense"], widths=[256])
