@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_train_bench import CONFIGS, build, one_gpu, step
+from gpu_train_bench import CONFIGS, build, one_gpu, one_rank_group, step
 
 from moe.config.run import load_config
 from moe.model.size import count_parameters
@@ -84,14 +82,7 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cuda", 0) if not tiny else torch.device("cpu")
     if not tiny:
         torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo" if tiny else "nccl", verbose=False)
+    one_rank_group("gloo" if tiny else "nccl")
     rows = [measure(z, r, mb, device, tiny) for mb in MICRO_BATCHES for z, r in LAYOUTS]
     print(f"{'zero':>4} {'reduce':>6} {'mb':>3} {'built':>7} {'static':>7} {'plan st':>7} "
           f"{'peak':>7} {'plan':>7} {'peak/plan':>9}   (GiB)")

@@ -217,6 +217,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def one_rank_group(backend: str) -> None:
+    """This process as the only rank of a process group (what DeepSpeed's engine needs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"],
@@ -237,15 +249,9 @@ def main(argv=None) -> list[dict]:
     device, backend = device_and_backend(0, cuda)
     if cuda:
         torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import deepspeed
+    one_rank_group(backend)
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if args.tiny:
         models = [(d["name"], from_dict(RunConfig, d)) for d in (tiny_dict(True), tiny_dict(False))]
     else:
