@@ -128,8 +128,8 @@ def step(engine, cfg: RunConfig, device: torch.device) -> None:
     if device.type == "cuda":
         tokens = tokens.pin_memory()
     tokens = tokens.to(device, non_blocking=True)
-    out = engine(tokens[:, :-1], tokens[:, 1:])
-    engine.backward(out.loss)
+    loss = engine(tokens[:, :-1], tokens[:, 1:]).loss  # the logits are freed, as in the trainer
+    engine.backward(loss)
     with record_function("optimizer"):
         engine.step()
 

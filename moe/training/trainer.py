@@ -271,7 +271,9 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
     spike_ref = spike.reference() if spike is not None else None
     z_max = torch.full((1,), -math.inf, device=engine.device)
     for (inputs, targets, doc_ids), weight in zip(batches, weights):
-        out = engine(inputs, targets, doc_ids_BS=doc_ids)
+        # Only the losses are kept: the (B, S, V) logits would otherwise stay alive through this
+        # micro-batch's backward and the next one's forward (2 bytes per logit in bf16).
+        out = engine(inputs, targets, doc_ids_BS=doc_ids)._replace(logits=None)
         scored = out.loss  # the micro-batch's own mean: what the spike guard compares
         if weight is not None:  # masked data: each micro-batch's mean weighed by its targets
             out = out._replace(loss=out.lm_loss * weight + out.aux_loss,
