@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from launch.signal_latch import CATCHABLE
+
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
@@ -36,6 +38,20 @@ def exit_record(rank: int, pid: int, returncode: int) -> dict:
                 "signal": signal.Signals(-returncode).name, "time": time.time()}
     return {"rank": rank, "pid": pid, "returncode": returncode, "signal": None,
             "time": time.time()}
+
+
+def start_training(argv: list[str]) -> subprocess.Popen:
+    """``python -m launch.train ARGV`` started with the preemption signals (``CATCHABLE``)
+    blocked. An srun step signals every process of the step at once: one that reaches the
+    training process before its first instruction stays pending until its latch is installed
+    and unblocks them (launch/signal_latch.py), instead of ending it with the default action
+    while the interpreter starts. The mask is inherited through fork and exec; this process's
+    own is restored at once (a signal that came meanwhile runs its handler then)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, CATCHABLE)
+    try:
+        return subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv])
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def main(argv: list[str]) -> int:
@@ -59,7 +75,7 @@ def main(argv: list[str]) -> int:
         signal.signal(signum, forward)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # srun: no RANK
     config = argv[argv.index("--config") + 1] if "--config" in argv else None
-    child = subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv])
+    child = start_training(argv)
     for signum in held:
         child.send_signal(signum)
     rc = child.wait()  # signal handlers run while it waits (PEP 475 retries the wait)

@@ -24,10 +24,14 @@ class SignalLatch:
         self.installed = False
 
     def install(self) -> None:
+        """Catch :data:`CATCHABLE`, then unblock them: a rank starts with them blocked
+        (launch/rank.py), so one that came while the interpreter started was pending and is
+        recorded now."""
         if not self.installed:
             for signum in CATCHABLE:
                 signal.signal(signum, self._on_signal)
             self.installed = True
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, CATCHABLE)
 
     def _on_signal(self, signum, frame) -> None:
         if self.first is None:

@@ -29,15 +29,20 @@ import pytest
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol")
 
 
-def wait_for(predicate, timeout: float, what: str, cluster, poll: float = 0.2) -> None:
-    """Poll ``predicate`` until it holds; after ``timeout`` seconds fail with ``what`` and the
-    cluster's daemon logs."""
+def wait_for(predicate, timeout: float, what: str, cluster, poll: float = 0.2,
+             job_log: Path | None = None) -> None:
+    """Poll ``predicate`` until it holds; after ``timeout`` seconds fail with ``what``, the end
+    of ``job_log`` (if given) and the cluster's daemon logs."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
             return
         time.sleep(poll)
-    raise TimeoutError(f"{what} after {timeout}s\n{cluster.logs()}")
+    tail = ""
+    if job_log is not None:
+        text = job_log.read_text(errors="replace") if job_log.exists() else "(none)"
+        tail = f"--- {job_log.name} (end)\n{text[-4000:]}\n"
+    raise TimeoutError(f"{what} after {timeout}s\n{tail}{cluster.logs()}")
 
 
 def require_slurm() -> None:

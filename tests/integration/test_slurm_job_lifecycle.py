@@ -78,7 +78,8 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     wait_for(rank0.exists, 120, "the rank did not start", cluster)
     assert "step " not in rank0.read_text()  # still starting: imports, DeepSpeed, data
     assert cluster.run(["scancel", "--signal=TERM", job_id]).returncode == 0
-    wait_for(lambda: "requeueing job" in job_log_path.read_text(), 120, "no requeue", cluster)
+    wait_for(lambda: "requeueing job" in job_log_path.read_text(), 120, "no requeue", cluster,
+             job_log=job_log_path)
 
     # 2. Rank 1 killed at step 25: srun started again in the allocation, from step 20.
     wait_for(lambda: "launch: restart 1/3: " in job_log_path.read_text(), 240,
