@@ -312,21 +312,30 @@ def memory_runs(args) -> dict:
 def expert_lora_path(args, T: int) -> dict:
     E, K, D, H, r = args.experts, args.top_k, args.d_model, args.expert_hidden, args.expert_rank
     gen = torch.Generator().manual_seed(0)
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     # Routed copies sorted by expert, with the imbalance of a random top-k routing.
     counts = torch.bincount(torch.rand(T, E, generator=gen).topk(K, dim=1).indices.flatten(),
                             minlength=E)
     counts_host = counts.tolist()
     N = sum(counts_host)
-    x_in = torch.randn(N, D, generator=gen)  # the experts' input rows
-    x_out = torch.randn(N, H, generator=gen)  # the activations w_out reads
+    x_in = torch.randn(N, D, generator=gen).to(dev, dtype)  # the experts' input rows
+    x_out = torch.randn(N, H, generator=gen).to(dev, dtype)  # the activations w_out reads
     factors = {"in": (torch.randn(E, D, r, generator=gen) * D ** -0.5,
                       torch.randn(E, r, 2 * H, generator=gen) * 0.01),
                "out": (torch.randn(E, H, r, generator=gen) * H ** -0.5,
                        torch.randn(E, r, D, generator=gen) * 0.01)}
-    for a, b in factors.values():
-        a.requires_grad_(True)
-        b.requires_grad_(True)
-    assert all(uses_grouped_kernel(x_in, t) for ab in factors.values() for t in ab)
+    factors = {k: tuple(t.to(dev, dtype).requires_grad_(True) for t in ab)
+               for k, ab in factors.items()}
+    counts = counts.to(dev)
+    # The gradient that reaches each projection's output from above: given, so that what is
+    # timed is the LoRA branch alone (a loss over the (N, 2H) and (N, D) outputs would be
+    # common to both contenders and, on the CPU, cost more than the branch itself).
+    upstream = {"in": torch.randn(N, 2 * H, generator=gen).to(dev, dtype),
+                "out": torch.randn(N, D, generator=gen).to(dev, dtype)}
+    if not all(uses_grouped_kernel(x_in, t) for ab in factors.values() for t in ab):
+        raise SystemExit(f"(b): torch._grouped_mm does not take {args.dtype} on {args.device} "
+                         "with these shapes (on CUDA it takes bfloat16 only; every dimension "
+                         "must be a multiple of 16 bytes), so there is no grouped pass to time")
 
     def grouped(x, a, b):
         return grouped_mm(grouped_mm(x, a, counts, counts_host), b, counts, counts_host)
@@ -336,15 +345,18 @@ def expert_lora_path(args, T: int) -> dict:
 
     def run(fn):
         xs = {k: v.detach().requires_grad_(True) for k, v in (("in", x_in), ("out", x_out))}
+        synchronize(dev)
         t0 = time.perf_counter()
         ys = [fn(xs[k], *factors[k]) for k in ("in", "out")]
-        sum(y.square().mean() for y in ys).backward()
+        torch.autograd.backward(ys, [upstream["in"], upstream["out"]])
+        synchronize(dev)
         return time.perf_counter() - t0, ys
 
     _, want = run(loop)
     _, got = run(grouped)
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g, w, **({"rtol": 1e-4, "atol": 1e-5} | tol))
     times = {"grouped": [], "loop": []}
     for i in range(args.rounds):
         for name in (("grouped", "loop") if i % 2 == 0 else ("loop", "grouped")):
@@ -352,6 +364,11 @@ def expert_lora_path(args, T: int) -> dict:
                                    for _ in range(args.iters)))
     ratios = [lo / g for lo, g in zip(times["loop"], times["grouped"])]
     return {"rows": N, "times": times, "ratios": ratios}
+
+
+def synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def spread(values, fmt="{:.3f}") -> str:
@@ -377,6 +394,9 @@ def main(argv=None) -> None:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--expert-hidden", type=int, default=128)
     p.add_argument("--expert-rank", type=int, default=8)
+    p.add_argument("--device", default="cpu", help="(b): where the expert path runs")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="(b): the rows' and factors' dtype (CUDA's grouped kernel takes bf16)")
     p.add_argument("--rounds", type=int, default=5, help="(b): interleaved rounds")
     p.add_argument("--iters", type=int, default=2, help="(b): passes per round (fastest kept)")
     p.add_argument("--skip", choices=["experts", "finetune", "memory"], action="append",
@@ -404,8 +424,8 @@ def main(argv=None) -> None:
         b = expert_lora_path(args, tokens)
         print(f"(b) expert LoRA path, forward + backward, {args.experts} experts, top-{args.top_k}"
               f", {tokens} tokens ({b['rows']} routed rows), D {args.d_model}, H "
-              f"{args.expert_hidden}, rank {args.expert_rank}, fp32; {args.rounds} interleaved "
-              f"rounds (fastest of {args.iters} each):")
+              f"{args.expert_hidden}, rank {args.expert_rank}, {args.dtype} on {args.device}; "
+              f"{args.rounds} interleaved rounds (fastest of {args.iters} each):")
         for name in ("grouped", "loop"):
             print(f"    {name:8s} {spread([1e3 * t for t in b['times'][name]], '{:.2f}')} ms")
         print(f"    loop / grouped: {spread(b['ratios'], '{:.2f}')}x (target >= 5x)", flush=True)
