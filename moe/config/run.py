@@ -164,8 +164,10 @@ class LoggingConfig:
     tensorboard: bool = True
     peak_flops_per_device: float | None = None
     """Peak FLOP/s of one rank's device for model FLOPs utilization (train/mfu), e.g. 989e12
-    for an H100's dense bf16; null: a bf16 run on a GPU whose name moe/training/device.py knows
-    uses its dense bf16 peak, other runs log no MFU. FLOPs per token: see moe/model/size.py."""
+    for an H100's dense bf16; on the CPU, of one core (a rank's peak is this times its torch
+    threads, train.threads_per_rank). null: a bf16 run on a GPU whose name
+    moe/training/device.py knows uses its dense bf16 peak, other runs log no MFU. FLOPs per
+    token: see moe/model/size.py."""
 
     def problems(self) -> list[str]:
         out = minimums(self, log_every=1)

@@ -217,10 +217,15 @@ def _token_hash(batches: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
-    """logging.peak_flops_per_device, or for bf16 runs the device's known bf16 peak."""
-    if cfg.logging.peak_flops_per_device is not None or cfg.train.precision != "bf16":
-        return cfg.logging.peak_flops_per_device
+def peak_flops(cfg: RunConfig, device: torch.device, threads: int | None = None) -> float | None:
+    """One rank's peak FLOP/s: logging.peak_flops_per_device, or for bf16 runs the device's known
+    bf16 peak. On the CPU the configured figure is one core's and a rank computes on as many
+    cores as it has torch threads (``threads``, default: this process's)."""
+    peak = cfg.logging.peak_flops_per_device
+    if peak is not None and device.type == "cpu":
+        return peak * (threads or torch.get_num_threads())
+    if peak is not None or cfg.train.precision != "bf16":
+        return peak
     return peak_bf16_flops(device)
 
 

@@ -81,3 +81,19 @@ def test_trainer_mfu_peak_prefers_the_config_and_needs_bf16(monkeypatch):
     assert peak_flops(fp32, cuda) is None  # a bf16 peak would understate fp32 utilization
     assert peak_flops(given, cuda) == 1e15
     assert peak_flops(bf16, torch.device("cpu")) is None
+
+
+def test_a_cpu_rank_peak_counts_its_threads():
+    """The configured CPU peak is one core's; a rank with two threads computes on two cores
+    (a one-rank run on two cores read 181% MFU before)."""
+    from moe.config.run import RunConfig
+    from moe.config_schema import from_dict
+    from moe.training.trainer import peak_flops
+
+    cfg = from_dict(RunConfig, {"name": "x", "data": {"dir": "unused"},
+                                "logging": {"peak_flops_per_device": 8e10}})
+    cpu = torch.device("cpu")
+    assert peak_flops(cfg, cpu, threads=1) == 8e10
+    assert peak_flops(cfg, cpu, threads=2) == 16e10
+    assert peak_flops(cfg, cpu) == 8e10 * torch.get_num_threads()
+    assert peak_flops(cfg, torch.device("cuda", 0), threads=2) == 8e10  # a GPU's is the device's
