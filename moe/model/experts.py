@@ -137,8 +137,7 @@ class GroupedExperts(nn.Module):
         or the output (N, D) is narrower: for fine-grained experts that is 4x less work in the
         forward and in both backward products than scaling the output. ``counts_host``: the
         counts on the host when the caller already read them (the loop fallback needs them)."""
-        if counts_host is None and not all(uses_grouped_kernel(x_ND, w)
-                                           for w in self.parameters(recurse=False)):
+        if counts_host is None and self.needs_host_counts(x_ND):
             # Host sync (fallback only): the loop over experts needs the block sizes; read once
             # for all products.
             counts_host = counts_E.tolist()
@@ -153,6 +152,10 @@ class GroupedExperts(nn.Module):
         if scale_N is not None and self.hidden > d_model:
             y_ND = scale_rows(y_ND, scale_N)
         return y_ND
+
+    def needs_host_counts(self, x_ND: torch.Tensor) -> bool:
+        """Whether some product of this layer loops over experts (see :func:`grouped_mm`)."""
+        return not all(uses_grouped_kernel(x_ND, w) for w in self.parameters(recurse=False))
 
     def project(self, name: str, x_ND: torch.Tensor, counts_E: torch.Tensor,
                 counts_host: list[int] | None) -> torch.Tensor:

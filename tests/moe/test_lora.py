@@ -72,6 +72,36 @@ def test_grouped_expert_lora_equals_a_per_expert_loop(monkeypatch, expert_rank):
     assert grads[-1][1].abs().sum() == 0  # the expert without tokens gets no gradient
 
 
+@pytest.mark.parametrize("dtype,rank", [(torch.bfloat16, 4), (torch.float32, 2)])
+def test_a_rank_the_kernel_cannot_take_is_padded_not_looped(monkeypatch, dtype, rank):
+    """bf16 rank 4 (8-byte rows; the shipped LoRA config's per-expert rank) and fp32 rank 2 run
+    the grouped kernel on zero-padded factors: the same function and gradients as the per-expert
+    reference, the factors keep their shapes, and no host sync is needed."""
+    model = tiny_model(router={"top_k": 2})
+    apply_lora(model, LoRAConfig(targets=["experts"], rank=rank, alpha=4.0))
+    _randomize_factors(model)
+    mod = model.blocks[1].ffn.experts.to(dtype)
+    assert mod.w_in_lora_A.shape == (4, 32, rank)
+    assert not all(uses_grouped_kernel(torch.empty(1, 32, dtype=dtype), w)
+                   for w in mod.parameters(recurse=False))  # unpadded, the loop would run
+    assert not mod.needs_host_counts(torch.empty(1, 32, dtype=dtype))
+    monkeypatch.setattr(experts_mod, "_loop_mm", lambda *a: pytest.fail("looped over experts"))
+    counts = [5, 0, 7, 4]
+    gen = torch.Generator().manual_seed(2)
+    x_ND = torch.randn(sum(counts), 32, generator=gen).to(dtype).requires_grad_(True)
+    scale_N = torch.rand(sum(counts), generator=gen).to(dtype)
+    got = mod(x_ND, torch.tensor(counts), scale_N)
+    params = [x_ND, *mod.parameters(recurse=False)]
+    grads = torch.autograd.grad(got.float().square().sum(), params)
+    want = _reference_experts(mod, x_ND, counts, scale_N)
+    want_grads = torch.autograd.grad(want.float().square().sum(), params)
+    tol = {"rtol": 0, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
+    for g, w, p in zip(grads, want_grads, params):
+        assert g.shape == p.shape
+        torch.testing.assert_close(g.float(), w.float(), **(tol | {"rtol": 5e-2}))
+
+
 def test_merged_model_equals_the_adapted_one():
     model = tiny_model(router={"top_k": 2}, shared_expert_gate=True)
     apply_lora(model, LoRAConfig(targets=["attention.q", "attention.k", "attention.v",

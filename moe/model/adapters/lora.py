@@ -37,7 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.model.attention import CausalSelfAttention
-from moe.model.experts import DenseFFN, GroupedExperts, grouped_mm
+from moe.model.experts import (
+    DenseFFN,
+    GroupedExperts,
+    grouped_mm,
+    grouped_mm_supported,
+    uses_grouped_kernel,
+)
 from moe.model.moe_layer import MoELayer
 from moe.model.router import TopKRouter
 
@@ -218,17 +224,49 @@ class LoRARouter(TopKRouter):
         return super().logits(x_TD) + _branch(x_TD, self, self.lora_A, self.lora_B)
 
 
+def kernel_rank(rank: int, dtype: torch.dtype) -> int:
+    """The smallest rank >= ``rank`` whose rows are a multiple of 16 bytes in ``dtype``, as the
+    grouped kernel needs (bf16: a multiple of 8; fp32: of 4)."""
+    step = max(1, 16 // dtype.itemsize)
+    return -(-rank // step) * step
+
+
 class LoRAGroupedExperts(GroupedExperts):
     """Routed experts with per-expert factors ``<w>_lora_A`` (E, in, r) and ``<w>_lora_B``
     (E, r, out) for ``w`` in ``w_in``, ``w_out``: two more grouped GEMMs over the same
-    expert-sorted rows and counts per product."""
+    expert-sorted rows and counts per product.
+
+    A rank the grouped kernel cannot take in the factors' dtype (rank 4 in bf16: 8-byte rows) is
+    zero-padded to :func:`kernel_rank` for the products: the padding adds exact zeros to the
+    output and gets no gradient, and the factors keep their shapes. Without it such a rank
+    would run a loop over experts, on a GPU about 20x slower (BENCHMARKS.md, fine-tuning)."""
+
+    def _factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
+        pad = kernel_rank(a.shape[-1], a.dtype) - a.shape[-1]
+        if pad and grouped_mm_supported(a.dtype, a.device):
+            a, b = F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad))
+        return a, b
+
+    def needs_host_counts(self, x_ND: torch.Tensor) -> bool:
+        base = [w for n, w in self.named_parameters(recurse=False) if not is_factor(n)]
+        if not all(uses_grouped_kernel(x_ND, w) for w in base):
+            return True
+        for name in ("w_in", "w_out"):
+            a, b = getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
+            rank = kernel_rank(a.shape[-1], a.dtype)
+            for shape in ((*a.shape[:-1], rank), (b.shape[0], rank, b.shape[-1])):
+                if not uses_grouped_kernel(x_ND, torch.empty(shape, dtype=a.dtype,
+                                                             device="meta")):
+                    return True
+        return False
 
     def project(self, name, x_ND, counts_E, counts_host):
         y_NO = super().project(name, x_ND, counts_E, counts_host)
         x_ND = F.dropout(x_ND, self.lora_dropout, self.training)
-        a_NR = grouped_mm(x_ND, getattr(self, f"{name}_lora_A"), counts_E, counts_host)
-        return y_NO + self.lora_scale * grouped_mm(a_NR, getattr(self, f"{name}_lora_B"),
-                                                   counts_E, counts_host)
+        a, b = self._factors(name)
+        a_NR = grouped_mm(x_ND, a, counts_E, counts_host)
+        return y_NO + self.lora_scale * grouped_mm(a_NR, b, counts_E, counts_host)
 
 
 _LORA_CLASS = {nn.Linear: LoRALinear, TopKRouter: LoRARouter,
