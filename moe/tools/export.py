@@ -41,7 +41,7 @@ from moe.config_schema import from_dict, to_dict
 from moe.errors import CheckpointError
 from moe.hf_weights import links, to_hf
 from moe.load import build_model, load_consolidated, merged_adapters
-from moe.model.adapters.lora import base_fingerprint, is_factor
+from moe.model.adapters.lora import BASE_DTYPES, base_fingerprint, is_factor
 from moe.tools import hf_support
 
 FP32_FILE = "model.safetensors"
@@ -140,11 +140,13 @@ def export_adapters(checkpoint: str | Path, out_dir: str | Path, progress: bool 
 def adapter_metadata(state: dict[str, torch.Tensor], cfg: RunConfig, tag_dir: Path
                      ) -> dict[str, str]:
     """safetensors metadata of an adapter file: its source, the fingerprint of the base it
-    was trained on and the LoRA settings."""
+    was trained on (at the precision the run held that base in) and the LoRA settings."""
     with torch.device("meta"):
         names = [name for name, _ in build_model(cfg).named_parameters()]
-    return {"format": "pt", "source": str(tag_dir),
-            "base_sha256": base_fingerprint({n: state[n] for n in names}),
+    base_dtype = "bfloat16" if cfg.train.precision == "bf16" else "float32"
+    return {"format": "pt", "source": str(tag_dir), "base_dtype": base_dtype,
+            "base_sha256": base_fingerprint({n: state[n] for n in names},
+                                            BASE_DTYPES[base_dtype]),
             "lora": json.dumps(to_dict(cfg.finetune.lora))}
 
 

@@ -17,7 +17,13 @@ from moe.config.run import FinetuneConfig
 from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.esft import freeze_all_but_routed_experts
-from moe.model.adapters.lora import LoRAConfig, apply_lora, base_fingerprint, is_factor
+from moe.model.adapters.lora import (
+    BASE_DTYPES,
+    LoRAConfig,
+    apply_lora,
+    base_fingerprint,
+    is_factor,
+)
 from moe.model.adapters.prefix import apply_prefix
 from moe.model.adapters.prompt import apply_prompt
 from moe.model.adapters.qlora import quantized_numel
@@ -102,8 +108,12 @@ def load_adapters(model: nn.Module, cfg: LoRAConfig) -> None:
     if "base_sha256" not in meta or "lora" not in meta:
         raise ConfigError([f"{key}: {path} is not an adapter file (moe-export --format adapters)"])
     params = dict(model.named_parameters())
+    base_dtype = meta.get("base_dtype", "float32")  # files written before it was recorded: fp32
+    if base_dtype not in BASE_DTYPES:
+        raise ConfigError([f"{key}: {path} says base_dtype {base_dtype!r} (known: "
+                           f"{', '.join(BASE_DTYPES)})"])
     problems = []
-    if meta["base_sha256"] != base_fingerprint(params):
+    if meta["base_sha256"] != base_fingerprint(params, BASE_DTYPES[base_dtype]):
         problems.append(f"{key}: {path} was trained on another base model (its base fingerprint "
                         f"{meta['base_sha256'][:12]}... differs from this run's, "
                         "model.init_from); apply it to the checkpoint it was trained from")

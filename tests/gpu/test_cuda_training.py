@@ -241,3 +241,68 @@ def test_deepspeed_engine_peak_matches_the_planned_total(zero, reduce, tmp_path)
     plan = memory_per_gpu(cfg.model, 1, 1, zero, "bf16", 4, cfg.data.seq_len)
     peak = json.loads(out.read_text())
     assert 0.9 < peak / plan.total_bytes < 1.2, (peak, plan.total_bytes)
+
+
+def test_expert_lora_at_rank_4_runs_the_grouped_kernel_without_syncs(monkeypatch):
+    """The shipped LoRA config's per-expert rank (8 / top_k 2 = 4) has 8-byte bf16 rows, which
+    the grouped kernel cannot take: its factors are padded for the products, so no product
+    loops over experts and forward and backward sync nothing."""
+    from moe.config_schema import from_dict
+    from moe.model import experts as experts_mod
+    from moe.model.adapters.lora import LoRAConfig, LoRAGroupedExperts, apply_lora
+    from moe.model.transformer import ModelConfig, MoETransformer
+
+    if not experts_mod.grouped_mm_supported(torch.bfloat16, torch.device("cuda")):
+        pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
+    torch.manual_seed(0)
+    cfg = from_dict(ModelConfig, {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4,
+                                  "max_seq_len": 64, "moe": {"num_experts": 8,
+                                                             "expert_hidden": 64,
+                                                             "router": {"top_k": 2}}})
+    model = MoETransformer(cfg)
+    apply_lora(model, LoRAConfig(targets=["experts"], rank=8, expert_rank="per_top_k"))
+    model = model.cuda().to(torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, LoRAGroupedExperts)]
+    assert layers and all(m.w_in_lora_A.shape[-1] == 4 for m in layers)
+    for m in layers:
+        with torch.no_grad():
+            m.w_in_lora_B.normal_(std=0.1)  # B starts at zero; let the branch matter
+    ids = torch.randint(0, 512, (4, 33), device="cuda")
+    model(ids[:, :-1], ids[:, 1:]).loss.backward()  # warm-up (the kernel probe syncs once)
+    monkeypatch.setattr(experts_mod, "_loop_mm", lambda *a: pytest.fail("looped over experts"))
+
+    def step():
+        model.zero_grad()
+        model(ids[:, :-1], ids[:, 1:]).loss.backward()
+
+    assert _sync_warnings(step) == []
+    grads = [m.w_in_lora_A.grad for m in layers]
+    assert all(g is not None and g.shape == m.w_in_lora_A.shape and g.abs().sum() > 0
+               for g, m in zip(grads, layers))
+
+
+def test_lora_fine_tuning_on_the_gpu_trains_only_its_factors(bf16_trained, tiny_data, tmp_path):
+    """A LoRA run (attention q/v and the routed experts, per-expert rank 4) from the GPU
+    checkpoint, on the GPU in bf16 through the trainer: finite losses, the base unchanged,
+    every factor B moved from zero."""
+    from moe.load import load_consolidated
+
+    base_ckpt = json.loads((bf16_trained / "train_summary.json").read_text())["checkpoint"]
+    d = bf16_run(tiny_data, tmp_path / "runs", max_steps=10, micro_batch_size=8,
+                 lr=1e-2, warmup_steps=1)
+    d["name"] = "lora"
+    d["model"]["init_from"] = base_ckpt
+    d["finetune"] = {"method": "lora", "lora": {"targets": ["attention.q", "attention.v",
+                                                            "experts"],
+                                                "rank": 8, "expert_rank": "per_top_k"}}
+    run_distributed(_train, 1, d, backend="nccl")
+    history = json.loads((tmp_path / "runs" / "lora" / "train_summary.json").read_text())
+    losses = [h["loss"] for h in history["history"]]
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
+    base, _, _ = load_consolidated(Path(base_ckpt))
+    tuned, _, _ = load_consolidated(tmp_path / "runs" / "lora")
+    factors = {k for k in tuned if "lora_" in k}
+    assert factors and tuned.keys() == base.keys() | factors
+    assert all(torch.equal(tuned[k], v) for k, v in base.items())
+    assert all(tuned[k].abs().sum() > 0 for k in factors if "lora_B" in k)
+    assert {tuned[k].shape[-1] for k in factors if k.endswith("w_in_lora_A")} == {4}

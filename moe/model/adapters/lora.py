@@ -282,15 +282,22 @@ def is_factor(name: str) -> bool:
     return "lora_" in name.rsplit(".", 1)[-1]
 
 
+BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""What an adapter file's ``base_dtype`` may say: the precision its run held the base in."""
+
+
 @torch.no_grad()
-def base_fingerprint(params: dict[str, torch.Tensor]) -> str:
+def base_fingerprint(params: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> str:
     """sha256 of the base weights (every parameter that is not a LoRA factor, by single-device
-    name, in fp32): the base an adapter was trained on."""
+    name) rounded to ``dtype`` and written in fp32: the base an adapter was trained on. A bf16
+    run holds its frozen base in bf16, so its checkpoint has the fp32 base rounded to bf16; its
+    adapters are fingerprinted, and checked, at bf16."""
     h = hashlib.sha256()
     for name in sorted(params):
         if not is_factor(name):
             h.update(name.encode())
-            h.update(params[name].detach().float().cpu().contiguous().numpy().tobytes())
+            h.update(params[name].detach().to(dtype).float().cpu().contiguous().numpy()
+                     .tobytes())
     return h.hexdigest()
 
 

@@ -280,6 +280,45 @@ def test_adapters_alone_apply_to_their_base_only(lora_runs, tmp_path):
     assert e.value.problems == [f"finetune.lora.rank: 8 here, 4 in {adapter}"]
 
 
+def test_adapters_of_a_bf16_run_apply_to_their_fp32_base(lora_runs, tmp_path):
+    """A bf16 run holds its frozen base in bf16, so its checkpoint's base is the fp32 base
+    rounded to bf16. Its adapter file must still apply to the fp32 checkpoint it was trained
+    from (it was refused as "another base") and still refuse another base."""
+    from launch.export import main
+    from moe.config.run import FinetuneConfig
+    from moe.errors import ConfigError
+    from moe.training.finetune import prepare_finetune
+    from moe.training.upcycle import initialize_from_checkpoint
+
+    runs, base_ckpt, lora_run = lora_runs
+    d = lora_run("bf16")
+    d["train"].update(precision="bf16", max_steps=2)
+    d["checkpoint"] = {"every_n_steps": 2}
+    run_distributed(_train_worker, 2, d, "auto")
+    state, cfg, _ = load_consolidated(runs / "bf16")
+    base_state, _, _ = load_consolidated(base_ckpt)
+    embed = "embed.weight"
+    assert not torch.equal(state[embed], base_state[embed])  # rounded to bf16 ...
+    assert state[embed].dtype == torch.bfloat16 and torch.equal(state[embed], base_state[embed].bfloat16())
+    main([str(runs / "bf16"), str(tmp_path / "ad"), "--format", "adapters", "--quiet"])
+    lora = dataclasses.replace(cfg.finetune.lora, init_from=str(tmp_path / "ad" / "adapter.safetensors"))
+    model = MoETransformer(cfg.model)
+    initialize_from_checkpoint(model, base_ckpt)
+    prepare_finetune(model, FinetuneConfig("lora", lora))  # ... and accepted
+    adapted = build_model(cfg)
+    adapted.load_state_dict(state)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the base as the run held it: the same
+            if "lora_" not in name:                  # function then
+                p.copy_(p.bfloat16())
+        torch.testing.assert_close(model.eval()(ids).logits, adapted.eval()(ids).logits,
+                                   rtol=0, atol=0)
+    with pytest.raises(ConfigError) as e:
+        prepare_finetune(MoETransformer(cfg.model), FinetuneConfig("lora", lora))
+    assert "was trained on another base model" in e.value.problems[0]
+
+
 def test_resume_refuses_other_adapters_by_key(lora_runs):
     from moe.checkpoint.files import verify_checkpoint
     from moe.errors import CheckpointError
