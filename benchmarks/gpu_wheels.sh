@@ -53,6 +53,8 @@ WHEELS=(
   six==1.17.0
   pyyaml==6.0.3
   safetensors==0.8.0
+  # QLoRA's NF4 (finetune.method qlora; the extra "qlora" of setup.py)
+  torchao==0.18.0
   # the tests: pytest (pytest.ini sets a timeout, hence pytest-timeout)
   pytest==9.0.3
   pluggy==1.6.0
