@@ -281,26 +281,35 @@ def test_expert_lora_at_rank_4_runs_the_grouped_kernel_without_syncs(monkeypatch
                for g, m in zip(grads, layers))
 
 
+def _fine_tune(bf16_trained: Path, tiny_data, tmp_path: Path, method: str) -> tuple[str, Path]:
+    """10 bf16 steps of ``method`` (LoRA on attention q/v and the routed experts, per-expert
+    rank 8 // top_k 2 = 4) from the GPU checkpoint, through the trainer; asserts finite losses.
+    Returns the base checkpoint and the run directory."""
+    base_ckpt = json.loads((bf16_trained / "train_summary.json").read_text())["checkpoint"]
+    d = bf16_run(tiny_data, tmp_path / "runs", max_steps=10, micro_batch_size=8, lr=1e-2,
+                 warmup_steps=1)
+    d["name"] = method
+    d["model"]["init_from"] = base_ckpt
+    d["finetune"] = {"method": method, "lora": {"targets": ["attention.q", "attention.v",
+                                                            "experts"],
+                                                "rank": 8, "expert_rank": "per_top_k"}}
+    run_distributed(_train, 1, d, backend="nccl")
+    run_dir = tmp_path / "runs" / method
+    losses = [h["loss"] for h in
+              json.loads((run_dir / "train_summary.json").read_text())["history"]]
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
+    return base_ckpt, run_dir
+
+
 def test_lora_fine_tuning_on_the_gpu_trains_only_its_factors(bf16_trained, tiny_data, tmp_path):
     """A LoRA run (attention q/v and the routed experts, per-expert rank 4) from the GPU
     checkpoint, on the GPU in bf16 through the trainer: finite losses, the base unchanged,
     every factor B moved from zero."""
     from moe.load import load_consolidated
 
-    base_ckpt = json.loads((bf16_trained / "train_summary.json").read_text())["checkpoint"]
-    d = bf16_run(tiny_data, tmp_path / "runs", max_steps=10, micro_batch_size=8,
-                 lr=1e-2, warmup_steps=1)
-    d["name"] = "lora"
-    d["model"]["init_from"] = base_ckpt
-    d["finetune"] = {"method": "lora", "lora": {"targets": ["attention.q", "attention.v",
-                                                            "experts"],
-                                                "rank": 8, "expert_rank": "per_top_k"}}
-    run_distributed(_train, 1, d, backend="nccl")
-    history = json.loads((tmp_path / "runs" / "lora" / "train_summary.json").read_text())
-    losses = [h["loss"] for h in history["history"]]
-    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
+    base_ckpt, run_dir = _fine_tune(bf16_trained, tiny_data, tmp_path, "lora")
     base, _, _ = load_consolidated(Path(base_ckpt))
-    tuned, _, _ = load_consolidated(tmp_path / "runs" / "lora")
+    tuned, _, _ = load_consolidated(run_dir)
     factors = {k for k in tuned if "lora_" in k}
     assert factors and tuned.keys() == base.keys() | factors
     # the base unchanged: as the bf16 run held it, rounded to bf16 (docs/finetuning.md)
@@ -318,19 +327,7 @@ def test_qlora_fine_tuning_on_the_gpu(bf16_trained, tiny_data, tmp_path):
 
     if (missing := torchao_missing()) is not None:
         pytest.skip(missing)
-    base_ckpt = json.loads((bf16_trained / "train_summary.json").read_text())["checkpoint"]
-    d = bf16_run(tiny_data, tmp_path / "runs", max_steps=10, micro_batch_size=8, lr=1e-2,
-                 warmup_steps=1)
-    d["name"] = "qlora"
-    d["model"]["init_from"] = base_ckpt
-    d["finetune"] = {"method": "qlora", "lora": {"targets": ["attention.q", "attention.v",
-                                                             "experts"],
-                                                 "rank": 8, "expert_rank": "per_top_k"}}
-    run_distributed(_train, 1, d, backend="nccl")
-    run_dir = tmp_path / "runs" / "qlora"
-    losses = [h["loss"] for h in
-              json.loads((run_dir / "train_summary.json").read_text())["history"]]
-    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
+    _, run_dir = _fine_tune(bf16_trained, tiny_data, tmp_path, "qlora")
     tuned, _, _ = load_consolidated(run_dir)
     factors = {k for k in tuned if "lora_" in k}
     assert factors and all(tuned[k].abs().sum() > 0 for k in factors if "lora_B" in k)
