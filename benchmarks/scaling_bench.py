@@ -3,8 +3,9 @@ docstrings and comments (or the standard library's).
 
 For each seed: a sweep (``moe-scaling plan``) of --sizes shapes per budget and family, run
 through the real launcher; the laws are fitted on every budget but the largest; the predicted
-compute-optimal run of the largest budget is trained; then, per family, the predicted against the
-measured final validation loss, whether the measured best size of the largest budget lies inside
+compute-optimal run of the largest budget (the ladder shape whose N is nearest the law's N_opt,
+its tokens spending the budget) is trained; then, per family, the law's loss at that run's N and
+D against its measured final validation loss, whether the measured best size of the largest budget lies inside
 the predicted 95% interval, and the MoE/dense compute multiplier of each budget (median and spread
 over the seeds). Prints one table and the whole benchmark's time.
 
@@ -32,7 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch.scaling import results  # noqa: E402
+from launch.scaling import predicted_run, results  # noqa: E402
 from moe.tools import scaling, scaling_report  # noqa: E402
 
 
@@ -96,24 +97,28 @@ def one_seed(args, seed: int) -> dict:
     sh("launch.scaling", "run", sweep, "--jobs", args.jobs)
     rows = results(sweep)
     largest = max(r["budget"] for r in rows)
-    fit_rows = [r for r in rows if r["budget"] < largest]
-    held = scaling_report.analyse(fit_rows, bootstrap=args.bootstrap)
+    if not any(r["budget"] < largest for r in rows):
+        raise SystemExit(f"{sweep}: no finished run below the largest budget to fit")
     full = scaling_report.analyse(rows, bootstrap=0)
     out = {"seed": seed, "multiplier": full["families"]["moe"].get("multiplier", {})}
     for family in ("dense", "moe"):
-        pred = scaling_report.predict(held, family, largest)
         cfg = sweep / f"predicted-{family}.yaml"
         sh("launch.scaling", "predict", sweep, "--budget", largest, "--family", family,
            "--bootstrap", args.bootstrap, "--fit-below", largest, "--write-config", cfg)
+        # The same prediction in-process for its figures (same runs, same bootstrap seed): the
+        # law's loss at the written run's own N and D is what its measured loss is compared with.
+        pred, run, _ = predicted_run(sweep, family, largest, args.bootstrap, fit_below=largest)
         run_dir = Path(args.out) / "predicted" / f"s{seed}-{family}"
         sh("launch.launch", cfg, f"output_dir={run_dir.parent}", f"name={run_dir.name}",
            f"train.seed={seed}")
         measured = final_loss(run_dir)
         best = next(m for m in full["families"][family]["minima"] if m.budget == largest)
         lo, hi = pred["n_interval"]
-        out[family] = {"predicted": pred["loss"], "measured": measured,
-                       "error": measured / pred["loss"] - 1, "best_n": best.n_opt,
-                       "interval": (lo, hi), "inside": lo <= best.n_opt <= hi}
+        out[family] = {"predicted": pred["run_loss"], "measured": measured,
+                       "error": measured / pred["run_loss"] - 1, "best_n": best.n_opt,
+                       "interval": (lo, hi), "inside": lo <= best.n_opt <= hi,
+                       "optimum_loss": pred["loss"], "n_opt": pred["n_opt"], "width": run.width,
+                       "run_n": run.active_params}
     return out
 
 
@@ -141,12 +146,14 @@ def main() -> None:
         raise SystemExit("--budgets: at least 3 budgets spanning at least 10x")
     start = time.monotonic()
     per_seed = [one_seed(args, int(s)) for s in args.seeds.split(",")]
-    print("| family | seed | predicted loss | measured loss | error | measured best N | "
-          "predicted N interval | inside |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| family | seed | predicted N_opt (loss) | run trained: width, N | its predicted loss | "
+          "measured loss | error | measured best N | predicted N interval | inside |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in per_seed:
         for family in ("dense", "moe"):
             f = r[family]
-            print(f"| {family} | {r['seed']} | {f['predicted']:.4f} | {f['measured']:.4f} | "
+            print(f"| {family} | {r['seed']} | {f['n_opt']:.3g} ({f['optimum_loss']:.4f}) | "
+                  f"{f['width']}, {f['run_n']:.3g} | {f['predicted']:.4f} | {f['measured']:.4f} | "
                   f"{f['error']:+.2%} | {f['best_n']:.3g} | {f['interval'][0]:.3g}-"
                   f"{f['interval'][1]:.3g} | {'yes' if f['inside'] else 'no'} |")
     print("\n| budget | MoE/dense compute multiplier, median (min-max over seeds) |\n| --- | --- |")

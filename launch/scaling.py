@@ -5,6 +5,7 @@
     moe-scaling run SWEEP [--jobs K] [--scheduler local|slurm] [--no-wait] [--dry-run]
     moe-scaling fit SWEEP
     moe-scaling predict SWEEP --budget C [--family moe] [--write-config OUT.yaml] [--fit-below C]
+                        [--allow-repeat]
 
 The definitions (N, D, C, the ladder, the learning-rate rule) and the fits are documented in
 ``moe/tools/scaling.py`` and docs/scaling.md."""
@@ -359,31 +360,54 @@ def fit(args) -> None:
     print(f"report: {paths['markdown']}\nplot:   {paths['plot']}")
 
 
-def predict(args) -> None:
-    sweep_dir = Path(args.sweep)
-    sweep, runs = load_sweep(sweep_dir)
+def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 100,
+                  fit_below: float | None = None, allow_repeat: bool = False, name: str = "predicted"
+                  ) -> tuple[dict, scaling.PlannedRun, dict]:
+    """The law's compute-optimal point of ``budget`` (``scaling_report.predict``), the run of the
+    ladder shape whose N is nearest it (its width, tokens spending the budget), and that run's
+    config. The prediction gains ``run_loss`` and ``run_loss_interval``: the law at the run's own
+    N and D, the figure its measured loss is to be compared with. A run that would repeat the
+    corpus is refused unless ``allow_repeat``."""
+    sweep, _ = load_sweep(sweep_dir)
     rows = results(sweep_dir)
-    if args.fit_below is not None:  # a held-out check: the law from the smaller budgets only
-        rows = [r for r in rows if r["budget"] < args.fit_below]
+    if fit_below is not None:  # a held-out check: the law from the smaller budgets only
+        rows = [r for r in rows if r["budget"] < fit_below]
         if not rows:
-            raise ScalingError(f"--fit-below {args.fit_below:.4g}: no finished run of a smaller "
-                               "budget")
-    analysis = scaling_report.analyse(rows, bootstrap=args.bootstrap)
-    pred = scaling_report.predict(analysis, args.family, args.budget)
+            raise ScalingError(f"--fit-below {fit_below:.4g}: no finished run of a smaller budget")
+    analysis = scaling_report.analyse(rows, bootstrap=bootstrap)
+    pred = scaling_report.predict(analysis, family, budget)
+    cfg = load_config(sweep["config"], sweep["overrides"])
+    base = _base(cfg)
+    experts = pred.get("experts") or None
+    pred["width"] = scaling.nearest_width(base, pred["n_opt"], family, experts)
+    model = scaling.shape_for_width(base.model, pred["width"], family, experts)
+    run = scaling._run_for(base, model, family, budget, name)
+    if run.epochs > 1 and not allow_repeat:
+        raise ScalingError(f"the predicted run (width {run.width}, {run.active_params:,} active "
+                           f"parameters) trains {run.tokens:,} tokens, {run.epochs:.2f} epochs of "
+                           f"the prepared corpus ({base.corpus_tokens:,} training tokens); use a "
+                           "larger corpus or --allow-repeat")
+    fit = analysis["families"][family]["fit"]
+    pred["run_loss"] = float(fit.law.loss(run.active_params, run.tokens))
+    pred["run_loss_interval"] = fit.interval(lambda b: b.loss(run.active_params, run.tokens))
+    d = run_config(to_dict(cfg), run, to_dict(model), Path(cfg.output_dir).resolve())
+    d["output_dir"] = cfg.output_dir
+    return pred, run, d
+
+
+def predict(args) -> None:
+    name = Path(args.write_config).stem if args.write_config else "predicted"
+    pred, run, d = predicted_run(Path(args.sweep), args.family, args.budget, args.bootstrap,
+                                 args.fit_below, args.allow_repeat, name)
     print(scaling_report.prediction_text(pred))
+    lo, hi = pred["run_loss_interval"]
+    print(f"the run of the nearest shape: width {run.width}, {run.active_params:,} active "
+          f"parameters, {run.tokens:,} tokens ({run.epochs:.2f} epochs), {run.steps} steps; "
+          f"predicted loss {pred['run_loss']:.4f} (95%: {lo:.4f} to {hi:.4f})")
     if args.write_config:
-        cfg = load_config(sweep["config"], sweep["overrides"])
-        base = _base(cfg)
-        model = scaling.shape_for_width(base.model, pred["width"], args.family,
-                                        pred.get("experts") or None)
-        r = scaling._run_for(base, model, args.family, args.budget, Path(args.write_config).stem)
-        d = run_config(to_dict(cfg), r, to_dict(model), Path(cfg.output_dir).resolve())
-        d["output_dir"] = cfg.output_dir
         from_dict(RunConfig, d, source=args.write_config)
         write_atomic(Path(args.write_config), yaml.safe_dump(d, sort_keys=False))
-        print(f"config: {args.write_config} (width {r.width}, {r.active_params:,} active "
-              f"parameters, {r.tokens:,} tokens, {r.steps} steps; moe-plan "
-              f"{args.write_config} lays it out on GPUs)")
+        print(f"config: {args.write_config} (moe-plan {args.write_config} lays it out on GPUs)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -424,6 +448,8 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--fit-below", type=float,
                            help="fit only the runs of budgets below this (to check the law "
                                 "on a budget it has not seen)")
+            s.add_argument("--allow-repeat", action="store_true",
+                           help="allow a predicted run that trains on the corpus more than once")
     return p
 
 

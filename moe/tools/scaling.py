@@ -192,10 +192,22 @@ def plan_sweep(base: Base, budgets: list[float], sizes: int, families: list[str]
     return runs, models
 
 
+def ladder_params(base: Base, family: str, experts: int | None = None) -> list[float]:
+    """N (active parameters) of the ladder's model at each of :data:`WIDTHS`."""
+    return [flops_per_token(shape_for_width(base.model, w, family, experts), base.seq_len)
+            ["matmul_params"] for w in WIDTHS]
+
+
+def nearest_width(base: Base, n: float, family: str, experts: int | None = None) -> int:
+    """The ladder width whose model's N is nearest ``n`` in log (N is not a power of the width:
+    the layer count steps up with it)."""
+    params = ladder_params(base, family, experts)
+    return WIDTHS[min(range(len(WIDTHS)), key=lambda i: abs(math.log(params[i] / n)))]
+
+
 def _ladder(base: Base, budget: float, sizes: int, family: str, experts: int | None) -> list[int]:
     target = math.sqrt(budget / 120)
-    n = [flops_per_token(shape_for_width(base.model, w, family, experts), base.seq_len)
-         ["matmul_params"] for w in WIDTHS]
+    n = ladder_params(base, family, experts)
     centre = min(range(len(WIDTHS)), key=lambda i: abs(math.log(n[i] / target)))
     start = min(max(0, centre - sizes // 2), len(WIDTHS) - sizes)
     return list(WIDTHS[start:start + sizes])

@@ -76,7 +76,8 @@ def _analyse_family(family, runs, bootstrap, seed, warnings) -> dict:
 
 def predict(analysis: dict, family: str, budget: float) -> dict:
     """The compute-optimal N, D and loss of ``budget`` for ``family`` from its parametric law,
-    with 95% bootstrap intervals, and the ladder width whose N is nearest."""
+    with 95% bootstrap intervals (the ladder shape nearest it: ``launch.scaling.predicted_run``,
+    which knows the sweep's base model)."""
     fam = analysis["families"].get(family)
     if fam is None:
         raise ScalingError(f"the sweep has no finished {family} run")
@@ -90,8 +91,6 @@ def predict(analysis: dict, family: str, budget: float) -> dict:
            "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
            "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2])}
     runs = fam["runs"]
-    a, b = scaling.power_law([r["width"] for r in runs], [r["active_params"] for r in runs])
-    out["width"] = min(scaling.WIDTHS, key=lambda w: abs(math.log(a * w ** b / n)))
     if family == "moe":
         best = min(runs, key=lambda r: (abs(math.log(r["budget"] / budget)), r["loss"]))
         out["experts"] = best["experts"]
@@ -110,8 +109,9 @@ def prediction_text(p: dict) -> str:
              f"  active parameters N  {p['n_opt']:.4g}  (95%: {lo:.4g} to {hi:.4g})",
              f"  tokens D             {p['d_opt']:.4g}  (95%: {dlo:.4g} to {dhi:.4g})",
              f"  tokens per parameter {p['d_opt'] / p['n_opt']:.1f}",
-             f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})",
-             f"  nearest ladder width {p['width']}"]
+             f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})"]
+    if "width" in p:
+        lines.append(f"  nearest ladder width {p['width']}")
     if p.get("experts"):
         lines.append(f"  experts              {p['experts']}")
     return "\n".join(lines)

@@ -84,8 +84,15 @@ def test_a_tiny_sweep_is_planned_run_stopped_resumed_fitted_and_predicted(tiny_d
     assert (sweep / "report" / "scaling.png").stat().st_size > 10_000
 
     cfg_path = tmp_path / "next.yaml"
+    # The tiny corpus would be read more than once (the sweep itself needed --allow-repeat):
+    # refused with the numbers, nothing written.
     out = scaling_cmd("predict", sweep, "--budget", "1.2e10", "--family", "dense",
-                      "--bootstrap", "5", "--write-config", cfg_path)
+                      "--bootstrap", "5", "--write-config", cfg_path, check=False)
+    assert out.returncode == 2 and "epochs of the prepared corpus" in out.stderr, out.stderr
+    assert not cfg_path.exists()
+    out = scaling_cmd("predict", sweep, "--budget", "1.2e10", "--family", "dense",
+                      "--bootstrap", "5", "--write-config", cfg_path, "--allow-repeat")
     assert "active parameters N" in out.stdout and "95%" in out.stdout
+    assert "the run of the nearest shape: width" in out.stdout and "predicted loss" in out.stdout
     cfg = load_config(cfg_path)
     assert cfg.model.d_model in WIDTHS and cfg.model.ffn == "dense"

@@ -154,6 +154,20 @@ def test_every_small_ladder_width_builds_a_model_that_trains(width):
         assert torch.isfinite(loss)
 
 
+def test_the_nearest_width_is_chosen_by_the_ladder_models_own_n():
+    """N is not a power of the width (the layer count steps up with it): the shape written for a
+    prediction is the ladder's whose own N is nearest in log."""
+    b = base()
+    for family in scaling.FAMILIES:
+        params = scaling.ladder_params(b, family)
+        for i, w in enumerate(scaling.WIDTHS[:-1]):
+            assert scaling.nearest_width(b, params[i], family) == w
+            below, above = params[i] * 1.01, params[i + 1] * 0.99  # just inside each side
+            mid = math.sqrt(params[i] * params[i + 1])
+            assert scaling.nearest_width(b, min(below, mid * 0.99), family) == w
+            assert scaling.nearest_width(b, max(above, mid * 1.01), family) == scaling.WIDTHS[i + 1]
+
+
 def test_bad_budgets_and_corpora_are_refused_with_numbers():
     with pytest.raises(ScalingError) as e:
         scaling.plan_sweep(base(), [1e9], 3, ["dense"], widths=[256])
@@ -187,7 +201,6 @@ def test_a_prediction_carries_intervals_and_a_ladder_width():
     n_true, d_true, l_true = TRUE.optimum(1e20, budget_k)
     assert p["n_interval"][0] < p["n_opt"] < p["n_interval"][1]
     assert abs(math.log(p["n_opt"] / n_true)) < 0.5 and abs(p["loss"] / l_true - 1) < 0.02
-    assert p["width"] in scaling.WIDTHS
     with pytest.raises(ScalingError, match="no finished moe run"):
         scaling_report.predict(analysis, "moe", 1e20)
 
