@@ -3,7 +3,7 @@ docstrings and comments (or the standard library's).
 
 For each seed: a sweep (``moe-scaling plan``) of --sizes shapes per budget and family, run
 through the real launcher; the laws are fitted on every budget but the largest; the predicted
-compute-optimal run of the largest budget (the ladder shape whose N is nearest the law's N_opt,
+compute-optimal run of the largest budget (the ladder shape the law ranks best at that budget,
 its tokens spending the budget) is trained; then, per family, the law's loss at that run's N and
 D against its measured final validation loss, whether the measured best size of the largest budget lies inside
 the predicted 95% interval, and the MoE/dense compute multiplier of each budget (median and spread
@@ -100,6 +100,7 @@ def one_seed(args, seed: int) -> dict:
     if not any(r["budget"] < largest for r in rows):
         raise SystemExit(f"{sweep}: no finished run below the largest budget to fit")
     full = scaling_report.analyse(rows, bootstrap=0)
+    held_out = scaling_report.analyse([r for r in rows if r["budget"] < largest], bootstrap=0)
     out = {"seed": seed, "multiplier": full["families"]["moe"].get("multiplier", {})}
     for family in ("dense", "moe"):
         cfg = sweep / f"predicted-{family}.yaml"
@@ -118,7 +119,13 @@ def one_seed(args, seed: int) -> dict:
                        "error": measured / pred["run_loss"] - 1, "best_n": best.n_opt,
                        "interval": (lo, hi), "inside": lo <= best.n_opt <= hi,
                        "optimum_loss": pred["loss"], "n_opt": pred["n_opt"], "width": run.width,
-                       "run_n": run.active_params}
+                       "run_n": run.active_params,
+                       # The law (fitted below the largest budget) on every ladder run of the
+                       # largest: how far it is off away from the shape it picked.
+                       "ladder_errors": [r["loss"] / float(held_out["families"][family]["fit"].law
+                                                           .loss(r["active_params"], r["tokens"])) - 1
+                                         for r in rows
+                                         if r["family"] == family and r["budget"] == largest]}
     return out
 
 
@@ -147,15 +154,18 @@ def main() -> None:
     start = time.monotonic()
     per_seed = [one_seed(args, int(s)) for s in args.seeds.split(",")]
     print("| family | seed | predicted N_opt (loss) | run trained: width, N | its predicted loss | "
-          "measured loss | error | measured best N | predicted N interval | inside |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "measured loss | error | measured best N | predicted N interval | inside | "
+          "error over the largest budget's ladder: median abs (min to max) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in per_seed:
         for family in ("dense", "moe"):
             f = r[family]
+            e = f["ladder_errors"]
             print(f"| {family} | {r['seed']} | {f['n_opt']:.3g} ({f['optimum_loss']:.4f}) | "
                   f"{f['width']}, {f['run_n']:.3g} | {f['predicted']:.4f} | {f['measured']:.4f} | "
                   f"{f['error']:+.2%} | {f['best_n']:.3g} | {f['interval'][0]:.3g}-"
-                  f"{f['interval'][1]:.3g} | {'yes' if f['inside'] else 'no'} |")
+                  f"{f['interval'][1]:.3g} | {'yes' if f['inside'] else 'no'} | "
+                  f"{statistics.median(map(abs, e)):.2%} ({min(e):+.2%} to {max(e):+.2%}) |")
     print("\n| budget | MoE/dense compute multiplier, median (min-max over seeds) |\n| --- | --- |")
     for b in budgets:
         values = [r["multiplier"][b] for r in per_seed if b in r["multiplier"]]

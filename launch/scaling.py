@@ -364,9 +364,10 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
                   fit_below: float | None = None, allow_repeat: bool = False, name: str = "predicted"
                   ) -> tuple[dict, scaling.PlannedRun, dict]:
     """The law's compute-optimal point of ``budget`` (``scaling_report.predict``), the run of the
-    ladder shape whose N is nearest it (its width, tokens spending the budget), and that run's
-    config. The prediction gains ``run_loss`` and ``run_loss_interval``: the law at the run's own
-    N and D, the figure its measured loss is to be compared with. A run that would repeat the
+    ladder shape the law ranks best at that budget (``scaling.best_ladder_run``: its width,
+    tokens spending the budget), and that run's config. The prediction gains ``run_loss`` and
+    ``run_loss_interval``: the law at the run's own N and D, the figure its measured loss is to
+    be compared with. A run that would repeat the
     corpus is refused unless ``allow_repeat``."""
     sweep, _ = load_sweep(sweep_dir)
     rows = results(sweep_dir)
@@ -379,15 +380,14 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
     cfg = load_config(sweep["config"], sweep["overrides"])
     base = _base(cfg)
     experts = pred.get("experts") or None
-    pred["width"] = scaling.nearest_width(base, pred["n_opt"], family, experts)
-    model = scaling.shape_for_width(base.model, pred["width"], family, experts)
-    run = scaling._run_for(base, model, family, budget, name)
+    fit = analysis["families"][family]["fit"]
+    run, model = scaling.best_ladder_run(base, fit.law, budget, family, experts, name)
+    pred["width"] = run.width
     if run.epochs > 1 and not allow_repeat:
         raise ScalingError(f"the predicted run (width {run.width}, {run.active_params:,} active "
                            f"parameters) trains {run.tokens:,} tokens, {run.epochs:.2f} epochs of "
                            f"the prepared corpus ({base.corpus_tokens:,} training tokens); use a "
                            "larger corpus or --allow-repeat")
-    fit = analysis["families"][family]["fit"]
     pred["run_loss"] = float(fit.law.loss(run.active_params, run.tokens))
     pred["run_loss_interval"] = fit.interval(lambda b: b.loss(run.active_params, run.tokens))
     d = run_config(to_dict(cfg), run, to_dict(model), Path(cfg.output_dir).resolve())
@@ -401,7 +401,7 @@ def predict(args) -> None:
                                  args.fit_below, args.allow_repeat, name)
     print(scaling_report.prediction_text(pred))
     lo, hi = pred["run_loss_interval"]
-    print(f"the run of the nearest shape: width {run.width}, {run.active_params:,} active "
+    print(f"the run of the best ladder shape: width {run.width}, {run.active_params:,} active "
           f"parameters, {run.tokens:,} tokens ({run.epochs:.2f} epochs), {run.steps} steps; "
           f"predicted loss {pred['run_loss']:.4f} (95%: {lo:.4f} to {hi:.4f})")
     if args.write_config:

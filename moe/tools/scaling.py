@@ -198,11 +198,27 @@ def ladder_params(base: Base, family: str, experts: int | None = None) -> list[f
             ["matmul_params"] for w in WIDTHS]
 
 
-def nearest_width(base: Base, n: float, family: str, experts: int | None = None) -> int:
-    """The ladder width whose model's N is nearest ``n`` in log (N is not a power of the width:
-    the layer count steps up with it)."""
-    params = ladder_params(base, family, experts)
-    return WIDTHS[min(range(len(WIDTHS)), key=lambda i: abs(math.log(params[i] / n)))]
+def best_ladder_run(base: Base, law: Law, budget: float, family: str,
+                    experts: int | None = None, name: str = "predicted"
+                    ) -> tuple[PlannedRun, ModelConfig]:
+    """The run of ``budget`` on the ladder shape the law ranks best: the least ``law.loss`` at
+    the run's own N and tokens (batch rounding included), over the widths whose run has
+    :data:`MIN_STEPS` steps. Along C = k N D the law's loss has one minimum in N, so this is one
+    of the two shapes either side of N_opt; the nearer of them in log N is not always the better
+    one (the loss rises more steeply on the small side of N_opt than on the large)."""
+    best = None
+    for w in WIDTHS:
+        cfg = shape_for_width(base.model, w, family, experts)
+        run = _run_for(base, cfg, family, budget, name)
+        if run.steps < MIN_STEPS:
+            continue
+        loss = float(law.loss(run.active_params, run.tokens))
+        if best is None or loss < best[0]:
+            best = (loss, run, cfg)
+    if best is None:
+        raise ScalingError(f"the budget {budget:.3g} FLOPs gives no ladder shape {MIN_STEPS} "
+                           "steps of one sequence per rank")
+    return best[1], best[2]
 
 
 def _ladder(base: Base, budget: float, sizes: int, family: str, experts: int | None) -> list[int]:

@@ -76,7 +76,7 @@ def _analyse_family(family, runs, bootstrap, seed, warnings) -> dict:
 
 def predict(analysis: dict, family: str, budget: float) -> dict:
     """The compute-optimal N, D and loss of ``budget`` for ``family`` from its parametric law,
-    with 95% bootstrap intervals (the ladder shape nearest it: ``launch.scaling.predicted_run``,
+    with 95% bootstrap intervals (the ladder shape to train: ``launch.scaling.predicted_run``,
     which knows the sweep's base model)."""
     fam = analysis["families"].get(family)
     if fam is None:
@@ -111,7 +111,7 @@ def prediction_text(p: dict) -> str:
              f"  tokens per parameter {p['d_opt'] / p['n_opt']:.1f}",
              f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})"]
     if "width" in p:
-        lines.append(f"  nearest ladder width {p['width']}")
+        lines.append(f"  best ladder width    {p['width']}")
     if p.get("experts"):
         lines.append(f"  experts              {p['experts']}")
     return "\n".join(lines)

@@ -93,6 +93,6 @@ def test_a_tiny_sweep_is_planned_run_stopped_resumed_fitted_and_predicted(tiny_d
     out = scaling_cmd("predict", sweep, "--budget", "1.2e10", "--family", "dense",
                       "--bootstrap", "5", "--write-config", cfg_path, "--allow-repeat")
     assert "active parameters N" in out.stdout and "95%" in out.stdout
-    assert "the run of the nearest shape: width" in out.stdout and "predicted loss" in out.stdout
+    assert "the run of the best ladder shape: width" in out.stdout and "predicted loss" in out.stdout
     cfg = load_config(cfg_path)
     assert cfg.model.d_model in WIDTHS and cfg.model.ffn == "dense"

@@ -154,18 +154,35 @@ def test_every_small_ladder_width_builds_a_model_that_trains(width):
         assert torch.isfinite(loss)
 
 
-def test_the_nearest_width_is_chosen_by_the_ladder_models_own_n():
-    """N is not a power of the width (the layer count steps up with it): the shape written for a
-    prediction is the ladder's whose own N is nearest in log."""
+def test_the_predicted_run_is_the_ladder_shape_the_law_ranks_best():
+    """The shape written for a prediction is the ladder's with the least law loss at its own N
+    and tokens (checked against every shape); that is not always the shape whose N is nearest
+    N_opt in log (the loss rises more steeply below N_opt), which the old rule wrote."""
     b = base()
+    law = Law(E=1.84, A=400.0, B=150.0, alpha=0.74, beta=0.31)
+    differs = 0
     for family in scaling.FAMILIES:
-        params = scaling.ladder_params(b, family)
-        for i, w in enumerate(scaling.WIDTHS[:-1]):
-            assert scaling.nearest_width(b, params[i], family) == w
-            below, above = params[i] * 1.01, params[i + 1] * 0.99  # just inside each side
-            mid = math.sqrt(params[i] * params[i + 1])
-            assert scaling.nearest_width(b, min(below, mid * 0.99), family) == w
-            assert scaling.nearest_width(b, max(above, mid * 1.01), family) == scaling.WIDTHS[i + 1]
+        shapes = [scaling.shape_for_width(b.model, w, family) for w in scaling.WIDTHS]
+        params = [flops_per_token(m, b.seq_len)["matmul_params"] for m in shapes]
+        k = float(np.median([flops_per_token(m, b.seq_len)["training"] / n
+                             for m, n in zip(shapes, params)]))
+        for budget in np.geomspace(1e12, 1e18, 60):
+            run, model = scaling.best_ladder_run(b, law, budget, family)
+            assert model.d_model == run.width and run.steps >= scaling.MIN_STEPS
+            others = [scaling._run_for(b, m, family, budget, "x") for m in shapes]
+            losses = [law.loss(r.active_params, r.tokens) for r in others
+                      if r.steps >= scaling.MIN_STEPS]
+            assert law.loss(run.active_params, run.tokens) == pytest.approx(min(losses), rel=1e-12)
+            n_opt = law.optimum(budget, k)[0]
+            nearest = min(range(len(params)), key=lambda i: abs(math.log(params[i] / n_opt)))
+            if scaling.WIDTHS[nearest] != run.width:
+                differs += 1
+                near = others[nearest]
+                assert law.loss(near.active_params, near.tokens) > law.loss(run.active_params,
+                                                                            run.tokens)
+    assert differs >= 1
+    with pytest.raises(ScalingError, match="no ladder shape"):
+        scaling.best_ladder_run(b, law, 1e6, "dense")
 
 
 def test_bad_budgets_and_corpora_are_refused_with_numbers():
