@@ -336,11 +336,19 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def results(sweep_dir: Path) -> list[dict]:
-    """Each finished run's plan and final validation loss."""
+def results(sweep_dir: Path, exclude: str | None = None) -> list[dict]:
+    """Each finished run's plan and final validation loss, less the runs ``exclude`` names
+    (comma-separated run names; a name the sweep does not plan is an error)."""
     _, runs = load_sweep(sweep_dir)
+    names = [n.strip() for n in (exclude or "").split(",") if n.strip()]
+    unknown = sorted(set(names) - {r.name for r in runs})
+    if unknown:
+        raise ScalingError(f"--exclude: {unknown} are not runs of {sweep_dir} (its runs are "
+                           f"listed in {sweep_dir / 'plan.md'})")
     out = []
     for r in runs:
+        if r.name in names:
+            continue
         ev = finished(sweep_dir, r)
         if ev is not None:
             out.append({**scaling.planned_run_to_dict(r), "loss": float(ev["loss"])})
@@ -352,7 +360,9 @@ def results(sweep_dir: Path) -> list[dict]:
 
 def fit(args) -> None:
     sweep_dir = Path(args.sweep)
-    analysis = scaling_report.analyse(results(sweep_dir), bootstrap=args.bootstrap)
+    analysis = scaling_report.analyse(results(sweep_dir, args.exclude), bootstrap=args.bootstrap)
+    if args.exclude:
+        analysis["warnings"].append(f"left out of the fits (--exclude): {args.exclude}")
     paths = scaling_report.write_report(analysis, sweep_dir / "report")
     for w in analysis["warnings"]:
         print(f"warning: {w}")
@@ -361,8 +371,8 @@ def fit(args) -> None:
 
 
 def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 100,
-                  fit_below: float | None = None, allow_repeat: bool = False, name: str = "predicted"
-                  ) -> tuple[dict, scaling.PlannedRun, dict]:
+                  fit_below: float | None = None, allow_repeat: bool = False, name: str = "predicted",
+                  exclude: str | None = None) -> tuple[dict, scaling.PlannedRun, dict]:
     """The law's compute-optimal point of ``budget`` (``scaling_report.predict``), the run of the
     ladder shape the law ranks best at that budget (``scaling.best_ladder_run``: its width,
     tokens spending the budget), and that run's config. The prediction gains ``run_loss`` and
@@ -370,13 +380,14 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
     be compared with. A run that would repeat the
     corpus is refused unless ``allow_repeat``."""
     sweep, _ = load_sweep(sweep_dir)
-    rows = results(sweep_dir)
+    rows = results(sweep_dir, exclude)
     if fit_below is not None:  # a held-out check: the law from the smaller budgets only
         rows = [r for r in rows if r["budget"] < fit_below]
         if not rows:
             raise ScalingError(f"--fit-below {fit_below:.4g}: no finished run of a smaller budget")
     analysis = scaling_report.analyse(rows, bootstrap=bootstrap)
     pred = scaling_report.predict(analysis, family, budget)
+    pred["warnings"] = analysis["warnings"]
     cfg = load_config(sweep["config"], sweep["overrides"])
     base = _base(cfg)
     experts = pred.get("experts") or None
@@ -398,7 +409,9 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
 def predict(args) -> None:
     name = Path(args.write_config).stem if args.write_config else "predicted"
     pred, run, d = predicted_run(Path(args.sweep), args.family, args.budget, args.bootstrap,
-                                 args.fit_below, args.allow_repeat, name)
+                                 args.fit_below, args.allow_repeat, name, args.exclude)
+    for w in pred["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     print(scaling_report.prediction_text(pred))
     lo, hi = pred["run_loss_interval"]
     print(f"the run of the best ladder shape: width {run.width}, {run.active_params:,} active "
@@ -441,6 +454,8 @@ def parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text)
         s.add_argument("sweep")
         s.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples")
+        s.add_argument("--exclude", help="runs to leave out of the fits, by name (comma-separated; "
+                                         "for example a run that failed to train)")
         if name == "predict":
             s.add_argument("--budget", type=float, required=True)
             s.add_argument("--family", choices=scaling.FAMILIES, default="moe")

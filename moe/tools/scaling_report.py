@@ -13,6 +13,10 @@ from moe.errors import ScalingError
 from moe.fileio import write_atomic
 from moe.tools import scaling
 
+BUMP_TOLERANCE = 0.02
+"""A run whose loss is more than this fraction above both its neighbours in N at the same
+budget is reported (two seeds of the same run differ by about 1%, rarely 2.5%)."""
+
 
 def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0) -> dict:
     """Per family: the IsoFLOP minimum of each budget, the power laws through them, the
@@ -50,6 +54,15 @@ def _analyse_family(family, runs, bootstrap, seed, warnings) -> dict:
                             "(a parabola needs 3)")
             continue
         rs = sorted(rs, key=lambda r: r["active_params"])
+        for prev, r, nxt in zip(rs, rs[1:], rs[2:]):
+            above = r["loss"] / max(prev["loss"], nxt["loss"]) - 1
+            if above > BUMP_TOLERANCE:
+                warnings.append(
+                    f"{family}, budget {budget:.3g}: {r['name']} ended at {r['loss']:.4f}, "
+                    f"{above:.1%} above both neighbours ({prev['name']} {prev['loss']:.4f}, "
+                    f"{nxt['name']} {nxt['loss']:.4f}); along a budget the loss has one minimum, "
+                    "so the run likely failed to train (read its log): rerun it, or leave it out "
+                    f"with --exclude {r['name']}")
         m = scaling.isoflop_minimum(budget, [r["active_params"] for r in rs], [r["loss"] for r in rs])
         if m.at_edge:
             warnings.append(f"{family}, budget {budget:.3g}: the loss is lowest at the edge of the "

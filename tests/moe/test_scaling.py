@@ -244,7 +244,7 @@ def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch,
     rows = [{"budget": b, "family": "dense"} for b in (1e12, 3e12, 1e13)]
     seen = []
     monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, []))
-    monkeypatch.setattr(cli, "results", lambda d: rows)
+    monkeypatch.setattr(cli, "results", lambda d, exclude=None: rows)
     monkeypatch.setattr(cli.scaling_report, "analyse",
                         lambda r, bootstrap: seen.append(r) or {"families": {}})
     with pytest.raises(SystemExit):  # no dense law in the stub analysis: refused after it
@@ -254,3 +254,45 @@ def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch,
     with pytest.raises(SystemExit) as e:
         cli.main(["predict", str(tmp_path), "--budget", "1e13", "--fit-below", "1e12"])
     assert e.value.code == 2 and "--fit-below 1e+12" in capsys.readouterr().err
+
+
+def _isoflop_runs(losses, budget=3e12):
+    return [{"name": f"dense-w{w}", "family": "dense", "budget": budget,
+             "active_params": 1e4 * 2 ** i, "tokens": budget / (6e4 * 2 ** i), "flops": budget,
+             "width": w, "experts": 0, "loss": loss}
+            for i, (w, loss) in enumerate(zip((16, 24, 32, 48, 64), losses))]
+
+
+def test_a_run_above_both_neighbours_is_reported_by_name():
+    """Along one budget the loss has one minimum: an interior run more than 2% above both its
+    neighbours failed to train (seen in a real sweep: 5.30 between 4.17 and 4.71) and is named,
+    with the flag that leaves it out; the noise of a flat bottom (1%) is not."""
+    warnings = scaling_report.analyse(_isoflop_runs([4.05, 4.02, 4.17, 5.30, 4.71]),
+                                      bootstrap=0)["warnings"]
+    bump = [w for w in warnings if "above both neighbours" in w]
+    assert len(bump) == 1 and "dense-w48 ended at 5.3000" in bump[0]
+    assert "--exclude dense-w48" in bump[0]
+    quiet = scaling_report.analyse(_isoflop_runs([4.30, 4.05, 4.09, 4.05, 4.40]), bootstrap=0)
+    assert not [w for w in quiet["warnings"] if "above both neighbours" in w]
+
+
+def test_fit_exclude_leaves_named_runs_out_and_refuses_unknown_names(monkeypatch, tmp_path,
+                                                                      capsys):
+    import launch.scaling as cli
+
+    runs = [scaling.PlannedRun(name=f"dense-w{w}", family="dense", budget=3e12, width=w,
+                               n_layers=2, n_heads=1, experts=0, active_params=n, total_params=n,
+                               tokens=int(3e12 / (6 * n)), steps=100, batch_sequences=8,
+                               micro_batch_size=8, grad_accum_steps=1, flops=3e12, lr=1e-3,
+                               min_lr=1e-4, warmup_steps=10, epochs=0.1)
+            for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))]
+    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, runs))
+    monkeypatch.setattr(cli, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
+    assert [r["name"] for r in cli.results(tmp_path, "dense-w24, dense-w48")] == ["dense-w16",
+                                                                                  "dense-w32"]
+    assert len(cli.results(tmp_path)) == 4
+    with pytest.raises(ScalingError, match=r"\['dense-w40'\] are not runs of"):
+        cli.results(tmp_path, "dense-w16,dense-w40")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["fit", str(tmp_path), "--exclude", "nope"])
+    assert e.value.code == 2 and "['nope'] are not runs of" in capsys.readouterr().err
