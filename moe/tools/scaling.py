@@ -376,7 +376,10 @@ class ParametricFit:
     """The law refitted on bootstrap resamples of the runs."""
 
     def interval(self, fn, q=(2.5, 97.5)) -> tuple[float, float]:
+        """Percentiles of ``fn`` over the bootstrap laws; NaN without any (``--bootstrap 0``)."""
         values = [fn(b) for b in self.boot]
+        if not values:
+            return float("nan"), float("nan")
         lo, hi = np.percentile(values, q)
         return float(lo), float(hi)
 

@@ -81,10 +81,40 @@ def _analyse_family(family, runs, bootstrap, seed, warnings) -> dict:
                                             bootstrap=bootstrap, seed=seed)
     else:
         warnings.append(f"{family}: {len(runs)} finished runs; the parametric law needs 5")
+    fam["backtest"] = backtest(runs)
+    bt = fam["backtest"]
+    if bt and bt["median_abs"] > BACKTEST_WARN:
+        warnings.append(
+            f"{family}: fitted without its largest budget ({bt['budget']:.3g}), the law misses "
+            f"that budget's runs by {bt['median_abs']:.1%} (median; {min(bt['errors']):+.1%} to "
+            f"{max(bt['errors']):+.1%}): expect errors of this size, not the bootstrap interval's, "
+            "when predicting beyond the sweep")
     if family == "moe" and len({r["experts"] for r in runs}) >= 2:
         fam["expert_law"] = scaling.clark_law([r["active_params"] for r in runs],
                                               [r["experts"] for r in runs], [r["loss"] for r in runs])
     return fam
+
+
+BACKTEST_WARN = 0.02
+"""A backtest error (median over the largest budget's runs) above this is warned about."""
+
+
+def backtest(runs: list[dict]) -> dict | None:
+    """How well the law extrapolates on this sweep: fitted on every budget but the largest (two
+    or more budgets, five or more runs), its error on each run of the largest budget (measured
+    / law - 1). None when the sweep has fewer than three budgets. The bootstrap interval only
+    measures the scatter of the runs fitted; this measures a prediction one budget out."""
+    budgets = sorted({r["budget"] for r in runs})
+    earlier = [r for r in runs if r["budget"] < budgets[-1]]
+    if len(budgets) < 3 or len(earlier) < 5:
+        return None
+    law = scaling.fit_parametric([r["active_params"] for r in earlier],
+                                 [r["tokens"] for r in earlier],
+                                 [r["loss"] for r in earlier], bootstrap=0).law
+    held = sorted((r for r in runs if r["budget"] == budgets[-1]), key=lambda r: r["active_params"])
+    errors = [float(r["loss"] / law.loss(r["active_params"], r["tokens"]) - 1) for r in held]
+    return {"budget": budgets[-1], "fitted_runs": len(earlier), "runs": [r["name"] for r in held],
+            "errors": errors, "median_abs": float(np.median(np.abs(errors)))}
 
 
 def predict(analysis: dict, family: str, budget: float) -> dict:
@@ -100,6 +130,7 @@ def predict(analysis: dict, family: str, budget: float) -> dict:
     fit, k = fam["fit"], fam["k"]
     n, d, loss = fit.law.optimum(budget, k)
     out = {"family": family, "budget": budget, "n_opt": n, "d_opt": d, "loss": loss,
+           "backtest": fam.get("backtest"),
            "n_interval": fit.interval(lambda b: b.optimum(budget, k)[0]),
            "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
            "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2])}
@@ -123,6 +154,11 @@ def prediction_text(p: dict) -> str:
              f"  tokens D             {p['d_opt']:.4g}  (95%: {dlo:.4g} to {dhi:.4g})",
              f"  tokens per parameter {p['d_opt'] / p['n_opt']:.1f}",
              f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})"]
+    bt = p.get("backtest")
+    if bt:
+        lines.append(f"  backtest             the law fitted below {bt['budget']:.3g} misses that "
+                     f"budget's runs by {bt['median_abs']:.1%} (median; {min(bt['errors']):+.1%} "
+                     f"to {max(bt['errors']):+.1%})")
     if "width" in p:
         lines.append(f"  best ladder width    {p['width']}")
     if p.get("experts"):
@@ -147,8 +183,14 @@ def summary(analysis: dict) -> str:
             a_lo, a_hi = fam["fit"].interval(lambda b: b.alpha)
             b_lo, b_hi = fam["fit"].interval(lambda b: b.beta)
             lines.append(f"  L = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^"
-                         f"{law.beta:.3f}  (alpha 95%: {a_lo:.3f}-{a_hi:.3f}, beta: "
-                         f"{b_lo:.3f}-{b_hi:.3f})")
+                         f"{law.beta:.3f}" + (f"  (alpha 95%: {a_lo:.3f}-{a_hi:.3f}, beta: "
+                                              f"{b_lo:.3f}-{b_hi:.3f})" if fam["fit"].boot else ""))
+        bt = fam.get("backtest")
+        if bt:
+            lines.append(f"  backtest: fitted below {bt['budget']:.3g} ({bt['fitted_runs']} runs), "
+                         f"the law's error on that budget's {len(bt['errors'])} runs (measured / "
+                         f"law - 1): median |e| {bt['median_abs']:.2%}, "
+                         + ", ".join(f"{n} {e:+.2%}" for n, e in zip(bt["runs"], bt["errors"])))
         if "expert_law" in fam:
             e = fam["expert_law"]
             lines.append(f"  log L = {e['a']:.4f} log N + {e['b']:.4f} log E + {e['c']:.5f} "

@@ -296,3 +296,42 @@ def test_fit_exclude_leaves_named_runs_out_and_refuses_unknown_names(monkeypatch
     with pytest.raises(SystemExit) as e:
         cli.main(["fit", str(tmp_path), "--exclude", "nope"])
     assert e.value.code == 2 and "['nope'] are not runs of" in capsys.readouterr().err
+
+
+def _ladder_runs(budgets, scale_last=1.0, noise=0.003, seed=5):
+    """Five sizes around TRUE's optimum per budget; the largest budget's losses times
+    ``scale_last`` (a law that extrapolates badly beyond the smaller budgets)."""
+    rng, runs = np.random.default_rng(seed), []
+    for budget in budgets:
+        n_opt = TRUE.optimum(budget, 6.0)[0]
+        for f in (0.25, 0.5, 1, 2, 4):
+            n = n_opt * f
+            d = budget / (6.0 * n)
+            loss = TRUE.loss(n, d) * (1 + noise * rng.standard_normal())
+            runs.append({"name": f"c{budget:.0e}-x{f}", "family": "dense", "budget": budget,
+                         "active_params": n, "tokens": d, "flops": budget, "width": 64,
+                         "experts": 0,
+                         "loss": float(loss * (scale_last if budget == budgets[-1] else 1))})
+    return runs
+
+
+def test_the_backtest_measures_the_law_one_budget_out():
+    """fit and predict report the law's error on the largest budget when fitted without it:
+    about the noise where the law holds, the miss where it does not (then warned about, since
+    the bootstrap interval cannot show it); no backtest with two budgets."""
+    budgets = (1e18, 3e18, 1e19, 3e19)
+    good = scaling_report.analyse(_ladder_runs(budgets), bootstrap=0)
+    bt = good["families"]["dense"]["backtest"]
+    assert bt["budget"] == 3e19 and bt["fitted_runs"] == 15 and len(bt["errors"]) == 5
+    assert bt["median_abs"] < 0.01
+    assert not [w for w in good["warnings"] if "without its largest budget" in w]
+    bad = scaling_report.analyse(_ladder_runs(budgets, scale_last=0.95), bootstrap=0)
+    bt = bad["families"]["dense"]["backtest"]
+    assert bt["median_abs"] == pytest.approx(0.05, abs=0.01)
+    assert all(e < -0.03 for e in bt["errors"])
+    assert [w for w in bad["warnings"] if "misses that budget's runs by 5." in w]
+    assert "backtest: fitted below 3e+19 (15 runs)" in scaling_report.summary(bad)
+    p = scaling_report.predict(bad, "dense", 1e20)
+    assert "backtest" in scaling_report.prediction_text(p)
+    two = scaling_report.analyse(_ladder_runs(budgets[:2]), bootstrap=0)
+    assert two["families"]["dense"]["backtest"] is None
