@@ -100,7 +100,6 @@ def one_seed(args, seed: int) -> dict:
     if not any(r["budget"] < largest for r in rows):
         raise SystemExit(f"{sweep}: no finished run below the largest budget to fit")
     full = scaling_report.analyse(rows, bootstrap=0)
-    held_out = scaling_report.analyse([r for r in rows if r["budget"] < largest], bootstrap=0)
     out = {"seed": seed, "multiplier": full["families"]["moe"].get("multiplier", {})}
     for family in ("dense", "moe"):
         cfg = sweep / f"predicted-{family}.yaml"
@@ -120,12 +119,9 @@ def one_seed(args, seed: int) -> dict:
                        "interval": (lo, hi), "inside": lo <= best.n_opt <= hi,
                        "optimum_loss": pred["loss"], "n_opt": pred["n_opt"], "width": run.width,
                        "run_n": run.active_params,
-                       # The law (fitted below the largest budget) on every ladder run of the
-                       # largest: how far it is off away from the shape it picked.
-                       "ladder_errors": [r["loss"] / float(held_out["families"][family]["fit"].law
-                                                           .loss(r["active_params"], r["tokens"])) - 1
-                                         for r in rows
-                                         if r["family"] == family and r["budget"] == largest]}
+                       # The backtest: the law fitted below the largest budget on every ladder
+                       # run of the largest, how far it is off away from the shape it picked.
+                       "ladder_errors": full["families"][family]["backtest"]["errors"]}
     return out
 
 

@@ -377,8 +377,7 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
     ladder shape the law ranks best at that budget (``scaling.best_ladder_run``: its width,
     tokens spending the budget), and that run's config. The prediction gains ``run_loss`` and
     ``run_loss_interval``: the law at the run's own N and D, the figure its measured loss is to
-    be compared with. A run that would repeat the
-    corpus is refused unless ``allow_repeat``."""
+    be compared with. A run that would repeat the corpus is refused unless ``allow_repeat``."""
     sweep, _ = load_sweep(sweep_dir)
     rows = results(sweep_dir, exclude)
     if fit_below is not None:  # a held-out check: the law from the smaller budgets only
