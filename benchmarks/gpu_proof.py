@@ -58,7 +58,7 @@ REQUIRED_MODULES = ["torch", "deepspeed", "pydantic", "hjson", "yaml", "zstandar
 # Time limits (s) of each part, and the least each later part is left when an earlier one runs
 # long. They add up to more than the budget on purpose: a part that finishes early leaves its
 # time to the next.
-CAPS = {"install": 90, "env": 60, "pytest": 180, "bench": 150, "train": 240, "eval": 120}
+CAPS = {"install": 90, "env": 60, "pytest": 300, "bench": 150, "train": 240, "eval": 120}
 FLOORS = {"install": 20, "env": 15, "pytest": 60, "bench": 45, "train": 90, "eval": 30}
 TRAIN_STEPS = 100
 STDLIB_DOCS = ["argparse", "textwrap", "shlex", "string", "heapq", "bisect", "functools",
@@ -95,6 +95,7 @@ class Proof:
         self.python = sys.executable
         self.cuda = args.device == "cuda"
         self.checkpoint: str | None = None
+        self.train_name: str | None = None
         self.no_cuda = False
         """Set when the env part found no CUDA device under --device cuda: the GPU parts
         after it are skipped rather than left to fail slowly."""
@@ -374,9 +375,21 @@ class Proof:
 
     # ---- 5. train ----------------------------------------------------------------------------
 
+    def run_name(self) -> str:
+        """A run of its own for each proof: a scratch folder reused from an earlier proof on the
+        same machine holds that proof's finished run, which the launcher would resume at its
+        last step and so train nothing."""
+        runs = self.scratch / "runs"
+        name, n = "gpu-proof", 1
+        while (runs / name).exists():
+            n += 1
+            name = f"gpu-proof-{n}"
+        return name
+
     def train_overrides(self) -> list[str]:
         runs = self.scratch / "runs"
-        over = ["name=gpu-proof", f"output_dir={runs}", "parallel.world_size=1",
+        self.train_name = self.train_name or self.run_name()
+        over = [f"name={self.train_name}", f"output_dir={runs}", "parallel.world_size=1",
                 "parallel.expert_parallel_size=1", "train.precision=bf16",
                 "logging.peak_flops_per_device=null",  # the device's own peak (MFU)
                 f"train.max_steps={TRAIN_STEPS}", f"checkpoint.every_n_steps={TRAIN_STEPS}"]
@@ -399,7 +412,7 @@ class Proof:
         cmd = [self.python, "-m", "launch.launch", "configs/default.yaml",
                *self.train_overrides(), "--no-eval"]
         rc = self.run(part, cmd, log, limit)
-        summary_path = self.scratch / "runs" / "gpu-proof" / "train_summary.json"
+        summary_path = self.scratch / "runs" / self.train_name / "train_summary.json"
         if summary_path.exists():
             summary = json.loads(summary_path.read_text())
             history = summary["history"]
@@ -418,6 +431,9 @@ class Proof:
         status = self.status_of(rc)
         if status == "pass" and not self.checkpoint:
             part.note = "no checkpoint was written"
+            return "fail"
+        if status == "pass" and part.figures.get("last_loss") is None:
+            part.note = "the run logged no training step"
             return "fail"
         return status
 

@@ -173,3 +173,50 @@ def test_the_wheel_folder_is_ignored_by_git_and_found_by_the_proof():
     assert "/gpu-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
     assert "$ROOT/gpu-wheels" in WHEELS_SCRIPT.read_text()
     assert 'ROOT / "gpu-wheels"' in (ROOT / "benchmarks" / "gpu_proof.py").read_text()
+
+
+def load_proof_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_proof", ROOT / "benchmarks" / "gpu_proof.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_second_proof_in_the_same_scratch_trains_a_run_of_its_own(tmp_path):
+    """On a warm machine the scratch folder still holds the last proof's finished run; resuming
+    it would train nothing and the train part would pass on no evidence."""
+    gp = load_proof_module()
+    scratch = tmp_path / "scratch"
+    args = gp.argparse.Namespace(outdir=str(tmp_path / "out"), scratch=str(scratch), budget=60.0,
+                                 device="cpu", dry_run=False, wheels=None)
+    assert gp.Proof(args).run_name() == "gpu-proof"
+    (scratch / "runs" / "gpu-proof").mkdir(parents=True)
+    (scratch / "runs" / "gpu-proof-2").mkdir()
+    proof = gp.Proof(args)
+    assert "name=gpu-proof-3" in proof.train_overrides()
+
+
+def test_the_train_part_fails_when_the_run_logged_no_step(tmp_path):
+    """A run that exits 0 with a checkpoint but no logged step (it resumed a finished run) is
+    not a pass."""
+    gp = load_proof_module()
+    args = gp.argparse.Namespace(outdir=str(tmp_path / "out"), scratch=str(tmp_path / "s"),
+                                 budget=60.0, device="cpu", dry_run=False, wheels=None)
+    proof = gp.Proof(args)
+
+    def finished_run(part, cmd, log, limit, env=None):
+        run_dir = proof.scratch / "runs" / proof.train_name
+        run_dir.mkdir(parents=True)
+        (run_dir / "train_summary.json").write_text(json.dumps(
+            {"steps": 100, "checkpoint": str(run_dir / "checkpoints" / "step_0000100"),
+             "history": []}))
+        return 0
+
+    proof.run = finished_run
+    part = gp.Part("train", log="train.log")
+    proof.out.mkdir(parents=True, exist_ok=True)
+    with open(proof.out / "train.log", "w") as log:
+        assert proof.train(part, log, 60.0) == "fail"
+    assert part.note == "the run logged no training step"
