@@ -14,8 +14,10 @@ if __name__ == "__main__":  # as the schedulers start it (python -m launch.train
 
 import argparse
 import errno
+import json
 import logging
 import os
+import signal
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,7 +35,13 @@ from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
 from moe.training.resilience.collectives import record_collectives
 from moe.training.resilience.faults import PlannedFaults
-from moe.training.resilience.preemption import Preempted, hold_signals
+from moe.training.resilience.preemption import (
+    PREEMPTED_EXIT_CODE,
+    PREEMPTED_MARKER,
+    Preempted,
+    hold_signals,
+    received_signal,
+)
 from moe.training.resilience.watchdog import process_group_timeout_s
 from moe.training.trainer import train
 
@@ -69,6 +77,7 @@ def main(argv=None) -> None:
         raise
     except Exception as e:
         record_stop(e, cfg.run_dir, env.rank)
+        stop_if_signalled(e, cfg.run_dir, env.rank)
         raise
 
 
@@ -155,6 +164,31 @@ def record_stop(e: Exception, run_dir: Path, rank: int) -> None:
     final = final_cause(e, run_dir / "checkpoints")
     if final is not None:
         record_final(run_dir / "logs", rank, *final)
+
+
+def stop_if_signalled(e: Exception, run_dir: Path, rank: int) -> None:
+    """Raise :class:`Preempted` (exit code 75, the run's preemption marker left) when this rank
+    failed after it caught a preemption signal, unless the failure is one a restart cannot fix.
+
+    A scheduler's stop signal reaches every process of the step, not only the ranks: a child the
+    rank runs at that moment (DeepSpeed's ``ninja --version`` while it loads an op, a compiler)
+    dies of it, and the rank, which holds the signal to act on it at the next step, fails
+    instead with that child's error. Counted as a failure, the job would be restarted in the
+    allocation the scheduler is taking back, where a requeue was asked for."""
+    signum = received_signal()
+    if signum is None or final_cause(e, run_dir / "checkpoints") is not None:
+        return
+    name = signal.Signals(signum).name
+    marker = run_dir / PREEMPTED_MARKER
+    if not marker.exists():  # a stop before any save: the job resumes from its newest checkpoint
+        tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"step": None, "signal": name}))
+        os.replace(tmp, marker)
+    logging.getLogger("moe.train").warning(
+        f"rank {rank}: {type(e).__name__} after {name}: taken as the stop the signal asked for "
+        f"(it also reaches the processes a rank runs), not as a failure; exiting with code "
+        f"{PREEMPTED_EXIT_CODE} so that the job can start again")
+    raise Preempted(None) from e
 
 
 def gather_under_current_name() -> None:

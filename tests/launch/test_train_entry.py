@@ -73,6 +73,67 @@ def test_failed_run_leaves_the_group_alone(calls, error):
     assert seen == ["init", "barrier", "train"]
 
 
+def test_a_failure_after_a_preemption_signal_exits_as_preempted(calls, monkeypatch,
+                                                                  tiny_config_file):
+    """SLURM's stop signal reaches every process of the step: a child the rank runs at that
+    moment (DeepSpeed's ``ninja --version`` while it loads an op) dies, and the rank, which held
+    the signal, fails with the child's error. That is the stop, not a failure to restart."""
+    from moe.training.resilience import preemption
+    monkeypatch.setattr(preemption, "_RECEIVED", [signal.SIGUSR1])
+    seen, run = calls
+    with pytest.raises(SystemExit) as info:
+        run(RuntimeError("Ninja is required to load C++ extensions"))
+    assert info.value.code == PREEMPTED_EXIT_CODE
+    marker = tiny_config_file.parent / "runs" / "tiny" / PREEMPTED_MARKER
+    assert json.loads(marker.read_text()) == {"step": None, "signal": "SIGUSR1"}
+    assert not list(marker.parent.glob(f".{PREEMPTED_MARKER}.*"))  # written whole, no temp left
+
+
+def test_a_failure_after_a_signal_keeps_a_marker_the_ranks_already_left(calls, monkeypatch,
+                                                                         tiny_config_file):
+    from moe.training.resilience import preemption
+    monkeypatch.setattr(preemption, "_RECEIVED", [signal.SIGTERM])
+    marker = tiny_config_file.parent / "runs" / "tiny" / PREEMPTED_MARKER
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"step": 2, "signal": "SIGUSR1"}))
+    seen, run = calls
+    with pytest.raises(SystemExit) as info:
+        run(RuntimeError("a reader process died"))
+    assert info.value.code == PREEMPTED_EXIT_CODE
+    assert json.loads(marker.read_text())["step"] == 2
+
+
+def test_a_failure_no_restart_can_fix_stays_a_failure_after_a_signal(calls, monkeypatch,
+                                                                       tiny_config_file):
+    from moe.errors import ConfigError
+    from moe.training.resilience import preemption
+    monkeypatch.setattr(preemption, "_RECEIVED", [signal.SIGUSR1])
+    seen, run = calls
+    with pytest.raises(SystemExit) as info:
+        run(ConfigError("model.d_model: must be positive"))
+    assert info.value.code == 2
+    assert not (tiny_config_file.parent / "runs" / "tiny" / PREEMPTED_MARKER).exists()
+
+
+def test_a_failure_without_a_signal_is_a_failure(calls, monkeypatch, tiny_config_file):
+    from moe.training.resilience import preemption
+    monkeypatch.setattr(preemption, "_RECEIVED", [])
+    seen, run = calls
+    with pytest.raises(RuntimeError, match="Ninja"):
+        run(RuntimeError("Ninja is required to load C++ extensions"))
+    assert not (tiny_config_file.parent / "runs" / "tiny" / PREEMPTED_MARKER).exists()
+
+
+def test_every_caught_preemption_signal_is_remembered(monkeypatch):
+    from moe.training.resilience import preemption
+    monkeypatch.setattr(preemption, "_RECEIVED", [])
+    assert preemption.received_signal() is None
+    held = preemption.HeldSignal()
+    held._on_signal(signal.SIGUSR1, None)
+    assert held.take() == signal.SIGUSR1
+    assert preemption.received_signal() == signal.SIGUSR1  # taken by a guard, still remembered
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -46,6 +46,18 @@ class Preempted(SystemExit):
         self.step = step  # None: before the first step, nothing saved
 
 
+_RECEIVED: list[int] = []
+"""Every preemption signal this process caught, held or guarded, in order (never cleared)."""
+
+
+def received_signal() -> int | None:
+    """The first preemption signal this process caught, at start-up or while training (None:
+    none). A rank that fails after one was, most likely, failed by it: SLURM signals every
+    process of a step, so a tool the rank runs (a compiler, a probe) dies and the rank's call
+    of it fails (launch/train.py then exits as preempted)."""
+    return _RECEIVED[0] if _RECEIVED else None
+
+
 class HeldSignal:
     """The first preemption signal received before a PreemptionGuard takes over."""
 
@@ -53,6 +65,7 @@ class HeldSignal:
         self.signum: int | None = None
 
     def _on_signal(self, signum, frame) -> None:
+        _RECEIVED.append(signum)
         if self.signum is None:
             self.signum = signum
 
@@ -71,6 +84,7 @@ def hold_signals(signals, first: int | None = None) -> None:
         signal.signal(signum, HELD._on_signal)
     if first is not None and HELD.signum is None:
         HELD.signum = first
+        _RECEIVED.insert(0, first)
 
 
 class PreemptionGuard:
@@ -117,6 +131,7 @@ class PreemptionGuard:
         raise Preempted(step)
 
     def _on_signal(self, signum, frame) -> None:
+        _RECEIVED.append(signum)
         if self.signum is None:
             self.signum = signum
         if signum == signal.SIGTERM and signum in self.previous:
