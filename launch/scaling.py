@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
@@ -69,11 +70,12 @@ def run_config(base: dict, run: scaling.PlannedRun, model: dict, sweep_dir: Path
 
 
 def plan(args) -> None:
-    cfg = load_config(args.config, args.overrides)
-    base = _base(cfg)
+    # The flags first: the base config may have a corpus to prepare, which takes a while.
     budgets = _numbers(args.budgets, "--budgets", float)
     experts = _numbers(args.experts, "--experts", int) if args.experts else None
     widths = _numbers(args.widths, "--widths", int) if args.widths else None
+    cfg = load_config(args.config, args.overrides)
+    base = _base(cfg)
     runs, models = scaling.plan_sweep(base, budgets, args.sizes, args.families.split(","),
                                       experts, widths, args.allow_repeat)
     out = Path(args.out or f"sweeps/{cfg.name}")
@@ -98,12 +100,14 @@ def plan(args) -> None:
 
 def _numbers(text: str, flag: str, kind) -> list:
     try:
-        values = [kind(float(v)) for v in text.split(",") if v.strip()]
+        floats = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise ScalingError(f"{flag} {text!r}: expected numbers separated by commas") from None
-    if not values or any(v <= 0 for v in values):
-        raise ScalingError(f"{flag} {text!r}: expected positive numbers")
-    return values
+    if not floats or not all(math.isfinite(v) and v > 0 for v in floats):
+        raise ScalingError(f"{flag} {text!r}: expected positive, finite numbers")
+    if kind is int and any(v != int(v) for v in floats):
+        raise ScalingError(f"{flag} {text!r}: expected whole numbers")
+    return [kind(v) for v in floats]
 
 
 def load_sweep(sweep_dir: Path) -> tuple[dict, list[scaling.PlannedRun]]:
@@ -422,6 +426,28 @@ def predict(args) -> None:
         print(f"config: {args.write_config} (moe-plan {args.write_config} lays it out on GPUs)")
 
 
+def _positive(text: str) -> float:
+    """An argparse type: a positive, finite number (FLOPs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive, finite number")
+    return value
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number, zero or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected zero or more")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -452,14 +478,15 @@ def parser() -> argparse.ArgumentParser:
                        ("predict", "the compute-optimal run of a budget")):
         s = sub.add_parser(name, help=text)
         s.add_argument("sweep")
-        s.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples")
+        s.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples")
         s.add_argument("--exclude", help="runs to leave out of the fits, by name (comma-separated; "
                                          "for example a run that failed to train)")
         if name == "predict":
-            s.add_argument("--budget", type=float, required=True)
+            s.add_argument("--budget", type=_positive, required=True,
+                           help="training FLOPs of the run to predict")
             s.add_argument("--family", choices=scaling.FAMILIES, default="moe")
             s.add_argument("--write-config", help="write a run config of the predicted shape")
-            s.add_argument("--fit-below", type=float,
+            s.add_argument("--fit-below", type=_positive,
                            help="fit only the runs of budgets below this (to check the law "
                                 "on a budget it has not seen)")
             s.add_argument("--allow-repeat", action="store_true",

@@ -278,3 +278,28 @@ def test_a_refusal_midway_names_the_submitted_jobs_and_a_rerun_completes_the_swe
     main(["run", str(sweep), "--scheduler", "slurm", "--jobs", "2", "--no-wait"])
     calls = sbatch_calls(fake_slurm)
     assert [c[-1].split("/runs/")[1] for c in calls[2:]] == [f"{n}/job.sbatch" for n in names[2:]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "c.yaml", "--budgets", "nan"], "--budgets 'nan': expected positive, finite numbers"),
+    (["plan", "c.yaml", "--budgets", "3e13,inf"], "expected positive, finite numbers"),
+    (["plan", "c.yaml", "--budgets", "3e13", "--experts", "2.5"],
+     "--experts '2.5': expected whole numbers"),
+    (["plan", "c.yaml", "--budgets", "3e13", "--experts", "inf"], "positive, finite"),
+    (["predict", "sweep", "--budget", "inf"], "argument --budget: 'inf': expected a positive"),
+    (["predict", "sweep", "--budget", "0"], "argument --budget: '0': expected a positive"),
+    (["predict", "sweep", "--budget", "1e14", "--fit-below", "nan"], "argument --fit-below"),
+    (["fit", "sweep", "--bootstrap", "-1"], "argument --bootstrap: '-1': expected zero or more"),
+])
+def test_numbers_that_are_not_budgets_are_refused_before_anything_runs(argv, message, capsys,
+                                                                        tmp_path, monkeypatch):
+    """inf, nan, 0 and fractional expert counts once reached the planner (a math domain error,
+    a NaN step count) or the predictor (a division by zero): each is now a usage error, exit 2,
+    naming the flag, and nothing is written."""
+    from launch import scaling as scaling_cli
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        scaling_cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
