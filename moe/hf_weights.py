@@ -377,7 +377,12 @@ class SafetensorsDir:
 
         self.read.add(name)
         with safe_open(str(self.file(name)), framework="pt") as handle:
-            return handle.get_tensor(name).float()
+            t = handle.get_tensor(name).float()
+        bad = int(t.numel() - torch.isfinite(t).sum())
+        if bad:  # written by a diverged run or damaged: nothing is written from it
+            raise CheckpointError(f"{self.file(name)}: {name}: {bad:,} of {t.numel():,} values are "
+                                  "NaN or infinite; these weights cannot be used")
+        return t
 
     def unread(self) -> list[str]:
         return sorted(set(self.where) - self.read)

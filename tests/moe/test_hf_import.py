@@ -334,6 +334,8 @@ def _rewrite(hf_dir: Path, change) -> None:
     ("extra_tensor", "model.layers.1.mlp.extra.weight: no tensor of the model corresponds"),
     ("missing_tensor", "missing (needed for blocks.1.ffn.router.weight)"),
     ("int_dtype", "dtype I32"),
+    ("nan_value", "1 of 128 values are NaN or infinite"),
+    ("inf_value", "2 of 128 values are NaN or infinite"),
 ])
 def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected, tmp_path,
                                                                 capsys):
@@ -347,13 +349,17 @@ def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected
                                                     torch.zeros(2)))
     elif damage == "missing_tensor":
         _rewrite(hf_dir, lambda t, n: t.pop(n))
+    elif damage == "nan_value":  # a diverged run's weights: once imported silently
+        _rewrite(hf_dir, lambda t, n: t[n].view(-1).__setitem__(5, float("nan")))
+    elif damage == "inf_value":
+        _rewrite(hf_dir, lambda t, n: t[n].view(-1)[:2].fill_(float("-inf")))
     else:
         _rewrite(hf_dir, lambda t, n: t.__setitem__(n, t[n].to(torch.int32)))
     rc, _ = run_import(hf_dir, tmp_path / "ckpt")
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert expected in err, err
-    if damage in ("wrong_shape", "extra_tensor", "int_dtype"):
+    if damage in ("wrong_shape", "extra_tensor", "int_dtype", "nan_value", "inf_value"):
         assert ".safetensors: model.layers.1." in err  # the file and the tensor
     assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt*"))
 
