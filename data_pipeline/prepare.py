@@ -666,8 +666,10 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                              "filter": dataclasses.asdict(source.row_filter) if source.row_filter else None,
                              **template_entry(source), **stats, "empty_rows": empties.files})
     if not splits["valid"].shards:
-        raise DataError(f"the validation split is empty: too few documents for valid_fraction "
-                        f"{cfg.valid_fraction}")
+        total = sum(sum(st["documents"].values()) for st in source_stats)
+        raise DataError(f"the validation split is empty: {total:,} document(s) in all, too few "
+                        f"for data.valid_fraction {cfg.valid_fraction} (each file of a text "
+                        "source is one document): add documents or raise valid_fraction")
     return splits, source_stats, moved
 
 

@@ -185,6 +185,22 @@ def test_empty_source(tiny_data, tmp_path, capsys):
     assert_nothing_written(tmp_path)
 
 
+def test_too_few_documents_for_a_validation_split_says_how_many(tiny_data, tmp_path, capsys):
+    """Two long text files are two documents: the validation split gets none of them."""
+    (tmp_path / "two").mkdir()
+    for name, word in (("a.txt", "alpha"), ("b.txt", "beta")):
+        (tmp_path / "two" / name).write_text(
+            "\n\n".join(f"{word} gamma delta {i} epsilon" for i in range(2000)))
+    config = run_config(tiny_data, tmp_path, [
+        {"name": "docs", "type": "text", "paths": [str(tmp_path / "two")]}])
+    raw = yaml.safe_load(config.read_text())
+    raw["data"]["valid_fraction"] = 0.01  # neither of the two lands in it (split by content hash)
+    config.write_text(yaml.safe_dump(raw))
+    cli_fails([str(config), "--quiet"], capsys, "the validation split is empty",
+              "2 document(s) in all", "data.valid_fraction", "one document")
+    assert_nothing_written(tmp_path)
+
+
 def test_bad_jsonl_and_missing_columns(tiny_data, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
