@@ -133,10 +133,11 @@ def options_from_args(args) -> EvalOptions:
     for g in gens:  # name the command-line flag, not the config field
         problems += ["--" + key.replace("_", "-") + ":" + why
                      for key, why in (p.split(":", 1) for p in g.problems())]
-    for name in ("max_tokens", "batch_size"):
+    for name, least in (("max_tokens", 1), ("batch_size", 1), ("min_token_count", 1),
+                        ("threads", 1), ("top_tokens", 0), ("num_prompts", 0)):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            problems.append(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+        if value is not None and value < least:
+            problems.append(f"--{name.replace('_', '-')}: must be >= {least}, got {value}")
     if problems:
         raise ConfigError(sorted(set(problems)), "moe-eval arguments")
     return EvalOptions(data_dir=args.data_dir, text_files=args.text or [], split=args.split,
@@ -150,9 +151,10 @@ def options_from_args(args) -> EvalOptions:
 @exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
+    options = options_from_args(args)  # every flag checked before anything else happens
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = evaluate(args.checkpoints, options_from_args(args), args.output, args.all)
+    results = evaluate(args.checkpoints, options, args.output, args.all)
     print(summary_table(results["checkpoints"]))
     last = results["checkpoints"][-1]
     for layer in last.get("experts") or []:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -127,16 +128,24 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         problems.append(f"{key}: expected an integer, got {value!r}")
         return INVALID
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        # YAML 1.1 reads "1e-3" as a string; accept numeric strings for floats only.
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
+            # YAML 1.1 reads "1e-3" as a string; accept numeric strings for floats only.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        problems.append(f"{key}: expected a number, got {value!r}")
-        return INVALID
+        if number is None:
+            problems.append(f"{key}: expected a number, got {value!r}")
+            return INVALID
+        if not math.isfinite(number):
+            # No setting means anything at NaN or infinity, and comparisons with NaN are all
+            # false: a range check of the section would let it through.
+            problems.append(f"{key}: expected a finite number, got {value!r}")
+            return INVALID
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

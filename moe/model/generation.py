@@ -19,6 +19,7 @@ Shapes: B/R rows (samples or beams), S new tokens, L tokens so far, V vocabulary
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -60,8 +61,10 @@ class GenerationConfig:
             out.append(f"strategy: {self.strategy!r} is not one of greedy, sample, beam")
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            out.append(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails too
+            out.append(f"temperature: must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.length_penalty):
+            out.append(f"length_penalty: must be a finite number, got {self.length_penalty}")
         if self.top_k is not None and self.top_k < 1:
             out.append(f"top_k: must be >= 1 or null, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -65,3 +65,21 @@ def test_round_trip_of_resolved_config(tmp_path):
     p.write_text(dump_config(cfg))
     assert load_config(p) == cfg
     assert isinstance(cfg, RunConfig)
+
+
+@pytest.mark.parametrize("key, text", [("train.lr", "inf"), ("train.lr", "nan"),
+                                       ("model.moe.router.aux_loss_coef", "nan"),
+                                       ("train.grad_clip", "-inf")])
+def test_nan_and_infinite_numbers_are_refused_for_every_float_setting(key, text, tmp_path):
+    """Range checks compare, and every comparison with NaN is false: train.lr=inf and an
+    auxiliary-loss weight of NaN once passed and trained on them."""
+    with pytest.raises(ConfigError, match=f"{key}: expected a finite number, got '{text}'"):
+        load_config("configs/default.yaml", [f"{key}={text}"])
+    section, name = key.rsplit(".", 1)
+    data: dict = {}
+    node = data
+    for part in section.split("."):
+        node = node.setdefault(part, {})
+    node[name] = float(text)  # from YAML (.nan, .inf) as a float, not a string
+    with pytest.raises(ConfigError, match=f"{key}: expected a finite number"):
+        load_config(write(tmp_path, data))

@@ -112,3 +112,21 @@ def test_evaluation_progress_counts_the_predicted_tokens(model, tiny_data):
     assert lines[-1].startswith("evaluate x: 500 of 500 tokens (100%)") and "(done)" in lines[-1]
     assert options_from_args(parse_args(["ckpt"])).progress
     assert not options_from_args(parse_args(["ckpt", "--quiet"])).progress
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--temperature", "nan"], "--temperature: must be a finite number >= 0, got nan"),
+    (["--length-penalty", "inf"], "--length-penalty: must be a finite number, got inf"),
+    (["--min-token-count", "0"], "--min-token-count: must be >= 1, got 0"),
+    (["--threads", "-2"], "--threads: must be >= 1, got -2"),
+    (["--num-prompts", "-1"], "--num-prompts: must be >= 0, got -1"),
+    (["--top-tokens", "-1"], "--top-tokens: must be >= 0, got -1"),
+])
+def test_moe_eval_refuses_flags_outside_their_range_before_anything_runs(argv, problem, capsys):
+    """NaN passed the temperature check (every comparison with NaN is false) and a negative
+    thread count reached torch before any check."""
+    from launch.evaluate import main
+    with pytest.raises(SystemExit) as e:
+        main(["a-checkpoint-that-is-never-opened", *argv])
+    assert e.value.code == 2
+    assert problem in capsys.readouterr().err
