@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 
@@ -183,11 +184,15 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if (args.gpus is None) != (args.gpu_memory is None):
         p.error("--gpus and --gpu-memory go together")
+    for flag, value in (("--world-size", args.world_size), ("--ep", args.ep),
+                        ("--gpus", args.gpus), ("--top", args.top)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:  # NaN fails too
+        p.error(f"--gpu-memory must be a finite number of GiB > 0, got {args.gpu_memory}")
     cfg = load_config(args.config, args.overrides)
     vocab_from = resolve_vocab_for_planning(cfg)
     if args.gpus is not None:
-        if args.gpus < 1 or args.gpu_memory <= 0:
-            p.error("--gpus must be >= 1 and --gpu-memory > 0")
         report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top)
         print(json.dumps(report, indent=2) if args.json else
               f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n\n"

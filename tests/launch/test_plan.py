@@ -67,3 +67,21 @@ def test_more_memory_never_fits_fewer_layouts(capsys):
         main(["configs/moe-125m.yaml", "--gpus", "8", "--gpu-memory", str(gib), "--json"])
         counts.append(json.loads(capsys.readouterr().out)["fitting"])
     assert counts == sorted(counts) and counts[-1] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "-2"], "--world-size must be >= 1, got -2"),
+    (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+    (["--ep", "0"], "--ep must be >= 1, got 0"),
+    (["--gpus", "0", "--gpu-memory", "80"], "--gpus must be >= 1, got 0"),
+    (["--gpus", "8", "--gpu-memory", "nan"], "--gpu-memory must be a finite number of GiB > 0"),
+    (["--gpus", "8", "--gpu-memory", "inf"], "--gpu-memory must be a finite number of GiB > 0"),
+    (["--gpus", "8", "--gpu-memory", "80", "--top", "0"], "--top must be >= 1, got 0"),
+])
+def test_moe_plan_refuses_flags_outside_their_range(argv, message, capsys):
+    """A world size of -2 or 0 and an expert-parallel size of 0 once printed a plan, NaN GiB
+    printed that nothing fits, and --top 0 said that 72 layouts fit and that nothing fits."""
+    with pytest.raises(SystemExit) as e:
+        main(["configs/default.yaml", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
