@@ -111,7 +111,11 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     assert cluster.job_field(job_id, "Restarts") == "2"  # two requeues; the kill was not one
 
     log = rank0.read_text()
-    assert "SIGTERM before the first step: nothing to save" in log, log[-3000:]
+    # The ranks held the TERM and stopped before their first step. When it also reached a process
+    # a rank was running (DeepSpeed's ninja probe while it loads its op), that rank failed first:
+    # it exits as preempted all the same (launch/train.py), and the job is requeued, not restarted.
+    assert ("SIGTERM before the first step: nothing to save" in log
+            or "after SIGTERM: taken as the stop the signal asked for" in log), log[-3000:]
     assert (f"launch: restart 1/3: rank 1 exited with signal SIGKILL at step {kill_at}; "
             f"resuming from {run_dir / 'checkpoints' / 'step_0000020'}") in job_log, job_log[-3000:]
     assert job_log.count("launch: restart") == 1  # never for a signal
