@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
 from launch.run_plan import RESOLVED_CONFIG, Plan
 from moe.config.run import RunConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moe.training.ports import free_port
 
 
 def plan(cfg: RunConfig, run_dir: Path) -> Plan:

@@ -197,18 +197,15 @@ class _one_rank_process_group:
     KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
     def __enter__(self):
-        import socket
-
         import deepspeed
         import torch.distributed as dist
+
+        from moe.training.ports import free_port
 
         self.created = not dist.is_initialized()
         if self.created:
             self.saved_env = {k: os.environ.get(k) for k in self.KEYS}
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
             deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         return self

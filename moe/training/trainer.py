@@ -99,11 +99,9 @@ class DistEnv:
             if self.world_size > 1:
                 raise LaunchError(f"rank {self.rank} of {self.world_size}: MASTER_ADDR and "
                                   f"MASTER_PORT must be set by the launcher")
-            import socket
+            from moe.training.ports import free_port
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                addr, port = "127.0.0.1", s.getsockname()[1]
+            addr, port = "127.0.0.1", free_port()
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
                 "MASTER_ADDR": addr, "MASTER_PORT": str(port)}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch.multiprocessing as mp
+
+from moe.training.ports import free_port
 
 
 def count_all_to_all() -> list[int]:
@@ -27,9 +28,7 @@ def count_all_to_all() -> list[int]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, backend: str = "gloo") -> None:

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from moe.training.ports import free_port
+
 BUCKET = "corpora"
 SETUP_REQUESTS = 3
 """Requests moto lets through before it checks credentials: create the user, its policy, its key."""
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @contextlib.contextmanager

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from moe.training.ports import free_port
+
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol")
 
 
@@ -53,10 +55,6 @@ def require_slurm() -> None:
         pytest.skip("the test cluster runs its daemons as root")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

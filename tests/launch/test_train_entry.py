@@ -5,7 +5,6 @@ exits, after a finished and after a preempted run, and leaves it alone after an 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import yaml
 
 import launch.train as train_entry
 from moe.errors import MoEError
+from moe.training.ports import free_port
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, Preempted
 from tests.conftest import tiny_run_dict
 
@@ -134,10 +134,6 @@ def test_every_caught_preemption_signal_is_remembered(monkeypatch):
     assert preemption.received_signal() == signal.SIGUSR1  # taken by a guard, still remembered
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("when", ["during imports", "during start-up"])
