@@ -58,6 +58,12 @@ def consolidated_fp32(path: str | Path, progress: bool = False, merge_adapters: 
     reading). A fine-tuned checkpoint with adapters (LoRA) is exported only with
     ``merge_adapters``: the adapters folded into the base weights, the config a plain model's."""
     tag_dir = resolve_checkpoint(path)
+    if merge_adapters:  # before reading any tensor: an option that would do nothing is refused
+        method = load_config(tag_dir / RUN_CONFIG).finetune.method
+        if method not in ("lora", "qlora"):
+            raise CheckpointError(f"{tag_dir}: --merge-adapters: the checkpoint holds no LoRA "
+                                  f"adapters to merge (finetune.method {method} in its "
+                                  f"{RUN_CONFIG}); export it without --merge-adapters")
     bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()

@@ -228,6 +228,13 @@ def test_export_merges_adapters_on_request(lora_runs, tmp_path, capsys):
     assert e.value.code == 2 and "--merge-adapters" in capsys.readouterr().err
     assert not (tmp_path / "plain").exists()
 
+    # A checkpoint without adapters: the flag would do nothing, so it is refused.
+    with pytest.raises(SystemExit) as e:
+        main([str(lora_runs[1]), str(tmp_path / "base"), "--quiet", "--merge-adapters"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "holds no LoRA adapters to merge (finetune.method none" in err
+    assert not (tmp_path / "base").exists()
+
     main([str(runs / "lora"), str(tmp_path / "plain"), "--quiet", "--merge-adapters"])
     cfg = load_config(tmp_path / "plain" / "run_config.yaml")
     assert cfg.finetune.method == "none"
