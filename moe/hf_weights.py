@@ -377,14 +377,7 @@ class SafetensorsDir:
 
         self.read.add(name)
         with safe_open(str(self.file(name)), framework="pt") as handle:
-            t = handle.get_tensor(name).float()
-        # The sum is finite when every value is (one pass, no tensor-sized mask); only a
-        # suspicious one is counted exactly (a sum of large finite values can overflow).
-        bad = 0 if torch.isfinite(t.sum()) else int(t.numel() - torch.isfinite(t).sum())
-        if bad:  # written by a diverged run or damaged: nothing is written from it
-            raise CheckpointError(f"{self.file(name)}: {name}: {bad:,} of {t.numel():,} values are "
-                                  "NaN or infinite; these weights cannot be used")
-        return t
+            return handle.get_tensor(name).float()
 
     def unread(self) -> list[str]:
         return sorted(set(self.where) - self.read)
@@ -488,6 +481,26 @@ def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch
     if cfg.tie_embeddings:  # one matrix under both names, as in our model's state dict
         state["lm_head.weight"] = state["embed.weight"]
     return arch, cfg, state
+
+
+def refuse_nonfinite(tensors: dict[str, torch.Tensor], hf_dir: str | Path, arch: str,
+                     cfg: ModelConfig) -> None:
+    """CheckpointError when one of ``tensors`` (keys of our state dict, as read_hf_model gives
+    them) holds NaN or infinite values (a diverged run's weights, a damaged file), naming the
+    transformers tensors it was read from and the count. Callers run it where the values are
+    touched anyway (fp32 tensors stay backed by the files' pages until then, see read_hf_model):
+    moe-import just before it writes each group, ``model.init_from: hf:DIR`` before loading."""
+    for key, t in tensors.items():
+        # The sum is finite when every value is (one pass, no tensor-sized mask); only a
+        # suspicious one is counted exactly (a sum of large finite values can overflow).
+        if torch.isfinite(t.sum()):
+            continue
+        bad = int(t.numel() - torch.isfinite(t).sum())
+        if bad:
+            theirs = next((link.theirs for link in links(cfg, arch) if link.ours == key), ())
+            raise CheckpointError(f"{hf_dir}: {', '.join(theirs) or key} ({key} in our model): "
+                                  f"{bad:,} of {t.numel():,} values are NaN or infinite; these "
+                                  "weights cannot be used")
 
 
 def read_hf_tensors(hf_dir: str | Path, names: list[str], arch: str, num_experts: int

@@ -2,7 +2,8 @@
 checkpoints, which ``model.init_from``, ``moe-export`` and ``moe-eval`` accept like any other.
 
 The weights are read and checked by :func:`moe.hf_weights.read_hf_model` (every refusal before
-anything is written). The checkpoint holds them in the layout training saves (the main model
+anything is written), and for NaN or infinite values just before each group is written (an error
+then removes what was written). The checkpoint holds them in the layout training saves (the main model
 states and one file per expert, with expert fingerprints and the completion marker) at step 0,
 with a run config whose ``model`` section describes the imported model and whose ``parallel``
 section has ``expert_parallel_size`` N on N ranks. It holds no optimizer state: a run starts
@@ -28,7 +29,7 @@ from moe.checkpoint.files import EXPERT_DIR, FORMAT_VERSION, MAIN_STATES, MARKER
 from moe.checkpoint.fingerprints import expert_fingerprints
 from moe.config.run import RunConfig, dump_config
 from moe.config_schema import from_dict, to_dict
-from moe.hf_weights import read_hf_model, tokenizer_record
+from moe.hf_weights import read_hf_model, refuse_nonfinite, tokenizer_record
 from moe.tools.export import HF_TOKENIZER_DIR, _publish
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -49,27 +50,30 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, expert_parallel_size: int
     moe_layers = [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
 
     def write(tmp: Path) -> None:
-        main, fingerprints = {}, {}
+        main, ours, fingerprints = {}, {}, {}
         (tmp / EXPERT_DIR).mkdir()
         moe_prefixes = tuple(f"blocks.{b}.ffn." for b in moe_layers)
         for key in list(state):
             if not key.startswith(moe_prefixes):
-                main[key] = state.pop(key)
+                main[key] = ours[key] = state.pop(key)
                 continue
             prefix = key[: key.index(".ffn.") + len(".ffn.")]
             name = key[len(prefix):]
             if name.startswith("experts.") and name[len("experts."):] in _EXPERT_PARAMS:
                 continue  # written per expert below
-            main[f"{prefix}deepspeed_moe.{name}"] = state.pop(key)
+            main[f"{prefix}deepspeed_moe.{name}"] = ours[key] = state.pop(key)
         for layer_id, block in enumerate(moe_layers):
             prefix = f"blocks.{block}.ffn."
             stacked = {p: state.pop(f"{prefix}experts.{p}") for p in _EXPERT_PARAMS}
+            refuse_nonfinite({f"{prefix}experts.{p}": w for p, w in stacked.items()}, hf_dir,
+                             arch, model_cfg)
             for p, w in stacked.items():
                 fingerprints[f"{prefix}experts.{p}"] = expert_fingerprints(w)
             for e in range(cfg.model.moe.num_experts):
                 torch.save({f"{prefix}deepspeed_moe.experts.{EXPERT_KEY}.{e}.{p}": w[e].clone()
                             for p, w in stacked.items()},
                            tmp / EXPERT_DIR / f"layer_{layer_id}_expert_{e}_mp_rank_00_model_states.pt")
+        refuse_nonfinite(ours, hf_dir, arch, model_cfg)  # now, as the save reads them anyway
         torch.save({"module": main}, tmp / MAIN_STATES)
         (tmp / RUN_CONFIG).write_text(dump_config(cfg))
         copied = [n for n in TOKENIZER_FILES if (hf_dir / n).is_file()]

@@ -20,7 +20,7 @@ import torch
 
 from moe.checkpoint.files import read_marker, resolve_checkpoint
 from moe.errors import CheckpointError, ConfigError
-from moe.hf_weights import read_hf_model, tokenizer_record
+from moe.hf_weights import read_hf_model, refuse_nonfinite, tokenizer_record
 from moe.load import load_model
 from moe.model.transformer import ModelConfig, MoETransformer
 
@@ -123,7 +123,8 @@ def initialize_from_checkpoint(model: MoETransformer, path: str | Path, noise_st
     """Load ``path`` (any layout, dense or MoE; ``hf:DIR`` a transformers directory) into
     ``model``, upcycling where needed."""
     if str(path).startswith(HF_PREFIX):
-        _, source_cfg, state = read_hf_model(str(path)[len(HF_PREFIX):])
+        arch, source_cfg, state = read_hf_model(str(path)[len(HF_PREFIX):])
+        refuse_nonfinite(state, str(path)[len(HF_PREFIX):], arch, source_cfg)
         where = str(path)
     else:
         source, run_cfg, tag_dir = load_model(path)

@@ -359,8 +359,11 @@ def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert expected in err, err
-    if damage in ("wrong_shape", "extra_tensor", "int_dtype", "nan_value", "inf_value"):
+    if damage in ("wrong_shape", "extra_tensor", "int_dtype"):
         assert ".safetensors: model.layers.1." in err  # the file and the tensor
+    if damage in ("nan_value", "inf_value"):  # the directory, their tensor and ours
+        assert f"{hf_dir}: model.layers.1.mlp.gate.weight (blocks.1.ffn.router.weight in our " \
+               "model)" in err
     assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt*"))
 
 
@@ -390,3 +393,20 @@ def test_expert_parallel_size_is_recorded_and_checked(tmp_path, capsys):
     assert marker["expert_parallel_size"] == 2 and marker["num_moe_layers"] == 3
     assert marker["tokenizer"]["file"] == "tokenizer.json"
     assert (tmp_path / "ep2" / "hf_tokenizer" / "tokenizer.json").is_file()
+
+
+def test_a_run_starting_from_open_weights_with_nan_values_is_refused(tmp_path):
+    """model.init_from: hf:DIR reads the same weights: NaN refused there too, by name."""
+    from moe.errors import CheckpointError
+    from moe.hf_weights import read_hf_config
+    from moe.model.transformer import MoETransformer
+    from moe.training.upcycle import initialize_from_checkpoint
+
+    hf_dir, _ = make_hf(tmp_path, "qwen3_moe")
+    _, cfg = read_hf_config(hf_dir)
+    model = MoETransformer(cfg)
+    initialize_from_checkpoint(model, f"hf:{hf_dir}")  # the undamaged weights load
+    _rewrite(hf_dir, lambda t, n: t[n].view(-1).__setitem__(3, float("nan")))
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.gate.weight \(blocks.1.ffn"
+                                              r".router.weight in our model\): 1 of 128 values"):
+        initialize_from_checkpoint(MoETransformer(cfg), f"hf:{hf_dir}")
