@@ -30,6 +30,7 @@ from launch.supervise import record_final
 from moe.checkpoint.files import MARKER
 from moe.config.run import SIGNALS, load_config
 from moe.errors import ConfigError, MoEError
+from moe.fileio import write_atomic
 from moe.training.checkpoint import CheckpointSaveError
 from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
@@ -181,9 +182,7 @@ def stop_if_signalled(e: Exception, run_dir: Path, rank: int) -> None:
     name = signal.Signals(signum).name
     marker = run_dir / PREEMPTED_MARKER
     if not marker.exists():  # a stop before any save: the job resumes from its newest checkpoint
-        tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"step": None, "signal": name}))
-        os.replace(tmp, marker)
+        write_atomic(marker, json.dumps({"step": None, "signal": name}))
     logging.getLogger("moe.train").warning(
         f"rank {rank}: {type(e).__name__} after {name}: taken as the stop the signal asked for "
         f"(it also reaches the processes a rank runs), not as a failure; exiting with code "
