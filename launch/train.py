@@ -77,8 +77,8 @@ def main(argv=None) -> None:
     except Preempted:
         raise
     except Exception as e:
-        record_stop(e, cfg.run_dir, env.rank)
-        stop_if_signalled(e, cfg.run_dir, env.rank)
+        if record_stop(e, cfg.run_dir, env.rank) is None:  # a restart may fix it
+            stop_if_signalled(e, cfg.run_dir, env.rank)
         raise
 
 
@@ -152,9 +152,10 @@ def final_cause(e: Exception, ckpt_dir: Path) -> tuple[str, str] | None:
     return None
 
 
-def record_stop(e: Exception, run_dir: Path, rank: int) -> None:
+def record_stop(e: Exception, run_dir: Path, rank: int) -> tuple[str, str] | None:
     """Every rank's own log holds the error that stopped it (its console may be another's); a
-    failure no restart can fix is also recorded for the supervisor (launch/supervise.py)."""
+    failure no restart can fix is also recorded for the supervisor (launch/supervise.py), and
+    returned: (kind, cause), else None."""
     text = f"stopped by {type(e).__name__}: {e}"
     for handler in logging.getLogger("moe").handlers:
         if isinstance(handler, logging.FileHandler):
@@ -165,11 +166,13 @@ def record_stop(e: Exception, run_dir: Path, rank: int) -> None:
     final = final_cause(e, run_dir / "checkpoints")
     if final is not None:
         record_final(run_dir / "logs", rank, *final)
+    return final
 
 
 def stop_if_signalled(e: Exception, run_dir: Path, rank: int) -> None:
     """Raise :class:`Preempted` (exit code 75, the run's preemption marker left) when this rank
-    failed after it caught a preemption signal, unless the failure is one a restart cannot fix.
+    failed after it caught a preemption signal (for a failure a restart may fix: the caller
+    asks :func:`record_stop` first).
 
     A scheduler's stop signal reaches every process of the step, not only the ranks: a child the
     rank runs at that moment (DeepSpeed's ``ninja --version`` while it loads an op, a compiler)
@@ -177,7 +180,7 @@ def stop_if_signalled(e: Exception, run_dir: Path, rank: int) -> None:
     instead with that child's error. Counted as a failure, the job would be restarted in the
     allocation the scheduler is taking back, where a requeue was asked for."""
     signum = received_signal()
-    if signum is None or final_cause(e, run_dir / "checkpoints") is not None:
+    if signum is None:
         return
     name = signal.Signals(signum).name
     marker = run_dir / PREEMPTED_MARKER
