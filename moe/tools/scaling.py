@@ -188,8 +188,58 @@ def plan_sweep(base: Base, budgets: list[float], sizes: int, families: list[str]
                     runs.append(run)
                     models[name] = cfg
     if problems:
-        raise ScalingError("the sweep cannot be planned:\n" + "\n".join(f"  - {p}" for p in problems))
+        head = "the sweep cannot be planned"
+        repeats = [r for r in runs if r.epochs > 1] if not allow_repeat else []
+        if repeats:
+            fits = largest_budget_without_repeat(base, sizes, families, experts, widths)
+            head += (f": {len(repeats)} of {len(runs)} runs would read the prepared corpus "
+                     f"({base.corpus_tokens:,} training tokens) more than once "
+                     f"({min(r.epochs for r in repeats):.2f} to "
+                     f"{max(r.epochs for r in repeats):.2f} epochs); "
+                     + (f"with this corpus and ladder the largest budget that repeats nothing "
+                        f"is about {fits:.2g} FLOPs" if fits else
+                        "no budget of this ladder both has enough steps and repeats nothing"))
+        shown = problems[:MAX_PROBLEMS_SHOWN]
+        more = len(problems) - len(shown)
+        raise ScalingError(head + ":\n" + "\n".join(f"  - {p}" for p in shown)
+                           + (f"\n  ... and {more} more like these" if more else ""))
     return runs, models
+
+
+MAX_PROBLEMS_SHOWN = 12
+"""A plan refused for many runs lists this many of them, then counts the rest."""
+
+
+def largest_budget_without_repeat(base: Base, sizes: int, families: list[str],
+                                  experts: list[int] | None = None,
+                                  widths: list[int] | None = None) -> float | None:
+    """The largest budget (to two significant figures) whose every ladder run has
+    :data:`MIN_STEPS` steps and reads the prepared corpus at most once; None if there is none.
+    Scanned downwards: the ladder moves to larger widths as the budget grows, so whether a
+    budget fits is not monotonic in it."""
+    if not base.corpus_tokens:
+        return None
+
+    def fits(budget: float) -> bool:
+        for family in families:
+            for e in (experts or [None]) if family == "moe" else [None]:
+                for w in widths or _ladder(base, budget, sizes, family, e):
+                    run = _run_for(base, shape_for_width(base.model, w, family, e), family,
+                                   budget, "probe")
+                    if run.steps < MIN_STEPS or run.epochs > 1:
+                        return False
+        return True
+
+    # The tokens of a run grow with its budget, so a budget above corpus tokens x the largest
+    # FLOPs per token of any ladder shape cannot fit: start the scan there.
+    top = max(flops_per_token(shape_for_width(base.model, w, f, e), base.seq_len)["training"]
+              for f in families for e in ((experts or [None]) if f == "moe" else [None])
+              for w in (widths or WIDTHS)) * base.corpus_tokens
+    for exponent in np.arange(math.floor(math.log10(top) * 20) / 20, 6, -0.05):
+        budget = float(f"{10 ** exponent:.2g}")
+        if fits(budget):
+            return budget
+    return None
 
 
 def ladder_params(base: Base, family: str, experts: int | None = None) -> list[float]:

@@ -4,6 +4,7 @@ synthetic losses whose constants are known."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -183,6 +184,25 @@ def test_the_predicted_run_is_the_ladder_shape_the_law_ranks_best():
     assert differs >= 1
     with pytest.raises(ScalingError, match="no ladder shape"):
         scaling.best_ladder_run(b, law, 1e6, "dense")
+
+
+def test_a_corpus_too_small_names_the_largest_budget_it_allows():
+    small = base(corpus_tokens=2_000_000)
+    with pytest.raises(ScalingError) as e:
+        scaling.plan_sweep(small, [3e13, 1e14, 3e14], 5, ["dense", "moe"], experts=[8, 16])
+    text = str(e.value)
+    assert "45 of 45 runs would read the prepared corpus (2,000,000 training tokens) more than once" in text
+    # Every run listed would be 45 lines: the first 12, then a count.
+    assert text.count("\n  - ") == scaling.MAX_PROBLEMS_SHOWN and "... and 33 more" in text
+    fits = float(re.search(r"repeats nothing is about ([0-9.e+]+) FLOPs", text).group(1))
+    assert fits == scaling.largest_budget_without_repeat(small, 5, ["dense", "moe"], [8, 16])
+    # That budget plans; the next step of the scan (10^0.05 = 1.12x) repeats the corpus.
+    runs, _ = scaling.plan_sweep(small, [fits], 5, ["dense", "moe"], experts=[8, 16])
+    assert max(r.epochs for r in runs) <= 1
+    with pytest.raises(ScalingError, match="more than once"):
+        scaling.plan_sweep(small, [fits * 1.13], 5, ["dense", "moe"], experts=[8, 16])
+    # A corpus too small for any ladder run of MIN_STEPS steps has no such budget.
+    assert scaling.largest_budget_without_repeat(base(corpus_tokens=1000), 5, ["dense"]) is None
 
 
 def test_bad_budgets_and_corpora_are_refused_with_numbers():
