@@ -430,8 +430,18 @@ class ParametricFit:
         values = [fn(b) for b in self.boot]
         if not values:
             return float("nan"), float("nan")
-        lo, hi = np.percentile(values, q)
-        return float(lo), float(hi)
+        return percentile_interval(values, q)
+
+
+def percentile_interval(values, q=(2.5, 97.5)) -> tuple[float, float]:
+    """The ``q`` percentiles of ``values``, interpolated; where the sample holds an infinite
+    value (a multiplier that no dense law reaches, an optimum a bootstrap law puts at infinity)
+    the lower percentile is rounded down to a value of the sample and the upper one up, so the
+    interval keeps the infinity instead of interpolating inf - inf to NaN."""
+    v = np.asarray(values, float)
+    finite = bool(np.isfinite(v).all())
+    return (float(np.percentile(v, q[0], method="linear" if finite else "lower")),
+            float(np.percentile(v, q[1], method="linear" if finite else "higher")))
 
 
 def fit_parametric(n, d, loss, bootstrap: int = 100, seed: int = 0) -> ParametricFit:

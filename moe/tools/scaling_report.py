@@ -36,9 +36,8 @@ def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0) -> dict:
         if moe.get("fit"):
             boot = dense["fit"].boot
             moe["multiplier_interval"] = {
-                m.budget: tuple(np.percentile([scaling.compute_multiplier(b, dense["k"], m.loss_opt,
-                                                                          m.budget)
-                                               for b in boot], (2.5, 97.5)).tolist())
+                m.budget: scaling.percentile_interval(
+                    [scaling.compute_multiplier(b, dense["k"], m.loss_opt, m.budget) for b in boot])
                 for m in moe["minima"]} if boot else {}
     return out
 
@@ -134,6 +133,13 @@ def predict(analysis: dict, family: str, budget: float) -> dict:
            "n_interval": fit.interval(lambda b: b.optimum(budget, k)[0]),
            "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
            "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2])}
+    if "n_law" in fam:
+        # The IsoFLOP route (Chinchilla's second approach) as a cross-check on N_opt: the power
+        # law through the per-budget minima. It assumes nothing about the shape of L(N, D), and
+        # where the law's minimum along the budget is flat its N_opt is the less certain of the
+        # two.
+        a, b = fam["n_law"]
+        out["isoflop"] = {"n_opt": a * budget ** b, "budgets": len(fam["minima"])}
     runs = fam["runs"]
     if family == "moe":
         best = min(runs, key=lambda r: (abs(math.log(r["budget"] / budget)), r["loss"]))
@@ -154,6 +160,10 @@ def prediction_text(p: dict) -> str:
              f"  tokens D             {p['d_opt']:.4g}  (95%: {dlo:.4g} to {dhi:.4g})",
              f"  tokens per parameter {p['d_opt'] / p['n_opt']:.1f}",
              f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})"]
+    iso = p.get("isoflop")
+    if iso:
+        lines.append(f"  IsoFLOP route        N {iso['n_opt']:.4g}, {iso['n_opt'] / p['n_opt']:.2f}x the "
+                     f"law's (the power law through the minima of {iso['budgets']} budgets)")
     bt = p.get("backtest")
     if bt:
         lines.append(f"  backtest             the law fitted below {bt['budget']:.3g} misses that "
@@ -224,8 +234,8 @@ def write_report(analysis: dict, out_dir: Path) -> dict[str, Path]:
         if "fit" in fam and len(budgets):
             grid = np.geomspace(budgets.min(), budgets.max() * 10, 40)
             opt = np.array([fam["fit"].law.optimum(C, fam["k"])[0] for C in grid])
-            band = np.array([np.percentile([b.optimum(C, fam["k"])[0] for b in fam["fit"].boot]
-                                           or [o], (2.5, 97.5)) for C, o in zip(grid, opt)])
+            band = np.array([scaling.percentile_interval(
+                [b.optimum(C, fam["k"])[0] for b in fam["fit"].boot] or [o]) for C, o in zip(grid, opt)])
             ax[0, 1].plot(grid, opt, color=c, label=f"{family} law")
             ax[0, 1].fill_between(grid, band[:, 0], band[:, 1], color=c, alpha=0.2)
             law = fam["fit"].law

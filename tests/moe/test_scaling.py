@@ -355,3 +355,26 @@ def test_the_backtest_measures_the_law_one_budget_out():
     assert "backtest" in scaling_report.prediction_text(p)
     two = scaling_report.analyse(_ladder_runs(budgets[:2]), bootstrap=0)
     assert two["families"]["dense"]["backtest"] is None
+
+
+def test_a_prediction_cross_checks_n_opt_by_the_isoflop_minima():
+    """The power law through the per-budget minima recovers the true N_opt one budget beyond
+    the sweep (TRUE's minima lie on a power law of exponent beta / (alpha + beta))."""
+    analysis = scaling_report.analyse(_ladder_runs((1e18, 3e18, 1e19, 3e19)), bootstrap=0)
+    p = scaling_report.predict(analysis, "dense", 1e20)
+    n_true = TRUE.optimum(1e20, 6.0)[0]
+    assert p["isoflop"]["budgets"] == 4
+    assert abs(p["isoflop"]["n_opt"] / n_true - 1) < 0.05
+    ratio = p["isoflop"]["n_opt"] / p["n_opt"]
+    assert f"IsoFLOP route        N {p['isoflop']['n_opt']:.4g}, {ratio:.2f}x the law's" in \
+        scaling_report.prediction_text(p)
+
+
+def test_percentile_intervals_keep_an_infinite_sample_infinite():
+    """A multiplier that no bootstrap dense law reaches is inf; interpolating between it and a
+    finite neighbour gave NaN (and a numpy warning)."""
+    finite = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert scaling.percentile_interval(finite) == tuple(np.percentile(finite, (2.5, 97.5)))
+    with np.errstate(invalid="raise"):
+        lo, hi = scaling.percentile_interval([1.0, 2.0, 3.0, 4.0, float("inf")])
+    assert lo == 1.0 and hi == float("inf")
