@@ -257,11 +257,26 @@ class FinetuneConfig:
     """What decides which parameters exist and train: a run resumes only with its checkpoint's
     values (moe/checkpoint/files.py, finetune_mismatches)."""
 
+    SECTIONS = {"lora": ("lora", "qlora"), "esft": ("esft",), "adapter": ("adapter",),
+                "prompt": ("prompt",), "prefix": ("prefix",)}
+    """Each method's own sub-section, by the methods that read it."""
+
     def problems(self) -> list[str]:
+        out = []
         if self.method == "qlora" and (missing := torchao_missing()):
-            return [f"method: qlora quantises the base with {missing} (or pip install "
-                    "-e .[qlora])"]
-        return []
+            out.append(f"method: qlora quantises the base with {missing} (or pip install "
+                       "-e .[qlora])")
+        for section, methods in self.SECTIONS.items():
+            value, default = getattr(self, section), type(getattr(self, section))()
+            changed = [f.name for f in dataclasses.fields(value)
+                       if getattr(value, f.name) != getattr(default, f.name)]
+            if changed and self.method not in methods:
+                # Refused, not ignored: a section left from another method's config would
+                # otherwise look as if it shaped this run.
+                out.append(f"{section}: set ({', '.join(changed)}), but finetune.method "
+                           f"{self.method} does not read it (it is for method "
+                           f"{' or '.join(methods)}); remove it or change finetune.method")
+        return out
 
 
 @dataclass

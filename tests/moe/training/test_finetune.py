@@ -338,6 +338,8 @@ def test_resume_refuses_other_adapters_by_key(lora_runs):
         d["model"]["vocab_size"] = 512  # resolved from the tokenizer, as the trainer does
         d["finetune"]["method"] = method
         d["finetune"]["lora"].update(lora)
+        if method != "lora":  # a lora section with another method is a config error
+            del d["finetune"]["lora"]
         return from_dict(RunConfig, d)
 
     verify_checkpoint(tag, config())  # the same: accepted
