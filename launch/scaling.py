@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -74,8 +75,11 @@ def plan(args) -> None:
     budgets = _numbers(args.budgets, "--budgets", float)
     experts = _numbers(args.experts, "--experts", int) if args.experts else None
     widths = _numbers(args.widths, "--widths", int) if args.widths else None
+    if args.min_steps < scaling.MIN_STEPS:
+        raise ScalingError(f"--min-steps {args.min_steps}: a run needs at least "
+                           f"{scaling.MIN_STEPS} steps")
     cfg = load_config(args.config, args.overrides)
-    base = _base(cfg)
+    base = replace(_base(cfg), min_steps=args.min_steps)
     runs, models = scaling.plan_sweep(base, budgets, args.sizes, args.families.split(","),
                                       experts, widths, args.allow_repeat)
     out = Path(args.out or f"sweeps/{cfg.name}")
@@ -91,6 +95,7 @@ def plan(args) -> None:
     write_atomic(out / SWEEP_FILE, json.dumps({
         "config": str(Path(args.config).resolve()), "overrides": args.overrides,
         "budgets": budgets, "families": args.families.split(","), "experts": experts,
+        "min_steps": args.min_steps,
         "runs": [scaling.planned_run_to_dict(r) for r in runs]}, indent=1))
     print(scaling.run_table(runs))
     total = sum(r.flops for r in runs)
@@ -392,7 +397,8 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
     pred = scaling_report.predict(analysis, family, budget)
     pred["warnings"] = analysis["warnings"]
     cfg = load_config(sweep["config"], sweep["overrides"])
-    base = _base(cfg)
+    # A sweep planned before --min-steps existed had the fixed minimum.
+    base = replace(_base(cfg), min_steps=sweep.get("min_steps", scaling.MIN_STEPS))
     experts = pred.get("experts") or None
     fit = analysis["families"][family]["fit"]
     run, model = scaling.best_ladder_run(base, fit.law, budget, family, experts, name)
@@ -461,6 +467,10 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--experts", help="expert counts of the MoE family (default: the config's)")
     pl.add_argument("--widths", help="the ladder's widths, instead of the rule's")
     pl.add_argument("--out", help="the sweep directory (default: sweeps/NAME)")
+    pl.add_argument("--min-steps", type=_count, default=scaling.MIN_STEPS,
+                    help="halve a run's batch (accumulation first) until it has this many "
+                         f"optimizer steps, its learning rate by sqrt(2) each time (default "
+                         f"{scaling.MIN_STEPS})")
     pl.add_argument("--allow-repeat", action="store_true",
                     help="allow runs that train on the corpus more than once")
     pl.add_argument("--force", action="store_true", help="replace an existing plan")

@@ -18,8 +18,11 @@ Definitions (the same everywhere in this module and in ``docs/scaling.md``):
   MoE experts keep the base config's expert width / model width ratio, its expert count (or
   ``experts``), top-k and shared experts. The dense twin of each MoE shape has one FFN of the
   MoE's active width (top-k + shared experts), so both families have the same N at each width.
-- **Learning rate**: the base config's, scaled by ``sqrt(base width / width)`` (minimum too);
-  warm-up: the base config's, at most a tenth of the run's steps.
+- **Batch**: the base config's, halved (accumulation first) until the run has ``min_steps``
+  optimizer steps (``--min-steps``, default :data:`MIN_STEPS`).
+- **Learning rate**: the base config's, scaled by ``sqrt(base width / width)`` and by
+  ``sqrt(batch / base batch)`` (minimum too); warm-up: the base config's, at most a tenth of the
+  run's steps.
 
 Fits (scipy; :func:`fit_parametric` follows the corrections Besiroglu et al. 2024 made to
 Chinchilla's third approach: Huber loss on log loss, a grid of initialisations, bootstrap
@@ -118,6 +121,9 @@ class Base:
     warmup_steps: int
     corpus_tokens: int
     """Training tokens of the prepared data (for the epochs column)."""
+    min_steps: int = MIN_STEPS
+    """A run's batch is halved (accumulation first, never below one sequence per rank) until
+    the run has this many optimizer steps (``moe-scaling plan --min-steps``)."""
 
 
 def _run_for(base: Base, cfg: ModelConfig, family: str, budget: float, name: str) -> PlannedRun:
@@ -125,8 +131,8 @@ def _run_for(base: Base, cfg: ModelConfig, family: str, budget: float, name: str
     counts = count_parameters(cfg)
     micro, accum = base.micro_batch_size, base.grad_accum_steps
     tokens_needed = budget / fpt["training"]
-    # Shrink the batch until the run has MIN_STEPS steps (never below one sequence per rank).
-    while tokens_needed / (micro * accum * base.world_size * base.seq_len) < MIN_STEPS:
+    # Shrink the batch until the run has min_steps steps (never below one sequence per rank).
+    while tokens_needed / (micro * accum * base.world_size * base.seq_len) < base.min_steps:
         if accum > 1:
             accum //= 2
         elif micro > 1:
@@ -136,7 +142,10 @@ def _run_for(base: Base, cfg: ModelConfig, family: str, budget: float, name: str
     batch = micro * accum * base.world_size
     steps = round(tokens_needed / (batch * base.seq_len))
     tokens = steps * batch * base.seq_len
-    scale = math.sqrt(base.model.d_model / cfg.d_model)
+    # The learning rate: sqrt(base width / width), and sqrt(batch / base batch) for a batch
+    # shrunk to reach min_steps (Adam's square-root scaling rule).
+    scale = math.sqrt(base.model.d_model / cfg.d_model * micro * accum
+                      / (base.micro_batch_size * base.grad_accum_steps))
     return PlannedRun(
         name=name, family=family, budget=budget, width=cfg.d_model, n_layers=cfg.n_layers,
         n_heads=cfg.n_heads, experts=cfg.moe.num_experts if family == "moe" else 0,

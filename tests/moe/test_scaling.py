@@ -126,6 +126,32 @@ def test_planned_runs_spend_their_budget_within_two_percent(budgets):
             assert r.active_params - router == dense[(r.budget, r.width)]
 
 
+def test_min_steps_shrinks_the_batch_and_its_learning_rate_by_the_square_root():
+    """--min-steps: a run short of that many steps at the config's batch gets a smaller batch
+    (accumulation first, down to one sequence per rank), so more steps for the same tokens,
+    and its learning rate falls with the square root of the batch; the budget is still spent
+    within 2%, and a run long enough is planned as before."""
+    b = replace(base(), micro_batch_size=4, grad_accum_steps=2)  # 16 sequences on 2 ranks
+    budgets = [3e11, 1e12, 3e12]
+    plain, _ = scaling.plan_sweep(b, budgets, 5, ["dense", "moe"])
+    long_, _ = scaling.plan_sweep(replace(b, min_steps=200), budgets, 5, ["dense", "moe"])
+    shrunk = 0
+    for p, q in zip(plain, long_):
+        assert p.name == q.name and abs(q.flops / q.budget - 1) <= 0.02
+        assert q.steps >= 200 or q.batch_sequences == 2  # one sequence per rank
+        if p.steps >= 200:
+            assert q == p
+            continue
+        shrunk += 1
+        assert q.batch_sequences < p.batch_sequences and q.steps > p.steps
+        assert q.micro_batch_size < 4 or q.grad_accum_steps < 2
+        assert q.micro_batch_size == 4 or q.grad_accum_steps == 1  # accumulation goes first
+        ratio = q.batch_sequences / p.batch_sequences
+        assert q.lr == pytest.approx(p.lr * math.sqrt(ratio))
+        assert q.min_lr == pytest.approx(p.min_lr * math.sqrt(ratio))
+    assert shrunk >= 5
+
+
 def test_the_ladder_is_centred_on_the_rule_of_thumb_optimum():
     for budget in (1e14, 1e16, 1e18):
         runs, _ = scaling.plan_sweep(base(), [budget], 5, ["dense"])
@@ -378,3 +404,41 @@ def test_percentile_intervals_keep_an_infinite_sample_infinite():
     with np.errstate(invalid="raise"):
         lo, hi = scaling.percentile_interval([1.0, 2.0, 3.0, 4.0, float("inf")])
     assert lo == 1.0 and hi == float("inf")
+
+
+def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path, capsys):
+    """moe-scaling plan --min-steps: written into the run configs and sweep.json (predict
+    plans its run with the same rule); fewer than MIN_STEPS is a usage error."""
+    import json
+
+    import yaml
+
+    import launch.scaling as cli
+
+    monkeypatch.setattr(cli, "_base", lambda cfg: replace(base(), micro_batch_size=4,
+                                                          grad_accum_steps=2))
+    args = ["plan", "configs/default.yaml", "--budgets", "3e11,1e12,3e12", "--sizes", "5",
+            "--families", "dense"]
+    cli.main([*args, "--out", str(tmp_path / "a"), "--min-steps", "200"])
+    sweep = json.loads((tmp_path / "a" / "sweep.json").read_text())
+    assert sweep["min_steps"] == 200
+    assert all(r["steps"] >= 200 or r["batch_sequences"] == 2 for r in sweep["runs"])
+    run = next(r for r in sweep["runs"] if r["name"] == "dense-c1e12-w48")
+    cfg = yaml.safe_load((tmp_path / "a" / "configs" / "dense-c1e12-w48.yaml").read_text())
+    assert (cfg["train"]["max_steps"], cfg["train"]["lr"]) == (run["steps"], run["lr"])
+    assert cfg["train"]["micro_batch_size"] * cfg["train"]["grad_accum_steps"] * 2 \
+        == run["batch_sequences"] < 16
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, "--out", str(tmp_path / "b"), "--min-steps", "10"])
+    assert e.value.code == 2 and "--min-steps 10: a run needs at least 25" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    # predict plans the run it writes with the sweep's --min-steps.
+    monkeypatch.setattr(cli, "results", lambda d, exclude=None: _ladder_runs((1e18, 3e18, 1e19)))
+    _, run, d = cli.predicted_run(tmp_path / "a", "dense", 3e11, bootstrap=0)
+    assert run.steps >= 200 and run.batch_sequences < 16
+    assert d["train"]["max_steps"] == run.steps
+    sweep["min_steps"] = 25
+    (tmp_path / "a" / "sweep.json").write_text(json.dumps(sweep))
+    _, plain, _ = cli.predicted_run(tmp_path / "a", "dense", 3e11, bootstrap=0)
+    assert plain.width == run.width and plain.steps < 200 and plain.batch_sequences == 16
