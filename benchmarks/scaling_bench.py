@@ -93,7 +93,7 @@ def one_seed(args, seed: int) -> dict:
     if not (sweep / "sweep.json").exists():
         sh("launch.scaling", "plan", corpus_config(args), f"train.seed={seed}", f"name=scaling-s{seed}",
            "--budgets", args.budgets, "--sizes", args.sizes, "--families", "dense,moe",
-           "--out", sweep)
+           "--min-steps", args.min_steps, "--out", sweep)
     sh("launch.scaling", "run", sweep, "--jobs", args.jobs)
     rows = results(sweep)
     largest = max(r["budget"] for r in rows)
@@ -142,6 +142,9 @@ def main() -> None:
                    help="ranks of every run (the global batch of --config is kept)")
     p.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS,
                    help="validation tokens each run is evaluated on")
+    p.add_argument("--min-steps", type=int, default=scaling.MIN_STEPS,
+                   help="moe-scaling plan --min-steps: a run's batch is halved until it has "
+                        "this many optimizer steps")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     budgets = sorted(float(b) for b in args.budgets.split(","))
@@ -170,7 +173,7 @@ def main() -> None:
     print(f"\ntarget: |error| <= 2%; the benchmark took {(time.monotonic() - start) / 60:.1f} min "
           f"({len(per_seed)} seeds, {len(budgets)} budgets x {args.sizes} sizes x 2 families, "
           f"widths from {scaling.WIDTHS[0]}, vocabulary {args.vocab or 'of the config'}, "
-          f"{args.ranks} rank(s) per run)")
+          f"{args.ranks} rank(s) per run, batch halved below {args.min_steps} steps)")
 
 
 if __name__ == "__main__":

@@ -469,8 +469,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="the sweep directory (default: sweeps/NAME)")
     pl.add_argument("--min-steps", type=_count, default=scaling.MIN_STEPS,
                     help="halve a run's batch (accumulation first) until it has this many "
-                         f"optimizer steps, its learning rate by sqrt(2) each time (default "
-                         f"{scaling.MIN_STEPS})")
+                         "optimizer steps, dividing its learning rate by sqrt(2) each time "
+                         f"(default {scaling.MIN_STEPS})")
     pl.add_argument("--allow-repeat", action="store_true",
                     help="allow runs that train on the corpus more than once")
     pl.add_argument("--force", action="store_true", help="replace an existing plan")
