@@ -13,6 +13,11 @@ from moe.errors import ScalingError
 from moe.fileio import write_atomic
 from moe.tools import scaling
 
+FEW_STEPS = 200
+"""Runs with fewer optimizer steps are warned about: on our 2-core sweeps, runs of 77 to 132
+steps ended 3-19% lower when trained again on the same tokens with 200 or more steps (smaller
+batches; BENCHMARKS.md), and the two that had failed to train trained normally."""
+
 BUMP_TOLERANCE = 0.02
 """A run whose loss is more than this fraction above both its neighbours in N at the same
 budget is reported (two seeds of the same run differ by about 1%, rarely 2.5%)."""
@@ -26,6 +31,15 @@ def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0) -> dict:
     for r in results:
         by_family[r["family"]].append(r)
     out: dict = {"families": {}, "warnings": [], "results": results}
+    short = sorted((r for r in results if r.get("steps", FEW_STEPS) < FEW_STEPS),
+                   key=lambda r: r["steps"])
+    if short:
+        out["warnings"].append(
+            f"{len(short)} run(s) trained fewer than {FEW_STEPS} optimizer steps ("
+            + ", ".join(f"{r['name']} {r['steps']}" for r in short[:6])
+            + (", ..." if len(short) > 6 else "") + "): such runs can be held back by their "
+            f"batch rather than their size; plan with --min-steps {FEW_STEPS} to give them "
+            "smaller batches")
     for family, runs in sorted(by_family.items()):
         out["families"][family] = _analyse_family(family, runs, bootstrap, seed, out["warnings"])
     dense, moe = out["families"].get("dense"), out["families"].get("moe")

@@ -442,3 +442,17 @@ def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path
     (tmp_path / "a" / "sweep.json").write_text(json.dumps(sweep))
     _, plain, _ = cli.predicted_run(tmp_path / "a", "dense", 3e11, bootstrap=0)
     assert plain.width == run.width and plain.steps < 200 and plain.batch_sequences == 16
+
+
+def test_runs_of_few_steps_are_warned_about_with_the_fix():
+    runs = _isoflop_runs([4.05, 4.02, 4.10, 4.30, 4.60])
+    for r, steps in zip(runs, (900, 500, 250, 150, 80)):
+        r["steps"] = steps
+    warnings = scaling_report.analyse(runs, bootstrap=0)["warnings"]
+    (w,) = [w for w in warnings if "optimizer steps" in w]
+    assert w.startswith("2 run(s) trained fewer than 200 optimizer steps (dense-w64 80, "
+                        "dense-w48 150)") and "--min-steps 200" in w
+    for r in runs:
+        r["steps"] = max(r["steps"], 200)
+    assert not [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
+                if "optimizer steps" in w]
