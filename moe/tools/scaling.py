@@ -171,31 +171,30 @@ def plan_sweep(base: Base, budgets: list[float], sizes: int, families: list[str]
         raise ScalingError(f"--families: {bad} not among {list(FAMILIES)}")
     runs, models, problems = [], {}, []
     for budget in sorted(budgets):
-        for family in families:
-            for e in (experts or [None]) if family == "moe" else [None]:
-                ladder = widths or _ladder(base, budget, sizes, family, e)
-                for w in ladder:
-                    cfg = shape_for_width(base.model, w, family, e)
-                    suffix = f"-e{cfg.moe.num_experts}" if family == "moe" and experts else ""
-                    name = f"{family}{suffix}-c{budget:.0e}-w{w}".replace("+", "")
-                    run = _run_for(base, cfg, family, budget, name)
-                    if run.steps < MIN_STEPS:
-                        problems.append(
-                            f"{name}: the budget {budget:.3g} FLOPs buys {run.tokens:,} tokens "
-                            f"= {run.steps} steps of one sequence per rank ({run.active_params:,} "
-                            f"active parameters, {run.flops / max(run.tokens, 1):.3g} FLOPs per "
-                            f"token); at least {MIN_STEPS} steps are needed: raise the budget or "
-                            "use smaller widths")
-                    elif abs(run.flops / budget - 1) > BUDGET_TOLERANCE:
-                        problems.append(f"{name}: {run.flops:.4g} FLOPs is not within "
-                                        f"{BUDGET_TOLERANCE:.0%} of the budget {budget:.4g}")
-                    elif run.epochs > 1 and not allow_repeat:
-                        problems.append(
-                            f"{name}: {run.tokens:,} tokens is {run.epochs:.2f} epochs of the "
-                            f"prepared corpus ({base.corpus_tokens:,} training tokens); use a "
-                            "larger corpus, smaller budgets, or --allow-repeat")
-                    runs.append(run)
-                    models[name] = cfg
+        for family, e in _variants(families, experts):
+            ladder = widths or _ladder(base, budget, sizes, family, e)
+            for w in ladder:
+                cfg = shape_for_width(base.model, w, family, e)
+                suffix = f"-e{cfg.moe.num_experts}" if family == "moe" and experts else ""
+                name = f"{family}{suffix}-c{budget:.0e}-w{w}".replace("+", "")
+                run = _run_for(base, cfg, family, budget, name)
+                if run.steps < MIN_STEPS:
+                    problems.append(
+                        f"{name}: the budget {budget:.3g} FLOPs buys {run.tokens:,} tokens "
+                        f"= {run.steps} steps of one sequence per rank ({run.active_params:,} "
+                        f"active parameters, {run.flops / max(run.tokens, 1):.3g} FLOPs per "
+                        f"token); at least {MIN_STEPS} steps are needed: raise the budget or "
+                        "use smaller widths")
+                elif abs(run.flops / budget - 1) > BUDGET_TOLERANCE:
+                    problems.append(f"{name}: {run.flops:.4g} FLOPs is not within "
+                                    f"{BUDGET_TOLERANCE:.0%} of the budget {budget:.4g}")
+                elif run.epochs > 1 and not allow_repeat:
+                    problems.append(
+                        f"{name}: {run.tokens:,} tokens is {run.epochs:.2f} epochs of the "
+                        f"prepared corpus ({base.corpus_tokens:,} training tokens); use a "
+                        "larger corpus, smaller budgets, or --allow-repeat")
+                runs.append(run)
+                models[name] = cfg
     if problems:
         head = "the sweep cannot be planned"
         repeats = [r for r in runs if r.epochs > 1] if not allow_repeat else []
@@ -215,6 +214,14 @@ def plan_sweep(base: Base, budgets: list[float], sizes: int, families: list[str]
     return runs, models
 
 
+def _variants(families: list[str], experts: list[int] | None):
+    """(family, expert count) of each ladder a budget gets: one per expert count for MoE
+    (None: the base config's), one for dense."""
+    for family in families:
+        for e in (experts or [None]) if family == "moe" else [None]:
+            yield family, e
+
+
 MAX_PROBLEMS_SHOWN = 12
 """A plan refused for many runs lists this many of them, then counts the rest."""
 
@@ -230,19 +237,18 @@ def largest_budget_without_repeat(base: Base, sizes: int, families: list[str],
         return None
 
     def fits(budget: float) -> bool:
-        for family in families:
-            for e in (experts or [None]) if family == "moe" else [None]:
-                for w in widths or _ladder(base, budget, sizes, family, e):
-                    run = _run_for(base, shape_for_width(base.model, w, family, e), family,
-                                   budget, "probe")
-                    if run.steps < MIN_STEPS or run.epochs > 1:
-                        return False
+        for family, e in _variants(families, experts):
+            for w in widths or _ladder(base, budget, sizes, family, e):
+                run = _run_for(base, shape_for_width(base.model, w, family, e), family,
+                               budget, "probe")
+                if run.steps < MIN_STEPS or run.epochs > 1:
+                    return False
         return True
 
     # The tokens of a run grow with its budget, so a budget above corpus tokens x the largest
     # FLOPs per token of any ladder shape cannot fit: start the scan there.
     top = max(flops_per_token(shape_for_width(base.model, w, f, e), base.seq_len)["training"]
-              for f in families for e in ((experts or [None]) if f == "moe" else [None])
+              for f, e in _variants(families, experts)
               for w in (widths or WIDTHS)) * base.corpus_tokens
     for exponent in np.arange(math.floor(math.log10(top) * 20) / 20, 6, -0.05):
         budget = float(f"{10 ** exponent:.2g}")
