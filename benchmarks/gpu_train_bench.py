@@ -10,7 +10,10 @@ Models (on a GPU, bf16, ZeRO 1, expert parallelism 1, one rank):
   moe-125m     configs/moe-125m.yaml
   largest      the largest preset in configs/ whose planned memory (moe.tools.planning) fits
                this device with expert parallelism 1 (skipped when it is moe-125m)
-With ``--tiny``: the test suite's tiny shape (dense and MoE), fp32 on the CPU.
+With ``--tiny``: the test suite's tiny shape (dense and MoE), fp32 on the CPU. ``--set KEY=VALUE``
+(repeatable) changes every model's config as ``moe-launch --set`` does, for example
+``--set train.compile=true`` (the block regions' shares then read 0: the ranges this script puts
+around regions are dropped inside compiled blocks); ``--models`` keeps only the named rows.
 
 Each model gets ``--warmup`` untimed steps, ``--steps`` timed ones (random tokens, one
 micro-batch per step), then ``--profile-steps`` under torch.profiler. MFU is model FLOPs per
@@ -35,8 +38,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from moe.config.run import RunConfig, load_config
+from moe.config.run import RunConfig, apply_overrides, load_config
 from moe.config_schema import from_dict
+from moe.errors import ConfigError
 from moe.model.experts import DenseFFN
 from moe.model.size import flops_per_token
 from moe.tools.planning import memory_per_gpu
@@ -61,6 +65,7 @@ def tiny_dict(dense: bool) -> dict:
 
 
 def one_gpu(cfg: RunConfig, micro_batch: int | None) -> RunConfig:
+    # One rank, bf16, no accumulation: after --set, so that no override can change them.
     cfg.parallel.world_size, cfg.parallel.expert_parallel_size = 1, 1
     cfg.parallel.zero_stage = 1
     cfg.train.precision, cfg.train.grad_accum_steps = "bf16", 1
@@ -77,14 +82,15 @@ def planned_bytes(cfg: RunConfig) -> float:
     return plan.total_bytes  # what moe-plan reports: states, saved activations, working set
 
 
-def largest_fitting(budget_bytes: float, micro_batch: int | None) -> tuple[str, RunConfig] | None:
+def largest_fitting(budget_bytes: float, micro_batch: int | None,
+                    overrides: list[str] = ()) -> tuple[str, RunConfig] | None:
     """The MoE pretraining preset in configs/ with the largest planned memory on one GPU with expert
     parallelism 1 that stays within ``budget_bytes`` (None if none does)."""
     fitting = []
     for path in sorted(CONFIGS.glob("*.yaml")):
         if path.stem.startswith("finetune-"):  # adapt a given base: not pretraining presets
             continue
-        cfg = one_gpu(load_config(path), micro_batch)
+        cfg = one_gpu(load_config(path, list(overrides)), micro_batch)
         if cfg.model.ffn == "moe" and planned_bytes(cfg) <= budget_bytes:
             fitting.append((planned_bytes(cfg), path.stem, cfg))
     if not fitting:
@@ -93,12 +99,14 @@ def largest_fitting(budget_bytes: float, micro_batch: int | None) -> tuple[str, 
     return name, cfg
 
 
-def gpu_models(device: torch.device, micro_batch: int | None) -> list[tuple[str, RunConfig]]:
-    base = one_gpu(load_config(CONFIGS / "moe-125m.yaml"), micro_batch)
-    dense = one_gpu(load_config(CONFIGS / "moe-125m.yaml", ["model.ffn=dense"]), micro_batch)
+def gpu_models(device: torch.device, micro_batch: int | None,
+               overrides: list[str] = ()) -> list[tuple[str, RunConfig]]:
+    preset = CONFIGS / "moe-125m.yaml"
+    base = one_gpu(load_config(preset, list(overrides)), micro_batch)
+    dense = one_gpu(load_config(preset, ["model.ffn=dense", *overrides]), micro_batch)
     out = [("dense-125m", dense), ("moe-125m", base)]
     largest = largest_fitting(0.9 * torch.cuda.get_device_properties(device).total_memory,
-                              micro_batch)
+                              micro_batch, overrides)
     if largest is not None and largest[0] != "moe-125m":
         out.append(largest)
     return out
@@ -241,6 +249,10 @@ def main(argv=None) -> list[dict]:
                    help="sequences per step (default: the preset's micro_batch_size)")
     p.add_argument("--peak-flops", type=float, default=None,
                    help="peak dense bf16 FLOP/s of the device (default: from its name)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="change every model's config (repeatable), e.g. train.compile=true")
+    p.add_argument("--models", default=None, metavar="NAMES",
+                   help="comma-separated rows to run (default: all)")
     p.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -249,13 +261,25 @@ def main(argv=None) -> list[dict]:
     device, backend = device_and_backend(0, cuda)
     if cuda:
         torch.cuda.set_device(device)
+    try:
+        if args.tiny:
+            models = [(d["name"], from_dict(RunConfig, apply_overrides(d, args.overrides),
+                                            source="--tiny"))
+                      for d in (tiny_dict(True), tiny_dict(False))]
+        else:
+            models = gpu_models(device, args.micro_batch, args.overrides)
+    except ConfigError as e:
+        p.error(f"--set: {e}")
+    if args.models:
+        wanted = args.models.split(",")
+        unknown = sorted(set(wanted) - {name for name, _ in models})
+        if unknown:
+            p.error(f"--models: no row {', '.join(unknown)} here (rows: "
+                    f"{', '.join(name for name, _ in models)})")
+        models = [(name, cfg) for name, cfg in models if name in wanted]
     one_rank_group(backend)
     import torch.distributed as dist
 
-    if args.tiny:
-        models = [(d["name"], from_dict(RunConfig, d)) for d in (tiny_dict(True), tiny_dict(False))]
-    else:
-        models = gpu_models(device, args.micro_batch)
     rows = []
     try:
         for name, cfg in models:
@@ -266,11 +290,13 @@ def main(argv=None) -> list[dict]:
         dist.destroy_process_group()
     where = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(f"device: {where}; {args.steps} timed steps after {args.warmup} warm-up; time shares "
-          f"from {args.profile_steps} profiled steps")
+          f"from {args.profile_steps} profiled steps"
+          + (f"; --set {' '.join(args.overrides)}" if args.overrides else ""))
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "steps": args.steps,
-                                               "rows": rows}, indent=2))
+                                               "overrides": args.overrides, "rows": rows},
+                                              indent=2))
     return rows
 
 

@@ -111,8 +111,10 @@ else:
 def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> int:
     """Compile every block of ``model.blocks`` in place (``Module.compile``; extra keyword
     arguments go to ``torch.compile``). Call it after the model is final: after wrapping its
-    MoE layers for expert parallelism and after ``apply_recompute``. Returns the number of
-    blocks compiled."""
+    MoE layers for expert parallelism, after ``apply_recompute``, and on the device and in the
+    dtype it will run in (after DeepSpeed's ``initialize``, which moves and casts it): the expert
+    layers probe the grouped GEMM for those here, and one they did not probe runs the
+    per-expert loop under compile. Returns the number of blocks compiled."""
     for module in model.modules():  # eager work that must not run inside a traced graph
         before = getattr(module, "before_compile", None)
         if callable(before):

@@ -162,8 +162,6 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
         log_parameter_counts(parameter_counts(model, ep), cfg.finetune.method)
     t = cfg.train
     apply_recompute(model, t.recompute, t.recompute_every_n_blocks)
-    if t.compile:  # last: it compiles the model as wrapped and recomputed
-        compile_blocks(model)
     groups = optimizer_param_groups(model, t.weight_decay, t.lr, t.router_lr_scale,
                                     t.expert_lr_scale)
     if make_optimizer is not None:
@@ -174,6 +172,13 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler,
                                            config=cfg.deepspeed_config(env.world_size))
+    if t.compile:
+        # Last: on the model as wrapped and recomputed, and as DeepSpeed placed and cast it.
+        # Compiled before, the expert layers would probe the grouped GEMM for the fp32 CPU
+        # weights they had then, not for the device and dtype they train in, and under compile
+        # an unprobed kernel runs the per-expert loop (about half the eager tokens/s of
+        # moe-125m on one H100).
+        compile_blocks(model)
     report_global_expert_shapes(engine)  # so that DeepSpeed's zero_to_fp32 can merge experts
     # Different ranks must draw different router noise / dropout from here on.
     torch.manual_seed(cfg.train.seed + 1000 * env.rank + 1)

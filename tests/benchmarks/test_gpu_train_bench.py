@@ -3,6 +3,7 @@ table (GPU figures come from running it on a GPU; see BENCHMARKS.md)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,3 +56,23 @@ def test_the_largest_preset_is_chosen_by_planned_memory():
     name, _ = largest_fitting(2**40, micro_batch=1)  # 1 TiB: the biggest preset fits
     assert name == "mixtral-8x7b"
     assert largest_fitting(2**20, micro_batch=1) is None
+
+
+def test_set_changes_every_model_and_models_keeps_the_named_rows(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "benchmarks/gpu_train_bench.py", "--device", "cpu", "--tiny",
+            "--steps", "1", "--warmup", "1", "--profile-steps", "0"]
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(base + ["--set", "train.micro_batch_size=3", "--set",
+                                  "model.d_model=32", "--models", "tiny-moe", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["overrides"] == ["train.micro_batch_size=3", "model.d_model=32"]
+    assert [r["model"] for r in report["rows"]] == ["tiny-moe"]
+    assert report["rows"][0]["batch"] == "3x32"
+    for bad, named in ((["--set", "train.compil=true"], "train.compil"),
+                       (["--models", "tiny-mo"], "tiny-mo")):
+        proc = subprocess.run(base + bad, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-2000:]
