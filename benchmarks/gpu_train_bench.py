@@ -11,7 +11,7 @@ Models (on a GPU, bf16, ZeRO 1, expert parallelism 1, one rank):
   largest      the largest preset in configs/ whose planned memory (moe.tools.planning) fits
                this device with expert parallelism 1 (skipped when it is moe-125m)
 With ``--tiny``: the test suite's tiny shape (dense and MoE), fp32 on the CPU. ``--set KEY=VALUE``
-(repeatable) changes every model's config as ``moe-launch --set`` does, for example
+(repeatable) changes every model's config as a ``key=value`` override of ``moe-launch`` does, for example
 ``--set train.compile=true`` (the block regions' shares then read 0: the ranges this script puts
 around regions are dropped inside compiled blocks); ``--models`` keeps only the named rows.
 
