@@ -13,7 +13,8 @@ Parts, in order, each with its own log in OUTDIR and a time limit inside ``--bud
 2. env      GPU, driver, Python, torch, CUDA, cuDNN, NCCL, DeepSpeed and its accelerator
 3. pytest   ``pytest -m gpu`` (on the CPU every test skips: the command itself is the check)
 4. bench    ``benchmarks/gpu_train_bench.py``: tokens/s, MFU, peak memory against moe-plan,
-            where a step's time goes
+            where a step's time goes; then the same models with ``train.compile`` (one run
+            each: compiled tokens/s and compiled / eager)
 5. train    the default config (configs/default.yaml) on one rank for 100 steps in bf16
             through ``moe-launch`` (the real deepspeed launcher, started as
             ``python -m deepspeed.launcher.runner``: no ``deepspeed`` script on PATH needed)
@@ -58,7 +59,7 @@ REQUIRED_MODULES = ["torch", "deepspeed", "pydantic", "hjson", "yaml", "zstandar
 # Time limits (s) of each part, and the least each later part is left when an earlier one runs
 # long. They add up to more than the budget on purpose: a part that finishes early leaves its
 # time to the next.
-CAPS = {"install": 90, "env": 60, "pytest": 300, "bench": 150, "train": 240, "eval": 120}
+CAPS = {"install": 90, "env": 60, "pytest": 300, "bench": 270, "train": 240, "eval": 120}
 FLOORS = {"install": 20, "env": 15, "pytest": 60, "bench": 45, "train": 90, "eval": 30}
 TRAIN_STEPS = 100
 STDLIB_DOCS = ["argparse", "textwrap", "shlex", "string", "heapq", "bisect", "functools",
@@ -362,15 +363,30 @@ class Proof:
 
     def bench(self, part: Part, log, limit: float) -> str:
         rows = self.scratch / "bench.json"
-        cmd = [self.python, "benchmarks/gpu_train_bench.py", "--device", self.args.device,
-               "--json", str(rows)]
+        cmd = [self.python, "benchmarks/gpu_train_bench.py", "--device", self.args.device]
         if self.args.dry_run:
             cmd += ["--tiny", "--steps", "2", "--warmup", "1", "--profile-steps", "1"]
         if not self.cuda:
             cmd += ["--peak-flops", "1e12"]  # a nominal peak: the MFU column is a smoke value
-        rc = self.run(part, cmd, log, limit)
+        t0 = time.monotonic()
+        rc = self.run(part, cmd + ["--json", str(rows)], log, limit)
         if rows.exists():
             part.figures.update(json.loads(rows.read_text()))
+        if rc != 0:
+            return self.status_of(rc)
+        # The same models compiled (the first compile on a fresh machine takes about a minute
+        # on one H100): one run, so a ratio to read, not a result.
+        compiled = self.scratch / "bench_compiled.json"
+        rc = self.run(part, cmd + ["--json", str(compiled), "--profile-steps", "0",
+                                   "--set", "train.compile=true"],
+                      log, limit - (time.monotonic() - t0))
+        if compiled.exists():
+            eager = {r["model"]: r["tokens_per_s"] for r in part.figures.get("rows", [])}
+            crows = json.loads(compiled.read_text())["rows"]
+            part.figures["compiled_rows"] = crows
+            part.figures["compiled_over_eager"] = {
+                r["model"]: round(r["tokens_per_s"] / eager[r["model"]], 3)
+                for r in crows if eager.get(r["model"])}
         return self.status_of(rc)
 
     # ---- 5. train ----------------------------------------------------------------------------
@@ -485,7 +501,8 @@ class Proof:
         lines += ["| part | status | seconds | CPU s | log | figures |",
                   "| --- | --- | ---: | ---: | --- | --- |"]
         for p in self.parts:
-            figs = {k: v for k, v in p.figures.items() if k not in ("rows",) and p.name != "env"}
+            figs = {k: v for k, v in p.figures.items()
+                    if k not in ("rows", "compiled_rows") and p.name != "env"}
             text = ", ".join(f"{k}={fmt(v)}" for k, v in figs.items())
             if p.note:
                 text = f"**{p.note}**" + (f"; {text}" if text else "")
@@ -494,13 +511,18 @@ class Proof:
         bench = next((p for p in self.parts if p.name == "bench"), None)
         if bench and bench.figures.get("rows"):
             lines += ["", f"Training benchmark on {bench.figures.get('device')}:", "",
-                      "| model | B x S | tokens/s | MFU | peak MiB | planned MiB |",
-                      "| --- | --- | ---: | ---: | ---: | ---: |"]
+                      "| model | B x S | tokens/s | MFU | peak MiB | planned MiB | compiled "
+                      "tokens/s | compiled / eager |",
+                      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            compiled = {r["model"]: r for r in bench.figures.get("compiled_rows", [])}
             for r in bench.figures["rows"]:
                 mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.0f}"
                 mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+                c = compiled.get(r["model"])
+                ctext = (f"{c['tokens_per_s']:,.0f} | {c['tokens_per_s'] / r['tokens_per_s']:.2f}x"
+                         if c else "n/a | n/a")
                 lines.append(f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                             f"{mib(r['peak_mem'])} | {mib(r['planned_mem'])} |")
+                             f"{mib(r['peak_mem'])} | {mib(r['planned_mem'])} | {ctext} |")
         text = "\n".join(lines) + "\n"
         (self.out / "summary.md").write_text(text)
         (self.out / "summary.json").write_text(json.dumps(

@@ -93,6 +93,14 @@ def test_dry_run_on_the_cpu_runs_every_part(tmp_path):
     rows = parts["bench"]["figures"]["rows"]
     assert [r["model"] for r in rows] == ["tiny-dense", "tiny-moe"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
+    # Then the same models compiled: their own rows, and each one's ratio to the eager row.
+    compiled = parts["bench"]["figures"]["compiled_rows"]
+    assert [r["model"] for r in compiled] == ["tiny-dense", "tiny-moe"]
+    ratios = parts["bench"]["figures"]["compiled_over_eager"]
+    for c, r in zip(compiled, rows):
+        assert ratios[c["model"]] == pytest.approx(c["tokens_per_s"] / r["tokens_per_s"], rel=1e-2)
+    assert "--set train.compile=true" in (out / "bench.log").read_text()
+    assert "compiled / eager" in (out / "summary.md").read_text()
 
     train = parts["train"]["figures"]
     assert train["steps"] == 4 and train["checkpoint"].endswith("step_0000004")

@@ -1,6 +1,8 @@
 """``train.compile`` through the trainer's engine in bf16 (DeepSpeed casts the model to bf16 when
 it builds the engine): the compiled expert layers run the grouped GEMM, not the per-expert loop,
-and give the eager bf16 losses.
+and give the eager bf16 losses; on the CPU and, with the ``gpu`` marker, on one CUDA device
+(whose bf16 kernel needs Hopper on torch 2.11: elsewhere the loop is the expected path and the
+CUDA case skips).
 
 The blocks must be compiled after DeepSpeed placed and cast the model: compiled before, the
 expert layers probed the grouped kernel for the fp32 weights they had then, and under compile
@@ -33,7 +35,7 @@ def run_config(compiled: bool) -> dict:
             "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
 
 
-def _worker(rank, world, batches, out_file):
+def _worker(rank, world, batches, out_file, device="cpu"):
     from moe.model import experts
 
     loops = [0]
@@ -51,21 +53,31 @@ def _worker(rank, world, batches, out_file):
                                      make_optimizer=lambda g: torch.optim.SGD(g, lr=0.5))
         loops[0], losses = 0, []
         for batch in batches:
+            batch = batch.to(device)
             out = engine(batch[:, :-1], batch[:, 1:])
             engine.backward(out.loss)
             engine.step()
             losses.append(out.loss.detach().float())
-        results[name] = {"losses": torch.stack(losses), "loops": torch.tensor(loops[0]),
+        results[name] = {"losses": torch.stack(losses).cpu(), "loops": torch.tensor(loops[0]),
                          "dtype": str(next(m for m in model.modules()
                                            if isinstance(m, experts.GroupedExperts)).w_in.dtype)}
     torch.save(results, out_file)
 
 
-def test_compiled_bf16_experts_run_the_grouped_kernel_and_match_eager(tmp_path):
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_compiled_bf16_experts_run_the_grouped_kernel_and_match_eager(tmp_path, device):
+    if device == "cuda":
+        from moe.model.experts import grouped_mm_supported
+        if not grouped_mm_supported(torch.bfloat16, torch.device("cuda", 0)):
+            pytest.skip("this GPU and torch have no bf16 grouped GEMM: the loop is the path")
     torch.manual_seed(0)
     batches = [torch.randint(0, VOCAB, (MB, SEQ + 1)) for _ in range(STEPS)]
     out_file = tmp_path / "results.pt"
-    run_distributed(_worker, 1, batches, str(out_file))
+    run_distributed(_worker, 1, batches, str(out_file), device,
+                    backend="nccl" if device == "cuda" else "gloo")
     res = torch.load(out_file, weights_only=True)
     assert res["compiled"]["dtype"] == "torch.bfloat16"  # as DeepSpeed cast it
     assert res["eager"]["loops"] == 0 and res["compiled"]["loops"] == 0
