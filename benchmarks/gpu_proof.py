@@ -14,7 +14,8 @@ Parts, in order, each with its own log in OUTDIR and a time limit inside ``--bud
 3. pytest   ``pytest -m gpu`` (on the CPU every test skips: the command itself is the check)
 4. bench    ``benchmarks/gpu_train_bench.py``: tokens/s, MFU, peak memory against moe-plan,
             where a step's time goes; then the same models with ``train.compile`` (one run
-            each: compiled tokens/s and compiled / eager)
+            each: compiled tokens/s and compiled / eager; a compiled run that runs out of
+            the part's time is noted, not failed)
 5. train    the default config (configs/default.yaml) on one rank for 100 steps in bf16
             through ``moe-launch`` (the real deepspeed launcher, started as
             ``python -m deepspeed.launcher.runner``: no ``deepspeed`` script on PATH needed)
@@ -387,6 +388,11 @@ class Proof:
             part.figures["compiled_over_eager"] = {
                 r["model"]: round(r["tokens_per_s"] / eager[r["model"]], 3)
                 for r in crows if eager.get(r["model"])}
+        if rc is None:
+            # The compiles take what the budget has left after the tests: running short of it
+            # is noted, not failed; a compiled run that fails is a failure.
+            part.note = "the compiled run ran out of the part's time"
+            return "pass"
         return self.status_of(rc)
 
     # ---- 5. train ----------------------------------------------------------------------------

@@ -228,3 +228,38 @@ def test_the_train_part_fails_when_the_run_logged_no_step(tmp_path):
     with open(proof.out / "train.log", "w") as log:
         assert proof.train(part, log, 60.0) == "fail"
     assert part.note == "the run logged no training step"
+
+
+@pytest.mark.parametrize("compiled_rc, status", [(0, "pass"), (None, "pass"), (1, "fail")])
+def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(tmp_path,
+                                                                              compiled_rc, status):
+    """The compiled run after the eager one: its ratios are reported; running out of the part's
+    time is noted (the compiles take what the tests left), a compiled run that fails is a
+    failure."""
+    gp = load_proof_module()
+    args = gp.argparse.Namespace(outdir=str(tmp_path / "out"), scratch=str(tmp_path / "s"),
+                                 budget=60.0, device="cpu", dry_run=False, wheels=None)
+    proof = gp.Proof(args)
+    proof.scratch.mkdir(parents=True, exist_ok=True)
+    commands = []
+
+    def bench_run(part, cmd, log, limit, env=None):
+        commands.append(cmd)
+        compiled = "train.compile=true" in cmd
+        rows = [{"model": "m", "tokens_per_s": 150.0 if compiled else 100.0}]
+        if compiled and compiled_rc is None:
+            return None  # out of time before writing its rows
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"rows": rows}))
+        return compiled_rc if compiled else 0
+
+    proof.run = bench_run
+    part = gp.Part("bench", log="bench.log")
+    proof.out.mkdir(parents=True, exist_ok=True)
+    with open(proof.out / "bench.log", "w") as log:
+        assert proof.bench(part, log, 60.0) == status
+    assert len(commands) == 2 and "train.compile=true" not in commands[0]
+    if compiled_rc == 0:
+        assert part.figures["compiled_over_eager"] == {"m": 1.5} and not part.note
+    if compiled_rc is None:
+        assert part.note == "the compiled run ran out of the part's time"
+        assert "compiled_over_eager" not in part.figures
