@@ -521,12 +521,13 @@ class Proof:
                       "tokens/s | compiled / eager |",
                       "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             compiled = {r["model"]: r for r in bench.figures.get("compiled_rows", [])}
+            ratios = bench.figures.get("compiled_over_eager", {})
             for r in bench.figures["rows"]:
                 mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.0f}"
                 mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
                 c = compiled.get(r["model"])
-                ctext = (f"{c['tokens_per_s']:,.0f} | {c['tokens_per_s'] / r['tokens_per_s']:.2f}x"
-                         if c else "n/a | n/a")
+                ctext = (f"{c['tokens_per_s']:,.0f} | {ratios[r['model']]:.2f}x"
+                         if c and r["model"] in ratios else "n/a | n/a")
                 lines.append(f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {mfu} | "
                              f"{mib(r['peak_mem'])} | {mib(r['planned_mem'])} | {ctext} |")
         text = "\n".join(lines) + "\n"
