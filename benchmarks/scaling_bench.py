@@ -99,15 +99,17 @@ def one_seed(args, seed: int) -> dict:
     largest = max(r["budget"] for r in rows)
     if not any(r["budget"] < largest for r in rows):
         raise SystemExit(f"{sweep}: no finished run below the largest budget to fit")
-    full = scaling_report.analyse(rows, bootstrap=0)
+    full = scaling_report.analyse(rows, bootstrap=0, floor=args.floor)
     out = {"seed": seed, "multiplier": full["families"]["moe"].get("multiplier", {})}
     for family in ("dense", "moe"):
         cfg = sweep / f"predicted-{family}.yaml"
         sh("launch.scaling", "predict", sweep, "--budget", largest, "--family", family,
-           "--bootstrap", args.bootstrap, "--fit-below", largest, "--write-config", cfg)
+           "--bootstrap", args.bootstrap, "--fit-below", largest, "--floor", args.floor,
+           "--write-config", cfg)
         # The same prediction in-process for its figures (same runs, same bootstrap seed): the
         # law's loss at the written run's own N and D is what its measured loss is compared with.
-        pred, run, _ = predicted_run(sweep, family, largest, args.bootstrap, fit_below=largest)
+        pred, run, _ = predicted_run(sweep, family, largest, args.bootstrap, fit_below=largest,
+                                     floor=args.floor)
         run_dir = Path(args.out) / "predicted" / f"s{seed}-{family}"
         sh("launch.launch", cfg, f"output_dir={run_dir.parent}", f"name={run_dir.name}",
            f"train.seed={seed}")
@@ -145,6 +147,9 @@ def main() -> None:
     p.add_argument("--min-steps", type=int, default=scaling.MIN_STEPS,
                    help="moe-scaling plan --min-steps: a run's batch is halved until it has "
                         "this many optimizer steps")
+    p.add_argument("--floor", choices=scaling.FLOORS, default="family",
+                   help="moe-scaling fit/predict --floor: each family's law its own loss floor, "
+                        "or one shared by both")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     budgets = sorted(float(b) for b in args.budgets.split(","))
@@ -173,7 +178,8 @@ def main() -> None:
     print(f"\ntarget: |error| <= 2%; the benchmark took {(time.monotonic() - start) / 60:.1f} min "
           f"({len(per_seed)} seeds, {len(budgets)} budgets x {args.sizes} sizes x 2 families, "
           f"widths from {scaling.WIDTHS[0]}, vocabulary {args.vocab or 'of the config'}, "
-          f"{args.ranks} rank(s) per run, batch halved below {args.min_steps} steps)")
+          f"{args.ranks} rank(s) per run, batch halved below {args.min_steps} steps, "
+          f"{'one loss floor for both families' if args.floor == 'shared' else 'a loss floor per family'})")
 
 
 if __name__ == "__main__":

@@ -369,7 +369,8 @@ def results(sweep_dir: Path, exclude: str | None = None) -> list[dict]:
 
 def fit(args) -> None:
     sweep_dir = Path(args.sweep)
-    analysis = scaling_report.analyse(results(sweep_dir, args.exclude), bootstrap=args.bootstrap)
+    analysis = scaling_report.analyse(results(sweep_dir, args.exclude), bootstrap=args.bootstrap,
+                                      floor=args.floor)
     if args.exclude:
         analysis["warnings"].append(f"left out of the fits (--exclude): {args.exclude}")
     paths = scaling_report.write_report(analysis, sweep_dir / "report")
@@ -381,7 +382,8 @@ def fit(args) -> None:
 
 def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 100,
                   fit_below: float | None = None, allow_repeat: bool = False, name: str = "predicted",
-                  exclude: str | None = None) -> tuple[dict, scaling.PlannedRun, dict]:
+                  exclude: str | None = None,
+                  floor: str = "family") -> tuple[dict, scaling.PlannedRun, dict]:
     """The law's compute-optimal point of ``budget`` (``scaling_report.predict``), the run of the
     ladder shape the law ranks best at that budget (``scaling.best_ladder_run``: its width,
     tokens spending the budget), and that run's config. The prediction gains ``run_loss`` and
@@ -393,7 +395,7 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
         rows = [r for r in rows if r["budget"] < fit_below]
         if not rows:
             raise ScalingError(f"--fit-below {fit_below:.4g}: no finished run of a smaller budget")
-    analysis = scaling_report.analyse(rows, bootstrap=bootstrap)
+    analysis = scaling_report.analyse(rows, bootstrap=bootstrap, floor=floor)
     pred = scaling_report.predict(analysis, family, budget)
     pred["warnings"] = analysis["warnings"]
     cfg = load_config(sweep["config"], sweep["overrides"])
@@ -418,7 +420,8 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
 def predict(args) -> None:
     name = Path(args.write_config).stem if args.write_config else "predicted"
     pred, run, d = predicted_run(Path(args.sweep), args.family, args.budget, args.bootstrap,
-                                 args.fit_below, args.allow_repeat, name, args.exclude)
+                                 args.fit_below, args.allow_repeat, name, args.exclude,
+                                 args.floor)
     for w in pred["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print(scaling_report.prediction_text(pred))
@@ -491,6 +494,10 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples")
         s.add_argument("--exclude", help="runs to leave out of the fits, by name (comma-separated; "
                                          "for example a run that failed to train)")
+        s.add_argument("--floor", choices=scaling.FLOORS, default="family",
+                       help="the laws' loss floor E: each family its own (default), or one "
+                            "shared by dense and MoE, fitted jointly (the irreducible loss of "
+                            "the data)")
         if name == "predict":
             s.add_argument("--budget", type=_positive, required=True,
                            help="training FLOPs of the run to predict")

@@ -23,14 +23,17 @@ BUMP_TOLERANCE = 0.02
 budget is reported (two seeds of the same run differ by about 1%, rarely 2.5%)."""
 
 
-def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0) -> dict:
+def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0,
+            floor: str = "family") -> dict:
     """Per family: the IsoFLOP minimum of each budget, the power laws through them, the
     parametric law with bootstrap fits and the FLOPs per token per parameter (k); for MoE the
-    compute multiplier against dense and, with several expert counts, the expert law."""
+    compute multiplier against dense and, with several expert counts, the expert law. ``floor``:
+    each family's law has its own E (``"family"``) or all share one (``"shared"``,
+    :func:`scaling.fit_shared_floor`)."""
     by_family: dict[str, list[dict]] = defaultdict(list)
     for r in results:
         by_family[r["family"]].append(r)
-    out: dict = {"families": {}, "warnings": [], "results": results}
+    out: dict = {"families": {}, "warnings": [], "results": results, "floor": floor}
     short = sorted((r for r in results if r.get("steps", FEW_STEPS) < FEW_STEPS),
                    key=lambda r: r["steps"])
     if short:
@@ -40,8 +43,14 @@ def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0) -> dict:
             + (", ..." if len(short) > 6 else "") + "): such runs can be held back by their "
             f"batch rather than their size; plan with --min-steps {FEW_STEPS} to give them "
             "smaller batches")
+    fits = _fits(by_family, floor, bootstrap, seed)
+    backtests = backtest(results, floor)
     for family, runs in sorted(by_family.items()):
-        out["families"][family] = _analyse_family(family, runs, bootstrap, seed, out["warnings"])
+        if family not in fits:
+            out["warnings"].append(f"{family}: {len(runs)} finished runs; the parametric law "
+                                   "needs 5")
+        out["families"][family] = _analyse_family(family, runs, fits.get(family),
+                                                  backtests.get(family), out["warnings"])
     dense, moe = out["families"].get("dense"), out["families"].get("moe")
     if dense and moe and dense.get("fit"):
         law = dense["fit"].law
@@ -56,7 +65,15 @@ def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0) -> dict:
     return out
 
 
-def _analyse_family(family, runs, bootstrap, seed, warnings) -> dict:
+def _fits(by_family: dict[str, list[dict]], floor: str, bootstrap: int,
+          seed: int) -> dict[str, scaling.ParametricFit]:
+    """The parametric laws of the families with five or more runs."""
+    data = {f: ([r["active_params"] for r in rs], [r["tokens"] for r in rs],
+                [r["loss"] for r in rs]) for f, rs in by_family.items() if len(rs) >= 5}
+    return scaling.fit_laws(data, floor, bootstrap, seed) if data else {}
+
+
+def _analyse_family(family, runs, fit, bt, warnings) -> dict:
     by_budget: dict[float, list[dict]] = defaultdict(list)
     for r in runs:
         by_budget[r["budget"]].append(r)
@@ -88,14 +105,9 @@ def _analyse_family(family, runs, bootstrap, seed, warnings) -> dict:
         fam["n_law"] = scaling.power_law([m.budget for m in minima], [m.n_opt for m in minima])
         fam["d_law"] = scaling.power_law([m.budget for m in minima],
                                          [m.budget / (k * m.n_opt) for m in minima])
-    if len(runs) >= 5:
-        fam["fit"] = scaling.fit_parametric([r["active_params"] for r in runs],
-                                            [r["tokens"] for r in runs], [r["loss"] for r in runs],
-                                            bootstrap=bootstrap, seed=seed)
-    else:
-        warnings.append(f"{family}: {len(runs)} finished runs; the parametric law needs 5")
-    fam["backtest"] = backtest(runs)
-    bt = fam["backtest"]
+    if fit is not None:
+        fam["fit"] = fit
+    fam["backtest"] = bt
     if bt and bt["median_abs"] > BACKTEST_WARN:
         warnings.append(
             f"{family}: fitted without its largest budget ({bt['budget']:.3g}), the law misses "
@@ -112,22 +124,28 @@ BACKTEST_WARN = 0.02
 """A backtest error (median over the largest budget's runs) above this is warned about."""
 
 
-def backtest(runs: list[dict]) -> dict | None:
-    """How well the law extrapolates on this sweep: fitted on every budget but the largest (two
-    or more budgets, five or more runs), its error on each run of the largest budget (measured
-    / law - 1). None when the sweep has fewer than three budgets. The bootstrap interval only
-    measures the scatter of the runs fitted; this measures a prediction one budget out."""
-    budgets = sorted({r["budget"] for r in runs})
-    earlier = [r for r in runs if r["budget"] < budgets[-1]]
-    if len(budgets) < 3 or len(earlier) < 5:
-        return None
-    law = scaling.fit_parametric([r["active_params"] for r in earlier],
-                                 [r["tokens"] for r in earlier],
-                                 [r["loss"] for r in earlier], bootstrap=0).law
-    held = sorted((r for r in runs if r["budget"] == budgets[-1]), key=lambda r: r["active_params"])
-    errors = [float(r["loss"] / law.loss(r["active_params"], r["tokens"]) - 1) for r in held]
-    return {"budget": budgets[-1], "fitted_runs": len(earlier), "runs": [r["name"] for r in held],
-            "errors": errors, "median_abs": float(np.median(np.abs(errors)))}
+def backtest(runs: list[dict], floor: str = "family") -> dict[str, dict]:
+    """How well each family's law extrapolates on this sweep: fitted (with ``floor``) on every
+    budget but the family's largest (two or more budgets, five or more runs), its error on each
+    run of that largest budget (measured / law - 1). A family with fewer than three budgets has
+    none. The bootstrap interval only measures the scatter of the runs fitted; this measures a
+    prediction one budget out."""
+    by_family: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_family[r["family"]].append(r)
+    last = {f: max(r["budget"] for r in rs) for f, rs in by_family.items()
+            if len({r["budget"] for r in rs}) >= 3}
+    earlier = {f: [r for r in by_family[f] if r["budget"] < b] for f, b in last.items()}
+    laws = _fits(earlier, floor, 0, 0)
+    out = {}
+    for f, fit in laws.items():
+        held = sorted((r for r in by_family[f] if r["budget"] == last[f]),
+                      key=lambda r: r["active_params"])
+        errors = [float(r["loss"] / fit.law.loss(r["active_params"], r["tokens"]) - 1) for r in held]
+        out[f] = {"budget": last[f], "fitted_runs": len(earlier[f]),
+                  "runs": [r["name"] for r in held], "errors": errors,
+                  "median_abs": float(np.median(np.abs(errors)))}
+    return out
 
 
 def predict(analysis: dict, family: str, budget: float) -> dict:
@@ -192,6 +210,8 @@ def prediction_text(p: dict) -> str:
 
 def summary(analysis: dict) -> str:
     lines = []
+    shared = analysis.get("floor") == "shared" and sum(
+        "fit" in fam for fam in analysis["families"].values()) >= 2
     for family, fam in analysis["families"].items():
         lines.append(f"{family}: {len(fam['runs'])} runs, {len(fam['minima'])} budgets with a minimum")
         for m in fam["minima"]:
@@ -208,7 +228,8 @@ def summary(analysis: dict) -> str:
             b_lo, b_hi = fam["fit"].interval(lambda b: b.beta)
             lines.append(f"  L = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^"
                          f"{law.beta:.3f}" + (f"  (alpha 95%: {a_lo:.3f}-{a_hi:.3f}, beta: "
-                                              f"{b_lo:.3f}-{b_hi:.3f})" if fam["fit"].boot else ""))
+                                              f"{b_lo:.3f}-{b_hi:.3f})" if fam["fit"].boot else "")
+                         + ("  (E shared by the families)" if shared else ""))
         bt = fam.get("backtest")
         if bt:
             lines.append(f"  backtest: fitted below {bt['budget']:.3g} ({bt['fitted_runs']} runs), "
