@@ -22,16 +22,16 @@ setup(
         "zstandard",
         "safetensors",
         "matplotlib",
-        # moe-scaling's fits (curve fitting, root finding, regression)
-        "scipy",
         # tokenizer.json data and Hugging Face export of the tokenizer
         "tokenizers",
         # the launcher's and the trainer's process and memory watch
         "psutil",
     ],
     extras_require={"hf": ["transformers"], "qlora": ["torchao"],
+                    # moe-scaling fit / predict (curve fitting, root finding, regression)
+                    "scaling": ["scipy"],
                     "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft",
-                             "moto[server]", "boto3", "torchao", "pillow", "packaging"]},
+                             "moto[server]", "boto3", "torchao", "pillow", "packaging", "scipy"]},
     entry_points={
         "console_scripts": [
             "moe-prepare=launch.prepare:main",

@@ -368,6 +368,7 @@ def results(sweep_dir: Path, exclude: str | None = None) -> list[dict]:
 
 
 def fit(args) -> None:
+    scaling.require_scipy()
     sweep_dir = Path(args.sweep)
     analysis = scaling_report.analyse(results(sweep_dir, args.exclude), bootstrap=args.bootstrap,
                                       floor=args.floor)
@@ -418,6 +419,7 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
 
 
 def predict(args) -> None:
+    scaling.require_scipy()
     name = Path(args.write_config).stem if args.write_config else "predicted"
     pred, run, d = predicted_run(Path(args.sweep), args.family, args.budget, args.bootstrap,
                                  args.fit_below, args.allow_repeat, name, args.exclude,

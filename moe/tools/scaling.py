@@ -345,8 +345,18 @@ def isoflop_minimum(budget: float, n: list[float], loss: list[float]) -> IsoFlop
                           tuple(map(float, c)))
 
 
+def require_scipy() -> None:
+    """The fits use SciPy, an optional extra: refuse with the command that installs it."""
+    try:
+        import scipy  # noqa: F401
+    except ImportError:
+        raise ScalingError("moe-scaling's fits need SciPy, which the 'scaling' extra installs: "
+                           "python3 -m pip install -c constraints.txt -e '.[scaling]'") from None
+
+
 def power_law(x: list[float], y: list[float]) -> tuple[float, float]:
     """(a, b) of y = a x^b, least squares in log-log."""
+    require_scipy()
     from scipy.stats import linregress
 
     fit = linregress(np.log(x), np.log(y))
@@ -430,6 +440,7 @@ def _best_starts(grid: np.ndarray, log_n, log_d, log_l, count: int) -> np.ndarra
 
 
 def _fit_once(log_n, log_d, log_l, starts) -> np.ndarray:
+    require_scipy()
     from scipy.optimize import minimize
 
     best = None
@@ -503,6 +514,7 @@ def _shared_objective(p, groups):
 
 
 def _fit_shared_once(groups, starts) -> np.ndarray:
+    require_scipy()
     from scipy.optimize import minimize
 
     bounds = [BOUNDS[2]] + [BOUNDS[0], BOUNDS[1], BOUNDS[3], BOUNDS[4]] * len(groups)
@@ -575,6 +587,7 @@ FLOORS = ("family", "shared")
 def clark_law(n, experts, loss) -> dict:
     """log L = a log N + b log E + c log N log E + d (Clark et al. 2022), least squares; needs
     two or more expert counts."""
+    require_scipy()
     from scipy.optimize import least_squares
 
     log_n, log_e = np.log(np.asarray(n, float)), np.log(np.asarray(experts, float))
@@ -592,6 +605,7 @@ def clark_law(n, experts, loss) -> dict:
 def compute_multiplier(dense: Law, k_dense: float, moe_loss: float, budget: float) -> float:
     """The dense compute whose optimal loss equals ``moe_loss``, over ``budget``; inf when the
     dense law never reaches that loss."""
+    require_scipy()
     from scipy.optimize import brentq
 
     if moe_loss <= dense.E:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -545,3 +546,22 @@ def test_runs_of_few_steps_are_warned_about_with_the_fix():
         r["steps"] = max(r["steps"], 200)
     assert not [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
                 if "optimizer steps" in w]
+
+
+def test_fits_without_scipy_are_refused_naming_the_extra(tmp_path, monkeypatch, capsys):
+    import launch.scaling as cli
+
+    monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy now raises ImportError
+    with pytest.raises(ScalingError, match=r"pip install -c constraints.txt -e '\.\[scaling\]'"):
+        scaling.power_law([1e12, 1e13, 1e14], [1.0, 2.0, 4.0])
+    runs = [scaling.PlannedRun(name=f"dense-w{w}", family="dense", budget=3e12, width=w,
+                               n_layers=2, n_heads=1, experts=0, active_params=n, total_params=n,
+                               tokens=int(3e12 / (6 * n)), steps=300, batch_sequences=8,
+                               micro_batch_size=8, grad_accum_steps=1, flops=3e12, lr=1e-3,
+                               min_lr=1e-4, warmup_steps=10, epochs=0.1)
+            for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))]
+    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, runs))
+    monkeypatch.setattr(cli, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
+    with pytest.raises(SystemExit) as e:
+        cli.main(["fit", str(tmp_path), "--bootstrap", "2"])
+    assert e.value.code == 2 and "'scaling' extra" in capsys.readouterr().err
