@@ -19,7 +19,7 @@ from moe.checkpoint.files import TOKENIZER_COPY
 from moe.errors import EvaluationError
 from moe.load import load_model
 from moe.tools.export import HF_TOKENIZER_DIR
-from moe.training.lm_harness import lm_eval_missing
+from moe.training.harness_setup import lm_eval_missing
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}
@@ -113,3 +113,16 @@ def run_tasks(lm, tasks: list[str], num_fewshot: int | None = None, limit: int |
             "settings": {"tasks": list(tasks), "num_fewshot": num_fewshot, "limit": limit,
                          "batch_size": lm.batch_size, "dtype": str(next(
                              lm.model.parameters()).dtype).removeprefix("torch.")}}
+
+
+def evaluate_checkpoint_tasks(path: str | Path, opts) -> dict:
+    """A checkpoint's results on ``opts.tasks`` (moe-eval --tasks), as one entry of eval.json."""
+    from moe.evaluation.evaluate import checkpoint_step
+
+    lm = harness_model(path, batch_size=opts.batch_size or 8, device=opts.device,
+                       dtype=opts.dtype, seed=opts.seed)
+    tag_dir = lm.checkpoint
+    out = run_tasks(lm, opts.tasks, opts.num_fewshot, opts.limit, opts.include_paths)
+    return {"checkpoint": str(tag_dir), "tag": tag_dir.name, "step": checkpoint_step(tag_dir),
+            "run_dir": str(tag_dir.parent.parent), "data": None, "downstream": out["tasks"],
+            "settings": out["settings"], "seconds": out["seconds"]}

@@ -6,7 +6,7 @@ It lives here, below moe/evaluation/, because the training loop runs it too
 (moe/training/downstream.py); moe-eval's registered model (moe/evaluation/harness.py) adds
 checkpoint loading to the same class. The harness is an optional dependency
 (``pip install -e '.[eval]'``): this module imports it, so callers check
-:func:`lm_eval_missing` first.
+:func:`moe.training.harness_setup.lm_eval_missing` first.
 
 Tokenization follows the harness's ``hf`` model on our Hugging Face export (moe-export --format
 hf), so both score the same token ids: a context is encoded with the tokenizer's own special
@@ -18,7 +18,6 @@ generated text is decoded without special tokens.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import logging
 from pathlib import Path
 
@@ -32,20 +31,9 @@ from data_pipeline.tokenizer import Tokenizer
 from moe.errors import EvaluationError
 from moe.model.generation import GenerationConfig
 from moe.model.scoring import Group, can_pad, generate_batch, plan_batches, score_batch
+from moe.training.harness_setup import BUNDLED_TASKS
 
 log = logging.getLogger("moe.eval")
-
-BUNDLED_TASKS = Path(__file__).resolve().parents[1] / "tasks"
-"""The tasks the project ships: YAML files and the JSONL data they name (moe/tools/task_data.py)."""
-INSTALL = "pip install -c constraints.txt -e '.[eval]'"
-
-
-def lm_eval_missing() -> str | None:
-    """Why the harness cannot run here (with the install command), or None."""
-    if importlib.util.find_spec("lm_eval") is None:
-        return f"lm-evaluation-harness (lm-eval) is not installed: {INSTALL}"
-    return None
-
 
 class HarnessLM(TemplateLM):
     """One of our models as an lm-evaluation-harness model. ``rank``/``world_size`` > 1: the
