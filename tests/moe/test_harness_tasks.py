@@ -74,9 +74,11 @@ def test_unknown_names_and_absent_networks_are_named():
             "    try:\n        load_tasks(names)\n"
             "    except EvaluationError as e:\n        print('ERROR', e)\n")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=600).stdout
-    unknown, offline = [line for line in out.splitlines() if line.startswith("ERROR")]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=600)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 2, proc.stdout + proc.stderr[-3000:]
+    unknown, offline = errors
     assert "unknown task(s): hellaswg (nearest: hellaswag" in unknown
     assert "hellaswag: a data set must be downloaded from the Hugging Face Hub, which cannot " \
            "be reached" in offline
