@@ -105,17 +105,22 @@ def test_generation_and_unknown_tasks_are_refused(tiny_data, tmp_path):
 
 
 def _train_three_ways(rank, world, runs):
-    """plain (no downstream), with (downstream at every save), resumed (with, stopped at step
-    2 and resumed to 4)."""
+    """plain (no downstream), with (downstream at every save), resumed (with: trained to step
+    4, its step-4 checkpoint removed, resumed from step 2's)."""
+    import shutil
+
+    import torch.distributed as dist
+
     from moe.training.trainer import DistEnv, train
 
     env = DistEnv(rank, world, rank, world)
-    for name in ("plain", "with"):
-        train(from_dict(RunConfig, runs[name]), env)
-    half = copy.deepcopy(runs["resumed"])
-    half["train"]["max_steps"] = 2
-    train(from_dict(RunConfig, half), env)
-    train(from_dict(RunConfig, runs["resumed"]), env)
+    for name in ("plain", "with", "resumed"):
+        train(from_dict(RunConfig, copy.deepcopy(runs[name])), env)
+    ckpts = from_dict(RunConfig, copy.deepcopy(runs["resumed"])).run_dir / "checkpoints"
+    if rank == 0:
+        shutil.rmtree(ckpts / "step_0000004")
+    dist.barrier()
+    train(from_dict(RunConfig, copy.deepcopy(runs["resumed"])), env)
 
 
 def losses(run_dir, rank):
