@@ -575,8 +575,7 @@ def _build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path
     if progress:
         print(f"training a {cfg.tokenizer.model_type} tokenizer ({cfg.tokenizer.vocab_size} "
               f"pieces) on {len(sample.lines):,} of {sample.seen:,} lines", flush=True)
-    return train_tokenizer(sample.lines, cfg.tokenizer, tok_path,
-                           num_threads=cfg.prepare_workers), cache
+    return train_tokenizer(sample.lines, cfg.tokenizer, tok_path), cache
 
 
 Encoded = tuple[str, ItemCounts]
