@@ -382,7 +382,8 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
                     storage.upload(path, str(storage.join(cfg.dir, f"{gen}/{path.name}")), cfg.s3)
                     done += 1
             except BaseException:  # before the switch: what was uploaded is no one's
-                _remove(cfg, [f"{gen}/{p.name}" for p in files[:done + 1]], gen, quiet=True)
+                _remove(cfg, [f"{gen}/{p.name}" for p in files[:done + 1]], lambda d: d == gen,
+                        quiet=True)
                 raise
             write_manifest(Path(tmp), manifest)
             storage.upload(Path(tmp) / MANIFEST, str(storage.join(cfg.dir, MANIFEST)), cfg.s3)
@@ -403,7 +404,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
         except BaseException:
             shutil.rmtree(data_dir if created else staging, ignore_errors=True)
             raise
-    _remove(cfg, _stale(_stored_names(cfg), live, gen), gen)
+    _remove(cfg, _stale(_stored_names(cfg), live, gen), lambda d: d != gen)
     report.manifest, report.data_dir, report.seconds = manifest, data_dir, time.time() - t0
     return report
 
@@ -476,18 +477,25 @@ def _stale(stored: list[str], live: Manifest | None, gen: str) -> list[str]:
             or name.startswith(f".{MANIFEST}.tmp") or _LEGACY.fullmatch(name)]
 
 
-def _remove(cfg: DataConfig, names: list[str], gen: str, quiet: bool = False) -> None:
-    """Remove files of data.dir (``quiet``: as far as the store lets us, after another error)."""
+def _remove(cfg: DataConfig, names: list[str], retired: Callable[[str], bool],
+            quiet: bool = False) -> None:
+    """Remove files of data.dir, then the directories of the generations ``retired`` picks:
+    on S3 the empty ``gen-N/`` objects pyarrow leaves where it deleted a prefix's last object,
+    and any that earlier preparations left (``quiet``: as far as the store lets us, after
+    another error)."""
     for name in names:
         try:
             storage.delete(str(storage.join(cfg.dir, name)), cfg.s3)
         except DataError:
             if not quiet:
                 raise
-    if not storage.is_s3(cfg.dir):  # directories of generations (S3 prefixes end with their objects)
-        for d in Path(cfg.dir).iterdir():
-            if GENERATION.fullmatch(d.name) and d.name != gen:
-                shutil.rmtree(d, ignore_errors=True)
+    try:
+        for d in storage.subdirs(cfg.dir, cfg.s3):
+            if GENERATION.fullmatch(d) and retired(d):
+                storage.delete(storage.join(cfg.dir, d), cfg.s3, tree=True)
+    except DataError:
+        if not quiet:
+            raise
 
 
 def _exists_remote(cfg: DataConfig) -> bool:
