@@ -8,6 +8,7 @@ written in item order: the shards do not depend on the number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -21,6 +22,7 @@ import tempfile
 import time
 import unicodedata
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
@@ -269,12 +271,16 @@ def _docs_sha256(docs: ItemDocuments) -> str:
     return h.hexdigest()
 
 
-def _encode_part_task(jobs: list[tuple]) -> list[tuple[ItemCounts, str]]:
-    """A pool task of ``--part``: each work item read, hashed (:func:`_docs_sha256`) and encoded."""
+def _encode_part_task(jobs: list[tuple]) -> list[tuple[ItemCounts, str, str]]:
+    """A pool task of ``--part``: each work item read, hashed (:func:`_docs_sha256`) and
+    encoded; with its counts come the hash of what it read and the SHA-256 of the file it
+    wrote, which --merge checks (read back at once, from the page cache)."""
     out = []
     for job in jobs:
         docs = read_item(job[0], job[2], _S3)
-        out.append((_encode(job, docs), _docs_sha256(docs)))
+        counts = _encode(job, docs)
+        out.append((counts, _docs_sha256(docs),
+                    hashlib.sha256(Path(job[-1]).read_bytes()).hexdigest()))
     return out
 
 
@@ -312,10 +318,11 @@ class EncodedSplit(NamedTuple):
     """Loss mask per token (instruction sources); None: all ones."""
 
 
-def _load_encoded(path: str, counts: list[int], masked: bool = False) -> dict[str, EncodedSplit]:
+def _load_encoded(path: str, counts: list[int], masked: bool = False,
+                  raw: bytes | None = None) -> dict[str, EncodedSplit]:
     """Each split's documents from an :func:`_encode` spill file (``masked``: of an
-    instruction source, with its loss mask)."""
-    raw = Path(path).read_bytes()
+    instruction source, with its loss mask; ``raw``: the file's bytes, read already)."""
+    raw = Path(path).read_bytes() if raw is None else raw
     out, pos = {}, 0
     for split, n in zip(SPLITS, counts):
         lengths = np.frombuffer(raw, np.int64, count=n, offset=pos)
@@ -331,6 +338,18 @@ def _load_encoded(path: str, counts: list[int], masked: bool = False) -> dict[st
         out[split] = EncodedSplit(tokens, lengths, keys, mask)
     if pos != len(raw):
         raise DataError(f"{path}: {len(raw)} bytes, expected {pos} (spill file damaged)")
+    return out
+
+
+Loader = Callable[[str, list[int], bool], dict[str, EncodedSplit]]
+"""How :func:`_write_shards` takes the splits of an encoded work item: (its file, documents
+per split, masked) -> :func:`_load_encoded`'s result."""
+
+
+def _load_spill(path: str, counts: list[int], masked: bool) -> dict[str, EncodedSplit]:
+    """A spill file's splits; the file is removed (its bytes are in memory)."""
+    out = _load_encoded(path, counts, masked)
+    Path(path).unlink()
     return out
 
 
@@ -610,7 +629,7 @@ def item_bytes(source: SourceConfig, items: list[WorkItem], s3: S3Config) -> lis
 
 def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                   encoded: Callable[[SourceConfig, list[int]], Iterator[Encoded]],
-                  keep_spill: bool, progress: bool, items: dict[str, list[WorkItem]]
+                  load: Loader, progress: bool, items: dict[str, list[WorkItem]]
                   ) -> tuple[dict[str, SplitInfo], list[dict], int]:
     """Write each source's shards from its encoded work items (``encoded(source, input bytes
     of each item)``), taken in item order: the one place where documents meet shards, for a
@@ -638,7 +657,7 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
         for size, item, (path, counts) in zip(sizes, items[source.name],
                                               encoded(source, sizes), strict=True):
             docs = tokens_seen = 0
-            loaded = _load_encoded(path, counts.documents, source.type == "instruction")
+            loaded = load(path, counts.documents, source.type == "instruction")
             for split, (tokens, lengths, keys, mask) in loaded.items():
                 if seen is not None:
                     tokens, lengths, mask, dropped = _drop_seen(tokens, lengths, keys, seen, mask)
@@ -649,8 +668,6 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                 stats["documents"][split] += len(lengths)
                 stats["tokens"][split] += len(tokens)
                 docs, tokens_seen = docs + len(lengths), tokens_seen + len(tokens)
-            if not keep_spill:
-                Path(path).unlink()
             empties.add(item, counts)
             if counts.empty and cfg.on_empty == "error":
                 raise DataError(f"source {source.name!r}: {empties.describe(item.path)}; "
@@ -774,8 +791,8 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
             for job, counts in zip(jobs, _run_tasks(pool, jobs, sizes)):
                 yield job[-1], counts
 
-        splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded, False,
-                                                    progress, items)
+        splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded,
+                                                    _load_spill, progress, items)
     timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
     timings["encode_cpu_main"] = time.process_time() - main_cpu
     shutil.rmtree(spill)
@@ -901,19 +918,21 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
         for source in cfg.sources:
             sizes += item_bytes(source, [it for s, _, it in mine if s is source], cfg.s3)
         inputs = _input_stats([it.path for _, _, it in mine], cfg.s3)
-        results, files, read = {}, {}, {}
+        results, files, read, hashes = {}, {}, {}, {}
         with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
                                           initargs=(str(tokenizer.path), cfg.s3)) as pool:
-            for (s, i, _), job, (counts, sha) in zip(mine, jobs, _bar(
+            for (s, i, _), job, (counts, sha, written) in zip(mine, jobs, _bar(
                     progress, iterable=_run_tasks(pool, jobs, sizes, _encode_part_task),
                     total=len(jobs), desc=f"part {index}/{count}", unit="item")):
                 key = f"{s.name}/{i}"
                 results[key] = [Path(job[-1]).name, *counts]
                 files[key], read[key] = Path(job[-1]).stat().st_size, sha
+                hashes[key] = written
         _check_inputs(inputs, cfg.s3, f"while part {index}/{count} read it", redo)
         marker = {"config_hash": config_hash(cfg), "tokenizer_sha256": tokenizer.sha256,
                   "split_rule": SPLIT_RULE, "items_hash": _items_hash(numbered),
-                  "items": results, "inputs": inputs, "bytes": files, "read_sha256": read}
+                  "items": results, "inputs": inputs, "bytes": files, "sha256": hashes,
+                  "read_sha256": read}
         write_atomic(tmp / "part.json", json.dumps(marker).encode())
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -942,6 +961,7 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
         raise DataError(f"{parts}: expected the parts of one --part i/N split, found {found or 'none'}")
     (count,) = counts
     results: dict[str, tuple[Path, ItemCounts]] = {}
+    checks: dict[str, tuple[str, str]] = {}  # part file: the SHA-256 its part recorded, redo
     for index in range(count):
         part = parts / _part_name(index, count)
         try:
@@ -960,12 +980,16 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
         if "inputs" not in marker:
             raise DataError(f"{part} records no fingerprints of its inputs (made by an earlier "
                             f"moe-prepare); {redo}")
+        if "sha256" not in marker:
+            raise DataError(f"{part} records no content hashes of its files (made by an "
+                            f"earlier moe-prepare); {redo}")
         _check_inputs(marker["inputs"], cfg.s3, f"after {part.name} read it", redo)
         for key, (name, *rest) in marker["items"].items():
             if Path(name).name != name:
                 raise DataError(f"{part}/part.json: bad file name {name!r}")
             _check_part_file(part / name, marker["bytes"][key], redo)
             results[key] = (part / name, ItemCounts(*rest))
+            checks[str(part / name)] = (marker["sha256"].get(key, "not recorded"), redo)
     missing = [f"{s.name}/{i}" for s, i, _ in numbered if f"{s.name}/{i}" not in results]
     if missing:
         raise DataError(f"{parts}: the parts lack work items {missing[:5]}; prepare them again")
@@ -980,10 +1004,64 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
 
     t = time.time()
     items = {s.name: [it for t, _, it in numbered if t is s] for s in cfg.sources}
-    splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded, True, progress,
-                                                items)
+    paths = [str(results[f"{s.name}/{i}"][0]) for s, i, _ in numbered]  # the order of the merge
+    with _part_reader(paths, checks, tokenizer.vocab_size) as load:
+        splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded, load,
+                                                    progress, items)
     return _finish(staging, want, tokenizer, splits, source_stats, moved,
                    {"merge": time.time() - t})
+
+
+PART_READ_AHEAD = 2
+"""Part files a merge reads and hashes ahead of the one it writes (a few MB to tens of MB each)."""
+
+
+@contextlib.contextmanager
+def _part_reader(paths: list[str], checks: dict[str, tuple[str, str]],
+                vocab_size: int) -> Iterator[Loader]:
+    """The merge's :data:`Loader`: part files taken in the order ``paths``, each checked by
+    :func:`_load_part_file` against ``checks[path]`` (the SHA-256 its part recorded, the command
+    that redoes the part). A thread reads and hashes the next PART_READ_AHEAD files while the
+    merge writes shards (hashlib lets go of the GIL): on more than one core the hash adds
+    little to the merge's time, and reading from a shared file system overlaps writing."""
+
+    def read(path: str) -> tuple[bytes, str]:
+        raw = Path(path).read_bytes()
+        return raw, hashlib.sha256(raw).hexdigest()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="merge-read") as pool:
+        ahead = {path: pool.submit(read, path) for path in paths[:PART_READ_AHEAD]}
+        rest = iter(paths[PART_READ_AHEAD:])
+
+        def load(path: str, counts: list[int], masked: bool) -> dict[str, EncodedSplit]:
+            raw, found = ahead.pop(path).result()
+            following = next(rest, None)
+            if following is not None:
+                ahead[following] = pool.submit(read, following)
+            return _load_part_file(path, raw, found, counts, masked, *checks[path], vocab_size)
+
+        yield load
+
+
+def _load_part_file(path: str, raw: bytes, found: str, counts: list[int], masked: bool,
+                    sha256: str, redo: str, vocab_size: int) -> dict[str, EncodedSplit]:
+    """The splits of a part file (its bytes ``raw``, their SHA-256 ``found``), checked before
+    any of its tokens reach a shard: the SHA-256 against ``sha256``, the one its part recorded
+    when it wrote the file, then every token id against the tokenizer's vocabulary. A refusal
+    names the file and ``redo``."""
+    if found != sha256:
+        raise DataError(f"{path}: damaged part file: its SHA-256 is {found}, the part recorded "
+                        f"{sha256}; {redo}")
+    try:
+        loaded = _load_encoded(path, counts, masked, raw)
+    except (DataError, ValueError):  # the file is as written: its counts in part.json are not
+        raise DataError(f"{path}: its document counts in part.json do not fit the file; "
+                        f"{redo}") from None
+    top = max((int(s.tokens.max()) for s in loaded.values() if len(s.tokens)), default=0)
+    if top >= vocab_size:
+        raise DataError(f"{path}: damaged part file: token id {top} out of range for the "
+                        f"tokenizer's vocabulary of {vocab_size}; {redo}")
+    return loaded
 
 
 def _check_part_file(path: Path, expected: int, redo: str) -> None:
