@@ -642,8 +642,10 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
     source_stats = []
     moved = 0
     seen: set[bytes] | None = set() if cfg.dedup == "exact" else None  # across all sources
+    valid_keys: dict[str, list[np.ndarray]] = {}  # see _validation_copies
     masked = loss_masked(cfg)
     for source in cfg.sources:
+        valid_keys[source.name] = []
         writers = {split: ShardWriter(staging, split, source.name, cfg.shard_tokens,
                                       tokenizer.vocab_size, masked) for split in SPLITS}
         stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
@@ -662,6 +664,8 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                 if seen is not None:
                     tokens, lengths, mask, dropped = _drop_seen(tokens, lengths, keys, seen, mask)
                     stats["duplicates_dropped"] += dropped
+                elif split == "valid":
+                    valid_keys[source.name].append(_key_prefixes(keys))
                 writers[split].add(tokens, lengths, mask)
                 if mask is not None:
                     stats["trained_tokens"][split] += int(np.count_nonzero(mask))
@@ -678,10 +682,7 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
             moved += counts.moved
             bar.update(size, docs, tokens_seen)
         bar.close()
-        _check_not_empty(source, sum(stats["documents"].values()))
-        if not stats["documents"]["train"]:
-            raise DataError(f"source {source.name!r}: all its {stats['documents']['valid']} "
-                            "documents fell in the validation split; lower valid_fraction")
+        _check_trainable(source, stats, valid_keys)
         for split in SPLITS:
             writers[split].flush()
             splits[split].shards += writers[split].shards
@@ -1080,10 +1081,84 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _where(source: SourceConfig) -> str:
+    return f" ({', '.join(source.paths)})" if source.paths else ""
+
+
 def _check_not_empty(source: SourceConfig, documents: int) -> None:
     if not documents:
-        where = f" ({', '.join(source.paths)})" if source.paths else ""
         kept = (f" or left out by its filter ({source.filter.column} == {source.filter.value!r})"
                 if source.row_filter else "")
-        raise DataError(f"source {source.name!r}{where} holds no text: every document is "
-                        f"empty{kept}")
+        raise DataError(f"source {source.name!r}{_where(source)} holds no text: every document "
+                        f"is empty{kept}")
+
+
+def _key_prefixes(keys: np.ndarray) -> np.ndarray:
+    """The first 8 bytes of content keys (``V{KEY_BYTES}``) as integers: a copy, so that the
+    spill file's bytes they come from can be freed."""
+    return np.frombuffer(keys.tobytes(), dtype=np.uint64)[::KEY_BYTES // 8].copy()
+
+
+def _validation_copies(name: str, valid_keys: dict[str, list[np.ndarray]]
+                       ) -> tuple[int, list[str]]:
+    """How many validation documents of source ``name`` are copies of validation documents
+    before them, and where those are: earlier sources by name, "itself". ``valid_keys``: each
+    source's validation key prefixes (:func:`_key_prefixes`), in the sources' order; 8 bytes
+    per validation document, kept only to say this when a source is refused."""
+    mine = np.concatenate([np.zeros(0, np.uint64), *valid_keys[name]])
+    copy = np.ones(len(mine), dtype=bool)
+    copy[np.unique(mine, return_index=True)[1]] = False  # the first of each text in the source
+    earlier = np.zeros(len(mine), dtype=bool)
+    origins = []
+    for other, arrays in valid_keys.items():
+        if other == name:
+            break
+        hit = np.isin(mine, np.concatenate([np.zeros(0, np.uint64), *arrays]))
+        if hit.any():
+            origins.append(f"source {other!r}")
+            earlier |= hit
+    if (copy & ~earlier).any():
+        origins.append("itself")
+    return int((copy | earlier).sum()), origins
+
+
+def _check_trainable(source: SourceConfig, stats: dict,
+                     valid_keys: dict[str, list[np.ndarray]]) -> None:
+    """Refuse a source left with no training document (its mixture weight could not be
+    honoured), saying what became of its documents: copies dropped by ``dedup: exact``, copies
+    of validation documents (a copy goes to its text's split), empty or filtered rows, or the
+    split's hash of a few texts."""
+    docs, dropped = stats["documents"], stats["duplicates_dropped"]
+    if docs["train"]:
+        return
+    if not docs["valid"] and not dropped:
+        _check_not_empty(source, 0)
+    copies, origins = _validation_copies(source.name, valid_keys)
+    of = " and ".join(origins)
+    empty = "empty (null, empty or whitespace-only)"
+    left_out = f"left out by the source's filter ({source.filter.column} == {source.filter.value!r})"
+    reasons = [(dropped, "is an exact copy of a document before it",
+                "are exact copies of documents before them"),
+               (copies, f"is a copy of a validation document of {of}",
+                f"are copies of validation documents of {of}"),
+               (docs["valid"] - copies, "is in the validation split by the hash of its text",
+                "are in the validation split by the hash of their text"),
+               (stats["empty_documents"], f"is {empty}", f"are {empty}"),
+               (stats["filtered_documents"], f"is {left_out}", f"are {left_out}")]
+    reasons = [(n, one if n == 1 else many) for n, one, many in reasons if n]
+    total = sum(n for n, _ in reasons)
+    if len(reasons) == 1:
+        what = (f"its only document {reasons[0][1]}" if total == 1 else
+                f"all its {total:,} documents {reasons[0][1]}")
+    else:
+        what = f"of its {total:,} documents, " + ", ".join(f"{n:,} {text}" for n, text in reasons)
+    if copies:
+        fix = ("a copy goes to the split of its text, wherever it is: remove the copies from the "
+               "source, or the source from data.sources")
+    elif dropped:
+        fix = ("data.dedup: exact keeps only the first copy of a text: remove the copies from "
+               "the source, or the source from data.sources")
+    else:
+        fix = "add documents, or lower data.valid_fraction"
+    raise DataError(f"source {source.name!r}{_where(source)} has no documents to train on: "
+                    f"{what}; {fix}")
