@@ -30,6 +30,8 @@ setup(
     extras_require={"hf": ["transformers"], "qlora": ["torchao"],
                     # moe-scaling fit / predict (curve fitting, root finding, regression)
                     "scaling": ["scipy"],
+                    # model.cross_entropy: liger (Triton kernels; CUDA machines only)
+                    "liger": ["liger-kernel"],
                     "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft",
                              "moto[server]", "boto3", "torchao", "pillow", "packaging", "scipy"]},
     entry_points={
