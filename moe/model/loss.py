@@ -8,9 +8,9 @@
   logits are formed, reduced to its loss and turned at once into the gradients of the hidden
   states and of the head weight; nothing of size (T, V) exists at any time, and the backward
   only scales the kept gradients by the incoming one (no second head product). The block's
-  arithmetic is the reference's: the logits in the model dtype, then fp32 for the log-sum-exp
-  and the softmax, the logit gradient rounded to the model dtype for the two products.
-  Under ``train.compile`` the block's elementwise work (cast, log-sum-exp, softmax, target
+  arithmetic is the reference's: the logits in the model dtype, then their fp32 log-softmax,
+  the logit gradient rounded to the model dtype for the two products. Under
+  ``train.compile`` the block's elementwise work (cast, log-softmax, softmax, target
   subtraction, cast back) is compiled into fused kernels (:meth:`LMHeadLoss.compile_part`).
 - ``liger``: Liger-Kernel's fused linear cross-entropy (Triton, CUDA only; the ``liger`` extra,
   ``pip install liger-kernel``), with fp32 accumulation of the weight gradient.
@@ -50,18 +50,17 @@ def chunk_loss_and_grads(h_CD: torch.Tensor, w_VD: torch.Tensor, targets_C: torc
                          need_h: bool, need_w: bool):
     """One block of tokens: its summed loss (fp32), and the gradients of that sum with respect to
     the block's hidden states (C, D) and to the head weight (V, D), both in the model dtype
-    (None where not needed). In place on the block's own fp32 logits: its peak is one (C, V)
-    fp32 tensor and one in the model dtype."""
-    logits_CV = (h_CD @ w_VD.t()).float()  # model-dtype product, then fp32 as the reference
-    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    (None where not needed). The reference's formula (fp32 log-softmax of the model-dtype
+    logits); the gradient is formed in place on the log-softmax, so the block's peak is one
+    (C, V) fp32 tensor beside the model-dtype logits or gradient."""
+    logp_CV = torch.log_softmax((h_CD @ w_VD.t()).float(), dim=-1)
     kept_C = targets_C != IGNORE
     safe_C = torch.where(kept_C, targets_C, 0)[:, None]  # any valid index where ignored
-    picked_C = logits_CV.gather(1, safe_C)[:, 0]
-    loss = torch.where(kept_C, lse_C - picked_C, 0.0).sum()
+    loss = -torch.where(kept_C, logp_CV.gather(1, safe_C)[:, 0], 0.0).sum()
     if not (need_h or need_w):
         return loss, None, None
     # d loss / d logits = softmax - one_hot(target), zero for ignored targets.
-    grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+    grad_CV = logp_CV.exp_()
     grad_CV.scatter_add_(1, safe_C, torch.full_like(grad_CV[:, :1], -1.0))
     grad_CV.mul_(kept_C[:, None])
     grad_CV = grad_CV.to(h_CD.dtype)  # as the reference's fp32 -> model dtype cast
@@ -118,7 +117,7 @@ class LMHeadLoss(nn.Module):
 
     def compile_part(self, backend: str = "inductor", **options) -> None:
         """Compile the per-block work (called by moe.model.compile.compile_blocks): the fp32
-        cast, log-sum-exp, softmax, target subtraction and cast back become fused kernels
+        cast, log-softmax, softmax, target subtraction and cast back become fused kernels
         around the two head products. The block size is fixed, the last block may be shorter:
         at most two shapes, compiled in the first step."""
         self.body = torch.compile(chunk_loss_and_grads, backend=backend, **options)

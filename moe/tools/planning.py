@@ -63,7 +63,8 @@ gate/up output 2, then silu(gate)), 1 for GELU.
 Working set on top of the saved activations (``transient_bytes``): the largest of (a) the logits
 around the loss, TV (2e + 4) (the model-dtype logits, their fp32 log-softmax gradient and its
 model-dtype cast); chunked: one block of C = cross_entropy_chunk_tokens tokens, its fp32 logits
-4CV, their model-dtype gradient eCV (in fp32 the same tensor) and its weight gradient eVD;
+and their log-softmax 8CV (the softmax gradient is formed in place in the latter) and its weight
+gradient eVD;
 liger: its block of Liger's size (:func:`liger_chunk_tokens`), eCV + eVD, (b) what the backward
 rebuilds of one recomputed block (its none estimate minus what it kept), (c) under expert
 parallelism the all-to-all send and receive buffers of one MoE layer, 2 eND + 8N. The peak is
@@ -322,7 +323,7 @@ def _head_loss(cfg: ModelConfig, T: int, e: int) -> tuple[float, float]:
     kept = 4 * V * D  # the weight's fp32 gradient; the hidden states' takes the norm output's place
     if cfg.cross_entropy == "chunked":
         C = min(cfg.cross_entropy_chunk_tokens, T)
-        return kept, C * V * (4 + (e if e != 4 else 0)) + e * V * D
+        return kept, 8 * C * V + e * V * D
     return kept, liger_chunk_tokens(T, V, D) * V * e + e * V * D
 
 

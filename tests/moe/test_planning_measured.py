@@ -107,7 +107,7 @@ def test_the_chunked_loss_keeps_the_weight_gradient_instead_of_the_log_softmax(p
     plan = activation_bytes(chunked, B, S, precision)
     e = 2 if precision == "bf16" else 4
     assert plan.transient_bytes < plan_full.transient_bytes
-    assert plan.transient_bytes == 64 * VOCAB * (4 + (e if e == 2 else 0)) + e * VOCAB * 96
+    assert plan.transient_bytes == 8 * 64 * VOCAB + e * VOCAB * 96
 
 
 def test_capacity_factor_bounds_the_routed_copies():
