@@ -70,39 +70,66 @@ def _needs_grouped_kernel():
         pytest.skip("no bf16 torch._grouped_mm on this GPU and torch: the loop syncs by design")
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("variant", [
-    "default", "global_batch_counts", "documents_flex", "sigmoid_bias"])
-@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
-def test_a_bf16_forward_and_backward_never_syncs(cross_entropy, variant, compiled):
-    """Any host synchronisation (an .item(), a .tolist(), a bincount, a nonzero, a copy to the
-    host) in the model's forward or backward raises under sync debug mode "error". Not liger:
-    Liger-Kernel 0.8.5 reads the number of kept targets on the host once per call."""
-    from moe.model.compile import compile_blocks
+VARIANTS = {"default": {},
+            "global_batch_counts": {"router": {"aux_loss_scope": "global_batch"}},
+            "documents_flex": {"document_masking": True, "attention_backend": "flex"},
+            "sigmoid_bias": {"router": {"score_func": "sigmoid", "bias_update_rate": 1e-3}}}
+
+
+def _no_sync_steps(model, variant: str) -> None:
+    """Two forward/backward passes on routings other than the warm-up's (and, for global-batch
+    balancing, a counting pass) with any host synchronisation raising."""
     from moe.model.moe_layer import counting_routes
 
-    _needs_grouped_kernel()
-    extra = {"global_batch_counts": {"router": {"aux_loss_scope": "global_batch"}},
-             "documents_flex": {"document_masking": True, "attention_backend": "flex"},
-             "sigmoid_bias": {"router": {"score_func": "sigmoid", "bias_update_rate": 1e-3}},
-             }.get(variant, {})
-    model = tiny_model(cross_entropy, **extra)
-    if compiled:
-        compile_blocks(model)
     documents = variant == "documents_flex"
-    for seed in range(2):  # warm-up: the kernel probe, compiles, flex's block-mask compile
-        _step(model, seed, documents)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         if variant == "global_batch_counts":
             with torch.no_grad(), counting_routes(model.moe_layers()):
                 model(_batch(5)[0])
-        for seed in range(2, 4):  # other routings than the warm-up's
+        for seed in range(2, 4):
             _step(model, seed, documents)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
+def test_a_bf16_forward_and_backward_never_syncs(cross_entropy, variant):
+    """Any host synchronisation (an .item(), a .tolist(), a bincount, a nonzero, a copy to the
+    host) in the model's forward or backward raises under sync debug mode "error". Not liger:
+    Liger-Kernel 0.8.5 reads the number of kept targets on the host once per call."""
+    _needs_grouped_kernel()
+    model = tiny_model(cross_entropy, **copy.deepcopy(VARIANTS[variant]))
+    for seed in range(2):  # warm-up: the kernel probe, flex's block-mask compile
+        _step(model, seed, variant == "documents_flex")
+    _no_sync_steps(model, variant)
+
+
+@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
+def test_compiled_blocks_compile_nothing_after_warm_up_and_never_sync(cross_entropy):
+    """Inductor, bf16, dropless: no graph break in any block; the first step compiles every
+    graph (the chunked loss's block body: at most two shapes), later steps route other token
+    counts and compile nothing; and the compiled steps synchronise nothing."""
+    from torch._dynamo.utils import counters
+
+    from moe.model.compile import compile_blocks
+
+    _needs_grouped_kernel()
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(cross_entropy)
+    compile_blocks(model)
+    graphs = []
+    for seed in range(4):
+        _step(model, seed + 10)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs
+    _no_sync_steps(model, "default")
+    assert counters["stats"]["unique_graphs"] == graphs[0]
 
 
 def test_a_fused_adamw_step_never_syncs():
@@ -117,28 +144,6 @@ def test_a_fused_adamw_step_never_syncs():
         opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
-
-@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
-def test_compiled_blocks_compile_nothing_after_warm_up(cross_entropy):
-    """Inductor, bf16, dropless: no graph break in any block; the first step compiles every
-    graph (the chunked loss's block body: at most two shapes), later steps route other token
-    counts and compile nothing."""
-    from torch._dynamo.utils import counters
-
-    from moe.model.compile import compile_blocks
-
-    _needs_grouped_kernel()
-    torch._dynamo.reset()
-    counters.clear()
-    model = tiny_model(cross_entropy)
-    compile_blocks(model)
-    graphs = []
-    for seed in range(4):
-        _step(model, seed)
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs
 
 
 def _loss_and_grads(impl: str, h, w, t, chunk: int = 1024):
