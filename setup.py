@@ -32,6 +32,8 @@ setup(
     extras_require={"hf": ["transformers"], "qlora": ["torchao"],
                     # moe-scaling fit / predict (curve fitting, root finding, regression)
                     "scaling": ["scipy"],
+                    # model.cross_entropy: liger (Triton kernels; CUDA machines only)
+                    "liger": ["liger-kernel"],
                     # moe-eval --tasks and eval.downstream: lm-evaluation-harness
                     "eval": ["lm-eval"],
                     "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft",

@@ -119,6 +119,20 @@ class TrainConfig:
     (moe/model/compile.py): one compile per distinct block graph in the first step, none after;
     the expert all-to-alls and the capacity cut run eagerly between the compiled pieces."""
 
+    optimizer_impl: Literal["auto", "for_loop", "foreach", "fused"] = "auto"
+    """Which implementation of torch's AdamW steps the weights (under ZeRO 1/2: one flat fp32
+    partition per parameter group, after DeepSpeed's gradient clipping). auto: torch's own choice
+    (foreach on CUDA, for_loop on the CPU); for_loop: one tensor at a time; foreach: torch's
+    multi-tensor kernels; fused: one fused kernel per parameter group (CUDA and CPU), which
+    reads and writes each weight, gradient and moment once. The same update up to rounding
+    (fused differs in the last bits; tests/moe/training/test_optimizer_impl.py); checkpoints
+    load across settings."""
+
+    def adamw_options(self) -> dict:
+        """Keyword arguments of torch.optim.AdamW for ``optimizer_impl``."""
+        return {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
+                "fused": {"fused": True}}[self.optimizer_impl]
+
     def problems(self) -> list[str]:
         out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
                        warmup_steps=0, grad_clip=0, threads_per_rank=1,

@@ -10,7 +10,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from moe.config_schema import arch, minimums
-from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
+from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask, count_ids
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
 from moe.model.recompute import outside_recompute, recompute
 from moe.model.router import RouterConfig, TopKRouter, at_least_fp32, capacity
@@ -117,8 +117,8 @@ class MoELayer(nn.Module):
                               batch_counts_E=self.batch_counts_E if global_counts else None)
         if self.counting:
             with torch.no_grad():
-                self.batch_counts_E += torch.bincount(
-                    routing.indices_TK.flatten(), minlength=self.num_experts).to(self.batch_counts_E.dtype)
+                self.batch_counts_E += count_ids(  # not bincount: a host sync on CUDA
+                    routing.indices_TK.flatten(), self.num_experts).to(self.batch_counts_E.dtype)
 
         keep_TK = None
         if self.cfg.capacity_factor is not None:

@@ -168,7 +168,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     if make_optimizer is not None:
         optimizer = make_optimizer(groups)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                                      **t.adamw_options())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler,
