@@ -27,10 +27,6 @@ TOKENIZER_COPY = "tokenizer.model"
 
 MAIN_STATES = "mp_rank_00_model_states.pt"
 
-SPIKE_STATE = "spike_guard"
-"""The loss-spike guard's entry in a checkpoint's client state: its window of losses."""
-
-
 EXPERT_DIR = "experts"
 """Subdirectory of a tag directory that holds DeepSpeed's per-expert files."""
 

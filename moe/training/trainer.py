@@ -46,13 +46,15 @@ from moe.training.checkpoint import (
     Checkpointer,
     CheckpointSaveError,
     SaveContext,
+    Stateful,
+    carry,
     load_rng,
     resolve_resume,
+    restore,
 )
 from moe.training.decision import Continue, Decision, Rollback, Stop
 from moe.training.device import peak_bf16_flops, to_device
-from moe.training.esft import CLIENT_KEY as ESFT_STATE
-from moe.training.esft import prepare_esft
+from moe.training.esft import ExpertSelection
 from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
 from moe.training.hooks import (
     ConsoleHook,
@@ -69,7 +71,6 @@ from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.nan_guard import NonFiniteGuard, poison_nonfinite
 from moe.training.resilience.preemption import PREEMPTED_MARKER, PreemptionGuard
 from moe.training.resilience.spike_guard import (
-    SPIKE_STATE,
     LossSpikeGuard,
     recorded_events,
     skipped_windows,
@@ -185,10 +186,11 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     return engine, model
 
 
-def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistEnv,
+def resume_from(engine, model, tag_dir: Path, cfg: RunConfig, env: DistEnv,
                 tokenizer_sha256: str) -> dict:
-    """Load a verified checkpoint into the engine, on the saving layout or another one. Returns
-    the client state (step, tokens, data cursor)."""
+    """Load a verified checkpoint into the engine, on the saving layout or another one, and
+    restore the RNG. Returns the client state: step, tokens, and every registered part's state
+    under its name (:func:`~moe.training.checkpoint.restore` gives them back)."""
     marker = verify_checkpoint(tag_dir, cfg, tokenizer_sha256)
     same_layout = (marker["world_size"] == env.world_size and marker["expert_parallel_size"]
                    == cfg.parallel.expert_parallel_size)
@@ -207,7 +209,6 @@ def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistE
     if problems:
         raise CheckpointError(f"{tag_dir}: expert weights are wrong after loading: "
                               + "; ".join(problems))
-    reader.load_state_dict(client["data"])
     load_rng(tag_dir, marker, env.rank, env.world_size, cfg.train.seed)
     return client
 
@@ -375,7 +376,16 @@ class Run:
     spike: LossSpikeGuard | None = None
     preemption: PreemptionGuard | None = None
     watchdog: HangWatchdog | None = None
-    esft: dict | None = None  # finetune.method esft: the experts that train (moe/training/esft.py)
+    states: dict[str, Stateful] = field(default_factory=dict)  # what every checkpoint carries
+    resumed: tuple[dict, Path] | None = None  # while starting: (client state, checkpoint)
+
+    def carry(self, name: str, part: Stateful) -> None:
+        """Carry ``part``'s state in every checkpoint under ``name`` (moe/training/checkpoint.py);
+        a resumed run restores it here, from the checkpoint of any layout, and a rollback
+        restores it again."""
+        carry(self.states, name, part)
+        if self.resumed is not None:
+            restore({name: part}, *self.resumed)
 
 
 def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
@@ -460,12 +470,14 @@ def roll_back(run: Run, decision: Rollback) -> None:
     resumed run loads it (model, optimizer, LR schedule, data cursor, RNG); the guards and
     observers drop what they kept of the steps after it."""
     t0, ts = time.time(), run.state
-    client = resume_from(run.engine, run.model, run.loader, decision.checkpoint, run.cfg,
-                         run.env, run.tokenizer_sha256)
+    client = resume_from(run.engine, run.model, decision.checkpoint, run.cfg, run.env,
+                         run.tokenizer_sha256)
     ts.step, ts.tokens = int(client["step"]), int(client.get("tokens", 0))
     ts.history = [h for h in ts.history if h["step"] <= ts.step]
-    for part in (run.nonfinite, run.spike, *run.observers):
-        part.on_rollback(client)
+    restore(run.states, client, decision.checkpoint)
+    for part in (run.spike, *run.observers):
+        if part is not None:
+            part.on_rollback(client)
     log.info(f"rolled back to {decision.checkpoint} (step {ts.step}) in "
              f"{time.time() - t0:.2f}s; the steps after it run again")
 
@@ -491,36 +503,41 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str,
                           loader_workers=cfg.data.loader_workers,
                           allow_other_data=cfg.data.allow_other_data_on_resume,
                           document_ids=cfg.model.document_masking)
-    state, client = TrainState(), {}
+    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
+    state, client = TrainState(), None
     if resume_dir is not None:
         t_load = time.time()
-        client = resume_from(engine, model, reader, resume_dir, cfg, env, tokenizer_sha)
+        client = resume_from(engine, model, resume_dir, cfg, env, tokenizer_sha)
         state.step, state.tokens = int(client["step"]), int(client.get("tokens", 0))
         if resume_dir.parent.resolve() == ckpt_dir.resolve():
             state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
         log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
                  f"{time.time() - t_load:.2f}s)")
-    esft = None
-    if cfg.finetune.method == "esft":  # after loading: a resumed run takes its checkpoint's
-        ep = cfg.parallel.expert_parallel_size
-        esft = prepare_esft(model, engine.optimizer, reader, cfg, env.rank,
-                            expert_parallel_rank(env.rank, ep), engine.device, client, resume_dir)
-        if env.rank == 0:
-            log_parameter_counts(parameter_counts(model, ep), "esft")
-    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
+    train_loader = loader
     if faults is not None:  # tests only: proxies that call the injector (resilience/faults.py)
-        engine, loader = faults.install(engine, loader, state)
-    run = Run(cfg, env, engine, model, loader, tokenizer_sha, state, esft=esft)
-    add_parts(run, data, client)
+        engine, train_loader = faults.install(engine, loader, state)
+    run = Run(cfg, env, engine, model, train_loader, tokenizer_sha, state,
+              resumed=None if client is None else (client, resume_dir))
+    run.carry("data", loader)
+    if cfg.finetune.method == "esft":  # before the parts: the parameter counts need it
+        esft = ExpertSelection(model, engine.optimizer, cfg, env.rank,
+                               expert_parallel_rank(env.rank, cfg.parallel.expert_parallel_size),
+                               engine.device)
+        run.carry(esft.state_key, esft)
+        if client is None:  # a new run scores the experts on its first batches
+            esft.select(reader)
+    add_parts(run, data)
+    run.resumed = None
+    start_watch(run)
     if state.step >= cfg.train.max_steps and env.rank == 0:
         log.info(f"the latest checkpoint is at step {state.step}; nothing left to train "
                  f"(max_steps {cfg.train.max_steps})")
     return run
 
 
-def add_parts(run: Run, data: PreparedData, client: dict) -> None:
-    """The run's checkpointer, router balance, meters, observers and guards; the preemption
-    guard and the watchdog last, just before the first step."""
+def add_parts(run: Run, data: PreparedData) -> None:
+    """The run's checkpointer, router balance, meters, observers and guards, each part with
+    state registered with the checkpointer (:meth:`Run.carry`)."""
     cfg, env, t = run.cfg, run.env, run.cfg.train
     run_dir, moe_layers = cfg.run_dir, run.model.moe_layers()
     config_text = dump_config(cfg)
@@ -540,24 +557,26 @@ def add_parts(run: Run, data: PreparedData, client: dict) -> None:
         run.observers.append(TensorBoardHook(run_dir / "tensorboard", config_text,
                                              hparams(cfg, counts)))
     run.nonfinite = NonFiniteGuard(t.max_consecutive_skips, env.rank)
+    run.carry(run.nonfinite.state_key, run.nonfinite)
     # Whatever train.spike says now: data that a rollback took out stays out.
     events = recorded_events(run_dir)
     run.loader.skip(skipped_windows(events))
     if t.spike.action != "off":
         run.spike = LossSpikeGuard(t.spike, run_dir, run.loader, env.rank, env.world_size,
                                    events=events)
-        run.spike.load_state_dict(client.get(SPIKE_STATE))
+        run.carry(run.spike.state_key, run.spike)
     save_ctx = SaveContext(
         config_text=config_text, tokenizer_file=data.tokenizer_file(),
         tokenizer_sha256=run.tokenizer_sha256, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
-    client_state = {SPIKE_STATE: run.spike.state_dict} if run.spike is not None else {}
-    if run.esft is not None:
-        client_state[ESFT_STATE] = lambda: run.esft
-    run.checkpointer = Checkpointer(
-        run.engine, run.loader, run_dir / "checkpoints", save_ctx, env.rank,
-        cfg.checkpoint.on_save_error, client_state)
+    run.checkpointer = Checkpointer(run.engine, run_dir / "checkpoints", save_ctx, env.rank,
+                                    cfg.checkpoint.on_save_error, run.states)
+
+
+def start_watch(run: Run) -> None:
+    """The preemption guard and the hang watchdog, just before the first step."""
+    cfg, env, t, run_dir = run.cfg, run.env, run.cfg.train, run.cfg.run_dir
     run.preemption = PreemptionGuard(run_dir / PREEMPTED_MARKER, env.rank,
                                      tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals))
     if t.hang_timeout_s:
