@@ -8,11 +8,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from moe.training.hooks import StepState
+from moe.training.hooks import LoopPart, StepState
 
 
-class RouterBalance:
-    """The loop calls :meth:`update` after each step: it sums every MoE layer's routing counters
+class RouterBalance(LoopPart):
+    """After each step (:meth:`after_step`, before the guards decide) it sums every MoE layer's routing counters
     over the step's micro-batches and all ranks (one all-reduce for all layers), applies the
     auxiliary-loss-free bias update (training math: the next step routes with the new bias),
     publishes per-layer statistics in the step state for the loggers, and resets the counters.
@@ -25,7 +25,7 @@ class RouterBalance:
         self.group = group
         self.bias_in_use = any(layer.router.cfg.bias_update_rate > 0 for layer in moe_layers)
 
-    def update(self, s: StepState) -> None:
+    def after_step(self, s: StepState) -> None:
         if not self.layers:
             return
         if self.bias_in_use or s.is_log_step:

@@ -16,7 +16,7 @@ import math
 import torch
 
 from moe.training.decision import CONTINUE, Decision, Skip, Stop
-from moe.training.hooks import StepState
+from moe.training.hooks import LoopPart, StepState
 
 log = logging.getLogger("moe.train")
 
@@ -31,7 +31,7 @@ def step_is_finite(loss: float, grad_norm: float | None) -> bool:
     return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(LoopPart):
     """Warns on every skipped step; stops after ``max_skips`` consecutive ones (steps skipped for
     a loss spike count too: the spike guard poisons their loss the same way). Stops at once if a
     non-finite step was applied anyway (no ZeRO: nothing skips it, the weights are lost). The
@@ -51,7 +51,7 @@ class NonFiniteGuard:
         """None: a checkpoint saved without it starts counting afresh."""
         self.consecutive = int((state or {}).get("consecutive_skips", 0))
 
-    def decide(self, s: StepState) -> Decision:
+    def decide(self, s: StepState, latest=None) -> Decision:
         finite = step_is_finite(s.loss, s.grad_norm)
         if finite and not s.skipped:
             self.consecutive = 0

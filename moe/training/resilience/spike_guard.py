@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from moe.config.run import SpikeConfig
 from moe.training.decision import CONTINUE, Decision, Rollback, Skip, Stop
-from moe.training.hooks import StepState
+from moe.training.hooks import LoopPart, StepState
 
 log = logging.getLogger("moe.train")
 
@@ -88,7 +88,7 @@ def skipped_windows(events: list[dict]) -> list[list[int]]:
     return [r for e in events if e.get("action") == "rollback" for r in e["skipped_samples"]]
 
 
-class LossSpikeGuard:
+class LossSpikeGuard(LoopPart):
     """Holds the window of recent losses; :meth:`check` marks a spiking micro-batch's loss for
     skipping, :meth:`decide` records each event and tells the loop to skip the step or to roll
     back to a checkpoint. One per rank; all ranks hold the same window (it is built from losses
