@@ -17,7 +17,7 @@ import textwrap
 import typing
 
 from moe.config.run import RunConfig
-from moe.config_schema import FUNCTION, describe_type
+from moe.config_schema import ARCH, ROLE, describe_type
 
 COMMAND = "python -m moe.config.reference > docs/config.md"
 
@@ -72,7 +72,7 @@ def sections(cls: type = RunConfig, name: str = "") -> list[str]:
             continue
         cells = [f"`{f.name}`", _one_line(describe_type(hints[f.name])), _default(f)]
         if model:
-            cells.append("yes" if f.metadata.get(FUNCTION) else "no")
+            cells.append("yes" if f.metadata.get(ROLE) == ARCH else "no")
         rows.append("| " + " | ".join(cells + [_one_line(docs.get(f.name, ""))]) + " |")
     head = ["| key | type | default | " + ("changes the function | " if model else "")
             + "description |",

@@ -17,7 +17,7 @@ import yaml
 
 from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
-from moe.config_schema import from_dict, load_yaml, minimums, to_dict
+from moe.config_schema import arch, from_dict, load_yaml, minimums, to_dict
 from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import BottleneckConfig, bottleneck_problems
 from moe.model.adapters.esft import ESFTConfig
@@ -223,7 +223,8 @@ class EvalConfig:
 
 @dataclass
 class FinetuneConfig:
-    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix", "adapter"] = "none"
+    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix",
+                    "adapter"] = arch("none")
     """none: not a fine-tuning run (pretraining, or continued training from model.init_from).
     full: every parameter trains, starting from model.init_from. lora: the base model is frozen
     (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
@@ -250,12 +251,6 @@ class FinetuneConfig:
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     """Method prefix (prefix tuning, Li and Liang; moe/model/adapters/prefix.py): the key/value
     pairs each attention layer gains."""
-
-    FIXED_KEYS = ("method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
-                  "lora.train_router", "adapter.hidden", "adapter.placement", "prompt.tokens",
-                  "prefix.tokens")
-    """What decides which parameters exist and train: a run resumes only with its checkpoint's
-    values (moe/checkpoint/files.py, finetune_mismatches)."""
 
     SECTIONS = {"lora": ("lora", "qlora"), "esft": ("esft",), "adapter": ("adapter",),
                 "prompt": ("prompt",), "prefix": ("prefix",)}

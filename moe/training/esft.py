@@ -39,7 +39,6 @@ from moe.training.finetune import log_parameter_counts, parameter_counts
 log = logging.getLogger("moe.train")
 
 SELECTION_FILE = "esft_selection.json"
-SETTINGS = ("score", "p", "max_batches")
 
 
 @torch.no_grad()
@@ -113,21 +112,6 @@ def new_selection(model: torch.nn.Module, reader: PackedReader, cfg: RunConfig,
                                                   scores["token_share"])]}
 
 
-def checked_selection(selection: dict | None, cfg: RunConfig) -> dict:
-    """A checkpoint's selection, whose settings must be the config's."""
-    if selection is None:
-        raise CheckpointError("saved without an ESFT selection (not a finetune.method esft "
-                              "run): start a new run from it with model.init_from instead of "
-                              "resuming it")
-    esft = cfg.finetune.esft
-    changed = [f"finetune.esft.{k}: {getattr(esft, k)!r} differs from the checkpoint's "
-               f"{selection[k]!r}; the experts were selected with it"
-               for k in SETTINGS if selection[k] != getattr(esft, k)]
-    if changed:
-        raise ConfigError(changed)
-    return selection
-
-
 def install_selection(model: torch.nn.Module, optimizer, selection: dict, ep_rank: int) -> None:
     """Zero the gradient rows of every unselected expert this rank holds (global ids: rank
     ``ep_rank`` holds experts ``ep_rank * E_local`` to ``(ep_rank + 1) * E_local - 1``), mark
@@ -178,7 +162,11 @@ class ExpertSelection:
             if selection != self.selection:
                 raise CheckpointError("its ESFT selection differs from the one this run trains")
             return
-        self._install(checked_selection(selection, self.cfg), "from the checkpoint")
+        if selection is None:  # its settings are checked with the run config's (fixed fields)
+            raise CheckpointError("saved without an ESFT selection (not a finetune.method esft "
+                                  "run): start a new run from it with model.init_from instead "
+                                  "of resuming it")
+        self._install(selection, "from the checkpoint")
 
     def _install(self, selection: dict, how: str) -> None:
         install_selection(self.model, self.optimizer, selection, self.ep_rank)

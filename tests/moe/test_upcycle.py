@@ -115,3 +115,18 @@ def test_every_function_changing_field_outside_the_ffn_must_agree():
         assert [p.split(":")[0] for p in problems] == [f"model.{key}"], key
     same = dataclasses.replace(dense_cfg, n_kv_heads=None, head_dim=None)
     assert incompatibilities(same, dataclasses.replace(same, n_kv_heads=4, head_dim=8)) == []
+
+
+def test_a_new_function_changing_field_must_agree():
+    """The comparison is derived from the field metadata: a field declared ``arch`` later is
+    compared without a change to upcycling."""
+    from moe.config_schema import arch
+
+    @dataclasses.dataclass
+    class WithKnob(ModelConfig):
+        knob: int = arch(0)
+
+    dense_cfg = WithKnob(**{f.name: getattr(dense_config(), f.name)
+                            for f in dataclasses.fields(ModelConfig)})
+    assert incompatibilities(dense_cfg, dataclasses.replace(dense_cfg, knob=1)) == [
+        "model.knob: this run has 1, the source checkpoint 0"]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config_schema import arch, runtime
 from moe.model.attention import CausalSelfAttention
 from moe.model.experts import DenseFFN
 from moe.model.moe_layer import MoELayer
@@ -30,12 +31,12 @@ from moe.model.moe_layer import MoELayer
 
 @dataclass
 class BottleneckConfig:
-    hidden: int = 16
+    hidden: int = arch(16)
     """m, the bottleneck width of each adapter (D -> m -> D); at most the model width."""
-    placement: Literal["attention", "ffn", "both"] = "both"
+    placement: Literal["attention", "ffn", "both"] = arch("both")
     """After which sublayer of every block an adapter goes: attention (its output projection),
     ffn (the dense FFN or the MoE layer's output), or both (Houlsby et al.)."""
-    init_std: float = 0.01
+    init_std: float = runtime(0.01)
     """Standard deviation of the down-projection's normal initialization (the up-projection
     starts at zero)."""
 

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config_schema import arch, fixed, runtime
 from moe.model.attention import CausalSelfAttention
 from moe.model.experts import (
     DenseFFN,
@@ -55,26 +56,26 @@ _ATTENTION = {"attention.q": "q_proj", "attention.k": "k_proj", "attention.v": "
 
 @dataclass
 class LoRAConfig:
-    targets: list[LoRATarget] = field(
+    targets: list[LoRATarget] = arch(
         default_factory=lambda: ["attention.q", "attention.k", "attention.v", "attention.o",
                                  "experts"])
     """What gets LoRA factors: attention.q, attention.k, attention.v, attention.o (the attention
     projections), ffn (dense FFN layers), shared_experts, experts (routed experts, per-expert
     stacks), router. Each must match at least one layer of the model."""
-    rank: int = 8
+    rank: int = arch(8)
     """r, the rank of every factor pair (routed experts: see expert_rank). At most the smaller
     dimension of each targeted weight."""
-    alpha: float = 16.0
+    alpha: float = arch(16.0)
     """The update is scaled by alpha / r (r: the factor's own rank)."""
-    dropout: float = 0.0
+    dropout: float = runtime(0.0)
     """Dropout on the input of the LoRA branch only, in training."""
-    expert_rank: Literal["full", "per_top_k"] = "full"
+    expert_rank: Literal["full", "per_top_k"] = arch("full")
     """Rank of each routed expert's factors: full (rank) or per_top_k (rank // router top_k, as
     Megatron-Bridge and NeMo do; rank must be at least top_k)."""
-    train_router: bool = False
+    train_router: bool = fixed(False)
     """Train the routers' weights in full (they are small: E x D); frozen by default, so that
     fine-tuning does not move which experts tokens go to."""
-    init_from: str | None = None
+    init_from: str | None = runtime(None)
     """An adapter file (``moe-export CHECKPOINT OUT --format adapters``) whose factors start
     this run instead of fresh ones: its targets, rank, alpha and expert_rank must equal these,
     and the base it was trained on must be this run's (checked by a fingerprint of the base

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe.config_schema import arch, runtime
 from moe.model.attention import AttentionInputs, CausalSelfAttention
 
 
 @dataclass
 class PrefixConfig:
-    tokens: int = 10
+    tokens: int = arch(10)
     """n, the key/value pairs each attention layer gains."""
-    init_std: float = 0.02
+    init_std: float = runtime(0.02)
     """Standard deviation of the prefixes' normal initialization."""
 
     def problems(self) -> list[str]:

@@ -21,14 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config_schema import arch, runtime
 from moe.model.transformer import ModelOutput, MoETransformer
 
 
 @dataclass
 class PromptConfig:
-    tokens: int = 20
+    tokens: int = arch(20)
     """n, the soft prompt's length (its positions come before every sequence)."""
-    init: Literal["vocab", "random"] = "vocab"
+    init: Literal["vocab", "random"] = runtime("vocab")
     """vocab: each prompt embedding starts as the embedding of a vocabulary token drawn at
     random (Lester et al.); random: normal with the embedding table's standard deviation."""
 
