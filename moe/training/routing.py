@@ -8,6 +8,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from moe.model.moe_layer import SUM
 from moe.training.hooks import LoopPart, StepState
 
 
@@ -50,15 +51,16 @@ class RouterBalance(LoopPart):
         E = loads_LE.shape[1]
         rows = torch.cat([loads_LE.float(), sums_LS.float(), spread_L.float()[:, None]], 1).tolist()
         for i, (row, layer) in enumerate(zip(rows, self.layers)):
-            load, (routed, entropy, aux, z, count), spread = row[:E], row[E:-1], row[-1]
+            load, spread = row[:E], row[-1]
+            sums = {name: row[E + j] for name, j in SUM.items()}
             mean = max(sum(load) / E, 1e-9)
+            count = max(sums["micro_batches"], 1.0)
             p = f"moe/layer{i}"
             s.histograms[f"{p}/expert_load"] = torch.tensor(load)
             s.extra[f"{p}/max_over_mean_load"] = max(load) / mean
             s.extra[f"{p}/load_cv"] = statistics.pstdev(load) / mean
-            s.extra[f"{p}/dropped_fraction"] = 1.0 - sum(load) / max(routed, 1.0)
-            s.extra[f"{p}/router_entropy"] = entropy / max(count, 1.0)
-            s.extra[f"{p}/aux_loss"] = aux / max(count, 1.0)
-            s.extra[f"{p}/z_loss"] = z / max(count, 1.0)
+            s.extra[f"{p}/dropped_fraction"] = 1.0 - sum(load) / max(sums["routed"], 1.0)
+            for name in ("router_entropy", "aux_loss", "z_loss"):  # per micro-batch means
+                s.extra[f"{p}/{name}"] = sums[name] / count
             if layer.router.cfg.bias_update_rate > 0:
                 s.extra[f"{p}/expert_bias_spread"] = spread
