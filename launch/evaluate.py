@@ -15,6 +15,7 @@ from moe.errors import CheckpointError, ConfigError
 from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir
 from moe.evaluation.report import summary_table, write_report
 from moe.model.generation import GenerationConfig
+from moe.run_dir import RunDir
 
 EVAL_DIR = "eval"
 
@@ -24,7 +25,7 @@ def run_checkpoints(path: str | Path) -> list[Path]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such run directory")
-    ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    ckpt_dir = RunDir(path).checkpoints if RunDir(path).checkpoints.is_dir() else path
     found = [d for d in ckpt_dir.iterdir() if (d / MAIN_STATES).is_file()]
     complete = [d for d in found if (d / MARKER).is_file()]
     for d in sorted(set(found) - set(complete)):

@@ -12,6 +12,7 @@ import torch
 
 from moe.config_schema import dotted_get, function_keys, resume_keys, to_dict
 from moe.errors import CheckpointError
+from moe.run_dir import RunDir
 
 RUN_CONFIG = "run_config.yaml"
 
@@ -198,7 +199,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if (path / MARKER).exists() or (path / MAIN_STATES).exists():
         return path
-    for ckpt_dir in (path, path / "checkpoints"):
+    for ckpt_dir in (path, RunDir(path).checkpoints):
         tag = find_latest(ckpt_dir)
         if tag is not None:
             return ckpt_dir / tag

@@ -27,6 +27,7 @@ from moe.model.adapters.prompt import PromptConfig
 from moe.model.adapters.qlora import torchao_missing
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
+from moe.run_dir import RunDir
 
 
 @dataclass
@@ -366,6 +367,11 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    @property
+    def run_files(self) -> RunDir:
+        """The names of the run directory's files (moe/run_dir.py)."""
+        return RunDir(self.run_dir)
 
     def deepspeed_config(self, world_size: int) -> dict:
         t = self.train

@@ -70,11 +70,7 @@ from moe.training.hooks import (
 from moe.training.prefetch import PrefetchingReader
 from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.nan_guard import NonFiniteGuard, poison_nonfinite
-from moe.training.resilience.preemption import (
-    PREEMPTED_MARKER,
-    PreemptionGuard,
-    exit_for_requeue,
-)
+from moe.training.resilience.preemption import PreemptionGuard, exit_for_requeue
 from moe.training.resilience.spike_guard import (
     LossSpikeGuard,
     recorded_events,
@@ -382,7 +378,7 @@ def run_step(run: Run) -> None:
         save(run, ts.step)  # a step that rolls back is undone next: never saved
     if isinstance(decision, Stop):  # a preemption: save the step it names, exit for a requeue
         save(run, decision.step)
-        exit_for_requeue(run.cfg.run_dir / PREEMPTED_MARKER, run.env.rank, decision)
+        exit_for_requeue(run.cfg.run_files.preempted, run.env.rank, decision)
     if isinstance(decision, Rollback):
         roll_back(run, decision)
     elif state.is_log_step:
@@ -431,14 +427,15 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str, faults: FaultInjector |
     cfg = resolve_vocab(cfg)
     data = PreparedData.from_config(cfg.data)  # a local directory or s3:// (through a cache)
     tokenizer_sha = data.manifest.tokenizer["sha256"]
-    ckpt_dir = cfg.run_dir / "checkpoints"
+    files = cfg.run_files
+    ckpt_dir = files.checkpoints
     resume_dir = resolve_resume(resume, ckpt_dir)
     if resume_dir is not None:
         verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
     elif cfg.model.init_from:
         check_source_tokenizer(cfg.model.init_from, tokenizer_sha, str(cfg.data.dir))
     if env.rank == 0:  # written again when this run ends with its checkpoint; none till then
-        (cfg.run_dir / SUMMARY).unlink(missing_ok=True)
+        files.summary.unlink(missing_ok=True)
     engine, model = build_engine(cfg, env)
     reader = PackedReader(data, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
                           cfg.train.micro_batch_size, weights=cfg.data.weights(),
@@ -488,7 +485,7 @@ def add_parts(run: Run, data: PreparedData) -> None:
     """The run's checkpointer and parts, one ``run.add`` each: meters, the router balance,
     guards, reporters (the order of their hooks is this order)."""
     cfg, env, t = run.cfg, run.env, run.cfg.train
-    run_dir, moe_layers = cfg.run_dir, run.model.moe_layers()
+    run_dir, files, moe_layers = cfg.run_dir, cfg.run_files, run.model.moe_layers()
     config_text = dump_config(cfg)
     if cfg.eval.every_n_steps:
         windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.max_tokens))
@@ -506,30 +503,27 @@ def add_parts(run: Run, data: PreparedData) -> None:
         run.spike = run.add(LossSpikeGuard(t.spike, run_dir, run.loader, env.rank,
                                            env.world_size, events=events))
     run.add(ConsoleReporter(env.rank))
-    run.add(StepRecorder(run_dir / "logs" / f"steps_rank{env.rank}.jsonl"))
+    run.add(StepRecorder(files.step_records(env.rank)))
     if env.rank == 0 and cfg.logging.tensorboard:
         counts = parameter_counts(run.model, cfg.parallel.expert_parallel_size)
-        run.add(TensorBoardReporter(run_dir / "tensorboard", config_text, hparams(cfg, counts)))
+        run.add(TensorBoardReporter(files.tensorboard, config_text, hparams(cfg, counts)))
     save_ctx = SaveContext(
         config_text=config_text, tokenizer_file=data.tokenizer_file(),
         tokenizer_sha256=run.tokenizer_sha256, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
-    run.checkpointer = Checkpointer(run.engine, run_dir / "checkpoints", save_ctx, env.rank,
+    run.checkpointer = Checkpointer(run.engine, files.checkpoints, save_ctx, env.rank,
                                     cfg.checkpoint.on_save_error, run.states)
 
 
 def add_watch(run: Run) -> None:
     """The preemption guard (the last guard asked) and the hang watchdog, just before the first
     step."""
-    cfg, env, t, run_dir = run.cfg, run.env, run.cfg.train, run.cfg.run_dir
-    run.add(PreemptionGuard(run_dir / PREEMPTED_MARKER, env.rank,
+    cfg, env, t, files = run.cfg, run.env, run.cfg.train, run.cfg.run_files
+    run.add(PreemptionGuard(files.preempted, env.rank,
                             tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)))
     if t.hang_timeout_s:
-        run.add(HangWatchdog(t.hang_timeout_s, run_dir / "logs", env.rank)).start(run.state.step)
-
-
-SUMMARY = "train_summary.json"
+        run.add(HangWatchdog(t.hang_timeout_s, files.logs, env.rank)).start(run.state.step)
 
 
 def finish_run(run: Run) -> dict:
@@ -547,7 +541,7 @@ def finish_run(run: Run) -> dict:
         summary.update(unsaved_steps=[first, max_steps], failed_saves=ts.failed_saves,
                        newest_checkpoint=None if ts.checkpoint is None else str(ts.checkpoint))
     if run.env.rank == 0:
-        (run.cfg.run_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+        run.cfg.run_files.summary.write_text(json.dumps(summary, indent=2))
     if ts.failed_saves:
         kept = (f"the newest complete checkpoint is {ts.checkpoint} (step {ts.checkpoint_step})"
                 if ts.checkpoint is not None else "there is no complete checkpoint")

@@ -29,14 +29,21 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from moe.run_dir import RunDir
 from moe.training.decision import CONTINUE, Decision, Stop
 from moe.training.device import comm_device
 from moe.training.hooks import LoopPart, StepState
 
 log = logging.getLogger("moe.train")
 
-PREEMPTED_MARKER = "preempted.json"
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+
+
+def was_preempted(returncode: int, run_dir: Path) -> bool:
+    """Whether training that ended with ``returncode`` (a rank's, or the launcher's that ran
+    them) stopped for a preemption: the exit code, or the marker rank 0 leaves in ``run_dir``
+    (:func:`exit_for_requeue`), which stays when a launcher reports another code for it."""
+    return returncode == PREEMPTED_EXIT_CODE or RunDir(run_dir).preempted.exists()
 
 
 class Preempted(SystemExit):
