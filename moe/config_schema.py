@@ -100,7 +100,7 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         if not isinstance(value, dict):
             problems.append(f"{key}: expected a mapping, got {value!r}")
             return INVALID
-        return _build(tp, value, key, problems)
+        return _build(typing.cast(type, tp), value, key, problems)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
@@ -161,7 +161,7 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
     checks that span sections. Only a field that cannot be converted at all (a wrong type, a
     missing required key) leaves nothing to check further: INVALID is returned."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(typing.cast(Any, cls)) if f.init}
     for name in data:
         if name not in fields:
             close = difflib.get_close_matches(str(name), list(fields), n=1)

@@ -24,7 +24,7 @@ COMMAND = "python -m moe.config.reference > docs/config.md"
 
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> the string literal written under the field in ``cls``'s source."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    body = typing.cast(ast.ClassDef, ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]).body
     out = {}
     for node, after in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
@@ -48,7 +48,7 @@ def _default(f: dataclasses.Field) -> str:
     return f"`{value if isinstance(value, str) else json.dumps(value)}`"
 
 
-def _section_class(tp: typing.Any) -> tuple[type, str] | None:
+def _section_class(tp: typing.Any) -> tuple[typing.Any, str] | None:
     """The config dataclass a field holds (itself, or the items of a list), with the suffix its
     section name takes."""
     if dataclasses.is_dataclass(tp):

@@ -18,7 +18,7 @@ Initialization (``init_std`` = s, ``n_layers`` = L):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -212,6 +212,7 @@ class MoETransformer(nn.Module):
         for i in range(cfg.n_layers):
             attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, i, cfg.head_size,
                                        cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps)
+            ffn: nn.Module
             if cfg.is_moe_layer(i):
                 ffn = MoELayer(cfg.d_model, cfg.moe, cfg.init_std, out_std)
             else:
@@ -232,7 +233,7 @@ class MoETransformer(nn.Module):
         nn.init.normal_(self.lm_head.weight, std=std)
         for p in self.positions.parameters():
             nn.init.normal_(p, std=std)
-        for block in self.blocks:
+        for block in cast("list[Block]", self.blocks):
             for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
                 nn.init.normal_(proj.weight, std=std)
                 if proj.bias is not None:

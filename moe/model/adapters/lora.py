@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -122,8 +122,10 @@ def lora_sites(model: nn.Module, target: str, cfg: LoRAConfig) -> list[tuple[str
 def _factor_shapes(module: nn.Module) -> dict[str, tuple[int, int]]:
     """{weight name: (in, out)} of the weights LoRA adapts in ``module``."""
     if isinstance(module, GroupedExperts):
-        return {"w_in": tuple(module.w_in.shape[1:]), "w_out": tuple(module.w_out.shape[1:])}
-    out_features, in_features = module.weight.shape  # nn.Linear and the router: (out, in)
+        (_, d, h), (_, h2, d2) = module.w_in.shape, module.w_out.shape  # (E, in, out) each
+        return {"w_in": (d, h), "w_out": (h2, d2)}
+    weight = cast(torch.Tensor, module.weight)  # nn.Linear and the router: (out, in)
+    out_features, in_features = weight.shape
     return {"weight": (in_features, out_features)}
 
 
@@ -178,7 +180,8 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[nn.Parameter]:
 def _attach(module: nn.Module, rank: int, alpha: float, dropout: float) -> list[nn.Parameter]:
     stacked = isinstance(module, GroupedExperts)
     module.__class__ = _LORA_CLASS[type(module)]
-    module.lora_scale, module.lora_dropout = alpha / rank, dropout
+    adapted = cast(_Adapted, module)  # its class is a LoRA one now
+    adapted.lora_scale, adapted.lora_dropout = alpha / rank, dropout
     out = []
     for wname, (d_in, d_out) in _factor_shapes(module).items():
         base = getattr(module, wname)
@@ -204,22 +207,36 @@ def _factor_names(module: nn.Module, wname: str) -> tuple[str, str]:
     return "lora_A", "lora_B"
 
 
-def _branch(x: torch.Tensor, module: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+class _Adapted(nn.Module):
+    """What every LoRA class adds to the module it adapts (declared for the type checker: the
+    classes are swapped in place by :func:`_attach`)."""
+
+    lora_scale: float  # alpha / r
+    lora_dropout: float
+
+
+def _branch(x: torch.Tensor, module: _Adapted, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """scale * dropout(x) A^T B^T for (r, in) / (out, r) factors."""
     x = F.dropout(x, module.lora_dropout, module.training)
     return module.lora_scale * F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype))
 
 
-class LoRALinear(nn.Linear):
+class LoRALinear(nn.Linear, _Adapted):
     """An nn.Linear with ``lora_A`` (r, in) and ``lora_B`` (out, r)."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + _branch(x, self, self.lora_A, self.lora_B)
 
 
-class LoRARouter(TopKRouter):
+class LoRARouter(TopKRouter, _Adapted):
     """A router whose (E, D) weight has ``lora_A`` (r, D) and ``lora_B`` (E, r); in fp32 like
     the router (its input is at least fp32 here)."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         return super().logits(x_TD) + _branch(x_TD, self, self.lora_A, self.lora_B)
@@ -232,7 +249,7 @@ def kernel_rank(rank: int, dtype: torch.dtype) -> int:
     return -(-rank // step) * step
 
 
-class LoRAGroupedExperts(GroupedExperts):
+class LoRAGroupedExperts(GroupedExperts, _Adapted):
     """Routed experts with per-expert factors ``<w>_lora_A`` (E, in, r) and ``<w>_lora_B``
     (E, r, out) for ``w`` in ``w_in``, ``w_out``: two more grouped GEMMs over the same
     expert-sorted rows and counts per product.
@@ -275,8 +292,8 @@ _LORA_CLASS = {nn.Linear: LoRALinear, TopKRouter: LoRARouter,
 _BASE_CLASS = {v: k for k, v in _LORA_CLASS.items()}
 
 
-def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if type(m) in _BASE_CLASS]
+def lora_modules(model: nn.Module) -> list[tuple[str, _Adapted]]:
+    return [(n, cast(_Adapted, m)) for n, m in model.named_modules() if type(m) in _BASE_CLASS]
 
 
 def is_factor(name: str) -> bool:

@@ -54,6 +54,8 @@ def prefix_problems(attention_backend: str, position: str, document_masking: boo
 
 
 class PrefixAttention(CausalSelfAttention):
+    prefix_k: nn.Parameter  # (Hkv, n, hd), added by apply_prefix
+    prefix_v: nn.Parameter
     def extend_keys(self, k, v, inputs: AttentionInputs):
         if inputs.backend not in ("sdpa", "reference") or inputs.doc_lengths is not None:
             raise ValueError(f"prefix tuning does not support the {inputs.backend} back end "
