@@ -55,6 +55,7 @@ from moe.training.checkpoint import (
 )
 from moe.training.decision import Rollback, Stop, decide
 from moe.training.device import peak_bf16_flops, to_device
+from moe.training.downstream import DownstreamEvaluator, downstream_due
 from moe.training.esft import ExpertSelection
 from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
 from moe.training.hooks import (
@@ -298,7 +299,8 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
         sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
     skipped = not engine.was_step_applied()
     is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
-              or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0))
+              or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0)
+              or downstream_due(cfg, step))
     # The spike guard's window needs the loss averaged over the ranks every step.
     mean_over_ranks = (is_log or spike is not None) and dist.is_initialized()
     local_sum = sums[:1].clone()
@@ -502,6 +504,9 @@ def add_parts(run: Run, data: PreparedData) -> None:
     if t.spike.action != "off":
         run.spike = run.add(LossSpikeGuard(t.spike, run_dir, run.loader, env.rank,
                                            env.world_size, events=events))
+    if cfg.eval.downstream.tasks:  # before the reporters, which write its scalars
+        run.add(DownstreamEvaluator(run.engine, cfg, env.rank, env.world_size,
+                                    data.tokenizer_file()))
     run.add(ConsoleReporter(env.rank))
     run.add(StepRecorder(files.step_records(env.rank)))
     if env.rank == 0 and cfg.logging.tensorboard:
