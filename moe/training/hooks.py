@@ -89,7 +89,8 @@ class LoopPart:
 
     def on_step_end(self, state: StepState) -> None:
         """Report the step, once the guards have decided (``state.rollback_to`` set when the
-        step rolls back); change nothing."""
+        step rolls back); change nothing, except scalars added to ``state.extra`` for the
+        reporters registered later (a meter of the steps that stand: downstream.py)."""
 
     def on_checkpoint(self, step: int, tag_dir: Path) -> None:
         """The checkpoint of step ``step`` is complete in ``tag_dir``."""
