@@ -108,7 +108,8 @@ RESERVED_NAMES = ("step", "tokens", "module", "optimizer", "lr_scheduler", "buff
                   "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                   "shared_params", "sparse_tensor_module_names", "skipped_steps",
                   "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-                  "ds_config", "ds_version", "data_sampler", "random_ltd")
+                  "ds_config", "ds_version", "data_sampler", "random_ltd", "num_experts",
+                  "checkpoint_parallel_dimensions", "ds_autoep_layers")
 """Entries of a checkpoint's model-states file that are not a registered part's: the loop's
 step and token counter, and DeepSpeed's own (tests/moe/training/test_layout_resume.py checks
 this list against a saved file), which a part of the same name would overwrite."""
