@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Distributed Mixture-of-Experts pretraining with DeepSpeed expert parallelism "
                 "and an Arrow streaming data pipeline",
+    license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["moe", "moe.*", "data_pipeline", "data_pipeline.*",
                                     "launch", "launch.*"]),

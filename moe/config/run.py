@@ -18,7 +18,7 @@ import yaml
 
 from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
-from moe.config_schema import from_dict, load_yaml, minimums, to_dict
+from moe.config_schema import arch, from_dict, load_yaml, minimums, to_dict
 from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import BottleneckConfig, bottleneck_problems
 from moe.model.adapters.esft import ESFTConfig
@@ -28,6 +28,7 @@ from moe.model.adapters.prompt import PromptConfig
 from moe.model.adapters.qlora import torchao_missing
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
+from moe.run_dir import RunDir
 
 
 @dataclass
@@ -273,7 +274,8 @@ class EvalConfig:
 
 @dataclass
 class FinetuneConfig:
-    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix", "adapter"] = "none"
+    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix",
+                    "adapter"] = arch("none")
     """none: not a fine-tuning run (pretraining, or continued training from model.init_from).
     full: every parameter trains, starting from model.init_from. lora: the base model is frozen
     (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
@@ -300,12 +302,6 @@ class FinetuneConfig:
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     """Method prefix (prefix tuning, Li and Liang; moe/model/adapters/prefix.py): the key/value
     pairs each attention layer gains."""
-
-    FIXED_KEYS = ("method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
-                  "lora.train_router", "adapter.hidden", "adapter.placement", "prompt.tokens",
-                  "prefix.tokens")
-    """What decides which parameters exist and train: a run resumes only with its checkpoint's
-    values (moe/checkpoint/files.py, finetune_mismatches)."""
 
     SECTIONS = {"lora": ("lora", "qlora"), "esft": ("esft",), "adapter": ("adapter",),
                 "prompt": ("prompt",), "prefix": ("prefix",)}
@@ -424,6 +420,11 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    @property
+    def run_files(self) -> RunDir:
+        """The names of the run directory's files (moe/run_dir.py)."""
+        return RunDir(self.run_dir)
 
     def deepspeed_config(self, world_size: int) -> dict:
         t = self.train

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import cast
 
 import torch
 from torch import nn
@@ -104,8 +105,8 @@ if CUSTOM_OPS:
         return grad_x, _weight_grad(x_ND, grad_NO, offs_E), None
 
     grouped_mm_op.register_autograd(_backward, setup_context=_save)
-else:
-    grouped_mm_op = None  # compiled experts then run the per-expert loop (a graph break)
+else:  # compiled experts then run the per-expert loop (a graph break)
+    grouped_mm_op = None  # type: ignore[assignment]
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> int:
@@ -121,10 +122,11 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> in
         before = getattr(module, "before_compile", None)
         if callable(before):
             before()
-    for block in model.blocks:
+    blocks = cast(nn.ModuleList, model.blocks)
+    for block in blocks:
         block.compile(backend=backend, **options)
     for module in model.modules():
         part = getattr(module, "compile_part", None)
         if callable(part):
             part(backend=backend, **options)
-    return len(model.blocks)
+    return len(blocks)

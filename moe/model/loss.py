@@ -85,9 +85,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             part = slice(start, start + chunk)
             loss_c, grad_h_c, grad_w_c = body(h_TD[part], w_VD, targets_T[part], need_h, need_w)
             loss += loss_c
-            if need_h:
+            if grad_h is not None:
                 grad_h[part] = grad_h_c
-            if need_w:
+            if grad_w is not None:
                 grad_w += grad_w_c
         ctx.w_dtype = w_VD.dtype
         ctx.save_for_backward(grad_h, grad_w)

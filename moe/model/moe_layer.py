@@ -16,6 +16,10 @@ from moe.model.recompute import outside_recompute, recompute
 from moe.model.router import RouterConfig, TopKRouter, at_least_fp32, capacity
 
 STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
+"""What ``MoELayer.step_sums`` adds up over a step's training micro-batches, one entry each:
+routed token copies, and router entropy, aux loss and z-loss summed per micro-batch, and the
+micro-batches. Read by name (:data:`SUM`), never by position."""
+SUM = {name: i for i, name in enumerate(STEP_SUMS)}
 
 
 @dataclass
@@ -86,8 +90,7 @@ class MoELayer(nn.Module):
             nn.init.normal_(self.shared_gate.weight, std=init_std)
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         # Sums over the micro-batches of one optimizer step, read (and reset) by the training
-        # hook that updates the loss-free bias and logs: kept copies per expert, and
-        # STEP_SUMS = (routed copies, router entropy, aux loss, z-loss, micro-batches).
+        # part that updates the loss-free bias and logs: kept copies per expert, and STEP_SUMS.
         self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("step_sums", torch.zeros(len(STEP_SUMS)), persistent=False)
         # Routed copies per expert over the global batch (router.aux_loss_scope: global_batch),
@@ -152,9 +155,11 @@ class MoELayer(nn.Module):
         aux, z = routing.aux_loss.detach(), routing.z_loss.detach()
         if self.training:  # step counters describe training steps only, not validation passes
             self.step_load_E += counts_E.to(self.step_load_E.dtype)
-            self.step_sums[0] += routed
-            self.step_sums[1:4] += torch.stack([routing.entropy, aux, z]).to(self.step_sums.dtype)
-            self.step_sums[4] += 1
+            sums = self.step_sums  # torch.full fills on the device: no host-to-device copy
+            added = {"routed": torch.full((), routed, dtype=sums.dtype, device=sums.device),
+                     "router_entropy": routing.entropy, "aux_loss": aux, "z_loss": z,
+                     "micro_batches": torch.ones((), dtype=sums.dtype, device=sums.device)}
+            sums += torch.stack([added[name].to(sums.dtype) for name in STEP_SUMS])
         self.stats = {
             "tokens_per_expert": counts_E.detach(),
             "dropped_fraction": (routed - counts_E.sum()).float() / routed,

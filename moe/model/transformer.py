@@ -18,7 +18,7 @@ Initialization (``init_std`` = s, ``n_layers`` = L):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -230,6 +230,7 @@ class MoETransformer(nn.Module):
         for i in range(cfg.n_layers):
             attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, i, cfg.head_size,
                                        cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps)
+            ffn: nn.Module
             if cfg.is_moe_layer(i):
                 ffn = MoELayer(cfg.d_model, cfg.moe, cfg.init_std, out_std)
             else:
@@ -253,7 +254,7 @@ class MoETransformer(nn.Module):
         nn.init.normal_(self.lm_head.weight, std=std)
         for p in self.positions.parameters():
             nn.init.normal_(p, std=std)
-        for block in self.blocks:
+        for block in cast("list[Block]", self.blocks):
             for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
                 nn.init.normal_(proj.weight, std=std)
                 if proj.bias is not None:
@@ -300,6 +301,7 @@ class MoETransformer(nn.Module):
             # padding); 0, not NaN, when every target of the batch is ignored.
             targets = targets_BS.flatten()
             if self.head_loss is None:
+                assert logits_BSV is not None
                 summed = full_cross_entropy(logits_BSV.flatten(0, 1), targets)
             else:
                 summed = self.head_loss(h_BSD.flatten(0, 1), self.lm_head.weight, targets)
