@@ -48,6 +48,7 @@ from moe.model.positions import (
     T5RelativeBias,
     positions_from_doc_ids,
 )
+from moe.model.regions import ATTENTION, EMBEDDING, HEAD, region
 
 
 @dataclass
@@ -259,24 +260,28 @@ class MoETransformer(nn.Module):
         stays within a document and positions restart at 0 where the id changes (adjacent
         documents must have different ids). ``kv_cache``: keys/values of earlier tokens, appended
         to in place (pass the same ``doc_ids`` convention on every call)."""
-        pos_BS, inputs = self._attention_inputs(input_ids_BS, doc_ids_BS, kv_cache)
-        x_BSD = self.embed(input_ids_BS)
-        pos_emb = self.positions.embedding(pos_BS)
-        if pos_emb is not None:
-            x_BSD = x_BSD + pos_emb.to(x_BSD.dtype)
+        with region(ATTENTION):  # positions, rotary tables and masks every layer shares
+            pos_BS, inputs = self._attention_inputs(input_ids_BS, doc_ids_BS, kv_cache)
+        with region(EMBEDDING):
+            x_BSD = self.embed(input_ids_BS)
+            pos_emb = self.positions.embedding(pos_BS)
+            if pos_emb is not None:
+                x_BSD = x_BSD + pos_emb.to(x_BSD.dtype)
         aux_loss = x_BSD.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             x_BSD, layer_aux = block(x_BSD, inputs)
             aux_loss = aux_loss + layer_aux
-        logits_BSV = self.lm_head(self.norm(x_BSD))
-        if targets_BS is None:
-            return ModelOutput(logits_BSV, None, None, aux_loss)
-        # Mean over the targets not ignored (-100: prompt tokens of instruction data, padding);
-        # 0, not NaN, when every target of the batch is ignored.
-        targets = targets_BS.flatten()
-        lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets, ignore_index=-100,
-                                  reduction="sum") / (targets != -100).sum().clamp(min=1)
-        return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
+        with region(HEAD):
+            logits_BSV = self.lm_head(self.norm(x_BSD))
+            if targets_BS is None:
+                return ModelOutput(logits_BSV, None, None, aux_loss)
+            # Mean over the targets not ignored (-100: prompt tokens of instruction data,
+            # padding); 0, not NaN, when every target of the batch is ignored.
+            targets = targets_BS.flatten()
+            lm_loss = (F.cross_entropy(logits_BSV.float().flatten(0, 1), targets,
+                                       ignore_index=-100, reduction="sum")
+                       / (targets != -100).sum().clamp(min=1))
+            return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
 
     def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache) -> tuple[torch.Tensor,
                                                                           AttentionInputs]:
