@@ -8,6 +8,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["moe", "moe.*", "data_pipeline", "data_pipeline.*",
                                     "launch", "launch.*"]),
+    # The downstream tasks the project ships: YAML files and their JSONL data.
+    package_data={"moe": ["tasks/*.yaml", "tasks/*.jsonl"]},
     install_requires=[
         "torch",
         "deepspeed",
@@ -30,8 +32,13 @@ setup(
     extras_require={"hf": ["transformers"], "qlora": ["torchao"],
                     # moe-scaling fit / predict (curve fitting, root finding, regression)
                     "scaling": ["scipy"],
+                    # model.cross_entropy: liger (Triton kernels; CUDA machines only)
+                    "liger": ["liger-kernel"],
+                    # moe-eval --tasks and eval.downstream: lm-evaluation-harness
+                    "eval": ["lm-eval"],
                     "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft",
-                             "moto[server]", "boto3", "torchao", "pillow", "packaging", "scipy"]},
+                             "moto[server]", "boto3", "torchao", "pillow", "packaging", "scipy",
+                             "lm-eval"]},
     entry_points={
         "console_scripts": [
             "moe-prepare=launch.prepare:main",

@@ -8,6 +8,7 @@ written in item order: the shards do not depend on the number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -21,6 +22,7 @@ import tempfile
 import time
 import unicodedata
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
@@ -269,12 +271,16 @@ def _docs_sha256(docs: ItemDocuments) -> str:
     return h.hexdigest()
 
 
-def _encode_part_task(jobs: list[tuple]) -> list[tuple[ItemCounts, str]]:
-    """A pool task of ``--part``: each work item read, hashed (:func:`_docs_sha256`) and encoded."""
+def _encode_part_task(jobs: list[tuple]) -> list[tuple[ItemCounts, str, str]]:
+    """A pool task of ``--part``: each work item read, hashed (:func:`_docs_sha256`) and
+    encoded; with its counts come the hash of what it read and the SHA-256 of the file it
+    wrote, which --merge checks (read back at once, from the page cache)."""
     out = []
     for job in jobs:
         docs = read_item(job[0], job[2], _S3)
-        out.append((_encode(job, docs), _docs_sha256(docs)))
+        counts = _encode(job, docs)
+        out.append((counts, _docs_sha256(docs),
+                    hashlib.sha256(Path(job[-1]).read_bytes()).hexdigest()))
     return out
 
 
@@ -312,10 +318,11 @@ class EncodedSplit(NamedTuple):
     """Loss mask per token (instruction sources); None: all ones."""
 
 
-def _load_encoded(path: str, counts: list[int], masked: bool = False) -> dict[str, EncodedSplit]:
+def _load_encoded(path: str, counts: list[int], masked: bool = False,
+                  raw: bytes | None = None) -> dict[str, EncodedSplit]:
     """Each split's documents from an :func:`_encode` spill file (``masked``: of an
-    instruction source, with its loss mask)."""
-    raw = Path(path).read_bytes()
+    instruction source, with its loss mask; ``raw``: the file's bytes, read already)."""
+    raw = Path(path).read_bytes() if raw is None else raw
     out, pos = {}, 0
     for split, n in zip(SPLITS, counts):
         lengths = np.frombuffer(raw, np.int64, count=n, offset=pos)
@@ -331,6 +338,18 @@ def _load_encoded(path: str, counts: list[int], masked: bool = False) -> dict[st
         out[split] = EncodedSplit(tokens, lengths, keys, mask)
     if pos != len(raw):
         raise DataError(f"{path}: {len(raw)} bytes, expected {pos} (spill file damaged)")
+    return out
+
+
+Loader = Callable[[str, list[int], bool], dict[str, EncodedSplit]]
+"""How :func:`_write_shards` takes the splits of an encoded work item: (its file, documents
+per split, masked) -> :func:`_load_encoded`'s result."""
+
+
+def _load_spill(path: str, counts: list[int], masked: bool) -> dict[str, EncodedSplit]:
+    """A spill file's splits; the file is removed (its bytes are in memory)."""
+    out = _load_encoded(path, counts, masked)
+    Path(path).unlink()
     return out
 
 
@@ -382,7 +401,8 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
                     storage.upload(path, str(storage.join(cfg.dir, f"{gen}/{path.name}")), cfg.s3)
                     done += 1
             except BaseException:  # before the switch: what was uploaded is no one's
-                _remove(cfg, [f"{gen}/{p.name}" for p in files[:done + 1]], gen, quiet=True)
+                _remove(cfg, [f"{gen}/{p.name}" for p in files[:done + 1]], lambda d: d == gen,
+                        quiet=True)
                 raise
             write_manifest(Path(tmp), manifest)
             storage.upload(Path(tmp) / MANIFEST, str(storage.join(cfg.dir, MANIFEST)), cfg.s3)
@@ -403,7 +423,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
         except BaseException:
             shutil.rmtree(data_dir if created else staging, ignore_errors=True)
             raise
-    _remove(cfg, _stale(_stored_names(cfg), live, gen), gen)
+    _remove(cfg, _stale(_stored_names(cfg), live, gen), lambda d: d != gen)
     report.manifest, report.data_dir, report.seconds = manifest, data_dir, time.time() - t0
     return report
 
@@ -476,18 +496,25 @@ def _stale(stored: list[str], live: Manifest | None, gen: str) -> list[str]:
             or name.startswith(f".{MANIFEST}.tmp") or _LEGACY.fullmatch(name)]
 
 
-def _remove(cfg: DataConfig, names: list[str], gen: str, quiet: bool = False) -> None:
-    """Remove files of data.dir (``quiet``: as far as the store lets us, after another error)."""
+def _remove(cfg: DataConfig, names: list[str], retired: Callable[[str], bool],
+            quiet: bool = False) -> None:
+    """Remove files of data.dir, then the directories of the generations ``retired`` picks:
+    on S3 the empty ``gen-N/`` objects pyarrow leaves where it deleted a prefix's last object,
+    and any that earlier preparations left (``quiet``: as far as the store lets us, after
+    another error)."""
     for name in names:
         try:
             storage.delete(str(storage.join(cfg.dir, name)), cfg.s3)
         except DataError:
             if not quiet:
                 raise
-    if not storage.is_s3(cfg.dir):  # directories of generations (S3 prefixes end with their objects)
-        for d in Path(cfg.dir).iterdir():
-            if GENERATION.fullmatch(d.name) and d.name != gen:
-                shutil.rmtree(d, ignore_errors=True)
+    try:
+        for d in storage.subdirs(cfg.dir, cfg.s3):
+            if GENERATION.fullmatch(d) and retired(d):
+                storage.delete(storage.join(cfg.dir, d), cfg.s3, tree=True)
+    except DataError:
+        if not quiet:
+            raise
 
 
 def _exists_remote(cfg: DataConfig) -> bool:
@@ -575,8 +602,7 @@ def _build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path
     if progress:
         print(f"training a {cfg.tokenizer.model_type} tokenizer ({cfg.tokenizer.vocab_size} "
               f"pieces) on {len(sample.lines):,} of {sample.seen:,} lines", flush=True)
-    return train_tokenizer(sample.lines, cfg.tokenizer, tok_path,
-                           num_threads=cfg.prepare_workers), cache
+    return train_tokenizer(sample.lines, cfg.tokenizer, tok_path), cache
 
 
 Encoded = tuple[str, ItemCounts]
@@ -603,7 +629,7 @@ def item_bytes(source: SourceConfig, items: list[WorkItem], s3: S3Config) -> lis
 
 def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
                   encoded: Callable[[SourceConfig, list[int]], Iterator[Encoded]],
-                  keep_spill: bool, progress: bool, items: dict[str, list[WorkItem]]
+                  load: Loader, progress: bool, items: dict[str, list[WorkItem]]
                   ) -> tuple[dict[str, SplitInfo], list[dict], int]:
     """Write each source's shards from its encoded work items (``encoded(source, input bytes
     of each item)``), taken in item order: the one place where documents meet shards, for a
@@ -616,8 +642,10 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
     source_stats = []
     moved = 0
     seen: set[bytes] | None = set() if cfg.dedup == "exact" else None  # across all sources
+    valid_keys: dict[str, list[np.ndarray]] = {}  # see _validation_copies
     masked = loss_masked(cfg)
     for source in cfg.sources:
+        valid_keys[source.name] = []
         writers = {split: ShardWriter(staging, split, source.name, cfg.shard_tokens,
                                       tokenizer.vocab_size, masked) for split in SPLITS}
         stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
@@ -631,19 +659,19 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
         for size, item, (path, counts) in zip(sizes, items[source.name],
                                               encoded(source, sizes), strict=True):
             docs = tokens_seen = 0
-            loaded = _load_encoded(path, counts.documents, source.type == "instruction")
+            loaded = load(path, counts.documents, source.type == "instruction")
             for split, (tokens, lengths, keys, mask) in loaded.items():
                 if seen is not None:
                     tokens, lengths, mask, dropped = _drop_seen(tokens, lengths, keys, seen, mask)
                     stats["duplicates_dropped"] += dropped
+                elif split == "valid":
+                    valid_keys[source.name].append(_key_prefixes(keys))
                 writers[split].add(tokens, lengths, mask)
                 if mask is not None:
                     stats["trained_tokens"][split] += int(np.count_nonzero(mask))
                 stats["documents"][split] += len(lengths)
                 stats["tokens"][split] += len(tokens)
                 docs, tokens_seen = docs + len(lengths), tokens_seen + len(tokens)
-            if not keep_spill:
-                Path(path).unlink()
             empties.add(item, counts)
             if counts.empty and cfg.on_empty == "error":
                 raise DataError(f"source {source.name!r}: {empties.describe(item.path)}; "
@@ -654,10 +682,7 @@ def _write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
             moved += counts.moved
             bar.update(size, docs, tokens_seen)
         bar.close()
-        _check_not_empty(source, sum(stats["documents"].values()))
-        if not stats["documents"]["train"]:
-            raise DataError(f"source {source.name!r}: all its {stats['documents']['valid']} "
-                            "documents fell in the validation split; lower valid_fraction")
+        _check_trainable(source, stats, valid_keys)
         for split in SPLITS:
             writers[split].flush()
             splits[split].shards += writers[split].shards
@@ -767,8 +792,8 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
             for job, counts in zip(jobs, _run_tasks(pool, jobs, sizes)):
                 yield job[-1], counts
 
-        splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded, False,
-                                                    progress, items)
+        splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded,
+                                                    _load_spill, progress, items)
     timings["encode"], timings["encode_cpu"] = time.time() - t, _cpu_seconds() - cpu
     timings["encode_cpu_main"] = time.process_time() - main_cpu
     shutil.rmtree(spill)
@@ -894,19 +919,21 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
         for source in cfg.sources:
             sizes += item_bytes(source, [it for s, _, it in mine if s is source], cfg.s3)
         inputs = _input_stats([it.path for _, _, it in mine], cfg.s3)
-        results, files, read = {}, {}, {}
+        results, files, read, hashes = {}, {}, {}, {}
         with mp.get_context("spawn").Pool(cfg.prepare_workers, initializer=_init_worker,
                                           initargs=(str(tokenizer.path), cfg.s3)) as pool:
-            for (s, i, _), job, (counts, sha) in zip(mine, jobs, _bar(
+            for (s, i, _), job, (counts, sha, written) in zip(mine, jobs, _bar(
                     progress, iterable=_run_tasks(pool, jobs, sizes, _encode_part_task),
                     total=len(jobs), desc=f"part {index}/{count}", unit="item")):
                 key = f"{s.name}/{i}"
                 results[key] = [Path(job[-1]).name, *counts]
                 files[key], read[key] = Path(job[-1]).stat().st_size, sha
+                hashes[key] = written
         _check_inputs(inputs, cfg.s3, f"while part {index}/{count} read it", redo)
         marker = {"config_hash": config_hash(cfg), "tokenizer_sha256": tokenizer.sha256,
                   "split_rule": SPLIT_RULE, "items_hash": _items_hash(numbered),
-                  "items": results, "inputs": inputs, "bytes": files, "read_sha256": read}
+                  "items": results, "inputs": inputs, "bytes": files, "sha256": hashes,
+                  "read_sha256": read}
         write_atomic(tmp / "part.json", json.dumps(marker).encode())
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -935,6 +962,7 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
         raise DataError(f"{parts}: expected the parts of one --part i/N split, found {found or 'none'}")
     (count,) = counts
     results: dict[str, tuple[Path, ItemCounts]] = {}
+    checks: dict[str, tuple[str, str]] = {}  # part file: the SHA-256 its part recorded, redo
     for index in range(count):
         part = parts / _part_name(index, count)
         try:
@@ -953,12 +981,16 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
         if "inputs" not in marker:
             raise DataError(f"{part} records no fingerprints of its inputs (made by an earlier "
                             f"moe-prepare); {redo}")
+        if "sha256" not in marker:
+            raise DataError(f"{part} records no content hashes of its files (made by an "
+                            f"earlier moe-prepare); {redo}")
         _check_inputs(marker["inputs"], cfg.s3, f"after {part.name} read it", redo)
         for key, (name, *rest) in marker["items"].items():
             if Path(name).name != name:
                 raise DataError(f"{part}/part.json: bad file name {name!r}")
             _check_part_file(part / name, marker["bytes"][key], redo)
             results[key] = (part / name, ItemCounts(*rest))
+            checks[str(part / name)] = (marker["sha256"].get(key, "not recorded"), redo)
     missing = [f"{s.name}/{i}" for s, i, _ in numbered if f"{s.name}/{i}" not in results]
     if missing:
         raise DataError(f"{parts}: the parts lack work items {missing[:5]}; prepare them again")
@@ -973,10 +1005,64 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
 
     t = time.time()
     items = {s.name: [it for t, _, it in numbered if t is s] for s in cfg.sources}
-    splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded, True, progress,
-                                                items)
+    paths = [str(results[f"{s.name}/{i}"][0]) for s, i, _ in numbered]  # the order of the merge
+    with _part_reader(paths, checks, tokenizer.vocab_size) as load:
+        splits, source_stats, moved = _write_shards(cfg, staging, tokenizer, encoded, load,
+                                                    progress, items)
     return _finish(staging, want, tokenizer, splits, source_stats, moved,
                    {"merge": time.time() - t})
+
+
+PART_READ_AHEAD = 2
+"""Part files a merge reads and hashes ahead of the one it writes (a few MB to tens of MB each)."""
+
+
+@contextlib.contextmanager
+def _part_reader(paths: list[str], checks: dict[str, tuple[str, str]],
+                vocab_size: int) -> Iterator[Loader]:
+    """The merge's :data:`Loader`: part files taken in the order ``paths``, each checked by
+    :func:`_load_part_file` against ``checks[path]`` (the SHA-256 its part recorded, the command
+    that redoes the part). A thread reads and hashes the next PART_READ_AHEAD files while the
+    merge writes shards (hashlib lets go of the GIL): on more than one core the hash adds
+    little to the merge's time, and reading from a shared file system overlaps writing."""
+
+    def read(path: str) -> tuple[bytes, str]:
+        raw = Path(path).read_bytes()
+        return raw, hashlib.sha256(raw).hexdigest()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="merge-read") as pool:
+        ahead = {path: pool.submit(read, path) for path in paths[:PART_READ_AHEAD]}
+        rest = iter(paths[PART_READ_AHEAD:])
+
+        def load(path: str, counts: list[int], masked: bool) -> dict[str, EncodedSplit]:
+            raw, found = ahead.pop(path).result()
+            following = next(rest, None)
+            if following is not None:
+                ahead[following] = pool.submit(read, following)
+            return _load_part_file(path, raw, found, counts, masked, *checks[path], vocab_size)
+
+        yield load
+
+
+def _load_part_file(path: str, raw: bytes, found: str, counts: list[int], masked: bool,
+                    sha256: str, redo: str, vocab_size: int) -> dict[str, EncodedSplit]:
+    """The splits of a part file (its bytes ``raw``, their SHA-256 ``found``), checked before
+    any of its tokens reach a shard: the SHA-256 against ``sha256``, the one its part recorded
+    when it wrote the file, then every token id against the tokenizer's vocabulary. A refusal
+    names the file and ``redo``."""
+    if found != sha256:
+        raise DataError(f"{path}: damaged part file: its SHA-256 is {found}, the part recorded "
+                        f"{sha256}; {redo}")
+    try:
+        loaded = _load_encoded(path, counts, masked, raw)
+    except (DataError, ValueError):  # the file is as written: its counts in part.json are not
+        raise DataError(f"{path}: its document counts in part.json do not fit the file; "
+                        f"{redo}") from None
+    top = max((int(s.tokens.max()) for s in loaded.values() if len(s.tokens)), default=0)
+    if top >= vocab_size:
+        raise DataError(f"{path}: damaged part file: token id {top} out of range for the "
+                        f"tokenizer's vocabulary of {vocab_size}; {redo}")
+    return loaded
 
 
 def _check_part_file(path: Path, expected: int, redo: str) -> None:
@@ -995,10 +1081,84 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _where(source: SourceConfig) -> str:
+    return f" ({', '.join(source.paths)})" if source.paths else ""
+
+
 def _check_not_empty(source: SourceConfig, documents: int) -> None:
     if not documents:
-        where = f" ({', '.join(source.paths)})" if source.paths else ""
         kept = (f" or left out by its filter ({source.filter.column} == {source.filter.value!r})"
                 if source.row_filter else "")
-        raise DataError(f"source {source.name!r}{where} holds no text: every document is "
-                        f"empty{kept}")
+        raise DataError(f"source {source.name!r}{_where(source)} holds no text: every document "
+                        f"is empty{kept}")
+
+
+def _key_prefixes(keys: np.ndarray) -> np.ndarray:
+    """The first 8 bytes of content keys (``V{KEY_BYTES}``) as integers: a copy, so that the
+    spill file's bytes they come from can be freed."""
+    return np.frombuffer(keys.tobytes(), dtype=np.uint64)[::KEY_BYTES // 8].copy()
+
+
+def _validation_copies(name: str, valid_keys: dict[str, list[np.ndarray]]
+                       ) -> tuple[int, list[str]]:
+    """How many validation documents of source ``name`` are copies of validation documents
+    before them, and where those are: earlier sources by name, "itself". ``valid_keys``: each
+    source's validation key prefixes (:func:`_key_prefixes`), in the sources' order; 8 bytes
+    per validation document, kept only to say this when a source is refused."""
+    mine = np.concatenate([np.zeros(0, np.uint64), *valid_keys[name]])
+    copy = np.ones(len(mine), dtype=bool)
+    copy[np.unique(mine, return_index=True)[1]] = False  # the first of each text in the source
+    earlier = np.zeros(len(mine), dtype=bool)
+    origins = []
+    for other, arrays in valid_keys.items():
+        if other == name:
+            break
+        hit = np.isin(mine, np.concatenate([np.zeros(0, np.uint64), *arrays]))
+        if hit.any():
+            origins.append(f"source {other!r}")
+            earlier |= hit
+    if (copy & ~earlier).any():
+        origins.append("itself")
+    return int((copy | earlier).sum()), origins
+
+
+def _check_trainable(source: SourceConfig, stats: dict,
+                     valid_keys: dict[str, list[np.ndarray]]) -> None:
+    """Refuse a source left with no training document (its mixture weight could not be
+    honoured), saying what became of its documents: copies dropped by ``dedup: exact``, copies
+    of validation documents (a copy goes to its text's split), empty or filtered rows, or the
+    split's hash of a few texts."""
+    docs, dropped = stats["documents"], stats["duplicates_dropped"]
+    if docs["train"]:
+        return
+    if not docs["valid"] and not dropped:
+        _check_not_empty(source, 0)
+    copies, origins = _validation_copies(source.name, valid_keys)
+    of = " and ".join(origins)
+    empty = "empty (null, empty or whitespace-only)"
+    left_out = f"left out by the source's filter ({source.filter.column} == {source.filter.value!r})"
+    reasons = [(dropped, "is an exact copy of a document before it",
+                "are exact copies of documents before them"),
+               (copies, f"is a copy of a validation document of {of}",
+                f"are copies of validation documents of {of}"),
+               (docs["valid"] - copies, "is in the validation split by the hash of its text",
+                "are in the validation split by the hash of their text"),
+               (stats["empty_documents"], f"is {empty}", f"are {empty}"),
+               (stats["filtered_documents"], f"is {left_out}", f"are {left_out}")]
+    reasons = [(n, one if n == 1 else many) for n, one, many in reasons if n]
+    total = sum(n for n, _ in reasons)
+    if len(reasons) == 1:
+        what = (f"its only document {reasons[0][1]}" if total == 1 else
+                f"all its {total:,} documents {reasons[0][1]}")
+    else:
+        what = f"of its {total:,} documents, " + ", ".join(f"{n:,} {text}" for n, text in reasons)
+    if copies:
+        fix = ("a copy goes to the split of its text, wherever it is: remove the copies from the "
+               "source, or the source from data.sources")
+    elif dropped:
+        fix = ("data.dedup: exact keeps only the first copy of a text: remove the copies from "
+               "the source, or the source from data.sources")
+    else:
+        fix = "add documents, or lower data.valid_fraction"
+    raise DataError(f"source {source.name!r}{_where(source)} has no documents to train on: "
+                    f"{what}; {fix}")

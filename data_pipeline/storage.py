@@ -13,6 +13,7 @@ import glob
 import io
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -147,17 +148,38 @@ def upload(local: Path, url: str, s3: S3Config) -> None:
         raise s3_error(url, e) from None
 
 
-def delete(path: str | os.PathLike, s3: S3Config) -> None:
-    """Remove a file or an object; one already gone is no error."""
+def delete(path: str | os.PathLike, s3: S3Config, tree: bool = False) -> None:
+    """Remove a file or an object (``tree``: a directory, or everything under an ``s3://``
+    prefix with the empty ``name/`` object that stands for it); one already gone is no error.
+
+    pyarrow keeps an S3 "directory" when it deletes the last object under it by writing such
+    an empty object; removing a prefix writes one for its parent (at most one per parent: it
+    is overwritten, never multiplied)."""
     if not is_s3(str(path)):
-        Path(path).unlink(missing_ok=True)
+        if tree:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            Path(path).unlink(missing_ok=True)
         return
+    fs = _fs(s3)
     try:
-        _fs(s3).delete_file(_key(str(path)))
+        (fs.delete_dir if tree else fs.delete_file)(_key(str(path)))
     except FileNotFoundError:
         pass
     except OSError as e:
         raise s3_error(str(path), e) from None
+
+
+def subdirs(path: str | os.PathLike, s3: S3Config) -> list[str]:
+    """Names of the directories in a directory, or of the prefixes (empty ones included) just
+    under an ``s3://`` prefix; none when it does not exist."""
+    if not is_s3(str(path)):
+        return sorted(p.name for p in Path(path).iterdir() if p.is_dir()) if Path(path).is_dir() else []
+    try:
+        found = _fs(s3).get_file_info(pafs.FileSelector(_key(str(path)), allow_not_found=True))
+    except OSError as e:
+        raise s3_error(str(path), e) from None
+    return sorted(i.base_name for i in found if i.type == pafs.FileType.Directory)
 
 
 def size(path: str, s3: S3Config) -> int:

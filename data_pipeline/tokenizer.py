@@ -17,6 +17,11 @@ from data_pipeline.config import TokenizerConfig
 from data_pipeline.errors import DataError
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+TRAINER_THREADS = 16
+"""Threads of SentencePiece's trainer (its own default), the same whatever data.prepare_workers
+says: the model stores the count, and the unigram trainer sums its statistics per thread, so
+another count gives other scores. The tokenizer, the data fingerprint and the sample order
+must not depend on how many workers prepared the data."""
 
 
 # Special tokens of a tokenizer.json, by the names open-weights models use for them.
@@ -137,16 +142,16 @@ class LineSample:
                     self.lines[j] = line
 
 
-def train_tokenizer(lines: list[str], cfg: TokenizerConfig, out_path: Path,
-                    num_threads: int = 2) -> Tokenizer:
-    """Train a SentencePiece model on sampled lines; write it atomically to ``out_path``."""
+def train_tokenizer(lines: list[str], cfg: TokenizerConfig, out_path: Path) -> Tokenizer:
+    """Train a SentencePiece model on sampled lines (with TRAINER_THREADS threads: the model's
+    bytes depend on the lines and ``cfg`` alone); write it atomically to ``out_path``."""
     if not lines:
         raise DataError("cannot train a tokenizer: the sources hold no text")
     model = io.BytesIO()
     spm.SentencePieceTrainer.Train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=cfg.vocab_size,
         model_type=cfg.model_type, byte_fallback=cfg.byte_fallback, character_coverage=0.9995,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID, num_threads=num_threads,
+        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID, num_threads=TRAINER_THREADS,
         max_sentence_length=16384, shuffle_input_sentence=False, minloglevel=2,
         user_defined_symbols=list(cfg.special_tokens),
         normalization_rule_name=cfg.normalization,

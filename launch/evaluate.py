@@ -1,5 +1,6 @@
 """moe-eval: evaluate checkpoints on one process: perplexity, expert statistics, generation, and
-a report (JSON, Markdown, PNG plots). Several checkpoints give a table comparing them."""
+a report (JSON, Markdown, PNG plots); or, with --tasks, downstream tasks of
+lm-evaluation-harness. Several checkpoints give a table comparing them."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 
 from launch.cli import exits_cleanly
 from moe.checkpoint.files import MAIN_STATES, MARKER, resolve_checkpoint
-from moe.errors import CheckpointError, ConfigError
+from moe.errors import CheckpointError, ConfigError, EvaluationError
 from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir
+from moe.evaluation.harness import evaluate_checkpoint_tasks
 from moe.evaluation.report import summary_table, write_report
 from moe.model.generation import GenerationConfig
+from moe.training.harness_setup import lm_eval_missing
 
 EVAL_DIR = "eval"
 
@@ -54,11 +57,16 @@ def evaluate(checkpoints: list[str | Path], opts: EvalOptions, output: str | Pat
     else:
         tag_dirs = [resolve_checkpoint(path) for path in checkpoints]  # every path checked first
     out_dir = Path(output) if output else default_output(tag_dirs)
+    if opts.tasks:  # every task, its data and its settings checked before any model loads
+        from moe.training.lm_harness import load_tasks
+
+        load_tasks(opts.tasks, opts.include_paths, opts.num_fewshot)
     results = {"data": None, "checkpoints": []}
     for tag_dir in tag_dirs:
-        r = evaluate_checkpoint_dir(tag_dir, opts)
+        r = (evaluate_checkpoint_tasks(tag_dir, opts) if opts.tasks
+             else evaluate_checkpoint_dir(tag_dir, opts))
         results["checkpoints"].append(r)
-        results["data"] = r["data"]
+        results["data"] = r.get("data")
     write_report(results, out_dir)
     return results
 
@@ -117,6 +125,20 @@ def parse_args(argv):
     g.add_argument("--num-return", type=int, default=1, help="samples / beams shown per prompt")
     g.add_argument("--length-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group(
+        "downstream tasks (lm-evaluation-harness; pip install -c constraints.txt -e '.[eval]')")
+    t.add_argument("--tasks", nargs="+", metavar="NAME",
+                   help="run these harness tasks instead of the loss, statistics and "
+                        "generations: the bundled stdlib_sentence_mc and stdlib_next_word, tasks "
+                        "of --include-path, or the harness's own (hellaswag, arc_easy, ...; their "
+                        "data is downloaded once); commas separate names too")
+    t.add_argument("--num-fewshot", type=int, help="solved examples before each question "
+                                                   "(default: each task's own)")
+    t.add_argument("--limit", type=int, help="the first N examples of each task (default: all)")
+    t.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a folder of more task YAML files (repeatable)")
+    t.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="weights and activations for the tasks (default: fp32)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     return p.parse_args(argv)
@@ -134,18 +156,26 @@ def options_from_args(args) -> EvalOptions:
         problems += ["--" + key.replace("_", "-") + ":" + why
                      for key, why in (p.split(":", 1) for p in g.problems())]
     for name, least in (("max_tokens", 1), ("batch_size", 1), ("min_token_count", 1),
-                        ("threads", 1), ("top_tokens", 0), ("num_prompts", 0)):
+                        ("threads", 1), ("top_tokens", 0), ("num_prompts", 0), ("limit", 1),
+                        ("num_fewshot", 0)):
         value = getattr(args, name)
         if value is not None and value < least:
             problems.append(f"--{name.replace('_', '-')}: must be >= {least}, got {value}")
+    tasks = [n for item in args.tasks or [] for n in item.split(",") if n]
+    if args.tasks is not None and not tasks:
+        problems.append("--tasks: name at least one task")
     if problems:
         raise ConfigError(sorted(set(problems)), "moe-eval arguments")
+    if tasks and (missing := lm_eval_missing()):
+        raise EvaluationError(f"--tasks: {missing}")
     return EvalOptions(data_dir=args.data_dir, text_files=args.text or [], split=args.split,
                        tokenizer_file=args.tokenizer, max_tokens=args.max_tokens,
                        batch_size=args.batch_size, expert_stats=not args.no_expert_stats,
                        top_tokens=args.top_tokens, min_token_count=args.min_token_count,
                        prompts=args.prompt, data_prompts=args.num_prompts, generation=gens,
-                       device=args.device, progress=not args.quiet)
+                       device=args.device, progress=not args.quiet, tasks=tasks,
+                       num_fewshot=args.num_fewshot, limit=args.limit,
+                       include_paths=args.include_path, dtype=args.dtype, seed=args.seed)
 
 
 @exits_cleanly

@@ -32,3 +32,8 @@ class LaunchError(MoEError):
 
 class ScalingError(MoEError):
     """A scaling sweep cannot be planned, run, fitted or used for a prediction."""
+
+
+class EvaluationError(MoEError):
+    """A downstream evaluation cannot run: the harness is not installed, a task is unknown or
+    its data cannot be read, or the model's tokenizer cannot serve the task."""

@@ -5,6 +5,7 @@ DeepSpeed config (never written by hand)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import signal
 from collections.abc import Callable
@@ -118,6 +119,20 @@ class TrainConfig:
     (moe/model/compile.py): one compile per distinct block graph in the first step, none after;
     the expert all-to-alls and the capacity cut run eagerly between the compiled pieces."""
 
+    optimizer_impl: Literal["auto", "for_loop", "foreach", "fused"] = "auto"
+    """Which implementation of torch's AdamW steps the weights (under ZeRO 1/2: one flat fp32
+    partition per parameter group, after DeepSpeed's gradient clipping). auto: torch's own choice
+    (foreach on CUDA, for_loop on the CPU); for_loop: one tensor at a time; foreach: torch's
+    multi-tensor kernels; fused: one fused kernel per parameter group (CUDA and CPU), which
+    reads and writes each weight, gradient and moment once. The same update up to rounding
+    (fused differs in the last bits; tests/moe/training/test_optimizer_impl.py); checkpoints
+    load across settings."""
+
+    def adamw_options(self) -> dict:
+        """Keyword arguments of torch.optim.AdamW for ``optimizer_impl``."""
+        return {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
+                "fused": {"fused": True}}[self.optimizer_impl]
+
     def problems(self) -> list[str]:
         out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
                        warmup_steps=0, grad_clip=0, threads_per_rank=1,
@@ -210,12 +225,47 @@ class CheckpointConfig:
 
 
 @dataclass
+class DownstreamConfig:
+    """Downstream tasks of lm-evaluation-harness during training, logged to TensorBoard as
+    downstream/TASK/METRIC (moe/training/downstream.py; needs pip install -e '.[eval]')."""
+
+    tasks: list[str] = field(default_factory=list)
+    """Tasks to run (empty: off): the bundled stdlib_sentence_mc, a task of include_path, or one
+    of the harness's own (its data downloaded or cached). Log-likelihood tasks only (multiple
+    choice, loglikelihood, loglikelihood_rolling); generation tasks run with moe-eval --tasks."""
+    every_n_steps: int = 0
+    """Evaluate every N steps and at the end; 0: at every checkpoint save
+    (checkpoint.every_n_steps) and at the end."""
+    limit: int | None = 100
+    """The first K examples of each task, the same ones every time (null: all)."""
+    num_fewshot: int = 0
+    """Solved examples shown before each question (from the task's few-shot split)."""
+    batch_size: int = 8
+    """Continuations scored per forward pass."""
+    ranks: Literal["all", "rank0"] = "all"
+    """all: the examples are spread over every rank, each running the same number of forward
+    passes; rank0: rank 0 alone (only without expert parallelism, whose forward is a
+    collective)."""
+    include_path: list[str] = field(default_factory=list)
+    """Folders of more task YAML files (local data files named relative to the YAML)."""
+
+    def problems(self) -> list[str]:
+        out = minimums(self, every_n_steps=0, limit=1, num_fewshot=0, batch_size=1)
+        if self.tasks and importlib.util.find_spec("lm_eval") is None:
+            out.append("tasks: downstream evaluation needs lm-evaluation-harness: pip install "
+                       "-c constraints.txt -e '.[eval]'")
+        return out
+
+
+@dataclass
 class EvalConfig:
     max_tokens: int | None = None
     """Evaluate on at most this many validation tokens (null: the whole split)."""
     batch_size: int = 8
     every_n_steps: int = 0
     """Validation loss and perplexity during training every N steps and at the end (0: off)."""
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
+    """Accuracy on downstream tasks during training (lm-evaluation-harness)."""
 
     def problems(self) -> list[str]:
         return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
@@ -322,6 +372,9 @@ class RunConfig:
         if self.launch.min_world_size > self.parallel.world_size:
             out.append(f"launch.min_world_size: {self.launch.min_world_size} exceeds "
                        f"parallel.world_size ({self.parallel.world_size})")
+        if self.eval.downstream.ranks == "rank0" and ep > 1:
+            out.append(f"eval.downstream.ranks: rank0 cannot run a model with expert parallelism "
+                       f"{ep} alone (its forward is a collective); use all")
         if not self.name or "/" in self.name or self.name.startswith("."):
             out.append(f"name: {self.name!r} must be a plain directory name")
         return out

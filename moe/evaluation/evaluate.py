@@ -206,6 +206,18 @@ class EvalOptions:
     """Where the model runs (default: the GPU if there is one, else the CPU)."""
     progress: bool = True
     """A progress bar on a terminal, else a log line every 30 s (stderr)."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks to run instead of the loss, statistics and generations."""
+    num_fewshot: int | None = None
+    """Solved examples before each question (None: each task's default)."""
+    limit: int | None = None
+    """The first N examples of each task (None: all)."""
+    include_paths: list[str] = field(default_factory=list)
+    """Folders of more task YAML files."""
+    dtype: str = "fp32"
+    """The weights' dtype for the tasks: fp32 or bf16."""
+    seed: int = 1234
+    """Seed of the tasks' sampled generations."""
 
 
 def checkpoint_step(tag_dir: Path) -> int | None:

@@ -114,8 +114,52 @@ def plot_loss_curves(runs: dict[str, dict[str, list]], eval_points: dict[str, li
     return True
 
 
+def _task_columns(checkpoints: list[dict]) -> list[tuple[str, str, str]]:
+    """(task, metric, filter) of every downstream result, in first-seen order."""
+    cols = {}
+    for c in checkpoints:
+        for r in c.get("downstream") or []:
+            cols.setdefault((r["task"], r["metric"], r["filter"]), None)
+    return list(cols)
+
+
+def _task_cell(c: dict, col: tuple[str, str, str]) -> str:
+    for r in c.get("downstream") or []:
+        if (r["task"], r["metric"], r["filter"]) == col:
+            err = f" ± {r['stderr']:.4f}" if r["stderr"] is not None else ""
+            return f"{r['value']:.4f}{err}"
+    return "-"
+
+
+def _task_header(col: tuple[str, str, str]) -> str:
+    task, metric, filt = col
+    return f"{task} {metric}" + ("" if filt == "none" else f" ({filt})")
+
+
+def tasks_table(checkpoints: list[dict]) -> list[list[str]]:
+    """Rows (header first) of the downstream results: one per checkpoint, one column per task
+    and metric, each value with the harness's standard error."""
+    cols = _task_columns(checkpoints)
+    rows = [["checkpoint", "step"] + [_task_header(c) for c in cols]]
+    for c in checkpoints:
+        rows.append([c.get("label", c["tag"]), "-" if c["step"] is None else str(c["step"])]
+                    + [_task_cell(c, col) for col in cols])
+    return rows
+
+
+def _aligned(rows: list) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def summary_table(checkpoints: list[dict]) -> str:
-    """The console table: one row per checkpoint."""
+    """The console table: one row per checkpoint (downstream results: one column per task and
+    metric)."""
+    if not any("loss" in c for c in checkpoints):
+        return _aligned(tasks_table(checkpoints))
     rows = [("checkpoint", "step", "tokens", "loss", "perplexity", "max/mean load", "dropped",
              "router entropy")]
     for c in checkpoints:
@@ -127,11 +171,7 @@ def summary_table(checkpoints: list[dict]) -> str:
                      f"{c['loss']:.4f}", f"{c['perplexity']:.2f}",
                      f"{worst:.2f}" if layers else "-", f"{dropped:.2%}" if layers else "-",
                      f"{entropy:.3f}" if layers else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _aligned(rows)
 
 
 def _md_table(header: list[str], rows: list[list]) -> list[str]:
@@ -148,8 +188,25 @@ def _piece(text: str) -> str:
     return "`" + shown.replace("`", "'") + "`"
 
 
+def downstream_report(cps: list[dict]) -> list[str]:
+    """The Markdown section of moe-eval --tasks: every checkpoint's results and settings."""
+    settings = cps[-1]["settings"]
+    md = ["# Downstream evaluation", "",
+          "lm-evaluation-harness tasks; each value with the harness's standard error. "
+          f"Few-shot examples: {settings['num_fewshot'] if settings['num_fewshot'] is not None else 'task default'}; "
+          f"examples per task: {settings['limit'] or 'all'}; batch size {settings['batch_size']}; "
+          f"weights in {settings['dtype']}.", ""]
+    rows = tasks_table(cps)
+    md += _md_table(rows[0], rows[1:])
+    md += ["", "| checkpoint | seconds |", "|---|---|"]
+    md += [f"| `{c['checkpoint']}` | {c['seconds']} |" for c in cps]
+    return md + [""]
+
+
 def markdown_report(results: dict, plots: dict[str, str], loss_plot: str | None) -> str:
     cps = results["checkpoints"]
+    if not any("loss" in c for c in cps):
+        return "\n".join(downstream_report(cps))
     md = ["# Evaluation report", "",
           f"Data: {results['data']}. Loss is the token-weighted mean next-token cross-entropy "
           "in nats; perplexity is its exponential.", ""]
@@ -257,8 +314,10 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, str]:
                                  f"{c['label']}: expert load / balanced load")
                 plots[c["label"]] = name
         eval_points = {run: [(c["step"], c["loss"]) for c in results["checkpoints"]
-                             if c["run_dir"] == run and c["step"] is not None] for run in runs}
-        loss_plot = LOSS_PLOT if plot_loss_curves(runs, eval_points, staging / LOSS_PLOT) else None
+                             if c["run_dir"] == run and c["step"] is not None and "loss" in c]
+                       for run in runs}
+        loss_plot = (LOSS_PLOT if any("loss" in c for c in results["checkpoints"])
+                     and plot_loss_curves(runs, eval_points, staging / LOSS_PLOT) else None)
         results["loss_curves"] = {run: {tag: series for tag, series in scalars.items()
                                         if tag.startswith(("train/", "valid/", "val/", "eval/"))}
                                   for run, scalars in runs.items()}

@@ -114,11 +114,17 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> in
     MoE layers for expert parallelism, after ``apply_recompute``, and on the device and in the
     dtype it will run in (after DeepSpeed's ``initialize``, which moves and casts it): the expert
     layers probe the grouped GEMM for those here, and one they did not probe runs the
-    per-expert loop under compile. Returns the number of blocks compiled."""
+    per-expert loop under compile. Parts outside the blocks that compile a piece of their own
+    (``compile_part``: the chunked loss's per-block work, moe/model/loss.py) do so here too.
+    Returns the number of blocks compiled."""
     for module in model.modules():  # eager work that must not run inside a traced graph
         before = getattr(module, "before_compile", None)
         if callable(before):
             before()
     for block in model.blocks:
         block.compile(backend=backend, **options)
+    for module in model.modules():
+        part = getattr(module, "compile_part", None)
+        if callable(part):
+            part(backend=backend, **options)
     return len(model.blocks)

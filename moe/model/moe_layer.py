@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from moe.config_schema import arch, minimums
-from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
+from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask, count_ids
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
 from moe.model.recompute import outside_recompute, recompute
 from moe.model.regions import COMBINE, DISPATCH, EXPERTS, ROUTER, region
@@ -118,8 +118,8 @@ class MoELayer(nn.Module):
                                   batch_counts_E=self.batch_counts_E if global_counts else None)
         if self.counting:
             with torch.no_grad():
-                self.batch_counts_E += torch.bincount(
-                    routing.indices_TK.flatten(), minlength=self.num_experts).to(self.batch_counts_E.dtype)
+                self.batch_counts_E += count_ids(  # not bincount: a host sync on CUDA
+                    routing.indices_TK.flatten(), self.num_experts).to(self.batch_counts_E.dtype)
 
         keep_TK = None
         if self.cfg.capacity_factor is not None:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe.config_schema import arch, runtime
@@ -36,6 +35,7 @@ from moe.model.attention import (
 )
 from moe.model.block import Block, NormPlacement
 from moe.model.experts import DenseFFN, residual_init_std
+from moe.model.loss import CrossEntropyImpl, LMHeadLoss, full_cross_entropy, liger_problem
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.norms import NormKind, build_norm
 from moe.model.positions import (
@@ -130,6 +130,17 @@ class ModelConfig:
     CPU sdpa for documents from 2048 tokens on (measured faster; BENCHMARKS.md), otherwise
     reference. Decoding past a KV-cached prefix always runs
     reference; fallbacks are logged once."""
+    cross_entropy: CrossEntropyImpl = runtime("full")
+    """How the training loss is computed from the output head (moe/model/loss.py); all give the
+    same loss and gradients. full: the (B, S, V) logits and their fp32 log-softmax (the model
+    also returns the logits). chunked: cross_entropy_chunk_tokens tokens at a time, with the
+    gradients formed in the forward; no (B, S, V) tensor, and a forward with targets returns no
+    logits (logits None). liger: Liger-Kernel's fused linear cross-entropy (CUDA only; pip
+    install liger-kernel), likewise without logits. A forward without targets (evaluation,
+    generation) computes the logits with every setting."""
+    cross_entropy_chunk_tokens: int = runtime(1024)
+    """chunked: tokens per block; a block holds its (tokens, V) logits in fp32 and in the model
+    dtype at once."""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def problems(self) -> list[str]:
@@ -163,6 +174,12 @@ class ModelConfig:
             out.append(f"init_std: must be > 0, got {self.init_std}")
         if self.upcycle_noise_std < 0:
             out.append(f"upcycle_noise_std: must be >= 0, got {self.upcycle_noise_std}")
+        if self.cross_entropy_chunk_tokens < 1:
+            out.append(f"cross_entropy_chunk_tokens: must be >= 1, got "
+                       f"{self.cross_entropy_chunk_tokens}")
+        if self.cross_entropy == "liger" and (problem := liger_problem()):
+            out.append(f"cross_entropy: liger {problem}; or use chunked (the same loss in "
+                       "plain torch)")
         if self.attention_backend == "flex" and not FLEX_AVAILABLE:
             out.append(f"attention_backend: flex needs torch >= 2.5 (installed {torch.__version__});"
                        " use sdpa or auto")
@@ -182,7 +199,7 @@ class ModelConfig:
 
 
 class ModelOutput(NamedTuple):
-    logits: torch.Tensor  # (B, S, V)
+    logits: torch.Tensor | None  # (B, S, V); None with targets and a chunked or liger loss
     loss: torch.Tensor | None  # lm_loss + aux_loss: what training minimizes
     lm_loss: torch.Tensor | None  # mean next-token cross-entropy
     aux_loss: torch.Tensor  # sum of the MoE layers' weighted balancing losses
@@ -223,6 +240,9 @@ class MoETransformer(nn.Module):
         self.norm = (build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
                      if cfg.norm_placement == "pre" else nn.Identity())
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # No parameters: the loss reads lm_head.weight (tied or not) when it runs.
+        self.head_loss = (LMHeadLoss(cfg.cross_entropy, cfg.cross_entropy_chunk_tokens)
+                          if cfg.cross_entropy != "full" else None)
         self._init_weights(out_std)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -271,16 +291,21 @@ class MoETransformer(nn.Module):
         for block in self.blocks:
             x_BSD, layer_aux = block(x_BSD, inputs)
             aux_loss = aux_loss + layer_aux
-        with region(HEAD):
-            logits_BSV = self.lm_head(self.norm(x_BSD))
+        with region(HEAD):  # the final norm, the output head and the loss
+            h_BSD = self.norm(x_BSD)
+            logits_BSV = None
+            if targets_BS is None or self.head_loss is None:
+                logits_BSV = self.lm_head(h_BSD)
             if targets_BS is None:
                 return ModelOutput(logits_BSV, None, None, aux_loss)
             # Mean over the targets not ignored (-100: prompt tokens of instruction data,
             # padding); 0, not NaN, when every target of the batch is ignored.
             targets = targets_BS.flatten()
-            lm_loss = (F.cross_entropy(logits_BSV.float().flatten(0, 1), targets,
-                                       ignore_index=-100, reduction="sum")
-                       / (targets != -100).sum().clamp(min=1))
+            if self.head_loss is None:
+                summed = full_cross_entropy(logits_BSV.flatten(0, 1), targets)
+            else:
+                summed = self.head_loss(h_BSD.flatten(0, 1), self.lm_head.weight, targets)
+            lm_loss = summed / (targets != -100).sum().clamp(min=1)
             return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
 
     def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache) -> tuple[torch.Tensor,

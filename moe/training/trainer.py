@@ -51,6 +51,7 @@ from moe.training.checkpoint import (
 )
 from moe.training.decision import Continue, Decision, Rollback, Stop
 from moe.training.device import peak_bf16_flops, to_device
+from moe.training.downstream import DownstreamEvaluator, downstream_due
 from moe.training.esft import CLIENT_KEY as ESFT_STATE
 from moe.training.esft import prepare_esft
 from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
@@ -167,7 +168,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     if make_optimizer is not None:
         optimizer = make_optimizer(groups)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                                      **t.adamw_options())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler,
@@ -295,7 +297,8 @@ def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
         sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
     skipped = not engine.was_step_applied()
     is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
-              or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0))
+              or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0)
+              or downstream_due(cfg, step))
     # The spike guard's window needs the loss averaged over the ranks every step.
     mean_over_ranks = (is_log or spike is not None) and dist.is_initialized()
     local_sum = sums[:1].clone()
@@ -539,6 +542,9 @@ def add_parts(run: Run, data: PreparedData, client: dict) -> None:
         counts = parameter_counts(run.model, cfg.parallel.expert_parallel_size)
         run.observers.append(TensorBoardHook(run_dir / "tensorboard", config_text,
                                              hparams(cfg, counts)))
+    if cfg.eval.downstream.tasks:  # first: the TensorBoard observer writes its scalars
+        run.observers.insert(0, DownstreamEvaluator(run.engine, cfg, env.rank, env.world_size,
+                                                    data.tokenizer_file()))
     run.nonfinite = NonFiniteGuard(t.max_consecutive_skips, env.rank)
     # Whatever train.spike says now: data that a rollback took out stays out.
     events = recorded_events(run_dir)

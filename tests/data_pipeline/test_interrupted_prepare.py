@@ -125,6 +125,16 @@ def _stored(cfg) -> list[str]:
                   if p.is_file())
 
 
+def _objects(cfg) -> list[str]:
+    """Every key under an s3:// data.dir, the empty "directory" objects included (which
+    pyarrow's listing shows as directories, not files)."""
+    boto3 = pytest.importorskip("boto3")
+    client = boto3.client("s3", endpoint_url=cfg.s3.endpoint_url, region_name="us-east-1")
+    bucket, prefix = cfg.dir[len("s3://"):].split("/", 1)
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/")
+    return sorted(o["Key"][len(prefix) + 1:] for page in pages for o in page.get("Contents", []))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with helper_s3.moto_server(tmp_path_factory.mktemp("empty"), check_credentials=False) as srv:
@@ -156,6 +166,21 @@ def test_killed_force_to_s3_after_shard_uploads_keeps_the_old_data(corpus, bucke
     assert {name.split("/")[0] for name in _stored(new)} == {"gen-3", "manifest.json"}
 
 
+def test_retired_generations_leave_no_object_on_s3(corpus, bucket, tmp_path):
+    """pyarrow keeps the "directory" of the last object it deletes under a prefix as an empty
+    object (``gen-1/``): every retired generation, a killed one's too, leaves nothing behind."""
+    old, new = _configs(corpus, f"s3://{helper_s3.BUCKET}/gens", bucket)
+    prepare(old, progress=False)
+    prepare(new, force=True, progress=False)
+    assert _killed(old, "upload", 3, tmp_path)  # gen-3: a few objects, no manifest names them
+    assert any(name.startswith("gen-3/") for name in _stored(old))
+    prepare(old, force=True, progress=False)
+    live = [name for name in _stored(old) if name != "manifest.json"]
+    assert live and {name.split("/")[0] for name in live} == {"gen-4"}
+    # data.dir's own marker (""): pyarrow writes it when it removes the last generation marker
+    assert set(_objects(old)) - {""} == {*live, "manifest.json"}
+
+
 def test_failed_upload_leaves_the_prefix_as_it_was(corpus, bucket, tmp_path, monkeypatch):
     old, new = _configs(corpus, f"s3://{helper_s3.BUCKET}/failed", bucket)
     prepare(old, progress=False)
@@ -172,6 +197,7 @@ def test_failed_upload_leaves_the_prefix_as_it_was(corpus, bucket, tmp_path, mon
     with pytest.raises(DataError, match="NETWORK_CONNECTION"):
         prepare(new, force=True, progress=False)
     assert _stored(old) == before and "/gen-2/" in calls[0]
+    assert not [name for name in _objects(old) if name.startswith("gen-2")]
     assert _same(_read(old, tmp_path / "fresh-cache"), want)
 
 

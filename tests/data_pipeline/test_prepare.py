@@ -119,6 +119,23 @@ def test_result_does_not_depend_on_workers_and_reuses_a_tokenizer(mixed_data, tm
     assert read_manifest(one.dir).fingerprint == read_manifest(mixed_data.dir).fingerprint
 
 
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_trained_tokenizer_and_fingerprint_do_not_depend_on_workers(tiny_data, tmp_path,
+                                                                    model_type):
+    """SentencePiece writes its trainer's thread count into the model, and the unigram
+    trainer's sums depend on how its work is split: a thread count taken from prepare_workers
+    would change the tokenizer's bytes, the fingerprint and with it the sample order."""
+    made = {}
+    for workers in (1, 2):
+        cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / f"w{workers}"),
+                                  prepare_workers=workers, tokenizer=dataclasses.replace(
+                                      tiny_data.tokenizer, model_type=model_type))
+        prepare(cfg, progress=False)
+        made[workers] = (PreparedData(cfg.dir).tokenizer_file().read_bytes(),
+                         read_manifest(cfg.dir).fingerprint)
+    assert made[1] == made[2]
+
+
 def test_prepare_is_idempotent_and_refuses_other_config(tiny_data):
     assert prepare(tiny_data, progress=False).skipped
     # Reading options are not part of the prepared data.

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import yaml
 
 from data_pipeline import prepare as prep
 from data_pipeline import sources
 from data_pipeline.config import SourceConfig
+from data_pipeline.errors import DataError
 from data_pipeline.prepare import (
     content_key,
     in_valid_split,
@@ -113,6 +115,44 @@ def test_copies_of_a_validation_document_never_reach_training(tiny_data, tmp_pat
         assert norm not in train and norm in valid
     assert [s["duplicates_dropped"] for s in read_manifest(cfg.dir).sources] == [0, 0]
     assert _docs(cfg, "valid", "j").count(first) == 2 and len(_docs(cfg, "valid", "p")) >= 6
+
+
+def test_a_source_of_copies_is_refused_saying_they_are_copies(tiny_data, tmp_path):
+    """A source made only of copies of another source's validation documents has nothing to
+    train on (with dedup: nothing at all). The preparation refuses it, since its mixture
+    weight could not be honoured, and says why: not that data.valid_fraction is too high
+    (no fraction parts a copy from its original) or that its documents are empty."""
+    root = tmp_path / "in"
+    root.mkdir()
+    (root / "a.jsonl").write_bytes(jsonl_bytes(TEXTS))
+    valid = [t for t in TEXTS if _valid(t)][:8]
+    (root / "b.jsonl").write_bytes(jsonl_bytes([c for t in valid for c in (t, f"  {t}\n")]))
+    extra = next(t for t in (f"another text, number {i}" for i in range(1000)) if _valid(t))
+    (root / "c.jsonl").write_bytes(jsonl_bytes([valid[0], extra, " "]))
+    a, b, c = (SourceConfig(name=n, type="jsonl", paths=[str(root / f"{n}.jsonl")],
+                            field="body") for n in "abc")
+    cases = {("none", "b"): "all its 16 documents are copies of validation documents of "
+                            "source 'a'; a copy goes to the split of its text",
+             ("exact", "b"): "all its 16 documents are exact copies of documents before them; "
+                             "data.dedup: exact keeps only the first copy",
+             ("none", "c"): "of its 3 documents, 1 is a copy of a validation document of "
+                            "source 'a', 1 is in the validation split by the hash of its text, "
+                            "1 is empty"}
+    for (dedup, name), want in cases.items():
+        cfg = _config(tiny_data, tmp_path / f"{dedup}-{name}", [a, b if name == "b" else c],
+                      dedup=dedup)
+        with pytest.raises(DataError) as e:
+            prepare(cfg, progress=False)
+        assert str(e.value).startswith(f"source {name!r} ({root / name}.jsonl) has no documents "
+                                       "to train on: ") and want in str(e.value), str(e.value)
+        assert "lower" not in str(e.value) and not Path(cfg.dir).exists()
+    cfg = _config(tiny_data, tmp_path / "chance", [a, dataclasses.replace(
+        c, paths=[str(root / "d.jsonl")])])
+    (root / "d.jsonl").write_bytes(jsonl_bytes([extra]))
+    with pytest.raises(DataError, match="its only document is in the validation split by the "
+                                        "hash of its text; add documents, or lower "
+                                        "data.valid_fraction"):
+        prepare(cfg, progress=False)
 
 
 def _run_yaml(cfg, tmp_path) -> Path:

@@ -183,3 +183,55 @@ def test_bad_arguments_exit_2_with_a_clear_message_and_write_nothing(runs, tmp_p
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err, (argv, err)
     assert not (good / "eval").exists()
+
+
+def test_tasks_of_every_checkpoint_of_a_run_in_one_table(runs, tmp_path, capsys):
+    """moe-eval --all --tasks: the harness's results with their standard errors per checkpoint;
+    the same weights saved with two layouts score the same."""
+    pytest.importorskip("lm_eval")
+    main([str(runs["ep2"]), "--all", "--tasks", "stdlib_sentence_mc,stdlib_next_word",
+          "--limit", "6", "--num-fewshot", "1", "--batch-size", "5", "--output",
+          str(tmp_path / "tasks")])
+    result = json.loads((tmp_path / "tasks" / "eval.json").read_text())
+    assert [c["step"] for c in result["checkpoints"]] == [1, 2]
+    rows = {(r["task"], r["metric"]): r for r in result["checkpoints"][-1]["downstream"]}
+    assert set(rows) == {("stdlib_sentence_mc", "acc"), ("stdlib_sentence_mc", "acc_norm"),
+                         ("stdlib_next_word", "exact_match")}
+    acc = rows[("stdlib_sentence_mc", "acc")]
+    assert acc["samples"] == 6 and acc["num_fewshot"] == 1 and acc["value"] in {i / 6 for i in range(7)}
+    p = acc["value"]
+    assert acc["stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 5), abs=1e-9)  # the harness's
+    report = (tmp_path / "tasks" / "report.md").read_text()
+    assert "stdlib_sentence_mc acc" in report and f"{p:.4f} ± {acc['stderr']:.4f}" in report
+    assert "stdlib_sentence_mc acc_norm" in capsys.readouterr().out
+    main([str(runs["single"]), "--tasks", "stdlib_sentence_mc", "--limit", "6", "--num-fewshot",
+          "1", "--output", str(tmp_path / "single")])
+    single = json.loads((tmp_path / "single" / "eval.json").read_text())["checkpoints"][0]
+    ep2_step1 = result["checkpoints"][0]["downstream"]
+    assert [r["value"] for r in single["downstream"]] == [r["value"] for r in ep2_step1[:2]]
+
+
+def test_bad_task_arguments_exit_2_and_write_nothing(runs, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("lm_eval")
+    good = runs["single"] / "checkpoints" / "step_0000001"
+    cases = [(["--tasks", "stdlib_sentence"], "unknown task(s): stdlib_sentence (nearest: "
+                                             "stdlib_sentence_mc"),
+             (["--tasks", "stdlib_sentence_mc", "--limit", "0"], "--limit: must be >= 1"),
+             (["--tasks", ","], "--tasks: name at least one task"),
+             (["--tasks", "stdlib_sentence_mc", "--include-path", str(tmp_path / "none")],
+              "none: no such directory")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main([str(good), "--output", str(tmp_path / "out"), *argv])
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, (argv, err)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    with pytest.raises(SystemExit):
+        main([str(good), "--tasks", "stdlib_sentence_mc", "--output", str(tmp_path / "out")])
+    assert "pip install -c constraints.txt -e '.[eval]'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

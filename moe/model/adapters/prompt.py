@@ -70,7 +70,8 @@ class PromptTunedTransformer(MoETransformer):
             out = super().forward(ids_BL, targets_BS, kv_cache=kv_cache)
         finally:
             self.embed.prompting = False
-        return ModelOutput(out.logits[:, n:], out.loss, out.lm_loss, out.aux_loss)
+        logits = None if out.logits is None else out.logits[:, n:]
+        return ModelOutput(logits, out.loss, out.lm_loss, out.aux_loss)
 
 
 def apply_prompt(model: MoETransformer, cfg: PromptConfig) -> list[nn.Parameter]:
