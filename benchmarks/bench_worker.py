@@ -27,6 +27,7 @@ from gpu_train_bench import bench, device_name, planned_bytes, preset, tiny_mode
 
 from moe.errors import ConfigError
 from moe.model.attention import FLEX_AVAILABLE
+from moe.model.loss import liger_problem
 from moe.training.device import peak_bf16_flops
 
 FIT_FRACTION = 0.95
@@ -40,6 +41,7 @@ def unmet(needs: list[str], cfg, device: torch.device) -> list[str]:
         "moe": cfg.model.ffn == "moe",
         "bf16": cfg.train.precision == "bf16",
         "flex": FLEX_AVAILABLE and device.type == "cuda",  # flex has no backward on the CPU
+        "liger": liger_problem() is None,
         "unaligned-experts": cfg.model.ffn == "moe" and cfg.model.moe.expert_hidden % 64 != 0,
     }
     unknown = [n for n in needs if n not in have]

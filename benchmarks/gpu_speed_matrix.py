@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class Lever:
     """One speed lever: config overrides (``bench.*`` ones are the bench's knobs,
     benchmarks/bench_steps.py) and what it needs to apply (benchmarks/bench_worker.py
-    ``unmet``: cuda, moe, bf16, flex, unaligned-experts); ``compiled``: also measured with
+    ``unmet``: cuda, moe, bf16, flex, liger, unaligned-experts); ``compiled``: also measured with
     ``train.compile=true``."""
     name: str
     overrides: tuple[str, ...]
@@ -63,6 +63,11 @@ class Lever:
 
 LEVERS = (
     Lever("compile", ("train.compile=true",), note="each block compiled (inductor)"),
+    Lever("ce-chunked", ("model.cross_entropy=chunked",), compiled=True,
+          note="the head and loss in blocks of 1024 tokens, no (T, V) logits"),
+    Lever("ce-liger", ("model.cross_entropy=liger",), ("cuda", "liger"), compiled=True,
+          note="Liger-Kernel's fused linear cross-entropy"),
+    Lever("adamw-fused", ("train.optimizer_impl=fused",), note="torch's fused AdamW kernel"),
     Lever("expert-loop", ("bench.expert_kernel=loop",), ("moe",),
           note="per-expert loop instead of the grouped GEMM"),
     Lever("flex", ("model.attention_backend=flex",), ("cuda", "flex"), compiled=True,
@@ -76,7 +81,6 @@ LEVERS = (
     Lever("grad-bf16", ("train.grad_reduce_dtype=bf16",), ("bf16",),
           note="gradients accumulated and reduced in bf16"),
     Lever("zero-2", ("parallel.zero_stage=2",)),
-    Lever("zero-0", ("parallel.zero_stage=0",)),
     Lever("micro-batch-16", ("train.micro_batch_size=16",), compiled=True,
           note="twice the tokens per step (skipped where moe-plan does not fit it)"),
     Lever("experts-448", ("model.moe.expert_hidden=448",), ("unaligned-experts",), compiled=True,

@@ -293,3 +293,34 @@ def test_a_cpu_rehearsal_measures_and_profiles_through_the_real_worker(tmp_path)
                                                                            r["tokens_per_s"]))
     assert [(e["model"], e["setting"]) for e in entries] == [("tiny-moe", best["setting"])]
     assert "Fastest per model: tiny-moe" in (out / "matrix.md").read_text()
+
+
+def test_every_lever_is_a_valid_config_with_known_preconditions():
+    """A typo in a lever's key or value, or an unknown precondition, fails here rather than as
+    an error row on a lent GPU."""
+    import torch
+    from bench_steps import split_knobs
+    from bench_worker import unmet
+    from gpu_train_bench import preset
+
+    from moe.errors import ConfigError
+    from moe.model.loss import liger_problem
+
+    cpu = torch.device("cpu")
+    for setting in gm.settings_of(gm.LEVERS):
+        overrides, _ = split_knobs(list(setting.overrides))
+        if "liger" in setting.needs and liger_problem():
+            with pytest.raises(ConfigError, match="cross_entropy: liger"):
+                preset("moe-125m", None, overrides)
+            continue
+        for model in gm.MODELS:
+            cfg = preset(model, None, overrides)
+            missing = unmet(list(setting.needs), cfg, cpu)
+            assert ("cuda" in missing) == ("cuda" in setting.needs)
+            if model == "dense-125m" and "moe" in setting.needs:
+                assert "moe" in missing
+    cfg = preset("moe-1b", None, [])
+    assert unmet(["unaligned-experts"], cfg, cpu) == ["unaligned-experts"]  # 384 = 6 x 64
+    assert unmet(["unaligned-experts"], preset("moe-125m", None, []), cpu) == []  # 432
+    with pytest.raises(ConfigError, match="unknown precondition"):
+        unmet(["gpu"], cfg, cpu)
