@@ -22,7 +22,9 @@ How a kernel finds its region, first rule that applies:
 6. otherwise ``other``.
 
 The summary states how much kernel time each rule attributed. On the CPU there are no kernels:
-the leaf operators (those with no operator inside) stand in for them, on the threads they ran.
+each operator stands in for one with its self time (its time less the operators inside it),
+and the busy time is the union of the outermost operators: the rest is Python and framework
+overhead between operators.
 
 Only the standard library: the settings matrix renders summaries without importing torch.
 """
@@ -84,7 +86,8 @@ class Node:
     dims: list | None = None
     ext: int | None = None
     parent: Node | None = None
-    has_op_child: bool = False
+    child_op_us: float = 0.0
+    """Time of the operators directly inside this one (its self time is the rest)."""
 
     def stack(self):
         node = self
@@ -134,7 +137,7 @@ def build_tree(events: list[dict]) -> dict[tuple, list[Node]]:
             if stack:
                 node.parent = stack[-1]
                 if node.cat == "cpu_op":
-                    stack[-1].has_op_child = True
+                    stack[-1].child_op_us += node.end - node.ts
             stack.append(node)
     return by_thread
 
@@ -217,9 +220,10 @@ def forward_regions(threads: dict[tuple, list[Node]]) -> dict[int, str]:
     return out
 
 
-def attribute(trace: dict, model: Dims | None = None) -> tuple[list[Kernel], bool]:
-    """Every kernel (or, without any, every leaf host operator) with its region; and whether
-    device kernels were found."""
+def attribute(trace: dict, model: Dims | None = None) -> tuple[list[Kernel], list, bool]:
+    """Every kernel with its region, the busy intervals, and whether there were kernels.
+    Without kernels (a CPU profile), every operator stands in for one with its self time (its
+    time less the operators inside it), and the busy intervals are the outermost operators."""
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
     threads = build_tree(events)
     forward = forward_regions(threads)
@@ -244,14 +248,20 @@ def attribute(trace: dict, model: Dims | None = None) -> tuple[list[Kernel], boo
         resolve(k, launch, forward, model)
         kernels.append(k)
     if kernels:
-        return kernels, True
+        return kernels, [(k.ts, k.dur) for k in kernels], True
+    busy = []
     for nodes in threads.values():
         for node in nodes:
-            if node.cat == "cpu_op" and not node.has_op_child:
-                k = Kernel(node.name, node.ts, node.end - node.ts)
+            if node.cat != "cpu_op":
+                continue
+            if not any(n.cat == "cpu_op" for n in node.stack() if n is not node):
+                busy.append((node.ts, node.end - node.ts))
+            self_us = node.end - node.ts - node.child_op_us
+            if self_us > 0:
+                k = Kernel(node.name, node.ts, self_us)
                 resolve(k, node, forward, model)
                 kernels.append(k)
-    return kernels, False
+    return kernels, busy, False
 
 
 def busy_time(intervals) -> float:
@@ -270,10 +280,10 @@ def summarise(trace: dict, steps: int, step_s: float, *, dims: Dims | None = Non
     """One compact summary (see the module docstring). ``step_s``: seconds per step timed
     without the profiler; ``window_s``: the profiled steps' wall time, all of them;
     ``syncs``: {"per_step": n, "sites": [[where, per_step], ...]} or None (not counted)."""
-    kernels, on_device = attribute(trace, dims)
+    kernels, busy, on_device = attribute(trace, dims)
     n = max(steps, 1)
     ms = lambda us: round(us / 1000 / n, 4)  # µs over all steps -> ms per step
-    busy_ms = ms(busy_time((k.ts, k.dur) for k in kernels))
+    busy_ms = ms(busy_time(busy))
     total_us = sum(k.dur for k in kernels) or 1e-9
     per_region: dict[str, list] = defaultdict(lambda: [0.0, 0])
     groups: dict[tuple, list] = defaultdict(lambda: [0.0, 0, Counter()])
@@ -366,7 +376,7 @@ def render(entries: list[dict]) -> str:
 
 
 def render_entry(e: dict) -> list[str]:
-    unit = "kernels" if e["device_kind"] == "gpu" else "leaf operators"
+    unit = "kernels" if e["device_kind"] == "gpu" else "operators (self time)"
     syncs = ("not counted" if e.get("syncs_per_step") is None else
              f"{e['syncs_per_step']:g} per step"
              + (" (" + "; ".join(f"{w} x{c:g}" for w, c in e["sync_sites"]) + ")"

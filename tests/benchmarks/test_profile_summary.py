@@ -89,8 +89,8 @@ def by_name_and_start(kernels):
 
 
 def test_each_kernel_is_attributed_by_the_first_rule_that_applies():
-    kernels, on_device = ps.attribute({"traceEvents": synthetic().events}, DIMS)
-    assert on_device
+    kernels, busy, on_device = ps.attribute({"traceEvents": synthetic().events}, DIMS)
+    assert on_device and busy == [(k.ts, k.dur) for k in kernels]
     assert by_name_and_start(kernels) == {
         ("sm90_xmma_gemm_bf16", 1000): ("attention", "range"),
         ("cutlass::device_kernel<GroupProblemShape>", 1050): ("expert GEMMs", "range"),
@@ -223,8 +223,29 @@ def test_a_cpu_profile_of_a_tiny_model_is_attributed_by_its_ranges(tmp_path):
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     s = ps.summarise(json.loads((tmp_path / "trace.json").read_text()), 1, 1.0)
     assert s["device_kind"] == "cpu" and s["kernels_per_step"] > 100
+    # Operators count with their self time: the matrix products, which hold operators of their
+    # own (views, copies), are there, and the busy time is the outermost operators' union.
+    assert any(name in ("aten::mm", "aten::addmm", "aten::_grouped_mm")
+               for _, name, *_ in s["top_kernels"])
+    assert s["kernel_ms_per_step"] == pytest.approx(s["busy_ms"], rel=0.05)
     found = {r for r, *_ in s["regions"]}
     assert {"attention", "expert GEMMs", "dense FFN & shared", "permute & combine", "router",
             "norms & elementwise", "head & loss", "optimizer"} <= found
     by = s["attributed_by"]
     assert by["range"] + by.get("backward", 0) > 0.9 and by["backward"] > 0.05, by
+
+
+def test_on_the_cpu_operators_count_with_their_self_time_and_busy_is_the_outermost():
+    t = Trace()
+    t.host("user_annotation", "attention", 0, 300)
+    t.host("cpu_op", "aten::linear", 0, 100)
+    t.host("cpu_op", "aten::addmm", 10, 30)
+    t.host("cpu_op", "aten::copy_", 20, 10)
+    t.host("cpu_op", "aten::add", 200, 50)
+    kernels, busy, on_device = ps.attribute({"traceEvents": t.events})
+    assert not on_device and sorted(busy) == [(0.0, 100.0), (200.0, 50.0)]
+    assert {k.name: k.dur for k in kernels} == {"aten::linear": 70, "aten::addmm": 20,
+                                                 "aten::copy_": 10, "aten::add": 50}
+    assert {k.region for k in kernels} == {"attention"}
+    s = ps.summarise({"traceEvents": t.events}, 1, step_s=0.0005)
+    assert s["busy_ms"] == 0.15 and s["idle_ms"] == 0.35 and s["kernel_ms_per_step"] == 0.15
