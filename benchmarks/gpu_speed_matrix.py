@@ -35,7 +35,6 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,7 +305,6 @@ def main(argv=None) -> int:
     out = Path(args.outdir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     deadline = start + args.budget - 3  # the last summary is written after it
-    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="gpu_matrix_")).resolve()
 
     def stop(signum, frame):
         raise CutShort(signal.Signals(signum).name)
@@ -320,7 +318,7 @@ def main(argv=None) -> int:
                     on_update=lambda m: report(out, m, args, start))
     try:
         env = (dict(os.environ) if args.worker_cmd else  # a stand-in needs no packages
-               ensure_packages(scratch / "site", args.wheels, out / "worker.log", deadline))
+               ensure_packages(args.scratch, args.wheels, out / "worker.log", deadline))
         matrix.runner = Worker(args, env, out / "worker.log", args.worker_cmd)
         matrix.run()
     except CutShort as e:

@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,22 +25,29 @@ START_TIMEOUT = 240.0
 """Seconds a starting worker may take to say hello (imports, CUDA, the process group)."""
 
 
-def worker_env(site: Path) -> dict:
+def worker_env(site: Path | None) -> dict:
     env = dict(os.environ)
-    paths = [str(site), str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    paths = ([str(site)] if site else []) + [str(ROOT)] + [
+        p for p in env.get("PYTHONPATH", "").split(":") if p]
     env.update(PYTHONPATH=":".join(paths), PYTHONUNBUFFERED="1")
     return env
 
 
-def ensure_packages(site: Path, wheels: str | None, log_path: Path, deadline: float) -> dict:
-    """The worker's environment: ``site`` first on PYTHONPATH, and in it the wheels of the
+def ensure_packages(scratch: str | None, wheels: str | None, log_path: Path,
+                    deadline: float) -> dict:
+    """The worker's environment: SCRATCH/site first on PYTHONPATH, and in it the wheels of the
     folder (benchmarks/gpu_wheels.sh) whose packages this Python lacks, when it cannot import
-    what the bench needs (a GPU machine without DeepSpeed)."""
+    what the bench needs (a GPU machine without DeepSpeed). Without ``scratch``, a new
+    temporary folder, made only when something is installed."""
+    site = Path(scratch).resolve() / "site" if scratch else None
     env = worker_env(site)
     left = lambda: max(deadline - time.monotonic(), 5)
     found, _ = import_check(sys.executable, env, ROOT, left(), NEEDED)
     if found and all(v is not None for v, _ in found.values()):
         return env
+    if site is None:
+        site = Path(tempfile.mkdtemp(prefix="gpu_matrix_")) / "site"
+        env = worker_env(site)
     folder = Path(wheels or os.environ.get("GPU_WHEELS") or ROOT / "gpu-wheels")
     with open(log_path, "a") as log:
         log.write(f"[matrix] installing into {site}\n")

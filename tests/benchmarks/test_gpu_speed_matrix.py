@@ -324,3 +324,27 @@ def test_every_lever_is_a_valid_config_with_known_preconditions():
     assert unmet(["unaligned-experts"], preset("moe-125m", None, []), cpu) == []  # 432
     with pytest.raises(ConfigError, match="unknown precondition"):
         unmet(["gpu"], cfg, cpu)
+
+
+def test_missing_packages_are_installed_from_the_wheel_folder(tmp_path, monkeypatch):
+    """As on a GPU machine without DeepSpeed: what the worker cannot import comes from the
+    wheel folder into SCRATCH/site, first on the worker's PYTHONPATH; what no wheel provides
+    is named in the error."""
+    import matrix_worker
+
+    from tests.benchmarks.test_gpu_proof import make_wheel
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels, "gpu-matrix-probe", "1.0")
+    monkeypatch.setattr(matrix_worker, "NEEDED", ["yaml", "gpu_matrix_probe"])
+    env = matrix_worker.ensure_packages(str(tmp_path / "scratch"), str(wheels),
+                                        tmp_path / "worker.log", time.monotonic() + 120)
+    site = tmp_path / "scratch" / "site"
+    assert (site / "gpu_matrix_probe" / "__init__.py").exists()
+    assert env["PYTHONPATH"].split(":")[:2] == [str(site), str(ROOT)]
+    assert "install" in (tmp_path / "worker.log").read_text()
+    monkeypatch.setattr(matrix_worker, "NEEDED", ["yaml", "no_such_module_anywhere"])
+    with pytest.raises(RuntimeError, match="cannot import no_such_module_anywhere"):
+        matrix_worker.ensure_packages(str(tmp_path / "s2"), str(wheels), tmp_path / "w.log",
+                                      time.monotonic() + 120)
