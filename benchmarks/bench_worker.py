@@ -34,20 +34,30 @@ FIT_FRACTION = 0.95
 """A run whose planned memory (moe-plan's total) exceeds this share of the device is skipped."""
 
 
+DEVICE_NEEDS = ("cuda", "flex", "liger")
+"""Preconditions on the machine alone, checked before the config is built (a config with
+``model.cross_entropy=liger`` is refused where Liger-Kernel is missing)."""
+
+
 def unmet(needs: list[str], cfg, device: torch.device) -> list[str]:
-    """The preconditions of a lever that this model and device do not meet."""
+    """The preconditions of a lever that this device (and model, unless ``cfg`` is None) do
+    not meet."""
     have = {
         "cuda": device.type == "cuda",
-        "moe": cfg.model.ffn == "moe",
-        "bf16": cfg.train.precision == "bf16",
         "flex": FLEX_AVAILABLE and device.type == "cuda",  # flex has no backward on the CPU
         "liger": liger_problem() is None,
-        "unaligned-experts": cfg.model.ffn == "moe" and cfg.model.moe.expert_hidden % 64 != 0,
     }
-    unknown = [n for n in needs if n not in have]
+    if cfg is not None:
+        have.update({
+            "moe": cfg.model.ffn == "moe",
+            "bf16": cfg.train.precision == "bf16",
+            "unaligned-experts": cfg.model.ffn == "moe" and cfg.model.moe.expert_hidden % 64 != 0,
+        })
+    known = (*DEVICE_NEEDS, "moe", "bf16", "unaligned-experts")
+    unknown = [n for n in needs if n not in known]
     if unknown:
-        raise ConfigError([f"needs: unknown precondition(s) {unknown} (known: {sorted(have)})"])
-    return [n for n in needs if not have[n]]
+        raise ConfigError([f"needs: unknown precondition(s) {unknown} (known: {sorted(known)})"])
+    return [n for n in needs if n in have and not have[n]]
 
 
 def config_for(task: dict, tiny: bool, micro_batch: int | None):
@@ -61,8 +71,11 @@ def config_for(task: dict, tiny: bool, micro_batch: int | None):
 
 
 def run_task(task: dict, device: torch.device, args) -> dict:
-    cfg, knobs = config_for(task, args.tiny, args.micro_batch)
-    missing = unmet(list(task.get("needs", [])), cfg, device)
+    needs = list(task.get("needs", []))
+    missing = unmet(needs, None, device)
+    if not missing:
+        cfg, knobs = config_for(task, args.tiny, args.micro_batch)
+        missing = unmet(needs, cfg, device)
     if missing:
         return {"status": "skipped", "reason": "needs " + ", ".join(missing)}
     if device.type == "cuda":

@@ -16,10 +16,12 @@ ratio is taken: a row's ratio is the median (and spread) of its rounds' ratios.
 The budget (``--budget`` seconds, 420 by default) counts from the start, wheel install and
 worker start included. A setting is admitted in round 1 only if all its rounds fit in what is
 left after the rounds already promised to earlier settings, estimated from the measured runs
-(the default's run for a new setting, plus a compile estimate for a compiled one); a run whose
-estimate no longer fits is not started, and a run still going at the deadline is ended. Then,
-within ``--profile-reserve`` seconds kept back for it, each model's fastest setting is run once
-more under the profiler (benchmarks/profile_summary.py).
+(the default's run for a new setting, plus ``--compile-estimate`` for a compiled one until a
+compile is measured); a run whose estimate no longer fits is not started, and a run still
+going at the deadline is ended. Time the admitted settings leave goes to the others, in
+priority order: rounds of one setting and a default run each, as many as fit (a row says how
+many runs it has). Then, within ``--profile-reserve`` seconds kept back for it, each model's
+fastest setting is run once more under the profiler (benchmarks/profile_summary.py).
 
 All runs happen in one worker process (``gpu_train_bench.py --serve``: imports, CUDA context
 and compiled blocks kept from run to run), restarted when it dies. OUTDIR gets matrix.md,
@@ -129,7 +131,7 @@ class Matrix:
 
     def __init__(self, settings: list[Setting], models, runner, *, clock, deadline: float,
                  run_deadline: float, rounds: int = 3, steps: int = 10, warmup: int = 3,
-                 run_estimate: float = 20.0, compile_estimate: float = 90.0,
+                 run_estimate: float = 20.0, compile_estimate: float = 60.0,
                  on_update=lambda matrix: None):
         self.settings, self.models, self.runner, self.clock = settings, list(models), runner, clock
         self.deadline, self.run_deadline, self.rounds = deadline, run_deadline, rounds
@@ -195,7 +197,7 @@ class Matrix:
         """Round 1 of ``s`` and its later rounds fit after the later rounds already promised."""
         later = self.rounds - 1
         promised = sum(later * self.estimate(a, m, False) for a in self.admitted
-                       for m in self.applies[a.name])
+                       for m in self.applies[a.name])  # the default's included
         cost = sum(self.estimate(s, m, True) + later * self.estimate(s, m, False)
                    for m in self.applies[s.name])
         return self.clock() + promised + cost <= self.run_deadline
@@ -225,25 +227,56 @@ class Matrix:
 
     def run(self) -> None:
         self.check()
-        for s in self.settings:
-            if not self.applies[s.name]:
-                continue
-            if s.name != "default" and not self.admit(s):
-                self.not_admitted.append(s.name)
-                continue
-            self.admitted.append(s)
-            for m in self.applies[s.name]:
-                self.run_one(s, m, 1)
-        for round_ in range(2, self.rounds + 1):
-            k = (round_ - 1) % max(len(self.admitted), 1)
-            for s in self.admitted[k:] + self.admitted[:k]:
-                for m in self.applies[s.name]:
-                    if self._ok(s.name, m):  # a setting that failed in round 1 is not retried
-                        self.run_one(s, m, round_)
+        settings = [s for s in self.settings if self.applies[s.name]]
+        if settings and settings[0].name == "default":
+            next_round = self.run_rounds(settings[0], settings[1:])
+            for s in settings[1:]:
+                if s not in self.admitted:
+                    next_round = self.spare_rounds(settings[0], s, next_round)
+        self.not_admitted = [s.name for s in settings if s not in self.admitted]
         self.profile_best()
         cut = any(r.status in ("not run", "timeout") for r in self.runs)
         self.status = "out of time" if cut else "complete"
         self.on_update(self)
+
+    def run_rounds(self, default: Setting, others: list[Setting]) -> int:
+        """Round 1: the default, then each setting that admit() takes, in priority order; the
+        other rounds in rotated orders. Returns the next round's number."""
+        self.admitted = [default]
+        for m in self.applies[default.name]:
+            self.run_one(default, m, 1)
+        for s in others:
+            if self.admit(s):
+                self.admitted.append(s)
+                for m in self.applies[s.name]:
+                    self.run_one(s, m, 1)
+            else:
+                self.not_admitted.append(s.name)
+        for round_ in range(2, self.rounds + 1):
+            k = (round_ - 1) % len(self.admitted)
+            for s in self.admitted[k:] + self.admitted[:k]:
+                for m in self.applies[s.name]:
+                    if self._ok(s.name, m):  # a setting that failed in round 1 is not retried
+                        self.run_one(s, m, round_)
+        return self.rounds + 1
+
+    def spare_rounds(self, default: Setting, s: Setting, first: int) -> int:
+        """Time the admitted settings left: rounds of ``s`` and a default run each (alternating
+        which goes first), as many as fit, up to ``rounds``. Returns the next round's number."""
+        done = 0
+        while done < self.rounds:
+            cost = sum(self.estimate(default, m, False) for m in self.applies[default.name])
+            cost += sum(self.estimate(s, m, done == 0) for m in self.applies[s.name])
+            if self.clock() + cost > self.run_deadline:
+                break
+            for x in ((default, s) if done % 2 == 0 else (s, default)):
+                for m in self.applies[x.name]:
+                    self.run_one(x, m, first + done)
+            done += 1
+        if done:
+            self.admitted.append(s)
+            self.not_admitted.remove(s.name)
+        return first + done
 
     def profile_best(self) -> None:
         """Each model's fastest setting, once more, under the profiler."""
@@ -279,7 +312,7 @@ def parse_args(argv=None):
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s for MFU (default: the GPU's)")
     p.add_argument("--run-estimate", type=float, default=20.0,
                    help="seconds one run is assumed to take until one is measured")
-    p.add_argument("--compile-estimate", type=float, default=90.0,
+    p.add_argument("--compile-estimate", type=float, default=60.0,
                    help="seconds a compile is assumed to add until one is measured")
     p.add_argument("--wheels", help="the wheel folder (default: $GPU_WHEELS or gpu-wheels/)")
     p.add_argument("--scratch", help="holds site/ (installed wheels; the proof's scratch "

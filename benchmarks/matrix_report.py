@@ -79,8 +79,10 @@ def render(matrix, args, hello: dict, elapsed: float, rows: list[dict], levers) 
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         peak = "-" if r["peak_mem"] is None else f"{r['peak_mem'] / 2**30:.1f}"
         flag = (" **compiled in timed steps**" if r["graphs_in_timed_steps"] else "")
+        note = " ".join(r["note"].split()).replace("|", "/")  # one table cell
+        note = note if len(note) <= 160 else note[:159] + "…"
         lines.append(f"| {r['model']} | {r['setting']} | {r['runs']} | {fmt_rate(r)} | {mfu} | "
-                     f"{fmt_ratio(r)} | {peak} | {r['note']}{flag} |")
+                     f"{fmt_ratio(r)} | {peak} | {note}{flag} |")
     best = best_settings(rows)
     if best:
         lines += ["", "Fastest per model: " + "; ".join(

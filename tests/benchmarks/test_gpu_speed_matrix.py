@@ -123,16 +123,16 @@ def test_a_setting_is_admitted_only_when_all_its_rounds_fit():
     m = matrix(settings, runner, clock, models=("moe",), run_deadline=160.0, deadline=200.0)
     m.run()
     # default, a, b (60) run round 1 by t = 80; c's 30 s do not fit with the 60 s promised to
-    # the later rounds of the three (80 + 60 + 30 > 160); those rounds end at t = 140.
-    assert m.not_admitted == ["c"] and m.status == "complete"
-    assert [s for s, _ in runner.calls[:9]] == ["default", "a", "b", "a", "b", "default", "b",
-                                                "default", "a"]
-    assert len(runner.calls) == 10 and clock.t == 150.0  # then one profile run
+    # the later rounds of the three (80 + 60 + 30 > 160); those rounds end at t = 140, and the
+    # 20 s left hold one round of c with its own default run.
+    assert m.status == "complete" and m.not_admitted == []
+    assert [s for s, _ in runner.calls[:11]] == ["default", "a", "b", "a", "b", "default", "b",
+                                                 "default", "a", "default", "c"]
+    assert len(runner.calls) == 12 and clock.t == 170.0  # then one profile run
     # b's later rounds were estimated without its compile (from its warm-up over the default's).
     assert m.estimate(settings[2], "moe", first=False) == 10.0
-    assert clock.t <= 200.0
     row_c = next(r for r in summary_rows(m) if r["setting"] == "c")
-    assert row_c["runs"] == 0 and "not admitted" in row_c["note"]
+    assert row_c["runs"] == 1 and row_c["ratio"] == 1.0
 
 
 def test_the_budget_ends_runs_that_overrun_and_starts_none_that_cannot_fit():
@@ -149,6 +149,26 @@ def test_the_budget_ends_runs_that_overrun_and_starts_none_that_cannot_fit():
     assert m.status == "out of time" and clock.t <= 200.0
     ended = next(r for r in m.runs if r.status == "timeout")
     assert ended.wall_s == pytest.approx(70.0)
+
+
+def test_time_the_admitted_settings_leave_goes_to_the_others_with_default_runs():
+    clock = Clock()
+    # a's first run takes 30 s and promises 30 s rounds, which take 10: b and c are refused in
+    # round 1 (40 + 80 promised + 30 > 130); at t = 80 the spare time runs rounds 4 and 5 of b,
+    # each with a default run (b first in round 5), until a sixth would pass 130. c gets none.
+    runner = FakeRunner(clock, cost=lambda s, m, n: 30.0 if (s, n) == ("a", 1) else 10.0,
+                        speed=lambda s, m, n: {"default": 100.0, "b": 150.0}.get(s, 90.0))
+    m = matrix(plain("a", "b", "c"), runner, clock, models=("moe",), run_deadline=130.0,
+               deadline=200.0)
+    m.run()
+    assert [s for s, _ in runner.calls[:10]] == ["default", "a", "a", "default", "default", "a",
+                                                 "default", "b", "b", "default"]
+    assert [(r.setting, r.round) for r in m.runs[-4:]] == [("default", 4), ("b", 4), ("b", 5),
+                                                          ("default", 5)]
+    assert m.not_admitted == ["c"] and m.status == "complete"
+    rows = {r["setting"]: r for r in summary_rows(m)}
+    assert rows["b"]["runs"] == 2 and rows["b"]["ratio"] == 1.5 and rows["default"]["runs"] == 5
+    assert rows["c"]["runs"] == 0 and "not admitted" in rows["c"]["note"]
 
 
 def test_skipped_pairs_and_failed_settings_are_reported_and_not_retried():
@@ -310,6 +330,7 @@ def test_every_lever_is_a_valid_config_with_known_preconditions():
     for setting in gm.settings_of(gm.LEVERS):
         overrides, _ = split_knobs(list(setting.overrides))
         if "liger" in setting.needs and liger_problem():
+            assert unmet(list(setting.needs), None, cpu) == ["cuda", "liger"]  # before building
             with pytest.raises(ConfigError, match="cross_entropy: liger"):
                 preset("moe-125m", None, overrides)
             continue
