@@ -4,6 +4,7 @@ code against another commit's, in alternating rounds.
 
     flock /tmp/moe-integration.lock python benchmarks/cpu_step_ab.py --base main
     python benchmarks/cpu_step_ab.py --base HEAD~3 --rounds 5 --steps 60
+    python benchmarks/cpu_step_ab.py --ranges --rounds 5 --steps 20   # one process, no launcher
 
 The other commit's files (``git archive``) go into a temporary folder, removed afterwards. Each run trains ``--steps`` steps of the same config on the same prepared
 data (this checkout's ``data/stdlib``, prepared first if missing) from scratch, logging every
@@ -43,9 +44,69 @@ def run_steps(tree: Path, runs: Path, name: str, steps: int, extra: list[str]) -
     return [h["tokens_per_s"] for h in history]
 
 
+def ranges_ab(rounds: int, steps: int) -> dict:
+    """In one process, one rank: configs/default.yaml's model (fp32, one micro-batch of 8 x 256,
+    AdamW) with the model's profiler ranges as they are, against the same steps with each
+    range site calling a bare no-op instead (what the step costs without them). Each round
+    times ``steps`` steps of each, one step at a time, alternating; its ratio is the median
+    of the pairs' ratios. No launcher: it needs no lock."""
+    import contextlib
+    import time
+
+    import torch
+
+    from moe.config.run import load_config
+    from moe.model import block, moe_layer, transformer
+    from moe.model.transformer import MoETransformer
+
+    torch.set_num_threads(1)
+    cfg = load_config(ROOT / "configs" / "default.yaml")
+    cfg.model.vocab_size = cfg.data.tokenizer.vocab_size
+    torch.manual_seed(0)
+    model = MoETransformer(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    B, S, V = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    shipped = {m: m.region for m in (block, moe_layer, transformer)}
+    off = contextlib.nullcontext()
+    bare = lambda name: off
+
+    def timed(use_ranges: bool) -> float:
+        for m, f in shipped.items():
+            m.region = f if use_ranges else bare
+        x = torch.randint(0, V, (B, S + 1))
+        t0 = time.perf_counter()
+        model(x[:, :-1], x[:, 1:]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    timed(True)  # warm-up
+    times = {"ranges": [], "none": []}
+    ratios = []
+    try:
+        for r in range(rounds):
+            pairs = []
+            for i in range(steps):
+                order = ("ranges", "none") if (r + i) % 2 == 0 else ("none", "ranges")
+                t = {side: timed(side == "ranges") for side in order}
+                pairs.append(t["ranges"] / t["none"])
+                for side in order:
+                    times[side].append(t[side])
+            ratios.append(median(pairs))
+            print(f"round {r + 1}: ranges / none {ratios[-1]:.4f}", flush=True)
+    finally:
+        for m, f in shipped.items():
+            m.region = f
+    print(f"step time with ranges / without: {median(ratios):.4f} (min {min(ratios):.4f}, max "
+          f"{max(ratios):.4f}); {median(times['none']) * 1000:,.0f} ms per step without")
+    return {"step_s": times, "ratios": ratios, "ratio": median(ratios)}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, help="the commit to compare with (e.g. main)")
+    p.add_argument("--base", help="the commit to compare with (e.g. main)")
+    p.add_argument("--ranges", action="store_true",
+                   help="instead: the model's profiler ranges on and off in one process")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40, help="steps per run")
     p.add_argument("--skip", type=int, default=10, help="first steps left out (warm-up)")
@@ -53,6 +114,13 @@ def main(argv=None) -> dict:
                    help="config overrides for both sides")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
+    if args.ranges:
+        result = ranges_ab(args.rounds, args.steps)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return result
+    if not args.base:
+        p.error("give --base COMMIT (or --ranges)")
     if args.skip >= args.steps:
         p.error("--skip must be smaller than --steps")
     if not (ROOT / "data" / "stdlib" / "manifest.json").exists():
