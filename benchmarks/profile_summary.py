@@ -23,8 +23,9 @@ How a kernel finds its region, first rule that applies:
 
 The summary states how much kernel time each rule attributed. On the CPU there are no kernels:
 each operator stands in for one with its self time (its time less the operators inside it),
-and the busy time is the union of the outermost operators: the rest is Python and framework
-overhead between operators.
+and the busy time is the union of the outermost operators, as a share of the profiled step
+(operator times carry the profiler's own cost): the rest is Python and framework overhead
+between operators.
 
 Only the standard library: the settings matrix renders summaries without importing torch.
 """
@@ -300,12 +301,15 @@ def summarise(trace: dict, steps: int, step_s: float, *, dims: Dims | None = Non
     order = {r: i for i, r in enumerate(REGIONS)}
     top.sort(key=lambda kv: (order[kv[0][0]], -kv[1][0]))
     step_ms = round(step_s * 1000, 4)
+    profiled_ms = round(window_s * 1000 / n, 4) if window_s else None
+    # Kernel times are the device's own; operator times on the CPU carry the profiler's
+    # overhead, so there the busy share is of the profiled step.
+    base_ms = step_ms if on_device or not profiled_ms else profiled_ms
     return {
         **info, "device_kind": "gpu" if on_device else "cpu", "steps": steps,
-        "step_ms": step_ms,
-        "profiled_step_ms": round(window_s * 1000 / n, 4) if window_s else None,
-        "busy_ms": busy_ms, "idle_ms": round(max(step_ms - busy_ms, 0.0), 4),
-        "busy_share": round(min(busy_ms / step_ms, 1.0), 4) if step_ms else None,
+        "step_ms": step_ms, "profiled_step_ms": profiled_ms,
+        "busy_ms": busy_ms, "idle_ms": round(max(base_ms - busy_ms, 0.0), 4),
+        "busy_share": round(min(busy_ms / base_ms, 1.0), 4) if base_ms else None,
         "kernels_per_step": round(sum(not k.copy for k in kernels) / n, 2),
         "copies_per_step": round(sum(k.copy for k in kernels) / n, 2),
         "kernel_ms_per_step": ms(total_us),
@@ -390,7 +394,8 @@ def render_entry(e: dict) -> list[str]:
             + (f", MFU {e['mfu']:.1%}" if e.get("mfu") else ""),
             (f"- device busy {e['busy_ms']:.2f} ms ({e['busy_share']:.0%}), idle "
              if e["device_kind"] == "gpu" else
-             f"- in operators {e['busy_ms']:.2f} ms ({e['busy_share']:.0%}), outside them ")
+             f"- of the profiled step, in operators {e['busy_ms']:.2f} ms "
+             f"({e['busy_share']:.0%}), outside them ")
             + f"{e['idle_ms']:.2f} ms; {e['kernels_per_step']:g} {unit} and "
             f"{e['copies_per_step']:g} copies per step ({e['kernel_ms_per_step']:.2f} ms of "
             f"{unit})",
