@@ -130,3 +130,30 @@ def test_the_bench_knobs():
     docs = document_ids(4, 2048, 512, torch.Generator().manual_seed(0))
     assert docs.shape == (4, 2048) and (docs[:, 0] == 0).all()
     assert (docs.diff(dim=1) >= 0).all() and 1 <= int(docs[:, -1].max()) <= 3
+
+
+def test_host_syncs_are_counted_per_step_with_their_source_lines(monkeypatch):
+    """count_syncs on a stand-in CUDA step: every sync warning counts (not only the first per
+    line), other warnings do not, and the sync mode is switched off again."""
+    import warnings
+    from types import SimpleNamespace
+
+    import bench_steps
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(bench_steps, "sync", lambda device: None)
+
+    def fake_step(engine, cfg, device, knobs):
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # 3 syncs
+        warnings.warn("something else", stacklevel=1)
+
+    monkeypatch.setattr(bench_steps, "step", fake_step)
+    got = bench_steps.count_syncs(None, None, SimpleNamespace(type="cuda"), None, steps=2)
+    assert got["per_step"] == 3 and len(got["sites"]) == 1
+    site, per_step = got["sites"][0]
+    assert site.startswith("tests/benchmarks/test_gpu_train_bench.py:") and per_step == 3
+    assert modes == ["warn", 0]
+    assert bench_steps.count_syncs(None, None, torch.device("cpu"), None, steps=2) is None
