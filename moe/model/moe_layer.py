@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from moe.config_schema import arch, minimums
 from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask, count_ids
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
 from moe.model.recompute import outside_recompute, recompute
+from moe.model.regions import COMBINE, DISPATCH, EXPERTS, ROUTER, region
 from moe.model.router import RouterConfig, TopKRouter, at_least_fp32, capacity
 
 STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
@@ -116,8 +116,9 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         rc = self.cfg.router
         global_counts = rc.aux_loss_scope == "global_batch" and self.training
-        routing = self.router(x_TD, seq_len=S,
-                              batch_counts_E=self.batch_counts_E if global_counts else None)
+        with region(ROUTER):
+            routing = self.router(x_TD, seq_len=S,
+                                  batch_counts_E=self.batch_counts_E if global_counts else None)
         if self.counting:
             with torch.no_grad():
                 self.batch_counts_E += count_ids(  # not bincount: a host sync on CUDA
@@ -128,14 +129,13 @@ class MoELayer(nn.Module):
             cap = capacity(B * S, self.num_experts, self.cfg.router.top_k, self.cfg.capacity_factor)
             keep_TK = capacity_keep_mask(routing.indices_TK, routing.weights_TK, self.num_experts, cap)
 
-        # Named ranges for the profiler (benchmarks/gpu_train_bench.py splits step time by them).
-        with record_function("moe.dispatch"):
+        with region(DISPATCH):
             plan = self.dispatcher.plan(routing.indices_TK, keep_TK)
             x_ND, w_N, local_counts = self.dispatcher.dispatch(x_TD, routing.weights_TK, plan)
-        with record_function("moe.experts"):
+        with region(EXPERTS):
             y_ND = recompute(self.experts, x_ND, local_counts, w_N, plan.counts_host,
                              enabled=self.recompute_experts)
-        with record_function("moe.combine"):
+        with region(COMBINE):
             y_TD = self.dispatcher.combine(y_ND, plan)
         if self.shared_mlp is not None:
             shared_TD = recompute(self.shared_mlp, x_TD, enabled=self.recompute_experts)
@@ -144,7 +144,8 @@ class MoELayer(nn.Module):
             y_TD = y_TD + shared_TD
 
         if not self.counting:  # a counting pass is not a training micro-batch
-            self._record(routing, plan.counts_E, B * S)
+            with region(ROUTER):
+                self._record(routing, plan.counts_E, B * S)
         loss = rc.aux_loss_coef * routing.aux_loss + rc.z_loss_coef * routing.z_loss
         return y_TD.view(B, S, D), loss
 

@@ -22,7 +22,6 @@ from typing import Literal, NamedTuple, cast
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from moe.config_schema import arch, runtime
 from moe.model.attention import (
@@ -49,6 +48,7 @@ from moe.model.positions import (
     T5RelativeBias,
     positions_from_doc_ids,
 )
+from moe.model.regions import ATTENTION, EMBEDDING, HEAD, region
 
 
 @dataclass
@@ -281,18 +281,20 @@ class MoETransformer(nn.Module):
         stays within a document and positions restart at 0 where the id changes (adjacent
         documents must have different ids). ``kv_cache``: keys/values of earlier tokens, appended
         to in place (pass the same ``doc_ids`` convention on every call)."""
-        pos_BS, inputs = self._attention_inputs(input_ids_BS, doc_ids_BS, kv_cache)
-        x_BSD = self.embed(input_ids_BS)
-        pos_emb = self.positions.embedding(pos_BS)
-        if pos_emb is not None:
-            x_BSD = x_BSD + pos_emb.to(x_BSD.dtype)
+        with region(ATTENTION):  # positions, rotary tables and masks every layer shares
+            pos_BS, inputs = self._attention_inputs(input_ids_BS, doc_ids_BS, kv_cache)
+        with region(EMBEDDING):
+            x_BSD = self.embed(input_ids_BS)
+            pos_emb = self.positions.embedding(pos_BS)
+            if pos_emb is not None:
+                x_BSD = x_BSD + pos_emb.to(x_BSD.dtype)
         aux_loss = x_BSD.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             x_BSD, layer_aux = block(x_BSD, inputs)
             aux_loss = aux_loss + layer_aux
-        h_BSD = self.norm(x_BSD)
-        logits_BSV = None
-        with record_function("model.head_loss"):  # a named range for the profiler
+        with region(HEAD):  # the final norm, the output head and the loss
+            h_BSD = self.norm(x_BSD)
+            logits_BSV = None
             if targets_BS is None or self.head_loss is None:
                 logits_BSV = self.lm_head(h_BSD)
             if targets_BS is None:
@@ -306,7 +308,7 @@ class MoETransformer(nn.Module):
             else:
                 summed = self.head_loss(h_BSD.flatten(0, 1), self.lm_head.weight, targets)
             lm_loss = summed / (targets != -100).sum().clamp(min=1)
-        return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
+            return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
 
     def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache) -> tuple[torch.Tensor,
                                                                           AttentionInputs]:
