@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
+from moe.run_dir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,7 +42,7 @@ def run_steps(tree: Path, runs: Path, name: str, steps: int, extra: list[str]) -
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    history = json.loads((runs / name / "train_summary.json").read_text())["history"]
+    history = json.loads(RunDir(str(runs / name)).summary.read_text())["history"]
     return [h["tokens_per_s"] for h in history]
 
 
