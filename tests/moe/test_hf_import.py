@@ -246,6 +246,47 @@ def test_export_reproduces_every_tensor_of_the_original(arch, tmp_path, capsys):
             == json.loads((hf_dir / "config.json").read_text())["architectures"])
 
 
+def test_a_directory_without_tokenizer_files_imports_and_exports_without_one(tmp_path, capsys):
+    """Weights and config only (a common case): the import says the checkpoint has no
+    tokenizer, and both exports write the model and say the tokenizer is absent."""
+    from launch.export import main as export_main
+    from moe.load import load_model
+
+    hf_dir, hf = make_hf(tmp_path, "mixtral")
+    (hf_dir / "tokenizer.json").unlink()
+    assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
+    assert "holds no tokenizer" in capsys.readouterr().err
+    for fmt in ("hf", "fp32"):
+        try:
+            export_main([str(tmp_path / "ckpt"), str(tmp_path / fmt), "--format", fmt, "--quiet"])
+        except SystemExit as e:
+            pytest.fail(f"--format {fmt}: exit {e.code}: {capsys.readouterr().err}")
+        err = capsys.readouterr().err
+        assert f"note: {tmp_path / 'ckpt'} holds no tokenizer" in err and "Traceback" not in err
+        names = {f.name for f in (tmp_path / fmt).iterdir()}
+        assert not names & {"tokenizer.json", "tokenizer.model", "hf_tokenizer"}, names
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                             dtype=torch.float32).eval()
+    model, _, _ = load_model(tmp_path / "ckpt")
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=x).logits, hf(input_ids=x).logits,
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(x).logits, hf(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+    assert not list(tmp_path.glob(".hf*")) and not list(tmp_path.glob(".fp32*"))
+
+
+def test_fp32_export_of_an_import_carries_its_tokenizer_files(tmp_path, capsys):
+    from launch.export import main as export_main
+
+    hf_dir, _ = make_hf(tmp_path, "llama")
+    assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
+    export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--quiet"])
+    copied = tmp_path / "out" / "hf_tokenizer" / "tokenizer.json"
+    assert copied.read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    assert "no tokenizer" not in capsys.readouterr().err
+
+
 def test_dense_llama_upcycles_into_moe_with_unchanged_logits(tmp_path):
     from moe.model.moe_layer import MoEConfig
     from moe.model.router import RouterConfig
