@@ -160,6 +160,27 @@ def memory_per_gpu(cfg: ModelConfig, world_size: int, ep_size: int, zero_stage: 
         attention_mask_bytes=act.attention_mask_bytes)
 
 
+FROZEN_BASE_METHODS = ("lora", "qlora", "adapter", "prompt", "prefix")
+"""Fine-tuning methods whose base model keeps no optimizer state (finetune.method)."""
+
+
+def checkpoint_bytes(cfg: ModelConfig, precision: str, zero_stage: int,
+                     finetune_method: str = "none") -> float:
+    """Bytes of one saved checkpoint, every rank's files together, for its tensors: the weights
+    at the training precision (the model states and one file per expert) and the optimizer
+    state of what trains. Under ZeRO 1 or 2 the partitions add up to one fp32 master copy plus
+    Adam's two moments, 12 bytes per parameter in fp32 and bf16 alike; without ZeRO an fp32
+    run's optimizer keeps the moments only (8). A frozen base (FROZEN_BASE_METHODS) has none,
+    and the adapters' own states are left out (a small share of the base); ESFT counts every
+    expert. RNG states, the config and the tokenizer copy come on top."""
+    params = count_parameters(cfg).total_params
+    weight, _, state = _state_bytes(precision)
+    if zero_stage >= 1:
+        state = 12
+    trains = 0 if finetune_method in FROZEN_BASE_METHODS else params
+    return float(weight * params + state * trains)
+
+
 def routed_copies(cfg: ModelConfig, tokens: int) -> int:
     """N: routed token copies an MoE layer keeps (per rank, balanced) for ``tokens`` tokens."""
     moe = cfg.moe

@@ -16,6 +16,17 @@ def test_moe_plan_prints_parameters_flops_and_memory(capsys):
     assert "ZeRO 1" in out and "optimizer states" in out and "FLOPs per token" in out
 
 
+def test_moe_plan_prints_the_size_of_a_checkpoint(capsys):
+    """The figure a full checkpoint disk is measured against before the first save."""
+    main(["configs/default.yaml", "model.vocab_size=4096", "--zero", "2"])
+    # 16,533,760 parameters: fp32 weights (4 bytes) and ZeRO's fp32 copy and Adam moments (12)
+    assert "  checkpoint        0.25 GiB on disk" in capsys.readouterr().out
+    main(["configs/default.yaml", "model.vocab_size=4096", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert [m["checkpoint_bytes"] for m in report["memory"]] == [
+        12 * 16_533_760, 16 * 16_533_760, 16 * 16_533_760]
+
+
 def test_moe_plan_json_with_layout_flags(capsys):
     main(["configs/deepseek-moe-16b.yaml", "--world-size", "16", "--ep", "16", "--json"])
     report = json.loads(capsys.readouterr().out)
