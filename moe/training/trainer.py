@@ -577,7 +577,8 @@ def finish_run(run: Run) -> dict:
     summary = {"steps": max_steps, "history": ts.history,
                "checkpoint": None if ts.failed_saves or ts.checkpoint is None
                else str(ts.checkpoint),
-               "last_save_seconds": ts.last_save_seconds}
+               "last_save_seconds": ts.last_save_seconds,
+               "threads_per_rank": torch.get_num_threads()}  # the evaluation after it uses them
     if ts.failed_saves:
         first = max(ts.checkpoint_step, 0) + 1
         summary.update(unsaved_steps=[first, max_steps], failed_saves=ts.failed_saves,
