@@ -58,7 +58,7 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
         "memory": [{**asdict(memory_per_gpu(cfg.model, world_size, ep_size, z, t.precision,
                                             t.micro_batch_size, cfg.data.seq_len, t.recompute,
                                             t.recompute_every_n_blocks)),
-                    "checkpoint_bytes": checkpoint_bytes(cfg.model, t.precision, z,
+                    "checkpoint_bytes": checkpoint_bytes(cfg.model, t.precision, z, ep_size,
                                                          cfg.finetune.method)}
                    for z in zero_stages],
     }

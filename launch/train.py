@@ -141,7 +141,7 @@ def checkpoint_size(ckpt_dir: Path, cfg: RunConfig | None = None) -> tuple[int, 
             return None
         model = dataclasses.replace(model, vocab_size=vocab)
     planned = checkpoint_bytes(model, cfg.train.precision, cfg.parallel.zero_stage,
-                               cfg.finetune.method)
+                               cfg.parallel.expert_parallel_size, cfg.finetune.method)
     return int(planned), "planned from the config: weights and optimizer states"
 
 

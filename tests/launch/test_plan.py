@@ -23,8 +23,11 @@ def test_moe_plan_prints_the_size_of_a_checkpoint(capsys):
     assert "  checkpoint        0.25 GiB on disk" in capsys.readouterr().out
     main(["configs/default.yaml", "model.vocab_size=4096", "--json"])
     report = json.loads(capsys.readouterr().out)
+    # Without ZeRO: each of the 2 expert-parallel ranks' Adam state (8 bytes a parameter it
+    # holds: half the 12,582,912 routed-expert parameters) and rank 0's again.
+    held = 16_533_760 - 12_582_912 // 2
     assert [m["checkpoint_bytes"] for m in report["memory"]] == [
-        12 * 16_533_760, 16 * 16_533_760, 16 * 16_533_760]
+        4 * 16_533_760 + 8 * held * 3, 16 * 16_533_760, 16 * 16_533_760]
 
 
 def test_moe_plan_json_with_layout_flags(capsys):

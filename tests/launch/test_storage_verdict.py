@@ -56,7 +56,7 @@ def test_before_the_first_checkpoint_the_planner_sizes_it(tiny_data, tmp_path, f
     assert cfg.model.vocab_size is None  # read from the prepared data's manifest
     planned = train_entry.checkpoint_size(tmp_path / "none", cfg)
     model = dataclasses.replace(cfg.model, vocab_size=tiny_data.tokenizer.vocab_size)
-    assert planned == (int(checkpoint_bytes(model, "fp32", 2)),
+    assert planned == (int(checkpoint_bytes(model, "fp32", 2, 2)),
                        "planned from the config: weights and optimizer states")
     free_bytes(4096)
     verdict = train_entry.storage_verdict(tmp_path / "runs" / "tiny" / "checkpoints", cfg)
