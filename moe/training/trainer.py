@@ -525,7 +525,7 @@ def add_parts(run: Run, data: PreparedData, client: dict) -> None:
     run_dir, moe_layers = cfg.run_dir, run.model.moe_layers()
     config_text = dump_config(cfg)
     if cfg.eval.every_n_steps:
-        windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.max_tokens))
+        windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.training_max_tokens))
         run.meters.append(ValidationHook(run.engine, cfg.eval.every_n_steps, windows,
                                          cfg.data.seq_len, cfg.eval.batch_size, env.rank,
                                          env.world_size))
