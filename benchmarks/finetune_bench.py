@@ -376,7 +376,7 @@ def spread(values, fmt="{:.3f}") -> str:
            f"{fmt.format(max(values))})"
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="runs/default", help="the pretrained checkpoint")
     p.add_argument("--steps", type=int, default=30, help="fine-tuning steps per run")
@@ -406,59 +406,77 @@ def main(argv=None) -> None:
     p.add_argument("--memory-steps", type=int, default=4, help="steps per memory measurement")
     p.add_argument("--memory-of", choices=list(METHODS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"--methods: unknown {', '.join(unknown)} (known: {', '.join(METHODS)})")
+    args.methods = methods
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_of:  # a child of memory_runs: one line of JSON
         print(json.dumps(training_peak(args, args.memory_of)))
         return
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        p.error(f"--methods: unknown {', '.join(unknown)} (known: {', '.join(METHODS)})")
-    if "qlora" in methods and (missing := torchao_missing()):
+    if "qlora" in args.methods and (missing := torchao_missing()):
         print(f"qlora left out: {missing}", flush=True)
-        methods.remove("qlora")
-    args.methods = ["full"] + [m for m in methods if m != "full"]
+        args.methods.remove("qlora")
+    args.methods = ["full"] + [m for m in args.methods if m != "full"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     for tokens in [] if "experts" in args.skip else args.tokens:
-        b = expert_lora_path(args, tokens)
-        print(f"(b) expert LoRA path, forward + backward, {args.experts} experts, top-{args.top_k}"
-              f", {tokens} tokens ({b['rows']} routed rows), D {args.d_model}, H "
-              f"{args.expert_hidden}, rank {args.expert_rank}, {args.dtype} on {args.device}; "
-              f"{args.rounds} interleaved rounds (fastest of {args.iters} each):")
-        for name in ("grouped", "loop"):
-            print(f"    {name:8s} {spread([1e3 * t for t in b['times'][name]], '{:.2f}')} ms")
-        print(f"    loop / grouped: {spread(b['ratios'], '{:.2f}')}x (target >= 5x)", flush=True)
+        report_expert_path(args, tokens)
     if "finetune" not in args.skip:
-        c = finetune_runs(args)
-        reps = c["repeats"]
-        print(f"after {args.steps} steps, {len(reps)} repeats (median (min-max)); base held-out "
-              f"masked loss {c['base_loss']:.4f}:")
-        print("| method | trainable | held-out masked loss | minus full (nats) | step time (s) "
-              "| step time / full |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for m in args.methods:
-            print(f"| {m} | {100 * c['shares'][m]:.3g}% "
-                  f"| {spread([r[f'{m}_loss'] for r in reps], '{:.4f}')} "
-                  f"| {spread([r[f'{m}_gap'] for r in reps], '{:+.4f}')} "
-                  f"| {spread([r[f'{m}_step_s'] for r in reps])} "
-                  f"| {spread([r[f'{m}_step_ratio'] for r in reps], '{:.2f}')} |")
-        if "lora" in args.methods:
-            gaps = spread([r["lora_gap"] for r in reps], "{:+.4f}")
-            print(f"(a) lora / full step time {spread([r['lora_step_ratio'] for r in reps])} "
-                  f"(target <= 1); (c) lora - full {gaps} nats (target <= 0.05) with "
-                  f"{100 * c['shares']['lora']:.3f}% trainable (target <= 2%)", flush=True)
+        report_finetune(args)
     if "memory" not in args.skip:
-        peaks = memory_runs(args)
-        full = statistics.median(p["peak_mib"] for p in peaks["full"])
-        print(f"peak resident memory over {args.memory_steps} training steps, each method in a "
-              f"process of its own after its base is loaded, {args.repeats} interleaved repeats:")
-        print("| method | resident before the steps (MiB) | peak (MiB) | peak / full's |")
-        print("| --- | --- | --- | --- |")
-        for m, ps in peaks.items():
-            print(f"| {m} | {spread([p['before_mib'] for p in ps], '{:.0f}')} "
-                  f"| {spread([p['peak_mib'] for p in ps], '{:.0f}')} "
-                  f"| {spread([p['peak_mib'] / full for p in ps], '{:.2f}')} |", flush=True)
+        report_memory(args)
+
+
+def report_expert_path(args, tokens: int) -> None:
+    b = expert_lora_path(args, tokens)
+    print(f"(b) expert LoRA path, forward + backward, {args.experts} experts, top-{args.top_k}"
+          f", {tokens} tokens ({b['rows']} routed rows), D {args.d_model}, H "
+          f"{args.expert_hidden}, rank {args.expert_rank}, {args.dtype} on {args.device}; "
+          f"{args.rounds} interleaved rounds (fastest of {args.iters} each):")
+    for name in ("grouped", "loop"):
+        print(f"    {name:8s} {spread([1e3 * t for t in b['times'][name]], '{:.2f}')} ms")
+    print(f"    loop / grouped: {spread(b['ratios'], '{:.2f}')}x (target >= 5x)", flush=True)
+
+
+def report_finetune(args) -> None:
+    c = finetune_runs(args)
+    reps = c["repeats"]
+    print(f"after {args.steps} steps, {len(reps)} repeats (median (min-max)); base held-out "
+          f"masked loss {c['base_loss']:.4f}:")
+    print("| method | trainable | held-out masked loss | minus full (nats) | step time (s) "
+          "| step time / full |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for m in args.methods:
+        print(f"| {m} | {100 * c['shares'][m]:.3g}% "
+              f"| {spread([r[f'{m}_loss'] for r in reps], '{:.4f}')} "
+              f"| {spread([r[f'{m}_gap'] for r in reps], '{:+.4f}')} "
+              f"| {spread([r[f'{m}_step_s'] for r in reps])} "
+              f"| {spread([r[f'{m}_step_ratio'] for r in reps], '{:.2f}')} |")
+    if "lora" in args.methods:
+        gaps = spread([r["lora_gap"] for r in reps], "{:+.4f}")
+        print(f"(a) lora / full step time {spread([r['lora_step_ratio'] for r in reps])} "
+              f"(target <= 1); (c) lora - full {gaps} nats (target <= 0.05) with "
+              f"{100 * c['shares']['lora']:.3f}% trainable (target <= 2%)", flush=True)
+
+
+def report_memory(args) -> None:
+    peaks = memory_runs(args)
+    full = statistics.median(p["peak_mib"] for p in peaks["full"])
+    print(f"peak resident memory over {args.memory_steps} training steps, each method in a "
+          f"process of its own after its base is loaded, {args.repeats} interleaved repeats:")
+    print("| method | resident before the steps (MiB) | peak (MiB) | peak / full's |")
+    print("| --- | --- | --- | --- |")
+    for m, ps in peaks.items():
+        print(f"| {m} | {spread([p['before_mib'] for p in ps], '{:.0f}')} "
+              f"| {spread([p['peak_mib'] for p in ps], '{:.0f}')} "
+              f"| {spread([p['peak_mib'] / full for p in ps], '{:.2f}')} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -248,7 +248,10 @@ def main(argv=None) -> dict:
     base = load_config(args.config, common)
     steps = steps or base.train.max_steps
     common += ["parallel.world_size=1", "parallel.expert_parallel_size=1",
+               # Curves on the split eval.max_tokens says (the whole one but in --quick), not
+               # the default demo's bounded validation during training.
                f"train.max_steps={steps}", f"eval.every_n_steps={every}",
+               "eval.in_training_max_tokens=null",
                f"logging.log_every={max(1, min(10, every))}", "checkpoint.every_n_steps=0",
                "train.threads_per_rank=" + str(base.train.threads_per_rank or os.cpu_count() or 1)]
     plain, recipe, hidden = plain_moe(base.model.moe, base.train)

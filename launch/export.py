@@ -6,9 +6,18 @@ DeepSpeed checkpoint (what DeepSpeed's own zero_to_fp32 reads), or a LoRA fine-t
 from __future__ import annotations
 
 import argparse
+import sys
 
 from launch.cli import exits_cleanly
-from moe.tools.export import export_adapters, export_deepspeed, export_fp32, export_hf
+from moe.checkpoint.files import resolve_checkpoint
+from moe.tools.export import (
+    export_adapters,
+    export_deepspeed,
+    export_fp32,
+    export_hf,
+    no_tokenizer_note,
+    tokenizer_source,
+)
 from moe.tools.hf_support import TARGETS
 from moe.tools.peft_export import export_peft
 
@@ -65,6 +74,9 @@ def main(argv=None) -> None:
     else:
         out = export_hf(args.checkpoint, args.output, args.arch, progress, args.merge_adapters)
     print(f"exported {args.checkpoint} -> {out} ({args.format})")
+    tag_dir = resolve_checkpoint(args.checkpoint)
+    if args.format in ("fp32", "hf") and tokenizer_source(tag_dir) is None:
+        print(f"note: {no_tokenizer_note(tag_dir)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

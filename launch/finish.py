@@ -9,8 +9,11 @@ moe-launch calls :func:`finish` after a local, hostfile or mpi run; a SLURM job 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
+
+import torch
 
 from launch.cli import exits_cleanly
 from launch.evaluate import evaluate_checkpoint
@@ -43,7 +46,8 @@ def finish(run_dir: Path, evaluate: bool) -> list[str]:
     if summary["history"] and summary["history"][0]["step"] == 1:
         lines.append(f"step-1 loss     {summary['history'][0]['loss']:.4f}")
     if evaluate:
-        r = evaluate_checkpoint(summary["checkpoint"])
+        with torch_threads(summary.get("threads_per_rank")):
+            r = evaluate_checkpoint(summary["checkpoint"])
         lines += [f"valid loss      {r['loss']:.4f} nats/token over {r['tokens']:,} tokens "
                   f"(uniform guess {r['uniform_loss']:.4f})",
                   f"perplexity      {r['perplexity']:.2f}",
@@ -54,6 +58,21 @@ def finish(run_dir: Path, evaluate: bool) -> list[str]:
     else:
         lines.append(f"evaluate        moe-eval {summary['checkpoint']}   (skipped: --no-eval)")
     return lines
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` (None: unchanged) for the block. The evaluation
+    after training runs with a rank's threads (train.threads_per_rank, else the cores shared by
+    the ranks of a machine, launch/train.py): on cores that other processes keep busy, one
+    thread per core in use spins against them and ran several times slower."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @exits_cleanly

@@ -6,9 +6,12 @@ docs/open-weights.md."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from launch.cli import exits_cleanly
-from moe.tools.hf_import import import_hf
+from moe.hf_weights import tokenizer_record
+from moe.tools.hf_import import TOKENIZER_FILES, import_hf
 
 
 @exits_cleanly
@@ -22,6 +25,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     out = import_hf(args.hf_dir, args.output, args.expert_parallel_size)
     print(f"imported {args.hf_dir} -> {out}")
+    if tokenizer_record(Path(args.hf_dir)) is None:
+        print(f"note: {args.hf_dir} holds no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}): "
+              "the checkpoint has none, and its exports carry none; prepare a run's data with "
+              "the model's own tokenizer (data.tokenizer.model_file)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from moe.tools.planning import (
     MICRO_BATCHES,
     USABLE_FRACTION,
     Layout,
+    checkpoint_bytes,
     fitting_layouts,
     memory_per_gpu,
 )
@@ -54,9 +55,11 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
         "params": {"total": counts.total, "active": counts.active,
                    "total_sum": counts.total_params, "active_sum": counts.active_params},
         "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
-        "memory": [asdict(memory_per_gpu(cfg.model, world_size, ep_size, z, t.precision,
-                                         t.micro_batch_size, cfg.data.seq_len, t.recompute,
-                                         t.recompute_every_n_blocks))
+        "memory": [{**asdict(memory_per_gpu(cfg.model, world_size, ep_size, z, t.precision,
+                                            t.micro_batch_size, cfg.data.seq_len, t.recompute,
+                                            t.recompute_every_n_blocks)),
+                    "checkpoint_bytes": checkpoint_bytes(cfg.model, t.precision, z, ep_size,
+                                                         cfg.finetune.method)}
                    for z in zero_stages],
     }
 
@@ -162,7 +165,9 @@ def render(report: dict, cfg: RunConfig) -> str:
                   f"{every}; attention masks {_gib(m['attention_mask_bytes'])})",
                   f"  working set       {_gib(m['transient_bytes'])} (logits, recomputed block, "
                   "all-to-all buffers)",
-                  f"  peak              {_gib(_total(m))}"]
+                  f"  peak              {_gib(_total(m))}",
+                  f"  checkpoint        {_gib(m['checkpoint_bytes'])} on disk, every rank's "
+                  "files together (weights and optimizer states)"]
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ if __name__ == "__main__":  # as the schedulers start it (python -m launch.train
     LATCH.install()
 
 import argparse
+import dataclasses
 import errno
 import json
 import logging
@@ -24,14 +25,16 @@ from pathlib import Path
 import torch
 
 from data_pipeline.errors import DataError
+from data_pipeline.shards import read_manifest
 from launch.cli import exits_cleanly, setup_logging
 from launch.rank_env import dist_env_from_environment
 from launch.supervise import record_final
 from moe.checkpoint.files import MARKER
-from moe.config.run import SIGNALS, load_config
+from moe.config.run import SIGNALS, RunConfig, load_config
 from moe.errors import ConfigError, MoEError
 from moe.fileio import write_atomic
 from moe.run_dir import RunDir
+from moe.tools.planning import checkpoint_bytes
 from moe.training.checkpoint import CheckpointSaveError
 from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
@@ -76,7 +79,7 @@ def main(argv=None) -> None:
     except Preempted:
         raise
     except Exception as e:
-        if record_stop(e, cfg.run_dir, env.rank) is None:  # a restart may fix it
+        if record_stop(e, cfg.run_dir, env.rank, cfg) is None:  # a restart may fix it
             stop_if_signalled(e, cfg.run_dir, env.rank)
         raise
 
@@ -114,13 +117,37 @@ def run(cfg, env, resume: str, threads: int) -> None:
 
 
 FULL_BELOW_BYTES = 16 << 20
-"""Less free space than this (or than the newest checkpoint takes) after a failed save: the
-storage is full, and a restart would fail the same way."""
+"""Less free space than this after a failed save: the storage is full, and a restart would fail
+the same way (logs, events and the next attempt need room beside the checkpoints)."""
 
 
-def storage_verdict(ckpt_dir: Path) -> str | None:
+def checkpoint_size(ckpt_dir: Path, cfg: RunConfig | None = None) -> tuple[int, str] | None:
+    """(bytes, where the figure comes from) of one checkpoint of the run: the newest complete
+    one's files, else the planner's figure for the config (moe/tools/planning.py); None when
+    neither is known."""
+    newest = sorted(ckpt_dir.glob(f"step_*/{MARKER}")) if ckpt_dir.is_dir() else []
+    if newest:
+        tag = newest[-1].parent
+        return (sum(p.stat().st_size for p in tag.rglob("*") if p.is_file()),
+                f"the size of {tag.name}, the newest checkpoint")
+    if cfg is None:
+        return None
+    model = cfg.model
+    if model.vocab_size is None:  # resolved by the trainer; the manifest's if it did not get there
+        try:
+            vocab = int(read_manifest(cfg.data.dir, cfg.data.s3).tokenizer["vocab_size"])
+        except DataError:
+            return None
+        model = dataclasses.replace(model, vocab_size=vocab)
+    planned = checkpoint_bytes(model, cfg.train.precision, cfg.parallel.zero_stage,
+                               cfg.parallel.expert_parallel_size, cfg.finetune.method)
+    return int(planned), "planned from the config: weights and optimizer states"
+
+
+def storage_verdict(ckpt_dir: Path, cfg: RunConfig | None = None) -> str | None:
     """Why the checkpoint storage cannot take a checkpoint now (read-only, or full), checked on
-    the storage itself: a write error on a disk with room (a transient fault) may be restarted."""
+    the storage itself: a write error on a disk with room (a transient fault) may be restarted.
+    ``cfg``: the run's config, for the size of a checkpoint before the first one exists."""
     probe = ckpt_dir if ckpt_dir.exists() else ckpt_dir.parent
     try:
         st = os.statvfs(probe)
@@ -129,20 +156,23 @@ def storage_verdict(ckpt_dir: Path) -> str | None:
     if st.f_flag & os.ST_RDONLY:
         return f"the checkpoint storage at {probe} is read-only"
     free = st.f_bavail * st.f_frsize
-    newest = sorted(ckpt_dir.glob(f"step_*/{MARKER}")) if ckpt_dir.is_dir() else []
-    needed = max(FULL_BELOW_BYTES, sum(p.stat().st_size for p in newest[-1].parent.rglob("*")
-                                       if p.is_file()) if newest else 0)
-    if free < needed:
-        return (f"the checkpoint storage at {probe} is full: {free:,} bytes free, a checkpoint "
-                f"needs about {needed:,}")
-    return None
+    size = checkpoint_size(ckpt_dir, cfg)
+    if free >= max(FULL_BELOW_BYTES, size[0] if size else 0):
+        return None
+    text = f"the checkpoint storage at {probe} is full: {free:,} bytes free"
+    if size is not None:
+        text += f", a checkpoint of this run takes about {size[0]:,} bytes ({size[1]})"
+    if size is None or free >= size[0]:
+        text += f"; less than the {FULL_BELOW_BYTES:,} a run needs free beside its checkpoints"
+    return text
 
 
-def final_cause(e: Exception, ckpt_dir: Path) -> tuple[str, str] | None:
+def final_cause(e: Exception, ckpt_dir: Path, cfg: RunConfig | None = None
+                ) -> tuple[str, str] | None:
     """(kind, cause) of a failure no restart can fix; None for one a restart may fix."""
     if isinstance(e, (CheckpointSaveError, OSError)) and (
             not isinstance(e, OSError) or e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)):
-        verdict = storage_verdict(ckpt_dir)
+        verdict = storage_verdict(ckpt_dir, cfg)
         return ("storage", f"{verdict} ({e})") if verdict else None
     if isinstance(e, ConfigError):
         return "configuration", str(e)
@@ -151,10 +181,11 @@ def final_cause(e: Exception, ckpt_dir: Path) -> tuple[str, str] | None:
     return None
 
 
-def record_stop(e: Exception, run_dir: Path, rank: int) -> tuple[str, str] | None:
+def record_stop(e: Exception, run_dir: Path, rank: int, cfg: RunConfig | None = None
+                ) -> tuple[str, str] | None:
     """Every rank's own log holds the error that stopped it (its console may be another's); a
     failure no restart can fix is also recorded for the supervisor (launch/supervise.py), and
-    returned: (kind, cause), else None."""
+    returned: (kind, cause), else None. ``cfg``: the run's config (storage_verdict)."""
     text = f"stopped by {type(e).__name__}: {e}"
     for handler in logging.getLogger("moe").handlers:
         if isinstance(handler, logging.FileHandler):
@@ -163,7 +194,7 @@ def record_stop(e: Exception, run_dir: Path, rank: int) -> tuple[str, str] | Non
                                        else (type(e), e, e.__traceback__))
             handler.handle(record)
     files = RunDir(run_dir)
-    final = final_cause(e, files.checkpoints)
+    final = final_cause(e, files.checkpoints, cfg)
     if final is not None:
         record_final(files.logs, rank, *final)
     return final

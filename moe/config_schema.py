@@ -77,18 +77,7 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            trial: list[str] = []
-            out = _convert(value, arg, key, trial)
-            if not trial:
-                return out
-        problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
-        return INVALID
+        return _convert_union(value, tp, key, problems)
     if origin is Literal:
         if value in get_args(tp):
             return value
@@ -101,15 +90,30 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             problems.append(f"{key}: expected a mapping, got {value!r}")
             return INVALID
         return _build(typing.cast(type, tp), value, key, problems)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
-            return INVALID
-        (item_tp,) = get_args(tp)[:1] or (Any,)
-        items = [_convert(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
-        if any(v is INVALID for v in items):
-            return INVALID
-        return tuple(items) if origin is tuple else items
+    if origin in (list, tuple, dict):
+        return _convert_collection(value, tp, key, problems)
+    return _convert_scalar(value, tp, key, problems)
+
+
+def _convert_union(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """The first member type of ``tp`` that takes ``value`` without a problem."""
+    args = get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        trial: list[str] = []
+        out = _convert(value, arg, key, trial)
+        if not trial:
+            return out
+    problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
+    return INVALID
+
+
+def _convert_collection(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """A list, tuple or dict, every item converted (each bad item is its own problem)."""
+    origin = get_origin(tp)
     if origin is dict:
         if not isinstance(value, dict):
             problems.append(f"{key}: expected a mapping, got {value!r}")
@@ -117,6 +121,18 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         _, val_tp = get_args(tp) or (str, Any)
         out = {str(k): _convert(v, val_tp, f"{key}.{k}", problems) for k, v in value.items()}
         return INVALID if any(v is INVALID for v in out.values()) else out
+    if not isinstance(value, (list, tuple)):
+        problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
+        return INVALID
+    (item_tp,) = get_args(tp)[:1] or (Any,)
+    items = [_convert(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    if any(v is INVALID for v in items):
+        return INVALID
+    return tuple(items) if origin is tuple else items
+
+
+def _convert_scalar(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """bool, int, float or str; a bool is never taken as a number."""
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -128,30 +144,34 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         problems.append(f"{key}: expected an integer, got {value!r}")
         return INVALID
     if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            # YAML 1.1 reads "1e-3" as a string; accept numeric strings for floats only.
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            problems.append(f"{key}: expected a number, got {value!r}")
-            return INVALID
-        if not math.isfinite(number):
-            # No setting means anything at NaN or infinity, and comparisons with NaN are all
-            # false: a range check of the section would let it through.
-            problems.append(f"{key}: expected a finite number, got {value!r}")
-            return INVALID
-        return number
+        return _convert_float(value, key, problems)
     if tp is str:
         if isinstance(value, str):
             return value
         problems.append(f"{key}: expected a string, got {value!r}")
         return INVALID
     raise TypeError(f"unsupported config field type {tp!r} at {key}")
+
+
+def _convert_float(value: Any, key: str, problems: list[str]) -> Any:
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        # YAML 1.1 reads "1e-3" as a string; accept numeric strings for floats only.
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None:
+        problems.append(f"{key}: expected a number, got {value!r}")
+        return INVALID
+    if not math.isfinite(number):
+        # No setting means anything at NaN or infinity, and comparisons with NaN are all
+        # false: a range check of the section would let it through.
+        problems.append(f"{key}: expected a finite number, got {value!r}")
+        return INVALID
+    return number
 
 
 def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:

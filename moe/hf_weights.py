@@ -338,6 +338,7 @@ class SafetensorsDir:
             raise CheckpointError(f"{index}: shards listed in the index are missing: "
                                   + ", ".join(str(hf_dir / f) for f in missing))
         self.handles, self.where = {}, {}
+        unlisted = []  # in a shard, but the index places them nowhere or in another shard
         for f in files:
             try:
                 handle = safe_open(str(hf_dir / f), framework="pt")
@@ -347,11 +348,23 @@ class SafetensorsDir:
             for name in handle.keys():
                 if weight_map is None or weight_map.get(name) == f:
                     self.where[name] = f
+                else:
+                    unlisted.append(f"{hf_dir / f}: {name}: " + (
+                        f"the index places it in {weight_map[name]}" if name in weight_map
+                        else "not listed in the index"))
         if weight_map:
             absent = [n for n, f in weight_map.items() if n not in self.where]
-            if absent:
-                raise CheckpointError(f"{index}: tensors listed in the index are not in their "
-                                      f"shard: {', '.join(f'{n} ({weight_map[n]})' for n in absent[:5])}")
+            problems = ([f"tensors listed in the index are not in their shard: "
+                         f"{', '.join(f'{n} ({weight_map[n]})' for n in absent[:5])}"]
+                        if absent else [])
+            # transformers reads every tensor of the shards the index names, those the index
+            # leaves out too (as unexpected): a shard holding more than its index says is
+            # refused, as a tensor the model has no place for is.
+            problems += unlisted[:10] + ([f"... and {len(unlisted) - 10} more"]
+                                         if len(unlisted) > 10 else [])
+            if problems:
+                raise CheckpointError(f"{index}: the index and its shards disagree:\n"
+                                      + "".join(f"  - {p}\n" for p in problems))
         self.read: set[str] = set()
 
     def __contains__(self, name: str) -> bool:

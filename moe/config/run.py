@@ -261,15 +261,29 @@ class DownstreamConfig:
 @dataclass
 class EvalConfig:
     max_tokens: int | None = None
-    """Evaluate on at most this many validation tokens (null: the whole split)."""
+    """Evaluate on at most this many validation tokens (null: the whole split): the evaluation
+    after training, moe-eval's default, and validation during training."""
     batch_size: int = 8
     every_n_steps: int = 0
-    """Validation loss and perplexity during training every N steps and at the end (0: off)."""
+    """Validation loss and perplexity during training every N steps and at the end (0: off),
+    logged to TensorBoard as valid/loss and valid/perplexity."""
+    in_training_max_tokens: int | None = None
+    """Validation during training (every_n_steps) predicts at most this many tokens (and at
+    most max_tokens), the same first ones of the validation split every time; null: max_tokens
+    alone bounds it. A small share of the split keeps frequent validation cheap while the
+    evaluation after training reads max_tokens."""
     downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
     """Accuracy on downstream tasks during training (lm-evaluation-harness)."""
 
     def problems(self) -> list[str]:
-        return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1)
+        return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1,
+                        in_training_max_tokens=1)
+
+    @property
+    def training_max_tokens(self) -> int | None:
+        """The validation tokens of each evaluation during training (null: all)."""
+        bounds = [n for n in (self.max_tokens, self.in_training_max_tokens) if n is not None]
+        return min(bounds, default=None)
 
 
 @dataclass

@@ -5,7 +5,8 @@
 - ``hf``: a Hugging Face ``transformers`` model directory (config.json, safetensors weights and a
   tokenizer ``AutoTokenizer`` loads) for configurations an architecture there computes exactly:
   Mixtral (no shared experts), Qwen2-MoE (shared experts, dense layers allowed) or Llama (every
-  layer dense). An imported model (``moe-import``) gets its own tokenizer files back. What each
+  layer dense). An imported model (``moe-import``) gets its own tokenizer files back (none when
+  the directory it came from held none: :func:`no_tokenizer_note` says so). What each
   target holds of every config field is stated in ``moe/tools/hf_support.py``; anything else is
   refused before anything is written, and every tensor of the checkpoint must be placed;
 - ``deepspeed``: the whole training state re-saved as a DeepSpeed checkpoint of one rank with
@@ -47,6 +48,33 @@ from moe.tools import hf_support
 FP32_FILE = "model.safetensors"
 HF_TOKENIZER_DIR = "hf_tokenizer"
 """Where ``moe-import`` keeps the tokenizer files of the model it read (tokenizer.json, ...)."""
+
+
+def tokenizer_source(tag_dir: Path) -> Path | None:
+    """Where a checkpoint keeps its tokenizer: the SentencePiece model training saves with
+    every checkpoint, the directory of Hugging Face tokenizer files ``moe-import`` copied, or
+    None (an import of a directory that held weights and config only)."""
+    if (tag_dir / TOKENIZER_COPY).is_file():
+        return tag_dir / TOKENIZER_COPY
+    if (tag_dir / HF_TOKENIZER_DIR).is_dir():
+        return tag_dir / HF_TOKENIZER_DIR
+    return None
+
+
+def no_tokenizer_note(tag_dir: Path) -> str:
+    """What an export of a checkpoint without a tokenizer lacks, and how to complete it."""
+    return (f"{tag_dir} holds no tokenizer (imported from a directory without tokenizer "
+            "files), so the export has none: copy the model's tokenizer files (tokenizer.json "
+            "or tokenizer.model, tokenizer_config.json, special_tokens_map.json) into it")
+
+
+def _copy_tokenizer(tag_dir: Path, tmp: Path) -> None:
+    """The checkpoint's tokenizer files into an fp32 export, as the checkpoint holds them."""
+    source = tokenizer_source(tag_dir)
+    if source is not None and source.is_dir():
+        shutil.copytree(source, tmp / HF_TOKENIZER_DIR)
+    elif source is not None:
+        shutil.copy(source, tmp / TOKENIZER_COPY)
 
 
 def consolidated_fp32(path: str | Path, progress: bool = False, merge_adapters: bool = False
@@ -107,7 +135,7 @@ def export_fp32(checkpoint: str | Path, out_dir: str | Path, progress: bool = Fa
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / FP32_FILE), metadata={"format": "pt", "source": str(tag_dir)})
         _write_run_config(cfg, tag_dir, tmp, merge_adapters)
-        shutil.copy(tag_dir / TOKENIZER_COPY, tmp / TOKENIZER_COPY)
+        _copy_tokenizer(tag_dir, tmp)
 
     return _publish(Path(out_dir), write)
 
@@ -426,20 +454,19 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
     _require("transformers", "the Hugging Face export")
     state, cfg, tag_dir = consolidated_fp32(checkpoint, progress, merge_adapters)
     arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
-    imported_tokenizer = tag_dir / HF_TOKENIZER_DIR  # an imported model's own files (moe-import)
-    if (tag_dir / TOKENIZER_COPY).is_file() or not imported_tokenizer.is_dir():
-        tokenizer, token_ids = hf_tokenizer(tag_dir / TOKENIZER_COPY)
-    else:
-        tokenizer, token_ids = None, {}
+    source = tokenizer_source(tag_dir)
+    # An imported model's own files (moe-import) are copied as they are; none: no tokenizer.
+    tokenizer, token_ids = (hf_tokenizer(source) if source is not None and source.is_file()
+                            else (None, {}))
     model = hf_model(state, cfg, arch, token_ids)
 
     def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        if tokenizer is None:
-            for f in imported_tokenizer.iterdir():
-                shutil.copy(f, tmp / f.name)
-        else:
+        if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        elif source is not None:
+            for f in source.iterdir():
+                shutil.copy(f, tmp / f.name)
         _write_run_config(cfg, tag_dir, tmp, merge_adapters)
 
     return _publish(Path(out_dir), write)

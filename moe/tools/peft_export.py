@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import torch
@@ -50,6 +51,7 @@ from moe.load import load_consolidated
 from moe.model.adapters.lora import is_factor
 from moe.tools import hf_support
 from moe.tools.export import _publish, adapter_metadata
+from moe.training.upcycle import HF_PREFIX
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -183,8 +185,7 @@ def check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
             differ.append(link.ours or link.theirs[0])
     if differ or extra:
         init_from = cfg.model.init_from
-        fix = ("pass the directory it names" if init_from.startswith("hf:") else
-               f"export the base with: moe-export {init_from} DIR --format hf")
+        fix = base_hint(init_from)
         found = []
         if differ:
             found.append(f"{len(differ)} of {len(table)} weights differ "
@@ -195,6 +196,18 @@ def check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
                               f"were trained on (model.init_from: {init_from}): "
                               f"{'; '.join(found)}; {fix}")
     return arch
+
+
+def base_hint(init_from: str) -> str:
+    """Which directory --base-hf takes for a run whose ``model.init_from`` is ``init_from``: the
+    Hugging Face directory itself (``hf:DIR``), else the --format hf export of the checkpoint."""
+    if init_from.startswith(HF_PREFIX):
+        where = init_from[len(HF_PREFIX):]
+        return (f"this run's base (model.init_from: {init_from}) is that directory: "
+                f"--base-hf {shlex.quote(where)}")
+    return (f"the --format hf export of this run's base (model.init_from: {init_from}); export "
+            f"it with: moe-export {shlex.quote(init_from)} DIR --format hf, then pass "
+            "--base-hf DIR")
 
 
 def _same(theirs: torch.Tensor | None, want: torch.Tensor, ours: torch.Tensor | None) -> bool:
@@ -218,10 +231,8 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path, base_hf: str | Path
         raise CheckpointError(f"{tag_dir / RUN_CONFIG}: cannot export as a PEFT adapter:\n"
                               + "".join(f"  - {p}\n" for p in problems))
     if base_hf is None:
-        raise CheckpointError(
-            "--format peft needs --base-hf DIR: the Hugging Face model the adapter goes onto, "
-            f"the --format hf export of this run's base (model.init_from: {cfg.model.init_from})"
-            f": moe-export {cfg.model.init_from} DIR --format hf")
+        raise CheckpointError("--format peft needs --base-hf DIR, the Hugging Face model the "
+                              f"adapter goes onto: {base_hint(cfg.model.init_from)}")
     bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()

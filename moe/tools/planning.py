@@ -167,6 +167,33 @@ def memory_per_gpu(cfg: ModelConfig, world_size: int, ep_size: int, zero_stage: 
         attention_mask_bytes=act.attention_mask_bytes)
 
 
+FROZEN_BASE_METHODS = ("lora", "qlora", "adapter", "prompt", "prefix")
+"""Fine-tuning methods whose base model keeps no optimizer state (finetune.method)."""
+
+
+def checkpoint_bytes(cfg: ModelConfig, precision: str, zero_stage: int, ep_size: int = 1,
+                     finetune_method: str = "none") -> float:
+    """Bytes of one saved checkpoint, every rank's files together, for its tensors: the weights
+    at the training precision (the model states and one file per expert) and the optimizer
+    state of what trains. Under ZeRO 1 or 2 the partitions add up to one fp32 master copy plus
+    Adam's two moments, 12 bytes per parameter in fp32 and bf16 alike. Without ZeRO (fp32)
+    DeepSpeed writes a rank's whole Adam state (8 bytes per parameter it holds: the others and
+    its 1/ep_size of the routed experts) once per expert-parallel rank and once more, rank 0's,
+    with the model states. A frozen base (FROZEN_BASE_METHODS) has no optimizer state, and the
+    adapters' own states are left out (a small share of the base); ESFT counts every expert.
+    RNG states, the config and the tokenizer copy come on top."""
+    counts = count_parameters(cfg)
+    params = counts.total_params
+    weight = _state_bytes(precision)[0]
+    if finetune_method in FROZEN_BASE_METHODS:
+        return float(weight * params)
+    if zero_stage >= 1:
+        return float(weight * params + 12 * params)
+    experts = counts.total["routed_experts"]
+    per_rank = params - experts + experts / ep_size
+    return float(weight * params + 8 * per_rank * (ep_size + 1))
+
+
 def routed_copies(cfg: ModelConfig, tokens: int) -> int:
     """N: routed token copies an MoE layer keeps (per rank, balanced) for ``tokens`` tokens."""
     moe = cfg.moe

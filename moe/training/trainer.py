@@ -491,7 +491,7 @@ def add_parts(run: Run, data: PreparedData) -> None:
     run_dir, files, moe_layers = cfg.run_dir, cfg.run_files, run.model.moe_layers()
     config_text = dump_config(cfg)
     if cfg.eval.every_n_steps:
-        windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.max_tokens))
+        windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.training_max_tokens))
         run.add(ValidationMeter(run.engine, cfg.eval.every_n_steps, windows, cfg.data.seq_len,
                                 cfg.eval.batch_size, env.rank, env.world_size))
     run.add(MemoryMeter())
@@ -541,7 +541,8 @@ def finish_run(run: Run) -> dict:
     summary = {"steps": max_steps, "history": ts.history,
                "checkpoint": None if ts.failed_saves or ts.checkpoint is None
                else str(ts.checkpoint),
-               "last_save_seconds": ts.last_save_seconds}
+               "last_save_seconds": ts.last_save_seconds,
+               "threads_per_rank": torch.get_num_threads()}  # the evaluation after it uses them
     if ts.failed_saves:
         first = max(ts.checkpoint_step, 0) + 1
         summary.update(unsaved_steps=[first, max_steps], failed_saves=ts.failed_saves,

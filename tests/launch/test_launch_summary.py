@@ -42,3 +42,27 @@ def test_a_run_without_its_final_checkpoint_is_not_finished_with_an_older_one(tm
          "newest_checkpoint": "RUN/checkpoints/step_0000010"}))
     with pytest.raises(LaunchError, match="steps 11 to 40 are not saved .*step_0000010"):
         finish(tmp_path, evaluate=True)
+
+
+def test_the_evaluation_after_training_runs_with_the_ranks_threads(tmp_path, monkeypatch):
+    """A rank's torch threads (recorded by the trainer in its summary), not every core: on cores
+    others keep busy, one spinning thread per core ran the demo's evaluation several times slower."""
+    import torch
+
+    import launch.finish as finish_module
+
+    before = torch.get_num_threads()
+    ranks = 1 if before > 1 else 2
+    seen = []
+
+    def evaluate_checkpoint(path):
+        seen.append((path, torch.get_num_threads()))
+        return {"loss": 1.0, "tokens": 10, "uniform_loss": 2.0, "perplexity": 2.7,
+                "output": "eval.json", "report": "report.md"}
+
+    monkeypatch.setattr(finish_module, "evaluate_checkpoint", evaluate_checkpoint)
+    (tmp_path / "train_summary.json").write_text(json.dumps(
+        {"checkpoint": "CKPT", "history": [], "threads_per_rank": ranks}))
+    lines = finish(tmp_path, evaluate=True)
+    assert seen == [("CKPT", ranks)] and "perplexity      2.70" in lines
+    assert torch.get_num_threads() == before  # this process's setting comes back

@@ -16,6 +16,20 @@ def test_moe_plan_prints_parameters_flops_and_memory(capsys):
     assert "ZeRO 1" in out and "optimizer states" in out and "FLOPs per token" in out
 
 
+def test_moe_plan_prints_the_size_of_a_checkpoint(capsys):
+    """The figure a full checkpoint disk is measured against before the first save."""
+    main(["configs/default.yaml", "model.vocab_size=4096", "--zero", "2"])
+    # 16,533,760 parameters: fp32 weights (4 bytes) and ZeRO's fp32 copy and Adam moments (12)
+    assert "  checkpoint        0.25 GiB on disk" in capsys.readouterr().out
+    main(["configs/default.yaml", "model.vocab_size=4096", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    # Without ZeRO: each of the 2 expert-parallel ranks' Adam state (8 bytes a parameter it
+    # holds: half the 12,582,912 routed-expert parameters) and rank 0's again.
+    held = 16_533_760 - 12_582_912 // 2
+    assert [m["checkpoint_bytes"] for m in report["memory"]] == [
+        4 * 16_533_760 + 8 * held * 3, 16 * 16_533_760, 16 * 16_533_760]
+
+
 def test_moe_plan_json_with_layout_flags(capsys):
     main(["configs/deepseek-moe-16b.yaml", "--world-size", "16", "--ep", "16", "--json"])
     report = json.loads(capsys.readouterr().out)

@@ -21,6 +21,30 @@ def test_default_config_is_valid():
     assert ds["train_batch_size"] == cfg.train.micro_batch_size * 2
 
 
+def test_the_default_demo_validates_during_training_on_part_of_the_split():
+    """The README sends users to TensorBoard: the demo logs validation points before its end,
+    each on a bounded part of the split, and the final evaluation on all of it."""
+    cfg = load_config("configs/default.yaml")
+    every, steps = cfg.eval.every_n_steps, cfg.train.max_steps
+    assert every > 0 and steps // every >= 3 and steps % every == 0
+    assert cfg.eval.training_max_tokens is not None and cfg.eval.max_tokens is None
+
+
+def test_validation_during_training_reads_its_own_token_limit():
+    cfg = load_config("configs/default.yaml", ["eval.in_training_max_tokens=null",
+                                               "eval.max_tokens=500"])
+    assert cfg.eval.training_max_tokens == 500  # max_tokens bounds every evaluation
+    cfg = load_config("configs/default.yaml", ["eval.in_training_max_tokens=300"])
+    assert cfg.eval.training_max_tokens == 300 and cfg.eval.max_tokens is None
+    cfg = load_config("configs/default.yaml", ["eval.in_training_max_tokens=300",
+                                               "eval.max_tokens=200"])
+    assert cfg.eval.training_max_tokens == 200
+    cfg = load_config("configs/default.yaml", ["eval.in_training_max_tokens=null"])
+    assert cfg.eval.training_max_tokens is None  # the whole split
+    with pytest.raises(ConfigError, match="eval.in_training_max_tokens: must be >= 1, got 0"):
+        load_config("configs/default.yaml", ["eval.in_training_max_tokens=0"])
+
+
 def test_typo_key_is_named_with_suggestion(tmp_path):
     p = write(tmp_path, {"model": {"moe": {"num_expert": 8}}})
     with pytest.raises(ConfigError) as e:

@@ -246,6 +246,47 @@ def test_export_reproduces_every_tensor_of_the_original(arch, tmp_path, capsys):
             == json.loads((hf_dir / "config.json").read_text())["architectures"])
 
 
+def test_a_directory_without_tokenizer_files_imports_and_exports_without_one(tmp_path, capsys):
+    """Weights and config only (a common case): the import says the checkpoint has no
+    tokenizer, and both exports write the model and say the tokenizer is absent."""
+    from launch.export import main as export_main
+    from moe.load import load_model
+
+    hf_dir, hf = make_hf(tmp_path, "mixtral")
+    (hf_dir / "tokenizer.json").unlink()
+    assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
+    assert "holds no tokenizer" in capsys.readouterr().err
+    for fmt in ("hf", "fp32"):
+        try:
+            export_main([str(tmp_path / "ckpt"), str(tmp_path / fmt), "--format", fmt, "--quiet"])
+        except SystemExit as e:
+            pytest.fail(f"--format {fmt}: exit {e.code}: {capsys.readouterr().err}")
+        err = capsys.readouterr().err
+        assert f"note: {tmp_path / 'ckpt'} holds no tokenizer" in err and "Traceback" not in err
+        names = {f.name for f in (tmp_path / fmt).iterdir()}
+        assert not names & {"tokenizer.json", "tokenizer.model", "hf_tokenizer"}, names
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                             dtype=torch.float32).eval()
+    model, _, _ = load_model(tmp_path / "ckpt")
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=x).logits, hf(input_ids=x).logits,
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(x).logits, hf(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+    assert not list(tmp_path.glob(".hf*")) and not list(tmp_path.glob(".fp32*"))
+
+
+def test_fp32_export_of_an_import_carries_its_tokenizer_files(tmp_path, capsys):
+    from launch.export import main as export_main
+
+    hf_dir, _ = make_hf(tmp_path, "llama")
+    assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
+    export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--quiet"])
+    copied = tmp_path / "out" / "hf_tokenizer" / "tokenizer.json"
+    assert copied.read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    assert "no tokenizer" not in capsys.readouterr().err
+
+
 def test_dense_llama_upcycles_into_moe_with_unchanged_logits(tmp_path):
     from moe.model.moe_layer import MoEConfig
     from moe.model.router import RouterConfig
@@ -311,8 +352,9 @@ def test_unknown_fields_and_architectures_are_refused(tmp_path):
         read_hf_model(hf_dir)
 
 
-def _rewrite(hf_dir: Path, change) -> None:
-    """Apply ``change(tensors)`` to the shard holding the first MoE layer's router."""
+def _rewrite(hf_dir: Path, change, reindex: bool = True) -> None:
+    """Apply ``change(tensors)`` to the shard holding the first MoE layer's router; the index
+    follows the shard unless ``reindex`` is False."""
     from safetensors.torch import load_file, save_file
 
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
@@ -322,6 +364,8 @@ def _rewrite(hf_dir: Path, change) -> None:
     tensors = load_file(str(shard))
     change(tensors, name)
     save_file(tensors, str(shard), metadata={"format": "pt"})
+    if not reindex:
+        return
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors
                            or v != shard.name}
     index["weight_map"].update({k: shard.name for k in tensors})
@@ -332,6 +376,10 @@ def _rewrite(hf_dir: Path, change) -> None:
     ("missing_shard", "shards listed in the index are missing"),
     ("wrong_shape", "shape (4, 31), config.json describes (4, 32)"),
     ("extra_tensor", "model.layers.1.mlp.extra.weight: no tensor of the model corresponds"),
+    # In a shard but not in the index: transformers reads it anyway (as unexpected).
+    ("unindexed_tensor", "model.layers.1.mlp.extra.weight: not listed in the index"),
+    ("unindexed_needed", "model.layers.1.mlp.gate.weight: not listed in the index"),
+    ("other_shard", "model.layers.1.mlp.gate.weight: the index places it in model-0000"),
     ("missing_tensor", "missing (needed for blocks.1.ffn.router.weight)"),
     ("int_dtype", "dtype I32"),
     ("nan_value", "1 of 128 values are NaN or infinite"),
@@ -349,6 +397,18 @@ def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected
                                                     torch.zeros(2)))
     elif damage == "missing_tensor":
         _rewrite(hf_dir, lambda t, n: t.pop(n))
+    elif damage == "unindexed_tensor":
+        _rewrite(hf_dir, lambda t, n: t.__setitem__("model.layers.1.mlp.extra.weight",
+                                                    torch.zeros(2)), reindex=False)
+    elif damage in ("unindexed_needed", "other_shard"):
+        index_file = hf_dir / "model.safetensors.index.json"
+        index = json.loads(index_file.read_text())
+        name = "model.layers.1.mlp.gate.weight"
+        if damage == "unindexed_needed":
+            del index["weight_map"][name]
+        else:  # a second copy in another shard, which the index does not name
+            _copy_into_another_shard(hf_dir, index, name)
+        index_file.write_text(json.dumps(index))
     elif damage == "nan_value":  # a diverged run's weights: once imported silently
         _rewrite(hf_dir, lambda t, n: t[n].view(-1).__setitem__(5, float("nan")))
     elif damage == "inf_value":
@@ -359,12 +419,23 @@ def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert expected in err, err
-    if damage in ("wrong_shape", "extra_tensor", "int_dtype"):
+    if damage in ("wrong_shape", "extra_tensor", "int_dtype", "unindexed_tensor",
+                  "unindexed_needed", "other_shard"):
         assert ".safetensors: model.layers.1." in err  # the file and the tensor
     if damage in ("nan_value", "inf_value"):  # the directory, their tensor and ours
         assert f"{hf_dir}: model.layers.1.mlp.gate.weight (blocks.1.ffn.router.weight in our " \
                "model)" in err
     assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt*"))
+
+
+def _copy_into_another_shard(hf_dir: Path, index: dict, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    home = index["weight_map"][name]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != home)
+    tensors = load_file(str(hf_dir / other))
+    tensors[name] = load_file(str(hf_dir / home))[name]
+    save_file(tensors, str(hf_dir / other), metadata={"format": "pt"})
 
 
 def test_bf16_weights_are_read_exactly(tmp_path):

@@ -143,8 +143,9 @@ def test_the_base_directory_must_hold_the_fine_tunes_base(tmp_path):
     moved["blocks.1.ffn.experts.w_out"] = state["blocks.1.ffn.experts.w_out"] * (1 + 1e-4)
     with pytest.raises(CheckpointError, match=r"^--base-hf .*: not the base model the adapters "
                        r"of .* were trained on \(model.init_from: base\): 1 of \d+ weights "
-                       r"differ \(blocks.1.ffn.experts.w_out\); export the base with: "
-                       r"moe-export base DIR --format hf"):
+                       r"differ \(blocks.1.ffn.experts.w_out\); the --format hf export of "
+                       r"this run's base \(model.init_from: base\); export it with: "
+                       r"moe-export base DIR --format hf, then pass --base-hf DIR"):
         check_base(tmp_path / "base", moved, cfg, tmp_path)
     with pytest.raises(CheckpointError, match="^--base-hf .*: not a model the importer reads"):
         check_base(tmp_path / "nowhere", state, cfg, tmp_path)
@@ -170,3 +171,30 @@ def test_options_that_do_not_go_with_the_format_are_refused(args, message, tmp_p
         main([str(tmp_path / "ckpt"), str(tmp_path / "out"), *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("init_from, hint", [
+    # An hf: base is the directory itself: the hint names it (not "moe-export hf:DIR ...").
+    ("hf:/models/my base", "this run's base (model.init_from: hf:/models/my base) is that "
+                           "directory: --base-hf '/models/my base'"),
+    ("runs/base", "export it with: moe-export runs/base DIR --format hf, then pass --base-hf DIR"),
+])
+def test_a_missing_base_hf_names_the_directory_to_pass(init_from, hint, tmp_path, capsys):
+    import yaml
+
+    from launch.export import main
+    from moe.checkpoint.files import MARKER, RUN_CONFIG
+    from moe.config_schema import to_dict
+
+    _, cfg, _ = _adapted("llama")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / MARKER).write_text("{}")
+    run = to_dict(cfg)
+    run["model"]["init_from"] = init_from
+    (ckpt / RUN_CONFIG).write_text(yaml.safe_dump(run))
+    with pytest.raises(SystemExit) as e:
+        main([str(ckpt), str(tmp_path / "out"), "--format", "peft"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--format peft needs --base-hf DIR" in err and hint in err, err
+    assert "moe-export hf:" not in err and not (tmp_path / "out").exists()

@@ -90,6 +90,21 @@ def test_previous_checkpoint_loads_and_evaluates(killed_run):
     assert torch.isfinite(logits).all()
 
 
+def test_the_planner_sizes_a_saved_checkpoint(killed_run):
+    """moe-plan's figure for a checkpoint (what a full disk is measured against before the
+    first save) against the files two ranks wrote, ZeRO 2 and expert parallelism 2: their
+    tensors, less the RNG states, config, tokenizer copy and file framing it leaves out."""
+    from moe.evaluation.evaluate import load_model
+    from moe.tools.planning import checkpoint_bytes
+
+    run_dir, _ = killed_run
+    _, cfg, tag_dir = load_model(run_dir)
+    written = sum(f.stat().st_size for f in tag_dir.rglob("*") if f.is_file())
+    planned = checkpoint_bytes(cfg.model, cfg.train.precision, cfg.parallel.zero_stage,
+                               cfg.parallel.expert_parallel_size)
+    assert 0.95 * written < planned <= written, (planned, written)
+
+
 def _copy_checkpoint(run_dir, tmp_path):
     dst = tmp_path / "step_0000002"
     shutil.copytree(run_dir / "checkpoints" / "step_0000002", dst)
