@@ -32,12 +32,14 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from launch.interrupts import LauncherSignals, kill_unresponsive, stop_session
+from launch.launcher_watch import die_with_parent
 from launch.rank import exits_file
 from moe.checkpoint.files import find_latest
 from moe.errors import LaunchError, MoEError
@@ -235,17 +237,24 @@ def run_attempt(command: list[str], env: dict, attempt: Attempt,
     ``signals``: the launcher runs in a session of its own and gets moe-launch's signals
     through them. ``started``: told the launcher's process as soon as it runs (a signal
     forwarder)."""
-    proc = subprocess.Popen(command, env=env, start_new_session=signals is not None)
+    # moe-launch's launcher runs in a session of its own: it ends with moe-launch all the same
+    # (launch/launcher_watch.py). Only from the main thread: the signal comes when the thread
+    # that started the child ends.
+    own = signals is not None and threading.current_thread() is threading.main_thread()
+    proc = subprocess.Popen(command, env=env, start_new_session=signals is not None,
+                            preexec_fn=die_with_parent() if own else None)
     if started is not None:
         started(proc)
     seen = None
     while proc.poll() is None:
-        time.sleep(POLL_S)
-        if signals is not None:
+        if signals is None:
+            time.sleep(POLL_S)
+        else:
+            signals.wait(POLL_S)  # returns at once on a signal to moe-launch
+            signals.deliver(proc)
             if signals.forced is not None:
                 stop_session(proc)
                 break
-            signals.deliver(proc)
         if seen is None and attempt.abnormal_ends():
             seen = time.monotonic()
         if seen is not None:
