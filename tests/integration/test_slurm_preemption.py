@@ -5,6 +5,7 @@ and exit 75, the job requeues, resumes once the other job is done and finishes w
 losses as an uninterrupted run, step for step."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -61,3 +62,81 @@ def test_grace_time_preemption_saves_requeues_and_resumes_bitwise(tiny_data, tmp
     assert "launch: restart" not in job_log
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:07d}'}" in log
     assert fr.loss_mismatches(run_dir, tmp_path / "runs" / "reference", max_steps, ranks=1) == []
+
+
+def job_fields(cluster, job_id: str) -> dict[str, str]:
+    """Every ``KEY=VALUE`` of ``scontrol show job`` at once (one call: a fast poll)."""
+    out = cluster.run(["scontrol", "show", "job", job_id]).stdout
+    return dict(t.split("=", 1) for t in out.split() if "=" in t)
+
+
+EARLY_SIGNALS = 5
+
+
+@pytest.mark.slurm
+def test_usr1_the_moment_the_job_runs_requeues_it_every_time(tiny_data, tmp_path):
+    """USR1 to the batch shell (what ``--signal=B:USR1@N`` sends) the moment SLURM says the job
+    is RUNNING, five times: the first run and four requeued runs. The batch shell holds it from
+    its first command and hands it to the supervisor (launch/slurm/script.py), which requeues
+    the job; the signal's default action would end the job FAILED, with no requeue."""
+    config, run_dir = slurm_run(tiny_data, tmp_path, name="early", max_steps=100_000)
+    job_log = run_dir / "logs" / "slurm-{}.out"
+    with single_node_cluster(tmp_path / "cluster") as cluster:
+        job_id = submit(config, cluster, "--no-eval")
+        job_log = Path(str(job_log).format(job_id))
+
+        def running(run: int) -> bool:
+            fields = job_fields(cluster, job_id)
+            return fields.get("JobState") == "RUNNING" and fields.get("Restarts") == str(run)
+
+        def over(run: int) -> bool:
+            fields = job_fields(cluster, job_id)
+            return (fields.get("Restarts") == str(run + 1)
+                    or fields.get("JobState") in ("FAILED", "COMPLETED"))
+
+        for run in range(EARLY_SIGNALS):
+            wait_for(lambda r=run: running(r), 240, f"run {run} did not start", cluster,
+                     poll=0.01, job_log=job_log)
+            sent = cluster.run(["scancel", "--batch", "--signal=USR1", job_id])
+            assert sent.returncode == 0, sent.stderr
+            wait_for(lambda r=run: over(r), 120, f"run {run} was not requeued", cluster,
+                     job_log=job_log)
+            fields = job_fields(cluster, job_id)
+            assert fields.get("JobState") not in ("FAILED", "COMPLETED"), \
+                (fields, job_log.read_text()[-3000:])
+        cluster.run(["scancel", job_id])
+        cluster.wait_job(job_id, 120)
+    log = job_log.read_text()
+    assert log.count("preempted, requeued, will resume from step 0") == EARLY_SIGNALS, log[-4000:]
+    assert "launch: restart" not in log and "] step " not in log
+    requeued = [line for line in (run_dir / "slurm_job_ends.txt").read_text().splitlines()
+                if line.split()[2] == "requeued"]
+    assert len(requeued) == EARLY_SIGNALS, requeued
+
+
+@pytest.mark.slurm
+def test_a_cancel_while_the_ranks_start_leaves_the_last_line_and_the_record(tiny_data,
+                                                                            tmp_path):
+    """``moe-launch cancel`` while the rank starts up (imports, DeepSpeed, data): the rank holds
+    the TERM until its first step, longer than the cluster's KillWait (5 s), and SLURM kills
+    the job's processes, the supervisor included, before srun ends. The supervisor said how
+    the job ended, and recorded it, as the TERM arrived."""
+    config, run_dir = slurm_run(tiny_data, tmp_path, name="cancelled", max_steps=100_000)
+    with single_node_cluster(tmp_path / "cluster") as cluster:
+        job_id = submit(config, cluster, "--no-eval")
+        rank0, job_log = run_dir / "logs" / "rank0.log", run_dir / "logs" / f"slurm-{job_id}.out"
+        wait_for(rank0.exists, 240, "the rank did not start", cluster, poll=0.05, job_log=job_log)
+        assert "] step " not in rank0.read_text()
+        cancelled = moe_launch(["cancel", str(run_dir)], env=cluster.env)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert cluster.wait_job(job_id, 120) == "CANCELLED"
+        # Until every process of the job is gone: a supervisor still alive could still write.
+        wait_for(lambda: cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip() == "",
+                 120, "the job's processes did not end", cluster)
+    log = job_log.read_text()
+    assert (f"job {job_id} is CANCELLED: not requeued, not restarted; submit the same run again "
+            f"to resume from step 0") in log, log[-3000:]
+    assert (run_dir / "slurm_job_ends.txt").read_text().splitlines()[-1].startswith(
+        f"{job_id} "), log[-3000:]
+    status = moe_launch(["status", str(run_dir)], env=cluster.env)
+    assert f"job {job_id}: CANCELLED" in status.stdout, status.stdout + status.stderr
