@@ -111,7 +111,9 @@ def supervisor_lines(command: str) -> list[str]:
     nums = {name: int(getattr(signal, f"SIG{name}")) for name in HELD}
     return [
         "# Stop signals are held from here on and handed to the supervisor (launch/slurm/script.py).",
-        'moe_held="${TMPDIR:-/tmp}/moe_held_signals.${SLURM_JOB_ID:-0}.$$"',
+        # Node-local, one file per run of the job (builtins only: nothing slow before the trap).
+        'moe_held=${TMPDIR:-/tmp}; [ -d "$moe_held" ] && [ -w "$moe_held" ] || moe_held=/tmp',
+        'moe_held=$moe_held/moe_held_signals.${SLURM_JOB_ID:-0}.$$',
         # Whether process $1 catches signal number $2 (/proc/PID/status, SigCgt).
         'moe_catches() { local key mask; while read -r key mask; do [ "$key" = SigCgt: ] && '
         'return $(( (16#$mask >> ($2 - 1) & 1) == 0 )); done <"/proc/$1/status"; return 1; } '
