@@ -80,7 +80,8 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
         return rc == PREEMPTED_EXIT_CODE or (run_dir / PREEMPTED_MARKER).exists()
 
     # Every rank watches this process and ends with it (launch/launcher_watch.py).
-    env = {**plan.run_env(), WATCH_ENV: identity()}
+    me = identity()
+    env = {**plan.run_env(), **({WATCH_ENV: me} if me else {})}
     with LauncherSignals(save_signal) as signals:
         try:
             rc = run_with_restarts(plan.command, env, run_dir, plan.world_size,

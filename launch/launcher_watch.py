@@ -55,19 +55,23 @@ def _start_ticks(pid: int) -> str | None:
     return None if fields is None else fields[19]
 
 
-def _machine() -> str:
-    """This kernel's boot and this pid namespace: a pid means the same process only here."""
+def _machine() -> str | None:
+    """This kernel's boot and this pid namespace: a pid means the same process only here.
+    None without Linux's /proc."""
     try:
         pidns = os.readlink("/proc/self/ns/pid")
     except OSError:
-        pidns = "?"
-    return f"{_read('/proc/sys/kernel/random/boot_id') or '?'}/{pidns}"
+        return None
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    return f"{boot}/{pidns}" if boot else None
 
 
-def identity(pid: int | None = None) -> str:
-    """What :data:`ENV` holds for process ``pid`` (this one by default)."""
+def identity(pid: int | None = None) -> str | None:
+    """What :data:`ENV` holds for process ``pid`` (this one by default); None where nothing
+    can watch it (no /proc)."""
     pid = os.getpid() if pid is None else pid
-    return f"{_machine()}:{pid}:{_start_ticks(pid)}"
+    machine, ticks = _machine(), _start_ticks(pid)
+    return f"{machine}:{pid}:{ticks}" if machine and ticks else None
 
 
 def watched_pid(value: str | None) -> int | None:
@@ -75,7 +79,8 @@ def watched_pid(value: str | None) -> int | None:
     if not value or value.count(":") < 2:
         return None
     machine, pid, _ = value.rsplit(":", 2)
-    return int(pid) if machine == _machine() and pid.isdigit() else None
+    here = _machine()
+    return int(pid) if here is not None and machine == here and pid.isdigit() else None
 
 
 def alive(value: str) -> bool:
