@@ -491,7 +491,11 @@ def ended_by_slurm(job, state: str, status: int, step: int | None = None,
     if step is None:
         tag = newest_complete(job.run_dir)
         step = int(tag.rsplit("_", 1)[1]) if tag else 0
-    print(f"job {job.job_id} is {state}: not requeued, not restarted; submit the same run "
+    # COMPLETING: SLURM ends the job's steps, and does not say yet whether it cancels the job
+    # or its time ran out.
+    what = (state if state != "COMPLETING" else
+            "COMPLETING (SLURM is ending it: a cancel, or the time limit)")
+    print(f"job {job.job_id} is {what}: not requeued, not restarted; submit the same run "
           f"again to resume from step {step}" + (f" ({note})" if note else ""), flush=True)
 
 
