@@ -424,7 +424,9 @@ def run_slurm_job(config_path: Path, evaluate: bool, held: list[int]) -> int:
             job.record_end(1)
             print(f"error: {e}", flush=True)
             return 1
-    if rc == 0 and not marker.exists():
+    # srun can exit 0 when SLURM cancels its step: a job SLURM is ending has not finished.
+    ending = job.ended or bool(forwarder.received and job.ended_state())
+    if rc == 0 and not marker.exists() and not ending:
         print("training finished; " + ("evaluating the final checkpoint on one task"
                                        if evaluate else "evaluation skipped (--no-eval)"),
               flush=True)

@@ -72,18 +72,22 @@ def job_fields(cluster, job_id: str) -> dict[str, str]:
 
 
 def batch_shell(job_id: str, restarts: int) -> int | None:
-    """The pid of the job's batch shell (slurmd's copy of the job script, ``jobNNNNN/
-    slurm_script``) in its run ``restarts``, once it runs; None before."""
-    script = f"job{int(job_id):05d}/slurm_script".encode()
+    """The pid of the job's batch step process (the child of its ``slurmstepd: [JOB.batch]``:
+    the job script's shell, or what it execs) in its run ``restarts``; None before."""
+    want = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_RESTART_COUNT={restarts}".encode()}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if script not in (proc / "cmdline").read_bytes():
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            if f"SLURM_JOB_ID={job_id}".encode() not in environ:
                 continue
-            environ = (proc / "environ").read_bytes().split(b"\0")
+            parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            stepd = f"slurmstepd: [{job_id}.batch]".encode()
+            if not Path(f"/proc/{parent}/cmdline").read_bytes().startswith(stepd):
+                continue
         except OSError:
             continue
-        if f"SLURM_RESTART_COUNT={restarts}".encode() in environ or (
-                restarts == 0 and not any(e.startswith(b"SLURM_RESTART_COUNT=") for e in environ)):
+        counts = {e for e in environ if e.startswith(b"SLURM_RESTART_COUNT=")}
+        if want <= environ or (restarts == 0 and not counts):
             return int(proc.name)
     return None
 

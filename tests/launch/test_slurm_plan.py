@@ -27,7 +27,7 @@ from moe.config.launch import slurm_time_seconds
 from moe.config.run import RunConfig, dump_config, load_config
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
-from moe.training.resilience.preemption import PREEMPTED_MARKER
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
@@ -494,13 +494,15 @@ def test_a_failed_srun_step_is_started_again_in_the_allocation(tmp_path, slurm_j
     assert (run_dir / "slurm_job_ends.txt").read_text().splitlines()[-1] == "1234 1 ended"
 
 
+@pytest.mark.parametrize("srun_status", [137, 0])
 def test_a_cancel_while_the_ranks_start_is_recorded_before_slurm_kills_the_supervisor(
-        tmp_path, slurm_job):
+        tmp_path, slurm_job, srun_status):
     """``moe-launch cancel`` (``scancel JOB``) while the ranks start up: they hold the TERM until
     their first step, longer than SLURM's KillWait, after which SLURM kills everything, the
     supervisor included. Its last line and the job's record in slurm_job_ends.txt are written
     as soon as it knows SLURM is ending the job, not once srun has ended: the stand-in srun
-    (ranks still starting) waits for the record before it ends."""
+    (ranks still starting) waits for the record before it ends. srun may also exit 0 once
+    SLURM gave up waiting for its step: the job is not taken for finished (no evaluation)."""
     run_dir = tmp_path / "runs" / "tiny"
     (run_dir / "logs").mkdir(parents=True)
     ends, seen, started = (run_dir / "slurm_job_ends.txt", tmp_path / "seen",
@@ -508,19 +510,21 @@ def test_a_cancel_while_the_ranks_start_is_recorded_before_slurm_kills_the_super
     q = shlex.quote
     body = (f"trap : USR1\ntouch {q(str(started))}\n"
             f"for i in $(seq 200); do [ -s {q(str(ends))} ] && {{ touch {q(str(seen))}; "
-            f"exit 137; }}; sleep 0.05; done\nexit 137\n")
+            f"exit {srun_status}; }}; sleep 0.05; done\nexit {srun_status}\n")
     signal_once(started, signal.SIGTERM)
     show_job = 'if [ "$1 $2" = "show job" ]; then echo "JobId=1234 JobState=CANCELLED"; fi\n'
-    calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=show_job, expect_rc=137)
+    calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=show_job,
+                           expect_rc=srun_status or PREEMPTED_EXIT_CODE)
     assert seen.exists(), out  # recorded while srun still ran
+    assert finish_calls(calls) == [] and "training finished" not in out
     assert ends.read_text().splitlines() == ["1234 143 ended"]  # one record for the run
     early = ("job 1234 is CANCELLED: not requeued, not restarted; submit the same run again to "
              "resume from step 0 (the ranks save if SLURM's KillWait leaves them time)")
     # Said before srun ended, and again once it has, where SLURM lets the supervisor see it.
     lines = out.splitlines()
-    assert lines.index(early) < lines.index("stopped by SIGTERM before the ranks could save "
-                                            "(srun exited with status 137): not a training "
-                                            "failure, not restarted"), out
+    assert lines.index(early) < lines.index(f"stopped by SIGTERM before the ranks could save "
+                                            f"(srun exited with status {srun_status}): not a "
+                                            f"training failure, not restarted"), out
     assert lines[-1] == early.split(" (the ranks")[0], out
     assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
 
