@@ -175,9 +175,11 @@ def test_a_killed_moe_launch_takes_the_runner_and_every_rank_with_it(tiny_data, 
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    deadline = time.monotonic() + 10
+    t0 = time.monotonic()
+    deadline = t0 + 10
     while alive(tree) and time.monotonic() < deadline:
         time.sleep(0.05)
+    print(f"{target} killed: its {len(tree)} descendants gone in {time.monotonic() - t0:.2f} s")
     left = {}
     for pid in alive(tree):  # the check has failed: leave nothing training behind
         with contextlib.suppress(psutil.Error):
