@@ -26,6 +26,8 @@ from launch.launcher_watch import die_with_parent, end_with_launcher
 from launch.signal_latch import CATCHABLE
 
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+STOP_WITHIN_S = 2.0
+"""How long the training process has to stop itself once moe-launch is gone."""
 
 
 def exits_file(logs_dir: Path, rank: int) -> Path:
@@ -58,6 +60,16 @@ def start_training(argv: list[str]) -> subprocess.Popen:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def end_child(child: subprocess.Popen) -> None:
+    """moe-launch is gone: the training process says so in its log and stops itself
+    (launch/train.py); killed here if it has not within :data:`STOP_WITHIN_S`."""
+    deadline = time.monotonic() + STOP_WITHIN_S
+    while child.returncode is None and time.monotonic() < deadline:  # the main thread reaps it
+        time.sleep(0.05)
+    if child.returncode is None:
+        child.kill()
+
+
 def main(argv: list[str]) -> int:
     child: subprocess.Popen | None = None
     held: list[int] = []
@@ -83,8 +95,7 @@ def main(argv: list[str]) -> int:
     for signum in held:
         child.send_signal(signum)
 
-    # The training process says why in its log (launch/train.py); this one makes sure it ends.
-    end_with_launcher(lambda pid: child.kill())
+    end_with_launcher(lambda pid: end_child(child))
     rc = child.wait()  # signal handlers run while it waits (PEP 475 retries the wait)
     if config is not None:
         record = exit_record(rank, child.pid, rc)
