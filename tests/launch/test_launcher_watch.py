@@ -3,14 +3,17 @@ processes standing in for moe-launch, its launcher and a rank. The real launch i
 tests/integration/test_launcher_signals.py."""
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 
 from launch.launcher_watch import ENV, alive, end_with_launcher, identity, watched_pid
+from launch.rank import STOP_WITHIN_S, end_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +99,19 @@ def test_only_a_process_of_this_machine_and_pid_namespace_is_watched():
     assert end_with_launcher(lambda pid: None, {}) is None
     # The same pid started at another time is another process (a reused pid).
     assert not alive(f"{machine}:{pid}:{int(ticks) + 1}")
+
+
+def test_the_rank_wrapper_waits_for_the_rank_to_stop_itself_then_kills_it():
+    """The training process writes why to its log and stops itself; the wrapper kills it only
+    if it has not within STOP_WITHIN_S (a rank stuck in C code)."""
+    for code, killed in (("import time; time.sleep(0.3)", False),
+                         ("import time; time.sleep(60)", True)):
+        child = subprocess.Popen([sys.executable, "-c", code])
+        reaper = threading.Thread(target=child.wait)  # the wrapper's main thread
+        reaper.start()
+        t0 = time.monotonic()
+        end_child(child)
+        reaper.join(timeout=10)
+        took = time.monotonic() - t0
+        assert (child.returncode == -signal.SIGKILL) == killed, child.returncode
+        assert took >= STOP_WITHIN_S if killed else took < STOP_WITHIN_S
