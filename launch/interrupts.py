@@ -14,12 +14,17 @@ moe-launch decides what the ranks get:
   the ranks' session gets SIGTERM, and SIGKILL after :data:`KILL_AFTER_S`;
 - with ``checkpoint.save_on_signals: []`` the first signal already stops the ranks at once.
 
+Each signal is acted on the moment it arrives: the handler only records it and wakes the
+supervisor's poll loop (:meth:`LauncherSignals.wait`), which announces it and acts. A SIGKILL
+cannot be acted on: the ranks end with moe-launch all the same (launch/launcher_watch.py).
+
 Standard library and psutil (a DeepSpeed dependency) only.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import time
@@ -44,10 +49,19 @@ class LauncherSignals:
         self.forced: int | None = None
         """A second stopping signal, or the first one when nothing saves on a signal."""
         self.announced = False
+        self.stopping_announced = False
         self.delivered: set[int] = set()
         self._previous: dict[int, object] = {}
+        self._wake_r = self._wake_w = -1
+        self._previous_wakeup = -1
 
     def __enter__(self) -> LauncherSignals:
+        # The interpreter writes to this pipe the moment a signal arrives, whichever thread
+        # the kernel gives it to: wait() returns then, not when its timeout ends.
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._previous_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for signum in HANDLED:
             # An ignored signal stays ignored (nohup's SIGHUP, a background job's SIGINT).
             if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -58,6 +72,9 @@ class LauncherSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
+        signal.set_wakeup_fd(self._previous_wakeup)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
 
     def _on_signal(self, signum, frame) -> None:
         if self.received is None:
@@ -67,20 +84,39 @@ class LauncherSignals:
         elif signum in STOPPING:
             self.forced = signum
 
+    def wait(self, timeout: float) -> None:
+        """Sleep ``timeout`` seconds, or less: until a signal arrives (one that arrived since
+        the last call returns at once). The handler has run when the caller's next call
+        starts (the interpreter runs handlers between bytecodes of the main thread)."""
+        ready, _, _ = select.select([self._wake_r], [], [], timeout)
+        if ready:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+
     @property
     def name(self) -> str:
         return signal.Signals(self.forced or self.received).name
 
     def deliver(self, proc: subprocess.Popen) -> None:
-        """Announce a new signal (one line) and pass the save signal to every training process
-        of ``proc`` ready to act on it that has not had it yet."""
-        if self.received is None or self.forced is not None:
+        """Announce each signal that changes what happens (one line each: the first, and a
+        second one that stops the ranks at once, even when both came between two calls) and
+        pass the save signal to every training process of ``proc`` ready to act on it that has
+        not had it yet."""
+        if self.received is None:
             return
-        if not self.announced:
-            self.announced = True
+        if not self.announced and self.save_signal is not None:
             print(f"launch: {signal.Signals(self.received).name}: every rank saves at the end of "
                   f"its step and stops (exit code 75); a second SIGTERM or Ctrl-C stops them at "
                   f"once without saving", flush=True)
+        self.announced = True
+        if self.forced is not None:
+            if self.save_signal is not None and not self.stopping_announced:
+                print(f"launch: {signal.Signals(self.forced).name}, a second signal: stopping "
+                      f"every rank now, without waiting for the save", flush=True)
+            self.stopping_announced = True
+            return
         for p in training_processes(proc):
             if p.pid not in self.delivered and catches(p.pid, self.save_signal):
                 try:

@@ -31,6 +31,8 @@ from launch.cli import exits_cleanly
 from launch.elastic import Elastic
 from launch.finish import finish
 from launch.interrupts import LauncherSignals
+from launch.launcher_watch import ENV as WATCH_ENV
+from launch.launcher_watch import identity
 from launch.run_plan import Plan
 from launch.schedulers import build_plan, plan_problems
 from launch.slurm.checks import check_submission
@@ -79,9 +81,12 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
     def preempted(rc: int) -> bool:
         return was_preempted(rc, run_dir)
 
+    # Every rank watches this process and ends with it (launch/launcher_watch.py).
+    me = identity()
+    env = {**plan.run_env(), **({WATCH_ENV: me} if me else {})}
     with LauncherSignals(save_signal) as signals:
         try:
-            rc = run_with_restarts(plan.command, plan.run_env(), run_dir, plan.world_size,
+            rc = run_with_restarts(plan.command, env, run_dir, plan.world_size,
                                    max_restarts, preempted, replan, signals)
         except LaunchError:
             if signals.received is None:

@@ -7,8 +7,9 @@ appends one JSON line (rank, pid, exit code or signal, time) to
 ``RUN_DIR/logs/exits_rank{R}.jsonl``, from which moe-launch names the failing rank in its
 restart line (launch/supervise.py), then exits with the rank's exit code (128 + N for signal N).
 Signals it receives (USR1, USR2, TERM, INT) are passed on to the rank (in an srun step, SLURM
-signals the rank itself, so only those that came before the rank started). Standard library only,
-so that it starts at once and holds signals from its first instructions.
+signals the rank itself, so only those that came before the rank started). When the moe-launch
+that started it is gone (killed), it kills the rank (launch/launcher_watch.py). Standard library
+only, so that it starts at once and holds signals from its first instructions.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import sys
 import time
 from pathlib import Path
 
+from launch.launcher_watch import die_with_parent, end_with_launcher
 from launch.signal_latch import CATCHABLE
 
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+STOP_WITHIN_S = 2.0
+"""How long the training process has to stop itself once moe-launch is gone."""
 
 
 def exits_file(logs_dir: Path, rank: int) -> Path:
@@ -46,12 +50,24 @@ def start_training(argv: list[str]) -> subprocess.Popen:
     training process before its first instruction stays pending until its latch is installed
     and unblocks them (launch/signal_latch.py), instead of ending it with the default action
     while the interpreter starts. The mask is inherited through fork and exec; this process's
-    own is restored at once (a signal that came meanwhile runs its handler then)."""
+    own is restored at once (a signal that came meanwhile runs its handler then). It is killed
+    if this process is (launch/launcher_watch.py), which would otherwise leave it orphaned."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, CATCHABLE)
     try:
-        return subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv])
+        return subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv],
+                                preexec_fn=die_with_parent(signal.SIGKILL))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def end_child(child: subprocess.Popen) -> None:
+    """moe-launch is gone: the training process says so in its log and stops itself
+    (launch/train.py); killed here if it has not within :data:`STOP_WITHIN_S`."""
+    deadline = time.monotonic() + STOP_WITHIN_S
+    while child.returncode is None and time.monotonic() < deadline:  # the main thread reaps it
+        time.sleep(0.05)
+    if child.returncode is None:
+        child.kill()
 
 
 def main(argv: list[str]) -> int:
@@ -78,6 +94,8 @@ def main(argv: list[str]) -> int:
     child = start_training(argv)
     for signum in held:
         child.send_signal(signum)
+
+    end_with_launcher(lambda pid: end_child(child))
     rc = child.wait()  # signal handlers run while it waits (PEP 475 retries the wait)
     if config is not None:
         record = exit_record(rank, child.pid, rc)

@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 import signal
 
+HELD_SIGNALS_ENV = "MOE_HELD_SIGNALS"
+"""The file in which a SLURM job script's shell records the stop signals that reach the job
+before its supervisor can take them (launch/slurm/script.py)."""
+
 # Every signal checkpoint.save_on_signals may name (moe.training.resilience.preemption.SIGNALS).
 CATCHABLE = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 

@@ -23,21 +23,24 @@ checkpoint and the resumed run writes the steps after it again.
 
 from __future__ import annotations
 
-from launch.signal_latch import CATCHABLE, LATCH
+from launch.signal_latch import CATCHABLE, HELD_SIGNALS_ENV, LATCH
 
-if __name__ == "__main__":  # a SLURM job's one line: hold stop signals before any import
+if __name__ == "__main__":  # a SLURM job's supervisor: hold stop signals before any import
     LATCH.install()
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from launch.interrupts import LauncherSignals, kill_unresponsive, stop_session
+from launch.launcher_watch import die_with_parent
 from launch.rank import exits_file
 from moe.checkpoint.files import find_latest
 from moe.errors import LaunchError, MoEError
@@ -232,22 +235,32 @@ class Attempt:
 
 def run_attempt(command: list[str], env: dict, attempt: Attempt,
                 signals: LauncherSignals | None = None,
-                started: Callable[[subprocess.Popen], None] | None = None) -> int:
+                started: Callable[[subprocess.Popen], None] | None = None,
+                tick: Callable[[], None] | None = None) -> int:
     """Run the launcher once; stop it if it outlives a rank's abnormal end by :data:`GRACE_S`.
     ``signals``: the launcher runs in a session of its own and gets moe-launch's signals
     through them. ``started``: told the launcher's process as soon as it runs (a signal
-    forwarder)."""
-    proc = subprocess.Popen(command, env=env, start_new_session=signals is not None)
+    forwarder). ``tick``: called at every poll while it runs."""
+    # moe-launch's launcher runs in a session of its own: it ends with moe-launch all the same
+    # (launch/launcher_watch.py). Only from the main thread: the signal comes when the thread
+    # that started the child ends.
+    own = signals is not None and threading.current_thread() is threading.main_thread()
+    proc = subprocess.Popen(command, env=env, start_new_session=signals is not None,
+                            preexec_fn=die_with_parent() if own else None)
     if started is not None:
         started(proc)
     seen = None
     while proc.poll() is None:
-        time.sleep(POLL_S)
-        if signals is not None:
+        if signals is None:
+            time.sleep(POLL_S)
+        else:
+            signals.wait(POLL_S)  # returns at once on a signal to moe-launch
+            signals.deliver(proc)
             if signals.forced is not None:
                 stop_session(proc)
                 break
-            signals.deliver(proc)
+        if tick is not None:
+            tick()
         if seen is None and attempt.abnormal_ends():
             seen = time.monotonic()
         if seen is not None:
@@ -264,12 +277,13 @@ def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: 
                       max_restarts: int, preempted,
                       replan: Callable[[], Relaunch] | None = None,
                       signals: LauncherSignals | None = None,
-                      started: Callable[[subprocess.Popen], None] | None = None) -> int:
+                      started: Callable[[subprocess.Popen], None] | None = None,
+                      tick: Callable[[], None] | None = None) -> int:
     """Run ``command`` until it succeeds, is preempted (``preempted(rc)`` true: returned at
     once) or has failed ``max_restarts + 1`` times (LaunchError). Returns its exit code.
     ``replan``: asked before each restart for the command and world size to restart with
     (LaunchError: no restart). ``signals``: moe-launch's; once one arrived, the exit code is
-    returned whatever it is (the caller tells what happened). ``started``: see
+    returned whatever it is (the caller tells what happened). ``started``, ``tick``: see
     :func:`run_attempt`. A failure a restart cannot fix (a rank's final record: a full or
     read-only disk, a configuration or data error) is not restarted: LaunchError at once,
     naming the cause."""
@@ -277,7 +291,7 @@ def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: 
     restart = 0
     while True:
         attempt = Attempt(run_dir, world_size)
-        rc = run_attempt(command, env, attempt, signals, started)
+        rc = run_attempt(command, env, attempt, signals, started, tick)
         if rc == 0 or preempted(rc) or (signals is not None and signals.received is not None):
             return rc
         failure = attempt.failure(rc)
@@ -319,15 +333,16 @@ def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: 
 
 
 class SignalForwarder:
-    """The supervisor of a SLURM job is the batch step's process that SLURM signals: the
-    time-limit warning (``--signal=B:USR1@N``), ``scancel --batch`` and ``--full``. Each stop
-    signal is remembered and passed on to srun as :data:`~launch.slurm.allocation.SAVE_SIGNAL`,
-    which srun hands to every rank (TERM it would turn into SIGKILL). A signal before srun runs
-    is held: the supervisor then starts no rank at all."""
+    """The supervisor of a SLURM job gets the signals SLURM sends the batch step: the
+    time-limit warning (``--signal=B:USR1@N``) and ``scancel --batch`` through the batch shell
+    (launch/slurm/script.py), ``--full`` and a cancel directly. Each stop signal is remembered
+    and passed on to srun as :data:`~launch.slurm.allocation.SAVE_SIGNAL`, which srun hands to
+    every rank (TERM it would turn into SIGKILL). A signal before srun runs is held: the
+    supervisor then starts no rank at all."""
 
-    def __init__(self, save_signal: int, held: int | None = None):
+    def __init__(self, save_signal: int, held: list[int] = ()):
         self.save_signal = save_signal
-        self.received: list[int] = [held] if held is not None else []
+        self.received: list[int] = list(held)
         self.proc: subprocess.Popen | None = None
 
     def install(self, signals) -> None:
@@ -355,11 +370,12 @@ class SignalForwarder:
         return signal.Signals(self.received[0]).name if self.received else None
 
 
-def run_slurm_job(config_path: Path, evaluate: bool, held: int | None) -> int:
+def run_slurm_job(config_path: Path, evaluate: bool, held: list[int]) -> int:
     """Everything a SLURM job does inside its allocation: build DeepSpeed's op, run the ranks
     with srun under the restart policy of :func:`run_with_restarts`, requeue after a preemption
     (or after any stop signal), evaluate the finished run on one task. Returns the job's exit
-    code; its last line says why it ended."""
+    code; its last line says why it ended. ``held``: the stop signals that reached the job
+    before this process could act on them (the job script's and the latch's)."""
     from launch.slurm.allocation import SAVE_SIGNAL, Allocation, build_ops
     from moe.config.run import load_config
     from moe.training.resilience.preemption import was_preempted
@@ -374,8 +390,22 @@ def run_slurm_job(config_path: Path, evaluate: bool, held: int | None) -> int:
     attempt = 0
     env = job.env(attempt)
     print(job.header(attempt), flush=True)
+    checked = 0
+
+    def tick() -> None:
+        """Once per new stop signal, while srun or the build runs: when it is SLURM ending the
+        job (a cancel, the time limit), the end is recorded and said at once; SLURM kills this
+        process after KillWait, which ranks still starting up outlast."""
+        nonlocal checked
+        if len(forwarder.received) > checked and not job.ended:
+            checked = len(forwarder.received)
+            state = job.ended_state()
+            if state is not None:
+                ended_by_slurm(job, state, 128 + forwarder.received[0],
+                               note="the ranks save if SLURM's KillWait leaves them time")
+
     if not forwarder.received:
-        build_ops(env)
+        build_ops(env, tick=tick)
 
     def preempted(rc: int) -> bool:
         return was_preempted(rc, run_dir) or bool(forwarder.received)
@@ -391,12 +421,14 @@ def run_slurm_job(config_path: Path, evaluate: bool, held: int | None) -> int:
         try:
             rc = run_with_restarts(job.srun(), env, run_dir, cfg.parallel.world_size,
                                    cfg.launch.max_restarts, preempted, replan,
-                                   started=forwarder.started)
+                                   started=forwarder.started, tick=tick)
         except LaunchError as e:
             job.record_end(1)
             print(f"error: {e}", flush=True)
             return 1
-    if rc == 0 and not marker.exists():
+    # srun can exit 0 when SLURM cancels its step: a job SLURM is ending has not finished.
+    ending = job.ended or bool(forwarder.received and job.ended_state())
+    if rc == 0 and not marker.exists() and not ending:
         print("training finished; " + ("evaluating the final checkpoint on one task"
                                        if evaluate else "evaluation skipped (--no-eval)"),
               flush=True)
@@ -432,9 +464,7 @@ def stopped(job, marker: Path, rc: int | None, signal_name: str | None) -> int:
               f"with status {rc}): not a training failure, not restarted", flush=True)
     ended = job.ended_state()
     if ended is not None:  # the signal was SLURM ending the job: a cancel or the time limit
-        job.record_end(rc if rc is not None else PREEMPTED_EXIT_CODE)
-        print(f"job {job.job_id} is {ended}: not requeued, not restarted; submit the same run "
-              f"again to resume from step {step}", flush=True)
+        ended_by_slurm(job, ended, rc if rc is not None else PREEMPTED_EXIT_CODE, step)
         return rc if rc else PREEMPTED_EXIT_CODE
     if job.cfg.launch.slurm.requeue:
         # Said before asking: the requeue ends this batch step, this process included.
@@ -453,17 +483,52 @@ def stopped(job, marker: Path, rc: int | None, signal_name: str | None) -> int:
     return PREEMPTED_EXIT_CODE
 
 
+def ended_by_slurm(job, state: str, status: int, step: int | None = None,
+                   note: str = "") -> None:
+    """The job's last line and its record in ``slurm_job_ends.txt`` when SLURM itself ends the
+    job (``state``: CANCELLED, TIMEOUT, ...): recorded once per run of the job, as soon as it
+    is known, and said again with the final step if SLURM lets the supervisor see srun end.
+    ``step``: where a resubmission resumes (None: the newest complete checkpoint); ``note``:
+    what may still happen before SLURM kills the job."""
+    if not job.ended:
+        job.record_end(status)
+    if step is None:
+        tag = newest_complete(job.run_dir)
+        step = int(tag.rsplit("_", 1)[1]) if tag else 0
+    # COMPLETING: SLURM ends the job's steps, and does not say yet whether it cancels the job
+    # or its time ran out.
+    what = (state if state != "COMPLETING" else
+            "COMPLETING (SLURM is ending it: a cancel, or the time limit)")
+    print(f"job {job.job_id} is {what}: not requeued, not restarted; submit the same run "
+          f"again to resume from step {step}" + (f" ({note})" if note else ""), flush=True)
+
+
+def held_by_the_job_script() -> list[int]:
+    """The stop signals the job script's shell recorded (launch/slurm/script.py) before this
+    process could take them, read once this process catches them itself: one that came later
+    the shell passes on as a signal."""
+    path = os.environ.pop(HELD_SIGNALS_ENV, None)
+    if not path:
+        return []
+    try:
+        names = Path(path).read_text().split()
+    except OSError:
+        return []
+    return [getattr(signal, f"SIG{name}") for name in names if hasattr(signal, f"SIG{name}")]
+
+
 def main(argv: list[str]) -> None:
-    """``python -m launch.supervise slurm CONFIG [--no-eval]``: the one line of a SLURM job
-    script (launch/slurm/script.py).
+    """``python -m launch.supervise slurm CONFIG [--no-eval]``: the supervisor a SLURM job
+    script starts (launch/slurm/script.py).
 
     ``python -m launch.supervise RUN_DIR WORLD_SIZE STARTED RESUMED_STEP``: print the step a
     failed attempt (started at epoch second STARTED, resumed from step RESUMED_STEP) was in (what
     job scripts of earlier versions ask after a failed srun step)."""
     if argv[:1] == ["slurm"]:
         config, evaluate = Path(argv[1]), "--no-eval" not in argv[2:]
+        held = held_by_the_job_script() + ([LATCH.first] if LATCH.first else [])
         try:
-            sys.exit(run_slurm_job(config, evaluate, LATCH.first))
+            sys.exit(run_slurm_job(config, evaluate, held))
         except MoEError as e:
             print(f"error: {e}", flush=True)
             sys.exit(2)

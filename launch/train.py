@@ -27,6 +27,7 @@ import torch
 from data_pipeline.errors import DataError
 from data_pipeline.shards import read_manifest
 from launch.cli import exits_cleanly, setup_logging
+from launch.launcher_watch import end_with_launcher, gone_line, say
 from launch.rank_env import dist_env_from_environment
 from launch.supervise import record_final
 from moe.checkpoint.files import MARKER
@@ -53,6 +54,7 @@ from moe.training.trainer import train
 @exits_cleanly
 def main(argv=None) -> None:
     LATCH.install()  # a no-op under python -m; the first instruction for the moe-train script
+    end_with_launcher(launcher_gone)
     p = argparse.ArgumentParser(prog="moe-train", description=__doc__)
     p.add_argument("--config", required=True, help="resolved run config (YAML)")
     p.add_argument("--resume", default="auto",
@@ -82,6 +84,19 @@ def main(argv=None) -> None:
         if record_stop(e, cfg.run_dir, env.rank, cfg) is None:  # a restart may fix it
             stop_if_signalled(e, cfg.run_dir, env.rank)
         raise
+
+
+def launcher_gone(pid: int) -> None:
+    """The moe-launch that started this rank is gone (killed): stop at once, as a rank whose
+    launcher stopped it would (launch/launcher_watch.py). Said in the rank's own log file
+    (its console may be the dead launcher's pipe) and on stderr."""
+    text = gone_line(pid, f"rank pid {os.getpid()}")
+    for handler in logging.getLogger("moe").handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(logging.LogRecord("moe.train", logging.WARNING, __file__, 0, text,
+                                             None, None))
+    say(text)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run(cfg, env, resume: str, threads: int) -> None:

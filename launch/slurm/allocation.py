@@ -11,9 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.launcher_watch import ENV as WATCH_ENV
 from launch.slurm.jobs import ENDS_FILE
 from moe.config.run import SIGNALS, RunConfig
 
@@ -24,6 +26,8 @@ SAVE_SIGNAL = signal.SIGUSR1
 """What the supervisor sends srun when the job is told to stop (USR1, USR2 or TERM reaching the
 batch step). srun hands USR1 to every task as it is; TERM it would turn into SIGKILL."""
 HELD_BY_BUILD = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+POLL_S = 0.5
+"""How often a wait for the build looks at the supervisor's signals."""
 STALE_LOCK_S = 600
 """A torch-extensions build lock older than this, with no build running, is left by a dead
 build (a compile takes well under a minute here)."""
@@ -55,6 +59,8 @@ class Allocation:
     requeues: int
     """SLURM_RESTART_COUNT: how often the job was requeued before this run."""
     master_addr: str
+    ended: bool = field(default=False, init=False)
+    """Whether this run of the job has recorded how it ended (:meth:`record_end`)."""
 
     @classmethod
     def from_environment(cls, cfg: RunConfig, config_path: Path) -> Allocation:
@@ -80,7 +86,9 @@ class Allocation:
         extra = {"PYTHONUNBUFFERED": "1", **self.cfg.launch.env}
         if s.socket_ifname:
             extra |= {"GLOO_SOCKET_IFNAME": s.socket_ifname, "NCCL_SOCKET_IFNAME": s.socket_ifname}
-        return {**os.environ, **extra, "MASTER_ADDR": self.master_addr,
+        # The ranks of a job are watched by SLURM, not by a moe-launch that submitted it.
+        own = {k: v for k, v in os.environ.items() if k != WATCH_ENV}
+        return {**own, **extra, "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(self.port(attempt))}
 
     def header(self, attempt: int) -> str:
@@ -110,6 +118,7 @@ class Allocation:
 
     def record_end(self, status: int, requeued_step: int | None = None) -> None:
         """``JOB STATUS requeued STEP`` or ``JOB STATUS ended`` (launch/slurm/jobs.py)."""
+        self.ended = True
         line = (f"{self.job_id} {status} requeued {requeued_step}" if requeued_step is not None
                 else f"{self.job_id} {status} ended")
         try:
@@ -148,20 +157,18 @@ def ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def build_lock_problems(extensions_dir: Path, now: float | None = None) -> list[Path]:
-    """Build locks under ``extensions_dir`` (torch's ``FileBaton`` files, ``NAME/lock``) that a
-    dead build left: older than :data:`STALE_LOCK_S` and no live process building there."""
+def orphan_build_locks(extensions_dir: Path, now: float | None = None) -> list[tuple[Path, float]]:
+    """Build locks under ``extensions_dir`` (torch's ``FileBaton`` files, ``NAME/lock``) with no
+    live process of this node building there, each with its age in seconds."""
     now = time.time() if now is None else now
     # ROOT/NAME/lock under TORCH_EXTENSIONS_DIR, ROOT/py311_cpu/NAME/lock under the default.
-    locks = [*extensions_dir.glob("*/lock"), *extensions_dir.glob("*/*/lock")]
-    old = []
-    for lock in locks:
+    locks = []
+    for lock in [*extensions_dir.glob("*/lock"), *extensions_dir.glob("*/*/lock")]:
         try:
-            if now - lock.stat().st_mtime > STALE_LOCK_S:
-                old.append(lock)
+            locks.append((lock, now - lock.stat().st_mtime))
         except FileNotFoundError:  # its build just finished
             continue
-    if not old:
+    if not locks:
         return []
     building = set()
     for proc in Path("/proc").glob("[0-9]*"):
@@ -170,42 +177,59 @@ def build_lock_problems(extensions_dir: Path, now: float | None = None) -> list[
         except OSError:
             continue
         building.add(Path(cwd))
-    return [lock for lock in old if lock.parent not in building]
+    return [(lock, age) for lock, age in locks if lock.parent not in building]
 
 
-def extensions_dir() -> Path:
-    """Where torch builds its JIT extensions (TORCH_EXTENSIONS_DIR, else its cache default)."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+def build_lock_problems(extensions_dir: Path, now: float | None = None) -> list[Path]:
+    """The build locks under ``extensions_dir`` that a dead build left: older than
+    :data:`STALE_LOCK_S` and no live process building there (a build on another node sharing
+    the directory, which this node cannot see, takes well under that)."""
+    return [lock for lock, age in orphan_build_locks(extensions_dir, now) if age > STALE_LOCK_S]
+
+
+def extensions_dir(env: dict[str, str]) -> Path:
+    """Where torch builds its JIT extensions in a process with environment ``env`` (the ranks':
+    ``launch.env`` may set TORCH_EXTENSIONS_DIR): TORCH_EXTENSIONS_DIR, else its cache
+    default."""
+    if env.get("TORCH_EXTENSIONS_DIR"):
+        return Path(env["TORCH_EXTENSIONS_DIR"])
+    cache = Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME") or Path.home()) / ".cache")
     return cache / "torch_extensions"
 
 
-def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
-    """Remove the locks a dead build left (each named on the job log): torch waits on such a
-    lock forever."""
-    root = extensions_dir() if root is None else root
-    cleared = build_lock_problems(root) if root.is_dir() else []
-    for lock in cleared:
-        print(f"removing a stale torch-extensions build lock {lock} (older than "
-              f"{STALE_LOCK_S // 60} minutes, no build running there): a build that died left "
-              f"it, and every start would wait on it forever", flush=True)
-        lock.unlink(missing_ok=True)
+def clear_stale_build_locks(root: Path) -> list[Path]:
+    """Remove the locks a dead build left under ``root`` and name them on the job log: torch
+    waits on such a lock forever, saying nothing. A younger lock with no build on this node is
+    named, not removed (another node may be building there)."""
+    cleared = []
+    for lock, age in orphan_build_locks(root) if root.is_dir() else []:
+        if age > STALE_LOCK_S:
+            print(f"removing a stale torch-extensions build lock {lock} (older than "
+                  f"{STALE_LOCK_S // 60} minutes, no build running there): a build that died "
+                  f"left it, and every start would wait on it forever", flush=True)
+            lock.unlink(missing_ok=True)
+            cleared.append(lock)
+        else:
+            print(f"a torch-extensions build lock {lock} ({age:.0f} s old) has no build running "
+                  f"on this node: the ranks wait until it is gone. If no other node is building "
+                  f"there, a build died and left it: remove it (it is removed here once older "
+                  f"than {STALE_LOCK_S // 60} minutes)", flush=True)
     return cleared
 
 
 OP_NAME = "deepspeed_shm_comm"
 
 
-def op_built() -> bool:
-    """Whether the op is built and no build of it is under way (a lock): then the ranks only load
-    it, and starting Python to ask DeepSpeed (seconds) is skipped."""
+def op_built(env: dict[str, str]) -> bool:
+    """Whether the op is built where the ranks (environment ``env``) look for it and no build of
+    it is under way (a lock): then the ranks only load it, and starting Python to ask DeepSpeed
+    (seconds) is skipped."""
     import torch
 
     if torch.version.cuda is not None or torch.version.hip is not None:
         return True  # DeepSpeed builds this op only for its CPU accelerator
-    root = extensions_dir()
-    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+    root = extensions_dir(env)
+    if not env.get("TORCH_EXTENSIONS_DIR"):
         root = root / f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_cpu"
     return (root / OP_NAME / f"{OP_NAME}.so").is_file() and not (root / OP_NAME / "lock").exists()
 
@@ -214,17 +238,33 @@ BUILD_OP = ("from deepspeed.comm.torch import build_shm_op\n"
             "build_shm_op()\n")
 
 
-def build_ops(env: dict[str, str], timeout: float = 1800) -> int:
+def build_ops(env: dict[str, str], timeout: float = 1800,
+              tick: Callable[[], None] | None = None) -> int:
     """Build DeepSpeed's JIT communication op once, before srun starts any rank, in a child
     whose compilers ignore the job's stop signals: a signal that reaches the whole step (SLURM's
     time-limit warning) can no longer kill a compiler and leave a half-built op and its lock.
-    Returns the build's exit code (nonzero: the ranks build it themselves, as before)."""
-    clear_stale_build_locks()
-    if op_built():
+    Returns the build's exit code (nonzero: the ranks build it themselves, as before).
+    ``env``: the ranks' environment, which decides where the op is built and looked for;
+    ``tick``: called every :data:`POLL_S` while the build runs (the supervisor's signals)."""
+    clear_stale_build_locks(extensions_dir(env))
+    if op_built(env):
         return 0
-    proc = subprocess.run([sys.executable, "-c", BUILD_OP], env=env, capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=ignore_stop_signals)
+    proc = subprocess.Popen([sys.executable, "-c", BUILD_OP], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ignore_stop_signals)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _, err = proc.communicate(timeout=POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                proc.kill()
+                _, err = proc.communicate()
+                err += f"\nstopped after {timeout:g} s"
+                break
+            if tick is not None:
+                tick()
     if proc.returncode != 0:
         print(f"building DeepSpeed's op before the ranks failed (exit code {proc.returncode}); "
-              f"the ranks build it themselves: {proc.stderr.strip()[-500:]}", flush=True)
+              f"the ranks build it themselves: {err.strip()[-500:]}", flush=True)
     return proc.returncode

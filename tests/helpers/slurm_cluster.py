@@ -186,6 +186,9 @@ def slurm_conf(root: Path, sockets: Path, controller: str, nodes: list[str], cpu
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         *partitions,
     ]
+    # A setting replaces the default line of the same key (e.g. KillWait=2).
+    keys = {line.split("=", 1)[0] for line in settings}
+    lines = [line for line in lines if line in settings or line.split("=", 1)[0] not in keys]
     (root / "state").mkdir()
     return "\n".join(lines) + "\n"
 
@@ -194,7 +197,8 @@ def slurm_conf(root: Path, sockets: Path, controller: str, nodes: list[str], cpu
 def single_node_cluster(root: Path, cpus: int = 2, partitions: tuple[str, ...] = (),
                         settings: tuple[str, ...] = ()):
     """``partitions``: more ``PartitionName=...`` lines besides the default ``debug``;
-    ``settings``: more slurm.conf lines (e.g. ``PreemptType=...``)."""
+    ``settings``: more slurm.conf lines (e.g. ``PreemptType=...``), each replacing a default
+    line of the same key (e.g. ``KillWait=2``)."""
     require_slurm()
     host = socket.gethostname()
     conf = root / "slurm.conf"

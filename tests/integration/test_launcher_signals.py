@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from moe.training.resilience.faults import PLAN_ENV
 from moe.training.resilience.watchdog import hang_file, hang_records_file
 from tests.conftest import tiny_run_dict
 from tests.helpers.fault_runs import ROOT, write_run_config
@@ -155,3 +156,72 @@ def test_term_and_ctrl_c_save_and_exit_75_a_second_signal_stops_at_once(tiny_dat
     assert rc == 143, out[-3000:]
     assert out.count("stopped by SIGTERM without saving (exit code 143)") == 1, out[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{second:07d}"
+
+
+@pytest.mark.parametrize("target", ["moe-launch", "its process group"])
+def test_a_killed_moe_launch_takes_the_runner_and_every_rank_with_it(tiny_data, tmp_path, target):
+    """SIGKILL cannot be caught: nothing is saved, but nothing trains on either. The runner
+    (DeepSpeed's, in a session of its own) gets its parent-death signal, each rank sees through
+    its pidfd that moe-launch is gone and stops (launch/launcher_watch.py)."""
+    cfg, run_dir = config(tiny_data, tmp_path, "killed", max_steps=10_000)
+    proc = start(cfg)
+    with killed_on_failure(proc):
+        wait_for_steps(proc, run_dir, 2, rank=1)
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(training_ranks(proc.pid)) == 2
+        if target == "moe-launch":
+            proc.send_signal(signal.SIGKILL)
+        else:  # moe-launch leads its group (started in a session of its own, as by a shell)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    t0 = time.monotonic()
+    deadline = t0 + 10
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(f"{target} killed: its {len(tree)} descendants gone in {time.monotonic() - t0:.2f} s")
+    left = {}
+    for pid in alive(tree):  # the check has failed: leave nothing training behind
+        with contextlib.suppress(psutil.Error):
+            left[pid] = psutil.Process(pid).cmdline()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == {}, left
+    out = proc.stdout.read()
+    assert f"moe-launch (pid {proc.pid}) is gone: stopping rank pid" in \
+        (run_dir / "logs" / "rank0.log").read_text(), out[-3000:]
+
+
+def test_two_ctrl_c_0_3_s_apart_say_both_and_stop_at_once(tiny_data, tmp_path):
+    """Ctrl-C twice, 0.3 s apart, while rank 0 is inside a long step (the test-only fault plan
+    holds it 60 s, so that no save can end the run between the two): the first is announced
+    as it arrives, the second stops the ranks at once without waiting for the save: exit 130,
+    each signal said once, in order."""
+    cfg, run_dir = config(tiny_data, tmp_path, "twice", max_steps=10_000)
+    plan = tmp_path / "faults" / "plan.json"
+    plan.parent.mkdir()
+    plan.write_text(json.dumps({"fired_dir": str(plan.parent), "faults": [
+        {"id": 0, "kind": "hang", "rank": 0, "step": 4, "phase": "forward", "seconds": 60}]}))
+    proc = start(cfg, f"launch.env={{{PLAN_ENV}: {plan}}}")
+    with killed_on_failure(proc):
+        while not (plan.parent / "fault_0").exists():
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    assert time.monotonic() - t0 < 30, out[-3000:]  # not the end of the 60 s step
+    assert proc.returncode == 130, out[-3000:]
+    assert alive(tree) == [], out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("launch: ")]
+    said = ["launch: SIGINT: every rank saves at the end of its step and stops",
+            "launch: SIGINT, a second signal: stopping every rank now, without waiting for the "
+            "save",
+            "launch: stopped by SIGINT without saving (exit code 130)"]
+    found = [[i for i, line in enumerate(lines) if line.startswith(s)] for s in said]
+    assert [len(f) for f in found] == [1, 1, 1] and found == sorted(found), lines
+    assert "Traceback" not in out, out[-5000:]
+    assert max(steps(run_dir, 0)) == 3 and not (run_dir / "checkpoints" / "latest").exists()

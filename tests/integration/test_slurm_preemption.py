@@ -5,6 +5,8 @@ and exit 75, the job requeues, resumes once the other job is done and finishes w
 losses as an uninterrupted run, step for step."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -61,3 +63,112 @@ def test_grace_time_preemption_saves_requeues_and_resumes_bitwise(tiny_data, tmp
     assert "launch: restart" not in job_log
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:07d}'}" in log
     assert fr.loss_mismatches(run_dir, tmp_path / "runs" / "reference", max_steps, ranks=1) == []
+
+
+def job_fields(cluster, job_id: str) -> dict[str, str]:
+    """Every ``KEY=VALUE`` of ``scontrol show job`` at once (one call: a fast poll)."""
+    out = cluster.run(["scontrol", "show", "job", job_id]).stdout
+    return dict(t.split("=", 1) for t in out.split() if "=" in t)
+
+
+def batch_shell(job_id: str, restarts: int) -> int | None:
+    """The pid of the job's batch step process (the child of its ``slurmstepd: [JOB.batch]``:
+    the job script's shell, or what it execs) in its run ``restarts``; None before."""
+    want = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_RESTART_COUNT={restarts}".encode()}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            if f"SLURM_JOB_ID={job_id}".encode() not in environ:
+                continue
+            parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            stepd = f"slurmstepd: [{job_id}.batch]".encode()
+            if not Path(f"/proc/{parent}/cmdline").read_bytes().startswith(stepd):
+                continue
+        except OSError:
+            continue
+        counts = {e for e in environ if e.startswith(b"SLURM_RESTART_COUNT=")}
+        if want <= environ or (restarts == 0 and not counts):
+            return int(proc.name)
+    return None
+
+
+EARLY_SIGNALS = 5
+
+
+@pytest.mark.slurm
+def test_usr1_as_the_job_starts_requeues_it_every_time(tiny_data, tmp_path):
+    """USR1 to the batch shell (``scancel --batch``, what ``--signal=B:USR1@N`` sends) the moment
+    the job's batch shell runs, five times: the first run and four requeued runs. It lands while
+    the shell starts the supervisor and Python starts (0.1-0.2 s), where its default action
+    would end the job FAILED, with no requeue; the job script holds it from its first command
+    and hands it to the supervisor (launch/slurm/script.py), which requeues the job. (Sent when
+    SLURM first says RUNNING, before slurmd has started the shell, SLURM drops it.)"""
+    config, run_dir = slurm_run(tiny_data, tmp_path, name="early", max_steps=100_000)
+    with single_node_cluster(tmp_path / "cluster") as cluster:
+        job_id = submit(config, cluster, "--no-eval")
+        job_log = run_dir / "logs" / f"slurm-{job_id}.out"
+
+        def over(run: int) -> bool:
+            fields = job_fields(cluster, job_id)
+            return (fields.get("Restarts") == str(run + 1)
+                    or fields.get("JobState") in ("FAILED", "COMPLETED", "CANCELLED"))
+
+        for run in range(EARLY_SIGNALS):
+            wait_for(lambda r=run: batch_shell(job_id, r) is not None, 240,
+                     f"run {run} did not start", cluster, poll=0.005, job_log=job_log)
+            sent = cluster.run(["scancel", "--batch", "--signal=USR1", job_id])
+            assert sent.returncode == 0, sent.stderr
+            wait_for(lambda r=run: over(r), 120, f"run {run} was not requeued", cluster,
+                     job_log=job_log)
+            fields = job_fields(cluster, job_id)
+            assert fields.get("Restarts") == str(run + 1), \
+                (fields, job_log.read_text()[-3000:], cluster.logs()[-3000:])
+        cluster.run(["scancel", job_id])
+        cluster.wait_job(job_id, 120)
+    log = job_log.read_text()
+    assert log.count("USR1 before srun started: no rank ran, nothing to save") == EARLY_SIGNALS, \
+        log[-4000:]
+    assert log.count("preempted, requeued, will resume from step 0") == EARLY_SIGNALS
+    assert "launch: restart" not in log and "] step " not in log
+    requeued = [line for line in (run_dir / "slurm_job_ends.txt").read_text().splitlines()
+                if line.split()[2] == "requeued"]
+    assert len(requeued) == EARLY_SIGNALS, requeued
+
+
+@pytest.mark.slurm
+def test_a_cancel_while_the_ranks_start_leaves_the_last_line_and_the_record(tiny_data,
+                                                                            tmp_path):
+    """``moe-launch cancel`` while the rank starts up (imports, DeepSpeed, data): the rank holds
+    the TERM until its first step, which comes later than SLURM's KillWait (2 s here; ranks of
+    a large model outlast the default 30 s), and SLURM kills the job's processes, the
+    supervisor included, before srun ends. The supervisor said how the job ended, and recorded
+    it, as the TERM arrived."""
+    config, run_dir = slurm_run(tiny_data, tmp_path, name="cancelled", max_steps=100_000)
+    with single_node_cluster(tmp_path / "cluster", settings=("KillWait=2",)) as cluster:
+        job_id = submit(config, cluster, "--no-eval")
+        job_log = run_dir / "logs" / f"slurm-{job_id}.out"
+
+        def rank_task() -> bool:
+            """A task of the srun step (step 0) runs: the rank imports torch, long before its
+            first step (``scontrol listpids``: PID JOBID STEPID LOCALID GLOBALID)."""
+            rows = cluster.run(["scontrol", "listpids", job_id]).stdout.splitlines()[1:]
+            return any(len(r.split()) == 5 and r.split()[2] == "0" for r in rows)
+
+        wait_for(rank_task, 240, "the rank did not start", cluster, poll=0.05, job_log=job_log)
+        cancelled = moe_launch(["cancel", str(run_dir)], env=cluster.env)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert cluster.wait_job(job_id, 120) == "CANCELLED"
+        # Until every process of the job is gone: a supervisor still alive could still write.
+        wait_for(lambda: cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip() == "",
+                 120, "the job's processes did not end", cluster)
+    log = job_log.read_text()
+    rank0 = (run_dir / "logs" / "rank0.log")
+    assert not rank0.exists() or "] step " not in rank0.read_text()
+    # CANCELLED, or COMPLETING while SLURM still ends the job's steps.
+    said = [line for line in log.splitlines() if line.startswith(f"job {job_id} is ")]
+    assert said and re.match(f"job {job_id} is (CANCELLED|COMPLETING .*): not requeued, not "
+                             f"restarted; submit the same run again to resume from step 0",
+                             said[0]), log[-3000:]
+    assert (run_dir / "slurm_job_ends.txt").read_text().splitlines() == [f"{job_id} 143 ended"]
+    status = moe_launch(["status", str(run_dir)], env=cluster.env)
+    assert f"job {job_id}: CANCELLED" in status.stdout, status.stdout + status.stderr

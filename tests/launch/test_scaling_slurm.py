@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from launch.scaling import main
+from launch.signal_latch import HELD_SIGNALS_ENV
 from launch.slurm import sweep as slurm_sweep
 from launch.slurm.jobs import JobState
 from tests.conftest import tiny_run_dict
@@ -106,10 +107,11 @@ def test_each_run_is_one_job_chained_k_at_a_time_with_every_value_literal(sweep,
     records = [json.loads((sweep / "runs" / n / "slurm_jobs.json").read_text()) for n in names]
     assert [r[0]["job_id"] for r in records] == ["101", "102", "103", "104"]
     assert [r[0].get("after") for r in records] == [None, None, "101", "102"]
-    # The job script's one line, read by a real shell, gives back each value as it was.
+    # The job script's supervisor line, read by a real shell, gives back each value as it was.
     script = Path(scripts[0]).read_text()
-    line = next(x for x in script.splitlines() if x.startswith("exec "))
-    argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + line[len("exec "):]],
+    line = next(x for x in script.splitlines() if x.startswith(f"{HELD_SIGNALS_ENV}="))
+    command = line.split(" ", 1)[1].removesuffix(" &")
+    argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + command],
                           capture_output=True, check=True, cwd=tmp_path).stdout.split(b"\0")[:-1]
     config = str((sweep / "runs" / names[0] / "config.yaml").absolute())
     assert [a.decode() for a in argv] == [sys.executable, "-u", "-m", "launch.supervise",
@@ -148,7 +150,7 @@ def test_dry_run_prints_every_job_and_a_refused_config_submits_nothing(sweep, fa
     main(["run", str(sweep), "--scheduler", "slurm", "--jobs", "1", "--dry-run"])
     out = capsys.readouterr().out
     names = names_of(sweep)
-    assert out.count("# file ") == 4 and "exec " in out
+    assert out.count("# file ") == 4 and "launch.supervise slurm" in out
     for before in names[:-1]:  # one chain with --jobs 1
         assert shlex.quote(f"--dependency=afterany:<job of {before}>") in out
     assert not sbatch_calls(fake_slurm) and not (sweep / "runs").exists()

@@ -6,9 +6,12 @@ import os
 import subprocess
 import time
 
+from launch.slurm import allocation
 from launch.slurm.allocation import (
+    OP_NAME,
     STALE_LOCK_S,
     build_lock_problems,
+    build_ops,
     clear_stale_build_locks,
     ignore_stop_signals,
 )
@@ -51,3 +54,31 @@ def test_only_an_old_lock_with_no_build_running_is_stale_and_cleared(tmp_path, c
     out = capsys.readouterr().out
     assert f"removing a stale torch-extensions build lock {dead}" in out
     assert clear_stale_build_locks(tmp_path / "missing") == []
+
+
+def test_the_lock_is_looked_for_where_the_ranks_build_launch_env_s_directory(tmp_path,
+                                                                             monkeypatch, capsys):
+    """``launch.env: {TORCH_EXTENSIONS_DIR: ...}`` reaches the ranks, not the supervisor's own
+    environment: a stale lock there is named and removed, and the op built there is found,
+    so nothing is built; a young lock with no build on this node is named, not removed."""
+    own, ranks = tmp_path / "own", tmp_path / "ranks"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(own))
+    op = ranks / OP_NAME
+    op.mkdir(parents=True)
+    (op / f"{OP_NAME}.so").write_bytes(b"")
+    stale = op / "lock"
+    stale.write_text("")
+    then = time.time() - STALE_LOCK_S - 60
+    os.utime(stale, (then, then))
+    young = ranks / "other_op" / "lock"
+    young.parent.mkdir()
+    young.write_text("")
+    builds = []
+    monkeypatch.setattr(allocation.subprocess, "Popen", lambda *a, **k: builds.append(a))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ranks)}
+    assert build_ops(env) == 0
+    assert builds == [] and not stale.exists() and young.exists()
+    out = capsys.readouterr().out
+    assert f"removing a stale torch-extensions build lock {stale}" in out, out
+    assert (f"a torch-extensions build lock {young} (0 s old) has no build running on this "
+            f"node: the ranks wait until it is gone") in out, out

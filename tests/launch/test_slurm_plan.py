@@ -9,6 +9,7 @@ import os
 import shlex
 import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from launch import supervise
 from launch.launch import main
 from launch.schedulers import build_plan
-from launch.signal_latch import CATCHABLE
+from launch.signal_latch import CATCHABLE, HELD_SIGNALS_ENV
 from launch.slurm import allocation
 from launch.slurm.jobs import requeued_at
 from launch.slurm.script import JOB_SCRIPT
@@ -27,6 +28,7 @@ from moe.config.run import RunConfig, dump_config, load_config
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.run_dir import RunDir
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
@@ -37,6 +39,13 @@ def slurm_config(tmp_path, **slurm) -> RunConfig:
         "name": "tiny", "output_dir": str(tmp_path / "runs"),
         "parallel": {"world_size": 4, "expert_parallel_size": 2},
         "launch": {"scheduler": "slurm", "slurm": slurm}})
+
+
+def supervisor_argv(script: str) -> list[str]:
+    """The supervisor's command line in a job script, as the batch shell runs it."""
+    line = next(t for t in script.splitlines() if t.startswith(f"{HELD_SIGNALS_ENV}="))
+    assert line.endswith(" &")
+    return shlex.split(line)[1:-1]
 
 
 def sbatch_options(script: str) -> dict[str, str | None]:
@@ -65,10 +74,10 @@ def test_script_holds_requested_resources_and_one_supervisor_line(tmp_path):
                     "--output": str(run_dir / "logs" / "slurm-%j.out"), "--open-mode": "append",
                     "--chdir": str(Path.cwd()), "--signal": "B:USR1@300", "--requeue": None,
                     "--exclusive": None, "--mem": "0"}
-    # Directives, then the one line: the restart policy lives in Python, not in the script.
-    body = [line for line in script.splitlines() if not line.startswith("#")]
-    assert body == [shlex.join(["exec", sys.executable, "-u", "-m", "launch.supervise", "slurm",
-                                str(run_dir / "config.yaml")])]
+    # Directives, then the supervisor under a shell that holds the stop signals for it: the
+    # restart policy lives in Python, not in the script.
+    assert supervisor_argv(script) == [sys.executable, "-u", "-m", "launch.supervise", "slurm",
+                                       str(run_dir / "config.yaml")]
     assert plan.command == ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)]
     assert (plan.world_size, plan.nodes, plan.submits) == (4, 2, True)
 
@@ -132,18 +141,17 @@ def slurm_job(tmp_path, monkeypatch):
                  'NodeHostName=$3";;\n'
                  "esac\n")
         plan = build_plan(cfg, evaluate=evaluate)
-        line = [t for t in plan.files[JOB_SCRIPT].splitlines() if t.startswith("exec ")]
-        argv = shlex.split(line[0])[1:]
+        argv = supervisor_argv(plan.files[JOB_SCRIPT])
         assert argv[1:5] == ["-u", "-m", "launch.supervise", "slurm"]
         config = Path(argv[5])
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(dump_config(cfg))
         monkeypatch.setattr(allocation, "build_ops",
-                            lambda env: before_srun() if before_srun else 0)
+                            lambda env, tick=None: before_srun() if before_srun else 0)
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
-                rc = supervise.run_slurm_job(config, "--no-eval" not in argv, None)
+                rc = supervise.run_slurm_job(config, "--no-eval" not in argv, [])
         finally:
             for signum, handler in saved.items():
                 signal.signal(signum, handler)
@@ -485,3 +493,71 @@ def test_a_failed_srun_step_is_started_again_in_the_allocation(tmp_path, slurm_j
     assert len(training_calls(calls)) == 1
     assert "(launch.max_restarts: 0)" in out.splitlines()[-1]
     assert (run_dir / "slurm_job_ends.txt").read_text().splitlines()[-1] == "1234 1 ended"
+
+
+@pytest.mark.parametrize("srun_status", [137, 0])
+def test_a_cancel_while_the_ranks_start_is_recorded_before_slurm_kills_the_supervisor(
+        tmp_path, slurm_job, srun_status):
+    """``moe-launch cancel`` (``scancel JOB``) while the ranks start up: they hold the TERM until
+    their first step, longer than SLURM's KillWait, after which SLURM kills everything, the
+    supervisor included. Its last line and the job's record in slurm_job_ends.txt are written
+    as soon as it knows SLURM is ending the job, not once srun has ended: the stand-in srun
+    (ranks still starting) waits for the record before it ends. srun may also exit 0 once
+    SLURM gave up waiting for its step: the job is not taken for finished (no evaluation)."""
+    run_dir = tmp_path / "runs" / "tiny"
+    (run_dir / "logs").mkdir(parents=True)
+    ends, seen, started = (run_dir / "slurm_job_ends.txt", tmp_path / "seen",
+                           tmp_path / "srun-started")
+    q = shlex.quote
+    body = (f"trap : USR1\ntouch {q(str(started))}\n"
+            f"for i in $(seq 200); do [ -s {q(str(ends))} ] && {{ touch {q(str(seen))}; "
+            f"exit {srun_status}; }}; sleep 0.05; done\nexit {srun_status}\n")
+    signal_once(started, signal.SIGTERM)
+    show_job = 'if [ "$1 $2" = "show job" ]; then echo "JobId=1234 JobState=CANCELLED"; fi\n'
+    calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=show_job,
+                           expect_rc=srun_status or PREEMPTED_EXIT_CODE)
+    assert seen.exists(), out  # recorded while srun still ran
+    assert finish_calls(calls) == [] and "training finished" not in out
+    assert ends.read_text().splitlines() == ["1234 143 ended"]  # one record for the run
+    early = ("job 1234 is CANCELLED: not requeued, not restarted; submit the same run again to "
+             "resume from step 0 (the ranks save if SLURM's KillWait leaves them time)")
+    # Said before srun ended, and again once it has, where SLURM lets the supervisor see it.
+    lines = out.splitlines()
+    assert lines.index(early) < lines.index(f"stopped by SIGTERM before the ranks could save "
+                                            f"(srun exited with status {srun_status}): not a "
+                                            f"training failure, not restarted"), out
+    assert lines[-1] == early.split(" (the ranks")[0], out
+    assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
+
+
+@pytest.mark.parametrize("after_s", [0.02, 0.05, 0.3])
+def test_a_stop_signal_as_the_job_starts_is_held_for_the_supervisor(tmp_path, after_s):
+    """USR1 to the batch shell (``--signal=B:USR1``, ``scancel --batch``) the moment the job
+    starts, while the shell starts the supervisor and Python starts (a tenth of a second or
+    more): the job script holds it and hands it over, and the job requeues without starting a
+    rank, instead of ending FAILED by the signal's default action. The whole job script runs,
+    with srun and scontrol replaced by recorders."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    recorder(bin_dir / "srun", log)
+    recorder(bin_dir / "scontrol", log)
+    ext = tmp_path / "ext"  # DeepSpeed's op "built": the supervisor skips the build
+    (ext / allocation.OP_NAME).mkdir(parents=True)
+    (ext / allocation.OP_NAME / f"{allocation.OP_NAME}.so").write_bytes(b"")
+    cfg = slurm_config(tmp_path)
+    cfg.launch.env = {"TORCH_EXTENSIONS_DIR": str(ext)}
+    plan = build_plan(cfg)
+    plan.write_run_dir(dump_config(cfg))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234",
+           "SLURM_JOB_NODELIST": "node7", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    job = subprocess.Popen(["bash", str(Path(plan.run_dir) / JOB_SCRIPT)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(after_s)
+    job.send_signal(signal.SIGUSR1)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, out  # requeued (the requeue's own stop ends the job)
+    assert "USR1 before srun started: no rank ran, nothing to save" in out, out
+    assert "requeueing job 1234" in out
+    calls = log.read_text()
+    assert "requeue\x001234" in calls and "launch.rank" not in calls
+    assert list(tmp_path.glob("moe_held_signals.*")) == []  # the shell's record is removed
