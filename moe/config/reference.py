@@ -4,7 +4,7 @@ the model computes (the ``arch`` / ``runtime`` classification, moe/config_schema
 
     python -m moe.config.reference > docs/config.md
 
-tests/moe/test_config_reference.py fails when docs/config.md differs from this output.
+tests/moe/config/test_config_reference.py fails when docs/config.md differs from this output.
 """
 
 from __future__ import annotations

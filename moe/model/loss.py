@@ -17,7 +17,7 @@
 
 All three return the same sum over the targets that are not ``IGNORE`` (fp32, a scalar); the
 model divides it by their count. Peak memory against ``full``: BENCHMARKS.md ("Chunked
-cross-entropy"); tests/moe/test_loss.py compares losses and gradients.
+cross-entropy"); tests/moe/model/test_loss.py compares losses and gradients.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class ModelConfig:
 
     A new field needs its declaration with a docstring, a rule per target in
     moe/tools/hf_support.py (held or refused if it is ``arch``), and ``python -m
-    moe.config.reference > docs/config.md``; tests/moe/test_config_fields.py and
+    moe.config.reference > docs/config.md``; tests/moe/config/test_config_fields.py and
     test_config_reference.py fail until all are there."""
 
     vocab_size: int | None = arch(None)

@@ -7,7 +7,7 @@ and router fields by dotted path, e.g. ``moe.router.top_k``), how the exported m
 - ``training``: changes how the model is trained, not the function a checkpoint computes (noise
   applied in training only, loss coefficients, initialization), so any value exports: exactly
   the fields ModelConfig declares with ``runtime(...)``; a field declared with ``arch(...)``
-  must be held (``config``) or refused (``limited``), which tests/moe/test_config_fields.py
+  must be held (``config``) or refused (``limited``), which tests/moe/config/test_config_fields.py
   checks for every target;
 - ``limited``: only some values (or combinations) exist in the target; ``refuse`` says why the
   others cannot be exported.
@@ -128,9 +128,9 @@ _COMMON: dict[str, Rule] = {
                                   "evaluation and generation run it, attends causally"),
     "init_std": _training("initialization only (initializer_range)"),
     "attention_backend": _training("kernel choice only: every back end computes the same "
-                                   "attention (tests/moe/test_attention_backends.py)"),
+                                   "attention (tests/moe/model/test_attention_backends.py)"),
     "cross_entropy": _training("training loss only: every setting computes the same loss "
-                               "(tests/moe/test_loss.py); a forward without targets returns "
+                               "(tests/moe/model/test_loss.py); a forward without targets returns "
                                "the logits"),
     "cross_entropy_chunk_tokens": _training("training loss only (block size of the chunked "
                                             "loss)"),

@@ -14,7 +14,7 @@ autograd saves (or a checkpointed region holds as its input) in the forward of t
 found by listing the saved tensors with ``torch.autograd.graph.saved_tensors_hooks``; each
 storage is counted once (a tensor saved by two ops, or a view, costs once), and tensors whose
 graph is dropped in the forward (the router entropy, computed under ``detach``) cost nothing.
-``tests/moe/test_planning_measured.py`` measures it and holds the estimate to 10%.
+``tests/moe/tools/test_planning_measured.py`` measures it and holds the estimate to 10%.
 
 Notation: T = micro_batch_size * S tokens, D model width, H / Hkv query / key-value heads, hd
 head dim, V vocabulary, E experts, K top_k, Hx expert hidden, F dense FFN width, Fs = shared

@@ -420,7 +420,7 @@ LBFGS_OPTIONS = {"ftol": 1e-15, "gtol": 1e-12, "maxiter": 10_000}
 1e-4 for 40 runs at 1% noise) and flat along the E-alpha and B-beta valleys, so SciPy's defaults
 (a step that lowers it by less than about 2e-9 of its value ends the search) stop far from the
 minimum: on a synthetic law (beta 0.35) they stopped at beta 0.48 with twice the objective of the
-minimum at beta 0.348 (tests/moe/test_scaling.py)."""
+minimum at beta 0.348 (tests/moe/tools/test_scaling.py)."""
 
 
 def _grid() -> np.ndarray:

@@ -16,7 +16,7 @@ stack. The unselected experts' gradient rows are zeroed before they accumulate, 
 stay exactly zero and Adam's update m / (sqrt(v) + eps) is exactly zero for them; the stacks'
 weight decay is set to 0, since AdamW's decoupled decay would shrink those rows with a zero
 gradient. The unselected experts' weights are therefore bitwise unchanged after any number of
-steps (tests/moe/test_esft.py), and the selected experts train without weight decay."""
+steps (tests/moe/model/adapters/test_esft.py), and the selected experts train without weight decay."""
 
 from __future__ import annotations
 

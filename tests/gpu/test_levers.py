@@ -5,7 +5,7 @@ flex) under ``torch.cuda.set_sync_debug_mode("error")``; compiled blocks without
 recompiles after warm-up; the chunked and Liger losses against the full one in bf16, with the
 memory they save; fused AdamW under DeepSpeed; which SDPA kernel runs at 2048 tokens.
 
-The CPU counterparts: tests/moe/test_loss.py, tests/moe/test_compile_fullgraph.py,
+The CPU counterparts: tests/moe/model/test_loss.py, tests/moe/model/test_compile_fullgraph.py,
 tests/moe/training/test_optimizer_impl.py."""
 
 from __future__ import annotations

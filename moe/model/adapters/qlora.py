@@ -27,7 +27,7 @@ int8 with one fp32 factor per block (127 / the block's absmax, torchao's 256 / (
   partition or gradient sees them. For routed experts they are stacks like the expert weights,
   split per expert into the expert checkpoint files (moe/parallel/deepspeed_adapter.py).
 - **Dequantisation** of a whole stack at once (no loop over experts), to fp32 exactly as
-  torchao's ``NF4Tensor.get_original_weight`` computes it (tests/moe/test_qlora.py), then cast
+  torchao's ``NF4Tensor.get_original_weight`` computes it (tests/moe/model/adapters/test_qlora.py), then cast
   to the compute dtype. The products go through autograd functions that keep only the input's
   gradient path and dequantise again in the backward: no dequantised weight is saved for the
   backward or kept anywhere between products.

@@ -9,7 +9,7 @@ fullgraph turns into an error. On a GPU, tests/gpu/test_levers.py checks the sam
 ``torch.cuda.set_sync_debug_mode("error")``.
 
 Backend ``aot_eager``: dynamo's tracing and guards and AOT autograd's joint forward/backward
-graph, without inductor's code generation (tests/moe/test_compile.py runs inductor)."""
+graph, without inductor's code generation (tests/moe/model/test_compile.py runs inductor)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
 from moe.training.trainer import DistEnv, build_engine, count_global_routing
 from tests.helpers.distributed import run_distributed
-from tests.moe.test_layout_equivalence import global_params
+from tests.moe.training.test_layout_equivalence import global_params
 
 pytestmark = pytest.mark.multiprocess
 

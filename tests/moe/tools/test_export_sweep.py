@@ -36,7 +36,7 @@ from moe.training import trainer
 from tests.conftest import tiny_run_dict
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 DENSE_TARGETS = ("llama",)
 """Targets whose layers are all dense: every MoE model is refused there."""
@@ -61,7 +61,7 @@ NOT_VARIED = {
     "init_from": "needs another run's checkpoint; only chooses the starting weights",
     "upcycle_noise_std": "read only with init_from",
     "cross_entropy_chunk_tokens": "the block size of the training loss cross_entropy chunked "
-                                  "(varied); tests/moe/test_loss.py varies it",
+                                  "(varied); tests/moe/model/test_loss.py varies it",
 }
 UNAVAILABLE = {
     ("cross_entropy", "liger"): "Liger-Kernel's Triton kernels run on CUDA only "

@@ -24,7 +24,7 @@ import pytest
 from moe.config.run import load_config
 from moe.model.size import count_parameters, flops_per_token
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 PUBLISHED = [  # (where, tokens/s per GPU, model TFLOP/s per GPU)
     ("NeMo 25.02 DGX-B200", 15_457, 1_282),

@@ -9,7 +9,7 @@ from moe.config_schema import function_classes
 from moe.model.router import RouterConfig
 from moe.model.transformer import ModelConfig
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "config.md"
 
 
 def test_docs_config_md_is_up_to_date():

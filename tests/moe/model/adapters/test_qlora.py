@@ -27,7 +27,7 @@ from moe.model.adapters.qlora import (
     quantized_numel,
 )
 from moe.training.finetune import parameter_counts
-from tests.moe.test_lora import _randomize_factors, tiny_model
+from tests.moe.model.adapters.test_lora import _randomize_factors, tiny_model
 
 pytestmark = pytest.mark.skipif(qlora.torchao_missing() is not None, reason="needs torchao")
 

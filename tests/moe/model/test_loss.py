@@ -182,7 +182,7 @@ def test_the_incoming_gradient_scales_the_kept_gradients():
 
 def test_a_compiled_block_gives_the_eager_loss_and_gradients():
     """compile_part (what train.compile calls): the block body traced by dynamo and AOT autograd
-    (aot_eager: inductor's code generation is covered in tests/moe/test_compile.py)."""
+    (aot_eager: inductor's code generation is covered in tests/moe/model/test_compile.py)."""
     torch._dynamo.reset()
     full, chunked = pair(16)
     chunked.head_loss.compile_part(backend="aot_eager")
