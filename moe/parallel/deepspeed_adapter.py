@@ -4,7 +4,7 @@ DeepSpeed recognizes MoE layers only through ``isinstance(module, deepspeed.moe.
 then it reduces expert gradients over the expert-data-parallel group, keeps expert optimizer
 state apart, and writes one checkpoint file per expert, finding experts by the key pattern
 ``<layer>.deepspeed_moe.experts.deepspeed_experts.<global id>.<name>``. :class:`DeepSpeedMoE`
-wraps our single-device :class:`~moe.moe_layer.MoELayer` so that all of that holds:
+wraps our single-device :class:`~moe.model.moe_layer.MoELayer` so that all of that holds:
 
 - the wrapped layer sits at ``deepspeed_moe``; its stacked expert weights (E_local, ...) appear in
   state dicts as per-expert keys ``deepspeed_moe.experts.deepspeed_experts.<i>.<name>`` (a state
@@ -18,16 +18,24 @@ wraps our single-device :class:`~moe.moe_layer.MoELayer` so that all of that hol
 Checkpoints stay readable by DeepSpeed's own ``zero_to_fp32`` (see :func:`optimizer_param_groups`
 and :func:`report_global_expert_shapes`): the per-expert files live in an ``experts/``
 subdirectory of the tag directory, where that tool's ``*_model_states.pt`` glob does not reach.
+
+What DeepSpeed's own code does not allow is changed by :func:`install`, for the one DeepSpeed
+release it is written against (SUPPORTED_DEEPSPEED); its docstring lists each change and why.
+The trainer calls it where it builds the engine; importing this module changes nothing.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
+import deepspeed
+import deepspeed.comm.comm as ds_comm
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
+from deepspeed.comm.torch import TorchBackend
 from deepspeed.moe.layer import MoE as _DeepSpeedMoEBase
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -38,6 +46,7 @@ from torch import nn
 from moe.checkpoint.consolidate import EXPERT_KEY
 from moe.checkpoint.files import EXPERT_DIR
 from moe.checkpoint.fingerprints import expert_fingerprints, fingerprint_problems
+from moe.errors import MoEError
 from moe.model.dispatcher import ExpertParallelDispatcher
 from moe.model.moe_layer import MoELayer
 from moe.model.router import TopKRouter
@@ -45,7 +54,85 @@ from moe.model.transformer import MoETransformer
 
 _EXPERT_NAMES = ("w_in", "w_out")
 
-_deepspeed_expert_ckpt_name = DeepSpeedEngine._get_expert_ckpt_name
+SUPPORTED_DEEPSPEED = "0.19.8"
+"""The DeepSpeed release :func:`install` patches: constraints.txt pins it, and
+benchmarks/gpu_wheels.sh builds the GPU machines' wheel of it (docs/gpu.md). The patched
+methods are DeepSpeed internals, which another release may rename or change."""
+
+
+class DeepSpeedVersionError(MoEError):
+    """The installed DeepSpeed is not the release this project's changes to it are written for."""
+
+
+def check_deepspeed_version() -> None:
+    """Refuse any DeepSpeed but SUPPORTED_DEEPSPEED (a local build suffix, ``+hash``, aside)."""
+    installed = str(deepspeed.__version__)
+    if installed.split("+")[0] != SUPPORTED_DEEPSPEED:
+        raise DeepSpeedVersionError(
+            f"DeepSpeed {installed} is installed, but this project supports DeepSpeed "
+            f"{SUPPORTED_DEEPSPEED} only (it changes DeepSpeed internals of that release; see "
+            f"moe/parallel/deepspeed_adapter.py, install): install it with "
+            f"python3 -m pip install deepspeed=={SUPPORTED_DEEPSPEED} (constraints.txt pins it)")
+
+
+_ORIGINALS: dict[str, Callable] = {}
+"""DeepSpeed's own functions that :func:`install` replaced, by ``Class.name``: ours call them."""
+
+
+def install() -> None:
+    """Change DeepSpeed's internals as the table says, after checking that the installed
+    DeepSpeed is SUPPORTED_DEEPSPEED (:class:`DeepSpeedVersionError` otherwise, with nothing
+    changed). Idempotent: the methods are replaced once per process, however often it is
+    called, and a communication back end made before the call (``deepspeed.init_distributed``
+    makes one per process group) gets the all-gather its replaced method gives later ones.
+    Importing this module changes nothing; the trainer calls this where it builds the engine.
+
+    ==================================================  ============================================
+    replaced                                            why
+    ==================================================  ============================================
+    ``DeepSpeedEngine._get_expert_ckpt_name``           per-expert files go one directory down, into
+                                                        ``experts/``, where ``zero_to_fp32`` does
+                                                        not take them for model states
+                                                        (:func:`_expert_ckpt_name`)
+    ``DeepSpeedZeroOptimizer._configure_moe_settings``  a model whose expert parameters are all
+                                                        frozen (fine-tuning) has no MoE optimizer
+                                                        group, which ZeRO 1/2 otherwise asserts
+                                                        (:func:`_moe_settings`)
+    ``DeepSpeedEngine.load_module_state_dict``          rank 0's frozen parameters, saved beside the
+                                                        module states, are not copied into every
+                                                        rank's frozen experts
+                                                        (:func:`_load_module_state_dict`)
+    ``TorchBackend.get_all_gather_function``            DeepSpeed's communication back end
+    (``deepspeed.comm.torch``; and the all-gather of    all-gathers through torch's
+    the back end that exists, ``comm.cdb``)             ``all_gather_single`` where torch has it:
+                                                        torch 2.13 deprecates
+                                                        ``all_gather_into_tensor`` (a warning on
+                                                        every rank; :func:`_current_name`)
+    ==================================================  ============================================
+
+    Two more changes to DeepSpeed's state are made per engine or per world, not here:
+    :func:`report_global_expert_shapes` replaces an engine's ``_get_zero_param_shapes`` (the
+    shapes written into its checkpoints), and :func:`wrap_moe_layers` drops DeepSpeed's cached
+    expert groups of an earlier process group."""
+    check_deepspeed_version()
+    if not _ORIGINALS:
+        for owner, name, ours in _patches():
+            _ORIGINALS[f"{owner.__name__}.{name}"] = getattr(owner, name)
+            setattr(owner, name, ours)
+    backend = ds_comm.cdb
+    if backend is not None and hasattr(backend, "all_gather_function"):
+        backend.all_gather_function = _current_name(backend.all_gather_function)
+
+
+def _patches() -> list[tuple[type, str, object]]:
+    """(class, attribute, our replacement) for each method :func:`install` replaces."""
+    return [
+        # Save and load both go through this static method (load calls it on the class).
+        (DeepSpeedEngine, "_get_expert_ckpt_name", staticmethod(_expert_ckpt_name)),
+        (DeepSpeedZeroOptimizer, "_configure_moe_settings", _moe_settings),
+        (DeepSpeedEngine, "load_module_state_dict", _load_module_state_dict),
+        (TorchBackend, "get_all_gather_function", classmethod(_all_gather_function)),
+    ]
 
 
 def _expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu=None,
@@ -53,17 +140,11 @@ def _expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu=None,
     """DeepSpeed's per-expert file name, moved into ``EXPERT_DIR``. DeepSpeed's
     ``zero_to_fp32`` takes every ``*_model_states.pt`` file beside the ZeRO files for a model
     state file and fails on the expert files; one directory down, it never sees them. A
-    checkpoint written before the move (files beside the others) still loads."""
-    native = _deepspeed_expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu,
-                                         checkpoint_mp_rank)
+    checkpoint with its expert files beside the others still loads."""
+    native = _ORIGINALS["DeepSpeedEngine._get_expert_ckpt_name"](
+        checkpoints_path, layer_id, expert_id, tag, mpu, checkpoint_mp_rank)
     moved = os.path.join(os.path.dirname(native), EXPERT_DIR, os.path.basename(native))
     return native if os.path.exists(native) and not os.path.exists(moved) else moved
-
-
-# Save and load both go through this static method (load calls it on the class).
-DeepSpeedEngine._get_expert_ckpt_name = staticmethod(_expert_ckpt_name)
-
-_deepspeed_moe_settings = DeepSpeedZeroOptimizer._configure_moe_settings
 
 
 def _moe_settings(self) -> None:
@@ -72,14 +153,9 @@ def _moe_settings(self) -> None:
     expert parameter is frozen, so there is nothing to reduce over the expert groups, and the
     layers stay MoE layers for dispatch and the per-expert checkpoint files."""
     if any(self.is_moe_group(g) for g in self.optimizer.param_groups):
-        _deepspeed_moe_settings(self)
+        _ORIGINALS["DeepSpeedZeroOptimizer._configure_moe_settings"](self)
     else:
         self.is_moe_param_group = [False] * len(self.optimizer.param_groups)
-
-
-DeepSpeedZeroOptimizer._configure_moe_settings = _moe_settings
-
-_deepspeed_load_module_state_dict = DeepSpeedEngine.load_module_state_dict
 
 
 def _load_module_state_dict(self, checkpoint, *args, **kwargs):
@@ -89,10 +165,24 @@ def _load_module_state_dict(self, checkpoint, *args, **kwargs):
     hold every parameter, frozen ones included, so they alone are loaded; the saved copy stays
     in the file for DeepSpeed's zero_to_fp32."""
     checkpoint = {k: v for k, v in checkpoint.items() if k != FROZEN_PARAM_FRAGMENTS}
-    return _deepspeed_load_module_state_dict(self, checkpoint, *args, **kwargs)
+    return _ORIGINALS["DeepSpeedEngine.load_module_state_dict"](self, checkpoint, *args, **kwargs)
 
 
-DeepSpeedEngine.load_module_state_dict = _load_module_state_dict
+def _all_gather_function(cls):
+    """The all-gather a new communication back end calls: DeepSpeed's choice, under torch's
+    current name for it (:func:`_current_name`)."""
+    return _current_name(_ORIGINALS["TorchBackend.get_all_gather_function"]())
+
+
+def _current_name(all_gather):
+    """``torch.distributed.all_gather_single`` for ``all_gather_into_tensor`` where torch has
+    it. DeepSpeed 0.19.8 picks ``all_gather_into_tensor`` when torch has that; torch 2.13
+    deprecates the name (a FutureWarning on every rank at ZeRO's first all-gather) and only
+    forwards it to ``all_gather_single``, which takes the same arguments. Older torch (2.11)
+    keeps DeepSpeed's choice."""
+    if hasattr(dist, "all_gather_single") and all_gather is dist.all_gather_into_tensor:
+        return dist.all_gather_single
+    return all_gather
 
 
 class DeepSpeedMoE(_DeepSpeedMoEBase):

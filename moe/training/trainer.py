@@ -37,6 +37,7 @@ from moe.model.moe_layer import counting_routes
 from moe.model.recompute import apply_recompute
 from moe.model.size import flops_per_token
 from moe.model.transformer import MoETransformer
+from moe.parallel import deepspeed_adapter
 from moe.parallel.deepspeed_adapter import (
     check_loaded_experts,
     expert_parallel_rank,
@@ -147,6 +148,7 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     the configured AdamW (tests use plain SGD so that parameter updates expose gradients)."""
     import deepspeed
 
+    deepspeed_adapter.install()  # our changes to DeepSpeed's internals, for its pinned release
     ep = cfg.parallel.expert_parallel_size
     if env.world_size % ep:
         raise ConfigError([f"parallel.expert_parallel_size: {ep} must divide the world size "
