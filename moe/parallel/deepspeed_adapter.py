@@ -21,7 +21,8 @@ subdirectory of the tag directory, where that tool's ``*_model_states.pt`` glob 
 
 What DeepSpeed's own code does not allow is changed by :func:`install`, for the one DeepSpeed
 release it is written against (SUPPORTED_DEEPSPEED); its docstring lists each change and why.
-The trainer calls it where it builds the engine; importing this module changes nothing.
+The trainer calls it where it builds the engine; importing this module changes nothing. The
+DeepSpeed config of a run is derived here too (:func:`deepspeed_config`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch import nn
 from moe.checkpoint.consolidate import EXPERT_KEY
 from moe.checkpoint.files import EXPERT_DIR
 from moe.checkpoint.fingerprints import expert_fingerprints, fingerprint_problems
+from moe.config.run import RunConfig
 from moe.errors import MoEError
 from moe.model.dispatcher import ExpertParallelDispatcher
 from moe.model.moe_layer import MoELayer
@@ -260,6 +262,31 @@ def _stack_experts_hook(module, state_dict, prefix, local_metadata, strict, miss
                 errors.append(f"{prefix}{name}: expert ids {sorted(found)} are not 0..{len(found) - 1}")
                 continue
             state_dict[prefix + name] = torch.stack([state_dict.pop(found[i]) for i in range(len(found))])
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
+    """The DeepSpeed config of a run on ``world_size`` ranks, derived from its run config."""
+    t = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        # We pass torch optimizers; ZeRO 1/2 only needs them to step flat fp32 partitions.
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": t.precision == "bf16"},
+        **(_bf16_reduction(t.grad_reduce_dtype) if t.precision == "bf16" else {}),
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _bf16_reduction(dtype: str) -> dict:
+    # DeepSpeed's bf16 defaults reduce and accumulate gradients in bf16; ZeRO 1/2 keep an
+    # fp32 partition for them when grad_accum_dtype is fp32 and cast bf16 gradients to
+    # fp32 before the all-reduce when communication_data_type is fp32.
+    return {"communication_data_type": dtype, "data_types": {"grad_accum_dtype": dtype}}
 
 
 def expert_parallel_rank(rank: int, ep_size: int) -> int:
