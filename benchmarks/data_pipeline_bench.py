@@ -33,9 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_pipeline.config import DataConfig
-from data_pipeline.prepare import _cpu_seconds, prepare
+from data_pipeline.prepare import prepare
 from data_pipeline.reader import PackedReader
 from data_pipeline.shards import SCHEMA_VERSION, Manifest, ShardWriter, SplitInfo, write_manifest
+from data_pipeline.workers import cpu_seconds
 
 VOCAB, EOS = 32000, 2
 
@@ -118,9 +119,9 @@ def bench_prepare(work: Path, workers: int) -> dict:
     """Wall-clock figures per core assume the cores were ours; tokens per CPU-second does not
     (it is the per-core throughput on an idle machine, and stays meaningful on a shared one)."""
     cfg = DataConfig(dir=str(work / "stdlib"), prepare_workers=workers)
-    cpu0 = _cpu_seconds()
+    cpu0 = cpu_seconds()
     report = prepare(cfg, progress=False)
-    cpu = _cpu_seconds() - cpu0
+    cpu = cpu_seconds() - cpu0
     tokens = report.manifest.splits["train"].tokens + report.manifest.splits["valid"].tokens
     return {"workers": workers, "tokens": tokens, "seconds": round(report.seconds, 1),
             "cpu_seconds": round(cpu, 1),

@@ -1,12 +1,12 @@
 """What recording and checking hashes costs preparation on many machines (not a test).
 
 A part (``moe-prepare --part``): a worker's work per item with the SHA-256 of what it read and
-of the file it wrote (``_encode_part_task``) against without (``_encode_task``, one-machine
+of the file it wrote (``encode_part_task``) against without (``encode_task``, one-machine
 preparation), in one process, rounds interleaved.
 
 The merge (``--merge``): part files of a JSONL corpus of ``--merge-mb`` MB (the same documents,
 repeated), cut into the pipeline's own work items of 1 MB and more as a part cuts them, through
-the main process's shard writer (``_write_shards``): each file checked as it is read (its
+the main process's shard writer (``write_shards``): each file checked as it is read (its
 SHA-256 against the part's record, its token ids against the vocabulary: ``_load_part_file``)
 against read unchecked, rounds interleaved.
 
@@ -30,8 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from data_pipeline import prepare as prep
+from data_pipeline import workers
+from data_pipeline.assemble import write_shards
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
+from data_pipeline.parts import part_reader
 from data_pipeline.sources import read_item, work_items
 from data_pipeline.tokenizer import LineSample, train_tokenizer
 
@@ -71,7 +73,7 @@ def _merge_times(tmp: Path, tok, texts: list[str], args) -> tuple[dict, int, int
     source = SourceConfig(name="big", type="jsonl", paths=[str(corpus)])
     items = work_items(source)
     jobs = [(source, 0.1, it, None, str(tmp / f"big-{i}.bin")) for i, it in enumerate(items)]
-    results = prep._encode_part_task(jobs)  # the part files the merge reads
+    results = workers.encode_part_task(jobs)  # the part files the merge reads
     counts = {job[-1]: c for job, (c, _, _) in zip(jobs, results)}
     sha = {job[-1]: h for job, (_, _, h) in zip(jobs, results)}
     cfg = DataConfig(dir=str(tmp / "data"), sources=[source], valid_fraction=0.1)
@@ -79,16 +81,16 @@ def _merge_times(tmp: Path, tok, texts: list[str], args) -> tuple[dict, int, int
     def merge(load) -> None:
         staging = Path(tempfile.mkdtemp(dir=tmp))
         encoded = ((job[-1], counts[job[-1]]) for job in jobs)
-        prep._write_shards(cfg, staging, tok, lambda src, sizes: encoded, load, False,
-                           {source.name: items})
+        write_shards(cfg, staging, tok, lambda src, sizes: encoded, load, False,
+                     {source.name: items})
         shutil.rmtree(staging)
 
     def checked() -> None:
-        with prep._part_reader([job[-1] for job in jobs], {p: (h, "") for p, h in sha.items()},
-                              tok.vocab_size) as load:
+        with part_reader([job[-1] for job in jobs], {p: (h, "") for p, h in sha.items()},
+                          tok.vocab_size) as load:
             merge(load)
 
-    times = _timed(args.merge_rounds, {"unchecked": lambda: merge(prep._load_encoded),
+    times = _timed(args.merge_rounds, {"unchecked": lambda: merge(workers.load_encoded),
                                        "checked": checked})
     return times, sum(Path(job[-1]).stat().st_size for job in jobs), len(jobs)
 
@@ -109,10 +111,10 @@ def main() -> None:
             sample.add(text)
         chars = sum(map(len, texts))
         tok = train_tokenizer(sample.lines, TokenizerConfig(vocab_size=2000), Path(tmp) / "t.model")
-        prep._init_worker(str(tok.path))
+        workers.init_worker(str(tok.path))
         jobs = [(source, 0.1, it, None, str(Path(tmp) / f"{i}.bin")) for i, it in enumerate(items)]
-        part = _timed(args.rounds, {"without": lambda: prep._encode_task(jobs),
-                                    "with_sha256": lambda: prep._encode_part_task(jobs)})
+        part = _timed(args.rounds, {"without": lambda: workers.encode_task(jobs),
+                                    "with_sha256": lambda: workers.encode_part_task(jobs)})
 
         merged, part_bytes, merge_items = _merge_times(Path(tmp), tok, texts, args)
     print(json.dumps({"files": len(items), "mchars": round(chars / 1e6, 2),

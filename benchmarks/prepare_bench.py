@@ -50,9 +50,10 @@ import pyarrow.parquet as pq
 
 from data_pipeline import sources
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
-from data_pipeline.prepare import _encode, _init_worker, prepare
+from data_pipeline.prepare import prepare
 from data_pipeline.sources import read_item, stdlib_document, stdlib_files, work_items
 from data_pipeline.tokenizer import Tokenizer, train_tokenizer
+from data_pipeline.workers import encode_item, init_worker
 
 
 def write_corpus(path: Path, megabytes: float) -> list[str]:
@@ -166,11 +167,11 @@ def main() -> None:
                          shard_tokens=4_000_000, dedup=args.dedup)
         if args.profile:
             source = cfg.sources[0]
-            _init_worker(str(tok.path))
+            init_worker(str(tok.path))
             prof = cProfile.Profile()
             prof.enable()
             for i, item in enumerate(work_items(source)):
-                _encode((source, cfg.valid_fraction, item, None, str(work / f"e{i}.bin")))
+                encode_item((source, cfg.valid_fraction, item, None, str(work / f"e{i}.bin")))
             prof.disable()
             pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
             read = time.perf_counter()

@@ -65,3 +65,9 @@ class Progress:
         elif self._log:
             self.stream.write(self.line() + " (done)\n")
             self.stream.flush()
+
+
+def item_bar(progress: bool, **kw) -> tqdm:
+    """A plain tqdm bar over ``kw['iterable']`` (work items read or encoded), shown where the
+    output is a terminal (tqdm's own check) and ``progress`` is true."""
+    return tqdm(disable=None if progress else True, dynamic_ncols=True, **kw)

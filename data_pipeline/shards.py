@@ -78,7 +78,7 @@ class Manifest:
     """Per source: name, type, paths, field, documents, empty documents skipped (and per file,
     where), duplicates dropped, invalid UTF-8 sequences replaced, tokens per split."""
     split_rule: str | None = None
-    """How documents were put in the validation split (data_pipeline.prepare.SPLIT_RULE);
+    """How documents were put in the validation split (data_pipeline.split.SPLIT_RULE);
     None: by the location rule of data prepared before it was recorded."""
     loss_mask: bool = False
     """Every shard has a ``loss_mask`` column (some source is instruction data); False: every

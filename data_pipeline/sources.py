@@ -4,26 +4,23 @@ A source is cut into work items (a file, a byte range of a JSONL file, a Parquet
 Arrow record batch), listed in a deterministic order; the preparation reads and tokenizes items in
 parallel processes and writes their documents in item order, so the result does not depend on the
 number of workers. Each document has an id that is stable for the same input files (its place
-in them); the train/validation split is decided by the document's text (see prepare.py).
+in them); the train/validation split is decided by the document's text (see split.py).
 Bytes that are not valid UTF-8 are decoded with U+FFFD and counted, never silently dropped.
-Text and JSONL files may be gzip or zstd compressed (known by their first bytes, whatever their
-name); they are decompressed as streams, never to disk. Paths may be ``s3://bucket/key`` URLs
-(globs included) for every file-based type but ``hf_disk``; see storage.py.
+Text and JSONL files may be gzip or zstd compressed (streams.py). Paths may be
+``s3://bucket/key`` URLs (globs included) for every file-based type but ``hf_disk``; see
+storage.py.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import glob
-import gzip
 import io
 import itertools
 import json
 import os
 import sysconfig
 import tokenize
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,15 +29,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import zstandard
 
 from data_pipeline import instruction as instruction_format
 from data_pipeline import storage
 from data_pipeline.config import S3Config, SourceConfig
 from data_pipeline.errors import DataError
-
-LOCAL = S3Config()
-"""The default S3 settings, for callers that read only local files."""
+from data_pipeline.streams import LOCAL, STREAM_CHUNK, compression, open_stream, read_bytes
 
 
 def stdlib_files() -> list[Path]:
@@ -90,82 +84,6 @@ JSONL_CHUNKS = 64
 """...or smaller for a small source: about this many ranges, of at least JSONL_MIN_CHUNK_BYTES,
 so that a pool of workers shares a source of a few files evenly. Parquet row groups larger than
 the same size (uncompressed, from the file's metadata) are cut into row ranges the same way."""
-
-
-# --- compressed files: gzip and zstd, read as streams ---
-
-MAGIC = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd"}
-SUFFIX = {".gz": "gzip", ".zst": "zstd"}
-STREAM_CHUNK = 1 << 20
-
-
-def compression(path: Path | str, s3: S3Config = LOCAL) -> str | None:
-    """``gzip``, ``zstd`` or None (plain), from the file's first bytes: a ``.txt`` that holds
-    gzip is read as gzip. A ``.gz`` or ``.zst`` suffix that the bytes contradict is an error
-    (a truncated download, a mislabelled file) rather than a guess."""
-    try:
-        with storage.open_input(str(path), s3) as f:
-            head = f.read(4)
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}") from e
-    suffix = os.path.splitext(str(path))[1]
-    found = next((kind for kind, magic in MAGIC.items() if head.startswith(magic)), None)
-    claimed = SUFFIX.get(suffix.lower())
-    if claimed and found != claimed:
-        raise DataError(f"{path}: named {suffix} but does not start like {claimed} data "
-                        f"(first bytes {head.hex() or 'none'}); the file is damaged or mislabelled")
-    return found
-
-
-class _ZstdStream(io.RawIOBase):
-    """Decompresses a zstd file frame after frame. Unlike zstandard's ``stream_reader``, a
-    truncated last frame is an error here, not a silent end of file."""
-
-    def __init__(self, raw):
-        self._raw, self._obj, self._pending = raw, zstandard.ZstdDecompressor().decompressobj(), b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        while not self._pending:
-            chunk = self._raw.read(STREAM_CHUNK)
-            if not chunk:
-                if not self._obj.eof:
-                    raise zstandard.ZstdError("truncated: the last frame is incomplete")
-                return 0
-            while chunk:
-                if self._obj.eof:  # next frame
-                    self._obj = zstandard.ZstdDecompressor().decompressobj()
-                self._pending += self._obj.decompress(chunk)
-                chunk = self._obj.unused_data if self._obj.eof else b""
-        n = min(len(buf), len(self._pending))
-        buf[:n], self._pending = self._pending[:n], self._pending[n:]
-        return n
-
-
-STREAM_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
-"""What a damaged compressed stream raises while it is read (gzip.BadGzipFile is an OSError)."""
-
-
-@contextlib.contextmanager
-def open_stream(path: Path | str, s3: S3Config = LOCAL) -> Iterator[io.BufferedIOBase]:
-    """The file's (decompressed) bytes as a buffered binary stream; nothing is written to disk.
-    Any decompression or read error, also one raised while the caller reads, becomes a
-    DataError that names the file."""
-    kind = compression(path, s3)
-    try:
-        with storage.open_input(str(path), s3) as raw:
-            if kind == "gzip":
-                stream = gzip.GzipFile(fileobj=raw)
-            elif kind == "zstd":
-                stream = io.BufferedReader(_ZstdStream(raw), STREAM_CHUNK)
-            else:
-                stream = raw
-            yield stream
-    except STREAM_ERRORS as e:
-        what = f"corrupt {kind} data" if kind else "unreadable"
-        raise DataError(f"{path}: {what} ({getattr(e, 'strerror', None) or e})") from e
 
 
 def _glob_base(pattern: str) -> Path:
@@ -441,11 +359,6 @@ def decode(raw: bytes) -> tuple[str, int]:
         return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
 
 
-def _read_bytes(path: Path | str, s3: S3Config) -> bytes:
-    with open_stream(path, s3) as f:
-        return f.read()
-
-
 def _jsonl_lines(path: Path | str, part: tuple[int, int] | None, s3: S3Config
                  ) -> Iterator[tuple[int, bytes]]:
     """(offset, line) of the lines of a byte range of a plain file, or of a whole compressed
@@ -586,11 +499,11 @@ def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> Ite
         out.add(item.name, stdlib_document(path))
         out.rows = 1
     elif source.type == "text":
-        text, out.invalid_utf8 = decode(_read_bytes(path, s3))
+        text, out.invalid_utf8 = decode(read_bytes(path, s3))
         out.add(item.name, text)
         out.rows = 1
     elif source.type == "python":
-        text, out.invalid_utf8 = decode(_read_bytes(path, s3))
+        text, out.invalid_utf8 = decode(read_bytes(path, s3))
         out.add(item.name, python_document(text))
         out.rows = 1
     elif source.type in JSONL_TYPES:

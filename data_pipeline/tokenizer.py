@@ -17,6 +17,8 @@ from data_pipeline.config import TokenizerConfig
 from data_pipeline.errors import DataError
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+TOKENIZER_FILE = "tokenizer.model"
+"""The tokenizer's file name in prepared data (and in a parts directory), whatever its kind."""
 TRAINER_THREADS = 16
 """Threads of SentencePiece's trainer (its own default), the same whatever data.prepare_workers
 says: the model stores the count, and the unigram trainer sums its statistics per thread, so

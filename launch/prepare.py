@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from data_pipeline.prepare import (
-    describe_empty,
-    merge_parts,
-    prepare,
-    prepare_part,
-    prepare_tokenizer,
-)
+from data_pipeline.assemble import describe_empty
+from data_pipeline.parts import merge_parts, prepare_part, prepare_tokenizer
+from data_pipeline.prepare import prepare
 from data_pipeline.verify import verify
 from launch.cli import exits_cleanly
 

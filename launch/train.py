@@ -119,7 +119,6 @@ def run(cfg, env, resume: str, threads: int) -> None:
     record_collectives(env.rank, t)
     deepspeed.init_distributed(dist_backend=backend, verbose=False,
                                **({"timeout": timedelta(seconds=t)} if t else {}))
-    gather_under_current_name()
     if backend == "gloo":
         unlink_cpu_allreduce_buffer(env.rank)
     try:
@@ -237,22 +236,6 @@ def stop_if_signalled(e: Exception, run_dir: Path, rank: int) -> None:
         f"(it also reaches the processes a rank runs), not as a failure; exiting with code "
         f"{PREEMPTED_EXIT_CODE} so that the job can start again")
     raise Preempted(None) from e
-
-
-def gather_under_current_name() -> None:
-    """Have DeepSpeed's communication back end all-gather through ``all_gather_single``.
-
-    DeepSpeed 0.19.8 picks ``torch.distributed.all_gather_into_tensor`` when torch has it; torch
-    2.13 deprecates that name (a FutureWarning on every rank at ZeRO's first all-gather) and
-    only forwards it to ``all_gather_single``, which takes the same arguments. Where torch has
-    the new name, the back end calls it directly; older torch (2.11) keeps DeepSpeed's choice."""
-    import deepspeed.comm.comm as ds_comm
-    import torch.distributed as dist
-
-    backend = ds_comm.cdb
-    if (hasattr(dist, "all_gather_single") and backend is not None
-            and getattr(backend, "all_gather_function", None) is dist.all_gather_into_tensor):
-        backend.all_gather_function = dist.all_gather_single
 
 
 SHM_DIR = Path("/dev/shm")

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_pipeline.prepare import parts_dir
+from data_pipeline.parts import parts_dir
 from launch.run_plan import RESOLVED_CONFIG
 from launch.slurm.jobs import query, read_jobs, record_submission
 from launch.slurm.script import (

@@ -1,6 +1,6 @@
 """The run config: one YAML file describes a run. Sections are typed dataclasses, each beside the
-code it configures; this module composes them, checks what spans sections, and derives the
-DeepSpeed config (never written by hand)."""
+code it configures; this module composes them and checks what spans sections. The DeepSpeed
+config is derived from it (never written by hand) by moe/parallel/deepspeed_adapter.py."""
 
 from __future__ import annotations
 
@@ -439,29 +439,6 @@ class RunConfig:
     def run_files(self) -> RunDir:
         """The names of the run directory's files (moe/run_dir.py)."""
         return RunDir(self.run_dir)
-
-    def deepspeed_config(self, world_size: int) -> dict:
-        t = self.train
-        return {
-            "train_micro_batch_size_per_gpu": t.micro_batch_size,
-            "gradient_accumulation_steps": t.grad_accum_steps,
-            "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
-            "gradient_clipping": t.grad_clip,
-            "zero_optimization": {"stage": self.parallel.zero_stage},
-            # We pass torch optimizers; ZeRO 1/2 only needs them to step flat fp32 partitions.
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": t.precision == "bf16"},
-            **(self._bf16_reduction() if t.precision == "bf16" else {}),
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-
-    def _bf16_reduction(self) -> dict:
-        # DeepSpeed's bf16 defaults reduce and accumulate gradients in bf16; ZeRO 1/2 keep an
-        # fp32 partition for them when grad_accum_dtype is fp32 and cast bf16 gradients to
-        # fp32 before the all-reduce when communication_data_type is fp32.
-        dtype = self.train.grad_reduce_dtype
-        return {"communication_data_type": dtype, "data_types": {"grad_accum_dtype": dtype}}
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

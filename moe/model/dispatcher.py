@@ -4,6 +4,12 @@ No one-hot (tokens x experts x capacity) tensors: token copies are sorted by exp
 into one contiguous (N, D) block that grouped GEMMs consume, and scattered back with the combine
 weights. Dropped copies (over capacity) are sorted into a sentinel bucket past the last expert and
 cut off, so they cost nothing in the experts and contribute zero to the output.
+
+Two dispatchers with one interface (``plan``, ``dispatch``, ``combine``): :class:`LocalDispatcher`
+for experts that all live on this device, and :class:`ExpertParallelDispatcher`, which moves the
+copies to the ranks of an expert-parallel group that hold their experts (all-to-all). The model
+is built with the local one; the parallel adapter (moe/parallel/deepspeed_adapter.py) swaps in
+the other, with the process group it made.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from moe.model.compile import eager_under_compile, mark_rows_dynamic
 
@@ -94,3 +101,83 @@ class LocalDispatcher:
         """Sum each token's (already weighted) expert outputs back into token order."""
         out_TD = y_ND.new_zeros(plan.num_tokens, y_ND.shape[-1])
         return out_TD.index_add(0, plan.token_N, y_ND)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Variable-sized all-to-all of rows; its gradient is the all-to-all back."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x_ND.new_empty(sum(out_splits), x_ND.shape[-1])
+        dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty(sum(in_splits), grad_out.shape[-1])
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+class ExpertParallelDispatcher(LocalDispatcher):
+    """Dispatch across the expert-parallel group. Rank r owns global experts
+    [r * E_local, (r + 1) * E_local). Token counts are exchanged first (one small all-to-all and
+    one host sync for the split sizes), then the variable-sized token blocks.
+
+    Under ``train.compile`` plan, dispatch and combine run eagerly (graph breaks): the split
+    sizes are host integers that change every step, and gloo's all-to-all is not traceable.
+    The received rows are marked as a dynamic size, so the compiled experts between dispatch
+    and combine are compiled once for every row count (moe/model/compile.py)."""
+
+    def __init__(self, num_experts: int, group, ep_size: int):
+        super().__init__(num_experts)
+        self.group, self.ep_size = group, ep_size
+        self.num_local = num_experts // ep_size
+
+    @eager_under_compile
+    def plan(self, indices_TK, keep_TK):
+        local = super().plan(indices_TK, keep_TK)
+        send_counts = local.counts_E.view(self.ep_size, self.num_local)  # [dest rank, its expert]
+        recv_counts = torch.empty_like(send_counts)  # [source rank, my expert]
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        local_counts = recv_counts.sum(0)
+        # The one host sync of an expert-parallel MoE layer (per forward): all_to_all_single
+        # takes its split sizes as Python ints. The same read brings the local experts' counts,
+        # which the loop fallback of the expert GEMMs needs (the grouped kernel does not).
+        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1), local_counts]).tolist()
+        send, recv = sizes[:self.ep_size], sizes[self.ep_size:2 * self.ep_size]
+        # Received rows arrive ordered (source, my expert); experts need them ordered (expert, source).
+        block_expert = torch.arange(self.num_local, device=recv_counts.device).repeat(self.ep_size)
+        row_expert = torch.repeat_interleave(block_expert, recv_counts.reshape(-1),
+                                             output_size=sum(recv))
+        regroup = torch.argsort(row_expert, stable=True)
+        return _EPPlan(local, send, recv, regroup, local_counts, sizes[2 * self.ep_size:])
+
+    @eager_under_compile
+    def dispatch(self, x_TD, weights_TK, plan):
+        x_ND, w_N, _ = super().dispatch(x_TD, weights_TK, plan.local)
+        x_recv = _AllToAll.apply(x_ND, plan.recv_splits, plan.send_splits, self.group)
+        # The combine weights go with their copies (one float per row; the experts apply them).
+        w_recv = _AllToAll.apply(w_N[:, None], plan.recv_splits, plan.send_splits, self.group)
+        return (mark_rows_dynamic(x_recv.index_select(0, plan.regroup)),
+                mark_rows_dynamic(w_recv[:, 0].index_select(0, plan.regroup)), plan.local_counts)
+
+    @eager_under_compile
+    def combine(self, y_ND, plan):
+        y_recv = torch.empty_like(y_ND).index_copy(0, plan.regroup, y_ND)
+        y_back = _AllToAll.apply(y_recv, plan.send_splits, plan.recv_splits, self.group)
+        return super().combine(y_back, plan.local)
+
+
+class _EPPlan:
+    def __init__(self, local: DispatchPlan, send_splits, recv_splits, regroup, local_counts,
+                 counts_host):
+        self.local, self.send_splits, self.recv_splits = local, send_splits, recv_splits
+        self.regroup, self.local_counts = regroup, local_counts
+        self.counts_host = counts_host  # local_counts on the host
+
+    @property
+    def counts_E(self):
+        return self.local.counts_E

@@ -4,7 +4,7 @@ DeepSpeed recognizes MoE layers only through ``isinstance(module, deepspeed.moe.
 then it reduces expert gradients over the expert-data-parallel group, keeps expert optimizer
 state apart, and writes one checkpoint file per expert, finding experts by the key pattern
 ``<layer>.deepspeed_moe.experts.deepspeed_experts.<global id>.<name>``. :class:`DeepSpeedMoE`
-wraps our single-device :class:`~moe.moe_layer.MoELayer` so that all of that holds:
+wraps our single-device :class:`~moe.model.moe_layer.MoELayer` so that all of that holds:
 
 - the wrapped layer sits at ``deepspeed_moe``; its stacked expert weights (E_local, ...) appear in
   state dicts as per-expert keys ``deepspeed_moe.experts.deepspeed_experts.<i>.<name>`` (a state
@@ -13,21 +13,30 @@ wraps our single-device :class:`~moe.moe_layer.MoELayer` so that all of that hol
 - nothing else under the layer has "expert" in its state-dict key (DeepSpeed would move it into
   the expert files): the router and shared MLP are named ``router`` and ``shared_mlp``;
 - ``set_deepspeed_parallelism`` (called by the engine) creates the groups and swaps in the
-  all-to-all dispatcher.
+  all-to-all dispatcher (:class:`~moe.model.dispatcher.ExpertParallelDispatcher`).
 
 Checkpoints stay readable by DeepSpeed's own ``zero_to_fp32`` (see :func:`optimizer_param_groups`
 and :func:`report_global_expert_shapes`): the per-expert files live in an ``experts/``
 subdirectory of the tag directory, where that tool's ``*_model_states.pt`` glob does not reach.
+
+What DeepSpeed's own code does not allow is changed by :func:`install`, for the one DeepSpeed
+release it is written against (SUPPORTED_DEEPSPEED); its docstring lists each change and why.
+The trainer calls it where it builds the engine; importing this module changes nothing. The
+DeepSpeed config of a run is derived here too (:func:`deepspeed_config`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
+import deepspeed
+import deepspeed.comm.comm as ds_comm
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
+from deepspeed.comm.torch import TorchBackend
 from deepspeed.moe.layer import MoE as _DeepSpeedMoEBase
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -38,15 +47,94 @@ from torch import nn
 from moe.checkpoint.consolidate import EXPERT_KEY
 from moe.checkpoint.files import EXPERT_DIR
 from moe.checkpoint.fingerprints import expert_fingerprints, fingerprint_problems
-from moe.model.compile import eager_under_compile, mark_rows_dynamic
-from moe.model.dispatcher import DispatchPlan, LocalDispatcher
+from moe.config.run import RunConfig
+from moe.errors import MoEError
+from moe.model.dispatcher import ExpertParallelDispatcher
 from moe.model.moe_layer import MoELayer
 from moe.model.router import TopKRouter
 from moe.model.transformer import MoETransformer
 
 _EXPERT_NAMES = ("w_in", "w_out")
 
-_deepspeed_expert_ckpt_name = DeepSpeedEngine._get_expert_ckpt_name
+SUPPORTED_DEEPSPEED = "0.19.8"
+"""The DeepSpeed release :func:`install` patches: constraints.txt pins it, and
+benchmarks/gpu_wheels.sh builds the GPU machines' wheel of it (docs/gpu.md). The patched
+methods are DeepSpeed internals, which another release may rename or change."""
+
+
+class DeepSpeedVersionError(MoEError):
+    """The installed DeepSpeed is not the release this project's changes to it are written for."""
+
+
+def check_deepspeed_version() -> None:
+    """Refuse any DeepSpeed but SUPPORTED_DEEPSPEED (a local build suffix, ``+hash``, aside)."""
+    installed = str(deepspeed.__version__)
+    if installed.split("+")[0] != SUPPORTED_DEEPSPEED:
+        raise DeepSpeedVersionError(
+            f"DeepSpeed {installed} is installed, but this project supports DeepSpeed "
+            f"{SUPPORTED_DEEPSPEED} only (it changes DeepSpeed internals of that release; see "
+            f"moe/parallel/deepspeed_adapter.py, install): install it with "
+            f"python3 -m pip install deepspeed=={SUPPORTED_DEEPSPEED} (constraints.txt pins it)")
+
+
+_ORIGINALS: dict[str, Callable] = {}
+"""DeepSpeed's own functions that :func:`install` replaced, by ``Class.name``: ours call them."""
+
+
+def install() -> None:
+    """Change DeepSpeed's internals as the table says, after checking that the installed
+    DeepSpeed is SUPPORTED_DEEPSPEED (:class:`DeepSpeedVersionError` otherwise, with nothing
+    changed). Idempotent: the methods are replaced once per process, however often it is
+    called, and a communication back end made before the call (``deepspeed.init_distributed``
+    makes one per process group) gets the all-gather its replaced method gives later ones.
+    Importing this module changes nothing; the trainer calls this where it builds the engine.
+
+    ==================================================  ============================================
+    replaced                                            why
+    ==================================================  ============================================
+    ``DeepSpeedEngine._get_expert_ckpt_name``           per-expert files go one directory down, into
+                                                        ``experts/``, where ``zero_to_fp32`` does
+                                                        not take them for model states
+                                                        (:func:`_expert_ckpt_name`)
+    ``DeepSpeedZeroOptimizer._configure_moe_settings``  a model whose expert parameters are all
+                                                        frozen (fine-tuning) has no MoE optimizer
+                                                        group, which ZeRO 1/2 otherwise asserts
+                                                        (:func:`_moe_settings`)
+    ``DeepSpeedEngine.load_module_state_dict``          rank 0's frozen parameters, saved beside the
+                                                        module states, are not copied into every
+                                                        rank's frozen experts
+                                                        (:func:`_load_module_state_dict`)
+    ``TorchBackend.get_all_gather_function``            DeepSpeed's communication back end
+    (``deepspeed.comm.torch``; and the all-gather of    all-gathers through torch's
+    the back end that exists, ``comm.cdb``)             ``all_gather_single`` where torch has it:
+                                                        torch 2.13 deprecates
+                                                        ``all_gather_into_tensor`` (a warning on
+                                                        every rank; :func:`_current_name`)
+    ==================================================  ============================================
+
+    Two more changes to DeepSpeed's state are made per engine or per world, not here:
+    :func:`report_global_expert_shapes` replaces an engine's ``_get_zero_param_shapes`` (the
+    shapes written into its checkpoints), and :func:`wrap_moe_layers` drops DeepSpeed's cached
+    expert groups of an earlier process group."""
+    check_deepspeed_version()
+    if not _ORIGINALS:
+        for owner, name, ours in _patches():
+            _ORIGINALS[f"{owner.__name__}.{name}"] = getattr(owner, name)
+            setattr(owner, name, ours)
+    backend = ds_comm.cdb
+    if backend is not None and hasattr(backend, "all_gather_function"):
+        backend.all_gather_function = _current_name(backend.all_gather_function)
+
+
+def _patches() -> list[tuple[type, str, object]]:
+    """(class, attribute, our replacement) for each method :func:`install` replaces."""
+    return [
+        # Save and load both go through this static method (load calls it on the class).
+        (DeepSpeedEngine, "_get_expert_ckpt_name", staticmethod(_expert_ckpt_name)),
+        (DeepSpeedZeroOptimizer, "_configure_moe_settings", _moe_settings),
+        (DeepSpeedEngine, "load_module_state_dict", _load_module_state_dict),
+        (TorchBackend, "get_all_gather_function", classmethod(_all_gather_function)),
+    ]
 
 
 def _expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu=None,
@@ -54,17 +142,11 @@ def _expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu=None,
     """DeepSpeed's per-expert file name, moved into ``EXPERT_DIR``. DeepSpeed's
     ``zero_to_fp32`` takes every ``*_model_states.pt`` file beside the ZeRO files for a model
     state file and fails on the expert files; one directory down, it never sees them. A
-    checkpoint written before the move (files beside the others) still loads."""
-    native = _deepspeed_expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu,
-                                         checkpoint_mp_rank)
+    checkpoint with its expert files beside the others still loads."""
+    native = _ORIGINALS["DeepSpeedEngine._get_expert_ckpt_name"](
+        checkpoints_path, layer_id, expert_id, tag, mpu, checkpoint_mp_rank)
     moved = os.path.join(os.path.dirname(native), EXPERT_DIR, os.path.basename(native))
     return native if os.path.exists(native) and not os.path.exists(moved) else moved
-
-
-# Save and load both go through this static method (load calls it on the class).
-DeepSpeedEngine._get_expert_ckpt_name = staticmethod(_expert_ckpt_name)
-
-_deepspeed_moe_settings = DeepSpeedZeroOptimizer._configure_moe_settings
 
 
 def _moe_settings(self) -> None:
@@ -73,14 +155,9 @@ def _moe_settings(self) -> None:
     expert parameter is frozen, so there is nothing to reduce over the expert groups, and the
     layers stay MoE layers for dispatch and the per-expert checkpoint files."""
     if any(self.is_moe_group(g) for g in self.optimizer.param_groups):
-        _deepspeed_moe_settings(self)
+        _ORIGINALS["DeepSpeedZeroOptimizer._configure_moe_settings"](self)
     else:
         self.is_moe_param_group = [False] * len(self.optimizer.param_groups)
-
-
-DeepSpeedZeroOptimizer._configure_moe_settings = _moe_settings
-
-_deepspeed_load_module_state_dict = DeepSpeedEngine.load_module_state_dict
 
 
 def _load_module_state_dict(self, checkpoint, *args, **kwargs):
@@ -90,90 +167,24 @@ def _load_module_state_dict(self, checkpoint, *args, **kwargs):
     hold every parameter, frozen ones included, so they alone are loaded; the saved copy stays
     in the file for DeepSpeed's zero_to_fp32."""
     checkpoint = {k: v for k, v in checkpoint.items() if k != FROZEN_PARAM_FRAGMENTS}
-    return _deepspeed_load_module_state_dict(self, checkpoint, *args, **kwargs)
+    return _ORIGINALS["DeepSpeedEngine.load_module_state_dict"](self, checkpoint, *args, **kwargs)
 
 
-DeepSpeedEngine.load_module_state_dict = _load_module_state_dict
+def _all_gather_function(cls):
+    """The all-gather a new communication back end calls: DeepSpeed's choice, under torch's
+    current name for it (:func:`_current_name`)."""
+    return _current_name(_ORIGINALS["TorchBackend.get_all_gather_function"]())
 
 
-class _AllToAll(torch.autograd.Function):
-    """Variable-sized all-to-all of rows; its gradient is the all-to-all back."""
-
-    @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x_ND.new_empty(sum(out_splits), x_ND.shape[-1])
-        dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        out_splits, in_splits = ctx.splits
-        grad_in = grad_out.new_empty(sum(in_splits), grad_out.shape[-1])
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
-
-
-class ExpertParallelDispatcher(LocalDispatcher):
-    """Dispatch across the expert-parallel group. Rank r owns global experts
-    [r * E_local, (r + 1) * E_local). Token counts are exchanged first (one small all-to-all and
-    one host sync for the split sizes), then the variable-sized token blocks.
-
-    Under ``train.compile`` plan, dispatch and combine run eagerly (graph breaks): the split
-    sizes are host integers that change every step, and gloo's all-to-all is not traceable.
-    The received rows are marked as a dynamic size, so the compiled experts between dispatch
-    and combine are compiled once for every row count (moe/model/compile.py)."""
-
-    def __init__(self, num_experts: int, group, ep_size: int):
-        super().__init__(num_experts)
-        self.group, self.ep_size = group, ep_size
-        self.num_local = num_experts // ep_size
-
-    @eager_under_compile
-    def plan(self, indices_TK, keep_TK):
-        local = super().plan(indices_TK, keep_TK)
-        send_counts = local.counts_E.view(self.ep_size, self.num_local)  # [dest rank, its expert]
-        recv_counts = torch.empty_like(send_counts)  # [source rank, my expert]
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
-        local_counts = recv_counts.sum(0)
-        # The one host sync of an expert-parallel MoE layer (per forward): all_to_all_single
-        # takes its split sizes as Python ints. The same read brings the local experts' counts,
-        # which the loop fallback of the expert GEMMs needs (the grouped kernel does not).
-        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1), local_counts]).tolist()
-        send, recv = sizes[:self.ep_size], sizes[self.ep_size:2 * self.ep_size]
-        # Received rows arrive ordered (source, my expert); experts need them ordered (expert, source).
-        block_expert = torch.arange(self.num_local, device=recv_counts.device).repeat(self.ep_size)
-        row_expert = torch.repeat_interleave(block_expert, recv_counts.reshape(-1),
-                                             output_size=sum(recv))
-        regroup = torch.argsort(row_expert, stable=True)
-        return _EPPlan(local, send, recv, regroup, local_counts, sizes[2 * self.ep_size:])
-
-    @eager_under_compile
-    def dispatch(self, x_TD, weights_TK, plan):
-        x_ND, w_N, _ = super().dispatch(x_TD, weights_TK, plan.local)
-        x_recv = _AllToAll.apply(x_ND, plan.recv_splits, plan.send_splits, self.group)
-        # The combine weights go with their copies (one float per row; the experts apply them).
-        w_recv = _AllToAll.apply(w_N[:, None], plan.recv_splits, plan.send_splits, self.group)
-        return (mark_rows_dynamic(x_recv.index_select(0, plan.regroup)),
-                mark_rows_dynamic(w_recv[:, 0].index_select(0, plan.regroup)), plan.local_counts)
-
-    @eager_under_compile
-    def combine(self, y_ND, plan):
-        y_recv = torch.empty_like(y_ND).index_copy(0, plan.regroup, y_ND)
-        y_back = _AllToAll.apply(y_recv, plan.send_splits, plan.recv_splits, self.group)
-        return super().combine(y_back, plan.local)
-
-
-class _EPPlan:
-    def __init__(self, local: DispatchPlan, send_splits, recv_splits, regroup, local_counts,
-                 counts_host):
-        self.local, self.send_splits, self.recv_splits = local, send_splits, recv_splits
-        self.regroup, self.local_counts = regroup, local_counts
-        self.counts_host = counts_host  # local_counts on the host
-
-    @property
-    def counts_E(self):
-        return self.local.counts_E
+def _current_name(all_gather):
+    """``torch.distributed.all_gather_single`` for ``all_gather_into_tensor`` where torch has
+    it. DeepSpeed 0.19.8 picks ``all_gather_into_tensor`` when torch has that; torch 2.13
+    deprecates the name (a FutureWarning on every rank at ZeRO's first all-gather) and only
+    forwards it to ``all_gather_single``, which takes the same arguments. Older torch (2.11)
+    keeps DeepSpeed's choice."""
+    if hasattr(dist, "all_gather_single") and all_gather is dist.all_gather_into_tensor:
+        return dist.all_gather_single
+    return all_gather
 
 
 class DeepSpeedMoE(_DeepSpeedMoEBase):
@@ -251,6 +262,31 @@ def _stack_experts_hook(module, state_dict, prefix, local_metadata, strict, miss
                 errors.append(f"{prefix}{name}: expert ids {sorted(found)} are not 0..{len(found) - 1}")
                 continue
             state_dict[prefix + name] = torch.stack([state_dict.pop(found[i]) for i in range(len(found))])
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
+    """The DeepSpeed config of a run on ``world_size`` ranks, derived from its run config."""
+    t = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        # We pass torch optimizers; ZeRO 1/2 only needs them to step flat fp32 partitions.
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": t.precision == "bf16"},
+        **(_bf16_reduction(t.grad_reduce_dtype) if t.precision == "bf16" else {}),
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _bf16_reduction(dtype: str) -> dict:
+    # DeepSpeed's bf16 defaults reduce and accumulate gradients in bf16; ZeRO 1/2 keep an
+    # fp32 partition for them when grad_accum_dtype is fp32 and cast bf16 gradients to
+    # fp32 before the all-reduce when communication_data_type is fp32.
+    return {"communication_data_type": dtype, "data_types": {"grad_accum_dtype": dtype}}
 
 
 def expert_parallel_rank(rank: int, ep_size: int) -> int:

@@ -37,8 +37,10 @@ from moe.model.moe_layer import counting_routes
 from moe.model.recompute import apply_recompute
 from moe.model.size import flops_per_token
 from moe.model.transformer import MoETransformer
+from moe.parallel import deepspeed_adapter
 from moe.parallel.deepspeed_adapter import (
     check_loaded_experts,
+    deepspeed_config,
     expert_parallel_rank,
     optimizer_param_groups,
     report_global_expert_shapes,
@@ -147,6 +149,7 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     the configured AdamW (tests use plain SGD so that parameter updates expose gradients)."""
     import deepspeed
 
+    deepspeed_adapter.install()  # our changes to DeepSpeed's internals, for its pinned release
     ep = cfg.parallel.expert_parallel_size
     if env.world_size % ep:
         raise ConfigError([f"parallel.expert_parallel_size: {ep} must divide the world size "
@@ -176,7 +179,7 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler,
-                                           config=cfg.deepspeed_config(env.world_size))
+                                           config=deepspeed_config(cfg, env.world_size))
     if t.compile:
         # Last: on the model as wrapped and recomputed, and as DeepSpeed placed and cast it.
         # Compiled before, the expert layers would probe the grouped GEMM for the fp32 CPU

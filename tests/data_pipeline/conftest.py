@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from data_pipeline.config import DataConfig, SourceConfig
-from data_pipeline.prepare import merge_parts, prepare, prepare_part, prepare_tokenizer
+from data_pipeline.parts import merge_parts, prepare_part, prepare_tokenizer
+from data_pipeline.prepare import prepare
 from tests.conftest import tiny_data_config, write_corpus
 
 

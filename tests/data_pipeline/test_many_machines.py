@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import merge_parts, parts_dir, prepare_part
+from data_pipeline.parts import merge_parts, parts_dir, prepare_part
 from data_pipeline.prepared import PreparedData
 from data_pipeline.shards import MANIFEST, read_manifest
 from launch import prepare as prepare_cli

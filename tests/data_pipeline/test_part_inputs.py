@@ -15,7 +15,7 @@ import yaml
 import zstandard
 
 from data_pipeline.config import SourceConfig
-from data_pipeline.prepare import parts_dir
+from data_pipeline.parts import parts_dir
 from data_pipeline.prepared import PreparedData
 from data_pipeline.shards import read_manifest
 from data_pipeline.tokenizer import Tokenizer

@@ -13,11 +13,12 @@ import pytest
 
 from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import TOKENIZER_FILE, content_key, in_valid_split, prepare
+from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import SCHEMA_VERSION, read_manifest, token_type
-from data_pipeline.tokenizer import Tokenizer
+from data_pipeline.split import content_key, in_valid_split
+from data_pipeline.tokenizer import TOKENIZER_FILE, Tokenizer
 from launch import prepare as prepare_cli
 
 
@@ -150,7 +151,7 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     that Pool.terminate() would wait for forever."""
     import pickle
 
-    from data_pipeline import prepare as prep
+    from data_pipeline import workers
     from data_pipeline.sources import work_items
 
     corpus = tmp_path / "big"
@@ -161,31 +162,31 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
     (item,) = work_items(source)
     spill = tmp_path / "spill"
     spill.mkdir()
-    read_result = prep._read((source, item, str(spill / "r.json")))
-    docs = prep._load_docs(read_result)
+    read_result = workers.read_into_spill((source, item, str(spill / "r.json")))
+    docs = workers.load_docs(read_result)
     assert sum(len(t) for _, t in docs.docs) > 400_000  # one file, one document
-    prep._init_worker(str(PreparedData(tiny_data.dir).tokenizer_file()))
-    encode_result = prep._encode((source, 0.1, item, read_result, str(spill / "e.bin")))
+    workers.init_worker(str(PreparedData(tiny_data.dir).tokenizer_file()))
+    encode_result = workers.encode_item((source, 0.1, item, read_result, str(spill / "e.bin")))
     # A whole task of items comes back as one message: a few counts per item.
     job = (source, 0.1, item, None, str(spill / "e.bin"))
-    task_result = prep._encode_task([job] * prep.TASK_ITEMS)
+    task_result = workers.encode_task([job] * workers.TASK_ITEMS)
     for result in (read_result, encode_result, task_result):
         assert len(pickle.dumps(result)) < 4096
-    arrays = prep._load_encoded(str(spill / "e.bin"), encode_result[0])
+    arrays = workers.load_encoded(str(spill / "e.bin"), encode_result[0])
     assert sum(len(a.tokens) for a in arrays.values()) > 100_000
     for tokens, lengths, keys, mask in arrays.values():
         assert lengths.sum() == len(tokens) and len(keys) == len(lengths) and mask is None
 
 
 def test_tasks_group_consecutive_items_by_input_bytes():
-    from data_pipeline import prepare as prep
+    from data_pipeline import workers
 
     jobs = list(range(40))
-    sizes = [prep.TASK_BYTES // 4] * 8 + [3 * prep.TASK_BYTES] * 2 + [10] * 30
-    tasks = prep._tasks(jobs, sizes)
+    sizes = [workers.TASK_BYTES // 4] * 8 + [3 * workers.TASK_BYTES] * 2 + [10] * 30
+    tasks = workers.group_tasks(jobs, sizes)
     assert [j for task in tasks for j in task] == jobs  # every job once, in order
-    assert [len(t) for t in tasks] == [4, 4, 1, 1, prep.TASK_ITEMS, 30 - prep.TASK_ITEMS]
-    assert prep._tasks([], []) == []
+    assert [len(t) for t in tasks] == [4, 4, 1, 1, workers.TASK_ITEMS, 30 - workers.TASK_ITEMS]
+    assert workers.group_tasks([], []) == []
 
 
 def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, tmp_path,
@@ -196,40 +197,39 @@ def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, t
     arrays in spill files. The result is that of the reference preparation, byte for byte."""
     import pickle
 
-    from data_pipeline import prepare as prep
-    from data_pipeline import sources, tokenizer
+    from data_pipeline import sources, tokenizer, workers
 
     def per_document(*args, **kw):
         raise AssertionError("per-document work in the main process")
 
     # The workers are spawned: they import their own, unpatched modules.
-    for module, name in ((prep, "read_item"), (sources, "read_item"), (prep, "_load_docs"),
+    for module, name in ((workers, "read_item"), (sources, "read_item"), (workers, "load_docs"),
                          (tokenizer.Tokenizer, "encode_batch"), (tokenizer.Tokenizer, "encode"),
                          (sources, "decode"), (sources, "_jsonl_documents")):
         monkeypatch.setattr(module, name, per_document)
     sent, received = [], []
-    real_tasks, real_task = prep._tasks, prep._encode_task
+    real_tasks, real_task = workers.group_tasks, workers.encode_task
 
     def spy_tasks(jobs, sizes):
         tasks = real_tasks(jobs, sizes)
         sent.extend(tasks)
         return tasks
 
-    monkeypatch.setattr(prep, "_tasks", spy_tasks)
-    real_run = prep._run_tasks
+    monkeypatch.setattr(workers, "group_tasks", spy_tasks)
+    real_run = workers.run_tasks
 
     def spy_run(pool, jobs, sizes):
         for counts in real_run(pool, jobs, sizes):
             received.append(counts)
             yield counts
 
-    monkeypatch.setattr(prep, "_run_tasks", spy_run)
+    monkeypatch.setattr(workers, "run_tasks", spy_run)
     texts = [t for p in sorted(Path(mixed_data.sources[0].paths[0]).iterdir())
              for t in p.read_text(encoding="utf-8").split("\n\n") if len(t) > 40]
     cfg = reusing_tokenizer(mixed_data, tmp_path / "data", workers=2)
     prepare(cfg, progress=False)
     assert read_manifest(cfg.dir).fingerprint == read_manifest(mixed_data.dir).fingerprint
-    assert real_task is prep._encode_task and sent and len(received) == sum(map(len, sent))
+    assert real_task is workers.encode_task and sent and len(received) == sum(map(len, sent))
     for task in sent:
         raw = pickle.dumps(task)
         assert len(raw) < 2048 * len(task)
@@ -437,7 +437,7 @@ def test_progress_logs_lines_when_not_on_a_terminal(tiny_data, tmp_path, monkeyp
     def logging_progress(desc, total, enabled=True):
         return real(desc, total, enabled, stream=out, interval=0.0)
 
-    monkeypatch.setattr("data_pipeline.prepare.Progress", logging_progress)
+    monkeypatch.setattr("data_pipeline.assemble.Progress", logging_progress)
     cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"), prepare_workers=1,
                               tokenizer=dataclasses.replace(
                                   tiny_data.tokenizer,

@@ -16,19 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from data_pipeline import prepare as prep
-from data_pipeline import sources
+from data_pipeline import generations, sources
 from data_pipeline.config import SourceConfig
 from data_pipeline.errors import DataError
-from data_pipeline.prepare import (
-    content_key,
-    in_valid_split,
-    in_valid_split_by_location,
-    prepare,
-)
+from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader, TokenStream
 from data_pipeline.shards import MANIFEST, read_manifest
+from data_pipeline.split import content_key, in_valid_split, in_valid_split_by_location
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
 from tests.conftest import tiny_run_dict
@@ -237,14 +232,14 @@ def test_data_of_the_location_rule_is_used_and_a_new_preparation_says_what_moves
                 != in_valid_split_by_location(source.name, name, cfg.valid_fraction)
                 for name, text in docs)
     assert moved > 0
-    real_switch, said = prep.write_manifest, []
+    real_switch, said = generations.write_manifest, []
 
     def switch(data_dir, manifest):  # the manifest write that switches to the new data
         said.append(capsys.readouterr().err)  # what was said before anything was replaced
         assert read_manifest(data_dir).split_rule is None
         real_switch(data_dir, manifest)
 
-    monkeypatch.setattr(prep, "write_manifest", switch)
+    monkeypatch.setattr(generations, "write_manifest", switch)
     prepare(cfg, force=True, progress=False)
     assert f"{moved:,} of its {len(docs):,} documents change split" in said[0]
     assert read_manifest(old).split_rule == "content-v1"

@@ -22,12 +22,12 @@ import pickle
 import signal
 import sys
 
+from data_pipeline import generations, shards, storage
 from data_pipeline import prepare as prep
-from data_pipeline import shards, storage
 from tests.helpers.s3 import put_object
 
-POINTS = {"tokenizer": (prep, "_build_tokenizer", "after"), "shard": (shards, "write_shard", "after"),
-          "upload": (storage, "upload", "after"), "manifest": (prep, "write_manifest", "before"),
+POINTS = {"tokenizer": (prep, "build_tokenizer", "after"), "shard": (shards, "write_shard", "after"),
+          "upload": (storage, "upload", "after"), "manifest": (generations, "write_manifest", "before"),
           "remove": (storage, "delete", "after")}
 
 

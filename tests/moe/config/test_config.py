@@ -12,12 +12,14 @@ def write(tmp_path, data):
 
 
 def test_default_config_is_valid():
+    from moe.parallel.deepspeed_adapter import deepspeed_config
+
     cfg = load_config("configs/default.yaml")
     moe = cfg.model.moe
     assert (moe.num_experts, moe.router.top_k, moe.num_shared_experts) == (16, 3, 1)
     assert moe.router.renormalize and cfg.train.expert_lr_scale == 2.0  # the measured recipe
     assert cfg.parallel.expert_parallel_size == 2
-    ds = cfg.deepspeed_config(2)
+    ds = deepspeed_config(cfg, 2)
     assert ds["train_batch_size"] == cfg.train.micro_batch_size * 2
 
 

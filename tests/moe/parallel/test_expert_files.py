@@ -2,9 +2,15 @@
 of reach of zero_to_fp32's ``*_model_states.pt`` glob, with checkpoints written before the move
 still found), and the fingerprint check of the experts a resume loaded."""
 
+import pytest
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from moe.parallel.deepspeed_adapter import EXPERT_DIR
+from moe.parallel.deepspeed_adapter import EXPERT_DIR, install
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    install()  # what the trainer does before it builds an engine
 
 
 def test_expert_files_go_into_the_experts_directory(tmp_path):

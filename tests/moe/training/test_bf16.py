@@ -38,9 +38,9 @@ def run_dict(tiny_data, runs, name, precision):
 
 def _record_all_to_all(rank, out_file):
     """Record the dtype and width of every tensor the expert all-to-all sends."""
-    from moe.parallel import deepspeed_adapter
+    from moe.model import dispatcher
 
-    original = deepspeed_adapter._AllToAll.apply
+    original = dispatcher._AllToAll.apply
     seen = set()
 
     def apply(x, *args):
@@ -49,7 +49,7 @@ def _record_all_to_all(rank, out_file):
             json.dump(sorted(seen), f)
         return original(x, *args)
 
-    deepspeed_adapter._AllToAll.apply = apply
+    dispatcher._AllToAll.apply = apply
 
 
 def _engine_dtypes(cfg_dict, env):

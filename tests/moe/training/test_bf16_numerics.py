@@ -172,13 +172,15 @@ def _cfg(**train):
 
 
 def test_precision_reaches_deepspeed():
-    assert _cfg().deepspeed_config(2)["bf16"] == {"enabled": False}
-    assert "data_types" not in _cfg().deepspeed_config(2)
-    ds = _cfg(precision="bf16").deepspeed_config(2)
+    from moe.parallel.deepspeed_adapter import deepspeed_config
+
+    assert deepspeed_config(_cfg(), 2)["bf16"] == {"enabled": False}
+    assert "data_types" not in deepspeed_config(_cfg(), 2)
+    ds = deepspeed_config(_cfg(precision="bf16"), 2)
     assert ds["bf16"] == {"enabled": True}
     assert ds["communication_data_type"] == "fp32"
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
-    ds = _cfg(precision="bf16", grad_reduce_dtype="bf16").deepspeed_config(2)
+    ds = deepspeed_config(_cfg(precision="bf16", grad_reduce_dtype="bf16"), 2)
     assert ds["communication_data_type"] == "bf16"
     assert ds["data_types"] == {"grad_accum_dtype": "bf16"}
 
