@@ -1,14 +1,15 @@
 """moe-scaling: plan, run and fit a scaling-law sweep, and predict the compute-optimal run.
 
     moe-scaling plan CONFIG --budgets 3e13,1e14,3e14 [--sizes 5] [--families dense,moe]
-                     [--experts 8,16] [--out SWEEP] [--allow-repeat] [key=value ...]
+                     [--experts 8,16] [--out SWEEP] [--centre-from SWEEP] [--allow-repeat]
+                     [--force] [key=value ...]
     moe-scaling run SWEEP [--jobs K] [--scheduler local|slurm] [--no-wait] [--dry-run]
     moe-scaling fit SWEEP
     moe-scaling predict SWEEP --budget C [--family moe] [--write-config OUT.yaml] [--fit-below C]
                         [--allow-repeat]
 
 The definitions (N, D, C, the ladder, the learning-rate rule) and the fits are documented in
-``moe/tools/scaling.py`` and docs/scaling.md."""
+``moe/tools/scaling.py``, ``moe/tools/scaling_fit.py`` and docs/scaling.md."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from moe.config.run import RunConfig, load_config
 from moe.config_schema import from_dict, to_dict
 from moe.errors import ScalingError
 from moe.fileio import write_atomic
-from moe.tools import scaling, scaling_report
+from moe.tools import scaling, scaling_fit, scaling_report
 
 SWEEP_FILE = "sweep.json"
 STOP_GRACE_S = 120
@@ -75,32 +76,75 @@ def plan(args) -> None:
     budgets = _numbers(args.budgets, "--budgets", float)
     experts = _numbers(args.experts, "--experts", int) if args.experts else None
     widths = _numbers(args.widths, "--widths", int) if args.widths else None
-    if args.min_steps < scaling.MIN_STEPS:
+    if args.min_steps < scaling.STEPS_FLOOR:
         raise ScalingError(f"--min-steps {args.min_steps}: a run needs at least "
-                           f"{scaling.MIN_STEPS} steps")
+                           f"{scaling.STEPS_FLOOR} steps")
+    centre, source = _centre_from(Path(args.centre_from)) if args.centre_from else (None, None)
     cfg = load_config(args.config, args.overrides)
     base = replace(_base(cfg), min_steps=args.min_steps)
     runs, models = scaling.plan_sweep(base, budgets, args.sizes, args.families.split(","),
-                                      experts, widths, args.allow_repeat)
+                                      experts, widths, args.allow_repeat, centre)
     out = Path(args.out or f"sweeps/{cfg.name}")
     if (out / SWEEP_FILE).exists() and not args.force:
         raise ScalingError(f"{out / SWEEP_FILE} exists: a sweep is planned there already "
                            "(--force replaces its plan; finished runs of the same name are kept)")
     base_dict = to_dict(cfg)
-    for run in runs:
-        d = run_config(base_dict, run, to_dict(models[run.name]), out.resolve())
-        from_dict(RunConfig, d, source=run.name)  # every config valid before anything is written
-        write_atomic(out / "configs" / f"{run.name}.yaml", yaml.safe_dump(d, sort_keys=False))
-    write_atomic(out / "plan.md", scaling.run_table(runs))
+    configs = {r.name: run_config(base_dict, r, to_dict(models[r.name]), out.resolve())
+               for r in runs}
+    for name, d in configs.items():  # every config valid before anything is written
+        from_dict(RunConfig, d, source=name)
+    notes = scaling.ladder_warnings(base, runs, centre, source or "the rule of thumb")
+    short = scaling.short_runs_warning([scaling.planned_run_to_dict(r) for r in runs], True)
+    notes += [short] if short else []
+    for name, d in configs.items():
+        write_atomic(out / "configs" / f"{name}.yaml", yaml.safe_dump(d, sort_keys=False))
+    write_atomic(out / "plan.md", scaling.run_table(runs)
+                 + "".join(f"\n- warning: {w}" for w in notes) + ("\n" if notes else ""))
     write_atomic(out / SWEEP_FILE, json.dumps({
         "config": str(Path(args.config).resolve()), "overrides": args.overrides,
         "budgets": budgets, "families": args.families.split(","), "experts": experts,
-        "min_steps": args.min_steps,
+        "min_steps": args.min_steps, "centre": source or "rule of thumb",
         "runs": [scaling.planned_run_to_dict(r) for r in runs]}, indent=1))
+    stale = _remove_stale_configs(out, configs)
     print(scaling.run_table(runs))
+    for w in notes:
+        print(f"warning: {w}")
+    if stale:
+        print(f"removed the configs of {len(stale)} run(s) the new plan does not have "
+              f"({', '.join(stale[:6])}{', ...' if len(stale) > 6 else ''}); their run "
+              f"directories, if any, stay in {out / 'runs'}")
     total = sum(r.flops for r in runs)
     print(f"{len(runs)} runs, {total:.3e} FLOPs in all; sweep in {out}\n"
           f"next: moe-scaling run {shlex.quote(str(out))}")
+
+
+def _remove_stale_configs(out: Path, configs: dict) -> list[str]:
+    """Delete the run configs of ``out/configs`` that the plan does not have (a plan replaced
+    with --force), so that the directory holds exactly the plan's runs; their names."""
+    stale = sorted(p for p in (out / "configs").glob("*.yaml") if p.stem not in configs)
+    for p in stale:
+        p.unlink()
+    return [p.stem for p in stale]
+
+
+def _centre_from(sweep_dir: Path) -> tuple:
+    """The ``--centre-from`` ladder centre: per family, N_opt as the finished runs of
+    ``sweep_dir`` place it (``scaling_report.optimum_trend``); a family they do not place keeps
+    the rule of thumb. Returns (centre, a description of its source)."""
+    trend = scaling_report.optimum_trend(results(sweep_dir))
+    if not trend:
+        raise ScalingError(f"--centre-from {sweep_dir}: no budget of its finished runs has a "
+                           "minimum inside its ladder, so they place no optimum (plan without "
+                           "--centre-from to use the rule of thumb)")
+
+    def centre(family: str, budget: float) -> float | None:
+        if family not in trend:
+            return None
+        a, b, _ = trend[family]
+        return a * budget ** b
+
+    described = "; ".join(f"{f}: {text}" for f, (_, _, text) in sorted(trend.items()))
+    return centre, f"from {sweep_dir} ({described})"
 
 
 def _numbers(text: str, flag: str, kind) -> list:
@@ -150,8 +194,12 @@ class Progress:
 
         self.tty = sys.stdout.isatty()
         self.sink = None if self.tty else open(os.devnull, "w")
+        # smoothing=0: the rate (and the ETA) is the compute done since the start over the time
+        # since then. tqdm's default averages the rates between updates, and a finished run
+        # adds all its FLOPs in one update half a second after the last: a rate hundreds of
+        # times too high and an ETA of seconds with minutes to go.
         self.bar = tqdm(total=total, initial=done_flops, unit="FLOP", unit_scale=True,
-                        desc="sweep", file=sys.stdout if self.tty else self.sink)
+                        desc="sweep", smoothing=0, file=sys.stdout if self.tty else self.sink)
         self.count, self.shown = count, None
 
     def update(self, flops: float, done: int, note: str = "") -> None:
@@ -367,11 +415,20 @@ def results(sweep_dir: Path, exclude: str | None = None) -> list[dict]:
     return out
 
 
+def bootstrap_progress(label: str, total: int):
+    """A bar on stderr over the bootstrap refits, which take seconds to minutes: on a terminal
+    redrawn in place, in a log a line at most every 10 s."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="fit", file=sys.stderr,
+                mininterval=0.5 if sys.stderr.isatty() else 10)
+
+
 def fit(args) -> None:
-    scaling.require_scipy()
+    scaling_fit.require_scipy()
     sweep_dir = Path(args.sweep)
     analysis = scaling_report.analyse(results(sweep_dir, args.exclude), bootstrap=args.bootstrap,
-                                      floor=args.floor)
+                                      floor=args.floor, progress=bootstrap_progress)
     if args.exclude:
         analysis["warnings"].append(f"left out of the fits (--exclude): {args.exclude}")
     paths = scaling_report.write_report(analysis, sweep_dir / "report")
@@ -383,25 +440,26 @@ def fit(args) -> None:
 
 def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 100,
                   fit_below: float | None = None, allow_repeat: bool = False, name: str = "predicted",
-                  exclude: str | None = None,
-                  floor: str = "family") -> tuple[dict, scaling.PlannedRun, dict]:
+                  exclude: str | None = None, floor: str = "family",
+                  progress=None) -> tuple[dict, scaling.PlannedRun, dict]:
     """The law's compute-optimal point of ``budget`` (``scaling_report.predict``), the run of the
     ladder shape the law ranks best at that budget (``scaling.best_ladder_run``: its width,
     tokens spending the budget), and that run's config. The prediction gains ``run_loss`` and
     ``run_loss_interval``: the law at the run's own N and D, the figure its measured loss is to
-    be compared with. A run that would repeat the corpus is refused unless ``allow_repeat``."""
+    be compared with. A run that would repeat the corpus is refused unless ``allow_repeat``.
+    ``progress``: shows the bootstrap (``scaling_fit.fit_laws``)."""
     sweep, _ = load_sweep(sweep_dir)
     rows = results(sweep_dir, exclude)
     if fit_below is not None:  # a held-out check: the law from the smaller budgets only
         rows = [r for r in rows if r["budget"] < fit_below]
         if not rows:
             raise ScalingError(f"--fit-below {fit_below:.4g}: no finished run of a smaller budget")
-    analysis = scaling_report.analyse(rows, bootstrap=bootstrap, floor=floor)
+    analysis = scaling_report.analyse(rows, bootstrap=bootstrap, floor=floor, progress=progress)
     pred = scaling_report.predict(analysis, family, budget)
     pred["warnings"] = analysis["warnings"]
     cfg = load_config(sweep["config"], sweep["overrides"])
     # A sweep planned before --min-steps existed had the fixed minimum.
-    base = replace(_base(cfg), min_steps=sweep.get("min_steps", scaling.MIN_STEPS))
+    base = replace(_base(cfg), min_steps=sweep.get("min_steps", scaling.STEPS_FLOOR))
     experts = pred.get("experts") or None
     fit = analysis["families"][family]["fit"]
     run, model = scaling.best_ladder_run(base, fit.law, budget, family, experts, name)
@@ -419,11 +477,11 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
 
 
 def predict(args) -> None:
-    scaling.require_scipy()
+    scaling_fit.require_scipy()
     name = Path(args.write_config).stem if args.write_config else "predicted"
     pred, run, d = predicted_run(Path(args.sweep), args.family, args.budget, args.bootstrap,
                                  args.fit_below, args.allow_repeat, name, args.exclude,
-                                 args.floor)
+                                 args.floor, bootstrap_progress)
     for w in pred["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print(scaling_report.prediction_text(pred))
@@ -471,11 +529,15 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--families", default="dense,moe")
     pl.add_argument("--experts", help="expert counts of the MoE family (default: the config's)")
     pl.add_argument("--widths", help="the ladder's widths, instead of the rule's")
+    pl.add_argument("--centre-from", metavar="SWEEP",
+                    help="centre each budget's ladder on the N_opt that SWEEP's finished runs "
+                         "give (the power law through their minima), not the rule of thumb")
     pl.add_argument("--out", help="the sweep directory (default: sweeps/NAME)")
     pl.add_argument("--min-steps", type=_count, default=scaling.MIN_STEPS,
                     help="halve a run's batch (accumulation first) until it has this many "
                          "optimizer steps, dividing its learning rate by sqrt(2) each time "
-                         f"(default {scaling.MIN_STEPS})")
+                         f"(default {scaling.MIN_STEPS}, below which fit warns; at least "
+                         f"{scaling.STEPS_FLOOR})")
     pl.add_argument("--allow-repeat", action="store_true",
                     help="allow runs that train on the corpus more than once")
     pl.add_argument("--force", action="store_true", help="replace an existing plan")
@@ -496,7 +558,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples")
         s.add_argument("--exclude", help="runs to leave out of the fits, by name (comma-separated; "
                                          "for example a run that failed to train)")
-        s.add_argument("--floor", choices=scaling.FLOORS, default="family",
+        s.add_argument("--floor", choices=scaling_fit.FLOORS, default="family",
                        help="the laws' loss floor E: each family its own (default), or one "
                             "shared by dense and MoE, fitted jointly (the irreducible loss of "
                             "the data)")

@@ -1,49 +1,70 @@
-"""The analysis of a finished scaling sweep: the fits of ``moe/tools/scaling.py`` applied to
-every family, predictions for a budget, and the report (markdown and one PNG)."""
+"""The analysis of a finished scaling sweep: the fits of ``moe/tools/scaling_fit.py`` applied to
+every family, predictions for a budget, and the report (markdown and one PNG,
+``moe/tools/scaling_plot.py``). A number the runs do not support is either left out (an IsoFLOP
+minimum outside its ladder does not enter the power laws) or printed with what is wrong with it
+(a constant on the optimiser's bound, a multiplier that is only a lower bound)."""
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from moe.errors import ScalingError
 from moe.fileio import write_atomic
-from moe.tools import scaling
-
-FEW_STEPS = 200
-"""Runs with fewer optimizer steps are warned about: on our 2-core sweeps, runs of 77 to 132
-steps ended 3-19% lower when trained again on the same tokens with 200 or more steps (smaller
-batches; BENCHMARKS.md), and the two that had failed to train trained normally."""
+from moe.tools import scaling, scaling_fit
 
 BUMP_TOLERANCE = 0.02
 """A run whose loss is more than this fraction above both its neighbours in N at the same
 budget is reported (two seeds of the same run differ by about 1%, rarely 2.5%)."""
 
+LAW_BUDGETS = 3
+"""Budgets (of three or more sizes each) the parametric law needs: one budget's ladder cannot
+tell the size term from the tokens term (N and D move together along it), two cannot place the
+floor E."""
+
+BOUND_ADVICE = {
+    ("alpha", "upper"): "the size term A/N^alpha vanishes across the ladder (the runs do not "
+                        "show the loss falling with N): add smaller sizes at each budget",
+    ("A", "lower"): "the size term A/N^alpha vanishes across the ladder (the runs do not show "
+                    "the loss falling with N): add smaller sizes at each budget",
+    ("alpha", "lower"): "the loss does not fall with N (alpha 0 folds the size term into the "
+                        "floor): add larger sizes at each budget, and budgets whose ladders "
+                        "bracket their minima",
+    ("A", "upper"): "the size term does not settle: add sizes on both sides of each budget's "
+                    "minimum",
+    ("beta", "upper"): "the tokens term B/D^beta vanishes (the runs do not show the loss "
+                       "falling with tokens): add larger sizes (fewer tokens per parameter) at "
+                       "each budget",
+    ("B", "lower"): "the tokens term B/D^beta vanishes (the runs do not show the loss falling "
+                    "with tokens): add larger sizes (fewer tokens per parameter) at each budget",
+    ("beta", "lower"): "the loss does not fall with tokens: add larger budgets",
+    ("B", "upper"): "the tokens term does not settle: add larger budgets",
+    ("E", "lower"): "the runs show no floor (the loss keeps falling without flattening): add "
+                    "larger budgets",
+    ("E", "upper"): "the floor lies above the losses: look for runs that failed to train, and "
+                    "add budgets",
+}
+"""What to add when the fit leaves a constant on a side of its bound."""
+
 
 def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0,
-            floor: str = "family") -> dict:
-    """Per family: the IsoFLOP minimum of each budget, the power laws through them, the
-    parametric law with bootstrap fits and the FLOPs per token per parameter (k); for MoE the
-    compute multiplier against dense and, with several expert counts, the expert law. ``floor``:
-    each family's law has its own E (``"family"``) or all share one (``"shared"``,
-    :func:`scaling.fit_shared_floor`)."""
+            floor: str = "family", progress=None) -> dict:
+    """Per family: the IsoFLOP minimum of each budget, the power laws through the bracketed
+    ones, the parametric law with bootstrap fits and the FLOPs per token per parameter (k); for
+    MoE the compute multiplier against dense and, with several expert counts, the expert law.
+    ``floor``: each family's law has its own E (``"family"``) or all share one (``"shared"``,
+    :func:`scaling_fit.fit_shared_floor`). ``progress``: see :func:`scaling_fit.fit_laws`."""
     by_family: dict[str, list[dict]] = defaultdict(list)
     for r in results:
         by_family[r["family"]].append(r)
     out: dict = {"families": {}, "warnings": [], "results": results, "floor": floor}
-    short = sorted((r for r in results if r.get("steps", FEW_STEPS) < FEW_STEPS),
-                   key=lambda r: r["steps"])
+    short = scaling.short_runs_warning(results)
     if short:
-        out["warnings"].append(
-            f"{len(short)} run(s) trained fewer than {FEW_STEPS} optimizer steps ("
-            + ", ".join(f"{r['name']} {r['steps']}" for r in short[:6])
-            + (", ..." if len(short) > 6 else "") + "): such runs can be held back by their "
-            f"batch rather than their size; plan with --min-steps {FEW_STEPS} to give them "
-            "smaller batches")
-    fits = _fits(by_family, floor, bootstrap, seed)
+        out["warnings"].append(short)
+    fits = _fits(by_family, floor, bootstrap, seed, progress)
     backtests = backtest(results, floor)
     for family, runs in sorted(by_family.items()):
         if family not in fits:
@@ -53,27 +74,37 @@ def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0,
                                                   backtests.get(family), out["warnings"])
     dense, moe = out["families"].get("dense"), out["families"].get("moe")
     if dense and moe and dense.get("fit"):
-        law = dense["fit"].law
-        moe["multiplier"] = {m.budget: scaling.compute_multiplier(law, dense["k"], m.loss_opt, m.budget)
-                             for m in moe["minima"]}
-        if moe.get("fit"):
-            boot = dense["fit"].boot
-            moe["multiplier_interval"] = {
-                m.budget: scaling.percentile_interval(
-                    [scaling.compute_multiplier(b, dense["k"], m.loss_opt, m.budget) for b in boot])
-                for m in moe["minima"]} if boot else {}
+        _multipliers(dense, moe)
     return out
 
 
-def _fits(by_family: dict[str, list[dict]], floor: str, bootstrap: int,
-          seed: int) -> dict[str, scaling.ParametricFit]:
+def _multipliers(dense: dict, moe: dict) -> None:
+    """The MoE's compute multiplier at each budget. Where the MoE's minimum is not bracketed,
+    its lowest run's loss stands for the minimum: the optimum is at least that low, so the
+    multiplier is a lower bound (``multiplier_bound``)."""
+    law, k = dense["fit"].law, dense["k"]
+    target = {m.budget: m.loss_opt if m.bracketed else m.lowest_loss for m in moe["minima"]}
+    moe["multiplier"] = {b: scaling_fit.compute_multiplier(law, k, loss, b)
+                         for b, loss in target.items()}
+    moe["multiplier_bound"] = {m.budget for m in moe["minima"] if not m.bracketed}
+    boot = dense["fit"].boot
+    moe["multiplier_interval"] = {
+        b: scaling_fit.percentile_interval(
+            [scaling_fit.compute_multiplier(d, k, loss, b) for d in boot])
+        for b, loss in target.items()} if boot else {}
+
+
+def _fits(by_family: dict[str, list[dict]], floor: str, bootstrap: int, seed: int,
+          progress=None) -> dict[str, scaling_fit.ParametricFit]:
     """The parametric laws of the families with five or more runs."""
     data = {f: ([r["active_params"] for r in rs], [r["tokens"] for r in rs],
                 [r["loss"] for r in rs]) for f, rs in by_family.items() if len(rs) >= 5}
-    return scaling.fit_laws(data, floor, bootstrap, seed) if data else {}
+    return scaling_fit.fit_laws(data, floor, bootstrap, seed, progress) if data else {}
 
 
-def _analyse_family(family, runs, fit, bt, warnings) -> dict:
+def _minima(family: str, runs: list[dict], warnings: list[str]) -> list:
+    """The IsoFLOP minimum of each budget with three or more runs, and the warnings about
+    budgets with fewer, runs above both neighbours and minima outside their ladder."""
     by_budget: dict[float, list[dict]] = defaultdict(list)
     for r in runs:
         by_budget[r["budget"]].append(r)
@@ -93,20 +124,33 @@ def _analyse_family(family, runs, fit, bt, warnings) -> dict:
                     f"{nxt['name']} {nxt['loss']:.4f}); along a budget the loss has one minimum, "
                     "so the run likely failed to train (read its log): rerun it, or leave it out "
                     f"with --exclude {r['name']}")
-        m = scaling.isoflop_minimum(budget, [r["active_params"] for r in rs], [r["loss"] for r in rs])
-        if m.at_edge:
-            warnings.append(f"{family}, budget {budget:.3g}: the loss is lowest at the edge of the "
-                            f"ladder (N {rs[0]['active_params']:,} to {rs[-1]['active_params']:,}); "
-                            "the optimum may lie outside it: add sizes on that side")
+        m = scaling_fit.isoflop_minimum(budget, [r["active_params"] for r in rs],
+                                        [r["loss"] for r in rs])
+        if not m.bracketed:
+            warnings.append(
+                f"{family}, budget {budget:.3g}: no minimum inside the ladder (N "
+                f"{rs[0]['active_params']:,} to {rs[-1]['active_params']:,}): {m.problem()}; "
+                f"{m.advice()}. The budget is left out of the power laws and the IsoFLOP route")
         minima.append(m)
+    return minima
+
+
+def _analyse_family(family, runs, fit, bt, warnings) -> dict:
+    minima = _minima(family, runs, warnings)
     k = float(np.median([r["flops"] / (r["tokens"] * r["active_params"]) for r in runs]))
     fam: dict = {"runs": runs, "minima": minima, "k": k}
-    if len(minima) >= 2:
-        fam["n_law"] = scaling.power_law([m.budget for m in minima], [m.n_opt for m in minima])
-        fam["d_law"] = scaling.power_law([m.budget for m in minima],
-                                         [m.budget / (k * m.n_opt) for m in minima])
+    inside = [m for m in minima if m.bracketed]
+    if len(inside) >= 2:
+        fam["n_law"] = scaling_fit.power_law([m.budget for m in inside], [m.n_opt for m in inside])
+        fam["d_law"] = scaling_fit.power_law([m.budget for m in inside],
+                                             [m.budget / (k * m.n_opt) for m in inside])
+    elif len(minima) >= 2:
+        warnings.append(f"{family}: {len(inside)} of {len(minima)} budgets have a minimum inside "
+                        "their ladder; the power laws N_opt = a C^b and D_opt = a' C^b' need 2, "
+                        "so neither is given")
     if fit is not None:
         fam["fit"] = fit
+        warnings.extend(_law_warnings(family, fit, runs))
     fam["backtest"] = bt
     if bt and bt["median_abs"] > BACKTEST_WARN:
         warnings.append(
@@ -115,9 +159,33 @@ def _analyse_family(family, runs, fit, bt, warnings) -> dict:
             f"{max(bt['errors']):+.1%}): expect errors of this size, not the bootstrap interval's, "
             "when predicting beyond the sweep")
     if family == "moe" and len({r["experts"] for r in runs}) >= 2:
-        fam["expert_law"] = scaling.clark_law([r["active_params"] for r in runs],
-                                              [r["experts"] for r in runs], [r["loss"] for r in runs])
+        fam["expert_law"] = scaling_fit.clark_law([r["active_params"] for r in runs],
+                                                  [r["experts"] for r in runs],
+                                                  [r["loss"] for r in runs])
     return fam
+
+
+def _law_warnings(family: str, fit: scaling_fit.ParametricFit, runs: list[dict]) -> list[str]:
+    """Too few runs for the law's five constants, constants on the optimiser's bounds, and
+    bootstrap fits on them, each with what to add."""
+    out = []
+    sizes = Counter(r["budget"] for r in runs)
+    full = sum(c >= 3 for c in sizes.values())
+    if full < LAW_BUDGETS:
+        out.append(f"{family}: the law's 5 constants rest on {len(runs)} runs of {len(sizes)} "
+                   f"budget(s), {full} of them with 3 or more sizes; it needs {LAW_BUDGETS} or "
+                   "more budgets of 3 or more sizes each to tell the size term from the tokens "
+                   f"term and the floor: add {LAW_BUDGETS - full} budget(s), and read its "
+                   "constants and predictions as unsettled until then")
+    for name, side, bound in fit.on_bounds():
+        out.append(f"{family}: the law's {name} = {bound:.4g} sits on the optimiser's {side} "
+                   "bound, so the runs do not determine it and every prediction of this law "
+                   f"rests on that bound; {BOUND_ADVICE[(name, side)]}")
+    hit = fit.boot_on_bounds()
+    if hit:
+        out.append(f"{family}: {hit} of {len(fit.boot)} bootstrap fits put a constant on its "
+                   "bound; the 95% intervals are marked where they reach one")
+    return out
 
 
 BACKTEST_WARN = 0.02
@@ -148,6 +216,27 @@ def backtest(runs: list[dict], floor: str = "family") -> dict[str, dict]:
     return out
 
 
+def optimum_trend(results: list[dict]) -> dict[str, tuple]:
+    """Per family, how N_opt grows with the budget on these runs, for centring a new budget's
+    ladder: (a, b, description) of N_opt = a C^b, from the power law through the bracketed
+    IsoFLOP minima, or with one such minimum, from it with b = 0.5 (Chinchilla's exponent). A
+    family without a bracketed minimum is absent."""
+    by_family: dict[str, list[dict]] = defaultdict(list)
+    for r in results:
+        by_family[r["family"]].append(r)
+    out = {}
+    for family, runs in by_family.items():
+        inside = [m for m in _minima(family, runs, []) if m.bracketed]
+        if len(inside) >= 2:
+            a, b = scaling_fit.power_law([m.budget for m in inside], [m.n_opt for m in inside])
+            out[family] = (a, b, f"the power law through the minima of {len(inside)} budgets")
+        elif inside:
+            m = inside[0]
+            out[family] = (m.n_opt / math.sqrt(m.budget), 0.5,
+                           f"the minimum of budget {m.budget:.3g}, grown as C^0.5")
+    return out
+
+
 def predict(analysis: dict, family: str, budget: float) -> dict:
     """The compute-optimal N, D and loss of ``budget`` for ``family`` from its parametric law,
     with 95% bootstrap intervals (the ladder shape to train: ``launch.scaling.predicted_run``,
@@ -161,17 +250,19 @@ def predict(analysis: dict, family: str, budget: float) -> dict:
     fit, k = fam["fit"], fam["k"]
     n, d, loss = fit.law.optimum(budget, k)
     out = {"family": family, "budget": budget, "n_opt": n, "d_opt": d, "loss": loss,
-           "backtest": fam.get("backtest"),
+           "backtest": fam.get("backtest"), "on_bounds": fit.on_bounds(),
            "n_interval": fit.interval(lambda b: b.optimum(budget, k)[0]),
            "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
            "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2])}
     if "n_law" in fam:
         # The IsoFLOP route (Chinchilla's second approach) as a cross-check on N_opt: the power
-        # law through the per-budget minima. It assumes nothing about the shape of L(N, D), and
-        # where the law's minimum along the budget is flat its N_opt is the less certain of the
-        # two.
+        # law through the bracketed per-budget minima. It assumes nothing about the shape of
+        # L(N, D), and where the law's minimum along the budget is flat its N_opt is the less
+        # certain of the two.
         a, b = fam["n_law"]
-        out["isoflop"] = {"n_opt": a * budget ** b, "budgets": len(fam["minima"])}
+        out["isoflop"] = {"n_opt": a * budget ** b,
+                          "budgets": sum(m.bracketed for m in fam["minima"]),
+                          "left_out": [m.budget for m in fam["minima"] if not m.bracketed]}
     runs = fam["runs"]
     if family == "moe":
         best = min(runs, key=lambda r: (abs(math.log(r["budget"] / budget)), r["loss"]))
@@ -190,12 +281,22 @@ def prediction_text(p: dict) -> str:
     lines = [f"{p['family']} at {p['budget']:.3g} FLOPs:",
              f"  active parameters N  {p['n_opt']:.4g}  (95%: {lo:.4g} to {hi:.4g})",
              f"  tokens D             {p['d_opt']:.4g}  (95%: {dlo:.4g} to {dhi:.4g})",
-             f"  tokens per parameter {p['d_opt'] / p['n_opt']:.1f}",
+             f"  tokens per parameter {p['d_opt'] / p['n_opt'] if p['n_opt'] else math.inf:.1f}",
              f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})"]
+    if p.get("on_bounds"):
+        lines.append("  degenerate law       " + ", ".join(
+            f"{name} on its {side} bound {bound:.4g}" for name, side, bound in p["on_bounds"])
+            + ": the runs do not determine the law, so neither these numbers nor their "
+            "intervals (see the warnings)")
     iso = p.get("isoflop")
     if iso:
+        left = (f"; left out: {', '.join(f'{b:.3g}' for b in iso['left_out'])}, whose minima "
+                "lie outside their ladders" if iso["left_out"] else "")
         lines.append(f"  IsoFLOP route        N {iso['n_opt']:.4g}, {iso['n_opt'] / p['n_opt']:.2f}x the "
-                     f"law's (the power law through the minima of {iso['budgets']} budgets)")
+                     f"law's (the power law through the minima of {iso['budgets']} budgets{left})")
+    else:
+        lines.append("  IsoFLOP route        none: fewer than 2 budgets have a minimum inside "
+                     "their ladder")
     bt = p.get("backtest")
     if bt:
         lines.append(f"  backtest             the law fitted below {bt['budget']:.3g} misses that "
@@ -208,28 +309,61 @@ def prediction_text(p: dict) -> str:
     return "\n".join(lines)
 
 
+def _minimum_line(m, mult, bound: bool) -> str:
+    lo, hi = m.n_range
+    if m.bracketed:
+        text = f"  C {m.budget:.3g}: N_opt {m.n_opt:.4g}, loss {m.loss_opt:.4f}"
+    else:
+        text = (f"  C {m.budget:.3g}: no minimum inside the ladder (N {lo:.4g} to {hi:.4g}): "
+                f"{m.problem()}; lowest run N {m.lowest_n:.4g}, loss {m.lowest_loss:.4f}; "
+                "left out of the power laws")
+    if mult is not None:
+        text += f", compute multiplier vs dense {'at least ' if bound else ''}{mult:.2f}x"
+    return text
+
+
+def _interval_text(fit: scaling_fit.ParametricFit, name: str) -> str:
+    """``lo-hi`` of a constant over the bootstrap fits, each end that sits on the optimiser's
+    bound marked."""
+    i = scaling_fit.PARAMS.index(name)
+    lo, hi = fit.interval(lambda b: getattr(b, name))
+    bounds = scaling_fit.BOUNDS[i]
+    ends = []
+    for value, bound in ((lo, bounds[0]), (hi, bounds[1])):
+        v = math.log(value) if name in "ABE" and value > 0 else value
+        mark = " (its bound)" if abs(v - bound) <= scaling_fit.BOUND_TOLERANCE else ""
+        ends.append(f"{value:.3f}{mark}")
+    return "-".join(ends)
+
+
 def summary(analysis: dict) -> str:
     lines = []
     shared = analysis.get("floor") == "shared" and sum(
         "fit" in fam for fam in analysis["families"].values()) >= 2
     for family, fam in analysis["families"].items():
-        lines.append(f"{family}: {len(fam['runs'])} runs, {len(fam['minima'])} budgets with a minimum")
+        inside = sum(m.bracketed for m in fam["minima"])
+        lines.append(f"{family}: {len(fam['runs'])} runs, {len(fam['minima'])} budgets with a "
+                     f"parabola, {inside} with a minimum inside the ladder")
         for m in fam["minima"]:
-            mult = fam.get("multiplier", {}).get(m.budget)
-            lines.append(f"  C {m.budget:.3g}: N_opt {m.n_opt:.4g}, loss {m.loss_opt:.4f}"
-                         + (" (edge of the ladder)" if m.at_edge else "")
-                         + (f", compute multiplier vs dense {mult:.2f}x" if mult is not None else ""))
+            lines.append(_minimum_line(m, fam.get("multiplier", {}).get(m.budget),
+                                       m.budget in fam.get("multiplier_bound", ())))
         if "n_law" in fam:
             lines.append(f"  N_opt = {fam['n_law'][0]:.3g} C^{fam['n_law'][1]:.3f}, "
-                         f"D_opt = {fam['d_law'][0]:.3g} C^{fam['d_law'][1]:.3f}")
+                         f"D_opt = {fam['d_law'][0]:.3g} C^{fam['d_law'][1]:.3f}  (through "
+                         f"the minima of {inside} budgets)")
         if "fit" in fam:
-            law = fam["fit"].law
-            a_lo, a_hi = fam["fit"].interval(lambda b: b.alpha)
-            b_lo, b_hi = fam["fit"].interval(lambda b: b.beta)
+            fit = fam["fit"]
+            law = fit.law
+            flags = fit.on_bounds()
             lines.append(f"  L = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^"
-                         f"{law.beta:.3f}" + (f"  (alpha 95%: {a_lo:.3f}-{a_hi:.3f}, beta: "
-                                              f"{b_lo:.3f}-{b_hi:.3f})" if fam["fit"].boot else "")
+                         f"{law.beta:.3f}" + (f"  (alpha 95%: {_interval_text(fit, 'alpha')}, "
+                                              f"beta: {_interval_text(fit, 'beta')})"
+                                              if fit.boot else "")
                          + ("  (E shared by the families)" if shared else ""))
+            if flags:
+                lines.append("  degenerate: " + ", ".join(
+                    f"{name} on its {side} bound ({bound:.4g})" for name, side, bound in flags)
+                    + " (see the warnings for what to add)")
         bt = fam.get("backtest")
         if bt:
             lines.append(f"  backtest: fitted below {bt['budget']:.3g} ({bt['fitted_runs']} runs), "
@@ -244,68 +378,11 @@ def summary(analysis: dict) -> str:
 
 
 def write_report(analysis: dict, out_dir: Path) -> dict[str, Path]:
-    """report.md (tables, fits, warnings) and scaling.png: IsoFLOP curves with their minima, the
-    fitted frontier with its 95% band, the residuals of the parametric law, and the MoE/dense
-    compute multiplier per budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """report.md (tables, fits, warnings) and scaling.png (``scaling_plot.draw``)."""
+    from moe.tools import scaling_plot
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(2, 2, figsize=(12, 9))
-    colors = {"dense": "tab:blue", "moe": "tab:orange"}
-    for family, fam in analysis["families"].items():
-        c = colors.get(family, "k")
-        ax[0, 0].scatter([r["active_params"] for r in fam["runs"]],
-                         [r["loss"] for r in fam["runs"]], color=c, s=14)
-        for m in fam["minima"]:
-            n = np.array([r["active_params"] for r in fam["runs"] if r["budget"] == m.budget])
-            x = np.linspace(np.log(n.min()), np.log(n.max()), 50)
-            ax[0, 0].plot(np.exp(x), np.polyval(m.coeffs, x), color=c, alpha=0.6)
-            ax[0, 0].scatter([m.n_opt], [m.loss_opt], color=c, marker="*", s=120,
-                             edgecolor="k")
-        budgets = np.array(sorted({r["budget"] for r in fam["runs"]}))
-        if "fit" in fam and len(budgets):
-            grid = np.geomspace(budgets.min(), budgets.max() * 10, 40)
-            opt = np.array([fam["fit"].law.optimum(C, fam["k"])[0] for C in grid])
-            band = np.array([scaling.percentile_interval(
-                [b.optimum(C, fam["k"])[0] for b in fam["fit"].boot] or [o]) for C, o in zip(grid, opt)])
-            ax[0, 1].plot(grid, opt, color=c, label=f"{family} law")
-            ax[0, 1].fill_between(grid, band[:, 0], band[:, 1], color=c, alpha=0.2)
-            law = fam["fit"].law
-            res = [np.log(law.loss(r["active_params"], r["tokens"])) - np.log(r["loss"])
-                   for r in fam["runs"]]
-            ax[1, 0].scatter([r["active_params"] for r in fam["runs"]], res, color=c, s=14,
-                             label=family)
-        if fam["minima"]:
-            ax[0, 1].scatter([m.budget for m in fam["minima"]], [m.n_opt for m in fam["minima"]],
-                             color=c, marker="*", s=80)
-        if "multiplier" in fam:
-            items = sorted(fam["multiplier"].items())
-            ax[1, 1].plot([b for b, _ in items], [v for _, v in items], "o-", color=c)
-    ax[0, 0].set(xlabel="active parameters N", ylabel="final validation loss",
-                 title="IsoFLOP curves (stars: minima)")
-    ax[0, 1].set(xlabel="training FLOPs C", ylabel="N_opt",
-                 title="compute-optimal size (band: 95% bootstrap)")
-    ax[1, 0].set(xlabel="N", ylabel="log predicted - log measured", title="residuals of L(N, D)")
-    ax[1, 1].set(xlabel="budget C", ylabel="dense FLOPs / MoE FLOPs",
-                 title="MoE compute multiplier")
-    # A panel without data (too few runs for a minimum or a law) keeps linear axes: matplotlib
-    # cannot lay out an empty log axis.
-    for a, scales in ((ax[0, 0], {"xscale": "log"}), (ax[0, 1], {"xscale": "log", "yscale": "log"}),
-                      (ax[1, 0], {"xscale": "log"}), (ax[1, 1], {"xscale": "log"})):
-        if a.has_data():
-            a.set(**scales)
-    ax[1, 0].axhline(0, color="k", lw=0.5)
-    ax[1, 1].axhline(1, color="k", lw=0.5)
-    for a in (ax[0, 1], ax[1, 0]):
-        if a.get_legend_handles_labels()[0]:
-            a.legend()
-    fig.tight_layout()
-    plot = out_dir / "scaling.png"
-    fig.savefig(plot, dpi=90)
-    plt.close(fig)
+    plot = scaling_plot.draw(analysis, out_dir / "scaling.png")
     md = ["# Scaling sweep", "", "## Fits", "", "```", summary(analysis), "```", ""]
     if analysis["warnings"]:
         md += ["## Warnings", ""] + [f"- {w}" for w in analysis["warnings"]] + [""]
