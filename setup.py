@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Distributed Mixture-of-Experts pretraining with DeepSpeed expert parallelism "
                 "and an Arrow streaming data pipeline",
+    license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["moe", "moe.*", "data_pipeline", "data_pipeline.*",
                                     "launch", "launch.*"]),
@@ -33,6 +34,8 @@ setup(
                     # moe-scaling fit / predict (curve fitting, root finding, regression;
                     # threadpoolctl keeps BLAS on one thread for L-BFGS-B's tiny systems)
                     "scaling": ["scipy", "threadpoolctl"],
+                    # model.cross_entropy: liger (Triton kernels; CUDA machines only)
+                    "liger": ["liger-kernel"],
                     # moe-eval --tasks and eval.downstream: lm-evaluation-harness
                     "eval": ["lm-eval"],
                     "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft",

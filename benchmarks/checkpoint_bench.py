@@ -69,7 +69,7 @@ def main() -> None:
         cfg = tiny_run_dict(data, root / "runs", max_steps=args.steps)
         log_file = root / "rank0.log"
         run_distributed(_worker, 2, cfg, "none", str(log_file))
-        ckpt_dir = root / "runs" / "tiny" / "checkpoints"
+        ckpt_dir = from_dict(RunConfig, cfg).run_files.checkpoints
         tag_dir = ckpt_dir / f"step_{args.steps:07d}"
         cfg["train"]["max_steps"] = args.steps + 1
         run_distributed(_worker, 2, cfg, str(tag_dir), str(log_file))

@@ -13,15 +13,17 @@ Parts, in order, each with its own log in OUTDIR and a time limit inside ``--bud
 2. env      GPU, driver, Python, torch, CUDA, cuDNN, NCCL, DeepSpeed and its accelerator
 3. pytest   ``pytest -m gpu`` (on the CPU every test skips: the command itself is the check)
 4. bench    ``benchmarks/gpu_train_bench.py``: tokens/s, MFU, peak memory against moe-plan,
-            where a step's time goes; then the same models with ``train.compile`` (one run
-            each: compiled tokens/s and compiled / eager; a compiled run that runs out of
-            the part's time is noted, not failed)
+            where a step's time goes (a step profile per model: profile.md, profile.json);
+            then the same models with ``train.compile`` (one run each: compiled tokens/s,
+            compiled / eager and their profiles; a compiled run that runs out of the part's
+            time is noted, not failed, and keeps the models it finished)
 5. train    the default config (configs/default.yaml) on one rank for 100 steps in bf16
             through ``moe-launch`` (the real deepspeed launcher, started as
             ``python -m deepspeed.launcher.runner``: no ``deepspeed`` script on PATH needed)
 6. eval     ``moe-eval`` of that checkpoint on the CPU (CUDA hidden)
 
-OUTDIR gets at most 8 files: ``summary.md`` and ``summary.json`` plus one log per part. The
+OUTDIR gets at most 10 files: ``summary.md``, ``summary.json``, ``profile.md`` and
+``profile.json`` (the bench part's step profiles) plus one log per part. The
 exit status is 0 only if every part passed; a part that fails or runs out of time does not
 stop the later ones. ``--dry-run`` runs every part at tiny sizes (a few steps of a tiny model on
 a small corpus); ``--device cpu`` hides CUDA from every part. Imports only the standard library:
@@ -42,21 +44,16 @@ import sys
 import sysconfig
 import tempfile
 import time
-import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_FILES = 8
-NEVER_SHADOWED = re.compile(r"^(torch|triton|nvidia_.*)$")
-"""Wheels the proof refuses to install: the machine's own CUDA torch stack."""
-PYDANTIC_FAMILY = {"pydantic", "pydantic_core", "annotated_types", "typing_inspection"}
-"""Installed together or not at all (pydantic pins its core exactly; DeepSpeed needs >= 2)."""
-REQUIRED_MODULES = ["torch", "deepspeed", "pydantic", "hjson", "yaml", "zstandard", "pyarrow",
-                    "sentencepiece", "tensorboard", "safetensors", "matplotlib", "psutil", "tqdm",
-                    "numpy", "pytest"]
-"""What the project and its GPU tests import: each must be importable after the install."""
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_install import choose_wheels, import_check, install_wheels  # noqa: E402
 
+MAX_FILES = 10
+OUT_FILES = ("summary.md", "summary.json", "profile.md", "profile.json")
+"""Besides one log per part (the profiles come from the bench part)."""
 # Time limits (s) of each part, and the least each later part is left when an earlier one runs
 # long. They add up to more than the budget on purpose: a part that finishes early leaves its
 # time to the next.
@@ -78,10 +75,6 @@ class Part:
     log: str = ""
     figures: dict = field(default_factory=dict)
     note: str = ""
-
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "_", name).lower()
 
 
 class Proof:
@@ -185,57 +178,20 @@ class Proof:
 
     def install(self, part: Part, log, limit: float) -> str:
         wheels_dir = Path(self.args.wheels or os.environ.get("GPU_WHEELS") or ROOT / "gpu-wheels")
-        wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
-        log.write(f"wheel folder: {wheels_dir} ({len(wheels)} wheels)\ntarget: {self.site}\n")
-        if not wheels:
-            log.write("no wheel folder: using only what this Python has "
-                      "(benchmarks/gpu_wheels.sh builds the folder)\n")
-        by_name = {norm(w.name.split("-")[0]): w for w in wheels}
-        refused = [w.name for n, w in by_name.items() if NEVER_SHADOWED.match(n)]
-        if refused:
-            log.write(f"refused (the machine's own torch stack): {refused}\n")
-        pydantic = self._installed_version("pydantic")
-        family_needed = pydantic is None or not pydantic.startswith(("2.", "3."))
-        chosen = []
-        for name, wheel in sorted(by_name.items()):
-            have = self._installed_version(name)
-            if NEVER_SHADOWED.match(name):
-                continue
-            if name in PYDANTIC_FAMILY:
-                take = family_needed
-            else:
-                take = have is None
-            log.write(f"  {wheel.name:<90} {'install' if take else 'present ' + str(have)}\n")
-            if take:
-                chosen.append(wheel)
-        self.site.mkdir(parents=True, exist_ok=True)
-        rc = 0
-        if chosen:
-            rc = self._install_wheels(part, chosen, log, limit)
+        log.write(f"target: {self.site}\n")
+        chosen = choose_wheels(wheels_dir, log)
+        rc = install_wheels(self.python, self.site, chosen, log,
+                            lambda cmd, env: self.run(part, cmd, log, limit, env=env))
         part.figures["installed"] = [w.name.split("-")[0] for w in chosen]
         if rc != 0:
             part.note = "pip install failed" if rc is not None else "out of time"
             return self.status_of(rc)
         # Every module the project needs imports, and torch is still the machine's own.
-        check = (
-            "import importlib, json, sys\n"
-            f"mods = {REQUIRED_MODULES!r}\n"
-            "out = {}\n"
-            "for m in mods:\n"
-            "    try:\n"
-            "        mod = importlib.import_module(m)\n"
-            "        out[m] = [getattr(mod, '__version__', '?'), getattr(mod, '__file__', '?')]\n"
-            "    except Exception as e:\n"
-            "        out[m] = [None, f'{type(e).__name__}: {e}']\n"
-            "print('IMPORTS ' + json.dumps(out))\n")
-        proc = subprocess.run([self.python, "-c", check], env=self.env(), cwd=ROOT,
-                              capture_output=True, text=True, timeout=max(limit, 30))
-        log.write(proc.stdout[-20000:] + proc.stderr[-5000:])
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("IMPORTS ")), None)
-        if line is None:
+        found, output = import_check(self.python, self.env(), ROOT, max(limit, 30))
+        log.write(output)
+        if found is None:
             part.note = "the import check did not run"
             return "fail"
-        found = json.loads(line[len("IMPORTS "):])
         log.write("\nmodule        version        from\n")
         for m, (version, where) in found.items():
             log.write(f"{m:<13} {str(version):<14} {where}\n")
@@ -250,30 +206,6 @@ class Proof:
             part.note = "cannot import " + ", ".join(missing)
             return "fail"
         return "pass"
-
-    def _installed_version(self, name: str) -> str | None:
-        """The version of distribution ``name`` this Python has (without the target folder)."""
-        from importlib import metadata
-
-        for dist in metadata.distributions():
-            if norm(dist.metadata["Name"] or "") == name:
-                return dist.version
-        return None
-
-    def _install_wheels(self, part: Part, wheels: list[Path], log, limit: float) -> int | None:
-        pip_ok = subprocess.run([self.python, "-m", "pip", "--version"], capture_output=True,
-                                timeout=60).returncode == 0
-        if not pip_ok:  # no pip at all: a wheel is a zip file; lay it out as pip would
-            log.write("no pip in this Python: unpacking the wheels into the target\n")
-            for w in wheels:
-                unpack_wheel(w, self.site)
-            return 0
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-        env["PIP_CONFIG_FILE"] = os.devnull  # no index, constraint or find-links from config
-        cmd = [self.python, "-m", "pip", "install", "--no-index", "--no-deps",
-               "--disable-pip-version-check", "--no-warn-script-location", "--upgrade",
-               "--target", str(self.site), *map(str, wheels)]
-        return self.run(part, cmd, log, limit, env=env)
 
     # ---- 2. env ------------------------------------------------------------------------------
 
@@ -364,7 +296,8 @@ class Proof:
 
     def bench(self, part: Part, log, limit: float) -> str:
         rows = self.scratch / "bench.json"
-        cmd = [self.python, "benchmarks/gpu_train_bench.py", "--device", self.args.device]
+        cmd = [self.python, "benchmarks/gpu_train_bench.py", "--device", self.args.device,
+               "--profile-out", str(self.out)]  # profile.md and profile.json
         if self.args.dry_run:
             cmd += ["--tiny", "--steps", "2", "--warmup", "1", "--profile-steps", "1"]
         if not self.cuda:
@@ -378,8 +311,7 @@ class Proof:
         # The same models compiled (the first compile on a fresh machine takes about a minute
         # on one H100): one run, so a ratio to read, not a result.
         compiled = self.scratch / "bench_compiled.json"
-        rc = self.run(part, cmd + ["--json", str(compiled), "--profile-steps", "0",
-                                   "--set", "train.compile=true"],
+        rc = self.run(part, cmd + ["--json", str(compiled), "--set", "train.compile=true"],
                       log, limit - (time.monotonic() - t0))
         if compiled.exists():
             eager = {r["model"]: r["tokens_per_s"] for r in part.figures.get("rows", [])}
@@ -530,6 +462,7 @@ class Proof:
                          if c and r["model"] in ratios else "n/a | n/a")
                 lines.append(f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {mfu} | "
                              f"{mib(r['peak_mem'])} | {mib(r['planned_mem'])} | {ctext} |")
+        lines += self.profile_lines()
         text = "\n".join(lines) + "\n"
         (self.out / "summary.md").write_text(text)
         (self.out / "summary.json").write_text(json.dumps(
@@ -538,6 +471,22 @@ class Proof:
             indent=2, default=str))
         print("\n" + text, flush=True)
         return ok
+
+
+    def profile_lines(self) -> list[str]:
+        """One line per step profile of the bench part (the whole of each in profile.md)."""
+        try:
+            entries = json.loads((self.out / "profile.json").read_text())["entries"]
+        except (OSError, ValueError, KeyError):
+            return []
+        lines = ["", "Step profiles (profile.md has each one's regions and top kernels):", "",
+                 "| model | setting | step ms | device busy | kernels/step | host syncs/step |",
+                 "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for e in entries:
+            syncs = "n/a" if e.get("syncs_per_step") is None else f"{e['syncs_per_step']:g}"
+            lines.append(f"| {e.get('model')} | {e.get('setting')} | {e['step_ms']:.1f} | "
+                         f"{e['busy_share']:.0%} | {e['kernels_per_step']:g} | {syncs} |")
+        return lines
 
 
 def fmt(v) -> str:
@@ -572,26 +521,6 @@ def stale_build_locks(since: float) -> list[Path]:
     return [lock for lock in root.glob("**/lock") if lock.stat().st_mtime >= since - 1]
 
 
-def unpack_wheel(wheel: Path, target: Path) -> None:
-    """Install a wheel without pip: its files into ``target``, ``*.data/purelib|platlib`` into
-    ``target`` too and ``*.data/scripts`` into ``target/bin`` (what ``pip --target`` does)."""
-    with zipfile.ZipFile(wheel) as z:
-        for info in z.infolist():
-            parts = info.filename.split("/")
-            if parts[0].endswith(".data") and len(parts) > 2:
-                kind, rest = parts[1], parts[2:]
-                dest = target / "bin" / "/".join(rest) if kind == "scripts" else \
-                    target / "/".join(rest)
-            else:
-                dest = target / info.filename
-            if info.is_dir():
-                continue
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(z.read(info))
-            if parts[0].endswith(".data") and parts[1] == "scripts":
-                dest.chmod(0o755)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("outdir", nargs="?", default=os.environ.get("GPU_PROOF_OUT"),
@@ -607,7 +536,7 @@ def main(argv=None) -> int:
         p.error("give OUTDIR (or set GPU_PROOF_OUT)")
     proof = Proof(args)
     stray = [f for f in proof.out.iterdir() if f.name not in
-             {"summary.md", "summary.json", *(f"{n}.log" for n in CAPS)}]
+             {*OUT_FILES, *(f"{n}.log" for n in CAPS)}]
     if stray:
         p.error(f"{proof.out} holds other files ({', '.join(f.name for f in stray[:5])}): "
                 f"give an empty or new directory")

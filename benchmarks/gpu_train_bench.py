@@ -1,56 +1,75 @@
 """Training throughput on one device through the real engine: tokens per second, MFU, peak
 memory against the planner, and where a step's time goes.
 
-    python benchmarks/gpu_train_bench.py                       # on a GPU: the presets below
-    python benchmarks/gpu_train_bench.py --peak-flops 989e12   # name the peak yourself
+    python benchmarks/gpu_train_bench.py                       # on a GPU: the models below
+    python benchmarks/gpu_train_bench.py --profile-out DIR     # and a step profile per model
     python benchmarks/gpu_train_bench.py --device cpu --tiny --steps 3   # CPU smoke run
 
 Models (on a GPU, bf16, ZeRO 1, expert parallelism 1, one rank):
   dense-125m   configs/moe-125m.yaml with dense FFNs of the experts' active width
   moe-125m     configs/moe-125m.yaml
+  dense-1b     configs/moe-1b.yaml with dense FFNs (equal active parameters), and
+  moe-1b       configs/moe-1b.yaml: both when moe-plan fits them in 90% of the device
   largest      the largest preset in configs/ whose planned memory (moe.tools.planning) fits
-               this device with expert parallelism 1 (skipped when it is moe-125m)
+               this device with expert parallelism 1 (skipped when it is one of the above)
 With ``--tiny``: the test suite's tiny shape (dense and MoE), fp32 on the CPU. ``--set KEY=VALUE``
-(repeatable) changes every model's config as a ``key=value`` override of ``moe-launch`` does, for example
-``--set train.compile=true`` (the block regions' shares then read 0: the ranges this script puts
-around regions are dropped inside compiled blocks); ``--models`` keeps only the named rows.
+(repeatable) changes every model's config as a ``key=value`` override of ``moe-launch`` does
+(``--set train.compile=true``; ``parallel.zero_stage`` too), plus two knobs of the bench:
+``bench.expert_kernel=loop`` runs the experts' per-expert loop instead of the grouped GEMM, and
+``bench.doc_len=N`` the mean document length of the packed batches when
+``model.document_masking`` is on (default 512). ``--models`` keeps only the named rows.
 
 Each model gets ``--warmup`` untimed steps, ``--steps`` timed ones (random tokens, one
-micro-batch per step), then ``--profile-steps`` under torch.profiler. MFU is model FLOPs per
-token (moe/model/size.py ``flops_per_token``, training) times tokens per second over the
-device's peak dense bf16 FLOP/s (detected from the device name, or ``--peak-flops``). The time
-shares add the self time (device time on a GPU, CPU time on the CPU) of the profiled operators
-in each region: attention (a range this script puts around each block's attention), expert
-GEMMs (the MoE layer's ``moe.experts`` range), dispatch and combine (``moe.dispatch`` and
-``moe.combine``), the optimizer (a range around ``engine.step()``); backward operators count
-for the region of the forward operator they differentiate (autograd sequence numbers).
+micro-batch per step), then ``--profile-steps`` under torch.profiler, summarised by
+benchmarks/profile_summary.py: the table's region shares are shares of device time (CPU time of
+the leaf operators on the CPU), and ``--profile-out DIR`` writes DIR/profile.md and
+DIR/profile.json (merged with what DIR holds: one entry per model and setting), with the host
+syncs of ``--sync-steps`` more steps counted under ``torch.cuda.set_sync_debug_mode``. MFU is
+model FLOPs per token (moe/model/size.py ``flops_per_token``, training) times tokens per second
+over the device's peak dense bf16 FLOP/s (from its name, or ``--peak-flops``).
+
+``--serve`` makes this a worker of benchmarks/gpu_speed_matrix.py: one JSON task per line on
+stdin, one JSON result per line on the original stdout (everything else goes to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_steps import (
+    Knobs,
+    expert_kernel,
+    gemm_dims,
+    profile_entry,
+    split_knobs,
+    step,
+    sync,
+)
+from profile_summary import REGIONS, write_profiles
 
 from moe.config.run import RunConfig, apply_overrides, load_config
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
-from moe.model.experts import DenseFFN
 from moe.model.size import flops_per_token
 from moe.tools.planning import memory_per_gpu
 from moe.training.device import device_and_backend, peak_bf16_flops
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-REGIONS = ("attention", "moe.experts", "moe.dispatch", "moe.combine", "dense_ffn", "optimizer")
-COLUMNS = {"attention": ("attention",), "expert GEMMs": ("moe.experts",),
-           "dispatch": ("moe.dispatch", "moe.combine"), "dense FFN": ("dense_ffn",),
-           "optimizer": ("optimizer",)}
+PAIRS = {"125m": "moe-125m", "1b": "moe-1b"}
+"""Size -> the MoE preset; ``dense-SIZE`` is that preset with ``model.ffn=dense``."""
+SHORT = {"attention": "attn", "expert GEMMs": "experts", "dense FFN & shared": "ffn",
+         "permute & combine": "permute", "router": "router", "norms & elementwise": "norm+elt",
+         "head & loss": "head", "optimizer": "optim", "communication": "comm", "other": "other"}
 
 
 def tiny_dict(dense: bool) -> dict:
@@ -64,10 +83,12 @@ def tiny_dict(dense: bool) -> dict:
             "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
 
 
-def one_gpu(cfg: RunConfig, micro_batch: int | None) -> RunConfig:
-    # One rank, bf16, no accumulation: after --set, so that no override can change them.
+def one_gpu(cfg: RunConfig, micro_batch: int | None, overrides: list[str] = ()) -> RunConfig:
+    # One rank, bf16, no accumulation: after --set, so that no override can change them; ZeRO 1
+    # unless --set names a stage.
     cfg.parallel.world_size, cfg.parallel.expert_parallel_size = 1, 1
-    cfg.parallel.zero_stage = 1
+    if not any(o.split("=", 1)[0].strip() == "parallel.zero_stage" for o in overrides):
+        cfg.parallel.zero_stage = 1
     cfg.train.precision, cfg.train.grad_accum_steps = "bf16", 1
     if micro_batch:
         cfg.train.micro_batch_size = micro_batch
@@ -77,9 +98,20 @@ def one_gpu(cfg: RunConfig, micro_batch: int | None) -> RunConfig:
 
 
 def planned_bytes(cfg: RunConfig) -> float:
-    plan = memory_per_gpu(cfg.model, 1, 1, cfg.parallel.zero_stage, cfg.train.precision,
-                          cfg.train.micro_batch_size, cfg.data.seq_len)
+    t = cfg.train
+    plan = memory_per_gpu(cfg.model, 1, 1, cfg.parallel.zero_stage, t.precision,
+                          t.micro_batch_size, cfg.data.seq_len, t.recompute,
+                          t.recompute_every_n_blocks)
     return plan.total_bytes  # what moe-plan reports: states, saved activations, working set
+
+
+def preset(name: str, micro_batch: int | None, overrides: list[str] = ()) -> RunConfig:
+    """A row's config: ``moe-SIZE`` is configs/moe-SIZE.yaml, ``dense-SIZE`` the same with dense
+    FFNs, anything else configs/NAME.yaml; on one GPU (see one_gpu)."""
+    size = name.split("-", 1)[-1]
+    path = CONFIGS / f"{PAIRS.get(size, name)}.yaml"
+    extra = ["model.ffn=dense"] if name.startswith("dense-") and size in PAIRS else []
+    return one_gpu(load_config(path, [*extra, *overrides]), micro_batch, overrides)
 
 
 def largest_fitting(budget_bytes: float, micro_batch: int | None,
@@ -90,7 +122,7 @@ def largest_fitting(budget_bytes: float, micro_batch: int | None,
     for path in sorted(CONFIGS.glob("*.yaml")):
         if path.stem.startswith("finetune-"):  # adapt a given base: not pretraining presets
             continue
-        cfg = one_gpu(load_config(path, list(overrides)), micro_batch)
+        cfg = one_gpu(load_config(path, list(overrides)), micro_batch, overrides)
         if cfg.model.ffn == "moe" and planned_bytes(cfg) <= budget_bytes:
             fitting.append((planned_bytes(cfg), path.stem, cfg))
     if not fitting:
@@ -99,129 +131,107 @@ def largest_fitting(budget_bytes: float, micro_batch: int | None,
     return name, cfg
 
 
-def gpu_models(device: torch.device, micro_batch: int | None,
+def gpu_models(budget_bytes: float, micro_batch: int | None,
                overrides: list[str] = ()) -> list[tuple[str, RunConfig]]:
-    preset = CONFIGS / "moe-125m.yaml"
-    base = one_gpu(load_config(preset, list(overrides)), micro_batch)
-    dense = one_gpu(load_config(preset, ["model.ffn=dense", *overrides]), micro_batch)
-    out = [("dense-125m", dense), ("moe-125m", base)]
-    largest = largest_fitting(0.9 * torch.cuda.get_device_properties(device).total_memory,
-                              micro_batch, overrides)
-    if largest is not None and largest[0] != "moe-125m":
+    out = []
+    for size in PAIRS:
+        pair = [(f"{kind}-{size}", preset(f"{kind}-{size}", micro_batch, overrides))
+                for kind in ("dense", "moe")]
+        if size == "125m" or all(planned_bytes(cfg) <= budget_bytes for _, cfg in pair):
+            out += pair
+    largest = largest_fitting(budget_bytes, micro_batch, overrides)
+    if largest is not None and largest[0] not in {name for name, _ in out}:
         out.append(largest)
     return out
 
 
-def _ranged(name: str, fn):
-    def call(*args, **kwargs):
-        with record_function(name):
-            return fn(*args, **kwargs)
-    return call
+def tiny_models(overrides: list[str]) -> list[tuple[str, RunConfig]]:
+    return [(d["name"], from_dict(RunConfig, apply_overrides(d, overrides), source="--tiny"))
+            for d in (tiny_dict(True), tiny_dict(False))]
 
 
 def build(cfg: RunConfig):
     from moe.training.trainer import DistEnv, build_engine
 
-    engine, model = build_engine(cfg, DistEnv(0, 1, 0, 1))
-    for block in model.blocks:
-        block.attn.forward = _ranged("attention", block.attn.forward)
-        if isinstance(block.ffn, DenseFFN):
-            block.ffn.forward = _ranged("dense_ffn", block.ffn.forward)
+    engine, _ = build_engine(cfg, DistEnv(0, 1, 0, 1))
     return engine
 
 
-def step(engine, cfg: RunConfig, device: torch.device) -> None:
-    B, S, V = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    tokens = torch.randint(0, V, (B, S + 1))
-    if device.type == "cuda":
-        tokens = tokens.pin_memory()
-    tokens = tokens.to(device, non_blocking=True)
-    loss = engine(tokens[:, :-1], tokens[:, 1:]).loss  # the logits are freed, as in the trainer
-    engine.backward(loss)
-    with record_function("optimizer"):
-        engine.step()
+def compile_counts() -> tuple[int, int]:
+    """Graphs dynamo compiled and graph breaks it met in this process so far."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is None:
+        return 0, 0
+    c = dynamo.counters
+    return c["stats"]["unique_graphs"], sum(c["graph_break"].values())
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def bench(name: str, cfg: RunConfig, device: torch.device, args, knobs: Knobs,
+          label: str = "") -> tuple[dict, dict | None]:
+    """One model: its row of the table and, with profiled steps, its profile summary."""
+    engine = None
+    try:
+        with expert_kernel(knobs.expert_kernel):
+            t0 = time.perf_counter()
+            engine = build(cfg)
+            t1 = time.perf_counter()
+            for _ in range(args.warmup):
+                step(engine, cfg, device, knobs)
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            graphs, breaks = compile_counts()
+            t2 = time.perf_counter()
+            for _ in range(args.steps):
+                step(engine, cfg, device, knobs)
+            sync(device)
+            seconds = time.perf_counter() - t2
+            graphs_timed = compile_counts()[0] - graphs
+            peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            tok_s = args.steps * cfg.train.micro_batch_size * cfg.data.seq_len / seconds
+            peak = args.peak_flops or peak_bf16_flops(device)
+            fpt = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
+            mfu = tok_s * fpt / peak if peak else None
+            entry = None
+            if args.profile_steps:
+                entry = profile_entry(engine, cfg, device, knobs, args.profile_steps,
+                                      args.sync_steps, seconds / args.steps, gemm_dims(cfg),
+                                      {"model": name, "setting": label or "default",
+                                       "device": device_name(device), "tokens_per_s": tok_s,
+                                       "mfu": mfu})
+    finally:
+        if engine is not None:
+            destroy = getattr(engine, "destroy", None)
+            if callable(destroy):
+                destroy()
+        engine = None
+        gc.collect()  # before the next engine is built in this process
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    row = {"model": name, "tokens_per_s": tok_s, "mfu": mfu, "peak_mem": peak_mem,
+           "planned_mem": planned_bytes(cfg), "step_ms": 1000 * seconds / args.steps,
+           "batch": f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}",
+           "shares": {r: s for r, _, s, _ in entry["regions"]} if entry else {},
+           "build_s": t1 - t0, "warmup_s": t2 - t1, "timed_s": seconds,
+           "graphs": graphs, "graph_breaks": breaks, "graphs_in_timed_steps": graphs_timed}
+    return row, entry
 
 
-def region_shares(prof, on_gpu: bool) -> dict[str, float]:
-    """Share of the profiled self time in each region (see the module docstring)."""
-    def self_time(e) -> float:
-        if on_gpu:
-            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        return e.self_cpu_time_total
-
-    def region_of(e):
-        while e is not None:
-            if e.name in REGIONS:
-                return e.name
-            e = e.cpu_parent
-        return None
-
-    events = list(prof.events())
-    forward = {}  # autograd sequence number of a forward operator -> its region
-    for e in events:
-        seq = getattr(e, "sequence_nr", -1)
-        if seq >= 0 and not e.name.startswith("autograd::") and (r := region_of(e)):
-            forward.setdefault(seq, r)
-    totals = dict.fromkeys(REGIONS, 0.0)
-    total = 0.0
-    for e in events:
-        t = self_time(e)
-        total += t
-        region = region_of(e)
-        node = e
-        while region is None and node is not None:  # a backward operator: its forward's region
-            if node.name.startswith("autograd::engine::evaluate_function"):
-                region = forward.get(getattr(node, "sequence_nr", -1))
-            node = node.cpu_parent
-        if region is not None:
-            totals[region] += t
-    return {col: sum(totals[r] for r in regions) / max(total, 1e-9)
-            for col, regions in COLUMNS.items()}
-
-
-def bench(name: str, cfg: RunConfig, device: torch.device, args) -> dict:
-    engine = build(cfg)
-    for _ in range(args.warmup):
-        step(engine, cfg, device)
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step(engine, cfg, device)
-    sync(device)
-    seconds = time.perf_counter() - t0
-    peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(args.profile_steps):
-            step(engine, cfg, device)
-        sync(device)
-    tokens = args.steps * cfg.train.micro_batch_size * cfg.data.seq_len
-    tok_s = tokens / seconds
-    peak = args.peak_flops or peak_bf16_flops(device)
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
-    return {"model": name, "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak if peak else None,
-            "peak_mem": peak_mem, "planned_mem": planned_bytes(cfg),
-            "shares": region_shares(prof, device.type == "cuda"),
-            "batch": f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}"}
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
 def table(rows: list[dict]) -> str:
     mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.0f}"
-    head = (f"{'model':<14} {'B x S':>9} {'tok/s':>10} {'MFU':>6} {'peak MiB':>9} {'plan MiB':>9}"
-            + "".join(f" {c:>13}" for c in COLUMNS))
+    head = (f"{'model':<12} {'B x S':>9} {'tok/s':>10} {'MFU':>6} {'peak MiB':>9} {'plan MiB':>9}"
+            + "".join(f" {SHORT[r]:>8}" for r in REGIONS))
     lines = [head, "-" * len(head)]
     for r in rows:
         mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        lines.append(f"{r['model']:<14} {r['batch']:>9} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
-                     f"{mib(r['peak_mem']):>9} {mib(r['planned_mem']):>9}"
-                     + "".join(f" {r['shares'][c]:>13.1%}" for c in COLUMNS))
+        shares = "".join(f" {r['shares'][g]:>8.1%}" if g in r["shares"] else f" {'-':>8}"
+                         for g in REGIONS)
+        lines.append(f"{r['model']:<12} {r['batch']:>9} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
+                     f"{mib(r['peak_mem']):>9} {mib(r['planned_mem']):>9}{shares}")
     return "\n".join(lines)
 
 
@@ -237,7 +247,7 @@ def one_rank_group(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
-def main(argv=None) -> list[dict]:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
@@ -245,6 +255,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--sync-steps", type=int, default=1,
+                   help="steps whose host syncs are counted, after the profiled ones (CUDA)")
+    p.add_argument("--profile-out", metavar="DIR",
+                   help="write DIR/profile.md and DIR/profile.json (see the docstring)")
+    p.add_argument("--label", default="",
+                   help="the setting's name in the profile (default: the --set overrides)")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per step (default: the preset's micro_batch_size)")
     p.add_argument("--peak-flops", type=float, default=None,
@@ -254,20 +270,36 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--models", default=None, metavar="NAMES",
                    help="comma-separated rows to run (default: all)")
     p.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON")
+    p.add_argument("--serve", action="store_true", help="a worker of gpu_speed_matrix.py")
     args = p.parse_args(argv)
+    if args.profile_out and not args.profile_steps:
+        p.error("--profile-out needs --profile-steps >= 1")
+    return p, args
+
+
+def main(argv=None) -> list[dict]:
+    p, args = parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device visible (use --device cpu --tiny)")
     device, backend = device_and_backend(0, cuda)
     if cuda:
         torch.cuda.set_device(device)
+    if args.serve:
+        from bench_worker import serve
+
+        proto = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)  # from here on, what anything prints goes to stderr, not the protocol
+        one_rank_group(backend)
+        serve(device, args, proto)
+        return []
     try:
+        overrides, knobs = split_knobs(args.overrides)
         if args.tiny:
-            models = [(d["name"], from_dict(RunConfig, apply_overrides(d, args.overrides),
-                                            source="--tiny"))
-                      for d in (tiny_dict(True), tiny_dict(False))]
+            models = tiny_models(overrides)
         else:
-            models = gpu_models(device, args.micro_batch, args.overrides)
+            memory = torch.cuda.get_device_properties(device).total_memory if cuda else 2**40
+            models = gpu_models(0.9 * memory, args.micro_batch, overrides)
     except ConfigError as e:
         p.error(f"--set: {e}")
     if args.models:
@@ -280,23 +312,24 @@ def main(argv=None) -> list[dict]:
     one_rank_group(backend)
     import torch.distributed as dist
 
-    rows = []
+    rows, where = [], device_name(device)
+    label = args.label or " ".join(args.overrides) or "default"
     try:
         for name, cfg in models:
-            rows.append(bench(name, cfg, device, args))
-            if cuda:
-                torch.cuda.empty_cache()
+            row, entry = bench(name, cfg, device, args, knobs, label)
+            rows.append(row)
+            if entry is not None and args.profile_out:
+                write_profiles(args.profile_out, [entry])
+            if args.json:  # after every model: a run cut short keeps the rows it finished
+                Path(args.json).write_text(json.dumps(
+                    {"device": where, "steps": args.steps, "overrides": args.overrides,
+                     "rows": [{"device": where, **r} for r in rows]}, indent=2))
     finally:
         dist.destroy_process_group()
-    where = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(f"device: {where}; {args.steps} timed steps after {args.warmup} warm-up; time shares "
           f"from {args.profile_steps} profiled steps"
           + (f"; --set {' '.join(args.overrides)}" if args.overrides else ""))
     print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": where, "steps": args.steps,
-                                               "overrides": args.overrides, "rows": rows},
-                                              indent=2))
     return rows
 
 

@@ -55,7 +55,7 @@ WHEELS=(
   safetensors==0.8.0
   # QLoRA's NF4 (finetune.method qlora; the extra "qlora" of setup.py)
   torchao==0.18.0
-  # the tests: pytest (pytest.ini sets a timeout, hence pytest-timeout)
+  # the tests: pytest (pyproject.toml sets a timeout, hence pytest-timeout)
   pytest==9.0.3
   pluggy==1.6.0
   iniconfig==2.3.0

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe.config.run import load_config
+from moe.run_dir import RunDir
 
 # Tiny model and run for --quick (exploration, not measurement).
 QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
@@ -143,7 +144,7 @@ def read_run(run_dir: Path) -> dict:
     """Validation curve and step times from the run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(RunDir(run_dir).tensorboard), size_guidance={"scalars": 0})
     acc.Reload()
     valid = [(e.step, e.value) for e in acc.Scalars("valid/loss")]
     # Step 1 includes one-off start-up work; the median of the rest is the step time.
@@ -267,7 +268,7 @@ def main(argv=None) -> dict:
     def one(job) -> dict:
         name, seed, overrides = job
         run_dir = out / "runs" / f"{name}-seed{seed}"
-        done = run_dir / "train_summary.json"
+        done = RunDir(run_dir).summary
         if not (args.reuse and done.exists() and _same_overrides(run_dir, overrides)):
             print(f"training {name} seed {seed} ...", flush=True)
             shutil.rmtree(run_dir, ignore_errors=True)  # no events of an earlier run mixed in

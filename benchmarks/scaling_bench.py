@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from launch.scaling import predicted_run, results  # noqa: E402
+from moe.run_dir import RunDir  # noqa: E402
 from moe.tools import scaling, scaling_fit, scaling_report  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def sh(*args) -> str:
 
 
 def final_loss(run_dir: Path) -> float:
-    summary = json.loads((run_dir / "train_summary.json").read_text())
+    summary = json.loads(RunDir(run_dir).summary.read_text())
     report = json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())
     return float(report["checkpoints"][-1]["loss"])
 

@@ -17,6 +17,7 @@ from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir
 from moe.evaluation.harness import evaluate_checkpoint_tasks
 from moe.evaluation.report import summary_table, write_report
 from moe.model.generation import GenerationConfig
+from moe.run_dir import RunDir
 from moe.training.harness_setup import lm_eval_missing
 
 EVAL_DIR = "eval"
@@ -27,7 +28,7 @@ def run_checkpoints(path: str | Path) -> list[Path]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such run directory")
-    ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    ckpt_dir = RunDir(path).checkpoints if RunDir(path).checkpoints.is_dir() else path
     found = [d for d in ckpt_dir.iterdir() if (d / MAIN_STATES).is_file()]
     complete = [d for d in found if (d / MARKER).is_file()]
     for d in sorted(set(found) - set(complete)):

@@ -15,25 +15,25 @@ from pathlib import Path
 from launch.cli import exits_cleanly
 from launch.evaluate import evaluate_checkpoint
 from moe.errors import LaunchError
-
-SUMMARY_FILE = "train_summary.json"
+from moe.run_dir import RunDir
 
 
 def finish(run_dir: Path, evaluate: bool) -> list[str]:
     """The closing lines of a finished run: where everything is, the evaluation's results, where
     its report is and the command that compares the run's checkpoints."""
+    files = RunDir(run_dir)
     try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        summary = json.loads(files.summary.read_text())
     except FileNotFoundError:
-        raise LaunchError(f"{run_dir / SUMMARY_FILE} is missing: training did not finish "
-                          f"(per-rank logs in {run_dir / 'logs'})") from None
+        raise LaunchError(f"{files.summary} is missing: training did not finish "
+                          f"(per-rank logs in {files.logs})") from None
     if summary["checkpoint"] is None:  # the last save failed (checkpoint.on_save_error: continue)
         first, last = summary.get("unsaved_steps") or ("?", "?")
         raise LaunchError(f"{run_dir}: training ended without a checkpoint of its last step: "
                           f"steps {first} to {last} are not saved (the newest complete "
                           f"checkpoint is {summary.get('newest_checkpoint')}); resume once the "
                           "storage is fixed")
-    tb_dir = run_dir / "tensorboard"
+    tb_dir = files.tensorboard
     # Only point at event files that exist (logging.tensorboard: false writes none).
     tensorboard = (f"tensorboard --logdir {tb_dir}" if tb_dir.is_dir()
                    else "none written (logging.tensorboard: false)")

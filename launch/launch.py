@@ -52,7 +52,8 @@ from launch.slurm.script import job_log
 from launch.supervise import run_with_restarts
 from moe.config.run import SIGNALS, dump_config, load_config
 from moe.errors import LaunchError
-from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+from moe.run_dir import RunDir
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, was_preempted
 
 JOB_COMMANDS = ("status", "cancel", "logs")
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
@@ -71,11 +72,12 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
     (launch/supervise.py); ``replan``: the next attempt's command (launch/elastic.py);
     ``save_signal``: what the ranks get when moe-launch receives SIGTERM, SIGINT, SIGHUP or
     SIGUSR1 (launch/interrupts.py; None: nothing saves on a signal, they are stopped)."""
-    (run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # left by an earlier, requeued run
+    files = RunDir(run_dir)
+    files.preempted.unlink(missing_ok=True)  # left by an earlier, requeued run
     print(f"launch: {plan.render().splitlines()[-1]}", flush=True)
 
     def preempted(rc: int) -> bool:
-        return rc == PREEMPTED_EXIT_CODE or (run_dir / PREEMPTED_MARKER).exists()
+        return was_preempted(rc, run_dir)
 
     with LauncherSignals(save_signal) as signals:
         try:
@@ -86,7 +88,7 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
                 raise
             rc = 1
     if preempted(rc):
-        marker = run_dir / PREEMPTED_MARKER
+        marker = files.preempted
         step = json.loads(marker.read_text()).get("step") if marker.exists() else None
         resume = newest_checkpoint(run_dir)
         where = (f"saved a checkpoint at step {step}; run the same command again to resume "
@@ -101,7 +103,7 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
         raise stopped(f"stopped by {signals.name} without saving (exit code "
                       f"{128 + (signals.forced or signals.received)}); "
                       f"{'the newest checkpoint is ' + resume if resume else 'no checkpoint yet'}; "
-                      f"per-rank logs in {run_dir / 'logs'}",
+                      f"per-rank logs in {files.logs}",
                       128 + (signals.forced or signals.received))
     print("\n".join(finish(run_dir, evaluate)))
 
@@ -251,7 +253,7 @@ def logs(target: str, follow: bool, rank: int | None) -> None:
     job_id, run_dir = resolve_target(target)
     if run_dir is None:
         raise LaunchError("moe-launch logs takes the run directory, not a job id")
-    path = (run_dir / "logs" / f"rank{rank}.log" if rank is not None
+    path = (RunDir(run_dir).rank_log(rank) if rank is not None
             else Path(read_jobs(run_dir)[-1]["log"].replace("%j", job_id)))
     if not path.exists() and not (follow and query(job_id, run_dir).active):
         raise LaunchError(f"{path} does not exist (yet): the job has not started writing it")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from moe.errors import LaunchError
 from moe.fileio import write_atomic
+from moe.run_dir import RunDir
 
 RESOLVED_CONFIG = "config.yaml"
 PLAN_FILE = "plan.json"
@@ -64,7 +65,7 @@ class Plan:
         and the plan with its files."""
         run_dir = Path(self.run_dir)
         write_atomic(run_dir / RESOLVED_CONFIG, config_text)
-        (run_dir / "logs").mkdir(exist_ok=True)
+        RunDir(run_dir).logs.mkdir(exist_ok=True)
         self.write(run_dir)
 
     def run_env(self) -> dict[str, str]:

@@ -28,13 +28,13 @@ from pathlib import Path
 import yaml
 
 from launch.cli import exits_cleanly
-from launch.finish import SUMMARY_FILE
 from launch.slurm import sweep as slurm_sweep
 from launch.slurm.jobs import newest_job
 from moe.config.run import RunConfig, load_config
 from moe.config_schema import from_dict, to_dict
 from moe.errors import ScalingError
 from moe.fileio import write_atomic
+from moe.run_dir import RunDir
 from moe.tools import scaling, scaling_fit, scaling_report
 
 SWEEP_FILE = "sweep.json"
@@ -174,7 +174,7 @@ def finished(sweep_dir: Path, run: scaling.PlannedRun) -> dict | None:
     """The final evaluation of a run that trained all its steps, or None."""
     run_dir = sweep_dir / "runs" / run.name
     try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        summary = json.loads(RunDir(run_dir).summary.read_text())
         report = json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())
         result = report["checkpoints"][-1]
     except (FileNotFoundError, KeyError, IndexError, TypeError, ValueError):

@@ -41,6 +41,7 @@ from launch.interrupts import LauncherSignals, kill_unresponsive, stop_session
 from launch.rank import exits_file
 from moe.checkpoint.files import find_latest
 from moe.errors import LaunchError, MoEError
+from moe.run_dir import RunDir
 from moe.training.resilience.watchdog import HANG_EXIT_CODE, hang_records_file
 
 RESTARTS_FILE = "restarts.jsonl"
@@ -106,7 +107,7 @@ def record_final(logs_dir: Path, rank: int, kind: str, cause: str) -> None:
 
 def newest_complete(run_dir: Path) -> str | None:
     """The tag of the checkpoint a restart resumes from (``--resume auto``)."""
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = RunDir(run_dir).checkpoints
     return find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
 
 
@@ -132,7 +133,8 @@ class Attempt:
 
     def __init__(self, run_dir: Path, world_size: int, started: float | None = None,
                  resumed_step: int | None = None):
-        self.logs = run_dir / "logs"
+        self.files = RunDir(run_dir)
+        self.logs = self.files.logs
         self.world = world_size
         self.started = time.time() if started is None else started
         # Whether a rank's step records changed in this attempt: by their file's state when the
@@ -162,7 +164,7 @@ class Attempt:
         return st.st_ino, st.st_size, st.st_mtime_ns
 
     def _steps_file(self, rank: int) -> Path:
-        return self.logs / f"steps_rank{rank}.jsonl"
+        return self.files.step_records(rank)
 
     def _written(self, rank: int) -> bool:
         path = self._steps_file(rank)
@@ -279,7 +281,7 @@ def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: 
         if rc == 0 or preempted(rc) or (signals is not None and signals.received is not None):
             return rc
         failure = attempt.failure(rc)
-        logs = run_dir / "logs"
+        logs = RunDir(run_dir).logs
         final = attempt.final_cause()
         if final is not None:
             raise LaunchError(f"training failed: {failure.describe()}; not restarted, a restart "
@@ -303,7 +305,7 @@ def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: 
         command, world_size = relaunch.command, relaunch.world_size
         restart += 1
         tag = newest_complete(run_dir)
-        resume = str(run_dir / "checkpoints" / tag) if tag else None
+        resume = str(RunDir(run_dir).checkpoints / tag) if tag else None
         print(f"launch: restart {restart}/{max_restarts}: {failure.describe()}; "
               f"resuming from {resume or 'the start (no complete checkpoint yet)'}", flush=True)
         if relaunch.note:
@@ -360,15 +362,15 @@ def run_slurm_job(config_path: Path, evaluate: bool, held: int | None) -> int:
     code; its last line says why it ended."""
     from launch.slurm.allocation import SAVE_SIGNAL, Allocation, build_ops
     from moe.config.run import load_config
-    from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+    from moe.training.resilience.preemption import was_preempted
 
     forwarder = SignalForwarder(SAVE_SIGNAL, held)
     forwarder.install(CATCHABLE)
     cfg = load_config(config_path)
     job = Allocation.from_environment(cfg, config_path)
-    run_dir, marker = job.run_dir, job.run_dir / PREEMPTED_MARKER
+    run_dir, marker = job.run_dir, RunDir(job.run_dir).preempted
     marker.unlink(missing_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
+    RunDir(run_dir).logs.mkdir(exist_ok=True)
     attempt = 0
     env = job.env(attempt)
     print(job.header(attempt), flush=True)
@@ -376,7 +378,7 @@ def run_slurm_job(config_path: Path, evaluate: bool, held: int | None) -> int:
         build_ops(env)
 
     def preempted(rc: int) -> bool:
-        return rc == PREEMPTED_EXIT_CODE or marker.exists() or bool(forwarder.received)
+        return was_preempted(rc, run_dir) or bool(forwarder.received)
 
     def replan() -> Relaunch:
         nonlocal attempt

@@ -31,6 +31,7 @@ from moe.checkpoint.files import MARKER
 from moe.config.run import SIGNALS, load_config
 from moe.errors import ConfigError, MoEError
 from moe.fileio import write_atomic
+from moe.run_dir import RunDir
 from moe.training.checkpoint import CheckpointSaveError
 from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
@@ -38,7 +39,6 @@ from moe.training.resilience.collectives import record_collectives
 from moe.training.resilience.faults import PlannedFaults
 from moe.training.resilience.preemption import (
     PREEMPTED_EXIT_CODE,
-    PREEMPTED_MARKER,
     Preempted,
     hold_signals,
     received_signal,
@@ -69,9 +69,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads)
     if cfg.train.cpu_keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()
-    log_dir = cfg.run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(env.rank, str(log_dir / f"rank{env.rank}.log"))
+    cfg.run_files.logs.mkdir(parents=True, exist_ok=True)
+    setup_logging(env.rank, str(cfg.run_files.rank_log(env.rank)))
     try:
         run(cfg, env, args.resume, threads)
     except Preempted:
@@ -163,9 +162,10 @@ def record_stop(e: Exception, run_dir: Path, rank: int) -> tuple[str, str] | Non
                                        None if isinstance(e, (MoEError, DataError))
                                        else (type(e), e, e.__traceback__))
             handler.handle(record)
-    final = final_cause(e, run_dir / "checkpoints")
+    files = RunDir(run_dir)
+    final = final_cause(e, files.checkpoints)
     if final is not None:
-        record_final(run_dir / "logs", rank, *final)
+        record_final(files.logs, rank, *final)
     return final
 
 
@@ -183,7 +183,7 @@ def stop_if_signalled(e: Exception, run_dir: Path, rank: int) -> None:
     if signum is None:
         return
     name = signal.Signals(signum).name
-    marker = run_dir / PREEMPTED_MARKER
+    marker = RunDir(run_dir).preempted
     if not marker.exists():  # a stop before any save: the job resumes from its newest checkpoint
         write_atomic(marker, json.dumps({"step": None, "signal": name}))
     logging.getLogger("moe.train").warning(

@@ -100,7 +100,7 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         if not isinstance(value, dict):
             problems.append(f"{key}: expected a mapping, got {value!r}")
             return INVALID
-        return _build(tp, value, key, problems)
+        return _build(typing.cast(type, tp), value, key, problems)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             problems.append(f"{key}: expected {describe_type(tp)}, got {value!r}")
@@ -161,7 +161,7 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
     checks that span sections. Only a field that cannot be converted at all (a wrong type, a
     missing required key) leaves nothing to check further: INVALID is returned."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(typing.cast(Any, cls)) if f.init}
     for name in data:
         if name not in fields:
             close = difflib.get_close_matches(str(name), list(fields), n=1)
@@ -217,6 +217,14 @@ def from_dict(cls: type[T], data: dict | None, source: str | None = None,
     return obj
 
 
+def dotted_get(d: dict, dotted: str, absent: Any = None) -> Any:
+    """The value at ``dotted`` (``a.b.c``) in nested dicts, or ``absent`` where a key is
+    missing."""
+    for k in dotted.split("."):
+        d = d.get(k, absent) if isinstance(d, dict) else absent
+    return d
+
+
 def to_dict(obj: Any) -> Any:
     """Plain-data form of a config dataclass (for YAML, JSON and TensorBoard)."""
     if dataclasses.is_dataclass(obj):
@@ -228,25 +236,35 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-FUNCTION = "function"
-"""Field metadata key of model config fields: True when the field changes the function a trained
-model computes. Declare every model field with :func:`arch` or :func:`runtime`; the checkpoint
-check, the exporters and the config reference read this one classification."""
+ROLE = "role"
+"""Field metadata key: what a field is to a checkpoint. Declare every field of the model config
+and of the fine-tuning section with :func:`arch`, :func:`fixed` or :func:`runtime`; the resume
+checks, the exporters, upcycling and the config reference read this one classification, and
+nothing lists the fields again."""
+
+ARCH, FIXED, RUNTIME = "arch", "fixed", "runtime"
 
 
 def arch(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
-    """A model config field that changes the function a trained model computes: the shapes of
-    its weights, or what its forward pass computes at evaluation. A checkpoint resumes only with
-    the same value (``model.init_from`` starts a different model from its weights) and every
-    exporter must hold the value or refuse it."""
-    return dataclasses.field(default=default, metadata={FUNCTION: True}, **kw)
+    """A field that changes the function a trained model computes: the shapes of its weights,
+    or what its forward pass computes at evaluation. A checkpoint resumes only with the same
+    value (``model.init_from`` starts a different model from its weights) and every exporter
+    must hold the value or refuse it."""
+    return dataclasses.field(default=default, metadata={ROLE: ARCH}, **kw)
+
+
+def fixed(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A field that leaves the computed function unchanged but decides which parameters train
+    (a router trained or frozen, the experts ESFT selects): the optimizer's state depends on
+    it, so a checkpoint resumes only with the same value."""
+    return dataclasses.field(default=default, metadata={ROLE: FIXED}, **kw)
 
 
 def runtime(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
-    """A model config field that leaves a trained model's function unchanged: initialization,
-    noise applied in training only, loss coefficients, a kernel choice. It may change on
-    resume."""
-    return dataclasses.field(default=default, metadata={FUNCTION: False}, **kw)
+    """A field that leaves a trained model's function and its trained parameters unchanged:
+    initialization, noise applied in training only, loss coefficients, a kernel choice. It may
+    change on resume."""
+    return dataclasses.field(default=default, metadata={ROLE: RUNTIME}, **kw)
 
 
 def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
@@ -262,19 +280,31 @@ def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Fiel
     return out
 
 
-def function_classes(cls: type) -> dict[str, bool]:
-    """Dotted path -> whether the field changes the computed function, for every leaf field of
-    ``cls``. Raises TypeError naming each field declared without :func:`arch` or
-    :func:`runtime`."""
+def field_roles(cls: type) -> dict[str, str]:
+    """Dotted path -> role (:data:`ARCH`, :data:`FIXED` or :data:`RUNTIME`) of every leaf field
+    of ``cls``. Raises TypeError naming each field declared without one."""
     fields = leaf_fields(cls)
-    unclassified = [path for path, f in fields if FUNCTION not in f.metadata]
+    unclassified = [path for path, f in fields if ROLE not in f.metadata]
     if unclassified:
         raise TypeError(f"{cls.__name__}: fields {unclassified} are not classified; declare "
-                        "each with arch(...) (changes the computed function) or runtime(...) "
+                        "each with arch(...) (changes the computed function), fixed(...) "
+                        "(decides which parameters train) or runtime(...) "
                         "(moe/config_schema.py)")
-    return {path: f.metadata[FUNCTION] for path, f in fields}
+    return {path: f.metadata[ROLE] for path, f in fields}
+
+
+def function_classes(cls: type) -> dict[str, bool]:
+    """Dotted path -> whether the field changes the computed function, for every leaf field of
+    ``cls`` (raises TypeError naming each unclassified field)."""
+    return {path: role == ARCH for path, role in field_roles(cls).items()}
 
 
 def function_keys(cls: type) -> list[str]:
     """Dotted paths of the fields of ``cls`` that change the computed function."""
     return [path for path, changes in function_classes(cls).items() if changes]
+
+
+def resume_keys(cls: type) -> list[str]:
+    """Dotted paths of the fields of ``cls`` a run resumes only with its checkpoint's values:
+    those that change the computed function or decide which parameters train."""
+    return [path for path, role in field_roles(cls).items() if role != RUNTIME]

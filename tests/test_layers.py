@@ -29,7 +29,8 @@ LAYERS = (
     ("moe.model", 3),
     ("data_pipeline", 2),  # beside the model: imports the layer-0 foundations at most
     ("moe.checkpoint", 1),
-    ("moe.errors", 0), ("moe.config_schema", 0), ("moe.fileio", 0), ("moe", 0),
+    ("moe.errors", 0), ("moe.config_schema", 0), ("moe.fileio", 0), ("moe.run_dir", 0),
+    ("moe", 0),
 )
 
 

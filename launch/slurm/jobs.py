@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe.checkpoint.files import LATEST
 from moe.errors import LaunchError
 from moe.fileio import write_atomic
+from moe.run_dir import RunDir
 
 JOBS_FILE = "slurm_jobs.json"
 OLD_JOB_FILE = "slurm_job.json"
@@ -74,7 +76,7 @@ def read_jobs(run_dir: Path) -> list[dict]:
             raise LaunchError(f"{run_dir / name} is not valid JSON ({e})") from None
         # The old record named no log: it was the default one unless launch.slurm.output said
         # otherwise.
-        return ([{"state": None, "log": str(run_dir / "logs" / "slurm-%j.out"), **jobs}]
+        return ([{"state": None, "log": str(RunDir(run_dir).logs / "slurm-%j.out"), **jobs}]
                 if wrap else jobs)
     return []
 
@@ -205,7 +207,8 @@ def last_steps(run_dir: Path) -> dict | None:
     ``logs/steps_rank*.jsonl`` gain the steps after a checkpoint again when a job resumes
     from it; the last line of a step is the valid one."""
     per_rank = []
-    for path in sorted((run_dir / "logs").glob("steps_rank*.jsonl")):
+    files = RunDir(run_dir)
+    for path in files.all_step_records():
         steps = {}
         for line in path.read_text().splitlines():
             try:
@@ -221,7 +224,7 @@ def last_steps(run_dir: Path) -> dict | None:
     losses = [steps[step]["loss"] for steps in per_rank if step in steps]
     out = {"step": step, "loss": sum(losses) / len(losses), "tokens_per_s": None}
     # Throughput is in rank 0's console log, not in the step records.
-    rank0 = run_dir / "logs" / "rank0.log"
+    rank0 = files.rank_log(0)
     if rank0.exists():
         for line in reversed(rank0.read_text(errors="replace").splitlines()):
             m = re.search(r"step +(\d+)/\d+ \|.*\| ([\d,]+) tok/s", line)
@@ -232,8 +235,9 @@ def last_steps(run_dir: Path) -> dict | None:
 
 
 def newest_checkpoint(run_dir: Path) -> str | None:
+    ckpt_dir = RunDir(run_dir).checkpoints
     try:
-        tag = (run_dir / "checkpoints" / "latest").read_text().strip()
+        tag = (ckpt_dir / LATEST).read_text().strip()
     except FileNotFoundError:
         return None
-    return str(run_dir / "checkpoints" / tag)
+    return str(ckpt_dir / tag)

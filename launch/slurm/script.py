@@ -26,13 +26,14 @@ from launch.run_plan import RESOLVED_CONFIG, Plan
 from moe.config.launch import SlurmConfig
 from moe.config.run import RunConfig
 from moe.errors import ConfigError
+from moe.run_dir import RunDir
 
 JOB_SCRIPT = "job.sbatch"
 
 
 def job_log(cfg: RunConfig, run_dir: Path) -> str:
     """The job log path as given to sbatch (SLURM fills in %j and friends)."""
-    return cfg.launch.slurm.output or str(run_dir / "logs" / "slurm-%j.out")
+    return cfg.launch.slurm.output or str(RunDir(run_dir).logs / "slurm-%j.out")
 
 
 def sbatch_directive(option: str, value: object = None) -> str:

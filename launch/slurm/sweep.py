@@ -45,6 +45,7 @@ from launch.slurm.script import job_log
 from moe.config.run import RunConfig, dump_config, load_config
 from moe.config_schema import to_dict
 from moe.errors import ConfigError, LaunchError
+from moe.run_dir import RunDir
 
 POLL_S = 2.0
 
@@ -271,4 +272,4 @@ def wait(members: list[Member], is_finished: Callable[[Member], bool],
 def log_of(m: Member, job: JobState) -> str:
     """The job log of a run's job (SLURM's %j filled in)."""
     records = [r for r in read_jobs(m.run_dir) if str(r["job_id"]) == job.job_id]
-    return records[-1]["log"].replace("%j", job.job_id) if records else str(m.run_dir / "logs")
+    return records[-1]["log"].replace("%j", job.job_id) if records else str(RunDir(m.run_dir).logs)

@@ -105,6 +105,8 @@ def read_consolidated(tag_dir: Path, on_file: Callable[[], None] | None = None,
     experts = {}
     for f in expert_files:
         ids = expert_file_ids(f.name)
+        if ids is None:
+            raise CheckpointError(f"{f}: not an expert file")
         if ids in experts:
             raise CheckpointError(f"{f}: expert {ids[1]} of MoE layer {ids[0]} has two files")
         experts[ids] = load_file(f)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from moe.config_schema import function_keys, to_dict
+from moe.config_schema import dotted_get, function_keys, resume_keys, to_dict
 from moe.errors import CheckpointError
+from moe.run_dir import RunDir
 
 RUN_CONFIG = "run_config.yaml"
 
@@ -26,10 +27,6 @@ TOKENIZER_COPY = "tokenizer.model"
 
 
 MAIN_STATES = "mp_rank_00_model_states.pt"
-
-SPIKE_STATE = "spike_guard"
-"""The loss-spike guard's entry in a checkpoint's client state: its window of losses."""
-
 
 EXPERT_DIR = "experts"
 """Subdirectory of a tag directory that holds DeepSpeed's per-expert files."""
@@ -121,12 +118,6 @@ def verify_files(tag_dir: Path) -> dict:
     return marker
 
 
-def _get(d: dict, dotted: str, absent=None):
-    for k in dotted.split("."):
-        d = d.get(k, absent) if isinstance(d, dict) else absent
-    return d
-
-
 def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
     """Settings that change the computed function (the fields ``model_cfg``'s dataclass declares
     with ``arch``, moe/config_schema.py) on which a saved model config and ``model_cfg``
@@ -136,26 +127,28 @@ def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
     defaults = to_dict(type(model_cfg)())
     out = []
     for key in function_keys(type(model_cfg)):
-        saved = _get(saved_model, key, absent=_get(defaults, key))
-        if saved != _get(current, key):
+        saved = dotted_get(saved_model, key, absent=dotted_get(defaults, key))
+        if saved != dotted_get(current, key):
             out.append(f"model.{key}: the checkpoint has {saved!r}, the config has "
-                       f"{_get(current, key)!r}")
+                       f"{dotted_get(current, key)!r}")
     return out
 
 
 def finetune_mismatches(saved_finetune: dict | None, finetune_cfg) -> list[str]:
-    """The settings of ``finetune_cfg`` that decide which parameters exist and train
-    (``finetune_cfg.FIXED_KEYS``) on which a saved ``finetune`` section disagrees; a checkpoint
-    without one (before fine-tuning existed, or not fine-tuned) holds the defaults."""
+    """The settings of ``finetune_cfg`` that decide which parameters exist and train (declared
+    ``arch`` or ``fixed``, moe/config_schema.py) on which a saved ``finetune`` section
+    disagrees; a checkpoint without one (before fine-tuning existed, or not fine-tuned) holds
+    the defaults."""
     current = to_dict(finetune_cfg)
     defaults = to_dict(type(finetune_cfg)())
-    keys = [k for k in finetune_cfg.FIXED_KEYS if k == "method" or current["method"] != "none"]
+    keys = [k for k in resume_keys(type(finetune_cfg))
+            if k == "method" or current["method"] != "none"]
     out = []
     for key in keys:
-        saved = _get(saved_finetune or {}, key, absent=_get(defaults, key))
-        if saved != _get(current, key):
+        saved = dotted_get(saved_finetune or {}, key, absent=dotted_get(defaults, key))
+        if saved != dotted_get(current, key):
             out.append(f"finetune.{key}: the checkpoint has {saved!r}, the config has "
-                       f"{_get(current, key)!r}")
+                       f"{dotted_get(current, key)!r}")
     return out
 
 
@@ -173,10 +166,10 @@ def verify_checkpoint(tag_dir: Path, cfg=None, tokenizer_sha256: str | None = No
         changed += finetune_mismatches(saved.get("finetune"), cfg.finetune)
         problems += [f"{p} ({Path(tag_dir) / RUN_CONFIG})" for p in changed]
         if changed:
-            problems.append("these settings change the function the model computes, so a run "
-                            "resumes only with the checkpoint's values; to start a different "
-                            "model from its weights, set model.init_from to the checkpoint in a "
-                            "new run instead of resuming")
+            problems.append("these settings change the function the model computes or which "
+                            "parameters train, so a run resumes only with the checkpoint's "
+                            "values; to start a different model from its weights, set "
+                            "model.init_from to the checkpoint in a new run instead of resuming")
     saved_tok = marker.get("tokenizer") or {}
     if tokenizer_sha256 is not None and saved_tok.get("sha256") != tokenizer_sha256:
         problems.append(f"tokenizer: the checkpoint was trained with {saved_tok.get('file')} "
@@ -206,7 +199,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if (path / MARKER).exists() or (path / MAIN_STATES).exists():
         return path
-    for ckpt_dir in (path, path / "checkpoints"):
+    for ckpt_dir in (path, RunDir(path).checkpoints):
         tag = find_latest(ckpt_dir)
         if tag is not None:
             return ckpt_dir / tag

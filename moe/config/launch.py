@@ -40,7 +40,7 @@ def slurm_time_seconds(value: str) -> int | None:
     if days is not None:
         fields = [("hours", d_hours, 24), ("minutes", d_minutes, 60), ("seconds", d_seconds, 60)]
         total = int(days) * 86400
-        units = (3600, 60, 1)
+        units: tuple[int, ...] = (3600, 60, 1)
     elif third is not None:  # HH:MM:SS
         fields = [("minutes", second, 60), ("seconds", third, 60)]
         total, units = int(first) * 3600, (60, 1)

@@ -17,14 +17,14 @@ import textwrap
 import typing
 
 from moe.config.run import RunConfig
-from moe.config_schema import FUNCTION, describe_type
+from moe.config_schema import ARCH, ROLE, describe_type
 
 COMMAND = "python -m moe.config.reference > docs/config.md"
 
 
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> the string literal written under the field in ``cls``'s source."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    body = typing.cast(ast.ClassDef, ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]).body
     out = {}
     for node, after in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
@@ -48,7 +48,7 @@ def _default(f: dataclasses.Field) -> str:
     return f"`{value if isinstance(value, str) else json.dumps(value)}`"
 
 
-def _section_class(tp: typing.Any) -> tuple[type, str] | None:
+def _section_class(tp: typing.Any) -> tuple[typing.Any, str] | None:
     """The config dataclass a field holds (itself, or the items of a list), with the suffix its
     section name takes."""
     if dataclasses.is_dataclass(tp):
@@ -72,7 +72,7 @@ def sections(cls: type = RunConfig, name: str = "") -> list[str]:
             continue
         cells = [f"`{f.name}`", _one_line(describe_type(hints[f.name])), _default(f)]
         if model:
-            cells.append("yes" if f.metadata.get(FUNCTION) else "no")
+            cells.append("yes" if f.metadata.get(ROLE) == ARCH else "no")
         rows.append("| " + " | ".join(cells + [_one_line(docs.get(f.name, ""))]) + " |")
     head = ["| key | type | default | " + ("changes the function | " if model else "")
             + "description |",

@@ -18,7 +18,7 @@ import yaml
 
 from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
-from moe.config_schema import from_dict, load_yaml, minimums, to_dict
+from moe.config_schema import arch, from_dict, load_yaml, minimums, to_dict
 from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import BottleneckConfig, bottleneck_problems
 from moe.model.adapters.esft import ESFTConfig
@@ -28,6 +28,7 @@ from moe.model.adapters.prompt import PromptConfig
 from moe.model.adapters.qlora import torchao_missing
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
+from moe.run_dir import RunDir
 
 
 @dataclass
@@ -118,6 +119,20 @@ class TrainConfig:
     """Compile each transformer block with torch.compile (inductor), MoE layer included
     (moe/model/compile.py): one compile per distinct block graph in the first step, none after;
     the expert all-to-alls and the capacity cut run eagerly between the compiled pieces."""
+
+    optimizer_impl: Literal["auto", "for_loop", "foreach", "fused"] = "auto"
+    """Which implementation of torch's AdamW steps the weights (under ZeRO 1/2: one flat fp32
+    partition per parameter group, after DeepSpeed's gradient clipping). auto: torch's own choice
+    (foreach on CUDA, for_loop on the CPU); for_loop: one tensor at a time; foreach: torch's
+    multi-tensor kernels; fused: one fused kernel per parameter group (CUDA and CPU), which
+    reads and writes each weight, gradient and moment once. The same update up to rounding
+    (fused differs in the last bits; tests/moe/training/test_optimizer_impl.py); checkpoints
+    load across settings."""
+
+    def adamw_options(self) -> dict:
+        """Keyword arguments of torch.optim.AdamW for ``optimizer_impl``."""
+        return {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
+                "fused": {"fused": True}}[self.optimizer_impl]
 
     def problems(self) -> list[str]:
         out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
@@ -259,7 +274,8 @@ class EvalConfig:
 
 @dataclass
 class FinetuneConfig:
-    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix", "adapter"] = "none"
+    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix",
+                    "adapter"] = arch("none")
     """none: not a fine-tuning run (pretraining, or continued training from model.init_from).
     full: every parameter trains, starting from model.init_from. lora: the base model is frozen
     (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
@@ -286,12 +302,6 @@ class FinetuneConfig:
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     """Method prefix (prefix tuning, Li and Liang; moe/model/adapters/prefix.py): the key/value
     pairs each attention layer gains."""
-
-    FIXED_KEYS = ("method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
-                  "lora.train_router", "adapter.hidden", "adapter.placement", "prompt.tokens",
-                  "prefix.tokens")
-    """What decides which parameters exist and train: a run resumes only with its checkpoint's
-    values (moe/checkpoint/files.py, finetune_mismatches)."""
 
     SECTIONS = {"lora": ("lora", "qlora"), "esft": ("esft",), "adapter": ("adapter",),
                 "prompt": ("prompt",), "prefix": ("prefix",)}
@@ -410,6 +420,11 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    @property
+    def run_files(self) -> RunDir:
+        """The names of the run directory's files (moe/run_dir.py)."""
+        return RunDir(self.run_dir)
 
     def deepspeed_config(self, world_size: int) -> dict:
         t = self.train

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ from moe.model.positions import PositionEncoding, apply_rotary
 try:  # torch >= 2.5; the GPU machines run 2.11, this is for older installs
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:
-    create_block_mask = flex_attention = None
+    create_block_mask = flex_attention = None  # type: ignore[assignment]
 
 AttentionBackend = Literal["auto", "sdpa", "flex", "reference"]
 FLEX_AVAILABLE = flex_attention is not None
@@ -78,9 +78,10 @@ class KVCache:
 
     def append(self, layer: int, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor):
         """Add this chunk's keys/values for ``layer``; returns all keys/values so far."""
-        if self.keys[layer] is not None:
-            k_BHSd = torch.cat((self.keys[layer], k_BHSd), dim=2)
-            v_BHSd = torch.cat((self.values[layer], v_BHSd), dim=2)
+        cached_k, cached_v = self.keys[layer], self.values[layer]
+        if cached_k is not None and cached_v is not None:
+            k_BHSd = torch.cat((cached_k, k_BHSd), dim=2)
+            v_BHSd = torch.cat((cached_v, v_BHSd), dim=2)
         self.keys[layer], self.values[layer] = k_BHSd, v_BHSd
         return k_BHSd, v_BHSd
 
@@ -207,7 +208,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: At
                    gqa: bool) -> torch.Tensor:
     """q (B, H, S, hd), k and v (B, Hkv, L, hd) -> (B, H, S, hd) with the chosen back end."""
     if inputs.backend == "flex":
-        flex = _compiled_fn("flex_attention", flex_attention) if compile_flex else flex_attention
+        flex = cast(Callable, _compiled_fn("flex_attention", flex_attention) if compile_flex
+                    else flex_attention)
         return flex(q, k, v, score_mod=inputs.score_mod, block_mask=inputs.block_mask,
                     enable_gqa=gqa)
     if inputs.doc_lengths is not None:
@@ -241,6 +243,7 @@ def build_mask(q_idx_S: torch.Tensor, k_idx_L: torch.Tensor, q_doc_BS: torch.Ten
     row is fully masked."""
     allowed_BSL = (k_idx_L[None, :] <= q_idx_S[:, None])[None]
     if q_doc_BS is not None:
+        assert k_doc_BL is not None  # documents are given for queries and keys alike
         allowed_BSL = allowed_BSL & (q_doc_BS[:, :, None] == k_doc_BL[:, None, :])
     allowed_B1SL = allowed_BSL[:, None]
     if bias_BHSL is None:

@@ -13,6 +13,7 @@ from torch import nn
 from moe.model.attention import AttentionInputs, CausalSelfAttention
 from moe.model.norms import NormKind, build_norm
 from moe.model.recompute import recompute
+from moe.model.regions import ATTENTION, BLOCK, FFN, NORM, region
 
 NormPlacement = Literal["pre", "post"]
 
@@ -35,7 +36,8 @@ class Block(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, inputs: AttentionInputs):
         """Returns the block output and the feed-forward's balancing loss (0 for dense)."""
-        return recompute(self._forward, x_BSD, inputs, enabled=self.recompute_block)
+        with region(BLOCK):
+            return recompute(self._forward, x_BSD, inputs, enabled=self.recompute_block)
 
     def _forward(self, x_BSD: torch.Tensor, inputs: AttentionInputs):
         x_BSD, h_BSD = recompute(self._attention, x_BSD, inputs, enabled=self.recompute_attention)
@@ -47,15 +49,21 @@ class Block(nn.Module):
     def _attention(self, x_BSD: torch.Tensor, inputs: AttentionInputs):
         """The residual stream after attention, and the feed-forward's input."""
         if self.pre_norm:
-            x_BSD = x_BSD + self.attn(self._norm(self.attn_norm, x_BSD), inputs)
+            x_BSD = x_BSD + self._attn(self._norm(self.attn_norm, x_BSD), inputs)
             return x_BSD, self._norm(self.ffn_norm, x_BSD)
-        x_BSD = self._norm(self.attn_norm, x_BSD + self.attn(x_BSD, inputs))
+        x_BSD = self._norm(self.attn_norm, x_BSD + self._attn(x_BSD, inputs))
         return x_BSD, x_BSD
 
+    def _attn(self, x_BSD: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        with region(ATTENTION):
+            return self.attn(x_BSD, inputs)
+
     def _norm(self, norm: nn.Module, x_BSD: torch.Tensor) -> torch.Tensor:
-        return recompute(norm, x_BSD, enabled=self.recompute_norms)
+        with region(NORM):
+            return recompute(norm, x_BSD, enabled=self.recompute_norms)
 
     def _ffn(self, h_BSD: torch.Tensor):
-        out = self.ffn(h_BSD)
+        with region(FFN):  # an MoE layer's own ranges split it further
+            out = self.ffn(h_BSD)
         # MoE layers (and their DeepSpeed wrapper) return (y, aux_loss); dense FFNs return y.
         return out if isinstance(out, tuple) else (out, h_BSD.new_zeros((), dtype=torch.float32))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import cast
 
 import torch
 from torch import nn
@@ -104,8 +105,8 @@ if CUSTOM_OPS:
         return grad_x, _weight_grad(x_ND, grad_NO, offs_E), None
 
     grouped_mm_op.register_autograd(_backward, setup_context=_save)
-else:
-    grouped_mm_op = None  # compiled experts then run the per-expert loop (a graph break)
+else:  # compiled experts then run the per-expert loop (a graph break)
+    grouped_mm_op = None  # type: ignore[assignment]
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> int:
@@ -114,11 +115,18 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> in
     MoE layers for expert parallelism, after ``apply_recompute``, and on the device and in the
     dtype it will run in (after DeepSpeed's ``initialize``, which moves and casts it): the expert
     layers probe the grouped GEMM for those here, and one they did not probe runs the
-    per-expert loop under compile. Returns the number of blocks compiled."""
+    per-expert loop under compile. Parts outside the blocks that compile a piece of their own
+    (``compile_part``: the chunked loss's per-block work, moe/model/loss.py) do so here too.
+    Returns the number of blocks compiled."""
     for module in model.modules():  # eager work that must not run inside a traced graph
         before = getattr(module, "before_compile", None)
         if callable(before):
             before()
-    for block in model.blocks:
+    blocks = cast(nn.ModuleList, model.blocks)
+    for block in blocks:
         block.compile(backend=backend, **options)
-    return len(model.blocks)
+    for module in model.modules():
+        part = getattr(module, "compile_part", None)
+        if callable(part):
+            part(backend=backend, **options)
+    return len(blocks)

@@ -34,7 +34,7 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device) -> bool:
         cap = torch.cuda.get_device_capability(device)
         if dtype != torch.bfloat16 or cap < (8, 0) or (cap[0] != 9 and _torch_version() < (2, 13)):
             return False
-        key = ("cuda", cap, dtype)
+        key: tuple[str, tuple[int, int] | None, torch.dtype] = ("cuda", cap, dtype)
     elif device.type == "cpu":
         key = ("cpu", None, dtype)
     else:

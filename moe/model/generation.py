@@ -27,6 +27,7 @@ import torch
 
 from moe.errors import ConfigError
 from moe.model.attention import KVCache
+from moe.model.transformer import MoETransformer
 
 Strategy = Literal["greedy", "sample", "beam"]
 
@@ -103,14 +104,18 @@ class Decoder(Protocol):
         expands one prompt row to R rows and follows beams to their parents."""
 
 
-class FullForwardDecoder:
-    """Re-runs the model over the whole prefix at every step. The state is the prefix (B, L)."""
+class _ModelDecoder:
+    """What both decoders hold: the model, its device and how many tokens a row may hold."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: MoETransformer):
         self.model = model
         # A soft prompt takes up positions of the sequence the model holds.
         self.max_tokens = model.cfg.max_seq_len - model.prepended_positions
         self.device = next(model.parameters()).device
+
+
+class FullForwardDecoder(_ModelDecoder):
+    """Re-runs the model over the whole prefix at every step. The state is the prefix (B, L)."""
 
     @torch.no_grad()
     def step(self, tokens_BS: torch.Tensor, state: torch.Tensor | None):
@@ -124,7 +129,7 @@ class FullForwardDecoder:
         return state.index_select(0, rows_R.to(state.device))
 
 
-class KVCacheDecoder(FullForwardDecoder):
+class KVCacheDecoder(_ModelDecoder):
     """Incremental decoding with the model's KV cache. The state is the cache."""
 
     @torch.no_grad()
@@ -141,8 +146,8 @@ class KVCacheDecoder(FullForwardDecoder):
             return t if t is None or t.shape[0] == 1 else t.index_select(0, rows_R)
 
         out = KVCache(len(state.keys))
-        out.keys = [k.index_select(0, rows_R) for k in state.keys]
-        out.values = [v.index_select(0, rows_R) for v in state.values]
+        out.keys = [None if k is None else k.index_select(0, rows_R) for k in state.keys]
+        out.values = [None if v is None else v.index_select(0, rows_R) for v in state.values]
         out.positions_BL, out.doc_ids_BL = pick(state.positions_BL), pick(state.doc_ids_BL)
         return out
 

@@ -7,15 +7,19 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from moe.config_schema import arch, minimums
-from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask
+from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask, count_ids
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
 from moe.model.recompute import outside_recompute, recompute
+from moe.model.regions import COMBINE, DISPATCH, EXPERTS, ROUTER, region
 from moe.model.router import RouterConfig, TopKRouter, at_least_fp32, capacity
 
 STEP_SUMS = ("routed", "router_entropy", "aux_loss", "z_loss", "micro_batches")
+"""What ``MoELayer.step_sums`` adds up over a step's training micro-batches, one entry each:
+routed token copies, and router entropy, aux loss and z-loss summed per micro-batch, and the
+micro-batches. Read by name (:data:`SUM`), never by position."""
+SUM = {name: i for i, name in enumerate(STEP_SUMS)}
 
 
 @dataclass
@@ -86,8 +90,7 @@ class MoELayer(nn.Module):
             nn.init.normal_(self.shared_gate.weight, std=init_std)
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         # Sums over the micro-batches of one optimizer step, read (and reset) by the training
-        # hook that updates the loss-free bias and logs: kept copies per expert, and
-        # STEP_SUMS = (routed copies, router entropy, aux loss, z-loss, micro-batches).
+        # part that updates the loss-free bias and logs: kept copies per expert, and STEP_SUMS.
         self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("step_sums", torch.zeros(len(STEP_SUMS)), persistent=False)
         # Routed copies per expert over the global batch (router.aux_loss_scope: global_batch),
@@ -113,26 +116,26 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         rc = self.cfg.router
         global_counts = rc.aux_loss_scope == "global_batch" and self.training
-        routing = self.router(x_TD, seq_len=S,
-                              batch_counts_E=self.batch_counts_E if global_counts else None)
+        with region(ROUTER):
+            routing = self.router(x_TD, seq_len=S,
+                                  batch_counts_E=self.batch_counts_E if global_counts else None)
         if self.counting:
             with torch.no_grad():
-                self.batch_counts_E += torch.bincount(
-                    routing.indices_TK.flatten(), minlength=self.num_experts).to(self.batch_counts_E.dtype)
+                self.batch_counts_E += count_ids(  # not bincount: a host sync on CUDA
+                    routing.indices_TK.flatten(), self.num_experts).to(self.batch_counts_E.dtype)
 
         keep_TK = None
         if self.cfg.capacity_factor is not None:
             cap = capacity(B * S, self.num_experts, self.cfg.router.top_k, self.cfg.capacity_factor)
             keep_TK = capacity_keep_mask(routing.indices_TK, routing.weights_TK, self.num_experts, cap)
 
-        # Named ranges for the profiler (benchmarks/gpu_train_bench.py splits step time by them).
-        with record_function("moe.dispatch"):
+        with region(DISPATCH):
             plan = self.dispatcher.plan(routing.indices_TK, keep_TK)
             x_ND, w_N, local_counts = self.dispatcher.dispatch(x_TD, routing.weights_TK, plan)
-        with record_function("moe.experts"):
+        with region(EXPERTS):
             y_ND = recompute(self.experts, x_ND, local_counts, w_N, plan.counts_host,
                              enabled=self.recompute_experts)
-        with record_function("moe.combine"):
+        with region(COMBINE):
             y_TD = self.dispatcher.combine(y_ND, plan)
         if self.shared_mlp is not None:
             shared_TD = recompute(self.shared_mlp, x_TD, enabled=self.recompute_experts)
@@ -141,7 +144,8 @@ class MoELayer(nn.Module):
             y_TD = y_TD + shared_TD
 
         if not self.counting:  # a counting pass is not a training micro-batch
-            self._record(routing, plan.counts_E, B * S)
+            with region(ROUTER):
+                self._record(routing, plan.counts_E, B * S)
         loss = rc.aux_loss_coef * routing.aux_loss + rc.z_loss_coef * routing.z_loss
         return y_TD.view(B, S, D), loss
 
@@ -152,9 +156,11 @@ class MoELayer(nn.Module):
         aux, z = routing.aux_loss.detach(), routing.z_loss.detach()
         if self.training:  # step counters describe training steps only, not validation passes
             self.step_load_E += counts_E.to(self.step_load_E.dtype)
-            self.step_sums[0] += routed
-            self.step_sums[1:4] += torch.stack([routing.entropy, aux, z]).to(self.step_sums.dtype)
-            self.step_sums[4] += 1
+            sums = self.step_sums  # torch.full fills on the device: no host-to-device copy
+            added = {"routed": torch.full((), routed, dtype=sums.dtype, device=sums.device),
+                     "router_entropy": routing.entropy, "aux_loss": aux, "z_loss": z,
+                     "micro_batches": torch.ones((), dtype=sums.dtype, device=sums.device)}
+            sums += torch.stack([added[name].to(sums.dtype) for name in STEP_SUMS])
         self.stats = {
             "tokens_per_expert": counts_E.detach(),
             "dropped_fraction": (routed - counts_E.sum()).float() / routed,

@@ -37,7 +37,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -93,7 +93,8 @@ def apply_recompute(model: nn.Module, mode: RecomputeMode, every_n_blocks: int =
     if every_n_blocks < 1:
         raise ValueError(f"every_n_blocks must be >= 1, got {every_n_blocks}")
     chosen = []
-    for i, block in enumerate(model.blocks):
+    blocks = cast("list[Any]", model.blocks)  # Blocks; their parts are set by attribute
+    for i, block in enumerate(blocks):
         m = mode if i % every_n_blocks == 0 else "none"
         # MoE layers (possibly inside DeepSpeed's wrapper) are found by their recompute switch.
         moe = [layer for layer in block.ffn.modules() if hasattr(layer, "recompute_experts")]

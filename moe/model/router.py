@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.config_schema import arch, runtime
+from moe.model.dispatcher import count_ids
 
 
 @dataclass
@@ -187,7 +188,7 @@ def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor, num_ex
     """
     T, K = indices_TK.shape
     if batch_counts_E is not None:
-        local_E = torch.bincount(indices_TK.flatten(), minlength=num_experts).to(probs_TE.dtype)
+        local_E = count_ids(indices_TK.flatten(), num_experts).to(probs_TE.dtype)
         total = batch_counts_E.sum()
         # torch.where, not an if: no host read of the counts inside the forward.
         f_E = torch.where(total > 0, batch_counts_E.to(probs_TE.dtype) / total.clamp_min(1),

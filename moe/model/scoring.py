@@ -23,6 +23,7 @@ import torch
 from moe.model.adapters.prefix import PrefixAttention
 from moe.model.attention import KVCache
 from moe.model.generation import GenerationConfig, next_tokens
+from moe.model.transformer import MoETransformer
 
 
 class Score(NamedTuple):
@@ -35,7 +36,7 @@ class Group(NamedTuple):
     members: list[tuple[int, list[int]]]  # (request index, continuation tokens)
 
 
-def can_pad(model: torch.nn.Module) -> bool:
+def can_pad(model: MoETransformer) -> bool:
     """Whether contexts of different lengths may share a forward (left padding as a document of
     its own): not for soft prompts or key/value prefixes, which refuse document ids."""
     return model.prepended_positions == 0 and not any(
@@ -95,15 +96,15 @@ def _left_padded(contexts: list[tuple[int, ...]], pad_id: int):
 
 def _rows(cache: KVCache, rows_R: torch.Tensor) -> KVCache:
     out = KVCache(len(cache.keys))
-    out.keys = [k.index_select(0, rows_R) for k in cache.keys]
-    out.values = [v.index_select(0, rows_R) for v in cache.values]
+    out.keys = [None if k is None else k.index_select(0, rows_R) for k in cache.keys]
+    out.values = [None if v is None else v.index_select(0, rows_R) for v in cache.values]
     pick = (lambda t: t if t is None or t.shape[0] == 1 else t.index_select(0, rows_R))
     out.positions_BL, out.doc_ids_BL = pick(cache.positions_BL), pick(cache.doc_ids_BL)
     return out
 
 
 @torch.no_grad()
-def score_batch(model: torch.nn.Module, batch: list[Group], pad_id: int = 0,
+def score_batch(model: MoETransformer, batch: list[Group], pad_id: int = 0,
                 always_two_forwards: bool = False) -> list[tuple[int, Score]]:
     """(request index, score) of every continuation of ``batch``: one forward over the contexts
     (into a KV cache) and one over the continuations after them; the second is skipped when
@@ -137,14 +138,14 @@ def score_batch(model: torch.nn.Module, batch: list[Group], pad_id: int = 0,
     return scores
 
 
-def score_requests(model: torch.nn.Module, requests: list[tuple[list[int], list[int]]],
+def score_requests(model: MoETransformer, requests: list[tuple[list[int], list[int]]],
                    batch_size: int = 8, max_length: int | None = None, pad_id: int = 0,
                    progress: Callable[[int], None] | None = None) -> list[Score]:
     """The score of each (context, continuation) request, in request order. Contexts longer
     than ``max_length`` (default: the model's) lose tokens on the left."""
-    max_length = max_length or model.cfg.max_seq_len - model.prepended_positions
+    limit = max_length or model.cfg.max_seq_len - model.prepended_positions
     out: list[Score | None] = [None] * len(requests)
-    for batch in plan_batches(requests, batch_size, max_length, can_pad(model)):
+    for batch in plan_batches(requests, batch_size, limit, can_pad(model)):
         for i, score in score_batch(model, batch, pad_id):
             out[i] = score
         if progress is not None:
@@ -153,7 +154,7 @@ def score_requests(model: torch.nn.Module, requests: list[tuple[list[int], list[
 
 
 @torch.no_grad()
-def generate_batch(model: torch.nn.Module, prompts: list[list[int]], cfg: GenerationConfig,
+def generate_batch(model: MoETransformer, prompts: list[list[int]], cfg: GenerationConfig,
                    eos_id: int | None, done: Callable[[int, list[int]], bool] | None = None,
                    generator: torch.Generator | None = None, pad_id: int = 0) -> list[list[int]]:
     """Continue every prompt of one batch with the model's KV cache, greedy or sampled (``cfg``:

@@ -81,6 +81,7 @@ def count_parameters(cfg: ModelConfig) -> ParamCounts:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Forward and training FLOPs per token (see the module docstring for the formula)."""
     a = count_parameters(cfg).active
+    assert cfg.vocab_size is not None  # count_parameters refuses a model without one
     matmul = (a["attention"] - cfg.n_layers * _attention_vectors(cfg) + a["router"] + a["routed_experts"] + a["shared_experts"]
               + a["dense_ffn"] + cfg.vocab_size * cfg.d_model)
     attention = 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_size

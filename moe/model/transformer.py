@@ -18,10 +18,9 @@ Initialization (``init_std`` = s, ``n_layers`` = L):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe.config_schema import arch, runtime
@@ -36,6 +35,7 @@ from moe.model.attention import (
 )
 from moe.model.block import Block, NormPlacement
 from moe.model.experts import DenseFFN, residual_init_std
+from moe.model.loss import CrossEntropyImpl, LMHeadLoss, full_cross_entropy, liger_problem
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.norms import NormKind, build_norm
 from moe.model.positions import (
@@ -48,6 +48,7 @@ from moe.model.positions import (
     T5RelativeBias,
     positions_from_doc_ids,
 )
+from moe.model.regions import ATTENTION, EMBEDDING, HEAD, region
 
 
 @dataclass
@@ -129,6 +130,17 @@ class ModelConfig:
     CPU sdpa for documents from 2048 tokens on (measured faster; BENCHMARKS.md), otherwise
     reference. Decoding past a KV-cached prefix always runs
     reference; fallbacks are logged once."""
+    cross_entropy: CrossEntropyImpl = runtime("full")
+    """How the training loss is computed from the output head (moe/model/loss.py); all give the
+    same loss and gradients. full: the (B, S, V) logits and their fp32 log-softmax (the model
+    also returns the logits). chunked: cross_entropy_chunk_tokens tokens at a time, with the
+    gradients formed in the forward; no (B, S, V) tensor, and a forward with targets returns no
+    logits (logits None). liger: Liger-Kernel's fused linear cross-entropy (CUDA only; pip
+    install liger-kernel), likewise without logits. A forward without targets (evaluation,
+    generation) computes the logits with every setting."""
+    cross_entropy_chunk_tokens: int = runtime(1024)
+    """chunked: tokens per block; a block holds its (tokens, V) logits in fp32 and in the model
+    dtype at once."""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def problems(self) -> list[str]:
@@ -162,6 +174,12 @@ class ModelConfig:
             out.append(f"init_std: must be > 0, got {self.init_std}")
         if self.upcycle_noise_std < 0:
             out.append(f"upcycle_noise_std: must be >= 0, got {self.upcycle_noise_std}")
+        if self.cross_entropy_chunk_tokens < 1:
+            out.append(f"cross_entropy_chunk_tokens: must be >= 1, got "
+                       f"{self.cross_entropy_chunk_tokens}")
+        if self.cross_entropy == "liger" and (problem := liger_problem()):
+            out.append(f"cross_entropy: liger {problem}; or use chunked (the same loss in "
+                       "plain torch)")
         if self.attention_backend == "flex" and not FLEX_AVAILABLE:
             out.append(f"attention_backend: flex needs torch >= 2.5 (installed {torch.__version__});"
                        " use sdpa or auto")
@@ -181,7 +199,7 @@ class ModelConfig:
 
 
 class ModelOutput(NamedTuple):
-    logits: torch.Tensor  # (B, S, V)
+    logits: torch.Tensor | None  # (B, S, V); None with targets and a chunked or liger loss
     loss: torch.Tensor | None  # lm_loss + aux_loss: what training minimizes
     lm_loss: torch.Tensor | None  # mean next-token cross-entropy
     aux_loss: torch.Tensor  # sum of the MoE layers' weighted balancing losses
@@ -212,6 +230,7 @@ class MoETransformer(nn.Module):
         for i in range(cfg.n_layers):
             attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, i, cfg.head_size,
                                        cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps)
+            ffn: nn.Module
             if cfg.is_moe_layer(i):
                 ffn = MoELayer(cfg.d_model, cfg.moe, cfg.init_std, out_std)
             else:
@@ -222,6 +241,9 @@ class MoETransformer(nn.Module):
         self.norm = (build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
                      if cfg.norm_placement == "pre" else nn.Identity())
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # No parameters: the loss reads lm_head.weight (tied or not) when it runs.
+        self.head_loss = (LMHeadLoss(cfg.cross_entropy, cfg.cross_entropy_chunk_tokens)
+                          if cfg.cross_entropy != "full" else None)
         self._init_weights(out_std)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -232,7 +254,7 @@ class MoETransformer(nn.Module):
         nn.init.normal_(self.lm_head.weight, std=std)
         for p in self.positions.parameters():
             nn.init.normal_(p, std=std)
-        for block in self.blocks:
+        for block in cast("list[Block]", self.blocks):
             for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
                 nn.init.normal_(proj.weight, std=std)
                 if proj.bias is not None:
@@ -259,24 +281,34 @@ class MoETransformer(nn.Module):
         stays within a document and positions restart at 0 where the id changes (adjacent
         documents must have different ids). ``kv_cache``: keys/values of earlier tokens, appended
         to in place (pass the same ``doc_ids`` convention on every call)."""
-        pos_BS, inputs = self._attention_inputs(input_ids_BS, doc_ids_BS, kv_cache)
-        x_BSD = self.embed(input_ids_BS)
-        pos_emb = self.positions.embedding(pos_BS)
-        if pos_emb is not None:
-            x_BSD = x_BSD + pos_emb.to(x_BSD.dtype)
+        with region(ATTENTION):  # positions, rotary tables and masks every layer shares
+            pos_BS, inputs = self._attention_inputs(input_ids_BS, doc_ids_BS, kv_cache)
+        with region(EMBEDDING):
+            x_BSD = self.embed(input_ids_BS)
+            pos_emb = self.positions.embedding(pos_BS)
+            if pos_emb is not None:
+                x_BSD = x_BSD + pos_emb.to(x_BSD.dtype)
         aux_loss = x_BSD.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             x_BSD, layer_aux = block(x_BSD, inputs)
             aux_loss = aux_loss + layer_aux
-        logits_BSV = self.lm_head(self.norm(x_BSD))
-        if targets_BS is None:
-            return ModelOutput(logits_BSV, None, None, aux_loss)
-        # Mean over the targets not ignored (-100: prompt tokens of instruction data, padding);
-        # 0, not NaN, when every target of the batch is ignored.
-        targets = targets_BS.flatten()
-        lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets, ignore_index=-100,
-                                  reduction="sum") / (targets != -100).sum().clamp(min=1)
-        return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
+        with region(HEAD):  # the final norm, the output head and the loss
+            h_BSD = self.norm(x_BSD)
+            logits_BSV = None
+            if targets_BS is None or self.head_loss is None:
+                logits_BSV = self.lm_head(h_BSD)
+            if targets_BS is None:
+                return ModelOutput(logits_BSV, None, None, aux_loss)
+            # Mean over the targets not ignored (-100: prompt tokens of instruction data,
+            # padding); 0, not NaN, when every target of the batch is ignored.
+            targets = targets_BS.flatten()
+            if self.head_loss is None:
+                assert logits_BSV is not None
+                summed = full_cross_entropy(logits_BSV.flatten(0, 1), targets)
+            else:
+                summed = self.head_loss(h_BSD.flatten(0, 1), self.lm_head.weight, targets)
+            lm_loss = summed / (targets != -100).sum().clamp(min=1)
+            return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
 
     def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache) -> tuple[torch.Tensor,
                                                                           AttentionInputs]:

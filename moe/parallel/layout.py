@@ -10,7 +10,9 @@ expert-parallel size differs. This module goes through a layout-free form instea
   over all global ids);
 - :func:`load_other_layout` writes that state into a freshly built engine: the model weights
   (this rank's experts), this rank's fragment of every fp32 master partition and of the Adam
-  moments, the LR schedule and step counters, and the buffers (the router's ``score_bias``).
+  moments, the LR schedule and step counters, and the buffers (the router's ``score_bias``),
+  and returns the client state whole: every registered part's state under its name
+  (moe/training/checkpoint.py), whatever parts the run registered.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import torch
 from moe.checkpoint.consolidate import MOMENTS, read_layout_free, single_device_name
 from moe.checkpoint.files import MAIN_STATES, load_file
 from moe.errors import CheckpointError
-from moe.training.resilience.spike_guard import SPIKE_STATE
 
 
 @torch.no_grad()
 def load_other_layout(engine, model, tag_dir: Path) -> dict:
-    """Load a checkpoint saved with another layout into ``engine``. Returns the client state."""
+    """Load a checkpoint saved with another layout into ``engine``. Returns the client state:
+    the model-states file's entries but the module weights, as DeepSpeed's own load returns
+    them on the saving layout."""
     from moe.parallel.deepspeed_adapter import DeepSpeedMoE
 
     tag_dir = Path(tag_dir)
@@ -83,7 +86,7 @@ def load_other_layout(engine, model, tag_dir: Path) -> dict:
         if step is not None:
             base.state[hp] = {"step": torch.tensor(step), **moments}
 
-    saved_module = main["module"]
+    saved_module = main.pop("module")
     for name, buf in model.named_buffers():
         if name in saved_module:
             buf.copy_(saved_module[name])
@@ -94,4 +97,4 @@ def load_other_layout(engine, model, tag_dir: Path) -> dict:
     engine.global_steps = main["global_steps"]
     engine.global_samples = main.get("global_samples", 0)
     engine.skipped_steps = main.get("skipped_steps", 0)
-    return {k: main[k] for k in ("step", "tokens", "data", SPIKE_STATE) if k in main}
+    return main

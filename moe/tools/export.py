@@ -187,9 +187,10 @@ def export_deepspeed(checkpoint: str | Path, out_dir: str | Path) -> Path:
                           grad_accum_steps=d["train"]["grad_accum_steps"] * world)
         d["logging"]["tensorboard"] = False
         d["eval"]["every_n_steps"] = 0
+        cfg = from_dict(RunConfig, d)
         with _one_rank_process_group():
-            train(from_dict(RunConfig, d), DistEnv(0, 1, 0, 1), resume=str(tag_dir))
-        ckpt_dir = tmp / "run" / "converted" / "checkpoints"
+            train(cfg, DistEnv(0, 1, 0, 1), resume=str(tag_dir))
+        ckpt_dir = cfg.run_files.checkpoints
         for f in ckpt_dir.iterdir():
             f.rename(tmp / f.name)
         shutil.rmtree(tmp / "run")

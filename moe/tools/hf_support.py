@@ -129,6 +129,11 @@ _COMMON: dict[str, Rule] = {
     "init_std": _training("initialization only (initializer_range)"),
     "attention_backend": _training("kernel choice only: every back end computes the same "
                                    "attention (tests/moe/test_attention_backends.py)"),
+    "cross_entropy": _training("training loss only: every setting computes the same loss "
+                               "(tests/moe/test_loss.py); a forward without targets returns "
+                               "the logits"),
+    "cross_entropy_chunk_tokens": _training("training loss only (block size of the chunked "
+                                            "loss)"),
     "init_from": _training("initialization only"),
     "upcycle_noise_std": _training("initialization only"),
     "moe.num_experts": _config("num_local_experts / num_experts"),

@@ -55,13 +55,20 @@ gate/up output 2, then silu(gate)), 1 for GELU.
   (attention region), the router and dispatch terms, and the experts' region above.
   ``recompute_every_n_blocks`` n: blocks 0, n, 2n, ... use the mode, the others none.
 - Outside the blocks: token ids 8T and targets 8T, rotary tables 4 S hd (B times with
-  documents), the final norm (never recomputed), and the loss's fp32 log-softmax 4TV.
+  documents), the final norm (never recomputed), and the loss's fp32 log-softmax 4TV. With
+  ``model.cross_entropy`` chunked or liger the gradients are formed in the forward: the
+  hidden states' gradient eTD takes the place of the norm output the head would keep, and the
+  head weight's fp32 gradient sum 4VD that of the log-softmax.
 
-Working set on top of the saved activations (``transient_bytes``): the largest of (a) the
-logits around the loss, TV (2e + 4) (the model-dtype logits, their fp32 log-softmax gradient
-and its model-dtype cast), (b) what the backward rebuilds of one recomputed block (its none
-estimate minus what it kept), (c) under expert parallelism the all-to-all send and receive
-buffers of one MoE layer, 2 eND + 8N. The peak is modelled as model states + saved + transient.
+Working set on top of the saved activations (``transient_bytes``): the largest of (a) the logits
+around the loss, TV (2e + 4) (the model-dtype logits, their fp32 log-softmax gradient and its
+model-dtype cast); chunked: one block of C = cross_entropy_chunk_tokens tokens, its fp32 logits
+and their log-softmax 8CV (the softmax gradient is formed in place in the latter) and its weight
+gradient eVD;
+liger: its block of Liger's size (:func:`liger_chunk_tokens`), eCV + eVD, (b) what the backward
+rebuilds of one recomputed block (its none estimate minus what it kept), (c) under expert
+parallelism the all-to-all send and receive buffers of one MoE layer, 2 eND + 8N. The peak is
+modelled as model states + saved + transient.
 
 Layouts (``fitting_layouts``): for a number of GPUs and their memory, every expert-parallel
 size dividing both the GPU count and num_experts, ZeRO stage 0/1/2 (1/2 only for bf16), each
@@ -289,16 +296,35 @@ def activation_bytes(cfg: ModelConfig, micro_batch_size: int, seq_len: int,
         rebuilt = max(rebuilt, _block(cfg, i, B, S, e, "none", ep_size, mask) - kept)
     rotary = 4 * S * hd * (B if cfg.document_masking else 1) if cfg.position == "rope" else 0
     final_norm = _norm(cfg, T, e, False) if cfg.norm_placement == "pre" else e * T * D
-    saved += 16 * T + rotary + final_norm + 4 * T * cfg.vocab_size + mask_once
+    head_saved, logits = _head_loss(cfg, T, e)
+    saved += 16 * T + rotary + final_norm + head_saved + mask_once
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     N = routed_copies(cfg, T)
     alltoall = (2 * e * N * D + 8 * N) if ep_size > 1 and n_moe else 0.0
-    logits = T * cfg.vocab_size * (2 * e + 4)
     kept_masks = cfg.n_layers if recompute == "none" else sum(
         i % every_n_blocks != 0 for i in range(cfg.n_layers))
     masks = mask * kept_masks + mask_once
     return ActivationEstimate(saved_bytes=saved, transient_bytes=max(logits, rebuilt) + alltoall,
                               attention_mask_bytes=masks, alltoall_bytes=alltoall)
+
+
+def liger_chunk_tokens(T: int, V: int, D: int) -> int:
+    """Liger-Kernel's block size (0.8.5): the smallest power of two holding T / ceil(V / D)
+    tokens, at most T."""
+    blocks = -(-V // D)
+    return min(T, 1 << max(0, math.ceil(math.log2(-(-T // blocks)))))
+
+
+def _head_loss(cfg: ModelConfig, T: int, e: int) -> tuple[float, float]:
+    """(kept for the backward beyond the final norm, working set) of the head and the loss."""
+    V, D = cfg.vocab_size, cfg.d_model
+    if cfg.cross_entropy == "full":
+        return 4 * T * V, T * V * (2 * e + 4)
+    kept = 4 * V * D  # the weight's fp32 gradient; the hidden states' takes the norm output's place
+    if cfg.cross_entropy == "chunked":
+        C = min(cfg.cross_entropy_chunk_tokens, T)
+        return kept, 8 * C * V + e * V * D
+    return kept, liger_chunk_tokens(T, V, D) * V * e + e * V * D
 
 
 def compute_factor(cfg: ModelConfig, seq_len: int, recompute: str, every_n_blocks: int = 1) -> float:

@@ -4,7 +4,9 @@ crash-safely.
 A checkpoint is the directory ``<run>/checkpoints/step_NNNNNNN`` holding
 
 - DeepSpeed's files: model states (non-expert weights, LR scheduler, our client state: step,
-  token counter, data cursor), the ZeRO optimizer partitions of every rank, and in ``experts/``
+  token counter, and the state of every part registered with the checkpointer, each under its
+  name: the data cursor, the guards' windows, ESFT's selection, ...), the ZeRO optimizer
+  partitions of every rank, and in ``experts/``
   one file per expert of every MoE layer (DeepSpeed's ``zero_to_fp32`` script, which DeepSpeed
   copies next to the checkpoints, reads the directory as it is);
 - ``rng_rank_NNNNN.pt``: the Python, NumPy and torch RNG states of each rank;
@@ -38,6 +40,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -86,6 +89,51 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# --- What a checkpoint carries ----------------------------------------------------------------
+
+
+class Stateful(Protocol):
+    """A part of a run whose state every checkpoint carries, registered by name (:func:`carry`).
+    ``state_dict`` gives plain data and tensors (the checkpoint is read back with
+    ``weights_only``); ``load_state_dict`` takes it back on resume, on any layout, and on a
+    rollback, or None when the checkpoint holds nothing under the part's name (saved before the
+    part existed, or with it switched off): the part starts fresh or refuses, naming why."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict | None) -> None: ...
+
+
+RESERVED_NAMES = ("step", "tokens", "module", "optimizer", "lr_scheduler", "buffer_names",
+                  "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+                  "shared_params", "sparse_tensor_module_names", "skipped_steps",
+                  "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                  "ds_config", "ds_version", "data_sampler", "random_ltd", "num_experts",
+                  "checkpoint_parallel_dimensions", "ds_autoep_layers")
+"""Entries of a checkpoint's model-states file that are not a registered part's: the loop's
+step and token counter, and DeepSpeed's own (tests/moe/training/test_layout_resume.py checks
+this list against a saved file), which a part of the same name would overwrite."""
+
+
+def carry(states: dict[str, Stateful], name: str, part: Stateful) -> None:
+    """Register ``part`` in ``states`` (the dict a :class:`Checkpointer` saves) under ``name``."""
+    if name in RESERVED_NAMES or name in states:
+        taken = "reserved" if name in RESERVED_NAMES else f"taken by {states[name]!r}"
+        raise ValueError(f"checkpoint state name {name!r} is {taken}")
+    states[name] = part
+
+
+def restore(states: dict[str, Stateful], client: dict, source: Path) -> None:
+    """Give every registered part its state from ``client``, a checkpoint's client state
+    (DeepSpeed's, or :func:`~moe.parallel.layout.load_other_layout`'s on another layout);
+    ``source``: the checkpoint, named in errors."""
+    for name, part in states.items():
+        try:
+            part.load_state_dict(client.get(name))
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+
 # --- Saving -----------------------------------------------------------------------------------
 
 
@@ -107,13 +155,14 @@ class Checkpointer:
     """Writes the checkpoint of a step when the loop asks (every ``checkpoint.every_n_steps``,
     at the end, on a preemption). All ranks must call :meth:`save` together.
 
-    ``client_state``: more entries of the checkpoint's client state, name -> a function giving
-    the value at save time (the spike guard's window)."""
+    ``states``: name -> part (:class:`Stateful`, registered with :func:`carry`); each save
+    holds every part's ``state_dict()`` under its name, beside the step and the token counter.
+    The dict is read at each save: a part registered later is saved too."""
 
-    def __init__(self, engine, reader, ckpt_dir: Path, ctx: SaveContext, rank: int,
-                 on_error: str = "stop", client_state: dict | None = None):
-        self.engine, self.reader = engine, reader
-        self.client_state = client_state or {}
+    def __init__(self, engine, ckpt_dir: Path, ctx: SaveContext, rank: int,
+                 on_error: str = "stop", states: dict[str, Stateful] | None = None):
+        self.engine = engine
+        self.states = {} if states is None else states
         self.on_error = on_error  # checkpoint.on_save_error: stop | continue
         self.ckpt_dir = Path(ckpt_dir)
         self.ctx, self.rank = ctx, rank
@@ -168,8 +217,8 @@ class Checkpointer:
             if self.ctx.num_moe_layers:
                 (tag_dir / EXPERT_DIR).mkdir(parents=True, exist_ok=True)
         self.fingerprints = gather_expert_fingerprints(self.engine.module)
-        client = {"step": step, "tokens": tokens, "data": self.reader.state_dict(),
-                  **{name: value() for name, value in self.client_state.items()}}
+        client = {"step": step, "tokens": tokens,
+                  **{name: part.state_dict() for name, part in self.states.items()}}
         with _RecordingEngine(self.engine, errors):
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client,
                                         save_latest=False)

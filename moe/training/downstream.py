@@ -20,6 +20,7 @@ import torch
 
 from moe.config.run import RunConfig
 from moe.errors import ConfigError
+from moe.training.hooks import LoopPart
 
 log = logging.getLogger("moe.train")
 
@@ -37,10 +38,11 @@ def downstream_due(cfg: RunConfig, step: int) -> bool:
     return step == cfg.train.max_steps or bool(every and step % every == 0)
 
 
-class DownstreamEvaluator:
+class DownstreamEvaluator(LoopPart):
     """Built once before the first step (the tasks, their examples and requests are checked
-    then); :meth:`on_step_end` evaluates on the steps :func:`downstream_due` names and adds the
-    scalars to the step state, which the TensorBoard observer then writes."""
+    then); :meth:`on_step_end` evaluates on the steps :func:`downstream_due` names that stand
+    (once the guards decided: not a step that rolls back) and adds the scalars to the step
+    state, which the reporters registered after it then write."""
 
     def __init__(self, engine, cfg: RunConfig, rank: int, world_size: int,
                  tokenizer_file: str | Path):
@@ -102,9 +104,3 @@ class DownstreamEvaluator:
                 if name in LOGGED_METRICS and isinstance(value, (int, float)):
                     out[f"downstream/{task}/{name}"] = float(value)
         return out
-
-    def on_rollback(self, client: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -7,7 +7,8 @@ noise or dropout) of the base model. The router's selection is counted before an
 drop. The sums are all-reduced over every rank: the routers are replicated and their scores
 cover all experts, so the statistics are over global expert ids under any expert-parallel
 layout. The selection is written to ``RUN_DIR/esft_selection.json`` and into every checkpoint's
-client state; a resumed run takes it from its checkpoint and never scores again.
+client state (:class:`ExpertSelection`, registered with the checkpointer); a resumed run takes
+it from its checkpoint, saved on any layout, and never scores again.
 
 What the optimizer holds: the routed experts' stacks are the only parameters that train (one
 optimizer group each, moe/parallel/deepspeed_adapter.py), with their Adam moments for the whole
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,11 @@ from moe.fileio import write_atomic
 from moe.model.adapters.esft import mask_expert_rows, select_experts
 from moe.model.moe_layer import MoELayer
 from moe.training.device import to_device
+from moe.training.finetune import log_parameter_counts, parameter_counts
 
 log = logging.getLogger("moe.train")
 
 SELECTION_FILE = "esft_selection.json"
-CLIENT_KEY = "esft"
-"""The selection's entry in each checkpoint's client state."""
-SETTINGS = ("score", "p", "max_batches")
 
 
 @torch.no_grad()
@@ -114,22 +112,6 @@ def new_selection(model: torch.nn.Module, reader: PackedReader, cfg: RunConfig,
                                                   scores["token_share"])]}
 
 
-def resumed_selection(client: dict, cfg: RunConfig, tag_dir: Path) -> dict:
-    """The selection a checkpoint was trained with; its settings must be the config's."""
-    selection = client.get(CLIENT_KEY)
-    if selection is None:
-        raise CheckpointError(f"{tag_dir}: saved without an ESFT selection (not an "
-                              "finetune.method esft run): start a new run from it with "
-                              "model.init_from instead of resuming it")
-    esft = cfg.finetune.esft
-    changed = [f"finetune.esft.{k}: {getattr(esft, k)!r} differs from the checkpoint's "
-               f"{selection[k]!r} ({tag_dir}); the experts were selected with it"
-               for k in SETTINGS if selection[k] != getattr(esft, k)]
-    if changed:
-        raise ConfigError(changed)
-    return selection
-
-
 def install_selection(model: torch.nn.Module, optimizer, selection: dict, ep_rank: int) -> None:
     """Zero the gradient rows of every unselected expert this rank holds (global ids: rank
     ``ep_rank`` holds experts ``ep_rank * E_local`` to ``(ep_rank + 1) * E_local - 1``), mark
@@ -149,23 +131,53 @@ def install_selection(model: torch.nn.Module, optimizer, selection: dict, ep_ran
         group["weight_decay"] = 0.0
 
 
-def prepare_esft(model, optimizer, reader: PackedReader, cfg: RunConfig, rank: int, ep_rank: int,
-                 device: torch.device, client: dict | None, resumed_from: Path | None) -> dict:
-    """The run's selection (scored now, or the resumed checkpoint's), installed, logged, and
-    written to ``RUN_DIR/esft_selection.json`` by rank 0. ``client``: the resumed checkpoint's
-    client state (None for a new run)."""
-    if resumed_from is not None:
-        selection = resumed_selection(client, cfg, resumed_from)
-    else:
-        selection = new_selection(model, reader, cfg, device)
-    install_selection(model, optimizer, selection, ep_rank)
-    if rank == 0:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(cfg.run_dir / SELECTION_FILE, json.dumps(selection, indent=1).encode())
-        how = "from the checkpoint" if resumed_from is not None else (
-            f"scored on {selection['tokens']:,} tokens")
+class ExpertSelection:
+    """The experts that train in a ``finetune.method: esft`` run. A new run scores them on its
+    own first batches (:meth:`select`); a resumed one takes its checkpoint's, on any layout
+    (:meth:`load_state_dict`, through the checkpointer's registry under :attr:`state_key`).
+    Either way the selection is installed in the model and the optimizer, logged, and written
+    to ``RUN_DIR/esft_selection.json`` by rank 0."""
+
+    state_key = "esft"
+
+    def __init__(self, model, optimizer, cfg: RunConfig, rank: int, ep_rank: int,
+                 device: torch.device):
+        self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        self.rank, self.ep_rank, self.device = rank, ep_rank, device
+        self.selection: dict | None = None
+
+    def select(self, reader: PackedReader) -> None:
+        """Score the experts on this rank's first batches of ``reader`` (left where it was) and
+        install the selection."""
+        selection = new_selection(self.model, reader, self.cfg, self.device)
+        self._install(selection, f"scored on {selection['tokens']:,} tokens")
+
+    def state_dict(self) -> dict:
+        return self.selection
+
+    def load_state_dict(self, selection: dict | None) -> None:
+        """The checkpoint's selection; after a rollback, the installed one again (a run never
+        changes its selection)."""
+        if self.selection is not None:
+            if selection != self.selection:
+                raise CheckpointError("its ESFT selection differs from the one this run trains")
+            return
+        if selection is None:  # its settings are checked with the run config's (fixed fields)
+            raise CheckpointError("saved without an ESFT selection (not a finetune.method esft "
+                                  "run): start a new run from it with model.init_from instead "
+                                  "of resuming it")
+        self._install(selection, "from the checkpoint")
+
+    def _install(self, selection: dict, how: str) -> None:
+        install_selection(self.model, self.optimizer, selection, self.ep_rank)
+        self.selection = selection
+        if self.rank != 0:
+            return
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.cfg.run_dir / SELECTION_FILE, json.dumps(selection, indent=1).encode())
         log.info(f"ESFT ({selection['score']}, p={selection['p']}), {how}: "
                  + "; ".join(f"{layer['name']}: experts {layer['selected']}"
                              for layer in selection["layers"])
                  + "; the experts train without weight decay (docs/finetuning.md)")
-    return selection
+        ep = self.cfg.parallel.expert_parallel_size
+        log_parameter_counts(parameter_counts(self.model, ep), "esft")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moe.config.run import FinetuneConfig
+from moe.config_schema import function_keys
 from moe.errors import ConfigError
 from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.esft import freeze_all_but_routed_experts
@@ -86,8 +87,6 @@ def log_parameter_counts(counts: dict[str, float], method: str) -> None:
              f"({100 * counts['trainable_share']:.3f}%)")
 
 
-LORA_SHAPE = ("targets", "rank", "alpha", "expert_rank")
-"""The LoRA settings an adapter file must share with the run that applies it."""
 
 
 @torch.no_grad()
@@ -118,8 +117,10 @@ def load_adapters(model: nn.Module, cfg: LoRAConfig) -> None:
                         f"{meta['base_sha256'][:12]}... differs from this run's, "
                         "model.init_from); apply it to the checkpoint it was trained from")
     saved = json.loads(meta["lora"])
+    # The settings that shape the factors and what they compute (arch fields of LoRAConfig).
     problems += [f"finetune.lora.{name}: {getattr(cfg, name)!r} here, {saved.get(name)!r} in "
-                 f"{path}" for name in LORA_SHAPE if saved.get(name) != _plain(getattr(cfg, name))]
+                 f"{path}" for name in function_keys(LoRAConfig)
+                 if saved.get(name) != _plain(getattr(cfg, name))]
     ours = {n: p for n, p in params.items() if is_factor(n)}
     if not problems and (factors.keys() != ours.keys()
                          or any(factors[n].shape != p.shape for n, p in ours.items())):

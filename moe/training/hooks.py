@@ -1,11 +1,15 @@
-"""What the loop reports about a step, in two kinds, neither of which changes the step:
+"""The parts of the training loop: :class:`LoopPart`, the one base of everything the loop runs
+around a step, the step's state they see, and the parts that measure and report:
 
-- meters (throughput, memory, validation) measure: ``measure(state)`` returns more scalars, which
-  the loop adds to the step state before anything reports it;
-- observers (console, TensorBoard, step records) report the step state: ``on_step_end``.
+- meters (throughput, memory, validation) add scalars to the step state (``after_step``) before
+  anything reports it;
+- reporters (console, TensorBoard, step records) report the step state (``on_step_end``) and
+  change nothing.
 
-Decisions about the step (skip, roll back, stop) are the guards' (moe/training/resilience/),
-and saving and the router-bias update are explicit calls of the loop (trainer.py)."""
+Decisions about the step (skip, roll back, stop) are the guards' (``decide``;
+moe/training/resilience/); the router balance (routing.py) moves the router bias after the
+step; the loop (trainer.py) acts on the decisions: it raises, saves, exits, rolls back.
+docs/training-loop.md shows how to add a part."""
 
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe.config.run import RunConfig
+from moe.config_schema import to_dict
+from moe.training.decision import CONTINUE, Decision
 from moe.training.device import comm_device
 
 log = logging.getLogger("moe.train")
@@ -51,20 +58,61 @@ class StepState:
         return self.tokens_per_step / max(self.step_seconds, 1e-9)
 
 
-class Observer:
+class LoopPart:
+    """A part of the training loop: a meter, a guard, a reporter, the router balance, the
+    preemption guard, the hang watchdog. A part overrides the hooks it needs; the loop registers
+    it with one line (``run.add(part)`` in trainer.py's ``add_parts``) and calls the hooks of
+    every registered part, in registration order, on every rank:
+
+    1. :meth:`after_step` once the optimizer step is done: meters add their scalars;
+    2. :meth:`decide`: guards decide the step's course (decision.py); nothing else may;
+    3. :meth:`on_step_end`: reporters report the step state and change nothing;
+    4. then the loop acts on the decision (raise, save, exit for a requeue, roll back), calling
+       :meth:`on_checkpoint` after each complete save and :meth:`on_rollback` after a rollback;
+    5. :meth:`close` once when training ends, also when it fails or is preempted.
+
+    A part with state sets :attr:`state_key` and gives :meth:`state_dict` and
+    :meth:`load_state_dict`: every checkpoint then carries that state under the key, and a
+    resumed run (on any parallel layout) or a rollback gives it back (checkpoint.py)."""
+
+    state_key: str | None = None
+    """The name of this part's state in every checkpoint; None: the part has no state to keep."""
+
+    def after_step(self, state: StepState) -> None:
+        """The optimizer step ``state.step`` is done: add scalars to ``state.extra``."""
+
+    def decide(self, state: StepState, latest: tuple[int, Path] | None) -> Decision:
+        """What the loop should do after the step (a guard's answer). ``latest``: (step,
+        directory) of the newest complete checkpoint, the one a rollback restores (None before
+        the first). Every rank must decide alike (a guard all-reduces what it decides on)."""
+        return CONTINUE
+
     def on_step_end(self, state: StepState) -> None:
-        """Called on every rank after each optimizer step, once the guards have decided."""
+        """Report the step, once the guards have decided (``state.rollback_to`` set when the
+        step rolls back); change nothing, except scalars added to ``state.extra`` for the
+        reporters registered later (a meter of the steps that stand: downstream.py)."""
+
+    def on_checkpoint(self, step: int, tag_dir: Path) -> None:
+        """The checkpoint of step ``step`` is complete in ``tag_dir``."""
 
     def on_rollback(self, client: dict) -> None:
-        """Called on every rank after the loop restored the checkpoint whose client state (step,
-        tokens, data cursor, ...) is ``client``: the steps after ``client["step"]`` will run
-        again, so drop what was kept of them."""
+        """The loop restored the checkpoint whose client state (step, tokens, every registered
+        state) is ``client``, and every registered state from it: the steps after
+        ``client["step"]`` will run again, so drop what was kept of them."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """``state``: what :meth:`state_dict` gave when the checkpoint was saved; None when the
+        checkpoint holds none (saved before the part existed, or with it off)."""
 
     def close(self) -> None:
-        pass
+        """Release what the part holds (files, threads, signal handlers). Called exactly once,
+        whether training ended, failed or was preempted."""
 
 
-class ConsoleHook(Observer):
+class ConsoleReporter(LoopPart):
     """One concise rank-0 line per logging interval."""
 
     def __init__(self, rank: int):
@@ -83,7 +131,7 @@ class ConsoleHook(Observer):
                  f"ETA {eta / 60:.1f} min")
 
 
-class TensorBoardHook(Observer):
+class TensorBoardReporter(LoopPart):
     """Rank 0 writes scalars; values are already averaged over ranks by the loop."""
 
     def __init__(self, log_dir: Path, config_text: str, hparams: dict | None = None):
@@ -136,7 +184,7 @@ class TensorBoardHook(Observer):
         self.writer.close()
 
 
-class ThroughputHook:
+class ThroughputMeter(LoopPart):
     """Model FLOPs per second and utilization (MFU) from the training FLOPs per token of the
     active parameters and attention (moe/model/size.py documents the formula)."""
 
@@ -146,17 +194,16 @@ class ThroughputHook:
         self.peak = peak_flops_per_device
         self.world = world_size
 
-    def measure(self, s: StepState) -> dict[str, float]:
+    def after_step(self, s: StepState) -> None:
         if not s.is_log_step:
-            return {}
+            return
         achieved = s.tokens_per_second * self.flops_per_token
-        out = {"train/model_tflops_per_s": achieved / 1e12}
+        s.extra["train/model_tflops_per_s"] = achieved / 1e12
         if self.peak:
-            out["train/mfu"] = achieved / (self.peak * self.world)
-        return out
+            s.extra["train/mfu"] = achieved / (self.peak * self.world)
 
 
-class ResourceHook:
+class MemoryMeter(LoopPart):
     """Process memory (resident set, max over ranks) and accelerator memory when present."""
 
     def __init__(self, group=None):
@@ -165,19 +212,18 @@ class ResourceHook:
         self.proc = psutil.Process()
         self.group = group
 
-    def measure(self, s: StepState) -> dict[str, float]:
+    def after_step(self, s: StepState) -> None:
         if not s.is_log_step:
-            return {}
+            return
         mem = torch.tensor([self.proc.memory_info().rss / 2**30,
                             torch.cuda.max_memory_allocated() / 2**30
                             if torch.cuda.is_available() else 0.0], device=comm_device())
         if dist.is_initialized():
             dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=self.group)
         rss, gpu = mem.tolist()
-        out = {"system/process_memory_gib": rss}
+        s.extra["system/process_memory_gib"] = rss
         if torch.cuda.is_available():
-            out["system/gpu_max_allocated_gib"] = gpu
-        return out
+            s.extra["system/gpu_max_allocated_gib"] = gpu
 
 
 def add_bucket_histogram(writer, tag: str, counts: torch.Tensor, step: int) -> None:
@@ -193,7 +239,7 @@ def add_bucket_histogram(writer, tag: str, counts: torch.Tensor, step: int) -> N
         bucket_counts=counts.tolist(), global_step=step)
 
 
-class ValidationHook:
+class ValidationMeter(LoopPart):
     """Every N steps: token-weighted loss and perplexity over (a bounded part of) the validation
     split, computed by all ranks together. Every rank runs the same number of forward passes,
     padding with fully masked batches, because an expert-parallel forward is a collective."""
@@ -240,17 +286,17 @@ class ValidationHook:
         mean = total / max(tokens, 1.0)
         return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": int(tokens)}
 
-    def measure(self, s: StepState) -> dict[str, float]:
+    def after_step(self, s: StepState) -> None:
         if not (self.every and (s.step % self.every == 0 or s.step == s.max_steps)):
-            return {}
+            return
         self.last = self.evaluate()
         if self.rank == 0:
             log.info(f"step {s.step:>5} | validation loss {self.last['loss']:.4f} | "
                      f"perplexity {self.last['perplexity']:.2f} over {self.last['tokens']:,} tokens")
-        return {"valid/loss": self.last["loss"], "valid/perplexity": self.last["perplexity"]}
+        s.extra.update({"valid/loss": self.last["loss"], "valid/perplexity": self.last["perplexity"]})
 
 
-class StepRecordHook(Observer):
+class StepRecorder(LoopPart):
     """Every rank appends one JSON line per step to its own file: the step, this rank's loss, a
     hash of its token ids and the global sample positions ``[start, end)`` the step consumed
     (every rank's samples of the step). Comparing these files shows whether a resumed run repeated the
@@ -301,3 +347,21 @@ class StepRecordHook(Observer):
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def hparams(cfg: RunConfig, counts: dict | None = None) -> dict:
+    """The run's scalar settings, flattened, for TensorBoard's hparams view, and ``counts``
+    (:func:`~moe.training.finetune.parameter_counts`) under ``params.``."""
+    flat: dict = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(node, (int, float, str, bool)):
+            flat[prefix] = node
+
+    walk("", {k: v for k, v in to_dict(cfg).items()
+              if k in ("model", "train", "parallel", "finetune")})
+    walk("params", counts or {})
+    return flat

@@ -8,11 +8,12 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from moe.training.hooks import StepState
+from moe.model.moe_layer import SUM
+from moe.training.hooks import LoopPart, StepState
 
 
-class RouterBalance:
-    """The loop calls :meth:`update` after each step: it sums every MoE layer's routing counters
+class RouterBalance(LoopPart):
+    """After each step (:meth:`after_step`, before the guards decide) it sums every MoE layer's routing counters
     over the step's micro-batches and all ranks (one all-reduce for all layers), applies the
     auxiliary-loss-free bias update (training math: the next step routes with the new bias),
     publishes per-layer statistics in the step state for the loggers, and resets the counters.
@@ -25,7 +26,7 @@ class RouterBalance:
         self.group = group
         self.bias_in_use = any(layer.router.cfg.bias_update_rate > 0 for layer in moe_layers)
 
-    def update(self, s: StepState) -> None:
+    def after_step(self, s: StepState) -> None:
         if not self.layers:
             return
         if self.bias_in_use or s.is_log_step:
@@ -50,15 +51,16 @@ class RouterBalance:
         E = loads_LE.shape[1]
         rows = torch.cat([loads_LE.float(), sums_LS.float(), spread_L.float()[:, None]], 1).tolist()
         for i, (row, layer) in enumerate(zip(rows, self.layers)):
-            load, (routed, entropy, aux, z, count), spread = row[:E], row[E:-1], row[-1]
+            load, spread = row[:E], row[-1]
+            sums = {name: row[E + j] for name, j in SUM.items()}
             mean = max(sum(load) / E, 1e-9)
+            count = max(sums["micro_batches"], 1.0)
             p = f"moe/layer{i}"
             s.histograms[f"{p}/expert_load"] = torch.tensor(load)
             s.extra[f"{p}/max_over_mean_load"] = max(load) / mean
             s.extra[f"{p}/load_cv"] = statistics.pstdev(load) / mean
-            s.extra[f"{p}/dropped_fraction"] = 1.0 - sum(load) / max(routed, 1.0)
-            s.extra[f"{p}/router_entropy"] = entropy / max(count, 1.0)
-            s.extra[f"{p}/aux_loss"] = aux / max(count, 1.0)
-            s.extra[f"{p}/z_loss"] = z / max(count, 1.0)
+            s.extra[f"{p}/dropped_fraction"] = 1.0 - sum(load) / max(sums["routed"], 1.0)
+            for name in ("router_entropy", "aux_loss", "z_loss"):  # per micro-batch means
+                s.extra[f"{p}/{name}"] = sums[name] / count
             if layer.router.cfg.bias_update_rate > 0:
                 s.extra[f"{p}/expert_bias_spread"] = spread

@@ -1,11 +1,13 @@
 """Build a DeepSpeed engine around the MoE model and run the training loop.
 
 Reading order: :func:`train`, then :func:`run_step` (one step and everything that follows it),
-then :func:`start_run` and :func:`add_parts` (what the loop is made of). The loop owns a
-:class:`TrainState` (step, tokens, newest checkpoint). After each step, in this order: meters add
-their scalars, the router bias moves, the guards decide (moe/training/decision.py), observers
-report, and the loop acts: it raises on a stop, saves, exits on a preemption, rolls back. Nothing
-else changes the course of training."""
+then :func:`start_run` and :func:`add_parts` (what the loop is made of, one ``run.add`` per
+part). The loop owns a :class:`~moe.training.run.TrainState` (step, tokens, newest checkpoint).
+After each step, every registered part's hooks (moe/training/hooks.py, ``LoopPart``), in this
+order: meters add their scalars and the router bias moves (``after_step``), the guards decide
+(``decide``; moe/training/decision.py), reporters report (``on_step_end``); then the loop acts:
+it raises on a stop, saves, exits on a preemption, rolls back. Nothing else changes the course
+of training, and every part is closed when training ends, however it ends."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,35 +51,35 @@ from moe.training.checkpoint import (
     SaveContext,
     load_rng,
     resolve_resume,
+    restore,
 )
-from moe.training.decision import Continue, Decision, Rollback, Stop
+from moe.training.decision import Rollback, Stop, decide
 from moe.training.device import peak_bf16_flops, to_device
 from moe.training.downstream import DownstreamEvaluator, downstream_due
-from moe.training.esft import CLIENT_KEY as ESFT_STATE
-from moe.training.esft import prepare_esft
+from moe.training.esft import ExpertSelection
 from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
 from moe.training.hooks import (
-    ConsoleHook,
-    Observer,
-    ResourceHook,
-    StepRecordHook,
+    ConsoleReporter,
+    MemoryMeter,
+    StepRecorder,
     StepState,
-    TensorBoardHook,
-    ThroughputHook,
-    ValidationHook,
+    TensorBoardReporter,
+    ThroughputMeter,
+    ValidationMeter,
+    hparams,
 )
 from moe.training.prefetch import PrefetchingReader
 from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.nan_guard import NonFiniteGuard, poison_nonfinite
-from moe.training.resilience.preemption import PREEMPTED_MARKER, PreemptionGuard
+from moe.training.resilience.preemption import PreemptionGuard, exit_for_requeue
 from moe.training.resilience.spike_guard import (
-    SPIKE_STATE,
     LossSpikeGuard,
     recorded_events,
     skipped_windows,
 )
 from moe.training.resilience.watchdog import HangWatchdog
 from moe.training.routing import RouterBalance
+from moe.training.run import PartFactory, Run, TrainState, close
 from moe.training.upcycle import check_source_tokenizer, initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
@@ -168,7 +171,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     if make_optimizer is not None:
         optimizer = make_optimizer(groups)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                                      **t.adamw_options())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler,
@@ -186,10 +190,11 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     return engine, model
 
 
-def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistEnv,
+def resume_from(engine, model, tag_dir: Path, cfg: RunConfig, env: DistEnv,
                 tokenizer_sha256: str) -> dict:
-    """Load a verified checkpoint into the engine, on the saving layout or another one. Returns
-    the client state (step, tokens, data cursor)."""
+    """Load a verified checkpoint into the engine, on the saving layout or another one, and
+    restore the RNG. Returns the client state: step, tokens, and every registered part's state
+    under its name (:func:`~moe.training.checkpoint.restore` gives them back)."""
     marker = verify_checkpoint(tag_dir, cfg, tokenizer_sha256)
     same_layout = (marker["world_size"] == env.world_size and marker["expert_parallel_size"]
                    == cfg.parallel.expert_parallel_size)
@@ -208,7 +213,6 @@ def resume_from(engine, model, reader, tag_dir: Path, cfg: RunConfig, env: DistE
     if problems:
         raise CheckpointError(f"{tag_dir}: expert weights are wrong after loading: "
                               + "; ".join(problems))
-    reader.load_state_dict(client["data"])
     load_rng(tag_dir, marker, env.rank, env.world_size, cfg.train.seed)
     return client
 
@@ -341,104 +345,48 @@ def trained_token_weights(targets: list[torch.Tensor], world_size: int, masked: 
     return list(weights), total
 
 
-@dataclass
-class TrainState:
-    """What the loop owns and changes: where training stands and the run's newest checkpoint."""
-
-    step: int = 0  # optimizer steps completed
-    tokens: int = 0  # tokens trained on
-    checkpoint: Path | None = None  # the newest complete checkpoint of this run's history
-    checkpoint_step: int = -1
-    failed_saves: list[int] = field(default_factory=list)  # steps saved in vain since then
-    last_save_seconds: float | None = None
-    history: list[dict] = field(default_factory=list)  # the logging steps' losses
-
-    def latest(self) -> tuple[int, Path] | None:
-        """(step, directory) of the newest complete checkpoint, the one a rollback restores."""
-        return None if self.checkpoint is None else (self.checkpoint_step, self.checkpoint)
-
-
-@dataclass
-class Run:
-    """What the loop drives, built once by :func:`start_run`."""
-
-    cfg: RunConfig
-    env: DistEnv
-    engine: object
-    model: MoETransformer
-    loader: PrefetchingReader
-    tokenizer_sha256: str
-    state: TrainState
-    checkpointer: Checkpointer | None = None
-    router: RouterBalance | None = None
-    meters: list = field(default_factory=list)  # measure(step state) -> more scalars
-    observers: list[Observer] = field(default_factory=list)  # report the step, change nothing
-    nonfinite: NonFiniteGuard | None = None
-    spike: LossSpikeGuard | None = None
-    preemption: PreemptionGuard | None = None
-    watchdog: HangWatchdog | None = None
-    esft: dict | None = None  # finetune.method esft: the experts that train (moe/training/esft.py)
-
-
 def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
-          faults: FaultInjector | None = None) -> dict:
+          faults: FaultInjector | None = None, parts: Sequence[PartFactory] = ()) -> dict:
     """Train to ``cfg.train.max_steps``. ``resume``: ``auto`` (the newest complete checkpoint of
     the run directory, if any), ``none``, or a checkpoint directory. ``faults``: tests only
-    (moe/training/resilience/faults.py)."""
-    run = start_run(cfg, env, resume, faults)
+    (moe/training/resilience/faults.py). ``parts``: more parts of the loop, each built from the
+    run after the built-in ones (code that embeds the trainer, tests)."""
+    run = start_run(cfg, env, resume, faults, parts)
     try:
         while run.state.step < run.cfg.train.max_steps:
             run_step(run)
         save(run, run.cfg.train.max_steps)
     finally:
-        if run.watchdog is not None:  # also when the loop raised: never end a later caller
-            run.watchdog.close()
-        run.loader.close()
-    for observer in run.observers:
-        observer.close()
-    run.preemption.close()
+        failed = close(run)  # also when the loop raised or was preempted
+    if failed:
+        raise failed[0]
     return finish_run(run)
 
 
 def run_step(run: Run) -> None:
-    """One optimizer step and what follows it, in this order: measure, let the guards decide,
-    report, then act on the decision (stop, save, preempt, roll back)."""
+    """One optimizer step and what follows it, in this order: the parts measure, the guards
+    decide, the parts report, then the loop acts on the decision (stop, save, preempt, roll
+    back)."""
     ts, every = run.state, run.cfg.checkpoint.every_n_steps
     state = train_step(run.engine, run.loader, run.cfg, run.env, ts.step + 1, run.spike)
     ts.step, ts.tokens = state.step, ts.tokens + state.tokens_per_step
-    for meter in run.meters:
-        state.extra.update(meter.measure(state))
-    run.router.update(state)  # the loss-free router bias for the next step; routing statistics
-    decision = decide(run, state)
-    if isinstance(decision, Rollback):
-        state.rollback_to = decision.step
-    for observer in run.observers:
-        observer.on_step_end(state)
-    if isinstance(decision, Stop):
+    for part in run.parts:
+        part.after_step(state)  # meters; the router bias for the next step
+    decision = decide(run.parts, state, ts.latest())
+    for part in run.parts:
+        part.on_step_end(state)
+    if isinstance(decision, Stop) and decision.signal is None:
         raise TrainingError(decision.reason)
-    if every and ts.step % every == 0 and not isinstance(decision, Rollback):
+    if every and ts.step % every == 0 and state.rollback_to is None:
         save(run, ts.step)  # a step that rolls back is undone next: never saved
-    preempted = run.preemption.decide(state)  # every rank, every step: a collective
-    if isinstance(preempted, Stop):
-        save(run, preempted.step)
-        run.preemption.exit(preempted)
-    if run.watchdog is not None:
-        run.watchdog.on_step_end(state)  # the step is done: its clock starts again
+    if isinstance(decision, Stop):  # a preemption: save the step it names, exit for a requeue
+        save(run, decision.step)
+        exit_for_requeue(run.cfg.run_files.preempted, run.env.rank, decision)
     if isinstance(decision, Rollback):
         roll_back(run, decision)
     elif state.is_log_step:
         ts.history.append({"step": ts.step, "loss": state.loss, "lm_loss": state.lm_loss,
                            "tokens_per_s": state.tokens_per_second})
-
-
-def decide(run: Run, state: StepState) -> Decision:
-    """The guards' decision on the step: the non-finite guard's stop wins; otherwise the spike
-    guard's skip, rollback or stop, if any; otherwise the non-finite guard's."""
-    decision = run.nonfinite.decide(state)
-    if isinstance(decision, Stop) or run.spike is None:
-        return decision
-    spike = run.spike.decide(state, run.state.latest())
-    return decision if isinstance(spike, Continue) else spike
 
 
 def save(run: Run, step: int) -> None:
@@ -455,122 +403,133 @@ def save(run: Run, step: int) -> None:
         return
     ts.checkpoint, ts.checkpoint_step, ts.failed_saves = saved, step, []
     ts.last_save_seconds = time.time() - t0
+    for part in run.parts:
+        part.on_checkpoint(step, saved)
 
 
 def roll_back(run: Run, decision: Rollback) -> None:
     """Restore the checkpoint ``decision.checkpoint`` in this process, on every rank, the way a
-    resumed run loads it (model, optimizer, LR schedule, data cursor, RNG); the guards and
-    observers drop what they kept of the steps after it."""
+    resumed run loads it (model, optimizer, LR schedule, RNG, every registered state: data
+    cursor, guards' windows, ...); then the parts drop what they kept of the steps after it."""
     t0, ts = time.time(), run.state
-    client = resume_from(run.engine, run.model, run.loader, decision.checkpoint, run.cfg,
-                         run.env, run.tokenizer_sha256)
+    client = resume_from(run.engine, run.model, decision.checkpoint, run.cfg, run.env,
+                         run.tokenizer_sha256)
     ts.step, ts.tokens = int(client["step"]), int(client.get("tokens", 0))
     ts.history = [h for h in ts.history if h["step"] <= ts.step]
-    for part in (run.nonfinite, run.spike, *run.observers):
+    restore(run.states, client, decision.checkpoint)
+    for part in run.parts:
         part.on_rollback(client)
     log.info(f"rolled back to {decision.checkpoint} (step {ts.step}) in "
              f"{time.time() - t0:.2f}s; the steps after it run again")
 
 
-def start_run(cfg: RunConfig, env: DistEnv, resume: str,
-              faults: FaultInjector | None = None) -> Run:
-    """The engine, the data, the resumed state; then the checkpointer, meters, observers and
-    guards around them."""
+def start_run(cfg: RunConfig, env: DistEnv, resume: str, faults: FaultInjector | None = None,
+              parts: Sequence[PartFactory] = ()) -> Run:
+    """The engine, the data, the resumed state; then the checkpointer and the loop's parts
+    around them (closed again if starting fails)."""
     cfg = resolve_vocab(cfg)
     data = PreparedData.from_config(cfg.data)  # a local directory or s3:// (through a cache)
     tokenizer_sha = data.manifest.tokenizer["sha256"]
-    ckpt_dir = cfg.run_dir / "checkpoints"
+    files = cfg.run_files
+    ckpt_dir = files.checkpoints
     resume_dir = resolve_resume(resume, ckpt_dir)
     if resume_dir is not None:
         verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
     elif cfg.model.init_from:
         check_source_tokenizer(cfg.model.init_from, tokenizer_sha, str(cfg.data.dir))
     if env.rank == 0:  # written again when this run ends with its checkpoint; none till then
-        (cfg.run_dir / SUMMARY).unlink(missing_ok=True)
+        files.summary.unlink(missing_ok=True)
     engine, model = build_engine(cfg, env)
     reader = PackedReader(data, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
                           cfg.train.micro_batch_size, weights=cfg.data.weights(),
                           loader_workers=cfg.data.loader_workers,
                           allow_other_data=cfg.data.allow_other_data_on_resume,
                           document_ids=cfg.model.document_masking)
-    state, client = TrainState(), {}
+    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
+    state, client = TrainState(), None
     if resume_dir is not None:
         t_load = time.time()
-        client = resume_from(engine, model, reader, resume_dir, cfg, env, tokenizer_sha)
+        client = resume_from(engine, model, resume_dir, cfg, env, tokenizer_sha)
         state.step, state.tokens = int(client["step"]), int(client.get("tokens", 0))
         if resume_dir.parent.resolve() == ckpt_dir.resolve():
             state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
         log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
                  f"{time.time() - t_load:.2f}s)")
-    esft = None
-    if cfg.finetune.method == "esft":  # after loading: a resumed run takes its checkpoint's
-        ep = cfg.parallel.expert_parallel_size
-        esft = prepare_esft(model, engine.optimizer, reader, cfg, env.rank,
-                            expert_parallel_rank(env.rank, ep), engine.device, client, resume_dir)
-        if env.rank == 0:
-            log_parameter_counts(parameter_counts(model, ep), "esft")
-    loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
+    train_loader = loader
     if faults is not None:  # tests only: proxies that call the injector (resilience/faults.py)
-        engine, loader = faults.install(engine, loader, state)
-    run = Run(cfg, env, engine, model, loader, tokenizer_sha, state, esft=esft)
-    add_parts(run, data, client)
+        engine, train_loader = faults.install(engine, loader, state)
+    run = Run(cfg, env, engine, model, train_loader, tokenizer_sha, state,
+              resumed=None if client is None else (client, resume_dir))
+    try:
+        run.carry("data", loader)
+        if cfg.finetune.method == "esft":  # before the parts: the parameter counts need it
+            esft = ExpertSelection(model, engine.optimizer, cfg, env.rank,
+                                   expert_parallel_rank(env.rank,
+                                                        cfg.parallel.expert_parallel_size),
+                                   engine.device)
+            run.carry(esft.state_key, esft)
+            if client is None:  # a new run scores the experts on its first batches
+                esft.select(reader)
+        add_parts(run, data)
+        for build in parts:
+            run.add(build(run))
+        add_watch(run)
+    except BaseException:
+        close(run)
+        raise
+    run.resumed = None
     if state.step >= cfg.train.max_steps and env.rank == 0:
         log.info(f"the latest checkpoint is at step {state.step}; nothing left to train "
                  f"(max_steps {cfg.train.max_steps})")
     return run
 
 
-def add_parts(run: Run, data: PreparedData, client: dict) -> None:
-    """The run's checkpointer, router balance, meters, observers and guards; the preemption
-    guard and the watchdog last, just before the first step."""
+def add_parts(run: Run, data: PreparedData) -> None:
+    """The run's checkpointer and parts, one ``run.add`` each: meters, the router balance,
+    guards, reporters (the order of their hooks is this order)."""
     cfg, env, t = run.cfg, run.env, run.cfg.train
-    run_dir, moe_layers = cfg.run_dir, run.model.moe_layers()
+    run_dir, files, moe_layers = cfg.run_dir, cfg.run_files, run.model.moe_layers()
     config_text = dump_config(cfg)
     if cfg.eval.every_n_steps:
         windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.max_tokens))
-        run.meters.append(ValidationHook(run.engine, cfg.eval.every_n_steps, windows,
-                                         cfg.data.seq_len, cfg.eval.batch_size, env.rank,
-                                         env.world_size))
+        run.add(ValidationMeter(run.engine, cfg.eval.every_n_steps, windows, cfg.data.seq_len,
+                                cfg.eval.batch_size, env.rank, env.world_size))
+    run.add(MemoryMeter())
     train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
-    run.meters += [ResourceHook(), ThroughputHook(train_flops, peak_flops(cfg, run.engine.device),
-                                                  env.world_size)]
-    run.router = RouterBalance(moe_layers)
-    run.observers += [ConsoleHook(env.rank),
-                      StepRecordHook(run_dir / "logs" / f"steps_rank{env.rank}.jsonl")]
-    if env.rank == 0 and cfg.logging.tensorboard:
-        counts = parameter_counts(run.model, cfg.parallel.expert_parallel_size)
-        run.observers.append(TensorBoardHook(run_dir / "tensorboard", config_text,
-                                             hparams(cfg, counts)))
-    if cfg.eval.downstream.tasks:  # first: the TensorBoard observer writes its scalars
-        run.observers.insert(0, DownstreamEvaluator(run.engine, cfg, env.rank, env.world_size,
-                                                    data.tokenizer_file()))
-    run.nonfinite = NonFiniteGuard(t.max_consecutive_skips, env.rank)
+    run.add(ThroughputMeter(train_flops, peak_flops(cfg, run.engine.device), env.world_size))
+    run.add(RouterBalance(moe_layers))  # after the meters: its statistics join the state
+    run.add(NonFiniteGuard(t.max_consecutive_skips, env.rank))  # the first guard: its stop wins
     # Whatever train.spike says now: data that a rollback took out stays out.
     events = recorded_events(run_dir)
     run.loader.skip(skipped_windows(events))
     if t.spike.action != "off":
-        run.spike = LossSpikeGuard(t.spike, run_dir, run.loader, env.rank, env.world_size,
-                                   events=events)
-        run.spike.load_state_dict(client.get(SPIKE_STATE))
+        run.spike = run.add(LossSpikeGuard(t.spike, run_dir, run.loader, env.rank,
+                                           env.world_size, events=events))
+    if cfg.eval.downstream.tasks:  # before the reporters, which write its scalars
+        run.add(DownstreamEvaluator(run.engine, cfg, env.rank, env.world_size,
+                                    data.tokenizer_file()))
+    run.add(ConsoleReporter(env.rank))
+    run.add(StepRecorder(files.step_records(env.rank)))
+    if env.rank == 0 and cfg.logging.tensorboard:
+        counts = parameter_counts(run.model, cfg.parallel.expert_parallel_size)
+        run.add(TensorBoardReporter(files.tensorboard, config_text, hparams(cfg, counts)))
     save_ctx = SaveContext(
         config_text=config_text, tokenizer_file=data.tokenizer_file(),
         tokenizer_sha256=run.tokenizer_sha256, world_size=env.world_size,
         expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
         num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
-    client_state = {SPIKE_STATE: run.spike.state_dict} if run.spike is not None else {}
-    if run.esft is not None:
-        client_state[ESFT_STATE] = lambda: run.esft
-    run.checkpointer = Checkpointer(
-        run.engine, run.loader, run_dir / "checkpoints", save_ctx, env.rank,
-        cfg.checkpoint.on_save_error, client_state)
-    run.preemption = PreemptionGuard(run_dir / PREEMPTED_MARKER, env.rank,
-                                     tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals))
+    run.checkpointer = Checkpointer(run.engine, files.checkpoints, save_ctx, env.rank,
+                                    cfg.checkpoint.on_save_error, run.states)
+
+
+def add_watch(run: Run) -> None:
+    """The preemption guard (the last guard asked) and the hang watchdog, just before the first
+    step."""
+    cfg, env, t, files = run.cfg, run.env, run.cfg.train, run.cfg.run_files
+    run.add(PreemptionGuard(files.preempted, env.rank,
+                            tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)))
     if t.hang_timeout_s:
-        run.watchdog = HangWatchdog(t.hang_timeout_s, run_dir / "logs", env.rank)
-        run.watchdog.start(run.state.step)
-
-
-SUMMARY = "train_summary.json"
+        run.add(HangWatchdog(t.hang_timeout_s, files.logs, env.rank)).start(run.state.step)
 
 
 def finish_run(run: Run) -> dict:
@@ -588,7 +547,7 @@ def finish_run(run: Run) -> dict:
         summary.update(unsaved_steps=[first, max_steps], failed_saves=ts.failed_saves,
                        newest_checkpoint=None if ts.checkpoint is None else str(ts.checkpoint))
     if run.env.rank == 0:
-        (run.cfg.run_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+        run.cfg.run_files.summary.write_text(json.dumps(summary, indent=2))
     if ts.failed_saves:
         kept = (f"the newest complete checkpoint is {ts.checkpoint} (step {ts.checkpoint_step})"
                 if ts.checkpoint is not None else "there is no complete checkpoint")
@@ -599,23 +558,3 @@ def finish_run(run: Run) -> dict:
             "fix the storage, then resume: those steps train again")
     log.info(f"finished: step {ts.step} of {max_steps}, checkpoint {ts.checkpoint}")
     return summary
-
-
-def hparams(cfg: RunConfig, counts: dict | None = None) -> dict:
-    """The run's scalar settings, flattened, for TensorBoard's hparams view, and ``counts``
-    (:func:`~moe.training.finetune.parameter_counts`) under ``params.``."""
-    from moe.config_schema import to_dict
-
-    flat: dict = {}
-
-    def walk(prefix: str, node) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else k, v)
-        elif isinstance(node, (int, float, str, bool)):
-            flat[prefix] = node
-
-    walk("", {k: v for k, v in to_dict(cfg).items()
-              if k in ("model", "train", "parallel", "finetune")})
-    walk("params", counts or {})
-    return flat

@@ -19,26 +19,40 @@ from pathlib import Path
 import torch
 
 from moe.checkpoint.files import read_marker, resolve_checkpoint
+from moe.config_schema import dotted_get, function_keys, to_dict
 from moe.errors import CheckpointError, ConfigError
 from moe.hf_weights import read_hf_model, refuse_nonfinite, tokenizer_record
 from moe.load import load_model
 from moe.model.transformer import ModelConfig, MoETransformer
 
-# Fields that must agree for weights to mean the same thing (shapes alone miss e.g. positions).
-_SAME_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "qkv_bias", "qk_norm",
-                "position", "rope_theta", "t5_num_buckets", "t5_max_distance", "norm", "norm_placement",
-                "tie_embeddings")
 _DENSE_FFN = re.compile(r"^blocks\.(\d+)\.ffn\.(w_in|w_out)\.weight$")
 _FRESH = re.compile(r"^blocks\.\d+\.ffn\.(router\.weight|router\.score_bias)$")
 
 
+def _may_differ(key: str) -> bool:
+    """Upcycling replaces the feed-forward layers: their kind and the MoE section may differ
+    (widths are checked weight by weight), except the activation, which every expert copies;
+    the context may grow (learned positions then differ in shape and are refused by name)."""
+    return key in ("ffn", "max_seq_len") or (key.startswith("moe.") and key != "moe.activation")
+
+
+def _effective(cfg: ModelConfig) -> dict:
+    """``cfg`` as plain data with the sizes that null derives filled in, so that a null and the
+    value it stands for compare equal."""
+    out = to_dict(cfg)
+    out.update(n_kv_heads=cfg.kv_heads, head_dim=cfg.head_size)
+    return out
+
+
 def incompatibilities(source: ModelConfig, target: ModelConfig) -> list[str]:
-    out = [f"model.{name}: this run has {getattr(target, name)!r}, the source checkpoint "
-           f"{getattr(source, name)!r}"
-           for name in _SAME_FIELDS if getattr(source, name) != getattr(target, name)]
-    if source.moe.activation != target.moe.activation:
-        out.append(f"model.moe.activation: this run has {target.moe.activation!r}, the source "
-                   f"checkpoint {source.moe.activation!r}")
+    """The function-changing fields (``arch``, moe/config_schema.py) on which the source's and
+    this run's model configs disagree, outside the feed-forward layers upcycling replaces."""
+    src, tgt = _effective(source), _effective(target)
+    out = []
+    for key in function_keys(type(target)):
+        theirs, ours = dotted_get(src, key), dotted_get(tgt, key)
+        if not _may_differ(key) and theirs != ours:
+            out.append(f"model.{key}: this run has {ours!r}, the source checkpoint {theirs!r}")
     return out
 
 

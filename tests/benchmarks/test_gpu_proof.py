@@ -70,7 +70,8 @@ def test_dry_run_on_the_cpu_runs_every_part(tmp_path):
 
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(["summary.md", "summary.json", "install.log", "env.log",
-                            "pytest.log", "bench.log", "train.log", "eval.log"])
+                            "pytest.log", "bench.log", "train.log", "eval.log", "profile.md",
+                            "profile.json"])
     summary = json.loads((out / "summary.json").read_text())
     parts = {p["name"]: p for p in summary["parts"]}
     assert summary["ok"] and list(parts) == ["install", "env", "pytest", "bench", "train", "eval"]
@@ -101,6 +102,11 @@ def test_dry_run_on_the_cpu_runs_every_part(tmp_path):
         assert ratios[c["model"]] == pytest.approx(c["tokens_per_s"] / r["tokens_per_s"], rel=1e-2)
     assert "--set train.compile=true" in (out / "bench.log").read_text()
     assert "compiled / eager" in (out / "summary.md").read_text()
+    # A step profile of each model, eager and compiled, and a line of each in the summary.
+    entries = json.loads((out / "profile.json").read_text())["entries"]
+    assert [(e["model"], e["setting"]) for e in entries] == [
+        (m, s) for s in ("default", "train.compile=true") for m in ("tiny-dense", "tiny-moe")]
+    assert "| tiny-moe | train.compile=true |" in (out / "summary.md").read_text()
 
     train = parts["train"]["figures"]
     assert train["steps"] == 4 and train["checkpoint"].endswith("step_0000004")
@@ -258,6 +264,7 @@ def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(tmp
     with open(proof.out / "bench.log", "w") as log:
         assert proof.bench(part, log, 60.0) == status
     assert len(commands) == 2 and "train.compile=true" not in commands[0]
+    assert all(c[c.index("--profile-out") + 1] == str(proof.out) for c in commands)
     if compiled_rc == 0:
         assert part.figures["compiled_over_eager"] == {"m": 1.5} and not part.note
     if compiled_rc is None:

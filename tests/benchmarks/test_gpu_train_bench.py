@@ -11,38 +11,51 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_train_bench import SHORT  # noqa: E402
+from profile_summary import REGIONS  # noqa: E402
 
 
-def test_cpu_tiny_mode_prints_the_table():
+@pytest.mark.multiprocess  # a subprocess with its own one-rank process group
+def test_cpu_tiny_mode_prints_the_table_and_writes_the_profiles(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    prof = tmp_path / "prof"
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu_train_bench.py", "--device", "cpu", "--tiny",
-         "--steps", "2", "--warmup", "1", "--profile-steps", "1", "--peak-flops", "1e12"],
+         "--steps", "2", "--warmup", "1", "--profile-steps", "1", "--peak-flops", "1e12",
+         "--profile-out", str(prof)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("model"))
-    columns = ["attention", "expert GEMMs", "dispatch", "dense FFN", "optimizer"]
-    for c in ["tok/s", "MFU", "peak MiB", "plan MiB", *columns]:
-        assert c in lines[head]
+    columns = [SHORT[r] for r in REGIONS]
+    assert lines[head].split()[-len(columns):] == columns
     rows = {}
     for line in lines[head + 2:head + 4]:
         f = line.split()
         rows[f[0]] = {"tok/s": float(f[2].replace(",", "")), "mfu": f[3], "peak": f[4],
                       "plan": float(f[5].replace(",", "")),
-                      **{c: float(v.rstrip("%")) for c, v in zip(columns, f[6:])}}
+                      **{c: 0.0 if v == "-" else float(v.rstrip("%"))
+                         for c, v in zip(columns, f[-len(columns):])}}
     assert set(rows) == {"tiny-dense", "tiny-moe"}
     for r in rows.values():
         assert r["tok/s"] > 0 and r["mfu"].endswith("%") and r["peak"] == "n/a"  # no GPU
-        assert 0 < sum(r[c] for c in columns) <= 100.5
+        assert 99 < sum(r[c] for c in columns) <= 100.5  # every operator has a region
+        assert r["attn"] > 0 and r["head"] > 0 and r["optim"] > 0 and r["norm+elt"] > 0
     moe, dense = rows["tiny-moe"], rows["tiny-dense"]
     # Each model's own regions are found, and only those.
-    assert moe["expert GEMMs"] > 0 and moe["dispatch"] > 0 and moe["dense FFN"] == 0
-    assert dense["dense FFN"] > 0 and dense["expert GEMMs"] == 0 and dense["dispatch"] == 0
-    assert moe["attention"] > 0 and dense["attention"] > 0
+    assert moe["experts"] > 0 and moe["permute"] > 0 and moe["router"] > 0
+    assert dense["ffn"] > 0 and dense["experts"] == dense["permute"] == dense["router"] == 0
+    entries = json.loads((prof / "profile.json").read_text())["entries"]
+    assert [(e["model"], e["setting"]) for e in entries] == [("tiny-dense", "default"),
+                                                            ("tiny-moe", "default")]
+    for e in entries:
+        assert e["device"] == "CPU" and e["steps"] == 1 and e["tokens_per_s"] > 0
+        assert 0 < e["busy_ms"] <= e["profiled_step_ms"] and len(e["top_kernels"]) == 25
+        assert e["attributed_by"]["range"] > 0.5
+    md = (prof / "profile.md").read_text()
+    assert "## tiny-moe | default | CPU" in md and len(md.splitlines()) < 120
 
 
 def test_the_largest_preset_is_chosen_by_planned_memory():
@@ -50,7 +63,7 @@ def test_the_largest_preset_is_chosen_by_planned_memory():
     from benchmarks.gpu_train_bench import largest_fitting, planned_bytes
 
     name, cfg = largest_fitting(0.9 * 80 * 2**30, micro_batch=None)  # an 80 GB GPU
-    assert name == "moe-125m"  # deepseek-moe-16b and mixtral-8x7b need far more with ep 1
+    assert name == "moe-1b"  # deepseek-moe-16b and mixtral-8x7b need far more with ep 1
     assert planned_bytes(cfg) <= 0.9 * 80 * 2**30
     assert cfg.parallel.expert_parallel_size == 1 and cfg.train.precision == "bf16"
     name, _ = largest_fitting(2**40, micro_batch=1)  # 1 TiB: the biggest preset fits
@@ -58,6 +71,7 @@ def test_the_largest_preset_is_chosen_by_planned_memory():
     assert largest_fitting(2**20, micro_batch=1) is None
 
 
+@pytest.mark.multiprocess
 def test_set_changes_every_model_and_models_keeps_the_named_rows(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     base = [sys.executable, "benchmarks/gpu_train_bench.py", "--device", "cpu", "--tiny",
@@ -72,7 +86,74 @@ def test_set_changes_every_model_and_models_keeps_the_named_rows(tmp_path):
     assert [r["model"] for r in report["rows"]] == ["tiny-moe"]
     assert report["rows"][0]["batch"] == "3x32"
     for bad, named in ((["--set", "train.compil=true"], "train.compil"),
+                       (["--set", "bench.expert_kernel=fast"], "bench.expert_kernel=fast"),
                        (["--models", "tiny-mo"], "tiny-mo")):
         proc = subprocess.run(base + bad, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_rows_are_both_pairs_where_moe_plan_fits_them():
+    from gpu_train_bench import gpu_models
+
+    names = lambda gib: [n for n, _ in gpu_models(0.9 * gib * 2**30, None)]
+    assert names(80) == ["dense-125m", "moe-125m", "dense-1b", "moe-1b"]
+    assert names(40) == ["dense-125m", "moe-125m"]  # moe-1b plans 39 GiB: not in 36
+    models = dict(gpu_models(0.9 * 80 * 2**30, None, ["train.recompute=full"]))
+    dense, moe = models["dense-1b"], models["moe-1b"]
+    assert (dense.model.ffn, moe.model.ffn) == ("dense", "moe")
+    assert dense.model.d_model == moe.model.d_model and dense.train.recompute == "full"
+    assert (moe.parallel.world_size, moe.parallel.zero_stage, moe.train.precision) == (1, 1, "bf16")
+    zero2 = dict(gpu_models(0.9 * 80 * 2**30, None, ["parallel.zero_stage=2"]))
+    assert zero2["moe-125m"].parallel.zero_stage == 2  # --set may name the stage
+
+
+def test_the_bench_knobs():
+    import torch
+    from bench_steps import Knobs, document_ids, expert_kernel, split_knobs
+
+    from moe.errors import ConfigError
+    from moe.model import experts
+
+    assert split_knobs(["a.b=1", "bench.doc_len=64", "bench.expert_kernel=loop"]) == (
+        ["a.b=1"], Knobs(expert_kernel="loop", doc_len=64))
+    for bad in ("bench.doc_len=0", "bench.expert_kernel=fast", "bench.other=1"):
+        with pytest.raises(ConfigError, match=bad.replace(".", "[.]")):
+            split_knobs([bad])
+    # The loop knob makes the experts loop (the kernel reported unsupported) and is undone.
+    x, w = torch.randn(6, 16), torch.randn(2, 16, 16)
+    assert experts.uses_grouped_kernel(x, w)  # fp32 on the CPU: the grouped kernel runs
+    with expert_kernel("loop"):
+        assert not experts.uses_grouped_kernel(x, w)
+    assert experts.uses_grouped_kernel(x, w)
+    # Packed rows: about S / mean documents per row, ids rising from 0.
+    docs = document_ids(4, 2048, 512, torch.Generator().manual_seed(0))
+    assert docs.shape == (4, 2048) and (docs[:, 0] == 0).all()
+    assert (docs.diff(dim=1) >= 0).all() and 1 <= int(docs[:, -1].max()) <= 3
+
+
+def test_host_syncs_are_counted_per_step_with_their_source_lines(monkeypatch):
+    """count_syncs on a stand-in CUDA step: every sync warning counts (not only the first per
+    line), other warnings do not, and the sync mode is switched off again."""
+    import warnings
+    from types import SimpleNamespace
+
+    import bench_steps
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(bench_steps, "sync", lambda device: None)
+
+    def fake_step(engine, cfg, device, knobs):
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # 3 syncs
+        warnings.warn("something else", stacklevel=1)
+
+    monkeypatch.setattr(bench_steps, "step", fake_step)
+    got = bench_steps.count_syncs(None, None, SimpleNamespace(type="cuda"), None, steps=2)
+    assert got["per_step"] == 3 and len(got["sites"]) == 1
+    site, per_step = got["sites"][0]
+    assert site.startswith("tests/benchmarks/test_gpu_train_bench.py:") and per_step == 3
+    assert modes == ["warn", 0]
+    assert bench_steps.count_syncs(None, None, torch.device("cpu"), None, steps=2) is None

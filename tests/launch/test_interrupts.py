@@ -14,7 +14,8 @@ from launch.interrupts import LauncherSignals, catches, stop_session
 from launch.launch import run_to_end
 from launch.run_plan import Plan
 from moe.errors import LaunchError
-from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+from moe.run_dir import RunDir
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE
 
 
 def test_the_first_signal_saves_a_second_stopping_one_stops_at_once():
@@ -100,7 +101,7 @@ def test_a_preemption_ends_moe_launch_with_75_and_a_failure_with_an_error(tmp_pa
     saved = ("import json, sys; open(sys.argv[1], 'w').write(json.dumps({'step': 3, "
              "'signal': 'SIGUSR1'})); sys.exit(75)")
     with pytest.raises(SystemExit) as e:
-        _run(tmp_path, saved, tmp_path / PREEMPTED_MARKER)
+        _run(tmp_path, saved, RunDir(tmp_path).preempted)
     assert e.value.code == PREEMPTED_EXIT_CODE
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err  # one message

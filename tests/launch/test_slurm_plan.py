@@ -26,7 +26,7 @@ from moe.config.launch import slurm_time_seconds
 from moe.config.run import RunConfig, dump_config, load_config
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
-from moe.training.resilience.preemption import PREEMPTED_MARKER
+from moe.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
@@ -183,7 +183,7 @@ def test_hostile_values_reach_srun_literally_and_execute_nothing(tmp_path, slurm
 
 def test_script_requeues_after_a_preemption_checkpoint(tmp_path, slurm_job):
     cfg = slurm_config(tmp_path)
-    marker = tmp_path / "runs" / "tiny" / PREEMPTED_MARKER
+    marker = RunDir(tmp_path / "runs" / "tiny").preempted
     marker.parent.mkdir(parents=True)
     marker.write_text("stale: removed before srun starts")
     # Without a marker from this run: no requeue, srun's status is the job's.
@@ -221,7 +221,7 @@ def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(tmp_path
                                                                        slurm_job):
     cfg = slurm_config(tmp_path, nodes=2, cpus_per_task=3)
     run_dir = tmp_path / "runs" / "tiny"
-    marker = run_dir / PREEMPTED_MARKER
+    marker = RunDir(run_dir).preempted
     run_dir.mkdir(parents=True)
     plan = build_plan(cfg, evaluate=evaluate)
     assert plan.files[JOB_SCRIPT] != build_plan(cfg, evaluate=not evaluate).files[JOB_SCRIPT]
@@ -255,7 +255,7 @@ def saving_srun(tmp_path) -> tuple[str, Path, Path]:
     run_dir.mkdir(parents=True, exist_ok=True)
     got, started = tmp_path / "srun-got", tmp_path / "srun-started"
     body = SAVING_SRUN.format(got=shlex.quote(str(got)), started=shlex.quote(str(started)),
-                              marker=shlex.quote(str(run_dir / PREEMPTED_MARKER)))
+                              marker=shlex.quote(str(RunDir(run_dir).preempted)))
     return body, got, started
 
 

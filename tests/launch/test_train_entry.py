@@ -16,8 +16,9 @@ import yaml
 
 import launch.train as train_entry
 from moe.errors import MoEError
+from moe.run_dir import RunDir
 from moe.training.ports import free_port
-from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, Preempted
+from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, Preempted
 from tests.conftest import tiny_run_dict
 
 
@@ -84,16 +85,16 @@ def test_a_failure_after_a_preemption_signal_exits_as_preempted(calls, monkeypat
     with pytest.raises(SystemExit) as info:
         run(RuntimeError("Ninja is required to load C++ extensions"))
     assert info.value.code == PREEMPTED_EXIT_CODE
-    marker = tiny_config_file.parent / "runs" / "tiny" / PREEMPTED_MARKER
+    marker = RunDir(tiny_config_file.parent / "runs" / "tiny").preempted
     assert json.loads(marker.read_text()) == {"step": None, "signal": "SIGUSR1"}
-    assert not list(marker.parent.glob(f".{PREEMPTED_MARKER}.*"))  # written whole, no temp left
+    assert not list(marker.parent.glob(f".{marker.name}.*"))  # written whole, no temp left
 
 
 def test_a_failure_after_a_signal_keeps_a_marker_the_ranks_already_left(calls, monkeypatch,
                                                                          tiny_config_file):
     from moe.training.resilience import preemption
     monkeypatch.setattr(preemption, "_RECEIVED", [signal.SIGTERM])
-    marker = tiny_config_file.parent / "runs" / "tiny" / PREEMPTED_MARKER
+    marker = RunDir(tiny_config_file.parent / "runs" / "tiny").preempted
     marker.parent.mkdir(parents=True)
     marker.write_text(json.dumps({"step": 2, "signal": "SIGUSR1"}))
     seen, run = calls
@@ -112,7 +113,7 @@ def test_a_failure_no_restart_can_fix_stays_a_failure_after_a_signal(calls, monk
     with pytest.raises(SystemExit) as info:
         run(ConfigError("model.d_model: must be positive"))
     assert info.value.code == 2
-    assert not (tiny_config_file.parent / "runs" / "tiny" / PREEMPTED_MARKER).exists()
+    assert not (RunDir(tiny_config_file.parent / "runs" / "tiny").preempted).exists()
 
 
 def test_a_failure_without_a_signal_is_a_failure(calls, monkeypatch, tiny_config_file):
@@ -121,7 +122,7 @@ def test_a_failure_without_a_signal_is_a_failure(calls, monkeypatch, tiny_config
     seen, run = calls
     with pytest.raises(RuntimeError, match="Ninja"):
         run(RuntimeError("Ninja is required to load C++ extensions"))
-    assert not (tiny_config_file.parent / "runs" / "tiny" / PREEMPTED_MARKER).exists()
+    assert not (RunDir(tiny_config_file.parent / "runs" / "tiny").preempted).exists()
 
 
 def test_every_caught_preemption_signal_is_remembered(monkeypatch):
@@ -162,7 +163,7 @@ def test_a_signal_before_the_first_step_exits_75_without_a_checkpoint(tiny_data,
     proc.send_signal(signal.SIGUSR1)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
-    assert json.loads((run_dir / PREEMPTED_MARKER).read_text()) == {"step": None,
+    assert json.loads(RunDir(run_dir).preempted.read_text()) == {"step": None,
                                                                      "signal": "SIGUSR1"}
     assert "SIGUSR1 before the first step: nothing to save" in rank0.read_text()
     assert not list((run_dir / "checkpoints").glob("step_*"))

@@ -22,6 +22,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from moe.model.compile import compile_blocks
+from moe.model.loss import chunk_loss_and_grads
 from moe.model.moe_layer import MoEConfig
 from moe.model.recompute import apply_recompute
 from moe.model.router import RouterConfig
@@ -85,6 +86,19 @@ def test_compiled_blocks_with_inductor_give_eager_losses():
     assert all(b._compiled_call_impl is not None for b in compiled["model"].blocks)
     torch.testing.assert_close(compiled["losses"], eager["losses"], **LOSS_TOL)
     assert compiled["breaks"] == 0  # dropless routing, no documents: each block is one graph
+
+
+def test_the_compiled_chunked_loss_with_inductor_gives_the_eager_full_losses():
+    """model.cross_entropy chunked under compile_blocks: the loss's block body is compiled with
+    inductor too (blocks of 12 of the 32 tokens: two shapes, both in the first step); the losses
+    are the eager full loss's."""
+    eager = train(model_config(), 5)
+    compiled = train(model_config(cross_entropy="chunked", cross_entropy_chunk_tokens=12), 5,
+                     backend="inductor")
+    assert compiled["model"].head_loss.body is not chunk_loss_and_grads  # the compiled one
+    torch.testing.assert_close(compiled["losses"], eager["losses"], **LOSS_TOL)
+    assert compiled["breaks"] == 0
+    assert compiled["graphs"][-1] == compiled["graphs"][0], compiled["graphs"]
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])

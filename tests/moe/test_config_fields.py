@@ -1,5 +1,6 @@
-"""One classification per model config field (arch / runtime field metadata), and everything that
-reads it: the resume check, the Hugging Face export statement, planning's capacity."""
+"""One classification per config field (arch / fixed / runtime field metadata) of the model and
+the fine-tuning section, and everything that reads it: the resume checks, the Hugging Face export
+statement, upcycling, adapter files, planning's capacity."""
 
 from __future__ import annotations
 
@@ -7,8 +8,19 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from moe.checkpoint.files import config_mismatches
-from moe.config_schema import arch, function_classes, function_keys, runtime, to_dict
+from moe.checkpoint.files import config_mismatches, finetune_mismatches
+from moe.config.run import FinetuneConfig
+from moe.config_schema import (
+    arch,
+    field_roles,
+    fixed,
+    function_classes,
+    function_keys,
+    resume_keys,
+    runtime,
+    to_dict,
+)
+from moe.model.adapters.lora import LoRAConfig
 from moe.model.router import RouterConfig
 from moe.model.transformer import ModelConfig
 from moe.tools import hf_support, planning
@@ -72,3 +84,34 @@ def test_planning_counts_capacity_with_the_routers_own_function(monkeypatch):
     cfg.moe.capacity_factor = 1.0
     monkeypatch.setattr(planning, "capacity", lambda tokens, experts, top_k, factor: 3)
     assert planning.routed_copies(cfg, 1000) == cfg.moe.num_experts * 3
+
+
+def test_every_finetune_field_is_classified():
+    roles = field_roles(FinetuneConfig)  # raises on an unclassified field
+    assert set(resume_keys(FinetuneConfig)) == {
+        "method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
+        "lora.train_router", "esft.score", "esft.p", "esft.max_batches", "adapter.hidden",
+        "adapter.placement", "prompt.tokens", "prefix.tokens"}
+    assert roles["lora.train_router"] == roles["esft.p"] == "fixed"
+    assert roles["lora.dropout"] == roles["lora.init_from"] == roles["prompt.init"] == "runtime"
+    # What an adapter file must share with the run that applies it.
+    assert function_keys(LoRAConfig) == ["targets", "rank", "alpha", "expert_rank"]
+
+
+def test_a_new_finetune_field_is_checked_on_resume_or_named_unclassified():
+    @dataclass
+    class WithKnob(FinetuneConfig):
+        knob: int = fixed(0)
+        loose: int = runtime(0)
+
+    saved = to_dict(FinetuneConfig(method="full"))  # a checkpoint older than both fields
+    assert finetune_mismatches(saved, WithKnob(method="full", loose=3)) == []
+    assert finetune_mismatches(saved, WithKnob(method="full", knob=2)) == [
+        "finetune.knob: the checkpoint has 0, the config has 2"]
+
+    @dataclass
+    class Unclassified(FinetuneConfig):
+        knob: int = 0
+
+    with pytest.raises(TypeError, match=r"\['knob'\] are not classified"):
+        finetune_mismatches(saved, Unclassified(method="full"))

@@ -11,7 +11,7 @@ import torch
 
 from moe.config.run import RunConfig, load_config
 from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.errors import CheckpointError, ConfigError
 from moe.evaluation.evaluate import evaluate_perplexity, load_model
 from moe.model.adapters.esft import freeze_all_but_routed_experts, mask_expert_rows, select_experts
 from moe.model.transformer import ModelConfig, MoETransformer
@@ -138,20 +138,27 @@ def _runs(rank, world, base, ft, runs_dir):
     try:
         train(from_dict(RunConfig, other), env)
         raise AssertionError("a resume with another p was accepted")
-    except ConfigError as e:
-        assert e.problems[0].startswith("finetune.esft.p: 0.9 differs from the checkpoint's 0.3")
+    except CheckpointError as e:
+        assert "finetune.esft.p: the checkpoint has 0.3, the config has 0.9" in str(e)
     train(from_dict(RunConfig, ft2), env)
 
 
-@pytest.mark.multiprocess
-def test_only_selected_experts_train_under_expert_parallelism(tiny_data, tmp_path):
-    runs = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def esft_runs(tiny_data, tmp_path_factory):
+    """The runs of :func:`_runs` (2 ranks, expert parallelism 2, ZeRO 2): (runs directory, ft's
+    run config)."""
+    runs = tmp_path_factory.mktemp("esft") / "runs"
     # Weight decay on: it must not shrink the frozen experts (their group's decay is zeroed).
     base, ft = base_and_finetune(
         tiny_data, runs, {"method": "esft", "esft": {"score": "gate", "p": 0.3, "max_batches": 2}},
         max_steps=6, lr=1e-2, warmup_steps=1, weight_decay=0.1)
     run_distributed(_runs, 2, base, ft, str(runs))
+    return runs, ft
 
+
+@pytest.mark.multiprocess
+def test_only_selected_experts_train_under_expert_parallelism(tiny_data, esft_runs):
+    runs, _ = esft_runs
     selection = json.loads((runs / "ft" / "esft_selection.json").read_text())
     assert selection["tokens"] == 2 * 2 * 4 * tiny_data.seq_len  # ranks x batches x B x S
     assert [layer["name"] for layer in selection["layers"]] == ["blocks.0.ffn", "blocks.1.ffn"]
@@ -183,3 +190,37 @@ def test_only_selected_experts_train_under_expert_parallelism(tiny_data, tmp_pat
     resumed = latest_weights(runs / "ft2")
     for name, w in after.items():
         assert torch.equal(resumed[name], w), name
+
+
+def _resume_on_one_rank(rank, world, cfg_dict, tag_dir):
+    import moe.training.esft as esft
+    from moe.training.trainer import DistEnv, train
+
+    esft.score_experts = None  # a resumed run must take its checkpoint's selection
+    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world),
+          resume=tag_dir)
+
+
+@pytest.mark.multiprocess
+def test_esft_resumes_on_another_layout(esft_runs):
+    """ft's step-4 checkpoint (2 ranks, expert parallelism 2) resumed on 1 rank (expert
+    parallelism 1, the same global batch in 2 micro-batches), as after an elastic restart on
+    fewer ranks: the run goes on with the checkpoint's selection (scoring is impossible in the
+    worker) and ends where ft ended, the unselected experts bitwise the base model's."""
+    runs, ft = esft_runs
+    one = copy.deepcopy(ft)
+    one["name"] = "ft_one_rank"
+    one["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
+    one["train"]["grad_accum_steps"] = 2
+    run_distributed(_resume_on_one_rank, 1, one, str(runs / "ft" / "checkpoints" / "step_0000004"))
+
+    selection = json.loads((runs / "ft" / "esft_selection.json").read_text())
+    assert json.loads((runs / "ft_one_rank" / "esft_selection.json").read_text()) == selection
+    got = [layer["selected"] for layer in selection["layers"]]
+    base, two, one_rank = (latest_weights(runs / name) for name in ("base", "ft", "ft_one_rank"))
+    for name, w in two.items():
+        torch.testing.assert_close(one_rank[name], w, rtol=1e-4, atol=1e-6, msg=name)
+        if ".experts.w_" in name:
+            layer = int(name.split(".")[1])
+            for e in set(range(4)) - set(got[layer]):
+                assert torch.equal(one_rank[name][e], base[name][e]), (name, e)

@@ -60,7 +60,14 @@ NUMERIC = {
 NOT_VARIED = {
     "init_from": "needs another run's checkpoint; only chooses the starting weights",
     "upcycle_noise_std": "read only with init_from",
+    "cross_entropy_chunk_tokens": "the block size of the training loss cross_entropy chunked "
+                                  "(varied); tests/moe/test_loss.py varies it",
 }
+UNAVAILABLE = {
+    ("cross_entropy", "liger"): "Liger-Kernel's Triton kernels run on CUDA only "
+                                "(tests/gpu/test_levers.py); full and chunked are swept",
+}
+"""Values that cannot train on a CPU, with the reason; the field's other values are swept."""
 def _literal_and_bool_fields(cls=ModelConfig, prefix=""):
     """(dotted path, every value) of each Literal and bool field, nested configs included;
     numeric and other fields as (dotted path, None)."""
@@ -118,7 +125,7 @@ def variants() -> dict[str, dict]:
     out = {"base": {}}
     for path, values in FIELDS.items():
         for v in values or NUMERIC.get(path, []):
-            if v != _base_value(path):
+            if v != _base_value(path) and (path, v) not in UNAVAILABLE:
                 out[f"{path}={v}"] = {path: v, **COMPANIONS.get((path, v), {})}
     for pair in PAIRS:
         out["+".join(f"{k}={v}" for k, v in pair.items())] = pair

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.model import experts as experts_mod
 from moe.model.experts import GroupedExperts, grouped_mm, grouped_mm_supported
@@ -107,3 +108,38 @@ def test_host_reads_of_one_moe_layer_forward_and_backward(kernel, capacity_facto
         (y.square().sum() + aux).backward()
     want = 0 if kernel and capacity_factor is None else 1
     assert sum(reads.values()) == want, reads
+
+
+class _Copies(TorchDispatchMode):
+    """Shapes of the tensors that copying operators return (clone, contiguous, copy_, to)."""
+
+    NAMES = ("clone", "copy", "_to_copy", "contiguous")
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(n in func.__name__ for n in self.NAMES) and isinstance(out, torch.Tensor):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_bf16_experts_copy_no_weight_in_forward_or_backward():
+    """The layout the grouped kernel takes: w_in (E, D, 2H) and w_out (E, H, D) are multiplied as
+    they are stored, and the backward uses transposed views (torch._grouped_mm takes row- or
+    column-major operands): no per-step copy or transpose of an expert weight. bf16 runs
+    torch._grouped_mm's own autograd, the path CUDA takes."""
+    if not grouped_mm_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("torch._grouped_mm does not take bf16 on the CPU in this torch")
+    torch.manual_seed(0)
+    experts = GroupedExperts(len(COUNTS), 32, 16, "swiglu").bfloat16()
+    x = torch.randn(sum(COUNTS), 32, dtype=torch.bfloat16, requires_grad=True)
+    weights = {s for p in experts.parameters()  # as stored or transposed
+               for s in (tuple(p.shape), tuple(p.transpose(1, 2).shape))}
+    with _Copies() as mode:
+        y = experts(x, torch.tensor(COUNTS), torch.rand(sum(COUNTS)))
+        y.float().square().sum().backward()
+    assert experts.w_in.grad is not None and experts.w_out.grad is not None
+    assert not weights & set(mode.shapes), mode.shapes

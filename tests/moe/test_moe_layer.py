@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.model.moe_layer import MoEConfig, MoELayer
+from moe.model.moe_layer import STEP_SUMS, SUM, MoEConfig, MoELayer
 from moe.model.router import RouterConfig, capacity
 
 D, E, H = 16, 8, 12
@@ -172,4 +172,25 @@ def test_step_counters_stay_exact_fp32_in_a_bf16_layer():
         total += layer.stats["tokens_per_expert"].float()
     assert layer.step_load_E.dtype == torch.float32 and layer.step_sums.dtype == torch.float32
     assert torch.equal(layer.step_load_E, total)  # exact, though counts exceed 256
-    assert layer.step_sums[0].item() == 3 * 600 * 2  # routed copies
+    assert layer.step_sums[SUM["routed"]].item() == 3 * 600 * 2  # routed copies
+
+
+def test_every_step_sum_is_added_up_by_name():
+    """Each entry of STEP_SUMS holds its own quantity over a step's training micro-batches,
+    whatever its position; a validation pass adds nothing."""
+    torch.manual_seed(0)
+    layer = MoELayer(16, MoEConfig(num_experts=4, expert_hidden=16,
+                                   router=RouterConfig(top_k=2, z_loss_coef=1e-3)))
+    want = dict.fromkeys(STEP_SUMS, 0.0)
+    for tokens in (5, 7):
+        layer(torch.randn(1, tokens, 16))
+        st = layer.stats
+        for name, value in (("routed", 2 * tokens), ("router_entropy", st["router_entropy"]),
+                            ("aux_loss", st["aux_loss"]), ("z_loss", st["z_loss"]),
+                            ("micro_batches", 1)):
+            want[name] += float(value)
+    layer.eval()
+    layer(torch.randn(1, 3, 16))
+    got = {name: layer.step_sums[SUM[name]].item() for name in STEP_SUMS}
+    assert got == pytest.approx(want, rel=1e-6)
+    assert all(v > 0 for v in want.values()) and len(SUM) == len(STEP_SUMS)

@@ -13,7 +13,7 @@ from moe.model.moe_layer import MoEConfig
 from moe.model.router import RouterConfig
 from moe.model.size import count_parameters, flops_per_token
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.tools.planning import activation_bytes, memory_per_gpu
+from moe.tools.planning import USABLE_FRACTION, activation_bytes, memory_per_gpu
 
 
 def component_of(name: str) -> str:
@@ -152,8 +152,8 @@ def test_memory_under_zero_stages_and_expert_parallelism():
     assert fp32.model_states_bytes == 16 * c.total_params
 
 
-PRESETS = ["configs/default.yaml", "configs/moe-125m.yaml", "configs/mixtral-8x7b.yaml",
-           "configs/deepseek-moe-16b.yaml"]
+PRESETS = ["configs/default.yaml", "configs/moe-125m.yaml", "configs/moe-1b.yaml",
+           "configs/mixtral-8x7b.yaml", "configs/deepseek-moe-16b.yaml"]
 
 
 @pytest.mark.parametrize("path", PRESETS)
@@ -179,6 +179,24 @@ def test_preset_sizes_match_published_counts(path, total, active, tol):
     if total is not None:
         assert abs(c.total_params / total - 1) < tol, c.total_params
     assert abs(c.active_params / active - 1) < tol, c.active_params
+
+
+def test_the_1b_preset_has_olmoe_routing_fits_one_gpu_and_a_dense_twin_of_equal_active_size():
+    cfg = load_config("configs/moe-1b.yaml")
+    m = cfg.model
+    assert (m.moe.num_experts, m.moe.router.top_k, m.moe.num_shared_experts) == (64, 8, 0)
+    assert m.moe.expert_hidden % 64 == 0 and m.moe.dense_width % 64 == 0
+    moe = count_parameters(m)
+    assert 0.95e9 < moe.total_params < 1.1e9 and moe.active_params < 0.25 * moe.total_params
+    dense = count_parameters(load_config("configs/moe-1b.yaml", ["model.ffn=dense"]).model)
+    assert dense.active_params == moe.active_params - moe.active["router"]
+    assert dense.active["dense_ffn"] == moe.active["routed_experts"]
+    # Trains on one 80 GB GPU with ZeRO 1, as the preset says (moe-plan's total).
+    t = cfg.train
+    assert (cfg.parallel.world_size, cfg.parallel.expert_parallel_size,
+            cfg.parallel.zero_stage) == (1, 1, 1)
+    plan = memory_per_gpu(m, 1, 1, 1, t.precision, t.micro_batch_size, cfg.data.seq_len)
+    assert plan.total_bytes < USABLE_FRACTION * 80 * 2**30
 
 
 def test_mixtral_preset_shape():

@@ -8,7 +8,12 @@ import pytest
 
 from moe.training.decision import Continue, Stop
 from moe.training.hooks import StepState
-from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
+from moe.training.resilience.preemption import (
+    PREEMPTED_EXIT_CODE,
+    Preempted,
+    PreemptionGuard,
+    exit_for_requeue,
+)
 from tests.helpers.distributed import run_distributed
 
 
@@ -23,11 +28,15 @@ class RecordingCheckpoint:
 
 
 def end_of_step(guard: PreemptionGuard, ckpt: RecordingCheckpoint, s: StepState) -> None:
-    """What the loop does with the guard's decision: save the step it names, then exit."""
-    decision = guard.decide(s)
+    """What the loop does with the guard's decision: save the step it names, then exit; its
+    parts are closed however training ends."""
+    decision = guard.decide(s, None)
     if isinstance(decision, Stop):
         ckpt.save(decision.step)
-        guard.exit(decision)
+        try:
+            exit_for_requeue(guard.marker, guard.rank, decision)
+        finally:
+            guard.close()
     assert isinstance(decision, Continue)
 
 

@@ -67,7 +67,7 @@ def train_steps(cfg: ModelConfig, mode: str, every_n: int = 1, steps: int = 2, a
         out["counters"].append([torch.cat([layer.step_load_E, layer.step_sums]).clone()
                                 for layer in model.moe_layers()])
         state = step_state(step + 1)
-        hook.update(state)
+        hook.after_step(state)
         out["metrics"].append(state.extra)
         out["bias"].append([layer.router.score_bias.clone() for layer in model.moe_layers()])
     out["router_calls"] = len(router_calls)

@@ -100,3 +100,33 @@ def test_mismatches_are_reported_by_key():
     problems = incompatibilities(dense_cfg, other)
     assert any(p.startswith("model.position:") for p in problems)
     assert any(p.startswith("model.d_model:") for p in problems)
+
+
+def test_every_function_changing_field_outside_the_ffn_must_agree():
+    """The normalisation epsilon and the head width change what the copied weights compute (a
+    wider head keeps every shape when the head count changes with it) and are refused by name;
+    the feed-forward section, which upcycling replaces, may differ. Sizes left null compare by
+    the value they derive (null kv heads: as many as the heads)."""
+    dense_cfg = dense_config()
+    upcycled = moe_config(dense_cfg, RouterConfig(top_k=2))
+    assert incompatibilities(dense_cfg, upcycled) == []
+    for key, value in (("norm_eps", 1e-5), ("head_dim", 16)):
+        problems = incompatibilities(dense_cfg, dataclasses.replace(upcycled, **{key: value}))
+        assert [p.split(":")[0] for p in problems] == [f"model.{key}"], key
+    same = dataclasses.replace(dense_cfg, n_kv_heads=None, head_dim=None)
+    assert incompatibilities(same, dataclasses.replace(same, n_kv_heads=4, head_dim=8)) == []
+
+
+def test_a_new_function_changing_field_must_agree():
+    """The comparison is derived from the field metadata: a field declared ``arch`` later is
+    compared without a change to upcycling."""
+    from moe.config_schema import arch
+
+    @dataclasses.dataclass
+    class WithKnob(ModelConfig):
+        knob: int = arch(0)
+
+    dense_cfg = WithKnob(**{f.name: getattr(dense_config(), f.name)
+                            for f in dataclasses.fields(ModelConfig)})
+    assert incompatibilities(dense_cfg, dataclasses.replace(dense_cfg, knob=1)) == [
+        "model.knob: this run has 1, the source checkpoint 0"]

@@ -17,25 +17,28 @@ not fold into the base weights (the nonlinearity), so a loaded model keeps them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config_schema import arch, runtime
 from moe.model.attention import CausalSelfAttention
+from moe.model.block import Block
 from moe.model.experts import DenseFFN
 from moe.model.moe_layer import MoELayer
+from moe.model.transformer import MoETransformer
 
 
 @dataclass
 class BottleneckConfig:
-    hidden: int = 16
+    hidden: int = arch(16)
     """m, the bottleneck width of each adapter (D -> m -> D); at most the model width."""
-    placement: Literal["attention", "ffn", "both"] = "both"
+    placement: Literal["attention", "ffn", "both"] = arch("both")
     """After which sublayer of every block an adapter goes: attention (its output projection),
     ffn (the dense FFN or the MoE layer's output), or both (Houlsby et al.)."""
-    init_std: float = 0.01
+    init_std: float = runtime(0.01)
     """Standard deviation of the down-projection's normal initialization (the up-projection
     starts at zero)."""
 
@@ -53,9 +56,8 @@ class Bottleneck(nn.Module):
 
     def __init__(self, d_model: int, hidden: int, init_std: float, like: torch.Tensor):
         super().__init__()
-        kw = {"device": like.device, "dtype": like.dtype}
-        self.down = nn.Linear(d_model, hidden, **kw)
-        self.up = nn.Linear(hidden, d_model, **kw)
+        self.down = nn.Linear(d_model, hidden, device=like.device, dtype=like.dtype)
+        self.up = nn.Linear(hidden, d_model, device=like.device, dtype=like.dtype)
         nn.init.normal_(self.down.weight, std=init_std)
         nn.init.zeros_(self.down.bias)
         nn.init.zeros_(self.up.weight)
@@ -93,7 +95,8 @@ def bottleneck_problems(d_model: int, cfg: BottleneckConfig) -> list[str]:
     return []
 
 
-def apply_bottleneck_adapters(model: nn.Module, cfg: BottleneckConfig) -> list[nn.Parameter]:
+def apply_bottleneck_adapters(model: MoETransformer, cfg: BottleneckConfig
+                              ) -> list[nn.Parameter]:
     """Add an adapter after the sublayers ``cfg.placement`` names in every block of ``model`` (a
     single-device model, before any wrapping), drawing the down-projections from the global
     random state. Returns the new parameters."""
@@ -102,7 +105,7 @@ def apply_bottleneck_adapters(model: nn.Module, cfg: BottleneckConfig) -> list[n
         raise ValueError("; ".join(problems))
     names = {"attention": ["attn"], "ffn": ["ffn"], "both": ["attn", "ffn"]}[cfg.placement]
     added = []
-    for block in model.blocks:
+    for block in cast("list[Block]", model.blocks):
         for name in names:
             sub = getattr(block, name)
             sub.__class__ = _ADAPTED[type(sub)]

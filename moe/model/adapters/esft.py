@@ -23,20 +23,21 @@ from typing import Literal
 import torch
 from torch import nn
 
+from moe.config_schema import fixed
 from moe.model.experts import GroupedExperts
 
 
 @dataclass
 class ESFTConfig:
-    score: Literal["gate", "token_share"] = "gate"
+    score: Literal["gate", "token_share"] = fixed("gate")
     """How experts are scored on the fine-tuning data. gate: the expert's average gate score
     over tokens (the router's score for the expert where a token selected it, 0 where it did
     not; ESFT's "average gate score"). token_share: the expert's share of the layer's token
     selections (each token selects top_k experts)."""
-    p: float = 0.2
+    p: float = fixed(0.2)
     """Per MoE layer, train the smallest set of experts whose cumulative score share reaches p
     (0 to 1; p = 0: the single top expert of each layer)."""
-    max_batches: int = 8
+    max_batches: int = fixed(8)
     """Micro-batches per rank of the run's training data (its first ones) scored before
     training, with no gradient, on the base model (model.init_from)."""
 

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config_schema import arch, fixed, runtime
 from moe.model.attention import CausalSelfAttention
 from moe.model.experts import (
     DenseFFN,
@@ -55,26 +56,26 @@ _ATTENTION = {"attention.q": "q_proj", "attention.k": "k_proj", "attention.v": "
 
 @dataclass
 class LoRAConfig:
-    targets: list[LoRATarget] = field(
+    targets: list[LoRATarget] = arch(
         default_factory=lambda: ["attention.q", "attention.k", "attention.v", "attention.o",
                                  "experts"])
     """What gets LoRA factors: attention.q, attention.k, attention.v, attention.o (the attention
     projections), ffn (dense FFN layers), shared_experts, experts (routed experts, per-expert
     stacks), router. Each must match at least one layer of the model."""
-    rank: int = 8
+    rank: int = arch(8)
     """r, the rank of every factor pair (routed experts: see expert_rank). At most the smaller
     dimension of each targeted weight."""
-    alpha: float = 16.0
+    alpha: float = arch(16.0)
     """The update is scaled by alpha / r (r: the factor's own rank)."""
-    dropout: float = 0.0
+    dropout: float = runtime(0.0)
     """Dropout on the input of the LoRA branch only, in training."""
-    expert_rank: Literal["full", "per_top_k"] = "full"
+    expert_rank: Literal["full", "per_top_k"] = arch("full")
     """Rank of each routed expert's factors: full (rank) or per_top_k (rank // router top_k, as
     Megatron-Bridge and NeMo do; rank must be at least top_k)."""
-    train_router: bool = False
+    train_router: bool = fixed(False)
     """Train the routers' weights in full (they are small: E x D); frozen by default, so that
     fine-tuning does not move which experts tokens go to."""
-    init_from: str | None = None
+    init_from: str | None = runtime(None)
     """An adapter file (``moe-export CHECKPOINT OUT --format adapters``) whose factors start
     this run instead of fresh ones: its targets, rank, alpha and expert_rank must equal these,
     and the base it was trained on must be this run's (checked by a fingerprint of the base
@@ -121,8 +122,10 @@ def lora_sites(model: nn.Module, target: str, cfg: LoRAConfig) -> list[tuple[str
 def _factor_shapes(module: nn.Module) -> dict[str, tuple[int, int]]:
     """{weight name: (in, out)} of the weights LoRA adapts in ``module``."""
     if isinstance(module, GroupedExperts):
-        return {"w_in": tuple(module.w_in.shape[1:]), "w_out": tuple(module.w_out.shape[1:])}
-    out_features, in_features = module.weight.shape  # nn.Linear and the router: (out, in)
+        (_, d, h), (_, h2, d2) = module.w_in.shape, module.w_out.shape  # (E, in, out) each
+        return {"w_in": (d, h), "w_out": (h2, d2)}
+    weight = cast(torch.Tensor, module.weight)  # nn.Linear and the router: (out, in)
+    out_features, in_features = weight.shape
     return {"weight": (in_features, out_features)}
 
 
@@ -177,7 +180,8 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[nn.Parameter]:
 def _attach(module: nn.Module, rank: int, alpha: float, dropout: float) -> list[nn.Parameter]:
     stacked = isinstance(module, GroupedExperts)
     module.__class__ = _LORA_CLASS[type(module)]
-    module.lora_scale, module.lora_dropout = alpha / rank, dropout
+    adapted = cast(_Adapted, module)  # its class is a LoRA one now
+    adapted.lora_scale, adapted.lora_dropout = alpha / rank, dropout
     out = []
     for wname, (d_in, d_out) in _factor_shapes(module).items():
         base = getattr(module, wname)
@@ -203,22 +207,36 @@ def _factor_names(module: nn.Module, wname: str) -> tuple[str, str]:
     return "lora_A", "lora_B"
 
 
-def _branch(x: torch.Tensor, module: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+class _Adapted(nn.Module):
+    """What every LoRA class adds to the module it adapts (declared for the type checker: the
+    classes are swapped in place by :func:`_attach`)."""
+
+    lora_scale: float  # alpha / r
+    lora_dropout: float
+
+
+def _branch(x: torch.Tensor, module: _Adapted, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """scale * dropout(x) A^T B^T for (r, in) / (out, r) factors."""
     x = F.dropout(x, module.lora_dropout, module.training)
     return module.lora_scale * F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype))
 
 
-class LoRALinear(nn.Linear):
+class LoRALinear(nn.Linear, _Adapted):
     """An nn.Linear with ``lora_A`` (r, in) and ``lora_B`` (out, r)."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + _branch(x, self, self.lora_A, self.lora_B)
 
 
-class LoRARouter(TopKRouter):
+class LoRARouter(TopKRouter, _Adapted):
     """A router whose (E, D) weight has ``lora_A`` (r, D) and ``lora_B`` (E, r); in fp32 like
     the router (its input is at least fp32 here)."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         return super().logits(x_TD) + _branch(x_TD, self, self.lora_A, self.lora_B)
@@ -231,7 +249,7 @@ def kernel_rank(rank: int, dtype: torch.dtype) -> int:
     return -(-rank // step) * step
 
 
-class LoRAGroupedExperts(GroupedExperts):
+class LoRAGroupedExperts(GroupedExperts, _Adapted):
     """Routed experts with per-expert factors ``<w>_lora_A`` (E, in, r) and ``<w>_lora_B``
     (E, r, out) for ``w`` in ``w_in``, ``w_out``: two more grouped GEMMs over the same
     expert-sorted rows and counts per product.
@@ -274,8 +292,8 @@ _LORA_CLASS = {nn.Linear: LoRALinear, TopKRouter: LoRARouter,
 _BASE_CLASS = {v: k for k, v in _LORA_CLASS.items()}
 
 
-def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if type(m) in _BASE_CLASS]
+def lora_modules(model: nn.Module) -> list[tuple[str, _Adapted]]:
+    return [(n, cast(_Adapted, m)) for n, m in model.named_modules() if type(m) in _BASE_CLASS]
 
 
 def is_factor(name: str) -> bool:

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe.config_schema import arch, runtime
 from moe.model.attention import AttentionInputs, CausalSelfAttention
 
 
 @dataclass
 class PrefixConfig:
-    tokens: int = 10
+    tokens: int = arch(10)
     """n, the key/value pairs each attention layer gains."""
-    init_std: float = 0.02
+    init_std: float = runtime(0.02)
     """Standard deviation of the prefixes' normal initialization."""
 
     def problems(self) -> list[str]:
@@ -53,6 +54,8 @@ def prefix_problems(attention_backend: str, position: str, document_masking: boo
 
 
 class PrefixAttention(CausalSelfAttention):
+    prefix_k: nn.Parameter  # (Hkv, n, hd), added by apply_prefix
+    prefix_v: nn.Parameter
     def extend_keys(self, k, v, inputs: AttentionInputs):
         if inputs.backend not in ("sdpa", "reference") or inputs.doc_lengths is not None:
             raise ValueError(f"prefix tuning does not support the {inputs.backend} back end "

@@ -15,20 +15,21 @@ be seen by its first document only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config_schema import arch, runtime
 from moe.model.transformer import ModelOutput, MoETransformer
 
 
 @dataclass
 class PromptConfig:
-    tokens: int = 20
+    tokens: int = arch(20)
     """n, the soft prompt's length (its positions come before every sequence)."""
-    init: Literal["vocab", "random"] = "vocab"
+    init: Literal["vocab", "random"] = runtime("vocab")
     """vocab: each prompt embedding starts as the embedding of a vocabulary token drawn at
     random (Lester et al.); random: normal with the embedding table's standard deviation."""
 
@@ -42,6 +43,9 @@ IGNORE = -100  # F.cross_entropy's ignore_index in MoETransformer.forward
 class PromptEmbedding(nn.Embedding):
     """The token embedding; while ``prompting``, the first n positions get ``prompt`` (n, D)."""
 
+    prompting: bool
+    prompt: nn.Parameter
+
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         x_BSD = super().forward(ids_BS)
         if not self.prompting:
@@ -52,6 +56,8 @@ class PromptEmbedding(nn.Embedding):
 
 
 class PromptTunedTransformer(MoETransformer):
+    embed: PromptEmbedding
+
     @property
     def prepended_positions(self) -> int:
         return self.embed.prompt.shape[0]
@@ -70,7 +76,8 @@ class PromptTunedTransformer(MoETransformer):
             out = super().forward(ids_BL, targets_BS, kv_cache=kv_cache)
         finally:
             self.embed.prompting = False
-        return ModelOutput(out.logits[:, n:], out.loss, out.lm_loss, out.aux_loss)
+        logits = None if out.logits is None else out.logits[:, n:]
+        return ModelOutput(logits, out.loss, out.lm_loss, out.aux_loss)
 
 
 def apply_prompt(model: MoETransformer, cfg: PromptConfig) -> list[nn.Parameter]:
@@ -87,6 +94,7 @@ def apply_prompt(model: MoETransformer, cfg: PromptConfig) -> list[nn.Parameter]
                                  device=table.device) * table.std()
     model.__class__ = PromptTunedTransformer
     model.embed.__class__ = PromptEmbedding
-    model.embed.prompting = False
-    model.embed.prompt = nn.Parameter(prompt)
-    return [model.embed.prompt]
+    embed = cast(PromptEmbedding, model.embed)
+    embed.prompting = False
+    embed.prompt = nn.Parameter(prompt)
+    return [embed.prompt]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +105,7 @@ def quantize_nf4(w_M: torch.Tensor) -> dict[str, torch.Tensor]:
     to_nf4 = _to_nf4()
     flat = w_M.detach().float().reshape(w_M.shape[0], -1)
     pad = _padded(flat.shape[1]) - flat.shape[1]
-    parts = {k: [] for k in _PARTS}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in _PARTS}
     for row in flat:
         t = to_nf4(F.pad(row, (0, pad)), BLOCK, SCALE_BLOCK)
         parts["codes"].append(t.quantized_data)
@@ -147,7 +148,14 @@ class _Weight:
         return [getattr(self.module, f"{self.name}_nf4_{k}") for k in _PARTS]
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_nf4(*self.parts(), self.module.nf4_shapes[self.name]).to(dtype)
+        codes, scales, factor, mean = self.parts()
+        shape = _shapes(self.module)[self.name]
+        return dequantize_nf4(codes, scales, factor, mean, shape).to(dtype)
+
+
+def _shapes(module: nn.Module) -> dict[str, torch.Size]:
+    """The shapes of the weights ``module`` holds in NF4, by name (none for other modules)."""
+    return getattr(module, "nf4_shapes", {})
 
 
 class _NF4Linear(torch.autograd.Function):
@@ -186,8 +194,9 @@ class NF4Linear(nn.Linear):
 
     _nf4_names = ("weight",)
 
+    # Held in NF4 buffers: read-only here (the float class's attribute becomes a property).
     @property
-    def weight(self) -> torch.Tensor:
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
         """The dequantised weight in fp32 (a fresh tensor: for export and inspection)."""
         return _Weight(self, "weight").dequantized(torch.float32)[0]
 
@@ -205,12 +214,14 @@ class NF4GroupedExperts(GroupedExperts):
 
     _nf4_names = ("w_in", "w_out")
 
-    @property
-    def w_in(self) -> torch.Tensor:
+    w_in_nf4_codes: torch.Tensor  # a buffer quantize_base registers
+
+    @property  # held in NF4 buffers: read-only here
+    def w_in(self) -> torch.Tensor:  # type: ignore[override]
         return _Weight(self, "w_in").dequantized(torch.float32)
 
     @property
-    def w_out(self) -> torch.Tensor:
+    def w_out(self) -> torch.Tensor:  # type: ignore[override]
         return _Weight(self, "w_out").dequantized(torch.float32)
 
     @property
@@ -232,7 +243,7 @@ _FLOAT_CLASS = {v: k for k, v in _NF4_CLASS.items()}
 
 def quantizable(model: nn.Module) -> list[nn.Module]:
     """The modules whose weights QLoRA holds in NF4 (see the module docstring)."""
-    out = []
+    out: list[nn.Module] = []
     for m in model.modules():
         if isinstance(m, CausalSelfAttention):
             out += [m.q_proj, m.k_proj, m.v_proj, m.o_proj]
@@ -266,7 +277,7 @@ def quantize_base(model: nn.Module, quantize: bool = True) -> int:
                 module.register_buffer(f"{name}_nf4_{k}", v)
             shapes[name] = stack.shape
         module.__class__ = _NF4_CLASS[type(module)]
-        module.nf4_shapes = shapes
+        cast(Any, module).nf4_shapes = shapes  # read by _shapes
     return len(modules)
 
 
@@ -278,7 +289,7 @@ def dequantize_base(model: nn.Module) -> int:
     modules = [m for m in model.modules() if type(m) in _FLOAT_CLASS]
     for module in modules:
         weights = {name: _Weight(module, name).dequantized(torch.float32)
-                   for name in module.nf4_shapes}
+                   for name in _shapes(module)}
         for name in weights:
             for k in _PARTS:
                 delattr(module, f"{name}_nf4_{k}")
@@ -296,10 +307,10 @@ def nf4_modules(model: nn.Module) -> list[nn.Module]:
 
 def quantized_numel(module: nn.Module) -> int:
     """Values of the weights ``module`` holds in NF4 (0 for other modules)."""
-    return sum(math.prod(s) for s in getattr(module, "nf4_shapes", {}).values())
+    return sum(math.prod(s) for s in _shapes(module).values())
 
 
 def nf4_bytes(model: nn.Module) -> int:
     """Bytes of every NF4 buffer of ``model``: codes, quantised scales, factors, means."""
     return sum(getattr(m, f"{name}_nf4_{k}").nbytes for m in nf4_modules(model)
-               for name in m.nf4_shapes for k in _PARTS)
+               for name in _shapes(m) for k in _PARTS)

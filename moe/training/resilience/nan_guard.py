@@ -16,7 +16,7 @@ import math
 import torch
 
 from moe.training.decision import CONTINUE, Decision, Skip, Stop
-from moe.training.hooks import StepState
+from moe.training.hooks import LoopPart, StepState
 
 log = logging.getLogger("moe.train")
 
@@ -31,19 +31,27 @@ def step_is_finite(loss: float, grad_norm: float | None) -> bool:
     return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(LoopPart):
     """Warns on every skipped step; stops after ``max_skips`` consecutive ones (steps skipped for
     a loss spike count too: the spike guard poisons their loss the same way). Stops at once if a
-    non-finite step was applied anyway (no ZeRO: nothing skips it, the weights are lost)."""
+    non-finite step was applied anyway (no ZeRO: nothing skips it, the weights are lost). The
+    count of skips in a row is carried by every checkpoint: a run resumed (or rolled back) in
+    the middle of a streak stops where the uninterrupted run would have."""
+
+    state_key = "nonfinite_guard"
 
     def __init__(self, max_skips: int, rank: int):
         self.max_skips, self.rank = max_skips, rank
         self.consecutive = 0
 
-    def on_rollback(self, client: dict) -> None:
-        self.consecutive = 0  # the skipped steps are undone
+    def state_dict(self) -> dict:
+        return {"consecutive_skips": self.consecutive}
 
-    def decide(self, s: StepState) -> Decision:
+    def load_state_dict(self, state: dict | None) -> None:
+        """None: a checkpoint saved without it starts counting afresh."""
+        self.consecutive = int((state or {}).get("consecutive_skips", 0))
+
+    def decide(self, s: StepState, latest=None) -> Decision:
         finite = step_is_finite(s.loss, s.grad_norm)
         if finite and not s.skipped:
             self.consecutive = 0

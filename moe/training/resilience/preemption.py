@@ -6,7 +6,7 @@ The signal handler only sets a flag: saving inside a handler could interrupt a c
 each step boundary the ranks agree on the flag with one tiny all-reduce (a signal reaches ranks
 at slightly different times, and a checkpoint is collective: if one rank saved while another
 stepped on, both would hang); :meth:`PreemptionGuard.decide` tells the loop to stop. Then every
-rank saves, rank 0 leaves a marker for the job script (:meth:`PreemptionGuard.exit`), and all
+rank saves, rank 0 leaves a marker for the job script (:func:`exit_for_requeue`), and all
 exit with PREEMPTED_EXIT_CODE; the requeued job resumes from that checkpoint through the
 trainer's ordinary auto-resume. A second SIGTERM is not caught: it ends the process at once.
 
@@ -24,18 +24,26 @@ import logging
 import signal
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from moe.run_dir import RunDir
 from moe.training.decision import CONTINUE, Decision, Stop
 from moe.training.device import comm_device
-from moe.training.hooks import StepState
+from moe.training.hooks import LoopPart, StepState
 
 log = logging.getLogger("moe.train")
 
-PREEMPTED_MARKER = "preempted.json"
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+
+
+def was_preempted(returncode: int, run_dir: Path) -> bool:
+    """Whether training that ended with ``returncode`` (a rank's, or the launcher's that ran
+    them) stopped for a preemption: the exit code, or the marker rank 0 leaves in ``run_dir``
+    (:func:`exit_for_requeue`), which stays when a launcher reports another code for it."""
+    return returncode == PREEMPTED_EXIT_CODE or RunDir(run_dir).preempted.exists()
 
 
 class Preempted(SystemExit):
@@ -87,7 +95,28 @@ def hold_signals(signals, first: int | None = None) -> None:
         _RECEIVED.insert(0, first)
 
 
-class PreemptionGuard:
+def exit_for_requeue(marker: Path, rank: int, decision: Stop) -> NoReturn:
+    """After every rank saved ``decision.step`` (None: before the first step, nothing to save):
+    rank 0 leaves the marker for the job script, and every rank raises :class:`Preempted`
+    once all are here."""
+    if rank == 0:
+        marker.write_text(json.dumps({"step": decision.step, "signal": decision.reason}))
+    if decision.step is None:
+        log.info(f"{decision.reason} before the first step: nothing to save; exiting with code "
+                 f"{PREEMPTED_EXIT_CODE} so that the job can start again")
+    else:
+        log.info(f"{decision.reason}: saved step {decision.step}; exiting with code "
+                 f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
+    # No rank may exit (and have a scheduler kill the others) before the marker exists.
+    if dist.is_initialized():
+        dist.barrier()
+    raise Preempted(decision.step)
+
+
+class PreemptionGuard(LoopPart):
+    """Catches the preemption signals from the first step on and tells the loop, at a step
+    boundary, to save and exit (:meth:`decide`); :meth:`close` gives the signals back."""
+
     def __init__(self, marker: Path, rank: int, signals: tuple[int, ...] = (signal.SIGUSR1,)):
         self.marker, self.rank = marker, rank
         self.signum: int | None = None  # the first signal received
@@ -116,19 +145,8 @@ class PreemptionGuard:
         signum = self._agreed_signal()
         if not signum:
             return
-        name = signal.Signals(signum).name
-        if self.rank == 0:
-            self.marker.write_text(json.dumps({"step": None, "signal": name}))
-        log.info(f"{name} before the first step: nothing to save; exiting with code "
-                 f"{PREEMPTED_EXIT_CODE} so that the job can start again")
-        self._exit(None)
-
-    def _exit(self, step: int | None):
-        # No rank may exit (and have a scheduler kill the others) before the marker exists.
-        if dist.is_initialized():
-            dist.barrier()
-        self.close()
-        raise Preempted(step)
+        self.close()  # never registered with the loop, which would close it
+        exit_for_requeue(self.marker, self.rank, Stop(signal.Signals(signum).name, signum))
 
     def _on_signal(self, signum, frame) -> None:
         _RECEIVED.append(signum)
@@ -138,9 +156,10 @@ class PreemptionGuard:
             # Someone means it: the next SIGTERM gets the old disposition (by default, death).
             signal.signal(signum, self.previous.pop(signum))
 
-    def decide(self, s: StepState) -> Decision:
+    def decide(self, s: StepState, latest=None) -> Decision:
         """Every rank calls it at every step boundary (a collective): stop, on every rank alike,
-        when some rank got a signal; the step to save is ``Stop.step``."""
+        when some rank got a signal; the step to save is ``Stop.step``. The loop asks it after
+        the other guards: a step they roll back has ``s.rollback_to``."""
         signum = self._agreed_signal()
         # At the last step the loop saves and ends anyway.
         if not signum or s.step >= s.max_steps:
@@ -149,15 +168,6 @@ class PreemptionGuard:
         # the one to resume from (the skipped data is recorded in the run directory already).
         step = s.step if s.rollback_to is None else s.rollback_to
         return Stop(signal.Signals(signum).name, signal=signum, step=step)
-
-    def exit(self, decision: Stop):
-        """After the loop saved ``decision.step``: leave the marker and exit (raises
-        :class:`Preempted` on every rank)."""
-        if self.rank == 0:
-            self.marker.write_text(json.dumps({"step": decision.step, "signal": decision.reason}))
-        log.info(f"{decision.reason}: saved step {decision.step}; exiting with code "
-                 f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
-        self._exit(decision.step)
 
     def close(self) -> None:
         for signum, previous in self.previous.items():

@@ -25,7 +25,8 @@ new job start, and works the same under every launcher, without one and with
 ``launch.max_restarts: 0``. The event, with the skipped ranges, is appended to
 ``skipped_batches.jsonl`` before the restore; every later start of the run reads the file, so a
 run killed and resumed from a checkpoint before the window skips the same samples. A checkpoint
-holds this guard's window (:data:`SPIKE_STATE`), so re-run steps detect spikes as they did.
+holds this guard's window (registered with the checkpointer as ``spike_guard``), so re-run
+steps detect spikes as they did.
 Spikes at one step number roll back at most ``max_rollbacks`` times, counted over the whole
 record; one more stops the run. Before the first checkpoint there is nothing to roll back to: the
 step is skipped as with ``action: skip`` (with a warning), and recorded as such.
@@ -44,10 +45,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe.checkpoint.files import SPIKE_STATE
 from moe.config.run import SpikeConfig
 from moe.training.decision import CONTINUE, Decision, Rollback, Skip, Stop
-from moe.training.hooks import StepState
+from moe.training.hooks import LoopPart, StepState
 
 log = logging.getLogger("moe.train")
 
@@ -88,7 +88,7 @@ def skipped_windows(events: list[dict]) -> list[list[int]]:
     return [r for e in events if e.get("action") == "rollback" for r in e["skipped_samples"]]
 
 
-class LossSpikeGuard:
+class LossSpikeGuard(LoopPart):
     """Holds the window of recent losses; :meth:`check` marks a spiking micro-batch's loss for
     skipping, :meth:`decide` records each event and tells the loop to skip the step or to roll
     back to a checkpoint. One per rank; all ranks hold the same window (it is built from losses
@@ -96,6 +96,8 @@ class LossSpikeGuard:
 
     ``events``: the run's recorded events (:func:`recorded_events`), which count earlier
     rollbacks."""
+
+    state_key = "spike_guard"
 
     def __init__(self, cfg: SpikeConfig, run_dir: Path, loader, rank: int, world_size: int,
                  events: list[dict] = ()):
@@ -139,8 +141,8 @@ class LossSpikeGuard:
         self.recent.clear()
 
     def on_rollback(self, client: dict) -> None:
-        self.load_state_dict(client.get(SPIKE_STATE))
-        self.loader.skip(self.pending)  # the loop restored the checkpoint's cursor before it
+        # The loop restored the checkpoint's window and cursor before (checkpoint.restore).
+        self.loader.skip(self.pending)
         self.pending = []
 
     def decide(self, s: StepState, latest: tuple[int, Path] | None) -> Decision:

@@ -36,7 +36,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from moe.training.hooks import StepState
+from moe.training.hooks import LoopPart, StepState
 from moe.training.resilience.collectives import LAST
 
 log = logging.getLogger("moe.train")
@@ -183,8 +183,9 @@ def _where(hb: dict) -> str:
     return f"{state} collective call {hb['calls']} ({hb['name'] or 'none'}) in step {hb['step'] + 1}"
 
 
-class HangWatchdog:
-    """Started with the loop; every completed step resets its clock; :meth:`close` stops it."""
+class HangWatchdog(LoopPart):
+    """Started with the loop; every completed step and every complete checkpoint restart its
+    clock; :meth:`close` stops it."""
 
     def __init__(self, timeout_s: float, logs_dir: Path, rank: int):
         self.timeout, self.rank = timeout_s, rank
@@ -206,6 +207,9 @@ class HangWatchdog:
 
     def on_step_end(self, s: StepState) -> None:
         self.last_step, self.last_time = s.step, time.monotonic()
+
+    def on_checkpoint(self, step: int, tag_dir: Path) -> None:
+        self.last_time = time.monotonic()  # a save counts as work: the next step starts now
 
     def _beat(self) -> None:
         if self.heartbeats is not None:

@@ -16,7 +16,7 @@ from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.errors import ConfigError
 from moe.model.experts import GroupedExperts, scale_rows
-from moe.model.moe_layer import MoEConfig, MoELayer
+from moe.model.moe_layer import SUM, MoEConfig, MoELayer
 from moe.model.norms import LayerNorm, RMSNorm
 from moe.model.router import RouterConfig, TopKRouter, load_balancing_loss
 from moe.model.transformer import ModelConfig, MoETransformer
@@ -76,7 +76,7 @@ def test_expert_bias_and_step_counters_stay_fp32_under_a_cast():
             layer(torch.randn(2, 32, 32).bfloat16())
             routed += layer.stats["tokens_per_expert"].float()
     assert torch.equal(layer.step_load_E, routed) and routed.sum() == 768
-    assert layer.step_sums[0] == 768 and layer.step_sums[4] == 6
+    assert layer.step_sums[SUM["routed"]] == 768 and layer.step_sums[SUM["micro_batches"]] == 6
 
 
 def test_combine_weights_scale_bf16_rows_in_fp32_with_an_fp32_gradient():

@@ -116,7 +116,7 @@ def test_validation_during_training_reports_the_loss_of_the_trained_tokens(instr
 
     from data_pipeline.reader import validation_windows
     from moe.evaluation.evaluate import evaluate_perplexity
-    from moe.training.hooks import ValidationHook
+    from moe.training.hooks import ValidationMeter
 
     torch.manual_seed(0)
     model = MoETransformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4,
@@ -124,7 +124,7 @@ def test_validation_during_training_reports_the_loss_of_the_trained_tokens(instr
     engine = SimpleNamespace(module=model, device=torch.device("cpu"), eval=model.eval,
                              train=model.train)
     windows = list(validation_windows(instruction_data.dir, 16))
-    got = ValidationHook(engine, 1, windows, 16, 3, 0, 1).evaluate()
+    got = ValidationMeter(engine, 1, windows, 16, 3, 0, 1).evaluate()
     want = evaluate_perplexity(model, instruction_data.dir, 16, batch_size=3)
     assert got["tokens"] == want["tokens"] < want["positions"]
     assert math.isclose(got["loss"], want["loss"], rel_tol=1e-5)

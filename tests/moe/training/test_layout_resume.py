@@ -2,7 +2,9 @@
 continues on 1 rank, and a 1-rank checkpoint continues on 2 ranks with expert parallelism 2. The
 steps after resuming must match continuing on the original layout (same global batch: 2 ranks x 1
 micro-batch or 1 rank x 2 micro-batches read the same samples), which needs the weights, both Adam
-moments of expert and non-expert parameters, the LR schedule and the router's score_bias."""
+moments of expert and non-expert parameters, the LR schedule and the router's score_bias. A part
+with state that only registers itself (Tally) is carried through all of it, on the same layout
+and on another, with no change to the checkpointer."""
 
 import copy
 import json
@@ -14,6 +16,8 @@ from moe.checkpoint.files import MAIN_STATES, load_file
 from moe.config.run import RunConfig
 from moe.config_schema import from_dict
 from moe.parallel.layout import read_layout_free
+from moe.training.checkpoint import RESERVED_NAMES
+from moe.training.hooks import LoopPart
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
@@ -21,9 +25,48 @@ from tests.helpers.distributed import run_distributed
 pytestmark = pytest.mark.multiprocess
 
 
-def _train_worker(rank, world, cfg_dict, resume):
-    cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
-    train(cfg, DistEnv(rank, world, rank, world), resume=resume)
+class Tally(LoopPart):
+    """A new part with state, known to nothing else: the steps it saw and the sum of their
+    losses. Each rank appends what it was given on resume to RUN_DIR/tally_rank{R}.jsonl."""
+
+    state_key = "tally"
+
+    def __init__(self, run):
+        self.path = run.cfg.run_dir / f"tally_rank{run.env.rank}.jsonl"
+        self.steps, self.loss_sum = 0, 0.0
+
+    def after_step(self, state):
+        self.steps, self.loss_sum = self.steps + 1, self.loss_sum + state.loss
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "loss_sum": self.loss_sum}
+
+    def load_state_dict(self, state) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(state) + "\n")
+        self.steps, self.loss_sum = state["steps"], state["loss_sum"]
+
+
+def _train_worker(rank, world, cfg_dict, resume, again=None):
+    """Train ``cfg_dict`` from ``resume``; ``again``: then (config, checkpoint) of a run resumed
+    on the same layout."""
+    for d, start in ((cfg_dict, resume), *([again] if again else [])):
+        cfg = from_dict(RunConfig, copy.deepcopy(d))
+        train(cfg, DistEnv(rank, world, rank, world), resume=start, parts=[Tally])
+
+
+def tally(tag_dir) -> dict:
+    return load_file(tag_dir / MAIN_STATES)["tally"]
+
+
+def loaded_tallies(run_dir, world) -> list[dict]:
+    """What each rank's Tally was given (one resume per run)."""
+    out = []
+    for r in range(world):
+        [line] = (run_dir / f"tally_rank{r}.jsonl").read_text().splitlines()
+        out.append(json.loads(line))
+    return out
 
 
 def layout_dict(tiny_data, out_dir, name, world, max_steps, every):
@@ -83,17 +126,35 @@ def test_resume_on_another_layout_matches_the_original_layout(tiny_data, tmp_pat
     assert any(v.abs().sum() > 0 for v in saved_bias.values())  # the check has teeth
     check_layout_free_state(a3)
 
-    # B: 1 rank, EP 1, resumed from A at step 3, steps 4-7, a checkpoint every step.
-    run_distributed(_train_worker, 1, layout_dict(tiny_data, runs, "b", 1, 7, every=1), str(a3))
+    a_tally = tally(a3)
+    assert a_tally["steps"] == 3 and a_tally["loss_sum"] > 0  # saved without the checkpointer
+    client_names = {"data", "nonfinite_guard", "tally"}
+    main = load_file(a3 / MAIN_STATES)
+    assert client_names <= main.keys()
+    assert main.keys() - client_names <= set(RESERVED_NAMES)  # DeepSpeed's own entries
+
+    # B: 1 rank, EP 1, resumed from A at step 3, steps 4-7, a checkpoint every step; then b2,
+    # the same layout, resumed from B at step 5 to step 6.
+    b2 = layout_dict(tiny_data, runs, "b2", 1, 6, every=1)
+    b5 = runs / "b" / "checkpoints" / "step_0000005"
+    run_distributed(_train_worker, 1, layout_dict(tiny_data, runs, "b", 1, 7, every=1), str(a3),
+                    (b2, str(b5)))
+    assert loaded_tallies(runs / "b", 1) == [a_tally]  # another layout
+    assert loaded_tallies(runs / "b2", 1) == [tally(b5)]  # the same layout
+    assert tally(b5)["steps"] == 5
+    a7, b7 = (tally(runs / name / "checkpoints" / "step_0000007") for name in ("a", "b"))
+    assert b7["steps"] == a7["steps"] == 7 and b7["loss_sum"] == pytest.approx(a7["loss_sum"])
+    assert tally(runs / "b2" / "checkpoints" / "step_0000006") == tally(
+        runs / "b" / "checkpoints" / "step_0000006")
     b_losses = global_losses(runs / "b", 1)
     assert_losses_match(b_losses, global_losses(runs / "a", 2), [4, 5, 6, 7])
     assert_same_state(runs / "a" / "checkpoints" / "step_0000007",
                       runs / "b" / "checkpoints" / "step_0000007")
-    b5 = runs / "b" / "checkpoints" / "step_0000005"
     check_layout_free_state(b5)
 
     # C: 2 ranks, EP 2, resumed from B's 1-rank checkpoint at step 5, steps 6-7.
     run_distributed(_train_worker, 2, layout_dict(tiny_data, runs, "c", 2, 7, every=2), str(b5))
+    assert loaded_tallies(runs / "c", 2) == [tally(b5)] * 2
     assert_losses_match(global_losses(runs / "c", 2), b_losses, [6, 7])
     assert_same_state(runs / "b" / "checkpoints" / "step_0000007",
                       runs / "c" / "checkpoints" / "step_0000007")

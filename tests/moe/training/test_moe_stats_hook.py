@@ -31,7 +31,7 @@ def test_reads_once_per_logging_step_and_publishes_the_counters(is_log):
     loads = [layer.step_load_E.clone() for layer in layers]
     s = state(is_log)
     with count_host_reads() as reads:
-        RouterBalance(layers).update(s)
+        RouterBalance(layers).after_step(s)
     assert sum(reads.values()) == (1 if is_log else 0), reads
     for layer in layers:  # counters reset, bias moved either way
         assert layer.step_load_E.sum() == 0 and layer.router.score_bias.abs().sum() > 0

@@ -238,7 +238,10 @@ def test_the_skipped_window_holds_the_last_steps_after_the_checkpoint_only(tmp_p
     assert guard.pending == [[20, 24], [28, 32]]
     [e] = [json.loads(line) for line in (tmp_path / SKIPPED_BATCHES).open()]
     assert e["skipped_samples"] == [[20, 24], [28, 32]] and e["rollback"] == 2
-    guard.on_rollback({"step": 5, "spike_guard": {"losses": [1.0, 1.0]}})
+    # The loop restores every registered state (the window among them), then the hooks run.
+    client = {"step": 5, guard.state_key: {"losses": [1.0, 1.0]}}
+    guard.load_state_dict(client[guard.state_key])
+    guard.on_rollback(client)
     assert cursor.skipped == [[20, 24], [28, 32]] and list(guard.losses) == [1.0, 1.0]
     decision = step(7, 32, z=9.0)
     assert isinstance(decision, Stop) and decision.signal is None  # the loop raises TrainingError

@@ -6,7 +6,7 @@ automatically)."""
 import json
 from types import SimpleNamespace
 
-from moe.training.hooks import StepRecordHook
+from moe.training.hooks import StepRecorder
 
 
 def test_step_log_is_cut_back_to_the_resumed_step(tmp_path):
@@ -17,7 +17,7 @@ def test_step_log_is_cut_back_to_the_resumed_step(tmp_path):
     old = [json.dumps({"step": i, "loss": float(i), "tokens_sha256": "old", "skipped": False})
            for i in range(1, 9)]
     path.write_text("\n".join(old) + '\n{"step": 9, "lo')
-    hook = StepRecordHook(path)
+    hook = StepRecorder(path)
     assert path.read_text().startswith(old[0])  # nothing changes before the first step
     for step in (6, 7):
         hook.on_step_end(SimpleNamespace(step=step, local_loss=0.5, tokens_sha256="new",

@@ -1,0 +1,123 @@
+"""The worker of the settings matrix (benchmarks/gpu_speed_matrix.py), started as
+``gpu_train_bench.py --serve``: it keeps one process (CUDA context, imports, dynamo's compiled
+code) across runs, and runs one task per line of stdin:
+
+    {"id": 3, "model": "moe-125m", "overrides": ["train.compile=true"], "needs": ["cuda"],
+     "steps": 10, "warmup": 3, "profile_steps": 0, "sync_steps": 0, "label": "compile",
+     "check": false}
+
+and answers each with one line on the original stdout (library output goes to stderr):
+``{"id": 3, "status": "ok" | "skipped" | "error", "reason": ..., "row": {...},
+"profile": {...} | null, "wall_s": ...}``. ``check: true`` only says whether the run applies
+(its needs, whether moe-plan fits it in the device's memory) without building anything.
+The first line it writes is ``{"hello": {device, torch, peak_flops, memory}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from argparse import Namespace
+
+import torch
+from bench_steps import split_knobs
+from gpu_train_bench import bench, device_name, planned_bytes, preset, tiny_models
+
+from moe.errors import ConfigError
+from moe.model.attention import FLEX_AVAILABLE
+from moe.model.loss import liger_problem
+from moe.training.device import peak_bf16_flops
+
+FIT_FRACTION = 0.95
+"""A run whose planned memory (moe-plan's total) exceeds this share of the device is skipped."""
+
+
+DEVICE_NEEDS = ("cuda", "flex", "liger")
+"""Preconditions on the machine alone, checked before the config is built (a config with
+``model.cross_entropy=liger`` is refused where Liger-Kernel is missing)."""
+
+
+def unmet(needs: list[str], cfg, device: torch.device) -> list[str]:
+    """The preconditions of a lever that this device (and model, unless ``cfg`` is None) do
+    not meet."""
+    have = {
+        "cuda": device.type == "cuda",
+        "flex": FLEX_AVAILABLE and device.type == "cuda",  # flex has no backward on the CPU
+        "liger": liger_problem() is None,
+    }
+    if cfg is not None:
+        have.update({
+            "moe": cfg.model.ffn == "moe",
+            "bf16": cfg.train.precision == "bf16",
+            "unaligned-experts": cfg.model.ffn == "moe" and cfg.model.moe.expert_hidden % 64 != 0,
+        })
+    known = (*DEVICE_NEEDS, "moe", "bf16", "unaligned-experts")
+    unknown = [n for n in needs if n not in known]
+    if unknown:
+        raise ConfigError([f"needs: unknown precondition(s) {unknown} (known: {sorted(known)})"])
+    return [n for n in needs if n in have and not have[n]]
+
+
+def config_for(task: dict, tiny: bool, micro_batch: int | None):
+    overrides, knobs = split_knobs(list(task.get("overrides", [])))
+    if tiny:
+        models = dict(tiny_models(overrides))
+        if task["model"] not in models:
+            raise ConfigError([f"model: {task['model']!r} is not a tiny model ({sorted(models)})"])
+        return models[task["model"]], knobs
+    return preset(task["model"], micro_batch, overrides), knobs
+
+
+def run_task(task: dict, device: torch.device, args) -> dict:
+    needs = list(task.get("needs", []))
+    missing = unmet(needs, None, device)
+    if not missing:
+        cfg, knobs = config_for(task, args.tiny, args.micro_batch)
+        missing = unmet(needs, cfg, device)
+    if missing:
+        return {"status": "skipped", "reason": "needs " + ", ".join(missing)}
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if planned_bytes(cfg) > FIT_FRACTION * total:
+            return {"status": "skipped", "reason": f"moe-plan: {planned_bytes(cfg) / 2**30:.1f} "
+                    f"GiB of {total / 2**30:.0f}"}
+    if task.get("check"):
+        return {"status": "ok"}
+    run_args = Namespace(steps=task.get("steps", args.steps), warmup=task.get("warmup", args.warmup),
+                         profile_steps=task.get("profile_steps", 0),
+                         sync_steps=task.get("sync_steps", 0), peak_flops=args.peak_flops)
+    row, entry = bench(task["model"], cfg, device, run_args, knobs, task.get("label", ""))
+    return {"status": "ok", "row": row, "profile": entry}
+
+
+def serve(device: torch.device, args, proto) -> None:
+    """Answer the tasks of stdin on ``proto`` until stdin closes (see the module docstring)."""
+    if "torch._dynamo" in sys.modules or device.type == "cuda":
+        import torch._dynamo as dynamo
+
+        # Every setting's blocks stay compiled side by side: a later round reuses them.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, 256)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    hello = {"device": device_name(device), "torch": torch.__version__, "memory": memory,
+             "peak_flops": args.peak_flops or peak_bf16_flops(device)}
+    print(json.dumps({"hello": hello}), file=proto)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        task = json.loads(line)
+        t0 = time.perf_counter()
+        try:
+            result = run_task(task, device, args)
+        except ConfigError as e:
+            result = {"status": "error", "reason": f"config: {e}"}
+        except Exception as e:  # one failing setting must not end the others
+            traceback.print_exc()
+            result = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500]}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        result.update(id=task.get("id"), wall_s=time.perf_counter() - t0)
+        print(json.dumps(result, default=str), file=proto)

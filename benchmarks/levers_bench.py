@@ -1,0 +1,192 @@
+"""CPU figures of two speed levers against the default in the same run (interleaved rounds,
+median and min-max spread); GPU figures come from benchmarks/gpu_train_bench.py ``--set``.
+
+``loss``: the output head and loss (``model.cross_entropy``), forward and backward of
+``h (T, D) -> logits (T, V) -> summed cross-entropy`` in fp32: full against chunked (block of
+``--chunk`` tokens). Time per call, and peak memory: each variant runs once in a fresh process,
+whose peak resident set (VmHWM, reset before the call) grows by what the call needs beyond its
+inputs.
+
+``step``: a training step (forward, backward, AdamW) of configs/default.yaml's model at its
+4096-token vocabulary, one micro-batch of 8 x 256 tokens, full against chunked loss.
+
+``optimizer``: one AdamW step (``train.optimizer_impl``) over the parameter groups one rank of
+configs/default.yaml steps under DeepSpeed (ZeRO 2, 2 ranks, expert parallelism 2: half of the
+non-expert weights as one flat partition, each local expert tensor its own group): for_loop
+(torch's CPU default), foreach, fused.
+
+    PYTHONPATH=$PWD python benchmarks/levers_bench.py                 # all three, 5 rounds
+    PYTHONPATH=$PWD python benchmarks/levers_bench.py --only loss --tokens 4096 --vocab 32000
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from moe.config.run import load_config
+from moe.model.loss import LMHeadLoss, full_cross_entropy
+from moe.model.transformer import MoETransformer
+
+
+def head_inputs(tokens: int, d_model: int, vocab: int):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, d_model, generator=g, requires_grad=True)
+    w = (torch.randn(vocab, d_model, generator=g) * 0.02).requires_grad_()
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    return h, w, t
+
+
+def head_call(variant: str, chunk: int, h, w, t) -> None:
+    loss = (full_cross_entropy(h @ w.t(), t) if variant == "full"
+            else LMHeadLoss("chunked", chunk)(h, w, t))
+    loss.backward()
+    h.grad = w.grad = None
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def call_peak_kib(variant: str, tokens: int, d_model: int, vocab: int, chunk: int) -> int:
+    """How far one call raises the resident set above what it was before (Linux: the peak is
+    reset through /proc/self/clear_refs, then read as VmHWM)."""
+    torch.set_num_threads(1)
+    args = head_inputs(tokens, d_model, vocab)
+    before = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    head_call(variant, chunk, *args)
+    return _status_kib("VmHWM") - before
+
+
+def peak_kib(variant: str, tokens: int, d_model: int, vocab: int, chunk: int) -> int:
+    """:func:`call_peak_kib` in a fresh process (nothing freed earlier is reused)."""
+    code = ("from benchmarks.levers_bench import call_peak_kib\n"
+            f"print(call_peak_kib({variant!r}, {tokens}, {d_model}, {vocab}, {chunk}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def timed(fn, repeat: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def interleaved(calls: dict, rounds: int, repeat: int) -> dict[str, list[float]]:
+    for fn in calls.values():  # warm-up
+        fn()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(timed(fn, repeat))
+    return times
+
+
+def report(title: str, times: dict[str, list[float]], base: str, unit: float = 1e3,
+           extra: dict | None = None) -> dict:
+    print(f"\n{title}")
+    rows = {}
+    for name, ts in times.items():
+        ratios = [a / b for a, b in zip(ts, times[base])]
+        rows[name] = {"median_ms": statistics.median(ts) * unit, "min_ms": min(ts) * unit,
+                      "max_ms": max(ts) * unit, "ratio": statistics.median(ratios),
+                      "ratio_min": min(ratios), "ratio_max": max(ratios), **(extra or {}).get(
+                          name, {})}
+        r = rows[name]
+        more = "".join(f", {k} {v}" for k, v in (extra or {}).get(name, {}).items())
+        print(f"  {name:10s} {r['median_ms']:9.1f} ms ({r['min_ms']:.1f}-{r['max_ms']:.1f}); "
+              f"/ {base}: {r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}){more}")
+    return rows
+
+
+def bench_loss(args) -> dict:
+    h, w, t = head_inputs(args.tokens, args.d_model, args.vocab)
+    calls = {v: (lambda v=v: head_call(v, args.chunk, h, w, t)) for v in ("full", "chunked")}
+    times = interleaved(calls, args.rounds, 1)
+    mem = {v: {"peak_MiB": round(peak_kib(v, args.tokens, args.d_model, args.vocab,
+                                          args.chunk) / 1024)} for v in calls}
+    return report(f"head + loss, T {args.tokens}, D {args.d_model}, V {args.vocab}, chunk "
+                  f"{args.chunk}, fp32, forward + backward", times, "full", extra=mem)
+
+
+def bench_step(args) -> dict:
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, 4096, (8, 257), generator=g)
+    calls = {}
+    for variant in ("full", "chunked"):
+        cfg = copy.deepcopy(load_config("configs/default.yaml").model)
+        cfg.vocab_size, cfg.cross_entropy = 4096, variant
+        cfg.cross_entropy_chunk_tokens = args.chunk
+        torch.manual_seed(0)
+        model = MoETransformer(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model=model, opt=opt):
+            model(batch[:, :-1], batch[:, 1:]).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        calls[variant] = step
+    return report("training step, configs/default.yaml's model, 8 x 256 tokens, fp32",
+                  interleaved(calls, args.rounds, 2), "full")
+
+
+def default_rank_groups() -> list[int]:
+    """Numbers of elements of one rank's optimizer groups for configs/default.yaml at
+    world size 2, expert parallelism 2, ZeRO 2 (see the module docstring)."""
+    cfg = copy.deepcopy(load_config("configs/default.yaml").model)
+    cfg.vocab_size = 4096
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    others = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    return [others // 2] + [p.numel() // 2 for p in experts]
+
+
+def bench_optimizer(args) -> dict:
+    kinds = {"for_loop": {"foreach": False}, "foreach": {"foreach": True},
+             "fused": {"fused": True}}
+    calls = {}
+    for name, options in kinds.items():
+        params = [torch.nn.Parameter(torch.randn(n)) for n in default_rank_groups()]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=1e-3, **options)
+        calls[name] = opt.step
+    return report(f"AdamW step, one rank's groups of configs/default.yaml "
+                  f"({sum(default_rank_groups()):,} fp32 elements)",
+                  interleaved(calls, args.rounds, 5), "for_loop")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=["loss", "step", "optimizer"], action="append")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} interleaved rounds")
+    benches = {"loss": bench_loss, "step": bench_step, "optimizer": bench_optimizer}
+    out = {name: benches[name](args) for name in (args.only or benches)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

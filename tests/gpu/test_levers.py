@@ -1,0 +1,271 @@
+"""The speed levers on one CUDA GPU (skipped elsewhere; ``python3 -m pytest -m gpu -q
+tests/gpu/test_levers.py``): no host synchronisation in a bf16 forward and backward (eager and
+compiled, every loss back end, routers that count over the global batch, packed documents on
+flex) under ``torch.cuda.set_sync_debug_mode("error")``; compiled blocks without graph breaks or
+recompiles after warm-up; the chunked and Liger losses against the full one in bf16, with the
+memory they save; fused AdamW under DeepSpeed; which SDPA kernel runs at 2048 tokens.
+
+The CPU counterparts: tests/moe/test_loss.py, tests/moe/test_compile_fullgraph.py,
+tests/moe/training/test_optimizer_impl.py."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+LIGER = pytest.param("liger", marks=pytest.mark.skipif(
+    importlib.util.find_spec("liger_kernel") is None,
+    reason="liger-kernel is not installed (pip install liger-kernel)"))
+
+
+def tiny_model(cross_entropy="full", **extra):
+    from moe.config_schema import from_dict
+    from moe.model.transformer import ModelConfig, MoETransformer
+
+    router = extra.pop("router", {})
+    cfg = from_dict(ModelConfig, {"vocab_size": 1024, "d_model": 128, "n_layers": 3,
+                                  "n_heads": 4, "max_seq_len": 256,
+                                  "cross_entropy": cross_entropy,
+                                  "cross_entropy_chunk_tokens": 256,
+                                  "moe": {"num_experts": 8, "expert_hidden": 64,
+                                          "num_shared_experts": 1, "first_dense_layers": 1,
+                                          "router": {"top_k": 2, "z_loss_coef": 1e-3, **router}},
+                                  **extra})
+    torch.manual_seed(0)
+    return MoETransformer(cfg).cuda().to(torch.bfloat16)
+
+
+def _batch(seed: int, documents: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1024, (4, 257), generator=g).cuda()
+    docs = None
+    if documents:  # three packed documents per row, boundaries moving with the seed
+        cuts = torch.randint(1, 256, (4, 2), generator=g)
+        docs = (torch.arange(256)[None, None] >= cuts[:, :, None]).sum(1).cuda()
+    return ids[:, :-1], ids[:, 1:], docs
+
+
+def _step(model, seed: int, documents: bool = False):
+    x, t, docs = _batch(seed, documents)
+    out = model(x, t, doc_ids_BS=docs)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+def _needs_grouped_kernel():
+    from moe.model.experts import grouped_mm_supported
+
+    if not grouped_mm_supported(torch.bfloat16, torch.device("cuda")):
+        pytest.skip("no bf16 torch._grouped_mm on this GPU and torch: the loop syncs by design")
+
+
+VARIANTS = {"default": {},
+            "global_batch_counts": {"router": {"aux_loss_scope": "global_batch"}},
+            "documents_flex": {"document_masking": True, "attention_backend": "flex"},
+            "sigmoid_bias": {"router": {"score_func": "sigmoid", "bias_update_rate": 1e-3}}}
+
+
+def _no_sync_steps(model, variant: str) -> None:
+    """Two forward/backward passes on routings other than the warm-up's (and, for global-batch
+    balancing, a counting pass) with any host synchronisation raising."""
+    from moe.model.moe_layer import counting_routes
+
+    documents = variant == "documents_flex"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        if variant == "global_batch_counts":
+            with torch.no_grad(), counting_routes(model.moe_layers()):
+                model(_batch(5)[0])
+        for seed in range(2, 4):
+            _step(model, seed, documents)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
+def test_a_bf16_forward_and_backward_never_syncs(cross_entropy, variant):
+    """Any host synchronisation (an .item(), a .tolist(), a bincount, a nonzero, a copy to the
+    host) in the model's forward or backward raises under sync debug mode "error". Not liger:
+    Liger-Kernel 0.8.5 reads the number of kept targets on the host once per call."""
+    _needs_grouped_kernel()
+    model = tiny_model(cross_entropy, **copy.deepcopy(VARIANTS[variant]))
+    for seed in range(2):  # warm-up: the kernel probe, flex's block-mask compile
+        _step(model, seed, variant == "documents_flex")
+    _no_sync_steps(model, variant)
+
+
+@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
+def test_compiled_blocks_compile_nothing_after_warm_up_and_never_sync(cross_entropy):
+    """Inductor, bf16, dropless: no graph break in any block; the first step compiles every
+    graph (the chunked loss's block body: at most two shapes), later steps route other token
+    counts and compile nothing; and the compiled steps synchronise nothing."""
+    from torch._dynamo.utils import counters
+
+    from moe.model.compile import compile_blocks
+
+    _needs_grouped_kernel()
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(cross_entropy)
+    compile_blocks(model)
+    graphs = []
+    for seed in range(4):
+        _step(model, seed + 10)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs
+    _no_sync_steps(model, "default")
+    assert counters["stats"]["unique_graphs"] == graphs[0]
+
+
+def test_a_fused_adamw_step_never_syncs():
+    params = [torch.randn(n, device="cuda", requires_grad=True) for n in (1000, 4096, 7)]
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state is created
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _loss_and_grads(impl: str, h, w, t, chunk: int = 1024):
+    from moe.model.loss import LMHeadLoss, full_cross_entropy
+
+    h = h.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    if impl == "full":
+        loss = full_cross_entropy(h @ w.t(), t)
+    else:
+        loss = LMHeadLoss(impl, chunk)(h, w, t)
+    (loss / t.numel()).backward()
+    torch.cuda.synchronize()
+    return loss.detach(), h.grad, w.grad, torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("impl", ["chunked", LIGER])
+def test_the_fused_losses_match_full_in_bf16_and_save_memory(impl):
+    """moe-125m's head: 16,384 tokens, d 768, vocabulary 32,000, bf16. Against an fp32
+    reference of the same bf16 inputs: the loss and both gradients as close as the full
+    loss's (2x its error, plus 2^-9), and at most half its peak memory."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, D, V = 16384, 768, 32000
+    h = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(V, D, device="cuda", generator=g) * 0.02).bfloat16()
+    t = torch.randint(0, V, (T,), device="cuda", generator=g)
+    t[:100] = -100
+    ref = _loss_and_grads("full", h.float(), w.float(), t)
+    full = _loss_and_grads("full", h, w, t)
+    got = _loss_and_grads(impl, h, w, t)
+
+    def err(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for i in range(3):
+        assert err(got[i], ref[i]) <= 2 * err(full[i], ref[i]) + 2**-9, (i, err(got[i], ref[i]))
+    assert got[3] < 0.5 * full[3], (got[3], full[3])
+    print(f"peak memory of head and loss: full {full[3] / 2**20:.0f} MiB, {impl} "
+          f"{got[3] / 2**20:.0f} MiB")
+
+
+def _fused_engine(rank, world, out_path):
+    import torch.optim.adam as adam
+
+    from moe.config.run import RunConfig
+    from moe.config_schema import from_dict
+    from moe.training.trainer import DistEnv, build_engine
+
+    fused = []
+    real = adam._fused_adam
+
+    def counted(*args, **kwargs):
+        fused.append(1)
+        return real(*args, **kwargs)
+
+    adam._fused_adam = counted
+    losses = {}
+    for name, impl, loss in (("foreach", "foreach", "full"), ("fused", "fused", "full"),
+                             ("fused_chunked", "fused", "chunked")):
+        cfg = {"model": {"vocab_size": 1024, "d_model": 128, "n_layers": 2, "n_heads": 4,
+                         "max_seq_len": 128, "cross_entropy": loss,
+                         "cross_entropy_chunk_tokens": 200,
+                         "moe": {"num_experts": 8, "expert_hidden": 64}},
+               "data": {"seq_len": 128},
+               "train": {"micro_batch_size": 4, "precision": "bf16", "seed": 1, "lr": 3e-3,
+                         "warmup_steps": 0, "optimizer_impl": impl},
+               "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
+        engine, _ = build_engine(from_dict(RunConfig, copy.deepcopy(cfg)),
+                                 DistEnv(rank, world, rank, world))
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, 1024, (4, 129), generator=g).to(engine.device)
+        run = []
+        for _ in range(5):  # one batch again and again: the loss must fall
+            out = engine(ids[:, :-1], ids[:, 1:])
+            engine.backward(out.loss)
+            engine.step()
+            run.append(out.loss.item())
+        losses[name] = run
+    Path(out_path).write_text(json.dumps({"losses": losses, "fused_calls": len(fused)}))
+
+
+def test_fused_adamw_and_the_chunked_loss_under_deepspeed_bf16_zero1(tmp_path):
+    """Through the trainer's engine: fused AdamW runs (its kernel is called) and trains as
+    foreach does; the chunked loss's gradients reach DeepSpeed's bf16 optimizer as the full
+    loss's do. Tolerance 2e-2: bf16 weights, five steps."""
+    out = tmp_path / "fused.json"
+    run_distributed(_fused_engine, 1, str(out), backend="nccl")
+    r = json.loads(out.read_text())
+    assert r["fused_calls"] > 0
+    a = torch.tensor(r["losses"]["foreach"])
+    for name in ("fused", "fused_chunked"):
+        b = torch.tensor(r["losses"][name])
+        assert torch.isfinite(b).all() and b[-1] < b[0]
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+
+
+def test_which_sdpa_kernel_runs_at_2048_tokens():
+    """Plain causal attention (what sdpa and auto run without documents) takes the flash kernel
+    at moe-125m's shape; packed documents on auto/CUDA run flex, equal to the reference's
+    explicit mask (which flash cannot take) within bf16 rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moe.model.attention import AttentionInputs, attention_core, build_attention_inputs
+    from moe.model.positions import RotaryEmbedding
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 12, 2048, 64, device="cuda", generator=g).bfloat16()
+               for _ in range(3))
+    plain = AttentionInputs(None, None, backend="sdpa")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises if flash cannot run it
+        flash = attention_core(q, k, v, plain, False)
+    torch.testing.assert_close(flash, attention_core(q, k, v, plain, False))
+    docs = (torch.arange(2048, device="cuda")[None] // 700).expand(2, -1)
+    pos = torch.arange(2048, device="cuda")[None]
+    rope = RotaryEmbedding(64)
+    flex = build_attention_inputs("auto", rope, pos, docs, 2)
+    ref = build_attention_inputs("reference", rope, pos, docs, 2)
+    assert flex.backend == "flex" and ref.mask is not None
+    with pytest.raises(RuntimeError), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        attention_core(q, k, v, dataclasses.replace(ref, rotary=None), False)
+    torch.testing.assert_close(attention_core(q, k, v, flex, False).float(),
+                               attention_core(q, k, v, ref, False).float(), rtol=2e-2, atol=2e-2)
