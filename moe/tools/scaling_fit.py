@@ -1,11 +1,8 @@
 """The fits of a scaling sweep (``moe/tools/scaling.py`` plans it; N, D and C are defined there).
 
-- **Per budget**, a parabola of loss in ln N (Chinchilla's second approach). Its vertex is the
-  budget's minimum only when the ladder brackets it: the vertex inside the ladder and the lowest
-  run not at an end of it. Otherwise (:class:`IsoFlopMinimum` ``kind``) the lowest run sits at
-  an end (``edge``), the vertex lies beyond the ladder (``extrapolated``) or the parabola opens
-  downwards and has no minimum (``concave``): the side where the optimum may lie is named, and
-  such a budget is left out of the power laws N_opt = a C^b and D_opt = a' C^b'.
+- **Per budget**, the IsoFLOP minima and the power laws through them (Chinchilla's second
+  approach) are in ``moe/tools/scaling_isoflop.py``; the minimum envelope of the training
+  curves (the first approach) in ``moe/tools/scaling_envelope.py``.
 - **The parametric law** L(N, D) = E + A / N^alpha + B / D^beta per family, as Besiroglu et al.
   (2024) redid Chinchilla's third approach: Huber loss on log loss, a grid of initialisations,
   bootstrap intervals. From it the compute-optimal N, D and loss of any budget (closed form, with
@@ -33,80 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe.errors import ScalingError
-
-
-@dataclass
-class IsoFlopMinimum:
-    budget: float
-    n_opt: float
-    """The parabola's vertex (for ``concave``, which has none: the lowest run's N)."""
-    loss_opt: float
-    kind: str
-    """``bracketed`` (a minimum inside the ladder), ``edge`` (the lowest run at an end of the
-    ladder), ``extrapolated`` (the vertex beyond the ladder) or ``concave`` (no minimum)."""
-    side: str | None
-    """Where the optimum may lie beyond the ladder: ``smaller`` or ``larger`` N (None when
-    bracketed, or for a concave parabola whose lowest run is inside the ladder)."""
-    coeffs: tuple[float, float, float]
-    """Loss = c0 x^2 + c1 x + c2 in x = ln N."""
-    lowest_n: float
-    lowest_loss: float
-    n_range: tuple[float, float]
-    """The smallest and largest N of the budget's runs."""
-
-    @property
-    def bracketed(self) -> bool:
-        return self.kind == "bracketed"
-
-    @property
-    def at_edge(self) -> bool:
-        return not self.bracketed
-
-    def problem(self) -> str:
-        """Why the vertex is not a minimum of the runs ('' when it is)."""
-        lo, hi = self.n_range
-        if self.kind == "concave":
-            return "the parabola through the runs opens downwards: it has no minimum"
-        if self.kind == "extrapolated":
-            factor = lo / self.n_opt if self.side == "smaller" else self.n_opt / hi
-            where = "below the smallest" if self.side == "smaller" else "above the largest"
-            return (f"the parabola's vertex (N {self.n_opt:.3g}) lies {factor:.3g}x {where} run: "
-                    "an extrapolation")
-        if self.kind == "edge":
-            end = "smallest" if self.side == "smaller" else "largest"
-            return f"the loss is lowest at the {end} size of the ladder (the edge of the ladder)"
-        return ""
-
-    def advice(self) -> str:
-        """What to add to the ladder (the side named)."""
-        if self.side is None:
-            return ("add sizes on both sides of the lowest run, or look for a run that failed "
-                    "to train")
-        return (f"the optimum may lie at {self.side} N than the ladder's: add sizes with "
-                f"{self.side} N (--widths)")
-
-
-def isoflop_minimum(budget: float, n: list[float], loss: list[float]) -> IsoFlopMinimum:
-    """The minimum over sizes at one budget: a parabola of loss in ln N, classified as the
-    :class:`IsoFlopMinimum` ``kind`` says."""
-    if len(n) < 3:
-        raise ScalingError(f"budget {budget:.3g}: {len(n)} finished runs; a parabola needs 3")
-    x, y = np.log(np.asarray(n, float)), np.asarray(loss, float)
-    c = tuple(map(float, np.polyfit(x, y, 2)))
-    low = int(np.argmin(y))
-    end = ("smaller" if x[low] == x.min() else "larger" if x[low] == x.max() else None)
-    common = dict(coeffs=c, lowest_n=float(n[low]), lowest_loss=float(y[low]),
-                  n_range=(float(min(n)), float(max(n))))
-    if c[0] <= 0:
-        return IsoFlopMinimum(budget, float(n[low]), float(y[low]), "concave", end, **common)
-    x_opt = -c[1] / (2 * c[0])
-    vertex = dict(n_opt=float(math.exp(x_opt)), loss_opt=float(np.polyval(c, x_opt)))
-    if not x.min() < x_opt < x.max():
-        side = "smaller" if x_opt <= x.min() else "larger"
-        return IsoFlopMinimum(budget, **vertex, kind="extrapolated", side=side, **common)
-    if end is not None:
-        return IsoFlopMinimum(budget, **vertex, kind="edge", side=end, **common)
-    return IsoFlopMinimum(budget, **vertex, kind="bracketed", side=None, **common)
 
 
 def require_scipy() -> None:

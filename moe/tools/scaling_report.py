@@ -14,7 +14,7 @@ import numpy as np
 
 from moe.errors import ScalingError
 from moe.fileio import write_atomic
-from moe.tools import scaling, scaling_fit
+from moe.tools import scaling, scaling_fit, scaling_isoflop
 
 BUMP_TOLERANCE = 0.02
 """A run whose loss is more than this fraction above both its neighbours in N at the same
@@ -71,7 +71,8 @@ def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0,
             out["warnings"].append(f"{family}: {len(runs)} finished runs; the parametric law "
                                    "needs 5")
         out["families"][family] = _analyse_family(family, runs, fits.get(family),
-                                                  backtests.get(family), out["warnings"])
+                                                  backtests.get(family), out["warnings"],
+                                                  bootstrap, seed)
     dense, moe = out["families"].get("dense"), out["families"].get("moe")
     if dense and moe and dense.get("fit"):
         _multipliers(dense, moe)
@@ -124,7 +125,7 @@ def _minima(family: str, runs: list[dict], warnings: list[str]) -> list:
                     f"{nxt['name']} {nxt['loss']:.4f}); along a budget the loss has one minimum, "
                     "so the run likely failed to train (read its log): rerun it, or leave it out "
                     f"with --exclude {r['name']}")
-        m = scaling_fit.isoflop_minimum(budget, [r["active_params"] for r in rs],
+        m = scaling_isoflop.isoflop_minimum(budget, [r["active_params"] for r in rs],
                                         [r["loss"] for r in rs])
         if not m.bracketed:
             warnings.append(
@@ -135,19 +136,11 @@ def _minima(family: str, runs: list[dict], warnings: list[str]) -> list:
     return minima
 
 
-def _analyse_family(family, runs, fit, bt, warnings) -> dict:
+def _analyse_family(family, runs, fit, bt, warnings, bootstrap: int = 0, seed: int = 0) -> dict:
     minima = _minima(family, runs, warnings)
     k = float(np.median([r["flops"] / (r["tokens"] * r["active_params"]) for r in runs]))
     fam: dict = {"runs": runs, "minima": minima, "k": k}
-    inside = [m for m in minima if m.bracketed]
-    if len(inside) >= 2:
-        fam["n_law"] = scaling_fit.power_law([m.budget for m in inside], [m.n_opt for m in inside])
-        fam["d_law"] = scaling_fit.power_law([m.budget for m in inside],
-                                             [m.budget / (k * m.n_opt) for m in inside])
-    elif len(minima) >= 2:
-        warnings.append(f"{family}: {len(inside)} of {len(minima)} budgets have a minimum inside "
-                        "their ladder; the power laws N_opt = a C^b and D_opt = a' C^b' need 2, "
-                        "so neither is given")
+    _isoflop_route(family, fam, warnings, bootstrap, seed)
     if fit is not None:
         fam["fit"] = fit
         warnings.extend(_law_warnings(family, fit, runs))
@@ -163,6 +156,44 @@ def _analyse_family(family, runs, fit, bt, warnings) -> dict:
                                                   [r["experts"] for r in runs],
                                                   [r["loss"] for r in runs])
     return fam
+
+
+def _isoflop_route(family: str, fam: dict, warnings: list[str], bootstrap: int, seed: int) -> None:
+    """The power laws N_opt = a C^b and D_opt = a' C^b' through the bracketed minima
+    (``n_law``, ``d_law``) and their bootstrap (``route_boot``,
+    :func:`scaling_isoflop.bootstrap_route`), or a warning saying why there are none."""
+    minima, k = fam["minima"], fam["k"]
+    inside = [m for m in minima if m.bracketed]
+    if len(inside) < 2:
+        if len(minima) >= 2:
+            warnings.append(f"{family}: {len(inside)} of {len(minima)} budgets have a minimum "
+                            "inside their ladder; the power laws N_opt = a C^b and D_opt = a' C^b' "
+                            "need 2, so neither is given")
+        return
+    fam["n_law"] = scaling_fit.power_law([m.budget for m in inside], [m.n_opt for m in inside])
+    fam["d_law"] = scaling_fit.power_law([m.budget for m in inside],
+                                         [m.budget / (k * m.n_opt) for m in inside])
+    if not bootstrap:
+        return
+    by_budget: dict[float, tuple[list, list]] = {m.budget: ([], []) for m in minima}
+    for r in fam["runs"]:
+        if r["budget"] in by_budget:
+            by_budget[r["budget"]][0].append(r["active_params"])
+            by_budget[r["budget"]][1].append(r["loss"])
+    boot = scaling_isoflop.bootstrap_route(by_budget, k, bootstrap, seed)
+    if boot is None:
+        warnings.append(f"{family}: every budget has exactly 3 sizes, so each parabola passes "
+                        "through its runs and shows no scatter: the power laws get no interval "
+                        "(plan 4 or more sizes per budget)")
+        return
+    if boot.failed <= boot.resamples / 2:
+        fam["route_boot"] = boot
+    else:
+        warnings.append(f"{family}: {boot.failed} of {boot.resamples} bootstrap resamples of the "
+                        "losses leave fewer than 2 budgets with a minimum inside the ladder: the "
+                        "power laws rest on minima the scatter of the runs can move off their "
+                        "ladders, so their intervals are withheld; add sizes on both sides of each "
+                        "budget's minimum")
 
 
 def _law_warnings(family: str, fit: scaling_fit.ParametricFit, runs: list[dict]) -> list[str]:
@@ -253,16 +284,22 @@ def predict(analysis: dict, family: str, budget: float) -> dict:
            "backtest": fam.get("backtest"), "on_bounds": fit.on_bounds(),
            "n_interval": fit.interval(lambda b: b.optimum(budget, k)[0]),
            "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
-           "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2])}
+           "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2]),
+           "ratio_interval": fit.interval(lambda b: _tokens_per_param(b, budget, k))}
     if "n_law" in fam:
         # The IsoFLOP route (Chinchilla's second approach) as a cross-check on N_opt: the power
         # law through the bracketed per-budget minima. It assumes nothing about the shape of
         # L(N, D), and where the law's minimum along the budget is flat its N_opt is the less
         # certain of the two.
         a, b = fam["n_law"]
-        out["isoflop"] = {"n_opt": a * budget ** b,
+        n_iso = a * budget ** b
+        out["isoflop"] = {"n_opt": n_iso, "ratio": budget / (k * n_iso ** 2),
                           "budgets": sum(m.bracketed for m in fam["minima"]),
                           "left_out": [m.budget for m in fam["minima"] if not m.bracketed]}
+        boot = fam.get("route_boot")
+        if boot is not None:
+            out["isoflop"].update(exponent_interval=boot.exponent_interval(),
+                                  ratio_interval=boot.ratio_interval(budget))
     runs = fam["runs"]
     if family == "moe":
         best = min(runs, key=lambda r: (abs(math.log(r["budget"] / budget)), r["loss"]))
@@ -274,6 +311,12 @@ def predict(analysis: dict, family: str, budget: float) -> dict:
     return out
 
 
+def _tokens_per_param(law: scaling_fit.Law, budget: float, k: float) -> float:
+    """D_opt / N_opt of ``law`` at ``budget`` (infinite where its N_opt is 0)."""
+    n, d, _ = law.optimum(budget, k)
+    return d / n if n else math.inf
+
+
 def prediction_text(p: dict) -> str:
     lo, hi = p["n_interval"]
     dlo, dhi = p["d_interval"]
@@ -281,7 +324,9 @@ def prediction_text(p: dict) -> str:
     lines = [f"{p['family']} at {p['budget']:.3g} FLOPs:",
              f"  active parameters N  {p['n_opt']:.4g}  (95%: {lo:.4g} to {hi:.4g})",
              f"  tokens D             {p['d_opt']:.4g}  (95%: {dlo:.4g} to {dhi:.4g})",
-             f"  tokens per parameter {p['d_opt'] / p['n_opt'] if p['n_opt'] else math.inf:.1f}",
+             f"  tokens per parameter {p['d_opt'] / p['n_opt'] if p['n_opt'] else math.inf:.1f}"
+             + (f"  (95%: {p['ratio_interval'][0]:.1f} to {p['ratio_interval'][1]:.1f})"
+                if "ratio_interval" in p and math.isfinite(p["ratio_interval"][0]) else ""),
              f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})"]
     if p.get("on_bounds"):
         lines.append("  degenerate law       " + ", ".join(
@@ -294,6 +339,12 @@ def prediction_text(p: dict) -> str:
                 "lie outside their ladders" if iso["left_out"] else "")
         lines.append(f"  IsoFLOP route        N {iso['n_opt']:.4g}, {iso['n_opt'] / p['n_opt']:.2f}x the "
                      f"law's (the power law through the minima of {iso['budgets']} budgets{left})")
+        if "exponent_interval" in iso:
+            (lo, hi), (rlo, rhi) = iso["exponent_interval"], iso["ratio_interval"]
+            lines.append(f"                       exponent of N_opt 95%: {lo:.3f} to {hi:.3f}; "
+                         f"tokens per parameter {iso['ratio']:.1f} (95%: {rlo:.1f} to {rhi:.1f})")
+        else:
+            lines.append(f"                       tokens per parameter {iso['ratio']:.1f}")
     else:
         lines.append("  IsoFLOP route        none: fewer than 2 budgets have a minimum inside "
                      "their ladder")
@@ -336,6 +387,26 @@ def _interval_text(fit: scaling_fit.ParametricFit, name: str) -> str:
     return "-".join(ends)
 
 
+def _route_lines(fam: dict, inside: int) -> list[str]:
+    """The IsoFLOP route's power laws, with the 95% intervals of their exponents and of the
+    tokens per parameter at the sweep's largest bracketed budget when bootstrapped."""
+    (a, b), (ad, bd) = fam["n_law"], fam["d_law"]
+    boot = fam.get("route_boot")
+    top = max(m.budget for m in fam["minima"] if m.bracketed)
+    ratio = top / (fam["k"] * (a * top ** b) ** 2)
+    if boot is None:
+        return [f"  N_opt = {a:.3g} C^{b:.3f}, D_opt = {ad:.3g} C^{bd:.3f}  (through the minima "
+                f"of {inside} budgets); D/N at C {top:.3g}: {ratio:.1f}"]
+    lo, hi = boot.exponent_interval()
+    rlo, rhi = boot.ratio_interval(top)
+    left = (f"; {boot.failed} of {boot.resamples} resamples placed fewer than 2 minima inside "
+            "their ladders and are left out" if boot.failed else "")
+    return [f"  N_opt = {a:.3g} C^{b:.3f} (95%: {lo:.3f}-{hi:.3f}), D_opt = {ad:.3g} C^{bd:.3f} "
+            f"(95%: {1 - hi:.3f}-{1 - lo:.3f})  (through the minima of {inside} budgets)",
+            f"  D/N at C {top:.3g}: {ratio:.1f} (95%: {rlo:.1f}-{rhi:.1f}; bootstrap of the "
+            f"parabolas' residuals{left})"]
+
+
 def summary(analysis: dict) -> str:
     lines = []
     shared = analysis.get("floor") == "shared" and sum(
@@ -348,9 +419,7 @@ def summary(analysis: dict) -> str:
             lines.append(_minimum_line(m, fam.get("multiplier", {}).get(m.budget),
                                        m.budget in fam.get("multiplier_bound", ())))
         if "n_law" in fam:
-            lines.append(f"  N_opt = {fam['n_law'][0]:.3g} C^{fam['n_law'][1]:.3f}, "
-                         f"D_opt = {fam['d_law'][0]:.3g} C^{fam['d_law'][1]:.3f}  (through "
-                         f"the minima of {inside} budgets)")
+            lines.extend(_route_lines(fam, inside))
         if "fit" in fam:
             fit = fam["fit"]
             law = fit.law

@@ -109,51 +109,6 @@ def test_the_compute_optimum_is_the_minimum_along_the_budget():
         assert TRUE.loss(n, budget / (k * n)) > loss
 
 
-def test_isoflop_minimum_and_the_edge_of_the_ladder():
-    budget, k = 1e20, 6.0
-    n_opt = TRUE.optimum(budget, k)[0]
-    inside = n_opt * np.array([0.25, 0.5, 1.0, 2.0, 4.0])
-    m = sf.isoflop_minimum(budget, inside, TRUE.loss(inside, budget / (k * inside)))
-    assert m.bracketed and not m.at_edge and abs(math.log(m.n_opt / n_opt)) < 0.1
-    beyond = n_opt * np.array([4.0, 8.0, 16.0, 32.0])  # every size larger than the optimum
-    m = sf.isoflop_minimum(budget, beyond, TRUE.loss(beyond, budget / (k * beyond)))
-    assert m.at_edge and m.side == "smaller" and m.lowest_n == beyond[0]
-    runs = [{"name": f"r{i}", "family": "dense", "budget": budget, "active_params": float(x),
-             "tokens": budget / (k * x), "flops": budget, "width": 64 * (i + 1), "experts": 0,
-             "loss": float(TRUE.loss(x, budget / (k * x)))} for i, x in enumerate(beyond)]
-    (w,) = [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
-            if "no minimum inside the ladder" in w]
-    assert "add sizes with smaller N" in w
-    # the same runs mirrored (loss falling with N): the other side
-    for r, x in zip(runs, beyond[::-1]):
-        r["loss"] = float(TRUE.loss(x, budget / (k * x)))
-    (w,) = [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
-            if "no minimum inside the ladder" in w]
-    assert "add sizes with larger N" in w
-
-
-def test_isoflop_minima_are_told_apart_by_kind_and_side():
-    """Bracketed, lowest run at an end, vertex beyond the ladder (how far, which side), and a
-    parabola opening downwards; only the first is a minimum of the runs."""
-    n = [1e4, 2e4, 4e4, 8e4, 1.6e5]
-    cases = {
-        "bracketed": ([4.3, 4.1, 4.0, 4.1, 4.3], None),
-        "edge": ([4.00, 4.01, 4.06, 4.16, 4.35], "smaller"),  # vertex inside, lowest at the end
-        "extrapolated": ([4.0, 4.1, 4.25, 4.45, 4.7], "smaller"),
-        "concave": ([4.0, 4.3, 4.5, 4.6, 4.65], "smaller"),
-    }
-    for kind, (loss, side) in cases.items():
-        m = sf.isoflop_minimum(1e12, n, loss)
-        assert (m.kind, m.side) == (kind, side), (kind, m)
-        assert m.bracketed == (kind == "bracketed") and m.n_range == (1e4, 1.6e5)
-        assert (m.problem() == "") == (kind == "bracketed")
-    m = sf.isoflop_minimum(1e12, n, cases["extrapolated"][0])
-    factor = 1e4 / m.n_opt
-    assert factor > 1 and f"{factor:.3g}x below the smallest run" in m.problem()
-    m = sf.isoflop_minimum(1e12, n, [4.65, 4.6, 4.5, 4.3, 4.0])
-    assert m.kind == "concave" and m.side == "larger" and m.n_opt == m.lowest_n == 1.6e5
-
-
 def test_power_laws_through_the_minima():
     budgets = np.geomspace(1e18, 1e22, 5)
     a, b = sf.power_law(budgets, 0.1 * budgets ** 0.5)
