@@ -33,7 +33,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch.scaling import predicted_run, results  # noqa: E402
+from launch.scaling import predicted_run  # noqa: E402
+from launch.scaling_sweep import results  # noqa: E402
 from moe.run_dir import RunDir  # noqa: E402
 from moe.tools import scaling, scaling_fit, scaling_report  # noqa: E402
 

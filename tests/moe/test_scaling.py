@@ -1,5 +1,5 @@
 """Scaling-law planning, analysis and the moe-scaling command (moe/tools/scaling.py,
-moe/tools/scaling_report.py, launch/scaling.py) on synthetic losses whose constants are known."""
+moe/tools/scaling_report.py, launch/scaling*.py) on synthetic losses whose constants are known."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from launch import scaling_run, scaling_sweep
 from moe.errors import ScalingError
 from moe.model.size import flops_per_token
 from moe.model.transformer import ModelConfig
@@ -215,8 +216,8 @@ def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch,
 
     rows = [{"budget": b, "family": "dense"} for b in (1e12, 3e12, 1e13)]
     seen = []
-    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, []))
-    monkeypatch.setattr(cli, "results", lambda d, exclude=None: rows)
+    monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, []))
+    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: rows)
     monkeypatch.setattr(cli.scaling_report, "analyse",
                         lambda r, bootstrap, floor, progress: seen.append((r, floor, progress))
                         or {"families": {}})
@@ -263,13 +264,13 @@ def test_fit_exclude_leaves_named_runs_out_and_refuses_unknown_names(monkeypatch
                                micro_batch_size=8, grad_accum_steps=1, flops=3e12, lr=1e-3,
                                min_lr=1e-4, warmup_steps=10, epochs=0.1)
             for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))]
-    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, runs))
-    monkeypatch.setattr(cli, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
-    assert [r["name"] for r in cli.results(tmp_path, "dense-w24, dense-w48")] == ["dense-w16",
+    monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, runs))
+    monkeypatch.setattr(scaling_sweep, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
+    assert [r["name"] for r in scaling_sweep.results(tmp_path, "dense-w24, dense-w48")] == ["dense-w16",
                                                                                   "dense-w32"]
-    assert len(cli.results(tmp_path)) == 4
+    assert len(scaling_sweep.results(tmp_path)) == 4
     with pytest.raises(ScalingError, match=r"\['dense-w40'\] are not runs of"):
-        cli.results(tmp_path, "dense-w16,dense-w40")
+        scaling_sweep.results(tmp_path, "dense-w16,dense-w40")
     with pytest.raises(SystemExit) as e:
         cli.main(["fit", str(tmp_path), "--exclude", "nope"])
     assert e.value.code == 2 and "['nope'] are not runs of" in capsys.readouterr().err
@@ -376,7 +377,7 @@ def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path
     assert e.value.code == 2 and "--min-steps 10: a run needs at least 25" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
     # predict plans the run it writes with the sweep's --min-steps.
-    monkeypatch.setattr(cli, "results", lambda d, exclude=None: _ladder_runs((1e18, 3e18, 1e19)))
+    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: _ladder_runs((1e18, 3e18, 1e19)))
     _, run, d = cli.predicted_run(tmp_path / "a", "dense", 1e11, bootstrap=0)
     assert run.steps >= 200 and run.batch_sequences < 16
     assert d["train"]["max_steps"] == run.steps
@@ -412,8 +413,8 @@ def test_fits_without_scipy_are_refused_naming_the_extra(tmp_path, monkeypatch, 
                                micro_batch_size=8, grad_accum_steps=1, flops=3e12, lr=1e-3,
                                min_lr=1e-4, warmup_steps=10, epochs=0.1)
             for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))]
-    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, runs))
-    monkeypatch.setattr(cli, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
+    monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, runs))
+    monkeypatch.setattr(scaling_sweep, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
     with pytest.raises(SystemExit) as e:
         cli.main(["fit", str(tmp_path), "--bootstrap", "2"])
     assert e.value.code == 2 and "'scaling' extra" in capsys.readouterr().err
@@ -530,7 +531,7 @@ def test_plan_centre_from_a_sweep_centres_ladders_on_its_measured_minima(monkeyp
                          "loss": 3.0 + 0.1 * math.log(f) ** 2})
     b = small_vocab_base(10 ** 12)
     cli = _plan_cli(monkeypatch, b)
-    monkeypatch.setattr(cli, "results", lambda d, exclude=None: rows)
+    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: rows)
     centre, source = cli._centre_from(tmp_path / "old")
     assert centre("dense", 1.6e13) == pytest.approx(1.6e5, rel=1e-6)
     assert centre("moe", 1.6e13) is None and "power law through the minima of 2" in source
@@ -544,7 +545,7 @@ def test_plan_centre_from_a_sweep_centres_ladders_on_its_measured_minima(monkeyp
               "--out", str(tmp_path / "new"), "--centre-from", str(tmp_path / "old")])
     assert json.loads((tmp_path / "new" / "sweep.json").read_text())["centre"].startswith(
         f"from {tmp_path / 'old'}")
-    monkeypatch.setattr(cli, "results", lambda d, exclude=None: [
+    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: [
         dict(r, loss=3.0 + 0.1 * r["active_params"] / 4e4) for r in rows])  # all rising
     with pytest.raises(ScalingError, match="no budget of its finished runs has a minimum"):
         cli._centre_from(tmp_path / "old")
@@ -584,11 +585,10 @@ def test_the_progress_eta_is_the_rate_so_far(monkeypatch, capsys):
     ETA is the compute left at the rate since the start."""
     import tqdm.std
 
-    import launch.scaling as cli
 
     clock = [1000.0]
     monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
-    progress = cli.Progress(total=10e12, done_flops=0.0, done=0, count=10)
+    progress = scaling_run.Progress(total=10e12, done_flops=0.0, done=0, count=10)
     for _ in range(539):  # 4.5 minutes of polls, nothing finished
         clock[0] += 0.5
         progress.update(0.0, 0, "1 running")
@@ -615,8 +615,8 @@ def test_fit_shows_the_bootstrap_progress(monkeypatch, tmp_path, capsys):
 
     rows = _ladder_runs((1e18, 3e18, 1e19))
     losses = {r["name"]: r["loss"] for r in rows}
-    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, _planned(rows)))
-    monkeypatch.setattr(cli, "finished", lambda d, r: {"loss": losses[r.name]})
+    monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, _planned(rows)))
+    monkeypatch.setattr(scaling_sweep, "finished", lambda d, r: {"loss": losses[r.name]})
     cli.main(["fit", str(tmp_path), "--bootstrap", "12"])
     err = capsys.readouterr().err
     assert "bootstrap dense" in err and "12/12" in err
