@@ -5,9 +5,16 @@ read these; ``moe-scaling run`` skips the finished runs)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from moe.errors import ScalingError
+from data_pipeline.errors import DataError
+from data_pipeline.prepared import PreparedData
+from data_pipeline.reader import TokenStream
+from data_pipeline.text_bytes import predicted_text_bytes
+from data_pipeline.tokenizer import Tokenizer
+from moe.config.run import load_config
+from moe.errors import MoEError, ScalingError
 from moe.run_dir import RunDir
 from moe.tools import scaling
 
@@ -40,8 +47,10 @@ def finished(sweep_dir: Path, run: scaling.PlannedRun) -> dict | None:
 
 
 def results(sweep_dir: Path, exclude: str | None = None) -> list[dict]:
-    """Each finished run's plan and final validation loss, less the runs ``exclude`` names
-    (comma-separated run names; a name the sweep does not plan is an error)."""
+    """Each finished run's plan, final validation loss (``loss``), the validation tokens it
+    averages over (``eval_tokens``) and training curve (``curve``, :func:`training_curve`), less
+    the runs ``exclude`` names (comma-separated run names; a name the sweep does not plan is an
+    error)."""
     _, runs = load_sweep(sweep_dir)
     names = [n.strip() for n in (exclude or "").split(",") if n.strip()]
     unknown = sorted(set(names) - {r.name for r in runs})
@@ -54,8 +63,51 @@ def results(sweep_dir: Path, exclude: str | None = None) -> list[dict]:
             continue
         ev = finished(sweep_dir, r)
         if ev is not None:
-            out.append({**scaling.planned_run_to_dict(r), "loss": float(ev["loss"])})
+            out.append({**scaling.planned_run_to_dict(r), "loss": float(ev["loss"]),
+                        "eval_tokens": ev.get("tokens"),
+                        "curve": training_curve(sweep_dir / "runs" / r.name)})
     if not out:
         raise ScalingError(f"{sweep_dir}: no finished run to fit ({len(runs)} planned; "
                            f"moe-scaling run {sweep_dir})")
     return out
+
+
+def training_curve(run_dir: Path) -> tuple[list[int], list[float]] | None:
+    """(steps, training loss) of a run from the step records every rank writes
+    (``RunDir.step_records``: one line per step, each rank's own loss): at each step the mean
+    over the ranks; a step whose loss is not finite is left out. None without records."""
+    sums: dict[int, list[float]] = {}
+    for path in RunDir(run_dir).all_step_records():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+                step, loss = int(record["step"]), float(record["loss"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+            if math.isfinite(loss):
+                sums.setdefault(step, []).append(loss)
+    if not sums:
+        return None
+    steps = sorted(sums)
+    return steps, [sum(sums[s]) / len(sums[s]) for s in steps]
+
+
+def bytes_per_token(sweep_dir: Path, rows: list[dict]) -> tuple[float | None, str | None]:
+    """(UTF-8 bytes per predicted token of the validation text the runs ``rows`` were evaluated
+    on, None) for bits per byte; (None, why not) when the data cannot be read or was not the
+    runs' (another number of predictions than their evaluations made)."""
+    path = sweep_dir / "configs" / f"{rows[0]['name']}.yaml"
+    try:
+        cfg = load_config(path)
+        data = PreparedData.from_config(cfg.data)
+        targets, text = predicted_text_bytes(TokenStream(data, "valid"),
+                                             Tokenizer(data.tokenizer_file()),
+                                             cfg.eval.max_tokens)
+    except (MoEError, DataError, OSError) as e:
+        return None, f"bits per byte left out: the validation text of {path} is unreadable ({e})"
+    evaluated = sorted({r.get("eval_tokens") for r in rows}, key=str)
+    if evaluated != [targets] or not text:
+        return None, (f"bits per byte left out: the runs were evaluated on "
+                      f"{', '.join(map(str, evaluated))} validation targets, the data of {path} "
+                      f"gives {targets:,} (prepared again since?)")
+    return text / targets, None

@@ -71,14 +71,19 @@ class Envelope:
     n: np.ndarray
     d: np.ndarray
     """N of that run, and the tokens it has trained on at C."""
-    edge: np.ndarray
-    """Whether that run has the smallest or largest N of the runs that reach C."""
+    smallest: np.ndarray
+    largest: np.ndarray
+    """Whether that run has the smallest (the largest) N of the runs that reach C."""
     curves: dict[str, tuple[np.ndarray, np.ndarray]]
     """Each run's smoothed curve: (C at each step, loss)."""
     n_law: tuple[float, float] | None = None
     d_law: tuple[float, float] | None = None
     problem: str = ""
     """Why there are no power laws ('' when there are)."""
+
+    @property
+    def edge(self) -> np.ndarray:
+        return self.smallest | self.largest
 
     @property
     def inside(self) -> np.ndarray:
@@ -116,10 +121,19 @@ def envelope(runs: list[dict], points: int = GRID_POINTS) -> Envelope | None:
     n = n_runs[best]
     tokens_per_c = np.array([r["tokens"] / r["budget"] for r in runs])[best]
     out = Envelope(c=grid, loss=at[best, np.arange(points)], run=[runs[i]["name"] for i in best],
-                   n=n, d=grid * tokens_per_c, edge=(n <= lowest) | (n >= highest),
+                   n=n, d=grid * tokens_per_c, smallest=n <= lowest, largest=n >= highest,
                    curves=curves)
     _fit_laws(out)
     return out
+
+
+def edge_text(env: Envelope) -> str:
+    """How many points lie at each edge, and what that says."""
+    parts = [f"at {int(v.sum())} of {len(env.c)} points the lowest curve is the {end} run "
+             f"reaching that compute (add {more} sizes)"
+             for v, end, more in ((env.smallest, "smallest", "smaller"),
+                                  (env.largest, "largest", "larger")) if v.any()]
+    return "; ".join(parts)
 
 
 def _fit_laws(env: Envelope) -> None:
@@ -127,9 +141,9 @@ def _fit_laws(env: Envelope) -> None:
     keep = env.inside
     sizes = len(set(env.n[keep]))
     if sizes < 2:
-        env.problem = (f"{keep.sum()} of {len(env.c)} points of the envelope lie off the edge of "
-                       f"the runs that reach them, with {sizes} size(s) among them; the power "
-                       "laws need 2")
+        env.problem = (f"{int(keep.sum())} of {len(env.c)} points lie off the edge of the runs "
+                       f"that reach them, with {sizes} size(s) among them, and the power laws "
+                       f"need 2: {edge_text(env)}")
         return
     log_c = np.log(env.c[keep])
     b, log_a = np.polyfit(log_c, np.log(env.n[keep]), 1)

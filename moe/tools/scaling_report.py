@@ -14,7 +14,7 @@ import numpy as np
 
 from moe.errors import ScalingError
 from moe.fileio import write_atomic
-from moe.tools import scaling, scaling_fit, scaling_isoflop
+from moe.tools import scaling, scaling_envelope, scaling_fit, scaling_isoflop
 
 BUMP_TOLERANCE = 0.02
 """A run whose loss is more than this fraction above both its neighbours in N at the same
@@ -51,16 +51,20 @@ BOUND_ADVICE = {
 
 
 def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0,
-            floor: str = "family", progress=None) -> dict:
+            floor: str = "family", progress=None, bytes_per_token: float | None = None) -> dict:
     """Per family: the IsoFLOP minimum of each budget, the power laws through the bracketed
-    ones, the parametric law with bootstrap fits and the FLOPs per token per parameter (k); for
-    MoE the compute multiplier against dense and, with several expert counts, the expert law.
-    ``floor``: each family's law has its own E (``"family"``) or all share one (``"shared"``,
-    :func:`scaling_fit.fit_shared_floor`). ``progress``: see :func:`scaling_fit.fit_laws`."""
+    ones (with bootstrap intervals), the envelope of the training curves of the runs that carry
+    one (``curve``), the parametric law with bootstrap fits and the FLOPs per token per
+    parameter (k); for MoE the compute multiplier against dense and, with several expert counts,
+    the expert law. ``floor``: each family's law has its own E (``"family"``) or all share one
+    (``"shared"``, :func:`scaling_fit.fit_shared_floor`). ``progress``: see
+    :func:`scaling_fit.fit_laws`. ``bytes_per_token``: of the validation text the losses were
+    measured on; losses are then also given in bits per byte (:func:`bits_per_byte`)."""
     by_family: dict[str, list[dict]] = defaultdict(list)
     for r in results:
         by_family[r["family"]].append(r)
-    out: dict = {"families": {}, "warnings": [], "results": results, "floor": floor}
+    out: dict = {"families": {}, "warnings": [], "results": results, "floor": floor,
+                 "bytes_per_token": bytes_per_token}
     short = scaling.short_runs_warning(results)
     if short:
         out["warnings"].append(short)
@@ -139,7 +143,8 @@ def _minima(family: str, runs: list[dict], warnings: list[str]) -> list:
 def _analyse_family(family, runs, fit, bt, warnings, bootstrap: int = 0, seed: int = 0) -> dict:
     minima = _minima(family, runs, warnings)
     k = float(np.median([r["flops"] / (r["tokens"] * r["active_params"]) for r in runs]))
-    fam: dict = {"runs": runs, "minima": minima, "k": k}
+    fam: dict = {"runs": runs, "minima": minima, "k": k,
+                 "envelope": scaling_envelope.envelope(runs)}
     _isoflop_route(family, fam, warnings, bootstrap, seed)
     if fit is not None:
         fam["fit"] = fit
@@ -285,7 +290,8 @@ def predict(analysis: dict, family: str, budget: float) -> dict:
            "n_interval": fit.interval(lambda b: b.optimum(budget, k)[0]),
            "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
            "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2]),
-           "ratio_interval": fit.interval(lambda b: _tokens_per_param(b, budget, k))}
+           "ratio_interval": fit.interval(lambda b: _tokens_per_param(b, budget, k)),
+           "bytes_per_token": analysis.get("bytes_per_token")}
     if "n_law" in fam:
         # The IsoFLOP route (Chinchilla's second approach) as a cross-check on N_opt: the power
         # law through the bracketed per-budget minima. It assumes nothing about the shape of
@@ -328,6 +334,10 @@ def prediction_text(p: dict) -> str:
              + (f"  (95%: {p['ratio_interval'][0]:.1f} to {p['ratio_interval'][1]:.1f})"
                 if "ratio_interval" in p and math.isfinite(p["ratio_interval"][0]) else ""),
              f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})"]
+    bpt = p.get("bytes_per_token")
+    if bpt:
+        lines.append(f"  in bits per byte     {bits_per_byte(p['loss'], bpt):.4f}  (95%: "
+                     f"{bits_per_byte(llo, bpt):.4f} to {bits_per_byte(lhi, bpt):.4f})")
     if p.get("on_bounds"):
         lines.append("  degenerate law       " + ", ".join(
             f"{name} on its {side} bound {bound:.4g}" for name, side, bound in p["on_bounds"])
@@ -360,14 +370,15 @@ def prediction_text(p: dict) -> str:
     return "\n".join(lines)
 
 
-def _minimum_line(m, mult, bound: bool) -> str:
+def _minimum_line(m, mult, bound: bool, bpt: float | None = None) -> str:
     lo, hi = m.n_range
     if m.bracketed:
-        text = f"  C {m.budget:.3g}: N_opt {m.n_opt:.4g}, loss {m.loss_opt:.4f}"
+        text = (f"  C {m.budget:.3g}: N_opt {m.n_opt:.4g}, loss {m.loss_opt:.4f}"
+                f"{_bits(m.loss_opt, bpt)}")
     else:
         text = (f"  C {m.budget:.3g}: no minimum inside the ladder (N {lo:.4g} to {hi:.4g}): "
-                f"{m.problem()}; lowest run N {m.lowest_n:.4g}, loss {m.lowest_loss:.4f}; "
-                "left out of the power laws")
+                f"{m.problem()}; lowest run N {m.lowest_n:.4g}, loss {m.lowest_loss:.4f}"
+                f"{_bits(m.lowest_loss, bpt)}; left out of the power laws")
     if mult is not None:
         text += f", compute multiplier vs dense {'at least ' if bound else ''}{mult:.2f}x"
     return text
@@ -407,42 +418,89 @@ def _route_lines(fam: dict, inside: int) -> list[str]:
             f"parabolas' residuals{left})"]
 
 
+def _envelope_line(env: scaling_envelope.Envelope) -> str:
+    """Chinchilla's first approach: the power laws through the envelope's points off the edge,
+    or why there are none."""
+    edge = int(env.edge.sum())
+    where = f"; {scaling_envelope.edge_text(env)}, left out" if edge else ""
+    if env.n_law is None:
+        return f"  envelope of the training curves: no power law ({env.problem})"
+    (a, b), (ad, bd) = env.n_law, env.d_law
+    top = env.c[-1]
+    n_top = a * top ** b
+    return (f"  envelope of the training curves: N_opt = {a:.3g} C^{b:.3f}, D_opt = {ad:.3g} "
+            f"C^{bd:.3f}; at C {top:.3g}: N {n_top:.4g}, D/N {ad * top ** bd / n_top:.1f} "
+            f"(through {len(env.c) - edge} points, {len(set(env.n[env.inside]))} sizes{where})")
+
+
+def bits_per_byte(loss: float, bytes_per_token: float | None) -> float | None:
+    """A loss in nats per token as bits per byte of the text: comparable across tokenizers."""
+    return loss / LN2 / bytes_per_token if bytes_per_token else None
+
+
+LN2 = math.log(2)
+
+
+def _bits(loss: float, bytes_per_token: float | None) -> str:
+    bits = bits_per_byte(loss, bytes_per_token)
+    return f" ({bits:.4f} bits/byte)" if bits is not None else ""
+
+
+def _bits_cell(loss: float, bytes_per_token: float | None) -> str:
+    bits = bits_per_byte(loss, bytes_per_token)
+    return "-" if bits is None else f"{bits:.4f}"
+
+
+def _law_lines(fit: scaling_fit.ParametricFit, shared: bool, bpt: float | None) -> list[str]:
+    law, flags = fit.law, fit.on_bounds()
+    lines = [f"  L = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^{law.beta:.3f}"
+             + (f"  (alpha 95%: {_interval_text(fit, 'alpha')}, beta: "
+                f"{_interval_text(fit, 'beta')})" if fit.boot else "")
+             + ("  (E shared by the families)" if shared else "")
+             + (f"; E = {bits_per_byte(law.E, bpt):.4f} bits/byte" if bpt else "")]
+    if flags:
+        lines.append("  degenerate: " + ", ".join(
+            f"{name} on its {side} bound ({bound:.4g})" for name, side, bound in flags)
+            + " (see the warnings for what to add)")
+    return lines
+
+
+def _family_lines(family: str, fam: dict, shared: bool, bpt: float | None) -> list[str]:
+    inside = sum(m.bracketed for m in fam["minima"])
+    lines = [f"{family}: {len(fam['runs'])} runs, {len(fam['minima'])} budgets with a "
+             f"parabola, {inside} with a minimum inside the ladder"]
+    for m in fam["minima"]:
+        lines.append(_minimum_line(m, fam.get("multiplier", {}).get(m.budget),
+                                   m.budget in fam.get("multiplier_bound", ()), bpt))
+    if "n_law" in fam:
+        lines.extend(_route_lines(fam, inside))
+    if fam.get("envelope") is not None:
+        lines.append(_envelope_line(fam["envelope"]))
+    if "fit" in fam:
+        lines.extend(_law_lines(fam["fit"], shared, bpt))
+    bt = fam.get("backtest")
+    if bt:
+        lines.append(f"  backtest: fitted below {bt['budget']:.3g} ({bt['fitted_runs']} runs), "
+                     f"the law's error on that budget's {len(bt['errors'])} runs (measured / "
+                     f"law - 1): median |e| {bt['median_abs']:.2%}, "
+                     + ", ".join(f"{n} {e:+.2%}" for n, e in zip(bt["runs"], bt["errors"])))
+    if "expert_law" in fam:
+        e = fam["expert_law"]
+        lines.append(f"  log L = {e['a']:.4f} log N + {e['b']:.4f} log E + {e['c']:.5f} "
+                     f"log N log E + {e['d']:.3f}  (Clark et al. 2022)")
+    return lines
+
+
 def summary(analysis: dict) -> str:
-    lines = []
+    """The fits, family by family; losses in nats per token, and in bits per byte where the
+    analysis knows the validation text's bytes per token."""
+    bpt = analysis.get("bytes_per_token")
+    lines = [f"losses: nats per token of the validation text; bits per byte = nats / ln 2 / "
+             f"{bpt:.4f} (its UTF-8 bytes per predicted token)"] if bpt else []
     shared = analysis.get("floor") == "shared" and sum(
         "fit" in fam for fam in analysis["families"].values()) >= 2
     for family, fam in analysis["families"].items():
-        inside = sum(m.bracketed for m in fam["minima"])
-        lines.append(f"{family}: {len(fam['runs'])} runs, {len(fam['minima'])} budgets with a "
-                     f"parabola, {inside} with a minimum inside the ladder")
-        for m in fam["minima"]:
-            lines.append(_minimum_line(m, fam.get("multiplier", {}).get(m.budget),
-                                       m.budget in fam.get("multiplier_bound", ())))
-        if "n_law" in fam:
-            lines.extend(_route_lines(fam, inside))
-        if "fit" in fam:
-            fit = fam["fit"]
-            law = fit.law
-            flags = fit.on_bounds()
-            lines.append(f"  L = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^"
-                         f"{law.beta:.3f}" + (f"  (alpha 95%: {_interval_text(fit, 'alpha')}, "
-                                              f"beta: {_interval_text(fit, 'beta')})"
-                                              if fit.boot else "")
-                         + ("  (E shared by the families)" if shared else ""))
-            if flags:
-                lines.append("  degenerate: " + ", ".join(
-                    f"{name} on its {side} bound ({bound:.4g})" for name, side, bound in flags)
-                    + " (see the warnings for what to add)")
-        bt = fam.get("backtest")
-        if bt:
-            lines.append(f"  backtest: fitted below {bt['budget']:.3g} ({bt['fitted_runs']} runs), "
-                         f"the law's error on that budget's {len(bt['errors'])} runs (measured / "
-                         f"law - 1): median |e| {bt['median_abs']:.2%}, "
-                         + ", ".join(f"{n} {e:+.2%}" for n, e in zip(bt["runs"], bt["errors"])))
-        if "expert_law" in fam:
-            e = fam["expert_law"]
-            lines.append(f"  log L = {e['a']:.4f} log N + {e['b']:.4f} log E + {e['c']:.5f} "
-                         f"log N log E + {e['d']:.3f}  (Clark et al. 2022)")
+        lines.extend(_family_lines(family, fam, shared, bpt))
     return "\n".join(lines)
 
 
@@ -455,9 +513,12 @@ def write_report(analysis: dict, out_dir: Path) -> dict[str, Path]:
     md = ["# Scaling sweep", "", "## Fits", "", "```", summary(analysis), "```", ""]
     if analysis["warnings"]:
         md += ["## Warnings", ""] + [f"- {w}" for w in analysis["warnings"]] + [""]
-    md += ["## Runs", "", "| run | family | budget | N | tokens | loss |", "| --- | --- | --- | --- | --- | --- |"]
+    bpt = analysis.get("bytes_per_token")
+    md += ["## Runs", "", "| run | family | budget | N | tokens | loss (nats/token) | bits/byte |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     md += [f"| {r['name']} | {r['family']} | {r['budget']:.3g} | {r['active_params']:,} "
-           f"| {r['tokens']:,} | {r['loss']:.4f} |" for r in analysis["results"]]
+           f"| {r['tokens']:,} | {r['loss']:.4f} | {_bits_cell(r['loss'], bpt)} |"
+           for r in analysis["results"]]
     md += ["", "![scaling](scaling.png)", ""]
     markdown = out_dir / "report.md"
     write_atomic(markdown, "\n".join(md))

@@ -214,13 +214,13 @@ def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch,
     (the benchmark's held-out check); nothing below C is an error with the number."""
     import launch.scaling as cli
 
-    rows = [{"budget": b, "family": "dense"} for b in (1e12, 3e12, 1e13)]
+    rows = [{"budget": b, "family": "dense", "name": f"r{b:g}"} for b in (1e12, 3e12, 1e13)]
     seen = []
     monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, []))
     monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: rows)
     monkeypatch.setattr(cli.scaling_report, "analyse",
-                        lambda r, bootstrap, floor, progress: seen.append((r, floor, progress))
-                        or {"families": {}})
+                        lambda r, bootstrap, floor, progress, bytes_per_token:
+                        seen.append((r, floor, progress)) or {"families": {}, "warnings": []})
     with pytest.raises(SystemExit):  # no dense law in the stub analysis: refused after it
         cli.main(["predict", str(tmp_path), "--budget", "1e13", "--family", "dense",
                   "--fit-below", "1e13"])
