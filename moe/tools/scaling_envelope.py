@@ -10,7 +10,9 @@ points in log-log, each grid point weighing the same.
 - **Smoothing.** A step's loss is one batch's: each curve is smoothed by a local linear fit of
   the loss on ln(step) over the steps within :data:`SMOOTH_HALF_WIDTH` of it in ln(step), which
   follows a falling curve without lagging behind it (a trailing mean would read every point
-  high, the more so where the curve falls faster) and stays unbiased at the run's last step.
+  high, the more so where the curve falls faster). It is exact where the loss is linear in
+  ln(step); on a curve convex in ln(step) it reads a little low at the run's last step, where
+  the window is one-sided (1e-4 of the loss on the synthetic curves of the tests).
 - **The edge.** A point whose lowest run has the smallest or the largest N of the runs that reach
   that C says only that the optimum lies at or beyond that end: it is kept out of the power laws,
   as an IsoFLOP minimum outside its ladder is (``moe/tools/scaling_isoflop.py``).

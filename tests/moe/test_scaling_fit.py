@@ -386,6 +386,9 @@ def test_an_extrapolated_or_concave_vertex_stays_out_of_the_power_law_and_the_pl
         def plot(self, *a, **kw):
             pass
 
+        def annotate(self, *a, **kw):
+            pass
+
     ax = Axis()
     scaling_plot._isoflop_panel(ax, analysis["families"]["dense"], "k")
     stars = [(x, y) for x, y, marker in ax.points if marker == "*"]
