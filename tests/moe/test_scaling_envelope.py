@@ -90,7 +90,7 @@ def test_points_at_the_edge_of_the_runs_stay_out_of_the_power_laws():
 
 
 def test_the_summary_prints_the_envelope_laws_and_runs_without_curves_have_none():
-    runs = curve_runs()
+    runs = curve_runs(sizes=TRUE.optimum(BUDGETS[1], K)[0] * np.geomspace(0.25, 4, 6))
     analysis = scaling_report.analyse(runs, bootstrap=0)
     env = analysis["families"]["dense"]["envelope"]
     a, b = env.n_law

@@ -92,7 +92,7 @@ def test_the_route_bootstrap_covers_the_exponent_and_the_tokens_per_parameter():
     hits, widths, estimates, ratio_hits = 0, [], [], 0
     for seed in range(40):
         data = _sweep(0.01, seed + 1)
-        boot = si.bootstrap_route(data, K, 200, seed)
+        boot = si.bootstrap_route(data, K, 100, seed)
         lo, hi = boot.exponent_interval()
         hits += lo <= b0 <= hi
         widths.append(hi - lo)

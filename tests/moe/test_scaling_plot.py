@@ -84,9 +84,3 @@ def test_the_loss_panel_draws_the_envelope_and_the_laws_optimal_loss(drawn):
     optimum = np.array([TRUE.optimum(x, fam["k"])[2] for x in fam["envelope"].c])
     assert np.all(fam["envelope"].loss >= optimum * (1 - 2e-4))
     assert ax[1, 2].texts[0].get_text() == "no MoE family with a dense law"
-
-
-def test_draw_writes_the_six_panels(tmp_path):
-    analysis = scaling_report.analyse(curve_runs(), bootstrap=0)
-    path = scaling_plot.draw(analysis, tmp_path / "scaling.png")
-    assert path.stat().st_size > 50_000
