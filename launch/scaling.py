@@ -165,10 +165,10 @@ def fit(args) -> None:
     scaling_fit.require_scipy()
     sweep_dir = Path(args.sweep)
     rows = scaling_sweep.results(sweep_dir, args.exclude)
-    bpt, why = scaling_sweep.bytes_per_token(sweep_dir, rows)
+    bpt, notes = scaling_sweep.validation_text(sweep_dir, rows)
     analysis = scaling_report.analyse(rows, bootstrap=args.bootstrap, floor=args.floor,
                                       progress=bootstrap_progress, bytes_per_token=bpt)
-    analysis["warnings"] += [why] if why else []
+    analysis["warnings"] += notes
     if args.exclude:
         analysis["warnings"].append(f"left out of the fits (--exclude): {args.exclude}")
     paths = scaling_report.write_report(analysis, sweep_dir / "report")
@@ -194,10 +194,10 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
         rows = [r for r in rows if r["budget"] < fit_below]
         if not rows:
             raise ScalingError(f"--fit-below {fit_below:.4g}: no finished run of a smaller budget")
-    bpt, why = scaling_sweep.bytes_per_token(sweep_dir, rows)
+    bpt, notes = scaling_sweep.validation_text(sweep_dir, rows)
     analysis = scaling_report.analyse(rows, bootstrap=bootstrap, floor=floor, progress=progress,
                                       bytes_per_token=bpt)
-    analysis["warnings"] += [why] if why else []
+    analysis["warnings"] += notes
     pred = scaling_report.predict(analysis, family, budget)
     pred["warnings"] = analysis["warnings"]
     cfg = load_config(sweep["config"], sweep["overrides"])

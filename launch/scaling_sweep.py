@@ -92,22 +92,40 @@ def training_curve(run_dir: Path) -> tuple[list[int], list[float]] | None:
     return steps, [sum(sums[s]) / len(sums[s]) for s in steps]
 
 
-def bytes_per_token(sweep_dir: Path, rows: list[dict]) -> tuple[float | None, str | None]:
-    """(UTF-8 bytes per predicted token of the validation text the runs ``rows`` were evaluated
-    on, None) for bits per byte; (None, why not) when the data cannot be read or was not the
-    runs' (another number of predictions than their evaluations made)."""
+COVERAGE_WARN = 0.5
+"""Runs scored on fewer than this fraction of the validation split's documents are warned
+about: the evaluated tokens are the split's first documents, not a sample of it."""
+
+
+def validation_text(sweep_dir: Path, rows: list[dict]) -> tuple[float | None, list[str]]:
+    """The UTF-8 bytes per predicted token of the validation text the runs ``rows`` were
+    evaluated on (None when the data cannot be read or were not the runs': another number of
+    predictions than their evaluations made), for bits per byte; and the warnings: why bits per
+    byte are left out, and whether the evaluated tokens (``eval.max_tokens``, the first of the
+    split) hold only a small part of the split's documents."""
     path = sweep_dir / "configs" / f"{rows[0]['name']}.yaml"
     try:
         cfg = load_config(path)
         data = PreparedData.from_config(cfg.data)
-        targets, text = predicted_text_bytes(TokenStream(data, "valid"),
-                                             Tokenizer(data.tokenizer_file()),
-                                             cfg.eval.max_tokens)
+        seen = predicted_text_bytes(TokenStream(data, "valid"), Tokenizer(data.tokenizer_file()),
+                                    cfg.eval.max_tokens)
     except (MoEError, DataError, OSError) as e:
-        return None, f"bits per byte left out: the validation text of {path} is unreadable ({e})"
+        return None, [f"bits per byte left out: the validation text of {path} is unreadable ({e})"]
     evaluated = sorted({r.get("eval_tokens") for r in rows}, key=str)
-    if evaluated != [targets] or not text:
-        return None, (f"bits per byte left out: the runs were evaluated on "
+    if evaluated != [seen.targets] or not seen.bytes:
+        return None, [f"bits per byte left out: the runs were evaluated on "
                       f"{', '.join(map(str, evaluated))} validation targets, the data of {path} "
-                      f"gives {targets:,} (prepared again since?)")
-    return text / targets, None
+                      f"gives {seen.targets:,} (prepared again since?)"]
+    split = data.manifest.splits["valid"]
+    warnings = []
+    if seen.documents < COVERAGE_WARN * split.documents:
+        warnings.append(
+            f"the runs are scored on the first {seen.targets:,} validation tokens "
+            f"(eval.max_tokens {cfg.eval.max_tokens:,}), which reach into {seen.documents:,} of "
+            f"the split's {split.documents:,} documents ({split.tokens:,} tokens): its first "
+            "documents in the order of the sources and their files, not a sample of the corpus; "
+            "every validation loss, minimum, law and bits per byte here describes those "
+            "documents. Score the whole split (eval.max_tokens: null) with a smaller "
+            "data.valid_fraction, which samples documents from every file, or raise "
+            "eval.max_tokens")
+    return seen.bytes / seen.targets, warnings

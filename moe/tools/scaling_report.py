@@ -146,6 +146,8 @@ def _analyse_family(family, runs, fit, bt, warnings, bootstrap: int = 0, seed: i
     fam: dict = {"runs": runs, "minima": minima, "k": k,
                  "envelope": scaling_envelope.envelope(runs)}
     _isoflop_route(family, fam, warnings, bootstrap, seed)
+    if fam["envelope"] is not None:
+        warnings.extend(_train_validation_gap(family, runs, fam["envelope"]))
     if fit is not None:
         fam["fit"] = fit
         warnings.extend(_law_warnings(family, fit, runs))
@@ -199,6 +201,30 @@ def _isoflop_route(family: str, fam: dict, warnings: list[str], bootstrap: int, 
                         "power laws rest on minima the scatter of the runs can move off their "
                         "ladders, so their intervals are withheld; add sizes on both sides of each "
                         "budget's minimum")
+
+
+TRAIN_VALID_WARN = 0.10
+"""The envelope (training loss) and the rest (validation loss) are said to measure different
+data when the runs' last training losses lie this far from their validation losses (median)."""
+
+
+def _train_validation_gap(family: str, runs: list[dict], env) -> list[str]:
+    """A warning when each run's smoothed training loss at its last step and its final
+    validation loss differ by more than :data:`TRAIN_VALID_WARN` (median over the runs): one
+    pass over data like the validation split leaves them within a few percent, so the
+    validation tokens are unlike the training batches, and the envelope, fitted on training
+    losses, measures other data than the IsoFLOP minima and the law."""
+    gaps = [float(env.curves[r["name"]][1][-1] / r["loss"] - 1) for r in runs
+            if r["name"] in env.curves]
+    median = float(np.median(gaps))
+    if abs(median) <= TRAIN_VALID_WARN:
+        return []
+    return [f"{family}: the runs' last training losses lie {median:+.0%} from their final "
+            f"validation losses (median of {len(gaps)} runs; {min(gaps):+.0%} to "
+            f"{max(gaps):+.0%}): the validation tokens they are scored on are unlike their "
+            "training data, so the envelope of the training curves and the IsoFLOP minima and "
+            "law of the validation losses measure different text; where they disagree, trust "
+            "neither"]
 
 
 def _law_warnings(family: str, fit: scaling_fit.ParametricFit, runs: list[dict]) -> list[str]:
@@ -426,7 +452,7 @@ def _envelope_line(env: scaling_envelope.Envelope) -> str:
     if env.n_law is None:
         return f"  envelope of the training curves: no power law ({env.problem})"
     (a, b), (ad, bd) = env.n_law, env.d_law
-    top = env.c[-1]
+    top = float(env.c[env.inside].max())  # the largest C the laws were fitted through
     n_top = a * top ** b
     return (f"  envelope of the training curves: N_opt = {a:.3g} C^{b:.3f}, D_opt = {ad:.3g} "
             f"C^{bd:.3f}; at C {top:.3g}: N {n_top:.4g}, D/N {ad * top ** bd / n_top:.1f} "

@@ -1,5 +1,5 @@
 """The bytes of text an evaluation's predictions stand for (data_pipeline/text_bytes.py), the
-denominator of bits per byte."""
+denominator of bits per byte, and the documents they reach into."""
 
 from __future__ import annotations
 
@@ -68,9 +68,10 @@ def test_the_predicted_text_is_the_documents_own_bytes(kind, request, monkeypatc
     tok = request.getfixturevalue(kind)
     ids = _stream(tok)
     expected = sum(len(d.encode("utf-8")) for d in DOCS)
-    assert text_bytes.predicted_text_bytes(Stream(ids), tok) == (len(ids) - 1, expected)
+    whole = (len(ids) - 1, expected, len(DOCS))
+    assert text_bytes.predicted_text_bytes(Stream(ids), tok) == whole
     monkeypatch.setattr(text_bytes, "CHUNK_TOKENS", 3)  # documents across chunk boundaries
-    assert text_bytes.predicted_text_bytes(Stream(ids), tok) == (len(ids) - 1, expected)
+    assert text_bytes.predicted_text_bytes(Stream(ids), tok) == whole
 
 
 def test_max_tokens_and_the_loss_mask_bound_the_text(sentencepiece):
@@ -80,10 +81,11 @@ def test_max_tokens_and_the_loss_mask_bound_the_text(sentencepiece):
     ids = _stream(tok)
     first = len(tok.encode(DOCS[0])) + 1  # the first document and its EOS
     assert text_bytes.predicted_text_bytes(Stream(ids), tok, max_tokens=first) == \
-        (first, len(DOCS[0].encode()))
+        (first, len(DOCS[0].encode()), 1)
+    assert text_bytes.predicted_text_bytes(Stream(ids), tok, max_tokens=first + 2).documents == 2
     mask = np.ones(len(ids), np.uint8)
     second = slice(first + 1, first + 1 + len(tok.encode(DOCS[1])))
     mask[second] = 0
-    targets, text = text_bytes.predicted_text_bytes(Stream(ids, mask), tok)
+    targets, text, _ = text_bytes.predicted_text_bytes(Stream(ids, mask), tok)
     assert targets == len(ids) - 1 - (second.stop - second.start)
     assert text == sum(len(d.encode()) for i, d in enumerate(DOCS) if i != 1)

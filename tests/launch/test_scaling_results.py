@@ -45,16 +45,38 @@ def sweep(tiny_data, tmp_path):
 
 
 def test_bytes_per_token_are_those_of_the_runs_validation_predictions(sweep, tiny_data):
+    """The bytes per token of the predictions the runs' evaluations made (eval.max_tokens of
+    their configs); left out, saying why, when those data are not the runs' or are unreadable;
+    and a warning when the evaluated tokens reach into few of the split's documents."""
     data = PreparedData.from_config(tiny_data)
-    targets, text = predicted_text_bytes(TokenStream(data, "valid"),
-                                         Tokenizer(data.tokenizer_file()), 500)
-    assert targets == 500 and 1.5 < text / targets < 8
+    seen = predicted_text_bytes(TokenStream(data, "valid"), Tokenizer(data.tokenizer_file()), 500)
+    assert seen.targets == 500 and 1.5 < seen.bytes / seen.targets < 8
     rows = [{"name": "r1", "eval_tokens": 500}, {"name": "r2", "eval_tokens": 500}]
-    assert scaling_sweep.bytes_per_token(sweep, rows) == (text / targets, None)
-    value, why = scaling_sweep.bytes_per_token(sweep, [{"name": "r1", "eval_tokens": 400}])
+    value, notes = scaling_sweep.validation_text(sweep, rows)
+    assert value == seen.bytes / seen.targets
+    split = data.manifest.splits["valid"]
+    assert seen.documents < split.documents / 2
+    (w,) = notes
+    assert w.startswith(f"the runs are scored on the first 500 validation tokens (eval.max_tokens "
+                        f"500), which reach into {seen.documents} of the split's "
+                        f"{split.documents} documents")
+    value, (why,) = scaling_sweep.validation_text(sweep, [{"name": "r1", "eval_tokens": 400}])
     assert value is None and "evaluated on 400 validation targets" in why and "gives 500" in why
-    value, why = scaling_sweep.bytes_per_token(sweep, [{"name": "gone", "eval_tokens": 500}])
+    value, (why,) = scaling_sweep.validation_text(sweep, [{"name": "gone", "eval_tokens": 500}])
     assert value is None and "gone.yaml is unreadable" in why
+
+
+def test_runs_scored_on_the_whole_split_get_no_coverage_warning(sweep, tiny_data):
+    data = PreparedData.from_config(tiny_data)
+    whole = predicted_text_bytes(TokenStream(data, "valid"), Tokenizer(data.tokenizer_file()))
+    config = sweep / "configs" / "r1.yaml"
+    d = yaml.safe_load(config.read_text())
+    d["eval"] = {"max_tokens": None}
+    config.write_text(yaml.safe_dump(d))
+    value, notes = scaling_sweep.validation_text(sweep, [{"name": "r1",
+                                                          "eval_tokens": whole.targets}])
+    assert value == whole.bytes / whole.targets and notes == []
+    assert whole.documents == data.manifest.splits["valid"].documents
 
 
 def test_fit_and_predict_give_losses_in_bits_per_byte_beside_nats():

@@ -101,3 +101,20 @@ def test_the_summary_prints_the_envelope_laws_and_runs_without_curves_have_none(
     bare = scaling_report.analyse(runs, bootstrap=0)
     assert bare["families"]["dense"]["envelope"] is None
     assert "envelope" not in scaling_report.summary(bare)
+
+
+def test_validation_losses_unlike_the_training_curves_are_warned_about():
+    """The envelope reads training losses, the IsoFLOP minima and the law validation losses:
+    when the runs' last training losses lie far from their validation losses (here 30% above:
+    validation tokens easier than the training data), the warning says the two measure
+    different text; 3% apart (noise) says nothing."""
+    runs = curve_runs(sizes=TRUE.optimum(BUDGETS[1], K)[0] * np.geomspace(0.25, 4, 5))
+    for r in runs:
+        r["loss"] = float(r["curve"][1][-1] / 1.3)
+    (w,) = [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
+            if "training losses" in w]
+    assert w.startswith("dense: the runs' last training losses lie +30% from their final "
+                        "validation losses (median of 20 runs")
+    for r in runs:
+        r["loss"] = float(r["curve"][1][-1] * 0.97)
+    assert scaling_report._train_validation_gap("dense", runs, se.envelope(runs)) == []
