@@ -122,6 +122,10 @@ class RouteBootstrap:
         """95% interval of b, the exponent of N_opt (that of D_opt is 1 - b)."""
         return _interval(self.b)
 
+    def n_interval(self, budget: float) -> tuple[float, float]:
+        """95% interval of N_opt = a C^b at ``budget``."""
+        return _interval(np.exp(self.log_a + self.b * math.log(budget)))
+
     def ratio(self, budget: float, log_a, b):
         """D_opt / N_opt at ``budget`` of N_opt = e^log_a C^b: C / (k N_opt^2)."""
         return np.exp(math.log(budget) * (1 - 2 * np.asarray(b)) - math.log(self.k)

@@ -130,7 +130,7 @@ def _minima(family: str, runs: list[dict], warnings: list[str]) -> list:
                     "so the run likely failed to train (read its log): rerun it, or leave it out "
                     f"with --exclude {r['name']}")
         m = scaling_isoflop.isoflop_minimum(budget, [r["active_params"] for r in rs],
-                                        [r["loss"] for r in rs])
+                                            [r["loss"] for r in rs])
         if not m.bracketed:
             warnings.append(
                 f"{family}, budget {budget:.3g}: no minimum inside the ladder (N "
@@ -148,6 +148,7 @@ def _analyse_family(family, runs, fit, bt, warnings, bootstrap: int = 0, seed: i
     _isoflop_route(family, fam, warnings, bootstrap, seed)
     if fam["envelope"] is not None:
         warnings.extend(_train_validation_gap(family, runs, fam["envelope"]))
+        warnings.extend(_envelope_against_route(family, fam))
     if fit is not None:
         fam["fit"] = fit
         warnings.extend(_law_warnings(family, fit, runs))
@@ -201,6 +202,25 @@ def _isoflop_route(family: str, fam: dict, warnings: list[str], bootstrap: int, 
                         "power laws rest on minima the scatter of the runs can move off their "
                         "ladders, so their intervals are withheld; add sizes on both sides of each "
                         "budget's minimum")
+
+
+def _envelope_against_route(family: str, fam: dict) -> list[str]:
+    """A warning when the envelope's N_opt, at the largest compute its law was fitted through,
+    lies outside the IsoFLOP route's 95% interval there."""
+    env, boot = fam["envelope"], fam.get("route_boot")
+    if env.n_law is None or boot is None:
+        return []
+    top = float(env.c[env.inside].max())
+    n_env = env.n_law[0] * top ** env.n_law[1]
+    lo, hi = boot.n_interval(top)
+    if lo <= n_env <= hi:
+        return []
+    sizes = len(set(env.n[env.inside]))
+    return [f"{family}: the envelope of the training curves puts N_opt at C {top:.3g} at "
+            f"{n_env:.4g}, outside the IsoFLOP route's 95% interval there ({lo:.4g} to "
+            f"{hi:.4g}): the envelope picks among the ladder's sizes ({sizes} win somewhere) by "
+            "training losses, the route interpolates between them on the validation losses; "
+            "take the route's, and add sizes per budget to bring the two together"]
 
 
 TRAIN_VALID_WARN = 0.10
@@ -433,15 +453,18 @@ def _route_lines(fam: dict, inside: int) -> list[str]:
     ratio = top / (fam["k"] * (a * top ** b) ** 2)
     if boot is None:
         return [f"  N_opt = {a:.3g} C^{b:.3f}, D_opt = {ad:.3g} C^{bd:.3f}  (through the minima "
-                f"of {inside} budgets); D/N at C {top:.3g}: {ratio:.1f}"]
+                f"of {inside} budgets); at C {top:.3g}: N_opt {a * top ** b:.4g}, D/N {ratio:.1f}"]
     lo, hi = boot.exponent_interval()
     rlo, rhi = boot.ratio_interval(top)
+    nlo, nhi = boot.n_interval(top)
     left = (f"; {boot.failed} of {boot.resamples} resamples placed fewer than 2 minima inside "
             "their ladders and are left out" if boot.failed else "")
-    return [f"  N_opt = {a:.3g} C^{b:.3f} (95%: {lo:.3f}-{hi:.3f}), D_opt = {ad:.3g} C^{bd:.3f} "
-            f"(95%: {1 - hi:.3f}-{1 - lo:.3f})  (through the minima of {inside} budgets)",
-            f"  D/N at C {top:.3g}: {ratio:.1f} (95%: {rlo:.1f}-{rhi:.1f}; bootstrap of the "
-            f"parabolas' residuals{left})"]
+    return [f"  N_opt = {a:.3g} C^{b:.3f} (95%: {lo:.3f} to {hi:.3f}), D_opt = {ad:.3g} "
+            f"C^{bd:.3f} (95%: {1 - hi:.3f} to {1 - lo:.3f})  (through the minima of {inside} "
+            "budgets)",
+            f"  at C {top:.3g}: N_opt {a * top ** b:.4g} (95%: {nlo:.4g} to {nhi:.4g}), D/N "
+            f"{ratio:.1f} (95%: {rlo:.1f} to {rhi:.1f})  (bootstrap of the parabolas' "
+            f"residuals{left})"]
 
 
 def _envelope_line(env: scaling_envelope.Envelope) -> str:

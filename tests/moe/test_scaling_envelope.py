@@ -118,3 +118,25 @@ def test_validation_losses_unlike_the_training_curves_are_warned_about():
     for r in runs:
         r["loss"] = float(r["curve"][1][-1] * 0.97)
     assert scaling_report._train_validation_gap("dense", runs, se.envelope(runs)) == []
+
+
+def test_an_envelope_outside_the_routes_interval_is_warned_about():
+    """Where the envelope's N_opt at its largest compute lies outside the IsoFLOP route's 95%
+    interval there, a warning says so and which to take; inside it, nothing."""
+    from moe.tools import scaling_isoflop
+
+    runs = curve_runs(sizes=TRUE.optimum(BUDGETS[1], K)[0] * np.geomspace(0.25, 4, 5))
+    env = se.envelope(runs)
+    by_budget = {b: ([r["active_params"] for r in runs if r["budget"] == b],
+                     [r["loss"] * (1 + 0.003 * np.sin(i)) for i, r in enumerate(runs)
+                      if r["budget"] == b]) for b in BUDGETS}
+    fam = {"envelope": env, "route_boot": scaling_isoflop.bootstrap_route(by_budget, K, 50)}
+    top = env.c[env.inside].max()  # the largest compute the envelope's laws were fitted on
+    lo, hi = fam["route_boot"].n_interval(top)
+    assert lo < env.n_law[0] * top ** env.n_law[1] < hi
+    assert scaling_report._envelope_against_route("dense", fam) == []
+    env.n_law = (env.n_law[0] * 2, env.n_law[1])
+    (w,) = scaling_report._envelope_against_route("dense", fam)
+    assert w.startswith(f"dense: the envelope of the training curves puts N_opt at C {top:.3g} "
+                        f"at {env.n_law[0] * top ** env.n_law[1]:.4g}")
+    assert f"outside the IsoFLOP route's 95% interval there ({lo:.4g} to {hi:.4g})" in w

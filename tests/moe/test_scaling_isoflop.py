@@ -132,8 +132,12 @@ def test_fit_and_predict_print_the_route_intervals():
     lo, hi = fam["route_boot"].exponent_interval()
     assert lo < fam["n_law"][1] < hi
     text = scaling_report.summary(analysis)
-    assert f"(95%: {lo:.3f}-{hi:.3f}), D_opt" in text and f"(95%: {1 - hi:.3f}-{1 - lo:.3f})" in text
-    assert "D/N at C 3e+19: " in text
+    assert f"(95%: {lo:.3f} to {hi:.3f}), D_opt" in text
+    assert f"(95%: {1 - hi:.3f} to {1 - lo:.3f})" in text
+    nlo, nhi = fam["route_boot"].n_interval(3e19)
+    assert f"at C 3e+19: N_opt {fam['n_law'][0] * 3e19 ** fam['n_law'][1]:.4g} (95%: {nlo:.4g} " \
+           f"to {nhi:.4g}), D/N " in text
+    assert nlo < TRUE.optimum(3e19, K)[0] < nhi
     p = scaling_report.predict(analysis, "dense", 1e20)
     rlo, rhi = p["isoflop"]["ratio_interval"]
     assert rlo < p["isoflop"]["ratio"] < rhi
