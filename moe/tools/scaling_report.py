@@ -215,6 +215,7 @@ def _envelope_against_route(family: str, fam: dict) -> list[str]:
     lo, hi = boot.n_interval(top)
     if lo <= n_env <= hi:
         return []
+    fam["envelope_outside"] = (lo, hi)  # the summary marks the envelope's figures
     sizes = len(set(env.n[env.inside]))
     return [f"{family}: the envelope of the training curves puts N_opt at C {top:.3g} at "
             f"{n_env:.4g}, outside the IsoFLOP route's 95% interval there ({lo:.4g} to "
@@ -467,9 +468,9 @@ def _route_lines(fam: dict, inside: int) -> list[str]:
             f"residuals{left})"]
 
 
-def _envelope_line(env: scaling_envelope.Envelope) -> str:
+def _envelope_line(env: scaling_envelope.Envelope, outside: tuple | None = None) -> str:
     """Chinchilla's first approach: the power laws through the envelope's points off the edge,
-    or why there are none."""
+    or why there are none; ``outside``: the IsoFLOP route's interval its N_opt lies outside."""
     edge = int(env.edge.sum())
     where = f"; {scaling_envelope.edge_text(env)}, left out" if edge else ""
     if env.n_law is None:
@@ -479,7 +480,9 @@ def _envelope_line(env: scaling_envelope.Envelope) -> str:
     n_top = a * top ** b
     return (f"  envelope of the training curves: N_opt = {a:.3g} C^{b:.3f}, D_opt = {ad:.3g} "
             f"C^{bd:.3f}; at C {top:.3g}: N {n_top:.4g}, D/N {ad * top ** bd / n_top:.1f} "
-            f"(through {len(env.c) - edge} points, {len(set(env.n[env.inside]))} sizes{where})")
+            f"(through {len(env.c) - edge} points, {len(set(env.n[env.inside]))} sizes{where})"
+            + (f"; outside the IsoFLOP route's 95% interval ({outside[0]:.4g} to "
+               f"{outside[1]:.4g}): take the route's (see the warnings)" if outside else ""))
 
 
 def bits_per_byte(loss: float, bytes_per_token: float | None) -> float | None:
@@ -524,7 +527,7 @@ def _family_lines(family: str, fam: dict, shared: bool, bpt: float | None) -> li
     if "n_law" in fam:
         lines.extend(_route_lines(fam, inside))
     if fam.get("envelope") is not None:
-        lines.append(_envelope_line(fam["envelope"]))
+        lines.append(_envelope_line(fam["envelope"], fam.get("envelope_outside")))
     if "fit" in fam:
         lines.extend(_law_lines(fam["fit"], shared, bpt))
     bt = fam.get("backtest")

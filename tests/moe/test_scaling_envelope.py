@@ -140,3 +140,7 @@ def test_an_envelope_outside_the_routes_interval_is_warned_about():
     assert w.startswith(f"dense: the envelope of the training curves puts N_opt at C {top:.3g} "
                         f"at {env.n_law[0] * top ** env.n_law[1]:.4g}")
     assert f"outside the IsoFLOP route's 95% interval there ({lo:.4g} to {hi:.4g})" in w
+    # the summary marks the envelope's figures where they are printed
+    assert scaling_report._envelope_line(env, fam["envelope_outside"]).endswith(
+        f"outside the IsoFLOP route's 95% interval ({lo:.4g} to {hi:.4g}): take the route's "
+        "(see the warnings)")
