@@ -31,14 +31,16 @@ setup(
         "psutil",
     ],
     extras_require={"hf": ["transformers"], "qlora": ["torchao"],
-                    # moe-scaling fit / predict (curve fitting, root finding, regression)
-                    "scaling": ["scipy"],
+                    # moe-scaling fit / predict (curve fitting, root finding, regression;
+                    # threadpoolctl keeps BLAS on one thread for L-BFGS-B's tiny systems)
+                    "scaling": ["scipy", "threadpoolctl"],
                     # model.cross_entropy: liger (Triton kernels; CUDA machines only)
                     "liger": ["liger-kernel"],
                     # moe-eval --tasks and eval.downstream: lm-evaluation-harness
                     "eval": ["lm-eval"],
                     "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "peft",
                              "moto[server]", "boto3", "torchao", "pillow", "packaging", "scipy",
+                             "threadpoolctl",
                              "lm-eval"]},
     entry_points={
         "console_scripts": [

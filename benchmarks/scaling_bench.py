@@ -33,9 +33,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch.scaling import predicted_run, results  # noqa: E402
+from launch.scaling import predicted_run  # noqa: E402
+from launch.scaling_sweep import results  # noqa: E402
 from moe.run_dir import RunDir  # noqa: E402
-from moe.tools import scaling, scaling_report  # noqa: E402
+from moe.tools import scaling, scaling_fit, scaling_report  # noqa: E402
 
 
 def sh(*args) -> str:
@@ -116,10 +117,13 @@ def one_seed(args, seed: int) -> dict:
            f"train.seed={seed}")
         measured = final_loss(run_dir)
         best = next(m for m in full["families"][family]["minima"] if m.budget == largest)
+        # Where the ladder does not bracket the minimum, the best measured size is its lowest
+        # run, not the parabola's vertex beyond it.
+        best_n = best.n_opt if best.bracketed else best.lowest_n
         lo, hi = pred["n_interval"]
         out[family] = {"predicted": pred["run_loss"], "measured": measured,
-                       "error": measured / pred["run_loss"] - 1, "best_n": best.n_opt,
-                       "interval": (lo, hi), "inside": lo <= best.n_opt <= hi,
+                       "error": measured / pred["run_loss"] - 1, "best_n": best_n,
+                       "interval": (lo, hi), "inside": lo <= best_n <= hi,
                        "optimum_loss": pred["loss"], "n_opt": pred["n_opt"], "width": run.width,
                        "run_n": run.active_params,
                        # The backtest: the law fitted below the largest budget on every ladder
@@ -148,7 +152,7 @@ def main() -> None:
     p.add_argument("--min-steps", type=int, default=scaling.MIN_STEPS,
                    help="moe-scaling plan --min-steps: a run's batch is halved until it has "
                         "this many optimizer steps")
-    p.add_argument("--floor", choices=scaling.FLOORS, default="family",
+    p.add_argument("--floor", choices=scaling_fit.FLOORS, default="family",
                    help="moe-scaling fit/predict --floor: each family's law its own loss floor, "
                         "or one shared by both")
     p.add_argument("--out", required=True)

@@ -1,44 +1,37 @@
 """moe-scaling: plan, run and fit a scaling-law sweep, and predict the compute-optimal run.
 
     moe-scaling plan CONFIG --budgets 3e13,1e14,3e14 [--sizes 5] [--families dense,moe]
-                     [--experts 8,16] [--out SWEEP] [--allow-repeat] [key=value ...]
+                     [--experts 8,16] [--out SWEEP] [--centre-from SWEEP] [--allow-repeat]
+                     [--force] [key=value ...]
     moe-scaling run SWEEP [--jobs K] [--scheduler local|slurm] [--no-wait] [--dry-run]
     moe-scaling fit SWEEP
     moe-scaling predict SWEEP --budget C [--family moe] [--write-config OUT.yaml] [--fit-below C]
                         [--allow-repeat]
 
-The definitions (N, D, C, the ladder, the learning-rate rule) and the fits are documented in
-``moe/tools/scaling.py`` and docs/scaling.md."""
+``run`` is in ``launch/scaling_run.py``; what a sweep's directory holds is read back by
+``launch/scaling_sweep.py``. The definitions (N, D, C, the ladder, the learning-rate rule) and
+the fits are documented in ``moe/tools/scaling.py``, ``moe/tools/scaling_fit.py`` and
+docs/scaling.md."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
 import shlex
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
+from launch import scaling_run, scaling_sweep
 from launch.cli import exits_cleanly
-from launch.slurm import sweep as slurm_sweep
-from launch.slurm.jobs import newest_job
 from moe.config.run import RunConfig, load_config
 from moe.config_schema import from_dict, to_dict
 from moe.errors import ScalingError
 from moe.fileio import write_atomic
-from moe.run_dir import RunDir
-from moe.tools import scaling, scaling_report
-
-SWEEP_FILE = "sweep.json"
-STOP_GRACE_S = 120
-"""After a TERM or INT, launches still running this long (saving takes seconds) are killed."""
+from moe.tools import scaling, scaling_fit, scaling_report
 
 
 def _base(cfg: RunConfig) -> scaling.Base:
@@ -75,32 +68,76 @@ def plan(args) -> None:
     budgets = _numbers(args.budgets, "--budgets", float)
     experts = _numbers(args.experts, "--experts", int) if args.experts else None
     widths = _numbers(args.widths, "--widths", int) if args.widths else None
-    if args.min_steps < scaling.MIN_STEPS:
+    if args.min_steps < scaling.STEPS_FLOOR:
         raise ScalingError(f"--min-steps {args.min_steps}: a run needs at least "
-                           f"{scaling.MIN_STEPS} steps")
+                           f"{scaling.STEPS_FLOOR} steps")
+    centre, source = _centre_from(Path(args.centre_from)) if args.centre_from else (None, None)
     cfg = load_config(args.config, args.overrides)
     base = replace(_base(cfg), min_steps=args.min_steps)
     runs, models = scaling.plan_sweep(base, budgets, args.sizes, args.families.split(","),
-                                      experts, widths, args.allow_repeat)
+                                      experts, widths, args.allow_repeat, centre)
     out = Path(args.out or f"sweeps/{cfg.name}")
-    if (out / SWEEP_FILE).exists() and not args.force:
-        raise ScalingError(f"{out / SWEEP_FILE} exists: a sweep is planned there already "
-                           "(--force replaces its plan; finished runs of the same name are kept)")
+    plan_file = out / scaling_sweep.SWEEP_FILE
+    if plan_file.exists() and not args.force:
+        raise ScalingError(f"{plan_file} exists: a sweep is planned there already (--force "
+                           "replaces its plan; finished runs of the same name are kept)")
     base_dict = to_dict(cfg)
-    for run in runs:
-        d = run_config(base_dict, run, to_dict(models[run.name]), out.resolve())
-        from_dict(RunConfig, d, source=run.name)  # every config valid before anything is written
-        write_atomic(out / "configs" / f"{run.name}.yaml", yaml.safe_dump(d, sort_keys=False))
-    write_atomic(out / "plan.md", scaling.run_table(runs))
-    write_atomic(out / SWEEP_FILE, json.dumps({
+    configs = {r.name: run_config(base_dict, r, to_dict(models[r.name]), out.resolve())
+               for r in runs}
+    for name, d in configs.items():  # every config valid before anything is written
+        from_dict(RunConfig, d, source=name)
+    notes = scaling.ladder_warnings(base, runs, centre, source or "the rule of thumb")
+    short = scaling.short_runs_warning([scaling.planned_run_to_dict(r) for r in runs], True)
+    notes += [short] if short else []
+    for name, d in configs.items():
+        write_atomic(out / "configs" / f"{name}.yaml", yaml.safe_dump(d, sort_keys=False))
+    write_atomic(out / "plan.md", scaling.run_table(runs)
+                 + "".join(f"\n- warning: {w}" for w in notes) + ("\n" if notes else ""))
+    write_atomic(plan_file, json.dumps({
         "config": str(Path(args.config).resolve()), "overrides": args.overrides,
         "budgets": budgets, "families": args.families.split(","), "experts": experts,
-        "min_steps": args.min_steps,
+        "min_steps": args.min_steps, "centre": source or "rule of thumb",
         "runs": [scaling.planned_run_to_dict(r) for r in runs]}, indent=1))
+    stale = _remove_stale_configs(out, configs)
     print(scaling.run_table(runs))
+    for w in notes:
+        print(f"warning: {w}")
+    if stale:
+        print(f"removed the configs of {len(stale)} run(s) the new plan does not have "
+              f"({', '.join(stale[:6])}{', ...' if len(stale) > 6 else ''}); their run "
+              f"directories, if any, stay in {out / 'runs'}")
     total = sum(r.flops for r in runs)
     print(f"{len(runs)} runs, {total:.3e} FLOPs in all; sweep in {out}\n"
           f"next: moe-scaling run {shlex.quote(str(out))}")
+
+
+def _remove_stale_configs(out: Path, configs: dict) -> list[str]:
+    """Delete the run configs of ``out/configs`` that the plan does not have (a plan replaced
+    with --force), so that the directory holds exactly the plan's runs; their names."""
+    stale = sorted(p for p in (out / "configs").glob("*.yaml") if p.stem not in configs)
+    for p in stale:
+        p.unlink()
+    return [p.stem for p in stale]
+
+
+def _centre_from(sweep_dir: Path) -> tuple:
+    """The ``--centre-from`` ladder centre: per family, N_opt as the finished runs of
+    ``sweep_dir`` place it (``scaling_report.optimum_trend``); a family they do not place keeps
+    the rule of thumb. Returns (centre, a description of its source)."""
+    trend = scaling_report.optimum_trend(scaling_sweep.results(sweep_dir))
+    if not trend:
+        raise ScalingError(f"--centre-from {sweep_dir}: no budget of its finished runs has a "
+                           "minimum inside its ladder, so they place no optimum (plan without "
+                           "--centre-from to use the rule of thumb)")
+
+    def centre(family: str, budget: float) -> float | None:
+        if family not in trend:
+            return None
+        a, b, _ = trend[family]
+        return a * budget ** b
+
+    described = "; ".join(f"{f}: {text}" for f, (_, _, text) in sorted(trend.items()))
+    return centre, f"from {sweep_dir} ({described})"
 
 
 def _numbers(text: str, flag: str, kind) -> list:
@@ -115,263 +152,23 @@ def _numbers(text: str, flag: str, kind) -> list:
     return [kind(v) for v in floats]
 
 
-def load_sweep(sweep_dir: Path) -> tuple[dict, list[scaling.PlannedRun]]:
-    try:
-        sweep = json.loads((sweep_dir / SWEEP_FILE).read_text())
-    except FileNotFoundError:
-        raise ScalingError(f"{sweep_dir / SWEEP_FILE}: no sweep planned there "
-                           "(moe-scaling plan CONFIG --budgets ... --out DIR)") from None
-    except (OSError, ValueError) as e:
-        raise ScalingError(f"{sweep_dir / SWEEP_FILE}: unreadable ({e})") from None
-    return sweep, [scaling.planned_run_from_dict(r) for r in sweep["runs"]]
+def bootstrap_progress(label: str, total: int):
+    """A bar on stderr over the bootstrap refits, which take seconds to minutes: on a terminal
+    redrawn in place, in a log a line at most every 10 s."""
+    from tqdm import tqdm
 
-
-def finished(sweep_dir: Path, run: scaling.PlannedRun) -> dict | None:
-    """The final evaluation of a run that trained all its steps, or None."""
-    run_dir = sweep_dir / "runs" / run.name
-    try:
-        summary = json.loads(RunDir(run_dir).summary.read_text())
-        report = json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())
-        result = report["checkpoints"][-1]
-    except (FileNotFoundError, KeyError, IndexError, TypeError, ValueError):
-        return None
-    if summary.get("steps") != run.steps or result.get("step") != run.steps:
-        return None
-    return result
-
-
-class Progress:
-    """One line over the sweep: runs done, compute done (FLOPs) and the ETA at the rate so far.
-    On a terminal a bar redrawn in place; elsewhere (a log, a pipe) the same line, printed each
-    time its note or the runs done change."""
-
-    def __init__(self, total: float, done_flops: float, done: int, count: int):
-        from tqdm import tqdm
-
-        self.tty = sys.stdout.isatty()
-        self.sink = None if self.tty else open(os.devnull, "w")
-        self.bar = tqdm(total=total, initial=done_flops, unit="FLOP", unit_scale=True,
-                        desc="sweep", file=sys.stdout if self.tty else self.sink)
-        self.count, self.shown = count, None
-
-    def update(self, flops: float, done: int, note: str = "") -> None:
-        self.bar.update(max(0.0, flops - self.bar.n))
-        text = f"runs {done}/{self.count}" + (f", {note}" if note else "")
-        self.bar.set_postfix_str(text, refresh=self.tty)
-        if not self.tty and text != self.shown:
-            print(str(self.bar), flush=True)
-        self.shown = text
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.sink is not None:
-            self.sink.close()
-
-
-def _failed(sweep_dir: Path, scheduler: str, failed: list[str]) -> ScalingError:
-    return ScalingError(
-        f"{len(failed)} run(s) failed: " + ", ".join(failed) + "; the rest finished. Run "
-        f"`moe-scaling run {shlex.quote(str(sweep_dir))} --scheduler {scheduler}` again to retry "
-        "them (they resume from their checkpoints)")
-
-
-def configured_scheduler(sweep_dir: Path, runs: list[scaling.PlannedRun]) -> str:
-    """slurm when the sweep's run configs say ``launch.scheduler: slurm``, else local."""
-    path = sweep_dir / "configs" / f"{runs[0].name}.yaml"
-    try:
-        d = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ScalingError(f"{path}: unreadable ({e})") from None
-    return "slurm" if (d.get("launch") or {}).get("scheduler") == "slurm" else "local"
-
-
-def run(args) -> None:
-    sweep_dir = Path(args.sweep)
-    _, runs = load_sweep(sweep_dir)
-    scheduler = args.scheduler or configured_scheduler(sweep_dir, runs)
-    if scheduler == "slurm":
-        return run_slurm(args, sweep_dir, runs)
-    if args.no_wait or args.dry_run:
-        raise ScalingError("--no-wait and --dry-run go with --scheduler slurm")
-    todo = [r for r in runs if finished(sweep_dir, r) is None]
-    busy = [f"{r.name} (job {job.job_id}, {job.state})" for r in todo
-            if (job := newest_job(sweep_dir / "runs" / r.name)) is not None and job.active]
-    if busy:
-        raise ScalingError(f"{len(busy)} run(s) of {sweep_dir} have a SLURM job queued or running: "
-                           + ", ".join(busy) + "; running them here too would train into the "
-                           "same directories (wait for them: moe-scaling run "
-                           f"{shlex.quote(str(sweep_dir))} --scheduler slurm)")
-    done_flops = sum(r.flops for r in runs if r not in todo)
-    total = sum(r.flops for r in runs)
-    print(f"{len(runs) - len(todo)} of {len(runs)} runs finished; {len(todo)} to run, "
-          f"{args.jobs} at a time (logs in {sweep_dir / 'logs'})")
-    flags = ["--scheduler", "local"] if args.scheduler == "local" else []
-    failed = _run_all(sweep_dir, todo, args.jobs, done_flops, total, len(runs) - len(todo),
-                      len(runs), flags)
-    if failed:
-        raise _failed(sweep_dir, "local", [
-            f"{name} (exit {rc}, log {sweep_dir / 'logs' / (name + '.log')})"
-            for name, rc in failed])
-    print(f"every run finished; next: moe-scaling fit {sweep_dir}")
-
-
-def run_slurm(args, sweep_dir: Path, runs: list[scaling.PlannedRun]) -> None:
-    """Submit every run that is neither finished nor queued as a SLURM job, at most
-    ``--jobs`` running at once (launch/slurm/sweep.py), then wait for them with one progress
-    line."""
-    by_name = {r.name: r for r in runs}
-    members = [slurm_sweep.Member(r.name, sweep_dir / "configs" / f"{r.name}.yaml",
-                                  (sweep_dir / "runs" / r.name).absolute(), r.flops, r.steps)
-               for r in runs]
-
-    def is_finished(m: slurm_sweep.Member) -> bool:
-        return finished(sweep_dir, by_name[m.name]) is not None
-
-    sweep = slurm_sweep.survey(members, is_finished)
-    slurm_sweep.plan_jobs(members, sweep, args.jobs)
-    if args.dry_run:
-        print(sweep.render())
-        return
-    ids = slurm_sweep.submit(sweep) if sweep.jobs else []
-    q = shlex.quote
-    lines = [f"{len(sweep.finished)} of {len(runs)} runs finished; {len(sweep.active)} with a "
-             f"SLURM job queued or running (not submitted again); {len(ids)} submitted, at most "
-             f"{args.jobs} running at once (each waits for the job before it in its chain)"]
-    lines += [f"  {job.member.name}: job {i}" + (f" after {job.waits_for(ids)}"
-                                                 if job.waits_for(ids) else "")
-              for job, i in zip(sweep.jobs, ids)]
-    lines += [f"  {name}: job {job.job_id} ({job.state}, submitted before)"
-              for name, job in sweep.active.items()]
-    jobs = ",".join([*ids, *(j.job_id for j in sweep.active.values())])
-    if jobs:
-        lines += [f"watch   squeue -j {jobs}",
-                  f"a run   moe-launch status {q(str(sweep_dir / 'runs' / runs[0].name))}  "
-                  "(and logs, cancel)"]
-    print("\n".join(lines), flush=True)
-    if args.no_wait:
-        print(f"not waiting (--no-wait); moe-scaling run {q(str(sweep_dir))} --scheduler slurm "
-              "waits for them (and submits nothing twice)")
-        return
-    progress = Progress(sum(r.flops for r in runs), sum(m.flops for m in sweep.finished),
-                        len(sweep.finished), len(runs))
-    try:
-        outcome = slurm_sweep.wait(members, is_finished, progress.update)
-    finally:
-        progress.close()
-    if outcome.stopped is not None:
-        raise ScalingError(f"stopped waiting on signal {outcome.stopped}; the sweep's jobs go on "
-                           f"in SLURM: moe-scaling run {q(str(sweep_dir))} --scheduler slurm "
-                           f"waits for them again (nothing is submitted twice), scancel stops "
-                           f"them")
-    if outcome.failed:
-        raise _failed(sweep_dir, "slurm", [
-            f"{m.name} (job {job.job_id} {job.summary()}, log {slurm_sweep.log_of(m, job)})"
-            for m, job in outcome.failed])
-    print(f"every run finished; next: moe-scaling fit {q(str(sweep_dir))}")
-
-
-def _run_all(sweep_dir, todo, jobs, done_flops, total, done, count,
-             flags=()) -> list[tuple[str, int]]:
-    """Run ``todo`` through moe-launch, ``jobs`` at a time, with one progress line over the
-    sweep; returns the failed runs. A TERM or INT is passed on to the running launches (they
-    save and stop) before this returns."""
-    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
-    pending, running, failed = list(todo), {}, []
-    bar = Progress(total, done_flops, done, count)
-    stop, stop_time = [], []
-
-    def on_signal(signum, _frame):
-        # Every launch runs in its own process group; moe-launch passes the signal on to its
-        # ranks, which save and stop (launch/interrupts.py).
-        stop.append(signum)
-        stop_time.append(time.monotonic())
-        for proc, _ in running.values():
-            _signal_group(proc, signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while pending or running:
-            while pending and len(running) < jobs and not stop:
-                r = pending.pop(0)
-                log = open(sweep_dir / "logs" / f"{r.name}.log", "ab")
-                cmd = [sys.executable, "-m", "launch.launch",
-                       str(sweep_dir / "configs" / f"{r.name}.yaml"), *flags]
-                running[r.name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                    start_new_session=True), r)
-                log.close()
-            for name, (proc, r) in list(running.items()):
-                if proc.poll() is None:
-                    continue
-                del running[name]
-                if proc.returncode == 0 and finished(sweep_dir, r) is not None:
-                    done += 1
-                    done_flops += r.flops
-                elif not stop:
-                    failed.append((name, proc.returncode))
-            bar.update(done_flops, done, f"{len(running)} running"
-                       + (f", {len(failed)} failed" if failed else ""))
-            if stop and running and time.monotonic() - stop_time[0] > STOP_GRACE_S:
-                for proc, _ in running.values():
-                    _signal_group(proc, signal.SIGKILL)
-            if stop and not running:
-                raise ScalingError(f"stopped by signal {stop[0]}; {done} of {count} runs finished "
-                                   f"(moe-scaling run {sweep_dir} resumes the rest)")
-            time.sleep(0.5)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        bar.close()
-    return failed
-
-
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    if signum == signal.SIGKILL:
-        # moe-launch runs its ranks in a session of their own (launch/interrupts.py): killed,
-        # it could not stop them.
-        import psutil
-
-        try:
-            descendants = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            descendants = []
-        for p in descendants:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-    try:
-        os.killpg(proc.pid, signum)
-    except ProcessLookupError:
-        pass
-
-
-def results(sweep_dir: Path, exclude: str | None = None) -> list[dict]:
-    """Each finished run's plan and final validation loss, less the runs ``exclude`` names
-    (comma-separated run names; a name the sweep does not plan is an error)."""
-    _, runs = load_sweep(sweep_dir)
-    names = [n.strip() for n in (exclude or "").split(",") if n.strip()]
-    unknown = sorted(set(names) - {r.name for r in runs})
-    if unknown:
-        raise ScalingError(f"--exclude: {unknown} are not runs of {sweep_dir} (its runs are "
-                           f"listed in {sweep_dir / 'plan.md'})")
-    out = []
-    for r in runs:
-        if r.name in names:
-            continue
-        ev = finished(sweep_dir, r)
-        if ev is not None:
-            out.append({**scaling.planned_run_to_dict(r), "loss": float(ev["loss"])})
-    if not out:
-        raise ScalingError(f"{sweep_dir}: no finished run to fit ({len(runs)} planned; "
-                           f"moe-scaling run {sweep_dir})")
-    return out
+    return tqdm(total=total, desc=label, unit="fit", file=sys.stderr,
+                mininterval=0.5 if sys.stderr.isatty() else 10)
 
 
 def fit(args) -> None:
-    scaling.require_scipy()
+    scaling_fit.require_scipy()
     sweep_dir = Path(args.sweep)
-    analysis = scaling_report.analyse(results(sweep_dir, args.exclude), bootstrap=args.bootstrap,
-                                      floor=args.floor)
+    rows = scaling_sweep.results(sweep_dir, args.exclude)
+    bpt, notes = scaling_sweep.validation_text(sweep_dir, rows)
+    analysis = scaling_report.analyse(rows, bootstrap=args.bootstrap, floor=args.floor,
+                                      progress=bootstrap_progress, bytes_per_token=bpt)
+    analysis["warnings"] += notes
     if args.exclude:
         analysis["warnings"].append(f"left out of the fits (--exclude): {args.exclude}")
     paths = scaling_report.write_report(analysis, sweep_dir / "report")
@@ -383,25 +180,29 @@ def fit(args) -> None:
 
 def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 100,
                   fit_below: float | None = None, allow_repeat: bool = False, name: str = "predicted",
-                  exclude: str | None = None,
-                  floor: str = "family") -> tuple[dict, scaling.PlannedRun, dict]:
+                  exclude: str | None = None, floor: str = "family",
+                  progress=None) -> tuple[dict, scaling.PlannedRun, dict]:
     """The law's compute-optimal point of ``budget`` (``scaling_report.predict``), the run of the
     ladder shape the law ranks best at that budget (``scaling.best_ladder_run``: its width,
     tokens spending the budget), and that run's config. The prediction gains ``run_loss`` and
     ``run_loss_interval``: the law at the run's own N and D, the figure its measured loss is to
-    be compared with. A run that would repeat the corpus is refused unless ``allow_repeat``."""
-    sweep, _ = load_sweep(sweep_dir)
-    rows = results(sweep_dir, exclude)
+    be compared with. A run that would repeat the corpus is refused unless ``allow_repeat``.
+    ``progress``: shows the bootstrap (``scaling_fit.fit_laws``)."""
+    sweep, _ = scaling_sweep.load_sweep(sweep_dir)
+    rows = scaling_sweep.results(sweep_dir, exclude)
     if fit_below is not None:  # a held-out check: the law from the smaller budgets only
         rows = [r for r in rows if r["budget"] < fit_below]
         if not rows:
             raise ScalingError(f"--fit-below {fit_below:.4g}: no finished run of a smaller budget")
-    analysis = scaling_report.analyse(rows, bootstrap=bootstrap, floor=floor)
+    bpt, notes = scaling_sweep.validation_text(sweep_dir, rows)
+    analysis = scaling_report.analyse(rows, bootstrap=bootstrap, floor=floor, progress=progress,
+                                      bytes_per_token=bpt)
+    analysis["warnings"] += notes
     pred = scaling_report.predict(analysis, family, budget)
     pred["warnings"] = analysis["warnings"]
     cfg = load_config(sweep["config"], sweep["overrides"])
     # A sweep planned before --min-steps existed had the fixed minimum.
-    base = replace(_base(cfg), min_steps=sweep.get("min_steps", scaling.MIN_STEPS))
+    base = replace(_base(cfg), min_steps=sweep.get("min_steps", scaling.STEPS_FLOOR))
     experts = pred.get("experts") or None
     fit = analysis["families"][family]["fit"]
     run, model = scaling.best_ladder_run(base, fit.law, budget, family, experts, name)
@@ -419,11 +220,11 @@ def predicted_run(sweep_dir: Path, family: str, budget: float, bootstrap: int = 
 
 
 def predict(args) -> None:
-    scaling.require_scipy()
+    scaling_fit.require_scipy()
     name = Path(args.write_config).stem if args.write_config else "predicted"
     pred, run, d = predicted_run(Path(args.sweep), args.family, args.budget, args.bootstrap,
                                  args.fit_below, args.allow_repeat, name, args.exclude,
-                                 args.floor)
+                                 args.floor, bootstrap_progress)
     for w in pred["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print(scaling_report.prediction_text(pred))
@@ -471,11 +272,15 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--families", default="dense,moe")
     pl.add_argument("--experts", help="expert counts of the MoE family (default: the config's)")
     pl.add_argument("--widths", help="the ladder's widths, instead of the rule's")
+    pl.add_argument("--centre-from", metavar="SWEEP",
+                    help="centre each budget's ladder on the N_opt that SWEEP's finished runs "
+                         "give (the power law through their minima), not the rule of thumb")
     pl.add_argument("--out", help="the sweep directory (default: sweeps/NAME)")
     pl.add_argument("--min-steps", type=_count, default=scaling.MIN_STEPS,
                     help="halve a run's batch (accumulation first) until it has this many "
                          "optimizer steps, dividing its learning rate by sqrt(2) each time "
-                         f"(default {scaling.MIN_STEPS})")
+                         f"(default {scaling.MIN_STEPS}, below which fit warns; at least "
+                         f"{scaling.STEPS_FLOOR})")
     pl.add_argument("--allow-repeat", action="store_true",
                     help="allow runs that train on the corpus more than once")
     pl.add_argument("--force", action="store_true", help="replace an existing plan")
@@ -496,7 +301,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples")
         s.add_argument("--exclude", help="runs to leave out of the fits, by name (comma-separated; "
                                          "for example a run that failed to train)")
-        s.add_argument("--floor", choices=scaling.FLOORS, default="family",
+        s.add_argument("--floor", choices=scaling_fit.FLOORS, default="family",
                        help="the laws' loss floor E: each family its own (default), or one "
                             "shared by dense and MoE, fitted jointly (the irreducible loss of "
                             "the data)")
@@ -518,7 +323,7 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if getattr(args, "jobs", 1) < 1:
         raise ScalingError(f"--jobs {args.jobs}: must be at least 1")
-    {"plan": plan, "run": run, "fit": fit, "predict": predict}[args.command](args)
+    {"plan": plan, "run": scaling_run.run, "fit": fit, "predict": predict}[args.command](args)
 
 
 if __name__ == "__main__":

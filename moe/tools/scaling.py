@@ -13,35 +13,34 @@ Definitions (the same everywhere in this module and in ``docs/scaling.md``):
   FLOPs per token (attention over the sequence included), so C is what ``moe-plan`` and the
   trainer's MFU count.
 - **The ladder** (:func:`shape_for_width`): widths from :data:`WIDTHS`; heads of 64 dimensions
-  (32 below a width of 128, 16 where 32 does not divide the width, 8 where 16 does not);
-  ``n_layers = max(2, round(width / 64))`` (an aspect ratio of 64);
+  (32 below a width of 128, 16 where 32 does not divide the width, 8 where 16 does not, one head
+  of the whole width below 16); ``n_layers = max(2, round(width / 64))`` (an aspect ratio of 64);
   MoE experts keep the base config's expert width / model width ratio, its expert count (or
   ``experts``), top-k and shared experts. The dense twin of each MoE shape has one FFN of the
   MoE's active width (top-k + shared experts), so both families have the same N at each width.
+- **Each budget's ladder** is the ``sizes`` consecutive widths centred on the width whose N is
+  nearest the expected optimum: the rule of thumb of :data:`TOKENS_PER_PARAM` tokens per
+  parameter at the ladder's own FLOPs per token (:func:`rule_of_thumb`), or a ``centre`` the
+  caller gives (``moe-scaling plan --centre-from``: the trend of a sweep's measured minima).
+  :func:`ladder_warnings` names the budgets whose ladder cannot put sizes on both sides of it,
+  and the side.
+- **Run names** carry the budget exactly (:func:`budget_label`): ``dense-c1.6e11-w64``.
 - **Batch**: the base config's, halved (accumulation first) until the run has ``min_steps``
-  optimizer steps (``--min-steps``, default :data:`MIN_STEPS`).
+  optimizer steps (``--min-steps``, default :data:`MIN_STEPS`, the same number below which
+  ``moe-scaling fit`` warns about a run); a run that cannot reach :data:`STEPS_FLOOR` steps at
+  one sequence per rank is refused.
 - **Learning rate**: the base config's, scaled by ``sqrt(base width / width)`` and by
   ``sqrt(batch / base batch)`` (minimum too); warm-up: the base config's, at most a tenth of the
   run's steps.
 
-Fits (scipy; :func:`fit_parametric` follows the corrections Besiroglu et al. 2024 made to
-Chinchilla's third approach: Huber loss on log loss, a grid of initialisations, bootstrap
-intervals):
-
-- per budget, a parabola of loss in log N; its minimum is flagged when it is not inside the
-  ladder (the true optimum may lie beyond the sizes trained);
-- power laws N_opt = a C^b and D_opt = a' C^b' through the per-budget minima;
-- the parametric law L(N, D) = E + A / N^alpha + B / D^beta per family, and from it the
-  compute-optimal N, D and loss of any budget (closed form, with C = k N D where k is the
-  sweep's FLOPs per token per parameter);
-- for MoE, the compute multiplier: the dense compute whose optimal loss equals the MoE's at
-  each budget, divided by that budget; with two or more expert counts also the expert law of
-  Clark et al. 2022, log L = a log N + b log E + c log N log E + d.
+The fits are in ``moe/tools/scaling_fit.py``, the analysis and report in
+``moe/tools/scaling_report.py``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -49,13 +48,26 @@ import numpy as np
 from moe.errors import ScalingError
 from moe.model.size import count_parameters, flops_per_token
 from moe.model.transformer import ModelConfig
+from moe.tools.scaling_fit import Law
 
-WIDTHS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+WIDTHS = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+          4096, 6144, 8192)
 """Model widths a ladder draws from (about sqrt(2) apart)."""
 
-MIN_STEPS = 25
+STEPS_FLOOR = 25
 """A run needs at least this many optimizer steps: a budget is then spent within 2% (the
-steps are rounded) and the warm-up and decay have room."""
+steps are rounded) and the warm-up and decay have room. Fewer is refused."""
+
+MIN_STEPS = 200
+"""The optimizer steps a run should have: ``moe-scaling plan`` halves a run's batch until it has
+this many (``--min-steps``' default), and warns, as ``fit`` does, about a run that cannot reach
+them. On our 2-core sweeps, runs of 77 to 132 steps ended 3-19% lower when trained again on the
+same tokens with 200 or more steps (smaller batches; BENCHMARKS.md), and the two that had failed
+to train trained normally."""
+
+TOKENS_PER_PARAM = 20
+"""The rule of thumb that centres a ladder: the compute-optimal run trains about 20 tokens per
+parameter (Hoffmann et al. 2022)."""
 
 BUDGET_TOLERANCE = 0.02
 """A planned run's FLOPs lie within this fraction of its budget."""
@@ -69,7 +81,7 @@ def shape_for_width(base: ModelConfig, width: int, family: str,
     if family not in FAMILIES:
         raise ScalingError(f"family {family!r}: must be one of {FAMILIES}")
     head_dim = (64 if width >= 128 and width % 64 == 0 else 32 if width % 32 == 0
-                else 16 if width % 16 == 0 else 8)
+                else 16 if width % 16 == 0 else 8 if width >= 16 else width)
     ratio = base.moe.expert_hidden / base.d_model
     expert_hidden = max(8, 8 * round(width * ratio / 8))
     moe = replace(base.moe, expert_hidden=expert_hidden, dense_hidden=None,
@@ -157,61 +169,100 @@ def _run_for(base: Base, cfg: ModelConfig, family: str, budget: float, name: str
         epochs=tokens / base.corpus_tokens if base.corpus_tokens else float("inf"))
 
 
+Centre = Callable[[str, float], "float | None"]
+"""(family, budget) -> the N a budget's ladder is centred on, or None for the rule of thumb."""
+
+
+def budget_label(budget: float) -> str:
+    """The budget as run names carry it: the shortest scientific notation that reads back as
+    exactly ``budget`` (1.6e11, 2e11, 2.4e11), so that no two budgets share a name."""
+    return np.format_float_scientific(budget, trim="-", exp_digits=1).replace("+", "")
+
+
+def run_name(family: str, experts: int | None, budget: float, width: int) -> str:
+    return f"{family}{f'-e{experts}' if experts else ''}-c{budget_label(budget)}-w{width}"
+
+
+def _refuse_repeats(values, flag: str) -> None:
+    twice = sorted({v for v in values if list(values).count(v) > 1}, key=str)
+    if twice:
+        raise ScalingError(f"{flag}: {', '.join(f'{v:g}' for v in twice)} given more than once "
+                           "(each names runs of its own)")
+
+
 def plan_sweep(base: Base, budgets: list[float], sizes: int, families: list[str],
                experts: list[int] | None = None, widths: list[int] | None = None,
-               allow_repeat: bool = False) -> tuple[list[PlannedRun], dict[str, ModelConfig]]:
+               allow_repeat: bool = False,
+               centre: Centre | None = None) -> tuple[list[PlannedRun], dict[str, ModelConfig]]:
     """Every run of the sweep and its model config, by run name. The ladder of each budget is
-    the ``sizes`` consecutive widths centred on the width whose N is nearest the rule-of-thumb
-    optimum sqrt(C / 120) (20 tokens per parameter), unless ``widths`` names them. Raises
-    ScalingError listing every run that cannot spend its budget or would repeat the corpus."""
+    the ``sizes`` consecutive widths centred on the expected optimum (``centre``, else
+    :func:`rule_of_thumb`), unless ``widths`` names them. Raises ScalingError for a budget,
+    width, expert count or family given twice, and listing every run that cannot spend its
+    budget or would repeat the corpus."""
     if sizes < 3 and widths is None:
         raise ScalingError(f"--sizes {sizes}: a ladder needs at least 3 sizes to locate a minimum")
     bad = [f for f in families if f not in FAMILIES]
     if bad:
         raise ScalingError(f"--families: {bad} not among {list(FAMILIES)}")
+    for values, flag in ((budgets, "--budgets"), (widths or [], "--widths"),
+                         (experts or [], "--experts"), (families, "--families")):
+        _refuse_repeats(values, flag)
     runs, models, problems = [], {}, []
     for budget in sorted(budgets):
         for family, e in _variants(families, experts):
-            ladder = widths or _ladder(base, budget, sizes, family, e)
-            for w in ladder:
+            for w in widths or _ladder(base, budget, sizes, family, e, centre):
                 cfg = shape_for_width(base.model, w, family, e)
-                suffix = f"-e{cfg.moe.num_experts}" if family == "moe" and experts else ""
-                name = f"{family}{suffix}-c{budget:.0e}-w{w}".replace("+", "")
+                name = run_name(family, cfg.moe.num_experts if family == "moe" and experts
+                                else None, budget, w)
                 run = _run_for(base, cfg, family, budget, name)
-                if run.steps < MIN_STEPS:
-                    problems.append(
-                        f"{name}: the budget {budget:.3g} FLOPs buys {run.tokens:,} tokens "
-                        f"= {run.steps} steps of one sequence per rank ({run.active_params:,} "
-                        f"active parameters, {run.flops / max(run.tokens, 1):.3g} FLOPs per "
-                        f"token); at least {MIN_STEPS} steps are needed: raise the budget or "
-                        "use smaller widths")
-                elif abs(run.flops / budget - 1) > BUDGET_TOLERANCE:
-                    problems.append(f"{name}: {run.flops:.4g} FLOPs is not within "
-                                    f"{BUDGET_TOLERANCE:.0%} of the budget {budget:.4g}")
-                elif run.epochs > 1 and not allow_repeat:
-                    problems.append(
-                        f"{name}: {run.tokens:,} tokens is {run.epochs:.2f} epochs of the "
-                        f"prepared corpus ({base.corpus_tokens:,} training tokens); use a "
-                        "larger corpus, smaller budgets, or --allow-repeat")
+                problem = _problem(base, run, allow_repeat)
+                if problem:
+                    problems.append(problem)
                 runs.append(run)
                 models[name] = cfg
+    if len(models) < len(runs):  # the names carry every budget, width and expert count exactly
+        raise ScalingError("two planned runs share a name: "
+                           + ", ".join(sorted({r.name for r in runs
+                                               if sum(q.name == r.name for q in runs) > 1})))
     if problems:
-        head = "the sweep cannot be planned"
-        repeats = [r for r in runs if r.epochs > 1] if not allow_repeat else []
-        if repeats:
-            fits = largest_budget_without_repeat(base, sizes, families, experts, widths)
-            head += (f": {len(repeats)} of {len(runs)} runs would read the prepared corpus "
-                     f"({base.corpus_tokens:,} training tokens) more than once "
-                     f"({min(r.epochs for r in repeats):.2f} to "
-                     f"{max(r.epochs for r in repeats):.2f} epochs); "
-                     + (f"with this corpus and ladder the largest budget that repeats nothing "
-                        f"is about {fits:.2g} FLOPs" if fits else
-                        "no budget of this ladder both has enough steps and repeats nothing"))
-        shown = problems[:MAX_PROBLEMS_SHOWN]
-        more = len(problems) - len(shown)
-        raise ScalingError(head + ":\n" + "\n".join(f"  - {p}" for p in shown)
-                           + (f"\n  ... and {more} more like these" if more else ""))
+        raise _refusal(base, runs, problems, sizes, families, experts, widths, allow_repeat)
     return runs, models
+
+
+def _problem(base: Base, run: PlannedRun, allow_repeat: bool) -> str | None:
+    """Why ``run`` cannot be planned, or None."""
+    if run.steps < STEPS_FLOOR:
+        return (f"{run.name}: the budget {run.budget:.3g} FLOPs buys {run.tokens:,} tokens "
+                f"= {run.steps} steps of one sequence per rank ({run.active_params:,} "
+                f"active parameters, {run.flops / max(run.tokens, 1):.3g} FLOPs per "
+                f"token); at least {STEPS_FLOOR} steps are needed: raise the budget or "
+                "use smaller widths")
+    if abs(run.flops / run.budget - 1) > BUDGET_TOLERANCE:
+        return (f"{run.name}: {run.flops:.4g} FLOPs is not within {BUDGET_TOLERANCE:.0%} of "
+                f"the budget {run.budget:.4g}")
+    if run.epochs > 1 and not allow_repeat:
+        return (f"{run.name}: {run.tokens:,} tokens is {run.epochs:.2f} epochs of the "
+                f"prepared corpus ({base.corpus_tokens:,} training tokens); use a "
+                "larger corpus, smaller budgets, or --allow-repeat")
+    return None
+
+
+def _refusal(base, runs, problems, sizes, families, experts, widths, allow_repeat) -> ScalingError:
+    head = "the sweep cannot be planned"
+    repeats = [r for r in runs if r.epochs > 1] if not allow_repeat else []
+    if repeats:
+        fits = largest_budget_without_repeat(base, sizes, families, experts, widths)
+        head += (f": {len(repeats)} of {len(runs)} runs would read the prepared corpus "
+                 f"({base.corpus_tokens:,} training tokens) more than once "
+                 f"({min(r.epochs for r in repeats):.2f} to "
+                 f"{max(r.epochs for r in repeats):.2f} epochs); "
+                 + (f"with this corpus and ladder the largest budget that repeats nothing "
+                    f"is about {fits:.2g} FLOPs" if fits else
+                    "no budget of this ladder both has enough steps and repeats nothing"))
+    shown = problems[:MAX_PROBLEMS_SHOWN]
+    more = len(problems) - len(shown)
+    return ScalingError(head + ":\n" + "\n".join(f"  - {p}" for p in shown)
+                        + (f"\n  ... and {more} more like these" if more else ""))
 
 
 def _variants(families: list[str], experts: list[int] | None):
@@ -230,8 +281,8 @@ def largest_budget_without_repeat(base: Base, sizes: int, families: list[str],
                                   experts: list[int] | None = None,
                                   widths: list[int] | None = None) -> float | None:
     """The largest budget (to two significant figures) whose every ladder run has
-    :data:`MIN_STEPS` steps and reads the prepared corpus at most once; None if there is none.
-    Scanned downwards: the ladder moves to larger widths as the budget grows, so whether a
+    :data:`STEPS_FLOOR` steps and reads the prepared corpus at most once; None if there is
+    none. Scanned downwards: the ladder moves to larger widths as the budget grows, so whether a
     budget fits is not monotonic in it."""
     if not base.corpus_tokens:
         return None
@@ -241,7 +292,7 @@ def largest_budget_without_repeat(base: Base, sizes: int, families: list[str],
             for w in widths or _ladder(base, budget, sizes, family, e):
                 run = _run_for(base, shape_for_width(base.model, w, family, e), family,
                                budget, "probe")
-                if run.steps < MIN_STEPS or run.epochs > 1:
+                if run.steps < STEPS_FLOOR or run.epochs > 1:
                     return False
         return True
 
@@ -257,10 +308,31 @@ def largest_budget_without_repeat(base: Base, sizes: int, families: list[str],
     return None
 
 
-def ladder_params(base: Base, family: str, experts: int | None = None) -> list[float]:
-    """N (active parameters) of the ladder's model at each of :data:`WIDTHS`."""
-    return [flops_per_token(shape_for_width(base.model, w, family, experts), base.seq_len)
-            ["matmul_params"] for w in WIDTHS]
+def ladder_costs(base: Base, family: str, experts: int | None = None) -> list[tuple[float, float]]:
+    """(N, training FLOPs per token) of the ladder's model at each of :data:`WIDTHS`."""
+    out = []
+    for w in WIDTHS:
+        fpt = flops_per_token(shape_for_width(base.model, w, family, experts), base.seq_len)
+        out.append((fpt["matmul_params"], fpt["training"]))
+    return out
+
+
+def rule_of_thumb(base: Base, budget: float, family: str, experts: int | None = None,
+                  costs: list[tuple[float, float]] | None = None) -> float:
+    """The N that trains :data:`TOKENS_PER_PARAM` tokens per parameter on ``budget``, at the
+    FLOPs per token per parameter of the ladder shape nearest it (attention over the sequence
+    makes that more than 6 at small widths)."""
+    costs = costs or ladder_costs(base, family, experts)
+    n, fpt = min(costs, key=lambda c: abs(math.log(budget / c[1] / c[0] / TOKENS_PER_PARAM)))
+    return math.sqrt(budget / (TOKENS_PER_PARAM * fpt / n))
+
+
+def expected_optimum(base: Base, budget: float, family: str, experts: int | None = None,
+                     centre: Centre | None = None,
+                     costs: list[tuple[float, float]] | None = None) -> float:
+    """The N a budget's ladder is centred on: ``centre``'s, else :func:`rule_of_thumb`."""
+    n = centre(family, budget) if centre is not None else None
+    return n if n is not None else rule_of_thumb(base, budget, family, experts, costs)
 
 
 def best_ladder_run(base: Base, law: Law, budget: float, family: str,
@@ -268,30 +340,91 @@ def best_ladder_run(base: Base, law: Law, budget: float, family: str,
                     ) -> tuple[PlannedRun, ModelConfig]:
     """The run of ``budget`` on the ladder shape the law ranks best: the least ``law.loss`` at
     the run's own N and tokens (batch rounding included), over the widths whose run has
-    :data:`MIN_STEPS` steps. Along C = k N D the law's loss has one minimum in N, so this is one
-    of the two shapes either side of N_opt; the nearer of them in log N is not always the better
-    one (the loss rises more steeply on the small side of N_opt than on the large)."""
+    :data:`STEPS_FLOOR` steps. Along C = k N D the law's loss has one minimum in N, so this is
+    one of the two shapes either side of N_opt; the nearer of them in log N is not always the
+    better one (the loss rises more steeply on the small side of N_opt than on the large)."""
     best = None
     for w in WIDTHS:
         cfg = shape_for_width(base.model, w, family, experts)
         run = _run_for(base, cfg, family, budget, name)
-        if run.steps < MIN_STEPS:
+        if run.steps < STEPS_FLOOR:
             continue
         loss = float(law.loss(run.active_params, run.tokens))
         if best is None or loss < best[0]:
             best = (loss, run, cfg)
     if best is None:
-        raise ScalingError(f"the budget {budget:.3g} FLOPs gives no ladder shape {MIN_STEPS} "
+        raise ScalingError(f"the budget {budget:.3g} FLOPs gives no ladder shape {STEPS_FLOOR} "
                            "steps of one sequence per rank")
     return best[1], best[2]
 
 
-def _ladder(base: Base, budget: float, sizes: int, family: str, experts: int | None) -> list[int]:
-    target = math.sqrt(budget / 120)
-    n = ladder_params(base, family, experts)
-    centre = min(range(len(WIDTHS)), key=lambda i: abs(math.log(n[i] / target)))
-    start = min(max(0, centre - sizes // 2), len(WIDTHS) - sizes)
+def _ladder(base: Base, budget: float, sizes: int, family: str, experts: int | None,
+            centre: Centre | None = None) -> list[int]:
+    costs = ladder_costs(base, family, experts)
+    target = expected_optimum(base, budget, family, experts, centre, costs)
+    middle = min(range(len(WIDTHS)), key=lambda i: abs(math.log(costs[i][0] / target)))
+    start = min(max(0, middle - sizes // 2), len(WIDTHS) - sizes)
     return list(WIDTHS[start:start + sizes])
+
+
+def ladder_warnings(base: Base, runs: list[PlannedRun], centre: Centre | None = None,
+                    source: str = "the rule of thumb") -> list[str]:
+    """A line for each budget and ladder whose sizes do not lie on both sides of the expected
+    optimum (:func:`expected_optimum`; ``source`` says where it comes from), or lie mostly on
+    one side of it, naming the side to add sizes on: such a ladder cannot bracket, or barely
+    brackets, the minimum ``moe-scaling fit`` looks for."""
+    groups: dict[tuple, list[PlannedRun]] = {}
+    for r in runs:
+        groups.setdefault((r.family, r.experts, r.budget), []).append(r)
+    out = []
+    for (family, experts, budget), rs in groups.items():
+        target = expected_optimum(base, budget, family, experts or None, centre)
+        rs = sorted(rs, key=lambda r: r.active_params)
+        below = sum(r.active_params < target for r in rs)
+        side = "smaller" if below <= len(rs) - 1 - below else "larger"
+        few = min(below, len(rs) - below)
+        if few >= (len(rs) - 1) // 2 and few > 0:
+            continue
+        end = rs[0] if side == "smaller" else rs[-1]
+        optimum = f"the expected optimum (N {target:,.0f}, {source})"
+        what = (f"{optimum} lies {'below' if side == 'smaller' else 'above'} the ladder's "
+                f"{'smallest' if side == 'smaller' else 'largest'} size ({end.name}, N "
+                f"{end.active_params:,})" if few == 0 else
+                f"only {few} of the ladder's {len(rs)} sizes have {side} N than {optimum}")
+        text = (f"{family}{f' ({experts} experts)' if experts else ''}, budget {budget:.3g}: "
+                f"{what}; the loss may be lowest at that end: add sizes with {side} N "
+                "(--widths)")
+        if side == "smaller" and end.width == WIDTHS[0]:
+            head = (base.model.vocab_size or 0) * end.width / end.active_params
+            text += (f"; {WIDTHS[0]} is the smallest width, whose output head is {head:.0%} of "
+                     "its N: a smaller vocabulary or a larger budget moves the optimum inside")
+        elif side == "larger":
+            text += ", or plan a smaller budget"
+        out.append(text)
+    return out
+
+
+def short_runs_warning(runs: list[dict], planned: bool = False) -> str | None:
+    """The warning ``plan`` (``planned``) and ``fit`` give about runs of fewer than
+    :data:`MIN_STEPS` optimizer steps, with the fix: a smaller batch (``--min-steps``) or, for
+    a run at one sequence per rank already, a larger budget. None when there is none."""
+    short = sorted((r for r in runs if r.get("steps", MIN_STEPS) < MIN_STEPS),
+                   key=lambda r: r["steps"])
+    if not short:
+        return None
+    floor = [r for r in short if (r.get("micro_batch_size"), r.get("grad_accum_steps")) == (1, 1)]
+    fixes = []
+    if len(floor) < len(short):
+        fixes.append(f"plan with --min-steps {MIN_STEPS} (the default) to give them smaller "
+                     "batches")
+    if floor:
+        fixes.append(f"{len(floor)} of them train one sequence per rank already: a larger "
+                     "budget (or fewer ranks) gives them more steps")
+    return (f"{len(short)} run(s) {'will train' if planned else 'trained'} fewer than "
+            f"{MIN_STEPS} optimizer steps ("
+            + ", ".join(f"{r['name']} {r['steps']}" for r in short[:6])
+            + (", ..." if len(short) > 6 else "") + "): such runs can be held back by their "
+            "batch rather than their size; " + "; ".join(fixes))
 
 
 def run_table(runs: list[PlannedRun]) -> str:
@@ -312,311 +445,3 @@ def planned_run_from_dict(d: dict) -> PlannedRun:
 
 def planned_run_to_dict(run: PlannedRun) -> dict:
     return asdict(run)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fits
-
-
-@dataclass
-class IsoFlopMinimum:
-    budget: float
-    n_opt: float
-    loss_opt: float
-    at_edge: bool
-    """The parabola's minimum is not inside the ladder (or the parabola opens downwards): the
-    true optimum may lie beyond the sizes trained."""
-    coeffs: tuple[float, float, float]
-    """Loss = c0 x^2 + c1 x + c2 in x = ln N."""
-
-
-def isoflop_minimum(budget: float, n: list[float], loss: list[float]) -> IsoFlopMinimum:
-    """The minimum over sizes at one budget: a parabola of loss in ln N."""
-    if len(n) < 3:
-        raise ScalingError(f"budget {budget:.3g}: {len(n)} finished runs; a parabola needs 3")
-    x = np.log(np.asarray(n, float))
-    c = np.polyfit(x, np.asarray(loss, float), 2)
-    if c[0] <= 0:
-        i = int(np.argmin(loss))
-        return IsoFlopMinimum(budget, float(n[i]), float(loss[i]), True, tuple(map(float, c)))
-    x_opt = -c[1] / (2 * c[0])
-    at_edge = not (x.min() < x_opt < x.max()) or int(np.argmin(loss)) in (0, len(n) - 1)
-    return IsoFlopMinimum(budget, float(math.exp(x_opt)), float(np.polyval(c, x_opt)), at_edge,
-                          tuple(map(float, c)))
-
-
-def require_scipy() -> None:
-    """The fits use SciPy, an optional extra: refuse with the command that installs it."""
-    try:
-        import scipy  # noqa: F401
-    except ImportError:
-        raise ScalingError("moe-scaling's fits need SciPy, which the 'scaling' extra installs: "
-                           "python3 -m pip install -c constraints.txt -e '.[scaling]'") from None
-
-
-def power_law(x: list[float], y: list[float]) -> tuple[float, float]:
-    """(a, b) of y = a x^b, least squares in log-log."""
-    require_scipy()
-    from scipy.stats import linregress
-
-    fit = linregress(np.log(x), np.log(y))
-    return float(math.exp(fit.intercept)), float(fit.slope)
-
-
-@dataclass
-class Law:
-    """L(N, D) = E + A / N^alpha + B / D^beta."""
-    E: float
-    A: float
-    B: float
-    alpha: float
-    beta: float
-
-    def loss(self, n, d):
-        return self.E + self.A / np.power(n, self.alpha) + self.B / np.power(d, self.beta)
-
-    def optimum(self, budget: float, k: float) -> tuple[float, float, float]:
-        """(N, D, loss) minimising the loss at C = k N D."""
-        g = (self.alpha * self.A / (self.beta * self.B)) ** (1 / (self.alpha + self.beta))
-        n = g * (budget / k) ** (self.beta / (self.alpha + self.beta))
-        d = budget / (k * n)
-        return float(n), float(d), float(self.loss(n, d))
-
-
-HUBER_DELTA = 1e-3
-"""The Huber loss's threshold on log-loss residuals (Chinchilla's and Besiroglu et al.'s)."""
-
-
-def _objective(p, log_n, log_d, log_l):
-    """Huber loss of log-loss residuals, and its gradient in (log A, log B, log E, alpha, beta)."""
-    a, b, e, alpha, beta = p
-    z = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])
-    top = z.max(axis=0)
-    w = np.exp(z - top)
-    pred = top + np.log(w.sum(axis=0))
-    w /= w.sum(axis=0)
-    r = pred - log_l
-    small = np.abs(r) <= HUBER_DELTA
-    value = np.where(small, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum()
-    h = np.where(small, r, HUBER_DELTA * np.sign(r))
-    grad = np.array([(h * w[0]).sum(), (h * w[1]).sum(), (h * w[2]).sum(),
-                     -(h * w[0] * log_n).sum(), -(h * w[1] * log_d).sum()])
-    return float(value), grad
-
-
-INIT_GRID = {"a": np.arange(0.0, 30.0, 5.0), "b": np.arange(0.0, 30.0, 5.0),
-             "e": np.arange(-1.0, 1.5, 0.5), "alpha": np.arange(0.0, 2.5, 0.5),
-             "beta": np.arange(0.0, 2.5, 0.5)}
-"""Initial points of the fit (log A, log B, log E, alpha, beta): every combination (4,500, as
-Chinchilla's grid); the objective is evaluated at all of them and L-BFGS-B starts from the
-:data:`STARTS` best."""
-
-STARTS = 16
-
-BOUNDS = [(-10, 40), (-10, 40), (-5, 5), (0.0, 3.0), (0.0, 3.0)]
-
-LBFGS_OPTIONS = {"ftol": 1e-15, "gtol": 1e-12, "maxiter": 10_000}
-"""L-BFGS-B's stopping rules. With the Huber threshold of 1e-3 the objective is small (about
-1e-4 for 40 runs at 1% noise) and flat along the E-alpha and B-beta valleys, so SciPy's defaults
-(a step that lowers it by less than about 2e-9 of its value ends the search) stop far from the
-minimum: on a synthetic law (beta 0.35) they stopped at beta 0.48 with twice the objective of the
-minimum at beta 0.348 (tests/moe/tools/test_scaling.py)."""
-
-
-def _grid() -> np.ndarray:
-    mesh = np.meshgrid(*INIT_GRID.values(), indexing="ij")
-    return np.stack([m.ravel() for m in mesh], axis=1)
-
-
-def _best_starts(grid: np.ndarray, log_n, log_d, log_l, count: int) -> np.ndarray:
-    """The ``count`` grid points of lowest objective (evaluated for all points at once)."""
-    a, b, e, alpha, beta = (grid[:, i:i + 1] for i in range(5))
-    z = np.stack([a - alpha * log_n, b - beta * log_d, np.broadcast_to(e, (len(grid), len(log_n)))])
-    top = z.max(axis=0)
-    r = top + np.log(np.exp(z - top).sum(axis=0)) - log_l
-    value = np.where(np.abs(r) <= HUBER_DELTA, 0.5 * r * r,
-                     HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum(axis=1)
-    return grid[np.argsort(value)[:count]]
-
-
-def _fit_once(log_n, log_d, log_l, starts) -> np.ndarray:
-    require_scipy()
-    from scipy.optimize import minimize
-
-    best = None
-    for p0 in starts:
-        r = minimize(_objective, p0, args=(log_n, log_d, log_l), jac=True, method="L-BFGS-B",
-                     bounds=BOUNDS, options=LBFGS_OPTIONS)
-        if best is None or r.fun < best.fun:
-            best = r
-    return best.x
-
-
-@dataclass
-class ParametricFit:
-    law: Law
-    boot: list[Law]
-    """The law refitted on bootstrap resamples of the runs."""
-
-    def interval(self, fn, q=(2.5, 97.5)) -> tuple[float, float]:
-        """Percentiles of ``fn`` over the bootstrap laws; NaN without any (``--bootstrap 0``)."""
-        values = [fn(b) for b in self.boot]
-        if not values:
-            return float("nan"), float("nan")
-        return percentile_interval(values, q)
-
-
-def percentile_interval(values, q=(2.5, 97.5)) -> tuple[float, float]:
-    """The ``q`` percentiles of ``values``, interpolated; where the sample holds an infinite
-    value (a multiplier that no dense law reaches, an optimum a bootstrap law puts at infinity)
-    the lower percentile is rounded down to a value of the sample and the upper one up, so the
-    interval keeps the infinity instead of interpolating inf - inf to NaN."""
-    v = np.asarray(values, float)
-    finite = bool(np.isfinite(v).all())
-    return (float(np.percentile(v, q[0], method="linear" if finite else "lower")),
-            float(np.percentile(v, q[1], method="linear" if finite else "higher")))
-
-
-def fit_parametric(n, d, loss, bootstrap: int = 100, seed: int = 0) -> ParametricFit:
-    """L(N, D) = E + A/N^alpha + B/D^beta by Huber loss on log loss, started from the best
-    points of :data:`INIT_GRID`; ``bootstrap`` refits on resamples (with replacement) of the
-    points, started from the best fit and the resample's three best grid points."""
-    log_n, log_d = np.log(np.asarray(n, float)), np.log(np.asarray(d, float))
-    log_l = np.log(np.asarray(loss, float))
-    if len(log_n) < 5:
-        raise ScalingError(f"{len(log_n)} finished runs; the parametric law has 5 constants")
-    grid = _grid()
-    best = _fit_once(log_n, log_d, log_l, _best_starts(grid, log_n, log_d, log_l, STARTS))
-
-    def law(p):
-        return Law(E=math.exp(p[2]), A=math.exp(p[0]), B=math.exp(p[1]), alpha=p[3], beta=p[4])
-
-    rng = np.random.default_rng(seed)
-    boot = []
-    for _ in range(bootstrap):
-        idx = rng.integers(0, len(log_n), len(log_n))
-        starts = _best_starts(grid, log_n[idx], log_d[idx], log_l[idx], 3)
-        boot.append(law(_fit_once(log_n[idx], log_d[idx], log_l[idx], [best, *starts])))
-    return ParametricFit(law(best), boot)
-
-
-def _shared_objective(p, groups):
-    """The sum of :func:`_objective` over families that share log E (``p[0]``); each family has
-    (log A, log B, alpha, beta) at ``p[1 + 4 i : 5 + 4 i]``."""
-    value, grad = 0.0, np.zeros_like(p)
-    for i, (log_n, log_d, log_l) in enumerate(groups):
-        a, b, alpha, beta = p[1 + 4 * i:5 + 4 * i]
-        v, g = _objective(np.array([a, b, p[0], alpha, beta]), log_n, log_d, log_l)
-        value += v
-        grad[0] += g[2]
-        grad[1 + 4 * i:5 + 4 * i] = g[[0, 1, 3, 4]]
-    return value, grad
-
-
-def _fit_shared_once(groups, starts) -> np.ndarray:
-    require_scipy()
-    from scipy.optimize import minimize
-
-    bounds = [BOUNDS[2]] + [BOUNDS[0], BOUNDS[1], BOUNDS[3], BOUNDS[4]] * len(groups)
-    best = None
-    for p0 in starts:
-        r = minimize(_shared_objective, p0, args=(groups,), jac=True, method="L-BFGS-B",
-                     bounds=bounds, options=LBFGS_OPTIONS)
-        if best is None or r.fun < best.fun:
-            best = r
-    return best.x
-
-
-def fit_shared_floor(data: dict[str, tuple], bootstrap: int = 100,
-                     seed: int = 0) -> dict[str, ParametricFit]:
-    """One law per family, L_f(N, D) = E + A_f/N^alpha_f + B_f/D^beta_f, with the floor E shared:
-    the irreducible loss is the entropy of the text, the same for every model trained on the same
-    data and tokenizer (dense and MoE share it in the joint laws of Clark et al. 2022 and
-    Ludziejewski et al. 2025). ``data`` maps each family to (N, D, loss). The families' own fits
-    (:func:`fit_parametric`) give the starts, with E set in turn to each family's E, their
-    geometric mean and the values of :data:`INIT_GRID`; L-BFGS-B on the summed Huber objectives
-    from each. ``bootstrap`` refits on resamples of each family's runs, started from the best fit."""
-    if len(data) < 2:
-        raise ScalingError(f"a shared floor needs two or more families; the runs have {sorted(data)}")
-    names = sorted(data)
-    groups = []
-    for f in names:
-        n, d, loss = data[f]
-        if len(n) < 5:
-            raise ScalingError(f"{f}: {len(n)} finished runs; the parametric law has 5 constants")
-        groups.append((np.log(np.asarray(n, float)), np.log(np.asarray(d, float)),
-                       np.log(np.asarray(loss, float))))
-    own = [fit_parametric(*data[f], bootstrap=0).law for f in names]
-    log_es = [math.log(law.E) for law in own]
-    candidates = [*log_es, float(np.mean(log_es)), *INIT_GRID["e"]]
-    rest = np.concatenate([[math.log(law.A), math.log(law.B), law.alpha, law.beta] for law in own])
-    best = _fit_shared_once(groups, [np.concatenate([[e], rest]) for e in candidates])
-
-    def laws(p):
-        return [Law(E=math.exp(p[0]), A=math.exp(p[1 + 4 * i]), B=math.exp(p[2 + 4 * i]),
-                    alpha=p[3 + 4 * i], beta=p[4 + 4 * i]) for i in range(len(names))]
-
-    rng = np.random.default_rng(seed)
-    boot: list[list[Law]] = [[] for _ in names]
-    for _ in range(bootstrap):
-        sample = []
-        for g in groups:
-            idx = rng.integers(0, len(g[0]), len(g[0]))
-            sample.append(tuple(x[idx] for x in g))
-        for i, law in enumerate(laws(_fit_shared_once(sample, [best]))):
-            boot[i].append(law)
-    return {f: ParametricFit(law, boot[i]) for i, (f, law) in enumerate(zip(names, laws(best)))}
-
-
-def fit_laws(data: dict[str, tuple], floor: str = "family", bootstrap: int = 100,
-             seed: int = 0) -> dict[str, ParametricFit]:
-    """Each family's parametric law from its (N, D, loss): ``floor="family"`` fits every family
-    on its own (:func:`fit_parametric`), ``"shared"`` fits them together with one E
-    (:func:`fit_shared_floor`; a single family is fitted on its own)."""
-    if floor not in FLOORS:
-        raise ScalingError(f"floor {floor!r}: expected one of {', '.join(FLOORS)}")
-    if floor == "shared" and len(data) >= 2:
-        return fit_shared_floor(data, bootstrap, seed)
-    return {f: fit_parametric(*v, bootstrap=bootstrap, seed=seed) for f, v in data.items()}
-
-
-FLOORS = ("family", "shared")
-"""How the loss floor E of the families' laws is fitted: each its own, or one for all."""
-
-
-def clark_law(n, experts, loss) -> dict:
-    """log L = a log N + b log E + c log N log E + d (Clark et al. 2022), least squares; needs
-    two or more expert counts."""
-    require_scipy()
-    from scipy.optimize import least_squares
-
-    log_n, log_e = np.log(np.asarray(n, float)), np.log(np.asarray(experts, float))
-    log_l = np.log(np.asarray(loss, float))
-    if len(set(experts)) < 2:
-        raise ScalingError("the expert law needs runs with two or more expert counts (--experts)")
-
-    def residual(p):
-        return p[0] * log_n + p[1] * log_e + p[2] * log_n * log_e + p[3] - log_l
-
-    r = least_squares(residual, np.zeros(4))
-    return dict(zip("abcd", map(float, r.x)))
-
-
-def compute_multiplier(dense: Law, k_dense: float, moe_loss: float, budget: float) -> float:
-    """The dense compute whose optimal loss equals ``moe_loss``, over ``budget``; inf when the
-    dense law never reaches that loss."""
-    require_scipy()
-    from scipy.optimize import brentq
-
-    if moe_loss <= dense.E:
-        return float("inf")
-
-    def gap(log_c):
-        return dense.optimum(math.exp(log_c), k_dense)[2] - moe_loss
-
-    lo, hi = math.log(budget) - 20, math.log(budget) + 40
-    if gap(lo) < 0:
-        return 0.0
-    if gap(hi) > 0:
-        return float("inf")
-    return math.exp(brentq(gap, lo, hi)) / budget

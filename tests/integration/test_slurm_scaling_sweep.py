@@ -51,7 +51,7 @@ def test_a_sweep_runs_as_slurm_jobs_resumes_and_reports_the_failed_run(tiny_data
     base.write_text(yaml.safe_dump(d))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = scaling(env, "plan", base, "--budgets", "3e9", "--families", "dense",
-                  "--widths", "64,96,128", "--out", sweep, "--allow-repeat")
+                  "--widths", "64,96,128", "--out", sweep, "--allow-repeat", "--min-steps", "25")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     names = [r["name"] for r in json.loads((sweep / "sweep.json").read_text())["runs"]]
     bad = names[-1]

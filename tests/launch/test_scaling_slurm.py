@@ -223,7 +223,7 @@ def test_local_runs_of_a_sweep_planned_for_slurm_train_here(sweep, fake_slurm, m
                                                             capsys):
     """--scheduler local overrides the configs' launch.scheduler: slurm (moe-launch would
     otherwise submit a job and return at once)."""
-    import launch.scaling as cli
+    import launch.scaling_run as cli
 
     commands = []
 

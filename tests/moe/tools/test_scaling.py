@@ -1,5 +1,5 @@
-"""Scaling-law planning and fits (moe/tools/scaling.py, moe/tools/scaling_report.py) on
-synthetic losses whose constants are known."""
+"""Scaling-law planning, analysis and the moe-scaling command (moe/tools/scaling.py,
+moe/tools/scaling_report.py, launch/scaling*.py) on synthetic losses whose constants are known."""
 
 from __future__ import annotations
 
@@ -11,153 +11,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from launch import scaling_run, scaling_sweep
 from moe.errors import ScalingError
 from moe.model.size import flops_per_token
 from moe.model.transformer import ModelConfig
-from moe.tools import scaling, scaling_report
-from moe.tools.scaling import Law
-
-TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
-
-
-def synthetic(noise: float, seed: int = 1):
-    """A 40-point grid (8 sizes x 5 token counts) of TRUE's losses with relative noise."""
-    rng = np.random.default_rng(seed)
-    n, d = (a.ravel() for a in np.meshgrid(np.geomspace(1e7, 1e10, 8), np.geomspace(1e9, 1e12, 5)))
-    return n, d, TRUE.loss(n, d) * (1 + noise * rng.standard_normal(n.size))
-
-
-def test_the_parametric_fit_recovers_known_constants_with_bootstrap_intervals():
-    n, d, loss = synthetic(0.01)
-    fit = scaling.fit_parametric(n, d, loss, bootstrap=40)
-    assert abs(fit.law.alpha - TRUE.alpha) < 0.02
-    assert abs(fit.law.beta - TRUE.beta) < 0.02
-    lo, hi = fit.interval(lambda b: b.alpha)
-    assert lo <= TRUE.alpha <= hi
-    lo, hi = fit.interval(lambda b: b.beta)
-    assert lo <= TRUE.beta <= hi
-    assert len(fit.boot) == 40 and len({round(b.alpha, 6) for b in fit.boot}) > 5
-
-
-MOE = Law(E=1.82, A=300.0, B=1500.0, alpha=0.33, beta=0.35)
-"""A second family on the same data: the floor E is TRUE's."""
-
-
-def _huber(law: Law, n, d, loss) -> float:
-    p = np.array([math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta])
-    return scaling._objective(p, np.log(n), np.log(d), np.log(loss))[0]
-
-
-def test_the_fit_reaches_at_least_the_objective_of_the_true_constants():
-    """The fit minimises the Huber objective: on every noisy grid its objective is no higher
-    than that of the constants that generated the losses. With L-BFGS-B's default stopping rules
-    it ended above them on 5 of these 16 grids (up to 3.8x, beta off by up to 0.38)."""
-    n, d = (a.ravel() for a in np.meshgrid(np.geomspace(1e7, 1e10, 8), np.geomspace(1e9, 1e12, 5)))
-    for law in (TRUE, MOE):
-        for seed in range(8):
-            loss = law.loss(n, d) * (1 + 0.01 * np.random.default_rng(seed).standard_normal(n.size))
-            fit = scaling.fit_parametric(n, d, loss, bootstrap=0).law
-            assert _huber(fit, n, d, loss) <= _huber(law, n, d, loss) * (1 + 1e-9), (law, seed)
-
-
-def test_a_shared_floor_fits_both_families_with_one_e():
-    """fit_shared_floor: one E for both laws, each family's exponents recovered, and the
-    bootstrap intervals cover the truth."""
-    n, d, loss = synthetic(0.01)
-    moe_loss = MOE.loss(n, d) * (1 + 0.01 * np.random.default_rng(2).standard_normal(n.size))
-    fits = scaling.fit_shared_floor({"dense": (n, d, loss), "moe": (n, d, moe_loss)}, bootstrap=20)
-    assert fits["dense"].law.E == fits["moe"].law.E
-    assert abs(fits["dense"].law.E - 1.82) < 0.03
-    for family, law in (("dense", TRUE), ("moe", MOE)):
-        fit = fits[family]
-        assert abs(fit.law.alpha - law.alpha) < 0.02 and abs(fit.law.beta - law.beta) < 0.02
-        assert len(fit.boot) == 20 and all(b.E == o.E for b, o in zip(fit.boot, fits["dense"].boot))
-        for name in ("alpha", "beta", "E"):
-            lo, hi = fit.interval(lambda b, name=name: getattr(b, name))
-            assert lo <= getattr(law, name) <= hi, (family, name, lo, hi)
-    with pytest.raises(ScalingError, match="two or more families"):
-        scaling.fit_shared_floor({"dense": (n, d, loss)})
-    with pytest.raises(ScalingError, match="floor 'both'"):
-        scaling.fit_laws({"dense": (n, d, loss)}, floor="both")
-    # one family: fitted on its own whatever the floor
-    alone = scaling.fit_laws({"dense": (n, d, loss)}, floor="shared", bootstrap=0)
-    assert alone["dense"].law == scaling.fit_parametric(n, d, loss, bootstrap=0).law
-
-
-def test_a_shared_floor_pins_e_where_one_family_alone_cannot():
-    """A family seen over a narrow range of sizes misplaces its floor on its own; fitted with a
-    family that spans a wide range, the shared E holds it, and its law extrapolates closer to
-    the truth 10x beyond its largest size."""
-    rng = np.random.default_rng(3)
-    n, d = (a.ravel() for a in np.meshgrid(np.geomspace(1e7, 1e10, 8), np.geomspace(1e9, 1e12, 5)))
-    wide = TRUE.loss(n, d) * (1 + 0.01 * rng.standard_normal(n.size))
-    n2, d2 = (a.ravel() for a in np.meshgrid(np.geomspace(1e7, 1e8, 4), np.geomspace(1e9, 1e10, 4)))
-    narrow = MOE.loss(n2, d2) * (1 + 0.01 * rng.standard_normal(n2.size))
-    own = scaling.fit_parametric(n2, d2, narrow, bootstrap=0).law
-    shared = scaling.fit_shared_floor({"dense": (n, d, wide), "moe": (n2, d2, narrow)},
-                                      bootstrap=0)["moe"].law
-    far_n, far_d = 1e9, 1e11
-    truth = MOE.loss(far_n, far_d)
-    own_error = abs(own.loss(far_n, far_d) / truth - 1)
-    shared_error = abs(shared.loss(far_n, far_d) / truth - 1)
-    assert abs(shared.E - 1.82) < abs(own.E - 1.82)
-    assert shared_error < own_error / 2, (own_error, shared_error)
-
-
-def test_the_compute_optimum_is_the_minimum_along_the_budget():
-    k, budget = 6.0, 1e21
-    n_opt, d_opt, loss = TRUE.optimum(budget, k)
-    assert math.isclose(k * n_opt * d_opt, budget, rel_tol=1e-9)
-    for f in (0.7, 0.9, 1.1, 1.4):  # any other split of the same compute is worse
-        n = n_opt * f
-        assert TRUE.loss(n, budget / (k * n)) > loss
-
-
-def test_isoflop_minimum_and_the_edge_of_the_ladder():
-    budget, k = 1e20, 6.0
-    n_opt = TRUE.optimum(budget, k)[0]
-    inside = n_opt * np.array([0.25, 0.5, 1.0, 2.0, 4.0])
-    m = scaling.isoflop_minimum(budget, inside, TRUE.loss(inside, budget / (k * inside)))
-    assert not m.at_edge and abs(math.log(m.n_opt / n_opt)) < 0.1
-    beyond = n_opt * np.array([4.0, 8.0, 16.0, 32.0])  # every size larger than the optimum
-    m = scaling.isoflop_minimum(budget, beyond, TRUE.loss(beyond, budget / (k * beyond)))
-    assert m.at_edge
-    runs = [{"name": f"r{i}", "family": "dense", "budget": budget, "active_params": float(x),
-             "tokens": budget / (k * x), "flops": budget, "width": 64 * (i + 1), "experts": 0,
-             "loss": float(TRUE.loss(x, budget / (k * x)))} for i, x in enumerate(beyond)]
-    analysis = scaling_report.analyse(runs, bootstrap=0)
-    assert any("edge of the ladder" in w for w in analysis["warnings"])
-
-
-def test_power_laws_through_the_minima():
-    budgets = np.geomspace(1e18, 1e22, 5)
-    a, b = scaling.power_law(budgets, 0.1 * budgets ** 0.5)
-    assert math.isclose(b, 0.5, rel_tol=1e-9) and math.isclose(a, 0.1, rel_tol=1e-6)
-
-
-def test_compute_multiplier():
-    k, budget = 6.0, 1e20
-    # A MoE that reaches exactly dense's optimal loss at the same budget saves nothing ...
-    assert math.isclose(scaling.compute_multiplier(TRUE, k, TRUE.optimum(budget, k)[2], budget),
-                        1.0, rel_tol=1e-6)
-    # ... one that reaches dense's optimal loss of 3x the budget saves 3x.
-    better = TRUE.optimum(3 * budget, k)[2]
-    assert math.isclose(scaling.compute_multiplier(TRUE, k, better, budget), 3.0, rel_tol=1e-5)
-    assert scaling.compute_multiplier(TRUE, k, TRUE.E * 0.99, budget) == math.inf
-
-
-def test_expert_law_recovers_its_constants():
-    rng = np.random.default_rng(0)
-    n = np.repeat(np.geomspace(1e6, 1e8, 6), 3)
-    e = np.tile([4, 16, 64], 6)
-    true = {"a": -0.08, "b": -0.03, "c": 0.001, "d": 2.4}
-    loss = np.exp(true["a"] * np.log(n) + true["b"] * np.log(e)
-                  + true["c"] * np.log(n) * np.log(e) + true["d"]) * (1 + 1e-4 * rng.standard_normal(n.size))
-    got = scaling.clark_law(n, e, loss)
-    for key, value in true.items():
-        assert abs(got[key] - value) < 2e-3 + 0.05 * abs(value)
-    with pytest.raises(ScalingError, match="two or more expert counts"):
-        scaling.clark_law(n, np.full(n.size, 8), loss)
+from moe.tools import scaling, scaling_fit, scaling_report
+from moe.tools.scaling_fit import Law
+from tests.moe.tools.test_scaling_fit import TRUE
 
 
 def base(corpus_tokens: int = 10 ** 12) -> scaling.Base:
@@ -182,7 +42,7 @@ def test_planned_runs_spend_their_budget_within_two_percent(budgets):
         assert math.isclose(r.flops, r.tokens * flops_per_token(cfg, 256)["training"])
         assert r.tokens == r.steps * r.batch_sequences * 256
         assert r.batch_sequences == r.micro_batch_size * r.grad_accum_steps * 2
-        assert r.steps >= scaling.MIN_STEPS
+        assert r.steps >= scaling.STEPS_FLOOR
         assert cfg.ffn == r.family and cfg.d_model % cfg.n_heads == 0
     # equal active parameters: each dense run has its MoE twin's N (up to the router)
     dense = {(r.budget, r.width): r.active_params for r in runs if r.family == "dense"}
@@ -199,7 +59,7 @@ def test_min_steps_shrinks_the_batch_and_its_learning_rate_by_the_square_root():
     within 2%, and a run long enough is planned as before."""
     b = replace(base(), micro_batch_size=4, grad_accum_steps=2)  # 16 sequences on 2 ranks
     budgets = [3e11, 1e12, 3e12]
-    plain, _ = scaling.plan_sweep(b, budgets, 5, ["dense", "moe"])
+    plain, _ = scaling.plan_sweep(replace(b, min_steps=25), budgets, 5, ["dense", "moe"])
     long_, _ = scaling.plan_sweep(replace(b, min_steps=200), budgets, 5, ["dense", "moe"])
     shrunk = 0
     for p, q in zip(plain, long_):
@@ -227,10 +87,11 @@ def test_the_ladder_is_centred_on_the_rule_of_thumb_optimum():
         assert sorted({r.width for r in runs}) == [r.width for r in sorted(runs, key=lambda r: r.width)]
 
 
-@pytest.mark.parametrize("width", scaling.WIDTHS[:6])
+@pytest.mark.parametrize("width", scaling.WIDTHS[:8])
 def test_every_small_ladder_width_builds_a_model_that_trains(width):
-    """Widths 16 and 24 (heads of 16 and 8 dimensions) are ladder shapes like the others: the
-    model builds, its heads divide the width, and a forward and backward give finite values."""
+    """Widths 8 to 24 (one head of 8 or 12 dimensions, heads of 16 and 8) are ladder shapes
+    like the others: the model builds, its heads divide the width, and a forward and backward
+    give finite values."""
     import torch
 
     from moe.model.transformer import MoETransformer
@@ -239,7 +100,7 @@ def test_every_small_ladder_width_builds_a_model_that_trains(width):
         cfg = replace(scaling.shape_for_width(base().model, width, family), vocab_size=64,
                       max_seq_len=16)
         head_dim = cfg.d_model // cfg.n_heads
-        assert cfg.n_heads * head_dim == width and head_dim in (8, 16, 32)
+        assert cfg.n_heads * head_dim == width and head_dim in (8, 12, 16, 32)
         torch.manual_seed(0)
         ids = torch.randint(0, 64, (2, 17))
         loss = MoETransformer(cfg)(ids[:, :-1], ids[:, 1:]).loss
@@ -261,10 +122,10 @@ def test_the_predicted_run_is_the_ladder_shape_the_law_ranks_best():
                              for m, n in zip(shapes, params)]))
         for budget in np.geomspace(1e12, 1e18, 60):
             run, model = scaling.best_ladder_run(b, law, budget, family)
-            assert model.d_model == run.width and run.steps >= scaling.MIN_STEPS
+            assert model.d_model == run.width and run.steps >= scaling.STEPS_FLOOR
             others = [scaling._run_for(b, m, family, budget, "x") for m in shapes]
             losses = [law.loss(r.active_params, r.tokens) for r in others
-                      if r.steps >= scaling.MIN_STEPS]
+                      if r.steps >= scaling.STEPS_FLOOR]
             assert law.loss(run.active_params, run.tokens) == pytest.approx(min(losses), rel=1e-12)
             n_opt = law.optimum(budget, k)[0]
             nearest = min(range(len(params)), key=lambda i: abs(math.log(params[i] / n_opt)))
@@ -353,16 +214,18 @@ def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch,
     (the benchmark's held-out check); nothing below C is an error with the number."""
     import launch.scaling as cli
 
-    rows = [{"budget": b, "family": "dense"} for b in (1e12, 3e12, 1e13)]
+    rows = [{"budget": b, "family": "dense", "name": f"r{b:g}"} for b in (1e12, 3e12, 1e13)]
     seen = []
-    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, []))
-    monkeypatch.setattr(cli, "results", lambda d, exclude=None: rows)
+    monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, []))
+    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: rows)
     monkeypatch.setattr(cli.scaling_report, "analyse",
-                        lambda r, bootstrap, floor: seen.append((r, floor)) or {"families": {}})
+                        lambda r, bootstrap, floor, progress, bytes_per_token:
+                        seen.append((r, floor, progress)) or {"families": {}, "warnings": []})
     with pytest.raises(SystemExit):  # no dense law in the stub analysis: refused after it
         cli.main(["predict", str(tmp_path), "--budget", "1e13", "--family", "dense",
                   "--fit-below", "1e13"])
     assert [r["budget"] for r in seen[0][0]] == [1e12, 3e12] and seen[0][1] == "family"
+    assert seen[0][2] is cli.bootstrap_progress  # predict shows the bootstrap's progress
     with pytest.raises(SystemExit):
         cli.main(["predict", str(tmp_path), "--budget", "1e13", "--floor", "shared"])
     assert seen[1][1] == "shared"
@@ -401,13 +264,13 @@ def test_fit_exclude_leaves_named_runs_out_and_refuses_unknown_names(monkeypatch
                                micro_batch_size=8, grad_accum_steps=1, flops=3e12, lr=1e-3,
                                min_lr=1e-4, warmup_steps=10, epochs=0.1)
             for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))]
-    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, runs))
-    monkeypatch.setattr(cli, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
-    assert [r["name"] for r in cli.results(tmp_path, "dense-w24, dense-w48")] == ["dense-w16",
+    monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, runs))
+    monkeypatch.setattr(scaling_sweep, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
+    assert [r["name"] for r in scaling_sweep.results(tmp_path, "dense-w24, dense-w48")] == ["dense-w16",
                                                                                   "dense-w32"]
-    assert len(cli.results(tmp_path)) == 4
+    assert len(scaling_sweep.results(tmp_path)) == 4
     with pytest.raises(ScalingError, match=r"\['dense-w40'\] are not runs of"):
-        cli.results(tmp_path, "dense-w16,dense-w40")
+        scaling_sweep.results(tmp_path, "dense-w16,dense-w40")
     with pytest.raises(SystemExit) as e:
         cli.main(["fit", str(tmp_path), "--exclude", "nope"])
     assert e.value.code == 2 and "['nope'] are not runs of" in capsys.readouterr().err
@@ -486,16 +349,6 @@ def test_a_prediction_cross_checks_n_opt_by_the_isoflop_minima():
         scaling_report.prediction_text(p)
 
 
-def test_percentile_intervals_keep_an_infinite_sample_infinite():
-    """A multiplier that no bootstrap dense law reaches is inf; interpolating between it and a
-    finite neighbour gave NaN (and a numpy warning)."""
-    finite = [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert scaling.percentile_interval(finite) == tuple(np.percentile(finite, (2.5, 97.5)))
-    with np.errstate(invalid="raise"):
-        lo, hi = scaling.percentile_interval([1.0, 2.0, 3.0, 4.0, float("inf")])
-    assert lo == 1.0 and hi == float("inf")
-
-
 def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path, capsys):
     """moe-scaling plan --min-steps: written into the run configs and sweep.json (predict
     plans its run with the same rule); fewer than MIN_STEPS is a usage error."""
@@ -513,8 +366,8 @@ def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path
     sweep = json.loads((tmp_path / "a" / "sweep.json").read_text())
     assert sweep["min_steps"] == 200
     assert all(r["steps"] >= 200 or r["batch_sequences"] == 2 for r in sweep["runs"])
-    run = next(r for r in sweep["runs"] if r["name"] == "dense-c1e12-w48")
-    cfg = yaml.safe_load((tmp_path / "a" / "configs" / "dense-c1e12-w48.yaml").read_text())
+    run = next(r for r in sweep["runs"] if r["name"] == "dense-c3e11-w24")
+    cfg = yaml.safe_load((tmp_path / "a" / "configs" / "dense-c3e11-w24.yaml").read_text())
     assert (cfg["train"]["max_steps"], cfg["train"]["lr"]) == (run["steps"], run["lr"])
     assert cfg["train"]["micro_batch_size"] * cfg["train"]["grad_accum_steps"] * 2 \
         == run["batch_sequences"] < 16
@@ -524,13 +377,13 @@ def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path
     assert e.value.code == 2 and "--min-steps 10: a run needs at least 25" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
     # predict plans the run it writes with the sweep's --min-steps.
-    monkeypatch.setattr(cli, "results", lambda d, exclude=None: _ladder_runs((1e18, 3e18, 1e19)))
-    _, run, d = cli.predicted_run(tmp_path / "a", "dense", 3e11, bootstrap=0)
+    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: _ladder_runs((1e18, 3e18, 1e19)))
+    _, run, d = cli.predicted_run(tmp_path / "a", "dense", 1e11, bootstrap=0)
     assert run.steps >= 200 and run.batch_sequences < 16
     assert d["train"]["max_steps"] == run.steps
     sweep["min_steps"] = 25
     (tmp_path / "a" / "sweep.json").write_text(json.dumps(sweep))
-    _, plain, _ = cli.predicted_run(tmp_path / "a", "dense", 3e11, bootstrap=0)
+    _, plain, _ = cli.predicted_run(tmp_path / "a", "dense", 1e11, bootstrap=0)
     assert plain.width == run.width and plain.steps < 200 and plain.batch_sequences == 16
 
 
@@ -542,10 +395,9 @@ def test_runs_of_few_steps_are_warned_about_with_the_fix():
     (w,) = [w for w in warnings if "optimizer steps" in w]
     assert w.startswith("2 run(s) trained fewer than 200 optimizer steps (dense-w64 80, "
                         "dense-w48 150)") and "--min-steps 200" in w
-    for r in runs:
+    for r in runs:  # the warning analyse gives: none when every run has 200 steps
         r["steps"] = max(r["steps"], 200)
-    assert not [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
-                if "optimizer steps" in w]
+    assert scaling.short_runs_warning(runs) is None
 
 
 def test_fits_without_scipy_are_refused_naming_the_extra(tmp_path, monkeypatch, capsys):
@@ -553,15 +405,217 @@ def test_fits_without_scipy_are_refused_naming_the_extra(tmp_path, monkeypatch, 
 
     monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy now raises ImportError
     with pytest.raises(ScalingError, match=r"pip install -c constraints.txt -e '\.\[scaling\]'"):
-        scaling.power_law([1e12, 1e13, 1e14], [1.0, 2.0, 4.0])
+        scaling_fit.power_law([1e12, 1e13, 1e14], [1.0, 2.0, 4.0])
     runs = [scaling.PlannedRun(name=f"dense-w{w}", family="dense", budget=3e12, width=w,
                                n_layers=2, n_heads=1, experts=0, active_params=n, total_params=n,
                                tokens=int(3e12 / (6 * n)), steps=300, batch_sequences=8,
                                micro_batch_size=8, grad_accum_steps=1, flops=3e12, lr=1e-3,
                                min_lr=1e-4, warmup_steps=10, epochs=0.1)
             for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))]
-    monkeypatch.setattr(cli, "load_sweep", lambda d: ({}, runs))
-    monkeypatch.setattr(cli, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
+    monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, runs))
+    monkeypatch.setattr(scaling_sweep, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
     with pytest.raises(SystemExit) as e:
         cli.main(["fit", str(tmp_path), "--bootstrap", "2"])
     assert e.value.code == 2 and "'scaling' extra" in capsys.readouterr().err
+
+
+def small_vocab_base(corpus_tokens: int = 10_800_000) -> scaling.Base:
+    """The researcher's setting of the issue: a 1,024-token vocabulary, one rank, 16 sequences
+    of 256 tokens per step, a 10.8M-token corpus."""
+    model = ModelConfig(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
+    return scaling.Base(model=model, seq_len=256, world_size=1, micro_batch_size=16,
+                        grad_accum_steps=1, lr=3e-3, min_lr=3e-4, warmup_steps=20,
+                        corpus_tokens=corpus_tokens)
+
+
+def _plan_cli(monkeypatch, b: scaling.Base):
+    import launch.scaling as cli
+
+    monkeypatch.setattr(cli, "_base", lambda cfg: b)
+    return cli
+
+
+def test_budgets_that_round_alike_get_exact_names_of_their_own(monkeypatch, tmp_path):
+    """1.6e13, 2e13 and 2.4e13 all round to 2e13: each run name carries its budget exactly, so
+    nine runs get nine names and nine config files; a budget (or width) given twice is refused."""
+    budgets = [1.6e13, 2e13, 2.4e13]
+    runs, models = scaling.plan_sweep(base(), budgets, 3, ["dense"])
+    names = [r.name for r in runs]
+    assert len(set(names)) == len(names) == len(models) == 9
+    labels = {r.name: re.fullmatch(r"dense-c([0-9.e]+)-w\d+", r.name)[1] for r in runs}
+    assert set(labels.values()) == {"1.6e13", "2e13", "2.4e13"}
+    assert all(float(labels[r.name]) == r.budget for r in runs)
+    assert scaling.budget_label(3e13) == "3e13" and scaling.budget_label(123456789.0) == \
+        "1.23456789e8"
+    with pytest.raises(ScalingError, match=r"--budgets: 2e\+13 given more than once"):
+        scaling.plan_sweep(base(), [2e13, 1.6e13, 2e13], 3, ["dense"])
+    with pytest.raises(ScalingError, match="--widths: 64 given more than once"):
+        scaling.plan_sweep(base(), [2e13], 3, ["dense"], widths=[64, 96, 64])
+    cli = _plan_cli(monkeypatch, base())
+    cli.main(["plan", "configs/default.yaml", "--budgets", "1.6e13,2e13,2.4e13", "--sizes", "3",
+              "--families", "dense", "--out", str(tmp_path / "s")])
+    assert sorted(p.stem for p in (tmp_path / "s" / "configs").glob("*.yaml")) == sorted(names)
+
+
+def test_plan_force_leaves_no_config_of_the_old_plan(monkeypatch, tmp_path, capsys):
+    """Replanning with --force: configs/ holds exactly the new plan's runs (stale configs of
+    the old one are removed and named); run directories already trained are kept."""
+    import json
+
+    cli = _plan_cli(monkeypatch, base())
+    out = tmp_path / "s"
+    args = ["plan", "configs/default.yaml", "--sizes", "3", "--families", "dense", "--out", str(out)]
+    cli.main([*args, "--budgets", "1e13,3e13"])
+    old = {p.stem for p in (out / "configs").glob("*.yaml")}
+    (out / "runs" / sorted(old)[0]).mkdir(parents=True)
+    capsys.readouterr()
+    cli.main([*args, "--budgets", "3e13,1e14", "--force"])
+    new = [r["name"] for r in json.loads((out / "sweep.json").read_text())["runs"]]
+    assert sorted(p.stem for p in (out / "configs").glob("*.yaml")) == sorted(new)
+    gone = sorted(old - set(new))
+    assert gone and f"removed the configs of {len(gone)} run(s)" in capsys.readouterr().out
+    assert (out / "runs" / sorted(old)[0]).is_dir()
+
+
+def test_each_budget_gets_a_ladder_around_its_own_expected_optimum():
+    """The issue's sweep (vocabulary 1,024; budgets 3e10, 1e11, 3e11): the rule-of-thumb
+    optimum of 3e10 lay below the smallest width, and every budget got the same ladder. With
+    widths from 8 each ladder has sizes on both sides of its own optimum."""
+    b = small_vocab_base()
+    budgets = [3e10, 1e11, 3e11]
+    runs, _ = scaling.plan_sweep(b, budgets, 5, ["dense"])
+    ladders = set()
+    for budget in budgets:
+        rs = [r for r in runs if r.budget == budget]
+        target = scaling.rule_of_thumb(b, budget, "dense")
+        assert min(r.active_params for r in rs) < target < max(r.active_params for r in rs)
+        ladders.add(tuple(sorted(r.width for r in rs)))
+    assert len(ladders) >= 2
+    # 20 tokens per parameter at the ladder's own FLOPs per token (attention included)
+    r = min(runs, key=lambda r: abs(math.log(r.active_params / scaling.rule_of_thumb(
+        b, r.budget, "dense"))))
+    assert 10 < r.tokens_per_param < 40
+
+
+def test_a_ladder_off_its_expected_optimum_is_warned_about_naming_the_side():
+    b = small_vocab_base(10 ** 12)
+    runs, _ = scaling.plan_sweep(b, [3e10], 3, ["dense"], widths=[48, 64, 96])
+    (w,) = scaling.ladder_warnings(b, runs)
+    assert "lies below the ladder's smallest size (dense-c3e10-w48" in w
+    assert "add sizes with smaller N" in w
+    runs, _ = scaling.plan_sweep(b, [3e13], 3, ["dense"], widths=[8, 12, 16])
+    (w,) = scaling.ladder_warnings(b, runs)
+    assert "lies above the ladder's largest size (dense-c3e13-w16" in w
+    assert "add sizes with larger N" in w
+    # At 3e10 with the smallest widths the ladder cannot be centred: one size below the optimum.
+    runs, _ = scaling.plan_sweep(b, [3e10, 1e11], 5, ["dense"])
+    (w,) = scaling.ladder_warnings(b, runs)
+    assert w.startswith("dense, budget 3e+10: only 1 of the ladder's 5 sizes have smaller N")
+    assert "output head is" in w
+
+
+def test_plan_centre_from_a_sweep_centres_ladders_on_its_measured_minima(monkeypatch, tmp_path,
+                                                                        capsys):
+    """--centre-from SWEEP: each ladder centred on the power law through SWEEP's bracketed
+    minima (here N_opt = 4e4 at 1e12 and 8e4 at 4e12, so C^0.5), not the rule of thumb; the
+    plan names its source, and a sweep with no bracketed minimum is refused."""
+    import json
+
+    rows = []
+    for budget, n_opt in ((1e12, 4e4), (4e12, 8e4)):
+        for f in (0.25, 0.5, 1, 2, 4):
+            rows.append({"name": f"c{budget:g}-{f}", "family": "dense", "budget": budget,
+                         "active_params": n_opt * f, "tokens": budget / (8 * n_opt * f),
+                         "flops": budget, "experts": 0, "steps": 300,
+                         "loss": 3.0 + 0.1 * math.log(f) ** 2})
+    b = small_vocab_base(10 ** 12)
+    cli = _plan_cli(monkeypatch, b)
+    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: rows)
+    centre, source = cli._centre_from(tmp_path / "old")
+    assert centre("dense", 1.6e13) == pytest.approx(1.6e5, rel=1e-6)
+    assert centre("moe", 1.6e13) is None and "power law through the minima of 2" in source
+    runs, _ = scaling.plan_sweep(b, [1.6e13], 5, ["dense"], centre=centre)
+    middle = sorted(runs, key=lambda r: r.width)[2]
+    ladder_n = [r.active_params for r in runs]
+    assert middle.active_params == min(ladder_n, key=lambda n: abs(math.log(n / 1.6e5)))
+    plain, _ = scaling.plan_sweep(b, [1.6e13], 5, ["dense"])  # the rule centres elsewhere
+    assert sorted(r.width for r in plain)[2] > middle.width
+    cli.main(["plan", "configs/default.yaml", "--budgets", "1.6e13", "--families", "dense",
+              "--out", str(tmp_path / "new"), "--centre-from", str(tmp_path / "old")])
+    assert json.loads((tmp_path / "new" / "sweep.json").read_text())["centre"].startswith(
+        f"from {tmp_path / 'old'}")
+    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: [
+        dict(r, loss=3.0 + 0.1 * r["active_params"] / 4e4) for r in rows])  # all rising
+    with pytest.raises(ScalingError, match="no budget of its finished runs has a minimum"):
+        cli._centre_from(tmp_path / "old")
+
+
+def test_plan_and_fit_agree_on_the_steps_a_run_needs(monkeypatch, tmp_path, capsys):
+    """One rule: plan gives every run MIN_STEPS steps by default (halving the batch), and fit
+    warns only about runs below it; those are runs already at one sequence per rank, which
+    plan warned about in the same words."""
+    import launch.scaling as cli
+
+    assert cli.parser().parse_args(["plan", "c.yaml", "--budgets", "1"]).min_steps == \
+        scaling.MIN_STEPS == small_vocab_base().min_steps
+    b = small_vocab_base()
+    runs, _ = scaling.plan_sweep(b, [1e11, 3e11], 5, ["dense"])
+    assert min(r.steps for r in runs) >= scaling.MIN_STEPS
+    assert scaling.short_runs_warning([scaling.planned_run_to_dict(r) for r in runs]) is None
+    # 2e10 FLOPs are too few for 200 steps of the widest shape even at one sequence per rank
+    runs, _ = scaling.plan_sweep(b, [2e10], 5, ["dense"])
+    rows = [dict(scaling.planned_run_to_dict(r), loss=4.0 + 0.1 * i) for i, r in enumerate(runs)]
+    short = [r for r in runs if r.steps < scaling.MIN_STEPS]
+    assert short and all(r.batch_sequences == b.world_size for r in short)
+    fit_warning = scaling.short_runs_warning(rows)
+    plan_warning = scaling.short_runs_warning(rows, planned=True)
+    assert fit_warning.replace("trained", "will train") == plan_warning
+    assert "1 of them train one sequence per rank already" in fit_warning
+    assert "--min-steps" not in fit_warning
+    cli = _plan_cli(monkeypatch, b)
+    cli.main(["plan", "configs/default.yaml", "--budgets", "2e10", "--sizes", "5",
+              "--families", "dense", "--out", str(tmp_path / "s")])
+    assert f"warning: {plan_warning}" in capsys.readouterr().out
+
+
+def test_the_progress_eta_is_the_rate_so_far(monkeypatch, capsys):
+    """A finished run adds its FLOPs in one update half a second after the last: tqdm's
+    smoothed rate took that as the speed (an ETA of seconds with minutes of work left). The
+    ETA is the compute left at the rate since the start."""
+    import tqdm.std
+
+
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    progress = scaling_run.Progress(total=10e12, done_flops=0.0, done=0, count=10)
+    for _ in range(539):  # 4.5 minutes of polls, nothing finished
+        clock[0] += 0.5
+        progress.update(0.0, 0, "1 running")
+    clock[0] += 0.5
+    progress.update(1e12, 1, "1 running")
+    # 1e12 FLOPs in 270 s: the 9e12 left take 2,430 s at that rate
+    assert "04:30<40:30" in str(progress.bar)
+    assert "04:30<40:30" in capsys.readouterr().out.splitlines()[-1]
+    progress.close()
+
+
+def _planned(rows):
+    return [scaling.PlannedRun(
+        name=r["name"], family=r["family"], budget=r["budget"], width=r["width"], n_layers=2,
+        n_heads=1, experts=0, active_params=r["active_params"], total_params=r["active_params"],
+        tokens=r["tokens"], steps=300, batch_sequences=8, micro_batch_size=8, grad_accum_steps=1,
+        flops=r["flops"], lr=1e-3, min_lr=1e-4, warmup_steps=10, epochs=0.1) for r in rows]
+
+
+def test_fit_shows_the_bootstrap_progress(monkeypatch, tmp_path, capsys):
+    """moe-scaling fit (and predict) print a progress bar over the bootstrap refits on stderr;
+    with the default 100 they took over 11 minutes in silence."""
+    import launch.scaling as cli
+
+    rows = _ladder_runs((1e18, 3e18, 1e19))
+    losses = {r["name"]: r["loss"] for r in rows}
+    monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, _planned(rows)))
+    monkeypatch.setattr(scaling_sweep, "finished", lambda d, r: {"loss": losses[r.name]})
+    cli.main(["fit", str(tmp_path), "--bootstrap", "12"])
+    err = capsys.readouterr().err
+    assert "bootstrap dense" in err and "12/12" in err
