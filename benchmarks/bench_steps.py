@@ -18,7 +18,7 @@ from profile_summary import Dims, summarise
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe.config.run import RunConfig
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.regions import region
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ import torch
 from bench_steps import split_knobs
 from gpu_train_bench import bench, device_name, planned_bytes, preset, tiny_models
 
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.attention import FLEX_AVAILABLE
 from moe.model.loss import liger_problem
 from moe.training.device import peak_bf16_flops

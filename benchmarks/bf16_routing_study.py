@@ -70,7 +70,7 @@ def _router_in_bf16() -> None:
 
 def _train_worker(rank, world, cfg_dicts, start, bug):
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import DistEnv, train
 
     if start:

@@ -29,7 +29,7 @@ import torch
 
 from data_pipeline.prepare import prepare
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_data_config, tiny_run_dict, write_corpus
 from tests.helpers.distributed import run_distributed

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
-from moe.run_dir import RunDir
+from moe.core.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -57,7 +57,6 @@ from data_pipeline.instruction import canonical, encode  # noqa: E402
 from data_pipeline.tokenizer import Tokenizer  # noqa: E402
 from moe.checkpoint.files import resolve_checkpoint  # noqa: E402
 from moe.config.run import load_config  # noqa: E402
-from moe.load import load_model  # noqa: E402
 from moe.model.adapters.esft import select_experts  # noqa: E402
 from moe.model.adapters.qlora import nf4_bytes, quantize_base, torchao_missing  # noqa: E402
 from moe.model.experts import grouped_mm, uses_grouped_kernel  # noqa: E402
@@ -65,6 +64,7 @@ from moe.parallel.deepspeed_adapter import optimizer_param_groups  # noqa: E402
 from moe.training.esft import install_selection, score_experts  # noqa: E402
 from moe.training.finetune import parameter_counts, prepare_finetune  # noqa: E402
 from moe.training.trainer import lr_lambda  # noqa: E402
+from moe.weights.load import load_model  # noqa: E402
 
 IGNORE = -100
 MODULES = ("abc", "argparse", "ast", "base64", "bisect", "calendar", "collections", "colorsys",

@@ -58,8 +58,8 @@ from bench_steps import (
 from profile_summary import REGIONS, write_profiles
 
 from moe.config.run import RunConfig, apply_overrides, load_config
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.model.size import flops_per_token
 from moe.tools.planning import memory_per_gpu
 from moe.training.device import device_and_backend, peak_bf16_flops

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe.config.run import load_config
-from moe.run_dir import RunDir
+from moe.core.run_dir import RunDir
 
 # Tiny model and run for --quick (exploration, not measurement).
 QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",

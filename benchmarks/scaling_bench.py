@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from launch.scaling import predicted_run  # noqa: E402
 from launch.scaling_sweep import results  # noqa: E402
-from moe.run_dir import RunDir  # noqa: E402
+from moe.core.run_dir import RunDir  # noqa: E402
 from moe.tools import scaling, scaling_fit, scaling_report  # noqa: E402
 
 

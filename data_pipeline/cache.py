@@ -39,7 +39,7 @@ from pathlib import Path
 from data_pipeline import storage
 from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError, corrupt
-from moe.fileio import fsync_path
+from moe.core.fileio import fsync_path
 
 ROOM_WAIT_S = 600.0
 """How long a fetch waits for other ranks to release shards when the cache is full of shards in

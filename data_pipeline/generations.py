@@ -30,7 +30,7 @@ from data_pipeline.shards import (
     write_manifest,
 )
 from data_pipeline.tokenizer import TOKENIZER_FILE
-from moe.fileio import fsync_path
+from moe.core.fileio import fsync_path
 
 Fill = Callable[[Path], PrepareReport]
 """What writes a generation: given its (empty) directory, fills it with the shards and the

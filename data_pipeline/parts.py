@@ -31,7 +31,7 @@ from data_pipeline.sources import WorkItem, work_items
 from data_pipeline.split import SPLIT_RULE
 from data_pipeline.tokenizer import TOKENIZER_FILE, Tokenizer
 from data_pipeline.workers import EncodedSplit, ItemCounts, Loader, load_encoded
-from moe.fileio import write_atomic
+from moe.core.fileio import write_atomic
 
 
 def parts_dir(cfg: DataConfig) -> Path:

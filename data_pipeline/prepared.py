@@ -19,7 +19,7 @@ from data_pipeline.cache import ObjectCache, default_cache_dir
 from data_pipeline.config import DataConfig, S3Config
 from data_pipeline.errors import DataError, corrupt
 from data_pipeline.shards import Manifest, ShardData, ShardInfo, open_shard_data, read_manifest
-from moe.fileio import write_atomic
+from moe.core.fileio import write_atomic
 
 DEFAULT_CACHE_BYTES = DataConfig.cache_bytes
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 from data_pipeline import storage
 from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError
-from moe.fileio import write_atomic
+from moe.core.fileio import write_atomic
 
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"

@@ -8,7 +8,7 @@ import os
 import sys
 
 from data_pipeline.errors import DataError
-from moe.errors import MoEError
+from moe.core.errors import MoEError
 
 
 def setup_logging(rank: int = 0, log_file: str | None = None) -> None:

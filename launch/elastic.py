@@ -33,7 +33,7 @@ from launch.schedulers import build_plan
 from launch.schedulers.hostfile import active_slots, read_hostfile
 from launch.supervise import Relaunch
 from moe.config.run import RunConfig
-from moe.errors import ConfigError, LaunchError
+from moe.core.errors import ConfigError, LaunchError
 
 USABLE_SLOTS_ENV = "MOE_TEST_USABLE_SLOTS"
 """Test only: the path of a JSON object ``{HOST: N}`` that replaces the probe's answer for those

@@ -12,12 +12,12 @@ import torch
 
 from launch.cli import exits_cleanly
 from moe.checkpoint.files import MAIN_STATES, MARKER, resolve_checkpoint
-from moe.errors import CheckpointError, ConfigError, EvaluationError
+from moe.core.errors import CheckpointError, ConfigError, EvaluationError
+from moe.core.run_dir import RunDir
 from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir
 from moe.evaluation.harness import evaluate_checkpoint_tasks
 from moe.evaluation.report import summary_table, write_report
 from moe.model.generation import GenerationConfig
-from moe.run_dir import RunDir
 from moe.training.harness_setup import lm_eval_missing
 
 EVAL_DIR = "eval"

@@ -17,8 +17,8 @@ import torch
 
 from launch.cli import exits_cleanly
 from launch.evaluate import evaluate_checkpoint
-from moe.errors import LaunchError
-from moe.run_dir import RunDir
+from moe.core.errors import LaunchError
+from moe.core.run_dir import RunDir
 
 
 def finish(run_dir: Path, evaluate: bool) -> list[str]:

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from launch.cli import exits_cleanly
-from moe.hf_weights import tokenizer_record
 from moe.tools.hf_import import TOKENIZER_FILES, import_hf
+from moe.weights.hf import tokenizer_record
 
 
 @exits_cleanly

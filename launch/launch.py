@@ -53,8 +53,8 @@ from launch.slurm.prepare import is_prepare_dir
 from launch.slurm.script import job_log
 from launch.supervise import run_with_restarts
 from moe.config.run import SIGNALS, dump_config, load_config
-from moe.errors import LaunchError
-from moe.run_dir import RunDir
+from moe.core.errors import LaunchError
+from moe.core.run_dir import RunDir
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, was_preempted
 
 JOB_COMMANDS = ("status", "cancel", "logs")

@@ -16,7 +16,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.shards import MANIFEST, read_manifest
 from launch.cli import exits_cleanly
 from moe.config.run import RunConfig, load_config
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.size import COMPONENTS, count_parameters, flops_per_token
 from moe.tools.planning import (
     GIB,

@@ -12,9 +12,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from moe.errors import LaunchError
-from moe.fileio import write_atomic
-from moe.run_dir import RunDir
+from moe.core.errors import LaunchError
+from moe.core.fileio import write_atomic
+from moe.core.run_dir import RunDir
 
 RESOLVED_CONFIG = "config.yaml"
 PLAN_FILE = "plan.json"

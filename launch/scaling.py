@@ -28,9 +28,9 @@ import yaml
 from launch import scaling_run, scaling_sweep
 from launch.cli import exits_cleanly
 from moe.config.run import RunConfig, load_config
-from moe.config_schema import from_dict, to_dict
-from moe.errors import ScalingError
-from moe.fileio import write_atomic
+from moe.core.config_schema import from_dict, to_dict
+from moe.core.errors import ScalingError
+from moe.core.fileio import write_atomic
 from moe.tools import scaling, scaling_fit, scaling_report
 
 

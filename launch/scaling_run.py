@@ -16,7 +16,7 @@ import yaml
 from launch import scaling_sweep
 from launch.slurm import sweep as slurm_sweep
 from launch.slurm.jobs import newest_job
-from moe.errors import ScalingError
+from moe.core.errors import ScalingError
 from moe.tools import scaling
 
 STOP_GRACE_S = 120

@@ -14,8 +14,8 @@ from data_pipeline.reader import TokenStream
 from data_pipeline.text_bytes import predicted_text_bytes
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import load_config
-from moe.errors import MoEError, ScalingError
-from moe.run_dir import RunDir
+from moe.core.errors import MoEError, ScalingError
+from moe.core.run_dir import RunDir
 from moe.tools import scaling
 
 SWEEP_FILE = "sweep.json"

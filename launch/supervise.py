@@ -43,8 +43,8 @@ from launch.interrupts import LauncherSignals, kill_unresponsive, stop_session
 from launch.launcher_watch import die_with_parent
 from launch.rank import exits_file
 from moe.checkpoint.files import find_latest
-from moe.errors import LaunchError, MoEError
-from moe.run_dir import RunDir
+from moe.core.errors import LaunchError, MoEError
+from moe.core.run_dir import RunDir
 from moe.training.resilience.watchdog import HANG_EXIT_CODE, hang_records_file
 
 RESTARTS_FILE = "restarts.jsonl"

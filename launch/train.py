@@ -32,9 +32,9 @@ from launch.rank_env import dist_env_from_environment
 from launch.supervise import record_final
 from moe.checkpoint.files import MARKER
 from moe.config.run import SIGNALS, RunConfig, load_config
-from moe.errors import ConfigError, MoEError
-from moe.fileio import write_atomic
-from moe.run_dir import RunDir
+from moe.core.errors import ConfigError, MoEError
+from moe.core.fileio import write_atomic
+from moe.core.run_dir import RunDir
 from moe.tools.planning import checkpoint_bytes
 from moe.training.checkpoint import CheckpointSaveError
 from moe.training.cpu_allocator import keep_freed_memory

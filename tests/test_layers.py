@@ -23,13 +23,13 @@ LAYERS = (
     ("launch", 8),
     ("moe.evaluation", 7), ("moe.tools", 7),
     ("moe.training", 6), ("moe.parallel", 6),
-    ("moe.load", 5),  # a checkpoint as one single-device model: evaluation, export, init_from
-    ("moe.hf_weights", 5),  # transformers weights as our model's: export, import, init_from
+    ("moe.weights", 5),  # a checkpoint (load) or transformers weights (hf) as one single-device
+                         # model: evaluation, export, import, init_from
     ("moe.config", 4),  # run and launch schemas: hold the model's and the data's configs
     ("moe.model", 3),
     ("data_pipeline", 2),  # beside the model: imports the layer-0 foundations at most
     ("moe.checkpoint", 1),
-    ("moe.errors", 0), ("moe.config_schema", 0), ("moe.fileio", 0), ("moe.run_dir", 0),
+    ("moe.core", 0),  # the foundations: errors, config_schema, fileio, run_dir
     ("moe", 0),
 )
 
@@ -103,14 +103,15 @@ def test_the_checker_reports_upward_imports_and_circles(tmp_path):
     """The check above would catch a regression: on a made-up tree it names each fault."""
     files = {
         "moe/__init__.py": "",
-        "moe/errors.py": "",
+        "moe/core/errors.py": "",
         "moe/model/__init__.py": "",
         "moe/model/router.py": "from moe.training.trainer import train\n",  # upward
         "moe/training/__init__.py": "",
         "moe/training/trainer.py": "from moe.training.hooks import Hook\n",
         "moe/training/hooks.py": "def f():\n    from moe.training.trainer import train\n",  # circle
         "data_pipeline/__init__.py": "",
-        "data_pipeline/reader.py": "from moe.errors import MoEError\nfrom moe.model.router import R\n",
+        "data_pipeline/reader.py": ("from moe.core.errors import MoEError\n"
+                                    "from moe.model.router import R\n"),
         "launch/__init__.py": "",
     }
     for name, text in files.items():
@@ -119,7 +120,7 @@ def test_the_checker_reports_upward_imports_and_circles(tmp_path):
     found = problems(import_graph(tmp_path))
     assert "upward import: moe.model.router (layer 3) -> moe.training.trainer (layer 6)" in found
     assert "data_pipeline reaches into moe/launch: data_pipeline.reader -> moe.model.router" in found
-    assert not any("-> moe.errors" in p for p in found)  # a foundation: allowed
+    assert not any("-> moe.core.errors" in p for p in found)  # a foundation: allowed
     assert any(p.startswith("circle: ") and "moe.training.hooks" in p
                and "moe.training.trainer" in p for p in found)
 
@@ -149,9 +150,9 @@ ABOVE_MODEL = ["moe.training", "moe.parallel", "moe.evaluation", "moe.tools", "l
 @pytest.mark.parametrize("package,blocked", [
     ("moe.model", ABOVE_MODEL),
     ("moe.checkpoint", ABOVE_MODEL[:-1] + ["moe.model"]),
-    ("moe.config", ABOVE_MODEL[:5] + ["deepspeed", "moe.load"]),
-    ("data_pipeline", ["moe.model", "moe.config", "moe.load", "moe.checkpoint"] + ABOVE_MODEL[:5]
-     + ["deepspeed"]),
+    ("moe.config", ABOVE_MODEL[:5] + ["deepspeed", "moe.weights.load"]),
+    ("data_pipeline", ["moe.model", "moe.config", "moe.weights.load", "moe.checkpoint"]
+     + ABOVE_MODEL[:5] + ["deepspeed"]),
 ])
 def test_lower_packages_import_with_everything_above_them_missing(package, blocked):
     code = BLOCKER.format(package=package, blocked=blocked)

@@ -1,4 +1,4 @@
-"""The names of a run directory are spelled once, in moe/run_dir.py: no other module of the
+"""The names of a run directory are spelled once, in moe/core/run_dir.py: no other module of the
 project spells them (docstrings aside), so the trainer that writes a file and the launcher, the
 SLURM job and the evaluation that read it cannot drift apart."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from moe.run_dir import RunDir
+from moe.core.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe", "launch", "data_pipeline", "benchmarks")
@@ -57,10 +57,10 @@ def test_no_module_but_run_dir_spells_a_run_directory_name():
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             source = path.read_text()
-            if path == ROOT / "moe" / "run_dir.py" or not imports_the_project(source):
+            if path == ROOT / "moe" / "core" / "run_dir.py" or not imports_the_project(source):
                 continue
             offenders += [f"{path.relative_to(ROOT)}: {name}" for name in spellings(source)]
-    assert offenders == [], "use moe.run_dir.RunDir instead"
+    assert offenders == [], "use moe.core.run_dir.RunDir instead"
 
 
 def test_the_names(tmp_path):

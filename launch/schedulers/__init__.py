@@ -9,7 +9,7 @@ from launch.run_plan import Plan
 from launch.schedulers import hostfile, local, mpi
 from launch.slurm import script as slurm
 from moe.config.run import RunConfig
-from moe.errors import ConfigError, LaunchError
+from moe.core.errors import ConfigError, LaunchError
 
 BUILDERS = {"local": local.plan, "hostfile": hostfile.plan, "slurm": slurm.plan, "mpi": mpi.plan}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from launch.run_plan import RESOLVED_CONFIG, SHELL_INERT, Plan
 from moe.config.launch import PLAIN_NAME
 from moe.config.run import RunConfig
-from moe.errors import ConfigError, LaunchError
+from moe.core.errors import ConfigError, LaunchError
 
 ENV_FILE = ".deepspeed_env"
 HOST_LINE = re.compile(r"(\S+)\s+slots=(\d+)\Z")

@@ -11,7 +11,7 @@ from pathlib import Path
 from launch.run_plan import RESOLVED_CONFIG, Plan, entry_point
 from launch.schedulers.local import free_port
 from moe.config.run import RunConfig
-from moe.errors import LaunchError
+from moe.core.errors import LaunchError
 
 
 def detect_flavor(mpiexec: str) -> str:

@@ -16,7 +16,7 @@ from launch.run_plan import Plan
 from launch.slurm.jobs import slurm_command
 from launch.slurm.script import JOB_SCRIPT
 from moe.config.run import RunConfig
-from moe.errors import LaunchError
+from moe.core.errors import LaunchError
 
 
 def fields(line: str) -> dict[str, str]:

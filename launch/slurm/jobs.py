@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe.checkpoint.files import LATEST
-from moe.errors import LaunchError
-from moe.fileio import write_atomic
-from moe.run_dir import RunDir
+from moe.core.errors import LaunchError
+from moe.core.fileio import write_atomic
+from moe.core.run_dir import RunDir
 
 JOBS_FILE = "slurm_jobs.json"
 OLD_JOB_FILE = "slurm_job.json"

@@ -28,8 +28,8 @@ from launch.slurm.script import (
     site_directives,
 )
 from moe.config.run import RunConfig, dump_config
-from moe.errors import ConfigError, LaunchError
-from moe.fileio import write_atomic
+from moe.core.errors import ConfigError, LaunchError
+from moe.core.fileio import write_atomic
 
 STEPS = ("tokenizer", "parts", "merge")
 

@@ -28,8 +28,8 @@ from launch.run_plan import RESOLVED_CONFIG, Plan
 from launch.signal_latch import HELD_SIGNALS_ENV
 from moe.config.launch import SlurmConfig
 from moe.config.run import RunConfig
-from moe.errors import ConfigError
-from moe.run_dir import RunDir
+from moe.core.errors import ConfigError
+from moe.core.run_dir import RunDir
 
 JOB_SCRIPT = "job.sbatch"
 HELD = ("USR1", "USR2", "TERM")

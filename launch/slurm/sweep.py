@@ -43,9 +43,9 @@ from launch.slurm.jobs import (
 )
 from launch.slurm.script import job_log
 from moe.config.run import RunConfig, dump_config, load_config
-from moe.config_schema import to_dict
-from moe.errors import ConfigError, LaunchError
-from moe.run_dir import RunDir
+from moe.core.config_schema import to_dict
+from moe.core.errors import ConfigError, LaunchError
+from moe.core.run_dir import RunDir
 
 POLL_S = 2.0
 

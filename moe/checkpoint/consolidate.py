@@ -31,7 +31,7 @@ from moe.checkpoint.files import (
     verify_files,
 )
 from moe.checkpoint.fingerprints import fingerprint_problems
-from moe.errors import CheckpointError
+from moe.core.errors import CheckpointError
 
 EXPERT_KEY = "deepspeed_experts"
 """DeepSpeed's name for the list of experts inside an MoE layer's state-dict keys."""

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from moe.config_schema import dotted_get, function_keys, resume_keys, to_dict
-from moe.errors import CheckpointError
-from moe.run_dir import RunDir
+from moe.core.config_schema import dotted_get, function_keys, resume_keys, to_dict
+from moe.core.errors import CheckpointError
+from moe.core.run_dir import RunDir
 
 RUN_CONFIG = "run_config.yaml"
 
@@ -120,7 +120,7 @@ def verify_files(tag_dir: Path) -> dict:
 
 def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
     """Settings that change the computed function (the fields ``model_cfg``'s dataclass declares
-    with ``arch``, moe/config_schema.py) on which a saved model config and ``model_cfg``
+    with ``arch``, moe/core/config_schema.py) on which a saved model config and ``model_cfg``
     disagree. A key the saved config lacks (a checkpoint older than the option) holds its
     default."""
     current = to_dict(model_cfg)
@@ -136,7 +136,7 @@ def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
 
 def finetune_mismatches(saved_finetune: dict | None, finetune_cfg) -> list[str]:
     """The settings of ``finetune_cfg`` that decide which parameters exist and train (declared
-    ``arch`` or ``fixed``, moe/config_schema.py) on which a saved ``finetune`` section
+    ``arch`` or ``fixed``, moe/core/config_schema.py) on which a saved ``finetune`` section
     disagrees; a checkpoint without one (before fine-tuning existed, or not fine-tuned) holds
     the defaults."""
     current = to_dict(finetune_cfg)

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moe.config_schema import minimums
+from moe.core.config_schema import minimums
 
 Scheduler = Literal["local", "hostfile", "slurm", "mpi"]
 ELASTIC_SCHEDULERS = ("local", "hostfile")

@@ -1,6 +1,6 @@
 """The config reference, generated from the run config's dataclasses: every key with its type,
 default and the docstring under its field; for model keys, whether the key changes the function
-the model computes (the ``arch`` / ``runtime`` classification, moe/config_schema.py).
+the model computes (the ``arch`` / ``runtime`` classification, moe/core/config_schema.py).
 
     python -m moe.config.reference > docs/config.md
 
@@ -17,7 +17,7 @@ import textwrap
 import typing
 
 from moe.config.run import RunConfig
-from moe.config_schema import ARCH, ROLE, describe_type
+from moe.core.config_schema import ARCH, ROLE, describe_type
 
 COMMAND = "python -m moe.config.reference > docs/config.md"
 

@@ -18,8 +18,9 @@ import yaml
 
 from data_pipeline.config import DataConfig
 from moe.config.launch import LaunchConfig
-from moe.config_schema import arch, from_dict, load_yaml, minimums, to_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import arch, from_dict, load_yaml, minimums, to_dict
+from moe.core.errors import ConfigError
+from moe.core.run_dir import RunDir
 from moe.model.adapters.bottleneck import BottleneckConfig, bottleneck_problems
 from moe.model.adapters.esft import ESFTConfig
 from moe.model.adapters.lora import LoRAConfig, lora_problems
@@ -28,7 +29,6 @@ from moe.model.adapters.prompt import PromptConfig
 from moe.model.adapters.qlora import torchao_missing
 from moe.model.recompute import RecomputeMode
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.run_dir import RunDir
 
 
 @dataclass
@@ -437,7 +437,7 @@ class RunConfig:
 
     @property
     def run_files(self) -> RunDir:
-        """The names of the run directory's files (moe/run_dir.py)."""
+        """The names of the run directory's files (moe/core/run_dir.py)."""
         return RunDir(self.run_dir)
 
 

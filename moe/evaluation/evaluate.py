@@ -23,11 +23,11 @@ from data_pipeline.reader import IGNORE_INDEX, TokenStream, Window, token_window
 from data_pipeline.shards import MANIFEST
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.evaluation.expert_stats import ExpertStatsCollector
-from moe.load import load_model
 from moe.model.generation import GenerationConfig, KVCacheDecoder, generate
 from moe.model.transformer import MoETransformer
+from moe.weights.load import load_model
 
 
 class TokenArray:

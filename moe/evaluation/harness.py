@@ -16,10 +16,10 @@ import torch
 
 from data_pipeline.tokenizer import Tokenizer
 from moe.checkpoint.files import TOKENIZER_COPY
-from moe.errors import EvaluationError
-from moe.load import load_model
+from moe.core.errors import EvaluationError
 from moe.tools.export import HF_TOKENIZER_DIR
 from moe.training.harness_setup import lm_eval_missing
+from moe.weights.load import load_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}

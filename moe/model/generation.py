@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.attention import KVCache
 from moe.model.transformer import MoETransformer
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from moe.config_schema import arch, minimums
+from moe.core.config_schema import arch, minimums
 from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask, count_ids
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
 from moe.model.recompute import outside_recompute, recompute

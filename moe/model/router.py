@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.config_schema import arch, runtime
+from moe.core.config_schema import arch, runtime
 from moe.model.dispatcher import count_ids
 
 

@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple, cast
 import torch
 from torch import nn
 
-from moe.config_schema import arch, runtime
+from moe.core.config_schema import arch, runtime
 from moe.model.attention import (
     FLEX_AVAILABLE,
     AttentionBackend,
@@ -114,7 +114,7 @@ class ModelConfig:
     FFN and expert output) use init_std / sqrt(2 * n_layers). See the module docstring."""
     init_from: str | None = runtime(None)
     """A checkpoint (tag, checkpoints or run directory), or ``hf:DIR`` for a local Hugging Face
-    transformers directory (moe/hf_weights.py, docs/open-weights.md), whose weights start
+    transformers directory (moe/weights/hf.py, docs/open-weights.md), whose weights start
     training. Where it has a dense FFN and this model an MoE layer, every expert is upcycled
     from that FFN (moe/training/upcycle.py). Ignored when the run resumes from its own
     checkpoint."""

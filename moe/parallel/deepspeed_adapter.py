@@ -48,7 +48,7 @@ from moe.checkpoint.consolidate import EXPERT_KEY
 from moe.checkpoint.files import EXPERT_DIR
 from moe.checkpoint.fingerprints import expert_fingerprints, fingerprint_problems
 from moe.config.run import RunConfig
-from moe.errors import MoEError
+from moe.core.errors import MoEError
 from moe.model.dispatcher import ExpertParallelDispatcher
 from moe.model.moe_layer import MoELayer
 from moe.model.router import TopKRouter

@@ -23,7 +23,7 @@ import torch
 
 from moe.checkpoint.consolidate import MOMENTS, read_layout_free, single_device_name
 from moe.checkpoint.files import MAIN_STATES, load_file
-from moe.errors import CheckpointError
+from moe.core.errors import CheckpointError
 
 
 @torch.no_grad()

@@ -38,12 +38,12 @@ from data_pipeline.progress import Progress
 from moe.checkpoint.consolidate import state_files
 from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint, verify_files
 from moe.config.run import RunConfig, dump_config, load_config
-from moe.config_schema import from_dict, to_dict
-from moe.errors import CheckpointError
-from moe.hf_weights import links, to_hf
-from moe.load import build_model, load_consolidated, merged_adapters
+from moe.core.config_schema import from_dict, to_dict
+from moe.core.errors import CheckpointError
 from moe.model.adapters.lora import BASE_DTYPES, base_fingerprint, is_factor
 from moe.tools import hf_support
+from moe.weights.hf import links, to_hf
+from moe.weights.load import build_model, load_consolidated, merged_adapters
 
 FP32_FILE = "model.safetensors"
 HF_TOKENIZER_DIR = "hf_tokenizer"
@@ -343,7 +343,7 @@ class _Tensors:
 
 
 def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]:
-    """The transformers state dict, placed by the one name table (moe/hf_weights.py)."""
+    """The transformers state dict, placed by the one name table (moe/weights/hf.py)."""
     t = _Tensors(state, arch)
     out = {}
     for link in links(cfg.model, arch):

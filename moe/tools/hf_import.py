@@ -1,7 +1,7 @@
 """``moe-import``: a Hugging Face ``transformers`` model directory written as one of our
 checkpoints, which ``model.init_from``, ``moe-export`` and ``moe-eval`` accept like any other.
 
-The weights are read and checked by :func:`moe.hf_weights.read_hf_model` (every refusal before
+The weights are read and checked by :func:`moe.weights.hf.read_hf_model` (every refusal before
 anything is written), and for NaN or infinite values just before each group is written (an error
 then removes what was written). The checkpoint holds them in the layout training saves (the main model
 states and one file per expert, with expert fingerprints and the completion marker) at step 0,
@@ -28,9 +28,9 @@ from moe.checkpoint.consolidate import EXPERT_KEY
 from moe.checkpoint.files import EXPERT_DIR, FORMAT_VERSION, MAIN_STATES, MARKER, RUN_CONFIG
 from moe.checkpoint.fingerprints import expert_fingerprints
 from moe.config.run import RunConfig, dump_config
-from moe.config_schema import from_dict, to_dict
-from moe.hf_weights import read_hf_model, refuse_nonfinite, tokenizer_record
+from moe.core.config_schema import from_dict, to_dict
 from moe.tools.export import HF_TOKENIZER_DIR, _publish
+from moe.weights.hf import read_hf_model, refuse_nonfinite, tokenizer_record
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json")

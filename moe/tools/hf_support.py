@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.config_schema import leaf_fields
+from moe.core.config_schema import leaf_fields
 from moe.model.transformer import ModelConfig
 
 Refusal = Callable[[ModelConfig, dict], "str | None"]

@@ -6,7 +6,7 @@ for an ``hf:`` base, the directory it names). DIR must hold exactly the tensors 
 export of the fine-tune's frozen base weights holds, so an adapter is never written for another
 base; the architecture (Mixtral, Qwen2-MoE or Llama) is the directory's config.json's.
 
-Layout (peft 0.21; every base tensor is placed by the export's name table, moe/hf_weights.py):
+Layout (peft 0.21; every base tensor is placed by the export's name table, moe/weights/hf.py):
 
 - ``target_modules`` (LoRA on an ``nn.Linear``): attention ``q/k/v/o_proj``, dense FFN and
   shared-expert ``gate_proj`` / ``up_proj`` / ``down_proj``. Our ``lora_A`` (r, in) and
@@ -45,13 +45,13 @@ from data_pipeline.progress import Progress
 from moe.checkpoint.consolidate import state_files
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint
 from moe.config.run import RunConfig, load_config
-from moe.errors import CheckpointError, ConfigError
-from moe.hf_weights import links, read_hf_config, read_hf_tensors, to_hf
-from moe.load import load_consolidated
+from moe.core.errors import CheckpointError, ConfigError
 from moe.model.adapters.lora import is_factor
 from moe.tools import hf_support
 from moe.tools.export import _publish, adapter_metadata
 from moe.training.upcycle import HF_PREFIX
+from moe.weights.hf import links, read_hf_config, read_hf_tensors, to_hf
+from moe.weights.load import load_consolidated
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from moe.errors import ScalingError
+from moe.core.errors import ScalingError
 from moe.model.size import count_parameters, flops_per_token
 from moe.model.transformer import ModelConfig
 from moe.tools.scaling_fit import Law

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe.errors import ScalingError
+from moe.core.errors import ScalingError
 
 
 def require_scipy() -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe.errors import ScalingError
+from moe.core.errors import ScalingError
 from moe.tools.scaling_fit import percentile_interval
 
 

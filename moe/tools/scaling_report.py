@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.errors import ScalingError
-from moe.fileio import write_atomic
+from moe.core.errors import ScalingError
+from moe.core.fileio import write_atomic
 from moe.tools import scaling, scaling_envelope, scaling_fit, scaling_isoflop
 
 BUMP_TOLERANCE = 0.02

@@ -61,8 +61,8 @@ from moe.checkpoint.files import (
     tag_for,
     tags_by_step,
 )
-from moe.errors import CheckpointError
-from moe.fileio import fsync_path, write_atomic  # temp name, fsync, rename
+from moe.core.errors import CheckpointError
+from moe.core.fileio import fsync_path, write_atomic  # temp name, fsync, rename
 
 log = logging.getLogger("moe.train")
 

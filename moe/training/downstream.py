@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from moe.config.run import RunConfig
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.training.hooks import LoopPart
 
 log = logging.getLogger("moe.train")

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from data_pipeline.reader import PackedReader
 from moe.checkpoint.consolidate import single_device_name
 from moe.config.run import RunConfig
-from moe.errors import CheckpointError, ConfigError
-from moe.fileio import write_atomic
+from moe.core.errors import CheckpointError, ConfigError
+from moe.core.fileio import write_atomic
 from moe.model.adapters.esft import mask_expert_rows, select_experts
 from moe.model.moe_layer import MoELayer
 from moe.training.device import to_device

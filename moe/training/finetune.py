@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from moe.config.run import FinetuneConfig
-from moe.config_schema import function_keys
-from moe.errors import ConfigError
+from moe.core.config_schema import function_keys
+from moe.core.errors import ConfigError
 from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.esft import freeze_all_but_routed_experts
 from moe.model.adapters.lora import (

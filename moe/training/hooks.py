@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe.config.run import RunConfig
-from moe.config_schema import to_dict
+from moe.core.config_schema import to_dict
 from moe.training.decision import CONTINUE, Decision
 from moe.training.device import comm_device
 

@@ -28,7 +28,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_text
 
 from data_pipeline.tokenizer import Tokenizer
-from moe.errors import EvaluationError
+from moe.core.errors import EvaluationError
 from moe.model.generation import GenerationConfig
 from moe.model.scoring import Group, can_pad, generate_batch, plan_batches, score_batch
 from moe.training.harness_setup import BUNDLED_TASKS

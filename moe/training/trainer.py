@@ -30,7 +30,7 @@ from data_pipeline.reader import PackedReader, validation_windows
 from data_pipeline.shards import read_manifest
 from moe.checkpoint.files import verify_checkpoint
 from moe.config.run import SIGNALS, RunConfig, dump_config
-from moe.errors import CheckpointError, ConfigError, LaunchError, TrainingError
+from moe.core.errors import CheckpointError, ConfigError, LaunchError, TrainingError
 from moe.model.adapters.qlora import quantize_base
 from moe.model.compile import compile_blocks
 from moe.model.moe_layer import counting_routes

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from moe.checkpoint.files import read_marker, resolve_checkpoint
-from moe.config_schema import dotted_get, function_keys, to_dict
-from moe.errors import CheckpointError, ConfigError
-from moe.hf_weights import read_hf_model, refuse_nonfinite, tokenizer_record
-from moe.load import load_model
+from moe.core.config_schema import dotted_get, function_keys, to_dict
+from moe.core.errors import CheckpointError, ConfigError
 from moe.model.transformer import ModelConfig, MoETransformer
+from moe.weights.hf import read_hf_model, refuse_nonfinite, tokenizer_record
+from moe.weights.load import load_model
 
 _DENSE_FFN = re.compile(r"^blocks\.(\d+)\.ffn\.(w_in|w_out)\.weight$")
 _FRESH = re.compile(r"^blocks\.\d+\.ffn\.(router\.weight|router\.score_bias)$")
@@ -45,7 +45,7 @@ def _effective(cfg: ModelConfig) -> dict:
 
 
 def incompatibilities(source: ModelConfig, target: ModelConfig) -> list[str]:
-    """The function-changing fields (``arch``, moe/config_schema.py) on which the source's and
+    """The function-changing fields (``arch``, moe/core/config_schema.py) on which the source's and
     this run's model configs disagree, outside the feed-forward layers upcycling replaces."""
     src, tgt = _effective(source), _effective(target)
     out = []
@@ -108,7 +108,7 @@ def upcycle_state_dict(dense_state: dict[str, torch.Tensor], model: MoETransform
 
 
 HF_PREFIX = "hf:"
-"""``model.init_from: hf:PATH`` reads a transformers model directory (moe/hf_weights.py)."""
+"""``model.init_from: hf:PATH`` reads a transformers model directory (moe/weights/hf.py)."""
 
 
 def source_tokenizer(path: str | Path) -> dict | None:

@@ -323,7 +323,7 @@ def test_every_lever_is_a_valid_config_with_known_preconditions():
     from bench_worker import unmet
     from gpu_train_bench import preset
 
-    from moe.errors import ConfigError
+    from moe.core.errors import ConfigError
     from moe.model.loss import liger_problem
 
     cpu = torch.device("cpu")

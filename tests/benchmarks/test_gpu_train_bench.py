@@ -112,7 +112,7 @@ def test_the_bench_knobs():
     import torch
     from bench_steps import Knobs, document_ids, expert_kernel, split_knobs
 
-    from moe.errors import ConfigError
+    from moe.core.errors import ConfigError
     from moe.model import experts
 
     assert split_knobs(["a.b=1", "bench.doc_len=64", "bench.expert_kernel=loop"]) == (

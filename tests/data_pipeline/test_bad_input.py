@@ -21,8 +21,8 @@ from data_pipeline.shards import MANIFEST, read_manifest, write_manifest, write_
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.training.trainer import resolve_vocab
 from tests.conftest import tiny_run_dict
 from tests.helpers.reader_reference import ReferenceRows

@@ -308,8 +308,8 @@ def test_bad_records_are_refused_by_file_and_line(tiny_data, tmp_path, capsys, r
 
 
 def test_template_options_are_checked(tiny_data, tmp_path):
-    from moe.config_schema import from_dict
-    from moe.errors import ConfigError
+    from moe.core.config_schema import from_dict
+    from moe.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         from_dict(DataConfig, {"sources": [

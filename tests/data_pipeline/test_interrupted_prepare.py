@@ -253,7 +253,7 @@ def _train_worker(rank, world, cfg_dict, out):
     import json
 
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import DistEnv, train
 
     summary = train(from_dict(RunConfig, cfg_dict), DistEnv(rank, world, rank, world))

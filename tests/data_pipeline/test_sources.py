@@ -19,8 +19,8 @@ from data_pipeline.reader import TokenStream
 from data_pipeline.shards import read_manifest
 from data_pipeline.sources import read_item, work_items
 from data_pipeline.tokenizer import Tokenizer
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from tests.data_pipeline.test_prepare import _texts_of
 
 

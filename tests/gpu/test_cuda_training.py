@@ -34,7 +34,7 @@ def bf16_run(tiny_data, runs: Path, **train) -> dict:
 
 def _train(rank, world, cfg_dict):
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import DistEnv, resolve_vocab, train
 
     train(resolve_vocab(from_dict(RunConfig, cfg_dict)), DistEnv(0, 1, 0, 1), resume="none")
@@ -128,7 +128,7 @@ def _sync_warnings(fn) -> list[str]:
 def test_model_forward_backward_syncs(loop_fallback, monkeypatch):
     """bf16 tiny MoE model: no sync in forward and backward with the grouped kernel; one per MoE
     layer (the loop's count read) without it."""
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.model import experts as experts_mod
     from moe.model.transformer import ModelConfig, MoETransformer
 
@@ -152,7 +152,7 @@ def test_model_forward_backward_syncs(loop_fallback, monkeypatch):
 
 def _train_step_syncs(rank, world, cfg_dict, out_path):
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training import prefetch
     from moe.training.trainer import DistEnv, resolve_vocab, train
 
@@ -247,7 +247,7 @@ def test_expert_lora_at_rank_4_runs_the_grouped_kernel_without_syncs(monkeypatch
     """The shipped LoRA config's per-expert rank (8 / top_k 2 = 4) has 8-byte bf16 rows, which
     the grouped kernel cannot take: its factors are padded for the products, so no product
     loops over experts and forward and backward sync nothing."""
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.model import experts as experts_mod
     from moe.model.adapters.lora import LoRAConfig, LoRAGroupedExperts, apply_lora
     from moe.model.transformer import ModelConfig, MoETransformer
@@ -305,7 +305,7 @@ def test_lora_fine_tuning_on_the_gpu_trains_only_its_factors(bf16_trained, tiny_
     """A LoRA run (attention q/v and the routed experts, per-expert rank 4) from the GPU
     checkpoint, on the GPU in bf16 through the trainer: finite losses, the base unchanged,
     every factor B moved from zero."""
-    from moe.load import load_consolidated
+    from moe.weights.load import load_consolidated
 
     base_ckpt, run_dir = _fine_tune(bf16_trained, tiny_data, tmp_path, "lora")
     base, _, _ = load_consolidated(Path(base_ckpt))
@@ -322,8 +322,8 @@ def test_qlora_fine_tuning_on_the_gpu(bf16_trained, tiny_data, tmp_path):
     """QLoRA from the GPU checkpoint on the GPU in bf16: the base held in NF4 on the device,
     finite losses, every factor B moved from zero, and the checkpoint read back as a plain model
     (dequantised base plus the update) on the CPU."""
-    from moe.load import load_consolidated, load_model
     from moe.model.adapters.qlora import torchao_missing
+    from moe.weights.load import load_consolidated, load_model
 
     if (missing := torchao_missing()) is not None:
         pytest.skip(missing)

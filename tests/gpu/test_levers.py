@@ -30,7 +30,7 @@ LIGER = pytest.param("liger", marks=pytest.mark.skipif(
 
 
 def tiny_model(cross_entropy="full", **extra):
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.model.transformer import ModelConfig, MoETransformer
 
     router = extra.pop("router", {})
@@ -192,7 +192,7 @@ def _fused_engine(rank, world, out_path):
     import torch.optim.adam as adam
 
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import DistEnv, build_engine
 
     fused = []

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from moe.checkpoint.files import complete_tags, verify_files
-from moe.errors import CheckpointError
+from moe.core.errors import CheckpointError
 from moe.training.resilience.faults import PLAN_ENV
 
 ROOT = Path(__file__).resolve().parents[2]

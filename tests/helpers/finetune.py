@@ -11,7 +11,7 @@ from data_pipeline.reader import PackedReader
 from moe.checkpoint.consolidate import read_consolidated
 from moe.checkpoint.files import find_latest
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.evaluation.evaluate import load_model
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed

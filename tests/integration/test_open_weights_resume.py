@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from moe.config_schema import to_dict
-from moe.hf_weights import read_hf_model
+from moe.core.config_schema import to_dict
+from moe.weights.hf import read_hf_model
 from tests.integration.conftest import REFERENCE_STEPS, reference_dict
 from tests.integration.launch_checks import finish, kill_rank_after, start_launch, steps
 from tests.moe.test_hf_import import make_hf

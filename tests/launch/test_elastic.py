@@ -10,8 +10,8 @@ import pytest
 from launch import elastic
 from launch.elastic import USABLE_SLOTS_ENV, Elastic, Layout, fitting_layout, usable_slots
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import LaunchError
+from moe.core.config_schema import from_dict
+from moe.core.errors import LaunchError
 from tests.launch.test_config_errors import launch_errors
 
 

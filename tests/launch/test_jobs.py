@@ -106,7 +106,7 @@ def test_a_job_the_controller_cannot_be_asked_about_still_blocks_resubmission(tm
     run_dir = tmp_path / "run"
     write_records(run_dir, "42 75 requeued 5\n")
     from launch.slurm.jobs import refuse_if_active
-    from moe.errors import LaunchError
+    from moe.core.errors import LaunchError
 
     with pytest.raises(LaunchError, match="belongs to SLURM job 42, which is REQUEUED"):
         refuse_if_active(run_dir)

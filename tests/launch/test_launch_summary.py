@@ -9,7 +9,7 @@ import pytest
 from launch.finish import finish
 from launch.launch import run_to_end
 from launch.run_plan import Plan
-from moe.errors import LaunchError
+from moe.core.errors import LaunchError
 
 
 def _finish(run_dir, tensorboard: bool, capsys) -> str:

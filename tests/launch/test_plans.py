@@ -11,8 +11,8 @@ from launch.launch import main
 from launch.schedulers import build_plan
 from launch.schedulers.hostfile import ENV_FILE, read_hostfile
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import ConfigError, LaunchError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError, LaunchError
 
 
 def run_config(tmp_path, scheduler: str, world_size: int = 2, **launch) -> RunConfig:

@@ -3,7 +3,7 @@
 import pytest
 
 from launch.rank_env import dist_env_from_environment
-from moe.errors import LaunchError
+from moe.core.errors import LaunchError
 
 
 @pytest.mark.parametrize("env, expected", [

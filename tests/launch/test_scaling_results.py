@@ -16,7 +16,7 @@ from data_pipeline.reader import TokenStream
 from data_pipeline.text_bytes import predicted_text_bytes
 from data_pipeline.tokenizer import Tokenizer
 from launch import scaling_sweep
-from moe.run_dir import RunDir
+from moe.core.run_dir import RunDir
 from moe.tools import scaling_report
 from tests.conftest import tiny_run_dict
 

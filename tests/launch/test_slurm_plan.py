@@ -25,9 +25,9 @@ from launch.slurm.jobs import requeued_at
 from launch.slurm.script import JOB_SCRIPT
 from moe.config.launch import slurm_time_seconds
 from moe.config.run import RunConfig, dump_config, load_config
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
-from moe.run_dir import RunDir
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
+from moe.core.run_dir import RunDir
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 import launch.train as train_entry
 from moe.checkpoint.files import MARKER
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.tools.planning import checkpoint_bytes
 from tests.conftest import tiny_run_dict
 

@@ -13,7 +13,7 @@ import pytest
 from launch import supervise
 from launch.rank import exit_record, exits_file
 from launch.supervise import RESTARTS_FILE, Relaunch, run_with_restarts
-from moe.errors import LaunchError
+from moe.core.errors import LaunchError
 from tests.launch.test_config_errors import launch_errors
 
 FAKE = r'''

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import yaml
 
 import launch.train as train_entry
-from moe.errors import MoEError
-from moe.run_dir import RunDir
+from moe.core.errors import MoEError
+from moe.core.run_dir import RunDir
 from moe.training.ports import free_port
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, Preempted
 from tests.conftest import tiny_run_dict
@@ -106,7 +106,7 @@ def test_a_failure_after_a_signal_keeps_a_marker_the_ranks_already_left(calls, m
 
 def test_a_failure_no_restart_can_fix_stays_a_failure_after_a_signal(calls, monkeypatch,
                                                                        tiny_config_file):
-    from moe.errors import ConfigError
+    from moe.core.errors import ConfigError
     from moe.training.resilience import preemption
     monkeypatch.setattr(preemption, "_RECEIVED", [signal.SIGUSR1])
     seen, run = calls

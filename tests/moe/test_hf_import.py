@@ -1,4 +1,4 @@
-"""Starting from open weights (moe/hf_weights.py, moe-import, ``model.init_from: hf:DIR``).
+"""Starting from open weights (moe/weights/hf.py, moe-import, ``model.init_from: hf:DIR``).
 
 Every architecture is a tiny random transformers model built here from a config (no download),
 its norm gains and biases moved off 1 and 0 so that a misplaced tensor shows, saved in fp32 in
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from launch.import_hf import main as import_main
-from moe.errors import ConfigError
-from moe.hf_weights import read_hf_model
-from moe.load import load_model
+from moe.core.errors import ConfigError
+from moe.weights.hf import read_hf_model
+from moe.weights.load import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -154,7 +154,7 @@ def test_data_prepared_with_the_models_tokenizer_json_trains_from_hf_weights_wit
     from data_pipeline.config import TokenizerConfig
     from data_pipeline.prepare import prepare
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict, to_dict
+    from moe.core.config_schema import from_dict, to_dict
     from moe.tools.export import _one_rank_process_group
     from moe.training import trainer
     from tests.conftest import tiny_run_dict
@@ -250,7 +250,7 @@ def test_a_directory_without_tokenizer_files_imports_and_exports_without_one(tmp
     """Weights and config only (a common case): the import says the checkpoint has no
     tokenizer, and both exports write the model and say the tokenizer is absent."""
     from launch.export import main as export_main
-    from moe.load import load_model
+    from moe.weights.load import load_model
 
     hf_dir, hf = make_hf(tmp_path, "mixtral")
     (hf_dir / "tokenizer.json").unlink()
@@ -468,10 +468,10 @@ def test_expert_parallel_size_is_recorded_and_checked(tmp_path, capsys):
 
 def test_a_run_starting_from_open_weights_with_nan_values_is_refused(tmp_path):
     """model.init_from: hf:DIR reads the same weights: NaN refused there too, by name."""
-    from moe.errors import CheckpointError
-    from moe.hf_weights import read_hf_config
+    from moe.core.errors import CheckpointError
     from moe.model.transformer import MoETransformer
     from moe.training.upcycle import initialize_from_checkpoint
+    from moe.weights.hf import read_hf_config
 
     hf_dir, _ = make_hf(tmp_path, "qwen3_moe")
     _, cfg = read_hf_config(hf_dir)

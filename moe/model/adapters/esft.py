@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from moe.config_schema import fixed
+from moe.core.config_schema import fixed
 from moe.model.experts import GroupedExperts
 
 

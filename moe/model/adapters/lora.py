@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.config_schema import arch, fixed, runtime
+from moe.core.config_schema import arch, fixed, runtime
 from moe.model.attention import CausalSelfAttention
 from moe.model.experts import (
     DenseFFN,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe.config_schema import arch, runtime
+from moe.core.config_schema import arch, runtime
 from moe.model.attention import AttentionInputs, CausalSelfAttention
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.config_schema import arch, runtime
+from moe.core.config_schema import arch, runtime
 from moe.model.transformer import ModelOutput, MoETransformer
 
 

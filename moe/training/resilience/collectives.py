@@ -19,7 +19,7 @@ import functools
 import time
 from dataclasses import dataclass
 
-from moe.errors import TrainingError
+from moe.core.errors import TrainingError
 
 WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
            "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all",

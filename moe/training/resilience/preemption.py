@@ -29,7 +29,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from moe.run_dir import RunDir
+from moe.core.run_dir import RunDir
 from moe.training.decision import CONTINUE, Decision, Stop
 from moe.training.device import comm_device
 from moe.training.hooks import LoopPart, StepState

@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from moe.config.run import RunConfig, load_config
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 
 
 def write(tmp_path, data):

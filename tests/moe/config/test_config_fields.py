@@ -10,7 +10,7 @@ import pytest
 
 from moe.checkpoint.files import config_mismatches, finetune_mismatches
 from moe.config.run import FinetuneConfig
-from moe.config_schema import (
+from moe.core.config_schema import (
     arch,
     field_roles,
     fixed,

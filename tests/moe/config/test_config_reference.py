@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moe.config.reference import COMMAND, field_docs, reference
-from moe.config_schema import function_classes
+from moe.core.config_schema import function_classes
 from moe.model.router import RouterConfig
 from moe.model.transformer import ModelConfig
 

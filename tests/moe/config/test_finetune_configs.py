@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moe.config.run import load_config
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.adapters.qlora import torchao_missing
 
 CONFIGS = sorted(Path("configs").glob("finetune-*.yaml"))

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from moe.config.run import load_config
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.moe_layer import MoEConfig
 from moe.model.transformer import ModelConfig, MoETransformer
 

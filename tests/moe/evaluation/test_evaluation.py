@@ -14,8 +14,8 @@ from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.evaluation.evaluate import (
     evaluate_loss,
     evaluate_perplexity,

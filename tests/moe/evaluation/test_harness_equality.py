@@ -31,7 +31,7 @@ TEXTS = ["Return a new list of the items.\n\nRaise ValueError when the list is e
 
 def _train(rank, world, cfg):
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import DistEnv, train
 
     for c in cfg:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from data_pipeline.errors import DataError
-from moe.errors import EvaluationError
+from moe.core.errors import EvaluationError
 from moe.evaluation.harness import checkpoint_tokenizer
 from moe.tools.task_data import multiple_choice, next_word, sentences
 
@@ -69,7 +69,7 @@ def test_unknown_names_and_absent_networks_are_named():
     """Both read the harness's whole task index (seconds): in a subprocess without network
     access to the Hugging Face Hub."""
     code = ("from moe.training.lm_harness import load_tasks\n"
-            "from moe.errors import EvaluationError\n"
+            "from moe.core.errors import EvaluationError\n"
             "for names in (['hellaswg', 'stdlib_sentence_mc'], ['hellaswag']):\n"
             "    try:\n        load_tasks(names)\n"
             "    except EvaluationError as e:\n        print('ERROR', e)\n")

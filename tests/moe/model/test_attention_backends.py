@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import moe.model.attention as attention
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.model.attention import (
     CausalSelfAttention,
     build_attention_inputs,

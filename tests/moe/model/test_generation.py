@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.generation import (
     FullForwardDecoder,
     GenerationConfig,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe.config.run import load_config
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.moe_layer import MoEConfig
 from moe.model.recompute import apply_recompute, saved_activation_bytes
 from moe.model.router import RouterConfig

@@ -90,7 +90,7 @@ def test_install_replaces_deepspeed_internals_once_and_only_when_called():
 def test_other_deepspeed_releases_are_refused_by_name(monkeypatch, version):
     import deepspeed
 
-    from moe.errors import MoEError
+    from moe.core.errors import MoEError
     from moe.parallel import deepspeed_adapter
 
     monkeypatch.setattr(deepspeed, "__version__", version)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict, to_dict
-from moe.hf_weights import read_hf_model
+from moe.core.config_schema import from_dict, to_dict
 from moe.training.trainer import DistEnv, build_engine
+from moe.weights.hf import read_hf_model
 from tests.helpers.distributed import run_distributed
 from tests.moe.test_hf_import import make_hf
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.training.trainer import DistEnv, build_engine
 from tests.helpers.distributed import count_all_to_all, global_params, run_distributed
 

@@ -13,8 +13,8 @@ import torch
 
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import CheckpointError
+from moe.core.config_schema import from_dict
+from moe.core.errors import CheckpointError
 from moe.evaluation.evaluate import load_model
 from moe.tools.export import FP32_FILE, export_fp32, export_hf, hf_problems
 from moe.training.trainer import DistEnv, train

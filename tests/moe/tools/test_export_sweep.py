@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.evaluation.evaluate import load_model
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.tools import hf_support
@@ -311,7 +311,7 @@ def _base_state(arch: str):
 
 @pytest.mark.parametrize("arch", sorted(hf_support.TARGETS))
 def test_the_mapping_names_a_tensor_it_does_not_place_or_cannot_find(arch):
-    from moe.errors import CheckpointError
+    from moe.core.errors import CheckpointError
 
     cfg, state, hf_state = _base_state(arch)
     assert len(hf_state(dict(state), cfg, arch)) > 0

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from moe.config.run import FinetuneConfig, RunConfig
-from moe.config_schema import from_dict
-from moe.errors import CheckpointError
-from moe.load import build_model
+from moe.core.config_schema import from_dict
+from moe.core.errors import CheckpointError
 from moe.model.adapters.lora import is_factor
 from moe.tools.export import hf_model
 from moe.tools.peft_export import (
@@ -23,6 +22,7 @@ from moe.tools.peft_export import (
     peft_adapter,
     peft_problems,
 )
+from moe.weights.load import build_model
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -184,7 +184,7 @@ def test_a_missing_base_hf_names_the_directory_to_pass(init_from, hint, tmp_path
 
     from launch.export import main
     from moe.checkpoint.files import MARKER, RUN_CONFIG
-    from moe.config_schema import to_dict
+    from moe.core.config_schema import to_dict
 
     _, cfg, _ = _adapted("llama")
     ckpt = tmp_path / "ckpt"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from launch import scaling_run, scaling_sweep
-from moe.errors import ScalingError
+from moe.core.errors import ScalingError
 from moe.model.size import flops_per_token
 from moe.model.transformer import ModelConfig
 from moe.tools import scaling, scaling_fit, scaling_report

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from moe.errors import ScalingError
+from moe.core.errors import ScalingError
 from moe.tools import scaling_fit as sf
 from moe.tools import scaling_report
 from moe.tools.scaling_fit import Law

@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 

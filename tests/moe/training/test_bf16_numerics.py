@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.model.experts import GroupedExperts, scale_rows
 from moe.model.moe_layer import SUM, MoEConfig, MoELayer
 from moe.model.norms import LayerNorm, RMSNorm

@@ -24,8 +24,8 @@ from moe.checkpoint.files import (
     verify_files,
 )
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import CheckpointError, TrainingError
+from moe.core.config_schema import from_dict
+from moe.core.errors import CheckpointError, TrainingError
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed

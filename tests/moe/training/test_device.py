@@ -67,7 +67,7 @@ def test_peak_flops_from_the_device_name(monkeypatch):
 
 def test_trainer_mfu_peak_prefers_the_config_and_needs_bf16(monkeypatch):
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
@@ -87,7 +87,7 @@ def test_a_cpu_rank_peak_counts_its_threads():
     """The configured CPU peak is one core's; a rank with two threads computes on two cores
     (a one-rank run on two cores read 181% MFU before)."""
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import peak_flops
 
     cfg = from_dict(RunConfig, {"name": "x", "data": {"dir": "unused"},

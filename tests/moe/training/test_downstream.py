@@ -12,8 +12,8 @@ import torch
 
 from data_pipeline.prepared import PreparedData
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import ConfigError, EvaluationError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError, EvaluationError
 from moe.evaluation.report import read_scalars
 from moe.model.transformer import MoETransformer
 from moe.training.downstream import DownstreamEvaluator, downstream_due

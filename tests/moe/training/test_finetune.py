@@ -14,10 +14,10 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 import moe.training.trainer as trainer
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.load import build_model, load_consolidated
+from moe.core.config_schema import from_dict
 from moe.model.transformer import MoETransformer
 from moe.training.trainer import DistEnv, build_engine, train
+from moe.weights.load import build_model, load_consolidated
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import global_params, run_distributed
 
@@ -254,7 +254,7 @@ def test_export_merges_adapters_on_request(lora_runs, tmp_path, capsys):
 def test_adapters_alone_apply_to_their_base_only(lora_runs, tmp_path):
     from launch.export import main
     from moe.config.run import FinetuneConfig
-    from moe.errors import ConfigError
+    from moe.core.errors import ConfigError
     from moe.training.finetune import prepare_finetune
     from moe.training.upcycle import initialize_from_checkpoint
 
@@ -293,7 +293,7 @@ def test_adapters_of_a_bf16_run_apply_to_their_fp32_base(lora_runs, tmp_path):
     from (it was refused as "another base") and still refuse another base."""
     from launch.export import main
     from moe.config.run import FinetuneConfig
-    from moe.errors import ConfigError
+    from moe.core.errors import ConfigError
     from moe.training.finetune import prepare_finetune
     from moe.training.upcycle import initialize_from_checkpoint
 
@@ -328,7 +328,7 @@ def test_adapters_of_a_bf16_run_apply_to_their_fp32_base(lora_runs, tmp_path):
 
 def test_resume_refuses_other_adapters_by_key(lora_runs):
     from moe.checkpoint.files import verify_checkpoint
-    from moe.errors import CheckpointError
+    from moe.core.errors import CheckpointError
 
     runs, _, lora_run = lora_runs
     tag = runs / "lora" / "checkpoints" / "step_0000004"

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 from data_pipeline.reader import TokenStream, token_windows
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.load import build_model, load_consolidated, load_model
+from moe.core.config_schema import from_dict
 from moe.model.generation import FullForwardDecoder, GenerationConfig, KVCacheDecoder, generate
 from moe.training.trainer import DistEnv, train
+from moe.weights.load import build_model, load_consolidated, load_model
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 
@@ -164,7 +164,7 @@ def test_moe_eval_and_generation_use_the_adapters(runs, method, tmp_path):
     ("prefix", "tokens", 5)])
 def test_resume_refuses_other_adapter_shapes_by_key(runs, tiny_data, method, key, value):
     from moe.checkpoint.files import verify_checkpoint
-    from moe.errors import CheckpointError
+    from moe.core.errors import CheckpointError
 
     tag = runs / method / "checkpoints" / f"step_{STOP:07d}"
     d = _config(tiny_data, runs, method, method=method, **METHODS[method])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
 from moe.training.trainer import DistEnv, build_engine, count_global_routing

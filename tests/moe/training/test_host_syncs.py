@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 

@@ -59,7 +59,7 @@ def test_micro_batches_are_weighed_by_their_trained_targets():
 
 def _train(rank, world, cfg_dict, out_file):
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import DistEnv, resolve_vocab, train
 
     cfg = resolve_vocab(from_dict(RunConfig, cfg_dict))
@@ -88,7 +88,7 @@ def test_the_trainer_reports_the_loss_of_the_trained_tokens(instruction_data, tm
     # The same first step by hand: the initial weights, the step's micro-batches, the mean
     # over their trained targets.
     from moe.config.run import RunConfig
-    from moe.config_schema import from_dict
+    from moe.core.config_schema import from_dict
     from moe.training.trainer import resolve_vocab, seed_everything
 
     cfg = resolve_vocab(from_dict(RunConfig, d))

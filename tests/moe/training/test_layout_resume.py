@@ -14,7 +14,7 @@ import torch
 
 from moe.checkpoint.files import MAIN_STATES, load_file
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.parallel.layout import read_layout_free
 from moe.training.checkpoint import RESERVED_NAMES
 from moe.training.hooks import LoopPart

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.training import trainer
 from moe.training.checkpoint import RESERVED_NAMES, carry
 from moe.training.decision import CONTINUE, Rollback, Skip, Stop, decide

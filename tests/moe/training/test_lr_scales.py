@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig, load_config
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.training.trainer import DistEnv, build_engine
 from tests.helpers.distributed import run_distributed
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.evaluation.evaluate import evaluate_perplexity, load_model
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed

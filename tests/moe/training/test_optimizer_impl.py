@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from tests.helpers.distributed import run_distributed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # nine engines: about 90 s

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from moe.load import build_model, load_consolidated
 from moe.model.adapters.qlora import dequantize_nf4, quantize_nf4, torchao_missing
 from moe.model.transformer import MoETransformer
+from moe.weights.load import build_model, load_consolidated
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 from tests.moe.training.test_finetune import (

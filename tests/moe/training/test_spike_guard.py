@@ -10,8 +10,8 @@ import torch
 
 from moe.checkpoint.files import complete_tags
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.spike_guard import SKIPPED_BATCHES
 from moe.training.trainer import DistEnv, train

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import ConfigError, TrainingError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError, TrainingError
 from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.spike_guard import SKIPPED_BATCHES
 from moe.training.trainer import DistEnv, train

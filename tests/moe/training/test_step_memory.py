@@ -11,7 +11,7 @@ import json
 import pytest
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 

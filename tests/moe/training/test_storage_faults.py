@@ -14,8 +14,8 @@ import pytest
 
 from moe.checkpoint.files import MARKER, complete_tags, find_latest, verify_files
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
-from moe.errors import CheckpointError
+from moe.core.config_schema import from_dict
+from moe.core.errors import CheckpointError
 from moe.training.checkpoint import resolve_resume
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict

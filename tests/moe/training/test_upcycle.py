@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe.errors import CheckpointError
+from moe.core.errors import CheckpointError
 from moe.model.moe_layer import MoEConfig
 from moe.model.router import RouterConfig
 from moe.model.transformer import ModelConfig, MoETransformer
@@ -120,7 +120,7 @@ def test_every_function_changing_field_outside_the_ffn_must_agree():
 def test_a_new_function_changing_field_must_agree():
     """The comparison is derived from the field metadata: a field declared ``arch`` later is
     compared without a change to upcycling."""
-    from moe.config_schema import arch
+    from moe.core.config_schema import arch
 
     @dataclasses.dataclass
     class WithKnob(ModelConfig):

@@ -13,7 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.training.resilience.collectives import record_collectives
 from moe.training.resilience.faults import FaultInjector
 from moe.training.resilience.watchdog import (

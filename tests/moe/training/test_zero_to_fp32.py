@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig
-from moe.config_schema import from_dict
+from moe.core.config_schema import from_dict
 from moe.parallel.layout import single_device_name
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict

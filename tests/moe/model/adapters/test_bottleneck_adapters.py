@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from data_pipeline.reader import PackedReader
 from moe.config.run import RunConfig, load_config
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.evaluation.evaluate import evaluate_perplexity, load_model
 from moe.model.adapters.bottleneck import BottleneckConfig
 from moe.model.transformer import ModelConfig, MoETransformer

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moe.config.run import RunConfig, load_config
-from moe.config_schema import from_dict
-from moe.errors import CheckpointError, ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import CheckpointError, ConfigError
 from moe.evaluation.evaluate import evaluate_perplexity, load_model
 from moe.model.adapters.esft import freeze_all_but_routed_experts, mask_expert_rows, select_experts
 from moe.model.transformer import ModelConfig, MoETransformer

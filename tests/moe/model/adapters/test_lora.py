@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import moe.model.experts as experts_mod
 from moe.config.run import load_config
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.model.adapters.lora import LoRAConfig, LoRAGroupedExperts, apply_lora, merge_lora
 from moe.model.experts import uses_grouped_kernel
 from moe.model.transformer import ModelConfig, MoETransformer

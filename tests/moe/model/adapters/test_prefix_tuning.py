@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moe.config.run import load_config
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.model.positions import apply_rotary
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.training.finetune import parameter_counts, prepare_finetune

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from moe.config.run import load_config
-from moe.config_schema import from_dict
-from moe.errors import ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import ConfigError
 from moe.evaluation.expert_stats import ExpertStatsCollector
 from moe.model.generation import FullForwardDecoder, GenerationConfig, KVCacheDecoder, generate
 from moe.model.transformer import ModelConfig, MoETransformer

@@ -12,7 +12,7 @@ from scipy.stats import norm
 
 import moe.model.adapters.qlora as qlora
 from moe.config.run import load_config
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 from moe.model.adapters.lora import LoRAConfig, apply_lora
 from moe.model.adapters.qlora import (
     NF4_CODE,

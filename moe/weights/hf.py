@@ -32,8 +32,8 @@ from typing import Literal
 
 import torch
 
-from moe.config_schema import from_dict
-from moe.errors import CheckpointError, ConfigError
+from moe.core.config_schema import from_dict
+from moe.core.errors import CheckpointError, ConfigError
 from moe.model.transformer import ModelConfig, MoETransformer
 
 ARCHITECTURES = {
@@ -173,7 +173,7 @@ class _Reader:
     def leftovers(self) -> None:
         for key in sorted(set(self.hf) - self.used - _IGNORED):
             self.problems.append(f"{key}: {self.hf[key]!r}: not understood by the importer "
-                                 "(moe/hf_weights.py); nothing here says it leaves the model "
+                                 "(moe/weights/hf.py); nothing here says it leaves the model "
                                  "unchanged")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from moe.checkpoint.consolidate import read_consolidated
 from moe.checkpoint.files import RUN_CONFIG, resolve_checkpoint, verify_files
 from moe.config.run import FinetuneConfig, RunConfig, load_config
-from moe.errors import CheckpointError
+from moe.core.errors import CheckpointError
 from moe.model.adapters.bottleneck import apply_bottleneck_adapters
 from moe.model.adapters.lora import apply_lora, merge_lora
 from moe.model.adapters.prefix import apply_prefix

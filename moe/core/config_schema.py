@@ -3,7 +3,8 @@
 Each component owns a dataclass next to its code. This module only knows how to fill a dataclass
 from a dict: it checks unknown keys, types, ``Literal`` choices, and calls the dataclass's own
 ``problems()`` method for value checks. All problems are collected and raised at once as a
-:class:`~moe.errors.ConfigError`, each naming the dotted key, so a user fixes a config in one pass.
+:class:`~moe.core.errors.ConfigError`, each naming the dotted key, so a user fixes a config in
+one pass.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
-from moe.errors import ConfigError
+from moe.core.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -309,7 +310,7 @@ def field_roles(cls: type) -> dict[str, str]:
         raise TypeError(f"{cls.__name__}: fields {unclassified} are not classified; declare "
                         "each with arch(...) (changes the computed function), fixed(...) "
                         "(decides which parameters train) or runtime(...) "
-                        "(moe/config_schema.py)")
+                        "(moe/core/config_schema.py)")
     return {path: f.metadata[ROLE] for path, f in fields}
 
 
