@@ -12,20 +12,22 @@ from moe.checkpoint.consolidate import read_consolidated
 from moe.checkpoint.files import find_latest
 from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
-from moe.evaluation.evaluate import load_model
+from moe.evaluation.evaluate import evaluate_perplexity, load_model
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 
 
-def base_and_finetune(data, runs: Path, finetune: dict, **train) -> tuple[dict, dict]:
-    """Run configs: "base" (6 steps of pretraining, 2 ranks, expert parallelism 2, ZeRO 2, one
-    shared expert) and "ft" (``finetune`` from base's last checkpoint; ``train``: its train
-    section's changes)."""
+def base_and_finetune(data, runs: Path, finetune: dict, pretrain: dict | None = None,
+                      **train) -> tuple[dict, dict]:
+    """Run configs: "base" (6 steps of pretraining at lr 3e-3, 2 ranks, expert parallelism 2,
+    ZeRO 2, one shared expert; ``pretrain``: changes to its train section) and "ft"
+    (``finetune`` from base's last checkpoint; ``train``: its train section's changes)."""
     base = tiny_run_dict(data, runs)
     base["name"] = "base"
     base["model"]["moe"]["num_shared_experts"] = 1
     base["train"].update(max_steps=6, micro_batch_size=4, lr=3e-3)
     ft = copy.deepcopy(base)
+    base["train"].update(pretrain or {})
     ft["name"] = "ft"
     ft["model"]["init_from"] = str(runs / "base")
     ft["finetune"] = finetune
@@ -39,11 +41,25 @@ def latest_weights(run_dir: Path) -> dict:
     return read_consolidated(ckpt / find_latest(ckpt))[0]
 
 
-def trained_samples(data, steps: int = 8) -> torch.Tensor:
+def trained_samples(data, steps: int = 8, per_step: int = 8) -> torch.Tensor:
     """The first samples of the training data, those of a fine-tuning run's first ``steps``
-    steps of 2 ranks x micro-batch 4."""
-    return PackedReader(data.dir, data.seq_len, data.seed, 0, 1, 8 * steps).next_step(1)[0] \
-        .tokens_BS
+    steps of ``per_step`` samples (default: 2 ranks x micro-batch 4)."""
+    return PackedReader(data.dir, data.seq_len, data.seed, 0, 1, per_step * steps) \
+        .next_step(1)[0].tokens_BS
+
+
+def losses_before_and_after(data, runs: Path, steps: int) -> tuple[dict, dict]:
+    """The lm loss of "base" and "ft" in ``runs``: on the samples of ft's first ``steps`` steps
+    (:func:`trained_samples`), and held out (the first 4,000 tokens of the valid split)."""
+    samples = trained_samples(data, steps)
+    trained, held_out = {}, {}
+    for name in ("base", "ft"):
+        model = load_model(runs / name)[0]
+        with torch.no_grad():
+            trained[name] = model(samples[:, :-1], samples[:, 1:]).lm_loss.item()
+        held_out[name] = evaluate_perplexity(model, data.dir, data.seq_len,
+                                             max_tokens=4000)["loss"]
+    return trained, held_out
 
 
 def train_measuring_start(rank, world, base, ft, data, out_file, steps: int = 8):

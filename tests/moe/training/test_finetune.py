@@ -17,9 +17,10 @@ from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
 from moe.model.transformer import MoETransformer
 from moe.training.trainer import DistEnv, build_engine, train
-from moe.weights.load import build_model, load_consolidated
+from moe.weights.load import build_model, load_consolidated, load_model
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import global_params, run_distributed
+from tests.helpers.finetune import trained_samples
 
 pytestmark = pytest.mark.multiprocess
 
@@ -144,7 +145,9 @@ def _losses(run_dir) -> dict[int, float]:
 def lora_runs(tiny_data, tmp_path_factory):
     """A 2-step base run on 2 ranks (EP 2), then LoRA fine-tuning from its checkpoint for 8
     steps, and the same 8 steps with a vanishing learning rate (the base's losses on the same
-    batches)."""
+    batches). lr 1e-2: at 5e-2 Adam's first steps, every fresh B entry moved by the full
+    learning rate, overshoot (on some data orders the loss rose above the base's for steps
+    2 to 4)."""
     runs = tmp_path_factory.mktemp("lora_runs") / "runs"
     base = tiny_run_dict(tiny_data, runs, max_steps=2)
     base["name"] = "base"
@@ -152,7 +155,7 @@ def lora_runs(tiny_data, tmp_path_factory):
     run_distributed(_train_worker, 2, base, "auto")
     base_ckpt = runs / "base" / "checkpoints" / "step_0000002"
 
-    def lora_run(name, lr=5e-2):
+    def lora_run(name, lr=1e-2):
         d = tiny_run_dict(tiny_data, runs, max_steps=8, lr=lr, min_lr=0.0, warmup_steps=1)
         d["name"] = name
         d["model"]["init_from"] = str(base_ckpt)
@@ -166,12 +169,22 @@ def lora_runs(tiny_data, tmp_path_factory):
     return runs, base_ckpt, lora_run
 
 
-def test_lora_run_from_a_checkpoint_trains_only_its_factors(lora_runs):
+def test_lora_run_from_a_checkpoint_trains_only_its_factors(lora_runs, tiny_data):
     runs, base_ckpt, _ = lora_runs
     losses = _losses(runs / "lora")
+    # gain: how much lower the LoRA run's loss is than the base's on each step's batch, before
+    # the step trains on it. One batch of 4 samples is noisy (single steps ranged from -0.013
+    # to 0.12 over data seeds 7 to 14): the last 4 steps together measured 0.047 to 0.096.
     gain = {s: _losses(runs / "still")[s] - losses[s] for s in losses}
-    assert gain[1] == 0 and min(gain[s] for s in range(3, 9)) > 0, gain  # measured: 0.03-0.11
-    assert sum(gain[s] for s in range(5, 9)) / 4 > 0.03, gain
+    assert gain[1] == 0, gain  # B starts at zero: the base's function
+    assert sum(gain[s] for s in range(5, 9)) / 4 > 0.02, gain
+    # On the 32 samples it trained on, the tuned model (factors merged) beats its base:
+    # measured 0.080 to 0.083 lower over data seeds 7, 8, 9.
+    samples = trained_samples(tiny_data, 8, per_step=4)  # 2 ranks x micro-batch 2
+    with torch.no_grad():
+        loss = {name: load_model(path)[0](samples[:, :-1], samples[:, 1:]).lm_loss.item()
+                for name, path in (("base", base_ckpt), ("lora", runs / "lora"))}
+    assert loss["lora"] < loss["base"] - 0.03, loss
 
     base_state, _, _ = load_consolidated(base_ckpt)
     tuned, cfg, _ = load_consolidated(runs / "lora")

@@ -7,16 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data_pipeline.reader import PackedReader
 from moe.config.run import RunConfig, load_config
 from moe.core.config_schema import from_dict
 from moe.core.errors import ConfigError
-from moe.evaluation.evaluate import evaluate_perplexity, load_model
 from moe.model.adapters.bottleneck import BottleneckConfig
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.training.finetune import parameter_counts, prepare_finetune
 from tests.helpers.distributed import run_distributed
-from tests.helpers.finetune import base_and_finetune, latest_weights
+from tests.helpers.finetune import base_and_finetune, latest_weights, losses_before_and_after
 
 
 def tiny_model(**model) -> MoETransformer:
@@ -121,9 +119,12 @@ def _runs(rank, world, base, ft):
 @pytest.mark.multiprocess
 def test_adapter_run_trains_and_leaves_the_base_unchanged(tiny_data, tmp_path):
     runs = tmp_path / "runs"
+    # A base 2 steps past its start: it has yet to learn the data's plain token statistics,
+    # which the adapters learn in 8 steps. From a base trained 6 steps at lr 3e-3 they gained
+    # under 0.01 on samples seen once, a difference the data draw decides.
     base, ft = base_and_finetune(
         tiny_data, runs, {"method": "adapter", "adapter": {"hidden": 16, "init_std": 0.2}},
-        max_steps=8, lr=1e-2, weight_decay=0.1)
+        pretrain={"max_steps": 2, "lr": 1e-3}, max_steps=8, lr=1e-2, weight_decay=0.1)
     run_distributed(_runs, 2, base, ft)
 
     before, after = latest_weights(runs / "base"), latest_weights(runs / "ft")
@@ -132,17 +133,9 @@ def test_adapter_run_trains_and_leaves_the_base_unchanged(tiny_data, tmp_path):
     added = set(after) - set(before)
     assert added and all(".adapter." in n for n in added)
     assert all(after[n].abs().sum() > 0 for n in added if ".up." in n)  # they trained
-    # It learns what it trained on: the loss on the run's 64 samples falls below the base's.
-    reader = PackedReader(tiny_data.dir, tiny_data.seq_len, tiny_data.seed, 0, 1, 64)
-    samples = reader.next_step(1)[0].tokens_BS
-    with torch.no_grad():
-        loss = {name: load_model(runs / name)[0](samples[:, :-1], samples[:, 1:]).lm_loss.item()
-                for name in ("base", "ft")}
-    held_out = {name: evaluate_perplexity(load_model(runs / name)[0], tiny_data.dir,
-                                          tiny_data.seq_len, max_tokens=4000)["loss"]
-                for name in ("base", "ft")}
-    # Untrained adapters compute the base function exactly (equal losses); measured: 5.6963 ->
-    # 5.6937 on the trained samples, 5.6746 -> 5.6637 held out (a frozen base barely past its
-    # start leaves adapters little to do in 8 steps).
-    assert loss["ft"] < loss["base"] - 1e-3, loss
-    assert held_out["ft"] < held_out["base"] - 1e-3, held_out
+    # It learns: the loss on the run's 64 samples, and held out, falls below the base's
+    # (untrained adapters compute the base function exactly).
+    loss, held_out = losses_before_and_after(tiny_data, runs, 8)
+    # Measured over data seeds 7, 8, 9: 0.08 lower on the samples, 0.09 to 0.11 held out.
+    assert loss["ft"] < loss["base"] - 0.03, loss
+    assert held_out["ft"] < held_out["base"] - 0.03, held_out

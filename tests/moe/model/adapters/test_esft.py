@@ -5,20 +5,22 @@ real trainer runs with expert parallelism 2 and ZeRO 2 in which only the selecte
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from data_pipeline.reader import PackedReader
 from moe.config.run import RunConfig, load_config
 from moe.core.config_schema import from_dict
 from moe.core.errors import CheckpointError, ConfigError
-from moe.evaluation.evaluate import evaluate_perplexity, load_model
+from moe.evaluation.evaluate import load_model
 from moe.model.adapters.esft import freeze_all_but_routed_experts, mask_expert_rows, select_experts
 from moe.model.transformer import ModelConfig, MoETransformer
 from moe.training.esft import score_experts
 from moe.training.finetune import parameter_counts
 from tests.helpers.distributed import run_distributed
-from tests.helpers.finetune import base_and_finetune, latest_weights
+from tests.helpers.finetune import base_and_finetune, latest_weights, losses_before_and_after
 
 
 def test_selection_is_the_smallest_prefix_reaching_p():
@@ -109,10 +111,38 @@ def test_bad_settings_are_refused_by_key():
         in e.value.problems[0]
 
 
-def _runs(rank, world, base, ft, runs_dir):
-    """base: pretraining; ft: ESFT for 6 steps straight; ft2: the same ESFT run killed in step 3
-    (after its step-2 checkpoint), refused a resume with another p, then resumed to the end
-    with scoring made impossible."""
+def first_batches(data, ranks, world: int, micro_batch: int, n: int) -> list:
+    """The first ``n`` micro-batches of each of ``ranks`` (of ``world``) in the training data, as
+    an ESFT run scores them: (input ids, no document ids)."""
+    return [(b.tokens_BS[:, :-1], None)
+            for r in ranks
+            for b in PackedReader(data.dir, data.seq_len, data.seed, r, world,
+                                  micro_batch).next_step(n)]
+
+
+def p_selecting_both_halves(gate_LE: torch.Tensor) -> float:
+    """A p at which some MoE layer selects experts of both expert-parallel ranks' halves
+    (experts 0-1 and 2-3) and every layer leaves at least one expert frozen, for scores
+    ``gate_LE`` (L, 4). Per layer, k is the length of the shortest run of top experts that
+    covers both halves (2 or 3); in the layer where that run has the smallest share, p lies
+    midway between the shares of its first k - 1 and k experts: that layer selects exactly k,
+    and every other layer at most its own k. Which experts a base model favours depends on the
+    data it is scored on; p from the scores keeps both ranks' paths under test for any data."""
+    best = None
+    for s_E in gate_LE.double():
+        order = torch.sort(-s_E, stable=True).indices.tolist()
+        k = next(k for k in range(2, 5) if {e // 2 for e in order[:k]} == {0, 1})
+        share = s_E[order].cumsum(0) / s_E.sum()
+        if best is None or share[k - 1] < best[1]:
+            best = (share[k - 2].item(), share[k - 1].item())
+    return round(sum(best) / 2, 4)
+
+
+def _runs(rank, world, base, ft, data):
+    """base: pretraining; then p for ESFT from the base model's scores on the ESFT run's first
+    batches (:func:`p_selecting_both_halves`); ft: ESFT for 6 steps straight; ft2: the same
+    ESFT run killed in step 3 (after its step-2 checkpoint), refused a resume with another p,
+    then resumed to the end with scoring made impossible."""
     import moe.training.esft as esft
     from moe.training.resilience.faults import FaultInjector
     from moe.training.trainer import DistEnv, train
@@ -124,6 +154,12 @@ def _runs(rank, world, base, ft, runs_dir):
 
     env = DistEnv(rank, world, rank, world)
     train(from_dict(RunConfig, copy.deepcopy(base)), env)
+    model = load_model(Path(base["output_dir"]) / "base")[0]
+    batches = first_batches(data, [rank], world, ft["train"]["micro_batch_size"],
+                            ft["finetune"]["esft"]["max_batches"])
+    p = p_selecting_both_halves(score_experts(model, batches)["gate"])  # summed over ranks
+    ft = copy.deepcopy(ft)
+    ft["finetune"]["esft"]["p"] = p
     train(from_dict(RunConfig, copy.deepcopy(ft)), env)
     ft2 = copy.deepcopy(ft)
     ft2["name"] = "ft2"
@@ -134,37 +170,46 @@ def _runs(rank, world, base, ft, runs_dir):
         assert str(e) == "killed"
     esft.score_experts = None  # a resumed run must take its checkpoint's selection
     other = copy.deepcopy(ft2)
-    other["finetune"]["esft"]["p"] = 0.9
+    other["finetune"]["esft"]["p"] = 1.0
     try:
         train(from_dict(RunConfig, other), env)
         raise AssertionError("a resume with another p was accepted")
     except CheckpointError as e:
-        assert "finetune.esft.p: the checkpoint has 0.3, the config has 0.9" in str(e)
+        assert f"finetune.esft.p: the checkpoint has {p}, the config has 1.0" in str(e)
     train(from_dict(RunConfig, ft2), env)
 
 
 @pytest.fixture(scope="module")
 def esft_runs(tiny_data, tmp_path_factory):
     """The runs of :func:`_runs` (2 ranks, expert parallelism 2, ZeRO 2): (runs directory, ft's
-    run config)."""
+    run config with the p it ran with)."""
     runs = tmp_path_factory.mktemp("esft") / "runs"
     # Weight decay on: it must not shrink the frozen experts (their group's decay is zeroed).
+    # A base 2 steps past its start: the selected experts have the data's plain token
+    # statistics left to learn in 6 steps, a gain well clear of the data draw's noise.
     base, ft = base_and_finetune(
-        tiny_data, runs, {"method": "esft", "esft": {"score": "gate", "p": 0.3, "max_batches": 2}},
-        max_steps=6, lr=1e-2, warmup_steps=1, weight_decay=0.1)
-    run_distributed(_runs, 2, base, ft, str(runs))
+        tiny_data, runs, {"method": "esft", "esft": {"score": "gate", "max_batches": 2}},
+        pretrain={"max_steps": 2, "lr": 1e-3}, max_steps=6, lr=1e-2, warmup_steps=1,
+        weight_decay=0.1)
+    run_distributed(_runs, 2, base, ft, tiny_data)
+    selection = json.loads((runs / "ft" / "esft_selection.json").read_text())
+    ft["finetune"]["esft"]["p"] = selection["p"]
     return runs, ft
 
 
 @pytest.mark.multiprocess
 def test_only_selected_experts_train_under_expert_parallelism(tiny_data, esft_runs):
-    runs, _ = esft_runs
+    runs, ft = esft_runs
     selection = json.loads((runs / "ft" / "esft_selection.json").read_text())
     assert selection["tokens"] == 2 * 2 * 4 * tiny_data.seq_len  # ranks x batches x B x S
     assert [layer["name"] for layer in selection["layers"]] == ["blocks.0.ffn", "blocks.1.ffn"]
+    # The scores are the base model's on both ranks' first 2 micro-batches, on one device here.
+    gate = score_experts(load_model(runs / "base")[0],
+                         first_batches(tiny_data, range(2), world=2, micro_batch=4, n=2))["gate"]
+    torch.testing.assert_close(torch.tensor([layer["gate"] for layer in selection["layers"]],
+                                            dtype=gate.dtype), gate, rtol=1e-5, atol=1e-7)
     got = [layer["selected"] for layer in selection["layers"]]
-    assert got == select_experts(torch.tensor([layer["gate"] for layer in selection["layers"]]),
-                                 0.3)
+    assert got == select_experts(gate, ft["finetune"]["esft"]["p"])
     assert all(1 <= len(s) < 4 for s in got)
     # Both ranks' halves are selected somewhere, so both expert-parallel ranks train.
     assert {e // 2 for s in got for e in s} == {0, 1}
@@ -180,11 +225,11 @@ def test_only_selected_experts_train_under_expert_parallelism(tiny_data, esft_ru
                 assert same == (e not in got[layer]), (name, e)
         else:
             assert torch.equal(after[name], w), name
-    # It learns: the held-out loss falls below the base model's.
-    loss = {name: evaluate_perplexity(load_model(runs / name)[0], tiny_data.dir,
-                                      tiny_data.seq_len, max_tokens=4000)["loss"]
-            for name in ("base", "ft")}
-    assert loss["ft"] < loss["base"] - 0.01, loss  # measured: 5.675 -> 5.649
+    # It learns: the loss on the samples it trained on, and held out, falls below the base's.
+    loss, held_out = losses_before_and_after(tiny_data, runs, 6)
+    # Measured over data seeds 7, 8, 9: 0.13 to 0.16 lower on both.
+    assert loss["ft"] < loss["base"] - 0.03, loss
+    assert held_out["ft"] < held_out["base"] - 0.03, held_out
 
     # Killed after step 2 and resumed (on its checkpoint's selection): the same weights.
     resumed = latest_weights(runs / "ft2")
