@@ -1,7 +1,8 @@
 """Installing the wheel folder of benchmarks/gpu_wheels.sh on a GPU machine that has a CUDA torch
 but no DeepSpeed and no package index: only the packages this Python lacks, into a target
 folder that reaches the commands through PYTHONPATH (the machine's own torch is never touched).
-Used by the GPU proof (its install part) and the settings matrix. Standard library only."""
+Used by the GPU proof (its install and env parts) and the settings matrix. Standard library
+only."""
 
 from __future__ import annotations
 
@@ -104,6 +105,53 @@ def import_check(python: str, env: dict, cwd: Path, timeout: float,
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("IMPORTS ")), None)
     return (json.loads(line[len("IMPORTS "):]) if line else None), output
 
+
+ENV_PROBE = (
+    "import json, platform, sys, torch\n"
+    "d = {'python': sys.version.split()[0], 'platform': platform.platform(),\n"
+    "     'torch': torch.__version__, 'torch_file': torch.__file__,\n"
+    "     'cuda': torch.version.cuda, 'cuda_available': torch.cuda.is_available(),\n"
+    "     'cudnn': torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}\n"
+    "try:\n"
+    "    d['nccl'] = '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None\n"
+    "except Exception as e:\n"
+    "    d['nccl'] = f'n/a ({e})'\n"
+    "if torch.cuda.is_available():\n"
+    "    from moe.model.experts import grouped_mm_supported\n"
+    "    from moe.training.device import peak_bf16_flops\n"
+    "    dev = torch.device('cuda', 0)\n"
+    "    p = torch.cuda.get_device_properties(dev)\n"
+    "    d.update(gpu=p.name, gpus=torch.cuda.device_count(),\n"
+    "             capability='.'.join(map(str, torch.cuda.get_device_capability(dev))),\n"
+    "             gpu_memory_gib=round(p.total_memory / 2**30, 1),\n"
+    "             peak_bf16_tflops=(peak_bf16_flops(dev) or 0) / 1e12,\n"
+    "             grouped_mm_bf16=grouped_mm_supported(torch.bfloat16, dev))\n"
+    "try:\n"
+    "    import triton\n"
+    "    d['triton'] = triton.__version__\n"
+    "except Exception:\n"
+    "    d['triton'] = None\n"
+    "import deepspeed\n"
+    "from deepspeed.accelerator import get_accelerator\n"
+    "d.update(deepspeed=deepspeed.__version__, deepspeed_file=deepspeed.__file__,\n"
+    "         deepspeed_accelerator=get_accelerator()._name)\n"
+    "print('ENV ' + json.dumps(d))\n"
+)
+"""Prints ``ENV {json}``: Python, torch, CUDA, cuDNN, NCCL, the GPU, triton and DeepSpeed with
+the accelerator it chose, as the commands of the proof will see them."""
+
+
+def probe_environment(python: str, env: dict, cwd: Path, timeout: float) -> tuple[dict | None, str]:
+    """What ``python`` with ``env`` runs on (ENV_PROBE's record), and the probe's output; None
+    when the probe failed."""
+    proc = subprocess.run(
+        [python, "-c", ENV_PROBE], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    output = proc.stdout[-20000:] + proc.stderr[-10000:]
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ENV ")), None)
+    if proc.returncode != 0 or line is None:
+        return None, output
+    return json.loads(line[len("ENV ") :]), output
 
 def unpack_wheel(wheel: Path, target: Path) -> None:
     """Install a wheel without pip: its files into ``target``, ``*.data/purelib|platlib`` into

@@ -44,12 +44,18 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_install import choose_wheels, import_check, install_wheels  # noqa: E402
+from gpu_install import (  # noqa: E402
+    choose_wheels,
+    import_check,
+    install_wheels,
+    probe_environment,
+)
+from gpu_proof_summary import write_summary  # noqa: E402
 
 MAX_FILES = 10
 OUT_FILES = ("summary.md", "summary.json", "profile.md", "profile.json")
@@ -223,44 +229,11 @@ class Proof:
                 part.figures["driver"] = None
         else:
             log.write("nvidia-smi: not found\n")
-        script = (
-            "import json, platform, sys, torch\n"
-            "d = {'python': sys.version.split()[0], 'platform': platform.platform(),\n"
-            "     'torch': torch.__version__, 'torch_file': torch.__file__,\n"
-            "     'cuda': torch.version.cuda, 'cuda_available': torch.cuda.is_available(),\n"
-            "     'cudnn': torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}\n"
-            "try:\n"
-            "    d['nccl'] = '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None\n"
-            "except Exception as e:\n"
-            "    d['nccl'] = f'n/a ({e})'\n"
-            "if torch.cuda.is_available():\n"
-            "    from moe.model.experts import grouped_mm_supported\n"
-            "    from moe.training.device import peak_bf16_flops\n"
-            "    dev = torch.device('cuda', 0)\n"
-            "    p = torch.cuda.get_device_properties(dev)\n"
-            "    d.update(gpu=p.name, gpus=torch.cuda.device_count(),\n"
-            "             capability='.'.join(map(str, torch.cuda.get_device_capability(dev))),\n"
-            "             gpu_memory_gib=round(p.total_memory / 2**30, 1),\n"
-            "             peak_bf16_tflops=(peak_bf16_flops(dev) or 0) / 1e12,\n"
-            "             grouped_mm_bf16=grouped_mm_supported(torch.bfloat16, dev))\n"
-            "try:\n"
-            "    import triton\n"
-            "    d['triton'] = triton.__version__\n"
-            "except Exception:\n"
-            "    d['triton'] = None\n"
-            "import deepspeed\n"
-            "from deepspeed.accelerator import get_accelerator\n"
-            "d.update(deepspeed=deepspeed.__version__, deepspeed_file=deepspeed.__file__,\n"
-            "         deepspeed_accelerator=get_accelerator()._name)\n"
-            "print('ENV ' + json.dumps(d))\n")
-        proc = subprocess.run([self.python, "-c", script], env=self.env(), cwd=ROOT,
-                              capture_output=True, text=True, timeout=max(limit - 5, 10))
-        log.write(proc.stdout[-20000:] + proc.stderr[-10000:])
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ENV ")), None)
-        if proc.returncode != 0 or line is None:
+        info, output = probe_environment(self.python, self.env(), ROOT, max(limit - 5, 10))
+        log.write(output)
+        if info is None:
             part.note = "the environment probe failed"
             return "fail"
-        info = json.loads(line[4:])
         part.figures.update(info)
         log.write("\n" + "\n".join(f"{k:<22} {v}" for k, v in info.items()) + "\n")
         if self.cuda and not info["cuda_available"]:
@@ -419,83 +392,6 @@ class Proof:
             return "fail"
         return status
 
-    # ---- summary -----------------------------------------------------------------------------
-
-    def write_summary(self) -> bool:
-        ok = all(p.status == "pass" for p in self.parts)
-        mode = ("dry run, " if self.args.dry_run else "") + f"device {self.args.device}"
-        env = next((p.figures for p in self.parts if p.name == "env"), {})
-        lines = [f"# GPU proof: {'PASS' if ok else 'FAIL'}", "",
-                 f"{mode}; budget {self.args.budget:.0f} s; "
-                 f"{sum(p.seconds for p in self.parts):.0f} s in all; scratch {self.scratch}", ""]
-        if env:
-            lines += [f"- GPU: {env.get('gpu', 'none')} (capability {env.get('capability', '-')}, "
-                      f"{env.get('gpu_memory_gib', '-')} GiB, {env.get('gpus', 0)} visible)",
-                      f"- driver {env.get('driver')}; torch {env.get('torch')}, CUDA "
-                      f"{env.get('cuda')}, cuDNN "
-                      f"{env.get('cudnn')}, NCCL {env.get('nccl')}, triton {env.get('triton')}",
-                      f"- Python {env.get('python')}, DeepSpeed {env.get('deepspeed')} "
-                      f"(accelerator {env.get('deepspeed_accelerator')})", ""]
-        lines += ["| part | status | seconds | CPU s | log | figures |",
-                  "| --- | --- | ---: | ---: | --- | --- |"]
-        for p in self.parts:
-            figs = {k: v for k, v in p.figures.items()
-                    if k not in ("rows", "compiled_rows") and p.name != "env"}
-            text = ", ".join(f"{k}={fmt(v)}" for k, v in figs.items())
-            if p.note:
-                text = f"**{p.note}**" + (f"; {text}" if text else "")
-            lines.append(f"| {p.name} | {p.status} | {p.seconds:.1f} | {p.cpu_seconds:.1f} | "
-                         f"{p.log} | {text} |")
-        bench = next((p for p in self.parts if p.name == "bench"), None)
-        if bench and bench.figures.get("rows"):
-            lines += ["", f"Training benchmark on {bench.figures.get('device')}:", "",
-                      "| model | B x S | tokens/s | MFU | peak MiB | planned MiB | compiled "
-                      "tokens/s | compiled / eager |",
-                      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-            compiled = {r["model"]: r for r in bench.figures.get("compiled_rows", [])}
-            ratios = bench.figures.get("compiled_over_eager", {})
-            for r in bench.figures["rows"]:
-                mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.0f}"
-                mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-                c = compiled.get(r["model"])
-                ctext = (f"{c['tokens_per_s']:,.0f} | {ratios[r['model']]:.2f}x"
-                         if c and r["model"] in ratios else "n/a | n/a")
-                lines.append(f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                             f"{mib(r['peak_mem'])} | {mib(r['planned_mem'])} | {ctext} |")
-        lines += self.profile_lines()
-        text = "\n".join(lines) + "\n"
-        (self.out / "summary.md").write_text(text)
-        (self.out / "summary.json").write_text(json.dumps(
-            {"ok": ok, "dry_run": self.args.dry_run, "device": self.args.device,
-             "budget_s": self.args.budget, "parts": [asdict(p) for p in self.parts]},
-            indent=2, default=str))
-        print("\n" + text, flush=True)
-        return ok
-
-
-    def profile_lines(self) -> list[str]:
-        """One line per step profile of the bench part (the whole of each in profile.md)."""
-        try:
-            entries = json.loads((self.out / "profile.json").read_text())["entries"]
-        except (OSError, ValueError, KeyError):
-            return []
-        lines = ["", "Step profiles (profile.md has each one's regions and top kernels):", "",
-                 "| model | setting | step ms | device busy | kernels/step | host syncs/step |",
-                 "| --- | --- | ---: | ---: | ---: | ---: |"]
-        for e in entries:
-            syncs = "n/a" if e.get("syncs_per_step") is None else f"{e['syncs_per_step']:g}"
-            lines.append(f"| {e.get('model')} | {e.get('setting')} | {e['step_ms']:.1f} | "
-                         f"{e['busy_share']:.0%} | {e['kernels_per_step']:g} | {syncs} |")
-        return lines
-
-
-def fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, list):
-        return "[" + " ".join(map(str, v)) + "]" if v else "none"
-    return str(v)
-
 
 def write_corpus(root: Path) -> Path:
     """A small real corpus for the dry run: docstrings of a few standard-library modules."""
@@ -546,7 +442,7 @@ def main(argv=None) -> int:
     proof.part("bench", proof.bench)
     proof.part("train", proof.train)
     proof.part("eval", proof.evaluate)
-    ok = proof.write_summary()
+    ok = write_summary(proof.out, args, proof.parts, proof.scratch)
     assert len(list(proof.out.iterdir())) <= MAX_FILES
     return 0 if ok else 1
 
