@@ -100,7 +100,7 @@ def _agreement(a, b):
 
 
 def _fixed_batch(data):
-    from data_pipeline.reader import validation_windows
+    from data_pipeline.token_stream import validation_windows
 
     windows = list(validation_windows(data.dir, data.seq_len, ROWS * (data.seq_len + 1)))
     return torch.stack([w for w, _ in windows[:ROWS]])[:, :-1]

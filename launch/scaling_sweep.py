@@ -10,8 +10,8 @@ from pathlib import Path
 
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import TokenStream
 from data_pipeline.text_bytes import predicted_text_bytes
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import load_config
 from moe.core.errors import MoEError, ScalingError

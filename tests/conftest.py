@@ -122,7 +122,7 @@ def rarest_token(data_dir: str) -> int:
     the documents the split drew."""
     import numpy as np
 
-    from data_pipeline.reader import TokenStream
+    from data_pipeline.token_stream import TokenStream
 
     stream = TokenStream(data_dir, "train")
     counts = np.bincount(stream.read(0, len(stream)), minlength=stream.vocab_size)

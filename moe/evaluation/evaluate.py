@@ -19,8 +19,9 @@ from data_pipeline import storage
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
 from data_pipeline.progress import Progress
-from data_pipeline.reader import IGNORE_INDEX, TokenStream, Window, token_windows
+from data_pipeline.reader import IGNORE_INDEX
 from data_pipeline.shards import MANIFEST
+from data_pipeline.token_stream import TokenStream, Window, token_windows
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
 from moe.core.errors import ConfigError
@@ -32,7 +33,7 @@ from moe.weights.load import load_model
 
 class TokenArray:
     """Tokens held in memory with the ``len`` / ``read`` interface of a prepared split's
-    :class:`~data_pipeline.reader.TokenStream`."""
+    :class:`~data_pipeline.token_stream.TokenStream`."""
 
     def __init__(self, tokens: np.ndarray):
         self.tokens = tokens

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, validation_windows
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import read_manifest
+from data_pipeline.token_stream import validation_windows
 from moe.checkpoint.files import verify_checkpoint
 from moe.config.run import SIGNALS, RunConfig, dump_config
 from moe.core.errors import CheckpointError, ConfigError, LaunchError, TrainingError

@@ -16,8 +16,9 @@ import yaml
 from data_pipeline import reader as reader_module
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import MANIFEST, read_manifest, write_manifest, write_shard
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
 from moe.config.run import RunConfig

@@ -18,8 +18,9 @@ import yaml
 from data_pipeline.config import DataConfig, RoleTemplate, SourceConfig, TemplateConfig
 from data_pipeline.prepare import config_hash, prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import IGNORE_INDEX, PackedReader, TokenStream, Window, token_windows
+from data_pipeline.reader import IGNORE_INDEX, PackedReader
 from data_pipeline.shards import read_manifest
+from data_pipeline.token_stream import TokenStream, Window, token_windows
 from data_pipeline.tokenizer import Tokenizer
 from data_pipeline.verify import verify
 from launch import prepare as prepare_cli

@@ -25,8 +25,9 @@ from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import read_manifest
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.verify import verify
 from tests.conftest import tiny_data_config, write_corpus
 from tests.helpers import s3 as helper_s3

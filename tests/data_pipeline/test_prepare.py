@@ -15,9 +15,10 @@ from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import SCHEMA_VERSION, read_manifest, token_type
 from data_pipeline.split import content_key, in_valid_split
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import TOKENIZER_FILE, Tokenizer
 from launch import prepare as prepare_cli
 

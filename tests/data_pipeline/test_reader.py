@@ -9,7 +9,8 @@ import torch
 
 from data_pipeline import reader as reader_module
 from data_pipeline.errors import DataError
-from data_pipeline.reader import PackedReader, TokenStream, validation_windows
+from data_pipeline.reader import PackedReader
+from data_pipeline.token_stream import TokenStream, validation_windows
 from tests.helpers.reader_reference import ReferenceRows, reference_doc_ids
 
 

@@ -15,9 +15,9 @@ from data_pipeline.config import DataConfig, FilterConfig, SourceConfig
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import TokenStream
 from data_pipeline.shards import read_manifest
 from data_pipeline.sources import read_item, work_items
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.core.config_schema import from_dict
 from moe.core.errors import ConfigError

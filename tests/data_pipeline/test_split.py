@@ -21,9 +21,10 @@ from data_pipeline.config import SourceConfig
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import MANIFEST, read_manifest
 from data_pipeline.split import content_key, in_valid_split, in_valid_split_by_location
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
 from tests.conftest import tiny_run_dict

@@ -14,7 +14,7 @@ import torch
 import yaml
 from PIL import Image
 
-from data_pipeline.reader import TokenStream
+from data_pipeline.token_stream import TokenStream
 from launch.evaluate import main
 from moe.config.run import load_config
 from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir, load_model

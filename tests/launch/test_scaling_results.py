@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import TokenStream
 from data_pipeline.text_bytes import predicted_text_bytes
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from launch import scaling_sweep
 from moe.core.run_dir import RunDir

@@ -11,7 +11,7 @@ import torch
 
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import TokenStream
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict

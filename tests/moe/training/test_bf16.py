@@ -143,7 +143,7 @@ def test_killed_bf16_run_resumes_exactly(runs):
 
 def _fixed_batch(tiny_data, rows=64):
     """The first validation windows: (inputs, targets), 64 x 32 tokens."""
-    from data_pipeline.reader import validation_windows
+    from data_pipeline.token_stream import validation_windows
 
     windows = list(validation_windows(tiny_data.dir, tiny_data.seq_len, rows * (tiny_data.seq_len + 1)))
     ids = torch.stack([w for w, _ in windows[:rows]])

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data_pipeline.reader import TokenStream, token_windows
+from data_pipeline.token_stream import TokenStream, token_windows
 from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
 from moe.model.generation import FullForwardDecoder, GenerationConfig, KVCacheDecoder, generate

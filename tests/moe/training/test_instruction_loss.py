@@ -114,7 +114,7 @@ def test_validation_during_training_reports_the_loss_of_the_trained_tokens(instr
     tests/data_pipeline/test_instruction.py)."""
     from types import SimpleNamespace
 
-    from data_pipeline.reader import validation_windows
+    from data_pipeline.token_stream import validation_windows
     from moe.evaluation.evaluate import evaluate_perplexity
     from moe.training.hooks import ValidationMeter
 
