@@ -1,6 +1,6 @@
 """Resuming on fewer ranks when a restart cannot have them all (``launch.elastic``).
 
-Before each automatic restart (launch/supervise.py) moe-launch asks which slots are usable now:
+Before each automatic restart (launch/restarts.py) moe-launch asks which slots are usable now:
 
 - hostfile launches over several hosts: each host of the hostfile (after include/exclude) is
   reached the way DeepSpeed's runner reaches it, ``ssh HOST true`` with a short timeout; a host
@@ -29,9 +29,9 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from launch.restarts import Relaunch
 from launch.schedulers import build_plan
 from launch.schedulers.hostfile import active_slots, read_hostfile
-from launch.supervise import Relaunch
 from moe.config.run import RunConfig
 from moe.core.errors import ConfigError, LaunchError
 
@@ -151,7 +151,7 @@ def usable_slots(cfg: RunConfig, env: dict[str, str]) -> tuple[dict[str, list[in
 
 
 class Elastic:
-    """The ``replan`` of :func:`launch.supervise.run_with_restarts` for a ``launch.elastic``
+    """The ``replan`` of :func:`launch.restarts.run_with_restarts` for a ``launch.elastic``
     run: the command for the next attempt, on the layout the usable slots allow."""
 
     def __init__(self, cfg: RunConfig, env: dict[str, str]):

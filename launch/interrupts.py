@@ -1,7 +1,7 @@
 """The signals moe-launch receives while the ranks of a local, hostfile or mpi launch run, and
 the rank processes it acts on.
 
-The ranks run in a session of their own (launch/supervise.py starts the scheduler's launcher
+The ranks run in a session of their own (launch/restarts.py starts the scheduler's launcher
 with ``start_new_session``), so a terminal's Ctrl-C or hang-up reaches moe-launch alone, and
 moe-launch decides what the ranks get:
 

@@ -33,6 +33,7 @@ from launch.finish import finish
 from launch.interrupts import LauncherSignals
 from launch.launcher_watch import ENV as WATCH_ENV
 from launch.launcher_watch import identity
+from launch.restarts import run_with_restarts
 from launch.run_plan import Plan
 from launch.schedulers import build_plan, plan_problems
 from launch.slurm.checks import check_submission
@@ -51,7 +52,6 @@ from launch.slurm.jobs import (
 )
 from launch.slurm.prepare import is_prepare_dir
 from launch.slurm.script import job_log
-from launch.supervise import run_with_restarts
 from moe.config.run import SIGNALS, dump_config, load_config
 from moe.core.errors import LaunchError
 from moe.core.run_dir import RunDir
@@ -71,7 +71,7 @@ def stopped(message: str, code: int):
 def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
                replan=None, save_signal: int | None = signal.SIGUSR1) -> None:
     """Run the plan to its end, restarting it after a failure up to ``max_restarts`` times
-    (launch/supervise.py); ``replan``: the next attempt's command (launch/elastic.py);
+    (launch/restarts.py); ``replan``: the next attempt's command (launch/elastic.py);
     ``save_signal``: what the ranks get when moe-launch receives SIGTERM, SIGINT, SIGHUP or
     SIGUSR1 (launch/interrupts.py; None: nothing saves on a signal, they are stopped)."""
     files = RunDir(run_dir)

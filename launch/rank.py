@@ -5,7 +5,7 @@ DeepSpeed's launcher reports one exit code per node and never which rank failed,
 killed by a signal cannot say anything itself. Its parent can: when the rank ends, this process
 appends one JSON line (rank, pid, exit code or signal, time) to
 ``RUN_DIR/logs/exits_rank{R}.jsonl``, from which moe-launch names the failing rank in its
-restart line (launch/supervise.py), then exits with the rank's exit code (128 + N for signal N).
+restart line (launch/restarts.py), then exits with the rank's exit code (128 + N for signal N).
 Signals it receives (USR1, USR2, TERM, INT) are passed on to the rank (in an srun step, SLURM
 signals the rank itself, so only those that came before the rank started). When the moe-launch
 that started it is gone (killed), it kills the rank (launch/launcher_watch.py). Standard library

@@ -29,7 +29,7 @@ from data_pipeline.shards import read_manifest
 from launch.cli import exits_cleanly, setup_logging
 from launch.launcher_watch import end_with_launcher, gone_line, say
 from launch.rank_env import dist_env_from_environment
-from launch.supervise import record_final
+from launch.restarts import record_final
 from moe.checkpoint.files import MARKER
 from moe.config.run import SIGNALS, RunConfig, load_config
 from moe.core.errors import ConfigError, MoEError
@@ -198,7 +198,7 @@ def final_cause(e: Exception, ckpt_dir: Path, cfg: RunConfig | None = None
 def record_stop(e: Exception, run_dir: Path, rank: int, cfg: RunConfig | None = None
                 ) -> tuple[str, str] | None:
     """Every rank's own log holds the error that stopped it (its console may be another's); a
-    failure no restart can fix is also recorded for the supervisor (launch/supervise.py), and
+    failure no restart can fix is also recorded for the supervisor (launch/restarts.py), and
     returned: (kind, cause), else None. ``cfg``: the run's config (storage_verdict)."""
     text = f"stopped by {type(e).__name__}: {e}"
     for handler in logging.getLogger("moe").handlers:

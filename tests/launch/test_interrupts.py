@@ -14,8 +14,8 @@ import pytest
 
 from launch.interrupts import LauncherSignals, catches, stop_session
 from launch.launch import run_to_end
+from launch.restarts import Attempt, run_attempt
 from launch.run_plan import Plan
-from launch.supervise import Attempt, run_attempt
 from moe.core.errors import LaunchError
 from moe.core.run_dir import RunDir
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE

@@ -1,4 +1,4 @@
-"""The restart loop of local and hostfile launches (launch/supervise.py) with a fake launcher: a
+"""The restart loop of local and hostfile launches (launch/restarts.py) with a fake launcher: a
 small script that plays both ranks (their step records, their exit records as launch/rank.py
 writes them) and follows a per-attempt script of outcomes. The real launch is tested in
 tests/integration/test_fault_campaign.py."""
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from launch import supervise
+from launch import restarts as restart_policy
 from launch.rank import exit_record, exits_file
-from launch.supervise import RESTARTS_FILE, Relaunch, run_with_restarts
+from launch.restarts import RESTARTS_FILE, Relaunch, run_with_restarts
 from moe.core.errors import LaunchError
 from tests.launch.test_config_errors import launch_errors
 
@@ -38,7 +38,7 @@ if outcome.get("hang"):  # what a hang watchdog writes before it exits with code
     with (logs / "hangs_rank0.jsonl").open("a") as f:
         f.write(json.dumps(outcome["hang"]) + "\n")
 if outcome.get("final"):  # a rank's word that no restart fixes this (launch/train.py)
-    from launch.supervise import record_final
+    from launch.restarts import record_final
     record_final(logs, 1, "storage", outcome["final"])
 for rank, rc in enumerate(outcome["ranks"]):
     if rc is not None:
@@ -155,7 +155,7 @@ def test_a_preemption_is_returned_not_restarted(tmp_path):
 def test_a_launcher_that_outlives_a_failed_rank_is_stopped(tmp_path, monkeypatch):
     """Ranks on other nodes are not DeepSpeed's per-node launcher's to stop: once a rank's end
     is recorded and the launcher still runs after the grace period, its tree is terminated."""
-    monkeypatch.setattr(supervise, "GRACE_S", 1.0)
+    monkeypatch.setattr(restart_policy, "GRACE_S", 1.0)
     script = [{"reach": 3, "ranks": [None, KILLED], "launcher": 1, "linger": True},
               {"reach": 5, "ranks": [0, 0], "launcher": 0}]
     t0 = time.monotonic()
@@ -228,7 +228,7 @@ def test_steps_written_in_an_attempt_count_even_when_the_file_clock_lags(tmp_pat
     logs.mkdir()
     old = logs / "steps_rank1.jsonl"
     old.write_text('{"step": 7}\n')  # an earlier attempt's, untouched in this one
-    attempt = supervise.Attempt(tmp_path, 2, resumed_step=2)
+    attempt = restart_policy.Attempt(tmp_path, 2, resumed_step=2)
     path = logs / "steps_rank0.jsonl"
     path.write_text('{"step": 3}\n{"step": 4}\n')
     lagging = attempt.started - 0.004
