@@ -11,7 +11,6 @@ of training, and every part is closed when training ends, however it ends."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -23,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader
@@ -34,7 +32,6 @@ from moe.config.run import SIGNALS, RunConfig, dump_config
 from moe.core.errors import CheckpointError, ConfigError, LaunchError, TrainingError
 from moe.model.adapters.qlora import quantize_base
 from moe.model.compile import compile_blocks
-from moe.model.moe_layer import counting_routes
 from moe.model.recompute import apply_recompute
 from moe.model.size import flops_per_token
 from moe.model.transformer import MoETransformer
@@ -57,15 +54,14 @@ from moe.training.checkpoint import (
     restore,
 )
 from moe.training.decision import Rollback, Stop, decide
-from moe.training.device import peak_bf16_flops, to_device
-from moe.training.downstream import DownstreamEvaluator, downstream_due
+from moe.training.device import peak_bf16_flops
+from moe.training.downstream import DownstreamEvaluator
 from moe.training.esft import ExpertSelection
 from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
 from moe.training.hooks import (
     ConsoleReporter,
     MemoryMeter,
     StepRecorder,
-    StepState,
     TensorBoardReporter,
     ThroughputMeter,
     ValidationMeter,
@@ -73,7 +69,7 @@ from moe.training.hooks import (
 )
 from moe.training.prefetch import PrefetchingReader
 from moe.training.resilience.faults import FaultInjector
-from moe.training.resilience.nan_guard import NonFiniteGuard, poison_nonfinite
+from moe.training.resilience.nan_guard import NonFiniteGuard
 from moe.training.resilience.preemption import PreemptionGuard, exit_for_requeue
 from moe.training.resilience.spike_guard import (
     LossSpikeGuard,
@@ -83,6 +79,7 @@ from moe.training.resilience.spike_guard import (
 from moe.training.resilience.watchdog import HangWatchdog
 from moe.training.routing import RouterBalance
 from moe.training.run import PartFactory, Run, TrainState, close
+from moe.training.step import train_step
 from moe.training.upcycle import check_source_tokenizer, initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
@@ -221,14 +218,6 @@ def resume_from(engine, model, tag_dir: Path, cfg: RunConfig, env: DistEnv,
     return client
 
 
-def _token_hash(batches: list[torch.Tensor]) -> str:
-    """Of the host copies of the batches (the device has its own): no device read."""
-    h = hashlib.sha256()
-    for b in batches:
-        h.update(b.numpy().astype(np.int64).tobytes())
-    return h.hexdigest()[:16]
-
-
 def peak_flops(cfg: RunConfig, device: torch.device, threads: int | None = None) -> float | None:
     """One rank's peak FLOP/s: logging.peak_flops_per_device, or for bf16 runs the device's known
     bf16 peak. On the CPU the configured figure is one core's and a rank computes on as many
@@ -239,114 +228,6 @@ def peak_flops(cfg: RunConfig, device: torch.device, threads: int | None = None)
     if peak is not None or cfg.train.precision != "bf16":
         return peak
     return peak_bf16_flops(device)
-
-
-def count_global_routing(engine, batches: list) -> None:
-    """For routers with ``aux_loss_scope: global_batch``: route every micro-batch of the step
-    once without gradients, sum the routed copies per expert over the micro-batches and all
-    ranks, and leave them in each layer's ``batch_counts_E`` for the step's training forwards.
-
-    ``batches``: the step's micro-batches as (input ids, document ids or None), on the device.
-    The random state is restored afterwards, so jitter and logit noise draw the same values in
-    the training forwards and the counted routing is the routing they use."""
-    layers = [m for m in engine.module.moe_layers() if m.cfg.router.aux_loss_scope == "global_batch"]
-    if not layers:
-        return
-    cuda = [engine.device] if engine.device.type == "cuda" else []
-    with torch.no_grad(), torch.random.fork_rng(devices=cuda), counting_routes(layers):
-        for input_ids_BS, doc_ids_BS in batches:
-            engine.module(input_ids_BS, doc_ids_BS=doc_ids_BS)
-    counts_LE = torch.stack([m.batch_counts_E for m in layers])
-    if dist.is_initialized():
-        dist.all_reduce(counts_LE)  # every expert's routed copies over all data-parallel ranks
-    for m, row in zip(layers, counts_LE):
-        m.batch_counts_E.copy_(row)
-
-
-def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
-               step: int, spike: LossSpikeGuard | None = None) -> StepState:
-    """One optimizer step over ``grad_accum_steps`` micro-batches.
-
-    Host syncs of our code in a step (DeepSpeed's own optimizer step reads the gradient norm
-    and the overflow flag besides): the loss sums and gradient norm are read once, after the
-    optimizer step, in one transfer (the non-finite guard and the per-step record need them
-    every step). Nothing is read per micro-batch: the losses add up on the device, and a
-    micro-batch's copy to the device is asynchronous from pinned memory."""
-    t = cfg.train
-    t0 = time.time()
-    packed = loader.next_step()
-    samples = t.micro_batch_size * t.grad_accum_steps * env.world_size
-    sums = torch.zeros(3, device=engine.device)  # (loss, lm loss, aux loss) summed
-    batches = []
-    for p in packed:
-        p_dev = to_device(p, engine.device)
-        doc_ids = None if p_dev.doc_ids_BS is None else p_dev.doc_ids_BS[:, :-1]
-        batches.append((p_dev.tokens_BS[:, :-1], p_dev.targets(), doc_ids))
-    count_global_routing(engine, [(x, d) for x, _, d in batches])
-    weights, trained = trained_token_weights([t for _, t, _ in batches], env.world_size,
-                                             packed[0].targets_BS is not None)
-    spike_ref = spike.reference() if spike is not None else None
-    z_max = torch.full((1,), -math.inf, device=engine.device)
-    for (inputs, targets, doc_ids), weight in zip(batches, weights):
-        # Only the losses are kept: the (B, S, V) logits would otherwise stay alive through this
-        # micro-batch's backward and the next one's forward (2 bytes per logit in bf16).
-        out = engine(inputs, targets, doc_ids_BS=doc_ids)._replace(logits=None)
-        scored = out.loss  # the micro-batch's own mean: what the spike guard compares
-        if weight is not None:  # masked data: each micro-batch's mean weighed by its targets
-            out = out._replace(loss=out.lm_loss * weight + out.aux_loss,
-                               lm_loss=out.lm_loss * weight)
-        loss = out.loss
-        if spike_ref is not None:
-            loss, z = spike.check(scored, spike_ref, loss)
-            z_max = torch.maximum(z_max, z.reshape(1))
-        engine.backward(poison_nonfinite(loss))
-        engine.step()  # the last micro-batch's step() updates the weights
-        sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
-    skipped = not engine.was_step_applied()
-    is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
-              or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0)
-              or downstream_due(cfg, step))
-    # The spike guard's window needs the loss averaged over the ranks every step.
-    mean_over_ranks = (is_log or spike is not None) and dist.is_initialized()
-    local_sum = sums[:1].clone()
-    if mean_over_ranks:
-        dist.all_reduce(sums)
-    sums /= t.grad_accum_steps * (env.world_size if mean_over_ranks else 1)
-    grad_norm = engine.get_global_grad_norm()
-    norm = (grad_norm.detach().float().reshape(1).to(sums.device) if torch.is_tensor(grad_norm)
-            else torch.full((1,), math.nan if grad_norm is None else float(grad_norm),
-                            device=sums.device))
-    # The step's one read of ours (a host sync on GPUs).
-    loss, lm_loss, aux_loss, local_sum, norm_value, z_value, *n = torch.cat(
-        [sums, local_sum, norm, z_max, *([] if trained is None else [trained.reshape(1)])]).tolist()
-    return StepState(
-        step=step, max_steps=t.max_steps, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss,
-        lr=engine.get_lr()[0], grad_norm=None if grad_norm is None else norm_value,
-        step_seconds=time.time() - t0, tokens_per_step=samples * cfg.data.seq_len,
-        samples_per_step=samples, is_log_step=is_log, local_loss=local_sum / t.grad_accum_steps,
-        tokens_sha256=_token_hash([p.tokens_BS for p in packed]), skipped=skipped,
-        spike_zscore=z_value if spike_ref is not None and z_value > spike.cfg.zscore else None,
-        consumed_samples=int(loader.state_dict()["consumed_samples"]),
-        extra={} if trained is None else {"train/trained_tokens": n[0]})
-
-
-def trained_token_weights(targets: list[torch.Tensor], world_size: int, masked: bool
-                          ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-    """For data with a loss mask (targets holding -100): per micro-batch, the factor that turns
-    its mean loss (over its own trained targets) into its share of the mean over every trained
-    target of the step on all ranks, ``n_mb * A * W / N``, since the engine averages the
-    micro-batches' gradients and the ranks'; and ``N``, the step's trained targets. Computed on
-    the device (one all-reduce, no host read). Without a mask (``masked`` False: the same on
-    every rank, they read the same data) every micro-batch has the same number of targets:
-    ``[None, ...]`` and None."""
-    if not masked:
-        return [None] * len(targets), None
-    counts = torch.stack([(t != -100).sum() for t in targets]).float()
-    total = counts.sum()
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    weights = counts * (len(targets) * world_size) / total.clamp(min=1.0)
-    return list(weights), total
 
 
 def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
@@ -372,7 +253,8 @@ def run_step(run: Run) -> None:
     decide, the parts report, then the loop acts on the decision (stop, save, preempt, roll
     back)."""
     ts, every = run.state, run.cfg.checkpoint.every_n_steps
-    state = train_step(run.engine, run.loader, run.cfg, run.env, ts.step + 1, run.spike)
+    state = train_step(run.engine, run.loader, run.cfg, run.env.world_size, ts.step + 1,
+                       run.spike)
     ts.step, ts.tokens = state.step, ts.tokens + state.tokens_per_step
     for part in run.parts:
         part.after_step(state)  # meters; the router bias for the next step
@@ -450,15 +332,9 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str, faults: FaultInjector |
                           allow_other_data=cfg.data.allow_other_data_on_resume,
                           document_ids=cfg.model.document_masking)
     loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
-    state, client = TrainState(), None
-    if resume_dir is not None:
-        t_load = time.time()
-        client = resume_from(engine, model, resume_dir, cfg, env, tokenizer_sha)
-        state.step, state.tokens = int(client["step"]), int(client.get("tokens", 0))
-        if resume_dir.parent.resolve() == ckpt_dir.resolve():
-            state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
-        log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
-                 f"{time.time() - t_load:.2f}s)")
+    state = TrainState()
+    client = None if resume_dir is None else resume_state(state, engine, model, resume_dir, cfg,
+                                                          env, tokenizer_sha)
     train_loader = loader
     if faults is not None:  # tests only: proxies that call the injector (resilience/faults.py)
         engine, train_loader = faults.install(engine, loader, state)
@@ -467,13 +343,7 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str, faults: FaultInjector |
     try:
         run.carry("data", loader)
         if cfg.finetune.method == "esft":  # before the parts: the parameter counts need it
-            esft = ExpertSelection(model, engine.optimizer, cfg, env.rank,
-                                   expert_parallel_rank(env.rank,
-                                                        cfg.parallel.expert_parallel_size),
-                                   engine.device)
-            run.carry(esft.state_key, esft)
-            if client is None:  # a new run scores the experts on its first batches
-                esft.select(reader)
+            add_expert_selection(run, reader, select=client is None)
         add_parts(run, data)
         for build in parts:
             run.add(build(run))
@@ -486,6 +356,33 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str, faults: FaultInjector |
         log.info(f"the latest checkpoint is at step {state.step}; nothing left to train "
                  f"(max_steps {cfg.train.max_steps})")
     return run
+
+
+def resume_state(state: TrainState, engine, model, resume_dir: Path, cfg: RunConfig,
+                 env: DistEnv, tokenizer_sha: str) -> dict:
+    """Load ``resume_dir`` into the engine and ``state`` (step, tokens, and the checkpoint when
+    it is this run's own); the checkpoint's client state."""
+    ckpt_dir = cfg.run_files.checkpoints
+    t_load = time.time()
+    client = resume_from(engine, model, resume_dir, cfg, env, tokenizer_sha)
+    state.step, state.tokens = int(client["step"]), int(client.get("tokens", 0))
+    if resume_dir.parent.resolve() == ckpt_dir.resolve():
+        state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
+    log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
+             f"{time.time() - t_load:.2f}s)")
+    return client
+
+
+def add_expert_selection(run: Run, reader: PackedReader, select: bool) -> None:
+    """ESFT's expert selection, carried by the checkpoint; ``select``: a new run scores the
+    experts on its first batches (a resumed one has its selection from the checkpoint)."""
+    cfg, env = run.cfg, run.env
+    ep_rank = expert_parallel_rank(env.rank, cfg.parallel.expert_parallel_size)
+    esft = ExpertSelection(run.model, run.engine.optimizer, cfg, env.rank, ep_rank,
+                           run.engine.device)
+    run.carry(esft.state_key, esft)
+    if select:
+        esft.select(reader)
 
 
 def add_parts(run: Run, data: PreparedData) -> None:

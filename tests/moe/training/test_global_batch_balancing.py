@@ -14,7 +14,8 @@ from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
-from moe.training.trainer import DistEnv, build_engine, count_global_routing
+from moe.training.step import count_global_routing
+from moe.training.trainer import DistEnv, build_engine
 from tests.helpers.distributed import run_distributed
 from tests.moe.training.test_layout_equivalence import global_params
 

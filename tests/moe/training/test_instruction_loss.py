@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from data_pipeline.reader import IGNORE_INDEX, PackedReader
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.training.trainer import trained_token_weights
+from moe.training.step import trained_token_weights
 from tests.conftest import tiny_run_dict
 from tests.data_pipeline.test_instruction import (
     corpus,  # noqa: F401 (a fixture)
