@@ -31,7 +31,7 @@ from moe.config.run import RunConfig, load_config
 from moe.core.config_schema import from_dict, to_dict
 from moe.core.errors import ScalingError
 from moe.core.fileio import write_atomic
-from moe.tools import scaling, scaling_fit, scaling_report
+from moe.tools import scaling, scaling_fit, scaling_report, scaling_text
 
 
 def _base(cfg: RunConfig) -> scaling.Base:
@@ -171,10 +171,10 @@ def fit(args) -> None:
     analysis["warnings"] += notes
     if args.exclude:
         analysis["warnings"].append(f"left out of the fits (--exclude): {args.exclude}")
-    paths = scaling_report.write_report(analysis, sweep_dir / "report")
+    paths = scaling_text.write_report(analysis, sweep_dir / "report")
     for w in analysis["warnings"]:
         print(f"warning: {w}")
-    print(scaling_report.summary(analysis))
+    print(scaling_text.summary(analysis))
     print(f"report: {paths['markdown']}\nplot:   {paths['plot']}")
 
 
@@ -227,7 +227,7 @@ def predict(args) -> None:
                                  args.floor, bootstrap_progress)
     for w in pred["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
-    print(scaling_report.prediction_text(pred))
+    print(scaling_text.prediction_text(pred))
     lo, hi = pred["run_loss_interval"]
     print(f"the run of the best ladder shape: width {run.width}, {run.active_params:,} active "
           f"parameters, {run.tokens:,} tokens ({run.epochs:.2f} epochs), {run.steps} steps; "

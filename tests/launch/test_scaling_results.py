@@ -17,7 +17,7 @@ from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from launch import scaling_sweep
 from moe.core.run_dir import RunDir
-from moe.tools import scaling_report
+from moe.tools import scaling_report, scaling_text
 from tests.conftest import tiny_run_dict
 
 
@@ -87,7 +87,7 @@ def test_fit_and_predict_give_losses_in_bits_per_byte_beside_nats():
     bpt = 3.5
     analysis = scaling_report.analyse(_ladder_runs((1e18, 3e18, 1e19)), bootstrap=5,
                                       bytes_per_token=bpt)
-    text = scaling_report.summary(analysis)
+    text = scaling_text.summary(analysis)
     m = analysis["families"]["dense"]["minima"][0]
     bits = m.loss_opt / math.log(2) / bpt
     assert f"loss {m.loss_opt:.4f} ({bits:.4f} bits/byte)" in text
@@ -99,7 +99,7 @@ def test_fit_and_predict_give_losses_in_bits_per_byte_beside_nats():
     lo, hi = p["loss_interval"]
     assert (f"in bits per byte     {p['loss'] / math.log(2) / bpt:.4f}  (95%: "
             f"{lo / math.log(2) / bpt:.4f} to {hi / math.log(2) / bpt:.4f})") in \
-        scaling_report.prediction_text(p)
+        scaling_text.prediction_text(p)
     analysis["bytes_per_token"] = None  # the data unreadable: nats per token only
-    assert "bits" not in scaling_report.summary(analysis)
-    assert np.isclose(scaling_report.bits_per_byte(2.0, 2.0), 1 / math.log(2))
+    assert "bits" not in scaling_text.summary(analysis)
+    assert np.isclose(scaling_text.bits_per_byte(2.0, 2.0), 1 / math.log(2))

@@ -15,7 +15,7 @@ from launch import scaling_run, scaling_sweep
 from moe.core.errors import ScalingError
 from moe.model.size import flops_per_token
 from moe.model.transformer import ModelConfig
-from moe.tools import scaling, scaling_fit, scaling_report
+from moe.tools import scaling, scaling_fit, scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
 from tests.moe.tools.test_scaling_fit import TRUE
 
@@ -202,7 +202,7 @@ def test_a_report_of_too_few_runs_for_any_fit_is_written_with_the_warnings(tmp_p
              "tokens": 3e9 / (6 * n), "flops": 3e9, "width": w, "experts": 0, "loss": loss}
             for w, n, loss in ((64, 1e5, 6.1), (96, 2e5, 5.9))]
     analysis = scaling_report.analyse(runs, bootstrap=5)
-    paths = scaling_report.write_report(analysis, tmp_path / "report")
+    paths = scaling_text.write_report(analysis, tmp_path / "report")
     assert paths["plot"].stat().st_size > 10_000
     text = paths["markdown"].read_text()
     assert "2 finished runs, no minimum" in text and "| w96 | dense |" in text
@@ -308,9 +308,9 @@ def test_the_backtest_measures_the_law_one_budget_out():
     assert bt["median_abs"] == pytest.approx(0.05, abs=0.01)
     assert all(e < -0.03 for e in bt["errors"])
     assert [w for w in bad["warnings"] if "misses that budget's runs by 5." in w]
-    assert "backtest: fitted below 3e+19 (15 runs)" in scaling_report.summary(bad)
+    assert "backtest: fitted below 3e+19 (15 runs)" in scaling_text.summary(bad)
     p = scaling_report.predict(bad, "dense", 1e20)
-    assert "backtest" in scaling_report.prediction_text(p)
+    assert "backtest" in scaling_text.prediction_text(p)
     two = scaling_report.analyse(_ladder_runs(budgets[:2]), bootstrap=0)
     assert two["families"]["dense"]["backtest"] is None
 
@@ -330,8 +330,8 @@ def test_analyse_with_a_shared_floor():
     assert shared["families"]["moe"]["backtest"]["fitted_runs"] == 15
     assert shared["families"]["dense"]["backtest"]["errors"] != \
         own["families"]["dense"]["backtest"]["errors"]
-    assert "(E shared by the families)" in scaling_report.summary(shared)
-    assert "shared" not in scaling_report.summary(own)
+    assert "(E shared by the families)" in scaling_text.summary(shared)
+    assert "shared" not in scaling_text.summary(own)
     p = scaling_report.predict(shared, "moe", 1e20)
     assert p["loss"] == pytest.approx(laws["moe"].optimum(1e20, 6.0)[2])
 
@@ -346,7 +346,7 @@ def test_a_prediction_cross_checks_n_opt_by_the_isoflop_minima():
     assert abs(p["isoflop"]["n_opt"] / n_true - 1) < 0.05
     ratio = p["isoflop"]["n_opt"] / p["n_opt"]
     assert f"IsoFLOP route        N {p['isoflop']['n_opt']:.4g}, {ratio:.2f}x the law's" in \
-        scaling_report.prediction_text(p)
+        scaling_text.prediction_text(p)
 
 
 def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path, capsys):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe.tools import scaling_envelope as se
-from moe.tools import scaling_report
+from moe.tools import scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
 
 TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
@@ -85,7 +85,7 @@ def test_points_at_the_edge_of_the_runs_stay_out_of_the_power_laws():
     assert env.problem.startswith("0 of 60 points lie off the edge")
     assert "at 60 of 60 points the lowest curve is the smallest run reaching that compute (add " \
         "smaller sizes)" in env.problem
-    text = scaling_report.summary(scaling_report.analyse(runs, bootstrap=0))
+    text = scaling_text.summary(scaling_report.analyse(runs, bootstrap=0))
     assert "envelope of the training curves: no power law (0 of 60 points" in text
 
 
@@ -95,12 +95,12 @@ def test_the_summary_prints_the_envelope_laws_and_runs_without_curves_have_none(
     env = analysis["families"]["dense"]["envelope"]
     a, b = env.n_law
     assert f"envelope of the training curves: N_opt = {a:.3g} C^{b:.3f}" in \
-        scaling_report.summary(analysis)
+        scaling_text.summary(analysis)
     for r in runs:
         r["curve"] = None
     bare = scaling_report.analyse(runs, bootstrap=0)
     assert bare["families"]["dense"]["envelope"] is None
-    assert "envelope" not in scaling_report.summary(bare)
+    assert "envelope" not in scaling_text.summary(bare)
 
 
 def test_validation_losses_unlike_the_training_curves_are_warned_about():
@@ -141,6 +141,6 @@ def test_an_envelope_outside_the_routes_interval_is_warned_about():
                         f"at {env.n_law[0] * top ** env.n_law[1]:.4g}")
     assert f"outside the IsoFLOP route's 95% interval there ({lo:.4g} to {hi:.4g})" in w
     # the summary marks the envelope's figures where they are printed
-    assert scaling_report._envelope_line(env, fam["envelope_outside"]).endswith(
+    assert scaling_text._envelope_line(env, fam["envelope_outside"]).endswith(
         f"outside the IsoFLOP route's 95% interval ({lo:.4g} to {hi:.4g}): take the route's "
         "(see the warnings)")

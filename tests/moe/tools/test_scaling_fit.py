@@ -10,7 +10,7 @@ import pytest
 
 from moe.core.errors import ScalingError
 from moe.tools import scaling_fit as sf
-from moe.tools import scaling_report
+from moe.tools import scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
 
 TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
@@ -323,10 +323,10 @@ def test_constants_on_the_optimisers_bounds_are_flagged_with_what_to_add():
         assert scaling_report.BOUND_ADVICE[(name, side)] in w
     assert any("6 runs of 2 budget(s)" in w and "add 1 budget(s)" in w for w in warnings)
     assert any("bootstrap fits put a constant on its bound" in w for w in warnings)
-    text = scaling_report.summary(analysis)
+    text = scaling_text.summary(analysis)
     assert "degenerate: " in text and "(its bound)" in text
     p = scaling_report.predict(analysis, "dense", 1e12)
-    assert "degenerate law" in scaling_report.prediction_text(p)
+    assert "degenerate law" in scaling_text.prediction_text(p)
     # a well-posed law has none of these
     good = [dict(r, budget=float(b), name=f"g{i}") for i, (r, b) in enumerate(zip(
         [{"family": "dense", "active_params": float(x), "tokens": float(t), "flops": 0,
@@ -337,7 +337,7 @@ def test_constants_on_the_optimisers_bounds_are_flagged_with_what_to_add():
     clean = scaling_report.analyse(good, bootstrap=10)
     assert not clean["families"]["dense"]["fit"].on_bounds()
     assert not [w for w in clean["warnings"] if "bound" in w or "budget(s)" in w]
-    assert "degenerate" not in scaling_report.summary(clean)
+    assert "degenerate" not in scaling_text.summary(clean)
 
 
 def _budget_runs(budget, losses, n=(1e4, 2e4, 4e4, 8e4, 1.6e5)):
@@ -359,19 +359,19 @@ def test_an_extrapolated_or_concave_vertex_stays_out_of_the_power_law_and_the_pl
     assert kinds == {3e11: "extrapolated", 1e12: "bracketed", 1e13: "bracketed", 3e13: "concave"}
     inside = [m for m in fam["minima"] if m.bracketed]
     assert fam["n_law"] == sf.power_law([m.budget for m in inside], [m.n_opt for m in inside])
-    text = scaling_report.summary(analysis)
+    text = scaling_text.summary(analysis)
     far = next(m for m in fam["minima"] if m.budget == 3e11)
     assert f"N_opt {far.n_opt:.4g}" not in text and "C 3e+11: no minimum inside the ladder" in text
     assert "(through the minima of 2 budgets)" in text
     p = scaling_report.predict(analysis, "dense", 1e14)
     assert p["isoflop"]["budgets"] == 2 and p["isoflop"]["left_out"] == [3e11, 3e13]
-    assert "left out: 3e+11, 3e+13" in scaling_report.prediction_text(p)
+    assert "left out: 3e+11, 3e+13" in scaling_text.prediction_text(p)
     # One bracketed budget: no power law, no IsoFLOP route, and a warning saying why.
     runs = [r for b, v in off.items() for r in _budget_runs(b, v)] + _budget_runs(1e12, bracketed[1e12])
     analysis = scaling_report.analyse(runs, bootstrap=0)
     assert "n_law" not in analysis["families"]["dense"]
     assert any("1 of 3 budgets have a minimum inside" in w for w in analysis["warnings"])
-    assert "IsoFLOP route        none" in scaling_report.prediction_text(
+    assert "IsoFLOP route        none" in scaling_text.prediction_text(
         scaling_report.predict(analysis, "dense", 1e14))
     # The plot: stars only at bracketed vertices; the others' lowest runs hollow.
     from moe.tools import scaling_plot

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moe.tools import scaling_isoflop as si
-from moe.tools import scaling_report
+from moe.tools import scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
 
 TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
@@ -131,7 +131,7 @@ def test_fit_and_predict_print_the_route_intervals():
     fam = analysis["families"]["dense"]
     lo, hi = fam["route_boot"].exponent_interval()
     assert lo < fam["n_law"][1] < hi
-    text = scaling_report.summary(analysis)
+    text = scaling_text.summary(analysis)
     assert f"(95%: {lo:.3f} to {hi:.3f}), D_opt" in text
     assert f"(95%: {1 - hi:.3f} to {1 - lo:.3f})" in text
     nlo, nhi = fam["route_boot"].n_interval(3e19)
@@ -143,6 +143,6 @@ def test_fit_and_predict_print_the_route_intervals():
     assert rlo < p["isoflop"]["ratio"] < rhi
     law_lo, law_hi = p["ratio_interval"]
     assert law_lo < p["d_opt"] / p["n_opt"] < law_hi
-    out = scaling_report.prediction_text(p)
+    out = scaling_text.prediction_text(p)
     assert f"exponent of N_opt 95%: {p['isoflop']['exponent_interval'][0]:.3f}" in out
     assert f"(95%: {law_lo:.1f} to {law_hi:.1f})" in out
