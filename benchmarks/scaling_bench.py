@@ -90,7 +90,9 @@ def corpus_config(args) -> str:
     return str(out)
 
 
-def one_seed(args, seed: int) -> dict:
+def seed_sweep(args, seed: int) -> tuple[Path, list[dict], float]:
+    """Plan (once) and run seed ``seed``'s sweep: its folder, its finished runs and the largest
+    budget, which must have a finished run below it to fit."""
     sweep = Path(args.out) / f"seed{seed}"
     if not (sweep / "sweep.json").exists():
         sh("launch.scaling", "plan", corpus_config(args), f"train.seed={seed}", f"name=scaling-s{seed}",
@@ -101,6 +103,11 @@ def one_seed(args, seed: int) -> dict:
     largest = max(r["budget"] for r in rows)
     if not any(r["budget"] < largest for r in rows):
         raise SystemExit(f"{sweep}: no finished run below the largest budget to fit")
+    return sweep, rows, largest
+
+
+def one_seed(args, seed: int) -> dict:
+    sweep, rows, largest = seed_sweep(args, seed)
     full = scaling_report.analyse(rows, bootstrap=0, floor=args.floor)
     out = {"seed": seed, "multiplier": full["families"]["moe"].get("multiplier", {})}
     for family in ("dense", "moe"):

@@ -121,20 +121,7 @@ def run_slurm(args, sweep_dir: Path, runs: list[scaling.PlannedRun]) -> None:
         return
     ids = slurm_sweep.submit(sweep) if sweep.jobs else []
     q = shlex.quote
-    lines = [f"{len(sweep.finished)} of {len(runs)} runs finished; {len(sweep.active)} with a "
-             f"SLURM job queued or running (not submitted again); {len(ids)} submitted, at most "
-             f"{args.jobs} running at once (each waits for the job before it in its chain)"]
-    lines += [f"  {job.member.name}: job {i}" + (f" after {job.waits_for(ids)}"
-                                                 if job.waits_for(ids) else "")
-              for job, i in zip(sweep.jobs, ids)]
-    lines += [f"  {name}: job {job.job_id} ({job.state}, submitted before)"
-              for name, job in sweep.active.items()]
-    jobs = ",".join([*ids, *(j.job_id for j in sweep.active.values())])
-    if jobs:
-        lines += [f"watch   squeue -j {jobs}",
-                  f"a run   moe-launch status {q(str(sweep_dir / 'runs' / runs[0].name))}  "
-                  "(and logs, cancel)"]
-    print("\n".join(lines), flush=True)
+    print("\n".join(submitted_lines(args, sweep_dir, runs, sweep, ids)), flush=True)
     if args.no_wait:
         print(f"not waiting (--no-wait); moe-scaling run {q(str(sweep_dir))} --scheduler slurm "
               "waits for them (and submits nothing twice)")
@@ -155,6 +142,25 @@ def run_slurm(args, sweep_dir: Path, runs: list[scaling.PlannedRun]) -> None:
             f"{m.name} (job {job.job_id} {job.summary()}, log {slurm_sweep.log_of(m, job)})"
             for m, job in outcome.failed])
     print(f"every run finished; next: moe-scaling fit {q(str(sweep_dir))}")
+
+
+def submitted_lines(args, sweep_dir: Path, runs: list, sweep, ids: list[str]) -> list[str]:
+    """What was submitted, what was queued before, and how to watch the jobs."""
+    q = shlex.quote
+    lines = [f"{len(sweep.finished)} of {len(runs)} runs finished; {len(sweep.active)} with a "
+             f"SLURM job queued or running (not submitted again); {len(ids)} submitted, at most "
+             f"{args.jobs} running at once (each waits for the job before it in its chain)"]
+    lines += [f"  {job.member.name}: job {i}" + (f" after {job.waits_for(ids)}"
+                                                 if job.waits_for(ids) else "")
+              for job, i in zip(sweep.jobs, ids)]
+    lines += [f"  {name}: job {job.job_id} ({job.state}, submitted before)"
+              for name, job in sweep.active.items()]
+    jobs = ",".join([*ids, *(j.job_id for j in sweep.active.values())])
+    if jobs:
+        lines += [f"watch   squeue -j {jobs}",
+                  f"a run   moe-launch status {q(str(sweep_dir / 'runs' / runs[0].name))}  "
+                  "(and logs, cancel)"]
+    return lines
 
 
 def _run_all(sweep_dir, todo, jobs, done_flops, total, done, count,
