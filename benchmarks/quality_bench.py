@@ -218,7 +218,7 @@ def plot(summary: dict, runs: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
+def _args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--variants", nargs="+", default=["moe", "global_balance"], type=variant_name,
@@ -238,25 +238,12 @@ def main(argv=None) -> dict:
                    help="read runs already finished under --out (same overrides) instead of "
                         "training them again")
     p.add_argument("overrides", nargs="*", help="key=value applied to every run")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    steps, every = args.steps, args.eval_every
-    common = list(QUICK) if args.quick else []
-    if args.quick:
-        steps, every = steps or 40, 10
-    common += args.overrides
-    base = load_config(args.config, common)
-    steps = steps or base.train.max_steps
-    common += ["parallel.world_size=1", "parallel.expert_parallel_size=1",
-               # Curves on the split eval.max_tokens says (the whole one but in --quick), not
-               # the default demo's bounded validation during training.
-               f"train.max_steps={steps}", f"eval.every_n_steps={every}",
-               "eval.in_training_max_tokens=null",
-               f"logging.log_every={max(1, min(10, every))}", "checkpoint.every_n_steps=0",
-               "train.threads_per_rank=" + str(base.train.threads_per_rank or os.cpu_count() or 1)]
+
+def _jobs(args, base, common: list[str]) -> list[tuple[str, int, list[str]]]:
+    """(variant, seed, overrides) of every run: the dense baseline and each variant per seed."""
     plain, recipe, hidden = plain_moe(base.model.moe, base.train)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     jobs = []
     for name in ["dense", *args.variants]:
         parts = name.split("+")
@@ -267,6 +254,12 @@ def main(argv=None) -> dict:
     if args.jobs > 1:  # each concurrent run gets its share of the cores
         threads = max(1, (base.train.threads_per_rank or os.cpu_count() or 1) // args.jobs)
         jobs = [(n, s, [*o, f"train.threads_per_rank={threads}"]) for n, s, o in jobs]
+    return jobs
+
+
+def _train_all(args, jobs: list[tuple[str, int, list[str]]], out: Path) -> dict[str, list[dict]]:
+    """Every job trained (or, with --reuse, read back when it finished with the same overrides),
+    --jobs at a time; each variant's runs in seed order."""
 
     def one(job) -> dict:
         name, seed, overrides = job
@@ -284,6 +277,30 @@ def main(argv=None) -> dict:
     runs: dict[str, list[dict]] = {}
     for (name, _, _), result in zip(jobs, results):
         runs.setdefault(name, []).append(result)
+    return runs
+
+
+def main(argv=None) -> dict:
+    args = _args(argv)
+
+    steps, every = args.steps, args.eval_every
+    common = list(QUICK) if args.quick else []
+    if args.quick:
+        steps, every = steps or 40, 10
+    common += args.overrides
+    base = load_config(args.config, common)
+    steps = steps or base.train.max_steps
+    common += ["parallel.world_size=1", "parallel.expert_parallel_size=1",
+               # Curves on the split eval.max_tokens says (the whole one but in --quick), not
+               # the default demo's bounded validation during training.
+               f"train.max_steps={steps}", f"eval.every_n_steps={every}",
+               "eval.in_training_max_tokens=null",
+               f"logging.log_every={max(1, min(10, every))}", "checkpoint.every_n_steps=0",
+               "train.threads_per_rank=" + str(base.train.threads_per_rank or os.cpu_count() or 1)]
+    jobs = _jobs(args, base, common)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = _train_all(args, jobs, out)
     summary = summarize(runs)
     if args.jobs > 1:
         print(f"(--jobs {args.jobs}: runs shared the machine; step-time ratios are indicative only)")

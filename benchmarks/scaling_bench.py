@@ -139,7 +139,7 @@ def one_seed(args, seed: int) -> dict:
     return out
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     p.add_argument("--corpus", choices=("packages", "stdlib"), default="packages",
@@ -163,12 +163,12 @@ def main() -> None:
                    help="moe-scaling fit/predict --floor: each family's law its own loss floor, "
                         "or one shared by both")
     p.add_argument("--out", required=True)
-    args = p.parse_args()
-    budgets = sorted(float(b) for b in args.budgets.split(","))
-    if len(budgets) < 3 or budgets[-1] < 10 * budgets[0]:
-        raise SystemExit("--budgets: at least 3 budgets spanning at least 10x")
-    start = time.monotonic()
-    per_seed = [one_seed(args, int(s)) for s in args.seeds.split(",")]
+    return p.parse_args()
+
+
+def _print_tables(per_seed: list[dict], budgets: list[float]) -> None:
+    """Per family and seed the prediction against the measured run; per budget the MoE/dense
+    compute multiplier over the seeds."""
     print("| family | seed | predicted N_opt (loss) | run trained: width, N | its predicted loss | "
           "measured loss | error | measured best N | predicted N interval | inside | "
           "error over the largest budget's ladder: median abs (min to max) |\n"
@@ -187,6 +187,16 @@ def main() -> None:
         values = [r["multiplier"][b] for r in per_seed if b in r["multiplier"]]
         if values:
             print(f"| {b:.3g} | {statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f}) |")
+
+
+def main() -> None:
+    args = _args()
+    budgets = sorted(float(b) for b in args.budgets.split(","))
+    if len(budgets) < 3 or budgets[-1] < 10 * budgets[0]:
+        raise SystemExit("--budgets: at least 3 budgets spanning at least 10x")
+    start = time.monotonic()
+    per_seed = [one_seed(args, int(s)) for s in args.seeds.split(",")]
+    _print_tables(per_seed, budgets)
     print(f"\ntarget: |error| <= 2%; the benchmark took {(time.monotonic() - start) / 60:.1f} min "
           f"({len(per_seed)} seeds, {len(budgets)} budgets x {args.sizes} sizes x 2 families, "
           f"widths from {scaling.WIDTHS[0]}, vocabulary {args.vocab or 'of the config'}, "

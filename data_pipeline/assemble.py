@@ -101,57 +101,79 @@ def write_shards(cfg: DataConfig, staging: Path, tokenizer: Tokenizer,
     valid_keys: dict[str, list[np.ndarray]] = {}  # see _validation_copies below
     masked = loss_masked(cfg)
     for source in cfg.sources:
-        valid_keys[source.name] = []
         writers = {split: ShardWriter(staging, split, source.name, cfg.shard_tokens,
                                       tokenizer.vocab_size, masked) for split in SPLITS}
-        stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
-                 "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0,
-                 "duplicates_dropped": 0}
-        if source.type == "instruction":
-            stats["trained_tokens"] = {s: 0 for s in SPLITS}
-        empties = EmptyRows(source)
-        sizes = item_bytes(source, items[source.name], cfg.s3)
-        bar = Progress(f"tokenize {source.name}", sum(sizes), progress)
-        for size, item, (path, counts) in zip(sizes, items[source.name],
-                                              encoded(source, sizes), strict=True):
-            docs = tokens_seen = 0
-            loaded = load(path, counts.documents, source.type == "instruction")
-            for split, (tokens, lengths, keys, mask) in loaded.items():
-                if seen is not None:
-                    tokens, lengths, mask, dropped = _drop_seen(tokens, lengths, keys, seen, mask)
-                    stats["duplicates_dropped"] += dropped
-                elif split == "valid":
-                    valid_keys[source.name].append(_key_prefixes(keys))
-                writers[split].add(tokens, lengths, mask)
-                if mask is not None:
-                    stats["trained_tokens"][split] += int(np.count_nonzero(mask))
-                stats["documents"][split] += len(lengths)
-                stats["tokens"][split] += len(tokens)
-                docs, tokens_seen = docs + len(lengths), tokens_seen + len(tokens)
-            empties.add(item, counts)
-            if counts.empty and cfg.on_empty == "error":
-                raise DataError(f"source {source.name!r}: {empties.describe(item.path)}; "
-                                "data.on_empty is 'error' (set it to 'skip' to leave them out)")
-            stats["empty_documents"] += counts.empty
-            stats["filtered_documents"] += counts.filtered
-            stats["invalid_utf8"] += counts.invalid_utf8
-            moved += counts.moved
-            bar.update(size, docs, tokens_seen)
-        bar.close()
-        _check_trainable(source, stats, valid_keys)
+        entry, source_moved = _write_source(cfg, source, writers, encoded, load, progress,
+                                            items[source.name], seen, valid_keys)
         for split in SPLITS:
             writers[split].flush()
             splits[split].shards += writers[split].shards
-        source_stats.append({"name": source.name, "type": source.type,
-                             "paths": list(source.paths), "field": source.field,
-                             "filter": dataclasses.asdict(source.row_filter) if source.row_filter else None,
-                             **template_entry(source), **stats, "empty_rows": empties.files})
+        source_stats.append(entry)
+        moved += source_moved
     if not splits["valid"].shards:
         total = sum(sum(st["documents"].values()) for st in source_stats)
         raise DataError(f"the validation split is empty: {total:,} document(s) in all, too few "
                         f"for data.valid_fraction {cfg.valid_fraction} (each file of a text "
                         "source is one document): add documents or raise valid_fraction")
     return splits, source_stats, moved
+
+
+def _write_source(cfg: DataConfig, source: SourceConfig, writers: dict[str, ShardWriter],
+                  encoded: Callable[[SourceConfig, list[int]], Iterator[Encoded]],
+                  load: Loader, progress: bool, items: list[WorkItem],
+                  seen: set[bytes] | None, valid_keys: dict[str, list[np.ndarray]]
+                  ) -> tuple[dict, int]:
+    """One source's work items into its shard writers (left unflushed). Returns the source's
+    statistics entry and the documents the location rule would split otherwise."""
+    valid_keys[source.name] = []
+    stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS},
+             "empty_documents": 0, "filtered_documents": 0, "invalid_utf8": 0,
+             "duplicates_dropped": 0}
+    if source.type == "instruction":
+        stats["trained_tokens"] = {s: 0 for s in SPLITS}
+    empties = EmptyRows(source)
+    sizes = item_bytes(source, items, cfg.s3)
+    bar = Progress(f"tokenize {source.name}", sum(sizes), progress)
+    moved = 0
+    for size, item, (path, counts) in zip(sizes, items, encoded(source, sizes), strict=True):
+        loaded = load(path, counts.documents, source.type == "instruction")
+        docs, tokens_seen = _append_item(loaded, writers, stats, seen, valid_keys[source.name])
+        empties.add(item, counts)
+        if counts.empty and cfg.on_empty == "error":
+            raise DataError(f"source {source.name!r}: {empties.describe(item.path)}; "
+                            "data.on_empty is 'error' (set it to 'skip' to leave them out)")
+        stats["empty_documents"] += counts.empty
+        stats["filtered_documents"] += counts.filtered
+        stats["invalid_utf8"] += counts.invalid_utf8
+        moved += counts.moved
+        bar.update(size, docs, tokens_seen)
+    bar.close()
+    _check_trainable(source, stats, valid_keys)
+    entry = {"name": source.name, "type": source.type,
+             "paths": list(source.paths), "field": source.field,
+             "filter": dataclasses.asdict(source.row_filter) if source.row_filter else None,
+             **template_entry(source), **stats, "empty_rows": empties.files}
+    return entry, moved
+
+
+def _append_item(loaded: dict, writers: dict[str, ShardWriter], stats: dict,
+                 seen: set[bytes] | None, valid_keys: list[np.ndarray]) -> tuple[int, int]:
+    """One work item's token arrays, per split, into the writers (``dedup: exact``: unseen
+    documents only); counts them into ``stats``. Returns its documents and tokens written."""
+    docs = tokens_seen = 0
+    for split, (tokens, lengths, keys, mask) in loaded.items():
+        if seen is not None:
+            tokens, lengths, mask, dropped = _drop_seen(tokens, lengths, keys, seen, mask)
+            stats["duplicates_dropped"] += dropped
+        elif split == "valid":
+            valid_keys.append(_key_prefixes(keys))
+        writers[split].add(tokens, lengths, mask)
+        if mask is not None:
+            stats["trained_tokens"][split] += int(np.count_nonzero(mask))
+        stats["documents"][split] += len(lengths)
+        stats["tokens"][split] += len(tokens)
+        docs, tokens_seen = docs + len(lengths), tokens_seen + len(tokens)
+    return docs, tokens_seen
 
 
 def _drop_seen(tokens: np.ndarray, lengths: np.ndarray, keys: np.ndarray, seen: set[bytes],

@@ -97,6 +97,17 @@ def parse_args(argv):
                                     "several checkpoints of one run)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (or, off a terminal, no progress lines)")
+    _data_args(p)
+    _expert_stat_args(p)
+    _generation_args(p)
+    _task_args(p)
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    return p.parse_args(argv)
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    """What to evaluate on: the run's prepared data, another split or text files."""
     d = p.add_argument_group("data")
     d.add_argument("--data-dir", help="prepared data to evaluate on (default: the run's)")
     d.add_argument("--split", default="valid", help="split of the prepared data (default: valid)")
@@ -106,11 +117,19 @@ def parse_args(argv):
     d.add_argument("--max-tokens", type=int, help="predict at most this many tokens")
     d.add_argument("--batch-size", type=int, help="sequences per forward (default: the training "
                                                   "micro-batch for models that drop tokens)")
+
+
+def _expert_stat_args(p: argparse.ArgumentParser) -> None:
+    """The per-expert load and preferred-token statistics."""
     s = p.add_argument_group("expert statistics")
     s.add_argument("--no-expert-stats", action="store_true")
     s.add_argument("--top-tokens", type=int, default=8, help="preferred tokens shown per expert")
     s.add_argument("--min-token-count", type=int, default=5,
                    help="rank only tokens seen at least this often")
+
+
+def _generation_args(p: argparse.ArgumentParser) -> None:
+    """The sample generations: prompts, strategies and their settings."""
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", action="append", default=[],
                    help="a prompt to continue (repeatable; default: document starts of the data)")
@@ -126,6 +145,10 @@ def parse_args(argv):
     g.add_argument("--num-return", type=int, default=1, help="samples / beams shown per prompt")
     g.add_argument("--length-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+
+
+def _task_args(p: argparse.ArgumentParser) -> None:
+    """Downstream tasks through lm-evaluation-harness."""
     t = p.add_argument_group(
         "downstream tasks (lm-evaluation-harness; pip install -c constraints.txt -e '.[eval]')")
     t.add_argument("--tasks", nargs="+", metavar="NAME",
@@ -140,9 +163,6 @@ def parse_args(argv):
                    help="a folder of more task YAML files (repeatable)")
     t.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="weights and activations for the tasks (default: fp32)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    return p.parse_args(argv)
 
 
 def options_from_args(args) -> EvalOptions:

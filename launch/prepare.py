@@ -24,28 +24,7 @@ from launch.cli import exits_cleanly
 
 @exits_cleanly
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="moe-prepare", description=__doc__)
-    p.add_argument("config", nargs="?", help="run config (YAML); its data section says what to "
-                                             "prepare")
-    p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.dir=data/mine")
-    p.add_argument("--force", action="store_true", help="replace data prepared from another config")
-    p.add_argument("--verify", metavar="DATA_DIR", nargs="?", const="",
-                   help="check prepared data (a directory or s3://bucket/prefix) instead of "
-                        "preparing; with a config: its data.dir (if DATA_DIR is left out) "
-                        "and its data.s3 settings")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    steps = p.add_mutually_exclusive_group()
-    steps.add_argument("--tokenizer-only", action="store_true",
-                       help="many machines, step 1: build the tokenizer into DATA_DIR.parts")
-    steps.add_argument("--part", metavar="I/N", type=_part,
-                       help="many machines, step 2: prepare part I of N (0-based) with that tokenizer")
-    steps.add_argument("--merge", action="store_true",
-                       help="many machines, step 3: write the shards and manifest from the parts")
-    steps.add_argument("--slurm-parts", metavar="N", type=int,
-                       help="submit all three steps to SLURM: the tokenizer job, an array job "
-                            "of N parts, the merge job, each after the one before succeeded")
-    p.add_argument("--dry-run", action="store_true",
-                   help="with --slurm-parts: print the job scripts and sbatch commands only")
+    p = _parser()
     args = p.parse_intermixed_args(argv)
     if args.verify == "" and not args.config:
         p.error("--verify needs a DATA_DIR or a config")
@@ -80,7 +59,42 @@ def main(argv=None) -> None:
               f"{prepare_part(cfg.data, *args.part, progress=not args.quiet)}")
         return
     build = merge_parts if args.merge else prepare
-    report = build(cfg.data, force=args.force, progress=not args.quiet)
+    _print_report(build(cfg.data, force=args.force, progress=not args.quiet))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-prepare", description=__doc__)
+    p.add_argument("config", nargs="?", help="run config (YAML); its data section says what to "
+                                             "prepare")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.dir=data/mine")
+    p.add_argument("--force", action="store_true", help="replace data prepared from another config")
+    p.add_argument("--verify", metavar="DATA_DIR", nargs="?", const="",
+                   help="check prepared data (a directory or s3://bucket/prefix) instead of "
+                        "preparing; with a config: its data.dir (if DATA_DIR is left out) "
+                        "and its data.s3 settings")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _step_args(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --slurm-parts: print the job scripts and sbatch commands only")
+    return p
+
+
+def _step_args(p: argparse.ArgumentParser) -> None:
+    """The steps of a preparation spread over many machines (at most one per command)."""
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--tokenizer-only", action="store_true",
+                       help="many machines, step 1: build the tokenizer into DATA_DIR.parts")
+    steps.add_argument("--part", metavar="I/N", type=_part,
+                       help="many machines, step 2: prepare part I of N (0-based) with that tokenizer")
+    steps.add_argument("--merge", action="store_true",
+                       help="many machines, step 3: write the shards and manifest from the parts")
+    steps.add_argument("--slurm-parts", metavar="N", type=int,
+                       help="submit all three steps to SLURM: the tokenizer job, an array job "
+                            "of N parts, the merge job, each after the one before succeeded")
+
+
+def _print_report(report) -> None:
+    """The prepared data's summary line, then per source its warnings and notes."""
     m = report.manifest
     verb = "already prepared" if report.skipped else f"prepared in {report.seconds:.1f}s"
     print(f"{report.data_dir}: {verb}; train {m.splits['train'].tokens:,} tokens in "

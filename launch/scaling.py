@@ -264,6 +264,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    _plan_parser(sub)
+    _run_parser(sub)
+    for name, text in (("fit", "fit the laws and write the report"),
+                       ("predict", "the compute-optimal run of a budget")):
+        _analysis_parser(sub.add_parser(name, help=text), name)
+    return p
+
+
+def _plan_parser(sub) -> None:
+    """``plan``: the base config, the budgets and the ladders of shapes to write."""
     pl = sub.add_parser("plan", help="write a sweep: a ladder of shapes per budget and family")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*", help="key=value changes to the base config")
@@ -284,6 +294,10 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--allow-repeat", action="store_true",
                     help="allow runs that train on the corpus more than once")
     pl.add_argument("--force", action="store_true", help="replace an existing plan")
+
+
+def _run_parser(sub) -> None:
+    """``run``: where and how many of a sweep's runs train at a time."""
     r = sub.add_parser("run", help="train every unfinished run through moe-launch")
     r.add_argument("sweep")
     r.add_argument("--jobs", type=int, default=1, help="runs at a time")
@@ -294,28 +308,28 @@ def parser() -> argparse.ArgumentParser:
                    help="slurm: submit and return (the jobs keep their --jobs bound)")
     r.add_argument("--dry-run", action="store_true",
                    help="slurm: print the job scripts and sbatch commands, submit nothing")
-    for name, text in (("fit", "fit the laws and write the report"),
-                       ("predict", "the compute-optimal run of a budget")):
-        s = sub.add_parser(name, help=text)
-        s.add_argument("sweep")
-        s.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples")
-        s.add_argument("--exclude", help="runs to leave out of the fits, by name (comma-separated; "
-                                         "for example a run that failed to train)")
-        s.add_argument("--floor", choices=scaling_fit.FLOORS, default="family",
-                       help="the laws' loss floor E: each family its own (default), or one "
-                            "shared by dense and MoE, fitted jointly (the irreducible loss of "
-                            "the data)")
-        if name == "predict":
-            s.add_argument("--budget", type=_positive, required=True,
-                           help="training FLOPs of the run to predict")
-            s.add_argument("--family", choices=scaling.FAMILIES, default="moe")
-            s.add_argument("--write-config", help="write a run config of the predicted shape")
-            s.add_argument("--fit-below", type=_positive,
-                           help="fit only the runs of budgets below this (to check the law "
-                                "on a budget it has not seen)")
-            s.add_argument("--allow-repeat", action="store_true",
-                           help="allow a predicted run that trains on the corpus more than once")
-    return p
+
+
+def _analysis_parser(s: argparse.ArgumentParser, name: str) -> None:
+    """``fit`` and ``predict``: the finished runs the laws read; ``predict``'s budget and shape."""
+    s.add_argument("sweep")
+    s.add_argument("--bootstrap", type=_count, default=100, help="bootstrap resamples")
+    s.add_argument("--exclude", help="runs to leave out of the fits, by name (comma-separated; "
+                                     "for example a run that failed to train)")
+    s.add_argument("--floor", choices=scaling_fit.FLOORS, default="family",
+                   help="the laws' loss floor E: each family its own (default), or one "
+                        "shared by dense and MoE, fitted jointly (the irreducible loss of "
+                        "the data)")
+    if name == "predict":
+        s.add_argument("--budget", type=_positive, required=True,
+                       help="training FLOPs of the run to predict")
+        s.add_argument("--family", choices=scaling.FAMILIES, default="moe")
+        s.add_argument("--write-config", help="write a run config of the predicted shape")
+        s.add_argument("--fit-below", type=_positive,
+                       help="fit only the runs of budgets below this (to check the law "
+                            "on a budget it has not seen)")
+        s.add_argument("--allow-repeat", action="store_true",
+                       help="allow a predicted run that trains on the corpus more than once")
 
 
 @exits_cleanly

@@ -231,58 +231,76 @@ def _checkpoint_section(c: dict, plot: str | None) -> list[str]:
           f"{c['capacity_factor'] if c['capacity_factor'] is not None else 'none (dropless)'}.", ""]
     layers = c.get("experts") or []
     if layers:
-        md += ["### Experts", "",
-               "Load = token copies an expert computed (after the capacity limit); max/mean and the "
-               "coefficient of variation measure imbalance (1.0 and 0 are perfectly balanced). "
-               "Router entropy is the mean entropy of the routing distribution over experts "
-               "(uniform: ln E).", ""]
-        md += _md_table(["block", "max/mean load", "load CV", "dropped", "router entropy",
-                         "uniform entropy"],
-                        [[layer["block"], f"{layer['max_over_mean_load']:.3f}",
-                          f"{layer['load_cv']:.3f}", f"{layer['dropped_fraction']:.2%}",
-                          f"{layer['router_entropy']:.3f}", f"{layer['router_entropy_uniform']:.3f}"]
-                         for layer in layers])
-        if plot:
-            md += ["", f"![expert load]({plot})"]
-        md += ["", "### Tokens each expert prefers", "",
-               "Per expert, the input tokens that chose it most often, as the share of the token's "
-               "occurrences routed to it (indifference would be K/E = "
-               f"{layers[0]['routed_copies'] / layers[0]['tokens'] / len(layers[0]['load_fraction']):.3f}); "
-               "shown as `piece` share (occurrences).", ""]
-        for layer in layers:
-            md += [f"Block {layer['block']}:", ""]
-            md += _md_table(["expert", "preferred tokens"],
-                            [[e, ", ".join(f"{_piece(t['piece'])} {t['share']:.2f} ({t['count']})"
-                                           for t in toks) or "-"]
-                             for e, toks in enumerate(layer["top_tokens"])])
-            md.append("")
+        md += _experts_section(layers, plot)
     if layers and "over_represented" in layers[0]:
-        md += ["### Expert specialisation", "",
-               "Per expert, the tokens most over-represented among its routed tokens: lift = the "
-               "token's share of the expert's tokens / its share of the data (1.0: no preference), "
-               "shown as `piece` lift; and the effective number of distinct tokens it sees, "
-               "exp(entropy), against the data's own (smaller: a more concentrated expert).", ""]
-        for layer in layers:
-            md += [f"Block {layer['block']} (data: {layer['data_effective_tokens']:.1f} effective "
-                   "tokens):", ""]
-            md += _md_table(["expert", "effective tokens", "over-represented tokens"],
-                            [[e, f"{eff:.1f}",
-                              ", ".join(f"{_piece(t['piece'])} {t['lift']:.1f}" for t in toks) or "-"]
-                             for e, (eff, toks) in enumerate(zip(layer["effective_tokens"],
-                                                                 layer["over_represented"]))])
-            md.append("")
-    gens = c.get("generations") or []
-    if gens:
-        md += ["### Generations", ""]
-        for g in gens:
-            md += [f"**{g['strategy']}** ({g['settings']}), prompt: {_piece(g['prompt_text'])}", ""]
-            for o in g["outputs"]:
-                md += [f"- {_piece(o['text'])} (log-prob {o['logprob']:.2f})"]
-            if g.get("reference_text") is not None:
-                md += [f"- reference continuation: {_piece(g['reference_text'])}"]
-            md.append("")
+        md += _specialisation_section(layers)
+    md += _generations_section(c.get("generations") or [])
     return md
 
+
+
+def _experts_section(layers: list[dict], plot: str | None) -> list[str]:
+    """Per block load balance and router entropy, then each expert's preferred tokens."""
+    md = ["### Experts", "",
+          "Load = token copies an expert computed (after the capacity limit); max/mean and the "
+          "coefficient of variation measure imbalance (1.0 and 0 are perfectly balanced). "
+          "Router entropy is the mean entropy of the routing distribution over experts "
+          "(uniform: ln E).", ""]
+    md += _md_table(["block", "max/mean load", "load CV", "dropped", "router entropy",
+                     "uniform entropy"],
+                    [[layer["block"], f"{layer['max_over_mean_load']:.3f}",
+                      f"{layer['load_cv']:.3f}", f"{layer['dropped_fraction']:.2%}",
+                      f"{layer['router_entropy']:.3f}", f"{layer['router_entropy_uniform']:.3f}"]
+                     for layer in layers])
+    if plot:
+        md += ["", f"![expert load]({plot})"]
+    md += ["", "### Tokens each expert prefers", "",
+           "Per expert, the input tokens that chose it most often, as the share of the token's "
+           "occurrences routed to it (indifference would be K/E = "
+           f"{layers[0]['routed_copies'] / layers[0]['tokens'] / len(layers[0]['load_fraction']):.3f}); "
+           "shown as `piece` share (occurrences).", ""]
+    for layer in layers:
+        md += [f"Block {layer['block']}:", ""]
+        md += _md_table(["expert", "preferred tokens"],
+                        [[e, ", ".join(f"{_piece(t['piece'])} {t['share']:.2f} ({t['count']})"
+                                       for t in toks) or "-"]
+                         for e, toks in enumerate(layer["top_tokens"])])
+        md.append("")
+    return md
+
+
+def _specialisation_section(layers: list[dict]) -> list[str]:
+    """Per expert, the tokens over-represented among its routed tokens and its token diversity."""
+    md = ["### Expert specialisation", "",
+          "Per expert, the tokens most over-represented among its routed tokens: lift = the "
+          "token's share of the expert's tokens / its share of the data (1.0: no preference), "
+          "shown as `piece` lift; and the effective number of distinct tokens it sees, "
+          "exp(entropy), against the data's own (smaller: a more concentrated expert).", ""]
+    for layer in layers:
+        md += [f"Block {layer['block']} (data: {layer['data_effective_tokens']:.1f} effective "
+               "tokens):", ""]
+        md += _md_table(["expert", "effective tokens", "over-represented tokens"],
+                        [[e, f"{eff:.1f}",
+                          ", ".join(f"{_piece(t['piece'])} {t['lift']:.1f}" for t in toks) or "-"]
+                         for e, (eff, toks) in enumerate(zip(layer["effective_tokens"],
+                                                             layer["over_represented"]))])
+        md.append("")
+    return md
+
+
+def _generations_section(gens: list[dict]) -> list[str]:
+    """The sampled continuations of each generation strategy (none: no section)."""
+    if not gens:
+        return []
+    md = ["### Generations", ""]
+    for g in gens:
+        md += [f"**{g['strategy']}** ({g['settings']}), prompt: {_piece(g['prompt_text'])}", ""]
+        for o in g["outputs"]:
+            md += [f"- {_piece(o['text'])} (log-prob {o['logprob']:.2f})"]
+        if g.get("reference_text") is not None:
+            md += [f"- reference continuation: {_piece(g['reference_text'])}"]
+        md.append("")
+    return md
 
 def _finite(obj):
     """JSON has no NaN or infinity: write them as null."""

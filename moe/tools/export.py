@@ -42,6 +42,7 @@ from moe.core.config_schema import from_dict, to_dict
 from moe.core.errors import CheckpointError
 from moe.model.adapters.lora import BASE_DTYPES, base_fingerprint, is_factor
 from moe.tools import hf_support
+from moe.tools.hf_tokenizer import hf_tokenizer
 from moe.weights.hf import links, to_hf
 from moe.weights.load import build_model, load_consolidated, merged_adapters
 
@@ -354,62 +355,6 @@ def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]
         out.update(zip(link.theirs, to_hf(link, ours)))
     t.finish()
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def hf_tokenizer(model_file: Path):
-    """A ``transformers`` fast tokenizer that reproduces the SentencePiece model's ids: its
-    pieces and merges, its NFKC character map, whitespace collapsing and dummy prefix."""
-    import sentencepiece as spm
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers.models import BPE, Unigram
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import SentencePieceExtractor
-
-    if model_file.read_bytes().lstrip()[:1] == b"{":  # a tokenizer.json (an imported model's)
-        from data_pipeline.tokenizer import Tokenizer as OurTokenizer
-
-        ours = OurTokenizer(model_file)
-        ids = {f"{k}_token_id": i for k, i in (("bos", ours.bos_id), ("eos", ours.eos_id),
-                                               ("pad", ours.pad_id)) if i >= 0}
-        specials = {f"{k[:-9]}_token": ours.id_to_piece(i) for k, i in ids.items()}
-        return PreTrainedTokenizerFast(tokenizer_file=str(model_file), **specials), ids
-    extractor = SentencePieceExtractor(str(model_file))
-    proto = extractor.proto
-    spec, trainer = proto.normalizer_spec, proto.trainer_spec
-    if trainer.model_type == 2:
-        kw = extractor.extract(BPE)
-        tok = Tokenizer(BPE(kw["vocab"], kw["merges"], unk_token=trainer.unk_piece, fuse_unk=True,
-                            byte_fallback=trainer.byte_fallback))
-    elif trainer.model_type == 1:
-        tok = Tokenizer(Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=trainer.unk_id,
-                                byte_fallback=trainer.byte_fallback))
-    else:
-        raise CheckpointError(f"{model_file}: only BPE and unigram SentencePiece models export")
-    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
-    if spec.remove_extra_whitespaces:
-        steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
-    if spec.add_dummy_prefix:
-        # SentencePiece adds the dummy "▁" even when the text already starts with whitespace;
-        # the Metaspace pre-tokenizer's own prepend skips it then, so prepend in the normalizer.
-        steps.append(normalizers.Prepend("▁"))
-    tok.normalizer = normalizers.Sequence(steps)
-    prepend = "always" if spec.add_dummy_prefix else "never"
-    # SentencePiece never merges pieces across a whitespace boundary when split_by_whitespace is
-    # set (its default): each "▁" starts a new word. Without the split, BPE merges such as
-    # "▁▁" (indentation, with identity normalization) would join words and change the ids.
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
-                                                 split=trainer.split_by_whitespace)
-    tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme=prepend,
-                                                        split=False),
-                                     decoders.ByteFallback(), decoders.Fuse()])
-    sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    specials = {name: sp.id_to_piece(i) for name, i in
-                (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()),
-                 ("eos_token", sp.eos_id()), ("pad_token", sp.pad_id())) if i >= 0}
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials.values()])
-    ids = {f"{name[:-6]}_token_id": sp.piece_to_id(piece) for name, piece in specials.items()
-           if name != "unk_token"}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials), ids
 
 
 def _require(package: str, what: str) -> None:
