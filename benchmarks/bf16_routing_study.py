@@ -39,8 +39,16 @@ from tests.helpers.distributed import run_distributed
 
 STEPS = 30
 ROWS = 64
-VARIANTS = ["bf16", "bf16_same_start", "fp32_rounded_start", "fp32_rel1e-5", "fp32_rel1e-4",
-            "fp32_rel1e-3", "bf16_router_bug", "same_weights"]
+VARIANTS = [
+    "bf16",
+    "bf16_same_start",
+    "fp32_rounded_start",
+    "fp32_rel1e-5",
+    "fp32_rel1e-4",
+    "fp32_rel1e-3",
+    "bf16_router_bug",
+    "same_weights",
+]
 
 
 def _perturb_initial_weights(how: str) -> None:
@@ -85,8 +93,11 @@ def _routing(model, ids):
     from moe.model.router import TopKRouter
 
     picked = []
-    hooks = [m.register_forward_hook(lambda mod, a, out: picked.append(out.indices_TK))
-             for m in model.modules() if isinstance(m, TopKRouter)]
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out: picked.append(out.indices_TK))
+        for m in model.modules()
+        if isinstance(m, TopKRouter)
+    ]
     with torch.no_grad():
         model(ids)
     for h in hooks:
@@ -126,7 +137,7 @@ def _runs(variants: list[str]) -> dict[str, tuple]:
             if ref == "fp32_rounded":
                 runs[ref] = TRAINED["fp32_rounded_start"][0]
         elif v.startswith("fp32_rel"):
-            runs[v] = (v, "fp32", v[len("fp32_rel"):], False)
+            runs[v] = (v, "fp32", v[len("fp32_rel") :], False)
     return runs
 
 
@@ -198,15 +209,20 @@ def main(argv=None) -> int:
         prepare(data, progress=False)
         ids = _fixed_batch(data)
         _train(_runs(variants), seeds, data, root)
-        print(f"expert slots agreeing after {STEPS} steps, {ROWS} x {data.seq_len} tokens, "
-              f"top-2 of 4 experts, 2 MoE layers; seeds {args.seeds}")
+        print(
+            f"expert slots agreeing after {STEPS} steps, {ROWS} x {data.seq_len} tokens, "
+            f"top-2 of 4 experts, 2 MoE layers; seeds {args.seeds}"
+        )
         for v in variants:
             cols = list(zip(*_variant_rows(v, seeds, root, ids)))
             labels = ["router correct", "router in bf16"] if v == "same_weights" else [""]
             for label, col in zip(labels, cols):
                 per_seed = " ".join(f"{x:.4f}" for x in col)
-                print(f"{v:20s} {label:15s} min {min(col):.4f} median {statistics.median(col):.4f}"
-                      f"  [{per_seed}]", flush=True)
+                print(
+                    f"{v:20s} {label:15s} min {min(col):.4f} median {statistics.median(col):.4f}"
+                    f"  [{per_seed}]",
+                    flush=True,
+                )
     return 0
 
 

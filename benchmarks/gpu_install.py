@@ -19,9 +19,23 @@ NEVER_SHADOWED = re.compile(r"^(torch|triton|nvidia_.*)$")
 """Wheels never installed: the machine's own CUDA torch stack."""
 PYDANTIC_FAMILY = {"pydantic", "pydantic_core", "annotated_types", "typing_inspection"}
 """Installed together or not at all (pydantic pins its core exactly; DeepSpeed needs >= 2)."""
-REQUIRED_MODULES = ["torch", "deepspeed", "pydantic", "hjson", "yaml", "zstandard", "pyarrow",
-                    "sentencepiece", "tensorboard", "safetensors", "matplotlib", "psutil", "tqdm",
-                    "numpy", "pytest"]
+REQUIRED_MODULES = [
+    "torch",
+    "deepspeed",
+    "pydantic",
+    "hjson",
+    "yaml",
+    "zstandard",
+    "pyarrow",
+    "sentencepiece",
+    "tensorboard",
+    "safetensors",
+    "matplotlib",
+    "psutil",
+    "tqdm",
+    "numpy",
+    "pytest",
+]
 """What the project and its GPU tests import: each must be importable after the install."""
 IMPORT_CHECK = (
     "import importlib, json, sys\n"
@@ -32,7 +46,8 @@ IMPORT_CHECK = (
     "        out[m] = [getattr(mod, '__version__', '?'), getattr(mod, '__file__', '?')]\n"
     "    except Exception as e:\n"
     "        out[m] = [None, f'{type(e).__name__}: {e}']\n"
-    "print('IMPORTS ' + json.dumps(out))\n")
+    "print('IMPORTS ' + json.dumps(out))\n"
+)
 
 
 def norm(name: str) -> str:
@@ -53,8 +68,10 @@ def choose_wheels(wheels_dir: Path, log) -> list[Path]:
     wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
     log.write(f"wheel folder: {wheels_dir} ({len(wheels)} wheels)\n")
     if not wheels:
-        log.write("no wheel folder: using only what this Python has "
-                  "(benchmarks/gpu_wheels.sh builds the folder)\n")
+        log.write(
+            "no wheel folder: using only what this Python has "
+            "(benchmarks/gpu_wheels.sh builds the folder)\n"
+        )
     by_name = {norm(w.name.split("-")[0]): w for w in wheels}
     refused = [w.name for n, w in by_name.items() if NEVER_SHADOWED.match(n)]
     if refused:
@@ -73,15 +90,20 @@ def choose_wheels(wheels_dir: Path, log) -> list[Path]:
     return chosen
 
 
-def install_wheels(python: str, site: Path, wheels: list[Path], log,
-                   run: Callable[[list[str], dict], int | None]) -> int | None:
+def install_wheels(
+    python: str, site: Path, wheels: list[Path], log, run: Callable[[list[str], dict], int | None]
+) -> int | None:
     """``pip install --no-index --no-deps --target site`` (``run(cmd, env)`` runs it and returns
     its exit status, None when out of time); without pip, the wheels are unpacked by hand."""
     site.mkdir(parents=True, exist_ok=True)
     if not wheels:
         return 0
-    pip_ok = subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
-                            timeout=60).returncode == 0
+    pip_ok = (
+        subprocess.run(
+            [python, "-m", "pip", "--version"], capture_output=True, timeout=60
+        ).returncode
+        == 0
+    )
     if not pip_ok:  # no pip at all: a wheel is a zip file; lay it out as pip would
         log.write("no pip in this Python: unpacking the wheels into the target\n")
         for w in wheels:
@@ -89,21 +111,39 @@ def install_wheels(python: str, site: Path, wheels: list[Path], log,
         return 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = os.devnull  # no index, constraint or find-links from config
-    cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps",
-           "--disable-pip-version-check", "--no-warn-script-location", "--upgrade",
-           "--target", str(site), *map(str, wheels)]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--no-warn-script-location",
+        "--upgrade",
+        "--target",
+        str(site),
+        *map(str, wheels),
+    ]
     return run(cmd, env)
 
 
-def import_check(python: str, env: dict, cwd: Path, timeout: float,
-                 modules: list[str] = REQUIRED_MODULES) -> tuple[dict | None, str]:
+def import_check(
+    python: str, env: dict, cwd: Path, timeout: float, modules: list[str] = REQUIRED_MODULES
+) -> tuple[dict | None, str]:
     """{module: [version, file]} as ``python`` with ``env`` imports them ([None, error] for
     one that fails), and the check's output; None when the check itself did not run."""
-    proc = subprocess.run([python, "-c", IMPORT_CHECK, *modules], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [python, "-c", IMPORT_CHECK, *modules],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     output = proc.stdout[-20000:] + proc.stderr[-5000:]
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("IMPORTS ")), None)
-    return (json.loads(line[len("IMPORTS "):]) if line else None), output
+    return (json.loads(line[len("IMPORTS ") :]) if line else None), output
 
 
 ENV_PROBE = (
@@ -153,6 +193,7 @@ def probe_environment(python: str, env: dict, cwd: Path, timeout: float) -> tupl
         return None, output
     return json.loads(line[len("ENV ") :]), output
 
+
 def unpack_wheel(wheel: Path, target: Path) -> None:
     """Install a wheel without pip: its files into ``target``, ``*.data/purelib|platlib`` into
     ``target`` too and ``*.data/scripts`` into ``target/bin`` (what ``pip --target`` does)."""
@@ -161,8 +202,11 @@ def unpack_wheel(wheel: Path, target: Path) -> None:
             parts = info.filename.split("/")
             if parts[0].endswith(".data") and len(parts) > 2:
                 kind, rest = parts[1], parts[2:]
-                dest = target / "bin" / "/".join(rest) if kind == "scripts" else \
-                    target / "/".join(rest)
+                dest = (
+                    target / "bin" / "/".join(rest)
+                    if kind == "scripts"
+                    else target / "/".join(rest)
+                )
             else:
                 dest = target / info.filename
             if info.is_dir():

@@ -66,8 +66,20 @@ OUT_FILES = ("summary.md", "summary.json", "profile.md", "profile.json")
 CAPS = {"install": 90, "env": 60, "pytest": 300, "bench": 270, "train": 240, "eval": 120}
 FLOORS = {"install": 20, "env": 15, "pytest": 60, "bench": 45, "train": 90, "eval": 30}
 TRAIN_STEPS = 100
-STDLIB_DOCS = ["argparse", "textwrap", "shlex", "string", "heapq", "bisect", "functools",
-               "dataclasses", "enum", "fractions", "calendar", "difflib"]
+STDLIB_DOCS = [
+    "argparse",
+    "textwrap",
+    "shlex",
+    "string",
+    "heapq",
+    "bisect",
+    "functools",
+    "dataclasses",
+    "enum",
+    "fractions",
+    "calendar",
+    "difflib",
+]
 
 
 @dataclass
@@ -116,19 +128,32 @@ class Proof:
     def time_left(self, name: str) -> float:
         """This part's limit: its cap, less what the parts after it are owed."""
         names = list(CAPS)
-        owed = sum(FLOORS[n] for n in names[names.index(name) + 1:])
+        owed = sum(FLOORS[n] for n in names[names.index(name) + 1 :])
         return min(CAPS[name], self.deadline - time.monotonic() - owed)
 
-    def run(self, part: Part, cmd: list[str], log, timeout: float, env: dict | None = None,
-            cwd: Path = ROOT) -> int | None:
+    def run(
+        self,
+        part: Part,
+        cmd: list[str],
+        log,
+        timeout: float,
+        env: dict | None = None,
+        cwd: Path = ROOT,
+    ) -> int | None:
         """Run ``cmd`` with its output appended to ``log``; None when it ran out of time (its
         whole process group is then ended)."""
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
         started = time.time()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env or self.env(), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env or self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
@@ -168,12 +193,15 @@ class Proof:
                     log.write(f"\n[gpu_proof] {name}: {part.note}\n")
         part.seconds = time.monotonic() - t0
         c1 = os.times()
-        part.cpu_seconds = (c1.children_user - c0.children_user
-                            + c1.children_system - c0.children_system)
+        part.cpu_seconds = (
+            c1.children_user - c0.children_user + c1.children_system - c0.children_system
+        )
         self.parts.append(part)
-        print(f"[gpu_proof] {name:<8} {part.status:<8} {part.seconds:6.1f} s "
-              f"({part.cpu_seconds:.1f} s CPU)"
-              + (f"  ({part.note})" if part.note else ""), flush=True)
+        print(
+            f"[gpu_proof] {name:<8} {part.status:<8} {part.seconds:6.1f} s "
+            f"({part.cpu_seconds:.1f} s CPU)" + (f"  ({part.note})" if part.note else ""),
+            flush=True,
+        )
         return part
 
     @staticmethod
@@ -186,8 +214,13 @@ class Proof:
         wheels_dir = Path(self.args.wheels or os.environ.get("GPU_WHEELS") or ROOT / "gpu-wheels")
         log.write(f"target: {self.site}\n")
         chosen = choose_wheels(wheels_dir, log)
-        rc = install_wheels(self.python, self.site, chosen, log,
-                            lambda cmd, env: self.run(part, cmd, log, limit, env=env))
+        rc = install_wheels(
+            self.python,
+            self.site,
+            chosen,
+            log,
+            lambda cmd, env: self.run(part, cmd, log, limit, env=env),
+        )
         part.figures["installed"] = [w.name.split("-")[0] for w in chosen]
         if rc != 0:
             part.note = "pip install failed" if rc is not None else "out of time"
@@ -203,8 +236,9 @@ class Proof:
             log.write(f"{m:<13} {str(version):<14} {where}\n")
         missing = [m for m, (v, _) in found.items() if v is None]
         shadowed = str(self.site) in str(found.get("torch", [None, ""])[1])
-        part.figures.update({"missing": missing, "deepspeed": found["deepspeed"][0],
-                             "torch": found["torch"][0]})
+        part.figures.update(
+            {"missing": missing, "deepspeed": found["deepspeed"][0], "torch": found["torch"][0]}
+        )
         if shadowed:
             part.note = "torch would be imported from the wheel folder"
             return "fail"
@@ -218,12 +252,23 @@ class Proof:
     def environment(self, part: Part, log, limit: float) -> str:
         if shutil.which("nvidia-smi"):
             self.run(part, ["nvidia-smi"], log, 30)
-            self.run(part, ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
-                            "power.limit,clocks.max.sm", "--format=csv"], log, 30)
+            self.run(
+                part,
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm",
+                    "--format=csv",
+                ],
+                log,
+                30,
+            )
             try:
                 driver = subprocess.run(
                     ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                    capture_output=True, text=True, timeout=30).stdout.split()
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                ).stdout.split()
                 part.figures["driver"] = driver[0] if driver else None
             except (OSError, subprocess.SubprocessError):
                 part.figures["driver"] = None
@@ -252,11 +297,18 @@ class Proof:
         rc = self.run(part, cmd, log, limit)
         log.flush()
         text = (self.out / part.log).read_text(errors="replace")
-        summary = [ln for ln in text.splitlines()
-                   if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b", ln)]
+        summary = [
+            ln
+            for ln in text.splitlines()
+            if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b", ln)
+        ]
         if summary:  # pytest's closing line, e.g. "9 passed, 1070 deselected in 80.1s"
-            part.figures.update({k: int(n) for n, k in re.findall(
-                r"(\d+) (passed|failed|skipped|errors?)\b", summary[-1])})
+            part.figures.update(
+                {
+                    k: int(n)
+                    for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary[-1])
+                }
+            )
             part.figures["result"] = summary[-1].strip("= ")
         counts = part.figures
         status = self.status_of(rc)
@@ -269,8 +321,14 @@ class Proof:
 
     def bench(self, part: Part, log, limit: float) -> str:
         rows = self.scratch / "bench.json"
-        cmd = [self.python, "benchmarks/gpu_train_bench.py", "--device", self.args.device,
-               "--profile-out", str(self.out)]  # profile.md and profile.json
+        cmd = [
+            self.python,
+            "benchmarks/gpu_train_bench.py",
+            "--device",
+            self.args.device,
+            "--profile-out",
+            str(self.out),
+        ]  # profile.md and profile.json
         if self.args.dry_run:
             cmd += ["--tiny", "--steps", "2", "--warmup", "1", "--profile-steps", "1"]
         if not self.cuda:
@@ -284,15 +342,21 @@ class Proof:
         # The same models compiled (the first compile on a fresh machine takes about a minute
         # on one H100): one run, so a ratio to read, not a result.
         compiled = self.scratch / "bench_compiled.json"
-        rc = self.run(part, cmd + ["--json", str(compiled), "--set", "train.compile=true"],
-                      log, limit - (time.monotonic() - t0))
+        rc = self.run(
+            part,
+            cmd + ["--json", str(compiled), "--set", "train.compile=true"],
+            log,
+            limit - (time.monotonic() - t0),
+        )
         if compiled.exists():
             eager = {r["model"]: r["tokens_per_s"] for r in part.figures.get("rows", [])}
             crows = json.loads(compiled.read_text())["rows"]
             part.figures["compiled_rows"] = crows
             part.figures["compiled_over_eager"] = {
                 r["model"]: round(r["tokens_per_s"] / eager[r["model"]], 3)
-                for r in crows if eager.get(r["model"])}
+                for r in crows
+                if eager.get(r["model"])
+            }
         if rc is None:
             # The compiles take what the budget has left after the tests: running short of it
             # is noted, not failed; a compiled run that fails is a failure.
@@ -316,37 +380,63 @@ class Proof:
     def train_overrides(self) -> list[str]:
         runs = self.scratch / "runs"
         self.train_name = self.train_name or self.run_name()
-        over = [f"name={self.train_name}", f"output_dir={runs}", "parallel.world_size=1",
-                "parallel.expert_parallel_size=1", "train.precision=bf16",
-                "logging.peak_flops_per_device=null",  # the device's own peak (MFU)
-                f"train.max_steps={TRAIN_STEPS}", f"checkpoint.every_n_steps={TRAIN_STEPS}"]
+        over = [
+            f"name={self.train_name}",
+            f"output_dir={runs}",
+            "parallel.world_size=1",
+            "parallel.expert_parallel_size=1",
+            "train.precision=bf16",
+            "logging.peak_flops_per_device=null",  # the device's own peak (MFU)
+            f"train.max_steps={TRAIN_STEPS}",
+            f"checkpoint.every_n_steps={TRAIN_STEPS}",
+        ]
         if self.args.dry_run:
             corpus = write_corpus(self.scratch / "corpus")
-            over += [f"data.dir={self.scratch / 'data'}",
-                     "data.sources=[{name: docs, type: text, paths: [" + json.dumps(str(corpus))
-                     + "]}]",
-                     "data.tokenizer.vocab_size=512", "data.valid_fraction=0.2",
-                     "data.shard_tokens=20000", "data.seq_len=32",
-                     "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-                     "model.max_seq_len=64", "model.moe.num_experts=4",
-                     "model.moe.expert_hidden=64", "model.moe.router.top_k=2",
-                     "train.max_steps=4", "train.micro_batch_size=2", "train.warmup_steps=1",
-                     "train.threads_per_rank=1", "logging.log_every=1",
-                     "checkpoint.every_n_steps=4", "eval.batch_size=2"]
+            over += [
+                f"data.dir={self.scratch / 'data'}",
+                "data.sources=[{name: docs, type: text, paths: [" + json.dumps(str(corpus)) + "]}]",
+                "data.tokenizer.vocab_size=512",
+                "data.valid_fraction=0.2",
+                "data.shard_tokens=20000",
+                "data.seq_len=32",
+                "model.d_model=64",
+                "model.n_layers=2",
+                "model.n_heads=4",
+                "model.max_seq_len=64",
+                "model.moe.num_experts=4",
+                "model.moe.expert_hidden=64",
+                "model.moe.router.top_k=2",
+                "train.max_steps=4",
+                "train.micro_batch_size=2",
+                "train.warmup_steps=1",
+                "train.threads_per_rank=1",
+                "logging.log_every=1",
+                "checkpoint.every_n_steps=4",
+                "eval.batch_size=2",
+            ]
         return over
 
     def train(self, part: Part, log, limit: float) -> str:
-        cmd = [self.python, "-m", "launch.launch", "configs/default.yaml",
-               *self.train_overrides(), "--no-eval"]
+        cmd = [
+            self.python,
+            "-m",
+            "launch.launch",
+            "configs/default.yaml",
+            *self.train_overrides(),
+            "--no-eval",
+        ]
         rc = self.run(part, cmd, log, limit)
         summary_path = self.scratch / "runs" / self.train_name / "train_summary.json"
         if summary_path.exists():
             summary = json.loads(summary_path.read_text())
             history = summary["history"]
             self.checkpoint = summary.get("checkpoint")
-            part.figures.update(steps=summary["steps"], checkpoint=self.checkpoint,
-                                first_loss=history[0]["loss"] if history else None,
-                                last_loss=history[-1]["loss"] if history else None)
+            part.figures.update(
+                steps=summary["steps"],
+                checkpoint=self.checkpoint,
+                first_loss=history[0]["loss"] if history else None,
+                last_loss=history[-1]["loss"] if history else None,
+            )
             rates = [h["tokens_per_s"] for h in history[1:]] or [h["tokens_per_s"] for h in history]
             if rates:
                 part.figures["tokens_per_s_median"] = sorted(rates)[len(rates) // 2]
@@ -372,11 +462,27 @@ class Proof:
             part.note = "no checkpoint from the training part"
             return "skipped"
         out = self.scratch / "eval"
-        cmd = [self.python, "-m", "launch.evaluate", checkpoint, "--device", "cpu",
-               "--output", str(out)]
+        cmd = [
+            self.python,
+            "-m",
+            "launch.evaluate",
+            checkpoint,
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+        ]
         if self.args.dry_run:
-            cmd += ["--max-tokens", "512", "--num-prompts", "1", "--max-new-tokens", "4",
-                    "--strategy", "greedy"]
+            cmd += [
+                "--max-tokens",
+                "512",
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--strategy",
+                "greedy",
+            ]
         rc = self.run(part, cmd, log, limit, env=self.env(hide_cuda=True))
         result = out / "eval.json"
         if result.exists():
@@ -399,8 +505,11 @@ def write_corpus(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for name in STDLIB_DOCS:
         tree = ast.parse((stdlib / f"{name}.py").read_text(encoding="utf-8"))
-        docs = [ast.get_docstring(n) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))]
+        docs = [
+            ast.get_docstring(n)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        ]
         (root / f"{name}.txt").write_text("\n\n".join(d for d in docs if d), encoding="utf-8")
     return root
 
@@ -410,8 +519,9 @@ def stale_build_locks(since: float) -> list[Path]:
     DeepSpeed compiles a small op the first time a torch version meets it; a part ended in the
     middle of that build leaves its lock behind, and every later build of the op would wait on
     it for ever."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                or Path.home() / ".cache" / "torch_extensions")
+    root = Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    )
     if not root.is_dir():
         return []
     return [lock for lock in root.glob("**/lock") if lock.stat().st_mtime >= since - 1]
@@ -419,10 +529,18 @@ def stale_build_locks(since: float) -> list[Path]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("outdir", nargs="?", default=os.environ.get("GPU_PROOF_OUT"),
-                   help="where the summary and logs go (or $GPU_PROOF_OUT)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cpu hides CUDA from every part (default: cuda)")
+    p.add_argument(
+        "outdir",
+        nargs="?",
+        default=os.environ.get("GPU_PROOF_OUT"),
+        help="where the summary and logs go (or $GPU_PROOF_OUT)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu hides CUDA from every part (default: cuda)",
+    )
     p.add_argument("--dry-run", action="store_true", help="every part at tiny sizes")
     p.add_argument("--wheels", help="the wheel folder (default: $GPU_WHEELS or gpu-wheels/)")
     p.add_argument("--scratch", help="installed wheels, data, runs (default: a new temp dir)")
@@ -431,11 +549,14 @@ def main(argv=None) -> int:
     if not args.outdir:
         p.error("give OUTDIR (or set GPU_PROOF_OUT)")
     proof = Proof(args)
-    stray = [f for f in proof.out.iterdir() if f.name not in
-             {*OUT_FILES, *(f"{n}.log" for n in CAPS)}]
+    stray = [
+        f for f in proof.out.iterdir() if f.name not in {*OUT_FILES, *(f"{n}.log" for n in CAPS)}
+    ]
     if stray:
-        p.error(f"{proof.out} holds other files ({', '.join(f.name for f in stray[:5])}): "
-                f"give an empty or new directory")
+        p.error(
+            f"{proof.out} holds other files ({', '.join(f.name for f in stray[:5])}): "
+            f"give an empty or new directory"
+        )
     proof.part("install", proof.install)
     proof.part("env", proof.environment)
     proof.part("pytest", proof.pytest)

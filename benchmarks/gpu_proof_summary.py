@@ -49,8 +49,7 @@ def part_lines(parts: list) -> list[str]:
         if p.note:
             text = f"**{p.note}**" + (f"; {text}" if text else "")
         lines.append(
-            f"| {p.name} | {p.status} | {p.seconds:.1f} | {p.cpu_seconds:.1f} | "
-            f"{p.log} | {text} |"
+            f"| {p.name} | {p.status} | {p.seconds:.1f} | {p.cpu_seconds:.1f} | {p.log} | {text} |"
         )
     return lines
 

@@ -23,8 +23,9 @@ class PredictedText(NamedTuple):
     """Documents the predictions reach into (an EOS ends one)."""
 
 
-def predicted_text_bytes(tokens, tokenizer: Tokenizer, max_tokens: int | None = None
-                         ) -> PredictedText:
+def predicted_text_bytes(
+    tokens, tokenizer: Tokenizer, max_tokens: int | None = None
+) -> PredictedText:
     """:class:`PredictedText` of the predictions an evaluation of ``tokens`` makes
     (:func:`data_pipeline.token_stream.token_windows`: every token after the first, at most
     ``max_tokens``, those whose loss mask is 0 left out): how many trained targets there are,

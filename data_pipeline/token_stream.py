@@ -52,10 +52,18 @@ class TokenStream:
     def read(self, start: int, length: int) -> np.ndarray:
         out = self._read(self.shards, start, length, np.int64)
         if length and out.max() >= self.vocab_size:
-            shard = int(np.searchsorted(self.starts, start + int(np.argmax(out >= self.vocab_size)),
-                                        side="right")) - 1
-            raise DataError(f"{self.files[shard]}: token id {int(out.max())} out of range "
-                            f"for the tokenizer's vocabulary of {self.vocab_size}")
+            shard = (
+                int(
+                    np.searchsorted(
+                        self.starts, start + int(np.argmax(out >= self.vocab_size)), side="right"
+                    )
+                )
+                - 1
+            )
+            raise DataError(
+                f"{self.files[shard]}: token id {int(out.max())} out of range "
+                f"for the tokenizer's vocabulary of {self.vocab_size}"
+            )
         return out
 
     def read_mask(self, start: int, length: int) -> np.ndarray | None:
@@ -69,7 +77,7 @@ class TokenStream:
         while filled < length:
             local = pos - self.starts[shard]
             take = min(length - filled, len(arrays[shard]) - local)
-            out[filled:filled + take] = arrays[shard][local:local + take]
+            out[filled : filled + take] = arrays[shard][local : local + take]
             filled, pos, shard = filled + take, pos + take, shard + 1
         return out
 
@@ -98,8 +106,12 @@ def token_windows(tokens, seq_len: int, max_tokens: int | None = None) -> Iterat
         start += length - 1
 
 
-def validation_windows(data_dir: str | Path | PreparedData, seq_len: int, max_tokens: int | None = None,
-                       source: str | None = None) -> Iterator[Window]:
+def validation_windows(
+    data_dir: str | Path | PreparedData,
+    seq_len: int,
+    max_tokens: int | None = None,
+    source: str | None = None,
+) -> Iterator[Window]:
     """A fixed pass over the validation split (or one source's part of it): consecutive windows
     of seq_len + 1 tokens that overlap by one token, so every token after the first is predicted
     exactly once (:func:`token_windows`)."""

@@ -38,10 +38,14 @@ def exit_record(rank: int, pid: int, returncode: int) -> dict:
     """How rank ``rank`` (process ``pid``) ended; ``returncode`` as subprocess reports it
     (negative: killed by that signal)."""
     if returncode < 0:
-        return {"rank": rank, "pid": pid, "returncode": None,
-                "signal": signal.Signals(-returncode).name, "time": time.time()}
-    return {"rank": rank, "pid": pid, "returncode": returncode, "signal": None,
-            "time": time.time()}
+        return {
+            "rank": rank,
+            "pid": pid,
+            "returncode": None,
+            "signal": signal.Signals(-returncode).name,
+            "time": time.time(),
+        }
+    return {"rank": rank, "pid": pid, "returncode": returncode, "signal": None, "time": time.time()}
 
 
 def start_training(argv: list[str]) -> subprocess.Popen:
@@ -54,8 +58,10 @@ def start_training(argv: list[str]) -> subprocess.Popen:
     if this process is (launch/launcher_watch.py), which would otherwise leave it orphaned."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, CATCHABLE)
     try:
-        return subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv],
-                                preexec_fn=die_with_parent(signal.SIGKILL))
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "launch.train", *argv],
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 

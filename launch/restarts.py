@@ -63,11 +63,18 @@ class Failure:
 
     def same_as(self, other: Failure | None) -> bool:
         """Same cause at the same step, whichever rank."""
-        return (other is not None and (self.returncode, self.signal, self.step)
-                == (other.returncode, other.signal, other.step))
+        return other is not None and (self.returncode, self.signal, self.step) == (
+            other.returncode,
+            other.signal,
+            other.step,
+        )
 
     def describe(self) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else "a rank (the launcher did not say which)"
+        who = (
+            f"rank {self.rank}"
+            if self.rank is not None
+            else "a rank (the launcher did not say which)"
+        )
         if self.hang:
             return f"{who} hung at step {self.step}: {self.hang}"
         return f"{who} exited with {self.cause} at step {self.step}"
@@ -126,8 +133,13 @@ def _read_jsonl(path: Path, offset: int = 0) -> list[dict]:
 class Attempt:
     """One run of the launcher: the exit records and step records it adds."""
 
-    def __init__(self, run_dir: Path, world_size: int, started: float | None = None,
-                 resumed_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        world_size: int,
+        started: float | None = None,
+        resumed_step: int | None = None,
+    ):
         self.files = RunDir(run_dir)
         self.logs = self.files.logs
         self.world = world_size
@@ -136,11 +148,15 @@ class Attempt:
         # attempt started (a file's mtime comes from a coarse clock that can lag time.time() by
         # milliseconds, so a step written right after the start could look older than it);
         # ``started`` given after the fact (the job script's shell): by mtime.
-        self.step_files = (None if started is not None else
-                           {r: self._state(self._steps_file(r)) for r in range(world_size)})
+        self.step_files = (
+            None
+            if started is not None
+            else {r: self._state(self._steps_file(r)) for r in range(world_size)}
+        )
         self.offsets = {r: self._size(exits_file(self.logs, r)) for r in range(world_size)}
-        self.hang_offsets = {r: self._size(hang_records_file(self.logs, r))
-                             for r in range(world_size)}
+        self.hang_offsets = {
+            r: self._size(hang_records_file(self.logs, r)) for r in range(world_size)
+        }
         if resumed_step is None:
             tag = newest_complete(run_dir)
             resumed_step = int(tag.rsplit("_", 1)[1]) if tag else 0
@@ -169,9 +185,12 @@ class Attempt:
 
     def abnormal_ends(self) -> list[dict]:
         """The ranks that ended this attempt with a nonzero code or a signal, earliest first."""
-        ends = [e for r in range(self.world)
-                for e in _read_jsonl(exits_file(self.logs, r), self.offsets[r])
-                if e.get("signal") or e.get("returncode")]
+        ends = [
+            e
+            for r in range(self.world)
+            for e in _read_jsonl(exits_file(self.logs, r), self.offsets[r])
+            if e.get("signal") or e.get("returncode")
+        ]
         return sorted(ends, key=lambda e: e["time"])
 
     def last_step(self, rank: int | None) -> int:
@@ -181,33 +200,48 @@ class Attempt:
         steps = []
         for r in ranks:
             records = _read_jsonl(self._steps_file(r)) if self._written(r) else []
-            steps.append(max((rec["step"] for rec in records if isinstance(rec.get("step"), int)),
-                             default=self.resumed_step))
+            steps.append(
+                max(
+                    (rec["step"] for rec in records if isinstance(rec.get("step"), int)),
+                    default=self.resumed_step,
+                )
+            )
         return min(steps)
 
     def hang(self) -> Failure | None:
         """The rank the hang watchdogs of this attempt found missing from their collective
         (the lowest, when several), with their verdict."""
-        reports = [h for r in range(self.world)
-                   for h in _read_jsonl(hang_records_file(self.logs, r), self.hang_offsets[r])]
+        reports = [
+            h
+            for r in range(self.world)
+            for h in _read_jsonl(hang_records_file(self.logs, r), self.hang_offsets[r])
+        ]
         named = {int(r): (why, h) for h in reports for r, why in h.get("missing", {}).items()}
         if not named:
             return None
         rank = min(named)
         why, h = named[rank]
         reporters = sorted({h["rank"] for h in reports if str(rank) in h.get("missing", {})})
-        return Failure(rank, HANG_EXIT_CODE, None, h["step"],
-                       hang=f"{why}; it did not reach {h['collective']} (collective call "
-                            f"{h['call']}), reported by the hang watchdog of rank(s) "
-                            f"{', '.join(map(str, reporters))}; stacks of the live ranks in "
-                            f"{self.logs}/hang_rank*.txt")
+        return Failure(
+            rank,
+            HANG_EXIT_CODE,
+            None,
+            h["step"],
+            hang=f"{why}; it did not reach {h['collective']} (collective call "
+            f"{h['call']}), reported by the hang watchdog of rank(s) "
+            f"{', '.join(map(str, reporters))}; stacks of the live ranks in "
+            f"{self.logs}/hang_rank*.txt",
+        )
 
     def final_cause(self) -> str | None:
         """The cause a rank recorded for a failure no restart can fix, in this attempt
         (:func:`record_final`); None: every failure may be worth a restart."""
-        records = [r for rank in range(self.world)
-                   for r in _read_jsonl(final_file(self.logs, rank))
-                   if r.get("time", 0) >= self.started]
+        records = [
+            r
+            for rank in range(self.world)
+            for r in _read_jsonl(final_file(self.logs, rank))
+            if r.get("time", 0) >= self.started
+        ]
         if not records:
             return None
         first = min(records, key=lambda r: r["time"])
@@ -221,14 +255,19 @@ class Attempt:
         if not ends:
             return Failure(None, launcher_rc, None, self.last_step(None) + 1)
         first = ends[0]
-        return Failure(first["rank"], first["returncode"], first["signal"],
-                       self.last_step(first["rank"]) + 1)
+        return Failure(
+            first["rank"], first["returncode"], first["signal"], self.last_step(first["rank"]) + 1
+        )
 
 
-def run_attempt(command: list[str], env: dict, attempt: Attempt,
-                signals: LauncherSignals | None = None,
-                started: Callable[[subprocess.Popen], None] | None = None,
-                tick: Callable[[], None] | None = None) -> int:
+def run_attempt(
+    command: list[str],
+    env: dict,
+    attempt: Attempt,
+    signals: LauncherSignals | None = None,
+    started: Callable[[subprocess.Popen], None] | None = None,
+    tick: Callable[[], None] | None = None,
+) -> int:
     """Run the launcher once; stop it if it outlives a rank's abnormal end by :data:`GRACE_S`.
     ``signals``: the launcher runs in a session of its own and gets moe-launch's signals
     through them. ``started``: told the launcher's process as soon as it runs (a signal
@@ -237,8 +276,12 @@ def run_attempt(command: list[str], env: dict, attempt: Attempt,
     # (launch/launcher_watch.py). Only from the main thread: the signal comes when the thread
     # that started the child ends.
     own = signals is not None and threading.current_thread() is threading.main_thread()
-    proc = subprocess.Popen(command, env=env, start_new_session=signals is not None,
-                            preexec_fn=die_with_parent() if own else None)
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        start_new_session=signals is not None,
+        preexec_fn=die_with_parent() if own else None,
+    )
     if started is not None:
         started(proc)
     seen = None
@@ -259,18 +302,27 @@ def run_attempt(command: list[str], env: dict, attempt: Attempt,
             for line in kill_unresponsive(proc, time.monotonic() - seen):
                 print(line, flush=True)
         if seen is not None and time.monotonic() - seen > GRACE_S and proc.poll() is None:
-            print(f"launch: a rank ended abnormally {GRACE_S:g}s ago and the launcher still "
-                  f"runs: stopping every rank", flush=True)
+            print(
+                f"launch: a rank ended abnormally {GRACE_S:g}s ago and the launcher still "
+                f"runs: stopping every rank",
+                flush=True,
+            )
             stop_session(proc)
     return proc.wait()
 
 
-def run_with_restarts(command: list[str], env: dict, run_dir: Path, world_size: int,
-                      max_restarts: int, preempted,
-                      replan: Callable[[], Relaunch] | None = None,
-                      signals: LauncherSignals | None = None,
-                      started: Callable[[subprocess.Popen], None] | None = None,
-                      tick: Callable[[], None] | None = None) -> int:
+def run_with_restarts(
+    command: list[str],
+    env: dict,
+    run_dir: Path,
+    world_size: int,
+    max_restarts: int,
+    preempted,
+    replan: Callable[[], Relaunch] | None = None,
+    signals: LauncherSignals | None = None,
+    started: Callable[[subprocess.Popen], None] | None = None,
+    tick: Callable[[], None] | None = None,
+) -> int:
     """Run ``command`` until it succeeds, is preempted (``preempted(rc)`` true: returned at
     once) or has failed ``max_restarts + 1`` times (LaunchError). Returns its exit code.
     ``replan``: asked before each restart for the command and world size to restart with

@@ -99,9 +99,17 @@ def run_slurm_job(config_path: Path, evaluate: bool, held: list[int]) -> int:
     rc = None
     if not forwarder.received:
         try:
-            rc = run_with_restarts(job.srun(), env, run_dir, cfg.parallel.world_size,
-                                   cfg.launch.max_restarts, preempted, replan,
-                                   started=forwarder.started, tick=tick)
+            rc = run_with_restarts(
+                job.srun(),
+                env,
+                run_dir,
+                cfg.parallel.world_size,
+                cfg.launch.max_restarts,
+                preempted,
+                replan,
+                started=forwarder.started,
+                tick=tick,
+            )
         except LaunchError as e:
             job.record_end(1)
             print(f"error: {e}", flush=True)
@@ -168,11 +176,17 @@ def stopped(job, marker: Path, rc: int | None, signal_name: str | None) -> int:
     elif saved is not None:
         # srun reports the ranks' planned exit as "Exited with exit code 75" (and the others it
         # then stopped with 143); say what it means.
-        print(f"preemption signal ({marker.read_text().strip()}): the exit code 75 above is the "
-              f"planned exit of a preempted run, not a failure", flush=True)
+        print(
+            f"preemption signal ({marker.read_text().strip()}): the exit code 75 above is the "
+            f"planned exit of a preempted run, not a failure",
+            flush=True,
+        )
     elif saved is None:
-        print(f"stopped by {signal_name or 'a signal'} before the ranks could save (srun exited "
-              f"with status {rc}): not a training failure, not restarted", flush=True)
+        print(
+            f"stopped by {signal_name or 'a signal'} before the ranks could save (srun exited "
+            f"with status {rc}): not a training failure, not restarted",
+            flush=True,
+        )
     ended = job.ended_state()
     if ended is not None:  # the signal was SLURM ending the job: a cancel or the time limit
         ended_by_slurm(job, ended, rc if rc is not None else PREEMPTED_EXIT_CODE, step)
@@ -180,22 +194,28 @@ def stopped(job, marker: Path, rc: int | None, signal_name: str | None) -> int:
     if job.cfg.launch.slurm.requeue:
         # Said before asking: the requeue ends this batch step, this process included.
         job.record_end(rc if rc is not None else PREEMPTED_EXIT_CODE, step)
-        print(f"preempted, requeued, will resume from step {step} (requeueing job "
-              f"{job.job_id})", flush=True)
+        print(
+            f"preempted, requeued, will resume from step {step} (requeueing job {job.job_id})",
+            flush=True,
+        )
         if job.requeue():
             return 0
         job.record_end(PREEMPTED_EXIT_CODE)  # a cancelled or timed-out job cannot requeue
-        print(f"not requeued after all: submit the same run again to resume from step {step}",
-              flush=True)
+        print(
+            f"not requeued after all: submit the same run again to resume from step {step}",
+            flush=True,
+        )
         return PREEMPTED_EXIT_CODE
     job.record_end(PREEMPTED_EXIT_CODE)
-    print(f"preempted, not requeued (launch.slurm.requeue: false): submit the same run again to "
-          f"resume from step {step}", flush=True)
+    print(
+        f"preempted, not requeued (launch.slurm.requeue: false): submit the same run again to "
+        f"resume from step {step}",
+        flush=True,
+    )
     return PREEMPTED_EXIT_CODE
 
 
-def ended_by_slurm(job, state: str, status: int, step: int | None = None,
-                   note: str = "") -> None:
+def ended_by_slurm(job, state: str, status: int, step: int | None = None, note: str = "") -> None:
     """The job's last line and its record in ``slurm_job_ends.txt`` when SLURM itself ends the
     job (``state``: CANCELLED, TIMEOUT, ...): recorded once per run of the job, as soon as it
     is known, and said again with the final step if SLURM lets the supervisor see srun end.
@@ -208,10 +228,16 @@ def ended_by_slurm(job, state: str, status: int, step: int | None = None,
         step = int(tag.rsplit("_", 1)[1]) if tag else 0
     # COMPLETING: SLURM ends the job's steps, and does not say yet whether it cancels the job
     # or its time ran out.
-    what = (state if state != "COMPLETING" else
-            "COMPLETING (SLURM is ending it: a cancel, or the time limit)")
-    print(f"job {job.job_id} is {what}: not requeued, not restarted; submit the same run "
-          f"again to resume from step {step}" + (f" ({note})" if note else ""), flush=True)
+    what = (
+        state
+        if state != "COMPLETING"
+        else "COMPLETING (SLURM is ending it: a cancel, or the time limit)"
+    )
+    print(
+        f"job {job.job_id} is {what}: not requeued, not restarted; submit the same run "
+        f"again to resume from step {step}" + (f" ({note})" if note else ""),
+        flush=True,
+    )
 
 
 def held_by_the_job_script() -> list[int]:

@@ -20,12 +20,24 @@ def hf_tokenizer(model_file: Path):
         return _json_tokenizer(model_file)
     tok = _sentencepiece_tokenizer(model_file)
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    specials = {name: sp.id_to_piece(i) for name, i in
-                (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()),
-                 ("eos_token", sp.eos_id()), ("pad_token", sp.pad_id())) if i >= 0}
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials.values()])
-    ids = {f"{name[:-6]}_token_id": sp.piece_to_id(piece) for name, piece in specials.items()
-           if name != "unk_token"}
+    specials = {
+        name: sp.id_to_piece(i)
+        for name, i in (
+            ("unk_token", sp.unk_id()),
+            ("bos_token", sp.bos_id()),
+            ("eos_token", sp.eos_id()),
+            ("pad_token", sp.pad_id()),
+        )
+        if i >= 0
+    }
+    tok.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t in specials.values()]
+    )
+    ids = {
+        f"{name[:-6]}_token_id": sp.piece_to_id(piece)
+        for name, piece in specials.items()
+        if name != "unk_token"
+    }
     return PreTrainedTokenizerFast(tokenizer_object=tok, **specials), ids
 
 
@@ -36,8 +48,11 @@ def _json_tokenizer(model_file: Path):
     from data_pipeline.tokenizer import Tokenizer as OurTokenizer
 
     ours = OurTokenizer(model_file)
-    ids = {f"{k}_token_id": i for k, i in (("bos", ours.bos_id), ("eos", ours.eos_id),
-                                           ("pad", ours.pad_id)) if i >= 0}
+    ids = {
+        f"{k}_token_id": i
+        for k, i in (("bos", ours.bos_id), ("eos", ours.eos_id), ("pad", ours.pad_id))
+        if i >= 0
+    }
     specials = {f"{k[:-9]}_token": ours.id_to_piece(i) for k, i in ids.items()}
     return PreTrainedTokenizerFast(tokenizer_file=str(model_file), **specials), ids
 
@@ -54,16 +69,33 @@ def _sentencepiece_tokenizer(model_file: Path):
     spec, trainer = proto.normalizer_spec, proto.trainer_spec
     if trainer.model_type == 2:
         kw = extractor.extract(BPE)
-        tok = Tokenizer(BPE(kw["vocab"], kw["merges"], unk_token=trainer.unk_piece, fuse_unk=True,
-                            byte_fallback=trainer.byte_fallback))
+        tok = Tokenizer(
+            BPE(
+                kw["vocab"],
+                kw["merges"],
+                unk_token=trainer.unk_piece,
+                fuse_unk=True,
+                byte_fallback=trainer.byte_fallback,
+            )
+        )
     elif trainer.model_type == 1:
-        tok = Tokenizer(Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=trainer.unk_id,
-                                byte_fallback=trainer.byte_fallback))
+        tok = Tokenizer(
+            Unigram(
+                [(p.piece, p.score) for p in proto.pieces],
+                unk_id=trainer.unk_id,
+                byte_fallback=trainer.byte_fallback,
+            )
+        )
     else:
         raise CheckpointError(f"{model_file}: only BPE and unigram SentencePiece models export")
-    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    steps = (
+        [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    )
     if spec.remove_extra_whitespaces:
-        steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
+        steps += [
+            normalizers.Strip(left=True, right=True),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
     if spec.add_dummy_prefix:
         # SentencePiece adds the dummy "▁" even when the text already starts with whitespace;
         # the Metaspace pre-tokenizer's own prepend skips it then, so prepend in the normalizer.
@@ -73,9 +105,14 @@ def _sentencepiece_tokenizer(model_file: Path):
     # SentencePiece never merges pieces across a whitespace boundary when split_by_whitespace is
     # set (its default): each "▁" starts a new word. Without the split, BPE merges such as
     # "▁▁" (indentation, with identity normalization) would join words and change the ids.
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
-                                                 split=trainer.split_by_whitespace)
-    tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme=prepend,
-                                                        split=False),
-                                     decoders.ByteFallback(), decoders.Fuse()])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="never", split=trainer.split_by_whitespace
+    )
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Metaspace(replacement="▁", prepend_scheme=prepend, split=False),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+        ]
+    )
     return tok

@@ -48,8 +48,9 @@ def train_step(
         doc_ids = None if p_dev.doc_ids_BS is None else p_dev.doc_ids_BS[:, :-1]
         batches.append((p_dev.tokens_BS[:, :-1], p_dev.targets(), doc_ids))
     count_global_routing(engine, [(x, d) for x, _, d in batches])
-    weights, trained = trained_token_weights([t for _, t, _ in batches], world_size,
-                                             packed[0].targets_BS is not None)
+    weights, trained = trained_token_weights(
+        [t for _, t, _ in batches], world_size, packed[0].targets_BS is not None
+    )
     spike_ref = spike.reference() if spike is not None else None
     sums, z_max = accumulate(engine, batches, weights, spike, spike_ref)
     skipped = not engine.was_step_applied()
@@ -61,25 +62,41 @@ def train_step(
         dist.all_reduce(sums)
     sums /= t.grad_accum_steps * (world_size if mean_over_ranks else 1)
     grad_norm = engine.get_global_grad_norm()
-    norm = (grad_norm.detach().float().reshape(1).to(sums.device) if torch.is_tensor(grad_norm)
-            else torch.full((1,), math.nan if grad_norm is None else float(grad_norm),
-                            device=sums.device))
+    norm = (
+        grad_norm.detach().float().reshape(1).to(sums.device)
+        if torch.is_tensor(grad_norm)
+        else torch.full(
+            (1,), math.nan if grad_norm is None else float(grad_norm), device=sums.device
+        )
+    )
     # The step's one read of ours (a host sync on GPUs).
     loss, lm_loss, aux_loss, local_sum, norm_value, z_value, *n = torch.cat(
-        [sums, local_sum, norm, z_max, *([] if trained is None else [trained.reshape(1)])]).tolist()
+        [sums, local_sum, norm, z_max, *([] if trained is None else [trained.reshape(1)])]
+    ).tolist()
     return StepState(
-        step=step, max_steps=t.max_steps, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss,
-        lr=engine.get_lr()[0], grad_norm=None if grad_norm is None else norm_value,
-        step_seconds=time.time() - t0, tokens_per_step=samples * cfg.data.seq_len,
-        samples_per_step=samples, is_log_step=is_log, local_loss=local_sum / t.grad_accum_steps,
-        tokens_sha256=_token_hash([p.tokens_BS for p in packed]), skipped=skipped,
+        step=step,
+        max_steps=t.max_steps,
+        loss=loss,
+        lm_loss=lm_loss,
+        aux_loss=aux_loss,
+        lr=engine.get_lr()[0],
+        grad_norm=None if grad_norm is None else norm_value,
+        step_seconds=time.time() - t0,
+        tokens_per_step=samples * cfg.data.seq_len,
+        samples_per_step=samples,
+        is_log_step=is_log,
+        local_loss=local_sum / t.grad_accum_steps,
+        tokens_sha256=_token_hash([p.tokens_BS for p in packed]),
+        skipped=skipped,
         spike_zscore=z_value if spike_ref is not None and z_value > spike.cfg.zscore else None,
         consumed_samples=int(loader.state_dict()["consumed_samples"]),
-        extra={} if trained is None else {"train/trained_tokens": n[0]})
+        extra={} if trained is None else {"train/trained_tokens": n[0]},
+    )
 
 
-def accumulate(engine, batches: list, weights: list, spike: LossSpikeGuard | None,
-               spike_ref) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulate(
+    engine, batches: list, weights: list, spike: LossSpikeGuard | None, spike_ref
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of every micro-batch (the last one's ``engine.step()`` updates the
     weights): the (loss, lm loss, aux loss) sums on the device, and the largest loss z-score
     of the spike guard (-inf without one)."""
@@ -91,28 +108,36 @@ def accumulate(engine, batches: list, weights: list, spike: LossSpikeGuard | Non
         out = engine(inputs, targets, doc_ids_BS=doc_ids)._replace(logits=None)
         scored = out.loss  # the micro-batch's own mean: what the spike guard compares
         if weight is not None:  # masked data: each micro-batch's mean weighed by its targets
-            out = out._replace(loss=out.lm_loss * weight + out.aux_loss,
-                               lm_loss=out.lm_loss * weight)
+            out = out._replace(
+                loss=out.lm_loss * weight + out.aux_loss, lm_loss=out.lm_loss * weight
+            )
         loss = out.loss
         if spike_ref is not None:
             loss, z = spike.check(scored, spike_ref, loss)
             z_max = torch.maximum(z_max, z.reshape(1))
         engine.backward(poison_nonfinite(loss))
         engine.step()  # the last micro-batch's step() updates the weights
-        sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
+        sums += torch.stack(
+            [out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]
+        ).float()
     return sums, z_max
 
 
 def is_log_step(cfg: RunConfig, step: int) -> bool:
     """Whether ``step`` is logged: the first and last, every ``logging.log_every``, and the
     steps of an evaluation."""
-    return (step == 1 or step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
-            or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0)
-            or downstream_due(cfg, step))
+    return (
+        step == 1
+        or step % cfg.logging.log_every == 0
+        or step == cfg.train.max_steps
+        or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0)
+        or downstream_due(cfg, step)
+    )
 
 
-def trained_token_weights(targets: list[torch.Tensor], world_size: int, masked: bool
-                          ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+def trained_token_weights(
+    targets: list[torch.Tensor], world_size: int, masked: bool
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
     """For data with a loss mask (targets holding -100): per micro-batch, the factor that turns
     its mean loss (over its own trained targets) into its share of the mean over every trained
     target of the step on all ranks, ``n_mb * A * W / N``, since the engine averages the
@@ -138,7 +163,9 @@ def count_global_routing(engine, batches: list) -> None:
     ``batches``: the step's micro-batches as (input ids, document ids or None), on the device.
     The random state is restored afterwards, so jitter and logit noise draw the same values in
     the training forwards and the counted routing is the routing they use."""
-    layers = [m for m in engine.module.moe_layers() if m.cfg.router.aux_loss_scope == "global_batch"]
+    layers = [
+        m for m in engine.module.moe_layers() if m.cfg.router.aux_loss_scope == "global_batch"
+    ]
     if not layers:
         return
     cuda = [engine.device] if engine.device.type == "cuda" else []

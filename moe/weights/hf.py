@@ -64,8 +64,10 @@ class Link:
 
 def links(m: ModelConfig, arch: str) -> list[Link]:
     """Every tensor of ours and where ``arch`` (a value of hf_config.ARCHITECTURES) holds it."""
-    out = [Link("embed.weight", ("model.embed_tokens.weight",)),
-           Link("norm.weight", ("model.norm.weight",))]
+    out = [
+        Link("embed.weight", ("model.embed_tokens.weight",)),
+        Link("norm.weight", ("model.norm.weight",)),
+    ]
     if not m.tie_embeddings:
         out.append(Link("lm_head.weight", ("lm_head.weight",)))
     moe = m.moe
@@ -74,11 +76,15 @@ def links(m: ModelConfig, arch: str) -> list[Link]:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             out.append(Link(f"{src}attn.{proj}.weight", (f"{dst}self_attn.{proj}.weight",)))
         if m.qkv_bias:
-            out += [Link(f"{src}attn.{p}.bias", (f"{dst}self_attn.{p}.bias",))
-                    for p in ("q_proj", "k_proj", "v_proj")]
+            out += [
+                Link(f"{src}attn.{p}.bias", (f"{dst}self_attn.{p}.bias",))
+                for p in ("q_proj", "k_proj", "v_proj")
+            ]
         if m.qk_norm != "none":
-            out += [Link(f"{src}attn.{n}.weight", (f"{dst}self_attn.{n}.weight",))
-                    for n in ("q_norm", "k_norm")]
+            out += [
+                Link(f"{src}attn.{n}.weight", (f"{dst}self_attn.{n}.weight",))
+                for n in ("q_norm", "k_norm")
+            ]
         out.append(Link(f"{src}attn_norm.weight", (f"{dst}input_layernorm.weight",)))
         out.append(Link(f"{src}ffn_norm.weight", (f"{dst}post_attention_layernorm.weight",)))
         if not m.is_moe_layer(i):
@@ -86,33 +92,47 @@ def links(m: ModelConfig, arch: str) -> list[Link]:
             continue
         out.append(Link(f"{src}ffn.router.weight", (f"{dst}mlp.gate.weight",)))
         out.append(Link(f"{src}ffn.router.score_bias", (), "fresh"))  # zero or unused (hf_support)
-        out.append(Link(f"{src}ffn.experts.w_in", (f"{dst}mlp.experts.gate_up_proj",),
-                        "transpose"))
+        out.append(Link(f"{src}ffn.experts.w_in", (f"{dst}mlp.experts.gate_up_proj",), "transpose"))
         # The routed scaling factor multiplies each expert's output, which is linear in w_out.
-        out.append(Link(f"{src}ffn.experts.w_out", (f"{dst}mlp.experts.down_proj",), "transpose",
-                        moe.router.scaling_factor))
+        out.append(
+            Link(
+                f"{src}ffn.experts.w_out",
+                (f"{dst}mlp.experts.down_proj",),
+                "transpose",
+                moe.router.scaling_factor,
+            )
+        )
         if arch != "qwen2_moe":
             continue
         # Qwen2-MoE always has a shared expert and its sigmoid gate; without our gate a zero
         # gate gives exactly 1/2, so the output projection is held times 2 (exact).
         gated = moe.shared_expert_gate
         if moe.num_shared_experts:
-            out += _dense(f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.",
-                          1.0 if gated else 2.0)
+            out += _dense(
+                f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.", 1.0 if gated else 2.0
+            )
         else:  # width 0: adds 0
-            out += [Link(None, (f"{dst}mlp.shared_expert.{p}.weight",), "zeros", shape=s)
-                    for p, s in (("gate_proj", (0, m.d_model)), ("up_proj", (0, m.d_model)),
-                                 ("down_proj", (m.d_model, 0)))]
-        out.append(Link(f"{src}ffn.shared_gate.weight", (f"{dst}mlp.shared_expert_gate.weight",))
-                   if gated else Link(None, (f"{dst}mlp.shared_expert_gate.weight",), "zeros",
-                                      shape=(1, m.d_model)))
+            out += [
+                Link(None, (f"{dst}mlp.shared_expert.{p}.weight",), "zeros", shape=s)
+                for p, s in (
+                    ("gate_proj", (0, m.d_model)),
+                    ("up_proj", (0, m.d_model)),
+                    ("down_proj", (m.d_model, 0)),
+                )
+            ]
+        out.append(
+            Link(f"{src}ffn.shared_gate.weight", (f"{dst}mlp.shared_expert_gate.weight",))
+            if gated
+            else Link(None, (f"{dst}mlp.shared_expert_gate.weight",), "zeros", shape=(1, m.d_model))
+        )
     return out
 
 
 def _dense(src: str, dst: str, scale: float = 1.0) -> list[Link]:
-    return [Link(f"{src}w_in.weight", (f"{dst}gate_proj.weight", f"{dst}up_proj.weight"),
-                 "halves"),
-            Link(f"{src}w_out.weight", (f"{dst}down_proj.weight",), "copy", scale)]
+    return [
+        Link(f"{src}w_in.weight", (f"{dst}gate_proj.weight", f"{dst}up_proj.weight"), "halves"),
+        Link(f"{src}w_out.weight", (f"{dst}down_proj.weight",), "copy", scale),
+    ]
 
 
 def to_hf(link: Link, ours: torch.Tensor | None) -> list[torch.Tensor]:
@@ -135,6 +155,7 @@ def from_hf(link: Link, theirs: list[torch.Tensor]) -> torch.Tensor:
 
 # --- config.json -> ModelConfig ------------------------------------------------------------------
 
+
 # Keys that never change the function a checkpoint computes (bookkeeping, generation defaults,
 # outputs requested at call time).
 class SafetensorsDir:
@@ -155,13 +176,16 @@ class SafetensorsDir:
         elif (hf_dir / "model.safetensors").is_file():
             weight_map = None
         else:
-            raise CheckpointError(f"{hf_dir}: no model.safetensors and no "
-                                  "model.safetensors.index.json")
+            raise CheckpointError(
+                f"{hf_dir}: no model.safetensors and no model.safetensors.index.json"
+            )
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         missing = [f for f in files if not (hf_dir / f).is_file()]
         if missing:
-            raise CheckpointError(f"{index}: shards listed in the index are missing: "
-                                  + ", ".join(str(hf_dir / f) for f in missing))
+            raise CheckpointError(
+                f"{index}: shards listed in the index are missing: "
+                + ", ".join(str(hf_dir / f) for f in missing)
+            )
         self.handles, self.where = {}, {}
         unlisted = []  # in a shard, but the index places them nowhere or in another shard
         for f in files:
@@ -174,22 +198,35 @@ class SafetensorsDir:
                 if weight_map is None or weight_map.get(name) == f:
                     self.where[name] = f
                 else:
-                    unlisted.append(f"{hf_dir / f}: {name}: " + (
-                        f"the index places it in {weight_map[name]}" if name in weight_map
-                        else "not listed in the index"))
+                    unlisted.append(
+                        f"{hf_dir / f}: {name}: "
+                        + (
+                            f"the index places it in {weight_map[name]}"
+                            if name in weight_map
+                            else "not listed in the index"
+                        )
+                    )
         if weight_map:
             absent = [n for n, f in weight_map.items() if n not in self.where]
-            problems = ([f"tensors listed in the index are not in their shard: "
-                         f"{', '.join(f'{n} ({weight_map[n]})' for n in absent[:5])}"]
-                        if absent else [])
+            problems = (
+                [
+                    f"tensors listed in the index are not in their shard: "
+                    f"{', '.join(f'{n} ({weight_map[n]})' for n in absent[:5])}"
+                ]
+                if absent
+                else []
+            )
             # transformers reads every tensor of the shards the index names, those the index
             # leaves out too (as unexpected): a shard holding more than its index says is
             # refused, as a tensor the model has no place for is.
-            problems += unlisted[:10] + ([f"... and {len(unlisted) - 10} more"]
-                                         if len(unlisted) > 10 else [])
+            problems += unlisted[:10] + (
+                [f"... and {len(unlisted) - 10} more"] if len(unlisted) > 10 else []
+            )
             if problems:
-                raise CheckpointError(f"{index}: the index and its shards disagree:\n"
-                                      + "".join(f"  - {p}\n" for p in problems))
+                raise CheckpointError(
+                    f"{index}: the index and its shards disagree:\n"
+                    + "".join(f"  - {p}\n" for p in problems)
+                )
         self.read: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
@@ -204,8 +241,9 @@ class SafetensorsDir:
     def dtype_problem(self, name: str) -> str | None:
         dtype = self.handles[self.where[name]].get_slice(name).get_dtype()
         if dtype not in DTYPES:
-            return (f"{self.file(name)}: {name}: dtype {dtype}; the importer reads "
-                    f"{', '.join(DTYPES)}")
+            return (
+                f"{self.file(name)}: {name}: dtype {dtype}; the importer reads {', '.join(DTYPES)}"
+            )
         return None
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -221,8 +259,9 @@ class SafetensorsDir:
         return sorted(set(self.where) - self.read)
 
 
-def _disk_sources(files: SafetensorsDir, arch: str, name: str, num_experts: int
-                  ) -> list[tuple[str, ...]] | None:
+def _disk_sources(
+    files: SafetensorsDir, arch: str, name: str, num_experts: int
+) -> list[tuple[str, ...]] | None:
     """The file tensors that hold the in-memory tensor ``name``: [(name,)] when the files hold
     it as it is; for stacked experts one tuple per expert ((gate, up) or (down,)); None when
     absent."""
@@ -232,13 +271,16 @@ def _disk_sources(files: SafetensorsDir, arch: str, name: str, num_experts: int
     if name.endswith(".mlp.gate.weight"):
         alt = name.replace(".mlp.", f".{block}.")
         return [(alt,)] if alt in files else None
-    for stacked, parts in ((".mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
-                           (".mlp.experts.down_proj", ("down_proj",))):
+    for stacked, parts in (
+        (".mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
+        (".mlp.experts.down_proj", ("down_proj",)),
+    ):
         if name.endswith(stacked):
             prefix = name[: -len(stacked)] + f".{block}.experts."
             if arch == "mixtral":
-                parts = tuple({"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[p]
-                              for p in parts)
+                parts = tuple(
+                    {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[p] for p in parts
+                )
             return [tuple(f"{prefix}{e}.{p}.weight" for p in parts) for e in range(num_experts)]
     return None
 
@@ -248,7 +290,10 @@ def tokenizer_record(hf_dir: Path) -> dict | None:
     tokenizer.model), or None."""
     for name in ("tokenizer.json", "tokenizer.model"):
         if (hf_dir / name).is_file():
-            return {"file": name, "sha256": hashlib.sha256((hf_dir / name).read_bytes()).hexdigest()}
+            return {
+                "file": name,
+                "sha256": hashlib.sha256((hf_dir / name).read_bytes()).hexdigest(),
+            }
     return None
 
 
@@ -293,22 +338,31 @@ def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch
                 continue
             for group in found:
                 # Per expert: the stacked tensor's rows split evenly over its parts.
-                part = (tuple(want) if len(found) == 1 and len(group) == 1 else
-                        (want[1] // len(group), *want[2:]))
+                part = (
+                    tuple(want)
+                    if len(found) == 1 and len(group) == 1
+                    else (want[1] // len(group), *want[2:])
+                )
                 for n in group:
                     if files.shape(n) != part:
-                        problems.append(f"{files.file(n)}: {n}: shape {files.shape(n)}, "
-                                        f"config.json describes {part}")
+                        problems.append(
+                            f"{files.file(n)}: {n}: shape {files.shape(n)}, "
+                            f"config.json describes {part}"
+                        )
                     elif p := files.dtype_problem(n):
                         problems.append(p)
             sources.append(found)
         plan.append((link, sources))
     named = {n for _, sources in plan for found in sources for group in found for n in group}
-    problems += [f"{files.file(n)}: {n}: no tensor of the model corresponds to it"
-                 for n in sorted(set(files.where) - named)]
+    problems += [
+        f"{files.file(n)}: {n}: no tensor of the model corresponds to it"
+        for n in sorted(set(files.where) - named)
+    ]
     if problems:
-        raise CheckpointError(f"{hf_dir}: the weights do not fit the {arch} model its config.json "
-                              "describes:\n" + "".join(f"  - {p}\n" for p in problems))
+        raise CheckpointError(
+            f"{hf_dir}: the weights do not fit the {arch} model its config.json "
+            "describes:\n" + "".join(f"  - {p}\n" for p in problems)
+        )
     state = {}
     for link, sources in plan:
         theirs = [_assemble(files, found) for found in sources]
@@ -321,8 +375,9 @@ def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch
     return arch, cfg, state
 
 
-def refuse_nonfinite(tensors: dict[str, torch.Tensor], hf_dir: str | Path, arch: str,
-                     cfg: ModelConfig) -> None:
+def refuse_nonfinite(
+    tensors: dict[str, torch.Tensor], hf_dir: str | Path, arch: str, cfg: ModelConfig
+) -> None:
     """CheckpointError when one of ``tensors`` (keys of our state dict, as read_hf_model gives
     them) holds NaN or infinite values (a diverged run's weights, a damaged file), naming the
     transformers tensors it was read from and the count. Callers run it where the values are
@@ -336,13 +391,16 @@ def refuse_nonfinite(tensors: dict[str, torch.Tensor], hf_dir: str | Path, arch:
         bad = int(t.numel() - torch.isfinite(t).sum())
         if bad:
             theirs = next((link.theirs for link in links(cfg, arch) if link.ours == key), ())
-            raise CheckpointError(f"{hf_dir}: {', '.join(theirs) or key} ({key} in our model): "
-                                  f"{bad:,} of {t.numel():,} values are NaN or infinite; these "
-                                  "weights cannot be used")
+            raise CheckpointError(
+                f"{hf_dir}: {', '.join(theirs) or key} ({key} in our model): "
+                f"{bad:,} of {t.numel():,} values are NaN or infinite; these "
+                "weights cannot be used"
+            )
 
 
-def read_hf_tensors(hf_dir: str | Path, names: list[str], arch: str, num_experts: int
-                    ) -> tuple[dict[str, torch.Tensor], list[str]]:
+def read_hf_tensors(
+    hf_dir: str | Path, names: list[str], arch: str, num_experts: int
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The transformers tensors ``names`` (in-memory names: stacked experts) as fp32, each that
     the directory holds whole (files of one tensor per expert are stacked), and the names of the
     directory's tensors none of them used."""
@@ -370,6 +428,6 @@ def _assemble(files: SafetensorsDir, found: list[tuple[str, ...]]) -> torch.Tens
         start = 0
         for n in group:
             t = files.tensor(n)
-            out[e, start:start + t.shape[0]] = t
+            out[e, start : start + t.shape[0]] = t
             start += t.shape[0]
     return out

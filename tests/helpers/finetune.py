@@ -42,8 +42,9 @@ def latest_weights(run_dir: Path) -> dict:
 def trained_samples(data, steps: int = 8) -> torch.Tensor:
     """The first samples of the training data, those of a fine-tuning run's first ``steps``
     steps of 2 ranks x micro-batch 4."""
-    return PackedReader(data.dir, data.seq_len, data.seed, 0, 1, 8 * steps).next_step(1)[0] \
-        .tokens_BS
+    return (
+        PackedReader(data.dir, data.seq_len, data.seed, 0, 1, 8 * steps).next_step(1)[0].tokens_BS
+    )
 
 
 def train_measuring_start(rank, world, base, ft, data, out_file, steps: int = 8):
@@ -62,8 +63,9 @@ def train_measuring_start(rank, world, base, ft, data, out_file, steps: int = 8)
     train(from_dict(RunConfig, copy.deepcopy(ft)), env)
 
 
-def finetune_over_frozen_base(data, tmp_path: Path, finetune: dict, steps: int,
-                              **train) -> tuple[set[str], float, float]:
+def finetune_over_frozen_base(
+    data, tmp_path: Path, finetune: dict, steps: int, **train
+) -> tuple[set[str], float, float]:
     """Pretrain "base", fine-tune "ft" from it for ``steps`` steps (2 ranks, expert parallelism
     2, ZeRO 2), and check that every tensor of the base is bitwise unchanged. Returns the names
     of the tensors the fine-tuning added, and its loss on the samples of those steps at step 0

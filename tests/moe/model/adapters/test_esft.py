@@ -22,9 +22,13 @@ from tests.helpers.finetune import base_and_finetune, latest_weights
 
 
 def test_selection_is_the_smallest_prefix_reaching_p():
-    s = torch.tensor([[5.0, 2.0, 2.0, 1.0],   # total 10; the 2s tie: expert 1 before expert 2
-                      [1.0, 4.0, 0.0, 5.0]])  # expert 2 scored nothing
-    assert select_experts(s, 0.5) == [[0], [3]]       # 5/10 reaches 0.5 exactly
+    s = torch.tensor(
+        [
+            [5.0, 2.0, 2.0, 1.0],  # total 10; the 2s tie: expert 1 before expert 2
+            [1.0, 4.0, 0.0, 5.0],
+        ]
+    )  # expert 2 scored nothing
+    assert select_experts(s, 0.5) == [[0], [3]]  # 5/10 reaches 0.5 exactly
     assert select_experts(s, 0.51) == [[0, 1], [1, 3]]
     assert select_experts(s, 0.7) == [[0, 1], [1, 3]]  # 7/10 and 9/10
     assert select_experts(s, 0.71) == [[0, 1, 2], [1, 3]]
@@ -42,18 +46,35 @@ def test_selection_is_the_smallest_prefix_reaching_p():
 
 def tiny_model() -> MoETransformer:
     torch.manual_seed(0)
-    return MoETransformer(from_dict(ModelConfig, {
-        "vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 4, "max_seq_len": 16,
-        "moe": {"num_experts": 4, "expert_hidden": 16, "first_dense_layers": 1,
-                "num_shared_experts": 1, "router": {"top_k": 2, "renormalize": True}}}))
+    return MoETransformer(
+        from_dict(
+            ModelConfig,
+            {
+                "vocab_size": 64,
+                "d_model": 32,
+                "n_layers": 3,
+                "n_heads": 4,
+                "max_seq_len": 16,
+                "moe": {
+                    "num_experts": 4,
+                    "expert_hidden": 16,
+                    "first_dense_layers": 1,
+                    "num_shared_experts": 1,
+                    "router": {"top_k": 2, "renormalize": True},
+                },
+            },
+        )
+    )
 
 
 def test_scores_are_the_routers_gate_scores_and_selection_shares():
     model = tiny_model()
     ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
     seen = []  # each layer's routing, taken independently of the scoring pass
-    handles = [layer.router.register_forward_hook(lambda m, a, r: seen.append(r))
-               for layer in model.moe_layers()]
+    handles = [
+        layer.router.register_forward_hook(lambda m, a, r: seen.append(r))
+        for layer in model.moe_layers()
+    ]
     scores = score_experts(model, [(ids[:2], None), (ids[2:], None)])
     for h in handles:
         h.remove()
@@ -62,15 +83,15 @@ def test_scores_are_the_routers_gate_scores_and_selection_shares():
     assert scores["tokens"] == T
     for i in range(2):  # 2 MoE layers; routings in order: batch 0 layers 1, 2; batch 1 ...
         routings = seen[i::2]
-        picked = torch.cat([torch.zeros_like(r.scores_TE).scatter(1, r.indices_TK, 1.0)
-                            for r in routings])  # (T, E) one where the token chose the expert
+        picked = torch.cat(
+            [torch.zeros_like(r.scores_TE).scatter(1, r.indices_TK, 1.0) for r in routings]
+        )  # (T, E) one where the token chose the expert
         probs = torch.cat([r.scores_TE for r in routings])
         torch.testing.assert_close(scores["gate"][i].float(), (probs * picked).sum(0) / T)
         torch.testing.assert_close(scores["token_share"][i].float(), picked.sum(0) / (2 * T))
         assert math.isclose(scores["token_share"][i].sum().item(), 1.0)
     # The gate score is the router's score before renormalisation: shares differ from counts.
-    assert not torch.allclose(scores["gate"][0] / scores["gate"][0].sum(),
-                              scores["token_share"][0])
+    assert not torch.allclose(scores["gate"][0] / scores["gate"][0].sum(), scores["token_share"][0])
 
 
 def test_masked_rows_get_no_gradient_and_counts_follow_the_selection():
@@ -94,19 +115,34 @@ def test_masked_rows_get_no_gradient_and_counts_follow_the_selection():
 
 def test_bad_settings_are_refused_by_key():
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=esft",
-                                             "finetune.esft.score=mean"])
+        load_config(
+            "configs/default.yaml",
+            ["model.init_from=ckpt", "finetune.method=esft", "finetune.esft.score=mean"],
+        )
     assert e.value.problems[0].startswith("finetune.esft.score: 'mean' is not allowed")
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=esft",
-                                             "finetune.esft.p=1.5", "finetune.esft.max_batches=0"])
-    assert e.value.problems == ["finetune.esft.p: must be between 0 and 1, got 1.5",
-                                "finetune.esft.max_batches: must be >= 1, got 0"]
+        load_config(
+            "configs/default.yaml",
+            [
+                "model.init_from=ckpt",
+                "finetune.method=esft",
+                "finetune.esft.p=1.5",
+                "finetune.esft.max_batches=0",
+            ],
+        )
+    assert e.value.problems == [
+        "finetune.esft.p: must be between 0 and 1, got 1.5",
+        "finetune.esft.max_batches: must be >= 1, got 0",
+    ]
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=esft",
-                                             "model.ffn=dense"])
-    assert "finetune.method: esft trains selected routed experts, and this model has no MoE" \
+        load_config(
+            "configs/default.yaml",
+            ["model.init_from=ckpt", "finetune.method=esft", "model.ffn=dense"],
+        )
+    assert (
+        "finetune.method: esft trains selected routed experts, and this model has no MoE"
         in e.value.problems[0]
+    )
 
 
 def _runs(rank, world, base, ft, runs_dir):
@@ -150,8 +186,14 @@ def esft_runs(tiny_data, tmp_path_factory):
     runs = tmp_path_factory.mktemp("esft") / "runs"
     # Weight decay on: it must not shrink the frozen experts (their group's decay is zeroed).
     base, ft = base_and_finetune(
-        tiny_data, runs, {"method": "esft", "esft": {"score": "gate", "p": 0.3, "max_batches": 2}},
-        max_steps=6, lr=1e-2, warmup_steps=1, weight_decay=0.1)
+        tiny_data,
+        runs,
+        {"method": "esft", "esft": {"score": "gate", "p": 0.3, "max_batches": 2}},
+        max_steps=6,
+        lr=1e-2,
+        warmup_steps=1,
+        weight_decay=0.1,
+    )
     run_distributed(_runs, 2, base, ft, str(runs))
     return runs, ft
 
@@ -163,8 +205,9 @@ def test_only_selected_experts_train_under_expert_parallelism(tiny_data, esft_ru
     assert selection["tokens"] == 2 * 2 * 4 * tiny_data.seq_len  # ranks x batches x B x S
     assert [layer["name"] for layer in selection["layers"]] == ["blocks.0.ffn", "blocks.1.ffn"]
     got = [layer["selected"] for layer in selection["layers"]]
-    assert got == select_experts(torch.tensor([layer["gate"] for layer in selection["layers"]]),
-                                 0.3)
+    assert got == select_experts(
+        torch.tensor([layer["gate"] for layer in selection["layers"]]), 0.3
+    )
     assert all(1 <= len(s) < 4 for s in got)
     # Both ranks' halves are selected somewhere, so both expert-parallel ranks train.
     assert {e // 2 for s in got for e in s} == {0, 1}
@@ -181,9 +224,12 @@ def test_only_selected_experts_train_under_expert_parallelism(tiny_data, esft_ru
         else:
             assert torch.equal(after[name], w), name
     # It learns: the held-out loss falls below the base model's.
-    loss = {name: evaluate_perplexity(load_model(runs / name)[0], tiny_data.dir,
-                                      tiny_data.seq_len, max_tokens=4000)["loss"]
-            for name in ("base", "ft")}
+    loss = {
+        name: evaluate_perplexity(
+            load_model(runs / name)[0], tiny_data.dir, tiny_data.seq_len, max_tokens=4000
+        )["loss"]
+        for name in ("base", "ft")
+    }
     assert loss["ft"] < loss["base"] - 0.01, loss  # measured: 5.675 -> 5.649
 
     # Killed after step 2 and resumed (on its checkpoint's selection): the same weights.
@@ -197,8 +243,11 @@ def _resume_on_one_rank(rank, world, cfg_dict, tag_dir):
     from moe.training.trainer import DistEnv, train
 
     esft.score_experts = None  # a resumed run must take its checkpoint's selection
-    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world),
-          resume=tag_dir)
+    train(
+        from_dict(RunConfig, copy.deepcopy(cfg_dict)),
+        DistEnv(rank, world, rank, world),
+        resume=tag_dir,
+    )
 
 
 @pytest.mark.multiprocess
