@@ -29,8 +29,11 @@ def main(argv: list[str]) -> int:
         return 2
     first = subject(Path(argv[0]).read_text(encoding="utf-8"))
     if len(first) > LIMIT:
-        print(f"commit subject is {len(first)} characters, at most {LIMIT}: {first!r}; "
-              "put the detail in the body, after a blank line", file=sys.stderr)
+        print(
+            f"commit subject is {len(first)} characters, at most {LIMIT}: {first!r}; "
+            "put the detail in the body, after a blank line",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

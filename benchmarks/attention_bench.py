@@ -42,8 +42,9 @@ def packed_doc_ids(batch: int, S: int, docs: int, gen: torch.Generator) -> torch
     return torch.stack(rows)
 
 
-def step(attn: CausalSelfAttention, x: torch.Tensor, backend: str, rope, pos, doc,
-         train: bool) -> None:
+def step(
+    attn: CausalSelfAttention, x: torch.Tensor, backend: str, rope, pos, doc, train: bool
+) -> None:
     with torch.set_grad_enabled(train):
         inputs = build_attention_inputs(backend, rope, pos, doc, batch=x.shape[0])
         assert inputs.backend == backend, f"{backend} fell back to {inputs.backend}"
@@ -72,12 +73,20 @@ def bench(S: int, rounds: int, device: torch.device, batch: int, docs: int) -> N
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     flex_train = device.type != "cpu"
     # (label, back end, with gradients); on CPU flex is compared with the reference's forward.
-    runs = [("reference", "reference", True), ("sdpa", "sdpa", True),
-            ("flex", "flex", True)] if flex_train else \
-        [("reference", "reference", True), ("sdpa", "sdpa", True),
-         ("reference fwd", "reference", False), ("flex fwd", "flex", False)]
-    fns = {label: (lambda b=backend, t=train: step(attn, x, b, rope, pos, doc, t))
-           for label, backend, train in runs}
+    runs = (
+        [("reference", "reference", True), ("sdpa", "sdpa", True), ("flex", "flex", True)]
+        if flex_train
+        else [
+            ("reference", "reference", True),
+            ("sdpa", "sdpa", True),
+            ("reference fwd", "reference", False),
+            ("flex fwd", "flex", False),
+        ]
+    )
+    fns = {
+        label: (lambda b=backend, t=train: step(attn, x, b, rope, pos, doc, t))
+        for label, backend, train in runs
+    }
     t0 = time.perf_counter()
     for fn in fns.values():  # warm-up, and flex's compile
         fn()
@@ -88,14 +97,18 @@ def bench(S: int, rounds: int, device: torch.device, batch: int, docs: int) -> N
     for _ in range(rounds):
         for label, fn in fns.items():
             times[label].append(timed(fn, reps, sync))
-    print(f"S={S}  batch {batch}  {docs} documents per row  {rounds} rounds x {reps} reps  "
-          f"(warm-up incl. compile {warm_s:.1f} s)")
+    print(
+        f"S={S}  batch {batch}  {docs} documents per row  {rounds} rounds x {reps} reps  "
+        f"(warm-up incl. compile {warm_s:.1f} s)"
+    )
     for label in fns:
         base = "reference fwd" if label.endswith("fwd") else "reference"
         ratios = [t / b for t, b in zip(times[label], times[base])]
-        print(f"  {label:14s} {statistics.median(times[label]) * 1e3:9.2f} ms  "
-              f"x{statistics.median(ratios):.2f} of {base} "
-              f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
+        print(
+            f"  {label:14s} {statistics.median(times[label]) * 1e3:9.2f} ms  "
+            f"x{statistics.median(ratios):.2f} of {base} "
+            f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
+        )
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ SYNC_WARNING = "synchronizing CUDA operation"
 @dataclass(frozen=True)
 class Knobs:
     """What ``--set bench.KEY=VALUE`` changes: the bench's own settings, not the config's."""
+
     expert_kernel: str = "auto"
     """auto: what the experts choose (the grouped GEMM where it runs); loop: the per-expert
     loop, as on a device without the grouped kernel."""
@@ -49,8 +50,10 @@ def split_knobs(overrides: list[str]) -> tuple[list[str], Knobs]:
         elif key == "bench.doc_len" and value.isdigit() and int(value) >= 1:
             knobs["doc_len"] = int(value)
         else:
-            problems.append(f"{item}: the bench knobs are bench.expert_kernel=auto|loop and "
-                            "bench.doc_len=N (N >= 1)")
+            problems.append(
+                f"{item}: the bench knobs are bench.expert_kernel=auto|loop and "
+                "bench.doc_len=N (N >= 1)"
+            )
     if problems:
         raise ConfigError(problems)
     return config, Knobs(**knobs)
@@ -86,8 +89,11 @@ def document_ids(B: int, S: int, mean_len: int, gen: torch.Generator) -> torch.T
 def step(engine, cfg: RunConfig, device: torch.device, knobs: Knobs = Knobs()) -> None:
     B, S, V = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
     tokens = torch.randint(0, V, (B, S + 1))
-    docs = (document_ids(B, S, knobs.doc_len, torch.Generator().manual_seed(int(tokens[0, 0])))
-            if cfg.model.document_masking else None)
+    docs = (
+        document_ids(B, S, knobs.doc_len, torch.Generator().manual_seed(int(tokens[0, 0])))
+        if cfg.model.document_masking
+        else None
+    )
     if device.type == "cuda":
         tokens = tokens.pin_memory()
         docs = docs.pin_memory() if docs is not None else None
@@ -116,16 +122,21 @@ def gemm_dims(cfg: RunConfig) -> Dims:
     if m.ffn == "moe" and moe.num_shared_experts:
         width = moe.num_shared_experts * moe.expert_hidden
         ffn |= {width, glu * width}
-    return Dims(tokens=cfg.train.micro_batch_size * cfg.data.seq_len, vocab=m.vocab_size,
-                d_model=m.d_model, experts=moe.num_experts if m.ffn == "moe" else 0,
-                attention={m.n_heads * m.head_size, m.kv_heads * m.head_size}, ffn=ffn)
+    return Dims(
+        tokens=cfg.train.micro_batch_size * cfg.data.seq_len,
+        vocab=m.vocab_size,
+        d_model=m.d_model,
+        experts=moe.num_experts if m.ffn == "moe" else 0,
+        attention={m.n_heads * m.head_size, m.kv_heads * m.head_size},
+        ffn=ffn,
+    )
 
 
-def profiled_trace(engine, cfg: RunConfig, device: torch.device, knobs: Knobs,
-                   steps: int) -> tuple[dict, float]:
+def profiled_trace(
+    engine, cfg: RunConfig, device: torch.device, knobs: Knobs, steps: int
+) -> tuple[dict, float]:
     """The Chrome trace of ``steps`` steps (operator shapes recorded), and their wall time."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
-                                           else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     with profile(activities=activities, record_shapes=True) as prof:
         t0 = time.perf_counter()
@@ -140,8 +151,9 @@ def profiled_trace(engine, cfg: RunConfig, device: torch.device, knobs: Knobs,
         return json.loads(path.read_text()), window
 
 
-def count_syncs(engine, cfg: RunConfig, device: torch.device, knobs: Knobs,
-                steps: int) -> dict | None:
+def count_syncs(
+    engine, cfg: RunConfig, device: torch.device, knobs: Knobs, steps: int
+) -> dict | None:
     """Host syncs per step under ``torch.cuda.set_sync_debug_mode("warn")`` and the lines that
     made them (None off CUDA: nothing to count)."""
     if device.type != "cuda" or steps < 1:
@@ -157,8 +169,10 @@ def count_syncs(engine, cfg: RunConfig, device: torch.device, knobs: Knobs,
             torch.cuda.set_sync_debug_mode(0)
     sync(device)
     sites = Counter(where(w.filename, w.lineno) for w in caught if SYNC_WARNING in str(w.message))
-    return {"per_step": round(sum(sites.values()) / steps, 2),
-            "sites": [[site, round(n / steps, 2)] for site, n in sites.most_common()]}
+    return {
+        "per_step": round(sum(sites.values()) / steps, 2),
+        "sites": [[site, round(n / steps, 2)] for site, n in sites.most_common()],
+    }
 
 
 def where(filename: str, lineno: int) -> str:
@@ -168,12 +182,21 @@ def where(filename: str, lineno: int) -> str:
         return f"{path.resolve().relative_to(ROOT)}:{lineno}"
     except ValueError:
         parts = path.parts
-        tail = parts[parts.index("site-packages") + 1:] if "site-packages" in parts else parts[-3:]
+        tail = parts[parts.index("site-packages") + 1 :] if "site-packages" in parts else parts[-3:]
         return f"{'/'.join(tail)}:{lineno}"
 
 
-def profile_entry(engine, cfg: RunConfig, device: torch.device, knobs: Knobs, steps: int,
-                  sync_steps: int, step_s: float, dims: Dims, info: dict) -> dict:
+def profile_entry(
+    engine,
+    cfg: RunConfig,
+    device: torch.device,
+    knobs: Knobs,
+    steps: int,
+    sync_steps: int,
+    step_s: float,
+    dims: Dims,
+    info: dict,
+) -> dict:
     """The profile summary of this engine's step (profile_summary.summarise); ``info`` (model,
     setting, device name, ...) is copied into it."""
     trace, window = profiled_trace(engine, cfg, device, knobs, steps)

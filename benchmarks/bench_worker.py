@@ -48,11 +48,14 @@ def unmet(needs: list[str], cfg, device: torch.device) -> list[str]:
         "liger": liger_problem() is None,
     }
     if cfg is not None:
-        have.update({
-            "moe": cfg.model.ffn == "moe",
-            "bf16": cfg.train.precision == "bf16",
-            "unaligned-experts": cfg.model.ffn == "moe" and cfg.model.moe.expert_hidden % 64 != 0,
-        })
+        have.update(
+            {
+                "moe": cfg.model.ffn == "moe",
+                "bf16": cfg.train.precision == "bf16",
+                "unaligned-experts": cfg.model.ffn == "moe"
+                and cfg.model.moe.expert_hidden % 64 != 0,
+            }
+        )
     known = (*DEVICE_NEEDS, "moe", "bf16", "unaligned-experts")
     unknown = [n for n in needs if n not in known]
     if unknown:
@@ -81,13 +84,19 @@ def run_task(task: dict, device: torch.device, args) -> dict:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         if planned_bytes(cfg) > FIT_FRACTION * total:
-            return {"status": "skipped", "reason": f"moe-plan: {planned_bytes(cfg) / 2**30:.1f} "
-                    f"GiB of {total / 2**30:.0f}"}
+            return {
+                "status": "skipped",
+                "reason": f"moe-plan: {planned_bytes(cfg) / 2**30:.1f} GiB of {total / 2**30:.0f}",
+            }
     if task.get("check"):
         return {"status": "ok"}
-    run_args = Namespace(steps=task.get("steps", args.steps), warmup=task.get("warmup", args.warmup),
-                         profile_steps=task.get("profile_steps", 0),
-                         sync_steps=task.get("sync_steps", 0), peak_flops=args.peak_flops)
+    run_args = Namespace(
+        steps=task.get("steps", args.steps),
+        warmup=task.get("warmup", args.warmup),
+        profile_steps=task.get("profile_steps", 0),
+        sync_steps=task.get("sync_steps", 0),
+        peak_flops=args.peak_flops,
+    )
     row, entry = bench(task["model"], cfg, device, run_args, knobs, task.get("label", ""))
     return {"status": "ok", "row": row, "profile": entry}
 
@@ -101,9 +110,15 @@ def serve(device: torch.device, args, proto) -> None:
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo.config, name):
                 setattr(dynamo.config, name, 256)
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    hello = {"device": device_name(device), "torch": torch.__version__, "memory": memory,
-             "peak_flops": args.peak_flops or peak_bf16_flops(device)}
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    )
+    hello = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "memory": memory,
+        "peak_flops": args.peak_flops or peak_bf16_flops(device),
+    }
     print(json.dumps({"hello": hello}), file=proto)
     for line in sys.stdin:
         if not line.strip():

@@ -39,8 +39,16 @@ from tests.helpers.distributed import run_distributed
 
 STEPS = 30
 ROWS = 64
-VARIANTS = ["bf16", "bf16_same_start", "fp32_rounded_start", "fp32_rel1e-5", "fp32_rel1e-4",
-            "fp32_rel1e-3", "bf16_router_bug", "same_weights"]
+VARIANTS = [
+    "bf16",
+    "bf16_same_start",
+    "fp32_rounded_start",
+    "fp32_rel1e-5",
+    "fp32_rel1e-4",
+    "fp32_rel1e-3",
+    "bf16_router_bug",
+    "same_weights",
+]
 
 
 def _perturb_initial_weights(how: str) -> None:
@@ -85,8 +93,11 @@ def _routing(model, ids):
     from moe.model.router import TopKRouter
 
     picked = []
-    hooks = [m.register_forward_hook(lambda mod, a, out: picked.append(out.indices_TK))
-             for m in model.modules() if isinstance(m, TopKRouter)]
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out: picked.append(out.indices_TK))
+        for m in model.modules()
+        if isinstance(m, TopKRouter)
+    ]
     with torch.no_grad():
         model(ids)
     for h in hooks:
@@ -100,7 +111,7 @@ def _agreement(a, b):
 
 
 def _fixed_batch(data):
-    from data_pipeline.reader import validation_windows
+    from data_pipeline.token_stream import validation_windows
 
     windows = list(validation_windows(data.dir, data.seq_len, ROWS * (data.seq_len + 1)))
     return torch.stack([w for w, _ in windows[:ROWS]])[:, :-1]
@@ -116,6 +127,70 @@ TRAINED = {
 }
 
 
+def _runs(variants: list[str]) -> dict[str, tuple]:
+    """The trainings the variants compare, by name: (name, precision, start, router bug)."""
+    runs = {"fp32": ("fp32", "fp32", None, False)}
+    for v in variants:
+        if v in TRAINED:
+            run, ref = TRAINED[v]
+            runs[run[0]] = run
+            if ref == "fp32_rounded":
+                runs[ref] = TRAINED["fp32_rounded_start"][0]
+        elif v.startswith("fp32_rel"):
+            runs[v] = (v, "fp32", v[len("fp32_rel") :], False)
+    return runs
+
+
+def _train(runs: dict[str, tuple], seeds: list[int], data, root: Path) -> None:
+    """Every run for every seed, into ``root/runs/NAME_SEED``."""
+    for name, precision, start, bug in runs.values():
+        todo = []
+        for seed in seeds:
+            d = tiny_run_dict(data, root / "runs", max_steps=STEPS, precision=precision, seed=seed)
+            d["name"] = f"{name}_{seed}"
+            d["logging"] = {"log_every": 10, "tensorboard": False}
+            d["checkpoint"] = {"every_n_steps": STEPS}
+            todo.append(d)
+        # one start of the ranks per variant: a perturbation patches the process
+        run_distributed(_train_worker, 2, todo, start, bug)
+
+
+def _variant_rows(v: str, seeds: list[int], root: Path, ids) -> list[tuple]:
+    """Per seed, the agreement of variant ``v`` with its reference (``same_weights``: with the
+    router correct and with the bug)."""
+    from moe.evaluation.evaluate import load_model
+    from moe.model import router
+
+    def run_dir(name, seed):
+        return root / "runs" / f"{name}_{seed}"
+
+    def picks(name, seed, bf16=False):
+        model, _, _ = load_model(run_dir(name, seed))
+        return _routing(model.bfloat16() if bf16 else model, ids)
+
+    rows = []
+    for seed in seeds:
+        if v == "same_weights":
+            model, _, _ = load_model(run_dir("fp32", seed))
+            ref = _routing(model, ids)
+            correct = _agreement(ref, _routing(copy.deepcopy(model).bfloat16(), ids))
+            saved = router.at_least_fp32
+            router.at_least_fp32 = lambda t: t
+            try:
+                buggy = _agreement(ref, _routing(copy.deepcopy(model).bfloat16(), ids))
+            finally:
+                router.at_least_fp32 = saved
+            rows.append((correct, buggy))
+            continue
+        if v.startswith("fp32_rel"):
+            name, ref, bf16 = v, "fp32", False
+        else:
+            (name, precision, _, _), ref = TRAINED[v]
+            bf16 = precision == "bf16"
+        rows.append((_agreement(picks(ref, seed), picks(name, seed, bf16)),))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="42,1,2,3,4")
@@ -127,73 +202,27 @@ def main(argv=None) -> int:
         if v not in VARIANTS:
             ap.error(f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
 
-    from moe.evaluation.evaluate import load_model
-    from moe.model import router
-
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = tiny_data_config(root)
         write_corpus(root / "corpus")
         prepare(data, progress=False)
         ids = _fixed_batch(data)
-
-        runs = {"fp32": ("fp32", "fp32", None, False)}
+        _train(_runs(variants), seeds, data, root)
+        print(
+            f"expert slots agreeing after {STEPS} steps, {ROWS} x {data.seq_len} tokens, "
+            f"top-2 of 4 experts, 2 MoE layers; seeds {args.seeds}"
+        )
         for v in variants:
-            if v in TRAINED:
-                run, ref = TRAINED[v]
-                runs[run[0]] = run
-                if ref == "fp32_rounded":
-                    runs[ref] = TRAINED["fp32_rounded_start"][0]
-            elif v.startswith("fp32_rel"):
-                runs[v] = (v, "fp32", v[len("fp32_rel"):], False)
-
-        def run_dir(name, seed):
-            return root / "runs" / f"{name}_{seed}"
-
-        for name, precision, start, bug in runs.values():
-            todo = []
-            for seed in seeds:
-                d = tiny_run_dict(data, root / "runs", max_steps=STEPS, precision=precision, seed=seed)
-                d["name"] = f"{name}_{seed}"
-                d["logging"] = {"log_every": 10, "tensorboard": False}
-                d["checkpoint"] = {"every_n_steps": STEPS}
-                todo.append(d)
-            # one start of the ranks per variant: a perturbation patches the process
-            run_distributed(_train_worker, 2, todo, start, bug)
-
-        def picks(name, seed, bf16=False):
-            model, _, _ = load_model(run_dir(name, seed))
-            return _routing(model.bfloat16() if bf16 else model, ids)
-
-        print(f"expert slots agreeing after {STEPS} steps, {ROWS} x {data.seq_len} tokens, "
-              f"top-2 of 4 experts, 2 MoE layers; seeds {args.seeds}")
-        for v in variants:
-            rows = []
-            for seed in seeds:
-                if v == "same_weights":
-                    model, _, _ = load_model(run_dir("fp32", seed))
-                    ref = _routing(model, ids)
-                    correct = _agreement(ref, _routing(copy.deepcopy(model).bfloat16(), ids))
-                    saved = router.at_least_fp32
-                    router.at_least_fp32 = lambda t: t
-                    try:
-                        buggy = _agreement(ref, _routing(copy.deepcopy(model).bfloat16(), ids))
-                    finally:
-                        router.at_least_fp32 = saved
-                    rows.append((correct, buggy))
-                    continue
-                if v.startswith("fp32_rel"):
-                    name, ref, bf16 = v, "fp32", False
-                else:
-                    (name, precision, _, _), ref = TRAINED[v]
-                    bf16 = precision == "bf16"
-                rows.append((_agreement(picks(ref, seed), picks(name, seed, bf16)),))
-            cols = list(zip(*rows))
+            cols = list(zip(*_variant_rows(v, seeds, root, ids)))
             labels = ["router correct", "router in bf16"] if v == "same_weights" else [""]
             for label, col in zip(labels, cols):
                 per_seed = " ".join(f"{x:.4f}" for x in col)
-                print(f"{v:20s} {label:15s} min {min(col):.4f} median {statistics.median(col):.4f}"
-                      f"  [{per_seed}]", flush=True)
+                print(
+                    f"{v:20s} {label:15s} min {min(col):.4f} median {statistics.median(col):.4f}"
+                    f"  [{per_seed}]",
+                    flush=True,
+                )
     return 0
 
 

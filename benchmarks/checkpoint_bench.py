@@ -38,8 +38,11 @@ from tests.helpers.distributed import run_distributed
 def _worker(rank, world, cfg_dict, resume, log_file):
     if rank == 0:
         logging.basicConfig(filename=log_file, level=logging.INFO, force=True)
-    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world),
-          resume=resume)
+    train(
+        from_dict(RunConfig, copy.deepcopy(cfg_dict)),
+        DistEnv(rank, world, rank, world),
+        resume=resume,
+    )
 
 
 def _plain_save_load(tensors: dict, path: Path, rounds: int = 3) -> tuple[float, float]:
@@ -79,30 +82,41 @@ def main() -> None:
         size = sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
 
         state = read_layout_free(tag_dir)
-        tensors = {f"{k}/{n}": t for k in ("params", "exp_avg", "exp_avg_sq")
-                   for n, t in state[k].items()}
+        tensors = {
+            f"{k}/{n}": t for k in ("params", "exp_avg", "exp_avg_sq") for n, t in state[k].items()
+        }
         plain_save, plain_load = _plain_save_load(tensors, root / "plain.pt")
 
         t0 = time.perf_counter()
-        z = subprocess.run([sys.executable, str(ckpt_dir / "zero_to_fp32.py"), str(ckpt_dir),
-                            str(root / "z2f")], capture_output=True, text=True)
+        z = subprocess.run(
+            [sys.executable, str(ckpt_dir / "zero_to_fp32.py"), str(ckpt_dir), str(root / "z2f")],
+            capture_output=True,
+            text=True,
+        )
         zero_to_fp32_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         export_fp32(tag_dir, root / "export")
         export_s = time.perf_counter() - t0
 
     save_s, load_s = min(saves), min(loads)
-    print(json.dumps({
-        "checkpoint_bytes": size,
-        "save_s_min": round(save_s, 4), "save_s_all": saves,
-        "load_s": round(load_s, 4),
-        "plain_torch_save_s": round(plain_save, 4), "plain_torch_load_s": round(plain_load, 4),
-        "save_ratio_to_plain": round(save_s / plain_save, 2),
-        "load_ratio_to_plain": round(load_s / plain_load, 2),
-        "zero_to_fp32_s (subprocess, incl. python start)": round(zero_to_fp32_s, 2),
-        "zero_to_fp32_ok": z.returncode == 0,
-        "moe_export_fp32_s": round(export_s, 3),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "checkpoint_bytes": size,
+                "save_s_min": round(save_s, 4),
+                "save_s_all": saves,
+                "load_s": round(load_s, 4),
+                "plain_torch_save_s": round(plain_save, 4),
+                "plain_torch_load_s": round(plain_load, 4),
+                "save_ratio_to_plain": round(save_s / plain_save, 2),
+                "load_ratio_to_plain": round(load_s / plain_load, 2),
+                "zero_to_fp32_s (subprocess, incl. python start)": round(zero_to_fp32_s, 2),
+                "zero_to_fp32_ok": z.returncode == 0,
+                "moe_export_fp32_s": round(export_s, 3),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,29 +55,37 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-               for _ in range(args.warmup + args.steps)]
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+        for _ in range(args.warmup + args.steps)
+    ]
     runs = {"eager": build(False, args.vocab), "compiled": build(True, args.vocab)}
     for name, (model, opt) in runs.items():
         t0 = time.perf_counter()
-        for b in batches[:args.warmup]:
+        for b in batches[: args.warmup]:
             step(model, opt, b)
         print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s ({args.warmup} steps)")
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (model, opt) in runs.items():
             t0 = time.perf_counter()
-            for b in batches[args.warmup:]:
+            for b in batches[args.warmup :]:
                 step(model, opt, b)
             times[name].append((time.perf_counter() - t0) / args.steps)
     ratios = [c / e for c, e in zip(times["compiled"], times["eager"])]
-    print(f"torch {torch.__version__}, {args.threads} thread(s), batch {args.batch} x {args.seq}, "
-          f"{args.rounds} rounds of {args.steps} steps")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), batch {args.batch} x {args.seq}, "
+        f"{args.rounds} rounds of {args.steps} steps"
+    )
     for name, ts in times.items():
-        print(f"{name:>9}: {1e3 * statistics.median(ts):7.1f} ms/step "
-              f"(min {1e3 * min(ts):.1f}, max {1e3 * max(ts):.1f})")
-    print(f"compiled / eager: {statistics.median(ratios):.3f} "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+        print(
+            f"{name:>9}: {1e3 * statistics.median(ts):7.1f} ms/step "
+            f"(min {1e3 * min(ts):.1f}, max {1e3 * max(ts):.1f})"
+        )
+    print(
+        f"compiled / eager: {statistics.median(ratios):.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+    )
 
 
 if __name__ == "__main__":

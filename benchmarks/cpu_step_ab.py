@@ -34,10 +34,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_steps(tree: Path, runs: Path, name: str, steps: int, extra: list[str]) -> list[float]:
     """Tokens/s of each logged step of one training run of ``tree``'s code."""
-    cmd = [sys.executable, "-m", "launch.launch", str(ROOT / "configs" / "default.yaml"),
-           f"name={name}", f"output_dir={runs}", f"data.dir={ROOT / 'data' / 'stdlib'}",
-           f"train.max_steps={steps}", "logging.log_every=1", "checkpoint.every_n_steps=100000",
-           *extra, "--no-eval"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.launch",
+        str(ROOT / "configs" / "default.yaml"),
+        f"name={name}",
+        f"output_dir={runs}",
+        f"data.dir={ROOT / 'data' / 'stdlib'}",
+        f"train.max_steps={steps}",
+        "logging.log_every=1",
+        "checkpoint.every_n_steps=100000",
+        *extra,
+        "--no-eval",
+    ]
     env = {**os.environ, "PYTHONPATH": str(tree)}  # the launcher passes it on to the ranks
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -99,11 +109,15 @@ def ranges_ab(rounds: int, steps: int) -> dict:
     finally:
         for m, f in shipped.items():
             m.region = f
-    print(f"step time with ranges / without: {median(ratios):.4f} (min {min(ratios):.4f}, max "
-          f"{max(ratios):.4f}); {median(times['none']) * 1000:,.0f} ms per step without")
+    print(
+        f"step time with ranges / without: {median(ratios):.4f} (min {min(ratios):.4f}, max "
+        f"{max(ratios):.4f}); {median(times['none']) * 1000:,.0f} ms per step without"
+    )
     per_call = range_call_ns()
-    print("one range site with no profiler: " + ", ".join(f"{k} {v:,.0f} ns"
-                                                          for k, v in per_call.items()))
+    print(
+        "one range site with no profiler: "
+        + ", ".join(f"{k} {v:,.0f} ns" for k, v in per_call.items())
+    )
     return {"step_s": times, "ratios": ratios, "ratio": median(ratios), "call_ns": per_call}
 
 
@@ -142,13 +156,22 @@ def range_call_ns(n: int = 200_000) -> dict[str, float]:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", help="the commit to compare with (e.g. main)")
-    p.add_argument("--ranges", action="store_true",
-                   help="instead: the model's profiler ranges on and off in one process")
+    p.add_argument(
+        "--ranges",
+        action="store_true",
+        help="instead: the model's profiler ranges on and off in one process",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40, help="steps per run")
     p.add_argument("--skip", type=int, default=10, help="first steps left out (warm-up)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config overrides for both sides")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for both sides",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     if args.ranges:
@@ -161,32 +184,47 @@ def main(argv=None) -> dict:
     if args.skip >= args.steps:
         p.error("--skip must be smaller than --steps")
     if not (ROOT / "data" / "stdlib" / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "launch.prepare", "configs/default.yaml"],
-                       cwd=ROOT, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "launch.prepare", "configs/default.yaml"], cwd=ROOT, check=True
+        )
     tmp = Path(tempfile.mkdtemp(prefix="cpu_step_ab_"))
     base = tmp / "base"
     base.mkdir()
-    tar = subprocess.run(["git", "archive", "--format=tar", args.base], cwd=ROOT, check=True,
-                         capture_output=True).stdout
+    tar = subprocess.run(
+        ["git", "archive", "--format=tar", args.base], cwd=ROOT, check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(base)], input=tar, check=True)
     sides = {"base": base, "this": ROOT}
     medians: dict[str, list[float]] = {"base": [], "this": []}
     try:
         for r in range(args.rounds):
-            for side in (("base", "this") if r % 2 == 0 else ("this", "base")):
-                rates = run_steps(sides[side], tmp / "runs", f"ab-{side}-{r}", args.steps,
-                                  args.overrides)
-                medians[side].append(median(rates[args.skip:]))
-                print(f"round {r + 1} {side:>4}: {medians[side][-1]:,.0f} tokens/s "
-                      f"(median of steps {args.skip + 1}-{len(rates)})", flush=True)
+            for side in ("base", "this") if r % 2 == 0 else ("this", "base"):
+                rates = run_steps(
+                    sides[side], tmp / "runs", f"ab-{side}-{r}", args.steps, args.overrides
+                )
+                medians[side].append(median(rates[args.skip :]))
+                print(
+                    f"round {r + 1} {side:>4}: {medians[side][-1]:,.0f} tokens/s "
+                    f"(median of steps {args.skip + 1}-{len(rates)})",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ratios = [t / b for t, b in zip(medians["this"], medians["base"])]
-    result = {"base": args.base, "rounds": args.rounds, "steps": args.steps, "skip": args.skip,
-              "tokens_per_s": medians, "ratios": ratios, "ratio": median(ratios),
-              "step_time_ratio": 1 / median(ratios)}
-    print(f"this / base tokens/s: {median(ratios):.3f} (min {min(ratios):.3f}, max "
-          f"{max(ratios):.3f}); step time this / base {1 / median(ratios):.3f}")
+    result = {
+        "base": args.base,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "skip": args.skip,
+        "tokens_per_s": medians,
+        "ratios": ratios,
+        "ratio": median(ratios),
+        "step_time_ratio": 1 / median(ratios),
+    }
+    print(
+        f"this / base tokens/s: {median(ratios):.3f} (min {min(ratios):.3f}, max "
+        f"{max(ratios):.3f}); step time this / base {1 / median(ratios):.3f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

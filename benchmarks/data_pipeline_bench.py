@@ -61,10 +61,14 @@ def synthesize(data_dir: Path, tokens: int, shard_tokens: int, seed: int = 0) ->
     valid = ShardWriter(data_dir, "valid", "synthetic", shard_tokens, VOCAB)
     valid.add(np.full(1000, EOS, dtype=np.uint16), np.ones(1000, dtype=np.int64))
     valid.flush()
-    manifest = Manifest(SCHEMA_VERSION, "synthetic",
-                        {"file": None, "sha256": "synthetic", "vocab_size": VOCAB, "eos_id": EOS},
-                        "uint16", {"train": SplitInfo(writer.shards), "valid": SplitInfo(valid.shards)},
-                        [{"name": "synthetic"}])
+    manifest = Manifest(
+        SCHEMA_VERSION,
+        "synthetic",
+        {"file": None, "sha256": "synthetic", "vocab_size": VOCAB, "eos_id": EOS},
+        "uint16",
+        {"train": SplitInfo(writer.shards), "valid": SplitInfo(valid.shards)},
+        [{"name": "synthetic"}],
+    )
     write_manifest(data_dir, manifest)
     return flat
 
@@ -76,7 +80,7 @@ def raw_memmap_pass(flat: Path, batch: int, seq_len: int) -> tuple[int, float]:
     step = batch * (seq_len + 1)
     tokens = 0
     for start in range(0, len(mm) - step + 1, step):
-        b = torch.from_numpy(mm[start:start + step].astype(np.int64).reshape(batch, seq_len + 1))
+        b = torch.from_numpy(mm[start : start + step].astype(np.int64).reshape(batch, seq_len + 1))
         tokens += b.numel()
     return tokens, time.perf_counter() - t0
 
@@ -95,15 +99,20 @@ def reader_pass(data_dir: Path, batch: int, seq_len: int, doc_ids: bool) -> tupl
 def bench_reader(data_dir: Path, flat: Path, batch: int, seq_len: int, rounds: int) -> dict:
     best = {"raw": 0.0, "reader": 0.0, "reader_doc_ids": 0.0}
     for _ in range(rounds):  # interleaved: machine noise hits both sides alike
-        for name, run in (("raw", lambda: raw_memmap_pass(flat, batch, seq_len)),
-                          ("reader", lambda: reader_pass(data_dir, batch, seq_len, False)),
-                          ("reader_doc_ids", lambda: reader_pass(data_dir, batch, seq_len, True))):
+        for name, run in (
+            ("raw", lambda: raw_memmap_pass(flat, batch, seq_len)),
+            ("reader", lambda: reader_pass(data_dir, batch, seq_len, False)),
+            ("reader_doc_ids", lambda: reader_pass(data_dir, batch, seq_len, True)),
+        ):
             tokens, seconds = run()
             best[name] = max(best[name], tokens / seconds)
-    return {"batch": batch, "seq_len": seq_len,
-            **{f"{k}_tokens_per_s": round(v) for k, v in best.items()},
-            "ratio": round(best["reader"] / best["raw"], 3),
-            "ratio_doc_ids": round(best["reader_doc_ids"] / best["raw"], 3)}
+    return {
+        "batch": batch,
+        "seq_len": seq_len,
+        **{f"{k}_tokens_per_s": round(v) for k, v in best.items()},
+        "ratio": round(best["reader"] / best["raw"], 3),
+        "ratio_doc_ids": round(best["reader_doc_ids"] / best["raw"], 3),
+    }
 
 
 def bench_startup(data_dir: Path) -> float:
@@ -123,27 +132,35 @@ def bench_prepare(work: Path, workers: int) -> dict:
     report = prepare(cfg, progress=False)
     cpu = cpu_seconds() - cpu0
     tokens = report.manifest.splits["train"].tokens + report.manifest.splits["valid"].tokens
-    return {"workers": workers, "tokens": tokens, "seconds": round(report.seconds, 1),
-            "cpu_seconds": round(cpu, 1),
-            "phases_s": {k: round(v, 1) for k, v in report.timings.items()},
-            "tokens_per_cpu_second": round(tokens / cpu),
-            "tokenize_write_tokens_per_cpu_second": round(tokens / report.timings["encode_cpu"]),
-            "end_to_end_tokens_per_s_per_core": round(tokens / report.seconds / workers),
-            "tokenize_write_tokens_per_s_per_core":
-                round(tokens / report.timings["encode"] / workers),
-            "load_average": os.getloadavg()[0]}
+    return {
+        "workers": workers,
+        "tokens": tokens,
+        "seconds": round(report.seconds, 1),
+        "cpu_seconds": round(cpu, 1),
+        "phases_s": {k: round(v, 1) for k, v in report.timings.items()},
+        "tokens_per_cpu_second": round(tokens / cpu),
+        "tokenize_write_tokens_per_cpu_second": round(tokens / report.timings["encode_cpu"]),
+        "end_to_end_tokens_per_s_per_core": round(tokens / report.seconds / workers),
+        "tokenize_write_tokens_per_s_per_core": round(tokens / report.timings["encode"] / workers),
+        "load_average": os.getloadavg()[0],
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tokens", type=int, default=100_000_000)
     p.add_argument("--shard-tokens", type=int, default=4_000_000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--work-dir", default=None, help="where to synthesize (default: a temp dir)")
     p.add_argument("--skip-prepare", action="store_true")
-    p.add_argument("--shapes", default="8x2048,64x256",
-                   help="reader shapes to measure, comma-separated BATCHxSEQ_LEN")
+    p.add_argument(
+        "--shapes",
+        default="8x2048,64x256",
+        help="reader shapes to measure, comma-separated BATCHxSEQ_LEN",
+    )
     args = p.parse_args()
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(1)
@@ -153,11 +170,17 @@ def main() -> None:
         data_dir.mkdir()
         t0 = time.perf_counter()
         flat = synthesize(data_dir, args.tokens, args.shard_tokens)
-        out = {"load_average": os.getloadavg()[0], "tokens": args.tokens, "shards": len(list(data_dir.glob("train-*.arrow"))),
-               "synthesize_s": round(time.perf_counter() - t0, 1),
-               "startup_s": round(bench_startup(data_dir), 4),
-               "throughput": [bench_reader(data_dir, flat, batch, seq_len, args.rounds)
-                              for batch, seq_len in shapes]}
+        out = {
+            "load_average": os.getloadavg()[0],
+            "tokens": args.tokens,
+            "shards": len(list(data_dir.glob("train-*.arrow"))),
+            "synthesize_s": round(time.perf_counter() - t0, 1),
+            "startup_s": round(bench_startup(data_dir), 4),
+            "throughput": [
+                bench_reader(data_dir, flat, batch, seq_len, args.rounds)
+                for batch, seq_len in shapes
+            ],
+        }
         print(json.dumps(out, indent=2), flush=True)
         shutil.rmtree(data_dir)
         if not args.skip_prepare:

@@ -39,8 +39,17 @@ def _mem(fn, device) -> int:
 
 
 def measure(zero: int, reduce: str, mb: int, device, tiny: bool) -> dict:
-    overrides = ["model.n_layers=1", "model.d_model=64", "model.n_heads=2", "data.seq_len=64",
-                 "model.vocab_size=512"] if tiny else []
+    overrides = (
+        [
+            "model.n_layers=1",
+            "model.d_model=64",
+            "model.n_heads=2",
+            "data.seq_len=64",
+            "model.vocab_size=512",
+        ]
+        if tiny
+        else []
+    )
     cfg = one_gpu(load_config(CONFIGS / "moe-125m.yaml", overrides), mb)
     if tiny:
         cfg.train.precision = "fp32"
@@ -61,12 +70,27 @@ def measure(zero: int, reduce: str, mb: int, device, tiny: bool) -> dict:
         step(engine, cfg, device)
     peak = _mem(torch.cuda.max_memory_allocated, device) - base
     plan = memory_per_gpu(cfg.model, 1, 1, zero, "bf16", mb, cfg.data.seq_len)
-    row = {"zero": zero, "reduce": reduce, "micro_batch": mb,
-           "params": count_parameters(cfg.model).total_params,
-           "built": built, "static": static, "peak": peak,
-           "plan": {k: getattr(plan, k) for k in ("weights_bytes", "grads_bytes", "optimizer_bytes",
-                                                  "activation_bytes", "transient_bytes")},
-           "plan_states": plan.model_states_bytes, "plan_total": plan.total_bytes}
+    row = {
+        "zero": zero,
+        "reduce": reduce,
+        "micro_batch": mb,
+        "params": count_parameters(cfg.model).total_params,
+        "built": built,
+        "static": static,
+        "peak": peak,
+        "plan": {
+            k: getattr(plan, k)
+            for k in (
+                "weights_bytes",
+                "grads_bytes",
+                "optimizer_bytes",
+                "activation_bytes",
+                "transient_bytes",
+            )
+        },
+        "plan_states": plan.model_states_bytes,
+        "plan_total": plan.total_bytes,
+    }
     del engine
     if cuda:
         torch.cuda.empty_cache()
@@ -84,12 +108,16 @@ def main(argv=None) -> list[dict]:
         torch.cuda.set_device(device)
     one_rank_group("gloo" if tiny else "nccl")
     rows = [measure(z, r, mb, device, tiny) for mb in MICRO_BATCHES for z, r in LAYOUTS]
-    print(f"{'zero':>4} {'reduce':>6} {'mb':>3} {'built':>7} {'static':>7} {'plan st':>7} "
-          f"{'peak':>7} {'plan':>7} {'peak/plan':>9}   (GiB)")
+    print(
+        f"{'zero':>4} {'reduce':>6} {'mb':>3} {'built':>7} {'static':>7} {'plan st':>7} "
+        f"{'peak':>7} {'plan':>7} {'peak/plan':>9}   (GiB)"
+    )
     for r in rows:
-        print(f"{r['zero']:>4} {r['reduce']:>6} {r['micro_batch']:>3} {r['built'] / GIB:>7.2f} "
-              f"{r['static'] / GIB:>7.2f} {r['plan_states'] / GIB:>7.2f} {r['peak'] / GIB:>7.2f} "
-              f"{r['plan_total'] / GIB:>7.2f} {r['peak'] / max(r['plan_total'], 1):>9.3f}")
+        print(
+            f"{r['zero']:>4} {r['reduce']:>6} {r['micro_batch']:>3} {r['built'] / GIB:>7.2f} "
+            f"{r['static'] / GIB:>7.2f} {r['plan_states'] / GIB:>7.2f} {r['peak'] / GIB:>7.2f} "
+            f"{r['plan_total'] / GIB:>7.2f} {r['peak'] / max(r['plan_total'], 1):>9.3f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return rows

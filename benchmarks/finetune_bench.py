@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.finetune_expert_path import expert_lora_path  # noqa: E402
 from data_pipeline.config import TemplateConfig  # noqa: E402
 from data_pipeline.instruction import canonical, encode  # noqa: E402
 from data_pipeline.tokenizer import Tokenizer  # noqa: E402
@@ -59,7 +60,6 @@ from moe.checkpoint.files import resolve_checkpoint  # noqa: E402
 from moe.config.run import load_config  # noqa: E402
 from moe.model.adapters.esft import select_experts  # noqa: E402
 from moe.model.adapters.qlora import nf4_bytes, quantize_base, torchao_missing  # noqa: E402
-from moe.model.experts import grouped_mm, uses_grouped_kernel  # noqa: E402
 from moe.parallel.deepspeed_adapter import optimizer_param_groups  # noqa: E402
 from moe.training.esft import install_selection, score_experts  # noqa: E402
 from moe.training.finetune import parameter_counts, prepare_finetune  # noqa: E402
@@ -67,22 +67,106 @@ from moe.training.trainer import lr_lambda  # noqa: E402
 from moe.weights.load import load_model  # noqa: E402
 
 IGNORE = -100
-MODULES = ("abc", "argparse", "ast", "base64", "bisect", "calendar", "collections", "colorsys",
-           "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal",
-           "difflib", "email.utils", "enum", "filecmp", "fnmatch", "fractions", "ftplib",
-           "functools", "getopt", "gettext", "glob", "gzip", "hashlib", "heapq", "hmac",
-           "html", "http.client", "http.cookies", "imaplib", "inspect", "io", "ipaddress",
-           "itertools", "json", "locale", "logging", "mailbox", "mimetypes", "netrc",
-           "numbers", "operator", "optparse", "os", "os.path", "pathlib", "pickle", "pkgutil",
-           "platform", "plistlib", "poplib", "pprint", "queue", "quopri", "random", "re",
-           "reprlib", "sched", "secrets", "selectors", "shlex", "shutil", "smtplib", "socket",
-           "socketserver", "sqlite3", "ssl", "statistics", "string", "struct", "subprocess",
-           "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "traceback",
-           "turtle", "typing", "unittest", "urllib.parse", "urllib.request", "uuid", "warnings",
-           "wave", "weakref", "xml.dom.minidom", "zipfile", "zoneinfo")
+MODULES = (
+    "abc",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "colorsys",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email.utils",
+    "enum",
+    "filecmp",
+    "fnmatch",
+    "fractions",
+    "ftplib",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http.client",
+    "http.cookies",
+    "imaplib",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "locale",
+    "logging",
+    "mailbox",
+    "mimetypes",
+    "netrc",
+    "numbers",
+    "operator",
+    "optparse",
+    "os",
+    "os.path",
+    "pathlib",
+    "pickle",
+    "pkgutil",
+    "platform",
+    "plistlib",
+    "poplib",
+    "pprint",
+    "queue",
+    "quopri",
+    "random",
+    "re",
+    "reprlib",
+    "sched",
+    "secrets",
+    "selectors",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socket",
+    "socketserver",
+    "sqlite3",
+    "ssl",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "traceback",
+    "turtle",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "warnings",
+    "wave",
+    "weakref",
+    "xml.dom.minidom",
+    "zipfile",
+    "zoneinfo",
+)
 
 
 # -- (c) and (a): the instruction-style data and the lockstep runs ----------------------------
+
 
 def stdlib_pairs() -> list[tuple[str, str, str]]:
     """(qualified name, prompt, response) for every documented public function, class and
@@ -98,8 +182,11 @@ def stdlib_pairs() -> list[tuple[str, str, str]]:
                 continue
             members = [(name, obj)]
             if inspect.isclass(obj):
-                members += [(f"{name}.{m}", f) for m, f in sorted(vars(obj).items())
-                            if not m.startswith("_") and inspect.isfunction(f)]
+                members += [
+                    (f"{name}.{m}", f)
+                    for m, f in sorted(vars(obj).items())
+                    if not m.startswith("_") and inspect.isfunction(f)
+                ]
             for qual, f in members:
                 if not (inspect.isfunction(f) or inspect.isclass(f)):
                     continue
@@ -127,16 +214,21 @@ def pack(pairs, tokenizer: Tokenizer, seq_len: int) -> tuple[torch.Tensor, torch
     ids, masks = encode(texts, TemplateConfig(), tokenizer)
     ids_T, mask_T = np.concatenate(ids), np.concatenate(masks)
     rows = len(ids_T) // (seq_len + 1)
-    ids_RL = torch.from_numpy(ids_T[:rows * (seq_len + 1)].astype(np.int64)).view(rows, -1)
-    mask_RL = torch.from_numpy(mask_T[:rows * (seq_len + 1)].astype(bool)).view(rows, -1)
+    ids_RL = torch.from_numpy(ids_T[: rows * (seq_len + 1)].astype(np.int64)).view(rows, -1)
+    mask_RL = torch.from_numpy(mask_T[: rows * (seq_len + 1)].astype(bool)).view(rows, -1)
     targets = ids_RL[:, 1:].masked_fill(~mask_RL[:, 1:], IGNORE)
     return ids_RL[:, :-1], targets
 
 
-METHODS = {"full": "finetune-full.yaml", "lora": "finetune-lora.yaml",
-           "qlora": "finetune-qlora.yaml", "esft": "finetune-esft.yaml",
-           "adapter": "finetune-adapter.yaml", "prompt": "finetune-prompt.yaml",
-           "prefix": "finetune-prefix.yaml"}
+METHODS = {
+    "full": "finetune-full.yaml",
+    "lora": "finetune-lora.yaml",
+    "qlora": "finetune-qlora.yaml",
+    "esft": "finetune-esft.yaml",
+    "adapter": "finetune-adapter.yaml",
+    "prompt": "finetune-prompt.yaml",
+    "prefix": "finetune-prefix.yaml",
+}
 """Each method with the settings of its shipped config (configs/finetune-*.yaml)."""
 
 
@@ -146,10 +238,18 @@ class Tuner:
     trainer scores them); qlora's base is quantised after the adapters are added, as the
     trainer does."""
 
-    def __init__(self, base, method: str, steps: int, overrides: list[str],  # KEY=VALUE
-                 score_rows: list[torch.Tensor] = ()):
-        cfg = load_config(str(ROOT / "configs" / METHODS[method]),
-                          ["model.init_from=base", f"train.max_steps={steps}", *overrides])
+    def __init__(
+        self,
+        base,
+        method: str,
+        steps: int,
+        overrides: list[str],  # KEY=VALUE
+        score_rows: list[torch.Tensor] = (),
+    ):
+        cfg = load_config(
+            str(ROOT / "configs" / METHODS[method]),
+            ["model.init_from=base", f"train.max_steps={steps}", *overrides],
+        )
         self.cfg = cfg
         self.model = copy.deepcopy(base)
         prepare_finetune(self.model, cfg.finetune)
@@ -158,14 +258,19 @@ class Tuner:
         self.model.train()
         t = cfg.train
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(optimizer_param_groups(self.model, t.weight_decay),
-                                     lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+        self.opt = torch.optim.AdamW(
+            optimizer_param_groups(self.model, t.weight_decay),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=1e-8,
+        )
         if cfg.finetune.method == "esft":
             esft = cfg.finetune.esft
-            scores = score_experts(self.model, [(x, None) for x in score_rows[:esft.max_batches]])
+            scores = score_experts(self.model, [(x, None) for x in score_rows[: esft.max_batches]])
             chosen = select_experts(scores[esft.score], esft.p)
-            install_selection(self.model, self.opt, {"layers": [{"selected": c} for c in chosen]},
-                              ep_rank=0)
+            install_selection(
+                self.model, self.opt, {"layers": [{"selected": c} for c in chosen]}, ep_rank=0
+            )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.times: list[float] = []
 
@@ -187,10 +292,11 @@ def masked_loss(model, inputs, targets, batch: int) -> float:
     model.eval()
     total = count = 0.0
     for i in range(0, len(inputs), batch):
-        logits = model(inputs[i:i + batch]).logits.double()
-        t = targets[i:i + batch]
-        total += F.cross_entropy(logits.flatten(0, 1), t.flatten(), ignore_index=IGNORE,
-                                 reduction="sum").item()
+        logits = model(inputs[i : i + batch]).logits.double()
+        t = targets[i : i + batch]
+        total += F.cross_entropy(
+            logits.flatten(0, 1), t.flatten(), ignore_index=IGNORE, reduction="sum"
+        ).item()
         count += int((t != IGNORE).sum())
     model.train()
     return total / count
@@ -205,10 +311,13 @@ def bench_data(args):
     train = [p for p in pairs if not held_out(p[0])]
     valid = [p for p in pairs if held_out(p[0])]
     train_xy, valid_xy = pack(train, tokenizer, args.seq_len), pack(valid, tokenizer, args.seq_len)
-    print(f"data: {len(train)} train / {len(valid)} held-out conversations from the stdlib; "
-          f"{len(train_xy[0])} / {len(valid_xy[0])} rows of {args.seq_len} tokens; trained "
-          f"targets {int((train_xy[1] != IGNORE).sum())} / {int((valid_xy[1] != IGNORE).sum())}",
-          file=sys.stderr, flush=True)
+    print(
+        f"data: {len(train)} train / {len(valid)} held-out conversations from the stdlib; "
+        f"{len(train_xy[0])} / {len(valid_xy[0])} rows of {args.seq_len} tokens; trained "
+        f"targets {int((train_xy[1] != IGNORE).sum())} / {int((valid_xy[1] != IGNORE).sum())}",
+        file=sys.stderr,
+        flush=True,
+    )
     return base, run_cfg, train_xy, valid_xy
 
 
@@ -231,8 +340,9 @@ def finetune_runs(args) -> dict:
         order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(r))
         first = [train_x[batch_rows(order, s, args.micro_batch)] for s in range(args.steps)]
         torch.manual_seed(r)
-        tuners = {m: Tuner(base, m, args.steps, overrides(args, m, run_cfg), first)
-                  for m in methods}
+        tuners = {
+            m: Tuner(base, m, args.steps, overrides(args, m, run_cfg), first) for m in methods
+        }
         shares = {m: parameter_counts(t.model)["trainable_share"] for m, t in tuners.items()}
         for s in range(args.steps):
             rows = batch_rows(order, s, args.micro_batch)
@@ -248,9 +358,13 @@ def finetune_runs(args) -> dict:
             res[f"{name}_step_ratio"] = res[f"{name}_step_s"] / res["full_step_s"]
             res[f"{name}_gap"] = res[f"{name}_loss"] - res["full_loss"]
         results.append(res)
-        print(f"repeat {r}: " + "; ".join(
-            f"{m} loss {res[f'{m}_loss']:.4f} step {res[f'{m}_step_s']:.3f} s" for m in methods),
-            flush=True)
+        print(
+            f"repeat {r}: "
+            + "; ".join(
+                f"{m} loss {res[f'{m}_loss']:.4f} step {res[f'{m}_step_s']:.3f} s" for m in methods
+            ),
+            flush=True,
+        )
         del tuners
     return {"base_loss": base_loss, "shares": shares, "repeats": results}
 
@@ -258,6 +372,7 @@ def finetune_runs(args) -> dict:
 def _malloc_trim() -> None:
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -286,8 +401,12 @@ def training_peak(args, method: str) -> dict:
     for s in range(args.memory_steps):
         rows = batch_rows(order, s, args.micro_batch)
         tuner.step(train_x[rows], train_y[rows])
-    return {"method": method, "before_mib": before / 1024,
-            "peak_mib": _status_kib("VmHWM") / 1024, "nf4_mib": nf4_bytes(tuner.model) / 2**20}
+    return {
+        "method": method,
+        "before_mib": before / 1024,
+        "peak_mib": _status_kib("VmHWM") / 1024,
+        "nf4_mib": nf4_bytes(tuner.model) / 2**20,
+    }
 
 
 def memory_runs(args) -> dict:
@@ -296,9 +415,20 @@ def memory_runs(args) -> dict:
     for r in range(args.repeats):
         k = r % len(args.methods)
         for m in args.methods[k:] + args.methods[:k]:
-            cmd = [sys.executable, __file__, "--memory-of", m, "--base", args.base,
-                   "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
-                   "--memory-steps", str(args.memory_steps)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--memory-of",
+                m,
+                "--base",
+                args.base,
+                "--micro-batch",
+                str(args.micro_batch),
+                "--seq-len",
+                str(args.seq_len),
+                "--memory-steps",
+                str(args.memory_steps),
+            ]
             cmd += [f"--lora={o}" for o in args.lora]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
@@ -307,73 +437,11 @@ def memory_runs(args) -> dict:
     return peaks
 
 
-# -- (b): the routed experts' LoRA path, grouped against a loop over experts -----------------
-
-def expert_lora_path(args, T: int) -> dict:
-    E, K, D, H, r = args.experts, args.top_k, args.d_model, args.expert_hidden, args.expert_rank
-    gen = torch.Generator().manual_seed(0)
-    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    # Routed copies sorted by expert, with the imbalance of a random top-k routing.
-    counts = torch.bincount(torch.rand(T, E, generator=gen).topk(K, dim=1).indices.flatten(),
-                            minlength=E)
-    counts_host = counts.tolist()
-    N = sum(counts_host)
-    x_in = torch.randn(N, D, generator=gen).to(dev, dtype)  # the experts' input rows
-    x_out = torch.randn(N, H, generator=gen).to(dev, dtype)  # the activations w_out reads
-    factors = {"in": (torch.randn(E, D, r, generator=gen) * D ** -0.5,
-                      torch.randn(E, r, 2 * H, generator=gen) * 0.01),
-               "out": (torch.randn(E, H, r, generator=gen) * H ** -0.5,
-                       torch.randn(E, r, D, generator=gen) * 0.01)}
-    factors = {k: tuple(t.to(dev, dtype).requires_grad_(True) for t in ab)
-               for k, ab in factors.items()}
-    counts = counts.to(dev)
-    # The gradient that reaches each projection's output from above: given, so that what is
-    # timed is the LoRA branch alone (a loss over the (N, 2H) and (N, D) outputs would be
-    # common to both contenders and, on the CPU, cost more than the branch itself).
-    upstream = {"in": torch.randn(N, 2 * H, generator=gen).to(dev, dtype),
-                "out": torch.randn(N, D, generator=gen).to(dev, dtype)}
-    if not all(uses_grouped_kernel(x_in, t) for ab in factors.values() for t in ab):
-        raise SystemExit(f"(b): torch._grouped_mm does not take {args.dtype} on {args.device} "
-                         "with these shapes (on CUDA it takes bfloat16 only; every dimension "
-                         "must be a multiple of 16 bytes), so there is no grouped pass to time")
-
-    def grouped(x, a, b):
-        return grouped_mm(grouped_mm(x, a, counts, counts_host), b, counts, counts_host)
-
-    def loop(x, a, b):
-        return torch.cat([(xe @ a[e]) @ b[e] for e, xe in enumerate(x.split(counts_host))])
-
-    def run(fn):
-        xs = {k: v.detach().requires_grad_(True) for k, v in (("in", x_in), ("out", x_out))}
-        synchronize(dev)
-        t0 = time.perf_counter()
-        ys = [fn(xs[k], *factors[k]) for k in ("in", "out")]
-        torch.autograd.backward(ys, [upstream["in"], upstream["out"]])
-        synchronize(dev)
-        return time.perf_counter() - t0, ys
-
-    _, want = run(loop)
-    _, got = run(grouped)
-    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **({"rtol": 1e-4, "atol": 1e-5} | tol))
-    times = {"grouped": [], "loop": []}
-    for i in range(args.rounds):
-        for name in (("grouped", "loop") if i % 2 == 0 else ("loop", "grouped")):
-            times[name].append(min(run(grouped if name == "grouped" else loop)[0]
-                                   for _ in range(args.iters)))
-    ratios = [lo / g for lo, g in zip(times["loop"], times["grouped"])]
-    return {"rows": N, "times": times, "ratios": ratios}
-
-
-def synchronize(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def spread(values, fmt="{:.3f}") -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-" \
-           f"{fmt.format(max(values))})"
+    return (
+        f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-"
+        f"{fmt.format(max(values))})"
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -384,25 +452,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row")
     p.add_argument("--repeats", type=int, default=3, help="full/LoRA pairs (seeds)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    p.add_argument("--lora", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a setting of configs/finetune-lora.yaml (repeatable), e.g. "
-                        "finetune.lora.rank=16")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting of configs/finetune-lora.yaml (repeatable), e.g. "
+        "finetune.lora.rank=16",
+    )
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 512],
-                   help="(b): tokens per pass (each routed to top-k experts)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[4096, 512],
+        help="(b): tokens per pass (each routed to top-k experts)",
+    )
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--expert-hidden", type=int, default=128)
     p.add_argument("--expert-rank", type=int, default=8)
     p.add_argument("--device", default="cpu", help="(b): where the expert path runs")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="(b): the rows' and factors' dtype (CUDA's grouped kernel takes bf16)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="(b): the rows' and factors' dtype (CUDA's grouped kernel takes bf16)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="(b): interleaved rounds")
     p.add_argument("--iters", type=int, default=2, help="(b): passes per round (fastest kept)")
-    p.add_argument("--skip", choices=["experts", "finetune", "memory"], action="append",
-                   default=[])
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help="comma-separated methods compared with full (full is always run)")
+    p.add_argument("--skip", choices=["experts", "finetune", "memory"], action="append", default=[])
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated methods compared with full (full is always run)",
+    )
     p.add_argument("--memory-steps", type=int, default=4, help="steps per memory measurement")
     p.add_argument("--memory-of", choices=list(METHODS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -436,10 +520,12 @@ def main(argv=None) -> None:
 
 def report_expert_path(args, tokens: int) -> None:
     b = expert_lora_path(args, tokens)
-    print(f"(b) expert LoRA path, forward + backward, {args.experts} experts, top-{args.top_k}"
-          f", {tokens} tokens ({b['rows']} routed rows), D {args.d_model}, H "
-          f"{args.expert_hidden}, rank {args.expert_rank}, {args.dtype} on {args.device}; "
-          f"{args.rounds} interleaved rounds (fastest of {args.iters} each):")
+    print(
+        f"(b) expert LoRA path, forward + backward, {args.experts} experts, top-{args.top_k}"
+        f", {tokens} tokens ({b['rows']} routed rows), D {args.d_model}, H "
+        f"{args.expert_hidden}, rank {args.expert_rank}, {args.dtype} on {args.device}; "
+        f"{args.rounds} interleaved rounds (fastest of {args.iters} each):"
+    )
     for name in ("grouped", "loop"):
         print(f"    {name:8s} {spread([1e3 * t for t in b['times'][name]], '{:.2f}')} ms")
     print(f"    loop / grouped: {spread(b['ratios'], '{:.2f}')}x (target >= 5x)", flush=True)
@@ -448,35 +534,49 @@ def report_expert_path(args, tokens: int) -> None:
 def report_finetune(args) -> None:
     c = finetune_runs(args)
     reps = c["repeats"]
-    print(f"after {args.steps} steps, {len(reps)} repeats (median (min-max)); base held-out "
-          f"masked loss {c['base_loss']:.4f}:")
-    print("| method | trainable | held-out masked loss | minus full (nats) | step time (s) "
-          "| step time / full |")
+    print(
+        f"after {args.steps} steps, {len(reps)} repeats (median (min-max)); base held-out "
+        f"masked loss {c['base_loss']:.4f}:"
+    )
+    print(
+        "| method | trainable | held-out masked loss | minus full (nats) | step time (s) "
+        "| step time / full |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for m in args.methods:
-        print(f"| {m} | {100 * c['shares'][m]:.3g}% "
-              f"| {spread([r[f'{m}_loss'] for r in reps], '{:.4f}')} "
-              f"| {spread([r[f'{m}_gap'] for r in reps], '{:+.4f}')} "
-              f"| {spread([r[f'{m}_step_s'] for r in reps])} "
-              f"| {spread([r[f'{m}_step_ratio'] for r in reps], '{:.2f}')} |")
+        print(
+            f"| {m} | {100 * c['shares'][m]:.3g}% "
+            f"| {spread([r[f'{m}_loss'] for r in reps], '{:.4f}')} "
+            f"| {spread([r[f'{m}_gap'] for r in reps], '{:+.4f}')} "
+            f"| {spread([r[f'{m}_step_s'] for r in reps])} "
+            f"| {spread([r[f'{m}_step_ratio'] for r in reps], '{:.2f}')} |"
+        )
     if "lora" in args.methods:
         gaps = spread([r["lora_gap"] for r in reps], "{:+.4f}")
-        print(f"(a) lora / full step time {spread([r['lora_step_ratio'] for r in reps])} "
-              f"(target <= 1); (c) lora - full {gaps} nats (target <= 0.05) with "
-              f"{100 * c['shares']['lora']:.3f}% trainable (target <= 2%)", flush=True)
+        print(
+            f"(a) lora / full step time {spread([r['lora_step_ratio'] for r in reps])} "
+            f"(target <= 1); (c) lora - full {gaps} nats (target <= 0.05) with "
+            f"{100 * c['shares']['lora']:.3f}% trainable (target <= 2%)",
+            flush=True,
+        )
 
 
 def report_memory(args) -> None:
     peaks = memory_runs(args)
     full = statistics.median(p["peak_mib"] for p in peaks["full"])
-    print(f"peak resident memory over {args.memory_steps} training steps, each method in a "
-          f"process of its own after its base is loaded, {args.repeats} interleaved repeats:")
+    print(
+        f"peak resident memory over {args.memory_steps} training steps, each method in a "
+        f"process of its own after its base is loaded, {args.repeats} interleaved repeats:"
+    )
     print("| method | resident before the steps (MiB) | peak (MiB) | peak / full's |")
     print("| --- | --- | --- | --- |")
     for m, ps in peaks.items():
-        print(f"| {m} | {spread([p['before_mib'] for p in ps], '{:.0f}')} "
-              f"| {spread([p['peak_mib'] for p in ps], '{:.0f}')} "
-              f"| {spread([p['peak_mib'] / full for p in ps], '{:.2f}')} |", flush=True)
+        print(
+            f"| {m} | {spread([p['before_mib'] for p in ps], '{:.0f}')} "
+            f"| {spread([p['peak_mib'] for p in ps], '{:.0f}')} "
+            f"| {spread([p['peak_mib'] / full for p in ps], '{:.2f}')} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

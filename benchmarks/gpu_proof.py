@@ -44,12 +44,18 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_install import choose_wheels, import_check, install_wheels  # noqa: E402
+from gpu_install import (  # noqa: E402
+    choose_wheels,
+    import_check,
+    install_wheels,
+    probe_environment,
+)
+from gpu_proof_summary import write_summary  # noqa: E402
 
 MAX_FILES = 10
 OUT_FILES = ("summary.md", "summary.json", "profile.md", "profile.json")
@@ -60,8 +66,20 @@ OUT_FILES = ("summary.md", "summary.json", "profile.md", "profile.json")
 CAPS = {"install": 90, "env": 60, "pytest": 300, "bench": 270, "train": 240, "eval": 120}
 FLOORS = {"install": 20, "env": 15, "pytest": 60, "bench": 45, "train": 90, "eval": 30}
 TRAIN_STEPS = 100
-STDLIB_DOCS = ["argparse", "textwrap", "shlex", "string", "heapq", "bisect", "functools",
-               "dataclasses", "enum", "fractions", "calendar", "difflib"]
+STDLIB_DOCS = [
+    "argparse",
+    "textwrap",
+    "shlex",
+    "string",
+    "heapq",
+    "bisect",
+    "functools",
+    "dataclasses",
+    "enum",
+    "fractions",
+    "calendar",
+    "difflib",
+]
 
 
 @dataclass
@@ -110,19 +128,32 @@ class Proof:
     def time_left(self, name: str) -> float:
         """This part's limit: its cap, less what the parts after it are owed."""
         names = list(CAPS)
-        owed = sum(FLOORS[n] for n in names[names.index(name) + 1:])
+        owed = sum(FLOORS[n] for n in names[names.index(name) + 1 :])
         return min(CAPS[name], self.deadline - time.monotonic() - owed)
 
-    def run(self, part: Part, cmd: list[str], log, timeout: float, env: dict | None = None,
-            cwd: Path = ROOT) -> int | None:
+    def run(
+        self,
+        part: Part,
+        cmd: list[str],
+        log,
+        timeout: float,
+        env: dict | None = None,
+        cwd: Path = ROOT,
+    ) -> int | None:
         """Run ``cmd`` with its output appended to ``log``; None when it ran out of time (its
         whole process group is then ended)."""
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
         started = time.time()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env or self.env(), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env or self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
@@ -162,12 +193,15 @@ class Proof:
                     log.write(f"\n[gpu_proof] {name}: {part.note}\n")
         part.seconds = time.monotonic() - t0
         c1 = os.times()
-        part.cpu_seconds = (c1.children_user - c0.children_user
-                            + c1.children_system - c0.children_system)
+        part.cpu_seconds = (
+            c1.children_user - c0.children_user + c1.children_system - c0.children_system
+        )
         self.parts.append(part)
-        print(f"[gpu_proof] {name:<8} {part.status:<8} {part.seconds:6.1f} s "
-              f"({part.cpu_seconds:.1f} s CPU)"
-              + (f"  ({part.note})" if part.note else ""), flush=True)
+        print(
+            f"[gpu_proof] {name:<8} {part.status:<8} {part.seconds:6.1f} s "
+            f"({part.cpu_seconds:.1f} s CPU)" + (f"  ({part.note})" if part.note else ""),
+            flush=True,
+        )
         return part
 
     @staticmethod
@@ -180,8 +214,13 @@ class Proof:
         wheels_dir = Path(self.args.wheels or os.environ.get("GPU_WHEELS") or ROOT / "gpu-wheels")
         log.write(f"target: {self.site}\n")
         chosen = choose_wheels(wheels_dir, log)
-        rc = install_wheels(self.python, self.site, chosen, log,
-                            lambda cmd, env: self.run(part, cmd, log, limit, env=env))
+        rc = install_wheels(
+            self.python,
+            self.site,
+            chosen,
+            log,
+            lambda cmd, env: self.run(part, cmd, log, limit, env=env),
+        )
         part.figures["installed"] = [w.name.split("-")[0] for w in chosen]
         if rc != 0:
             part.note = "pip install failed" if rc is not None else "out of time"
@@ -197,8 +236,9 @@ class Proof:
             log.write(f"{m:<13} {str(version):<14} {where}\n")
         missing = [m for m, (v, _) in found.items() if v is None]
         shadowed = str(self.site) in str(found.get("torch", [None, ""])[1])
-        part.figures.update({"missing": missing, "deepspeed": found["deepspeed"][0],
-                             "torch": found["torch"][0]})
+        part.figures.update(
+            {"missing": missing, "deepspeed": found["deepspeed"][0], "torch": found["torch"][0]}
+        )
         if shadowed:
             part.note = "torch would be imported from the wheel folder"
             return "fail"
@@ -212,55 +252,33 @@ class Proof:
     def environment(self, part: Part, log, limit: float) -> str:
         if shutil.which("nvidia-smi"):
             self.run(part, ["nvidia-smi"], log, 30)
-            self.run(part, ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
-                            "power.limit,clocks.max.sm", "--format=csv"], log, 30)
+            self.run(
+                part,
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm",
+                    "--format=csv",
+                ],
+                log,
+                30,
+            )
             try:
                 driver = subprocess.run(
                     ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                    capture_output=True, text=True, timeout=30).stdout.split()
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                ).stdout.split()
                 part.figures["driver"] = driver[0] if driver else None
             except (OSError, subprocess.SubprocessError):
                 part.figures["driver"] = None
         else:
             log.write("nvidia-smi: not found\n")
-        script = (
-            "import json, platform, sys, torch\n"
-            "d = {'python': sys.version.split()[0], 'platform': platform.platform(),\n"
-            "     'torch': torch.__version__, 'torch_file': torch.__file__,\n"
-            "     'cuda': torch.version.cuda, 'cuda_available': torch.cuda.is_available(),\n"
-            "     'cudnn': torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}\n"
-            "try:\n"
-            "    d['nccl'] = '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None\n"
-            "except Exception as e:\n"
-            "    d['nccl'] = f'n/a ({e})'\n"
-            "if torch.cuda.is_available():\n"
-            "    from moe.model.experts import grouped_mm_supported\n"
-            "    from moe.training.device import peak_bf16_flops\n"
-            "    dev = torch.device('cuda', 0)\n"
-            "    p = torch.cuda.get_device_properties(dev)\n"
-            "    d.update(gpu=p.name, gpus=torch.cuda.device_count(),\n"
-            "             capability='.'.join(map(str, torch.cuda.get_device_capability(dev))),\n"
-            "             gpu_memory_gib=round(p.total_memory / 2**30, 1),\n"
-            "             peak_bf16_tflops=(peak_bf16_flops(dev) or 0) / 1e12,\n"
-            "             grouped_mm_bf16=grouped_mm_supported(torch.bfloat16, dev))\n"
-            "try:\n"
-            "    import triton\n"
-            "    d['triton'] = triton.__version__\n"
-            "except Exception:\n"
-            "    d['triton'] = None\n"
-            "import deepspeed\n"
-            "from deepspeed.accelerator import get_accelerator\n"
-            "d.update(deepspeed=deepspeed.__version__, deepspeed_file=deepspeed.__file__,\n"
-            "         deepspeed_accelerator=get_accelerator()._name)\n"
-            "print('ENV ' + json.dumps(d))\n")
-        proc = subprocess.run([self.python, "-c", script], env=self.env(), cwd=ROOT,
-                              capture_output=True, text=True, timeout=max(limit - 5, 10))
-        log.write(proc.stdout[-20000:] + proc.stderr[-10000:])
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ENV ")), None)
-        if proc.returncode != 0 or line is None:
+        info, output = probe_environment(self.python, self.env(), ROOT, max(limit - 5, 10))
+        log.write(output)
+        if info is None:
             part.note = "the environment probe failed"
             return "fail"
-        info = json.loads(line[4:])
         part.figures.update(info)
         log.write("\n" + "\n".join(f"{k:<22} {v}" for k, v in info.items()) + "\n")
         if self.cuda and not info["cuda_available"]:
@@ -279,11 +297,18 @@ class Proof:
         rc = self.run(part, cmd, log, limit)
         log.flush()
         text = (self.out / part.log).read_text(errors="replace")
-        summary = [ln for ln in text.splitlines()
-                   if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b", ln)]
+        summary = [
+            ln
+            for ln in text.splitlines()
+            if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b", ln)
+        ]
         if summary:  # pytest's closing line, e.g. "9 passed, 1070 deselected in 80.1s"
-            part.figures.update({k: int(n) for n, k in re.findall(
-                r"(\d+) (passed|failed|skipped|errors?)\b", summary[-1])})
+            part.figures.update(
+                {
+                    k: int(n)
+                    for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary[-1])
+                }
+            )
             part.figures["result"] = summary[-1].strip("= ")
         counts = part.figures
         status = self.status_of(rc)
@@ -296,8 +321,14 @@ class Proof:
 
     def bench(self, part: Part, log, limit: float) -> str:
         rows = self.scratch / "bench.json"
-        cmd = [self.python, "benchmarks/gpu_train_bench.py", "--device", self.args.device,
-               "--profile-out", str(self.out)]  # profile.md and profile.json
+        cmd = [
+            self.python,
+            "benchmarks/gpu_train_bench.py",
+            "--device",
+            self.args.device,
+            "--profile-out",
+            str(self.out),
+        ]  # profile.md and profile.json
         if self.args.dry_run:
             cmd += ["--tiny", "--steps", "2", "--warmup", "1", "--profile-steps", "1"]
         if not self.cuda:
@@ -311,15 +342,21 @@ class Proof:
         # The same models compiled (the first compile on a fresh machine takes about a minute
         # on one H100): one run, so a ratio to read, not a result.
         compiled = self.scratch / "bench_compiled.json"
-        rc = self.run(part, cmd + ["--json", str(compiled), "--set", "train.compile=true"],
-                      log, limit - (time.monotonic() - t0))
+        rc = self.run(
+            part,
+            cmd + ["--json", str(compiled), "--set", "train.compile=true"],
+            log,
+            limit - (time.monotonic() - t0),
+        )
         if compiled.exists():
             eager = {r["model"]: r["tokens_per_s"] for r in part.figures.get("rows", [])}
             crows = json.loads(compiled.read_text())["rows"]
             part.figures["compiled_rows"] = crows
             part.figures["compiled_over_eager"] = {
                 r["model"]: round(r["tokens_per_s"] / eager[r["model"]], 3)
-                for r in crows if eager.get(r["model"])}
+                for r in crows
+                if eager.get(r["model"])
+            }
         if rc is None:
             # The compiles take what the budget has left after the tests: running short of it
             # is noted, not failed; a compiled run that fails is a failure.
@@ -343,37 +380,63 @@ class Proof:
     def train_overrides(self) -> list[str]:
         runs = self.scratch / "runs"
         self.train_name = self.train_name or self.run_name()
-        over = [f"name={self.train_name}", f"output_dir={runs}", "parallel.world_size=1",
-                "parallel.expert_parallel_size=1", "train.precision=bf16",
-                "logging.peak_flops_per_device=null",  # the device's own peak (MFU)
-                f"train.max_steps={TRAIN_STEPS}", f"checkpoint.every_n_steps={TRAIN_STEPS}"]
+        over = [
+            f"name={self.train_name}",
+            f"output_dir={runs}",
+            "parallel.world_size=1",
+            "parallel.expert_parallel_size=1",
+            "train.precision=bf16",
+            "logging.peak_flops_per_device=null",  # the device's own peak (MFU)
+            f"train.max_steps={TRAIN_STEPS}",
+            f"checkpoint.every_n_steps={TRAIN_STEPS}",
+        ]
         if self.args.dry_run:
             corpus = write_corpus(self.scratch / "corpus")
-            over += [f"data.dir={self.scratch / 'data'}",
-                     "data.sources=[{name: docs, type: text, paths: [" + json.dumps(str(corpus))
-                     + "]}]",
-                     "data.tokenizer.vocab_size=512", "data.valid_fraction=0.2",
-                     "data.shard_tokens=20000", "data.seq_len=32",
-                     "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-                     "model.max_seq_len=64", "model.moe.num_experts=4",
-                     "model.moe.expert_hidden=64", "model.moe.router.top_k=2",
-                     "train.max_steps=4", "train.micro_batch_size=2", "train.warmup_steps=1",
-                     "train.threads_per_rank=1", "logging.log_every=1",
-                     "checkpoint.every_n_steps=4", "eval.batch_size=2"]
+            over += [
+                f"data.dir={self.scratch / 'data'}",
+                "data.sources=[{name: docs, type: text, paths: [" + json.dumps(str(corpus)) + "]}]",
+                "data.tokenizer.vocab_size=512",
+                "data.valid_fraction=0.2",
+                "data.shard_tokens=20000",
+                "data.seq_len=32",
+                "model.d_model=64",
+                "model.n_layers=2",
+                "model.n_heads=4",
+                "model.max_seq_len=64",
+                "model.moe.num_experts=4",
+                "model.moe.expert_hidden=64",
+                "model.moe.router.top_k=2",
+                "train.max_steps=4",
+                "train.micro_batch_size=2",
+                "train.warmup_steps=1",
+                "train.threads_per_rank=1",
+                "logging.log_every=1",
+                "checkpoint.every_n_steps=4",
+                "eval.batch_size=2",
+            ]
         return over
 
     def train(self, part: Part, log, limit: float) -> str:
-        cmd = [self.python, "-m", "launch.launch", "configs/default.yaml",
-               *self.train_overrides(), "--no-eval"]
+        cmd = [
+            self.python,
+            "-m",
+            "launch.launch",
+            "configs/default.yaml",
+            *self.train_overrides(),
+            "--no-eval",
+        ]
         rc = self.run(part, cmd, log, limit)
         summary_path = self.scratch / "runs" / self.train_name / "train_summary.json"
         if summary_path.exists():
             summary = json.loads(summary_path.read_text())
             history = summary["history"]
             self.checkpoint = summary.get("checkpoint")
-            part.figures.update(steps=summary["steps"], checkpoint=self.checkpoint,
-                                first_loss=history[0]["loss"] if history else None,
-                                last_loss=history[-1]["loss"] if history else None)
+            part.figures.update(
+                steps=summary["steps"],
+                checkpoint=self.checkpoint,
+                first_loss=history[0]["loss"] if history else None,
+                last_loss=history[-1]["loss"] if history else None,
+            )
             rates = [h["tokens_per_s"] for h in history[1:]] or [h["tokens_per_s"] for h in history]
             if rates:
                 part.figures["tokens_per_s_median"] = sorted(rates)[len(rates) // 2]
@@ -399,11 +462,27 @@ class Proof:
             part.note = "no checkpoint from the training part"
             return "skipped"
         out = self.scratch / "eval"
-        cmd = [self.python, "-m", "launch.evaluate", checkpoint, "--device", "cpu",
-               "--output", str(out)]
+        cmd = [
+            self.python,
+            "-m",
+            "launch.evaluate",
+            checkpoint,
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+        ]
         if self.args.dry_run:
-            cmd += ["--max-tokens", "512", "--num-prompts", "1", "--max-new-tokens", "4",
-                    "--strategy", "greedy"]
+            cmd += [
+                "--max-tokens",
+                "512",
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--strategy",
+                "greedy",
+            ]
         rc = self.run(part, cmd, log, limit, env=self.env(hide_cuda=True))
         result = out / "eval.json"
         if result.exists():
@@ -419,83 +498,6 @@ class Proof:
             return "fail"
         return status
 
-    # ---- summary -----------------------------------------------------------------------------
-
-    def write_summary(self) -> bool:
-        ok = all(p.status == "pass" for p in self.parts)
-        mode = ("dry run, " if self.args.dry_run else "") + f"device {self.args.device}"
-        env = next((p.figures for p in self.parts if p.name == "env"), {})
-        lines = [f"# GPU proof: {'PASS' if ok else 'FAIL'}", "",
-                 f"{mode}; budget {self.args.budget:.0f} s; "
-                 f"{sum(p.seconds for p in self.parts):.0f} s in all; scratch {self.scratch}", ""]
-        if env:
-            lines += [f"- GPU: {env.get('gpu', 'none')} (capability {env.get('capability', '-')}, "
-                      f"{env.get('gpu_memory_gib', '-')} GiB, {env.get('gpus', 0)} visible)",
-                      f"- driver {env.get('driver')}; torch {env.get('torch')}, CUDA "
-                      f"{env.get('cuda')}, cuDNN "
-                      f"{env.get('cudnn')}, NCCL {env.get('nccl')}, triton {env.get('triton')}",
-                      f"- Python {env.get('python')}, DeepSpeed {env.get('deepspeed')} "
-                      f"(accelerator {env.get('deepspeed_accelerator')})", ""]
-        lines += ["| part | status | seconds | CPU s | log | figures |",
-                  "| --- | --- | ---: | ---: | --- | --- |"]
-        for p in self.parts:
-            figs = {k: v for k, v in p.figures.items()
-                    if k not in ("rows", "compiled_rows") and p.name != "env"}
-            text = ", ".join(f"{k}={fmt(v)}" for k, v in figs.items())
-            if p.note:
-                text = f"**{p.note}**" + (f"; {text}" if text else "")
-            lines.append(f"| {p.name} | {p.status} | {p.seconds:.1f} | {p.cpu_seconds:.1f} | "
-                         f"{p.log} | {text} |")
-        bench = next((p for p in self.parts if p.name == "bench"), None)
-        if bench and bench.figures.get("rows"):
-            lines += ["", f"Training benchmark on {bench.figures.get('device')}:", "",
-                      "| model | B x S | tokens/s | MFU | peak MiB | planned MiB | compiled "
-                      "tokens/s | compiled / eager |",
-                      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-            compiled = {r["model"]: r for r in bench.figures.get("compiled_rows", [])}
-            ratios = bench.figures.get("compiled_over_eager", {})
-            for r in bench.figures["rows"]:
-                mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.0f}"
-                mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-                c = compiled.get(r["model"])
-                ctext = (f"{c['tokens_per_s']:,.0f} | {ratios[r['model']]:.2f}x"
-                         if c and r["model"] in ratios else "n/a | n/a")
-                lines.append(f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                             f"{mib(r['peak_mem'])} | {mib(r['planned_mem'])} | {ctext} |")
-        lines += self.profile_lines()
-        text = "\n".join(lines) + "\n"
-        (self.out / "summary.md").write_text(text)
-        (self.out / "summary.json").write_text(json.dumps(
-            {"ok": ok, "dry_run": self.args.dry_run, "device": self.args.device,
-             "budget_s": self.args.budget, "parts": [asdict(p) for p in self.parts]},
-            indent=2, default=str))
-        print("\n" + text, flush=True)
-        return ok
-
-
-    def profile_lines(self) -> list[str]:
-        """One line per step profile of the bench part (the whole of each in profile.md)."""
-        try:
-            entries = json.loads((self.out / "profile.json").read_text())["entries"]
-        except (OSError, ValueError, KeyError):
-            return []
-        lines = ["", "Step profiles (profile.md has each one's regions and top kernels):", "",
-                 "| model | setting | step ms | device busy | kernels/step | host syncs/step |",
-                 "| --- | --- | ---: | ---: | ---: | ---: |"]
-        for e in entries:
-            syncs = "n/a" if e.get("syncs_per_step") is None else f"{e['syncs_per_step']:g}"
-            lines.append(f"| {e.get('model')} | {e.get('setting')} | {e['step_ms']:.1f} | "
-                         f"{e['busy_share']:.0%} | {e['kernels_per_step']:g} | {syncs} |")
-        return lines
-
-
-def fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, list):
-        return "[" + " ".join(map(str, v)) + "]" if v else "none"
-    return str(v)
-
 
 def write_corpus(root: Path) -> Path:
     """A small real corpus for the dry run: docstrings of a few standard-library modules."""
@@ -503,8 +505,11 @@ def write_corpus(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for name in STDLIB_DOCS:
         tree = ast.parse((stdlib / f"{name}.py").read_text(encoding="utf-8"))
-        docs = [ast.get_docstring(n) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))]
+        docs = [
+            ast.get_docstring(n)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        ]
         (root / f"{name}.txt").write_text("\n\n".join(d for d in docs if d), encoding="utf-8")
     return root
 
@@ -514,8 +519,9 @@ def stale_build_locks(since: float) -> list[Path]:
     DeepSpeed compiles a small op the first time a torch version meets it; a part ended in the
     middle of that build leaves its lock behind, and every later build of the op would wait on
     it for ever."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                or Path.home() / ".cache" / "torch_extensions")
+    root = Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    )
     if not root.is_dir():
         return []
     return [lock for lock in root.glob("**/lock") if lock.stat().st_mtime >= since - 1]
@@ -523,10 +529,18 @@ def stale_build_locks(since: float) -> list[Path]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("outdir", nargs="?", default=os.environ.get("GPU_PROOF_OUT"),
-                   help="where the summary and logs go (or $GPU_PROOF_OUT)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cpu hides CUDA from every part (default: cuda)")
+    p.add_argument(
+        "outdir",
+        nargs="?",
+        default=os.environ.get("GPU_PROOF_OUT"),
+        help="where the summary and logs go (or $GPU_PROOF_OUT)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu hides CUDA from every part (default: cuda)",
+    )
     p.add_argument("--dry-run", action="store_true", help="every part at tiny sizes")
     p.add_argument("--wheels", help="the wheel folder (default: $GPU_WHEELS or gpu-wheels/)")
     p.add_argument("--scratch", help="installed wheels, data, runs (default: a new temp dir)")
@@ -535,18 +549,21 @@ def main(argv=None) -> int:
     if not args.outdir:
         p.error("give OUTDIR (or set GPU_PROOF_OUT)")
     proof = Proof(args)
-    stray = [f for f in proof.out.iterdir() if f.name not in
-             {*OUT_FILES, *(f"{n}.log" for n in CAPS)}]
+    stray = [
+        f for f in proof.out.iterdir() if f.name not in {*OUT_FILES, *(f"{n}.log" for n in CAPS)}
+    ]
     if stray:
-        p.error(f"{proof.out} holds other files ({', '.join(f.name for f in stray[:5])}): "
-                f"give an empty or new directory")
+        p.error(
+            f"{proof.out} holds other files ({', '.join(f.name for f in stray[:5])}): "
+            f"give an empty or new directory"
+        )
     proof.part("install", proof.install)
     proof.part("env", proof.environment)
     proof.part("pytest", proof.pytest)
     proof.part("bench", proof.bench)
     proof.part("train", proof.train)
     proof.part("eval", proof.evaluate)
-    ok = proof.write_summary()
+    ok = write_summary(proof.out, args, proof.parts, proof.scratch)
     assert len(list(proof.out.iterdir())) <= MAX_FILES
     return 0 if ok else 1
 

@@ -55,6 +55,7 @@ class Lever:
     benchmarks/bench_steps.py) and what it needs to apply (benchmarks/bench_worker.py
     ``unmet``: cuda, moe, bf16, flex, liger, unaligned-experts); ``compiled``: also measured with
     ``train.compile=true``."""
+
     name: str
     overrides: tuple[str, ...]
     needs: tuple[str, ...] = ()
@@ -64,28 +65,68 @@ class Lever:
 
 LEVERS = (
     Lever("compile", ("train.compile=true",), note="each block compiled (inductor)"),
-    Lever("ce-chunked", ("model.cross_entropy=chunked",), compiled=True,
-          note="the head and loss in blocks of 1024 tokens, no (T, V) logits"),
-    Lever("ce-liger", ("model.cross_entropy=liger",), ("cuda", "liger"), compiled=True,
-          note="Liger-Kernel's fused linear cross-entropy"),
+    Lever(
+        "ce-chunked",
+        ("model.cross_entropy=chunked",),
+        compiled=True,
+        note="the head and loss in blocks of 1024 tokens, no (T, V) logits",
+    ),
+    Lever(
+        "ce-liger",
+        ("model.cross_entropy=liger",),
+        ("cuda", "liger"),
+        compiled=True,
+        note="Liger-Kernel's fused linear cross-entropy",
+    ),
     Lever("adamw-fused", ("train.optimizer_impl=fused",), note="torch's fused AdamW kernel"),
-    Lever("expert-loop", ("bench.expert_kernel=loop",), ("moe",),
-          note="per-expert loop instead of the grouped GEMM"),
-    Lever("flex", ("model.attention_backend=flex",), ("cuda", "flex"), compiled=True,
-          note="FlexAttention instead of SDPA's causal kernel"),
-    Lever("docs-sdpa", ("model.document_masking=true", "model.attention_backend=sdpa"),
-          compiled=True, note="packed documents (mean 512 tokens), one SDPA call per document"),
-    Lever("docs-flex", ("model.document_masking=true", "model.attention_backend=flex"),
-          ("cuda", "flex"), compiled=True, note="packed documents, FlexAttention block mask"),
+    Lever(
+        "expert-loop",
+        ("bench.expert_kernel=loop",),
+        ("moe",),
+        note="per-expert loop instead of the grouped GEMM",
+    ),
+    Lever(
+        "flex",
+        ("model.attention_backend=flex",),
+        ("cuda", "flex"),
+        compiled=True,
+        note="FlexAttention instead of SDPA's causal kernel",
+    ),
+    Lever(
+        "docs-sdpa",
+        ("model.document_masking=true", "model.attention_backend=sdpa"),
+        compiled=True,
+        note="packed documents (mean 512 tokens), one SDPA call per document",
+    ),
+    Lever(
+        "docs-flex",
+        ("model.document_masking=true", "model.attention_backend=flex"),
+        ("cuda", "flex"),
+        compiled=True,
+        note="packed documents, FlexAttention block mask",
+    ),
     Lever("recompute-selective", ("train.recompute=selective",), compiled=True),
     Lever("recompute-full", ("train.recompute=full",)),
-    Lever("grad-bf16", ("train.grad_reduce_dtype=bf16",), ("bf16",),
-          note="gradients accumulated and reduced in bf16"),
+    Lever(
+        "grad-bf16",
+        ("train.grad_reduce_dtype=bf16",),
+        ("bf16",),
+        note="gradients accumulated and reduced in bf16",
+    ),
     Lever("zero-2", ("parallel.zero_stage=2",)),
-    Lever("micro-batch-16", ("train.micro_batch_size=16",), compiled=True,
-          note="twice the tokens per step (skipped where moe-plan does not fit it)"),
-    Lever("experts-448", ("model.moe.expert_hidden=448",), ("unaligned-experts",), compiled=True,
-          note="expert width a multiple of 64 (432 -> 448: 3.7% more expert FLOPs, see MFU)"),
+    Lever(
+        "micro-batch-16",
+        ("train.micro_batch_size=16",),
+        compiled=True,
+        note="twice the tokens per step (skipped where moe-plan does not fit it)",
+    ),
+    Lever(
+        "experts-448",
+        ("model.moe.expert_hidden=448",),
+        ("unaligned-experts",),
+        compiled=True,
+        note="expert width a multiple of 64 (432 -> 448: 3.7% more expert FLOPs, see MFU)",
+    ),
 )
 """A new lever is one line here; its order is its priority."""
 COMPILE = "train.compile=true"
@@ -108,8 +149,11 @@ def settings_of(levers) -> list[Setting]:
     """The default, each lever alone, then each ``compiled`` lever with compile."""
     out = [Setting("default")]
     out += [Setting(lv.name, lv.overrides, lv.needs) for lv in levers]
-    out += [Setting(f"{lv.name}+compile", (*lv.overrides, COMPILE), lv.needs)
-            for lv in levers if lv.compiled and COMPILE not in lv.overrides]
+    out += [
+        Setting(f"{lv.name}+compile", (*lv.overrides, COMPILE), lv.needs)
+        for lv in levers
+        if lv.compiled and COMPILE not in lv.overrides
+    ]
     return out
 
 
@@ -129,10 +173,22 @@ class Matrix:
     timeout)`` returns the worker's result, or None when it ran out of time;
     ``clock`` is a monotonic clock in seconds."""
 
-    def __init__(self, settings: list[Setting], models, runner, *, clock, deadline: float,
-                 run_deadline: float, rounds: int = 3, steps: int = 10, warmup: int = 3,
-                 run_estimate: float = 20.0, compile_estimate: float = 60.0,
-                 on_update=lambda matrix: None):
+    def __init__(
+        self,
+        settings: list[Setting],
+        models,
+        runner,
+        *,
+        clock,
+        deadline: float,
+        run_deadline: float,
+        rounds: int = 3,
+        steps: int = 10,
+        warmup: int = 3,
+        run_estimate: float = 20.0,
+        compile_estimate: float = 60.0,
+        on_update=lambda matrix: None,
+    ):
         self.settings, self.models, self.runner, self.clock = settings, list(models), runner, clock
         self.deadline, self.run_deadline, self.rounds = deadline, run_deadline, rounds
         self.steps, self.warmup = steps, warmup
@@ -149,9 +205,16 @@ class Matrix:
 
     def task(self, setting: Setting, model: str, **extra) -> dict:
         self.next_id += 1
-        return {"id": self.next_id, "model": model, "overrides": list(setting.overrides),
-                "needs": list(setting.needs), "steps": self.steps, "warmup": self.warmup,
-                "label": setting.name, **extra}
+        return {
+            "id": self.next_id,
+            "model": model,
+            "overrides": list(setting.overrides),
+            "needs": list(setting.needs),
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "label": setting.name,
+            **extra,
+        }
 
     def check(self) -> None:
         """Which models each setting applies to (no engine is built)."""
@@ -168,8 +231,9 @@ class Matrix:
     # ---- estimates ---------------------------------------------------------------------
 
     def _ok(self, setting: str, model: str) -> list[Run]:
-        return [r for r in self.runs if (r.setting, r.model) == (setting, model)
-                and r.status == "ok"]
+        return [
+            r for r in self.runs if (r.setting, r.model) == (setting, model) and r.status == "ok"
+        ]
 
     def base(self, model: str) -> float:
         ok = self._ok("default", model)
@@ -178,8 +242,12 @@ class Matrix:
     def compile_cost(self, model: str) -> float:
         """What compiling added to a warm-up of ``model``, as measured so far."""
         default = self._ok("default", model)
-        seen = [r.row.get("warmup_s", 0) - (default[0].row.get("warmup_s", 0) if default else 0)
-                for s in self.settings if s.compiled for r in self._ok(s.name, model)[:1]]
+        seen = [
+            r.row.get("warmup_s", 0) - (default[0].row.get("warmup_s", 0) if default else 0)
+            for s in self.settings
+            if s.compiled
+            for r in self._ok(s.name, model)[:1]
+        ]
         return max(seen) if seen else self.compile_estimate
 
     def estimate(self, s: Setting, model: str, first: bool) -> float:
@@ -189,17 +257,22 @@ class Matrix:
         last = ok[-1]
         if len(ok) == 1 and s.compiled:  # round 1 compiled; later rounds reuse the graphs
             default = self._ok("default", model)
-            return last.wall_s - max(0.0, last.row.get("warmup_s", 0)
-                                     - (default[0].row.get("warmup_s", 0) if default else 0))
+            return last.wall_s - max(
+                0.0,
+                last.row.get("warmup_s", 0) - (default[0].row.get("warmup_s", 0) if default else 0),
+            )
         return last.wall_s
 
     def admit(self, s: Setting) -> bool:
         """Round 1 of ``s`` and its later rounds fit after the later rounds already promised."""
         later = self.rounds - 1
-        promised = sum(later * self.estimate(a, m, False) for a in self.admitted
-                       for m in self.applies[a.name])  # the default's included
-        cost = sum(self.estimate(s, m, True) + later * self.estimate(s, m, False)
-                   for m in self.applies[s.name])
+        promised = sum(
+            later * self.estimate(a, m, False) for a in self.admitted for m in self.applies[a.name]
+        )  # the default's included
+        cost = sum(
+            self.estimate(s, m, True) + later * self.estimate(s, m, False)
+            for m in self.applies[s.name]
+        )
         return self.clock() + promised + cost <= self.run_deadline
 
     # ---- running -----------------------------------------------------------------------
@@ -208,19 +281,31 @@ class Matrix:
         est = self.estimate(s, model, round_ == 1)
         left = self.run_deadline - self.clock()
         if est > left:
-            run = Run(s.name, model, round_, "not run", f"out of time ({est:.0f} s needed, "
-                      f"{max(left, 0):.0f} s left)")
+            run = Run(
+                s.name,
+                model,
+                round_,
+                "not run",
+                f"out of time ({est:.0f} s needed, {max(left, 0):.0f} s left)",
+            )
         else:
             t0 = self.clock()
-            res = self.runner.run(self.task(s, model),
-                                  min(self.deadline - t0, max(3 * est, est + 60)))
+            res = self.runner.run(
+                self.task(s, model), min(self.deadline - t0, max(3 * est, est + 60))
+            )
             wall = self.clock() - t0
             if res is None:
-                run = Run(s.name, model, round_, "timeout", "ended at its time limit",
-                          wall_s=wall)
+                run = Run(s.name, model, round_, "timeout", "ended at its time limit", wall_s=wall)
             else:
-                run = Run(s.name, model, round_, res.get("status", "error"),
-                          res.get("reason", ""), res.get("row") or {}, wall)
+                run = Run(
+                    s.name,
+                    model,
+                    round_,
+                    res.get("status", "error"),
+                    res.get("reason", ""),
+                    res.get("row") or {},
+                    wall,
+                )
         self.runs.append(run)
         self.on_update(self)
         return run
@@ -269,7 +354,7 @@ class Matrix:
             cost += sum(self.estimate(s, m, done == 0) for m in self.applies[s.name])
             if self.clock() + cost > self.run_deadline:
                 break
-            for x in ((default, s) if done % 2 == 0 else (s, default)):
+            for x in (default, s) if done % 2 == 0 else (s, default):
                 for m in self.applies[x.name]:
                     self.run_one(x, m, first + done)
             done += 1
@@ -285,8 +370,9 @@ class Matrix:
             est = self.estimate(best, m, False) + 15  # + profiled steps and the trace
             if self.clock() + est > self.deadline:
                 continue
-            res = self.runner.run(self.task(best, m, profile_steps=2, sync_steps=1),
-                                  self.deadline - self.clock())
+            res = self.runner.run(
+                self.task(best, m, profile_steps=2, sync_steps=1), self.deadline - self.clock()
+            )
             if res and res.get("profile"):
                 self.profiles.append(res["profile"])
                 self.on_update(self)
@@ -300,8 +386,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("outdir", help="where the summary, profiles and worker log go")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for everything")
-    p.add_argument("--profile-reserve", type=float, default=40.0,
-                   help="seconds kept for profiling the fastest settings")
+    p.add_argument(
+        "--profile-reserve",
+        type=float,
+        default=40.0,
+        help="seconds kept for profiling the fastest settings",
+    )
     p.add_argument("--levers", help="comma-separated levers, in priority order (default: all)")
     p.add_argument("--models", help="comma-separated models (default: dense-125m,moe-125m)")
     p.add_argument("--rounds", type=int, default=3)
@@ -310,13 +400,24 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="the tiny models (CPU rehearsal)")
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s for MFU (default: the GPU's)")
-    p.add_argument("--run-estimate", type=float, default=20.0,
-                   help="seconds one run is assumed to take until one is measured")
-    p.add_argument("--compile-estimate", type=float, default=60.0,
-                   help="seconds a compile is assumed to add until one is measured")
+    p.add_argument(
+        "--run-estimate",
+        type=float,
+        default=20.0,
+        help="seconds one run is assumed to take until one is measured",
+    )
+    p.add_argument(
+        "--compile-estimate",
+        type=float,
+        default=60.0,
+        help="seconds a compile is assumed to add until one is measured",
+    )
     p.add_argument("--wheels", help="the wheel folder (default: $GPU_WHEELS or gpu-wheels/)")
-    p.add_argument("--scratch", help="holds site/ (installed wheels; the proof's scratch "
-                   "folder has one); default: a new temporary folder")
+    p.add_argument(
+        "--scratch",
+        help="holds site/ (installed wheels; the proof's scratch "
+        "folder has one); default: a new temporary folder",
+    )
     p.add_argument("--worker-cmd", help=argparse.SUPPRESS)  # tests: a stand-in worker
     args = p.parse_args(argv)
     names = {lv.name: lv for lv in LEVERS}
@@ -325,8 +426,9 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"--levers: unknown {', '.join(unknown)} (levers: {', '.join(names)})")
     args.lever_list = [names[n] for n in wanted]
-    args.model_list = (args.models.split(",") if args.models
-                       else list(TINY_MODELS if args.tiny else MODELS))
+    args.model_list = (
+        args.models.split(",") if args.models else list(TINY_MODELS if args.tiny else MODELS)
+    )
     if args.rounds < 1 or args.steps < 1 or args.budget <= 0:
         p.error("--rounds and --steps must be >= 1 and --budget > 0")
     return args
@@ -344,14 +446,27 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    matrix = Matrix(settings_of(args.lever_list), args.model_list, None, clock=time.monotonic,
-                    deadline=deadline, run_deadline=deadline - args.profile_reserve,
-                    rounds=args.rounds, steps=args.steps, warmup=args.warmup,
-                    run_estimate=args.run_estimate, compile_estimate=args.compile_estimate,
-                    on_update=lambda m: report(out, m, args, start))
+    matrix = Matrix(
+        settings_of(args.lever_list),
+        args.model_list,
+        None,
+        clock=time.monotonic,
+        deadline=deadline,
+        run_deadline=deadline - args.profile_reserve,
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup=args.warmup,
+        run_estimate=args.run_estimate,
+        compile_estimate=args.compile_estimate,
+        on_update=lambda m: report(out, m, args, start),
+    )
     try:
-        env = (dict(os.environ) if args.worker_cmd else  # a stand-in needs no packages
-               ensure_packages(args.scratch, args.wheels, out / "worker.log", deadline))
+        env = (
+            dict(os.environ)
+            if args.worker_cmd
+            # a stand-in needs no packages
+            else ensure_packages(args.scratch, args.wheels, out / "worker.log", deadline)
+        )
         matrix.runner = Worker(args, env, out / "worker.log", args.worker_cmd)
         matrix.run()
     except CutShort as e:

@@ -67,20 +67,38 @@ from moe.training.device import device_and_backend, peak_bf16_flops
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PAIRS = {"125m": "moe-125m", "1b": "moe-1b"}
 """Size -> the MoE preset; ``dense-SIZE`` is that preset with ``model.ffn=dense``."""
-SHORT = {"attention": "attn", "expert GEMMs": "experts", "dense FFN & shared": "ffn",
-         "permute & combine": "permute", "router": "router", "norms & elementwise": "norm+elt",
-         "head & loss": "head", "optimizer": "optim", "communication": "comm", "other": "other"}
+SHORT = {
+    "attention": "attn",
+    "expert GEMMs": "experts",
+    "dense FFN & shared": "ffn",
+    "permute & combine": "permute",
+    "router": "router",
+    "norms & elementwise": "norm+elt",
+    "head & loss": "head",
+    "optimizer": "optim",
+    "communication": "comm",
+    "other": "other",
+}
 
 
 def tiny_dict(dense: bool) -> dict:
-    model = {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
-             "moe": {"num_experts": 4, "expert_hidden": 64, "router": {"top_k": 2}}}
+    model = {
+        "vocab_size": 512,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "max_seq_len": 64,
+        "moe": {"num_experts": 4, "expert_hidden": 64, "router": {"top_k": 2}},
+    }
     if dense:
         model["ffn"] = "dense"
-    return {"name": "tiny-dense" if dense else "tiny-moe", "model": model,
-            "data": {"dir": "unused", "seq_len": 32},
-            "train": {"micro_batch_size": 2, "precision": "fp32"},
-            "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
+    return {
+        "name": "tiny-dense" if dense else "tiny-moe",
+        "model": model,
+        "data": {"dir": "unused", "seq_len": 32},
+        "train": {"micro_batch_size": 2, "precision": "fp32"},
+        "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1},
+    }
 
 
 def one_gpu(cfg: RunConfig, micro_batch: int | None, overrides: list[str] = ()) -> RunConfig:
@@ -99,9 +117,17 @@ def one_gpu(cfg: RunConfig, micro_batch: int | None, overrides: list[str] = ()) 
 
 def planned_bytes(cfg: RunConfig) -> float:
     t = cfg.train
-    plan = memory_per_gpu(cfg.model, 1, 1, cfg.parallel.zero_stage, t.precision,
-                          t.micro_batch_size, cfg.data.seq_len, t.recompute,
-                          t.recompute_every_n_blocks)
+    plan = memory_per_gpu(
+        cfg.model,
+        1,
+        1,
+        cfg.parallel.zero_stage,
+        t.precision,
+        t.micro_batch_size,
+        cfg.data.seq_len,
+        t.recompute,
+        t.recompute_every_n_blocks,
+    )
     return plan.total_bytes  # what moe-plan reports: states, saved activations, working set
 
 
@@ -114,8 +140,9 @@ def preset(name: str, micro_batch: int | None, overrides: list[str] = ()) -> Run
     return one_gpu(load_config(path, [*extra, *overrides]), micro_batch, overrides)
 
 
-def largest_fitting(budget_bytes: float, micro_batch: int | None,
-                    overrides: list[str] = ()) -> tuple[str, RunConfig] | None:
+def largest_fitting(
+    budget_bytes: float, micro_batch: int | None, overrides: list[str] = ()
+) -> tuple[str, RunConfig] | None:
     """The MoE pretraining preset in configs/ with the largest planned memory on one GPU with expert
     parallelism 1 that stays within ``budget_bytes`` (None if none does)."""
     fitting = []
@@ -131,12 +158,15 @@ def largest_fitting(budget_bytes: float, micro_batch: int | None,
     return name, cfg
 
 
-def gpu_models(budget_bytes: float, micro_batch: int | None,
-               overrides: list[str] = ()) -> list[tuple[str, RunConfig]]:
+def gpu_models(
+    budget_bytes: float, micro_batch: int | None, overrides: list[str] = ()
+) -> list[tuple[str, RunConfig]]:
     out = []
     for size in PAIRS:
-        pair = [(f"{kind}-{size}", preset(f"{kind}-{size}", micro_batch, overrides))
-                for kind in ("dense", "moe")]
+        pair = [
+            (f"{kind}-{size}", preset(f"{kind}-{size}", micro_batch, overrides))
+            for kind in ("dense", "moe")
+        ]
         if size == "125m" or all(planned_bytes(cfg) <= budget_bytes for _, cfg in pair):
             out += pair
     largest = largest_fitting(budget_bytes, micro_batch, overrides)
@@ -146,8 +176,10 @@ def gpu_models(budget_bytes: float, micro_batch: int | None,
 
 
 def tiny_models(overrides: list[str]) -> list[tuple[str, RunConfig]]:
-    return [(d["name"], from_dict(RunConfig, apply_overrides(d, overrides), source="--tiny"))
-            for d in (tiny_dict(True), tiny_dict(False))]
+    return [
+        (d["name"], from_dict(RunConfig, apply_overrides(d, overrides), source="--tiny"))
+        for d in (tiny_dict(True), tiny_dict(False))
+    ]
 
 
 def build(cfg: RunConfig):
@@ -166,8 +198,9 @@ def compile_counts() -> tuple[int, int]:
     return c["stats"]["unique_graphs"], sum(c["graph_break"].values())
 
 
-def bench(name: str, cfg: RunConfig, device: torch.device, args, knobs: Knobs,
-          label: str = "") -> tuple[dict, dict | None]:
+def bench(
+    name: str, cfg: RunConfig, device: torch.device, args, knobs: Knobs, label: str = ""
+) -> tuple[dict, dict | None]:
     """One model: its row of the table and, with profiled steps, its profile summary."""
     engine = None
     try:
@@ -194,11 +227,23 @@ def bench(name: str, cfg: RunConfig, device: torch.device, args, knobs: Knobs,
             mfu = tok_s * fpt / peak if peak else None
             entry = None
             if args.profile_steps:
-                entry = profile_entry(engine, cfg, device, knobs, args.profile_steps,
-                                      args.sync_steps, seconds / args.steps, gemm_dims(cfg),
-                                      {"model": name, "setting": label or "default",
-                                       "device": device_name(device), "tokens_per_s": tok_s,
-                                       "mfu": mfu})
+                entry = profile_entry(
+                    engine,
+                    cfg,
+                    device,
+                    knobs,
+                    args.profile_steps,
+                    args.sync_steps,
+                    seconds / args.steps,
+                    gemm_dims(cfg),
+                    {
+                        "model": name,
+                        "setting": label or "default",
+                        "device": device_name(device),
+                        "tokens_per_s": tok_s,
+                        "mfu": mfu,
+                    },
+                )
     finally:
         if engine is not None:
             destroy = getattr(engine, "destroy", None)
@@ -208,12 +253,22 @@ def bench(name: str, cfg: RunConfig, device: torch.device, args, knobs: Knobs,
         gc.collect()  # before the next engine is built in this process
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    row = {"model": name, "tokens_per_s": tok_s, "mfu": mfu, "peak_mem": peak_mem,
-           "planned_mem": planned_bytes(cfg), "step_ms": 1000 * seconds / args.steps,
-           "batch": f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}",
-           "shares": {r: s for r, _, s, _ in entry["regions"]} if entry else {},
-           "build_s": t1 - t0, "warmup_s": t2 - t1, "timed_s": seconds,
-           "graphs": graphs, "graph_breaks": breaks, "graphs_in_timed_steps": graphs_timed}
+    row = {
+        "model": name,
+        "tokens_per_s": tok_s,
+        "mfu": mfu,
+        "peak_mem": peak_mem,
+        "planned_mem": planned_bytes(cfg),
+        "step_ms": 1000 * seconds / args.steps,
+        "batch": f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}",
+        "shares": {r: s for r, _, s, _ in entry["regions"]} if entry else {},
+        "build_s": t1 - t0,
+        "warmup_s": t2 - t1,
+        "timed_s": seconds,
+        "graphs": graphs,
+        "graph_breaks": breaks,
+        "graphs_in_timed_steps": graphs_timed,
+    }
     return row, entry
 
 
@@ -223,15 +278,20 @@ def device_name(device: torch.device) -> str:
 
 def table(rows: list[dict]) -> str:
     mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.0f}"
-    head = (f"{'model':<12} {'B x S':>9} {'tok/s':>10} {'MFU':>6} {'peak MiB':>9} {'plan MiB':>9}"
-            + "".join(f" {SHORT[r]:>8}" for r in REGIONS))
+    head = (
+        f"{'model':<12} {'B x S':>9} {'tok/s':>10} {'MFU':>6} {'peak MiB':>9} {'plan MiB':>9}"
+        + "".join(f" {SHORT[r]:>8}" for r in REGIONS)
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        shares = "".join(f" {r['shares'][g]:>8.1%}" if g in r["shares"] else f" {'-':>8}"
-                         for g in REGIONS)
-        lines.append(f"{r['model']:<12} {r['batch']:>9} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
-                     f"{mib(r['peak_mem']):>9} {mib(r['planned_mem']):>9}{shares}")
+        shares = "".join(
+            f" {r['shares'][g]:>8.1%}" if g in r["shares"] else f" {'-':>8}" for g in REGIONS
+        )
+        lines.append(
+            f"{r['model']:<12} {r['batch']:>9} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
+            f"{mib(r['peak_mem']):>9} {mib(r['planned_mem']):>9}{shares}"
+        )
     return "\n".join(lines)
 
 
@@ -240,8 +300,14 @@ def one_rank_group(backend: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
@@ -249,26 +315,52 @@ def one_rank_group(backend: str) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cuda", "cpu"],
-                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--tiny", action="store_true", help="the tiny test shape (CPU smoke run)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=2)
-    p.add_argument("--sync-steps", type=int, default=1,
-                   help="steps whose host syncs are counted, after the profiled ones (CUDA)")
-    p.add_argument("--profile-out", metavar="DIR",
-                   help="write DIR/profile.md and DIR/profile.json (see the docstring)")
-    p.add_argument("--label", default="",
-                   help="the setting's name in the profile (default: the --set overrides)")
-    p.add_argument("--micro-batch", type=int, default=None,
-                   help="sequences per step (default: the preset's micro_batch_size)")
-    p.add_argument("--peak-flops", type=float, default=None,
-                   help="peak dense bf16 FLOP/s of the device (default: from its name)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="change every model's config (repeatable), e.g. train.compile=true")
-    p.add_argument("--models", default=None, metavar="NAMES",
-                   help="comma-separated rows to run (default: all)")
+    p.add_argument(
+        "--sync-steps",
+        type=int,
+        default=1,
+        help="steps whose host syncs are counted, after the profiled ones (CUDA)",
+    )
+    p.add_argument(
+        "--profile-out",
+        metavar="DIR",
+        help="write DIR/profile.md and DIR/profile.json (see the docstring)",
+    )
+    p.add_argument(
+        "--label",
+        default="",
+        help="the setting's name in the profile (default: the --set overrides)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per step (default: the preset's micro_batch_size)",
+    )
+    p.add_argument(
+        "--peak-flops",
+        type=float,
+        default=None,
+        help="peak dense bf16 FLOP/s of the device (default: from its name)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change every model's config (repeatable), e.g. train.compile=true",
+    )
+    p.add_argument(
+        "--models", default=None, metavar="NAMES", help="comma-separated rows to run (default: all)"
+    )
     p.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON")
     p.add_argument("--serve", action="store_true", help="a worker of gpu_speed_matrix.py")
     args = p.parse_args(argv)
@@ -306,8 +398,10 @@ def main(argv=None) -> list[dict]:
         wanted = args.models.split(",")
         unknown = sorted(set(wanted) - {name for name, _ in models})
         if unknown:
-            p.error(f"--models: no row {', '.join(unknown)} here (rows: "
-                    f"{', '.join(name for name, _ in models)})")
+            p.error(
+                f"--models: no row {', '.join(unknown)} here (rows: "
+                f"{', '.join(name for name, _ in models)})"
+            )
         models = [(name, cfg) for name, cfg in models if name in wanted]
     one_rank_group(backend)
     import torch.distributed as dist
@@ -321,14 +415,24 @@ def main(argv=None) -> list[dict]:
             if entry is not None and args.profile_out:
                 write_profiles(args.profile_out, [entry])
             if args.json:  # after every model: a run cut short keeps the rows it finished
-                Path(args.json).write_text(json.dumps(
-                    {"device": where, "steps": args.steps, "overrides": args.overrides,
-                     "rows": [{"device": where, **r} for r in rows]}, indent=2))
+                Path(args.json).write_text(
+                    json.dumps(
+                        {
+                            "device": where,
+                            "steps": args.steps,
+                            "overrides": args.overrides,
+                            "rows": [{"device": where, **r} for r in rows],
+                        },
+                        indent=2,
+                    )
+                )
     finally:
         dist.destroy_process_group()
-    print(f"device: {where}; {args.steps} timed steps after {args.warmup} warm-up; time shares "
-          f"from {args.profile_steps} profiled steps"
-          + (f"; --set {' '.join(args.overrides)}" if args.overrides else ""))
+    print(
+        f"device: {where}; {args.steps} timed steps after {args.warmup} warm-up; time shares "
+        f"from {args.profile_steps} profiled steps"
+        + (f"; --set {' '.join(args.overrides)}" if args.overrides else "")
+    )
     print(table(rows))
     return rows
 

@@ -37,10 +37,17 @@ def mixtral_like(out: Path, tokenizer_from: Path) -> tuple[Path, Path]:
     from launch.import_hf import main as import_main
 
     vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
-    cfg = transformers.MixtralConfig(vocab_size=vocab, hidden_size=256, intermediate_size=256,
-                                     num_hidden_layers=4, num_attention_heads=8,
-                                     num_key_value_heads=4, num_local_experts=8,
-                                     num_experts_per_tok=2, max_position_embeddings=1024)
+    cfg = transformers.MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     hf.save_pretrained(str(out / "source"))
@@ -66,16 +73,20 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.mixtral_like:
-        args.checkpoint, args.hf_export = map(str, mixtral_like(args.mixtral_like,
-                                                                args.tokenizer_from))
+        args.checkpoint, args.hf_export = map(
+            str, mixtral_like(args.mixtral_like, args.tokenizer_from)
+        )
     from lm_eval.models.huggingface import HFLM
 
     task = load_tasks([args.task], num_fewshot=args.num_fewshot)["tasks"][args.task]
     task.build_all_requests(limit=args.docs, rank=0, world_size=1)
     reqs = task.instances
-    models = {"ours": harness_model(args.checkpoint, batch_size=args.batch_size, device="cpu"),
-              "hf": HFLM(pretrained=args.hf_export, device="cpu", batch_size=args.batch_size,
-                         dtype="float32")}
+    models = {
+        "ours": harness_model(args.checkpoint, batch_size=args.batch_size, device="cpu"),
+        "hf": HFLM(
+            pretrained=args.hf_export, device="cpu", batch_size=args.batch_size, dtype="float32"
+        ),
+    }
     times: dict[str, list[float]] = {k: [] for k in models}
     answers = {}
     for _ in range(args.rounds):
@@ -85,16 +96,22 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     diff = max(abs(a[0] - b[0]) for a, b in zip(answers["ours"], answers["hf"]))
     tokens = sum(len(r.args[0]) + len(r.args[1]) for r in reqs)
-    print(f"{len(reqs)} loglikelihood requests ({args.task}, {args.num_fewshot}-shot, "
-          f"{tokens / len(reqs):.0f} characters each), batch {args.batch_size}, "
-          f"{args.threads} thread(s), {args.rounds} interleaved rounds")
+    print(
+        f"{len(reqs)} loglikelihood requests ({args.task}, {args.num_fewshot}-shot, "
+        f"{tokens / len(reqs):.0f} characters each), batch {args.batch_size}, "
+        f"{args.threads} thread(s), {args.rounds} interleaved rounds"
+    )
     for name, ts in times.items():
-        print(f"{name:>5}: median {statistics.median(ts):.2f} s ({len(reqs) / statistics.median(ts):.1f} "
-              f"requests/s), rounds {', '.join(f'{t:.2f}' for t in ts)}")
+        print(
+            f"{name:>5}: median {statistics.median(ts):.2f} s ({len(reqs) / statistics.median(ts):.1f} "
+            f"requests/s), rounds {', '.join(f'{t:.2f}' for t in ts)}"
+        )
     ratios = [h / o for h, o in zip(times["hf"], times["ours"])]
-    print(f"speed-up ours / hf: {statistics.median(times['hf']) / statistics.median(times['ours']):.2f}x "
-          f"(per round {min(ratios):.2f}-{max(ratios):.2f}x); largest log-likelihood difference "
-          f"{diff:.2e}")
+    print(
+        f"speed-up ours / hf: {statistics.median(times['hf']) / statistics.median(times['ours']):.2f}x "
+        f"(per round {min(ratios):.2f}-{max(ratios):.2f}x); largest log-likelihood difference "
+        f"{diff:.2e}"
+    )
 
 
 if __name__ == "__main__":

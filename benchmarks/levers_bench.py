@@ -45,8 +45,11 @@ def head_inputs(tokens: int, d_model: int, vocab: int):
 
 
 def head_call(variant: str, chunk: int, h, w, t) -> None:
-    loss = (full_cross_entropy(h @ w.t(), t) if variant == "full"
-            else LMHeadLoss("chunked", chunk)(h, w, t))
+    loss = (
+        full_cross_entropy(h @ w.t(), t)
+        if variant == "full"
+        else LMHeadLoss("chunked", chunk)(h, w, t)
+    )
     loss.backward()
     h.grad = w.grad = None
 
@@ -70,8 +73,10 @@ def call_peak_kib(variant: str, tokens: int, d_model: int, vocab: int, chunk: in
 
 def peak_kib(variant: str, tokens: int, d_model: int, vocab: int, chunk: int) -> int:
     """:func:`call_peak_kib` in a fresh process (nothing freed earlier is reused)."""
-    code = ("from benchmarks.levers_bench import call_peak_kib\n"
-            f"print(call_peak_kib({variant!r}, {tokens}, {d_model}, {vocab}, {chunk}))")
+    code = (
+        "from benchmarks.levers_bench import call_peak_kib\n"
+        f"print(call_peak_kib({variant!r}, {tokens}, {d_model}, {vocab}, {chunk}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
 
@@ -93,20 +98,32 @@ def interleaved(calls: dict, rounds: int, repeat: int) -> dict[str, list[float]]
     return times
 
 
-def report(title: str, times: dict[str, list[float]], base: str, unit: float = 1e3,
-           extra: dict | None = None) -> dict:
+def report(
+    title: str,
+    times: dict[str, list[float]],
+    base: str,
+    unit: float = 1e3,
+    extra: dict | None = None,
+) -> dict:
     print(f"\n{title}")
     rows = {}
     for name, ts in times.items():
         ratios = [a / b for a, b in zip(ts, times[base])]
-        rows[name] = {"median_ms": statistics.median(ts) * unit, "min_ms": min(ts) * unit,
-                      "max_ms": max(ts) * unit, "ratio": statistics.median(ratios),
-                      "ratio_min": min(ratios), "ratio_max": max(ratios), **(extra or {}).get(
-                          name, {})}
+        rows[name] = {
+            "median_ms": statistics.median(ts) * unit,
+            "min_ms": min(ts) * unit,
+            "max_ms": max(ts) * unit,
+            "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            **(extra or {}).get(name, {}),
+        }
         r = rows[name]
         more = "".join(f", {k} {v}" for k, v in (extra or {}).get(name, {}).items())
-        print(f"  {name:10s} {r['median_ms']:9.1f} ms ({r['min_ms']:.1f}-{r['max_ms']:.1f}); "
-              f"/ {base}: {r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}){more}")
+        print(
+            f"  {name:10s} {r['median_ms']:9.1f} ms ({r['min_ms']:.1f}-{r['max_ms']:.1f}); "
+            f"/ {base}: {r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}){more}"
+        )
     return rows
 
 
@@ -114,10 +131,19 @@ def bench_loss(args) -> dict:
     h, w, t = head_inputs(args.tokens, args.d_model, args.vocab)
     calls = {v: (lambda v=v: head_call(v, args.chunk, h, w, t)) for v in ("full", "chunked")}
     times = interleaved(calls, args.rounds, 1)
-    mem = {v: {"peak_MiB": round(peak_kib(v, args.tokens, args.d_model, args.vocab,
-                                          args.chunk) / 1024)} for v in calls}
-    return report(f"head + loss, T {args.tokens}, D {args.d_model}, V {args.vocab}, chunk "
-                  f"{args.chunk}, fp32, forward + backward", times, "full", extra=mem)
+    mem = {
+        v: {
+            "peak_MiB": round(peak_kib(v, args.tokens, args.d_model, args.vocab, args.chunk) / 1024)
+        }
+        for v in calls
+    }
+    return report(
+        f"head + loss, T {args.tokens}, D {args.d_model}, V {args.vocab}, chunk "
+        f"{args.chunk}, fp32, forward + backward",
+        times,
+        "full",
+        extra=mem,
+    )
 
 
 def bench_step(args) -> dict:
@@ -136,9 +162,13 @@ def bench_step(args) -> dict:
             model(batch[:, :-1], batch[:, 1:]).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         calls[variant] = step
-    return report("training step, configs/default.yaml's model, 8 x 256 tokens, fp32",
-                  interleaved(calls, args.rounds, 2), "full")
+    return report(
+        "training step, configs/default.yaml's model, 8 x 256 tokens, fp32",
+        interleaved(calls, args.rounds, 2),
+        "full",
+    )
 
 
 def default_rank_groups() -> list[int]:
@@ -154,8 +184,7 @@ def default_rank_groups() -> list[int]:
 
 
 def bench_optimizer(args) -> dict:
-    kinds = {"for_loop": {"foreach": False}, "foreach": {"foreach": True},
-             "fused": {"fused": True}}
+    kinds = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     calls = {}
     for name, options in kinds.items():
         params = [torch.nn.Parameter(torch.randn(n)) for n in default_rank_groups()]
@@ -163,9 +192,12 @@ def bench_optimizer(args) -> dict:
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=1e-3, **options)
         calls[name] = opt.step
-    return report(f"AdamW step, one rank's groups of configs/default.yaml "
-                  f"({sum(default_rank_groups()):,} fp32 elements)",
-                  interleaved(calls, args.rounds, 5), "for_loop")
+    return report(
+        f"AdamW step, one rank's groups of configs/default.yaml "
+        f"({sum(default_rank_groups()):,} fp32 elements)",
+        interleaved(calls, args.rounds, 5),
+        "for_loop",
+    )
 
 
 def main() -> None:

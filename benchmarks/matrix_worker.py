@@ -27,14 +27,18 @@ START_TIMEOUT = 240.0
 
 def worker_env(site: Path | None) -> dict:
     env = dict(os.environ)
-    paths = ([str(site)] if site else []) + [str(ROOT)] + [
-        p for p in env.get("PYTHONPATH", "").split(":") if p]
+    paths = (
+        ([str(site)] if site else [])
+        + [str(ROOT)]
+        + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    )
     env.update(PYTHONPATH=":".join(paths), PYTHONUNBUFFERED="1")
     return env
 
 
-def ensure_packages(scratch: str | None, wheels: str | None, log_path: Path,
-                    deadline: float) -> dict:
+def ensure_packages(
+    scratch: str | None, wheels: str | None, log_path: Path, deadline: float
+) -> dict:
     """The worker's environment: SCRATCH/site first on PYTHONPATH, and in it the wheels of the
     folder (benchmarks/gpu_wheels.sh) whose packages this Python lacks, when it cannot import
     what the bench needs (a GPU machine without DeepSpeed). Without ``scratch``, a new
@@ -53,13 +57,24 @@ def ensure_packages(scratch: str | None, wheels: str | None, log_path: Path,
         log.write(f"[matrix] installing into {site}\n")
         chosen = choose_wheels(folder, log)
         log.flush()
-        install_wheels(sys.executable, site, chosen, log, lambda cmd, e: subprocess.run(
-            cmd, env=e, stdout=log, stderr=subprocess.STDOUT, timeout=left()).returncode)
+        install_wheels(
+            sys.executable,
+            site,
+            chosen,
+            log,
+            lambda cmd, e: (
+                subprocess.run(
+                    cmd, env=e, stdout=log, stderr=subprocess.STDOUT, timeout=left()
+                ).returncode
+            ),
+        )
     found, output = import_check(sys.executable, env, ROOT, left(), NEEDED)
     missing = [m for m, (v, _) in (found or {}).items() if v is None] if found else NEEDED
     if missing:
-        raise RuntimeError(f"cannot import {', '.join(missing)} after installing the wheels of "
-                           f"{folder} ({output.strip()[-300:]})")
+        raise RuntimeError(
+            f"cannot import {', '.join(missing)} after installing the wheels of "
+            f"{folder} ({output.strip()[-300:]})"
+        )
     return env
 
 
@@ -71,9 +86,17 @@ class Worker:
         if cmd:
             self.cmd = shlex.split(cmd)
         else:
-            self.cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_train_bench.py"),
-                        "--serve", "--device", args.device, "--steps", str(args.steps),
-                        "--warmup", str(args.warmup)]
+            self.cmd = [
+                sys.executable,
+                str(ROOT / "benchmarks" / "gpu_train_bench.py"),
+                "--serve",
+                "--device",
+                args.device,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+            ]
             self.cmd += ["--tiny"] if args.tiny else []
             self.cmd += ["--peak-flops", str(args.peak_flops)] if args.peak_flops else []
         self.env = dict(env)
@@ -91,9 +114,15 @@ class Worker:
         self.starts += 1
         with open(self.log_path, "ab") as log:
             log.write(f"[matrix] starting the worker: {shlex.join(self.cmd)}\n".encode())
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                cwd=ROOT,
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
         self.buffer, self.closed = b"", False
         until = time.monotonic() + timeout
         while (line := self.read_line(until)) is not None:
@@ -111,7 +140,8 @@ class Worker:
     def run(self, task: dict, timeout: float) -> dict | None:
         until = time.monotonic() + max(timeout, 1)
         if (self.proc is None or self.proc.poll() is not None) and not self.start(
-                min(timeout, START_TIMEOUT)):
+            min(timeout, START_TIMEOUT)
+        ):
             return None
         try:
             self.proc.stdin.write((json.dumps(task) + "\n").encode())
@@ -125,8 +155,10 @@ class Worker:
                 rc = self.exit_status()
                 self.kill()
                 if rc is not None:
-                    return {"status": "error", "reason": f"the worker died (exit status {rc}; "
-                            f"see {self.log_path.name})"}
+                    return {
+                        "status": "error",
+                        "reason": f"the worker died (exit status {rc}; see {self.log_path.name})",
+                    }
                 return None
             try:
                 answer = json.loads(line)

@@ -30,7 +30,10 @@ from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
 from moe.training.cpu_allocator import keep_freed_memory
 
-SHAPES = {"a": dict(num_experts=8, top_k=2, hidden=1024), "b": dict(num_experts=64, top_k=8, hidden=128)}
+SHAPES = {
+    "a": dict(num_experts=8, top_k=2, hidden=1024),
+    "b": dict(num_experts=64, top_k=8, hidden=128),
+}
 
 
 class SwiGLUExpert(nn.Module):
@@ -60,9 +63,18 @@ def init_single_process_group() -> None:
 def deepspeed_moe(d: int, e: int, k: int, h: int, drop: bool):
     from deepspeed.moe.layer import MoE
 
-    layer = MoE(hidden_size=d, expert=SwiGLUExpert(d, h), num_experts=e, ep_size=1, k=k,
-                capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0,
-                drop_tokens=drop, use_rts=False)
+    layer = MoE(
+        hidden_size=d,
+        expert=SwiGLUExpert(d, h),
+        num_experts=e,
+        ep_size=1,
+        k=k,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=0,
+        drop_tokens=drop,
+        use_rts=False,
+    )
     layer.set_deepspeed_parallelism()
     return lambda x: layer(x)[0], layer
 
@@ -89,8 +101,9 @@ def time_once(fn, params, x) -> float:
     return CLOCK() - t0
 
 
-def bench(shape: str, tokens: int, d: int, rounds: int,
-          dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def bench(
+    shape: str, tokens: int, d: int, rounds: int, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
     s = SHAPES[shape]
     torch.manual_seed(0)
     cands = contenders(d, s["num_experts"], s["top_k"], s["hidden"])
@@ -111,8 +124,14 @@ def breakdown(shape: str, tokens: int, d: int, rounds: int) -> dict[str, tuple[f
     previous stage produces: routing, permutation (plan + gather), expert GEMMs, combine."""
     s = SHAPES[shape]
     torch.manual_seed(0)
-    layer = MoELayer(d, MoEConfig(num_experts=s["num_experts"], expert_hidden=s["hidden"],
-                                  router=RouterConfig(top_k=s["top_k"])))
+    layer = MoELayer(
+        d,
+        MoEConfig(
+            num_experts=s["num_experts"],
+            expert_hidden=s["hidden"],
+            router=RouterConfig(top_k=s["top_k"]),
+        ),
+    )
     x_TD = torch.randn(tokens, d, requires_grad=True)
     with torch.no_grad():
         routing = layer.router(x_TD)
@@ -129,9 +148,12 @@ def breakdown(shape: str, tokens: int, d: int, rounds: int) -> dict[str, tuple[f
         return layer.dispatcher.dispatch(x_TD, routing.weights_TK, p)[0]
 
     x_leaf, w_leaf, y_leaf = (t.clone().requires_grad_(True) for t in (x_ND, w_N, y_ND))
-    stages = {"routing": route, "permutation": permute,
-              "expert GEMMs": lambda: layer.experts(x_leaf, counts, w_leaf),
-              "combine": lambda: layer.dispatcher.combine(y_leaf, plan)}
+    stages = {
+        "routing": route,
+        "permutation": permute,
+        "expert GEMMs": lambda: layer.experts(x_leaf, counts, w_leaf),
+        "combine": lambda: layer.dispatcher.combine(y_leaf, plan),
+    }
     times = {name: ([], []) for name in stages}
     for _ in range(rounds + 1):
         for name, fn in stages.items():
@@ -145,20 +167,35 @@ def breakdown(shape: str, tokens: int, d: int, rounds: int) -> dict[str, tuple[f
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", choices=["a", "b", "both"], default="both")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="every contender's weights and input (bf16: a bf16 model's compute)")
-    p.add_argument("--system-malloc", action="store_true",
-                   help="leave glibc malloc as it is (moe-train keeps freed memory by default)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="one thread, timed by process CPU time: steadier on a machine that other "
-                        "jobs load (wall time is what training sees)")
-    p.add_argument("--breakdown", action="store_true",
-                   help="also time each stage of our layer (forward / backward)")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="every contender's weights and input (bf16: a bf16 model's compute)",
+    )
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="leave glibc malloc as it is (moe-train keeps freed memory by default)",
+    )
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, timed by process CPU time: steadier on a machine that other "
+        "jobs load (wall time is what training sees)",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each stage of our layer (forward / backward)",
+    )
     args = p.parse_args()
     if args.cpu_time:
         global CLOCK
@@ -168,14 +205,18 @@ def main() -> None:
         keep_freed_memory()
     init_single_process_group()
     clock = "process CPU time" if args.cpu_time else "wall time"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock}, T={args.tokens}, "
-          f"D={args.d_model}, {args.dtype}, median of {args.rounds} interleaved rounds, "
-          f"{'system malloc' if args.system_malloc else 'malloc keeps freed memory'}")
-    for shape in (["a", "b"] if args.shape == "both" else [args.shape]):
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock}, T={args.tokens}, "
+        f"D={args.d_model}, {args.dtype}, median of {args.rounds} interleaved rounds, "
+        f"{'system malloc' if args.system_malloc else 'malloc keeps freed memory'}"
+    )
+    for shape in ["a", "b"] if args.shape == "both" else [args.shape]:
         s = SHAPES[shape]
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         m = bench(shape, args.tokens, args.d_model, args.rounds, dtype)
-        print(f"\n({shape}) {s['num_experts']} experts, top-{s['top_k']}, expert hidden {s['hidden']}")
+        print(
+            f"\n({shape}) {s['num_experts']} experts, top-{s['top_k']}, expert hidden {s['hidden']}"
+        )
         for name, t in m.items():
             print(f"  {name:<12} {t * 1e3:8.1f} ms")
         print(f"  ours / floor              {m['ours'] / m['floor']:.2f}x")

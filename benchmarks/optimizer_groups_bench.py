@@ -31,8 +31,11 @@ def _deepspeed_groups(model, weight_decay):
     for _, p in model.named_parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
     return split_params_into_different_moe_groups_for_optimizer(
-        [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}])
+        [
+            {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        ]
+    )
 
 
 def _worker(rank, world, variant, steps, out):
@@ -45,8 +48,12 @@ def _worker(rank, world, variant, steps, out):
     cfg.model.vocab_size = 4096
     torch.set_num_threads(1)
     engine, _ = trainer.build_engine(cfg, trainer.DistEnv(rank, world, rank, world))
-    x = torch.randint(0, 4096, (cfg.train.micro_batch_size, cfg.data.seq_len + 1),
-                      generator=torch.Generator().manual_seed(rank))
+    x = torch.randint(
+        0,
+        4096,
+        (cfg.train.micro_batch_size, cfg.data.seq_len + 1),
+        generator=torch.Generator().manual_seed(rank),
+    )
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -55,8 +62,9 @@ def _worker(rank, world, variant, steps, out):
         engine.step()
         times.append(time.perf_counter() - t0)
     if rank == 0:
-        Path(out).write_text(json.dumps({"groups": len(engine.optimizer.optimizer.param_groups),
-                                         "times": times[2:]}))
+        Path(out).write_text(
+            json.dumps({"groups": len(engine.optimizer.optimizer.param_groups), "times": times[2:]})
+        )
 
 
 def main() -> None:
@@ -75,13 +83,19 @@ def main() -> None:
                 t = sorted(r["times"])
                 medians[variant].append(t[len(t) // 2])
                 groups[variant] = r["groups"]
-    print(json.dumps({
-        "optimizer_groups": groups,
-        "median_step_s": {k: [round(v, 4) for v in vs] for k, vs in medians.items()},
-        "ratio_ours_to_deepspeed_per_round": [round(a / b, 3) for a, b in
-                                              zip(medians["ours"], medians["deepspeed"])],
-        "ratio_of_best": round(min(medians["ours"]) / min(medians["deepspeed"]), 3),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "optimizer_groups": groups,
+                "median_step_s": {k: [round(v, 4) for v in vs] for k, vs in medians.items()},
+                "ratio_ours_to_deepspeed_per_round": [
+                    round(a / b, 3) for a, b in zip(medians["ours"], medians["deepspeed"])
+                ],
+                "ratio_of_best": round(min(medians["ours"]) / min(medians["deepspeed"]), 3),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -56,10 +56,13 @@ def _summary(times: dict[str, dict[str, list[float]]], base: str, other: str) ->
     out = {}
     for clock, runs in times.items():
         med = {k: statistics.median(v) for k, v in runs.items()}
-        out[clock] = {**{k: {"median_s": round(med[k], 4),
-                             "spread_s": [round(min(v), 4), round(max(v), 4)]}
-                         for k, v in runs.items()},
-                      "cost": round(med[other] / med[base] - 1, 4)}
+        out[clock] = {
+            **{
+                k: {"median_s": round(med[k], 4), "spread_s": [round(min(v), 4), round(max(v), 4)]}
+                for k, v in runs.items()
+            },
+            "cost": round(med[other] / med[base] - 1, 4),
+        }
     return out
 
 
@@ -81,17 +84,20 @@ def _merge_times(tmp: Path, tok, texts: list[str], args) -> tuple[dict, int, int
     def merge(load) -> None:
         staging = Path(tempfile.mkdtemp(dir=tmp))
         encoded = ((job[-1], counts[job[-1]]) for job in jobs)
-        write_shards(cfg, staging, tok, lambda src, sizes: encoded, load, False,
-                     {source.name: items})
+        write_shards(
+            cfg, staging, tok, lambda src, sizes: encoded, load, False, {source.name: items}
+        )
         shutil.rmtree(staging)
 
     def checked() -> None:
-        with part_reader([job[-1] for job in jobs], {p: (h, "") for p, h in sha.items()},
-                          tok.vocab_size) as load:
+        with part_reader(
+            [job[-1] for job in jobs], {p: (h, "") for p, h in sha.items()}, tok.vocab_size
+        ) as load:
             merge(load)
 
-    times = _timed(args.merge_rounds, {"unchecked": lambda: merge(workers.load_encoded),
-                                       "checked": checked})
+    times = _timed(
+        args.merge_rounds, {"unchecked": lambda: merge(workers.load_encoded), "checked": checked}
+    )
     return times, sum(Path(job[-1]).stat().st_size for job in jobs), len(jobs)
 
 
@@ -103,7 +109,7 @@ def main() -> None:
     p.add_argument("--merge-rounds", type=int, default=7)
     args = p.parse_args()
     source = SourceConfig(name="std", type="stdlib")
-    items = work_items(source)[:args.files]
+    items = work_items(source)[: args.files]
     with tempfile.TemporaryDirectory() as tmp:
         sample = LineSample(20000, 0)
         texts = [text for it in items for _, text in read_item(source, it).docs]
@@ -113,14 +119,28 @@ def main() -> None:
         tok = train_tokenizer(sample.lines, TokenizerConfig(vocab_size=2000), Path(tmp) / "t.model")
         workers.init_worker(str(tok.path))
         jobs = [(source, 0.1, it, None, str(Path(tmp) / f"{i}.bin")) for i, it in enumerate(items)]
-        part = _timed(args.rounds, {"without": lambda: workers.encode_task(jobs),
-                                    "with_sha256": lambda: workers.encode_part_task(jobs)})
+        part = _timed(
+            args.rounds,
+            {
+                "without": lambda: workers.encode_task(jobs),
+                "with_sha256": lambda: workers.encode_part_task(jobs),
+            },
+        )
 
         merged, part_bytes, merge_items = _merge_times(Path(tmp), tok, texts, args)
-    print(json.dumps({"files": len(items), "mchars": round(chars / 1e6, 2),
-                      "merge_items": merge_items, "part_file_mb": round(part_bytes / 1e6, 2),
-                      "part": _summary(part, "without", "with_sha256"),
-                      "merge": _summary(merged, "unchecked", "checked")}, indent=1))
+    print(
+        json.dumps(
+            {
+                "files": len(items),
+                "mchars": round(chars / 1e6, 2),
+                "merge_items": merge_items,
+                "part_file_mb": round(part_bytes / 1e6, 2),
+                "part": _summary(part, "without", "with_sha256"),
+                "merge": _summary(merged, "unchecked", "checked"),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

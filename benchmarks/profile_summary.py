@@ -40,33 +40,62 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REGIONS = ("attention", "expert GEMMs", "dense FFN & shared", "permute & combine", "router",
-           "norms & elementwise", "head & loss", "optimizer", "communication", "other")
+REGIONS = (
+    "attention",
+    "expert GEMMs",
+    "dense FFN & shared",
+    "permute & combine",
+    "router",
+    "norms & elementwise",
+    "head & loss",
+    "optimizer",
+    "communication",
+    "other",
+)
 RANGE_REGIONS = {
-    "attention": "attention", "moe.experts": "expert GEMMs", "ffn": "dense FFN & shared",
-    "moe.dispatch": "permute & combine", "moe.combine": "permute & combine",
-    "moe.router": "router", "norm": "norms & elementwise", "block": "norms & elementwise",
-    "head": "head & loss", "embedding": "other",
-    "optimizer": "optimizer", "bench.backward": "optimizer",  # the bench's: step, grad hooks
+    "attention": "attention",
+    "moe.experts": "expert GEMMs",
+    "ffn": "dense FFN & shared",
+    "moe.dispatch": "permute & combine",
+    "moe.combine": "permute & combine",
+    "moe.router": "router",
+    "norm": "norms & elementwise",
+    "block": "norms & elementwise",
+    "head": "head & loss",
+    "embedding": "other",
+    "optimizer": "optimizer",
+    "bench.backward": "optimizer",  # the bench's: step, grad hooks
 }
 """Range name -> region: every range of moe/model/regions.py (tests check) and the bench's."""
-COMMUNICATION = re.compile(r"nccl|c10d::|gloo|all_?reduce|all_?gather|reduce_?scatter|"
-                           r"all_?to_?all|broadcast", re.I)
+COMMUNICATION = re.compile(
+    r"nccl|c10d::|gloo|all_?reduce|all_?gather|reduce_?scatter|"
+    r"all_?to_?all|broadcast",
+    re.I,
+)
 GEMM = "gemm"
 NAME_RULES = [
     ("expert GEMMs", r"grouped_?mm|GroupProblemShape|grouped_?gemm"),
     ("attention", r"flash|fmha|attention|attn|sdpa|flex"),
     ("head & loss", r"cross_?entropy|nll_?loss|log_?softmax|SoftMax(Forward|Backward)"),
     ("router", r"topk|top_k|bitonic|radixSelect|_softmax"),
-    ("permute & combine", r"sort|radix|scatter|gather|index_put|index_add|index_?select|"
-                          r"IndexKernel|bincount|histc|cumsum|scan"),
+    (
+        "permute & combine",
+        r"sort|radix|scatter|gather|index_put|index_add|index_?select|"
+        r"IndexKernel|bincount|histc|cumsum|scan",
+    ),
     ("optimizer", r"adam|multi_tensor|foreach|lamb"),
     ("other", r"embedding"),
     ("norms & elementwise", r"rsqrt|rms_?norm|layer_?norm"),
-    (GEMM, r"gemm|gemv|xmma|nvjet|cutlass|cublas|sm\d\d_|aten::(mm|addmm|bmm|baddbmm|matmul|"
-           r"linear)$"),
-    ("norms & elementwise", r"elementwise|vectorized|unrolled|reduce_kernel|triton_|copy|fill|"
-                            r"aten::"),
+    (
+        GEMM,
+        r"gemm|gemv|xmma|nvjet|cutlass|cublas|sm\d\d_|aten::(mm|addmm|bmm|baddbmm|matmul|"
+        r"linear)$",
+    ),
+    (
+        "norms & elementwise",
+        r"elementwise|vectorized|unrolled|reduce_kernel|triton_|copy|fill|"
+        r"aten::",
+    ),
 ]
 _RULES = [(region, re.compile(pattern, re.I)) for region, pattern in NAME_RULES]
 HOW = ("range", "backward", "name", "shape", "none")
@@ -79,6 +108,7 @@ TOP_KERNELS = 25
 @dataclass
 class Node:
     """A host range (operator or named range) of the trace."""
+
     name: str
     ts: float
     end: float
@@ -110,6 +140,7 @@ class Kernel:
 @dataclass
 class Dims:
     """The model's matrix widths, for the shape rule (gemm_region)."""
+
     tokens: int
     vocab: int
     d_model: int
@@ -125,10 +156,17 @@ def build_tree(events: list[dict]) -> dict[tuple, list[Node]]:
         if e.get("ph") == "X" and e.get("cat") in RANGE_CATS:
             args = e.get("args") or {}
             seq = args.get("Sequence number")
-            by_thread[(e.get("pid"), e.get("tid"))].append(Node(
-                e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["cat"],
-                seq if isinstance(seq, int) and seq >= 0 else None, args.get("Input Dims"),
-                args.get("External id")))
+            by_thread[(e.get("pid"), e.get("tid"))].append(
+                Node(
+                    e["name"],
+                    float(e["ts"]),
+                    float(e["ts"]) + float(e.get("dur", 0)),
+                    e["cat"],
+                    seq if isinstance(seq, int) and seq >= 0 else None,
+                    args.get("Input Dims"),
+                    args.get("External id"),
+                )
+            )
     for nodes in by_thread.values():
         nodes.sort(key=lambda n: (n.ts, -n.end))
         stack: list[Node] = []
@@ -157,8 +195,9 @@ def gemm_region(dims: list | None, model: Dims | None) -> str | None:
     token count name the layer (forward, input gradient and weight gradient alike)."""
     if not dims or model is None:
         return None
-    sizes = {d for shape in dims if isinstance(shape, list) and len(shape) >= 2
-             for d in shape[-2:]} - {model.tokens}
+    sizes = {
+        d for shape in dims if isinstance(shape, list) and len(shape) >= 2 for d in shape[-2:]
+    } - {model.tokens}
     if not sizes:
         return None
     if model.vocab in sizes:
@@ -179,8 +218,9 @@ def by_name(name: str) -> str | None:
     return None
 
 
-def resolve(kernel: Kernel, launch: Node | None, forward: dict[int, str],
-            model: Dims | None) -> None:
+def resolve(
+    kernel: Kernel, launch: Node | None, forward: dict[int, str], model: Dims | None
+) -> None:
     """Set ``kernel.region`` and ``kernel.how`` (the rules of the module docstring)."""
     stack = list(launch.stack()) if launch is not None else []
     if COMMUNICATION.search(kernel.name) or any(COMMUNICATION.search(n.name) for n in stack):
@@ -244,8 +284,11 @@ def attribute(trace: dict, model: Dims | None = None) -> tuple[list[Kernel], lis
         k = Kernel(e["name"], float(e["ts"]), float(e.get("dur", 0)), e["cat"] != "kernel")
         args = e.get("args") or {}
         where = launches.get(args.get("correlation"))
-        launch = (enclosing(threads[where[0]], starts[where[0]], where[1])
-                  if where and where[0] in threads else by_ext.get(args.get("External id")))
+        launch = (
+            enclosing(threads[where[0]], starts[where[0]], where[1])
+            if where and where[0] in threads
+            else by_ext.get(args.get("External id"))
+        )
         resolve(k, launch, forward, model)
         kernels.append(k)
     if kernels:
@@ -276,8 +319,16 @@ def busy_time(intervals) -> float:
     return total
 
 
-def summarise(trace: dict, steps: int, step_s: float, *, dims: Dims | None = None,
-              window_s: float | None = None, syncs: dict | None = None, **info) -> dict:
+def summarise(
+    trace: dict,
+    steps: int,
+    step_s: float,
+    *,
+    dims: Dims | None = None,
+    window_s: float | None = None,
+    syncs: dict | None = None,
+    **info,
+) -> dict:
     """One compact summary (see the module docstring). ``step_s``: seconds per step timed
     without the profiler; ``window_s``: the profiled steps' wall time, all of them;
     ``syncs``: {"per_step": n, "sites": [[where, per_step], ...]} or None (not counted)."""
@@ -306,9 +357,13 @@ def summarise(trace: dict, steps: int, step_s: float, *, dims: Dims | None = Non
     # overhead, so there the busy share is of the profiled step.
     base_ms = step_ms if on_device or not profiled_ms else profiled_ms
     return {
-        **info, "device_kind": "gpu" if on_device else "cpu", "steps": steps,
-        "step_ms": step_ms, "profiled_step_ms": profiled_ms,
-        "busy_ms": busy_ms, "idle_ms": round(max(base_ms - busy_ms, 0.0), 4),
+        **info,
+        "device_kind": "gpu" if on_device else "cpu",
+        "steps": steps,
+        "step_ms": step_ms,
+        "profiled_step_ms": profiled_ms,
+        "busy_ms": busy_ms,
+        "idle_ms": round(max(base_ms - busy_ms, 0.0), 4),
         "busy_share": round(min(busy_ms / base_ms, 1.0), 4) if base_ms else None,
         "kernels_per_step": round(sum(not k.copy for k in kernels) / n, 2),
         "copies_per_step": round(sum(k.copy for k in kernels) / n, 2),
@@ -316,16 +371,34 @@ def summarise(trace: dict, steps: int, step_s: float, *, dims: Dims | None = Non
         "syncs_per_step": None if syncs is None else syncs["per_step"],
         "sync_sites": [] if syncs is None else syncs["sites"][:5],
         "attributed_by": {h: round(how[h] / total_us, 4) for h in HOW if how[h]},
-        "regions": [[r, ms(per_region[r][0]), round(per_region[r][0] / total_us, 4),
-                     round(per_region[r][1] / n, 2)] for r in REGIONS if r in per_region],
-        "top_kernels": [[region, name, round(calls / n, 2), ms(us), round(us / total_us, 4),
-                         hows.most_common(1)[0][0]]
-                        for (region, name), (us, calls, hows) in top],
+        "regions": [
+            [
+                r,
+                ms(per_region[r][0]),
+                round(per_region[r][0] / total_us, 4),
+                round(per_region[r][1] / n, 2),
+            ]
+            for r in REGIONS
+            if r in per_region
+        ],
+        "top_kernels": [
+            [
+                region,
+                name,
+                round(calls / n, 2),
+                ms(us),
+                round(us / total_us, 4),
+                hows.most_common(1)[0][0],
+            ]
+            for (region, name), (us, calls, hows) in top
+        ],
     }
 
 
-NOISE = re.compile(r"^void\s+|\b(at::native|at::cuda::detail|at::cuda|c10|std)::|"
-                   r"\(anonymous namespace\)::")
+NOISE = re.compile(
+    r"^void\s+|\b(at::native|at::cuda::detail|at::cuda|c10|std)::|"
+    r"\(anonymous namespace\)::"
+)
 
 
 def short_name(name: str, width: int = 100) -> str:
@@ -343,7 +416,7 @@ def short_name(name: str, width: int = 100) -> str:
         depth -= 1
         name = _keep_levels(name, depth)
     name = name.replace("|", "/")
-    return name if len(name) <= width else name[:width - 1] + "…"
+    return name if len(name) <= width else name[: width - 1] + "…"
 
 
 def _levels(name: str):
@@ -370,10 +443,14 @@ def _keep_levels(name: str, depth: int) -> str:
 
 def render(entries: list[dict]) -> str:
     """The markdown of a list of summaries (one section each)."""
-    lines = ["# Step profiles", "",
-             "Device-busy time is the union of every kernel, copy and fill on any stream; idle is "
-             "the timed step (no profiler) less that. Regions and attribution: "
-             "benchmarks/profile_summary.py.", ""]
+    lines = [
+        "# Step profiles",
+        "",
+        "Device-busy time is the union of every kernel, copy and fill on any stream; idle is "
+        "the timed step (no profiler) less that. Regions and attribution: "
+        "benchmarks/profile_summary.py.",
+        "",
+    ]
     for e in entries:
         lines += render_entry(e) + [""]
     return "\n".join(lines)
@@ -381,33 +458,55 @@ def render(entries: list[dict]) -> str:
 
 def render_entry(e: dict) -> list[str]:
     unit = "kernels" if e["device_kind"] == "gpu" else "operators (self time)"
-    syncs = ("not counted" if e.get("syncs_per_step") is None else
-             f"{e['syncs_per_step']:g} per step"
-             + (" (" + "; ".join(f"{w} x{c:g}" for w, c in e["sync_sites"]) + ")"
-                if e.get("sync_sites") else ""))
+    syncs = (
+        "not counted"
+        if e.get("syncs_per_step") is None
+        else f"{e['syncs_per_step']:g} per step"
+        + (
+            " (" + "; ".join(f"{w} x{c:g}" for w, c in e["sync_sites"]) + ")"
+            if e.get("sync_sites")
+            else ""
+        )
+    )
     how = ", ".join(f"{h} {s:.0%}" for h, s in e["attributed_by"].items())
-    head = [f"## {e.get('model', '?')} | {e.get('setting', '?')} | {e.get('device', '?')}", "",
-            f"- step {e['step_ms']:.2f} ms timed"
-            + (f" ({e['profiled_step_ms']:.2f} ms under the profiler)"
-               if e.get("profiled_step_ms") else "")
-            + (f"; {e['tokens_per_s']:,.0f} tokens/s" if e.get("tokens_per_s") else "")
-            + (f", MFU {e['mfu']:.1%}" if e.get("mfu") else ""),
-            (f"- device busy {e['busy_ms']:.2f} ms ({e['busy_share']:.0%}), idle "
-             if e["device_kind"] == "gpu" else
-             f"- of the profiled step, in operators {e['busy_ms']:.2f} ms "
-             f"({e['busy_share']:.0%}), outside them ")
-            + f"{e['idle_ms']:.2f} ms; {e['kernels_per_step']:g} {unit} and "
-            f"{e['copies_per_step']:g} copies per step ({e['kernel_ms_per_step']:.2f} ms of "
-            f"{unit})",
-            f"- host syncs: {syncs}",
-            f"- attributed by {how}", "",
-            "| region | ms/step | share | calls/step |", "| --- | ---: | ---: | ---: |"]
+    head = [
+        f"## {e.get('model', '?')} | {e.get('setting', '?')} | {e.get('device', '?')}",
+        "",
+        f"- step {e['step_ms']:.2f} ms timed"
+        + (
+            f" ({e['profiled_step_ms']:.2f} ms under the profiler)"
+            if e.get("profiled_step_ms")
+            else ""
+        )
+        + (f"; {e['tokens_per_s']:,.0f} tokens/s" if e.get("tokens_per_s") else "")
+        + (f", MFU {e['mfu']:.1%}" if e.get("mfu") else ""),
+        (
+            f"- device busy {e['busy_ms']:.2f} ms ({e['busy_share']:.0%}), idle "
+            if e["device_kind"] == "gpu"
+            else f"- of the profiled step, in operators {e['busy_ms']:.2f} ms "
+            f"({e['busy_share']:.0%}), outside them "
+        )
+        + f"{e['idle_ms']:.2f} ms; {e['kernels_per_step']:g} {unit} and "
+        f"{e['copies_per_step']:g} copies per step ({e['kernel_ms_per_step']:.2f} ms of "
+        f"{unit})",
+        f"- host syncs: {syncs}",
+        f"- attributed by {how}",
+        "",
+        "| region | ms/step | share | calls/step |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     head += [f"| {r} | {t:.3f} | {s:.1%} | {c:g} |" for r, t, s, c in e["regions"]]
-    head += ["", f"Top {len(e['top_kernels'])} {unit} by time, by region:", "",
-             "| region | name | calls/step | ms/step | share | by |",
-             "| --- | --- | ---: | ---: | ---: | --- |"]
-    head += [f"| {r} | `{short_name(n)}` | {c:g} | {t:.3f} | {s:.1%} | {h} |"
-             for r, n, c, t, s, h in e["top_kernels"]]
+    head += [
+        "",
+        f"Top {len(e['top_kernels'])} {unit} by time, by region:",
+        "",
+        "| region | name | calls/step | ms/step | share | by |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    head += [
+        f"| {r} | `{short_name(n)}` | {c:g} | {t:.3f} | {s:.1%} | {h} |"
+        for r, n, c, t, s, h in e["top_kernels"]
+    ]
     return head
 
 
@@ -417,13 +516,17 @@ def dumps(entries: list[dict]) -> str:
     blocks = []
     for e in entries:
         scalars = {k: v for k, v in e.items() if k not in ("regions", "top_kernels")}
-        lines = [json.dumps(scalars, ensure_ascii=False)[:-1] + ",",
-                 f' "regions": {json.dumps(e["regions"])},', ' "top_kernels": [']
+        lines = [
+            json.dumps(scalars, ensure_ascii=False)[:-1] + ",",
+            f' "regions": {json.dumps(e["regions"])},',
+            ' "top_kernels": [',
+        ]
         lines += ["  " + json.dumps(k, ensure_ascii=False) + "," for k in e["top_kernels"]]
         lines[-1] = lines[-1].rstrip(",")
         blocks.append("\n".join(lines) + "]}")
-    return (f'{{"regions": {json.dumps(list(REGIONS))},\n"entries": [\n'
-            + ",\n".join(blocks) + "\n]}\n")
+    return (
+        f'{{"regions": {json.dumps(list(REGIONS))},\n"entries": [\n' + ",\n".join(blocks) + "\n]}\n"
+    )
 
 
 def write_profiles(out_dir: str | Path, entries: list[dict]) -> None:

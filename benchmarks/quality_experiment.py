@@ -33,9 +33,16 @@ from moe.training.trainer import lr_lambda
 
 def base_model(vocab: int, seq_len: int) -> ModelConfig:
     """8 SwiGLU experts of width 128, top-2: active FFN width 256 per layer."""
-    return ModelConfig(vocab_size=vocab, d_model=128, n_layers=4, n_heads=4, max_seq_len=seq_len,
-                       moe=MoEConfig(num_experts=8, expert_hidden=128,
-                                     router=RouterConfig(top_k=2, aux_loss_coef=0.01)))
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        max_seq_len=seq_len,
+        moe=MoEConfig(
+            num_experts=8, expert_hidden=128, router=RouterConfig(top_k=2, aux_loss_coef=0.01)
+        ),
+    )
 
 
 def runs(vocab: int, seq_len: int) -> dict[str, ModelConfig]:
@@ -52,9 +59,14 @@ def train_one(cfg: ModelConfig, args, train_cfg) -> dict:
     model = MoETransformer(cfg)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train_cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2))
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": train_cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=train_cfg.lr,
+        betas=(train_cfg.beta1, train_cfg.beta2),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(_RunView(train_cfg)))
     reader = PackedReader(args.data_dir, args.seq_len, args.data_seed, 0, 1, args.batch_size)
     curve, train_losses, t0 = [], [], time.time()
@@ -63,9 +75,12 @@ def train_one(cfg: ModelConfig, args, train_cfg) -> dict:
         model.eval()
         r = evaluate_perplexity(model, args.data_dir, args.seq_len, 16, args.valid_tokens)
         model.train()
-        curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len,
-                      "valid_loss": r["loss"]})
-        print(f"  step {step:4d}  valid loss {r['loss']:.4f}  ({time.time() - t0:.0f}s)", flush=True)
+        curve.append(
+            {"step": step, "tokens": step * args.batch_size * args.seq_len, "valid_loss": r["loss"]}
+        )
+        print(
+            f"  step {step:4d}  valid loss {r['loss']:.4f}  ({time.time() - t0:.0f}s)", flush=True
+        )
 
     validate(0)
     for step in range(1, args.steps + 1):
@@ -80,9 +95,13 @@ def train_one(cfg: ModelConfig, args, train_cfg) -> dict:
         if step % args.eval_every == 0 or step == args.steps:
             validate(step)
     counts = count_parameters(cfg)
-    return {"total_params": counts.total_params, "active_params": counts.active_params,
-            "curve": curve, "final_train_loss_last20": sum(train_losses[-20:]) / 20,
-            "seconds": round(time.time() - t0, 1)}
+    return {
+        "total_params": counts.total_params,
+        "active_params": counts.active_params,
+        "curve": curve,
+        "final_train_loss_last20": sum(train_losses[-20:]) / 20,
+        "seconds": round(time.time() - t0, 1),
+    }
 
 
 class _RunView:
@@ -93,7 +112,9 @@ class _RunView:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data-dir", default="data/stdlib")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8)
@@ -108,14 +129,17 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     vocab = int(read_manifest(args.data_dir).tokenizer["vocab_size"])
-    train_cfg = TrainConfig(max_steps=args.steps, lr=3e-3, min_lr=3e-4,
-                            warmup_steps=max(1, args.steps // 15))
+    train_cfg = TrainConfig(
+        max_steps=args.steps, lr=3e-3, min_lr=3e-4, warmup_steps=max(1, args.steps // 15)
+    )
     results = {"args": vars(args), "uniform_loss": math.log(vocab), "runs": {}}
     for name, cfg in runs(vocab, args.seq_len).items():
         if args.only and name not in args.only:
             continue
-        print(f"{name}: training {args.steps} steps of {args.batch_size} x {args.seq_len} tokens",
-              flush=True)
+        print(
+            f"{name}: training {args.steps} steps of {args.batch_size} x {args.seq_len} tokens",
+            flush=True,
+        )
         results["runs"][name] = train_one(cfg, args, train_cfg)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
@@ -126,8 +150,10 @@ def main(argv=None) -> None:
         vals = [f"{r['curve'][i]['valid_loss']:.3f}" for r in results["runs"].values()]
         print(f"| {step} | {step * args.batch_size * args.seq_len:,} | " + " | ".join(vals) + " |")
     for name, r in results["runs"].items():
-        print(f"{name}: {r['active_params']:,} active / {r['total_params']:,} total parameters, "
-              f"{r['seconds']}s")
+        print(
+            f"{name}: {r['active_params']:,} active / {r['total_params']:,} total parameters, "
+            f"{r['seconds']}s"
+        )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,12 @@ from moe.model.recompute import apply_recompute, saved_activation_bytes
 from moe.model.transformer import MoETransformer
 from moe.training.cpu_allocator import keep_freed_memory
 
-MODES = {"none": ("none", 1), "selective": ("selective", 1), "full": ("full", 1),
-         "full, every 2nd block": ("full", 2)}
+MODES = {
+    "none": ("none", 1),
+    "selective": ("selective", 1),
+    "full": ("full", 1),
+    "full, every 2nd block": ("full", 2),
+}
 
 
 def build(layers: int, vocab: int, seq: int) -> MoETransformer:
@@ -80,16 +84,22 @@ def main() -> None:
             step(model, batch_BS)
             times[name].append(time.perf_counter() - t0)
 
-    print(f"moe-125m shrunk: {args.layers} layers, vocab {args.vocab}, {args.batch} x {args.seq} "
-          f"tokens, fp32, {torch.get_num_threads()} threads, {args.rounds} rounds")
-    print("| mode | step time (median) | time / none (median, min-max) | saved activations | "
-          "saved / none |")
+    print(
+        f"moe-125m shrunk: {args.layers} layers, vocab {args.vocab}, {args.batch} x {args.seq} "
+        f"tokens, fp32, {torch.get_num_threads()} threads, {args.rounds} rounds"
+    )
+    print(
+        "| mode | step time (median) | time / none (median, min-max) | saved activations | "
+        "saved / none |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for name in MODES:
         ratios = [t / n for t, n in zip(times[name], times["none"])]
-        print(f"| {name} | {statistics.median(times[name]) * 1e3:.0f} ms | "
-              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
-              f"{saved[name] / 2**20:.1f} MiB | {saved[name] / saved['none']:.2f}x |")
+        print(
+            f"| {name} | {statistics.median(times[name]) * 1e3:.0f} ms | "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
+            f"{saved[name] / 2**20:.1f} MiB | {saved[name] / saved['none']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -45,21 +45,26 @@ def datasets() -> dict[str, tuple]:
     n6 = np.array([1.6e4, 2.3e4, 3.3e4] * 2)
     loss6 = np.array([4.9, 5.05, 5.3, 4.5, 4.6, 4.8]) * (1 + 0.01 * rng.standard_normal(6))
     budgets = np.repeat([1e18, 3e18, 1e19], 5)
-    n15 = np.concatenate([TRUE.optimum(b, 6.0)[0] * np.array([0.25, 0.5, 1, 2, 4])
-                          for b in (1e18, 3e18, 1e19)])
+    n15 = np.concatenate(
+        [TRUE.optimum(b, 6.0)[0] * np.array([0.25, 0.5, 1, 2, 4]) for b in (1e18, 3e18, 1e19)]
+    )
     d15 = budgets / (6.0 * n15)
-    n40, d40 = (a.ravel() for a in np.meshgrid(np.geomspace(1e7, 1e10, 8),
-                                               np.geomspace(1e9, 1e12, 5)))
-    return {"issue6": (n6, np.repeat([3e10, 1e11], 3) / (8 * n6), loss6),
-            "ladder15": (n15, d15, TRUE.loss(n15, d15) * (1 + 0.003 * rng.standard_normal(15))),
-            "grid40": (n40, d40, TRUE.loss(n40, d40) * (1 + 0.01 * rng.standard_normal(40)))}
+    n40, d40 = (
+        a.ravel() for a in np.meshgrid(np.geomspace(1e7, 1e10, 8), np.geomspace(1e9, 1e12, 5))
+    )
+    return {
+        "issue6": (n6, np.repeat([3e10, 1e11], 3) / (8 * n6), loss6),
+        "ladder15": (n15, d15, TRUE.loss(n15, d15) * (1 + 0.003 * rng.standard_normal(15))),
+        "grid40": (n40, d40, TRUE.loss(n40, d40) * (1 + 0.01 * rng.standard_normal(40))),
+    }
 
 
 def baseline_module(rev: str):
     """The fits of revision ``rev``, imported from its source as module ``baseline_fits``."""
     for path in ("moe/tools/scaling_fit.py", "moe/tools/scaling.py"):
-        out = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True
+        )
         if out.returncode == 0 and "def fit_parametric" in out.stdout:
             break
     else:
@@ -78,8 +83,9 @@ def params(law) -> np.ndarray:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--baseline", default="main", help="git revision of the baseline")
     p.add_argument("--bootstrap", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
@@ -90,10 +96,14 @@ def main() -> None:
     from threadpoolctl import threadpool_limits
 
     limit = (lambda: threadpool_limits(limits=1)) if args.baseline_one_thread else nullcontext
-    print(f"baseline {args.baseline}{' (BLAS on one thread)' if args.baseline_one_thread else ''}"
-          f", {args.bootstrap} bootstrap resamples, {args.repeats} interleaved rounds")
-    print("| data | runs | baseline s, median (min-max) | this tree s, median (min-max) | "
-          "speed-up | max abs diff of the constants | objective this / baseline |")
+    print(
+        f"baseline {args.baseline}{' (BLAS on one thread)' if args.baseline_one_thread else ''}"
+        f", {args.bootstrap} bootstrap resamples, {args.repeats} interleaved rounds"
+    )
+    print(
+        "| data | runs | baseline s, median (min-max) | this tree s, median (min-max) | "
+        "speed-up | max abs diff of the constants | objective this / baseline |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     notes = []
     for name in args.data.split(","):
@@ -111,14 +121,18 @@ def main() -> None:
         logs = np.log(n), np.log(d), np.log(loss)
         obj = [scaling_fit._objective(params(f.law), *logs)[0] for f in (old, new)]
         diff = np.abs(params(old.law) - params(new.law)).max()
-        print(f"| {name} | {len(n)} | {med['baseline']:.2f} ({min(times['baseline']):.2f}-"
-              f"{max(times['baseline']):.2f}) | {med['new']:.2f} ({min(times['new']):.2f}-"
-              f"{max(times['new']):.2f}) | {med['baseline'] / med['new']:.1f}x | {diff:.2e} | "
-              f"{obj[1] / obj[0]:.9f} |")
+        print(
+            f"| {name} | {len(n)} | {med['baseline']:.2f} ({min(times['baseline']):.2f}-"
+            f"{max(times['baseline']):.2f}) | {med['new']:.2f} ({min(times['new']):.2f}-"
+            f"{max(times['new']):.2f}) | {med['baseline'] / med['new']:.1f}x | {diff:.2e} | "
+            f"{obj[1] / obj[0]:.9f} |"
+        )
         for const in ("alpha", "beta", "E"):
             lo = [f.interval(lambda b, c=const: getattr(b, c)) for f in (old, new)]
-            notes.append(f"{name} {const} 95%: baseline {lo[0][0]:.4f}-{lo[0][1]:.4f}, "
-                         f"this tree {lo[1][0]:.4f}-{lo[1][1]:.4f}")
+            notes.append(
+                f"{name} {const} 95%: baseline {lo[0][0]:.4f}-{lo[0][1]:.4f}, "
+                f"this tree {lo[1][0]:.4f}-{lo[1][1]:.4f}"
+            )
     print("\n" + "\n".join(notes))
 
 

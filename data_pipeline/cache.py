@@ -100,8 +100,9 @@ def _try_exclusive(path: Path) -> int | None:
 class ObjectCache:
     """Objects of one store in ``root``, at most ``max_bytes`` of them (see the module doc)."""
 
-    def __init__(self, root: str | Path, max_bytes: int, s3: S3Config,
-                 room_wait_s: float = ROOM_WAIT_S):
+    def __init__(
+        self, root: str | Path, max_bytes: int, s3: S3Config, room_wait_s: float = ROOM_WAIT_S
+    ):
         self.root, self.max_bytes, self.s3 = Path(root), int(max_bytes), s3
         self.room_wait_s = room_wait_s
         self.fetches = 0
@@ -109,8 +110,10 @@ class ObjectCache:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise DataError(f"{self.root}: cannot create the shard cache ({e}); set "
-                            "data.cache_dir to a writable local directory") from None
+            raise DataError(
+                f"{self.root}: cannot create the shard cache ({e}); set "
+                "data.cache_dir to a writable local directory"
+            ) from None
 
     # --- start-up ---
 
@@ -188,8 +191,10 @@ class ObjectCache:
                 return path
             size = storage.size(url, self.s3) if nbytes is None else int(nbytes)
             if size > self.max_bytes:
-                raise DataError(f"{url}: {size:,} bytes do not fit in the shard cache "
-                                f"(data.cache_bytes = {self.max_bytes:,}); raise data.cache_bytes")
+                raise DataError(
+                    f"{url}: {size:,} bytes do not fit in the shard cache "
+                    f"(data.cache_bytes = {self.max_bytes:,}); raise data.cache_bytes"
+                )
             tmp = self.root / f"{sha256}.{os.getpid()}.{next(_counter)}.tmp"
             self._reserve(tmp, size, url, wait)
             try:
@@ -220,7 +225,8 @@ class ObjectCache:
                 raise DataError(
                     f"{url}: no room in the shard cache {self.root} ({self.max_bytes:,} bytes, "
                     f"data.cache_bytes) after {self.room_wait_s:.0f}s: the shards open on this "
-                    "node fill it; raise data.cache_bytes (it must hold a few shards per rank)")
+                    "node fill it; raise data.cache_bytes (it must hold a few shards per rank)"
+                )
             time.sleep(0.05)
 
     def used_bytes(self) -> int:
@@ -277,9 +283,11 @@ class ObjectCache:
             out.flush()
             os.fsync(out.fileno())
         if got != size:
-            raise DataError(f"{url}: corrupt object: its size differs from the manifest's "
-                            f"({got:,} bytes read, {size:,} expected); prepare and upload the "
-                            "data again")
+            raise DataError(
+                f"{url}: corrupt object: its size differs from the manifest's "
+                f"({got:,} bytes read, {size:,} expected); prepare and upload the "
+                "data again"
+            )
         if h.hexdigest() != sha256:
             raise corrupt(url, "object", h.hexdigest(), sha256)
 
@@ -311,8 +319,9 @@ class ReadAhead:
             self._wanted = list(items)
             if (self._thread is None or not self._thread.is_alive()) and items:
                 self._stopped = False
-                self._thread = threading.Thread(target=self._run, name="shard-read-ahead",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="shard-read-ahead", daemon=True
+                )
                 self._thread.start()
             self._cond.notify()
 

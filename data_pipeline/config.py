@@ -68,7 +68,8 @@ class TemplateConfig:
     """Train the closing EOS when the last message's role is trained: the model learns to stop
     after its answer. False: EOS only separates documents."""
     train_roles: list[Literal["system", "user", "assistant"]] = field(
-        default_factory=lambda: ["assistant"])
+        default_factory=lambda: ["assistant"]
+    )
     """Roles whose message text and suffix the loss counts (``{prompt, response}`` records are
     a user message and an assistant message). Every other token is a prompt token: its target
     is ignored."""
@@ -80,8 +81,9 @@ class TemplateConfig:
         """Problems (not ``problems()``: the source reports them, for instruction sources only)."""
         out = []
         if not self.train_roles:
-            out.append("train_roles: name at least one role whose text is trained, e.g. "
-                       "[assistant]")
+            out.append(
+                "train_roles: name at least one role whose text is trained, e.g. [assistant]"
+            )
         if len(set(self.train_roles)) != len(self.train_roles):
             out.append(f"train_roles: roles must be distinct, got {self.train_roles}")
         return out
@@ -91,8 +93,9 @@ class TemplateConfig:
 class SourceConfig:
     name: str = "stdlib"
     """A name for this source (used in the manifest, for mixture weights and in the counters)."""
-    type: Literal["stdlib", "python", "text", "jsonl", "instruction", "parquet", "arrow",
-                  "hf_disk"] = "stdlib"
+    type: Literal[
+        "stdlib", "python", "text", "jsonl", "instruction", "parquet", "arrow", "hf_disk"
+    ] = "stdlib"
     """``stdlib``: docstrings and comments of the installed Python standard library.
     ``python``: docstrings and comments of the ``.py`` files in ``paths`` (a directory is
     searched for them), one document per file; a file that does not parse gives nothing.
@@ -132,16 +135,21 @@ class SourceConfig:
         out += [f"filter.{p}" for p in self.filter.problems()]
         if self.filter.column is not None:
             if self.type not in COLUMN_TYPES:
-                out.append(f"filter: a {self.type!r} source has no columns to filter on; "
-                           f"filters apply to {', '.join(COLUMN_TYPES)} sources")
+                out.append(
+                    f"filter: a {self.type!r} source has no columns to filter on; "
+                    f"filters apply to {', '.join(COLUMN_TYPES)} sources"
+                )
         if self.type == "instruction":
             out += [f"template.{p}" for p in self.template.check()]
         elif self.template != TemplateConfig():
-            out.append(f"template: only 'instruction' sources have a template (this one is "
-                       f"{self.type!r})")
+            out.append(
+                f"template: only 'instruction' sources have a template (this one is {self.type!r})"
+            )
         if self.type == "hf_disk" and any(p.startswith("s3://") for p in self.paths):
-            out.append("paths: an 'hf_disk' source is read from local disk only; point a "
-                       "'parquet' or 'arrow' source at the dataset's files in the bucket")
+            out.append(
+                "paths: an 'hf_disk' source is read from local disk only; point a "
+                "'parquet' or 'arrow' source at the dataset's files in the bucket"
+            )
         if self.weight is not None and not self.weight > 0:
             out.append(f"weight: must be > 0 (or null), got {self.weight}")
         return out
@@ -173,13 +181,19 @@ class TokenizerConfig:
     def problems(self) -> list[str]:
         out = []
         if self.vocab_size < 300:
-            out.append(f"vocab_size: must be >= 300 (byte fallback needs 256 pieces), "
-                       f"got {self.vocab_size}")
+            out.append(
+                f"vocab_size: must be >= 300 (byte fallback needs 256 pieces), "
+                f"got {self.vocab_size}"
+            )
         if self.vocab_size > 2**32:
-            out.append(f"vocab_size: must be <= 2**32 (tokens are stored as uint32 at most), "
-                       f"got {self.vocab_size}")
+            out.append(
+                f"vocab_size: must be <= 2**32 (tokens are stored as uint32 at most), "
+                f"got {self.vocab_size}"
+            )
         if len(set(self.special_tokens)) != len(self.special_tokens) or "" in self.special_tokens:
-            out.append(f"special_tokens: must be distinct non-empty strings, got {self.special_tokens}")
+            out.append(
+                f"special_tokens: must be distinct non-empty strings, got {self.special_tokens}"
+            )
         return out
 
 
@@ -199,8 +213,10 @@ class S3Config:
     def problems(self) -> list[str]:
         url = self.endpoint_url
         if url is not None and not (url.startswith(("http://", "https://")) and len(url) > 8):
-            return [f"endpoint_url: must be an http:// or https:// URL such as "
-                    f"http://127.0.0.1:9000, got {url!r}"]
+            return [
+                f"endpoint_url: must be an http:// or https:// URL such as "
+                f"http://127.0.0.1:9000, got {url!r}"
+            ]
         return []
 
 

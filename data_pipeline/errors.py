@@ -10,5 +10,7 @@ class DataError(Exception):
 
 def corrupt(where: object, what: str, found: str, expected: str) -> DataError:
     """A file or object whose SHA-256 is not the manifest's: both digests, and the way out."""
-    return DataError(f"{where}: corrupt {what}: its SHA-256 is {found}, the manifest's is "
-                     f"{expected}; copy or prepare the data again")
+    return DataError(
+        f"{where}: corrupt {what}: its SHA-256 is {found}, the manifest's is "
+        f"{expected}; copy or prepare the data again"
+    )

@@ -81,8 +81,9 @@ def _publish_remote(cfg: DataConfig, gen: str, fill: Fill) -> PrepareReport:
                 storage.upload(path, str(storage.join(cfg.dir, f"{gen}/{path.name}")), cfg.s3)
                 done += 1
         except BaseException:  # before the switch: what was uploaded is no one's
-            _remove(cfg, [f"{gen}/{p.name}" for p in files[:done + 1]], lambda d: d == gen,
-                    quiet=True)
+            _remove(
+                cfg, [f"{gen}/{p.name}" for p in files[: done + 1]], lambda d: d == gen, quiet=True
+            )
             raise
         write_manifest(Path(tmp), report.manifest)
         storage.upload(Path(tmp) / MANIFEST, str(storage.join(cfg.dir, MANIFEST)), cfg.s3)
@@ -124,8 +125,9 @@ def _live_manifest(cfg: DataConfig) -> Manifest | None:
 def _referenced(manifest: Manifest | None) -> set[str]:
     if manifest is None:
         return set()
-    return {manifest.tokenizer["file"]} | {s.file for split in manifest.splits.values()
-                                            for s in split.shards}
+    return {manifest.tokenizer["file"]} | {
+        s.file for split in manifest.splits.values() for s in split.shards
+    }
 
 
 def _generation(name: str) -> int | None:
@@ -142,9 +144,10 @@ def _next_generation(live: Manifest | None, stored: list[str]) -> str:
 
 def _in_generation(manifest: Manifest, gen: str) -> Manifest:
     """The manifest with its files named inside the generation directory ``gen``."""
-    splits = {name: SplitInfo([dataclasses.replace(s, file=f"{gen}/{s.file}")
-                               for s in split.shards])
-              for name, split in manifest.splits.items()}
+    splits = {
+        name: SplitInfo([dataclasses.replace(s, file=f"{gen}/{s.file}") for s in split.shards])
+        for name, split in manifest.splits.items()
+    }
     tokenizer = {**manifest.tokenizer, "file": f"{gen}/{manifest.tokenizer['file']}"}
     return dataclasses.replace(manifest, tokenizer=tokenizer, splits=splits)
 
@@ -153,8 +156,10 @@ def _stored_names(cfg: DataConfig) -> list[str]:
     """Every file under data.dir, relative to it ('/'-separated)."""
     if storage.is_s3(cfg.dir):
         base = cfg.dir.rstrip("/")
-        return [info.path[len(base) - len(storage.S3_SCHEME) + 1:]
-                for info in storage.list_s3(base, cfg.s3, missing_ok=True)]
+        return [
+            info.path[len(base) - len(storage.S3_SCHEME) + 1 :]
+            for info in storage.list_s3(base, cfg.s3, missing_ok=True)
+        ]
     data_dir = Path(cfg.dir)
     return [p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*") if p.is_file()]
 
@@ -165,13 +170,19 @@ def _stale(stored: list[str], live: Manifest | None, gen: str) -> list[str]:
     generations whose removal a kill cut short."""
     old = _referenced(live)
     keep = int(gen.split("-")[1])
-    return [name for name in stored
-            if name in old or _generation(name) not in (None, keep)
-            or name.startswith(f".{MANIFEST}.tmp") or _LEGACY.fullmatch(name)]
+    return [
+        name
+        for name in stored
+        if name in old
+        or _generation(name) not in (None, keep)
+        or name.startswith(f".{MANIFEST}.tmp")
+        or _LEGACY.fullmatch(name)
+    ]
 
 
-def _remove(cfg: DataConfig, names: list[str], retired: Callable[[str], bool],
-            quiet: bool = False) -> None:
+def _remove(
+    cfg: DataConfig, names: list[str], retired: Callable[[str], bool], quiet: bool = False
+) -> None:
     """Remove files of data.dir, then the directories of the generations ``retired`` picks:
     on S3 the empty ``gen-N/`` objects pyarrow leaves where it deleted a prefix's last object,
     and any that earlier preparations left (``quiet``: as far as the store lets us, after
@@ -189,5 +200,3 @@ def _remove(cfg: DataConfig, names: list[str], retired: Callable[[str], bool],
     except DataError:
         if not quiet:
             raise
-
-

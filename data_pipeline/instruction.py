@@ -28,32 +28,46 @@ def messages_of(record: object, where: str, train_roles: list[str]) -> list[Mess
     if isinstance(record, dict) and "messages" in record:
         raw = record["messages"]
         if not isinstance(raw, list) or not raw:
-            raise DataError(f"{where}: 'messages' must be a non-empty list of "
-                            "{\"role\": ..., \"content\": ...} objects")
+            raise DataError(
+                f"{where}: 'messages' must be a non-empty list of "
+                '{"role": ..., "content": ...} objects'
+            )
         out = []
         for i, m in enumerate(raw):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{i}] must be an object with string fields "
-                                "'role' and 'content'")
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise DataError(
+                    f"{where}: messages[{i}] must be an object with string fields "
+                    "'role' and 'content'"
+                )
             if m["role"] not in ROLES:
-                raise DataError(f"{where}: messages[{i}] has the unknown role {m['role']!r}; "
-                                f"roles are {', '.join(ROLES)}")
+                raise DataError(
+                    f"{where}: messages[{i}] has the unknown role {m['role']!r}; "
+                    f"roles are {', '.join(ROLES)}"
+                )
             out.append((m["role"], m["content"]))
     elif isinstance(record, dict) and "prompt" in record and "response" in record:
         for name in ("prompt", "response"):
             if not isinstance(record[name], str):
-                raise DataError(f"{where}: field {name!r} is {type(record[name]).__name__}, "
-                                "expected a string")
+                raise DataError(
+                    f"{where}: field {name!r} is {type(record[name]).__name__}, expected a string"
+                )
         out = [("user", record["prompt"]), ("assistant", record["response"])]
     else:
-        raise DataError(f"{where} has neither 'prompt' and 'response' nor 'messages' (an "
-                        "instruction source reads {\"prompt\": ..., \"response\": ...} or "
-                        "{\"messages\": [{\"role\": ..., \"content\": ...}]} records)")
+        raise DataError(
+            f"{where} has neither 'prompt' and 'response' nor 'messages' (an "
+            'instruction source reads {"prompt": ..., "response": ...} or '
+            '{"messages": [{"role": ..., "content": ...}]} records)'
+        )
     trained = [i for i, (role, _) in enumerate(out) if role in train_roles]
     if not trained:
-        raise DataError(f"{where}: no message of a trained role ({', '.join(train_roles)}): "
-                        "nothing in it would be trained")
+        raise DataError(
+            f"{where}: no message of a trained role ({', '.join(train_roles)}): "
+            "nothing in it would be trained"
+        )
     for i in trained:
         if not out[i][1].strip():
             what = "response" if "messages" not in record else f"messages[{i}] ({out[i][0]})"
@@ -86,8 +100,9 @@ def render(text: str, template: TemplateConfig) -> str:
     return "".join(piece for piece, _ in segments(parse(text), template))
 
 
-def encode(texts: list[str], template: TemplateConfig, tokenizer: Tokenizer
-           ) -> tuple[list[list[int]], list[np.ndarray]]:
+def encode(
+    texts: list[str], template: TemplateConfig, tokenizer: Tokenizer
+) -> tuple[list[list[int]], list[np.ndarray]]:
     """Token ids (each document ending with EOS, after BOS if the template says so) and their
     loss masks (uint8, one per token) of conversations given as :func:`canonical` texts.
 
@@ -98,8 +113,10 @@ def encode(texts: list[str], template: TemplateConfig, tokenizer: Tokenizer
     token that straddles the end of a prompt and the start of a response (``" Paris"`` after
     ``"Assistant:"``) is trained."""
     if template.add_bos and tokenizer.bos_id < 0:
-        raise DataError("template.add_bos: the tokenizer defines no BOS token; set add_bos to "
-                        "false or use a tokenizer with one")
+        raise DataError(
+            "template.add_bos: the tokenizer defines no BOS token; set add_bos to "
+            "false or use a tokenizer with one"
+        )
     pieces = [segments(parse(t), template) for t in texts]
     written = ["".join(p for p, _ in doc) for doc in pieces]
     tokens, masks = [], []
@@ -114,6 +131,13 @@ def encode(texts: list[str], template: TemplateConfig, tokenizer: Tokenizer
         last_trained = bool(doc) and doc[-1][1]
         bos = [tokenizer.bos_id] if template.add_bos else []
         tokens.append(bos + list(ids) + [tokenizer.eos_id])
-        masks.append(np.concatenate([np.zeros(len(bos), np.uint8), covered.astype(np.uint8),
-                                     [int(template.train_eos and last_trained)]]).astype(np.uint8))
+        masks.append(
+            np.concatenate(
+                [
+                    np.zeros(len(bos), np.uint8),
+                    covered.astype(np.uint8),
+                    [int(template.train_eos and last_trained)],
+                ]
+            ).astype(np.uint8)
+        )
     return tokens, masks

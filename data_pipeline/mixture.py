@@ -20,18 +20,21 @@ BLOCK = 10_000
 
 
 class MixtureSchedule:
-    def __init__(self, weights: list[float], base_samples: int = 0,
-                 base_counts: list[int] | None = None):
+    def __init__(
+        self, weights: list[float], base_samples: int = 0, base_counts: list[int] | None = None
+    ):
         w = np.asarray(weights, dtype=np.float64)
         if w.ndim != 1 or not len(w) or (w < 0).any() or w.sum() <= 0:
             raise ValueError(f"mixture weights must be >= 0 with a positive sum, got {weights}")
         exact = w / w.sum() * BLOCK
         quota = np.floor(exact).astype(np.int64)
         by_remainder = np.argsort(-(exact - quota), kind="stable")
-        quota[by_remainder[:BLOCK - quota.sum()]] += 1
+        quota[by_remainder[: BLOCK - quota.sum()]] += 1
         if ((w > 0) & (quota == 0)).any():
-            raise ValueError(f"mixture weights {weights}: a weight below 1/{BLOCK} of the total "
-                             "would never be sampled")
+            raise ValueError(
+                f"mixture weights {weights}: a weight below 1/{BLOCK} of the total "
+                "would never be sampled"
+            )
         self.weights = [float(x) for x in w]
         self.quota = quota
         # Ideal in-block positions of every source's samples, sorted: the slot table.
@@ -45,8 +48,9 @@ class MixtureSchedule:
         onehot[np.arange(1, BLOCK + 1), self.slot_source] = 1
         self.before = np.cumsum(onehot, axis=0)
         self.base_samples = base_samples
-        self.base_counts = np.asarray(base_counts if base_counts is not None else [0] * len(w),
-                                      dtype=np.int64)
+        self.base_counts = np.asarray(
+            base_counts if base_counts is not None else [0] * len(w), dtype=np.int64
+        )
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within that source's own sample sequence) of global positions."""

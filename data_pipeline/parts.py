@@ -37,9 +37,11 @@ from moe.core.fileio import write_atomic
 def parts_dir(cfg: DataConfig) -> Path:
     """Where --tokenizer-only and --part write, beside data.dir (on storage every machine sees)."""
     if storage.is_s3(cfg.dir):
-        raise DataError(f"data.dir {cfg.dir}: the --tokenizer-only, --part and --merge steps "
-                        "work in a directory every machine sees; prepare into one, then upload "
-                        "it (or run moe-prepare with data.dir=s3://... on one machine)")
+        raise DataError(
+            f"data.dir {cfg.dir}: the --tokenizer-only, --part and --merge steps "
+            "work in a directory every machine sees; prepare into one, then upload "
+            "it (or run moe-prepare with data.dir=s3://... on one machine)"
+        )
     data_dir = Path(cfg.dir)
     return data_dir.with_name(f"{data_dir.name}.parts")
 
@@ -70,15 +72,24 @@ def prepare_tokenizer(cfg: DataConfig, progress: bool = True) -> Path:
     tmp.mkdir()
     try:
         # A tokenizer trained on the inputs is theirs: the merge checks they did not change.
-        inputs = (None if cfg.tokenizer.model_file else
-                  _input_stats([it.path for its in items.values() for it in its], cfg.s3))
+        inputs = (
+            None
+            if cfg.tokenizer.model_file
+            else _input_stats([it.path for its in items.values() for it in its], cfg.s3)
+        )
         build_tokenizer(cfg, items, tmp / TOKENIZER_FILE, tmp, progress)
         if inputs is not None:
-            _check_inputs(inputs, cfg.s3, "while the tokenizer was trained on it",
-                          "run moe-prepare CONFIG --tokenizer-only again")
+            _check_inputs(
+                inputs,
+                cfg.s3,
+                "while the tokenizer was trained on it",
+                "run moe-prepare CONFIG --tokenizer-only again",
+            )
         write_atomic(parts / TOKENIZER_FILE, (tmp / TOKENIZER_FILE).read_bytes())
-        write_atomic(parts / "tokenizer.json", json.dumps(
-            {"config_hash": config_hash(cfg), "inputs": inputs}).encode())
+        write_atomic(
+            parts / "tokenizer.json",
+            json.dumps({"config_hash": config_hash(cfg), "inputs": inputs}).encode(),
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return parts / TOKENIZER_FILE
@@ -92,14 +103,21 @@ def _parts_tokenizer(cfg: DataConfig) -> Tokenizer:
         record = json.loads((parts / "tokenizer.json").read_text())
         made_for = record["config_hash"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise DataError(f"{parts}: no tokenizer for the parts; run moe-prepare CONFIG "
-                        "--tokenizer-only first") from None
+        raise DataError(
+            f"{parts}: no tokenizer for the parts; run moe-prepare CONFIG --tokenizer-only first"
+        ) from None
     if made_for != config_hash(cfg):
-        raise DataError(f"{parts}/{TOKENIZER_FILE} was made for another data config; run "
-                        "moe-prepare CONFIG --tokenizer-only again")
+        raise DataError(
+            f"{parts}/{TOKENIZER_FILE} was made for another data config; run "
+            "moe-prepare CONFIG --tokenizer-only again"
+        )
     if record.get("inputs"):
-        _check_inputs(record["inputs"], cfg.s3, f"after {parts}/{TOKENIZER_FILE} was trained on it",
-                      "run moe-prepare CONFIG --tokenizer-only again, then every --part I/N")
+        _check_inputs(
+            record["inputs"],
+            cfg.s3,
+            f"after {parts}/{TOKENIZER_FILE} was trained on it",
+            "run moe-prepare CONFIG --tokenizer-only again, then every --part I/N",
+        )
     return Tokenizer(parts / TOKENIZER_FILE)
 
 
@@ -122,12 +140,15 @@ def _check_inputs(recorded: InputStats, s3: S3Config, when: str, redo: str) -> N
         if (now_size, now_mtime) != (size, mtime_ns):
             raise DataError(
                 f"{path} changed {when}: {size:,} bytes modified {_when(mtime_ns)} then, "
-                f"{now_size:,} bytes modified {_when(now_mtime)} now; {redo}")
+                f"{now_size:,} bytes modified {_when(now_mtime)} now; {redo}"
+            )
 
 
 def _when(mtime_ns: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(mtime_ns / 1e9)) + \
-        f".{mtime_ns % 10**9:09d} UTC"
+    return (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(mtime_ns / 1e9))
+        + f".{mtime_ns % 10**9:09d} UTC"
+    )
 
 
 def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True) -> Path:
@@ -145,8 +166,9 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
     tmp.mkdir()
     redo = f"run moe-prepare CONFIG --part {index}/{count} again"
     try:
-        jobs = [(s, cfg.valid_fraction, it, None, str(tmp / f"{s.name}-{i}.bin"))
-                for s, i, it in mine]
+        jobs = [
+            (s, cfg.valid_fraction, it, None, str(tmp / f"{s.name}-{i}.bin")) for s, i, it in mine
+        ]
         sizes = []
         for source in cfg.sources:
             sizes += item_bytes(source, [it for s, _, it in mine if s is source], cfg.s3)
@@ -154,18 +176,33 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
         results, files, read, hashes = {}, {}, {}, {}
         with workers.worker_pool(cfg.prepare_workers, str(tokenizer.path), cfg.s3) as pool:
             done = workers.run_tasks(pool, jobs, sizes, workers.encode_part_task)
-            for (s, i, _), job, (counts, sha, written) in zip(mine, jobs, item_bar(
-                    progress, iterable=done, total=len(jobs), desc=f"part {index}/{count}",
-                    unit="item")):
+            for (s, i, _), job, (counts, sha, written) in zip(
+                mine,
+                jobs,
+                item_bar(
+                    progress,
+                    iterable=done,
+                    total=len(jobs),
+                    desc=f"part {index}/{count}",
+                    unit="item",
+                ),
+            ):
                 key = f"{s.name}/{i}"
                 results[key] = [Path(job[-1]).name, *counts]
                 files[key], read[key] = Path(job[-1]).stat().st_size, sha
                 hashes[key] = written
         _check_inputs(inputs, cfg.s3, f"while part {index}/{count} read it", redo)
-        marker = {"config_hash": config_hash(cfg), "tokenizer_sha256": tokenizer.sha256,
-                  "split_rule": SPLIT_RULE, "items_hash": _items_hash(numbered),
-                  "items": results, "inputs": inputs, "bytes": files, "sha256": hashes,
-                  "read_sha256": read}
+        marker = {
+            "config_hash": config_hash(cfg),
+            "tokenizer_sha256": tokenizer.sha256,
+            "split_rule": SPLIT_RULE,
+            "items_hash": _items_hash(numbered),
+            "items": results,
+            "inputs": inputs,
+            "bytes": files,
+            "sha256": hashes,
+            "read_sha256": read,
+        }
         write_atomic(tmp / "part.json", json.dumps(marker).encode())
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -191,7 +228,9 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
     found = sorted(p.name for p in parts.glob("part-*-of-*") if p.is_dir())
     counts = {int(name.rsplit("-", 1)[1]) for name in found}
     if len(counts) != 1:
-        raise DataError(f"{parts}: expected the parts of one --part i/N split, found {found or 'none'}")
+        raise DataError(
+            f"{parts}: expected the parts of one --part i/N split, found {found or 'none'}"
+        )
     (count,) = counts
     results: dict[str, tuple[Path, ItemCounts]] = {}
     checks: dict[str, tuple[str, str]] = {}  # part file: the SHA-256 its part recorded, redo
@@ -200,22 +239,30 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
         try:
             marker = json.loads((part / "part.json").read_text())
         except (OSError, ValueError):
-            raise DataError(f"{part}: missing or incomplete; run moe-prepare CONFIG --part "
-                            f"{index}/{count}") from None
+            raise DataError(
+                f"{part}: missing or incomplete; run moe-prepare CONFIG --part {index}/{count}"
+            ) from None
         if (marker.get("config_hash"), marker.get("tokenizer_sha256")) != (want, tokenizer.sha256):
-            raise DataError(f"{part} was prepared from another config or tokenizer; prepare it again")
+            raise DataError(
+                f"{part} was prepared from another config or tokenizer; prepare it again"
+            )
         if marker.get("split_rule") != SPLIT_RULE:
-            raise DataError(f"{part} was split by an earlier rule than {SPLIT_RULE}; prepare it "
-                            "again")
+            raise DataError(
+                f"{part} was split by an earlier rule than {SPLIT_RULE}; prepare it again"
+            )
         if marker.get("items_hash") != _items_hash(numbered):
             raise DataError(f"{part} saw other input files than this machine; prepare it again")
         redo = f"run moe-prepare CONFIG --part {index}/{count} again"
         if "inputs" not in marker:
-            raise DataError(f"{part} records no fingerprints of its inputs (made by an earlier "
-                            f"moe-prepare); {redo}")
+            raise DataError(
+                f"{part} records no fingerprints of its inputs (made by an earlier "
+                f"moe-prepare); {redo}"
+            )
         if "sha256" not in marker:
-            raise DataError(f"{part} records no content hashes of its files (made by an "
-                            f"earlier moe-prepare); {redo}")
+            raise DataError(
+                f"{part} records no content hashes of its files (made by an "
+                f"earlier moe-prepare); {redo}"
+            )
         _check_inputs(marker["inputs"], cfg.s3, f"after {part.name} read it", redo)
         for key, (name, *rest) in marker["items"].items():
             if Path(name).name != name:
@@ -239,10 +286,10 @@ def _merge_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> Pr
     items = {s.name: [it for t, _, it in numbered if t is s] for s in cfg.sources}
     paths = [str(results[f"{s.name}/{i}"][0]) for s, i, _ in numbered]  # the order of the merge
     with part_reader(paths, checks, tokenizer.vocab_size) as load:
-        splits, source_stats, moved = write_shards(cfg, staging, tokenizer, encoded, load,
-                                                   progress, items)
-    return finish(staging, want, tokenizer, splits, source_stats, moved,
-                   {"merge": time.time() - t})
+        splits, source_stats, moved = write_shards(
+            cfg, staging, tokenizer, encoded, load, progress, items
+        )
+    return finish(staging, want, tokenizer, splits, source_stats, moved, {"merge": time.time() - t})
 
 
 PART_READ_AHEAD = 2
@@ -250,8 +297,9 @@ PART_READ_AHEAD = 2
 
 
 @contextlib.contextmanager
-def part_reader(paths: list[str], checks: dict[str, tuple[str, str]],
-                vocab_size: int) -> Iterator[Loader]:
+def part_reader(
+    paths: list[str], checks: dict[str, tuple[str, str]], vocab_size: int
+) -> Iterator[Loader]:
     """The merge's :data:`Loader`: part files taken in the order ``paths``, each checked by
     :func:`_load_part_file` against ``checks[path]`` (the SHA-256 its part recorded, the command
     that redoes the part). A thread reads and hashes the next PART_READ_AHEAD files while the
@@ -276,24 +324,36 @@ def part_reader(paths: list[str], checks: dict[str, tuple[str, str]],
         yield load
 
 
-def _load_part_file(path: str, raw: bytes, found: str, counts: list[int], masked: bool,
-                    sha256: str, redo: str, vocab_size: int) -> dict[str, EncodedSplit]:
+def _load_part_file(
+    path: str,
+    raw: bytes,
+    found: str,
+    counts: list[int],
+    masked: bool,
+    sha256: str,
+    redo: str,
+    vocab_size: int,
+) -> dict[str, EncodedSplit]:
     """The splits of a part file (its bytes ``raw``, their SHA-256 ``found``), checked before
     any of its tokens reach a shard: the SHA-256 against ``sha256``, the one its part recorded
     when it wrote the file, then every token id against the tokenizer's vocabulary. A refusal
     names the file and ``redo``."""
     if found != sha256:
-        raise DataError(f"{path}: damaged part file: its SHA-256 is {found}, the part recorded "
-                        f"{sha256}; {redo}")
+        raise DataError(
+            f"{path}: damaged part file: its SHA-256 is {found}, the part recorded {sha256}; {redo}"
+        )
     try:
         loaded = load_encoded(path, counts, masked, raw)
     except (DataError, ValueError):  # the file is as written: its counts in part.json are not
-        raise DataError(f"{path}: its document counts in part.json do not fit the file; "
-                        f"{redo}") from None
+        raise DataError(
+            f"{path}: its document counts in part.json do not fit the file; {redo}"
+        ) from None
     top = max((int(s.tokens.max()) for s in loaded.values() if len(s.tokens)), default=0)
     if top >= vocab_size:
-        raise DataError(f"{path}: damaged part file: token id {top} out of range for the "
-                        f"tokenizer's vocabulary of {vocab_size}; {redo}")
+        raise DataError(
+            f"{path}: damaged part file: token id {top} out of range for the "
+            f"tokenizer's vocabulary of {vocab_size}; {redo}"
+        )
     return loaded
 
 
@@ -303,6 +363,6 @@ def _check_part_file(path: Path, expected: int, redo: str) -> None:
     except FileNotFoundError:
         raise DataError(f"{path}: missing from its part; {redo}") from None
     if found != expected:
-        raise DataError(f"{path}: damaged part file, {found:,} bytes where {expected:,} were "
-                        f"written; {redo}")
-
+        raise DataError(
+            f"{path}: damaged part file, {found:,} bytes where {expected:,} were written; {redo}"
+        )

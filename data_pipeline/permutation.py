@@ -21,7 +21,7 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 def round_keys(*parts: object) -> np.ndarray:
     """``ROUNDS`` 64-bit keys derived from ``parts`` (e.g. fingerprint, seed, source, epoch)."""
     digest = hashlib.sha512(":".join(map(str, parts)).encode()).digest()
-    return np.frombuffer(digest[:8 * ROUNDS], dtype="<u8").copy()
+    return np.frombuffer(digest[: 8 * ROUNDS], dtype="<u8").copy()
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -42,9 +42,19 @@ def config_hash(cfg: DataConfig) -> str:
     """What determines the prepared data: not where it is written, how many workers write it,
     nor how it is read (order seed, sequence length, mixture weights, loader workers)."""
     d = dataclasses.asdict(cfg)  # tuples stay tuples: json.dumps writes them as lists
-    for k in ("dir", "prepare_workers", "seq_len", "seed", "loader_workers",
-              "allow_other_data_on_resume", "s3", "cache_dir", "cache_bytes", "read_ahead",
-              "on_empty"):
+    for k in (
+        "dir",
+        "prepare_workers",
+        "seq_len",
+        "seed",
+        "loader_workers",
+        "allow_other_data_on_resume",
+        "s3",
+        "cache_dir",
+        "cache_bytes",
+        "read_ahead",
+        "on_empty",
+    ):
         # s3: how to reach the inputs; cache_*, read_ahead: how shards are read; on_empty:
         # whether empty rows stop the preparation (data made either way is the same)
         d.pop(k)
@@ -62,9 +72,12 @@ def config_hash(cfg: DataConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
-            build: Callable[[DataConfig, Path, str, bool], PrepareReport] | None = None
-            ) -> PrepareReport:
+def prepare(
+    cfg: DataConfig,
+    force: bool = False,
+    progress: bool = True,
+    build: Callable[[DataConfig, Path, str, bool], PrepareReport] | None = None,
+) -> PrepareReport:
     """Prepare ``cfg.dir``; a no-op when it already holds data prepared from the same config.
     ``build`` fills a staging directory (default: read, tokenize and write here), which
     becomes a new generation of the data (generations.py)."""
@@ -86,8 +99,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True,
     return report
 
 
-def _prepared_already(cfg: DataConfig, data_dir: Path | str, want: str, t0: float
-                      ) -> PrepareReport:
+def _prepared_already(cfg: DataConfig, data_dir: Path | str, want: str, t0: float) -> PrepareReport:
     """The report of data prepared from this config already; other data is refused."""
     replace = "run moe-prepare with --force to replace it, or choose another data.dir"
     try:
@@ -97,9 +109,11 @@ def _prepared_already(cfg: DataConfig, data_dir: Path | str, want: str, t0: floa
     if existing.config_hash != want:
         raise DataError(f"{data_dir} holds data prepared from a different config; {replace}")
     if existing.split_rule is None:
-        _note(f"{data_dir} was split by document location (before split_rule "
-              f"{SPLIT_RULE}) and is used as it is; moe-prepare --force splits it by "
-              "content, which moves documents between train and valid")
+        _note(
+            f"{data_dir} was split by document location (before split_rule "
+            f"{SPLIT_RULE}) and is used as it is; moe-prepare --force splits it by "
+            "content, which moves documents between train and valid"
+        )
     return PrepareReport(data_dir, existing, time.time() - t0, skipped=True)
 
 
@@ -115,24 +129,29 @@ def _replaced_manifest(data_dir: Path | str, s3: S3Config) -> Manifest | None:
         return None
 
 
-def _announce_split_change(old: Manifest | None, report: PrepareReport,
-                           data_dir: Path | str) -> None:
+def _announce_split_change(
+    old: Manifest | None, report: PrepareReport, data_dir: Path | str
+) -> None:
     """Before data of the location rule is replaced: say that the split changes, and for the
     same config (the same documents) by how many documents."""
     if old is None or old.split_rule is not None:
         return
-    what = (f"{data_dir} was split by document location (before split_rule {SPLIT_RULE}); "
-            "the data replacing it is split by content")
+    what = (
+        f"{data_dir} was split by document location (before split_rule {SPLIT_RULE}); "
+        "the data replacing it is split by content"
+    )
     if old.config_hash != report.manifest.config_hash:
         _note(f"{what} (and made from another config, so its documents are not compared)")
         return
-    read = sum(sum(s["documents"].values()) + s["duplicates_dropped"]
-               for s in report.manifest.sources)
+    read = sum(
+        sum(s["documents"].values()) + s["duplicates_dropped"] for s in report.manifest.sources
+    )
     _note(f"{what}: {report.moved_from_location_rule:,} of its {read:,} documents change split")
 
 
-def build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path: Path,
-                    spill: Path, progress: bool) -> tuple[Tokenizer, dict[str, list[str]] | None]:
+def build_tokenizer(
+    cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path: Path, spill: Path, progress: bool
+) -> tuple[Tokenizer, dict[str, list[str]] | None]:
     """Copy ``tokenizer.model_file`` or train one on a sample of the sources. Returns the
     tokenizer and, when the documents read for the sample were small enough to keep, their
     spill files by source (the encode phase then does not read the sources again)."""
@@ -148,11 +167,14 @@ def build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path:
     with workers.worker_pool(cfg.prepare_workers, None, cfg.s3) as pool:
         for source in cfg.sources:
             docs_seen, kept = 0, []
-            jobs = [(source, it, str(spill / f"read-{source.name}-{i}.json"))
-                    for i, it in enumerate(items[source.name])]
+            jobs = [
+                (source, it, str(spill / f"read-{source.name}-{i}.json"))
+                for i, it in enumerate(items[source.name])
+            ]
             read = pool.imap(workers.read_into_spill, jobs, chunksize=4)
-            for path in item_bar(progress, iterable=read, total=len(jobs),
-                                 desc=f"read {source.name}", unit="item"):
+            for path in item_bar(
+                progress, iterable=read, total=len(jobs), desc=f"read {source.name}", unit="item"
+            ):
                 docs = workers.load_docs(path)
                 docs_seen += len(docs.docs)
                 for _, text in docs.docs:
@@ -172,8 +194,11 @@ def build_tokenizer(cfg: DataConfig, items: dict[str, list[WorkItem]], tok_path:
             if cache is not None:
                 cache[source.name] = kept
     if progress:
-        print(f"training a {cfg.tokenizer.model_type} tokenizer ({cfg.tokenizer.vocab_size} "
-              f"pieces) on {len(sample.lines):,} of {sample.seen:,} lines", flush=True)
+        print(
+            f"training a {cfg.tokenizer.model_type} tokenizer ({cfg.tokenizer.vocab_size} "
+            f"pieces) on {len(sample.lines):,} of {sample.seen:,} lines",
+            flush=True,
+        )
     return train_tokenizer(sample.lines, cfg.tokenizer, tok_path), cache
 
 
@@ -188,14 +213,16 @@ def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> 
 
     t, cpu, main_cpu = time.time(), workers.cpu_seconds(), time.process_time()
     with workers.worker_pool(cfg.prepare_workers, str(tokenizer.path), cfg.s3) as pool:
+
         def encoded(source: SourceConfig, sizes: list[int]) -> Iterator[Encoded]:
             cached = cache[source.name] if cache is not None else None
             jobs = workers.encode_jobs(cfg, source, items[source.name], cached, spill)
             for job, counts in zip(jobs, workers.run_tasks(pool, jobs, sizes)):
                 yield job[-1], counts
 
-        splits, source_stats, moved = write_shards(cfg, staging, tokenizer, encoded,
-                                                   workers.load_spill, progress, items)
+        splits, source_stats, moved = write_shards(
+            cfg, staging, tokenizer, encoded, workers.load_spill, progress, items
+        )
     timings["encode"], timings["encode_cpu"] = time.time() - t, workers.cpu_seconds() - cpu
     timings["encode_cpu_main"] = time.process_time() - main_cpu
     shutil.rmtree(spill)

@@ -27,9 +27,14 @@ DEFAULT_CACHE_BYTES = DataConfig.cache_bytes
 class PreparedData:
     """The manifest, tokenizer and shards of prepared data at ``dir`` (a path or ``s3://``)."""
 
-    def __init__(self, dir: str | Path, s3: S3Config | None = None,
-                 cache_dir: str | Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 read_ahead: int = 2):
+    def __init__(
+        self,
+        dir: str | Path,
+        s3: S3Config | None = None,
+        cache_dir: str | Path | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        read_ahead: int = 2,
+    ):
         self.dir = str(dir).rstrip("/") if storage.is_s3(str(dir)) else Path(dir)
         self.remote = storage.is_s3(str(dir))
         self.s3 = s3 or S3Config()
@@ -57,8 +62,9 @@ class PreparedData:
         """The shard cache, cleaned of what a crashed run left when first used."""
         if self._cache is None:
             self._cache = ObjectCache(self.cache_dir, self.cache_bytes, self.s3)
-            self._cache.clean({s.sha256: s.bytes for split in self.manifest.splits.values()
-                               for s in split.shards})
+            self._cache.clean(
+                {s.sha256: s.bytes for split in self.manifest.splits.values() for s in split.shards}
+            )
         return self._cache
 
     def tokenizer_file(self) -> Path:
@@ -88,8 +94,9 @@ class PreparedData:
 
     def open_local_data(self, info: ShardInfo) -> ShardData:
         """A local shard's tokens and loss mask (None: data without one), memory-mapped."""
-        return open_shard_data(Path(self.dir) / info.file, info, self.manifest.token_type,
-                               self.masked)
+        return open_shard_data(
+            Path(self.dir) / info.file, info, self.manifest.token_type, self.masked
+        )
 
     @contextmanager
     def shard(self, info: ShardInfo) -> Iterator[np.ndarray]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -101,8 +100,9 @@ class SourceStream:
     """One source's shards of one split, as windows of ``window`` tokens (see module doc).
     Local shards are memory-mapped (and checked) at once, remote ones when they are read."""
 
-    def __init__(self, data: PreparedData, name: str, shards: list[ShardInfo], window: int,
-                 key: tuple):
+    def __init__(
+        self, data: PreparedData, name: str, shards: list[ShardInfo], window: int, key: tuple
+    ):
         if not shards:
             raise DataError(f"{data}: source {name!r} has no shards in this split")
         self.name, self.window, self.key = name, window, key
@@ -114,8 +114,10 @@ class SourceStream:
         self.lengths = np.array([s.tokens for s in shards], dtype=np.int64)
         self.num_samples = int(self.lengths.sum()) // window
         if self.num_samples < 1:
-            raise DataError(f"{data}: source {name!r} has {int(self.lengths.sum())} tokens, "
-                            f"fewer than one sequence of {window}")
+            raise DataError(
+                f"{data}: source {name!r} has {int(self.lengths.sum())} tokens, "
+                f"fewer than one sequence of {window}"
+            )
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray, FeistelPermutation]] = {}
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, FeistelPermutation]:
@@ -175,18 +177,38 @@ class PackedReader:
     ``document_ids`` adds per-token document ids to :meth:`next_step`'s batches. ``data_dir``
     is a local directory or a :class:`PreparedData` (which may be on S3)."""
 
-    def __init__(self, data_dir: str | Path | PreparedData, seq_len: int, seed: int, rank: int = 0,
-                 world: int = 1, micro_batch: int = 1, *, weights: dict[str, float] | None = None,
-                 loader_workers: int = 0, document_ids: bool = False,
-                 allow_other_data: bool = False):
+    def __init__(
+        self,
+        data_dir: str | Path | PreparedData,
+        seq_len: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        micro_batch: int = 1,
+        *,
+        weights: dict[str, float] | None = None,
+        loader_workers: int = 0,
+        document_ids: bool = False,
+        allow_other_data: bool = False,
+    ):
         if not 0 <= rank < world or micro_batch < 1 or seq_len < 1:
-            raise ValueError(f"bad layout: rank {rank}, world {world}, micro_batch {micro_batch}, "
-                             f"seq_len {seq_len}")
+            raise ValueError(
+                f"bad layout: rank {rank}, world {world}, micro_batch {micro_batch}, "
+                f"seq_len {seq_len}"
+            )
         self.data = prepared(data_dir)
-        self._spec = dict(data_dir=self.data, seq_len=seq_len, seed=seed, rank=rank,
-                          world=world, micro_batch=micro_batch, weights=weights,
-                          loader_workers=0, document_ids=document_ids,
-                          allow_other_data=allow_other_data)
+        self._spec = dict(
+            data_dir=self.data,
+            seq_len=seq_len,
+            seed=seed,
+            rank=rank,
+            world=world,
+            micro_batch=micro_batch,
+            weights=weights,
+            loader_workers=0,
+            document_ids=document_ids,
+            allow_other_data=allow_other_data,
+        )
         self.data_dir = self.data.dir
         self.seq_len, self.seed = seq_len, seed
         self.rank, self.world, self.micro_batch = rank, world, micro_batch
@@ -198,21 +220,28 @@ class PackedReader:
         self.eos_id = int(self.manifest.tokenizer["eos_id"])
         names = self.manifest.source_names
         shards = self.manifest.splits["train"]
-        self.streams = [SourceStream(self.data, n, shards.of_source(n), seq_len + 1,
-                                     (self.fingerprint, seed, n)) for n in names]
+        self.streams = [
+            SourceStream(
+                self.data, n, shards.of_source(n), seq_len + 1, (self.fingerprint, seed, n)
+            )
+            for n in names
+        ]
         if weights is None:
             self.weights = [float(s.lengths.sum()) for s in self.streams]
         else:
             if sorted(weights) != sorted(names):
-                raise DataError(f"{self.data_dir}: mixture weights name sources {sorted(weights)} "
-                                f"but the data holds {sorted(names)}")
+                raise DataError(
+                    f"{self.data_dir}: mixture weights name sources {sorted(weights)} "
+                    f"but the data holds {sorted(names)}"
+                )
             self.weights = [float(weights[n]) for n in names]
         self.schedule = MixtureSchedule(self.weights)
         # Shards of all sources in one list: source s's shards start at _first_shard[s].
         self._first_shard = np.cumsum([0] + [len(s.infos) for s in self.streams[:-1]]).tolist()
         self._infos = [i for s in self.streams for i in s.infos]
-        self._read_ahead = (ReadAhead(self.data.cache)
-                            if self.data.remote and self.data.read_ahead > 0 else None)
+        self._read_ahead = (
+            ReadAhead(self.data.cache) if self.data.remote and self.data.read_ahead > 0 else None
+        )
         self.consumed = 0  # global samples consumed at step boundaries: the cursor
         self.skipped: list[tuple[int, int]] = []  # global sample ranges [start, end) never read
         self._iter: Iterator[PackedBatch] | None = None
@@ -224,8 +253,11 @@ class PackedReader:
         """(len(micro), B) global positions of this rank's micro-batches ``micro`` (counted from
         the cursor ``start``, ``accum`` micro-batches per optimizer step)."""
         step, m = np.divmod(np.asarray(micro, dtype=np.int64), accum)
-        base = start + step * (accum * self.world * self.micro_batch) + \
-            (m * self.world + self.rank) * self.micro_batch
+        base = (
+            start
+            + step * (accum * self.world * self.micro_batch)
+            + (m * self.world + self.rank) * self.micro_batch
+        )
         return base[:, None] + np.arange(self.micro_batch)
 
     def _locate(self, positions: np.ndarray):
@@ -239,13 +271,21 @@ class PackedReader:
                 sh, off, crossing = stream.locate(k[rows])
                 shard[rows], offset[rows] = sh + self._first_shard[s], off
                 first = self._first_shard[s]
-                pieces.update((int(rows[i]), [(g + first, a, b) for g, a, b in parts])
-                              for i, parts in crossing.items())
+                pieces.update(
+                    (int(rows[i]), [(g + first, a, b) for g, a, b in parts])
+                    for i, parts in crossing.items()
+                )
                 shard[rows[sh < 0]] = -1
         return source, k, shard, offset, pieces
 
-    def _gather(self, shard: np.ndarray, offset: np.ndarray, pieces: dict[int, Pieces],
-                S: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | None]:
+    def _gather(
+        self,
+        shard: np.ndarray,
+        offset: np.ndarray,
+        pieces: dict[int, Pieces],
+        S: int,
+        dtype: np.dtype,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """(R, S) stored tokens of a plan's rows, and their loss mask (None: data without one),
         read shard by shard: each shard the plan needs is opened (fetched into the cache if
         needed) once, in shard order, while the next ``read_ahead`` ones are fetched in the
@@ -264,26 +304,28 @@ class PackedReader:
         ahead = self.data.read_ahead
         for j, g in enumerate(needed):
             if self._read_ahead is not None:
-                self._read_ahead.want(self.data.fetch_items(
-                    [self._infos[h] for h in needed[j + 1:j + 1 + ahead]]))
+                self._read_ahead.want(
+                    self.data.fetch_items([self._infos[h] for h in needed[j + 1 : j + 1 + ahead]])
+                )
             try:
                 with self.data.shard_data(self._infos[g]) as (tokens, mask):
-                    rows = by_shard[bounds[g]:bounds[g + 1]]
+                    rows = by_shard[bounds[g] : bounds[g + 1]]
                     for out, stored in ((plan_RS, tokens), (mask_RS, mask)):
                         if out is None:
                             continue
                         if rows.size:
                             out[rows] = stored[offset[rows, None] + np.arange(S)]
                         for r, col, a, b in parts.get(g, ()):
-                            out[r, col:col + b - a] = stored[a:b]
+                            out[r, col : col + b - a] = stored[a:b]
             except BaseException:
                 if self._read_ahead is not None:
                     self._read_ahead.stop()  # its fetch under way cleans up before we raise
                 raise
         return plan_RS, mask_RS
 
-    def _batches(self, start: int, accum: int, worker: int = 0,
-                 num_workers: int = 1) -> Iterator[PackedBatch]:
+    def _batches(
+        self, start: int, accum: int, worker: int = 0, num_workers: int = 1
+    ) -> Iterator[PackedBatch]:
         """This rank's micro-batches ``worker, worker + num_workers, ...`` from cursor ``start``.
 
         Rows are located a plan (many micro-batches) at a time, which amortizes the numpy calls
@@ -310,7 +352,9 @@ class PackedReader:
         first = worker
         while True:
             micro = first + num_workers * np.arange(per_plan)
-            source, k, shard, offset, pieces = self._locate(self.rank_positions(start, accum, micro))
+            source, k, shard, offset, pieces = self._locate(
+                self.rank_positions(start, accum, micro)
+            )
             if remote:
                 plan_RS, plan_mask_RS = self._gather(shard, offset, pieces, S, dtype)
             shards, offsets = shard.tolist(), offset.tolist()
@@ -322,12 +366,15 @@ class PackedReader:
                 n = min(group, per_plan * B - i)
                 mask_RS = None
                 if remote:
-                    stored_RS = plan_RS[i:i + n]
-                    mask_RS = None if plan_mask_RS is None else plan_mask_RS[i:i + n]
+                    stored_RS = plan_RS[i : i + n]
+                    mask_RS = None if plan_mask_RS is None else plan_mask_RS[i : i + n]
                 else:
                     copied = []
                     for c, view in enumerate(views):
-                        rows = [view[g][a:a + S] for g, a in zip(shards[i:i + n], offsets[i:i + n])]
+                        rows = [
+                            view[g][a : a + S]
+                            for g, a in zip(shards[i : i + n], offsets[i : i + n])
+                        ]
                         for r, row in crossing.get(i, ()):
                             rows[r] = row[c]
                         copied.append(np.frombuffer(b"".join(rows), dtypes[c]).reshape(n, S))
@@ -342,18 +389,21 @@ class PackedReader:
                 targets_RS = None if mask_RS is None else next_token_targets(tokens_RS, mask_RS)
                 for j in range(0, n, B):
                     if j + B > bad:
-                        self._out_of_range(stored_RS[j:j + B], source[i + j:], k[i + j:])
+                        self._out_of_range(stored_RS[j : j + B], source[i + j :], k[i + j :])
                     yield PackedBatch(
-                        torch.from_numpy(tokens_RS[j:j + B]),
-                        None if doc_RS is None else torch.from_numpy(doc_RS[j:j + B]),
-                        None if targets_RS is None else torch.from_numpy(targets_RS[j:j + B]))
+                        torch.from_numpy(tokens_RS[j : j + B]),
+                        None if doc_RS is None else torch.from_numpy(doc_RS[j : j + B]),
+                        None if targets_RS is None else torch.from_numpy(targets_RS[j : j + B]),
+                    )
             first += num_workers * per_plan
 
     def _out_of_range(self, tokens_BS: np.ndarray, source: np.ndarray, k: np.ndarray) -> None:
         row = int(np.flatnonzero((tokens_BS >= self.vocab_size).any(axis=1))[0])
         where = self.streams[int(source[row])].where(int(k[row]))
-        raise DataError(f"token id {int(tokens_BS[row].max())} out of range for the tokenizer's "
-                        f"vocabulary of {self.vocab_size} in the sample from {where}")
+        raise DataError(
+            f"token id {int(tokens_BS[row].max())} out of range for the tokenizer's "
+            f"vocabulary of {self.vocab_size} in the sample from {where}"
+        )
 
     # --- the training interface ---
 
@@ -377,7 +427,8 @@ class PackedReader:
                     f"directory's skipped_batches.jsonl) begin inside this step's samples "
                     f"[{self.consumed}, {end}): the global batch changed since the rollback. "
                     "Resume with the global batch of the run that rolled back, at least until "
-                    "past these samples")
+                    "past these samples"
+                )
         if self._iter is None or self._iter_key != (self.consumed, accum):
             self._iter = self._open_iter(accum)
         out = [next(self._iter) for _ in range(accum)]
@@ -393,27 +444,40 @@ class PackedReader:
         if self.loader_workers == 0:
             return self._batches(self.consumed, accum)
         dataset = _RankDataset(self._spec, self._mixture_state(), self.consumed, accum)
-        return iter(DataLoader(dataset, batch_size=None, num_workers=self.loader_workers,
-                               prefetch_factor=2))
+        return iter(
+            DataLoader(dataset, batch_size=None, num_workers=self.loader_workers, prefetch_factor=2)
+        )
 
     # --- state ---
 
     def _mixture_state(self) -> dict:
-        return {"weights": self.weights, "base_samples": self.schedule.base_samples,
-                "base_counts": self.schedule.base_counts.tolist()}
+        return {
+            "weights": self.weights,
+            "base_samples": self.schedule.base_samples,
+            "base_counts": self.schedule.base_counts.tolist(),
+        }
 
     def _set_mixture(self, state: dict) -> None:
-        self.schedule = MixtureSchedule(state["weights"], state["base_samples"],
-                                        state["base_counts"])
+        self.schedule = MixtureSchedule(
+            state["weights"], state["base_samples"], state["base_counts"]
+        )
 
     def state_dict(self) -> dict:
         counts = self.schedule.counts(self.consumed)
         return {
-            "version": STATE_VERSION, "fingerprint": self.fingerprint, "seed": self.seed,
-            "seq_len": self.seq_len, "consumed_samples": self.consumed,
-            "sources": {s.name: {"samples": int(c), "tokens": int(c) * (self.seq_len + 1),
-                                 "epoch": int(c) // s.num_samples}
-                        for s, c in zip(self.streams, counts)},
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "consumed_samples": self.consumed,
+            "sources": {
+                s.name: {
+                    "samples": int(c),
+                    "tokens": int(c) * (self.seq_len + 1),
+                    "epoch": int(c) // s.num_samples,
+                }
+                for s, c in zip(self.streams, counts)
+            },
             "mixture": self._mixture_state(),
         }
 
@@ -423,15 +487,20 @@ class PackedReader:
         the constructor's); seq_len and seed must be the same."""
         allow = self.allow_other_data if allow_other_data is None else allow_other_data
         if state.get("version") != STATE_VERSION:
-            raise DataError(f"data reader state version {state.get('version')} is not "
-                            f"{STATE_VERSION}")
+            raise DataError(
+                f"data reader state version {state.get('version')} is not {STATE_VERSION}"
+            )
         if state["fingerprint"] != self.fingerprint and not allow:
-            raise DataError(f"the checkpoint's data fingerprint {state['fingerprint']} differs "
-                            f"from that of {self.data_dir} ({self.fingerprint}); set "
-                            "data.allow_other_data_on_resume to resume on other data anyway")
+            raise DataError(
+                f"the checkpoint's data fingerprint {state['fingerprint']} differs "
+                f"from that of {self.data_dir} ({self.fingerprint}); set "
+                "data.allow_other_data_on_resume to resume on other data anyway"
+            )
         if state["seq_len"] != self.seq_len or state["seed"] != self.seed:
-            raise DataError("the checkpoint's data stream used seq_len/seed "
-                            f"{state['seq_len']}/{state['seed']}, this run {self.seq_len}/{self.seed}")
+            raise DataError(
+                "the checkpoint's data stream used seq_len/seed "
+                f"{state['seq_len']}/{state['seed']}, this run {self.seq_len}/{self.seed}"
+            )
         consumed = int(state["consumed_samples"])
         names = [s.name for s in self.streams]
         counts = [int(state["sources"].get(n, {"samples": 0})["samples"]) for n in names]
@@ -439,14 +508,17 @@ class PackedReader:
         if same_sources and state["mixture"]["weights"] == self.weights:
             self._set_mixture(state["mixture"])
             if self.schedule.counts(consumed).tolist() != counts:
-                raise DataError(f"inconsistent data reader state: per-source counters {counts} "
-                                f"do not match the cursor {consumed}")
+                raise DataError(
+                    f"inconsistent data reader state: per-source counters {counts} "
+                    f"do not match the cursor {consumed}"
+                )
         elif same_sources or allow:
             # New weights (or new sources): restart the schedule here from the counters.
             self.schedule = MixtureSchedule(self.weights, consumed, counts)
         else:
-            raise DataError(f"the checkpoint read sources {list(state['sources'])}, this data "
-                            f"holds {names}")
+            raise DataError(
+                f"the checkpoint read sources {list(state['sources'])}, this data holds {names}"
+            )
         self.consumed = consumed
         self._iter = None
 
@@ -464,92 +536,3 @@ class _RankDataset(IterableDataset):
         reader = PackedReader(**self.spec)
         reader._set_mixture(self.mixture)
         return reader._batches(self.start, self.accum, worker, num_workers)
-
-
-class TokenStream:
-    """Random access to a split's tokens (its shards concatenated in manifest order, or one
-    source's), memory-mapped shard by shard; remote shards are copied into memory as they are
-    fetched, so that none stays pinned in the shard cache."""
-
-    def __init__(self, data_dir: str | Path | PreparedData, split: str, source: str | None = None):
-        data = prepared(data_dir)
-        self.data_dir = data.dir
-        self.manifest = data.manifest
-        if split not in self.manifest.splits:
-            raise DataError(f"{self.data_dir}: no split {split!r} in the manifest")
-        infos = self.manifest.splits[split].shards
-        if source is not None:
-            infos = [s for s in infos if s.source == source]
-        self.files = [data.location(s.file) for s in infos]
-        if data.remote:
-            opened = []
-            for info in infos:
-                with data.shard_data(info) as (tokens, mask):
-                    opened.append((np.array(tokens), None if mask is None else np.array(mask)))
-        else:
-            opened = [data.open_local_data(s) for s in infos]
-        self.shards = [tokens for tokens, _ in opened]
-        self.masks = [mask for _, mask in opened] if data.masked else None
-        """Loss masks per shard (uint8), None for data without one."""
-        self.starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
-        np.cumsum([len(s) for s in self.shards], out=self.starts[1:])
-        self.vocab_size = int(self.manifest.tokenizer["vocab_size"])
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def read(self, start: int, length: int) -> np.ndarray:
-        out = self._read(self.shards, start, length, np.int64)
-        if length and out.max() >= self.vocab_size:
-            shard = int(np.searchsorted(self.starts, start + int(np.argmax(out >= self.vocab_size)),
-                                        side="right")) - 1
-            raise DataError(f"{self.files[shard]}: token id {int(out.max())} out of range "
-                            f"for the tokenizer's vocabulary of {self.vocab_size}")
-        return out
-
-    def read_mask(self, start: int, length: int) -> np.ndarray | None:
-        """The loss mask of tokens ``[start, start + length)``; None: data without one."""
-        return None if self.masks is None else self._read(self.masks, start, length, np.uint8)
-
-    def _read(self, arrays: list[np.ndarray], start: int, length: int, dtype) -> np.ndarray:
-        out = np.empty(length, dtype=dtype)
-        pos, filled = start, 0
-        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
-        while filled < length:
-            local = pos - self.starts[shard]
-            take = min(length - filled, len(arrays[shard]) - local)
-            out[filled:filled + take] = arrays[shard][local:local + take]
-            filled, pos, shard = filled + take, pos + take, shard + 1
-        return out
-
-
-class Window(NamedTuple):
-    """A window of evaluation: its tokens and what the loss predicts of them."""
-
-    tokens_S: torch.Tensor
-    """(S,) int64 token ids: the inputs are ``tokens_S[:-1]``."""
-    targets_S: torch.Tensor
-    """(S - 1,) int64: ``tokens_S[1:]``, IGNORE_INDEX where the loss mask is 0."""
-
-
-def token_windows(tokens, seq_len: int, max_tokens: int | None = None) -> Iterator[Window]:
-    """Consecutive windows of seq_len + 1 tokens overlapping by one token, so every token after
-    the first is predicted exactly once; at most ``max_tokens`` predictions. ``tokens`` has
-    ``len``, ``read(start, length)`` and ``read_mask(start, length)`` (None: no loss mask), as a
-    TokenStream."""
-    total = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
-    start = 0
-    while start + 1 < total:
-        length = min(seq_len + 1, total - start)
-        window = np.asarray(tokens.read(start, length), dtype=np.int64)
-        targets = next_token_targets(window, tokens.read_mask(start, length))
-        yield Window(torch.from_numpy(window), torch.from_numpy(targets))
-        start += length - 1
-
-
-def validation_windows(data_dir: str | Path | PreparedData, seq_len: int, max_tokens: int | None = None,
-                       source: str | None = None) -> Iterator[Window]:
-    """A fixed pass over the validation split (or one source's part of it): consecutive windows
-    of seq_len + 1 tokens that overlap by one token, so every token after the first is predicted
-    exactly once (:func:`token_windows`)."""
-    return token_windows(TokenStream(data_dir, "valid", source), seq_len, max_tokens)

@@ -34,14 +34,16 @@ SPLITS = ("train", "valid")
 def token_type(vocab_size: int) -> pa.DataType:
     """The smallest unsigned integer type that holds every id of the vocabulary."""
     for t in (pa.uint8(), pa.uint16(), pa.uint32()):
-        if vocab_size <= 2 ** t.bit_width:
+        if vocab_size <= 2**t.bit_width:
             return t
     raise DataError(f"a vocabulary of {vocab_size} pieces does not fit in uint32 token ids")
 
 
 @dataclass
 class ShardInfo:
-    file: str  # relative to the data directory: gen-N/NAME (NAME in data written before generations)
+    file: (
+        str  # relative to the data directory: gen-N/NAME (NAME in data written before generations)
+    )
     source: str
     documents: int
     tokens: int
@@ -116,8 +118,14 @@ def shard_schema(ttype: pa.DataType, masked: bool = False) -> pa.Schema:
     return pa.schema(fields, metadata={"schema_version": str(SCHEMA_VERSION)})
 
 
-def write_shard(path: Path, source: str, tokens: np.ndarray, lengths: np.ndarray,
-                vocab_size: int, mask: np.ndarray | None = None) -> ShardInfo:
+def write_shard(
+    path: Path,
+    source: str,
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    vocab_size: int,
+    mask: np.ndarray | None = None,
+) -> ShardInfo:
     """Write documents, given as their concatenated token ids (each ending with EOS) and their
     lengths, as one Arrow IPC file; ``mask``: the loss mask of each token (uint8), written as
     the ``loss_mask`` column."""
@@ -131,8 +139,11 @@ def write_shard(path: Path, source: str, tokens: np.ndarray, lengths: np.ndarray
     if mask is not None:
         if len(mask) != len(tokens):
             raise ValueError(f"{len(mask)} mask values for {len(tokens)} tokens")
-        columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(
-            np.asarray(mask, dtype=np.uint8), type=pa.uint8())))
+        columns.append(
+            pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(np.asarray(mask, dtype=np.uint8), type=pa.uint8())
+            )
+        )
     schema = shard_schema(ttype, mask is not None)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, schema) as writer:
@@ -140,16 +151,29 @@ def write_shard(path: Path, source: str, tokens: np.ndarray, lengths: np.ndarray
     buf = sink.getvalue()
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, buf)
-    return ShardInfo(file=path.name, source=source, documents=len(lengths), tokens=len(tokens),
-                     sha256=hashlib.sha256(buf).hexdigest(), bytes=buf.size)
+    return ShardInfo(
+        file=path.name,
+        source=source,
+        documents=len(lengths),
+        tokens=len(tokens),
+        sha256=hashlib.sha256(buf).hexdigest(),
+        bytes=buf.size,
+    )
 
 
 class ShardWriter:
     """Collects a split's documents of one source and writes a shard each time
     ``shard_tokens`` are reached (shards end at document boundaries)."""
 
-    def __init__(self, data_dir: Path, split: str, source: str, shard_tokens: int,
-                 vocab_size: int, masked: bool = False):
+    def __init__(
+        self,
+        data_dir: Path,
+        split: str,
+        source: str,
+        shard_tokens: int,
+        vocab_size: int,
+        masked: bool = False,
+    ):
         self.data_dir, self.split, self.source = data_dir, split, source
         self.shard_tokens, self.vocab_size, self.masked = shard_tokens, vocab_size, masked
         self.shards: list[ShardInfo] = []
@@ -177,7 +201,7 @@ class ShardWriter:
                 self._lengths.append(lengths[start_doc:])
                 self._pending += end_tok - start_tok
                 return
-            self._lengths.append(lengths[start_doc:cut + 1])
+            self._lengths.append(lengths[start_doc : cut + 1])
             self.flush()
             start_doc, start_tok = cut + 1, end_tok
 
@@ -185,10 +209,16 @@ class ShardWriter:
         if not self._lengths or not sum(len(x) for x in self._lengths):
             return
         name = f"{self.split}-{self.source}-{len(self.shards):05d}.arrow"
-        self.shards.append(write_shard(self.data_dir / name, self.source,
-                                       np.concatenate(self._tokens), np.concatenate(self._lengths),
-                                       self.vocab_size,
-                                       np.concatenate(self._masks) if self.masked else None))
+        self.shards.append(
+            write_shard(
+                self.data_dir / name,
+                self.source,
+                np.concatenate(self._tokens),
+                np.concatenate(self._lengths),
+                self.vocab_size,
+                np.concatenate(self._masks) if self.masked else None,
+            )
+        )
         self._tokens, self._masks, self._lengths, self._pending = [], [], [], 0
 
 
@@ -211,19 +241,34 @@ def read_manifest(data_dir: str | Path, s3: S3Config | None = None) -> Manifest:
         raise DataError(f"{path}: unreadable manifest ({e})") from e
     try:
         if raw["schema_version"] != SCHEMA_VERSION:
-            raise DataError(f"{path}: schema version {raw['schema_version']}, this reader reads "
-                            f"{SCHEMA_VERSION}; prepare the data again")
-        splits = {name: SplitInfo([ShardInfo(**s) for s in raw["splits"][name]["shards"]])
-                  for name in SPLITS}
-        manifest = Manifest(raw["schema_version"], raw["config_hash"], raw["tokenizer"],
-                            raw["token_type"], splits, raw["sources"], raw.get("split_rule"),
-                            bool(raw.get("loss_mask", False)))
+            raise DataError(
+                f"{path}: schema version {raw['schema_version']}, this reader reads "
+                f"{SCHEMA_VERSION}; prepare the data again"
+            )
+        splits = {
+            name: SplitInfo([ShardInfo(**s) for s in raw["splits"][name]["shards"]])
+            for name in SPLITS
+        }
+        manifest = Manifest(
+            raw["schema_version"],
+            raw["config_hash"],
+            raw["tokenizer"],
+            raw["token_type"],
+            splits,
+            raw["sources"],
+            raw.get("split_rule"),
+            bool(raw.get("loss_mask", False)),
+        )
         names = {s.source for split in splits.values() for s in split.shards}
         if not names <= set(manifest.source_names):
-            raise DataError(f"{path}: shards of unknown sources {sorted(names - set(manifest.source_names))}")
+            raise DataError(
+                f"{path}: shards of unknown sources {sorted(names - set(manifest.source_names))}"
+            )
         if manifest.token_type != str(token_type(int(manifest.tokenizer["vocab_size"]))):
-            raise DataError(f"{path}: token type {manifest.token_type} does not match the "
-                            f"vocabulary of {manifest.tokenizer['vocab_size']}")
+            raise DataError(
+                f"{path}: token type {manifest.token_type} does not match the "
+                f"vocabulary of {manifest.tokenizer['vocab_size']}"
+            )
         return manifest
     except (KeyError, TypeError) as e:
         raise DataError(f"{path}: malformed manifest (missing or bad field {e})") from e
@@ -243,20 +288,23 @@ def open_shard(path: Path, expected: ShardInfo, ttype: str) -> np.ndarray:
     return open_shard_data(path, expected, ttype, None).tokens
 
 
-def open_shard_data(path: Path, expected: ShardInfo, ttype: str,
-                    masked: bool | None) -> ShardData:
+def open_shard_data(path: Path, expected: ShardInfo, ttype: str, masked: bool | None) -> ShardData:
     """:func:`open_shard` with the loss mask: ``masked`` says whether the shard must have the
     ``loss_mask`` column (``Manifest.loss_mask``); None: either schema, the mask not read."""
-    schemas = [shard_schema(getattr(pa, ttype)(), m)
-               for m in ((False, True) if masked is None else (masked,))]
+    schemas = [
+        shard_schema(getattr(pa, ttype)(), m)
+        for m in ((False, True) if masked is None else (masked,))
+    ]
     try:
         reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
         if not any(reader.schema.equals(want, check_metadata=True) for want in schemas):
             found = ", ".join(f"{f.name}: {f.type}" for f in reader.schema)
             version = (reader.schema.metadata or {}).get(b"schema_version", b"none").decode()
             wanted = ", ".join(f"{f.name}: {f.type}" for f in schemas[-1])
-            raise DataError(f"{path}: wrong shard schema ({found}; schema version {version}), "
-                            f"expected ({wanted}; schema version {SCHEMA_VERSION})")
+            raise DataError(
+                f"{path}: wrong shard schema ({found}; schema version {version}), "
+                f"expected ({wanted}; schema version {SCHEMA_VERSION})"
+            )
         batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     except FileNotFoundError:
         raise DataError(f"{path}: shard listed in the manifest is missing") from None
@@ -265,16 +313,20 @@ def open_shard_data(path: Path, expected: ShardInfo, ttype: str,
     docs = sum(b.num_rows for b in batches)
     tokens = _flat(batches, 0)
     if docs != expected.documents or len(tokens) != expected.tokens:
-        raise DataError(f"{path}: holds {docs} documents / {len(tokens)} tokens but the manifest "
-                        f"says {expected.documents} / {expected.tokens}")
+        raise DataError(
+            f"{path}: holds {docs} documents / {len(tokens)} tokens but the manifest "
+            f"says {expected.documents} / {expected.tokens}"
+        )
     mask = None
     if masked:
         mask = _flat(batches, 1)
         # Both columns of a batch share offsets when written here; a file made elsewhere might not.
         if len(mask) != len(tokens) or any(
-                not b.column(0).offsets.equals(b.column(1).offsets) for b in batches):
-            raise DataError(f"{path}: its loss_mask column does not match its tokens "
-                            "document by document")
+            not b.column(0).offsets.equals(b.column(1).offsets) for b in batches
+        ):
+            raise DataError(
+                f"{path}: its loss_mask column does not match its tokens document by document"
+            )
     return ShardData(tokens, mask)
 
 

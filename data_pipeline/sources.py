@@ -99,37 +99,48 @@ from the Hub also holds README.md, .gitattributes and the like)."""
 
 
 def _visible_files(root: Path, suffix: str | None) -> list[Path]:
-    return [q for q in root.rglob("*") if q.is_file()
-            and not any(part.startswith(".") for part in q.relative_to(root).parts)
-            and (suffix is None or q.name.endswith(suffix))]
+    return [
+        q
+        for q in root.rglob("*")
+        if q.is_file()
+        and not any(part.startswith(".") for part in q.relative_to(root).parts)
+        and (suffix is None or q.name.endswith(suffix))
+    ]
 
 
-def _matching_s3(pattern: str, source: str, suffix: str | None, s3: S3Config
-                 ) -> dict[str, str]:
+def _matching_s3(pattern: str, source: str, suffix: str | None, s3: S3Config) -> dict[str, str]:
     """matching_files for one ``s3://`` pattern: prefixes play the part of directories."""
-    parts = pattern[len(storage.S3_SCHEME):].rstrip("/").split("/")
+    parts = pattern[len(storage.S3_SCHEME) :].rstrip("/").split("/")
     base = storage.S3_SCHEME + "/".join(itertools.takewhile(lambda p: not glob.has_magic(p), parts))
     files: dict[str, str] = {}
     for url, is_prefix in storage.glob_s3(pattern, s3):
         if not is_prefix:
-            files[url] = url[len(base) + 1:] if url.startswith(base + "/") else url.rsplit("/", 1)[-1]
+            files[url] = (
+                url[len(base) + 1 :] if url.startswith(base + "/") else url.rsplit("/", 1)[-1]
+            )
             continue
         found = {}
         for info in storage.list_s3(url, s3):
-            name = info.path[len(url) - len(storage.S3_SCHEME) + 1:]
-            if (not any(part.startswith(".") for part in name.split("/"))
-                    and (suffix is None or name.endswith(suffix))):
+            name = info.path[len(url) - len(storage.S3_SCHEME) + 1 :]
+            if not any(part.startswith(".") for part in name.split("/")) and (
+                suffix is None or name.endswith(suffix)
+            ):
                 found[storage.S3_SCHEME + info.path] = name
         if not found:
-            raise DataError(f"source {source!r}: {url} holds no "
-                            f"{'*' + suffix + ' ' if suffix else ''}objects")
+            raise DataError(
+                f"source {source!r}: {url} holds no {'*' + suffix + ' ' if suffix else ''}objects"
+            )
         files.update(found)
     return files
 
 
-def matching_files(patterns: list[str], source: str, suffix: str | None = None,
-                   directories: bool = False, s3: S3Config = LOCAL
-                   ) -> list[tuple[Path | str, str]]:
+def matching_files(
+    patterns: list[str],
+    source: str,
+    suffix: str | None = None,
+    directories: bool = False,
+    s3: S3Config = LOCAL,
+) -> list[tuple[Path | str, str]]:
     """Files matched by the patterns, each with its name relative to its pattern's base (a
     directory pattern: that directory; a file: its parent). Document ids use that name, so the
     train/validation split does not depend on where the files live. A directory is searched for
@@ -151,8 +162,10 @@ def matching_files(patterns: list[str], source: str, suffix: str | None = None,
             if p.is_dir() and not directories:
                 found = _visible_files(p, suffix)
                 if not found:
-                    raise DataError(f"source {source!r}: directory {p} holds no "
-                                    f"{'*' + suffix + ' ' if suffix else ''}files")
+                    raise DataError(
+                        f"source {source!r}: directory {p} holds no "
+                        f"{'*' + suffix + ' ' if suffix else ''}files"
+                    )
                 files.update((q, str(q.relative_to(p))) for q in found)
             elif p.is_dir() == directories:
                 files[p] = name
@@ -161,8 +174,10 @@ def matching_files(patterns: list[str], source: str, suffix: str | None = None,
         raise DataError(f"source {source!r}: {patterns} match no {kind}")
     # Compared by parts like Path does, so local files keep their order and a bucket holding
     # the same tree gives the same order.
-    return sorted(files.items(), key=lambda f: f[0].parts if isinstance(f[0], Path)
-                  else tuple(f[0].split("/")))
+    return sorted(
+        files.items(),
+        key=lambda f: f[0].parts if isinstance(f[0], Path) else tuple(f[0].split("/")),
+    )
 
 
 @dataclass(frozen=True)
@@ -206,17 +221,22 @@ def _parquet_items(files: list[tuple[Path | str, str]], s3: S3Config) -> list[Wo
     items = []
     for p, n, g, rg in groups:
         ranges = row_ranges(rg.num_rows, rg.total_byte_size, chunk)
-        items += ([WorkItem(str(p), n, g)] if ranges is None
-                  else [WorkItem(str(p), n, (g, a, b)) for a, b in ranges])
+        items += (
+            [WorkItem(str(p), n, g)]
+            if ranges is None
+            else [WorkItem(str(p), n, (g, a, b)) for a, b in ranges]
+        )
     return items
 
 
-def _read_rows(parquet: pq.ParquetFile, group: int, start: int, stop: int,
-               columns: list[str]) -> pa.Table:
+def _read_rows(
+    parquet: pq.ParquetFile, group: int, start: int, stop: int, columns: list[str]
+) -> pa.Table:
     """Rows [start, stop) of a row group, decoding it only as far as ``stop``."""
     pieces, offset = [], 0
-    for batch in parquet.iter_batches(batch_size=min(stop - start, 65536),
-                                      row_groups=[group], columns=columns):
+    for batch in parquet.iter_batches(
+        batch_size=min(stop - start, 65536), row_groups=[group], columns=columns
+    ):
         end = offset + batch.num_rows
         if end > start:
             pieces.append(batch.slice(max(start - offset, 0), min(stop, end) - max(start, offset)))
@@ -248,14 +268,18 @@ def hf_disk_files(directory: Path) -> list[Path]:
     directory are accepted."""
     if (directory / "dataset_dict.json").exists():
         splits = sorted(p.name for p in directory.iterdir() if p.is_dir())
-        raise DataError(f"{directory} holds a DatasetDict; name one of its splits "
-                        f"({', '.join(splits)}), e.g. {directory / (splits[0] if splits else 'train')}")
+        raise DataError(
+            f"{directory} holds a DatasetDict; name one of its splits "
+            f"({', '.join(splits)}), e.g. {directory / (splits[0] if splits else 'train')}"
+        )
     state = directory / "state.json"
     try:
         files = json.loads(state.read_text(encoding="utf-8"))["_data_files"]
         names = [f["filename"] for f in files]
     except FileNotFoundError:
-        raise DataError(f"{directory}: no state.json; not a dataset written by save_to_disk") from None
+        raise DataError(
+            f"{directory}: no state.json; not a dataset written by save_to_disk"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise DataError(f"{state}: unreadable ({type(e).__name__}: {e})") from e
     out = []
@@ -302,9 +326,12 @@ def work_items(source: SourceConfig, s3: S3Config = LOCAL) -> list[WorkItem]:
         root = Path(sysconfig.get_paths()["stdlib"])
         return [WorkItem(str(p), str(p.relative_to(root))) for p in stdlib_files()]
     if source.type == "hf_disk":
-        return [WorkItem(str(f), f"{name}/{f.name}", r)
-                for d, name in matching_files(source.paths, source.name, directories=True)
-                for f in hf_disk_files(d) for r in _batch_ranges(f)]
+        return [
+            WorkItem(str(f), f"{name}/{f.name}", r)
+            for d, name in matching_files(source.paths, source.name, directories=True)
+            for f in hf_disk_files(d)
+            for r in _batch_ranges(f)
+        ]
     files = matching_files(source.paths, source.name, DIRECTORY_SUFFIX.get(source.type), s3=s3)
     if source.type in ("text", "python"):
         return [WorkItem(str(p), n) for p, n in files]
@@ -312,12 +339,18 @@ def work_items(source: SourceConfig, s3: S3Config = LOCAL) -> list[WorkItem]:
         # A compressed file cannot be entered in the middle: it is one item, read as a stream.
         plain = {p: storage.size(str(p), s3) for p, _ in files if not compression(p, s3)}
         chunk = jsonl_chunk_bytes(sum(plain.values()))
-        return [WorkItem(str(p), n, r) for p, n in files
-                for r in (_jsonl_ranges(plain[p], chunk) if p in plain else [None])]
+        return [
+            WorkItem(str(p), n, r)
+            for p, n in files
+            for r in (_jsonl_ranges(plain[p], chunk) if p in plain else [None])
+        ]
     if source.type == "parquet":
         return _parquet_items(files, s3)
-    return [WorkItem(str(p), n, b) for p, n in files
-            for b in range(_open_arrow(p, s3).num_record_batches)]
+    return [
+        WorkItem(str(p), n, b)
+        for p, n in files
+        for b in range(_open_arrow(p, s3).num_record_batches)
+    ]
 
 
 EMPTY_ROWS_KEPT = 5
@@ -359,8 +392,9 @@ def decode(raw: bytes) -> tuple[str, int]:
         return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
 
 
-def _jsonl_lines(path: Path | str, part: tuple[int, int] | None, s3: S3Config
-                 ) -> Iterator[tuple[int, bytes]]:
+def _jsonl_lines(
+    path: Path | str, part: tuple[int, int] | None, s3: S3Config
+) -> Iterator[tuple[int, bytes]]:
     """(offset, line) of the lines of a byte range of a plain file, or of a whole compressed
     file (offsets in its decompressed bytes)."""
     with open_stream(path, s3) as f:
@@ -398,8 +432,14 @@ def line_number(path: Path | str, offset: int, s3: S3Config) -> int:
     return newlines + 1
 
 
-def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
-                     source: SourceConfig, out: ItemDocuments, s3: S3Config) -> None:
+def _jsonl_documents(
+    path: Path | str,
+    name: str,
+    part: tuple[int, int] | None,
+    source: SourceConfig,
+    out: ItemDocuments,
+    s3: S3Config,
+) -> None:
     fieldname, keep = source.field, source.row_filter
     instruction = source.type == "instruction"
 
@@ -415,9 +455,10 @@ def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            near = text[max(0, e.pos - 30):e.pos + 30].strip()
-            raise DataError(f"{where(offset)} is not valid JSON: {e.msg} at column {e.colno} "
-                            f"(near {near!r})") from None
+            near = text[max(0, e.pos - 30) : e.pos + 30].strip()
+            raise DataError(
+                f"{where(offset)} is not valid JSON: {e.msg} at column {e.colno} (near {near!r})"
+            ) from None
         if instruction:
             if not isinstance(record, dict):
                 raise DataError(f"{where(offset)} is not a JSON object")
@@ -425,20 +466,23 @@ def _jsonl_documents(path: Path | str, name: str, part: tuple[int, int] | None,
             raise DataError(f"{where(offset)} has no field {fieldname!r}")
         if keep is not None:
             if keep.column not in record:
-                raise DataError(f"{where(offset)} has no field {keep.column!r} "
-                                "(the source's filter column)")
+                raise DataError(
+                    f"{where(offset)} has no field {keep.column!r} (the source's filter column)"
+                )
             if record[keep.column] != keep.value:
                 out.filtered += 1
                 continue
         if instruction:
-            messages = instruction_format.messages_of(record, where(offset),
-                                                      source.template.train_roles)
+            messages = instruction_format.messages_of(
+                record, where(offset), source.template.train_roles
+            )
             out.add(f"{name}@{offset}", instruction_format.canonical(messages), index)
             continue
         value = record[fieldname]
         if value is not None and not isinstance(value, str):
-            raise DataError(f"{where(offset)}: field {fieldname!r} is "
-                            f"{type(value).__name__}, expected a string")
+            raise DataError(
+                f"{where(offset)}: field {fieldname!r} is {type(value).__name__}, expected a string"
+            )
         out.add(f"{name}@{offset}", value, index)
 
 
@@ -448,8 +492,9 @@ def _check_columns(path: Path, names: list[str], source: SourceConfig) -> list[s
     for column in wanted:
         if column not in names:
             role = "text" if column == source.field else "filter"
-            raise DataError(f"{path}: no column {column!r} (the source's {role} column; "
-                            f"columns: {names})")
+            raise DataError(
+                f"{path}: no column {column!r} (the source's {role} column; columns: {names})"
+            )
     return list(dict.fromkeys(wanted))
 
 
@@ -461,14 +506,22 @@ def _kept_rows(path: Path, table: pa.Table | pa.RecordBatch, source: SourceConfi
     try:
         mask = pc.fill_null(pc.equal(column, pa.scalar(source.filter.value)), False)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-        raise DataError(f"{path}: column {source.filter.column!r} is {column.type}, which cannot "
-                        f"be compared with the filter value {source.filter.value!r} ({e})") from e
+        raise DataError(
+            f"{path}: column {source.filter.column!r} is {column.type}, which cannot "
+            f"be compared with the filter value {source.filter.value!r} ({e})"
+        ) from e
     return np.flatnonzero(mask.to_numpy(zero_copy_only=False))
 
 
-def _column_documents(path: Path, name: str, table: pa.Table | pa.RecordBatch,
-                      source: SourceConfig, part: int, out: ItemDocuments,
-                      first_row: int = 0) -> None:
+def _column_documents(
+    path: Path,
+    name: str,
+    table: pa.Table | pa.RecordBatch,
+    source: SourceConfig,
+    part: int,
+    out: ItemDocuments,
+    first_row: int = 0,
+) -> None:
     """``first_row``: the row of ``part`` that ``table`` starts at (for document ids). The
     table's rows follow the item's rows read so far (``out.rows``)."""
     _check_columns(path, table.schema.names, source)
@@ -513,8 +566,11 @@ def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> Ite
         columns = _check_columns(path, parquet.schema_arrow.names, source)
         group, start, stop = item.part if isinstance(item.part, tuple) else (item.part, 0, None)
         try:
-            table = (parquet.read_row_group(group, columns=columns) if stop is None
-                     else _read_rows(parquet, group, start, stop, columns))
+            table = (
+                parquet.read_row_group(group, columns=columns)
+                if stop is None
+                else _read_rows(parquet, group, start, stop, columns)
+            )
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: unreadable row group {group} ({e})") from e
         except DataError as e:
@@ -525,6 +581,7 @@ def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> Ite
         for i, batch in enumerate(itertools.islice(_stream_batches(path), first, stop), first):
             _column_documents(path, item.name, batch, source, i, out)
     else:
-        _column_documents(path, item.name, _open_arrow(path, s3).get_batch(item.part), source,
-                          item.part, out)
+        _column_documents(
+            path, item.name, _open_arrow(path, s3).get_batch(item.part), source, item.part, out
+        )
     return out

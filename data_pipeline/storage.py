@@ -51,7 +51,7 @@ def join(base: str | os.PathLike, name: str) -> str | os.PathLike:
 
 def _key(url: str) -> str:
     """``bucket/key`` as pyarrow names an object."""
-    return url[len(S3_SCHEME):].rstrip("/")
+    return url[len(S3_SCHEME) :].rstrip("/")
 
 
 def _redacted(message: str) -> str:
@@ -63,8 +63,14 @@ def _redacted(message: str) -> str:
     return message
 
 
-DENIED = ("ACCESS_DENIED", "SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY_ID", "EXPIRED_TOKEN",
-          "INVALID_CLIENT_TOKEN_ID", "MISSING_AUTHENTICATION_TOKEN")
+DENIED = (
+    "ACCESS_DENIED",
+    "SIGNATURE_DOES_NOT_MATCH",
+    "INVALID_ACCESS_KEY_ID",
+    "EXPIRED_TOKEN",
+    "INVALID_CLIENT_TOKEN_ID",
+    "MISSING_AUTHENTICATION_TOKEN",
+)
 
 
 def s3_error(url: str, e: BaseException) -> DataError:
@@ -75,9 +81,11 @@ def s3_error(url: str, e: BaseException) -> DataError:
     if "NO_SUCH_BUCKET" in text:
         return DataError(f"{url}: the bucket {_key(url).split('/')[0]!r} does not exist ({text})")
     if any(code in text for code in DENIED):
-        return DataError(f"{url}: access denied; check the credentials (AWS_ACCESS_KEY_ID and "
-                         "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials) and the "
-                         f"bucket's permissions ({text})")
+        return DataError(
+            f"{url}: access denied; check the credentials (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials) and the "
+            f"bucket's permissions ({text})"
+        )
     return DataError(f"{url}: unreadable ({text})")
 
 
@@ -92,8 +100,9 @@ def _missing(url: str, s3: S3Config) -> DataError:
     """Why ``url`` is not there: its bucket is missing, or the object is."""
     bucket = S3_SCHEME + _key(url).split("/")[0]
     if _info(bucket, s3).type == pafs.FileType.NotFound:
-        return DataError(f"{url}: the bucket {bucket} does not exist (or is not visible with "
-                         "these credentials)")
+        return DataError(
+            f"{url}: the bucket {bucket} does not exist (or is not visible with these credentials)"
+        )
     return DataError(f"{url}: no such object or prefix")
 
 
@@ -104,7 +113,9 @@ def open_input(path: str, s3: S3Config) -> io.BufferedIOBase:
     try:
         raw = _fs(s3).open_input_file(_key(path))
     except OSError as e:
-        raise (_missing(path, s3) if isinstance(e, FileNotFoundError) else s3_error(path, e)) from None
+        raise (
+            _missing(path, s3) if isinstance(e, FileNotFoundError) else s3_error(path, e)
+        ) from None
     return io.BufferedReader(raw, READ_BUFFER)
 
 
@@ -115,7 +126,9 @@ def random_access(path: str, s3: S3Config) -> pa.NativeFile:
     try:
         return _fs(s3).open_input_file(_key(path))
     except OSError as e:
-        raise (_missing(path, s3) if isinstance(e, FileNotFoundError) else s3_error(path, e)) from None
+        raise (
+            _missing(path, s3) if isinstance(e, FileNotFoundError) else s3_error(path, e)
+        ) from None
 
 
 def read_bytes(path: str | os.PathLike, s3: S3Config) -> bytes:
@@ -134,7 +147,9 @@ def open_object(url: str, s3: S3Config) -> pa.NativeFile:
     try:
         return _fs(s3).open_input_stream(_key(url))
     except OSError as e:
-        raise (_missing(url, s3) if isinstance(e, FileNotFoundError) else s3_error(url, e)) from None
+        raise (
+            _missing(url, s3) if isinstance(e, FileNotFoundError) else s3_error(url, e)
+        ) from None
 
 
 def upload(local: Path, url: str, s3: S3Config) -> None:
@@ -174,7 +189,11 @@ def subdirs(path: str | os.PathLike, s3: S3Config) -> list[str]:
     """Names of the directories in a directory, or of the prefixes (empty ones included) just
     under an ``s3://`` prefix; none when it does not exist."""
     if not is_s3(str(path)):
-        return sorted(p.name for p in Path(path).iterdir() if p.is_dir()) if Path(path).is_dir() else []
+        return (
+            sorted(p.name for p in Path(path).iterdir() if p.is_dir())
+            if Path(path).is_dir()
+            else []
+        )
     try:
         found = _fs(s3).get_file_info(pafs.FileSelector(_key(str(path)), allow_not_found=True))
     except OSError as e:
@@ -212,8 +231,11 @@ def _segments_match(pattern: list[str], name: list[str]) -> bool:
         return not name
     if pattern[0] == "**":
         return any(_segments_match(pattern[1:], name[i:]) for i in range(len(name) + 1))
-    return (bool(name) and re.fullmatch(fnmatch.translate(pattern[0]), name[0]) is not None
-            and _segments_match(pattern[1:], name[1:]))
+    return (
+        bool(name)
+        and re.fullmatch(fnmatch.translate(pattern[0]), name[0]) is not None
+        and _segments_match(pattern[1:], name[1:])
+    )
 
 
 def glob_s3(pattern: str, s3: S3Config) -> list[tuple[str, bool]]:
@@ -230,23 +252,27 @@ def glob_s3(pattern: str, s3: S3Config) -> list[tuple[str, bool]]:
         if info.type == pafs.FileType.NotFound:
             raise _missing(base, s3)
         return [(base, info.type == pafs.FileType.Directory)]
-    rest = parts[len(fixed):]
-    return [(S3_SCHEME + info.path, info.type == pafs.FileType.Directory)
-            for info in list_s3(base, s3, files_only=False)
-            if _segments_match(rest, info.path[len(_key(base)) + 1:].split("/"))]
+    rest = parts[len(fixed) :]
+    return [
+        (S3_SCHEME + info.path, info.type == pafs.FileType.Directory)
+        for info in list_s3(base, s3, files_only=False)
+        if _segments_match(rest, info.path[len(_key(base)) + 1 :].split("/"))
+    ]
 
 
-def list_s3(prefix: str, s3: S3Config, files_only: bool = True,
-            missing_ok: bool = False) -> list[pafs.FileInfo]:
+def list_s3(
+    prefix: str, s3: S3Config, files_only: bool = True, missing_ok: bool = False
+) -> list[pafs.FileInfo]:
     """Everything under a prefix (a "directory"), recursively, in name order (``missing_ok``:
     nothing when there is no such prefix)."""
     try:
-        found = _fs(s3).get_file_info(pafs.FileSelector(_key(prefix), recursive=True,
-                                                        allow_not_found=missing_ok))
+        found = _fs(s3).get_file_info(
+            pafs.FileSelector(_key(prefix), recursive=True, allow_not_found=missing_ok)
+        )
     except FileNotFoundError:
         raise _missing(prefix, s3) from None
     except OSError as e:
         raise s3_error(prefix, e) from None
-    return sorted((i for i in found if i.type == pafs.FileType.File or not files_only),
-                  key=lambda i: i.path)
-
+    return sorted(
+        (i for i in found if i.type == pafs.FileType.File or not files_only), key=lambda i: i.path
+    )

@@ -40,8 +40,10 @@ def compression(path: Path | str, s3: S3Config = LOCAL) -> str | None:
     found = next((kind for kind, magic in MAGIC.items() if head.startswith(magic)), None)
     claimed = SUFFIX.get(suffix.lower())
     if claimed and found != claimed:
-        raise DataError(f"{path}: named {suffix} but does not start like {claimed} data "
-                        f"(first bytes {head.hex() or 'none'}); the file is damaged or mislabelled")
+        raise DataError(
+            f"{path}: named {suffix} but does not start like {claimed} data "
+            f"(first bytes {head.hex() or 'none'}); the file is damaged or mislabelled"
+        )
     return found
 
 
@@ -94,6 +96,7 @@ def open_stream(path: Path | str, s3: S3Config = LOCAL) -> Iterator[io.BufferedI
     except STREAM_ERRORS as e:
         what = f"corrupt {kind} data" if kind else "unreadable"
         raise DataError(f"{path}: {what} ({getattr(e, 'strerror', None) or e})") from e
+
 
 def read_bytes(path: Path | str, s3: S3Config = LOCAL) -> bytes:
     """The file's whole (decompressed) bytes."""

@@ -23,10 +23,11 @@ class PredictedText(NamedTuple):
     """Documents the predictions reach into (an EOS ends one)."""
 
 
-def predicted_text_bytes(tokens, tokenizer: Tokenizer, max_tokens: int | None = None
-                         ) -> PredictedText:
+def predicted_text_bytes(
+    tokens, tokenizer: Tokenizer, max_tokens: int | None = None
+) -> PredictedText:
     """:class:`PredictedText` of the predictions an evaluation of ``tokens`` makes
-    (:func:`data_pipeline.reader.token_windows`: every token after the first, at most
+    (:func:`data_pipeline.token_stream.token_windows`: every token after the first, at most
     ``max_tokens``, those whose loss mask is 0 left out): how many trained targets there are,
     the UTF-8 bytes of the text they decode to, and how many documents they reach into. Each
     document's targets are decoded together (a SentencePiece piece may begin with the space
@@ -34,7 +35,7 @@ def predicted_text_bytes(tokens, tokenizer: Tokenizer, max_tokens: int | None = 
     decodes to no text); with the identity normalisation (``data.tokenizer.normalization``)
     that is the document's own text.
     ``tokens`` has ``len``, ``read`` and ``read_mask``, as a
-    :class:`~data_pipeline.reader.TokenStream`."""
+    :class:`~data_pipeline.token_stream.TokenStream`."""
     total = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
     targets = text = eos = 0
     last = tokenizer.eos_id

@@ -27,10 +27,12 @@ must not depend on how many workers prepared the data."""
 
 
 # Special tokens of a tokenizer.json, by the names open-weights models use for them.
-HF_SPECIALS = {"bos": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
-               "eos": ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>"),
-               "pad": ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>"),
-               "unk": ("<unk>", "<|unk|>")}
+HF_SPECIALS = {
+    "bos": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
+    "eos": ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>"),
+    "pad": ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>"),
+    "unk": ("<unk>", "<|unk|>"),
+}
 
 
 class Tokenizer:
@@ -65,17 +67,26 @@ class Tokenizer:
         try:
             self.hf = HFTokenizer.from_str(data.decode())
         except Exception as e:  # tokenizers raises its own exception type
-            raise DataError(f"{self.path} is neither a SentencePiece model nor a valid "
-                            f"tokenizer.json: {e}") from e
+            raise DataError(
+                f"{self.path} is neither a SentencePiece model nor a valid tokenizer.json: {e}"
+            ) from e
         self.sha256 = hashlib.sha256(data).hexdigest()
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
-        ids = {kind: next((i for name in names if (i := self.hf.token_to_id(name)) is not None),
-                          -1) for kind, names in HF_SPECIALS.items()}
-        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (ids["bos"], ids["eos"], ids["pad"],
-                                                              ids["unk"])
+        ids = {
+            kind: next((i for name in names if (i := self.hf.token_to_id(name)) is not None), -1)
+            for kind, names in HF_SPECIALS.items()
+        }
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
+            ids["bos"],
+            ids["eos"],
+            ids["pad"],
+            ids["unk"],
+        )
         if self.eos_id < 0:
-            raise DataError(f"tokenizer {self.path} has none of the EOS tokens "
-                            f"{', '.join(HF_SPECIALS['eos'])}; documents need one")
+            raise DataError(
+                f"tokenizer {self.path} has none of the EOS tokens "
+                f"{', '.join(HF_SPECIALS['eos'])}; documents need one"
+            )
 
     def encode(self, text: str) -> list[int]:
         if self.hf is not None:
@@ -93,8 +104,10 @@ class Tokenizer:
         (N, 2) array of [start, end) offsets (a piece of no text, such as SentencePiece's
         dummy-prefix space or the first byte piece of a character, has start == end)."""
         if self.hf is not None:
-            return [(e.ids, np.array(e.offsets, dtype=np.int64).reshape(-1, 2))
-                    for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+            return [
+                (e.ids, np.array(e.offsets, dtype=np.int64).reshape(-1, 2))
+                for e in self.hf.encode_batch(texts, add_special_tokens=False)
+            ]
         out = []
         for text, proto in zip(texts, self.sp.Encode(texts, return_type="proto", num_threads=1)):
             ids, spans = [], []
@@ -118,9 +131,15 @@ class Tokenizer:
         return self.sp.DecodeIds([int(i) for i in ids])
 
     def describe(self) -> dict:
-        return {"file": self.path.name, "sha256": self.sha256, "vocab_size": self.vocab_size,
-                "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id,
-                "unk_id": self.unk_id}
+        return {
+            "file": self.path.name,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+            "unk_id": self.unk_id,
+        }
 
 
 class LineSample:
@@ -151,10 +170,20 @@ def train_tokenizer(lines: list[str], cfg: TokenizerConfig, out_path: Path) -> T
         raise DataError("cannot train a tokenizer: the sources hold no text")
     model = io.BytesIO()
     spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=cfg.vocab_size,
-        model_type=cfg.model_type, byte_fallback=cfg.byte_fallback, character_coverage=0.9995,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID, num_threads=TRAINER_THREADS,
-        max_sentence_length=16384, shuffle_input_sentence=False, minloglevel=2,
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=cfg.vocab_size,
+        model_type=cfg.model_type,
+        byte_fallback=cfg.byte_fallback,
+        character_coverage=0.9995,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        num_threads=TRAINER_THREADS,
+        max_sentence_length=16384,
+        shuffle_input_sentence=False,
+        minloglevel=2,
         user_defined_symbols=list(cfg.special_tokens),
         normalization_rule_name=cfg.normalization,
         remove_extra_whitespaces=cfg.normalization != "identity",

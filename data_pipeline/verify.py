@@ -87,8 +87,9 @@ def verify(data_dir: str | Path, progress: bool = True, s3: S3Config | None = No
         with files.local(tokenizer_file) as path:
             found = _sha256(path)
             if found != manifest.tokenizer["sha256"]:
-                raise corrupt(files.where(tokenizer_file), "tokenizer", found,
-                              manifest.tokenizer["sha256"])
+                raise corrupt(
+                    files.where(tokenizer_file), "tokenizer", found, manifest.tokenizer["sha256"]
+                )
             Tokenizer(path)  # a readable model
         vocab = int(manifest.tokenizer["vocab_size"])
         shards = tokens = 0
@@ -99,11 +100,15 @@ def verify(data_dir: str | Path, progress: bool = True, s3: S3Config | None = No
                 if found != info.sha256:
                     raise corrupt(files.where(info.file), "shard", found, info.sha256)
                 if len(array) and int(array.max()) >= vocab:
-                    raise DataError(f"{files.where(info.file)}: token id {int(array.max())} out "
-                                    f"of range for the tokenizer's vocabulary of {vocab}")
+                    raise DataError(
+                        f"{files.where(info.file)}: token id {int(array.max())} out "
+                        f"of range for the tokenizer's vocabulary of {vocab}"
+                    )
                 if mask is not None and len(mask) and int(mask.max()) > 1:
-                    raise DataError(f"{files.where(info.file)}: loss mask value "
-                                    f"{int(mask.max())}; a loss mask holds only 0 and 1")
+                    raise DataError(
+                        f"{files.where(info.file)}: loss mask value "
+                        f"{int(mask.max())}; a loss mask holds only 0 and 1"
+                    )
                 shards, tokens = shards + 1, tokens + len(array)
             bar.update(size, info.documents, len(array))
         bar.close()

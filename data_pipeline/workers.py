@@ -55,16 +55,30 @@ def init_worker(tokenizer_path: str | None, s3: S3Config = _S3) -> None:
 
 def _dump_docs(docs: ItemDocuments, path: str) -> None:
     with open(path, "w", encoding="ascii") as f:  # ensure_ascii: any str survives
-        json.dump({"docs": docs.docs, "invalid_utf8": docs.invalid_utf8, "empty": docs.empty,
-                   "filtered": docs.filtered, "empty_rows": docs.empty_rows,
-                   "rows": docs.rows}, f)
+        json.dump(
+            {
+                "docs": docs.docs,
+                "invalid_utf8": docs.invalid_utf8,
+                "empty": docs.empty,
+                "filtered": docs.filtered,
+                "empty_rows": docs.empty_rows,
+                "rows": docs.rows,
+            },
+            f,
+        )
 
 
 def load_docs(path: str) -> ItemDocuments:
     with open(path, encoding="ascii") as f:
         d = json.load(f)
-    return ItemDocuments([(doc_id, text) for doc_id, text in d["docs"]], d["invalid_utf8"],
-                         d["empty"], d["filtered"], d["empty_rows"], d["rows"])
+    return ItemDocuments(
+        [(doc_id, text) for doc_id, text in d["docs"]],
+        d["invalid_utf8"],
+        d["empty"],
+        d["filtered"],
+        d["empty_rows"],
+        d["rows"],
+    )
 
 
 def read_into_spill(args: tuple[SourceConfig, WorkItem, str]) -> str:
@@ -90,8 +104,9 @@ class ItemCounts(NamedTuple):
     """Documents whose split by the location rule differs (PrepareReport.moved_from_location_rule)."""
 
 
-def encode_item(args: tuple[SourceConfig, float, WorkItem, str | None, str],
-                docs: ItemDocuments | None = None) -> ItemCounts:
+def encode_item(
+    args: tuple[SourceConfig, float, WorkItem, str | None, str], docs: ItemDocuments | None = None
+) -> ItemCounts:
     """Read (or load from its spill file, or take ``docs`` read already) and tokenize one work
     item; write per split, in ``SPLITS`` order, the document lengths (int64), the concatenated
     token ids (uint32, each document followed by EOS), for an instruction source their loss
@@ -104,8 +119,10 @@ def encode_item(args: tuple[SourceConfig, float, WorkItem, str | None, str],
     eos = _TOKENIZER.eos_id
     keys = [content_key(text) for _, text in docs.docs]
     valid = [in_valid_split(key, valid_fraction) for key in keys]
-    moved = sum(v != in_valid_split_by_location(source.name, doc_id, valid_fraction)
-                for v, (doc_id, _) in zip(valid, docs.docs))
+    moved = sum(
+        v != in_valid_split_by_location(source.name, doc_id, valid_fraction)
+        for v, (doc_id, _) in zip(valid, docs.docs)
+    )
     counts = []
     with open(spill, "wb") as f:
         for split in SPLITS:
@@ -121,14 +138,16 @@ def encode_item(args: tuple[SourceConfig, float, WorkItem, str | None, str],
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
             lengths.tofile(f)
             # chain.from_iterable flattens in C: a generator over every token cost 13% of encode.
-            np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32,
-                        count=int(lengths.sum())).tofile(f)
+            np.fromiter(
+                itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum())
+            ).tofile(f)
             if masks is not None:
                 np.concatenate([np.zeros(0, np.uint8), *masks]).tofile(f)
             f.write(b"".join(key for key, m in zip(keys, mine) if m))
             counts.append(len(ids))
-    return ItemCounts(counts, docs.invalid_utf8, docs.empty, docs.filtered, docs.empty_rows,
-                      docs.rows, moved)
+    return ItemCounts(
+        counts, docs.invalid_utf8, docs.empty, docs.filtered, docs.empty_rows, docs.rows, moved
+    )
 
 
 def encode_task(jobs: list[tuple]) -> list[ItemCounts]:
@@ -156,8 +175,9 @@ def encode_part_task(jobs: list[tuple]) -> list[tuple[ItemCounts, str, str]]:
     for job in jobs:
         docs = read_item(job[0], job[2], _S3)
         counts = encode_item(job, docs)
-        out.append((counts, _docs_sha256(docs),
-                    hashlib.sha256(Path(job[-1]).read_bytes()).hexdigest()))
+        out.append(
+            (counts, _docs_sha256(docs), hashlib.sha256(Path(job[-1]).read_bytes()).hexdigest())
+        )
     return out
 
 
@@ -195,8 +215,9 @@ class EncodedSplit(NamedTuple):
     """Loss mask per token (instruction sources); None: all ones."""
 
 
-def load_encoded(path: str, counts: list[int], masked: bool = False,
-                 raw: bytes | None = None) -> dict[str, EncodedSplit]:
+def load_encoded(
+    path: str, counts: list[int], masked: bool = False, raw: bytes | None = None
+) -> dict[str, EncodedSplit]:
     """Each split's documents from an :func:`encode_item` spill file (``masked``: of an
     instruction source, with its loss mask; ``raw``: the file's bytes, read already)."""
     raw = Path(path).read_bytes() if raw is None else raw
@@ -234,19 +255,31 @@ def load_spill(path: str, counts: list[int], masked: bool) -> dict[str, EncodedS
 def worker_pool(workers: int, tokenizer_path: str | None, s3: S3Config) -> Iterator:
     """A pool of ``workers`` spawned processes, each with the tokenizer at ``tokenizer_path``
     (None: reading only, for the tokenizer's sample) and the S3 settings ``s3``."""
-    with mp.get_context("spawn").Pool(workers, initializer=init_worker,
-                                      initargs=(tokenizer_path, s3)) as pool:
+    with mp.get_context("spawn").Pool(
+        workers, initializer=init_worker, initargs=(tokenizer_path, s3)
+    ) as pool:
         yield pool
 
 
-def encode_jobs(cfg: DataConfig, source: SourceConfig, items: list[WorkItem],
-                cached: list[str] | None, spill: Path, name: str = "encode") -> list[tuple]:
+def encode_jobs(
+    cfg: DataConfig,
+    source: SourceConfig,
+    items: list[WorkItem],
+    cached: list[str] | None,
+    spill: Path,
+    name: str = "encode",
+) -> list[tuple]:
     kept = cached if cached is not None else [None] * len(items)
-    return [(source, cfg.valid_fraction, it, c, str(spill / f"{name}-{source.name}-{i}.bin"))
-            for i, (it, c) in enumerate(zip(items, kept))]
+    return [
+        (source, cfg.valid_fraction, it, c, str(spill / f"{name}-{source.name}-{i}.bin"))
+        for i, (it, c) in enumerate(zip(items, kept))
+    ]
 
 
 def cpu_seconds() -> float:
     """CPU time of this process and of its finished children (the pools, once closed)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime

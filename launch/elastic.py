@@ -1,6 +1,6 @@
 """Resuming on fewer ranks when a restart cannot have them all (``launch.elastic``).
 
-Before each automatic restart (launch/supervise.py) moe-launch asks which slots are usable now:
+Before each automatic restart (launch/restarts.py) moe-launch asks which slots are usable now:
 
 - hostfile launches over several hosts: each host of the hostfile (after include/exclude) is
   reached the way DeepSpeed's runner reaches it, ``ssh HOST true`` with a short timeout; a host
@@ -29,9 +29,9 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from launch.restarts import Relaunch
 from launch.schedulers import build_plan
 from launch.schedulers.hostfile import active_slots, read_hostfile
-from launch.supervise import Relaunch
 from moe.config.run import RunConfig
 from moe.core.errors import ConfigError, LaunchError
 
@@ -50,18 +50,22 @@ class Layout:
     grad_accum_steps: int
 
     def overrides(self) -> list[str]:
-        return [f"parallel.world_size={self.world_size}",
-                f"parallel.expert_parallel_size={self.expert_parallel_size}",
-                f"train.grad_accum_steps={self.grad_accum_steps}"]
+        return [
+            f"parallel.world_size={self.world_size}",
+            f"parallel.expert_parallel_size={self.expert_parallel_size}",
+            f"train.grad_accum_steps={self.grad_accum_steps}",
+        ]
 
 
 def layout_of(cfg: RunConfig) -> Layout:
-    return Layout(cfg.parallel.world_size, cfg.parallel.expert_parallel_size,
-                  cfg.train.grad_accum_steps)
+    return Layout(
+        cfg.parallel.world_size, cfg.parallel.expert_parallel_size, cfg.train.grad_accum_steps
+    )
 
 
-def fitting_layout(original: Layout, usable: int, num_experts: int, min_world_size: int,
-                   micro_batch_size: int) -> Layout:
+def fitting_layout(
+    original: Layout, usable: int, num_experts: int, min_world_size: int, micro_batch_size: int
+) -> Layout:
     """The layout to restart ``original`` on with ``usable`` slots: the largest world size no
     larger than both that keeps the global batch and is at least ``min_world_size``; the
     original expert-parallel size if it divides that world size, else the largest divisor of
@@ -71,17 +75,22 @@ def fitting_layout(original: Layout, usable: int, num_experts: int, min_world_si
     for world in range(min(usable, original.world_size), min_world_size - 1, -1):
         if micro_steps % world:
             continue
-        ep = max(d for d in range(1, original.expert_parallel_size + 1)
-                 if num_experts % d == 0 and world % d == 0)
+        ep = max(
+            d
+            for d in range(1, original.expert_parallel_size + 1)
+            if num_experts % d == 0 and world % d == 0
+        )
         return Layout(world, ep, micro_steps // world)
     have = f"{usable} usable slot(s) of {original.world_size}"
     if usable < min_world_size:
         raise LaunchError(f"elastic: {have}, fewer than launch.min_world_size ({min_world_size})")
-    raise LaunchError(f"elastic: {have}, and no world size from {min(usable, original.world_size)} "
-                      f"down to launch.min_world_size ({min_world_size}) keeps the global batch "
-                      f"of {glob} sequences ({micro_batch_size} per micro-batch x "
-                      f"{original.grad_accum_steps} accumulation step(s) x {original.world_size} "
-                      f"ranks): the world size must divide {micro_steps}")
+    raise LaunchError(
+        f"elastic: {have}, and no world size from {min(usable, original.world_size)} "
+        f"down to launch.min_world_size ({min_world_size}) keeps the global batch "
+        f"of {glob} sequences ({micro_batch_size} per micro-batch x "
+        f"{original.grad_accum_steps} accumulation step(s) x {original.world_size} "
+        f"ranks): the world size must divide {micro_steps}"
+    )
 
 
 def _test_answers() -> dict[str, int]:
@@ -96,8 +105,17 @@ def reachable(host: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """``ssh HOST true`` as DeepSpeed's runner checks its first host: no password prompt, and
     a connect timeout so that a dead host costs seconds, not minutes. An argument list, no
     shell on this side; the host name passed the hostfile's plain-name check."""
-    cmd = ["ssh", "-o", "PasswordAuthentication=no", "-o", "BatchMode=yes",
-           "-o", f"ConnectTimeout={int(timeout)}", host, "true"]
+    cmd = [
+        "ssh",
+        "-o",
+        "PasswordAuthentication=no",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={int(timeout)}",
+        host,
+        "true",
+    ]
     try:
         return subprocess.run(cmd, capture_output=True, timeout=timeout + 5).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -111,8 +129,9 @@ def visible_gpus(env: dict[str, str]) -> int | None:
     if shutil.which("nvidia-smi") is None or visible in ("", "-1"):
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
-                             timeout=PROBE_TIMEOUT_S)
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
         listed = sum(line.startswith("GPU ") for line in out.stdout.splitlines())
     except (OSError, subprocess.TimeoutExpired):
         listed = 0  # the driver no longer answers: no GPU can be used
@@ -130,11 +149,16 @@ def usable_slots(cfg: RunConfig, env: dict[str, str]) -> tuple[dict[str, list[in
         try:
             slots = active_slots(read_hostfile(h.path), h.include, h.exclude)
         except ConfigError as e:
-            raise LaunchError(f"elastic: the hostfile {h.path} no longer matches "
-                              f"launch.hostfile: {'; '.join(e.problems)}") from None
+            raise LaunchError(
+                f"elastic: the hostfile {h.path} no longer matches "
+                f"launch.hostfile: {'; '.join(e.problems)}"
+            ) from None
         # One host: DeepSpeed's runner starts it here, without ssh.
-        probe = ({host: (lambda host=host: None if reachable(host) else 0) for host in slots}
-                 if len(slots) > 1 else {})
+        probe = (
+            {host: (lambda host=host: None if reachable(host) else 0) for host in slots}
+            if len(slots) > 1
+            else {}
+        )
     pending = {host: fn for host, fn in probe.items() if host not in answers}
     with ThreadPoolExecutor(max_workers=max(1, len(pending))) as pool:
         found = dict(zip(pending, pool.map(lambda fn: fn(), pending.values())))
@@ -142,8 +166,11 @@ def usable_slots(cfg: RunConfig, env: dict[str, str]) -> tuple[dict[str, list[in
     for host, host_slots in slots.items():
         n = answers.get(host, found.get(host))
         if n is not None and n < len(host_slots):
-            why.append(f"host {host} unreachable" if n == 0 else
-                       f"{host} has {n} usable slot(s) of {len(host_slots)}")
+            why.append(
+                f"host {host} unreachable"
+                if n == 0
+                else f"{host} has {n} usable slot(s) of {len(host_slots)}"
+            )
             host_slots = host_slots[:n]
         if host_slots:
             out[host] = host_slots
@@ -151,7 +178,7 @@ def usable_slots(cfg: RunConfig, env: dict[str, str]) -> tuple[dict[str, list[in
 
 
 class Elastic:
-    """The ``replan`` of :func:`launch.supervise.run_with_restarts` for a ``launch.elastic``
+    """The ``replan`` of :func:`launch.restarts.run_with_restarts` for a ``launch.elastic``
     run: the command for the next attempt, on the layout the usable slots allow."""
 
     def __init__(self, cfg: RunConfig, env: dict[str, str]):
@@ -162,15 +189,22 @@ class Elastic:
         cfg = self.cfg
         slots, why = usable_slots(cfg, self.env)
         usable = sum(len(s) for s in slots.values())
-        layout = fitting_layout(self.original, usable, cfg.model.moe.num_experts,
-                                cfg.launch.min_world_size, cfg.train.micro_batch_size)
+        layout = fitting_layout(
+            self.original,
+            usable,
+            cfg.model.moe.num_experts,
+            cfg.launch.min_world_size,
+            cfg.train.micro_batch_size,
+        )
         new = copy.deepcopy(cfg)
         new.parallel.world_size = layout.world_size
         new.parallel.expert_parallel_size = layout.expert_parallel_size
         new.train.grad_accum_steps = layout.grad_accum_steps
         if cfg.launch.scheduler == "hostfile":
             new.launch.hostfile.include = "@".join(
-                f"{host}:{','.join(map(str, s))}" for host, s in first_slots(slots, layout.world_size))
+                f"{host}:{','.join(map(str, s))}"
+                for host, s in first_slots(slots, layout.world_size)
+            )
             new.launch.hostfile.exclude = ""
         command = build_plan(new).command
         if layout != self.original:
@@ -179,17 +213,25 @@ class Elastic:
         if layout == was:
             return Relaunch(command, layout.world_size)
         glob = cfg.train.micro_batch_size * layout.grad_accum_steps * layout.world_size
-        ep = (f", expert_parallel_size {layout.expert_parallel_size} (was "
-              f"{was.expert_parallel_size})" if layout.expert_parallel_size
-              != was.expert_parallel_size else "")
-        note = (f"elastic: {', '.join(why) or 'every slot usable again'}; resuming on "
-                f"{layout.world_size} rank(s) (was {was.world_size}), grad_accum "
-                f"{layout.grad_accum_steps} (was {was.grad_accum_steps}){ep}, same global batch "
-                f"of {glob} sequences")
-        record = {"world_size": layout.world_size, "was_world_size": was.world_size,
-                  "grad_accum_steps": layout.grad_accum_steps,
-                  "expert_parallel_size": layout.expert_parallel_size,
-                  "global_batch": glob, "unusable": why}
+        ep = (
+            f", expert_parallel_size {layout.expert_parallel_size} (was {was.expert_parallel_size})"
+            if layout.expert_parallel_size != was.expert_parallel_size
+            else ""
+        )
+        note = (
+            f"elastic: {', '.join(why) or 'every slot usable again'}; resuming on "
+            f"{layout.world_size} rank(s) (was {was.world_size}), grad_accum "
+            f"{layout.grad_accum_steps} (was {was.grad_accum_steps}){ep}, same global batch "
+            f"of {glob} sequences"
+        )
+        record = {
+            "world_size": layout.world_size,
+            "was_world_size": was.world_size,
+            "grad_accum_steps": layout.grad_accum_steps,
+            "expert_parallel_size": layout.expert_parallel_size,
+            "global_batch": glob,
+            "unusable": why,
+        }
         return Relaunch(command, layout.world_size, note, {"elastic": record})
 
 
@@ -197,8 +239,7 @@ def first_slots(slots: dict[str, list[int]], n: int) -> list[tuple[str, list[int
     """The first ``n`` slots, host by host in hostfile order."""
     out = []
     for host, host_slots in slots.items():
-        take = host_slots[:n - sum(len(s) for _, s in out)]
+        take = host_slots[: n - sum(len(s) for _, s in out)]
         if take:
             out.append((host, take))
     return out
-

@@ -32,11 +32,15 @@ def run_checkpoints(path: str | Path) -> list[Path]:
     found = [d for d in ckpt_dir.iterdir() if (d / MAIN_STATES).is_file()]
     complete = [d for d in found if (d / MARKER).is_file()]
     for d in sorted(set(found) - set(complete)):
-        print(f"moe-eval: skipping {d}: incomplete checkpoint (no {MARKER}; its save was "
-              "interrupted)", file=sys.stderr)
+        print(
+            f"moe-eval: skipping {d}: incomplete checkpoint (no {MARKER}; its save was "
+            "interrupted)",
+            file=sys.stderr,
+        )
     if not complete:
-        raise CheckpointError(f"{path}: no complete checkpoints (directories holding "
-                              f"{MARKER}) in {ckpt_dir}")
+        raise CheckpointError(
+            f"{path}: no complete checkpoints (directories holding {MARKER}) in {ckpt_dir}"
+        )
     return sorted(complete, key=lambda d: (d.name.startswith("step_"), d.name))
 
 
@@ -46,12 +50,18 @@ def default_output(checkpoints: list[Path]) -> Path:
     runs = {c.parent.parent for c in checkpoints}
     if len(runs) == 1:
         return runs.pop() / EVAL_DIR
-    raise ConfigError(["--output: the checkpoints belong to different runs; say where the "
-                       "report goes"], "moe-eval")
+    raise ConfigError(
+        ["--output: the checkpoints belong to different runs; say where the report goes"],
+        "moe-eval",
+    )
 
 
-def evaluate(checkpoints: list[str | Path], opts: EvalOptions, output: str | Path | None = None,
-             all_of_run: bool = False) -> dict:
+def evaluate(
+    checkpoints: list[str | Path],
+    opts: EvalOptions,
+    output: str | Path | None = None,
+    all_of_run: bool = False,
+) -> dict:
     """Evaluate each checkpoint and write the report; returns the results (as in eval.json)."""
     if all_of_run:
         tag_dirs = [c for path in checkpoints for c in run_checkpoints(path)]
@@ -64,22 +74,29 @@ def evaluate(checkpoints: list[str | Path], opts: EvalOptions, output: str | Pat
         load_tasks(opts.tasks, opts.include_paths, opts.num_fewshot)
     results = {"data": None, "checkpoints": []}
     for tag_dir in tag_dirs:
-        r = (evaluate_checkpoint_tasks(tag_dir, opts) if opts.tasks
-             else evaluate_checkpoint_dir(tag_dir, opts))
+        r = (
+            evaluate_checkpoint_tasks(tag_dir, opts)
+            if opts.tasks
+            else evaluate_checkpoint_dir(tag_dir, opts)
+        )
         results["checkpoints"].append(r)
         results["data"] = r.get("data")
     write_report(results, out_dir)
     return results
 
 
-def evaluate_checkpoint(path: str, data_dir: str | None = None, max_tokens: int | None = None,
-                        output: str | None = None) -> dict:
+def evaluate_checkpoint(
+    path: str, data_dir: str | None = None, max_tokens: int | None = None, output: str | None = None
+) -> dict:
     """The evaluation moe-launch runs after training: one checkpoint, default settings. Returns
     its results with ``output`` (the JSON file) and ``report`` (the Markdown file)."""
     opts = EvalOptions(data_dir=data_dir, max_tokens=max_tokens, generation=default_generation())
     results = evaluate([path], opts, output)
-    return {**results["checkpoints"][0], "output": results["files"]["json"],
-            "report": results["files"]["report"]}
+    return {
+        **results["checkpoints"][0],
+        "output": results["files"]["json"],
+        "report": results["files"]["report"],
+    }
 
 
 def default_generation(strategies=("greedy", "sample", "beam"), **kw) -> list[GenerationConfig]:
@@ -89,34 +106,80 @@ def default_generation(strategies=("greedy", "sample", "beam"), **kw) -> list[Ge
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="moe-eval", description=__doc__)
-    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
-                   help="checkpoint directories, or run / checkpoints directories (their latest "
-                        "checkpoint; with --all every checkpoint)")
+    p.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="CHECKPOINT",
+        help="checkpoint directories, or run / checkpoints directories (their latest "
+        "checkpoint; with --all every checkpoint)",
+    )
     p.add_argument("--all", action="store_true", help="evaluate every checkpoint of the run(s)")
-    p.add_argument("--output", help="report directory (default: CHECKPOINT/eval, or RUN/eval for "
-                                    "several checkpoints of one run)")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress bar (or, off a terminal, no progress lines)")
+    p.add_argument(
+        "--output",
+        help="report directory (default: CHECKPOINT/eval, or RUN/eval for "
+        "several checkpoints of one run)",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar (or, off a terminal, no progress lines)",
+    )
+    _data_args(p)
+    _expert_stat_args(p)
+    _generation_args(p)
+    _task_args(p)
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    return p.parse_args(argv)
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    """What to evaluate on: the run's prepared data, another split or text files."""
     d = p.add_argument_group("data")
     d.add_argument("--data-dir", help="prepared data to evaluate on (default: the run's)")
     d.add_argument("--split", default="valid", help="split of the prepared data (default: valid)")
-    d.add_argument("--text", nargs="+", metavar="FILE",
-                   help="evaluate on these text files instead, tokenized with the run's tokenizer")
+    d.add_argument(
+        "--text",
+        nargs="+",
+        metavar="FILE",
+        help="evaluate on these text files instead, tokenized with the run's tokenizer",
+    )
     d.add_argument("--tokenizer", help="SentencePiece model to use instead of the run's")
     d.add_argument("--max-tokens", type=int, help="predict at most this many tokens")
-    d.add_argument("--batch-size", type=int, help="sequences per forward (default: the training "
-                                                  "micro-batch for models that drop tokens)")
+    d.add_argument(
+        "--batch-size",
+        type=int,
+        help="sequences per forward (default: the training "
+        "micro-batch for models that drop tokens)",
+    )
+
+
+def _expert_stat_args(p: argparse.ArgumentParser) -> None:
+    """The per-expert load and preferred-token statistics."""
     s = p.add_argument_group("expert statistics")
     s.add_argument("--no-expert-stats", action="store_true")
     s.add_argument("--top-tokens", type=int, default=8, help="preferred tokens shown per expert")
-    s.add_argument("--min-token-count", type=int, default=5,
-                   help="rank only tokens seen at least this often")
+    s.add_argument(
+        "--min-token-count", type=int, default=5, help="rank only tokens seen at least this often"
+    )
+
+
+def _generation_args(p: argparse.ArgumentParser) -> None:
+    """The sample generations: prompts, strategies and their settings."""
     g = p.add_argument_group("generation")
-    g.add_argument("--prompt", action="append", default=[],
-                   help="a prompt to continue (repeatable; default: document starts of the data)")
+    g.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a prompt to continue (repeatable; default: document starts of the data)",
+    )
     g.add_argument("--num-prompts", type=int, default=3, help="prompts taken from the data")
-    g.add_argument("--strategy", nargs="+", choices=["greedy", "sample", "beam"],
-                   default=["greedy", "sample", "beam"])
+    g.add_argument(
+        "--strategy",
+        nargs="+",
+        choices=["greedy", "sample", "beam"],
+        default=["greedy", "sample", "beam"],
+    )
     g.add_argument("--no-generation", action="store_true")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.8)
@@ -126,39 +189,78 @@ def parse_args(argv):
     g.add_argument("--num-return", type=int, default=1, help="samples / beams shown per prompt")
     g.add_argument("--length-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+
+
+def _task_args(p: argparse.ArgumentParser) -> None:
+    """Downstream tasks through lm-evaluation-harness."""
     t = p.add_argument_group(
-        "downstream tasks (lm-evaluation-harness; pip install -c constraints.txt -e '.[eval]')")
-    t.add_argument("--tasks", nargs="+", metavar="NAME",
-                   help="run these harness tasks instead of the loss, statistics and "
-                        "generations: the bundled stdlib_sentence_mc and stdlib_next_word, tasks "
-                        "of --include-path, or the harness's own (hellaswag, arc_easy, ...; their "
-                        "data is downloaded once); commas separate names too")
-    t.add_argument("--num-fewshot", type=int, help="solved examples before each question "
-                                                   "(default: each task's own)")
+        "downstream tasks (lm-evaluation-harness; pip install -c constraints.txt -e '.[eval]')"
+    )
+    t.add_argument(
+        "--tasks",
+        nargs="+",
+        metavar="NAME",
+        help="run these harness tasks instead of the loss, statistics and "
+        "generations: the bundled stdlib_sentence_mc and stdlib_next_word, tasks "
+        "of --include-path, or the harness's own (hellaswag, arc_easy, ...; their "
+        "data is downloaded once); commas separate names too",
+    )
+    t.add_argument(
+        "--num-fewshot",
+        type=int,
+        help="solved examples before each question (default: each task's own)",
+    )
     t.add_argument("--limit", type=int, help="the first N examples of each task (default: all)")
-    t.add_argument("--include-path", action="append", default=[], metavar="DIR",
-                   help="a folder of more task YAML files (repeatable)")
-    t.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="weights and activations for the tasks (default: fp32)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    return p.parse_args(argv)
+    t.add_argument(
+        "--include-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of more task YAML files (repeatable)",
+    )
+    t.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="weights and activations for the tasks (default: fp32)",
+    )
 
 
 def options_from_args(args) -> EvalOptions:
-    gens = [] if args.no_generation else [
-        GenerationConfig(strategy=s, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         num_beams=args.num_beams, num_return=1 if s == "greedy" else args.num_return,
-                         length_penalty=args.length_penalty, seed=args.seed)
-        for s in args.strategy]
+    gens = (
+        []
+        if args.no_generation
+        else [
+            GenerationConfig(
+                strategy=s,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                num_beams=args.num_beams,
+                num_return=1 if s == "greedy" else args.num_return,
+                length_penalty=args.length_penalty,
+                seed=args.seed,
+            )
+            for s in args.strategy
+        ]
+    )
     problems = []
     for g in gens:  # name the command-line flag, not the config field
-        problems += ["--" + key.replace("_", "-") + ":" + why
-                     for key, why in (p.split(":", 1) for p in g.problems())]
-    for name, least in (("max_tokens", 1), ("batch_size", 1), ("min_token_count", 1),
-                        ("threads", 1), ("top_tokens", 0), ("num_prompts", 0), ("limit", 1),
-                        ("num_fewshot", 0)):
+        problems += [
+            "--" + key.replace("_", "-") + ":" + why
+            for key, why in (p.split(":", 1) for p in g.problems())
+        ]
+    for name, least in (
+        ("max_tokens", 1),
+        ("batch_size", 1),
+        ("min_token_count", 1),
+        ("threads", 1),
+        ("top_tokens", 0),
+        ("num_prompts", 0),
+        ("limit", 1),
+        ("num_fewshot", 0),
+    ):
         value = getattr(args, name)
         if value is not None and value < least:
             problems.append(f"--{name.replace('_', '-')}: must be >= {least}, got {value}")
@@ -169,14 +271,28 @@ def options_from_args(args) -> EvalOptions:
         raise ConfigError(sorted(set(problems)), "moe-eval arguments")
     if tasks and (missing := lm_eval_missing()):
         raise EvaluationError(f"--tasks: {missing}")
-    return EvalOptions(data_dir=args.data_dir, text_files=args.text or [], split=args.split,
-                       tokenizer_file=args.tokenizer, max_tokens=args.max_tokens,
-                       batch_size=args.batch_size, expert_stats=not args.no_expert_stats,
-                       top_tokens=args.top_tokens, min_token_count=args.min_token_count,
-                       prompts=args.prompt, data_prompts=args.num_prompts, generation=gens,
-                       device=args.device, progress=not args.quiet, tasks=tasks,
-                       num_fewshot=args.num_fewshot, limit=args.limit,
-                       include_paths=args.include_path, dtype=args.dtype, seed=args.seed)
+    return EvalOptions(
+        data_dir=args.data_dir,
+        text_files=args.text or [],
+        split=args.split,
+        tokenizer_file=args.tokenizer,
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+        expert_stats=not args.no_expert_stats,
+        top_tokens=args.top_tokens,
+        min_token_count=args.min_token_count,
+        prompts=args.prompt,
+        data_prompts=args.num_prompts,
+        generation=gens,
+        device=args.device,
+        progress=not args.quiet,
+        tasks=tasks,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        include_paths=args.include_path,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
 
 
 @exits_cleanly
@@ -190,9 +306,11 @@ def main(argv=None) -> None:
     last = results["checkpoints"][-1]
     for layer in last.get("experts") or []:
         top = ", ".join(f"e{e}:{t[0]['piece']}" for e, t in enumerate(layer["top_tokens"]) if t)
-        print(f"block {layer['block']}: max/mean load {layer['max_over_mean_load']:.2f}, dropped "
-              f"{layer['dropped_fraction']:.2%}, entropy {layer['router_entropy']:.3f}"
-              f"/{layer['router_entropy_uniform']:.3f}; prefers {top}")
+        print(
+            f"block {layer['block']}: max/mean load {layer['max_over_mean_load']:.2f}, dropped "
+            f"{layer['dropped_fraction']:.2%}, entropy {layer['router_entropy']:.3f}"
+            f"/{layer['router_entropy_uniform']:.3f}; prefers {top}"
+        )
     for g in (last.get("generations") or [])[:3]:
         print(f"{g['strategy']:>6}: {g['prompt_text']!r} -> {g['outputs'][0]['text']!r}")
     print(f"results  {results['files']['json']}\nreport   {results['files']['report']}")

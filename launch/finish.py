@@ -28,33 +28,42 @@ def finish(run_dir: Path, evaluate: bool) -> list[str]:
     try:
         summary = json.loads(files.summary.read_text())
     except FileNotFoundError:
-        raise LaunchError(f"{files.summary} is missing: training did not finish "
-                          f"(per-rank logs in {files.logs})") from None
+        raise LaunchError(
+            f"{files.summary} is missing: training did not finish (per-rank logs in {files.logs})"
+        ) from None
     if summary["checkpoint"] is None:  # the last save failed (checkpoint.on_save_error: continue)
         first, last = summary.get("unsaved_steps") or ("?", "?")
-        raise LaunchError(f"{run_dir}: training ended without a checkpoint of its last step: "
-                          f"steps {first} to {last} are not saved (the newest complete "
-                          f"checkpoint is {summary.get('newest_checkpoint')}); resume once the "
-                          "storage is fixed")
+        raise LaunchError(
+            f"{run_dir}: training ended without a checkpoint of its last step: "
+            f"steps {first} to {last} are not saved (the newest complete "
+            f"checkpoint is {summary.get('newest_checkpoint')}); resume once the "
+            "storage is fixed"
+        )
     tb_dir = files.tensorboard
     # Only point at event files that exist (logging.tensorboard: false writes none).
-    tensorboard = (f"tensorboard --logdir {tb_dir}" if tb_dir.is_dir()
-                   else "none written (logging.tensorboard: false)")
-    lines = [f"run directory   {run_dir}",
-             f"tensorboard     {tensorboard}",
-             f"checkpoint      {summary['checkpoint']}"]
+    tensorboard = (
+        f"tensorboard --logdir {tb_dir}"
+        if tb_dir.is_dir()
+        else "none written (logging.tensorboard: false)"
+    )
+    lines = [
+        f"run directory   {run_dir}",
+        f"tensorboard     {tensorboard}",
+        f"checkpoint      {summary['checkpoint']}",
+    ]
     if summary["history"] and summary["history"][0]["step"] == 1:
         lines.append(f"step-1 loss     {summary['history'][0]['loss']:.4f}")
     if evaluate:
         with torch_threads(summary.get("threads_per_rank")):
             r = evaluate_checkpoint(summary["checkpoint"])
-        lines += [f"valid loss      {r['loss']:.4f} nats/token over {r['tokens']:,} tokens "
-                  f"(uniform guess {r['uniform_loss']:.4f})",
-                  f"perplexity      {r['perplexity']:.2f}",
-                  f"evaluation      {r['output']}",
-                  f"eval report     {r['report']}",
-                  f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, "
-                  f"one table)"]
+        lines += [
+            f"valid loss      {r['loss']:.4f} nats/token over {r['tokens']:,} tokens "
+            f"(uniform guess {r['uniform_loss']:.4f})",
+            f"perplexity      {r['perplexity']:.2f}",
+            f"evaluation      {r['output']}",
+            f"eval report     {r['report']}",
+            f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, one table)",
+        ]
     else:
         lines.append(f"evaluate        moe-eval {summary['checkpoint']}   (skipped: --no-eval)")
     return lines

@@ -1,7 +1,7 @@
 """The signals moe-launch receives while the ranks of a local, hostfile or mpi launch run, and
 the rank processes it acts on.
 
-The ranks run in a session of their own (launch/supervise.py starts the scheduler's launcher
+The ranks run in a session of their own (launch/restarts.py starts the scheduler's launcher
 with ``start_new_session``), so a terminal's Ctrl-C or hang-up reaches moe-launch alone, and
 moe-launch decides what the ranks get:
 
@@ -107,14 +107,20 @@ class LauncherSignals:
         if self.received is None:
             return
         if not self.announced and self.save_signal is not None:
-            print(f"launch: {signal.Signals(self.received).name}: every rank saves at the end of "
-                  f"its step and stops (exit code 75); a second SIGTERM or Ctrl-C stops them at "
-                  f"once without saving", flush=True)
+            print(
+                f"launch: {signal.Signals(self.received).name}: every rank saves at the end of "
+                f"its step and stops (exit code 75); a second SIGTERM or Ctrl-C stops them at "
+                f"once without saving",
+                flush=True,
+            )
         self.announced = True
         if self.forced is not None:
             if self.save_signal is not None and not self.stopping_announced:
-                print(f"launch: {signal.Signals(self.forced).name}, a second signal: stopping "
-                      f"every rank now, without waiting for the save", flush=True)
+                print(
+                    f"launch: {signal.Signals(self.forced).name}, a second signal: stopping "
+                    f"every rank now, without waiting for the save",
+                    flush=True,
+                )
             self.stopping_announced = True
             return
         for p in training_processes(proc):
@@ -176,10 +182,14 @@ def kill_unresponsive(proc: subprocess.Popen, since_s: float) -> list[str]:
             p.kill()  # SIGKILL ends a stopped process too
         except psutil.NoSuchProcess:
             continue
-        why = "stopped (it cannot act on SIGTERM)" if stopped else \
-            f"still running {KILL_AFTER_S:g}s after the other ranks were told to stop"
-        lines.append(f"launch: killed rank {rank if rank is not None else '?'} (pid {p.pid}): "
-                     f"{why}")
+        why = (
+            "stopped (it cannot act on SIGTERM)"
+            if stopped
+            else f"still running {KILL_AFTER_S:g}s after the other ranks were told to stop"
+        )
+        lines.append(
+            f"launch: killed rank {rank if rank is not None else '?'} (pid {p.pid}): {why}"
+        )
     return lines
 
 

@@ -33,6 +33,7 @@ from launch.finish import finish
 from launch.interrupts import LauncherSignals
 from launch.launcher_watch import ENV as WATCH_ENV
 from launch.launcher_watch import identity
+from launch.restarts import run_with_restarts
 from launch.run_plan import Plan
 from launch.schedulers import build_plan, plan_problems
 from launch.slurm.checks import check_submission
@@ -51,7 +52,6 @@ from launch.slurm.jobs import (
 )
 from launch.slurm.prepare import is_prepare_dir
 from launch.slurm.script import job_log
-from launch.supervise import run_with_restarts
 from moe.config.run import SIGNALS, dump_config, load_config
 from moe.core.errors import LaunchError
 from moe.core.run_dir import RunDir
@@ -68,10 +68,16 @@ def stopped(message: str, code: int):
     return SystemExit(code)
 
 
-def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
-               replan=None, save_signal: int | None = signal.SIGUSR1) -> None:
+def run_to_end(
+    plan: Plan,
+    run_dir: Path,
+    evaluate: bool,
+    max_restarts: int = 0,
+    replan=None,
+    save_signal: int | None = signal.SIGUSR1,
+) -> None:
     """Run the plan to its end, restarting it after a failure up to ``max_restarts`` times
-    (launch/supervise.py); ``replan``: the next attempt's command (launch/elastic.py);
+    (launch/restarts.py); ``replan``: the next attempt's command (launch/elastic.py);
     ``save_signal``: what the ranks get when moe-launch receives SIGTERM, SIGINT, SIGHUP or
     SIGUSR1 (launch/interrupts.py; None: nothing saves on a signal, they are stopped)."""
     files = RunDir(run_dir)
@@ -86,8 +92,16 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
     env = {**plan.run_env(), **({WATCH_ENV: me} if me else {})}
     with LauncherSignals(save_signal) as signals:
         try:
-            rc = run_with_restarts(plan.command, env, run_dir, plan.world_size,
-                                   max_restarts, preempted, replan, signals)
+            rc = run_with_restarts(
+                plan.command,
+                env,
+                run_dir,
+                plan.world_size,
+                max_restarts,
+                preempted,
+                replan,
+                signals,
+            )
         except LaunchError:
             if signals.received is None:
                 raise
@@ -96,39 +110,53 @@ def run_to_end(plan: Plan, run_dir: Path, evaluate: bool, max_restarts: int = 0,
         marker = files.preempted
         step = json.loads(marker.read_text()).get("step") if marker.exists() else None
         resume = newest_checkpoint(run_dir)
-        where = (f"saved a checkpoint at step {step}; run the same command again to resume "
-                 f"from step {step}" if step is not None else
-                 f"before the first step, nothing to save; run the same command again to "
-                 f"{'resume from ' + resume if resume else 'start'}")
+        where = (
+            f"saved a checkpoint at step {step}; run the same command again to resume "
+            f"from step {step}"
+            if step is not None
+            else f"before the first step, nothing to save; run the same command again to "
+            f"{'resume from ' + resume if resume else 'start'}"
+        )
         cause = f"on {signals.name} to moe-launch" if signals.received else "on a preemption signal"
-        raise stopped(f"preempted (exit code {PREEMPTED_EXIT_CODE}, not a failure): training "
-                      f"stopped {cause} and {where}", PREEMPTED_EXIT_CODE)
+        raise stopped(
+            f"preempted (exit code {PREEMPTED_EXIT_CODE}, not a failure): training "
+            f"stopped {cause} and {where}",
+            PREEMPTED_EXIT_CODE,
+        )
     if signals.received is not None and rc != 0:
         resume = newest_checkpoint(run_dir)
-        raise stopped(f"stopped by {signals.name} without saving (exit code "
-                      f"{128 + (signals.forced or signals.received)}); "
-                      f"{'the newest checkpoint is ' + resume if resume else 'no checkpoint yet'}; "
-                      f"per-rank logs in {files.logs}",
-                      128 + (signals.forced or signals.received))
+        raise stopped(
+            f"stopped by {signals.name} without saving (exit code "
+            f"{128 + (signals.forced or signals.received)}); "
+            f"{'the newest checkpoint is ' + resume if resume else 'no checkpoint yet'}; "
+            f"per-rank logs in {files.logs}",
+            128 + (signals.forced or signals.received),
+        )
     print("\n".join(finish(run_dir, evaluate)))
 
 
 def submit(plan: Plan, run_dir: Path, log: str) -> str:
     job_id = submit_job(plan.command, plan.run_env(), run_dir, log)
-    print(f"submitted SLURM job {job_id}\n"
-          f"run directory   {run_dir}\n"
-          f"status          moe-launch status {run_dir}\n"
-          f"cancel          moe-launch cancel {run_dir}")
+    print(
+        f"submitted SLURM job {job_id}\n"
+        f"run directory   {run_dir}\n"
+        f"status          moe-launch status {run_dir}\n"
+        f"cancel          moe-launch cancel {run_dir}"
+    )
     return job_id
 
 
 def launch(argv) -> None:
-    p = argparse.ArgumentParser(prog="moe-launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="moe-launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", help="run config (YAML)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.max_steps=50")
-    p.add_argument("--scheduler", choices=["local", "hostfile", "slurm", "mpi"],
-                   help="overrides launch.scheduler")
+    p.add_argument(
+        "--scheduler",
+        choices=["local", "hostfile", "slurm", "mpi"],
+        help="overrides launch.scheduler",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--no-eval", action="store_true", help="skip evaluating the final checkpoint")
     # Overrides may come after the flags, as in the synopsis.
@@ -152,16 +180,23 @@ def launch(argv) -> None:
     plan.write_run_dir(dump_config(cfg))
 
     report = prepare(cfg.data)
-    print(f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "
-          f"{report.manifest.splits['train'].tokens:,} train tokens)", flush=True)
+    print(
+        f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "
+        f"{report.manifest.splits['train'].tokens:,} train tokens)",
+        flush=True,
+    )
     if plan.submits:
         submit(plan, run_dir, job_log(cfg, run_dir))
     else:
         saves_on = cfg.checkpoint.save_on_signals
-        run_to_end(plan, run_dir, evaluate=not args.no_eval,
-                   max_restarts=cfg.launch.max_restarts,
-                   replan=Elastic(cfg, plan.run_env()) if cfg.launch.elastic else None,
-                   save_signal=SIGNALS[saves_on[0]] if saves_on else None)
+        run_to_end(
+            plan,
+            run_dir,
+            evaluate=not args.no_eval,
+            max_restarts=cfg.launch.max_restarts,
+            replan=Elastic(cfg, plan.run_env()) if cfg.launch.elastic else None,
+            save_signal=SIGNALS[saves_on[0]] if saves_on else None,
+        )
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:
@@ -171,15 +206,19 @@ def resolve_target(target: str) -> tuple[str, Path | None]:
     run_dir = Path(target)
     jobs = read_jobs(run_dir)
     if not jobs:
-        raise LaunchError(f"{target}: neither a job id nor a run directory with a {JOBS_FILE} "
-                          f"(written when moe-launch submits a SLURM job)")
+        raise LaunchError(
+            f"{target}: neither a job id nor a run directory with a {JOBS_FILE} "
+            f"(written when moe-launch submits a SLURM job)"
+        )
     return str(jobs[-1]["job_id"]), run_dir
 
 
 def describe(job: JobState) -> str:
     if job.state is None and job.forgotten:
-        return (f"{job.summary()}: neither squeue nor sacct knows the job any more (no "
-                f"accounting database), and it did not record how it ended")
+        return (
+            f"{job.summary()}: neither squeue nor sacct knows the job any more (no "
+            f"accounting database), and it did not record how it ended"
+        )
     if job.state is None:
         return "unknown to SLURM, to sacct and to the run directory's records"
     text = job.state + (f" ({job.reason})" if job.reason and job.reason != "None" else "")
@@ -193,15 +232,18 @@ def training_lines(run_dir: Path, job: JobState) -> list[str]:
     lines = []
     steps = last_steps(run_dir)
     if steps:
-        speed = (f", {steps['tokens_per_s']:,} tokens/s" if steps["tokens_per_s"] is not None
-                 else "")
+        speed = f", {steps['tokens_per_s']:,} tokens/s" if steps["tokens_per_s"] is not None else ""
         lines.append(f"last step       {steps['step']}, loss {steps['loss']:.4f}{speed}")
     resume = requeued_at(run_dir, job.job_id)
     if resume is not None and job.state in WAITING:  # not once it runs (and resumed) again
-        lines.append(f"preempted       exit code {PREEMPTED_EXIT_CODE} on purpose (not a "
-                     f"failure): requeued, will resume from step {resume}")
-    return lines + [f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",
-                    f"rank logs       {run_dir / 'logs'}/rank*.log"]
+        lines.append(
+            f"preempted       exit code {PREEMPTED_EXIT_CODE} on purpose (not a "
+            f"failure): requeued, will resume from step {resume}"
+        )
+    return lines + [
+        f"checkpoint      {newest_checkpoint(run_dir) or 'none yet'}",
+        f"rank logs       {run_dir / 'logs'}/rank*.log",
+    ]
 
 
 def status(target: str) -> None:
@@ -220,11 +262,15 @@ def status(target: str) -> None:
                     record_state(run_dir, query(str(record["job_id"]), run_dir))
         record = read_jobs(run_dir)[-1]
         # The newest job as the first line says; older ones as recorded.
-        history = [job.summary() if r["job_id"] == job_id else
-                   r.get("state") or "no final state seen" for r in read_jobs(run_dir)]
-        lines += [f"job log         {record['log'].replace('%j', job_id)}",
-                  "jobs of the run " + ", ".join(f"{r['job_id']} ({h})"
-                                                 for r, h in zip(read_jobs(run_dir), history))]
+        history = [
+            job.summary() if r["job_id"] == job_id else r.get("state") or "no final state seen"
+            for r in read_jobs(run_dir)
+        ]
+        lines += [
+            f"job log         {record['log'].replace('%j', job_id)}",
+            "jobs of the run "
+            + ", ".join(f"{r['job_id']} ({h})" for r, h in zip(read_jobs(run_dir), history)),
+        ]
     print("\n".join(lines), flush=True)
     if job.state is None:
         sys.exit(1)
@@ -237,8 +283,10 @@ def cancel(target: str) -> None:
         raise LaunchError(f"nothing cancelled: job {job_id} is {describe(before)}")
     proc = slurm_command(["scancel", job_id])
     if proc is None or proc.returncode != 0:
-        raise LaunchError(f"scancel {job_id} failed: "
-                          f"{'scancel not found on PATH' if proc is None else proc.stderr.strip()}")
+        raise LaunchError(
+            f"scancel {job_id} failed: "
+            f"{'scancel not found on PATH' if proc is None else proc.stderr.strip()}"
+        )
     deadline = time.time() + 30
     after = query(job_id, run_dir)
     while after.active and time.time() < deadline:
@@ -247,8 +295,9 @@ def cancel(target: str) -> None:
     if run_dir is not None:
         record_state(run_dir, after)
     if after.state != "CANCELLED":
-        raise LaunchError(f"asked SLURM to cancel job {job_id} (was {before.state}); it is now "
-                          f"{describe(after)}")
+        raise LaunchError(
+            f"asked SLURM to cancel job {job_id} (was {before.state}); it is now {describe(after)}"
+        )
     print(f"cancelled SLURM job {job_id} (was {before.state})")
 
 
@@ -258,8 +307,11 @@ def logs(target: str, follow: bool, rank: int | None) -> None:
     job_id, run_dir = resolve_target(target)
     if run_dir is None:
         raise LaunchError("moe-launch logs takes the run directory, not a job id")
-    path = (RunDir(run_dir).rank_log(rank) if rank is not None
-            else Path(read_jobs(run_dir)[-1]["log"].replace("%j", job_id)))
+    path = (
+        RunDir(run_dir).rank_log(rank)
+        if rank is not None
+        else Path(read_jobs(run_dir)[-1]["log"].replace("%j", job_id))
+    )
     if not path.exists() and not (follow and query(job_id, run_dir).active):
         raise LaunchError(f"{path} does not exist (yet): the job has not started writing it")
     print(f"==> {path} <==", flush=True)
@@ -281,12 +333,17 @@ def logs(target: str, follow: bool, rank: int | None) -> None:
 
 
 def job_command(argv) -> None:
-    p = argparse.ArgumentParser(prog="moe-launch",
-                                description="state, cancel or logs of a submitted SLURM job")
+    p = argparse.ArgumentParser(
+        prog="moe-launch", description="state, cancel or logs of a submitted SLURM job"
+    )
     p.add_argument("action", choices=JOB_COMMANDS)
     p.add_argument("target", help="a run directory that moe-launch submitted, or a job id")
-    p.add_argument("-f", "--follow", action="store_true",
-                   help="logs: keep printing new lines until the job ends")
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="logs: keep printing new lines until the job ends",
+    )
     p.add_argument("--rank", type=int, help="logs: this rank's log instead of the job log")
     args = p.parse_args(argv)
     if args.action != "logs" and (args.follow or args.rank is not None):

@@ -138,8 +138,10 @@ def say(line: str) -> None:
 
 
 def gone_line(pid: int, what: str) -> str:
-    return (f"moe-launch (pid {pid}) is gone: stopping {what} without saving; the run resumes "
-            f"from its newest complete checkpoint")
+    return (
+        f"moe-launch (pid {pid}) is gone: stopping {what} without saving; the run resumes "
+        f"from its newest complete checkpoint"
+    )
 
 
 def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:

@@ -46,21 +46,44 @@ def resolve_vocab_for_planning(cfg: RunConfig) -> str:
 
 def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: list[int]) -> dict:
     if world_size % ep_size or cfg.model.moe.num_experts % ep_size:
-        raise ConfigError([f"expert parallel size {ep_size} must divide the world size "
-                           f"({world_size}) and model.moe.num_experts "
-                           f"({cfg.model.moe.num_experts})"])
+        raise ConfigError(
+            [
+                f"expert parallel size {ep_size} must divide the world size "
+                f"({world_size}) and model.moe.num_experts "
+                f"({cfg.model.moe.num_experts})"
+            ]
+        )
     counts = count_parameters(cfg.model)
     t = cfg.train
     return {
-        "params": {"total": counts.total, "active": counts.active,
-                   "total_sum": counts.total_params, "active_sum": counts.active_params},
+        "params": {
+            "total": counts.total,
+            "active": counts.active,
+            "total_sum": counts.total_params,
+            "active_sum": counts.active_params,
+        },
         "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
-        "memory": [{**asdict(memory_per_gpu(cfg.model, world_size, ep_size, z, t.precision,
-                                            t.micro_batch_size, cfg.data.seq_len, t.recompute,
-                                            t.recompute_every_n_blocks)),
-                    "checkpoint_bytes": checkpoint_bytes(cfg.model, t.precision, z, ep_size,
-                                                         cfg.finetune.method)}
-                   for z in zero_stages],
+        "memory": [
+            {
+                **asdict(
+                    memory_per_gpu(
+                        cfg.model,
+                        world_size,
+                        ep_size,
+                        z,
+                        t.precision,
+                        t.micro_batch_size,
+                        cfg.data.seq_len,
+                        t.recompute,
+                        t.recompute_every_n_blocks,
+                    )
+                ),
+                "checkpoint_bytes": checkpoint_bytes(
+                    cfg.model, t.precision, z, ep_size, cfg.finetune.method
+                ),
+            }
+            for z in zero_stages
+        ],
     }
 
 
@@ -76,8 +99,13 @@ def _gib(x: float) -> str:
 
 
 def _total(m: dict) -> float:
-    return (m["weights_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activation_bytes"]
-            + m["transient_bytes"])
+    return (
+        m["weights_bytes"]
+        + m["grads_bytes"]
+        + m["optimizer_bytes"]
+        + m["activation_bytes"]
+        + m["transient_bytes"]
+    )
 
 
 LAYOUT_RULE = (
@@ -87,7 +115,8 @@ LAYOUT_RULE = (
     "(3) fewer bytes each GPU sends per step (expert all-to-alls, gradient reduction; ZeRO-2 "
     "reduces every micro-batch); (4) lower ZeRO stage. A layout fits when its planned peak "
     f"(model states, kept activations, working set) is at most {USABLE_FRACTION:.0%} of "
-    "--gpu-memory. Exit status 1 when nothing fits.")
+    "--gpu-memory. Exit status 1 when nothing fits."
+)
 
 
 def global_batch(cfg: RunConfig) -> int:
@@ -100,41 +129,65 @@ def layouts_report(cfg: RunConfig, gpus: int, gpu_memory: float, top: int) -> tu
     """The fitting layouts (best first, at most ``top``) as data, and whether any fits."""
     t = cfg.train
     gb = global_batch(cfg)
-    fits, considered = fitting_layouts(cfg.model, gpus, gpu_memory, cfg.data.seq_len, gb,
-                                       t.precision, t.recompute_every_n_blocks)
+    fits, considered = fitting_layouts(
+        cfg.model, gpus, gpu_memory, cfg.data.seq_len, gb, t.precision, t.recompute_every_n_blocks
+    )
     row = _layout_row
-    return {"gpus": gpus, "gpu_memory_gib": gpu_memory, "global_batch": gb,
-            "precision": t.precision, "considered": len(considered), "fitting": len(fits),
-            "layouts": [row(lay) for lay in fits[:top]],
-            "smallest": [row(lay) for lay in considered[:1]]}, bool(fits)
+    return {
+        "gpus": gpus,
+        "gpu_memory_gib": gpu_memory,
+        "global_batch": gb,
+        "precision": t.precision,
+        "considered": len(considered),
+        "fitting": len(fits),
+        "layouts": [row(lay) for lay in fits[:top]],
+        "smallest": [row(lay) for lay in considered[:1]],
+    }, bool(fits)
 
 
 def _layout_row(lay: Layout) -> dict:
-    return {"ep": lay.expert_parallel_size, "zero": lay.zero_stage, "recompute": lay.recompute,
-            "micro_batch": lay.micro_batch_size, "grad_accum": lay.grad_accum_steps,
-            "peak_gib": _total(asdict(lay.memory)) / GIB,
-            "activations_gib": lay.memory.activation_bytes / GIB,
-            "compute_factor": lay.compute_factor, "comm_gib_per_step": lay.comm_bytes / GIB}
+    return {
+        "ep": lay.expert_parallel_size,
+        "zero": lay.zero_stage,
+        "recompute": lay.recompute,
+        "micro_batch": lay.micro_batch_size,
+        "grad_accum": lay.grad_accum_steps,
+        "peak_gib": _total(asdict(lay.memory)) / GIB,
+        "activations_gib": lay.memory.activation_bytes / GIB,
+        "compute_factor": lay.compute_factor,
+        "comm_gib_per_step": lay.comm_bytes / GIB,
+    }
 
 
 def render_layouts(r: dict) -> str:
-    head = (f"{r['gpus']} GPUs of {r['gpu_memory_gib']:g} GiB, {r['precision']}, global batch "
-            f"{r['global_batch']} sequences: {r['fitting']} of {r['considered']} layouts fit "
-            f"(usable {USABLE_FRACTION:.0%})")
+    head = (
+        f"{r['gpus']} GPUs of {r['gpu_memory_gib']:g} GiB, {r['precision']}, global batch "
+        f"{r['global_batch']} sequences: {r['fitting']} of {r['considered']} layouts fit "
+        f"(usable {USABLE_FRACTION:.0%})"
+    )
     if not r["layouts"]:
         s = r["smallest"][0] if r["smallest"] else None
-        why = (f"the smallest needs {s['peak_gib']:.1f} GiB per GPU (ep {s['ep']}, ZeRO "
-               f"{s['zero']}, recompute {s['recompute']}, micro-batch {s['micro_batch']})"
-               if s else f"no micro-batch in {MICRO_BATCHES} divides the global batch evenly")
+        why = (
+            f"the smallest needs {s['peak_gib']:.1f} GiB per GPU (ep {s['ep']}, ZeRO "
+            f"{s['zero']}, recompute {s['recompute']}, micro-batch {s['micro_batch']})"
+            if s
+            else f"no micro-batch in {MICRO_BATCHES} divides the global batch evenly"
+        )
         return f"{head}\nnothing fits: {why}"
-    lines = [head, "", f"{'rank':>4} {'ep':>3} {'zero':>4} {'recompute':>9} {'mb':>3} "
-                      f"{'accum':>5} {'peak GiB':>9} {'act GiB':>8} {'compute':>8} "
-                      f"{'comm GiB/step':>13}"]
+    lines = [
+        head,
+        "",
+        f"{'rank':>4} {'ep':>3} {'zero':>4} {'recompute':>9} {'mb':>3} "
+        f"{'accum':>5} {'peak GiB':>9} {'act GiB':>8} {'compute':>8} "
+        f"{'comm GiB/step':>13}",
+    ]
     for i, x in enumerate(r["layouts"], 1):
-        lines.append(f"{i:>4} {x['ep']:>3} {x['zero']:>4} {x['recompute']:>9} "
-                     f"{x['micro_batch']:>3} {x['grad_accum']:>5} {x['peak_gib']:>9.1f} "
-                     f"{x['activations_gib']:>8.1f} {x['compute_factor']:>7.2f}x "
-                     f"{x['comm_gib_per_step']:>13.1f}")
+        lines.append(
+            f"{i:>4} {x['ep']:>3} {x['zero']:>4} {x['recompute']:>9} "
+            f"{x['micro_batch']:>3} {x['grad_accum']:>5} {x['peak_gib']:>9.1f} "
+            f"{x['activations_gib']:>8.1f} {x['compute_factor']:>7.2f}x "
+            f"{x['comm_gib_per_step']:>13.1f}"
+        )
     if r["fitting"] > len(r["layouts"]):
         lines.append(f"... {r['fitting'] - len(r['layouts'])} more (--top)")
     return "\n".join(lines)
@@ -146,28 +199,39 @@ def render(report: dict, cfg: RunConfig) -> str:
     for c in COMPONENTS:
         if p["total"][c]:
             lines.append(f"{c:<16}{_n(p['total'][c]):>12}{_n(p['active'][c]):>12}")
-    lines.append(f"{'all':<16}{_n(p['total_sum']):>12}{_n(p['active_sum']):>12}"
-                 f"   ({p['total_sum']:,} / {p['active_sum']:,})")
-    lines += ["", f"FLOPs per token (seq_len {cfg.data.seq_len}): forward {_n(f['forward'])} "
-                  f"(attention {_n(f['attention_forward'])}), training {_n(f['training'])}"]
+    lines.append(
+        f"{'all':<16}{_n(p['total_sum']):>12}{_n(p['active_sum']):>12}"
+        f"   ({p['total_sum']:,} / {p['active_sum']:,})"
+    )
+    lines += [
+        "",
+        f"FLOPs per token (seq_len {cfg.data.seq_len}): forward {_n(f['forward'])} "
+        f"(attention {_n(f['attention_forward'])}), training {_n(f['training'])}",
+    ]
     t = cfg.train
-    every = (f" every {t.recompute_every_n_blocks} blocks"
-             if t.recompute != "none" and t.recompute_every_n_blocks > 1 else "")
+    every = (
+        f" every {t.recompute_every_n_blocks} blocks"
+        if t.recompute != "none" and t.recompute_every_n_blocks > 1
+        else ""
+    )
     for m in report["memory"]:
-        lines += ["", f"memory per GPU: world {m['world_size']}, expert parallel "
-                      f"{m['expert_parallel_size']}, ZeRO {m['zero_stage']}, {m['precision']}",
-                  f"  parameters held   {_n(m['params_per_gpu'])}",
-                  f"  weights           {_gib(m['weights_bytes'])}",
-                  f"  gradients         {_gib(m['grads_bytes'])}",
-                  f"  optimizer states  {_gib(m['optimizer_bytes'])}",
-                  f"  activations       {_gib(m['activation_bytes'])} kept per micro-batch of "
-                  f"{t.micro_batch_size} x {cfg.data.seq_len} tokens (recompute {m['recompute']}"
-                  f"{every}; attention masks {_gib(m['attention_mask_bytes'])})",
-                  f"  working set       {_gib(m['transient_bytes'])} (logits, recomputed block, "
-                  "all-to-all buffers)",
-                  f"  peak              {_gib(_total(m))}",
-                  f"  checkpoint        {_gib(m['checkpoint_bytes'])} on disk, every rank's "
-                  "files together (weights and optimizer states)"]
+        lines += [
+            "",
+            f"memory per GPU: world {m['world_size']}, expert parallel "
+            f"{m['expert_parallel_size']}, ZeRO {m['zero_stage']}, {m['precision']}",
+            f"  parameters held   {_n(m['params_per_gpu'])}",
+            f"  weights           {_gib(m['weights_bytes'])}",
+            f"  gradients         {_gib(m['grads_bytes'])}",
+            f"  optimizer states  {_gib(m['optimizer_bytes'])}",
+            f"  activations       {_gib(m['activation_bytes'])} kept per micro-batch of "
+            f"{t.micro_batch_size} x {cfg.data.seq_len} tokens (recompute {m['recompute']}"
+            f"{every}; attention masks {_gib(m['attention_mask_bytes'])})",
+            f"  working set       {_gib(m['transient_bytes'])} (logits, recomputed block, "
+            "all-to-all buffers)",
+            f"  peak              {_gib(_total(m))}",
+            f"  checkpoint        {_gib(m['checkpoint_bytes'])} on disk, every rank's "
+            "files together (weights and optimizer states)",
+        ]
     return "\n".join(lines)
 
 
@@ -177,20 +241,34 @@ def main(argv=None) -> None:
     p.add_argument("config", help="run config (YAML)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.micro_batch_size=4")
     p.add_argument("--world-size", type=int, help="GPUs (default: parallel.world_size)")
-    p.add_argument("--ep", type=int, help="expert-parallel size (default: "
-                                          "parallel.expert_parallel_size)")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2], action="append",
-                   help="ZeRO stage(s) to show (default: 0, 1 and 2)")
+    p.add_argument(
+        "--ep", type=int, help="expert-parallel size (default: parallel.expert_parallel_size)"
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=[0, 1, 2],
+        action="append",
+        help="ZeRO stage(s) to show (default: 0, 1 and 2)",
+    )
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    p.add_argument("--gpus", type=int, help="list the layouts that fit this many GPUs "
-                   "(with --gpu-memory), best first; exit status 1 when none fits")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        help="list the layouts that fit this many GPUs "
+        "(with --gpu-memory), best first; exit status 1 when none fits",
+    )
     p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory of one GPU in GiB")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     args = p.parse_args(argv)
     if (args.gpus is None) != (args.gpu_memory is None):
         p.error("--gpus and --gpu-memory go together")
-    for flag, value in (("--world-size", args.world_size), ("--ep", args.ep),
-                        ("--gpus", args.gpus), ("--top", args.top)):
+    for flag, value in (
+        ("--world-size", args.world_size),
+        ("--ep", args.ep),
+        ("--gpus", args.gpus),
+        ("--top", args.top),
+    ):
         if value is not None and value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
     if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:  # NaN fails too
@@ -199,14 +277,21 @@ def main(argv=None) -> None:
     vocab_from = resolve_vocab_for_planning(cfg)
     if args.gpus is not None:
         report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top)
-        print(json.dumps(report, indent=2) if args.json else
-              f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n\n"
-              + render_layouts(report))
+        print(
+            json.dumps(report, indent=2)
+            if args.json
+            else f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n\n"
+            + render_layouts(report)
+        )
         if not fits:
             sys.exit(1)
         return
-    report = build_report(cfg, args.world_size or cfg.parallel.world_size,
-                          args.ep or cfg.parallel.expert_parallel_size, args.zero or [0, 1, 2])
+    report = build_report(
+        cfg,
+        args.world_size or cfg.parallel.world_size,
+        args.ep or cfg.parallel.expert_parallel_size,
+        args.zero or [0, 1, 2],
+    )
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -5,7 +5,7 @@ DeepSpeed's launcher reports one exit code per node and never which rank failed,
 killed by a signal cannot say anything itself. Its parent can: when the rank ends, this process
 appends one JSON line (rank, pid, exit code or signal, time) to
 ``RUN_DIR/logs/exits_rank{R}.jsonl``, from which moe-launch names the failing rank in its
-restart line (launch/supervise.py), then exits with the rank's exit code (128 + N for signal N).
+restart line (launch/restarts.py), then exits with the rank's exit code (128 + N for signal N).
 Signals it receives (USR1, USR2, TERM, INT) are passed on to the rank (in an srun step, SLURM
 signals the rank itself, so only those that came before the rank started). When the moe-launch
 that started it is gone (killed), it kills the rank (launch/launcher_watch.py). Standard library
@@ -38,10 +38,14 @@ def exit_record(rank: int, pid: int, returncode: int) -> dict:
     """How rank ``rank`` (process ``pid``) ended; ``returncode`` as subprocess reports it
     (negative: killed by that signal)."""
     if returncode < 0:
-        return {"rank": rank, "pid": pid, "returncode": None,
-                "signal": signal.Signals(-returncode).name, "time": time.time()}
-    return {"rank": rank, "pid": pid, "returncode": returncode, "signal": None,
-            "time": time.time()}
+        return {
+            "rank": rank,
+            "pid": pid,
+            "returncode": None,
+            "signal": signal.Signals(-returncode).name,
+            "time": time.time(),
+        }
+    return {"rank": rank, "pid": pid, "returncode": returncode, "signal": None, "time": time.time()}
 
 
 def start_training(argv: list[str]) -> subprocess.Popen:
@@ -54,8 +58,10 @@ def start_training(argv: list[str]) -> subprocess.Popen:
     if this process is (launch/launcher_watch.py), which would otherwise leave it orphaned."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, CATCHABLE)
     try:
-        return subprocess.Popen([sys.executable, "-u", "-m", "launch.train", *argv],
-                                preexec_fn=die_with_parent(signal.SIGKILL))
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "launch.train", *argv],
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 

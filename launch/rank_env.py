@@ -42,8 +42,9 @@ def dist_env_from_environment(env: dict | None = None) -> DistEnv:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local = int(env.get("SLURM_LOCALID", 0))
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        local_world = (_slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0)))
-                       if per_node else 1)
+        local_world = (
+            _slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0))) if per_node else 1
+        )
     else:
         rank, world, local, local_world = 0, 1, 0, 1
     return DistEnv(rank, world, local, local_world, *master)

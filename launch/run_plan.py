@@ -39,9 +39,14 @@ class Plan:
     """True: ``command`` submits a job and returns; False: it runs the training to its end."""
 
     def render(self) -> str:
-        where = (f"{self.nodes} node{'s' if self.nodes > 1 else ''}" if self.nodes
-                 else "the hosts of the machine file")
-        head = f"# {self.scheduler}: {self.world_size} ranks on {where}; run directory {self.run_dir}"
+        where = (
+            f"{self.nodes} node{'s' if self.nodes > 1 else ''}"
+            if self.nodes
+            else "the hosts of the machine file"
+        )
+        head = (
+            f"# {self.scheduler}: {self.world_size} ranks on {where}; run directory {self.run_dir}"
+        )
         parts = [head]
         for name, text in self.files.items():
             parts.append(f"# file {Path(self.run_dir) / name}:\n{text.rstrip()}")
@@ -52,8 +57,10 @@ class Plan:
     def check_runnable(self) -> None:
         for exe in [self.command[0], *self.requires]:
             if shutil.which(exe) is None:
-                raise LaunchError(f"{exe!r} not found on PATH: the {self.scheduler} scheduler "
-                                  f"needs it on this host (--dry-run prints the plan without it)")
+                raise LaunchError(
+                    f"{exe!r} not found on PATH: the {self.scheduler} scheduler "
+                    f"needs it on this host (--dry-run prints the plan without it)"
+                )
 
     def write(self, run_dir: Path) -> None:
         """Write the plan and its files; each file appears whole or not at all."""

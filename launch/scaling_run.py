@@ -37,8 +37,15 @@ class Progress:
         # since then. tqdm's default averages the rates between updates, and a finished run
         # adds all its FLOPs in one update half a second after the last: a rate hundreds of
         # times too high and an ETA of seconds with minutes to go.
-        self.bar = tqdm(total=total, initial=done_flops, unit="FLOP", unit_scale=True,
-                        desc="sweep", smoothing=0, file=sys.stdout if self.tty else self.sink)
+        self.bar = tqdm(
+            total=total,
+            initial=done_flops,
+            unit="FLOP",
+            unit_scale=True,
+            desc="sweep",
+            smoothing=0,
+            file=sys.stdout if self.tty else self.sink,
+        )
         self.count, self.shown = count, None
 
     def update(self, flops: float, done: int, note: str = "") -> None:
@@ -59,7 +66,8 @@ def _failed(sweep_dir: Path, scheduler: str, failed: list[str]) -> ScalingError:
     return ScalingError(
         f"{len(failed)} run(s) failed: " + ", ".join(failed) + "; the rest finished. Run "
         f"`moe-scaling run {shlex.quote(str(sweep_dir))} --scheduler {scheduler}` again to retry "
-        "them (they resume from their checkpoints)")
+        "them (they resume from their checkpoints)"
+    )
 
 
 def configured_scheduler(sweep_dir: Path, runs: list[scaling.PlannedRun]) -> str:
@@ -81,24 +89,38 @@ def run(args) -> None:
     if args.no_wait or args.dry_run:
         raise ScalingError("--no-wait and --dry-run go with --scheduler slurm")
     todo = [r for r in runs if scaling_sweep.finished(sweep_dir, r) is None]
-    busy = [f"{r.name} (job {job.job_id}, {job.state})" for r in todo
-            if (job := newest_job(sweep_dir / "runs" / r.name)) is not None and job.active]
+    busy = [
+        f"{r.name} (job {job.job_id}, {job.state})"
+        for r in todo
+        if (job := newest_job(sweep_dir / "runs" / r.name)) is not None and job.active
+    ]
     if busy:
-        raise ScalingError(f"{len(busy)} run(s) of {sweep_dir} have a SLURM job queued or running: "
-                           + ", ".join(busy) + "; running them here too would train into the "
-                           "same directories (wait for them: moe-scaling run "
-                           f"{shlex.quote(str(sweep_dir))} --scheduler slurm)")
+        raise ScalingError(
+            f"{len(busy)} run(s) of {sweep_dir} have a SLURM job queued or running: "
+            + ", ".join(busy)
+            + "; running them here too would train into the "
+            "same directories (wait for them: moe-scaling run "
+            f"{shlex.quote(str(sweep_dir))} --scheduler slurm)"
+        )
     done_flops = sum(r.flops for r in runs if r not in todo)
     total = sum(r.flops for r in runs)
-    print(f"{len(runs) - len(todo)} of {len(runs)} runs finished; {len(todo)} to run, "
-          f"{args.jobs} at a time (logs in {sweep_dir / 'logs'})")
+    print(
+        f"{len(runs) - len(todo)} of {len(runs)} runs finished; {len(todo)} to run, "
+        f"{args.jobs} at a time (logs in {sweep_dir / 'logs'})"
+    )
     flags = ["--scheduler", "local"] if args.scheduler == "local" else []
-    failed = _run_all(sweep_dir, todo, args.jobs, done_flops, total, len(runs) - len(todo),
-                      len(runs), flags)
+    failed = _run_all(
+        sweep_dir, todo, args.jobs, done_flops, total, len(runs) - len(todo), len(runs), flags
+    )
     if failed:
-        raise _failed(sweep_dir, "local", [
-            f"{name} (exit {rc}, log {sweep_dir / 'logs' / (name + '.log')})"
-            for name, rc in failed])
+        raise _failed(
+            sweep_dir,
+            "local",
+            [
+                f"{name} (exit {rc}, log {sweep_dir / 'logs' / (name + '.log')})"
+                for name, rc in failed
+            ],
+        )
     print(f"every run finished; next: moe-scaling fit {sweep_dir}")
 
 
@@ -107,9 +129,16 @@ def run_slurm(args, sweep_dir: Path, runs: list[scaling.PlannedRun]) -> None:
     ``--jobs`` running at once (launch/slurm/sweep.py), then wait for them with one progress
     line."""
     by_name = {r.name: r for r in runs}
-    members = [slurm_sweep.Member(r.name, sweep_dir / "configs" / f"{r.name}.yaml",
-                                  (sweep_dir / "runs" / r.name).absolute(), r.flops, r.steps)
-               for r in runs]
+    members = [
+        slurm_sweep.Member(
+            r.name,
+            sweep_dir / "configs" / f"{r.name}.yaml",
+            (sweep_dir / "runs" / r.name).absolute(),
+            r.flops,
+            r.steps,
+        )
+        for r in runs
+    ]
 
     def is_finished(m: slurm_sweep.Member) -> bool:
         return scaling_sweep.finished(sweep_dir, by_name[m.name]) is not None
@@ -121,44 +150,72 @@ def run_slurm(args, sweep_dir: Path, runs: list[scaling.PlannedRun]) -> None:
         return
     ids = slurm_sweep.submit(sweep) if sweep.jobs else []
     q = shlex.quote
-    lines = [f"{len(sweep.finished)} of {len(runs)} runs finished; {len(sweep.active)} with a "
-             f"SLURM job queued or running (not submitted again); {len(ids)} submitted, at most "
-             f"{args.jobs} running at once (each waits for the job before it in its chain)"]
-    lines += [f"  {job.member.name}: job {i}" + (f" after {job.waits_for(ids)}"
-                                                 if job.waits_for(ids) else "")
-              for job, i in zip(sweep.jobs, ids)]
-    lines += [f"  {name}: job {job.job_id} ({job.state}, submitted before)"
-              for name, job in sweep.active.items()]
-    jobs = ",".join([*ids, *(j.job_id for j in sweep.active.values())])
-    if jobs:
-        lines += [f"watch   squeue -j {jobs}",
-                  f"a run   moe-launch status {q(str(sweep_dir / 'runs' / runs[0].name))}  "
-                  "(and logs, cancel)"]
-    print("\n".join(lines), flush=True)
+    print("\n".join(submitted_lines(args, sweep_dir, runs, sweep, ids)), flush=True)
     if args.no_wait:
-        print(f"not waiting (--no-wait); moe-scaling run {q(str(sweep_dir))} --scheduler slurm "
-              "waits for them (and submits nothing twice)")
+        print(
+            f"not waiting (--no-wait); moe-scaling run {q(str(sweep_dir))} --scheduler slurm "
+            "waits for them (and submits nothing twice)"
+        )
         return
-    progress = Progress(sum(r.flops for r in runs), sum(m.flops for m in sweep.finished),
-                        len(sweep.finished), len(runs))
+    progress = Progress(
+        sum(r.flops for r in runs),
+        sum(m.flops for m in sweep.finished),
+        len(sweep.finished),
+        len(runs),
+    )
     try:
         outcome = slurm_sweep.wait(members, is_finished, progress.update)
     finally:
         progress.close()
     if outcome.stopped is not None:
-        raise ScalingError(f"stopped waiting on signal {outcome.stopped}; the sweep's jobs go on "
-                           f"in SLURM: moe-scaling run {q(str(sweep_dir))} --scheduler slurm "
-                           f"waits for them again (nothing is submitted twice), scancel stops "
-                           f"them")
+        raise ScalingError(
+            f"stopped waiting on signal {outcome.stopped}; the sweep's jobs go on "
+            f"in SLURM: moe-scaling run {q(str(sweep_dir))} --scheduler slurm "
+            f"waits for them again (nothing is submitted twice), scancel stops "
+            f"them"
+        )
     if outcome.failed:
-        raise _failed(sweep_dir, "slurm", [
-            f"{m.name} (job {job.job_id} {job.summary()}, log {slurm_sweep.log_of(m, job)})"
-            for m, job in outcome.failed])
+        raise _failed(
+            sweep_dir,
+            "slurm",
+            [
+                f"{m.name} (job {job.job_id} {job.summary()}, log {slurm_sweep.log_of(m, job)})"
+                for m, job in outcome.failed
+            ],
+        )
     print(f"every run finished; next: moe-scaling fit {q(str(sweep_dir))}")
 
 
-def _run_all(sweep_dir, todo, jobs, done_flops, total, done, count,
-             flags=()) -> list[tuple[str, int]]:
+def submitted_lines(args, sweep_dir: Path, runs: list, sweep, ids: list[str]) -> list[str]:
+    """What was submitted, what was queued before, and how to watch the jobs."""
+    q = shlex.quote
+    lines = [
+        f"{len(sweep.finished)} of {len(runs)} runs finished; {len(sweep.active)} with a "
+        f"SLURM job queued or running (not submitted again); {len(ids)} submitted, at most "
+        f"{args.jobs} running at once (each waits for the job before it in its chain)"
+    ]
+    lines += [
+        f"  {job.member.name}: job {i}"
+        + (f" after {job.waits_for(ids)}" if job.waits_for(ids) else "")
+        for job, i in zip(sweep.jobs, ids)
+    ]
+    lines += [
+        f"  {name}: job {job.job_id} ({job.state}, submitted before)"
+        for name, job in sweep.active.items()
+    ]
+    jobs = ",".join([*ids, *(j.job_id for j in sweep.active.values())])
+    if jobs:
+        lines += [
+            f"watch   squeue -j {jobs}",
+            f"a run   moe-launch status {q(str(sweep_dir / 'runs' / runs[0].name))}  "
+            "(and logs, cancel)",
+        ]
+    return lines
+
+
+def _run_all(
+    sweep_dir, todo, jobs, done_flops, total, done, count, flags=()
+) -> list[tuple[str, int]]:
     """Run ``todo`` through moe-launch, ``jobs`` at a time, with one progress line over the
     sweep; returns the failed runs. A TERM or INT is passed on to the running launches (they
     save and stop) before this returns."""
@@ -181,10 +238,19 @@ def _run_all(sweep_dir, todo, jobs, done_flops, total, done, count,
             while pending and len(running) < jobs and not stop:
                 r = pending.pop(0)
                 log = open(sweep_dir / "logs" / f"{r.name}.log", "ab")
-                cmd = [sys.executable, "-m", "launch.launch",
-                       str(sweep_dir / "configs" / f"{r.name}.yaml"), *flags]
-                running[r.name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                    start_new_session=True), r)
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "launch.launch",
+                    str(sweep_dir / "configs" / f"{r.name}.yaml"),
+                    *flags,
+                ]
+                running[r.name] = (
+                    subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    ),
+                    r,
+                )
                 log.close()
             for name, (proc, r) in list(running.items()):
                 if proc.poll() is None:
@@ -195,14 +261,19 @@ def _run_all(sweep_dir, todo, jobs, done_flops, total, done, count,
                     done_flops += r.flops
                 elif not stop:
                     failed.append((name, proc.returncode))
-            bar.update(done_flops, done, f"{len(running)} running"
-                       + (f", {len(failed)} failed" if failed else ""))
+            bar.update(
+                done_flops,
+                done,
+                f"{len(running)} running" + (f", {len(failed)} failed" if failed else ""),
+            )
             if stop and running and time.monotonic() - stop_time[0] > STOP_GRACE_S:
                 for proc, _ in running.values():
                     _signal_group(proc, signal.SIGKILL)
             if stop and not running:
-                raise ScalingError(f"stopped by signal {stop[0]}; {done} of {count} runs finished "
-                                   f"(moe-scaling run {sweep_dir} resumes the rest)")
+                raise ScalingError(
+                    f"stopped by signal {stop[0]}; {done} of {count} runs finished "
+                    f"(moe-scaling run {sweep_dir} resumes the rest)"
+                )
             time.sleep(0.5)
     finally:
         for s, h in old.items():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import TokenStream
 from data_pipeline.text_bytes import predicted_text_bytes
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import load_config
 from moe.core.errors import MoEError, ScalingError
@@ -25,8 +25,10 @@ def load_sweep(sweep_dir: Path) -> tuple[dict, list[scaling.PlannedRun]]:
     try:
         sweep = json.loads((sweep_dir / SWEEP_FILE).read_text())
     except FileNotFoundError:
-        raise ScalingError(f"{sweep_dir / SWEEP_FILE}: no sweep planned there "
-                           "(moe-scaling plan CONFIG --budgets ... --out DIR)") from None
+        raise ScalingError(
+            f"{sweep_dir / SWEEP_FILE}: no sweep planned there "
+            "(moe-scaling plan CONFIG --budgets ... --out DIR)"
+        ) from None
     except (OSError, ValueError) as e:
         raise ScalingError(f"{sweep_dir / SWEEP_FILE}: unreadable ({e})") from None
     return sweep, [scaling.planned_run_from_dict(r) for r in sweep["runs"]]
@@ -55,20 +57,29 @@ def results(sweep_dir: Path, exclude: str | None = None) -> list[dict]:
     names = [n.strip() for n in (exclude or "").split(",") if n.strip()]
     unknown = sorted(set(names) - {r.name for r in runs})
     if unknown:
-        raise ScalingError(f"--exclude: {unknown} are not runs of {sweep_dir} (its runs are "
-                           f"listed in {sweep_dir / 'plan.md'})")
+        raise ScalingError(
+            f"--exclude: {unknown} are not runs of {sweep_dir} (its runs are "
+            f"listed in {sweep_dir / 'plan.md'})"
+        )
     out = []
     for r in runs:
         if r.name in names:
             continue
         ev = finished(sweep_dir, r)
         if ev is not None:
-            out.append({**scaling.planned_run_to_dict(r), "loss": float(ev["loss"]),
-                        "eval_tokens": ev.get("tokens"),
-                        "curve": training_curve(sweep_dir / "runs" / r.name)})
+            out.append(
+                {
+                    **scaling.planned_run_to_dict(r),
+                    "loss": float(ev["loss"]),
+                    "eval_tokens": ev.get("tokens"),
+                    "curve": training_curve(sweep_dir / "runs" / r.name),
+                }
+            )
     if not out:
-        raise ScalingError(f"{sweep_dir}: no finished run to fit ({len(runs)} planned; "
-                           f"moe-scaling run {sweep_dir})")
+        raise ScalingError(
+            f"{sweep_dir}: no finished run to fit ({len(runs)} planned; "
+            f"moe-scaling run {sweep_dir})"
+        )
     return out
 
 
@@ -107,15 +118,18 @@ def validation_text(sweep_dir: Path, rows: list[dict]) -> tuple[float | None, li
     try:
         cfg = load_config(path)
         data = PreparedData.from_config(cfg.data)
-        seen = predicted_text_bytes(TokenStream(data, "valid"), Tokenizer(data.tokenizer_file()),
-                                    cfg.eval.max_tokens)
+        seen = predicted_text_bytes(
+            TokenStream(data, "valid"), Tokenizer(data.tokenizer_file()), cfg.eval.max_tokens
+        )
     except (MoEError, DataError, OSError) as e:
         return None, [f"bits per byte left out: the validation text of {path} is unreadable ({e})"]
     evaluated = sorted({r.get("eval_tokens") for r in rows}, key=str)
     if evaluated != [seen.targets] or not seen.bytes:
-        return None, [f"bits per byte left out: the runs were evaluated on "
-                      f"{', '.join(map(str, evaluated))} validation targets, the data of {path} "
-                      f"gives {seen.targets:,} (prepared again since?)"]
+        return None, [
+            f"bits per byte left out: the runs were evaluated on "
+            f"{', '.join(map(str, evaluated))} validation targets, the data of {path} "
+            f"gives {seen.targets:,} (prepared again since?)"
+        ]
     split = data.manifest.splits["valid"]
     warnings = []
     if seen.documents < COVERAGE_WARN * split.documents:
@@ -127,5 +141,6 @@ def validation_text(sweep_dir: Path, rows: list[dict]) -> tuple[float | None, li
             "every validation loss, minimum, law and bits per byte here describes those "
             "documents. Score the whole split (eval.max_tokens: null) with a smaller "
             "data.valid_fraction, which samples documents from every file, or raise "
-            "eval.max_tokens")
+            "eval.max_tokens"
+        )
     return seen.bytes / seen.targets, warnings

@@ -29,7 +29,7 @@ from data_pipeline.shards import read_manifest
 from launch.cli import exits_cleanly, setup_logging
 from launch.launcher_watch import end_with_launcher, gone_line, say
 from launch.rank_env import dist_env_from_environment
-from launch.supervise import record_final
+from launch.restarts import record_final
 from moe.checkpoint.files import MARKER
 from moe.config.run import SIGNALS, RunConfig, load_config
 from moe.core.errors import ConfigError, MoEError
@@ -57,10 +57,13 @@ def main(argv=None) -> None:
     end_with_launcher(launcher_gone)
     p = argparse.ArgumentParser(prog="moe-train", description=__doc__)
     p.add_argument("--config", required=True, help="resolved run config (YAML)")
-    p.add_argument("--resume", default="auto",
-                   help="'auto' (default): continue from the newest complete checkpoint of the "
-                        "run directory if it has one; 'none': start fresh; or a checkpoint "
-                        "directory (saved with any parallel layout)")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="'auto' (default): continue from the newest complete checkpoint of the "
+        "run directory if it has one; 'none': start fresh; or a checkpoint "
+        "directory (saved with any parallel layout)",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -93,8 +96,9 @@ def launcher_gone(pid: int) -> None:
     text = gone_line(pid, f"rank pid {os.getpid()}")
     for handler in logging.getLogger("moe").handlers:
         if isinstance(handler, logging.FileHandler):
-            handler.handle(logging.LogRecord("moe.train", logging.WARNING, __file__, 0, text,
-                                             None, None))
+            handler.handle(
+                logging.LogRecord("moe.train", logging.WARNING, __file__, 0, text, None, None)
+            )
     say(text)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -112,13 +116,15 @@ def run(cfg, env, resume: str, threads: int) -> None:
     where = device if device.type == "cuda" else "cpu (no CUDA device visible)"
     logging.getLogger("moe.train").info(  # every rank: each rank's log tells its own story
         f"device: {where} (rank {env.rank}), backend {backend}, {env.world_size} rank(s), "
-        f"{threads} thread(s) per rank")
+        f"{threads} thread(s) per rank"
+    )
     # Collectives time out once the hang watchdog has reported (0: the process group's
     # default), and the last one entered is recorded for the watchdog's report.
     t = process_group_timeout_s(cfg.train.hang_timeout_s) if cfg.train.hang_timeout_s else 0
     record_collectives(env.rank, t)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False,
-                               **({"timeout": timedelta(seconds=t)} if t else {}))
+    deepspeed.init_distributed(
+        dist_backend=backend, verbose=False, **({"timeout": timedelta(seconds=t)} if t else {})
+    )
     if backend == "gloo":
         unlink_cpu_allreduce_buffer(env.rank)
     try:
@@ -142,8 +148,10 @@ def checkpoint_size(ckpt_dir: Path, cfg: RunConfig | None = None) -> tuple[int, 
     newest = sorted(ckpt_dir.glob(f"step_*/{MARKER}")) if ckpt_dir.is_dir() else []
     if newest:
         tag = newest[-1].parent
-        return (sum(p.stat().st_size for p in tag.rglob("*") if p.is_file()),
-                f"the size of {tag.name}, the newest checkpoint")
+        return (
+            sum(p.stat().st_size for p in tag.rglob("*") if p.is_file()),
+            f"the size of {tag.name}, the newest checkpoint",
+        )
     if cfg is None:
         return None
     model = cfg.model
@@ -153,8 +161,13 @@ def checkpoint_size(ckpt_dir: Path, cfg: RunConfig | None = None) -> tuple[int, 
         except DataError:
             return None
         model = dataclasses.replace(model, vocab_size=vocab)
-    planned = checkpoint_bytes(model, cfg.train.precision, cfg.parallel.zero_stage,
-                               cfg.parallel.expert_parallel_size, cfg.finetune.method)
+    planned = checkpoint_bytes(
+        model,
+        cfg.train.precision,
+        cfg.parallel.zero_stage,
+        cfg.parallel.expert_parallel_size,
+        cfg.finetune.method,
+    )
     return int(planned), "planned from the config: weights and optimizer states"
 
 
@@ -181,11 +194,13 @@ def storage_verdict(ckpt_dir: Path, cfg: RunConfig | None = None) -> str | None:
     return text
 
 
-def final_cause(e: Exception, ckpt_dir: Path, cfg: RunConfig | None = None
-                ) -> tuple[str, str] | None:
+def final_cause(
+    e: Exception, ckpt_dir: Path, cfg: RunConfig | None = None
+) -> tuple[str, str] | None:
     """(kind, cause) of a failure no restart can fix; None for one a restart may fix."""
     if isinstance(e, (CheckpointSaveError, OSError)) and (
-            not isinstance(e, OSError) or e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)):
+        not isinstance(e, OSError) or e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+    ):
         verdict = storage_verdict(ckpt_dir, cfg)
         return ("storage", f"{verdict} ({e})") if verdict else None
     if isinstance(e, ConfigError):
@@ -195,17 +210,24 @@ def final_cause(e: Exception, ckpt_dir: Path, cfg: RunConfig | None = None
     return None
 
 
-def record_stop(e: Exception, run_dir: Path, rank: int, cfg: RunConfig | None = None
-                ) -> tuple[str, str] | None:
+def record_stop(
+    e: Exception, run_dir: Path, rank: int, cfg: RunConfig | None = None
+) -> tuple[str, str] | None:
     """Every rank's own log holds the error that stopped it (its console may be another's); a
-    failure no restart can fix is also recorded for the supervisor (launch/supervise.py), and
+    failure no restart can fix is also recorded for the supervisor (launch/restarts.py), and
     returned: (kind, cause), else None. ``cfg``: the run's config (storage_verdict)."""
     text = f"stopped by {type(e).__name__}: {e}"
     for handler in logging.getLogger("moe").handlers:
         if isinstance(handler, logging.FileHandler):
-            record = logging.LogRecord("moe.train", logging.ERROR, __file__, 0, text, None,
-                                       None if isinstance(e, (MoEError, DataError))
-                                       else (type(e), e, e.__traceback__))
+            record = logging.LogRecord(
+                "moe.train",
+                logging.ERROR,
+                __file__,
+                0,
+                text,
+                None,
+                None if isinstance(e, (MoEError, DataError)) else (type(e), e, e.__traceback__),
+            )
             handler.handle(record)
     files = RunDir(run_dir)
     final = final_cause(e, files.checkpoints, cfg)
@@ -234,7 +256,8 @@ def stop_if_signalled(e: Exception, run_dir: Path, rank: int) -> None:
     logging.getLogger("moe.train").warning(
         f"rank {rank}: {type(e).__name__} after {name}: taken as the stop the signal asked for "
         f"(it also reaches the processes a rank runs), not as a failure; exiting with code "
-        f"{PREEMPTED_EXIT_CODE} so that the job can start again")
+        f"{PREEMPTED_EXIT_CODE} so that the job can start again"
+    )
     raise Preempted(None) from e
 
 
@@ -244,8 +267,10 @@ SHM_DIR = Path("/dev/shm")
 def cpu_allreduce_buffer(rank: int) -> Path:
     """The shared-memory file DeepSpeed's CPU communication op creates for ``rank`` when every
     rank is on one node (the launcher sets ``LOCAL_SIZE`` to the world size)."""
-    return SHM_DIR / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
-                      f"_{os.environ.get('MASTER_PORT', '')}_{rank}")
+    return SHM_DIR / (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
+        f"_{os.environ.get('MASTER_PORT', '')}_{rank}"
+    )
 
 
 def unlink_cpu_allreduce_buffer(rank: int) -> None:

@@ -15,9 +15,24 @@ from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.prepare import prepare
 from launch.signal_latch import CATCHABLE
 
-STDLIB_MODULES = ["argparse", "collections/__init__", "json/__init__", "pathlib", "textwrap",
-                  "shlex", "string", "heapq", "bisect", "functools", "typing", "dataclasses",
-                  "enum", "fractions", "calendar", "difflib"]
+STDLIB_MODULES = [
+    "argparse",
+    "collections/__init__",
+    "json/__init__",
+    "pathlib",
+    "textwrap",
+    "shlex",
+    "string",
+    "heapq",
+    "bisect",
+    "functools",
+    "typing",
+    "dataclasses",
+    "enum",
+    "fractions",
+    "calendar",
+    "difflib",
+]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -66,8 +81,11 @@ def write_corpus(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for name in STDLIB_MODULES:
         tree = ast.parse((stdlib / f"{name}.py").read_text(encoding="utf-8"))
-        docs = [ast.get_docstring(n) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))]
+        docs = [
+            ast.get_docstring(n)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        ]
         text = "\n\n".join(d for d in docs if d)
         (root / (name.replace("/", "_") + ".txt")).write_text(text, encoding="utf-8")
     return root
@@ -78,7 +96,12 @@ def tiny_data_config(root: Path) -> DataConfig:
         dir=str(root / "data"),
         sources=[SourceConfig(name="docs", type="text", paths=[str(root / "corpus")])],
         tokenizer=TokenizerConfig(vocab_size=512, sample_sentences=50000),
-        valid_fraction=0.2, shard_tokens=20000, seq_len=32, seed=7, prepare_workers=2)
+        valid_fraction=0.2,
+        shard_tokens=20000,
+        seq_len=32,
+        seed=7,
+        prepare_workers=2,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -94,15 +117,33 @@ def tiny_run_dict(data: DataConfig, out_dir: Path, **train) -> dict:
     return {
         "name": "tiny",
         "output_dir": str(out_dir),
-        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
-                  "moe": {"num_experts": 4, "expert_hidden": 64, "router": {"top_k": 2}}},
-        "data": {"dir": data.dir, "seq_len": data.seq_len, "seed": data.seed,
-                 "sources": [{"name": s.name, "type": s.type, "paths": s.paths} for s in data.sources],
-                 "tokenizer": {"vocab_size": data.tokenizer.vocab_size,
-                               "sample_sentences": data.tokenizer.sample_sentences},
-                 "valid_fraction": data.valid_fraction, "shard_tokens": data.shard_tokens},
-        "train": {"max_steps": 4, "micro_batch_size": 2, "warmup_steps": 1, "lr": 1e-3,
-                  "threads_per_rank": 1, **train},
+        "model": {
+            "d_model": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": 64,
+            "moe": {"num_experts": 4, "expert_hidden": 64, "router": {"top_k": 2}},
+        },
+        "data": {
+            "dir": data.dir,
+            "seq_len": data.seq_len,
+            "seed": data.seed,
+            "sources": [{"name": s.name, "type": s.type, "paths": s.paths} for s in data.sources],
+            "tokenizer": {
+                "vocab_size": data.tokenizer.vocab_size,
+                "sample_sentences": data.tokenizer.sample_sentences,
+            },
+            "valid_fraction": data.valid_fraction,
+            "shard_tokens": data.shard_tokens,
+        },
+        "train": {
+            "max_steps": 4,
+            "micro_batch_size": 2,
+            "warmup_steps": 1,
+            "lr": 1e-3,
+            "threads_per_rank": 1,
+            **train,
+        },
         "parallel": {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2},
         "logging": {"log_every": 1},
         "checkpoint": {"every_n_steps": 2},
@@ -122,7 +163,7 @@ def rarest_token(data_dir: str) -> int:
     the documents the split drew."""
     import numpy as np
 
-    from data_pipeline.reader import TokenStream
+    from data_pipeline.token_stream import TokenStream
 
     stream = TokenStream(data_dir, "train")
     counts = np.bincount(stream.read(0, len(stream)), minlength=stream.vocab_size)

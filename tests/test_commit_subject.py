@@ -13,8 +13,7 @@ SCRIPT = ROOT / ".ci" / "commit_subject.py"
 def _check(tmp_path, message):
     path = tmp_path / "COMMIT_EDITMSG"
     path.write_text(message)
-    return subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True,
-                          text=True)
+    return subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True)
 
 
 def test_a_subject_of_72_characters_passes_and_73_fails_naming_the_length(tmp_path):

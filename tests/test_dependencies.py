@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("moe", "data_pipeline", "launch", "benchmarks", "tests")
 # Import names whose distribution is named otherwise, for modules that may not be installed
 # here (optional extras); installed modules are looked up in the installed metadata.
-KNOWN_DIST = {"yaml": "pyyaml", "PIL": "pillow", "lm_eval": "lm-eval",
-              "liger_kernel": "liger-kernel", "google": "protobuf", "sklearn": "scikit-learn"}
+KNOWN_DIST = {
+    "yaml": "pyyaml",
+    "PIL": "pillow",
+    "lm_eval": "lm-eval",
+    "liger_kernel": "liger-kernel",
+    "google": "protobuf",
+    "sklearn": "scikit-learn",
+}
 # Build tooling, not imported by the installed package at run time.
 TOOLING = {"setuptools", "pkg_resources", "pip", "_pytest"}
 
@@ -80,38 +86,56 @@ def undeclared(root: Path) -> dict[str, set[str]]:
     """{module: files} for every imported module whose distribution setup.py does not name."""
     have = declared_distributions(root / "setup.py")
     installed = importlib.metadata.packages_distributions()
-    return {module: files for module, files in imported_modules(root).items()
-            if not distributions_of(module, installed) & have}
+    return {
+        module: files
+        for module, files in imported_modules(root).items()
+        if not distributions_of(module, installed) & have
+    }
 
 
 def test_every_imported_third_party_module_is_declared_in_setup_py():
     missing = undeclared(ROOT)
     installed = importlib.metadata.packages_distributions()
-    lines = [f"{module} (distribution {', '.join(sorted(distributions_of(module, installed)))}):"
-             f" imported by {', '.join(sorted(files)[:3])}" for module, files in sorted(missing.items())]
-    assert not missing, ("imported but not declared in setup.py (install_requires or an extra):\n"
-                         + "\n".join(lines))
+    lines = [
+        f"{module} (distribution {', '.join(sorted(distributions_of(module, installed)))}):"
+        f" imported by {', '.join(sorted(files)[:3])}"
+        for module, files in sorted(missing.items())
+    ]
+    assert not missing, (
+        "imported but not declared in setup.py (install_requires or an extra):\n" + "\n".join(lines)
+    )
 
 
 def test_the_check_finds_an_undeclared_import_lazy_or_not(tmp_path):
     (tmp_path / "setup.py").write_text(
-        'from setuptools import setup\n'
+        "from setuptools import setup\n"
         'setup(name="x", install_requires=["numpy>=1", "PyYAML"],\n'
-        '      extras_require={"test": ["moto[server]"]})\n')
+        '      extras_require={"test": ["moto[server]"]})\n'
+    )
     pkg = tmp_path / "moe"
     pkg.mkdir()
-    (pkg / "a.py").write_text("import numpy\nimport yaml\nimport moto.server\nimport json\n"
-                              "from moe import b\nfrom . import b\n")
+    (pkg / "a.py").write_text(
+        "import numpy\nimport yaml\nimport moto.server\nimport json\n"
+        "from moe import b\nfrom . import b\n"
+    )
     (pkg / "b.py").write_text("def f():\n    from scipy.optimize import minimize\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_x.py").write_text("import not_a_real_dist_xyz.sub\n")
     assert {m: sorted(f) for m, f in undeclared(tmp_path).items()} == {
-        "scipy": ["moe/b.py"], "not_a_real_dist_xyz": ["tests/test_x.py"]}
+        "scipy": ["moe/b.py"],
+        "not_a_real_dist_xyz": ["tests/test_x.py"],
+    }
 
 
 def test_requirements_are_read_from_install_requires_and_every_extra(tmp_path):
     (tmp_path / "setup.py").write_text(
         'setup(install_requires=["torch", "tqdm"],\n'
-        '      extras_require={"hf": ["transformers==4.1"], "test": ["pytest-xdist", "Moto[server]"]})\n')
+        '      extras_require={"hf": ["transformers==4.1"], "test": ["pytest-xdist", "Moto[server]"]})\n'
+    )
     assert declared_distributions(tmp_path / "setup.py") == {
-        "torch", "tqdm", "transformers", "pytest-xdist", "moto"}
+        "torch",
+        "tqdm",
+        "transformers",
+        "pytest-xdist",
+        "moto",
+    }

@@ -39,10 +39,16 @@ def test_the_count_covers_decorators_nested_functions_and_every_package(tmp_path
         (tmp_path / pkg / "sub").mkdir(parents=True)
     # 80 lines with its decorator (79 without), and exactly 80 lines.
     (tmp_path / "benchmarks" / "b.py").write_text(
-        "@staticmethod\ndef decorated():\n" + body(79, "    ")
-        + "\n\ndef at_limit():\n" + body(79, "    "))
+        "@staticmethod\ndef decorated():\n"
+        + body(79, "    ")
+        + "\n\ndef at_limit():\n"
+        + body(79, "    ")
+    )
     (tmp_path / "launch" / "sub" / "c.py").write_text(
-        "class C:\n    def method(self):\n        def inner():\n" + body(80, "            "))
-    assert long_functions(tmp_path) == ["launch/sub/c.py: method (82 lines)",
-                                        "launch/sub/c.py: inner (81 lines)",
-                                        "benchmarks/b.py: decorated (81 lines)"]
+        "class C:\n    def method(self):\n        def inner():\n" + body(80, "            ")
+    )
+    assert long_functions(tmp_path) == [
+        "launch/sub/c.py: method (82 lines)",
+        "launch/sub/c.py: inner (81 lines)",
+        "benchmarks/b.py: decorated (81 lines)",
+    ]

@@ -21,10 +21,12 @@ PACKAGES = ("moe", "data_pipeline", "launch")
 # Higher number = higher layer. A module may import its own layer or a lower one.
 LAYERS = (
     ("launch", 8),
-    ("moe.evaluation", 7), ("moe.tools", 7),
-    ("moe.training", 6), ("moe.parallel", 6),
+    ("moe.evaluation", 7),
+    ("moe.tools", 7),
+    ("moe.training", 6),
+    ("moe.parallel", 6),
     ("moe.weights", 5),  # a checkpoint (load) or transformers weights (hf) as one single-device
-                         # model: evaluation, export, import, init_from
+    # model: evaluation, export, import, init_from
     ("moe.config", 4),  # run and launch schemas: hold the model's and the data's configs
     ("moe.model", 3),
     ("data_pipeline", 2),  # beside the model: imports the layer-0 foundations at most
@@ -62,19 +64,28 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                 targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             else:
                 continue
-            graph[mod] |= {t for t in targets if t in mods and t != mod
-                           and not mod.startswith(t + ".")}
+            graph[mod] |= {
+                t for t in targets if t in mods and t != mod and not mod.startswith(t + ".")
+            }
     return graph
 
 
 def problems(graph: dict[str, set[str]]) -> list[str]:
-    out = [f"upward import: {m} (layer {layer_of(m)}) -> {t} (layer {layer_of(t)})"
-           for m, ts in sorted(graph.items()) for t in sorted(ts) if layer_of(t) > layer_of(m)]
+    out = [
+        f"upward import: {m} (layer {layer_of(m)}) -> {t} (layer {layer_of(t)})"
+        for m, ts in sorted(graph.items())
+        for t in sorted(ts)
+        if layer_of(t) > layer_of(m)
+    ]
     if layer_of("data_pipeline") == layer_of("moe.model"):
         raise AssertionError("data_pipeline must not share the model's layer")
-    out += [f"data_pipeline reaches into moe/launch: {m} -> {t}"
-            for m, ts in sorted(graph.items()) if m.startswith("data_pipeline")
-            for t in sorted(ts) if not t.startswith("data_pipeline") and layer_of(t) > 0]
+    out += [
+        f"data_pipeline reaches into moe/launch: {m} -> {t}"
+        for m, ts in sorted(graph.items())
+        if m.startswith("data_pipeline")
+        for t in sorted(ts)
+        if not t.startswith("data_pipeline") and layer_of(t) > 0
+    ]
     # circles: depth-first search for a back edge
     state: dict[str, int] = {}
 
@@ -82,7 +93,7 @@ def problems(graph: dict[str, set[str]]) -> list[str]:
         state[m] = 1
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                out.append("circle: " + " -> ".join(path[path.index(t):] + [t]))
+                out.append("circle: " + " -> ".join(path[path.index(t) :] + [t]))
             elif t not in state:
                 visit(t, path + [t])
         state[m] = 2
@@ -110,8 +121,9 @@ def test_the_checker_reports_upward_imports_and_circles(tmp_path):
         "moe/training/trainer.py": "from moe.training.hooks import Hook\n",
         "moe/training/hooks.py": "def f():\n    from moe.training.trainer import train\n",  # circle
         "data_pipeline/__init__.py": "",
-        "data_pipeline/reader.py": ("from moe.core.errors import MoEError\n"
-                                    "from moe.model.router import R\n"),
+        "data_pipeline/reader.py": (
+            "from moe.core.errors import MoEError\nfrom moe.model.router import R\n"
+        ),
         "launch/__init__.py": "",
     }
     for name, text in files.items():
@@ -119,10 +131,14 @@ def test_the_checker_reports_upward_imports_and_circles(tmp_path):
         (tmp_path / name).write_text(text)
     found = problems(import_graph(tmp_path))
     assert "upward import: moe.model.router (layer 3) -> moe.training.trainer (layer 6)" in found
-    assert "data_pipeline reaches into moe/launch: data_pipeline.reader -> moe.model.router" in found
+    assert (
+        "data_pipeline reaches into moe/launch: data_pipeline.reader -> moe.model.router" in found
+    )
     assert not any("-> moe.core.errors" in p for p in found)  # a foundation: allowed
-    assert any(p.startswith("circle: ") and "moe.training.hooks" in p
-               and "moe.training.trainer" in p for p in found)
+    assert any(
+        p.startswith("circle: ") and "moe.training.hooks" in p and "moe.training.trainer" in p
+        for p in found
+    )
 
 
 BLOCKER = textwrap.dedent("""
@@ -143,21 +159,37 @@ BLOCKER = textwrap.dedent("""
     print(len(names))
 """)
 
-ABOVE_MODEL = ["moe.training", "moe.parallel", "moe.evaluation", "moe.tools", "launch",
-               "deepspeed", "data_pipeline", "moe.checkpoint"]
+ABOVE_MODEL = [
+    "moe.training",
+    "moe.parallel",
+    "moe.evaluation",
+    "moe.tools",
+    "launch",
+    "deepspeed",
+    "data_pipeline",
+    "moe.checkpoint",
+]
 
 
-@pytest.mark.parametrize("package,blocked", [
-    ("moe.model", ABOVE_MODEL),
-    ("moe.checkpoint", ABOVE_MODEL[:-1] + ["moe.model"]),
-    ("moe.config", ABOVE_MODEL[:5] + ["deepspeed", "moe.weights.load"]),
-    ("data_pipeline", ["moe.model", "moe.config", "moe.weights.load", "moe.checkpoint"]
-     + ABOVE_MODEL[:5] + ["deepspeed"]),
-])
+@pytest.mark.parametrize(
+    "package,blocked",
+    [
+        ("moe.model", ABOVE_MODEL),
+        ("moe.checkpoint", ABOVE_MODEL[:-1] + ["moe.model"]),
+        ("moe.config", ABOVE_MODEL[:5] + ["deepspeed", "moe.weights.load"]),
+        (
+            "data_pipeline",
+            ["moe.model", "moe.config", "moe.weights.load", "moe.checkpoint"]
+            + ABOVE_MODEL[:5]
+            + ["deepspeed"],
+        ),
+    ],
+)
 def test_lower_packages_import_with_everything_above_them_missing(package, blocked):
     code = BLOCKER.format(package=package, blocked=blocked)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.split()[-1]) >= 2  # the package and at least one module
 

@@ -20,8 +20,11 @@ JOINED_ONCE = ("checkpoints", "tensorboard")
 def _documentation(tree: ast.AST) -> set[int]:
     """Strings that stand alone as statements: docstrings of modules, classes, functions and
     config fields."""
-    return {id(node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
 
 
 def spellings(source: str) -> list[str]:
@@ -31,23 +34,32 @@ def spellings(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             found += [name for name in SPELLED_ONCE if name in node.value]
-        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
-                and isinstance(node.right, ast.Constant) and node.right.value in JOINED_ONCE):
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Div)
+            and isinstance(node.right, ast.Constant)
+            and node.right.value in JOINED_ONCE
+        ):
             found.append(f'/ "{node.right.value}"')
     return found
 
 
 def test_the_check_finds_each_spelling():
     assert sorted(spellings('p = run_dir / "checkpoints"\nq = f"steps_rank{r}.jsonl"')) == [
-        '/ "checkpoints"', 'steps_rank']
+        '/ "checkpoints"',
+        "steps_rank",
+    ]
     assert spellings('"""train_summary.json is a docstring"""\nx = d["checkpoints"]') == []
 
 
 def imports_the_project(source: str) -> bool:
-    return any(isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES
-               or isinstance(node, ast.Import)
-               and any(a.name.split(".")[0] in PACKAGES for a in node.names)
-               for node in ast.walk(ast.parse(source)))
+    return any(
+        isinstance(node, ast.ImportFrom)
+        and (node.module or "").split(".")[0] in PACKAGES
+        or isinstance(node, ast.Import)
+        and any(a.name.split(".")[0] in PACKAGES for a in node.names)
+        for node in ast.walk(ast.parse(source))
+    )
 
 
 def test_no_module_but_run_dir_spells_a_run_directory_name():

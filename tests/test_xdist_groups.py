@@ -30,15 +30,21 @@ def _config(xdist: bool):
 
 
 def test_a_files_tests_share_a_group_and_launcher_runs_share_one():
-    items = [_Item("tests/moe/tools/test_export_sweep.py::test_a[x]", "slow"),
-             _Item("tests/moe/tools/test_export_sweep.py::test_b"),
-             _Item("tests/moe/model/test_router.py::test_c"),
-             _Item("tests/integration/test_local_launch.py::test_d", "integration"),
-             _Item("tests/integration/test_slurm_two_nodes.py::test_e", "integration", "slurm")]
+    items = [
+        _Item("tests/moe/tools/test_export_sweep.py::test_a[x]", "slow"),
+        _Item("tests/moe/tools/test_export_sweep.py::test_b"),
+        _Item("tests/moe/model/test_router.py::test_c"),
+        _Item("tests/integration/test_local_launch.py::test_d", "integration"),
+        _Item("tests/integration/test_slurm_two_nodes.py::test_e", "integration", "slurm"),
+    ]
     pytest_collection_modifyitems(_config(True), items)
     assert [i.group() for i in items] == [
-        "tests/moe/tools/test_export_sweep.py", "tests/moe/tools/test_export_sweep.py",
-        "tests/moe/model/test_router.py", "launcher", "launcher"]
+        "tests/moe/tools/test_export_sweep.py",
+        "tests/moe/tools/test_export_sweep.py",
+        "tests/moe/model/test_router.py",
+        "launcher",
+        "launcher",
+    ]
 
 
 def test_without_xdist_nothing_is_marked():

@@ -58,17 +58,25 @@ def parse_filter(text: str, hosts: dict[str, int], key: str) -> dict[str, list[i
     for spec in text.split("@"):
         host, _, slots_text = spec.partition(":")
         if host not in hosts:
-            raise ConfigError([f"launch.hostfile.{key}: host {host!r} is not in the hostfile "
-                               f"(hosts: {', '.join(hosts)})"])
+            raise ConfigError(
+                [
+                    f"launch.hostfile.{key}: host {host!r} is not in the hostfile "
+                    f"(hosts: {', '.join(hosts)})"
+                ]
+            )
         try:
-            slots = [int(s) for s in slots_text.split(",")] if slots_text else list(range(hosts[host]))
+            slots = (
+                [int(s) for s in slots_text.split(",")] if slots_text else list(range(hosts[host]))
+            )
         except ValueError:
-            raise ConfigError([f"launch.hostfile.{key}: {spec!r} is not HOST or "
-                               f"HOST:SLOT[,SLOT...]"]) from None
+            raise ConfigError(
+                [f"launch.hostfile.{key}: {spec!r} is not HOST or HOST:SLOT[,SLOT...]"]
+            ) from None
         bad = [s for s in slots if not 0 <= s < hosts[host]]
         if bad:
-            raise ConfigError([f"launch.hostfile.{key}: {host} has slots 0..{hosts[host] - 1}, "
-                               f"not {bad}"])
+            raise ConfigError(
+                [f"launch.hostfile.{key}: {host} has slots 0..{hosts[host] - 1}, not {bad}"]
+            )
         out[host] = sorted(set(out.get(host, []) + slots))
     return out
 
@@ -86,39 +94,72 @@ def active_slots(hosts: dict[str, int], include: str, exclude: str) -> dict[str,
 def plan(cfg: RunConfig, run_dir: Path) -> Plan:
     h = cfg.launch.hostfile
     if h.path is None:
-        raise ConfigError(["launch.hostfile.path: the hostfile scheduler needs a hostfile "
-                           "('HOSTNAME slots=N' per line)"])
+        raise ConfigError(
+            [
+                "launch.hostfile.path: the hostfile scheduler needs a hostfile "
+                "('HOSTNAME slots=N' per line)"
+            ]
+        )
     active = active_slots(read_hostfile(h.path), h.include, h.exclude)
     n = sum(len(s) for s in active.values())
     problems = []
     if n != cfg.parallel.world_size:
-        problems.append(f"parallel.world_size: {cfg.parallel.world_size} ranks requested, but "
-                        f"the hostfile {h.path} gives {n} slots after include/exclude")
+        problems.append(
+            f"parallel.world_size: {cfg.parallel.world_size} ranks requested, but "
+            f"the hostfile {h.path} gives {n} slots after include/exclude"
+        )
     for k, v in cfg.launch.env.items():
         if DOUBLE_QUOTE_ACTIVE.search(v):
-            problems.append(f"launch.env.{k}: {v!r} holds $, `, \", \\ or a line break, which "
-                            f"DeepSpeed's runner would pass to a remote shell unquoted")
+            problems.append(
+                f'launch.env.{k}: {v!r} holds $, `, ", \\ or a line break, which '
+                f"DeepSpeed's runner would pass to a remote shell unquoted"
+            )
     config_path = run_dir / RESOLVED_CONFIG
     for what, path in (("the run directory", config_path), ("the working directory", os.getcwd())):
         if not SHELL_INERT.match(str(path)):
-            problems.append(f"{what} {str(path)!r}: DeepSpeed's runner passes it to a remote "
-                            f"shell unquoted; use a path of letters, digits and @%+=:,./-_")
+            problems.append(
+                f"{what} {str(path)!r}: DeepSpeed's runner passes it to a remote "
+                f"shell unquoted; use a path of letters, digits and @%+=:,./-_"
+            )
     if problems:
         raise ConfigError(problems)
     master = h.master_addr or next(iter(active))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", h.path,
-           "--master_addr", master, "--master_port", str(h.master_port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        h.path,
+        "--master_addr",
+        master,
+        "--master_port",
+        str(h.master_port),
+    ]
     if h.include:
         cmd += ["--include", h.include]
     if h.exclude:
         cmd += ["--exclude", h.exclude]
     if not h.ssh_check:
         cmd.append("--no_ssh_check")
-    cmd += ["--log_level", "warning", "--no_local_rank", "--module", "launch.rank",
-            "--config", str(config_path)]
+    cmd += [
+        "--log_level",
+        "warning",
+        "--no_local_rank",
+        "--module",
+        "launch.rank",
+        "--config",
+        str(config_path),
+    ]
     env = {"PYTHONUNBUFFERED": "1", **cfg.launch.env}
     env_file = "".join(f"{k}={v}\n" for k, v in env.items())
-    return Plan("hostfile", cmd, str(run_dir), n, nodes=len(active),
-                env={**env, "DS_ENV_FILE": str(run_dir / ENV_FILE)}, files={ENV_FILE: env_file},
-                # Several hosts: DeepSpeed's runner starts them with pdsh over ssh.
-                requires=["pdsh", "ssh"] if len(active) > 1 else [])
+    return Plan(
+        "hostfile",
+        cmd,
+        str(run_dir),
+        n,
+        nodes=len(active),
+        env={**env, "DS_ENV_FILE": str(run_dir / ENV_FILE)},
+        files={ENV_FILE: env_file},
+        # Several hosts: DeepSpeed's runner starts them with pdsh over ssh.
+        requires=["pdsh", "ssh"] if len(active) > 1 else [],
+    )

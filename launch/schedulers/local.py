@@ -12,7 +12,20 @@ from moe.training.ports import free_port
 
 def plan(cfg: RunConfig, run_dir: Path) -> Plan:
     n = cfg.parallel.world_size
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(n),
-           "--master_port", str(free_port()), "--log_level", "warning", "--no_local_rank",
-           "--module", "launch.rank", "--config", str(run_dir / RESOLVED_CONFIG)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(n),
+        "--master_port",
+        str(free_port()),
+        "--log_level",
+        "warning",
+        "--no_local_rank",
+        "--module",
+        "launch.rank",
+        "--config",
+        str(run_dir / RESOLVED_CONFIG),
+    ]
     return Plan("local", cmd, str(run_dir), n, env={"PYTHONUNBUFFERED": "1", **cfg.launch.env})

@@ -16,9 +16,11 @@ from moe.core.errors import LaunchError
 
 def detect_flavor(mpiexec: str) -> str:
     if shutil.which(mpiexec) is None:
-        raise LaunchError(f"{mpiexec!r} not found on PATH: install MPI (e.g. pip install mpich) "
-                          f"or set launch.mpi.mpiexec; with launch.mpi.flavor set, --dry-run "
-                          f"works without it")
+        raise LaunchError(
+            f"{mpiexec!r} not found on PATH: install MPI (e.g. pip install mpich) "
+            f"or set launch.mpi.mpiexec; with launch.mpi.flavor set, --dry-run "
+            f"works without it"
+        )
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -28,16 +30,21 @@ def detect_flavor(mpiexec: str) -> str:
         return "openmpi"
     if "HYDRA" in text or "MPICH" in text or "Intel(R) MPI" in text:
         return "mpich"
-    raise LaunchError(f"cannot tell which MPI {mpiexec} belongs to; set launch.mpi.flavor to "
-                      f"'mpich' or 'openmpi'")
+    raise LaunchError(
+        f"cannot tell which MPI {mpiexec} belongs to; set launch.mpi.flavor to 'mpich' or 'openmpi'"
+    )
 
 
 def plan(cfg: RunConfig, run_dir: Path) -> Plan:
     m = cfg.launch.mpi
     flavor = m.flavor if m.flavor != "auto" else detect_flavor(m.mpiexec)
     n = cfg.parallel.world_size
-    env = {"MASTER_ADDR": m.master_addr, "MASTER_PORT": str(m.master_port or free_port()),
-           "PYTHONUNBUFFERED": "1", **cfg.launch.env}
+    env = {
+        "MASTER_ADDR": m.master_addr,
+        "MASTER_PORT": str(m.master_port or free_port()),
+        "PYTHONUNBUFFERED": "1",
+        **cfg.launch.env,
+    }
     cmd = [m.mpiexec, "-n", str(n)]
     if m.hostfile:
         cmd += ["-f" if flavor == "mpich" else "--hostfile", m.hostfile]

@@ -65,9 +65,13 @@ class Allocation:
     @classmethod
     def from_environment(cls, cfg: RunConfig, config_path: Path) -> Allocation:
         env = os.environ
-        return cls(cfg, config_path, env.get("SLURM_JOB_ID", "0"),
-                   int(env.get("SLURM_RESTART_COUNT", "0") or 0),
-                   master_address(env.get("SLURM_JOB_NODELIST", "localhost")))
+        return cls(
+            cfg,
+            config_path,
+            env.get("SLURM_JOB_ID", "0"),
+            int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+            master_address(env.get("SLURM_JOB_NODELIST", "localhost")),
+        )
 
     @property
     def run_dir(self) -> Path:
@@ -88,13 +92,19 @@ class Allocation:
             extra |= {"GLOO_SOCKET_IFNAME": s.socket_ifname, "NCCL_SOCKET_IFNAME": s.socket_ifname}
         # The ranks of a job are watched by SLURM, not by a moe-launch that submitted it.
         own = {k: v for k, v in os.environ.items() if k != WATCH_ENV}
-        return {**own, **extra, "MASTER_ADDR": self.master_addr,
-                "MASTER_PORT": str(self.port(attempt))}
+        return {
+            **own,
+            **extra,
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.port(attempt)),
+        }
 
     def header(self, attempt: int) -> str:
-        return (f"job {self.job_id} (restart {self.requeues}, attempt {attempt + 1}): "
-                f"{self.cfg.parallel.world_size} ranks, master {self.master_addr}:"
-                f"{self.port(attempt)}")
+        return (
+            f"job {self.job_id} (restart {self.requeues}, attempt {attempt + 1}): "
+            f"{self.cfg.parallel.world_size} ranks, master {self.master_addr}:"
+            f"{self.port(attempt)}"
+        )
 
     def srun(self) -> list[str]:
         """One task per rank, each the rank wrapper (launch/rank.py: it records how the rank
@@ -104,29 +114,51 @@ class Allocation:
         s, world = self.cfg.launch.slurm, self.cfg.parallel.world_size
         saved = list(dict.fromkeys([*self.cfg.checkpoint.save_on_signals, "USR1", "TERM"]))
         assert all(name in SIGNALS for name in saved)
-        return ["srun", f"--ntasks={world}", f"--ntasks-per-node={world // s.nodes}",
-                f"--cpus-per-task={s.cpus_per_task}", "--kill-on-bad-exit=1", "--label",
-                *s.srun_args, sys.executable, "-u", "-m", "launch.rank",
-                "--config", str(self.config_path),
-                f"checkpoint.save_on_signals=[{', '.join(saved)}]"]
+        return [
+            "srun",
+            f"--ntasks={world}",
+            f"--ntasks-per-node={world // s.nodes}",
+            f"--cpus-per-task={s.cpus_per_task}",
+            "--kill-on-bad-exit=1",
+            "--label",
+            *s.srun_args,
+            sys.executable,
+            "-u",
+            "-m",
+            "launch.rank",
+            "--config",
+            str(self.config_path),
+            f"checkpoint.save_on_signals=[{', '.join(saved)}]",
+        ]
 
     def finish(self, evaluate: bool) -> list[str]:
         """The finished run's summary and evaluation, on one task of the allocation."""
-        return ["srun", "--ntasks=1", "--nodes=1",
-                f"--cpus-per-task={self.cfg.launch.slurm.cpus_per_task}", sys.executable, "-u",
-                "-m", "launch.finish", str(self.run_dir), *([] if evaluate else ["--no-eval"])]
+        return [
+            "srun",
+            "--ntasks=1",
+            "--nodes=1",
+            f"--cpus-per-task={self.cfg.launch.slurm.cpus_per_task}",
+            sys.executable,
+            "-u",
+            "-m",
+            "launch.finish",
+            str(self.run_dir),
+            *([] if evaluate else ["--no-eval"]),
+        ]
 
     def record_end(self, status: int, requeued_step: int | None = None) -> None:
         """``JOB STATUS requeued STEP`` or ``JOB STATUS ended`` (launch/slurm/jobs.py)."""
         self.ended = True
-        line = (f"{self.job_id} {status} requeued {requeued_step}" if requeued_step is not None
-                else f"{self.job_id} {status} ended")
+        line = (
+            f"{self.job_id} {status} requeued {requeued_step}"
+            if requeued_step is not None
+            else f"{self.job_id} {status} ended"
+        )
         try:
             with (self.run_dir / ENDS_FILE).open("a") as f:
                 f.write(line + "\n")
         except OSError as e:  # a full or read-only disk must not hide how the job ended
-            print(f"could not record the job's end in {self.run_dir / ENDS_FILE}: {e}",
-                  flush=True)
+            print(f"could not record the job's end in {self.run_dir / ENDS_FILE}: {e}", flush=True)
 
     def ended_state(self) -> str | None:
         """SLURM's state for this job when SLURM itself is ending it (CANCELLED, TIMEOUT,
@@ -141,12 +173,16 @@ class Allocation:
         return None
 
     def requeue(self) -> bool:
-        proc = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            ["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=60
+        )
         # The requeue ends this batch step, scontrol included: killed by a signal, it worked.
         if proc.returncode > 0:
-            print(f"scontrol requeue {self.job_id} failed: {proc.stderr.strip()} (a cancelled "
-                  f"job, or one past its time limit, cannot be requeued)", flush=True)
+            print(
+                f"scontrol requeue {self.job_id} failed: {proc.stderr.strip()} (a cancelled "
+                f"job, or one past its time limit, cannot be requeued)",
+                flush=True,
+            )
         return proc.returncode <= 0
 
 
@@ -204,16 +240,22 @@ def clear_stale_build_locks(root: Path) -> list[Path]:
     cleared = []
     for lock, age in orphan_build_locks(root) if root.is_dir() else []:
         if age > STALE_LOCK_S:
-            print(f"removing a stale torch-extensions build lock {lock} (older than "
-                  f"{STALE_LOCK_S // 60} minutes, no build running there): a build that died "
-                  f"left it, and every start would wait on it forever", flush=True)
+            print(
+                f"removing a stale torch-extensions build lock {lock} (older than "
+                f"{STALE_LOCK_S // 60} minutes, no build running there): a build that died "
+                f"left it, and every start would wait on it forever",
+                flush=True,
+            )
             lock.unlink(missing_ok=True)
             cleared.append(lock)
         else:
-            print(f"a torch-extensions build lock {lock} ({age:.0f} s old) has no build running "
-                  f"on this node: the ranks wait until it is gone. If no other node is building "
-                  f"there, a build died and left it: remove it (it is removed here once older "
-                  f"than {STALE_LOCK_S // 60} minutes)", flush=True)
+            print(
+                f"a torch-extensions build lock {lock} ({age:.0f} s old) has no build running "
+                f"on this node: the ranks wait until it is gone. If no other node is building "
+                f"there, a build died and left it: remove it (it is removed here once older "
+                f"than {STALE_LOCK_S // 60} minutes)",
+                flush=True,
+            )
     return cleared
 
 
@@ -234,12 +276,12 @@ def op_built(env: dict[str, str]) -> bool:
     return (root / OP_NAME / f"{OP_NAME}.so").is_file() and not (root / OP_NAME / "lock").exists()
 
 
-BUILD_OP = ("from deepspeed.comm.torch import build_shm_op\n"
-            "build_shm_op()\n")
+BUILD_OP = "from deepspeed.comm.torch import build_shm_op\nbuild_shm_op()\n"
 
 
-def build_ops(env: dict[str, str], timeout: float = 1800,
-              tick: Callable[[], None] | None = None) -> int:
+def build_ops(
+    env: dict[str, str], timeout: float = 1800, tick: Callable[[], None] | None = None
+) -> int:
     """Build DeepSpeed's JIT communication op once, before srun starts any rank, in a child
     whose compilers ignore the job's stop signals: a signal that reaches the whole step (SLURM's
     time-limit warning) can no longer kill a compiler and leave a half-built op and its lock.
@@ -249,8 +291,14 @@ def build_ops(env: dict[str, str], timeout: float = 1800,
     clear_stale_build_locks(extensions_dir(env))
     if op_built(env):
         return 0
-    proc = subprocess.Popen([sys.executable, "-c", BUILD_OP], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=ignore_stop_signals)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUILD_OP],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ignore_stop_signals,
+    )
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -265,6 +313,9 @@ def build_ops(env: dict[str, str], timeout: float = 1800,
             if tick is not None:
                 tick()
     if proc.returncode != 0:
-        print(f"building DeepSpeed's op before the ranks failed (exit code {proc.returncode}); "
-              f"the ranks build it themselves: {err.strip()[-500:]}", flush=True)
+        print(
+            f"building DeepSpeed's op before the ranks failed (exit code {proc.returncode}); "
+            f"the ranks build it themselves: {err.strip()[-500:]}",
+            flush=True,
+        )
     return proc.returncode

@@ -27,9 +27,21 @@ OLD_JOB_FILE = "slurm_job.json"
 """The one-job record that earlier versions wrote; still read, as a one-entry list."""
 ENDS_FILE = "slurm_job_ends.txt"
 # States in which a job still holds (or waits for) an allocation: the run directory is in use.
-ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
-          "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED",
-          "RESV_DEL_HOLD"}
+ACTIVE = {
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+    "RESV_DEL_HOLD",
+}
 
 
 @dataclass
@@ -76,18 +88,28 @@ def read_jobs(run_dir: Path) -> list[dict]:
             raise LaunchError(f"{run_dir / name} is not valid JSON ({e})") from None
         # The old record named no log: it was the default one unless launch.slurm.output said
         # otherwise.
-        return ([{"state": None, "log": str(RunDir(run_dir).logs / "slurm-%j.out"), **jobs}]
-                if wrap else jobs)
+        return (
+            [{"state": None, "log": str(RunDir(run_dir).logs / "slurm-%j.out"), **jobs}]
+            if wrap
+            else jobs
+        )
     return []
 
 
-def record_submission(run_dir: Path, job_id: str, script: str, log: str,
-                      after: str | None = None) -> None:
+def record_submission(
+    run_dir: Path, job_id: str, script: str, log: str, after: str | None = None
+) -> None:
     """``after``: the job this one waits for (``--dependency=afterany``), if any."""
-    jobs = read_jobs(run_dir) + [{"job_id": job_id,
-                                  "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                  "script": script, "log": log, "state": None,
-                                  **({"after": after} if after else {})}]
+    jobs = read_jobs(run_dir) + [
+        {
+            "job_id": job_id,
+            "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "script": script,
+            "log": log,
+            "state": None,
+            **({"after": after} if after else {}),
+        }
+    ]
     write_atomic(run_dir / JOBS_FILE, json.dumps(jobs, indent=2))
 
 
@@ -98,15 +120,18 @@ def with_dependency(command: list[str], after: str | None) -> list[str]:
     return [*command[:-1], f"--dependency=afterany:{after}", command[-1]]
 
 
-def submit_job(command: list[str], env: dict[str, str], run_dir: Path, log: str,
-               after: str | None = None) -> str:
+def submit_job(
+    command: list[str], env: dict[str, str], run_dir: Path, log: str, after: str | None = None
+) -> str:
     """Run ``sbatch --parsable ... SCRIPT`` (``after``: a job id it waits for, whatever way that
     one ends) and record the job in the run directory; its id."""
     command = with_dependency(command, after)
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise LaunchError(f"sbatch refused the job (exit code {proc.returncode}): "
-                          f"{proc.stderr.strip() or proc.stdout.strip()}")
+        raise LaunchError(
+            f"sbatch refused the job (exit code {proc.returncode}): "
+            f"{proc.stderr.strip() or proc.stdout.strip()}"
+        )
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise LaunchError(f"sbatch printed {proc.stdout.strip()!r}, not a job id")
@@ -141,8 +166,13 @@ def state_from_ends(run_dir: Path, job_id: str) -> str | None:
     end = last_end(run_dir, job_id)
     if end is None:
         return None
-    return ("REQUEUED" if end[2] == "requeued" else
-            "COMPLETED" if end[1] == "0" else f"FAILED (exit code {end[1]})")
+    return (
+        "REQUEUED"
+        if end[2] == "requeued"
+        else "COMPLETED"
+        if end[1] == "0"
+        else f"FAILED (exit code {end[1]})"
+    )
 
 
 def requeued_at(run_dir: Path, job_id: str) -> int | None:
@@ -162,10 +192,12 @@ def query(job_id: str, run_dir: Path | None = None) -> JobState:
         state, reason, elapsed, limit = proc.stdout.strip().splitlines()[0].split("|")
         return JobState(job_id, state, "squeue", reason, elapsed, limit)
     # squeue answered and does not know the job (an unreachable controller proves nothing).
-    unknown_to_squeue = proc is not None and (proc.returncode == 0
-                                              or "Invalid job id" in proc.stderr)
-    proc = slurm_command(["sacct", "-n", "-X", "-P", "-j", job_id, "-o",
-                          "State,Reason,Elapsed,Timelimit"])
+    unknown_to_squeue = proc is not None and (
+        proc.returncode == 0 or "Invalid job id" in proc.stderr
+    )
+    proc = slurm_command(
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,Reason,Elapsed,Timelimit"]
+    )
     if proc is not None and proc.returncode == 0 and proc.stdout.strip():
         state, reason, elapsed, limit = proc.stdout.strip().splitlines()[0].split("|")
         return JobState(job_id, state.split()[0], "sacct", reason, elapsed, limit)
@@ -196,9 +228,11 @@ def refuse_if_active(run_dir: Path) -> None:
     and plan under a queued or running job."""
     job = newest_job(run_dir)
     if job is not None and job.active:
-        raise LaunchError(f"run directory {run_dir} belongs to SLURM job {job.job_id}, which is "
-                          f"{job.state}; cancel it first (moe-launch cancel {run_dir}) or "
-                          f"submit under another name (name=...)")
+        raise LaunchError(
+            f"run directory {run_dir} belongs to SLURM job {job.job_id}, which is "
+            f"{job.state}; cancel it first (moe-launch cancel {run_dir}) or "
+            f"submit under another name (name=...)"
+        )
 
 
 def last_steps(run_dir: Path) -> dict | None:

@@ -77,8 +77,10 @@ def build(cfg: RunConfig, count: int, force: bool = False) -> PrepareJobs:
     job_dir = job_dir_of(cfg)
     problems = []
     if "%" in str(job_dir) or "\\" in str(job_dir):
-        problems.append(f"data.dir: {str(job_dir)!r} holds '%' or '\\', which SLURM interprets "
-                        "in job log paths; prepare into another directory")
+        problems.append(
+            f"data.dir: {str(job_dir)!r} holds '%' or '\\', which SLURM interprets "
+            "in job log paths; prepare into another directory"
+        )
     if any(c in str(job_dir) for c in "\n\r\0"):
         problems.append("data.dir: a line break cannot appear in a job script line")
     if problems:
@@ -87,26 +89,45 @@ def build(cfg: RunConfig, count: int, force: bool = False) -> PrepareJobs:
     config = shlex.quote(str(job_dir / RESOLVED_CONFIG))
     prepare = f"{shlex.quote(sys.executable)} -u -m launch.prepare {config}"
     name = s.job_name or cfg.name
-    logs = {"tokenizer": str(job_dir / "logs" / "tokenizer-%j.out"),
-            "parts": str(job_dir / "logs" / "part-%A_%a.out"),
-            "merge": str(job_dir / "logs" / "merge-%j.out")}
+    logs = {
+        "tokenizer": str(job_dir / "logs" / "tokenizer-%j.out"),
+        "parts": str(job_dir / "logs" / "part-%A_%a.out"),
+        "merge": str(job_dir / "logs" / "merge-%j.out"),
+    }
     steps = {
         "tokenizer": ([], f"{prepare} --tokenizer-only"),
-        "parts": ([("--array", f"0-{count - 1}")],
-                  f'{prepare} --part "$SLURM_ARRAY_TASK_ID/{count}"'),
+        "parts": (
+            [("--array", f"0-{count - 1}")],
+            f'{prepare} --part "$SLURM_ARRAY_TASK_ID/{count}"',
+        ),
         "merge": ([], f"{prepare} --merge" + (" --force" if force else "")),
     }
     scripts = {}
     for step, (directives, command) in steps.items():
-        lines = ["#!/bin/bash",
-                 f"# Written by moe-prepare --slurm-parts {count}: data preparation, {step}"]
-        lines += [sbatch_directive(*d) for d in [
-            ("--job-name", f"{name}-prepare-{step}"), ("--nodes", 1), ("--ntasks", 1),
-            ("--cpus-per-task", cfg.data.prepare_workers), *site_directives(s),
-            *directives, ("--output", logs[step]), ("--open-mode", "append")]]
+        lines = [
+            "#!/bin/bash",
+            f"# Written by moe-prepare --slurm-parts {count}: data preparation, {step}",
+        ]
+        lines += [
+            sbatch_directive(*d)
+            for d in [
+                ("--job-name", f"{name}-prepare-{step}"),
+                ("--nodes", 1),
+                ("--ntasks", 1),
+                ("--cpus-per-task", cfg.data.prepare_workers),
+                *site_directives(s),
+                *directives,
+                ("--output", logs[step]),
+                ("--open-mode", "append"),
+            ]
+        ]
         lines += extra_directives(s)
-        lines += ["set -euo pipefail", f"cd {shlex.quote(str(Path.cwd()))}",
-                  *env_exports(cfg), command]
+        lines += [
+            "set -euo pipefail",
+            f"cd {shlex.quote(str(Path.cwd()))}",
+            *env_exports(cfg),
+            command,
+        ]
         scripts[step] = "\n".join(lines) + "\n"
     return PrepareJobs(job_dir, scripts, logs)
 
@@ -115,13 +136,17 @@ def submit(cfg: RunConfig, jobs: PrepareJobs) -> dict[str, str]:
     """Write the scripts and the config snapshot, submit the three jobs chained, record them;
     the job id of each step."""
     if shutil.which("sbatch") is None:
-        raise LaunchError("'sbatch' not found on PATH: --slurm-parts submits SLURM jobs from "
-                          "this host (--dry-run prints them without it)")
+        raise LaunchError(
+            "'sbatch' not found on PATH: --slurm-parts submits SLURM jobs from "
+            "this host (--dry-run prints them without it)"
+        )
     for record in read_jobs(jobs.job_dir):
         job = query(str(record["job_id"]), jobs.job_dir)
         if job.active:
-            raise LaunchError(f"{jobs.job_dir}: job {job.job_id} of an earlier submission is "
-                              f"{job.state}; cancel it (moe-launch cancel {job.job_id}) or wait")
+            raise LaunchError(
+                f"{jobs.job_dir}: job {job.job_id} of an earlier submission is "
+                f"{job.state}; cancel it (moe-launch cancel {job.job_id}) or wait"
+            )
     write_atomic(jobs.job_dir / RESOLVED_CONFIG, dump_config(cfg))
     (jobs.job_dir / "logs").mkdir(exist_ok=True)  # SLURM does not create a log's directory
     for step, text in jobs.scripts.items():
@@ -134,9 +159,11 @@ def submit(cfg: RunConfig, jobs: PrepareJobs) -> dict[str, str]:
         job_id = proc.stdout.strip().split(";")[0]
         if proc.returncode != 0 or not job_id.isdigit():
             submitted = ", ".join(f"{k} {v}" for k, v in ids.items()) or "none"
-            raise LaunchError(f"sbatch refused the {step} job (exit code {proc.returncode}): "
-                              f"{proc.stderr.strip() or proc.stdout.strip()}; jobs already "
-                              f"submitted: {submitted}")
+            raise LaunchError(
+                f"sbatch refused the {step} job (exit code {proc.returncode}): "
+                f"{proc.stderr.strip() or proc.stdout.strip()}; jobs already "
+                f"submitted: {submitted}"
+            )
         record_submission(jobs.job_dir, job_id, command[-1], jobs.logs[step])
         ids[step] = previous = job_id
     return ids
@@ -144,10 +171,12 @@ def submit(cfg: RunConfig, jobs: PrepareJobs) -> dict[str, str]:
 
 def watch_lines(jobs: PrepareJobs, ids: dict[str, str]) -> list[str]:
     q = shlex.quote
-    return [f"submitted SLURM jobs: tokenizer {ids['tokenizer']}, parts {ids['parts']} "
-            f"(array), merge {ids['merge']}",
-            f"job files       {jobs.job_dir}",
-            f"watch           squeue -j {','.join(ids.values())}",
-            f"status          moe-launch status {q(str(jobs.job_dir))}   (the merge job)",
-            f"logs            {jobs.job_dir / 'logs'}",
-            f"cancel          scancel {' '.join(ids.values())}"]
+    return [
+        f"submitted SLURM jobs: tokenizer {ids['tokenizer']}, parts {ids['parts']} "
+        f"(array), merge {ids['merge']}",
+        f"job files       {jobs.job_dir}",
+        f"watch           squeue -j {','.join(ids.values())}",
+        f"status          moe-launch status {q(str(jobs.job_dir))}   (the merge job)",
+        f"logs            {jobs.job_dir / 'logs'}",
+        f"cancel          scancel {' '.join(ids.values())}",
+    ]

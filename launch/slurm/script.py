@@ -55,8 +55,11 @@ def sbatch_directive(option: str, value: object = None) -> str:
 
 def site_directives(s: SlurmConfig) -> list[tuple[str, object]]:
     """Where and how long any job of the run may run: time limit, partition, account."""
-    return [(f"--{key}", getattr(s, key)) for key in ("time", "partition", "account")
-            if getattr(s, key) is not None]
+    return [
+        (f"--{key}", getattr(s, key))
+        for key in ("time", "partition", "account")
+        if getattr(s, key) is not None
+    ]
 
 
 def extra_directives(s: SlurmConfig) -> list[str]:
@@ -74,26 +77,42 @@ def job_script(cfg: RunConfig, run_dir: Path, cwd: Path, evaluate: bool = True) 
     restart policy every scheduler shares."""
     s = cfg.launch.slurm
     q = shlex.quote
-    directives = [("--job-name", s.job_name or cfg.name), ("--nodes", s.nodes),
-                  ("--ntasks-per-node", cfg.parallel.world_size // s.nodes),
-                  ("--cpus-per-task", s.cpus_per_task)]
+    directives = [
+        ("--job-name", s.job_name or cfg.name),
+        ("--nodes", s.nodes),
+        ("--ntasks-per-node", cfg.parallel.world_size // s.nodes),
+        ("--cpus-per-task", s.cpus_per_task),
+    ]
     if s.gpus_per_node:
         directives.append(("--gpus-per-node", s.gpus_per_node))
     directives += site_directives(s)
-    directives += [("--output", job_log(cfg, run_dir)), ("--open-mode", "append"),
-                   ("--chdir", str(cwd))]
+    directives += [
+        ("--output", job_log(cfg, run_dir)),
+        ("--open-mode", "append"),
+        ("--chdir", str(cwd)),
+    ]
     if s.signal_seconds:
         # B: to the batch shell alone, which hands it to the supervisor; that one passes it on
         # to srun once the ranks run, and holds it (no rank started, requeue) before: a signal
         # to the whole step would also reach what a rank runs below it, such as a compiler.
         directives.append(("--signal", f"B:USR1@{s.signal_seconds}"))
     directives.append(("--requeue" if s.requeue else "--no-requeue", None))
-    lines = ["#!/bin/bash", f"# Written by moe-launch for run {cfg.name!r}; resubmit with: "
-                            f"sbatch {q(str(run_dir / JOB_SCRIPT))}".replace("\n", " ")]
+    lines = [
+        "#!/bin/bash",
+        f"# Written by moe-launch for run {cfg.name!r}; resubmit with: "
+        f"sbatch {q(str(run_dir / JOB_SCRIPT))}".replace("\n", " "),
+    ]
     lines += [sbatch_directive(*d) for d in directives]
     lines += extra_directives(s)
-    supervise = [sys.executable, "-u", "-m", "launch.supervise", "slurm",
-                 str(run_dir / RESOLVED_CONFIG), *([] if evaluate else ["--no-eval"])]
+    supervise = [
+        sys.executable,
+        "-u",
+        "-m",
+        "launch.supervise",
+        "slurm",
+        str(run_dir / RESOLVED_CONFIG),
+        *([] if evaluate else ["--no-eval"]),
+    ]
     lines += supervisor_lines(" ".join(q(a) for a in supervise))
     return "\n".join(lines) + "\n"
 
@@ -114,7 +133,7 @@ def supervisor_lines(command: str) -> list[str]:
         "# Stop signals are held from here on and handed to the supervisor (launch/slurm/script.py).",
         # Node-local, one file per run of the job (builtins only: nothing slow before the trap).
         'moe_held=${TMPDIR:-/tmp}; [ -d "$moe_held" ] && [ -w "$moe_held" ] || moe_held=/tmp',
-        'moe_held=$moe_held/moe_held_signals.${SLURM_JOB_ID:-0}.$$',
+        "moe_held=$moe_held/moe_held_signals.${SLURM_JOB_ID:-0}.$$",
         # Whether process $1 catches signal number $2 (/proc/PID/status, SigCgt).
         'moe_catches() { local key mask; while read -r key mask; do [ "$key" = SigCgt: ] && '
         'return $(( (16#$mask >> ($2 - 1) & 1) == 0 )); done <"/proc/$1/status"; return 1; } '
@@ -123,7 +142,7 @@ def supervisor_lines(command: str) -> list[str]:
         'moe_signal() { echo "$1" >>"$moe_held"; [ -n "$!" ] && moe_catches "$!" "$2" && '
         'kill -s "$1" "$!" 2>/dev/null; }',
         "; ".join(f"trap 'moe_signal {name} {num}' {name}" for name, num in nums.items()),
-        f"{HELD_SIGNALS_ENV}=\"$moe_held\" {command} &",
+        f'{HELD_SIGNALS_ENV}="$moe_held" {command} &',
         # A trapped signal ends wait early; the supervisor's end ends the loop.
         'while wait "$!"; moe_rc=$?; kill -0 "$!" 2>/dev/null; do :; done',
         # Its status again, should a signal have ended the wait just as it ended (127: the
@@ -138,16 +157,27 @@ def plan(cfg: RunConfig, run_dir: Path, evaluate: bool = True) -> Plan:
     s = cfg.launch.slurm
     problems = []
     if cfg.parallel.world_size % s.nodes:
-        problems.append(f"parallel.world_size: {cfg.parallel.world_size} ranks cannot be spread "
-                        f"evenly over launch.slurm.nodes ({s.nodes})")
+        problems.append(
+            f"parallel.world_size: {cfg.parallel.world_size} ranks cannot be spread "
+            f"evenly over launch.slurm.nodes ({s.nodes})"
+        )
     if s.output is None and ("%" in str(run_dir) or "\\" in str(run_dir)):
-        problems.append(f"output_dir: {str(run_dir)!r} holds '%' or '\\', which SLURM "
-                        f"interprets in the job log path; set launch.slurm.output or use "
-                        f"another directory")
+        problems.append(
+            f"output_dir: {str(run_dir)!r} holds '%' or '\\', which SLURM "
+            f"interprets in the job log path; set launch.slurm.output or use "
+            f"another directory"
+        )
     if "\n" in str(run_dir) or "\n" in cfg.name:
         problems.append("output_dir/name: a line break cannot appear in a job script line")
     if problems:
         raise ConfigError(problems)
     script = job_script(cfg, run_dir, Path.cwd(), evaluate)
-    return Plan("slurm", ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)], str(run_dir),
-                cfg.parallel.world_size, nodes=s.nodes, files={JOB_SCRIPT: script}, submits=True)
+    return Plan(
+        "slurm",
+        ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)],
+        str(run_dir),
+        cfg.parallel.world_size,
+        nodes=s.nodes,
+        files={JOB_SCRIPT: script},
+        submits=True,
+    )

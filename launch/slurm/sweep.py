@@ -119,11 +119,15 @@ def chain_tails(members: list[Member], active: dict[str, JobState]) -> list[tupl
     waited_for = set()
     for m in members:
         if m.name in active:
-            record = next(r for r in read_jobs(m.run_dir)
-                          if str(r["job_id"]) == active[m.name].job_id)
+            record = next(
+                r for r in read_jobs(m.run_dir) if str(r["job_id"]) == active[m.name].job_id
+            )
             waited_for.add(str(record.get("after")))
-    return [(active[m.name].job_id, m.flops) for m in members
-            if m.name in active and active[m.name].job_id not in waited_for]
+    return [
+        (active[m.name].job_id, m.flops)
+        for m in members
+        if m.name in active and active[m.name].job_id not in waited_for
+    ]
 
 
 def chains(todo: list[Member], tails: list[tuple[str, float]], k: int) -> list[str | int | None]:
@@ -156,14 +160,17 @@ def plan_jobs(members: list[Member], sweep: Sweep, k: int) -> None:
         output = cfg.launch.slurm.output
         if output is not None and "%j" not in output:
             # Every run of the sweep would append to the same job log.
-            problems.append(f"{m.config}: launch.slurm.output: {output!r} is shared by every "
-                            "run of the sweep; include %j (the job id) or leave it null "
-                            "(RUN_DIR/logs/slurm-%j.out)")
+            problems.append(
+                f"{m.config}: launch.slurm.output: {output!r} is shared by every "
+                "run of the sweep; include %j (the job id) or leave it null "
+                "(RUN_DIR/logs/slurm-%j.out)"
+            )
             continue
         built.append((m, cfg, build_plan(cfg)))
     if problems:
-        raise LaunchError("the sweep's run configs are refused; nothing was submitted:\n"
-                          + "\n".join(problems))
+        raise LaunchError(
+            "the sweep's run configs are refused; nothing was submitted:\n" + "\n".join(problems)
+        )
     afters = chains(todo, chain_tails(members, sweep.active), k)
     sweep.jobs = [Job(m, cfg, plan, after) for (m, cfg, plan), after in zip(built, afters)]
 
@@ -192,8 +199,15 @@ def submit(sweep: Sweep) -> list[str]:
         run_dir = Path(job.plan.run_dir)
         job.plan.write_run_dir(dump_config(job.cfg))
         try:
-            ids.append(submit_job(job.plan.command, job.plan.run_env(), run_dir,
-                                  job_log(job.cfg, run_dir), job.waits_for(ids)))
+            ids.append(
+                submit_job(
+                    job.plan.command,
+                    job.plan.run_env(),
+                    run_dir,
+                    job_log(job.cfg, run_dir),
+                    job.waits_for(ids),
+                )
+            )
         except LaunchError as e:
             done = ", ".join(f"{j.member.name} {i}" for j, i in zip(sweep.jobs, ids)) or "none"
             raise LaunchError(f"{job.member.name}: {e}; jobs already submitted: {done}") from None
@@ -224,14 +238,19 @@ def job_states(jobs: dict[str, Member]) -> dict[str, JobState]:
     return states
 
 
-def wait(members: list[Member], is_finished: Callable[[Member], bool],
-         progress: Callable[[float, int, str], None]) -> Outcome:
+def wait(
+    members: list[Member],
+    is_finished: Callable[[Member], bool],
+    progress: Callable[[float, int, str], None],
+) -> Outcome:
     """Wait until no job of an unfinished run is queued or running, calling ``progress(compute
     done, runs done, note)`` as it goes: the compute of finished runs plus the steps the running
     ones logged. TERM or INT ends the wait, not the jobs."""
     received: list[int] = []
-    old = {s: signal.signal(s, lambda signum, _f: received.append(signum))
-           for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {
+        s: signal.signal(s, lambda signum, _f: received.append(signum))
+        for s in (signal.SIGTERM, signal.SIGINT)
+    }
     failed: dict[str, tuple[Member, JobState]] = {}
     try:
         while True:
@@ -258,8 +277,9 @@ def wait(members: list[Member], is_finished: Callable[[Member], bool],
                 else:
                     record_state(m.run_dir, job)
                     failed[m.name] = (m, job)
-            note = f"{running} running, {queued} queued" + (f", {len(failed)} failed"
-                                                           if failed else "")
+            note = f"{running} running, {queued} queued" + (
+                f", {len(failed)} failed" if failed else ""
+            )
             progress(compute, len(done), note)
             if received or not (running or queued):
                 return Outcome(list(failed.values()), received[0] if received else None)

@@ -42,8 +42,9 @@ def single_device_name(name: str) -> str:
     return name.replace(".deepspeed_moe.", ".")
 
 
-def consolidated_state_dict(main_module_state: dict, expert_states: dict[tuple[int, int], dict],
-                            source: str = "checkpoint") -> dict:
+def consolidated_state_dict(
+    main_module_state: dict, expert_states: dict[tuple[int, int], dict], source: str = "checkpoint"
+) -> dict:
     """Map a DeepSpeed MoE checkpoint onto the single-device model's keys.
 
     ``main_module_state`` is the ``module`` entry of ``mp_rank_00_model_states.pt`` (non-expert
@@ -79,14 +80,20 @@ def consolidated_state_dict(main_module_state: dict, expert_states: dict[tuple[i
 def state_files(tag_dir: Path) -> list[Path]:
     """The files :func:`read_consolidated` reads: the main model states, then every expert file."""
     tag_dir = Path(tag_dir)
-    experts = sorted(f for f in [*tag_dir.iterdir(), *(tag_dir / EXPERT_DIR).glob("*")]
-                     if expert_file_ids(f.name) is not None)
+    experts = sorted(
+        f
+        for f in [*tag_dir.iterdir(), *(tag_dir / EXPERT_DIR).glob("*")]
+        if expert_file_ids(f.name) is not None
+    )
     return [tag_dir / MAIN_STATES, *experts]
 
 
-def read_consolidated(tag_dir: Path, on_file: Callable[[], None] | None = None,
-                      marker: dict | None = None, master_weights: bool = False
-                      ) -> tuple[dict[str, torch.Tensor], dict]:
+def read_consolidated(
+    tag_dir: Path,
+    on_file: Callable[[], None] | None = None,
+    marker: dict | None = None,
+    master_weights: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """(single-device state dict, completion marker) of the checkpoint ``tag_dir`` saved with
     any layout, after checking it: complete, no file missing or truncated, every expert of every
     layer present exactly once, and each expert holding the weights its fingerprint recorded (or,
@@ -122,13 +129,16 @@ def read_consolidated(tag_dir: Path, on_file: Callable[[], None] | None = None,
         if key.endswith(tuple(f".experts.{n}" for n in _EXPERT_NAMES)):
             problems += fingerprint_problems(key, value, None if saved is None else saved.get(key))
     if problems:
-        raise CheckpointError(f"{tag_dir}: experts do not hold the weights saved under their ids:\n"
-                              + "\n".join(f"  - {p}" for p in problems))
+        raise CheckpointError(
+            f"{tag_dir}: experts do not hold the weights saved under their ids:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
     if master_weights and find_zero_file(tag_dir, 0) is not None:
         for name, value in read_layout_free(tag_dir, marker)["params"].items():
             if name not in state or state[name].shape != value.shape:
-                raise CheckpointError(f"{tag_dir}: the optimizer's copy of {name} does not match "
-                                      "the model states")
+                raise CheckpointError(
+                    f"{tag_dir}: the optimizer's copy of {name} does not match the model states"
+                )
             state[name] = value
     return state, marker
 
@@ -178,8 +188,10 @@ def read_layout_free(tag_dir: Path, marker: dict | None = None) -> dict:
     for rank in range(world):
         path = find_zero_file(tag_dir, rank)
         if path is None:
-            raise CheckpointError(f"{tag_dir / zero_file(rank)}: missing; converting the layout needs the ZeRO optimizer "
-                                  "files of every rank (ZeRO stage 1 or 2)")
+            raise CheckpointError(
+                f"{tag_dir / zero_file(rank)}: missing; converting the layout needs the ZeRO optimizer "
+                "files of every rank (ZeRO stage 1 or 2)"
+            )
         sd = _load_zero_file(path)["optimizer_state_dict"]
         files[rank] = sd
         for g, mapping in enumerate(sd["param_slice_mappings"]):
@@ -197,8 +209,11 @@ def read_layout_free(tag_dir: Path, marker: dict | None = None) -> dict:
         for _, rank, g, frag in frags:
             sd = files[rank]
             state = sd["base_optimizer_state"]["state"][g]
-            sources = {"params": sd["single_partition_of_fp32_groups"][g],
-                       "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            sources = {
+                "params": sd["single_partition_of_fp32_groups"][g],
+                "exp_avg": state["exp_avg"],
+                "exp_avg_sq": state["exp_avg_sq"],
+            }
             for key, flat in sources.items():
                 pieces[key].append(flat.narrow(0, frag.start, frag.numel))
             step = float(state["step"])
@@ -218,8 +233,10 @@ def read_layout_free(tag_dir: Path, marker: dict | None = None) -> dict:
             experts[name][owner] = {**full, "step": step}
     for name, by_owner in experts.items():
         if sorted(by_owner) != list(range(ep)):
-            raise CheckpointError(f"{tag_dir}: {name}: optimizer state of expert-parallel ranks "
-                                  f"{sorted(by_owner)}, expected 0..{ep - 1}")
+            raise CheckpointError(
+                f"{tag_dir}: {name}: optimizer state of expert-parallel ranks "
+                f"{sorted(by_owner)}, expected 0..{ep - 1}"
+            )
         key = single_device_name(name)
         for k in ("params", *MOMENTS):
             out[k][key] = torch.cat([by_owner[r][k] for r in range(ep)])

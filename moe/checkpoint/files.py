@@ -58,7 +58,9 @@ def read_marker(tag_dir: Path) -> dict | None:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{tag_dir / MARKER}: unreadable completion marker ({e})") from None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{tag_dir / MARKER}: not a checkpoint marker of format {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{tag_dir / MARKER}: not a checkpoint marker of format {FORMAT_VERSION}"
+        )
     return marker
 
 
@@ -66,8 +68,11 @@ def tags_by_step(ckpt_dir: Path) -> list[tuple[int, str]]:
     """(step, tag) of every checkpoint directory in ``ckpt_dir``, complete or not, oldest first."""
     if not ckpt_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p.name) for p in ckpt_dir.iterdir()
-             if p.is_dir() and (m := _TAG.match(p.name))]
+    found = [
+        (int(m.group(1)), p.name)
+        for p in ckpt_dir.iterdir()
+        if p.is_dir() and (m := _TAG.match(p.name))
+    ]
     return sorted(found)
 
 
@@ -92,21 +97,31 @@ def verify_files(tag_dir: Path) -> dict:
         raise CheckpointError(f"{tag_dir}: no such checkpoint directory")
     marker = read_marker(tag_dir)
     if marker is None:
-        raise CheckpointError(f"{tag_dir}: incomplete checkpoint (no {MARKER}); its save was "
-                              "interrupted. Resume from an earlier one (--resume auto picks the "
-                              "newest complete checkpoint)")
+        raise CheckpointError(
+            f"{tag_dir}: incomplete checkpoint (no {MARKER}); its save was "
+            "interrupted. Resume from an earlier one (--resume auto picks the "
+            "newest complete checkpoint)"
+        )
     problems = []
     for name, size in marker["files"].items():
         path = tag_dir / name
         if not path.is_file():
             problems.append(f"{path}: missing (the checkpoint recorded {size} bytes)")
         elif path.stat().st_size != size:
-            problems.append(f"{path}: truncated or altered: {path.stat().st_size} bytes, the "
-                            f"checkpoint recorded {size}")
-    expected = {(layer, e) for layer in range(marker["num_moe_layers"])
-                for e in range(marker["num_experts"])}
-    present = {(int(m.group(1)), int(m.group(2))): name for name in marker["files"]
-               if (m := _EXPERT_FILE.search(name))}
+            problems.append(
+                f"{path}: truncated or altered: {path.stat().st_size} bytes, the "
+                f"checkpoint recorded {size}"
+            )
+    expected = {
+        (layer, e)
+        for layer in range(marker["num_moe_layers"])
+        for e in range(marker["num_experts"])
+    }
+    present = {
+        (int(m.group(1)), int(m.group(2))): name
+        for name in marker["files"]
+        if (m := _EXPERT_FILE.search(name))
+    }
     missing = sorted(expected - present.keys())
     extra = sorted(present.keys() - expected)
     if missing:
@@ -129,8 +144,10 @@ def config_mismatches(saved_model: dict, model_cfg) -> list[str]:
     for key in function_keys(type(model_cfg)):
         saved = dotted_get(saved_model, key, absent=dotted_get(defaults, key))
         if saved != dotted_get(current, key):
-            out.append(f"model.{key}: the checkpoint has {saved!r}, the config has "
-                       f"{dotted_get(current, key)!r}")
+            out.append(
+                f"model.{key}: the checkpoint has {saved!r}, the config has "
+                f"{dotted_get(current, key)!r}"
+            )
     return out
 
 
@@ -141,14 +158,17 @@ def finetune_mismatches(saved_finetune: dict | None, finetune_cfg) -> list[str]:
     the defaults."""
     current = to_dict(finetune_cfg)
     defaults = to_dict(type(finetune_cfg)())
-    keys = [k for k in resume_keys(type(finetune_cfg))
-            if k == "method" or current["method"] != "none"]
+    keys = [
+        k for k in resume_keys(type(finetune_cfg)) if k == "method" or current["method"] != "none"
+    ]
     out = []
     for key in keys:
         saved = dotted_get(saved_finetune or {}, key, absent=dotted_get(defaults, key))
         if saved != dotted_get(current, key):
-            out.append(f"finetune.{key}: the checkpoint has {saved!r}, the config has "
-                       f"{dotted_get(current, key)!r}")
+            out.append(
+                f"finetune.{key}: the checkpoint has {saved!r}, the config has "
+                f"{dotted_get(current, key)!r}"
+            )
     return out
 
 
@@ -166,18 +186,24 @@ def verify_checkpoint(tag_dir: Path, cfg=None, tokenizer_sha256: str | None = No
         changed += finetune_mismatches(saved.get("finetune"), cfg.finetune)
         problems += [f"{p} ({Path(tag_dir) / RUN_CONFIG})" for p in changed]
         if changed:
-            problems.append("these settings change the function the model computes or which "
-                            "parameters train, so a run resumes only with the checkpoint's "
-                            "values; to start a different model from its weights, set "
-                            "model.init_from to the checkpoint in a new run instead of resuming")
+            problems.append(
+                "these settings change the function the model computes or which "
+                "parameters train, so a run resumes only with the checkpoint's "
+                "values; to start a different model from its weights, set "
+                "model.init_from to the checkpoint in a new run instead of resuming"
+            )
     saved_tok = marker.get("tokenizer") or {}
     if tokenizer_sha256 is not None and saved_tok.get("sha256") != tokenizer_sha256:
-        problems.append(f"tokenizer: the checkpoint was trained with {saved_tok.get('file')} "
-                        f"(sha256 {str(saved_tok.get('sha256'))[:12]}...), the data uses sha256 "
-                        f"{tokenizer_sha256[:12]}...; token ids would mean different text")
+        problems.append(
+            f"tokenizer: the checkpoint was trained with {saved_tok.get('file')} "
+            f"(sha256 {str(saved_tok.get('sha256'))[:12]}...), the data uses sha256 "
+            f"{tokenizer_sha256[:12]}...; token ids would mean different text"
+        )
     if problems:
-        raise CheckpointError(f"checkpoint {tag_dir} does not match this run:\n"
-                              + "\n".join(f"  - {p}" for p in problems))
+        raise CheckpointError(
+            f"checkpoint {tag_dir} does not match this run:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
     return marker
 
 
@@ -188,7 +214,9 @@ def load_file(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing checkpoint file") from None
     except Exception as e:  # torch raises many types for truncated or foreign files
-        raise CheckpointError(f"{path}: unreadable checkpoint file ({type(e).__name__}: {e})") from e
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint file ({type(e).__name__}: {e})"
+        ) from e
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -203,8 +231,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         tag = find_latest(ckpt_dir)
         if tag is not None:
             return ckpt_dir / tag
-    raise CheckpointError(f"{path}: neither a checkpoint ({MARKER}) nor a directory with a "
-                          "complete checkpoint")
+    raise CheckpointError(
+        f"{path}: neither a checkpoint ({MARKER}) nor a directory with a complete checkpoint"
+    )
 
 
 def expert_file_ids(filename: str) -> tuple[int, int] | None:

@@ -41,8 +41,8 @@ def expert_fingerprints(w_E: torch.Tensor) -> list[float]:
     probe = torch.randn(min(n, _PROBE_LEN), generator=g, dtype=torch.float64).to(flat.device)
     out = torch.zeros(E, dtype=torch.float64, device=flat.device)
     for lo in range(0, n, probe.numel()):
-        chunk = flat[:, lo:lo + probe.numel()].double()
-        out += chunk @ probe[:chunk.shape[1]]
+        chunk = flat[:, lo : lo + probe.numel()].double()
+        out += chunk @ probe[: chunk.shape[1]]
     return out.cpu().tolist()
 
 
@@ -50,8 +50,9 @@ def fingerprints_match(saved: float, loaded: float) -> bool:
     return abs(saved - loaded) <= 1e-6 * (abs(saved) + abs(loaded)) + 1e-12
 
 
-def fingerprint_problems(key: str, w_E: torch.Tensor | list[float],
-                         saved: list[float] | None) -> list[str]:
+def fingerprint_problems(
+    key: str, w_E: torch.Tensor | list[float], saved: list[float] | None
+) -> list[str]:
     """What is wrong with the stacked experts of parameter ``key`` (single-device name), given
     as the weights ``w_E`` or as their fingerprints, against the fingerprints recorded at save
     time (None: the checkpoint recorded none, so only duplicates can be detected)."""
@@ -59,8 +60,11 @@ def fingerprint_problems(key: str, w_E: torch.Tensor | list[float],
         if not isinstance(w_E, torch.Tensor):  # fingerprints: equal ones mean equal weights
             w_E = torch.tensor(w_E, dtype=torch.float64)[:, None]
         dup = duplicated_experts(w_E)
-        return [f"{key}: experts {dup} hold identical weights (saved twice under different "
-                "ids?)"] if dup else []
+        return (
+            [f"{key}: experts {dup} hold identical weights (saved twice under different ids?)"]
+            if dup
+            else []
+        )
     loaded = expert_fingerprints(w_E) if isinstance(w_E, torch.Tensor) else w_E
     if len(saved) != len(loaded):
         return [f"{key}: {len(loaded)} experts, the checkpoint recorded {len(saved)}"]
@@ -68,7 +72,13 @@ def fingerprint_problems(key: str, w_E: torch.Tensor | list[float],
     if not wrong:
         return []
     holds = {e: [o for o, a in enumerate(saved) if fingerprints_match(a, loaded[e])] for e in wrong}
-    detail = ", ".join(f"expert {e} holds " + (
-        "the weights saved as expert " + "/".join(map(str, holds[e])) if holds[e]
-        else "weights saved under no expert id") for e in wrong[:8])
+    detail = ", ".join(
+        f"expert {e} holds "
+        + (
+            "the weights saved as expert " + "/".join(map(str, holds[e]))
+            if holds[e]
+            else "weights saved under no expert id"
+        )
+        for e in wrong[:8]
+    )
     return [f"{key}: {detail}"]

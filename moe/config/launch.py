@@ -146,15 +146,18 @@ class SlurmConfig:
             try:
                 limit = slurm_time_seconds(str(self.time))  # a number: minutes, as sbatch
             except ValueError as e:
-                out.append(f"time: {self.time!r} is not a SLURM time ({e}); write minutes, "
-                           f"MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")
+                out.append(
+                    f"time: {self.time!r} is not a SLURM time ({e}); write minutes, "
+                    f"MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
+                )
             else:
-                if limit is not None and self.signal_seconds and \
-                        limit <= self.signal_seconds + 60:
-                    out.append(f"time: a limit of {limit} s leaves no time to train before the "
-                               f"preemption signal at signal_seconds ({self.signal_seconds} s) "
-                               f"before it; it must exceed {self.signal_seconds + 60} s "
-                               f"(signal_seconds + 60): raise time or lower signal_seconds")
+                if limit is not None and self.signal_seconds and limit <= self.signal_seconds + 60:
+                    out.append(
+                        f"time: a limit of {limit} s leaves no time to train before the "
+                        f"preemption signal at signal_seconds ({self.signal_seconds} s) "
+                        f"before it; it must exceed {self.signal_seconds + 60} s "
+                        f"(signal_seconds + 60): raise time or lower signal_seconds"
+                    )
         out += name_problems("partition", self.partition, "partition name")
         out += name_problems("account", self.account, "account name")
         out += name_problems("socket_ifname", self.socket_ifname, "network interface name")
@@ -164,13 +167,17 @@ class SlurmConfig:
                 out.append(f"{key}: {value!r} must be non-empty and on one line")
         for i, item in enumerate(self.extra_sbatch):
             if line_breaks(item) or not item.startswith("-"):
-                out.append(f"extra_sbatch[{i}]: {item!r} must be one sbatch option on one line, "
-                           f"e.g. '--exclusive'")
+                out.append(
+                    f"extra_sbatch[{i}]: {item!r} must be one sbatch option on one line, "
+                    f"e.g. '--exclusive'"
+                )
             elif item.startswith("--signal") and self.signal_seconds:
-                out.append(f"extra_sbatch[{i}]: {item!r} would conflict with the job's own "
-                           f"--signal=USR1@{self.signal_seconds} (signal_seconds); set "
-                           f"signal_seconds: 0 to use yours (the job script passes B: signals "
-                           f"on to the ranks) or drop it")
+                out.append(
+                    f"extra_sbatch[{i}]: {item!r} would conflict with the job's own "
+                    f"--signal=USR1@{self.signal_seconds} (signal_seconds); set "
+                    f"signal_seconds: 0 to use yours (the job script passes B: signals "
+                    f"on to the ranks) or drop it"
+                )
         out += port_problems("master_port", self.master_port)
         if self.signal_seconds < 0:
             out.append(f"signal_seconds: must be >= 0, got {self.signal_seconds}")
@@ -195,8 +202,9 @@ class MpiConfig:
     """More mpiexec arguments, e.g. ``--bind-to none``."""
 
     def problems(self) -> list[str]:
-        return (name_problems("master_addr", self.master_addr, "host address")
-                + port_problems("master_port", self.master_port))
+        return name_problems("master_addr", self.master_addr, "host address") + port_problems(
+            "master_port", self.master_port
+        )
 
 
 @dataclass
@@ -226,10 +234,15 @@ class LaunchConfig:
     """launch.elastic: stop instead of resuming on fewer ranks than this."""
 
     def problems(self) -> list[str]:
-        out = [f"env.{k}: not a valid environment variable name" for k in self.env
-               if not ENV_NAME.match(k)]
+        out = [
+            f"env.{k}: not a valid environment variable name"
+            for k in self.env
+            if not ENV_NAME.match(k)
+        ]
         if self.elastic and self.scheduler not in ELASTIC_SCHEDULERS:
-            out.append(f"elastic: the {self.scheduler} scheduler does not resume on fewer ranks "
-                       f"by itself (launch.elastic applies to "
-                       f"{' and '.join(ELASTIC_SCHEDULERS)} launches); set elastic: false")
+            out.append(
+                f"elastic: the {self.scheduler} scheduler does not resume on fewer ranks "
+                f"by itself (launch.elastic applies to "
+                f"{' and '.join(ELASTIC_SCHEDULERS)} launches); set elastic: false"
+            )
         return out + minimums(self, max_restarts=0, min_world_size=1)

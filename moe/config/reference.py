@@ -24,12 +24,18 @@ COMMAND = "python -m moe.config.reference > docs/config.md"
 
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> the string literal written under the field in ``cls``'s source."""
-    body = typing.cast(ast.ClassDef, ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]).body
+    body = typing.cast(
+        ast.ClassDef, ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    ).body
     out = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             out[node.target.id] = after.value.value
     return out
 
@@ -74,9 +80,12 @@ def sections(cls: type = RunConfig, name: str = "") -> list[str]:
         if model:
             cells.append("yes" if f.metadata.get(ROLE) == ARCH else "no")
         rows.append("| " + " | ".join(cells + [_one_line(docs.get(f.name, ""))]) + " |")
-    head = ["| key | type | default | " + ("changes the function | " if model else "")
-            + "description |",
-            "|---" * (5 if model else 4) + "|"]
+    head = [
+        "| key | type | default | "
+        + ("changes the function | " if model else "")
+        + "description |",
+        "|---" * (5 if model else 4) + "|",
+    ]
     intro = _one_line((inspect.getdoc(cls) or "").split("\n\n")[0])  # the first paragraph
     out = [f"## `{name}`" if name else "## top level", ""]
     out += [intro, ""] if intro and not intro.startswith(f"{cls.__name__}(") else []  # not
@@ -88,15 +97,20 @@ def sections(cls: type = RunConfig, name: str = "") -> list[str]:
 
 
 def reference() -> str:
-    lines = ["# Config reference", "",
-             f"Generated from the config dataclasses by `{COMMAND}`; do not edit by hand. One "
-             "YAML file sets these keys (unknown keys are errors); trailing `key.path=value` "
-             "arguments override them (e.g. `moe-train CONFIG train.max_steps=100`).", "",
-             "Model keys marked *changes the function* decide what a trained model computes: a "
-             "run resumes from a checkpoint only with the checkpoint's values (a new run starts "
-             "a different model from old weights with `model.init_from`), and every Hugging "
-             "Face export target holds or refuses each of them. The others (initialization, "
-             "training-only noise, losses, kernel choice) may change on resume.", ""]
+    lines = [
+        "# Config reference",
+        "",
+        f"Generated from the config dataclasses by `{COMMAND}`; do not edit by hand. One "
+        "YAML file sets these keys (unknown keys are errors); trailing `key.path=value` "
+        "arguments override them (e.g. `moe-train CONFIG train.max_steps=100`).",
+        "",
+        "Model keys marked *changes the function* decide what a trained model computes: a "
+        "run resumes from a checkpoint only with the checkpoint's values (a new run starts "
+        "a different model from old weights with `model.init_from`), and every Hugging "
+        "Face export target holds or refuses each of them. The others (initialization, "
+        "training-only noise, losses, kernel choice) may change on resume.",
+        "",
+    ]
     return "\n".join(lines + sections()).rstrip("\n") + "\n"
 
 

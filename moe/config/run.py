@@ -59,8 +59,10 @@ class SpikeConfig:
         if self.zscore <= 0:
             out.append(f"zscore: must be > 0, got {self.zscore}")
         if self.min_steps > self.window:
-            out.append(f"min_steps: {self.min_steps} exceeds window ({self.window}); the window "
-                       "never holds that many steps")
+            out.append(
+                f"min_steps: {self.min_steps} exceeds window ({self.window}); the window "
+                "never holds that many steps"
+            )
         return out
 
 
@@ -131,13 +133,26 @@ class TrainConfig:
 
     def adamw_options(self) -> dict:
         """Keyword arguments of torch.optim.AdamW for ``optimizer_impl``."""
-        return {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
-                "fused": {"fused": True}}[self.optimizer_impl]
+        return {
+            "auto": {},
+            "for_loop": {"foreach": False},
+            "foreach": {"foreach": True},
+            "fused": {"fused": True},
+        }[self.optimizer_impl]
 
     def problems(self) -> list[str]:
-        out = minimums(self, max_steps=1, micro_batch_size=1, grad_accum_steps=1,
-                       warmup_steps=0, grad_clip=0, threads_per_rank=1,
-                       max_consecutive_skips=1, recompute_every_n_blocks=1, hang_timeout_s=0)
+        out = minimums(
+            self,
+            max_steps=1,
+            micro_batch_size=1,
+            grad_accum_steps=1,
+            warmup_steps=0,
+            grad_clip=0,
+            threads_per_rank=1,
+            max_consecutive_skips=1,
+            recompute_every_n_blocks=1,
+            hang_timeout_s=0,
+        )
         if self.lr <= 0:
             out.append(f"lr: must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
@@ -149,9 +164,11 @@ class TrainConfig:
             if not 0 <= getattr(self, name) < 1:
                 out.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
         if self.precision == "fp16":
-            out.append("precision: fp16 is not supported (it needs dynamic loss scaling, which "
-                       "this trainer does not do); use bf16 (same memory, fp32's exponent range, "
-                       "no loss scaling) or fp32")
+            out.append(
+                "precision: fp16 is not supported (it needs dynamic loss scaling, which "
+                "this trainer does not do); use bf16 (same memory, fp32's exponent range, "
+                "no loss scaling) or fp32"
+            )
         return out
 
 
@@ -168,8 +185,10 @@ class ParallelConfig:
     def problems(self) -> list[str]:
         out = minimums(self, world_size=1, expert_parallel_size=1)
         if not out and self.world_size % self.expert_parallel_size:
-            out.append(f"expert_parallel_size: {self.expert_parallel_size} must divide world_size "
-                       f"({self.world_size})")
+            out.append(
+                f"expert_parallel_size: {self.expert_parallel_size} must divide world_size "
+                f"({self.world_size})"
+            )
         return out
 
 
@@ -188,7 +207,9 @@ class LoggingConfig:
     def problems(self) -> list[str]:
         out = minimums(self, log_every=1)
         if self.peak_flops_per_device is not None and self.peak_flops_per_device <= 0:
-            out.append(f"peak_flops_per_device: must be > 0 or null, got {self.peak_flops_per_device}")
+            out.append(
+                f"peak_flops_per_device: must be > 0 or null, got {self.peak_flops_per_device}"
+            )
         return out
 
 
@@ -253,8 +274,10 @@ class DownstreamConfig:
     def problems(self) -> list[str]:
         out = minimums(self, every_n_steps=0, limit=1, num_fewshot=0, batch_size=1)
         if self.tasks and importlib.util.find_spec("lm_eval") is None:
-            out.append("tasks: downstream evaluation needs lm-evaluation-harness: pip install "
-                       "-c constraints.txt -e '.[eval]'")
+            out.append(
+                "tasks: downstream evaluation needs lm-evaluation-harness: pip install "
+                "-c constraints.txt -e '.[eval]'"
+            )
         return out
 
 
@@ -276,8 +299,7 @@ class EvalConfig:
     """Accuracy on downstream tasks during training (lm-evaluation-harness)."""
 
     def problems(self) -> list[str]:
-        return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1,
-                        in_training_max_tokens=1)
+        return minimums(self, batch_size=1, every_n_steps=0, max_tokens=1, in_training_max_tokens=1)
 
     @property
     def training_max_tokens(self) -> int | None:
@@ -288,8 +310,9 @@ class EvalConfig:
 
 @dataclass
 class FinetuneConfig:
-    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix",
-                    "adapter"] = arch("none")
+    method: Literal["none", "full", "lora", "qlora", "esft", "prompt", "prefix", "adapter"] = arch(
+        "none"
+    )
     """none: not a fine-tuning run (pretraining, or continued training from model.init_from).
     full: every parameter trains, starting from model.init_from. lora: the base model is frozen
     (no gradient, no optimizer state) and LoRA factors train (finetune.lora;
@@ -317,25 +340,36 @@ class FinetuneConfig:
     """Method prefix (prefix tuning, Li and Liang; moe/model/adapters/prefix.py): the key/value
     pairs each attention layer gains."""
 
-    SECTIONS = {"lora": ("lora", "qlora"), "esft": ("esft",), "adapter": ("adapter",),
-                "prompt": ("prompt",), "prefix": ("prefix",)}
+    SECTIONS = {
+        "lora": ("lora", "qlora"),
+        "esft": ("esft",),
+        "adapter": ("adapter",),
+        "prompt": ("prompt",),
+        "prefix": ("prefix",),
+    }
     """Each method's own sub-section, by the methods that read it."""
 
     def problems(self) -> list[str]:
         out = []
         if self.method == "qlora" and (missing := torchao_missing()):
-            out.append(f"method: qlora quantises the base with {missing} (or pip install "
-                       "-e .[qlora])")
+            out.append(
+                f"method: qlora quantises the base with {missing} (or pip install -e .[qlora])"
+            )
         for section, methods in self.SECTIONS.items():
             value, default = getattr(self, section), type(getattr(self, section))()
-            changed = [f.name for f in dataclasses.fields(value)
-                       if getattr(value, f.name) != getattr(default, f.name)]
+            changed = [
+                f.name
+                for f in dataclasses.fields(value)
+                if getattr(value, f.name) != getattr(default, f.name)
+            ]
             if changed and self.method not in methods:
                 # Refused, not ignored: a section left from another method's config would
                 # otherwise look as if it shaped this run.
-                out.append(f"{section}: set ({', '.join(changed)}), but finetune.method "
-                           f"{self.method} does not read it (it is for method "
-                           f"{' or '.join(methods)}); remove it or change finetune.method")
+                out.append(
+                    f"{section}: set ({', '.join(changed)}), but finetune.method "
+                    f"{self.method} does not read it (it is for method "
+                    f"{' or '.join(methods)}); remove it or change finetune.method"
+                )
         return out
 
 
@@ -360,31 +394,47 @@ class RunConfig:
         out = self._finetune_problems()
         ep = self.parallel.expert_parallel_size
         if ep >= 1 and self.model.moe.num_experts % ep:
-            out.append(f"parallel.expert_parallel_size: {ep} must divide model.moe.num_experts "
-                       f"({self.model.moe.num_experts})")
+            out.append(
+                f"parallel.expert_parallel_size: {ep} must divide model.moe.num_experts "
+                f"({self.model.moe.num_experts})"
+            )
         if self.data.seq_len > self.model.max_seq_len:
-            out.append(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len "
-                       f"({self.model.max_seq_len})")
+            out.append(
+                f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len "
+                f"({self.model.max_seq_len})"
+            )
         if self.train.spike.action != "off" and self.parallel.zero_stage == 0:
-            out.append(f"parallel.zero_stage: train.spike.action {self.train.spike.action} needs "
-                       "ZeRO stage 1 or 2 (skipping a step relies on ZeRO's overflow check)")
+            out.append(
+                f"parallel.zero_stage: train.spike.action {self.train.spike.action} needs "
+                "ZeRO stage 1 or 2 (skipping a step relies on ZeRO's overflow check)"
+            )
         if self.train.spike.action == "rollback" and self.checkpoint.every_n_steps == 0:
-            out.append("checkpoint.every_n_steps: train.spike.action rollback restores the newest "
-                       "checkpoint, so it needs periodic ones (set checkpoint.every_n_steps > 0, "
-                       "e.g. 200, or use train.spike.action skip)")
+            out.append(
+                "checkpoint.every_n_steps: train.spike.action rollback restores the newest "
+                "checkpoint, so it needs periodic ones (set checkpoint.every_n_steps > 0, "
+                "e.g. 200, or use train.spike.action skip)"
+            )
         if self.train.precision == "bf16" and self.parallel.zero_stage == 0:
-            out.append("parallel.zero_stage: train.precision bf16 needs ZeRO stage 1 or 2 (the "
-                       "fp32 master weights live in the ZeRO optimizer; DeepSpeed 0.19.8 refuses "
-                       "bf16 weights with fp32 gradient accumulation at stage 0)")
+            out.append(
+                "parallel.zero_stage: train.precision bf16 needs ZeRO stage 1 or 2 (the "
+                "fp32 master weights live in the ZeRO optimizer; DeepSpeed 0.19.8 refuses "
+                "bf16 weights with fp32 gradient accumulation at stage 0)"
+            )
         if self.launch.elastic and self.parallel.zero_stage == 0:
-            out.append("parallel.zero_stage: launch.elastic needs ZeRO stage 1 or 2 (resuming "
-                       "on fewer ranks rebuilds the optimizer state from ZeRO's partitions)")
+            out.append(
+                "parallel.zero_stage: launch.elastic needs ZeRO stage 1 or 2 (resuming "
+                "on fewer ranks rebuilds the optimizer state from ZeRO's partitions)"
+            )
         if self.launch.min_world_size > self.parallel.world_size:
-            out.append(f"launch.min_world_size: {self.launch.min_world_size} exceeds "
-                       f"parallel.world_size ({self.parallel.world_size})")
+            out.append(
+                f"launch.min_world_size: {self.launch.min_world_size} exceeds "
+                f"parallel.world_size ({self.parallel.world_size})"
+            )
         if self.eval.downstream.ranks == "rank0" and ep > 1:
-            out.append(f"eval.downstream.ranks: rank0 cannot run a model with expert parallelism "
-                       f"{ep} alone (its forward is a collective); use all")
+            out.append(
+                f"eval.downstream.ranks: rank0 cannot run a model with expert parallelism "
+                f"{ep} alone (its forward is a collective); use all"
+            )
         if not self.name or "/" in self.name or self.name.startswith("."):
             out.append(f"name: {self.name!r} must be a plain directory name")
         return out
@@ -395,40 +445,51 @@ class RunConfig:
             return []
         out = []
         if not self.model.init_from:
-            out.append(f"model.init_from: finetune.method {method} starts from trained weights; "
-                       "set model.init_from to a checkpoint (or hf:DIR)")
+            out.append(
+                f"model.init_from: finetune.method {method} starts from trained weights; "
+                "set model.init_from to a checkpoint (or hf:DIR)"
+            )
         if method in ("lora", "qlora") and not self.model.problems():
             # The targets and rank are checked against the model this config builds, on the
             # meta device (shapes only, no memory).
             with torch.device("meta"):
-                model = MoETransformer(dataclasses.replace(
-                    self.model, vocab_size=self.model.vocab_size or 4))
+                model = MoETransformer(
+                    dataclasses.replace(self.model, vocab_size=self.model.vocab_size or 4)
+                )
             out += [f"finetune.lora.{p}" for p in lora_problems(model, self.finetune.lora)]
-        if method == "esft" and not any(map(self.model.is_moe_layer,
-                                            range(self.model.n_layers))):
-            out.append("finetune.method: esft trains selected routed experts, and this model "
-                       "has no MoE layer (model.ffn, model.moe.first_dense_layers, every_n_layers)")
+        if method == "esft" and not any(map(self.model.is_moe_layer, range(self.model.n_layers))):
+            out.append(
+                "finetune.method: esft trains selected routed experts, and this model "
+                "has no MoE layer (model.ffn, model.moe.first_dense_layers, every_n_layers)"
+            )
         if method == "adapter":
-            out += [f"finetune.adapter.{p}"
-                    for p in bottleneck_problems(self.model.d_model, self.finetune.adapter)]
+            out += [
+                f"finetune.adapter.{p}"
+                for p in bottleneck_problems(self.model.d_model, self.finetune.adapter)
+            ]
         if method == "prompt":
             out += self._prompt_problems()
         if method == "prefix":
-            out += prefix_problems(self.model.attention_backend, self.model.position,
-                                   self.model.document_masking)
+            out += prefix_problems(
+                self.model.attention_backend, self.model.position, self.model.document_masking
+            )
         return out
 
     def _prompt_problems(self) -> list[str]:
         out, n = [], self.finetune.prompt.tokens
         if self.model.document_masking:
-            out.append("model.document_masking: finetune.method prompt does not support packed "
-                       "documents (a soft prompt in front of a row would be seen by its first "
-                       "document only); set it false")
+            out.append(
+                "model.document_masking: finetune.method prompt does not support packed "
+                "documents (a soft prompt in front of a row would be seen by its first "
+                "document only); set it false"
+            )
         if self.model.position == "learned" and self.data.seq_len + n > self.model.max_seq_len:
-            out.append(f"finetune.prompt.tokens: {n} prompt positions before data.seq_len "
-                       f"{self.data.seq_len} exceed model.max_seq_len ({self.model.max_seq_len}) "
-                       "of the learned position table; use at most "
-                       f"{self.model.max_seq_len - self.data.seq_len} tokens")
+            out.append(
+                f"finetune.prompt.tokens: {n} prompt positions before data.seq_len "
+                f"{self.data.seq_len} exceed model.max_seq_len ({self.model.max_seq_len}) "
+                "of the learned position table; use at most "
+                f"{self.model.max_seq_len - self.data.seq_len} tokens"
+            )
         return out
 
     @property
@@ -457,8 +518,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None,
-                checks: Callable[[RunConfig], list[str]] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    checks: Callable[[RunConfig], list[str]] | None = None,
+) -> RunConfig:
     """The run config of a YAML file and ``key=value`` overrides. Every problem is reported in
     one ConfigError: each section's, those across sections, and ``checks``' (a caller's own,
     e.g. the scheduler's limits) once the config could be built."""

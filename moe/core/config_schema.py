@@ -32,10 +32,17 @@ class ConfigLoader(yaml.SafeLoader):
 
 
 ConfigLoader.yaml_implicit_resolvers = {
-    first: [(tag, re.compile(r"(?![^:]*:)" + rx.pattern, rx.flags)
-             if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") else rx)
-            for tag, rx in resolvers]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    first: [
+        (
+            tag,
+            re.compile(r"(?![^:]*:)" + rx.pattern, rx.flags)
+            if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+            else rx,
+        )
+        for tag, rx in resolvers
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 
 
 def load_yaml(text: str) -> Any:
@@ -222,8 +229,12 @@ def minimums(obj: Any, **bounds: float) -> list[str]:
     return out
 
 
-def from_dict(cls: type[T], data: dict | None, source: str | None = None,
-              checks: Callable[[T], list[str]] | None = None) -> T:
+def from_dict(
+    cls: type[T],
+    data: dict | None,
+    source: str | None = None,
+    checks: Callable[[T], list[str]] | None = None,
+) -> T:
     """Build ``cls`` from ``data``; raise ConfigError listing every problem. ``checks`` adds
     the problems a caller finds in the built object (a scheduler's own limits): reported in
     the same error as the config's own."""
@@ -307,10 +318,12 @@ def field_roles(cls: type) -> dict[str, str]:
     fields = leaf_fields(cls)
     unclassified = [path for path, f in fields if ROLE not in f.metadata]
     if unclassified:
-        raise TypeError(f"{cls.__name__}: fields {unclassified} are not classified; declare "
-                        "each with arch(...) (changes the computed function), fixed(...) "
-                        "(decides which parameters train) or runtime(...) "
-                        "(moe/core/config_schema.py)")
+        raise TypeError(
+            f"{cls.__name__}: fields {unclassified} are not classified; declare "
+            "each with arch(...) (changes the computed function), fixed(...) "
+            "(decides which parameters train) or runtime(...) "
+            "(moe/core/config_schema.py)"
+        )
     return {path: f.metadata[ROLE] for path, f in fields}
 
 

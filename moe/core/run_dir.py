@@ -6,7 +6,7 @@ What a run directory holds besides these: ``run_config.yaml`` and the launch pla
 (launch/run_plan.py), ``esft_selection.json`` (moe/training/esft.py),
 ``skipped_batches.jsonl`` (moe/training/resilience/spike_guard.py), ``slurm_jobs.json``
 (launch/slurm/jobs.py), and in ``logs/`` the per-rank exit, hang and final-failure records
-(launch/rank.py, moe/training/resilience/watchdog.py, launch/supervise.py)."""
+(launch/rank.py, moe/training/resilience/watchdog.py, launch/restarts.py)."""
 
 from __future__ import annotations
 

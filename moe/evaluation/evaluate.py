@@ -19,8 +19,9 @@ from data_pipeline import storage
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
 from data_pipeline.progress import Progress
-from data_pipeline.reader import IGNORE_INDEX, TokenStream, Window, token_windows
+from data_pipeline.reader import IGNORE_INDEX
 from data_pipeline.shards import MANIFEST
+from data_pipeline.token_stream import TokenStream, Window, token_windows
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
 from moe.core.errors import ConfigError
@@ -32,7 +33,7 @@ from moe.weights.load import load_model
 
 class TokenArray:
     """Tokens held in memory with the ``len`` / ``read`` interface of a prepared split's
-    :class:`~data_pipeline.reader.TokenStream`."""
+    :class:`~data_pipeline.token_stream.TokenStream`."""
 
     def __init__(self, tokens: np.ndarray):
         self.tokens = tokens
@@ -41,7 +42,7 @@ class TokenArray:
         return len(self.tokens)
 
     def read(self, start: int, length: int) -> np.ndarray:
-        return self.tokens[start:start + length]
+        return self.tokens[start : start + length]
 
     def read_mask(self, start: int, length: int) -> None:
         return None  # text files: every token is a target
@@ -63,18 +64,22 @@ def tokenize_text_files(paths: list[str | Path], tokenizer: Tokenizer) -> TokenA
     return TokenArray(np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64))
 
 
-def batches(windows: Iterable[Window], batch_size: int
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    windows: Iterable[Window], batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Stack windows into (tokens, targets) batches of up to ``batch_size``; a shorter (final)
     window starts its own batch."""
     pending: list[Window] = []
 
     def stacked():
-        return torch.stack([w.tokens_S for w in pending]), torch.stack([w.targets_S for w in pending])
+        return torch.stack([w.tokens_S for w in pending]), torch.stack(
+            [w.targets_S for w in pending]
+        )
 
     for window in windows:
-        if pending and (len(window.tokens_S) != len(pending[0].tokens_S)
-                        or len(pending) == batch_size):
+        if pending and (
+            len(window.tokens_S) != len(pending[0].tokens_S) or len(pending) == batch_size
+        ):
             yield stacked()
             pending = []
         pending.append(window)
@@ -83,9 +88,14 @@ def batches(windows: Iterable[Window], batch_size: int
 
 
 @torch.no_grad()
-def evaluate_loss(model: MoETransformer, windows: Iterable[Window], batch_size: int = 8,
-                  collector: ExpertStatsCollector | None = None, source: str = "data",
-                  progress: Progress | None = None) -> dict:
+def evaluate_loss(
+    model: MoETransformer,
+    windows: Iterable[Window],
+    batch_size: int = 8,
+    collector: ExpertStatsCollector | None = None,
+    source: str = "data",
+    progress: Progress | None = None,
+) -> dict:
     """Token-weighted mean next-token loss (nats) over the trained targets of ``windows`` (all
     of them, but for the prompt tokens of instruction data), and its perplexity. ``tokens``: the
     targets the loss averages over; ``positions``: every token predicted, trained or not. With a
@@ -100,8 +110,12 @@ def evaluate_loss(model: MoETransformer, windows: Iterable[Window], batch_size: 
         if collector is not None:
             collector.observe(inputs_BS)
         logits_BSV = model(inputs_BS).logits
-        loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(
+            logits_BSV.float().flatten(0, 1),
+            targets_BS.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
         total_loss += float(loss)
         total_tokens += int((targets_BS != IGNORE_INDEX).sum())
         positions += targets_BS.numel()
@@ -110,17 +124,29 @@ def evaluate_loss(model: MoETransformer, windows: Iterable[Window], batch_size: 
     if progress is not None:
         progress.close()
     if total_tokens == 0:
-        what = "no trained tokens (every target is masked)" if positions else \
-            "no tokens to evaluate (at least 2 are needed)"
+        what = (
+            "no trained tokens (every target is masked)"
+            if positions
+            else "no tokens to evaluate (at least 2 are needed)"
+        )
         raise DataError(f"{source}: {what}")
     mean = total_loss / total_tokens
-    return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens,
-            "positions": positions}
+    return {
+        "loss": mean,
+        "perplexity": math.exp(mean),
+        "tokens": total_tokens,
+        "positions": positions,
+    }
 
 
-def evaluate_perplexity(model: MoETransformer, data_dir: str | Path, seq_len: int,
-                        batch_size: int = 8, max_tokens: int | None = None,
-                        split: str = "valid") -> dict:
+def evaluate_perplexity(
+    model: MoETransformer,
+    data_dir: str | Path,
+    seq_len: int,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+    split: str = "valid",
+) -> dict:
     """Token-weighted mean next-token loss over a prepared split, and its perplexity."""
     windows = token_windows(TokenStream(data_dir, split), seq_len, max_tokens)
     return evaluate_loss(model, windows, batch_size, source=f"{data_dir} ({split} split)")
@@ -140,9 +166,13 @@ def run_tokenizer(cfg: RunConfig) -> Tokenizer | None:
     return None
 
 
-def open_eval_data(cfg: RunConfig, data_dir: str | Path | None = None,
-                   text_files: list[str] | None = None, split: str = "valid",
-                   tokenizer_file: str | Path | None = None) -> EvalData:
+def open_eval_data(
+    cfg: RunConfig,
+    data_dir: str | Path | None = None,
+    text_files: list[str] | None = None,
+    split: str = "valid",
+    tokenizer_file: str | Path | None = None,
+) -> EvalData:
     """The tokens to evaluate on: a split of the run's prepared data (default), of another
     prepared data directory tokenized with the same tokenizer, or text files tokenized now with
     the run's tokenizer."""
@@ -150,28 +180,41 @@ def open_eval_data(cfg: RunConfig, data_dir: str | Path | None = None,
         raise ConfigError(["give a data directory or text files, not both"], "evaluation")
     tokenizer = Tokenizer(tokenizer_file) if tokenizer_file else run_tokenizer(cfg)
     if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"{tokenizer.path}: its vocabulary ({tokenizer.vocab_size}) is larger "
-                        f"than the model's ({cfg.model.vocab_size})")
+        raise DataError(
+            f"{tokenizer.path}: its vocabulary ({tokenizer.vocab_size}) is larger "
+            f"than the model's ({cfg.model.vocab_size})"
+        )
     if text_files:
         if tokenizer is None:
-            raise DataError(f"no tokenizer for the text files: {cfg.data.dir} holds no prepared "
-                            "data (prepare the run's data or pass a tokenizer file)")
-        return EvalData(tokenize_text_files(text_files, tokenizer),
-                        f"{len(text_files)} text file(s) tokenized with {tokenizer.path}", tokenizer)
+            raise DataError(
+                f"no tokenizer for the text files: {cfg.data.dir} holds no prepared "
+                "data (prepare the run's data or pass a tokenizer file)"
+            )
+        return EvalData(
+            tokenize_text_files(text_files, tokenizer),
+            f"{len(text_files)} text file(s) tokenized with {tokenizer.path}",
+            tokenizer,
+        )
     data_dir = data_dir if data_dir is not None else cfg.data.dir
     if not storage.is_s3(str(data_dir)) and not (Path(data_dir) / MANIFEST).exists():
-        raise DataError(f"{data_dir}: no prepared data ({MANIFEST} missing); run moe-prepare "
-                        "with the run's config or pass another data directory")
+        raise DataError(
+            f"{data_dir}: no prepared data ({MANIFEST} missing); run moe-prepare "
+            "with the run's config or pass another data directory"
+        )
     data = PreparedData(data_dir, cfg.data.s3, cfg.data.cache_dir, cfg.data.cache_bytes)
     stream = TokenStream(data, split)
     if tokenizer is not None and stream.manifest.tokenizer.get("sha256") != tokenizer.sha256:
-        raise DataError(f"{data_dir} was tokenized with another tokenizer than {tokenizer.path} "
-                        "(sha256 differs): its token ids mean other text to this model")
+        raise DataError(
+            f"{data_dir} was tokenized with another tokenizer than {tokenizer.path} "
+            "(sha256 differs): its token ids mean other text to this model"
+        )
     if tokenizer is None:
         tokenizer = Tokenizer(data.tokenizer_file())
     if stream.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"{data_dir}: its tokenizer's vocabulary ({stream.vocab_size}) is larger "
-                        f"than the model's ({cfg.model.vocab_size})")
+        raise DataError(
+            f"{data_dir}: its tokenizer's vocabulary ({stream.vocab_size}) is larger "
+            f"than the model's ({cfg.model.vocab_size})"
+        )
     return EvalData(stream, f"{data_dir} ({split} split)", tokenizer)
 
 
@@ -236,31 +279,44 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
     batch_size = opts.batch_size or (cfg.train.micro_batch_size if drops else cfg.eval.batch_size)
     max_tokens = opts.max_tokens if opts.max_tokens is not None else cfg.eval.max_tokens
     windows = token_windows(data.tokens, cfg.data.seq_len, max_tokens)
-    predicted = max(len(data.tokens) - 1, 0) if max_tokens is None else \
-        min(max(len(data.tokens) - 1, 0), max_tokens)
+    predicted = (
+        max(len(data.tokens) - 1, 0)
+        if max_tokens is None
+        else min(max(len(data.tokens) - 1, 0), max_tokens)
+    )
     bar = Progress(f"evaluate {tag_dir.name}", predicted, opts.progress, unit="tokens")
-    result = {"checkpoint": str(tag_dir), "tag": tag_dir.name, "step": checkpoint_step(tag_dir),
-              "run_dir": str(tag_dir.parent.parent), "data": data.description,
-              "vocab_size": cfg.model.vocab_size, "uniform_loss": math.log(cfg.model.vocab_size),
-              "batch_size": batch_size, "seq_len": cfg.data.seq_len,
-              "capacity_factor": cfg.model.moe.capacity_factor}
+    result = {
+        "checkpoint": str(tag_dir),
+        "tag": tag_dir.name,
+        "step": checkpoint_step(tag_dir),
+        "run_dir": str(tag_dir.parent.parent),
+        "data": data.description,
+        "vocab_size": cfg.model.vocab_size,
+        "uniform_loss": math.log(cfg.model.vocab_size),
+        "batch_size": batch_size,
+        "seq_len": cfg.data.seq_len,
+        "capacity_factor": cfg.model.moe.capacity_factor,
+    }
     if opts.expert_stats and model.moe_layers():
         with ExpertStatsCollector(model) as collector:
-            result.update(evaluate_loss(model, windows, batch_size, collector, data.description,
-                                        bar))
+            result.update(
+                evaluate_loss(model, windows, batch_size, collector, data.description, bar)
+            )
         piece = data.tokenizer.id_to_piece if data.tokenizer is not None else None
         result["experts"] = collector.summary(piece, opts.top_tokens, opts.min_token_count)
     else:
-        result.update(evaluate_loss(model, windows, batch_size, source=data.description,
-                                    progress=bar))
+        result.update(
+            evaluate_loss(model, windows, batch_size, source=data.description, progress=bar)
+        )
     if opts.generation:
         result["generations"] = generate_samples(model, data, opts)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
 
 
-def data_prompts(tokens, eos_id: int, count: int, prompt_len: int, reference_len: int,
-                 scan: int = 1_000_000) -> list[tuple[list[int], list[int]]]:
+def data_prompts(
+    tokens, eos_id: int, count: int, prompt_len: int, reference_len: int, scan: int = 1_000_000
+) -> list[tuple[list[int], list[int]]]:
     """(prompt, true continuation) pairs from the starts of the first documents of the data
     that are long enough; each prompt starts with EOS, as every document but the first follows
     one in training."""
@@ -268,7 +324,7 @@ def data_prompts(tokens, eos_id: int, count: int, prompt_len: int, reference_len
     starts = [0] + (np.flatnonzero(window == eos_id) + 1).tolist()
     out = []
     for s in starts:
-        doc = window[s:s + prompt_len + reference_len].tolist()
+        doc = window[s : s + prompt_len + reference_len].tolist()
         if eos_id in doc[:prompt_len] or len(doc) < prompt_len + 1:
             continue
         ref = doc[prompt_len:]
@@ -287,20 +343,34 @@ def generate_samples(model: MoETransformer, data: EvalData, opts: EvalOptions) -
     if opts.prompts:
         pairs = [([tok.eos_id] + tok.encode(p), None) for p in opts.prompts]
     else:
-        pairs = data_prompts(data.tokens, tok.eos_id, opts.data_prompts, opts.prompt_tokens, longest)
+        pairs = data_prompts(
+            data.tokens, tok.eos_id, opts.data_prompts, opts.prompt_tokens, longest
+        )
     decoder = KVCacheDecoder(model)
     out = []
     for prompt, reference in pairs:
         for g in opts.generation:
             hyps = generate(decoder, prompt, g, tok.eos_id)
-            out.append({
-                "strategy": g.strategy, "settings": generation_settings(g),
-                "prompt": prompt, "prompt_text": tok.decode(prompt[1:]),
-                "reference_text": None if reference is None else tok.decode(
-                    [t for t in reference[: g.max_new_tokens] if t != tok.eos_id]),
-                "outputs": [{"tokens": h.tokens, "text": tok.decode(
-                    [t for t in h.tokens if t != tok.eos_id]), "logprob": h.logprob,
-                    "score": h.score} for h in hyps]})
+            out.append(
+                {
+                    "strategy": g.strategy,
+                    "settings": generation_settings(g),
+                    "prompt": prompt,
+                    "prompt_text": tok.decode(prompt[1:]),
+                    "reference_text": None
+                    if reference is None
+                    else tok.decode([t for t in reference[: g.max_new_tokens] if t != tok.eos_id]),
+                    "outputs": [
+                        {
+                            "tokens": h.tokens,
+                            "text": tok.decode([t for t in h.tokens if t != tok.eos_id]),
+                            "logprob": h.logprob,
+                            "score": h.score,
+                        }
+                        for h in hyps
+                    ],
+                }
+            )
     return out
 
 
@@ -308,6 +378,8 @@ def generation_settings(g: GenerationConfig) -> str:
     if g.strategy == "beam":
         return f"{g.num_beams} beams, length penalty {g.length_penalty}"
     if g.strategy == "sample":
-        return (f"temperature {g.temperature}, top-k {g.top_k or 'all'}, "
-                f"top-p {g.top_p or 1.0}, seed {g.seed}")
+        return (
+            f"temperature {g.temperature}, top-k {g.top_k or 'all'}, "
+            f"top-p {g.top_p or 1.0}, seed {g.seed}"
+        )
     return "argmax"

@@ -70,6 +70,7 @@ class ExpertStatsCollector:
     def _router_hook(self, i: int) -> Callable:
         def hook(module, args, routing):
             self._selection[i] = routing.indices_TK.detach().cpu()
+
         return hook
 
     def _layer_hook(self, i: int) -> Callable:
@@ -84,17 +85,21 @@ class ExpertStatsCollector:
             self.entropy_sum_L[i] += float(stats["router_entropy"]) * T
             self.tokens_L[i] += T
             if self._tokens_T is None or self._tokens_T.numel() != T:
-                raise RuntimeError("ExpertStatsCollector.observe(input_ids) must be called with "
-                                   "each batch before its forward")
+                raise RuntimeError(
+                    "ExpertStatsCollector.observe(input_ids) must be called with "
+                    "each batch before its forward"
+                )
             V = self.pairs_LEV.shape[2]
             tokens_N = self._tokens_T.repeat_interleave(K)
             pair_N = (indices_TK.reshape(-1) * V + tokens_N)[tokens_N >= 0]
             self.pairs_LEV[i].view(-1).index_add_(0, pair_N, torch.ones_like(pair_N))
             self._selection[i] = None
+
         return hook
 
-    def summary(self, decode_piece: Callable[[int], str] | None = None, top_n: int = 8,
-                min_count: int = 5) -> list[dict]:
+    def summary(
+        self, decode_piece: Callable[[int], str] | None = None, top_n: int = 8, min_count: int = 5
+    ) -> list[dict]:
         """One dict per MoE layer. ``decode_piece`` turns a token id into text for the
         preference tables; tokens seen fewer than ``min_count`` times are left out of them (a
         token seen once is routed 100% somewhere)."""
@@ -104,21 +109,23 @@ class ExpertStatsCollector:
             routed = int(self.tokens_L[i]) * self.top_k
             mean = kept_E.mean().clamp_min(1e-12)
             E = kept_E.numel()
-            out.append({
-                "block": block,
-                "tokens": int(self.tokens_L[i]),
-                "routed_copies": routed,
-                "selected_per_expert": self.selected_LE[i].tolist(),
-                "kept_per_expert": self.kept_LE[i].tolist(),
-                "load_fraction": (kept_E / kept_E.sum().clamp_min(1)).tolist(),
-                "max_over_mean_load": float(kept_E.max() / mean),
-                "load_cv": float(kept_E.std(unbiased=False) / mean),
-                "dropped_fraction": float(self.dropped_L[i]) / max(routed, 1),
-                "router_entropy": float(self.entropy_sum_L[i]) / max(int(self.tokens_L[i]), 1),
-                "router_entropy_uniform": math.log(E),
-                "top_tokens": self._preferences(i, decode_piece, top_n, min_count),
-                **self._specialisation(i, decode_piece, top_n, min_count),
-            })
+            out.append(
+                {
+                    "block": block,
+                    "tokens": int(self.tokens_L[i]),
+                    "routed_copies": routed,
+                    "selected_per_expert": self.selected_LE[i].tolist(),
+                    "kept_per_expert": self.kept_LE[i].tolist(),
+                    "load_fraction": (kept_E / kept_E.sum().clamp_min(1)).tolist(),
+                    "max_over_mean_load": float(kept_E.max() / mean),
+                    "load_cv": float(kept_E.std(unbiased=False) / mean),
+                    "dropped_fraction": float(self.dropped_L[i]) / max(routed, 1),
+                    "router_entropy": float(self.entropy_sum_L[i]) / max(int(self.tokens_L[i]), 1),
+                    "router_entropy_uniform": math.log(E),
+                    "top_tokens": self._preferences(i, decode_piece, top_n, min_count),
+                    **self._specialisation(i, decode_piece, top_n, min_count),
+                }
+            )
         return out
 
     def _specialisation(self, i: int, decode_piece, top_n: int, min_count: int) -> dict:
@@ -138,16 +145,30 @@ class ExpertStatsCollector:
 
         over = []
         for e, lift_V in enumerate(lift_EV):
-            best = [v for v in lift_V.argsort(descending=True, stable=True)[:top_n].tolist()
-                    if lift_V[v] > 0]
-            over.append([{"id": v, "piece": decode_piece(v) if decode_piece else str(v),
-                          "lift": round(float(lift_V[v]), 4),
-                          "expert_share": round(float(expert_p_EV[e, v]), 6),
-                          "data_share": round(float(data_p_V[v]), 6),
-                          "routed": int(pairs_EV[e, v]), "count": int(freq_V[v])} for v in best])
-        return {"over_represented": over,
-                "effective_tokens": [effective(p_V) for p_V in expert_p_EV],
-                "data_effective_tokens": effective(data_p_V)}
+            best = [
+                v
+                for v in lift_V.argsort(descending=True, stable=True)[:top_n].tolist()
+                if lift_V[v] > 0
+            ]
+            over.append(
+                [
+                    {
+                        "id": v,
+                        "piece": decode_piece(v) if decode_piece else str(v),
+                        "lift": round(float(lift_V[v]), 4),
+                        "expert_share": round(float(expert_p_EV[e, v]), 6),
+                        "data_share": round(float(data_p_V[v]), 6),
+                        "routed": int(pairs_EV[e, v]),
+                        "count": int(freq_V[v]),
+                    }
+                    for v in best
+                ]
+            )
+        return {
+            "over_represented": over,
+            "effective_tokens": [effective(p_V) for p_V in expert_p_EV],
+            "data_effective_tokens": effective(data_p_V),
+        }
 
     def _preferences(self, i: int, decode_piece, top_n: int, min_count: int) -> list[list[dict]]:
         freq_V = self.token_freq_V
@@ -161,8 +182,16 @@ class ExpertStatsCollector:
             # Highest share first; among equal shares the more frequent token.
             order = by_count_V[share_V[by_count_V].argsort(descending=True, stable=True)]
             best = [v for v in order[:top_n].tolist() if share_V[v] >= 0]
-            experts.append([{"id": v, "piece": decode_piece(v) if decode_piece else str(v),
-                             "share": round(float(share_V[v]), 4),
-                             "routed": int(self.pairs_LEV[i, e, v]), "count": int(freq_V[v])}
-                            for v in best])
+            experts.append(
+                [
+                    {
+                        "id": v,
+                        "piece": decode_piece(v) if decode_piece else str(v),
+                        "share": round(float(share_V[v]), 4),
+                        "routed": int(self.pairs_LEV[i, e, v]),
+                        "count": int(freq_V[v]),
+                    }
+                    for v in best
+                ]
+            )
         return experts

@@ -21,19 +21,28 @@ from moe.tools.export import HF_TOKENIZER_DIR
 from moe.training.harness_setup import lm_eval_missing
 from moe.weights.load import load_model
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def checkpoint_tokenizer(tag_dir: Path) -> Tokenizer:
     """The tokenizer a checkpoint was trained with (its copy of the run's), or an imported
     model's own (hf_tokenizer/: tokenizer.json, else tokenizer.model)."""
-    for path in (tag_dir / TOKENIZER_COPY, tag_dir / HF_TOKENIZER_DIR / "tokenizer.json",
-                 tag_dir / HF_TOKENIZER_DIR / "tokenizer.model"):
+    for path in (
+        tag_dir / TOKENIZER_COPY,
+        tag_dir / HF_TOKENIZER_DIR / "tokenizer.json",
+        tag_dir / HF_TOKENIZER_DIR / "tokenizer.model",
+    ):
         if path.is_file():
             return Tokenizer(path)
-    raise EvaluationError(f"{tag_dir}: no tokenizer ({TOKENIZER_COPY} or {HF_TOKENIZER_DIR}/); "
-                          "the harness needs one to turn the tasks' text into tokens")
+    raise EvaluationError(
+        f"{tag_dir}: no tokenizer ({TOKENIZER_COPY} or {HF_TOKENIZER_DIR}/); "
+        "the harness needs one to turn the tasks' text into tokens"
+    )
 
 
 def _model_class():
@@ -53,22 +62,37 @@ def _model_class():
         newest); adapters are merged (LoRA) or kept (bottleneck, prompt, prefix) as moe-eval
         loads them. ``device``: cuda when present, else cpu; ``dtype``: float32 or bfloat16."""
 
-        def __init__(self, pretrained: str, batch_size: int | str = 8, device: str | None = None,
-                     dtype: str = "float32", max_length: int | None = None,
-                     max_gen_toks: int = 256, prefix_token_id: int | None = None,
-                     seed: int = 1234, **unused):
+        def __init__(
+            self,
+            pretrained: str,
+            batch_size: int | str = 8,
+            device: str | None = None,
+            dtype: str = "float32",
+            max_length: int | None = None,
+            max_gen_toks: int = 256,
+            prefix_token_id: int | None = None,
+            seed: int = 1234,
+            **unused,
+        ):
             if unused:
-                raise EvaluationError(f"model arguments {sorted(unused)} are not supported by "
-                                      "the moe model")
+                raise EvaluationError(
+                    f"model arguments {sorted(unused)} are not supported by the moe model"
+                )
             if str(dtype) not in DTYPES:
                 raise EvaluationError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
             model, _, tag_dir = load_model(pretrained)
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             model.to(device=device, dtype=DTYPES[str(dtype)])
             self.checkpoint = tag_dir
-            super().__init__(model, checkpoint_tokenizer(tag_dir), int(batch_size),
-                             None if max_length is None else int(max_length), int(max_gen_toks),
-                             None if prefix_token_id is None else int(prefix_token_id), int(seed))
+            super().__init__(
+                model,
+                checkpoint_tokenizer(tag_dir),
+                int(batch_size),
+                None if max_length is None else int(max_length),
+                int(max_gen_toks),
+                None if prefix_token_id is None else int(prefix_token_id),
+                int(seed),
+            )
 
     return CheckpointLM
 
@@ -90,15 +114,28 @@ def task_results(results: dict) -> list[dict]:
                 continue
             metric, filt = key.split(",", 1)
             stderr = metrics.get(f"{metric}_stderr,{filt}")
-            rows.append({"task": task, "metric": metric, "filter": filt, "value": float(value),
-                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
-                         "samples": results.get("n-samples", {}).get(task, {}).get("effective"),
-                         "num_fewshot": results.get("n-shot", {}).get(task)})
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "filter": filt,
+                    "value": float(value),
+                    "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                    "samples": results.get("n-samples", {}).get(task, {}).get("effective"),
+                    "num_fewshot": results.get("n-shot", {}).get(task),
+                }
+            )
     return rows
 
 
-def run_tasks(lm, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
-              include_paths: list[str] = (), bootstrap_iters: int = 100000) -> dict:
+def run_tasks(
+    lm,
+    tasks: list[str],
+    num_fewshot: int | None = None,
+    limit: int | None = None,
+    include_paths: list[str] = (),
+    bootstrap_iters: int = 100000,
+) -> dict:
     """Evaluate a harness model on ``tasks``; returns {"tasks": rows (task_results), "seconds",
     "settings"}."""
     from lm_eval.evaluator import evaluate
@@ -107,22 +144,38 @@ def run_tasks(lm, tasks: list[str], num_fewshot: int | None = None, limit: int |
 
     t0 = time.perf_counter()
     task_dict = load_tasks(tasks, include_paths, num_fewshot)
-    results = evaluate(lm, task_dict, limit=limit, bootstrap_iters=bootstrap_iters,
-                       log_samples=False)
-    return {"tasks": task_results(results), "seconds": round(time.perf_counter() - t0, 2),
-            "settings": {"tasks": list(tasks), "num_fewshot": num_fewshot, "limit": limit,
-                         "batch_size": lm.batch_size, "dtype": str(next(
-                             lm.model.parameters()).dtype).removeprefix("torch.")}}
+    results = evaluate(
+        lm, task_dict, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False
+    )
+    return {
+        "tasks": task_results(results),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "settings": {
+            "tasks": list(tasks),
+            "num_fewshot": num_fewshot,
+            "limit": limit,
+            "batch_size": lm.batch_size,
+            "dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
+        },
+    }
 
 
 def evaluate_checkpoint_tasks(path: str | Path, opts) -> dict:
     """A checkpoint's results on ``opts.tasks`` (moe-eval --tasks), as one entry of eval.json."""
     from moe.evaluation.evaluate import checkpoint_step
 
-    lm = harness_model(path, batch_size=opts.batch_size or 8, device=opts.device,
-                       dtype=opts.dtype, seed=opts.seed)
+    lm = harness_model(
+        path, batch_size=opts.batch_size or 8, device=opts.device, dtype=opts.dtype, seed=opts.seed
+    )
     tag_dir = lm.checkpoint
     out = run_tasks(lm, opts.tasks, opts.num_fewshot, opts.limit, opts.include_paths)
-    return {"checkpoint": str(tag_dir), "tag": tag_dir.name, "step": checkpoint_step(tag_dir),
-            "run_dir": str(tag_dir.parent.parent), "data": None, "downstream": out["tasks"],
-            "settings": out["settings"], "seconds": out["seconds"]}
+    return {
+        "checkpoint": str(tag_dir),
+        "tag": tag_dir.name,
+        "step": checkpoint_step(tag_dir),
+        "run_dir": str(tag_dir.parent.parent),
+        "data": None,
+        "downstream": out["tasks"],
+        "settings": out["settings"],
+        "seconds": out["seconds"],
+    }

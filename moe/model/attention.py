@@ -100,8 +100,15 @@ class AttentionInputs:
     score_mod: Callable | None = None  # flex: the position bias
 
 
-def choose_backend(requested: AttentionBackend, device_type: str, documents: bool, bias: bool,
-                   cached: bool, grad: bool, length: int = 0) -> tuple[str, str | None]:
+def choose_backend(
+    requested: AttentionBackend,
+    device_type: str,
+    documents: bool,
+    bias: bool,
+    cached: bool,
+    grad: bool,
+    length: int = 0,
+) -> tuple[str, str | None]:
     """The back end that runs, and the reason when it is not the requested one.
 
     ``auto``: a cached prefix -> reference; plain causal -> sdpa (the fused causal kernel);
@@ -113,8 +120,9 @@ def choose_backend(requested: AttentionBackend, device_type: str, documents: boo
     if requested == "reference":
         return "reference", None
     if cached:  # auto's own choice, not a fallback
-        return "reference", (None if requested == "auto" else
-                             "a cached prefix needs the explicit mask")
+        return "reference", (
+            None if requested == "auto" else "a cached prefix needs the explicit mask"
+        )
     if requested == "auto":
         if not documents and not bias:
             return "sdpa", None
@@ -146,17 +154,30 @@ def document_lengths(doc_BL: torch.Tensor) -> list[list[int]] | None:
     return rows
 
 
-def build_attention_inputs(requested: AttentionBackend, positions: PositionEncoding,
-                           pos_all_BL: torch.Tensor, doc_all_BL: torch.Tensor | None, batch: int,
-                           past: int = 0, cache: KVCache | None = None) -> AttentionInputs:
+def build_attention_inputs(
+    requested: AttentionBackend,
+    positions: PositionEncoding,
+    pos_all_BL: torch.Tensor,
+    doc_all_BL: torch.Tensor | None,
+    batch: int,
+    past: int = 0,
+    cache: KVCache | None = None,
+) -> AttentionInputs:
     """Rotations and masks for the S = L - past new tokens at positions ``pos_all_BL[:, past:]``
     ((1, L) when every row has the same positions), in the form the chosen back end needs."""
     device, L = pos_all_BL.device, pos_all_BL.shape[1]
     pos_BS = pos_all_BL[:, past:]
     rotary = positions.rotary(pos_BS)
     score_mod = positions.score_mod(pos_all_BL.expand(batch, L))
-    run, reason = choose_backend(requested, device.type, doc_all_BL is not None,
-                                 score_mod is not None, past > 0, torch.is_grad_enabled(), L)
+    run, reason = choose_backend(
+        requested,
+        device.type,
+        doc_all_BL is not None,
+        score_mod is not None,
+        past > 0,
+        torch.is_grad_enabled(),
+        L,
+    )
     lengths = None
     if run == "sdpa" and doc_all_BL is not None:
         lengths = document_lengths(doc_all_BL)
@@ -168,13 +189,24 @@ def build_attention_inputs(requested: AttentionBackend, positions: PositionEncod
     if run == "sdpa":
         return AttentionInputs(rotary, None, cache, "sdpa", doc_lengths=lengths)
     if run == "flex":
-        return AttentionInputs(rotary, None, cache, "flex", score_mod=score_mod,
-                               block_mask=_block_mask(doc_all_BL, batch, L, device))
+        return AttentionInputs(
+            rotary,
+            None,
+            cache,
+            "flex",
+            score_mod=score_mod,
+            block_mask=_block_mask(doc_all_BL, batch, L, device),
+        )
     bias = positions.score_bias(pos_BS, pos_all_BL)
     mask = None  # plain causal: SDPA's is_causal path
     if past or doc_all_BL is not None or bias is not None:
-        mask = build_mask(torch.arange(past, L, device=device), torch.arange(L, device=device),
-                          None if doc_all_BL is None else doc_all_BL[:, past:], doc_all_BL, bias)
+        mask = build_mask(
+            torch.arange(past, L, device=device),
+            torch.arange(L, device=device),
+            None if doc_all_BL is None else doc_all_BL[:, past:],
+            doc_all_BL,
+            bias,
+        )
     return AttentionInputs(rotary, mask, cache)
 
 
@@ -191,8 +223,11 @@ def _block_mask(doc_BL: torch.Tensor | None, batch: int, L: int, device: torch.d
     # Eager create_block_mask evaluates the mask densely (a transient bool (B, L, L)); compiled it
     # does not, and on CUDA the compile is cheap next to training. On CPU flex only serves
     # inference, where the transient is freed at once.
-    build = _compiled_fn("create_block_mask", create_block_mask) if device.type == "cuda" \
+    build = (
+        _compiled_fn("create_block_mask", create_block_mask)
+        if device.type == "cuda"
         else create_block_mask
+    )
     if doc_BL is None:
         return build(causal, None, None, L, L, device=device)
     return build(causal_same_doc, batch, None, L, L, device=device)
@@ -204,21 +239,26 @@ def _compiled_fn(name: str, fn: Callable) -> Callable:
     return _compiled[name]
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs,
-                   gqa: bool) -> torch.Tensor:
+def attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, gqa: bool
+) -> torch.Tensor:
     """q (B, H, S, hd), k and v (B, Hkv, L, hd) -> (B, H, S, hd) with the chosen back end."""
     if inputs.backend == "flex":
-        flex = cast(Callable, _compiled_fn("flex_attention", flex_attention) if compile_flex
-                    else flex_attention)
-        return flex(q, k, v, score_mod=inputs.score_mod, block_mask=inputs.block_mask,
-                    enable_gqa=gqa)
+        flex = cast(
+            Callable,
+            _compiled_fn("flex_attention", flex_attention) if compile_flex else flex_attention,
+        )
+        return flex(
+            q, k, v, score_mod=inputs.score_mod, block_mask=inputs.block_mask, enable_gqa=gqa
+        )
     if inputs.doc_lengths is not None:
         return _sdpa_per_document(q, k, v, inputs.doc_lengths, gqa)
     mask = inputs.mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+    )
 
 
 @eager_under_compile
@@ -228,16 +268,30 @@ def _sdpa_per_document(q, k, v, doc_lengths: list[list[int]], gqa: bool) -> torc
     specialized on them and compiled again for each batch."""
     rows = []
     for b, lengths in enumerate(doc_lengths):
-        parts = zip(q[b:b + 1].split(lengths, 2), k[b:b + 1].split(lengths, 2),
-                    v[b:b + 1].split(lengths, 2))
-        rows.append(torch.cat([F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                              enable_gqa=gqa)
-                               for qd, kd, vd in parts], dim=2))
+        parts = zip(
+            q[b : b + 1].split(lengths, 2),
+            k[b : b + 1].split(lengths, 2),
+            v[b : b + 1].split(lengths, 2),
+        )
+        rows.append(
+            torch.cat(
+                [
+                    F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
+                    for qd, kd, vd in parts
+                ],
+                dim=2,
+            )
+        )
     return torch.cat(rows, dim=0)
 
 
-def build_mask(q_idx_S: torch.Tensor, k_idx_L: torch.Tensor, q_doc_BS: torch.Tensor | None,
-               k_doc_BL: torch.Tensor | None, bias_BHSL: torch.Tensor | None):
+def build_mask(
+    q_idx_S: torch.Tensor,
+    k_idx_L: torch.Tensor,
+    q_doc_BS: torch.Tensor | None,
+    k_doc_BL: torch.Tensor | None,
+    bias_BHSL: torch.Tensor | None,
+):
     """Causal (key index <= query index) and same-document mask over the S new queries and all
     L keys; folded into the bias as -inf when there is one. Every query may see itself, so no
     row is fully masked."""
@@ -260,9 +314,17 @@ class CausalSelfAttention(nn.Module):
     before the rotary embedding, over each head's ``head_dim`` channels (``head``, Qwen3) or over
     the whole projection, all heads at once (``projection``, OLMoE)."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, layer_index: int = 0,
-                 head_dim: int | None = None, qkv_bias: bool = False, qk_norm: QKNorm = "none",
-                 norm_eps: float = 1e-6):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        layer_index: int = 0,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        qk_norm: QKNorm = "none",
+        norm_eps: float = 1e-6,
+    ):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = head_dim or d_model // n_heads
@@ -278,8 +340,9 @@ class CausalSelfAttention(nn.Module):
         if qk_norm != "none":
             per_head = qk_norm == "head"
             self.q_norm = RMSNorm(self.head_dim if per_head else n_heads * self.head_dim, norm_eps)
-            self.k_norm = RMSNorm(self.head_dim if per_head else n_kv_heads * self.head_dim,
-                                  norm_eps)
+            self.k_norm = RMSNorm(
+                self.head_dim if per_head else n_kv_heads * self.head_dim, norm_eps
+            )
 
     def _heads(self, x_BSD: torch.Tensor, proj: nn.Linear, norm: str, heads: int) -> torch.Tensor:
         """(B, S, D) -> (B, heads, S, hd): projected, normalized as ``qk_norm`` says."""

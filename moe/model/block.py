@@ -19,8 +19,15 @@ NormPlacement = Literal["pre", "post"]
 
 
 class Block(nn.Module):
-    def __init__(self, attn: CausalSelfAttention, ffn: nn.Module, d_model: int, norm: NormKind,
-                 norm_eps: float, placement: NormPlacement = "pre"):
+    def __init__(
+        self,
+        attn: CausalSelfAttention,
+        ffn: nn.Module,
+        d_model: int,
+        norm: NormKind,
+        norm_eps: float,
+        placement: NormPlacement = "pre",
+    ):
         super().__init__()
         self.pre_norm = placement == "pre"
         self.attn_norm = build_norm(norm, d_model, norm_eps)

@@ -74,9 +74,11 @@ def mark_rows_dynamic(x_ND: torch.Tensor) -> torch.Tensor:
 
 
 if CUSTOM_OPS:
+
     @torch.library.custom_op("moe::grouped_mm", mutates_args=())
-    def grouped_mm_op(x_ND: torch.Tensor, w_EIO: torch.Tensor,
-                      offs_E: torch.Tensor) -> torch.Tensor:
+    def grouped_mm_op(
+        x_ND: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor
+    ) -> torch.Tensor:
         """(N, I) rows grouped by expert (``offs_E``: cumulative row ends, int32) times
         (E, I, O) -> (N, O)."""
         return torch._grouped_mm(x_ND, w_EIO, offs=offs_E)
@@ -86,8 +88,9 @@ if CUSTOM_OPS:
         return x_ND.new_empty(x_ND.shape[0], w_EIO.shape[-1])
 
     @torch.library.custom_op("moe::grouped_mm_weight_grad", mutates_args=())
-    def _weight_grad(x_ND: torch.Tensor, grad_NO: torch.Tensor,
-                     offs_E: torch.Tensor) -> torch.Tensor:
+    def _weight_grad(
+        x_ND: torch.Tensor, grad_NO: torch.Tensor, offs_E: torch.Tensor
+    ) -> torch.Tensor:
         """(E, I, O): for each expert e, its rows of x transposed times its rows of grad."""
         return torch._grouped_mm(x_ND.t(), grad_NO, offs=offs_E)
 

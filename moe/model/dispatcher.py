@@ -31,8 +31,9 @@ class DispatchPlan:
     counts_host: list[int] | None = None  # counts_E on the host, where already read
 
 
-def capacity_keep_mask(indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
-                       capacity: int) -> torch.Tensor:
+def capacity_keep_mask(
+    indices_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int
+) -> torch.Tensor:
     """Boolean (T, K) mask of copies each expert keeps: at most ``capacity`` per expert, the
     copies with the highest router weight first (ties: earlier token first)."""
     flat_e = indices_TK.reshape(-1)
@@ -52,7 +53,8 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     length depends on the largest id, which a compiled graph cannot know (a graph break), and on
     CUDA it reads that maximum back to the host, a sync per call; this one's length is fixed."""
     return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(
-        0, ids, torch.ones_like(ids))
+        0, ids, torch.ones_like(ids)
+    )
 
 
 @eager_under_compile
@@ -85,8 +87,13 @@ class LocalDispatcher:
             order, token_N, counts_host = _kept_copies(order, counts[: self.num_experts], K)
         else:
             token_N = order // K
-        return DispatchPlan(copy_N=order, token_N=token_N, counts_E=counts[: self.num_experts],
-                            num_tokens=T, counts_host=counts_host)
+        return DispatchPlan(
+            copy_N=order,
+            token_N=token_N,
+            counts_E=counts[: self.num_experts],
+            num_tokens=T,
+            counts_host=counts_host,
+        )
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan):
         """Expert-sorted inputs, their combine weights, and the copies per (local) expert.
@@ -117,7 +124,9 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
         grad_in = grad_out.new_empty(sum(in_splits), grad_out.shape[-1])
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        dist.all_to_all_single(
+            grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group
+        )
         return grad_in, None, None, None
 
 
@@ -147,13 +156,14 @@ class ExpertParallelDispatcher(LocalDispatcher):
         # takes its split sizes as Python ints. The same read brings the local experts' counts,
         # which the loop fallback of the expert GEMMs needs (the grouped kernel does not).
         sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1), local_counts]).tolist()
-        send, recv = sizes[:self.ep_size], sizes[self.ep_size:2 * self.ep_size]
+        send, recv = sizes[: self.ep_size], sizes[self.ep_size : 2 * self.ep_size]
         # Received rows arrive ordered (source, my expert); experts need them ordered (expert, source).
         block_expert = torch.arange(self.num_local, device=recv_counts.device).repeat(self.ep_size)
-        row_expert = torch.repeat_interleave(block_expert, recv_counts.reshape(-1),
-                                             output_size=sum(recv))
+        row_expert = torch.repeat_interleave(
+            block_expert, recv_counts.reshape(-1), output_size=sum(recv)
+        )
         regroup = torch.argsort(row_expert, stable=True)
-        return _EPPlan(local, send, recv, regroup, local_counts, sizes[2 * self.ep_size:])
+        return _EPPlan(local, send, recv, regroup, local_counts, sizes[2 * self.ep_size :])
 
     @eager_under_compile
     def dispatch(self, x_TD, weights_TK, plan):
@@ -161,8 +171,11 @@ class ExpertParallelDispatcher(LocalDispatcher):
         x_recv = _AllToAll.apply(x_ND, plan.recv_splits, plan.send_splits, self.group)
         # The combine weights go with their copies (one float per row; the experts apply them).
         w_recv = _AllToAll.apply(w_N[:, None], plan.recv_splits, plan.send_splits, self.group)
-        return (mark_rows_dynamic(x_recv.index_select(0, plan.regroup)),
-                mark_rows_dynamic(w_recv[:, 0].index_select(0, plan.regroup)), plan.local_counts)
+        return (
+            mark_rows_dynamic(x_recv.index_select(0, plan.regroup)),
+            mark_rows_dynamic(w_recv[:, 0].index_select(0, plan.regroup)),
+            plan.local_counts,
+        )
 
     @eager_under_compile
     def combine(self, y_ND, plan):
@@ -172,8 +185,9 @@ class ExpertParallelDispatcher(LocalDispatcher):
 
 
 class _EPPlan:
-    def __init__(self, local: DispatchPlan, send_splits, recv_splits, regroup, local_counts,
-                 counts_host):
+    def __init__(
+        self, local: DispatchPlan, send_splits, recv_splits, regroup, local_counts, counts_host
+    ):
         self.local, self.send_splits, self.recv_splits = local, send_splits, recv_splits
         self.regroup, self.local_counts = regroup, local_counts
         self.counts_host = counts_host  # local_counts on the host

@@ -56,8 +56,9 @@ def _probe(dtype: torch.dtype, device: torch.device) -> bool:
     w = torch.randn(3, 16, 8, generator=gen).to(device, dtype)
     counts = [10, 0, 14]  # an expert with no tokens included
     try:
-        got = torch._grouped_mm(x, w, offs=torch.tensor([10, 10, 24], dtype=torch.int32,
-                                                         device=device))
+        got = torch._grouped_mm(
+            x, w, offs=torch.tensor([10, 10, 24], dtype=torch.int32, device=device)
+        )
     except (RuntimeError, NotImplementedError):
         return False
     want = _loop_mm(x, w, counts)
@@ -68,7 +69,7 @@ def _loop_mm(x_ND: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torc
     """One matmul per expert over its contiguous block of rows."""
     blocks, start = [x_ND.new_zeros(0, w_EIO.shape[-1])], 0
     for e, n in enumerate(counts):
-        blocks.append(x_ND[start:start + n] @ w_EIO[e])
+        blocks.append(x_ND[start : start + n] @ w_EIO[e])
         start += n
     return torch.cat(blocks, dim=0)
 
@@ -80,12 +81,15 @@ def uses_grouped_kernel(x_ND: torch.Tensor, w_EIO: torch.Tensor) -> bool:
     aligned = all((d * x_ND.element_size()) % 16 == 0 for d in w_EIO.shape[1:])
     if x_ND.dtype != torch.bfloat16 and is_compiling() and grouped_mm_op is None:
         return False
-    return (x_ND.dtype == w_EIO.dtype and aligned
-            and grouped_mm_supported(x_ND.dtype, x_ND.device))
+    return x_ND.dtype == w_EIO.dtype and aligned and grouped_mm_supported(x_ND.dtype, x_ND.device)
 
 
-def grouped_mm(x_ND: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor,
-               counts_host: list[int] | None = None) -> torch.Tensor:
+def grouped_mm(
+    x_ND: torch.Tensor,
+    w_EIO: torch.Tensor,
+    counts_E: torch.Tensor,
+    counts_host: list[int] | None = None,
+) -> torch.Tensor:
     """Rows of ``x_ND`` are grouped by expert (``counts_E`` rows each, experts with no rows
     allowed); row block e is multiplied by ``w_EIO[e]``.
 
@@ -111,8 +115,15 @@ class GroupedExperts(nn.Module):
     (E, D, 2H). GELU: y = gelu(x W_in) W_out.
     """
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int, activation: Activation,
-                 init_std: float = 0.02, out_init_std: float | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        hidden: int,
+        activation: Activation,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+    ):
         super().__init__()
         self.activation = activation
         self.hidden = hidden
@@ -129,9 +140,13 @@ class GroupedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.w_in.shape[0]
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor,
-                scale_N: torch.Tensor | None = None,
-                counts_host: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_ND: torch.Tensor,
+        counts_E: torch.Tensor,
+        scale_N: torch.Tensor | None = None,
+        counts_host: list[int] | None = None,
+    ) -> torch.Tensor:
         """``scale_N`` (the router's combine weights) multiplies each copy's output. Since the
         output projection is linear, it is applied to whichever of the hidden activation (N, H)
         or the output (N, D) is narrower: for fine-grained experts that is 4x less work in the
@@ -144,8 +159,9 @@ class GroupedExperts(nn.Module):
         h_NW = self.project("w_in", x_ND, counts_E, counts_host)
         d_model = x_ND.shape[-1]  # not w_out's: a quantised stack (adapters/qlora.py) has none
         if scale_N is not None and self.hidden <= d_model:
-            h_NH = recompute(self._scaled_activation, h_NW, scale_N,
-                             enabled=self.recompute_activation)
+            h_NH = recompute(
+                self._scaled_activation, h_NW, scale_N, enabled=self.recompute_activation
+            )
         else:
             h_NH = recompute(self._activation, h_NW, enabled=self.recompute_activation)
         y_ND = self.project("w_out", h_NH, counts_E, counts_host)
@@ -157,8 +173,9 @@ class GroupedExperts(nn.Module):
         """Whether some product of this layer loops over experts (see :func:`grouped_mm`)."""
         return not all(uses_grouped_kernel(x_ND, w) for w in self.parameters(recurse=False))
 
-    def project(self, name: str, x_ND: torch.Tensor, counts_E: torch.Tensor,
-                counts_host: list[int] | None) -> torch.Tensor:
+    def project(
+        self, name: str, x_ND: torch.Tensor, counts_E: torch.Tensor, counts_host: list[int] | None
+    ) -> torch.Tensor:
         """Row block e of ``x_ND`` times expert e's ``name`` weight (``w_in`` or ``w_out``);
         adapters (moe/model/adapters/) add their own products over the same blocks."""
         return grouped_mm(x_ND, getattr(self, name), counts_E, counts_host)
@@ -190,8 +207,14 @@ def scale_rows(h_NH: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
 class DenseFFN(nn.Module):
     """A dense feed-forward block (the dense baseline, dense layers and shared experts)."""
 
-    def __init__(self, d_model: int, hidden: int, activation: Activation, init_std: float = 0.02,
-                 out_init_std: float | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        activation: Activation,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+    ):
         super().__init__()
         self.activation = activation
         self.hidden = hidden
@@ -199,12 +222,15 @@ class DenseFFN(nn.Module):
         self.w_in = nn.Linear(d_model, width, bias=False)
         self.w_out = nn.Linear(hidden, d_model, bias=False)
         nn.init.normal_(self.w_in.weight, std=init_std)
-        nn.init.normal_(self.w_out.weight, std=out_init_std if out_init_std is not None else init_std)
+        nn.init.normal_(
+            self.w_out.weight, std=out_init_std if out_init_std is not None else init_std
+        )
         self.recompute_activation = False  # selective recompute, as in GroupedExperts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = recompute(activate, self.w_in(x), self.activation, self.hidden,
-                      enabled=self.recompute_activation)
+        h = recompute(
+            activate, self.w_in(x), self.activation, self.hidden, enabled=self.recompute_activation
+        )
         return self.w_out(h)
 
 

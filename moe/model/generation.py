@@ -163,13 +163,16 @@ def filter_logits(logits_RV: torch.Tensor, top_k: int | None, top_p: float | Non
         probs_RV = sorted_RV.softmax(dim=-1)
         # Mass of the tokens ranked strictly before each one: drop it once that already reaches p.
         before_RV = probs_RV.cumsum(dim=-1) - probs_RV
-        drop_RV = torch.zeros_like(before_RV, dtype=torch.bool).scatter(-1, order_RV, before_RV >= top_p)
+        drop_RV = torch.zeros_like(before_RV, dtype=torch.bool).scatter(
+            -1, order_RV, before_RV >= top_p
+        )
         logits_RV = logits_RV.masked_fill(drop_RV, float("-inf"))
     return logits_RV
 
 
-def next_tokens(logits_RV: torch.Tensor, cfg: GenerationConfig,
-                generator: torch.Generator | None) -> torch.Tensor:
+def next_tokens(
+    logits_RV: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator | None
+) -> torch.Tensor:
     """One token per row by the configured strategy (greedy or sampling)."""
     if cfg.strategy == "greedy" or cfg.temperature == 0:
         return logits_RV.argmax(dim=-1)
@@ -177,15 +180,18 @@ def next_tokens(logits_RV: torch.Tensor, cfg: GenerationConfig,
     return torch.multinomial(filtered_RV.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
-def generate(decoder: Decoder, prompt: list[int], cfg: GenerationConfig,
-             eos_id: int | None = None) -> list[Hypothesis]:
+def generate(
+    decoder: Decoder, prompt: list[int], cfg: GenerationConfig, eos_id: int | None = None
+) -> list[Hypothesis]:
     """Continue ``prompt``; returns ``cfg.num_return`` hypotheses (beam search: best first)."""
     problems = cfg.problems()
     if not prompt:
         problems.append("prompt: must hold at least one token")
     if len(prompt) + cfg.max_new_tokens > decoder.max_tokens:
-        problems.append(f"max_new_tokens: prompt ({len(prompt)} tokens) + max_new_tokens "
-                        f"({cfg.max_new_tokens}) exceeds the model's {decoder.max_tokens} tokens")
+        problems.append(
+            f"max_new_tokens: prompt ({len(prompt)} tokens) + max_new_tokens "
+            f"({cfg.max_new_tokens}) exceeds the model's {decoder.max_tokens} tokens"
+        )
     if problems:
         raise ConfigError(problems, "generation")
     eos = eos_id if cfg.stop_at_eos else None
@@ -195,8 +201,9 @@ def generate(decoder: Decoder, prompt: list[int], cfg: GenerationConfig,
     return _sample(decoder, prompt_1S, cfg, eos)
 
 
-def _sample(decoder: Decoder, prompt_1S: torch.Tensor, cfg: GenerationConfig,
-            eos: int | None) -> list[Hypothesis]:
+def _sample(
+    decoder: Decoder, prompt_1S: torch.Tensor, cfg: GenerationConfig, eos: int | None
+) -> list[Hypothesis]:
     R = cfg.num_return
     generator = torch.Generator().manual_seed(cfg.seed)
     logits_1V, state = decoder.step(prompt_1S, None)
@@ -224,15 +231,16 @@ def _sample(decoder: Decoder, prompt_1S: torch.Tensor, cfg: GenerationConfig,
     return out
 
 
-def _beam_search(decoder: Decoder, prompt_1S: torch.Tensor, cfg: GenerationConfig,
-                 eos: int | None) -> list[Hypothesis]:
+def _beam_search(
+    decoder: Decoder, prompt_1S: torch.Tensor, cfg: GenerationConfig, eos: int | None
+) -> list[Hypothesis]:
     """Keeps the W prefixes of highest total log-probability; a hypothesis that emits EOS is
     set aside as finished. Without a length penalty, log-probabilities only fall as a sequence
     grows, so the search stops once W finished hypotheses all beat the best live one."""
     W = cfg.num_beams
 
     def score(logprob: float, length: int) -> float:
-        return logprob / length ** cfg.length_penalty if cfg.length_penalty else logprob
+        return logprob / length**cfg.length_penalty if cfg.length_penalty else logprob
 
     logits_RV, state = decoder.step(prompt_1S, None)
     live_logprob_R = torch.zeros(1, dtype=torch.float64)
@@ -261,13 +269,16 @@ def _beam_search(decoder: Decoder, prompt_1S: torch.Tensor, cfg: GenerationConfi
         live_tokens = [live_tokens[p] + [tok] for p, tok in zip(parents, tokens)]
         live_logprob_R = torch.tensor(logprobs, dtype=torch.float64)
         finished = sorted(finished, key=lambda h: -h.score)[:W]
-        exact_stop = (cfg.length_penalty == 0 and len(finished) == W
-                      and finished[-1].score >= logprobs[0])
+        exact_stop = (
+            cfg.length_penalty == 0 and len(finished) == W and finished[-1].score >= logprobs[0]
+        )
         if exact_stop or t == cfg.max_new_tokens - 1:
             break
         state = decoder.reorder(state, torch.tensor(parents, dtype=torch.long))
         logits_RV, state = decoder.step(torch.tensor(tokens, dtype=torch.long)[:, None], state)
-    live = [Hypothesis(seq, lp, score(lp, len(seq)))
-            for seq, lp in zip(live_tokens, live_logprob_R.tolist())]  # empty if all ended
+    live = [
+        Hypothesis(seq, lp, score(lp, len(seq)))
+        for seq, lp in zip(live_tokens, live_logprob_R.tolist())
+    ]  # empty if all ended
     ranked = sorted(finished + live, key=lambda h: -h.score)
     return ranked[: cfg.num_return]

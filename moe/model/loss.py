@@ -46,8 +46,9 @@ def full_cross_entropy(logits_TV: torch.Tensor, targets_T: torch.Tensor) -> torc
     return F.cross_entropy(logits_TV.float(), targets_T, ignore_index=IGNORE, reduction="sum")
 
 
-def chunk_loss_and_grads(h_CD: torch.Tensor, w_VD: torch.Tensor, targets_C: torch.Tensor,
-                         need_h: bool, need_w: bool):
+def chunk_loss_and_grads(
+    h_CD: torch.Tensor, w_VD: torch.Tensor, targets_C: torch.Tensor, need_h: bool, need_w: bool
+):
     """One block of tokens: its summed loss (fp32), and the gradients of that sum with respect to
     the block's hidden states (C, D) and to the head weight (V, D), both in the model dtype
     (None where not needed). The reference's formula (fp32 log-softmax of the model-dtype
@@ -79,8 +80,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         grad_h = torch.empty_like(h_TD) if need_h else None
-        grad_w = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) \
-            if need_w else None
+        grad_w = (
+            torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        )
         for start in range(0, h_TD.shape[0], chunk):
             part = slice(start, start + chunk)
             loss_c, grad_h_c, grad_w_c = body(h_TD[part], w_VD, targets_T[part], need_h, need_w)
@@ -122,16 +124,25 @@ class LMHeadLoss(nn.Module):
         at most two shapes, compiled in the first step."""
         self.body = torch.compile(chunk_loss_and_grads, backend=backend, **options)
 
-    def forward(self, h_TD: torch.Tensor, weight_VD: torch.Tensor,
-                targets_T: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor
+    ) -> torch.Tensor:
         if self.impl == "liger":
             return _liger_sum(h_TD, weight_VD, targets_T)
         if not torch.is_grad_enabled() or not (h_TD.requires_grad or weight_VD.requires_grad):
-            return sum(self.body(h_TD[s:s + self.chunk_tokens], weight_VD,
-                                 targets_T[s:s + self.chunk_tokens], False, False)[0]
-                       for s in range(0, h_TD.shape[0], self.chunk_tokens))
-        return ChunkedLinearCrossEntropy.apply(h_TD, weight_VD, targets_T, self.chunk_tokens,
-                                               self.body)
+            return sum(
+                self.body(
+                    h_TD[s : s + self.chunk_tokens],
+                    weight_VD,
+                    targets_T[s : s + self.chunk_tokens],
+                    False,
+                    False,
+                )[0]
+                for s in range(0, h_TD.shape[0], self.chunk_tokens)
+            )
+        return ChunkedLinearCrossEntropy.apply(
+            h_TD, weight_VD, targets_T, self.chunk_tokens, self.body
+        )
 
 
 def _liger_sum(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor):
@@ -139,9 +150,12 @@ def _liger_sum(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Ten
     if problem is not None:
         raise RuntimeError(f"model.cross_entropy: liger {problem}")
     if h_TD.device.type != "cuda":
-        raise RuntimeError(f"model.cross_entropy: liger runs Triton kernels on CUDA only (this "
-                           f"model is on {h_TD.device.type}); use chunked")
+        raise RuntimeError(
+            f"model.cross_entropy: liger runs Triton kernels on CUDA only (this "
+            f"model is on {h_TD.device.type}); use chunked"
+        )
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    return liger_fused_linear_cross_entropy(h_TD, weight_VD, targets_T, ignore_index=IGNORE,
-                                            reduction="sum", accum_dtype=torch.float32).float()
+    return liger_fused_linear_cross_entropy(
+        h_TD, weight_VD, targets_T, ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32
+    ).float()

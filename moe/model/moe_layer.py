@@ -49,14 +49,25 @@ class MoEConfig:
     the active expert width of an MoE layer)."""
 
     def problems(self) -> list[str]:
-        out = minimums(self, num_experts=1, expert_hidden=1, num_shared_experts=0,
-                       every_n_layers=1, first_dense_layers=0, dense_hidden=1)
+        out = minimums(
+            self,
+            num_experts=1,
+            expert_hidden=1,
+            num_shared_experts=0,
+            every_n_layers=1,
+            first_dense_layers=0,
+            dense_hidden=1,
+        )
         out += [f"router.{p}" for p in self.router.problems(self.num_experts)]
         if self.capacity_factor is not None and self.capacity_factor <= 0:
-            out.append(f"capacity_factor: must be > 0 or null (dropless), got {self.capacity_factor}")
+            out.append(
+                f"capacity_factor: must be > 0 or null (dropless), got {self.capacity_factor}"
+            )
         if self.shared_expert_gate and not self.num_shared_experts:
-            out.append("shared_expert_gate: true needs num_shared_experts >= 1 (there is no "
-                       "shared expert to gate)")
+            out.append(
+                "shared_expert_gate: true needs num_shared_experts >= 1 (there is no "
+                "shared expert to gate)"
+            )
         return out
 
     def is_moe_layer(self, index: int) -> bool:
@@ -65,7 +76,9 @@ class MoEConfig:
 
     @property
     def dense_width(self) -> int:
-        return self.dense_hidden or (self.router.top_k + self.num_shared_experts) * self.expert_hidden
+        return (
+            self.dense_hidden or (self.router.top_k + self.num_shared_experts) * self.expert_hidden
+        )
 
 
 class MoELayer(nn.Module):
@@ -73,17 +86,31 @@ class MoELayer(nn.Module):
     one that moves token copies between ranks and shrinks ``self.experts`` to the local ones;
     this class does not know about ranks."""
 
-    def __init__(self, d_model: int, cfg: MoEConfig, init_std: float = 0.02,
-                 out_init_std: float | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        cfg: MoEConfig,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
         self.num_experts = cfg.num_experts
         self.router = TopKRouter(d_model, cfg.num_experts, cfg.router)
-        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.activation,
-                                      init_std, out_init_std)
-        self.shared_mlp = (DenseFFN(d_model, cfg.num_shared_experts * cfg.expert_hidden,
-                                    cfg.activation, init_std, out_init_std)
-                           if cfg.num_shared_experts else None)
+        self.experts = GroupedExperts(
+            cfg.num_experts, d_model, cfg.expert_hidden, cfg.activation, init_std, out_init_std
+        )
+        self.shared_mlp = (
+            DenseFFN(
+                d_model,
+                cfg.num_shared_experts * cfg.expert_hidden,
+                cfg.activation,
+                init_std,
+                out_init_std,
+            )
+            if cfg.num_shared_experts
+            else None
+        )
         # Not "expert" in its name: DeepSpeed would move it into the expert files.
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
         if self.shared_gate is not None:
@@ -106,7 +133,8 @@ class MoELayer(nn.Module):
         # The step counters stay fp32 under any cast: bf16 counts exactly only up to 256.
         super()._apply(fn, recurse)
         self.step_load_E, self.step_sums, self.batch_counts_E = map(
-            at_least_fp32, (self.step_load_E, self.step_sums, self.batch_counts_E))
+            at_least_fp32, (self.step_load_E, self.step_sums, self.batch_counts_E)
+        )
         return self
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,24 +145,34 @@ class MoELayer(nn.Module):
         rc = self.cfg.router
         global_counts = rc.aux_loss_scope == "global_batch" and self.training
         with region(ROUTER):
-            routing = self.router(x_TD, seq_len=S,
-                                  batch_counts_E=self.batch_counts_E if global_counts else None)
+            routing = self.router(
+                x_TD, seq_len=S, batch_counts_E=self.batch_counts_E if global_counts else None
+            )
         if self.counting:
             with torch.no_grad():
                 self.batch_counts_E += count_ids(  # not bincount: a host sync on CUDA
-                    routing.indices_TK.flatten(), self.num_experts).to(self.batch_counts_E.dtype)
+                    routing.indices_TK.flatten(), self.num_experts
+                ).to(self.batch_counts_E.dtype)
 
         keep_TK = None
         if self.cfg.capacity_factor is not None:
             cap = capacity(B * S, self.num_experts, self.cfg.router.top_k, self.cfg.capacity_factor)
-            keep_TK = capacity_keep_mask(routing.indices_TK, routing.weights_TK, self.num_experts, cap)
+            keep_TK = capacity_keep_mask(
+                routing.indices_TK, routing.weights_TK, self.num_experts, cap
+            )
 
         with region(DISPATCH):
             plan = self.dispatcher.plan(routing.indices_TK, keep_TK)
             x_ND, w_N, local_counts = self.dispatcher.dispatch(x_TD, routing.weights_TK, plan)
         with region(EXPERTS):
-            y_ND = recompute(self.experts, x_ND, local_counts, w_N, plan.counts_host,
-                             enabled=self.recompute_experts)
+            y_ND = recompute(
+                self.experts,
+                x_ND,
+                local_counts,
+                w_N,
+                plan.counts_host,
+                enabled=self.recompute_experts,
+            )
         with region(COMBINE):
             y_TD = self.dispatcher.combine(y_ND, plan)
         if self.shared_mlp is not None:
@@ -157,9 +195,13 @@ class MoELayer(nn.Module):
         if self.training:  # step counters describe training steps only, not validation passes
             self.step_load_E += counts_E.to(self.step_load_E.dtype)
             sums = self.step_sums  # torch.full fills on the device: no host-to-device copy
-            added = {"routed": torch.full((), routed, dtype=sums.dtype, device=sums.device),
-                     "router_entropy": routing.entropy, "aux_loss": aux, "z_loss": z,
-                     "micro_batches": torch.ones((), dtype=sums.dtype, device=sums.device)}
+            added = {
+                "routed": torch.full((), routed, dtype=sums.dtype, device=sums.device),
+                "router_entropy": routing.entropy,
+                "aux_loss": aux,
+                "z_loss": z,
+                "micro_batches": torch.ones((), dtype=sums.dtype, device=sums.device),
+            }
             sums += torch.stack([added[name].to(sums.dtype) for name in STEP_SUMS])
         self.stats = {
             "tokens_per_expert": counts_E.detach(),

@@ -26,8 +26,9 @@ class LayerNorm(nn.LayerNorm):
     """Mean/variance normalization with a gain and a bias, computed in fp32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
-                                        self.bias.float(), self.eps).to(x.dtype)
+        return nn.functional.layer_norm(
+            x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps
+        ).to(x.dtype)
 
 
 def build_norm(kind: NormKind, dim: int, eps: float) -> nn.Module:

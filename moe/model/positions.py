@@ -24,8 +24,9 @@ from torch import nn
 
 PositionKind = Literal["rope", "sinusoidal", "learned", "alibi", "t5"]
 # (score, batch, head, query index, key index) -> score, all 0-d tensors (flex_attention's vmap).
-ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                    torch.Tensor]
+ScoreMod = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
 class PositionEncoding(nn.Module):

@@ -45,7 +45,9 @@ from torch.utils.checkpoint import checkpoint
 
 RecomputeMode = Literal["none", "full", "selective"]
 
-_state = threading.local()  # depth: checkpointed regions entered; observers: see saved_activation_bytes
+_state = (
+    threading.local()
+)  # depth: checkpointed regions entered; observers: see saved_activation_bytes
 
 
 def _depth() -> int:
@@ -79,8 +81,10 @@ class _Region:
 def outside_recompute(what: str) -> None:
     """Raise if called from inside a checkpointed region (see the module docstring)."""
     if _depth():
-        raise RuntimeError(f"{what} ran inside an activation-recompute region: it would run "
-                           "again in the backward (routing, all-to-all, statistics counted twice)")
+        raise RuntimeError(
+            f"{what} ran inside an activation-recompute region: it would run "
+            "again in the backward (routing, all-to-all, statistics counted twice)"
+        )
 
 
 def apply_recompute(model: nn.Module, mode: RecomputeMode, every_n_blocks: int = 1) -> list[int]:

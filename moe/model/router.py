@@ -70,13 +70,20 @@ class RouterConfig:
             out.append("order: 'topk_then_softmax' needs score_func 'softmax'")
         if self.init_std <= 0:
             out.append(f"init_std: must be > 0, got {self.init_std}")
-        for name in ("jitter_eps", "logit_noise_std", "aux_loss_coef", "z_loss_coef",
-                     "bias_update_rate"):
+        for name in (
+            "jitter_eps",
+            "logit_noise_std",
+            "aux_loss_coef",
+            "z_loss_coef",
+            "bias_update_rate",
+        ):
             if getattr(self, name) < 0:
                 out.append(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.aux_loss_scope == "global_batch" and self.aux_loss_type != "batch":
-            out.append("aux_loss_scope: 'global_batch' needs aux_loss_type 'batch' (per-sequence "
-                       "balancing has no global-batch form)")
+            out.append(
+                "aux_loss_scope: 'global_batch' needs aux_loss_type 'batch' (per-sequence "
+                "balancing has no global-batch form)"
+            )
         if self.jitter_eps >= 1:
             out.append(f"jitter_eps: must be < 1, got {self.jitter_eps}")
         if self.scaling_factor <= 0:
@@ -113,8 +120,12 @@ class TopKRouter(nn.Module):
         self.score_bias = at_least_fp32(self.score_bias)
         return self
 
-    def forward(self, x_TD: torch.Tensor, seq_len: int | None = None,
-                batch_counts_E: torch.Tensor | None = None) -> Routing:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        seq_len: int | None = None,
+        batch_counts_E: torch.Tensor | None = None,
+    ) -> Routing:
         """``batch_counts_E``: routed copies per expert over a larger batch this micro-batch
         belongs to; when given (and not all zero), the aux loss takes its f_e from them."""
         cfg = self.cfg
@@ -145,15 +156,22 @@ class TopKRouter(nn.Module):
         if cfg.scaling_factor != 1.0:
             weights_TK = weights_TK * cfg.scaling_factor
 
-        probs_TE = scores_TE if cfg.score_func == "softmax" else (
-            scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20))
+        probs_TE = (
+            scores_TE
+            if cfg.score_func == "softmax"
+            else (scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20))
+        )
         return Routing(
             indices_TK=indices_TK,
             weights_TK=weights_TK,
             scores_TE=scores_TE,
-            aux_loss=load_balancing_loss(probs_TE, indices_TK, self.num_experts,
-                                         seq_len if cfg.aux_loss_type == "sequence" else None,
-                                         batch_counts_E),
+            aux_loss=load_balancing_loss(
+                probs_TE,
+                indices_TK,
+                self.num_experts,
+                seq_len if cfg.aux_loss_type == "sequence" else None,
+                batch_counts_E,
+            ),
             z_loss=torch.logsumexp(logits_TE, dim=-1).pow(2).mean(),
             entropy=-(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean().detach(),
         )
@@ -174,9 +192,13 @@ def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor, num_experts: int,
-                        seq_len: int | None = None,
-                        batch_counts_E: torch.Tensor | None = None) -> torch.Tensor:
+def load_balancing_loss(
+    probs_TE: torch.Tensor,
+    indices_TK: torch.Tensor,
+    num_experts: int,
+    seq_len: int | None = None,
+    batch_counts_E: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Switch/GShard loss ``E * sum_e f_e * P_e``.
 
     ``f_e`` is the fraction of the T*K routed copies sent to expert e (from the actual
@@ -191,14 +213,17 @@ def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor, num_ex
         local_E = count_ids(indices_TK.flatten(), num_experts).to(probs_TE.dtype)
         total = batch_counts_E.sum()
         # torch.where, not an if: no host read of the counts inside the forward.
-        f_E = torch.where(total > 0, batch_counts_E.to(probs_TE.dtype) / total.clamp_min(1),
-                          local_E / (T * K))
+        f_E = torch.where(
+            total > 0, batch_counts_E.to(probs_TE.dtype) / total.clamp_min(1), local_E / (T * K)
+        )
         return num_experts * (f_E * probs_TE.mean(dim=0)).sum()
     groups = 1 if seq_len is None else T // seq_len
     counts_GE = torch.zeros(groups, num_experts, device=probs_TE.device, dtype=probs_TE.dtype)
-    counts_GE.scatter_add_(1, indices_TK.reshape(groups, -1),
-                           torch.ones(groups, (T // groups) * K, device=probs_TE.device,
-                                      dtype=probs_TE.dtype))
+    counts_GE.scatter_add_(
+        1,
+        indices_TK.reshape(groups, -1),
+        torch.ones(groups, (T // groups) * K, device=probs_TE.device, dtype=probs_TE.dtype),
+    )
     f_GE = counts_GE / ((T // groups) * K)
     p_GE = probs_TE.reshape(groups, T // groups, num_experts).mean(dim=1)
     return num_experts * (f_GE * p_GE).sum(dim=-1).mean()

@@ -40,27 +40,31 @@ def can_pad(model: MoETransformer) -> bool:
     """Whether contexts of different lengths may share a forward (left padding as a document of
     its own): not for soft prompts or key/value prefixes, which refuse document ids."""
     return model.prepended_positions == 0 and not any(
-        isinstance(m, PrefixAttention) for m in model.modules())
+        isinstance(m, PrefixAttention) for m in model.modules()
+    )
 
 
-def truncate(context: list[int], continuation: list[int], max_length: int
-             ) -> tuple[tuple[int, ...], list[int]]:
+def truncate(
+    context: list[int], continuation: list[int], max_length: int
+) -> tuple[tuple[int, ...], list[int]]:
     """Drop context tokens from the left until context + continuation - 1 fits the model (the
     last continuation token is predicted, never fed); the continuation stays whole."""
     if not continuation:
         raise ValueError("a request needs at least one continuation token")
     if len(continuation) > max_length:
-        raise ValueError(f"a continuation of {len(continuation)} tokens exceeds the model's "
-                         f"{max_length}")
-    whole = (list(context) + list(continuation))[-(max_length + 1):]
+        raise ValueError(
+            f"a continuation of {len(continuation)} tokens exceeds the model's {max_length}"
+        )
+    whole = (list(context) + list(continuation))[-(max_length + 1) :]
     ctx = whole[: len(whole) - len(continuation)]
     if not ctx:
         raise ValueError("a request needs at least one context token")
     return tuple(ctx), list(continuation)
 
 
-def plan_batches(requests: list[tuple[list[int], list[int]]], batch_size: int, max_length: int,
-                 pad: bool = True) -> list[list[Group]]:
+def plan_batches(
+    requests: list[tuple[list[int], list[int]]], batch_size: int, max_length: int, pad: bool = True
+) -> list[list[Group]]:
     """Requests grouped by their (truncated) context and the groups batched: longest context
     first, up to ``batch_size`` continuations per batch (a larger group goes alone), only equal
     context lengths together when ``pad`` is False."""
@@ -72,8 +76,11 @@ def plan_batches(requests: list[tuple[list[int], list[int]]], batch_size: int, m
     batches: list[list[Group]] = []
     rows = 0
     for g in ordered:
-        fits = batches and rows + len(g.members) <= batch_size and (
-            pad or len(batches[-1][0].context) == len(g.context))
+        fits = (
+            batches
+            and rows + len(g.members) <= batch_size
+            and (pad or len(batches[-1][0].context) == len(g.context))
+        )
         if not fits:
             batches.append([])
             rows = 0
@@ -88,8 +95,8 @@ def _left_padded(contexts: list[tuple[int, ...]], pad_id: int):
     ids_BC = torch.full((len(contexts), C), pad_id, dtype=torch.long)
     doc_BC = torch.zeros((len(contexts), C), dtype=torch.long)
     for b, c in enumerate(contexts):
-        ids_BC[b, C - len(c):] = torch.tensor(c, dtype=torch.long)
-        doc_BC[b, C - len(c):] = 1
+        ids_BC[b, C - len(c) :] = torch.tensor(c, dtype=torch.long)
+        doc_BC[b, C - len(c) :] = 1
     same = all(len(c) == C for c in contexts)
     return ids_BC, None if same else doc_BC
 
@@ -98,14 +105,15 @@ def _rows(cache: KVCache, rows_R: torch.Tensor) -> KVCache:
     out = KVCache(len(cache.keys))
     out.keys = [None if k is None else k.index_select(0, rows_R) for k in cache.keys]
     out.values = [None if v is None else v.index_select(0, rows_R) for v in cache.values]
-    pick = (lambda t: t if t is None or t.shape[0] == 1 else t.index_select(0, rows_R))
+    pick = lambda t: t if t is None or t.shape[0] == 1 else t.index_select(0, rows_R)
     out.positions_BL, out.doc_ids_BL = pick(cache.positions_BL), pick(cache.doc_ids_BL)
     return out
 
 
 @torch.no_grad()
-def score_batch(model: MoETransformer, batch: list[Group], pad_id: int = 0,
-                always_two_forwards: bool = False) -> list[tuple[int, Score]]:
+def score_batch(
+    model: MoETransformer, batch: list[Group], pad_id: int = 0, always_two_forwards: bool = False
+) -> list[tuple[int, Score]]:
     """(request index, score) of every continuation of ``batch``: one forward over the contexts
     (into a KV cache) and one over the continuations after them; the second is skipped when
     every continuation is one token unless ``always_two_forwards`` (ranks that must make the
@@ -113,8 +121,9 @@ def score_batch(model: MoETransformer, batch: list[Group], pad_id: int = 0,
     device = next(model.parameters()).device
     ids_BC, doc_BC = _left_padded([g.context for g in batch], pad_id)
     cache = KVCache(model.cfg.n_layers)
-    out = model(ids_BC.to(device), doc_ids_BS=None if doc_BC is None else doc_BC.to(device),
-                kv_cache=cache)
+    out = model(
+        ids_BC.to(device), doc_ids_BS=None if doc_BC is None else doc_BC.to(device), kv_cache=cache
+    )
     first_BV = out.logits[:, -1].float().log_softmax(-1)
     owners = [(b, i, cont) for b, g in enumerate(batch) for i, cont in g.members]
     rows_R = torch.tensor([b for b, _, _ in owners], device=device)
@@ -138,9 +147,14 @@ def score_batch(model: MoETransformer, batch: list[Group], pad_id: int = 0,
     return scores
 
 
-def score_requests(model: MoETransformer, requests: list[tuple[list[int], list[int]]],
-                   batch_size: int = 8, max_length: int | None = None, pad_id: int = 0,
-                   progress: Callable[[int], None] | None = None) -> list[Score]:
+def score_requests(
+    model: MoETransformer,
+    requests: list[tuple[list[int], list[int]]],
+    batch_size: int = 8,
+    max_length: int | None = None,
+    pad_id: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[Score]:
     """The score of each (context, continuation) request, in request order. Contexts longer
     than ``max_length`` (default: the model's) lose tokens on the left."""
     limit = max_length or model.cfg.max_seq_len - model.prepended_positions
@@ -154,9 +168,15 @@ def score_requests(model: MoETransformer, requests: list[tuple[list[int], list[i
 
 
 @torch.no_grad()
-def generate_batch(model: MoETransformer, prompts: list[list[int]], cfg: GenerationConfig,
-                   eos_id: int | None, done: Callable[[int, list[int]], bool] | None = None,
-                   generator: torch.Generator | None = None, pad_id: int = 0) -> list[list[int]]:
+def generate_batch(
+    model: MoETransformer,
+    prompts: list[list[int]],
+    cfg: GenerationConfig,
+    eos_id: int | None,
+    done: Callable[[int, list[int]], bool] | None = None,
+    generator: torch.Generator | None = None,
+    pad_id: int = 0,
+) -> list[list[int]]:
     """Continue every prompt of one batch with the model's KV cache, greedy or sampled (``cfg``:
     strategy, temperature, top-k, top-p, max_new_tokens). A row ends at ``eos_id`` (kept out of
     its tokens) or once ``done(row, tokens so far)`` says so (a stop sequence); the batch ends
@@ -166,8 +186,16 @@ def generate_batch(model: MoETransformer, prompts: list[list[int]], cfg: Generat
     device = next(model.parameters()).device
     ids_BC, doc_BC = _left_padded([tuple(p) for p in prompts], pad_id)
     cache = KVCache(model.cfg.n_layers)
-    logits_BV = model(ids_BC.to(device), doc_ids_BS=None if doc_BC is None else doc_BC.to(device),
-                      kv_cache=cache).logits[:, -1].float().cpu()
+    logits_BV = (
+        model(
+            ids_BC.to(device),
+            doc_ids_BS=None if doc_BC is None else doc_BC.to(device),
+            kv_cache=cache,
+        )
+        .logits[:, -1]
+        .float()
+        .cpu()
+    )
     B = len(prompts)
     out: list[list[int]] = [[] for _ in range(B)]
     finished = [False] * B
@@ -184,6 +212,10 @@ def generate_batch(model: MoETransformer, prompts: list[list[int]], cfg: Generat
         if all(finished) or t == cfg.max_new_tokens - 1:
             break
         doc = None if doc_BC is None else torch.ones((B, 1), dtype=torch.long, device=device)
-        logits_BV = model(tok_B[:, None].to(device), doc_ids_BS=doc,
-                          kv_cache=cache).logits[:, -1].float().cpu()
+        logits_BV = (
+            model(tok_B[:, None].to(device), doc_ids_BS=doc, kv_cache=cache)
+            .logits[:, -1]
+            .float()
+            .cpu()
+        )
     return out

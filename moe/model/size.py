@@ -23,8 +23,17 @@ from dataclasses import dataclass, field
 
 from moe.model.transformer import ModelConfig
 
-COMPONENTS = ("embedding", "positions", "attention", "norms", "router", "routed_experts",
-              "shared_experts", "dense_ffn", "lm_head")
+COMPONENTS = (
+    "embedding",
+    "positions",
+    "attention",
+    "norms",
+    "router",
+    "routed_experts",
+    "shared_experts",
+    "dense_ffn",
+    "lm_head",
+)
 
 
 @dataclass
@@ -62,15 +71,18 @@ def count_parameters(cfg: ModelConfig) -> ParamCounts:
     n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
     total = dict.fromkeys(COMPONENTS, 0)
     total["embedding"] = cfg.vocab_size * D
-    total["positions"] = {"learned": cfg.max_seq_len * D,
-                          "t5": cfg.t5_num_buckets * cfg.n_heads}.get(cfg.position, 0)
+    total["positions"] = {
+        "learned": cfg.max_seq_len * D,
+        "t5": cfg.t5_num_buckets * cfg.n_heads,
+    }.get(cfg.position, 0)
     total["attention"] = L * (2 * D * H * hd + 2 * D * Hkv * hd + _attention_vectors(cfg))
     total["norms"] = norm_size * (2 * L + (cfg.norm_placement == "pre"))
     total["router"] = n_moe * moe.num_experts * D
     expert = _ffn_params(D, moe.expert_hidden, moe.activation)
     total["routed_experts"] = n_moe * moe.num_experts * expert
-    total["shared_experts"] = n_moe * (moe.num_shared_experts * expert
-                                       + (D if moe.shared_expert_gate else 0))
+    total["shared_experts"] = n_moe * (
+        moe.num_shared_experts * expert + (D if moe.shared_expert_gate else 0)
+    )
     total["dense_ffn"] = (L - n_moe) * _ffn_params(D, moe.dense_width, moe.activation)
     total["lm_head"] = 0 if cfg.tie_embeddings else cfg.vocab_size * D
     active = dict(total)
@@ -82,9 +94,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Forward and training FLOPs per token (see the module docstring for the formula)."""
     a = count_parameters(cfg).active
     assert cfg.vocab_size is not None  # count_parameters refuses a model without one
-    matmul = (a["attention"] - cfg.n_layers * _attention_vectors(cfg) + a["router"] + a["routed_experts"] + a["shared_experts"]
-              + a["dense_ffn"] + cfg.vocab_size * cfg.d_model)
+    matmul = (
+        a["attention"]
+        - cfg.n_layers * _attention_vectors(cfg)
+        + a["router"]
+        + a["routed_experts"]
+        + a["shared_experts"]
+        + a["dense_ffn"]
+        + cfg.vocab_size * cfg.d_model
+    )
     attention = 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_size
     forward = 2 * matmul + attention
-    return {"matmul_params": matmul, "forward": forward, "attention_forward": attention,
-            "training": 3 * forward}
+    return {
+        "matmul_params": matmul,
+        "forward": forward,
+        "attention_forward": attention,
+        "training": 3 * forward,
+    }

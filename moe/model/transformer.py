@@ -153,11 +153,15 @@ class ModelConfig:
         if self.head_dim is not None and self.head_dim < 1:
             out.append(f"head_dim: must be >= 1 or null (d_model / n_heads), got {self.head_dim}")
         elif self.head_dim is None and self.n_heads >= 1 and self.d_model % self.n_heads:
-            out.append(f"d_model: {self.d_model} must be divisible by n_heads ({self.n_heads}), "
-                       "or set head_dim")
+            out.append(
+                f"d_model: {self.d_model} must be divisible by n_heads ({self.n_heads}), "
+                "or set head_dim"
+            )
         elif self.position == "rope" and self.n_heads >= 1 and self.head_size % 2:
-            out.append(f"head_dim: the head dim ({self.head_size}) must be even for rotary "
-                       "embeddings (position: rope)")
+            out.append(
+                f"head_dim: the head dim ({self.head_size}) must be even for rotary "
+                "embeddings (position: rope)"
+            )
         kv = self.kv_heads
         if kv < 1 or (self.n_heads >= 1 and self.n_heads % kv):
             out.append(f"n_kv_heads: {kv} must divide n_heads ({self.n_heads})")
@@ -166,8 +170,10 @@ class ModelConfig:
         if self.t5_num_buckets < 2:
             out.append(f"t5_num_buckets: must be >= 2, got {self.t5_num_buckets}")
         elif self.t5_max_distance <= self.t5_num_buckets // 2:
-            out.append(f"t5_max_distance: {self.t5_max_distance} must exceed t5_num_buckets / 2 "
-                       f"({self.t5_num_buckets // 2}), the last exact distance")
+            out.append(
+                f"t5_max_distance: {self.t5_max_distance} must exceed t5_num_buckets / 2 "
+                f"({self.t5_num_buckets // 2}), the last exact distance"
+            )
         if self.norm_eps <= 0:
             out.append(f"norm_eps: must be > 0, got {self.norm_eps}")
         if self.init_std <= 0:
@@ -175,14 +181,18 @@ class ModelConfig:
         if self.upcycle_noise_std < 0:
             out.append(f"upcycle_noise_std: must be >= 0, got {self.upcycle_noise_std}")
         if self.cross_entropy_chunk_tokens < 1:
-            out.append(f"cross_entropy_chunk_tokens: must be >= 1, got "
-                       f"{self.cross_entropy_chunk_tokens}")
+            out.append(
+                f"cross_entropy_chunk_tokens: must be >= 1, got {self.cross_entropy_chunk_tokens}"
+            )
         if self.cross_entropy == "liger" and (problem := liger_problem()):
-            out.append(f"cross_entropy: liger {problem}; or use chunked (the same loss in "
-                       "plain torch)")
+            out.append(
+                f"cross_entropy: liger {problem}; or use chunked (the same loss in plain torch)"
+            )
         if self.attention_backend == "flex" and not FLEX_AVAILABLE:
-            out.append(f"attention_backend: flex needs torch >= 2.5 (installed {torch.__version__});"
-                       " use sdpa or auto")
+            out.append(
+                f"attention_backend: flex needs torch >= 2.5 (installed {torch.__version__});"
+                " use sdpa or auto"
+            )
         return out
 
     @property
@@ -228,22 +238,37 @@ class MoETransformer(nn.Module):
         self.positions = build_positions(cfg)
         blocks = []
         for i in range(cfg.n_layers):
-            attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, i, cfg.head_size,
-                                       cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps)
+            attn = CausalSelfAttention(
+                cfg.d_model,
+                cfg.n_heads,
+                cfg.kv_heads,
+                i,
+                cfg.head_size,
+                cfg.qkv_bias,
+                cfg.qk_norm,
+                cfg.norm_eps,
+            )
             ffn: nn.Module
             if cfg.is_moe_layer(i):
                 ffn = MoELayer(cfg.d_model, cfg.moe, cfg.init_std, out_std)
             else:
-                ffn = DenseFFN(cfg.d_model, cfg.moe.dense_width, cfg.moe.activation, cfg.init_std,
-                               out_std)
+                ffn = DenseFFN(
+                    cfg.d_model, cfg.moe.dense_width, cfg.moe.activation, cfg.init_std, out_std
+                )
             blocks.append(Block(attn, ffn, cfg.d_model, cfg.norm, cfg.norm_eps, cfg.norm_placement))
         self.blocks = nn.ModuleList(blocks)
-        self.norm = (build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-                     if cfg.norm_placement == "pre" else nn.Identity())
+        self.norm = (
+            build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+            if cfg.norm_placement == "pre"
+            else nn.Identity()
+        )
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # No parameters: the loss reads lm_head.weight (tied or not) when it runs.
-        self.head_loss = (LMHeadLoss(cfg.cross_entropy, cfg.cross_entropy_chunk_tokens)
-                          if cfg.cross_entropy != "full" else None)
+        self.head_loss = (
+            LMHeadLoss(cfg.cross_entropy, cfg.cross_entropy_chunk_tokens)
+            if cfg.cross_entropy != "full"
+            else None
+        )
         self._init_weights(out_std)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -274,9 +299,13 @@ class MoETransformer(nn.Module):
         are routed, but have no input id and no output."""
         return 0
 
-    def forward(self, input_ids_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
-                doc_ids_BS: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> ModelOutput:
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        targets_BS: torch.Tensor | None = None,
+        doc_ids_BS: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> ModelOutput:
         """``doc_ids_BS``: optional document id of each token (packed sequences); attention then
         stays within a document and positions restart at 0 where the id changes (adjacent
         documents must have different ids). ``kv_cache``: keys/values of earlier tokens, appended
@@ -310,8 +339,9 @@ class MoETransformer(nn.Module):
             lm_loss = summed / (targets != -100).sum().clamp(min=1)
             return ModelOutput(logits_BSV, lm_loss + aux_loss, lm_loss, aux_loss)
 
-    def _attention_inputs(self, input_ids_BS, doc_ids_BS, cache) -> tuple[torch.Tensor,
-                                                                          AttentionInputs]:
+    def _attention_inputs(
+        self, input_ids_BS, doc_ids_BS, cache
+    ) -> tuple[torch.Tensor, AttentionInputs]:
         """Positions of the new tokens and the masks/rotations all layers share."""
         S = input_ids_BS.shape[1]
         device = input_ids_BS.device
@@ -319,8 +349,10 @@ class MoETransformer(nn.Module):
         if past and (doc_ids_BS is None) != (cache.doc_ids_BL is None):
             raise ValueError("pass doc_ids_BS on every call with a KV cache, or on none")
         if self.cfg.position == "learned" and past + S > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {past + S} tokens exceeds max_seq_len "
-                             f"({self.cfg.max_seq_len}) of the learned position table")
+            raise ValueError(
+                f"sequence of {past + S} tokens exceeds max_seq_len "
+                f"({self.cfg.max_seq_len}) of the learned position table"
+            )
         doc_all_BL = None
         if doc_ids_BS is not None:
             doc_all_BL = doc_ids_BS if not past else torch.cat((cache.doc_ids_BL, doc_ids_BS), 1)
@@ -329,6 +361,13 @@ class MoETransformer(nn.Module):
             pos_all_BL = torch.arange(past + S, device=device)[None]  # (1, L): same for all rows
         if cache is not None:
             cache.positions_BL, cache.doc_ids_BL = pos_all_BL, doc_all_BL
-        inputs = build_attention_inputs(self.cfg.attention_backend, self.positions, pos_all_BL,
-                                        doc_all_BL, input_ids_BS.shape[0], past, cache)
+        inputs = build_attention_inputs(
+            self.cfg.attention_backend,
+            self.positions,
+            pos_all_BL,
+            doc_all_BL,
+            input_ids_BS.shape[0],
+            past,
+            cache,
+        )
         return pos_all_BL[:, past:], inputs

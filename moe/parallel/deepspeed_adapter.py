@@ -74,7 +74,8 @@ def check_deepspeed_version() -> None:
             f"DeepSpeed {installed} is installed, but this project supports DeepSpeed "
             f"{SUPPORTED_DEEPSPEED} only (it changes DeepSpeed internals of that release; see "
             f"moe/parallel/deepspeed_adapter.py, install): install it with "
-            f"python3 -m pip install deepspeed=={SUPPORTED_DEEPSPEED} (constraints.txt pins it)")
+            f"python3 -m pip install deepspeed=={SUPPORTED_DEEPSPEED} (constraints.txt pins it)"
+        )
 
 
 _ORIGINALS: dict[str, Callable] = {}
@@ -137,14 +138,16 @@ def _patches() -> list[tuple[type, str, object]]:
     ]
 
 
-def _expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu=None,
-                      checkpoint_mp_rank=None):
+def _expert_ckpt_name(
+    checkpoints_path, layer_id, expert_id, tag, mpu=None, checkpoint_mp_rank=None
+):
     """DeepSpeed's per-expert file name, moved into ``EXPERT_DIR``. DeepSpeed's
     ``zero_to_fp32`` takes every ``*_model_states.pt`` file beside the ZeRO files for a model
     state file and fails on the expert files; one directory down, it never sees them. A
     checkpoint with its expert files beside the others still loads."""
     native = _ORIGINALS["DeepSpeedEngine._get_expert_ckpt_name"](
-        checkpoints_path, layer_id, expert_id, tag, mpu, checkpoint_mp_rank)
+        checkpoints_path, layer_id, expert_id, tag, mpu, checkpoint_mp_rank
+    )
     moved = os.path.join(os.path.dirname(native), EXPERT_DIR, os.path.basename(native))
     return native if os.path.exists(native) and not os.path.exists(moved) else moved
 
@@ -216,14 +219,18 @@ class DeepSpeedMoE(_DeepSpeedMoEBase):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         if self.expert_group_name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(
-                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_
+            )
         if groups._get_expert_parallel_rank(self.expert_group_name) != self.ep_rank:
-            raise RuntimeError("DeepSpeed's expert-parallel rank differs from the slice of experts "
-                               "this rank holds; expert groups must be consecutive ranks")
+            raise RuntimeError(
+                "DeepSpeed's expert-parallel rank differs from the slice of experts "
+                "this rank holds; expert groups must be consecutive ranks"
+            )
         if self.ep_size > 1:
             group = groups._get_expert_parallel_group(self.expert_group_name)
-            self.deepspeed_moe.dispatcher = ExpertParallelDispatcher(self.num_experts, group,
-                                                                     self.ep_size)
+            self.deepspeed_moe.dispatcher = ExpertParallelDispatcher(
+                self.num_experts, group, self.ep_size
+            )
 
     def forward(self, x_BSD: torch.Tensor):
         return self.deepspeed_moe(x_BSD)
@@ -233,16 +240,21 @@ def _stacked_names(experts: nn.Module) -> list[str]:
     """The experts module's own parameters and buffers, all stacked (E, ...): the weights, any
     adapter stacks (moe/model/adapters/), which live, reduce and are saved with their experts,
     and a quantised base's NF4 stacks (adapters/qlora.py), saved with their experts too."""
-    return [*(name for name, _ in experts.named_parameters(recurse=False)),
-            *(name for name, _ in experts.named_buffers(recurse=False))]
+    return [
+        *(name for name, _ in experts.named_parameters(recurse=False)),
+        *(name for name, _ in experts.named_buffers(recurse=False)),
+    ]
 
 
 def _keep_local_experts(layer: MoELayer, ep_rank: int, num_local: int) -> None:
     # Parameters only: a QLoRA base is quantised after this, by each rank for its own experts.
     lo = ep_rank * num_local
     for name, full in list(layer.experts.named_parameters(recurse=False)):
-        setattr(layer.experts, name, nn.Parameter(full.data[lo:lo + num_local].clone(),
-                                                  requires_grad=full.requires_grad))
+        setattr(
+            layer.experts,
+            name,
+            nn.Parameter(full.data[lo : lo + num_local].clone(), requires_grad=full.requires_grad),
+        )
 
 
 def _split_experts_hook(module, state_dict, prefix, local_metadata):
@@ -252,16 +264,23 @@ def _split_experts_hook(module, state_dict, prefix, local_metadata):
             state_dict[f"{prefix}{EXPERT_KEY}.{i}.{name}"] = stacked[i]
 
 
-def _stack_experts_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
-                        errors):
+def _stack_experts_hook(
+    module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+):
     for name in _stacked_names(module):
-        pattern = re.compile(re.escape(f"{prefix}{EXPERT_KEY}.") + r"(\d+)\." + re.escape(name) + "$")
+        pattern = re.compile(
+            re.escape(f"{prefix}{EXPERT_KEY}.") + r"(\d+)\." + re.escape(name) + "$"
+        )
         found = {int(m.group(1)): k for k in list(state_dict) if (m := pattern.match(k))}
         if found:
             if sorted(found) != list(range(len(found))):
-                errors.append(f"{prefix}{name}: expert ids {sorted(found)} are not 0..{len(found) - 1}")
+                errors.append(
+                    f"{prefix}{name}: expert ids {sorted(found)} are not 0..{len(found) - 1}"
+                )
                 continue
-            state_dict[prefix + name] = torch.stack([state_dict.pop(found[i]) for i in range(len(found))])
+            state_dict[prefix + name] = torch.stack(
+                [state_dict.pop(found[i]) for i in range(len(found))]
+            )
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
@@ -321,15 +340,23 @@ def _forget_groups_of_an_earlier_world() -> None:
         if release is not None:
             release(None)  # every group DeepSpeed keeps: expert, data, world, sequence
         else:  # DeepSpeed releases without it
-            for cache in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                          groups._EXPERT_DATA_PARALLEL_GROUP,
-                          groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+            for cache in (
+                groups._EXPERT_PARALLEL_GROUP,
+                groups._EXPERT_PARALLEL_GROUP_RANKS,
+                groups._EXPERT_DATA_PARALLEL_GROUP,
+                groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+            ):
                 cache.clear()
         _GROUPS_WORLD[0] = world
 
 
-def optimizer_param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
-                           router_lr_scale: float = 1.0, expert_lr_scale: float = 1.0) -> list[dict]:
+def optimizer_param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    lr: float | None = None,
+    router_lr_scale: float = 1.0,
+    expert_lr_scale: float = 1.0,
+) -> list[dict]:
     """Parameter groups as DeepSpeed's ZeRO optimizer expects them: the non-expert parameters in
     two groups (norm weights and biases get no weight decay), and **one group per expert
     tensor**, marked ``moe`` with its expert group's name.
@@ -358,15 +385,30 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float, lr: float | No
             (no_decay if p.ndim < 2 else decay).append(p)
     # A group left empty (fine-tuning freezes the parameters it would hold) is left out:
     # DeepSpeed drops empty groups, and the LR schedule must see the groups it steps.
-    out = [g for g in ({"params": decay, "weight_decay": weight_decay, "name": "decay"},
-                       {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
-           if g["params"]]
+    out = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        )
+        if g["params"]
+    ]
     if router:
-        out.append({"params": router, "weight_decay": weight_decay, "name": "router",
-                    "lr": lr * router_lr_scale})
+        out.append(
+            {
+                "params": router,
+                "weight_decay": weight_decay,
+                "name": "router",
+                "lr": lr * router_lr_scale,
+            }
+        )
     for p in experts:
-        group = {"params": [p], "weight_decay": weight_decay if p.ndim >= 2 else 0.0,
-                 "name": p.group_name, "moe": True}
+        group = {
+            "params": [p],
+            "weight_decay": weight_decay if p.ndim >= 2 else 0.0,
+            "name": p.group_name,
+            "moe": True,
+        }
         if lr is not None:
             group["lr"] = lr * expert_lr_scale
         out.append(group)
@@ -396,8 +438,12 @@ def report_global_expert_shapes(engine) -> list[str]:
                 stacked[id(p)] = torch.Size((module.num_experts, *p.shape[1:]))
     global_shape = {}
     for g, params in enumerate(bit16_groups):
-        if (len(params) == 1 and id(params[0]) in stacked and partition_count[g] == 1
-                and fp32_parts[g].numel() == params[0].numel()):
+        if (
+            len(params) == 1
+            and id(params[0]) in stacked
+            and partition_count[g] == 1
+            and fp32_parts[g].numel() == params[0].numel()
+        ):
             global_shape[engine.param_names[params[0]]] = stacked[id(params[0])]
     if not global_shape:
         return []
@@ -444,8 +490,9 @@ def gather_expert_fingerprints(model: nn.Module) -> dict[str, list[float]]:
 
 
 @torch.no_grad()
-def check_loaded_experts(model: nn.Module, saved: dict[str, list[float]] | None = None
-                         ) -> list[str]:
+def check_loaded_experts(
+    model: nn.Module, saved: dict[str, list[float]] | None = None
+) -> list[str]:
     """After an engine loaded a checkpoint: every expert of every layer holds the weights the
     checkpoint saved under its id (``saved``: the fingerprints it recorded), or, for a
     checkpoint without fingerprints, no two experts hold identical weights. Collective."""

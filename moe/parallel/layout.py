@@ -38,11 +38,13 @@ def load_other_layout(engine, model, tag_dir: Path) -> dict:
     # ZeRO 1/2's optimizer, or DeepSpeed's BF16_Optimizer (bf16 at ZeRO stage 1 with fp32
     # gradient accumulation): both keep this rank's fp32 partition of each group.
     lp_groups = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)
-    hp_groups = (getattr(opt, "single_partition_of_fp32_groups", None)
-                 or getattr(opt, "fp32_groups_flat_partition", None))
+    hp_groups = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(
+        opt, "fp32_groups_flat_partition", None
+    )
     if lp_groups is None or hp_groups is None:
-        raise CheckpointError(f"{tag_dir}: resuming on another layout needs ZeRO stage 1 or 2 "
-                              "(parallel.zero_stage)")
+        raise CheckpointError(
+            f"{tag_dir}: resuming on another layout needs ZeRO stage 1 or 2 (parallel.zero_stage)"
+        )
     state = read_layout_free(tag_dir)
     main = load_file(tag_dir / MAIN_STATES)
 
@@ -59,8 +61,9 @@ def load_other_layout(engine, model, tag_dir: Path) -> dict:
     def local(key: str, name: str) -> torch.Tensor:
         full = state[key].get(single_device_name(name))
         if full is None:
-            raise CheckpointError(f"{tag_dir}: no saved {key} for parameter "
-                                  f"{single_device_name(name)}")
+            raise CheckpointError(
+                f"{tag_dir}: no saved {key} for parameter {single_device_name(name)}"
+            )
         return full[expert_slice[name]] if name in expert_slice else full
 
     base = opt.optimizer
@@ -72,8 +75,10 @@ def load_other_layout(engine, model, tag_dir: Path) -> dict:
             name = names[id(p)]
             value = local("params", name)
             if value.shape != p.shape:
-                raise CheckpointError(f"{tag_dir}: {single_device_name(name)} has shape "
-                                      f"{tuple(value.shape)}, the model {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"{tag_dir}: {single_device_name(name)} has shape "
+                    f"{tuple(value.shape)}, the model {tuple(p.shape)}"
+                )
             p.data.copy_(value)
             step = state["step"][single_device_name(name)]
             m = getattr(p, "_hp_mapping", None)

@@ -42,6 +42,7 @@ from moe.core.config_schema import from_dict, to_dict
 from moe.core.errors import CheckpointError
 from moe.model.adapters.lora import BASE_DTYPES, base_fingerprint, is_factor
 from moe.tools import hf_support
+from moe.tools.hf_tokenizer import hf_tokenizer
 from moe.weights.hf import links, to_hf
 from moe.weights.load import build_model, load_consolidated, merged_adapters
 
@@ -63,9 +64,11 @@ def tokenizer_source(tag_dir: Path) -> Path | None:
 
 def no_tokenizer_note(tag_dir: Path) -> str:
     """What an export of a checkpoint without a tokenizer lacks, and how to complete it."""
-    return (f"{tag_dir} holds no tokenizer (imported from a directory without tokenizer "
-            "files), so the export has none: copy the model's tokenizer files (tokenizer.json "
-            "or tokenizer.model, tokenizer_config.json, special_tokens_map.json) into it")
+    return (
+        f"{tag_dir} holds no tokenizer (imported from a directory without tokenizer "
+        "files), so the export has none: copy the model's tokenizer files (tokenizer.json "
+        "or tokenizer.model, tokenizer_config.json, special_tokens_map.json) into it"
+    )
 
 
 def _copy_tokenizer(tag_dir: Path, tmp: Path) -> None:
@@ -77,8 +80,9 @@ def _copy_tokenizer(tag_dir: Path, tmp: Path) -> None:
         shutil.copy(source, tmp / TOKENIZER_COPY)
 
 
-def consolidated_fp32(path: str | Path, progress: bool = False, merge_adapters: bool = False
-                      ) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
+def consolidated_fp32(
+    path: str | Path, progress: bool = False, merge_adapters: bool = False
+) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     """Single-device fp32 state dict of a checkpoint saved with any layout, checked for
     integrity: the fp32 master weights whatever the training precision (load_consolidated reads
     them from the ZeRO partitions of a bf16 run), buffers from the model states. ``progress``:
@@ -89,16 +93,20 @@ def consolidated_fp32(path: str | Path, progress: bool = False, merge_adapters: 
     if merge_adapters:  # before reading any tensor: an option that would do nothing is refused
         method = load_config(tag_dir / RUN_CONFIG).finetune.method
         if method not in ("lora", "qlora"):
-            raise CheckpointError(f"{tag_dir}: --merge-adapters: the checkpoint holds no LoRA "
-                                  f"adapters to merge (finetune.method {method} in its "
-                                  f"{RUN_CONFIG}); export it without --merge-adapters")
+            raise CheckpointError(
+                f"{tag_dir}: --merge-adapters: the checkpoint holds no LoRA "
+                f"adapters to merge (finetune.method {method} in its "
+                f"{RUN_CONFIG}); export it without --merge-adapters"
+            )
     bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()
     if cfg.finetune.method in ("lora", "qlora") and not merge_adapters:
-        raise CheckpointError(f"{tag_dir}: the checkpoint holds LoRA adapters (finetune.method "
-                              f"{cfg.finetune.method} in its run_config.yaml); pass --merge-adapters to fold them "
-                              "into the base weights and export a plain model")
+        raise CheckpointError(
+            f"{tag_dir}: the checkpoint holds LoRA adapters (finetune.method "
+            f"{cfg.finetune.method} in its run_config.yaml); pass --merge-adapters to fold them "
+            "into the base weights and export a plain model"
+        )
     state, cfg = merged_adapters(state, cfg)
     if cfg.model.tie_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as embed.weight
@@ -126,8 +134,12 @@ def _publish(out_dir: Path, write) -> Path:
     return out_dir
 
 
-def export_fp32(checkpoint: str | Path, out_dir: str | Path, progress: bool = False,
-                merge_adapters: bool = False) -> Path:
+def export_fp32(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    progress: bool = False,
+    merge_adapters: bool = False,
+) -> Path:
     from safetensors.torch import save_file
 
     state, cfg, tag_dir = consolidated_fp32(checkpoint, progress, merge_adapters)
@@ -155,33 +167,44 @@ def export_adapters(checkpoint: str | Path, out_dir: str | Path, progress: bool 
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()
     if cfg.finetune.method == "qlora":
-        raise CheckpointError(f"{tag_dir}: a qlora checkpoint holds its base in NF4, and an "
-                              "adapter file names its base by the fingerprint of fp32 weights; "
-                              "export the whole model with --merge-adapters")
+        raise CheckpointError(
+            f"{tag_dir}: a qlora checkpoint holds its base in NF4, and an "
+            "adapter file names its base by the fingerprint of fp32 weights; "
+            "export the whole model with --merge-adapters"
+        )
     if cfg.finetune.method != "lora":
-        raise CheckpointError(f"{tag_dir}: no adapters to export (finetune.method is "
-                              f"{cfg.finetune.method} in its run_config.yaml)")
+        raise CheckpointError(
+            f"{tag_dir}: no adapters to export (finetune.method is "
+            f"{cfg.finetune.method} in its run_config.yaml)"
+        )
     if cfg.finetune.lora.train_router:
-        raise CheckpointError(f"{tag_dir}: the routers trained too (finetune.lora.train_router), "
-                              "which the adapters alone do not hold; export the whole model "
-                              "with --merge-adapters")
+        raise CheckpointError(
+            f"{tag_dir}: the routers trained too (finetune.lora.train_router), "
+            "which the adapters alone do not hold; export the whole model "
+            "with --merge-adapters"
+        )
     factors = {k: v.float().contiguous() for k, v in state.items() if is_factor(k)}
     metadata = adapter_metadata(state, cfg, tag_dir)
-    return _publish(Path(out_dir), lambda tmp: save_file(factors, str(tmp / ADAPTER_FILE),
-                                                         metadata=metadata))
+    return _publish(
+        Path(out_dir), lambda tmp: save_file(factors, str(tmp / ADAPTER_FILE), metadata=metadata)
+    )
 
 
-def adapter_metadata(state: dict[str, torch.Tensor], cfg: RunConfig, tag_dir: Path
-                     ) -> dict[str, str]:
+def adapter_metadata(
+    state: dict[str, torch.Tensor], cfg: RunConfig, tag_dir: Path
+) -> dict[str, str]:
     """safetensors metadata of an adapter file: its source, the fingerprint of the base it
     was trained on (at the precision the run held that base in) and the LoRA settings."""
     with torch.device("meta"):
         names = [name for name, _ in build_model(cfg).named_parameters()]
     base_dtype = "bfloat16" if cfg.train.precision == "bf16" else "float32"
-    return {"format": "pt", "source": str(tag_dir), "base_dtype": base_dtype,
-            "base_sha256": base_fingerprint({n: state[n] for n in names},
-                                            BASE_DTYPES[base_dtype]),
-            "lora": json.dumps(to_dict(cfg.finetune.lora))}
+    return {
+        "format": "pt",
+        "source": str(tag_dir),
+        "base_dtype": base_dtype,
+        "base_sha256": base_fingerprint({n: state[n] for n in names}, BASE_DTYPES[base_dtype]),
+        "lora": json.dumps(to_dict(cfg.finetune.lora)),
+    }
 
 
 def _write_run_config(cfg: RunConfig, tag_dir: Path, tmp: Path, merged: bool) -> None:
@@ -211,8 +234,10 @@ def export_deepspeed(checkpoint: str | Path, out_dir: str | Path) -> Path:
     def write(tmp: Path) -> None:
         d.update(name="converted", output_dir=str(tmp / "run"))
         d["parallel"].update(world_size=1, expert_parallel_size=1)
-        d["train"].update(max_steps=marker["step"],  # same global batch, one rank
-                          grad_accum_steps=d["train"]["grad_accum_steps"] * world)
+        d["train"].update(
+            max_steps=marker["step"],  # same global batch, one rank
+            grad_accum_steps=d["train"]["grad_accum_steps"] * world,
+        )
         d["logging"]["tensorboard"] = False
         d["eval"]["every_n_steps"] = 0
         cfg = from_dict(RunConfig, d)
@@ -240,8 +265,14 @@ class _one_rank_process_group:
         self.created = not dist.is_initialized()
         if self.created:
             self.saved_env = {k: os.environ.get(k) for k in self.KEYS}
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                              WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1",
+            )
             deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         return self
 
@@ -269,53 +300,90 @@ def hf_problems(cfg: RunConfig, arch: str, state: dict) -> list[str]:
 def choose_arch(cfg: RunConfig, arch: str, state: dict, where: Path) -> str:
     """The target to export to, or a CheckpointError naming every key that stands in the way
     (for ``auto``: every target's reasons) and the formats that hold any checkpoint."""
-    fallback = ("Formats that hold this checkpoint exactly: --format fp32 (consolidated fp32 "
-                "safetensors with our parameter names, the run config and the tokenizer; "
-                "moe-eval and our model load it) or --format deepspeed.")
+    fallback = (
+        "Formats that hold this checkpoint exactly: --format fp32 (consolidated fp32 "
+        "safetensors with our parameter names, the run config and the tokenizer; "
+        "moe-eval and our model load it) or --format deepspeed."
+    )
     if arch != "auto":
         problems = hf_problems(cfg, arch, state)
         if not problems:
             return arch
         others = [a for a in hf_support.TARGETS if a != arch and not hf_problems(cfg, a, state)]
         hint = f" (--arch {others[0]} can hold it)" if others else ""
-        raise CheckpointError(f"{where}: the model cannot be exported as {arch}{hint}:\n"
-                              + "".join(f"  - {p}\n" for p in problems) + fallback)
+        raise CheckpointError(
+            f"{where}: the model cannot be exported as {arch}{hint}:\n"
+            + "".join(f"  - {p}\n" for p in problems)
+            + fallback
+        )
     reasons = {}
     for candidate in hf_support.TARGETS:
         reasons[candidate] = hf_problems(cfg, candidate, state)
         if not reasons[candidate]:
             return candidate
-    raise CheckpointError(f"{where}: no Hugging Face architecture can hold this model exactly "
-                          f"(--arch auto tried {', '.join(reasons)}):\n"
-                          + "".join(f"  {a}:\n" + "".join(f"    - {p}\n" for p in ps)
-                                    for a, ps in reasons.items()) + fallback)
+    raise CheckpointError(
+        f"{where}: no Hugging Face architecture can hold this model exactly "
+        f"(--arch auto tried {', '.join(reasons)}):\n"
+        + "".join(f"  {a}:\n" + "".join(f"    - {p}\n" for p in ps) for a, ps in reasons.items())
+        + fallback
+    )
 
 
 def _hf_config(cfg: RunConfig, arch: str, tokenizer_ids: dict) -> dict:
     m, moe, r = cfg.model, cfg.model.moe, cfg.model.moe.router
     common = dict(
-        vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, head_dim=m.head_size,
-        max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, hidden_act="silu",
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.kv_heads,
+        head_dim=m.head_size,
+        max_position_embeddings=m.max_seq_len,
+        rms_norm_eps=m.norm_eps,
+        hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std,
-        attention_dropout=0.0, torch_dtype="float32", **tokenizer_ids)
+        tie_word_embeddings=m.tie_embeddings,
+        initializer_range=m.init_std,
+        attention_dropout=0.0,
+        torch_dtype="float32",
+        **tokenizer_ids,
+    )
     if arch == "llama":
-        return dict(common, model_type="llama", architectures=["LlamaForCausalLM"],
-                    intermediate_size=moe.dense_width, attention_bias=False, mlp_bias=False)
+        return dict(
+            common,
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            intermediate_size=moe.dense_width,
+            attention_bias=False,
+            mlp_bias=False,
+        )
     common["num_experts_per_tok"] = r.top_k
     if arch == "mixtral":
-        return dict(common, model_type="mixtral", architectures=["MixtralForCausalLM"],
-                    intermediate_size=moe.expert_hidden, num_local_experts=moe.num_experts,
-                    router_jitter_noise=0.0, sliding_window=None,
-                    router_aux_loss_coef=r.aux_loss_coef)
-    return dict(common, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
-                moe_intermediate_size=moe.expert_hidden, num_experts=moe.num_experts,
-                shared_expert_intermediate_size=moe.num_shared_experts * moe.expert_hidden,
-                intermediate_size=moe.dense_width, decoder_sparse_step=1,
-                mlp_only_layers=[i for i in range(m.n_layers) if not m.is_moe_layer(i)],
-                norm_topk_prob=r.order == "topk_then_softmax" or r.renormalize, qkv_bias=m.qkv_bias,
-                use_sliding_window=False, router_aux_loss_coef=r.aux_loss_coef)
+        return dict(
+            common,
+            model_type="mixtral",
+            architectures=["MixtralForCausalLM"],
+            intermediate_size=moe.expert_hidden,
+            num_local_experts=moe.num_experts,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+            router_aux_loss_coef=r.aux_loss_coef,
+        )
+    return dict(
+        common,
+        model_type="qwen2_moe",
+        architectures=["Qwen2MoeForCausalLM"],
+        moe_intermediate_size=moe.expert_hidden,
+        num_experts=moe.num_experts,
+        shared_expert_intermediate_size=moe.num_shared_experts * moe.expert_hidden,
+        intermediate_size=moe.dense_width,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(m.n_layers) if not m.is_moe_layer(i)],
+        norm_topk_prob=r.order == "topk_then_softmax" or r.renormalize,
+        qkv_bias=m.qkv_bias,
+        use_sliding_window=False,
+        router_aux_loss_coef=r.aux_loss_coef,
+    )
 
 
 class _Tensors:
@@ -327,8 +395,10 @@ class _Tensors:
 
     def take(self, key: str) -> torch.Tensor:
         if key not in self.left:
-            raise CheckpointError(f"{self.arch} export: the checkpoint has no tensor {key} (or "
-                                  "the mapping used it twice)")
+            raise CheckpointError(
+                f"{self.arch} export: the checkpoint has no tensor {key} (or "
+                "the mapping used it twice)"
+            )
         return self.left.pop(key)
 
     def discard(self, key: str) -> None:
@@ -338,8 +408,10 @@ class _Tensors:
 
     def finish(self) -> None:
         if self.left:
-            raise CheckpointError(f"{self.arch} export: tensors of the checkpoint that the "
-                                  f"mapping does not place: {sorted(self.left)}")
+            raise CheckpointError(
+                f"{self.arch} export: tensors of the checkpoint that the "
+                f"mapping does not place: {sorted(self.left)}"
+            )
 
 
 def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]:
@@ -356,62 +428,6 @@ def _hf_state(state: dict, cfg: RunConfig, arch: str) -> dict[str, torch.Tensor]
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def hf_tokenizer(model_file: Path):
-    """A ``transformers`` fast tokenizer that reproduces the SentencePiece model's ids: its
-    pieces and merges, its NFKC character map, whitespace collapsing and dummy prefix."""
-    import sentencepiece as spm
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers.models import BPE, Unigram
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import SentencePieceExtractor
-
-    if model_file.read_bytes().lstrip()[:1] == b"{":  # a tokenizer.json (an imported model's)
-        from data_pipeline.tokenizer import Tokenizer as OurTokenizer
-
-        ours = OurTokenizer(model_file)
-        ids = {f"{k}_token_id": i for k, i in (("bos", ours.bos_id), ("eos", ours.eos_id),
-                                               ("pad", ours.pad_id)) if i >= 0}
-        specials = {f"{k[:-9]}_token": ours.id_to_piece(i) for k, i in ids.items()}
-        return PreTrainedTokenizerFast(tokenizer_file=str(model_file), **specials), ids
-    extractor = SentencePieceExtractor(str(model_file))
-    proto = extractor.proto
-    spec, trainer = proto.normalizer_spec, proto.trainer_spec
-    if trainer.model_type == 2:
-        kw = extractor.extract(BPE)
-        tok = Tokenizer(BPE(kw["vocab"], kw["merges"], unk_token=trainer.unk_piece, fuse_unk=True,
-                            byte_fallback=trainer.byte_fallback))
-    elif trainer.model_type == 1:
-        tok = Tokenizer(Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=trainer.unk_id,
-                                byte_fallback=trainer.byte_fallback))
-    else:
-        raise CheckpointError(f"{model_file}: only BPE and unigram SentencePiece models export")
-    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
-    if spec.remove_extra_whitespaces:
-        steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
-    if spec.add_dummy_prefix:
-        # SentencePiece adds the dummy "▁" even when the text already starts with whitespace;
-        # the Metaspace pre-tokenizer's own prepend skips it then, so prepend in the normalizer.
-        steps.append(normalizers.Prepend("▁"))
-    tok.normalizer = normalizers.Sequence(steps)
-    prepend = "always" if spec.add_dummy_prefix else "never"
-    # SentencePiece never merges pieces across a whitespace boundary when split_by_whitespace is
-    # set (its default): each "▁" starts a new word. Without the split, BPE merges such as
-    # "▁▁" (indentation, with identity normalization) would join words and change the ids.
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
-                                                 split=trainer.split_by_whitespace)
-    tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme=prepend,
-                                                        split=False),
-                                     decoders.ByteFallback(), decoders.Fuse()])
-    sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    specials = {name: sp.id_to_piece(i) for name, i in
-                (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()),
-                 ("eos_token", sp.eos_id()), ("pad_token", sp.pad_id())) if i >= 0}
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials.values()])
-    ids = {f"{name[:-6]}_token_id": sp.piece_to_id(piece) for name, piece in specials.items()
-           if name != "unk_token"}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials), ids
-
-
 def _require(package: str, what: str) -> None:
     """A CheckpointError saying how to install ``package`` when it is missing."""
     import importlib.util
@@ -420,8 +436,9 @@ def _require(package: str, what: str) -> None:
         raise CheckpointError(f"{what} needs {package}: pip install -c constraints.txt {package}")
 
 
-def hf_model(state: dict[str, torch.Tensor], cfg: RunConfig, arch: str,
-             token_ids: dict | None = None):
+def hf_model(
+    state: dict[str, torch.Tensor], cfg: RunConfig, arch: str, token_ids: dict | None = None
+):
     """The transformers model (in memory, fp32) holding a plain model's single-device state
     dict as ``arch``, every tensor placed and shaped as transformers expects."""
     import transformers
@@ -433,21 +450,33 @@ def hf_model(state: dict[str, torch.Tensor], cfg: RunConfig, arch: str,
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.model.tie_embeddings:
         expected.pop("lm_head.weight", None)  # the embedding, tied after loading
-    wrong = ([f"{k}: not filled" for k in expected if k not in hf_state]
-             + [f"{k}: not part of the {arch} model" for k in hf_state if k not in expected]
-             + [f"{k}: shape {tuple(v.shape)}, {arch} needs {tuple(expected[k])}"
-                for k, v in hf_state.items() if k in expected and v.shape != expected[k]])
+    wrong = (
+        [f"{k}: not filled" for k in expected if k not in hf_state]
+        + [f"{k}: not part of the {arch} model" for k in hf_state if k not in expected]
+        + [
+            f"{k}: shape {tuple(v.shape)}, {arch} needs {tuple(expected[k])}"
+            for k, v in hf_state.items()
+            if k in expected and v.shape != expected[k]
+        ]
+    )
     if wrong:
-        raise CheckpointError(f"{arch} export does not line up with transformers "
-                              f"{transformers.__version__}:\n" + "\n".join(f"  - {w}" for w in wrong))
+        raise CheckpointError(
+            f"{arch} export does not line up with transformers "
+            f"{transformers.__version__}:\n" + "\n".join(f"  - {w}" for w in wrong)
+        )
     model.load_state_dict(hf_state, strict=not cfg.model.tie_embeddings, assign=True)
     if cfg.model.tie_embeddings:
         model.tie_weights()
     return model
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
-              progress: bool = False, merge_adapters: bool = False) -> Path:
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    arch: str = "auto",
+    progress: bool = False,
+    merge_adapters: bool = False,
+) -> Path:
     """Write a transformers model directory; ``arch``: one of ``hf_support.TARGETS`` or auto
     (the first that can hold the model). A model no target holds exactly is refused before
     anything is written, naming every offending config key."""
@@ -456,8 +485,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, arch: str = "auto",
     arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
     source = tokenizer_source(tag_dir)
     # An imported model's own files (moe-import) are copied as they are; none: no tokenizer.
-    tokenizer, token_ids = (hf_tokenizer(source) if source is not None and source.is_file()
-                            else (None, {}))
+    tokenizer, token_ids = (
+        hf_tokenizer(source) if source is not None and source.is_file() else (None, {})
+    )
     model = hf_model(state, cfg, arch, token_ids)
 
     def write(tmp: Path) -> None:

@@ -32,8 +32,12 @@ from moe.core.config_schema import from_dict, to_dict
 from moe.tools.export import HF_TOKENIZER_DIR, _publish
 from moe.weights.hf import read_hf_model, refuse_nonfinite, tokenizer_record
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 _EXPERT_PARAMS = ("w_in", "w_out")
 
 
@@ -43,10 +47,12 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, expert_parallel_size: int
     run = to_dict(RunConfig())
     run.update(name=f"imported-{arch}", model=to_dict(model_cfg))
     run["data"]["seq_len"] = min(run["data"]["seq_len"], model_cfg.max_seq_len)  # a placeholder
-    run["parallel"].update(world_size=expert_parallel_size,
-                           expert_parallel_size=expert_parallel_size)
-    cfg = from_dict(RunConfig, run, f"{hf_dir} imported with --expert-parallel-size "
-                    f"{expert_parallel_size}")
+    run["parallel"].update(
+        world_size=expert_parallel_size, expert_parallel_size=expert_parallel_size
+    )
+    cfg = from_dict(
+        RunConfig, run, f"{hf_dir} imported with --expert-parallel-size {expert_parallel_size}"
+    )
     moe_layers = [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
 
     def write(tmp: Path) -> None:
@@ -58,21 +64,26 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, expert_parallel_size: int
                 main[key] = ours[key] = state.pop(key)
                 continue
             prefix = key[: key.index(".ffn.") + len(".ffn.")]
-            name = key[len(prefix):]
-            if name.startswith("experts.") and name[len("experts."):] in _EXPERT_PARAMS:
+            name = key[len(prefix) :]
+            if name.startswith("experts.") and name[len("experts.") :] in _EXPERT_PARAMS:
                 continue  # written per expert below
             main[f"{prefix}deepspeed_moe.{name}"] = ours[key] = state.pop(key)
         for layer_id, block in enumerate(moe_layers):
             prefix = f"blocks.{block}.ffn."
             stacked = {p: state.pop(f"{prefix}experts.{p}") for p in _EXPERT_PARAMS}
-            refuse_nonfinite({f"{prefix}experts.{p}": w for p, w in stacked.items()}, hf_dir,
-                             arch, model_cfg)
+            refuse_nonfinite(
+                {f"{prefix}experts.{p}": w for p, w in stacked.items()}, hf_dir, arch, model_cfg
+            )
             for p, w in stacked.items():
                 fingerprints[f"{prefix}experts.{p}"] = expert_fingerprints(w)
             for e in range(cfg.model.moe.num_experts):
-                torch.save({f"{prefix}deepspeed_moe.experts.{EXPERT_KEY}.{e}.{p}": w[e].clone()
-                            for p, w in stacked.items()},
-                           tmp / EXPERT_DIR / f"layer_{layer_id}_expert_{e}_mp_rank_00_model_states.pt")
+                torch.save(
+                    {
+                        f"{prefix}deepspeed_moe.experts.{EXPERT_KEY}.{e}.{p}": w[e].clone()
+                        for p, w in stacked.items()
+                    },
+                    tmp / EXPERT_DIR / f"layer_{layer_id}_expert_{e}_mp_rank_00_model_states.pt",
+                )
         refuse_nonfinite(ours, hf_dir, arch, model_cfg)  # now, as the save reads them anyway
         torch.save({"module": main}, tmp / MAIN_STATES)
         (tmp / RUN_CONFIG).write_text(dump_config(cfg))
@@ -81,13 +92,25 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, expert_parallel_size: int
             (tmp / HF_TOKENIZER_DIR).mkdir()
             for n in copied:
                 shutil.copy(hf_dir / n, tmp / HF_TOKENIZER_DIR / n)
-        files = {p.relative_to(tmp).as_posix(): p.stat().st_size
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
-        marker = {"format": FORMAT_VERSION, "tag": Path(out_dir).name, "step": 0, "tokens": 0,
-                  "world_size": expert_parallel_size, "expert_parallel_size": expert_parallel_size,
-                  "num_moe_layers": len(moe_layers), "num_experts": cfg.model.moe.num_experts,
-                  "tokenizer": tokenizer_record(hf_dir), "expert_fingerprints": fingerprints,
-                  "files": files, "imported_from": {"architecture": arch, "dir": str(hf_dir)}}
+        files = {
+            p.relative_to(tmp).as_posix(): p.stat().st_size
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file()
+        }
+        marker = {
+            "format": FORMAT_VERSION,
+            "tag": Path(out_dir).name,
+            "step": 0,
+            "tokens": 0,
+            "world_size": expert_parallel_size,
+            "expert_parallel_size": expert_parallel_size,
+            "num_moe_layers": len(moe_layers),
+            "num_experts": cfg.model.moe.num_experts,
+            "tokenizer": tokenizer_record(hf_dir),
+            "expert_fingerprints": fingerprints,
+            "files": files,
+            "imported_from": {"architecture": arch, "dir": str(hf_dir)},
+        }
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
 
     return _publish(Path(out_dir), write)

@@ -66,8 +66,10 @@ def peft_problems(cfg: RunConfig) -> list[str]:
     """The run config keys that keep a checkpoint from exporting as a PEFT adapter."""
     ft = cfg.finetune
     if ft.method != "lora":
-        return [f"finetune.method: {ft.method}: only LoRA fine-tunes (lora) export as a PEFT "
-                "adapter; --format fp32 or hf exports the whole model"]
+        return [
+            f"finetune.method: {ft.method}: only LoRA fine-tunes (lora) export as a PEFT "
+            "adapter; --format fp32 or hf exports the whole model"
+        ]
     return []
 
 
@@ -75,8 +77,9 @@ def _rank_of(a: torch.Tensor) -> int:
     return a.shape[-1] if a.ndim == 3 else a.shape[0]  # stacked (E, in, r), else (r, in)
 
 
-def peft_adapter(state: dict[str, torch.Tensor], cfg: RunConfig, arch: str
-                 ) -> tuple[dict, dict[str, torch.Tensor]]:
+def peft_adapter(
+    state: dict[str, torch.Tensor], cfg: RunConfig, arch: str
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json's fields, adapter tensors by peft's names) of a LoRA fine-tune's
     single-device state dict, for the transformers model ``arch`` of its base."""
     lora = cfg.finetune.lora
@@ -107,12 +110,21 @@ def peft_adapter(state: dict[str, torch.Tensor], cfg: RunConfig, arch: str
             assert ranks[_suffix(site)] == r, site  # rank_pattern goes by name suffix
     saved = _whole_routers(state, table.values(), lora.alpha, tensors) if lora.train_router else []
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-        "target_modules": sorted(modules) or None, "target_parameters": sorted(params) or None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "target_modules": sorted(modules) or None,
+        "target_parameters": sorted(params) or None,
         "rank_pattern": {s: r for s, r in sorted(ranks.items()) if r != lora.rank},
-        "alpha_pattern": {}, "lora_dropout": 0.0 if params else lora.dropout,
-        "use_rslora": False, "use_dora": False, "bias": "none", "fan_in_fan_out": False,
-        "init_lora_weights": True, "inference_mode": True,
+        "alpha_pattern": {},
+        "lora_dropout": 0.0 if params else lora.dropout,
+        "use_rslora": False,
+        "use_dora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
         "modules_to_save": sorted(saved) or None,
     }
     return config, tensors
@@ -122,8 +134,9 @@ def _is_router(weight: str) -> bool:
     return weight.endswith("router.weight")
 
 
-def _whole_routers(state: dict[str, torch.Tensor], table, alpha: float,
-                   tensors: dict[str, torch.Tensor]) -> set[str]:
+def _whole_routers(
+    state: dict[str, torch.Tensor], table, alpha: float, tensors: dict[str, torch.Tensor]
+) -> set[str]:
     """Put each router (trained in full: ``train_router``) into ``tensors`` whole, with its LoRA
     update folded in, as peft saves a module of ``modules_to_save``; their module suffixes."""
     saved = set()
@@ -144,8 +157,12 @@ def _factors(a: torch.Tensor, b: torch.Tensor, op: str) -> list[tuple[torch.Tens
     """peft's (lora_A, lora_B) for each transformers tensor of a link (see the module doc)."""
     if op == "transpose":  # a (E, in, r), b (E, r, out)
         experts, _, r = a.shape
-        return [(a.transpose(1, 2).reshape(experts * r, -1),
-                 b.permute(2, 1, 0).reshape(b.shape[2], r * experts))]
+        return [
+            (
+                a.transpose(1, 2).reshape(experts * r, -1),
+                b.permute(2, 1, 0).reshape(b.shape[2], r * experts),
+            )
+        ]
     if op == "halves":  # [gate; up] rows of the weight are B's rows
         return [(a, half) for half in b.chunk(2, dim=0)]
     return [(a, b)]
@@ -166,15 +183,20 @@ def check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
     except (CheckpointError, ConfigError) as e:
         raise CheckpointError(f"--base-hf {base_hf}: not a model the importer reads: {e}") from None
     if arch not in hf_support.TARGETS:
-        raise CheckpointError(f"--base-hf {base_hf}: a {arch} model; the PEFT export goes onto "
-                              f"{', '.join(hf_support.TARGETS)} exports")
+        raise CheckpointError(
+            f"--base-hf {base_hf}: a {arch} model; the PEFT export goes onto "
+            f"{', '.join(hf_support.TARGETS)} exports"
+        )
     problems = hf_support.problems(cfg.model, arch, state)
     if problems:
-        raise CheckpointError(f"--base-hf {base_hf}: this run's model is not a {arch} model:\n"
-                              + "".join(f"  - {p}\n" for p in problems))
+        raise CheckpointError(
+            f"--base-hf {base_hf}: this run's model is not a {arch} model:\n"
+            + "".join(f"  - {p}\n" for p in problems)
+        )
     table = [link for link in links(cfg.model, arch) if link.op != "fresh"]
-    theirs, extra = read_hf_tensors(base_hf, [n for link in table for n in link.theirs], arch,
-                                    cfg.model.moe.num_experts)
+    theirs, extra = read_hf_tensors(
+        base_hf, [n for link in table for n in link.theirs], arch, cfg.model.moe.num_experts
+    )
     if cfg.finetune.lora.train_router:  # the run's own routers replace the base's
         table = [link for link in table if not (link.ours and _is_router(link.ours))]
     differ = []
@@ -188,13 +210,14 @@ def check_base(base_hf: Path, state: dict, cfg: RunConfig, where: Path) -> str:
         fix = base_hint(init_from)
         found = []
         if differ:
-            found.append(f"{len(differ)} of {len(table)} weights differ "
-                         f"({', '.join(differ[:3])})")
+            found.append(f"{len(differ)} of {len(table)} weights differ ({', '.join(differ[:3])})")
         if extra:
             found.append(f"it has tensors the base lacks ({', '.join(extra[:3])})")
-        raise CheckpointError(f"--base-hf {base_hf}: not the base model the adapters of {where} "
-                              f"were trained on (model.init_from: {init_from}): "
-                              f"{'; '.join(found)}; {fix}")
+        raise CheckpointError(
+            f"--base-hf {base_hf}: not the base model the adapters of {where} "
+            f"were trained on (model.init_from: {init_from}): "
+            f"{'; '.join(found)}; {fix}"
+        )
     return arch
 
 
@@ -202,24 +225,32 @@ def base_hint(init_from: str) -> str:
     """Which directory --base-hf takes for a run whose ``model.init_from`` is ``init_from``: the
     Hugging Face directory itself (``hf:DIR``), else the --format hf export of the checkpoint."""
     if init_from.startswith(HF_PREFIX):
-        where = init_from[len(HF_PREFIX):]
-        return (f"this run's base (model.init_from: {init_from}) is that directory: "
-                f"--base-hf {shlex.quote(where)}")
-    return (f"the --format hf export of this run's base (model.init_from: {init_from}); export "
-            f"it with: moe-export {shlex.quote(init_from)} DIR --format hf, then pass "
-            "--base-hf DIR")
+        where = init_from[len(HF_PREFIX) :]
+        return (
+            f"this run's base (model.init_from: {init_from}) is that directory: "
+            f"--base-hf {shlex.quote(where)}"
+        )
+    return (
+        f"the --format hf export of this run's base (model.init_from: {init_from}); export "
+        f"it with: moe-export {shlex.quote(init_from)} DIR --format hf, then pass "
+        "--base-hf DIR"
+    )
 
 
 def _same(theirs: torch.Tensor | None, want: torch.Tensor, ours: torch.Tensor | None) -> bool:
     """Equal up to the rounding of the precision the run held its frozen base in (a bf16 run
     rounds it) and of the export's scalings."""
     rtol = 1e-6 if ours is None or ours.dtype == torch.float32 else torch.finfo(ours.dtype).eps
-    return (theirs is not None and theirs.shape == want.shape
-            and torch.allclose(theirs, want, rtol=rtol, atol=1e-30))
+    return (
+        theirs is not None
+        and theirs.shape == want.shape
+        and torch.allclose(theirs, want, rtol=rtol, atol=1e-30)
+    )
 
 
-def export_peft(checkpoint: str | Path, out_dir: str | Path, base_hf: str | Path | None,
-                progress: bool = False) -> Path:
+def export_peft(
+    checkpoint: str | Path, out_dir: str | Path, base_hf: str | Path | None, progress: bool = False
+) -> Path:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` for ``base_hf`` (module
     doc); anything PEFT cannot hold exactly is refused before anything is written."""
     from safetensors.torch import save_file
@@ -228,11 +259,15 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path, base_hf: str | Path
     cfg = load_config(tag_dir / RUN_CONFIG)
     problems = peft_problems(cfg)
     if problems:
-        raise CheckpointError(f"{tag_dir / RUN_CONFIG}: cannot export as a PEFT adapter:\n"
-                              + "".join(f"  - {p}\n" for p in problems))
+        raise CheckpointError(
+            f"{tag_dir / RUN_CONFIG}: cannot export as a PEFT adapter:\n"
+            + "".join(f"  - {p}\n" for p in problems)
+        )
     if base_hf is None:
-        raise CheckpointError("--format peft needs --base-hf DIR, the Hugging Face model the "
-                              f"adapter goes onto: {base_hint(cfg.model.init_from)}")
+        raise CheckpointError(
+            "--format peft needs --base-hf DIR, the Hugging Face model the "
+            f"adapter goes onto: {base_hint(cfg.model.init_from)}"
+        )
     bar = Progress(f"export: read {tag_dir}", len(state_files(tag_dir)), progress, unit="files")
     state, cfg, tag_dir = load_consolidated(tag_dir, on_file=lambda: bar.update(1))
     bar.close()

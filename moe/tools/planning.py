@@ -144,9 +144,17 @@ def elem_bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def memory_per_gpu(cfg: ModelConfig, world_size: int, ep_size: int, zero_stage: int,
-                   precision: str, micro_batch_size: int, seq_len: int,
-                   recompute: str = "none", every_n_blocks: int = 1) -> MemoryPlan:
+def memory_per_gpu(
+    cfg: ModelConfig,
+    world_size: int,
+    ep_size: int,
+    zero_stage: int,
+    precision: str,
+    micro_batch_size: int,
+    seq_len: int,
+    recompute: str = "none",
+    every_n_blocks: int = 1,
+) -> MemoryPlan:
     counts = count_parameters(cfg)
     experts = counts.total["routed_experts"]
     others = counts.total_params - experts
@@ -155,24 +163,36 @@ def memory_per_gpu(cfg: ModelConfig, world_size: int, ep_size: int, zero_stage: 
     w, g, k = _state_bytes(precision)
     grads_div = (dp, edp) if zero_stage >= 2 else (1, 1)
     optim_div = (dp, edp) if zero_stage >= 1 else (1, 1)
-    act = activation_bytes(cfg, micro_batch_size, seq_len, precision, recompute, every_n_blocks,
-                           ep_size)
+    act = activation_bytes(
+        cfg, micro_batch_size, seq_len, precision, recompute, every_n_blocks, ep_size
+    )
     return MemoryPlan(
-        world_size=world_size, expert_parallel_size=ep_size, zero_stage=zero_stage,
-        precision=precision, recompute=recompute, params_per_gpu=others + local_experts,
+        world_size=world_size,
+        expert_parallel_size=ep_size,
+        zero_stage=zero_stage,
+        precision=precision,
+        recompute=recompute,
+        params_per_gpu=others + local_experts,
         weights_bytes=w * (others + local_experts),
         grads_bytes=g * (others / grads_div[0] + local_experts / grads_div[1]),
         optimizer_bytes=k * (others / optim_div[0] + local_experts / optim_div[1]),
-        activation_bytes=act.saved_bytes, transient_bytes=act.transient_bytes,
-        attention_mask_bytes=act.attention_mask_bytes)
+        activation_bytes=act.saved_bytes,
+        transient_bytes=act.transient_bytes,
+        attention_mask_bytes=act.attention_mask_bytes,
+    )
 
 
 FROZEN_BASE_METHODS = ("lora", "qlora", "adapter", "prompt", "prefix")
 """Fine-tuning methods whose base model keeps no optimizer state (finetune.method)."""
 
 
-def checkpoint_bytes(cfg: ModelConfig, precision: str, zero_stage: int, ep_size: int = 1,
-                     finetune_method: str = "none") -> float:
+def checkpoint_bytes(
+    cfg: ModelConfig,
+    precision: str,
+    zero_stage: int,
+    ep_size: int = 1,
+    finetune_method: str = "none",
+) -> float:
     """Bytes of one saved checkpoint, every rank's files together, for its tensors: the weights
     at the training precision (the model states and one file per expert) and the optimizer
     state of what trains. Under ZeRO 1 or 2 the partitions add up to one fp32 master copy plus
@@ -199,8 +219,11 @@ def routed_copies(cfg: ModelConfig, tokens: int) -> int:
     moe = cfg.moe
     n = tokens * moe.router.top_k
     if moe.capacity_factor is not None:
-        n = min(n, moe.num_experts * capacity(tokens, moe.num_experts, moe.router.top_k,
-                                               moe.capacity_factor))
+        n = min(
+            n,
+            moe.num_experts
+            * capacity(tokens, moe.num_experts, moe.router.top_k, moe.capacity_factor),
+        )
     return n
 
 
@@ -221,8 +244,9 @@ def _ffn(T: int, width: int, swiglu: bool, e: int, selective: bool) -> float:
     return e * T * (act_in + (width if swiglu else 0) + width)
 
 
-def _attention(cfg: ModelConfig, B: int, S: int, e: int, selective: bool,
-               mask_per_layer: float) -> float:
+def _attention(
+    cfg: ModelConfig, B: int, S: int, e: int, selective: bool, mask_per_layer: float
+) -> float:
     T, H, hd = B * S, cfg.n_heads, cfg.head_size
     qkv_o = e * T * hd * (H + 2 * cfg.kv_heads) + e * T * H * hd
     if selective:
@@ -263,14 +287,15 @@ def _moe_block_ffn(cfg: ModelConfig, T: int, e: int, mode: str, ep_size: int) ->
     out += _experts(cfg, N, e, mode)
     shared = moe.num_shared_experts * moe.expert_hidden
     if shared:
-        out += (e * T * cfg.d_model if e != 4 else 0)  # bf16 norm output read by the shared FFN
+        out += e * T * cfg.d_model if e != 4 else 0  # bf16 norm output read by the shared FFN
         if mode != "full":
             out += _ffn(T, shared, moe.activation == "swiglu", e, mode == "selective")
     return out
 
 
-def _block(cfg: ModelConfig, i: int, B: int, S: int, e: int, mode: str, ep_size: int,
-           mask_per_layer: float) -> float:
+def _block(
+    cfg: ModelConfig, i: int, B: int, S: int, e: int, mode: str, ep_size: int, mask_per_layer: float
+) -> float:
     T, D = B * S, cfg.d_model
     sel = mode == "selective"
     if cfg.is_moe_layer(i):
@@ -280,13 +305,17 @@ def _block(cfg: ModelConfig, i: int, B: int, S: int, e: int, mode: str, ep_size:
         # The FFN norm's output is the router's fp32 input in fp32 (counted there); in bf16
         # the router keeps an fp32 copy and the output itself only when shared experts read it.
         ffn_norm = _norm(cfg, T, e, sel) - e * T * D
-        return _norm(cfg, T, e, sel) + _attention(cfg, B, S, e, sel, mask_per_layer) \
-            + ffn_norm + ffn
+        return (
+            _norm(cfg, T, e, sel) + _attention(cfg, B, S, e, sel, mask_per_layer) + ffn_norm + ffn
+        )
     if mode == "full":
         return e * T * D
     width = cfg.moe.dense_width
-    return (2 * _norm(cfg, T, e, sel) + _attention(cfg, B, S, e, sel, mask_per_layer)
-            + _ffn(T, width, cfg.moe.activation == "swiglu", e, sel))
+    return (
+        2 * _norm(cfg, T, e, sel)
+        + _attention(cfg, B, S, e, sel, mask_per_layer)
+        + _ffn(T, width, cfg.moe.activation == "swiglu", e, sel)
+    )
 
 
 def attention_masks(cfg: ModelConfig, B: int, S: int, e: int) -> tuple[float, float]:
@@ -295,8 +324,9 @@ def attention_masks(cfg: ModelConfig, B: int, S: int, e: int) -> tuple[float, fl
     a bias is built once in fp32 ((1, H, S, S), (B, H, S, S) with documents) and cast per layer
     in bf16."""
     bias = cfg.position in ("alibi", "t5")
-    run, _ = choose_backend(cfg.attention_backend, "cuda", cfg.document_masking, bias,
-                            cached=False, grad=True, length=S)
+    run, _ = choose_backend(
+        cfg.attention_backend, "cuda", cfg.document_masking, bias, cached=False, grad=True, length=S
+    )
     if run != "reference" or not (bias or cfg.document_masking):
         return 0.0, 0.0
     if not bias:
@@ -305,9 +335,15 @@ def attention_masks(cfg: ModelConfig, B: int, S: int, e: int) -> tuple[float, fl
     return (0.0, 4 * size) if e == 4 else (e * size, 4 * size)
 
 
-def activation_bytes(cfg: ModelConfig, micro_batch_size: int, seq_len: int,
-                     precision: str = "fp32", recompute: str = "none", every_n_blocks: int = 1,
-                     ep_size: int = 1) -> ActivationEstimate:
+def activation_bytes(
+    cfg: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str = "fp32",
+    recompute: str = "none",
+    every_n_blocks: int = 1,
+    ep_size: int = 1,
+) -> ActivationEstimate:
     """What one micro-batch keeps for the backward (see the module docstring for each term)."""
     if recompute not in MODES:
         raise ValueError(f"recompute mode {recompute!r} is not one of {', '.join(MODES)}")
@@ -328,11 +364,18 @@ def activation_bytes(cfg: ModelConfig, micro_batch_size: int, seq_len: int,
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     N = routed_copies(cfg, T)
     alltoall = (2 * e * N * D + 8 * N) if ep_size > 1 and n_moe else 0.0
-    kept_masks = cfg.n_layers if recompute == "none" else sum(
-        i % every_n_blocks != 0 for i in range(cfg.n_layers))
+    kept_masks = (
+        cfg.n_layers
+        if recompute == "none"
+        else sum(i % every_n_blocks != 0 for i in range(cfg.n_layers))
+    )
     masks = mask * kept_masks + mask_once
-    return ActivationEstimate(saved_bytes=saved, transient_bytes=max(logits, rebuilt) + alltoall,
-                              attention_mask_bytes=masks, alltoall_bytes=alltoall)
+    return ActivationEstimate(
+        saved_bytes=saved,
+        transient_bytes=max(logits, rebuilt) + alltoall,
+        attention_mask_bytes=masks,
+        alltoall_bytes=alltoall,
+    )
 
 
 def liger_chunk_tokens(T: int, V: int, D: int) -> int:
@@ -354,7 +397,9 @@ def _head_loss(cfg: ModelConfig, T: int, e: int) -> tuple[float, float]:
     return kept, liger_chunk_tokens(T, V, D) * V * e + e * V * D
 
 
-def compute_factor(cfg: ModelConfig, seq_len: int, recompute: str, every_n_blocks: int = 1) -> float:
+def compute_factor(
+    cfg: ModelConfig, seq_len: int, recompute: str, every_n_blocks: int = 1
+) -> float:
     """Training FLOPs with recompute over training FLOPs without (module docstring)."""
     f = flops_per_token(cfg, seq_len)
     share = math.ceil(cfg.n_layers / every_n_blocks) / cfg.n_layers  # blocks that recompute
@@ -380,12 +425,24 @@ class Layout:
 
     @property
     def sort_key(self):
-        return (round(self.compute_factor, 4), -self.micro_batch_size, self.comm_bytes,
-                self.zero_stage)
+        return (
+            round(self.compute_factor, 4),
+            -self.micro_batch_size,
+            self.comm_bytes,
+            self.zero_stage,
+        )
 
 
-def comm_bytes_per_step(cfg: ModelConfig, world: int, ep: int, zero: int, precision: str,
-                        micro_batch_size: int, accum: int, seq_len: int) -> float:
+def comm_bytes_per_step(
+    cfg: ModelConfig,
+    world: int,
+    ep: int,
+    zero: int,
+    precision: str,
+    micro_batch_size: int,
+    accum: int,
+    seq_len: int,
+) -> float:
     """Expert all-to-all (dispatch and combine, forward and backward, the share that leaves the
     rank) and the gradient reduction (ring all-reduce 2x the gradients once per step for ZeRO
     0/1; ZeRO-2 reduce-scatters every micro-batch and all-gathers the updated parameters)."""
@@ -402,9 +459,15 @@ def comm_bytes_per_step(cfg: ModelConfig, world: int, ep: int, zero: int, precis
     return a2a + reduce
 
 
-def fitting_layouts(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, seq_len: int,
-                    global_batch: int, precision: str, every_n_blocks: int = 1) -> tuple[
-                        list[Layout], list[Layout]]:
+def fitting_layouts(
+    cfg: ModelConfig,
+    gpus: int,
+    gpu_memory_gib: float,
+    seq_len: int,
+    global_batch: int,
+    precision: str,
+    every_n_blocks: int = 1,
+) -> tuple[list[Layout], list[Layout]]:
     """(layouts that fit, ordered best first; all layouts considered, smallest peak first).
     ``global_batch``: sequences per optimizer step, kept by gradient accumulation."""
     budget = USABLE_FRACTION * gpu_memory_gib * GIB
@@ -419,12 +482,23 @@ def fitting_layouts(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, seq_len:
         for ep in eps:
             for zero in zeros:
                 for mode in MODES:
-                    m = memory_per_gpu(cfg, gpus, ep, zero, precision, mb, seq_len, mode,
-                                       every_n_blocks)
-                    considered.append(Layout(
-                        ep, zero, mode, mb, accum, m,
-                        compute_factor(cfg, seq_len, mode, every_n_blocks),
-                        comm_bytes_per_step(cfg, gpus, ep, zero, precision, mb, accum, seq_len)))
-    fits = sorted((lay for lay in considered if lay.memory.total_bytes <= budget),
-                  key=lambda lay: lay.sort_key)
+                    m = memory_per_gpu(
+                        cfg, gpus, ep, zero, precision, mb, seq_len, mode, every_n_blocks
+                    )
+                    considered.append(
+                        Layout(
+                            ep,
+                            zero,
+                            mode,
+                            mb,
+                            accum,
+                            m,
+                            compute_factor(cfg, seq_len, mode, every_n_blocks),
+                            comm_bytes_per_step(cfg, gpus, ep, zero, precision, mb, accum, seq_len),
+                        )
+                    )
+    fits = sorted(
+        (lay for lay in considered if lay.memory.total_bytes <= budget),
+        key=lambda lay: lay.sort_key,
+    )
     return fits, sorted(considered, key=lambda lay: lay.memory.total_bytes)

@@ -64,6 +64,7 @@ def smooth(x: np.ndarray, y: np.ndarray, half_width: float = SMOOTH_HALF_WIDTH) 
 @dataclass
 class Envelope:
     """The minimum envelope of one family's training curves (see the module docstring)."""
+
     c: np.ndarray
     """The grid of compute (FLOPs)."""
     loss: np.ndarray
@@ -122,19 +123,31 @@ def envelope(runs: list[dict], points: int = GRID_POINTS) -> Envelope | None:
     highest = np.array([n_runs[reached[:, j]].max() for j in range(points)])
     n = n_runs[best]
     tokens_per_c = np.array([r["tokens"] / r["budget"] for r in runs])[best]
-    out = Envelope(c=grid, loss=at[best, np.arange(points)], run=[runs[i]["name"] for i in best],
-                   n=n, d=grid * tokens_per_c, smallest=n <= lowest, largest=n >= highest,
-                   curves=curves)
+    out = Envelope(
+        c=grid,
+        loss=at[best, np.arange(points)],
+        run=[runs[i]["name"] for i in best],
+        n=n,
+        d=grid * tokens_per_c,
+        smallest=n <= lowest,
+        largest=n >= highest,
+        curves=curves,
+    )
     _fit_laws(out)
     return out
 
 
 def edge_text(env: Envelope) -> str:
     """How many points lie at each edge, and what that says."""
-    parts = [f"at {int(v.sum())} of {len(env.c)} points the lowest curve is the {end} run "
-             f"reaching that compute (add {more} sizes)"
-             for v, end, more in ((env.smallest, "smallest", "smaller"),
-                                  (env.largest, "largest", "larger")) if v.any()]
+    parts = [
+        f"at {int(v.sum())} of {len(env.c)} points the lowest curve is the {end} run "
+        f"reaching that compute (add {more} sizes)"
+        for v, end, more in (
+            (env.smallest, "smallest", "smaller"),
+            (env.largest, "largest", "larger"),
+        )
+        if v.any()
+    ]
     return "; ".join(parts)
 
 
@@ -143,9 +156,11 @@ def _fit_laws(env: Envelope) -> None:
     keep = env.inside
     sizes = len(set(env.n[keep]))
     if sizes < 2:
-        env.problem = (f"{int(keep.sum())} of {len(env.c)} points lie off the edge of the runs "
-                       f"that reach them, with {sizes} size(s) among them, and the power laws "
-                       f"need 2: {edge_text(env)}")
+        env.problem = (
+            f"{int(keep.sum())} of {len(env.c)} points lie off the edge of the runs "
+            f"that reach them, with {sizes} size(s) among them, and the power laws "
+            f"need 2: {edge_text(env)}"
+        )
         return
     log_c = np.log(env.c[keep])
     b, log_a = np.polyfit(log_c, np.log(env.n[keep]), 1)

@@ -39,9 +39,11 @@ def require_scipy() -> None:
         import scipy  # noqa: F401
         import threadpoolctl  # noqa: F401
     except ImportError:
-        raise ScalingError("moe-scaling's fits need SciPy and threadpoolctl, which the 'scaling' "
-                           "extra installs: python3 -m pip install -c constraints.txt -e "
-                           "'.[scaling]'") from None
+        raise ScalingError(
+            "moe-scaling's fits need SciPy and threadpoolctl, which the 'scaling' "
+            "extra installs: python3 -m pip install -c constraints.txt -e "
+            "'.[scaling]'"
+        ) from None
 
 
 def one_blas_thread(fn):
@@ -76,6 +78,7 @@ def power_law(x: list[float], y: list[float]) -> tuple[float, float]:
 @dataclass
 class Law:
     """L(N, D) = E + A / N^alpha + B / D^beta."""
+
     E: float
     A: float
     B: float
@@ -90,8 +93,11 @@ class Law:
         degenerate fit) has no optimum inside: N is 0 (alpha 0: only D lowers the loss) or
         infinite (beta 0), with the loss of that end."""
         if self.alpha <= 0 or self.beta <= 0:
-            n = math.nan if self.alpha <= 0 and self.beta <= 0 else (
-                0.0 if self.alpha <= 0 else math.inf)
+            n = (
+                math.nan
+                if self.alpha <= 0 and self.beta <= 0
+                else (0.0 if self.alpha <= 0 else math.inf)
+            )
         else:
             g = (self.alpha * self.A / (self.beta * self.B)) ** (1 / (self.alpha + self.beta))
             n = g * (budget / k) ** (self.beta / (self.alpha + self.beta))
@@ -101,13 +107,15 @@ class Law:
 
     def params(self) -> np.ndarray:
         """The fit's parameters: (log A, log B, log E, alpha, beta)."""
-        return np.array([math.log(self.A), math.log(self.B), math.log(self.E), self.alpha,
-                         self.beta])
+        return np.array(
+            [math.log(self.A), math.log(self.B), math.log(self.E), self.alpha, self.beta]
+        )
 
 
 def _law(p) -> Law:
-    return Law(E=math.exp(p[2]), A=math.exp(p[0]), B=math.exp(p[1]), alpha=float(p[3]),
-               beta=float(p[4]))
+    return Law(
+        E=math.exp(p[2]), A=math.exp(p[0]), B=math.exp(p[1]), alpha=float(p[3]), beta=float(p[4])
+    )
 
 
 HUBER_DELTA = 1e-3
@@ -127,7 +135,7 @@ def _batch(p, log_n, log_d, log_l, weight=None, hessian=False, delta=HUBER_DELTA
     (K x 5: log A, log B, log E, alpha, beta) at once, its gradient (K x 5) and, with
     ``hessian``, its Hessian (K x 5 x 5). The data are (n,) arrays, or (K, n) for a point per
     row; ``weight`` (n,) or (K, n) counts each run (a bootstrap resample)."""
-    a, b, e, alpha, beta = (p[:, i:i + 1] for i in range(5))  # (K, 1)
+    a, b, e, alpha, beta = (p[:, i : i + 1] for i in range(5))  # (K, 1)
     u, v = a - alpha * log_n, b - beta * log_d  # (K, n): log A/N^alpha, log B/D^beta
     top = np.maximum(np.maximum(u, v), e)
     wu, wv, we = np.exp(u - top), np.exp(v - top), np.exp(e - top)
@@ -139,8 +147,9 @@ def _batch(p, log_n, log_d, log_l, weight=None, hessian=False, delta=HUBER_DELTA
     if weight is not None:
         terms, h = terms * weight, h * weight
     hu, hv = h * wu, h * wv
-    grad = np.stack([hu.sum(1), hv.sum(1), (h * we).sum(1), -(hu * log_n).sum(1),
-                     -(hv * log_d).sum(1)], axis=1)
+    grad = np.stack(
+        [hu.sum(1), hv.sum(1), (h * we).sum(1), -(hu * log_n).sum(1), -(hv * log_d).sum(1)], axis=1
+    )
     if not hessian:
         return terms.sum(1), grad
     # d2/dp2 of sum rho(r): rho'' J J^T + rho' d2(log predicted); log predicted is the log-sum-
@@ -165,9 +174,13 @@ def _objective(p, log_n, log_d, log_l, weight=None):
     return float(value[0]), grad[0]
 
 
-INIT_GRID = {"a": np.arange(0.0, 30.0, 5.0), "b": np.arange(0.0, 30.0, 5.0),
-             "e": np.arange(-1.0, 1.5, 0.5), "alpha": np.arange(0.0, 2.5, 0.5),
-             "beta": np.arange(0.0, 2.5, 0.5)}
+INIT_GRID = {
+    "a": np.arange(0.0, 30.0, 5.0),
+    "b": np.arange(0.0, 30.0, 5.0),
+    "e": np.arange(-1.0, 1.5, 0.5),
+    "alpha": np.arange(0.0, 2.5, 0.5),
+    "beta": np.arange(0.0, 2.5, 0.5),
+}
 """Initial points of the fit (log A, log B, log E, alpha, beta): every combination (4,500, as
 Chinchilla's grid); the objective is evaluated at all of them and the :data:`GRID_STARTS` best
 are refined."""
@@ -207,7 +220,7 @@ def _grid() -> np.ndarray:
 def _grid_terms(grid: np.ndarray, log_n, log_d, log_l) -> np.ndarray:
     """Each grid point's Huber term of each run (G x n): a resample's objective at every grid
     point is then this matrix times its counts of the runs."""
-    a, b, e, alpha, beta = (grid[:, i:i + 1] for i in range(5))
+    a, b, e, alpha, beta = (grid[:, i : i + 1] for i in range(5))
     u, v = a - alpha * log_n, b - beta * log_d
     top = np.maximum(np.maximum(u, v), e)
     r = top + np.log(np.exp(u - top) + np.exp(v - top) + np.exp(e - top)) - log_l
@@ -237,9 +250,11 @@ def _newton(p, log_n, log_d, log_l, weight, delta: float, steps: int) -> np.ndar
         held = ((p <= lo) & (grad > 0)) | ((p >= hi) & (grad < 0))  # (K, 5)
         free = (~held).astype(float)
         scale = np.maximum(np.abs(np.diagonal(hess, axis1=1, axis2=2)), 1e-9)
-        system = (hess * free[:, :, None] * free[:, None, :]
-                  + damping[:, None, None] * (scale[:, :, None] * eye) * free[:, :, None]
-                  + held[:, :, None] * eye)
+        system = (
+            hess * free[:, :, None] * free[:, None, :]
+            + damping[:, None, None] * (scale[:, :, None] * eye) * free[:, :, None]
+            + held[:, :, None] * eye
+        )
         try:
             step = np.linalg.solve(system, -(grad * free)[..., None])[..., 0]
         except np.linalg.LinAlgError:  # a singular system: damp harder, towards the gradient
@@ -271,8 +286,15 @@ def _lbfgsb(starts, log_n, log_d, log_l, weight=None) -> np.ndarray:
 
     best = None
     for p0 in starts:
-        r = minimize(_objective, p0, args=(log_n, log_d, log_l, weight), jac=True,
-                     method="L-BFGS-B", bounds=BOUNDS, options=LBFGS_OPTIONS)
+        r = minimize(
+            _objective,
+            p0,
+            args=(log_n, log_d, log_l, weight),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=BOUNDS,
+            options=LBFGS_OPTIONS,
+        )
         if best is None or r.fun < best.fun:
             best = r
     return best.x
@@ -318,8 +340,10 @@ def percentile_interval(values, q=(2.5, 97.5)) -> tuple[float, float]:
     interval keeps the infinity instead of interpolating inf - inf to NaN."""
     v = np.asarray(values, float)
     finite = bool(np.isfinite(v).all())
-    return (float(np.percentile(v, q[0], method="linear" if finite else "lower")),
-            float(np.percentile(v, q[1], method="linear" if finite else "higher")))
+    return (
+        float(np.percentile(v, q[0], method="linear" if finite else "lower")),
+        float(np.percentile(v, q[1], method="linear" if finite else "higher")),
+    )
 
 
 BOOT_CHUNK = 10
@@ -327,8 +351,7 @@ BOOT_CHUNK = 10
 
 
 @one_blas_thread
-def fit_parametric(n, d, loss, bootstrap: int = 100, seed: int = 0,
-                   progress=None) -> ParametricFit:
+def fit_parametric(n, d, loss, bootstrap: int = 100, seed: int = 0, progress=None) -> ParametricFit:
     """L(N, D) = E + A/N^alpha + B/D^beta by Huber loss on log loss (the search is described in
     the module docstring); ``bootstrap`` refits on resamples (with replacement) of the points:
     the fit's constants and the resample's :data:`BOOT_STARTS` best grid points are refined
@@ -344,8 +367,13 @@ def fit_parametric(n, d, loss, bootstrap: int = 100, seed: int = 0,
     refined = _refine(grid[order[:GRID_STARTS]], log_n, log_d, log_l)
     best = _lbfgsb([*grid[order[:STARTS]], *_distinct(*refined, POLISHED)], log_n, log_d, log_l)
     rng = np.random.default_rng(seed)
-    counts = np.array([np.bincount(rng.integers(0, len(log_n), len(log_n)), minlength=len(log_n))
-                       for _ in range(bootstrap)], float).reshape(bootstrap, len(log_n))
+    counts = np.array(
+        [
+            np.bincount(rng.integers(0, len(log_n), len(log_n)), minlength=len(log_n))
+            for _ in range(bootstrap)
+        ],
+        float,
+    ).reshape(bootstrap, len(log_n))
     boot = []
     for chunk in np.array_split(counts, math.ceil(bootstrap / BOOT_CHUNK)) if bootstrap else []:
         # Each resample: its best grid points and the fit refined together, L-BFGS-B from the
@@ -353,8 +381,9 @@ def fit_parametric(n, d, loss, bootstrap: int = 100, seed: int = 0,
         nearest = np.argsort(terms @ chunk.T, axis=0)[:BOOT_STARTS].T  # (resamples, starts)
         p = np.concatenate([np.repeat(best[None, None], len(chunk), 0), grid[nearest]], 1)
         per = p.shape[1]
-        points, values = _refine(p.reshape(-1, 5), log_n, log_d, log_l,
-                                 np.repeat(chunk, per, axis=0))
+        points, values = _refine(
+            p.reshape(-1, 5), log_n, log_d, log_l, np.repeat(chunk, per, axis=0)
+        )
         for i, w in enumerate(chunk):
             rows = slice(i * per, (i + 1) * per)
             top = points[rows][np.argmin(values[rows])]
@@ -369,11 +398,11 @@ def _shared_objective(p, groups):
     (log A, log B, alpha, beta) at ``p[1 + 4 i : 5 + 4 i]``."""
     value, grad = 0.0, np.zeros_like(p)
     for i, (log_n, log_d, log_l) in enumerate(groups):
-        a, b, alpha, beta = p[1 + 4 * i:5 + 4 * i]
+        a, b, alpha, beta = p[1 + 4 * i : 5 + 4 * i]
         v, g = _objective(np.array([a, b, p[0], alpha, beta]), log_n, log_d, log_l)
         value += v
         grad[0] += g[2]
-        grad[1 + 4 * i:5 + 4 * i] = g[[0, 1, 3, 4]]
+        grad[1 + 4 * i : 5 + 4 * i] = g[[0, 1, 3, 4]]
     return value, grad
 
 
@@ -383,16 +412,24 @@ def _fit_shared_once(groups, starts) -> np.ndarray:
     bounds = [BOUNDS[2]] + [BOUNDS[0], BOUNDS[1], BOUNDS[3], BOUNDS[4]] * len(groups)
     best = None
     for p0 in starts:
-        r = minimize(_shared_objective, p0, args=(groups,), jac=True, method="L-BFGS-B",
-                     bounds=bounds, options=LBFGS_OPTIONS)
+        r = minimize(
+            _shared_objective,
+            p0,
+            args=(groups,),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=bounds,
+            options=LBFGS_OPTIONS,
+        )
         if best is None or r.fun < best.fun:
             best = r
     return best.x
 
 
 @one_blas_thread
-def fit_shared_floor(data: dict[str, tuple], bootstrap: int = 100, seed: int = 0,
-                     progress=None) -> dict[str, ParametricFit]:
+def fit_shared_floor(
+    data: dict[str, tuple], bootstrap: int = 100, seed: int = 0, progress=None
+) -> dict[str, ParametricFit]:
     """One law per family, L_f(N, D) = E + A_f/N^alpha_f + B_f/D^beta_f, with the floor E shared:
     the irreducible loss is the entropy of the text, the same for every model trained on the same
     data and tokenizer (dense and MoE share it in the joint laws of Clark et al. 2022 and
@@ -402,15 +439,22 @@ def fit_shared_floor(data: dict[str, tuple], bootstrap: int = 100, seed: int = 0
     from each. ``bootstrap`` refits on resamples of each family's runs, started from the best fit;
     ``progress(1)`` is called after each."""
     if len(data) < 2:
-        raise ScalingError(f"a shared floor needs two or more families; the runs have {sorted(data)}")
+        raise ScalingError(
+            f"a shared floor needs two or more families; the runs have {sorted(data)}"
+        )
     names = sorted(data)
     groups = []
     for f in names:
         n, d, loss = data[f]
         if len(n) < 5:
             raise ScalingError(f"{f}: {len(n)} finished runs; the parametric law has 5 constants")
-        groups.append((np.log(np.asarray(n, float)), np.log(np.asarray(d, float)),
-                       np.log(np.asarray(loss, float))))
+        groups.append(
+            (
+                np.log(np.asarray(n, float)),
+                np.log(np.asarray(d, float)),
+                np.log(np.asarray(loss, float)),
+            )
+        )
     own = [fit_parametric(*data[f], bootstrap=0).law for f in names]
     log_es = [math.log(law.E) for law in own]
     candidates = [*log_es, float(np.mean(log_es)), *INIT_GRID["e"]]
@@ -418,8 +462,16 @@ def fit_shared_floor(data: dict[str, tuple], bootstrap: int = 100, seed: int = 0
     best = _fit_shared_once(groups, [np.concatenate([[e], rest]) for e in candidates])
 
     def laws(p):
-        return [Law(E=math.exp(p[0]), A=math.exp(p[1 + 4 * i]), B=math.exp(p[2 + 4 * i]),
-                    alpha=p[3 + 4 * i], beta=p[4 + 4 * i]) for i in range(len(names))]
+        return [
+            Law(
+                E=math.exp(p[0]),
+                A=math.exp(p[1 + 4 * i]),
+                B=math.exp(p[2 + 4 * i]),
+                alpha=p[3 + 4 * i],
+                beta=p[4 + 4 * i],
+            )
+            for i in range(len(names))
+        ]
 
     rng = np.random.default_rng(seed)
     boot: list[list[Law]] = [[] for _ in names]
@@ -439,8 +491,13 @@ FLOORS = ("family", "shared")
 """How the loss floor E of the families' laws is fitted: each its own, or one for all."""
 
 
-def fit_laws(data: dict[str, tuple], floor: str = "family", bootstrap: int = 100,
-             seed: int = 0, progress=None) -> dict[str, ParametricFit]:
+def fit_laws(
+    data: dict[str, tuple],
+    floor: str = "family",
+    bootstrap: int = 100,
+    seed: int = 0,
+    progress=None,
+) -> dict[str, ParametricFit]:
     """Each family's parametric law from its (N, D, loss): ``floor="family"`` fits every family
     on its own (:func:`fit_parametric`), ``"shared"`` fits them together with one E
     (:func:`fit_shared_floor`; a single family is fitted on its own). ``progress(label, total)``
@@ -458,8 +515,9 @@ def fit_laws(data: dict[str, tuple], floor: str = "family", bootstrap: int = 100
             if family is None:
                 out.update(fit_shared_floor(data, bootstrap, seed, tick))
             else:
-                out[family] = fit_parametric(*data[family], bootstrap=bootstrap, seed=seed,
-                                             progress=tick)
+                out[family] = fit_parametric(
+                    *data[family], bootstrap=bootstrap, seed=seed, progress=tick
+                )
         finally:
             if bar is not None:
                 bar.close()

@@ -59,8 +59,10 @@ class IsoFlopMinimum:
         if self.kind == "extrapolated":
             factor = lo / self.n_opt if self.side == "smaller" else self.n_opt / hi
             where = "below the smallest" if self.side == "smaller" else "above the largest"
-            return (f"the parabola's vertex (N {self.n_opt:.3g}) lies {factor:.3g}x {where} run: "
-                    "an extrapolation")
+            return (
+                f"the parabola's vertex (N {self.n_opt:.3g}) lies {factor:.3g}x {where} run: "
+                "an extrapolation"
+            )
         if self.kind == "edge":
             end = "smallest" if self.side == "smaller" else "largest"
             return f"the loss is lowest at the {end} size of the ladder (the edge of the ladder)"
@@ -69,10 +71,13 @@ class IsoFlopMinimum:
     def advice(self) -> str:
         """What to add to the ladder (the side named)."""
         if self.side is None:
-            return ("add sizes on both sides of the lowest run, or look for a run that failed "
-                    "to train")
-        return (f"the optimum may lie at {self.side} N than the ladder's: add sizes with "
-                f"{self.side} N (--widths)")
+            return (
+                "add sizes on both sides of the lowest run, or look for a run that failed to train"
+            )
+        return (
+            f"the optimum may lie at {self.side} N than the ladder's: add sizes with "
+            f"{self.side} N (--widths)"
+        )
 
 
 def isoflop_minimum(budget: float, n: list[float], loss: list[float]) -> IsoFlopMinimum:
@@ -83,9 +88,13 @@ def isoflop_minimum(budget: float, n: list[float], loss: list[float]) -> IsoFlop
     x, y = np.log(np.asarray(n, float)), np.asarray(loss, float)
     c = tuple(map(float, np.polyfit(x, y, 2)))
     low = int(np.argmin(y))
-    end = ("smaller" if x[low] == x.min() else "larger" if x[low] == x.max() else None)
-    common = dict(coeffs=c, lowest_n=float(n[low]), lowest_loss=float(y[low]),
-                  n_range=(float(min(n)), float(max(n))))
+    end = "smaller" if x[low] == x.min() else "larger" if x[low] == x.max() else None
+    common = dict(
+        coeffs=c,
+        lowest_n=float(n[low]),
+        lowest_loss=float(y[low]),
+        n_range=(float(min(n)), float(max(n))),
+    )
     if c[0] <= 0:
         return IsoFlopMinimum(budget, float(n[low]), float(y[low]), "concave", end, **common)
     x_opt = -c[1] / (2 * c[0])
@@ -112,6 +121,7 @@ class RouteBootstrap:
     1% noise) its 95% intervals of the exponent were 2.4 times as wide as 1.96 standard
     deviations of the estimate either side, and covered the noise-free exponent 99% of the time;
     these were 1.2-1.4 times as wide and covered it 93% (tests/moe/tools/test_scaling_isoflop.py)."""
+
     log_a: np.ndarray
     b: np.ndarray
     k: float
@@ -128,8 +138,9 @@ class RouteBootstrap:
 
     def ratio(self, budget: float, log_a, b):
         """D_opt / N_opt at ``budget`` of N_opt = e^log_a C^b: C / (k N_opt^2)."""
-        return np.exp(math.log(budget) * (1 - 2 * np.asarray(b)) - math.log(self.k)
-                      - 2 * np.asarray(log_a))
+        return np.exp(
+            math.log(budget) * (1 - 2 * np.asarray(b)) - math.log(self.k) - 2 * np.asarray(log_a)
+        )
 
     def ratio_interval(self, budget: float) -> tuple[float, float]:
         """95% interval of the tokens per parameter D_opt / N_opt at ``budget``."""
@@ -143,8 +154,9 @@ def _interval(values: np.ndarray) -> tuple[float, float]:
 PARABOLA_CONSTANTS = 3
 
 
-def bootstrap_route(by_budget: dict[float, tuple[list[float], list[float]]], k: float,
-                    resamples: int, seed: int = 0) -> RouteBootstrap | None:
+def bootstrap_route(
+    by_budget: dict[float, tuple[list[float], list[float]]], k: float, resamples: int, seed: int = 0
+) -> RouteBootstrap | None:
     """:class:`RouteBootstrap` of the runs ``by_budget`` (budget -> (N, loss) of its runs; the
     budgets of fewer than 3 runs are left out, as in the fit). None when no budget has more than
     3 runs: each parabola then passes through its runs, which show no scatter to resample."""

@@ -1,6 +1,5 @@
 """The analysis of a finished scaling sweep: the fits of ``moe/tools/scaling_fit.py`` applied to
-every family, predictions for a budget, and the report (markdown and one PNG,
-``moe/tools/scaling_plot.py``). A number the runs do not support is either left out (an IsoFLOP
+every family, predictions for a budget; the report of them is ``moe/tools/scaling_text.py``. A number the runs do not support is either left out (an IsoFLOP
 minimum outside its ladder does not enter the power laws) or printed with what is wrong with it
 (a constant on the optimiser's bound, a multiplier that is only a lower bound)."""
 
@@ -8,12 +7,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import numpy as np
 
 from moe.core.errors import ScalingError
-from moe.core.fileio import write_atomic
 from moe.tools import scaling, scaling_envelope, scaling_fit, scaling_isoflop
 
 BUMP_TOLERANCE = 0.02
@@ -27,31 +24,37 @@ floor E."""
 
 BOUND_ADVICE = {
     ("alpha", "upper"): "the size term A/N^alpha vanishes across the ladder (the runs do not "
-                        "show the loss falling with N): add smaller sizes at each budget",
+    "show the loss falling with N): add smaller sizes at each budget",
     ("A", "lower"): "the size term A/N^alpha vanishes across the ladder (the runs do not show "
-                    "the loss falling with N): add smaller sizes at each budget",
+    "the loss falling with N): add smaller sizes at each budget",
     ("alpha", "lower"): "the loss does not fall with N (alpha 0 folds the size term into the "
-                        "floor): add larger sizes at each budget, and budgets whose ladders "
-                        "bracket their minima",
+    "floor): add larger sizes at each budget, and budgets whose ladders "
+    "bracket their minima",
     ("A", "upper"): "the size term does not settle: add sizes on both sides of each budget's "
-                    "minimum",
+    "minimum",
     ("beta", "upper"): "the tokens term B/D^beta vanishes (the runs do not show the loss "
-                       "falling with tokens): add larger sizes (fewer tokens per parameter) at "
-                       "each budget",
+    "falling with tokens): add larger sizes (fewer tokens per parameter) at "
+    "each budget",
     ("B", "lower"): "the tokens term B/D^beta vanishes (the runs do not show the loss falling "
-                    "with tokens): add larger sizes (fewer tokens per parameter) at each budget",
+    "with tokens): add larger sizes (fewer tokens per parameter) at each budget",
     ("beta", "lower"): "the loss does not fall with tokens: add larger budgets",
     ("B", "upper"): "the tokens term does not settle: add larger budgets",
     ("E", "lower"): "the runs show no floor (the loss keeps falling without flattening): add "
-                    "larger budgets",
+    "larger budgets",
     ("E", "upper"): "the floor lies above the losses: look for runs that failed to train, and "
-                    "add budgets",
+    "add budgets",
 }
 """What to add when the fit leaves a constant on a side of its bound."""
 
 
-def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0,
-            floor: str = "family", progress=None, bytes_per_token: float | None = None) -> dict:
+def analyse(
+    results: list[dict],
+    bootstrap: int = 100,
+    seed: int = 0,
+    floor: str = "family",
+    progress=None,
+    bytes_per_token: float | None = None,
+) -> dict:
     """Per family: the IsoFLOP minimum of each budget, the power laws through the bracketed
     ones (with bootstrap intervals), the envelope of the training curves of the runs that carry
     one (``curve``), the parametric law with bootstrap fits and the FLOPs per token per
@@ -59,12 +62,17 @@ def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0,
     the expert law. ``floor``: each family's law has its own E (``"family"``) or all share one
     (``"shared"``, :func:`scaling_fit.fit_shared_floor`). ``progress``: see
     :func:`scaling_fit.fit_laws`. ``bytes_per_token``: of the validation text the losses were
-    measured on; losses are then also given in bits per byte (:func:`bits_per_byte`)."""
+    measured on; losses are then also given in bits per byte (:func:`moe.tools.scaling_text.bits_per_byte`)."""
     by_family: dict[str, list[dict]] = defaultdict(list)
     for r in results:
         by_family[r["family"]].append(r)
-    out: dict = {"families": {}, "warnings": [], "results": results, "floor": floor,
-                 "bytes_per_token": bytes_per_token}
+    out: dict = {
+        "families": {},
+        "warnings": [],
+        "results": results,
+        "floor": floor,
+        "bytes_per_token": bytes_per_token,
+    }
     short = scaling.short_runs_warning(results)
     if short:
         out["warnings"].append(short)
@@ -72,11 +80,12 @@ def analyse(results: list[dict], bootstrap: int = 100, seed: int = 0,
     backtests = backtest(results, floor)
     for family, runs in sorted(by_family.items()):
         if family not in fits:
-            out["warnings"].append(f"{family}: {len(runs)} finished runs; the parametric law "
-                                   "needs 5")
-        out["families"][family] = _analyse_family(family, runs, fits.get(family),
-                                                  backtests.get(family), out["warnings"],
-                                                  bootstrap, seed)
+            out["warnings"].append(
+                f"{family}: {len(runs)} finished runs; the parametric law needs 5"
+            )
+        out["families"][family] = _analyse_family(
+            family, runs, fits.get(family), backtests.get(family), out["warnings"], bootstrap, seed
+        )
     dense, moe = out["families"].get("dense"), out["families"].get("moe")
     if dense and moe and dense.get("fit"):
         _multipliers(dense, moe)
@@ -89,21 +98,32 @@ def _multipliers(dense: dict, moe: dict) -> None:
     multiplier is a lower bound (``multiplier_bound``)."""
     law, k = dense["fit"].law, dense["k"]
     target = {m.budget: m.loss_opt if m.bracketed else m.lowest_loss for m in moe["minima"]}
-    moe["multiplier"] = {b: scaling_fit.compute_multiplier(law, k, loss, b)
-                         for b, loss in target.items()}
+    moe["multiplier"] = {
+        b: scaling_fit.compute_multiplier(law, k, loss, b) for b, loss in target.items()
+    }
     moe["multiplier_bound"] = {m.budget for m in moe["minima"] if not m.bracketed}
     boot = dense["fit"].boot
-    moe["multiplier_interval"] = {
-        b: scaling_fit.percentile_interval(
-            [scaling_fit.compute_multiplier(d, k, loss, b) for d in boot])
-        for b, loss in target.items()} if boot else {}
+    moe["multiplier_interval"] = (
+        {
+            b: scaling_fit.percentile_interval(
+                [scaling_fit.compute_multiplier(d, k, loss, b) for d in boot]
+            )
+            for b, loss in target.items()
+        }
+        if boot
+        else {}
+    )
 
 
-def _fits(by_family: dict[str, list[dict]], floor: str, bootstrap: int, seed: int,
-          progress=None) -> dict[str, scaling_fit.ParametricFit]:
+def _fits(
+    by_family: dict[str, list[dict]], floor: str, bootstrap: int, seed: int, progress=None
+) -> dict[str, scaling_fit.ParametricFit]:
     """The parametric laws of the families with five or more runs."""
-    data = {f: ([r["active_params"] for r in rs], [r["tokens"] for r in rs],
-                [r["loss"] for r in rs]) for f, rs in by_family.items() if len(rs) >= 5}
+    data = {
+        f: ([r["active_params"] for r in rs], [r["tokens"] for r in rs], [r["loss"] for r in rs])
+        for f, rs in by_family.items()
+        if len(rs) >= 5
+    }
     return scaling_fit.fit_laws(data, floor, bootstrap, seed, progress) if data else {}
 
 
@@ -116,8 +136,10 @@ def _minima(family: str, runs: list[dict], warnings: list[str]) -> list:
     minima = []
     for budget, rs in sorted(by_budget.items()):
         if len(rs) < 3:
-            warnings.append(f"{family}, budget {budget:.3g}: {len(rs)} finished runs, no minimum "
-                            "(a parabola needs 3)")
+            warnings.append(
+                f"{family}, budget {budget:.3g}: {len(rs)} finished runs, no minimum "
+                "(a parabola needs 3)"
+            )
             continue
         rs = sorted(rs, key=lambda r: r["active_params"])
         for prev, r, nxt in zip(rs, rs[1:], rs[2:]):
@@ -128,14 +150,17 @@ def _minima(family: str, runs: list[dict], warnings: list[str]) -> list:
                     f"{above:.1%} above both neighbours ({prev['name']} {prev['loss']:.4f}, "
                     f"{nxt['name']} {nxt['loss']:.4f}); along a budget the loss has one minimum, "
                     "so the run likely failed to train (read its log): rerun it, or leave it out "
-                    f"with --exclude {r['name']}")
-        m = scaling_isoflop.isoflop_minimum(budget, [r["active_params"] for r in rs],
-                                            [r["loss"] for r in rs])
+                    f"with --exclude {r['name']}"
+                )
+        m = scaling_isoflop.isoflop_minimum(
+            budget, [r["active_params"] for r in rs], [r["loss"] for r in rs]
+        )
         if not m.bracketed:
             warnings.append(
                 f"{family}, budget {budget:.3g}: no minimum inside the ladder (N "
                 f"{rs[0]['active_params']:,} to {rs[-1]['active_params']:,}): {m.problem()}; "
-                f"{m.advice()}. The budget is left out of the power laws and the IsoFLOP route")
+                f"{m.advice()}. The budget is left out of the power laws and the IsoFLOP route"
+            )
         minima.append(m)
     return minima
 
@@ -143,8 +168,12 @@ def _minima(family: str, runs: list[dict], warnings: list[str]) -> list:
 def _analyse_family(family, runs, fit, bt, warnings, bootstrap: int = 0, seed: int = 0) -> dict:
     minima = _minima(family, runs, warnings)
     k = float(np.median([r["flops"] / (r["tokens"] * r["active_params"]) for r in runs]))
-    fam: dict = {"runs": runs, "minima": minima, "k": k,
-                 "envelope": scaling_envelope.envelope(runs)}
+    fam: dict = {
+        "runs": runs,
+        "minima": minima,
+        "k": k,
+        "envelope": scaling_envelope.envelope(runs),
+    }
     _isoflop_route(family, fam, warnings, bootstrap, seed)
     if fam["envelope"] is not None:
         warnings.extend(_train_validation_gap(family, runs, fam["envelope"]))
@@ -158,11 +187,14 @@ def _analyse_family(family, runs, fit, bt, warnings, bootstrap: int = 0, seed: i
             f"{family}: fitted without its largest budget ({bt['budget']:.3g}), the law misses "
             f"that budget's runs by {bt['median_abs']:.1%} (median; {min(bt['errors']):+.1%} to "
             f"{max(bt['errors']):+.1%}): expect errors of this size, not the bootstrap interval's, "
-            "when predicting beyond the sweep")
+            "when predicting beyond the sweep"
+        )
     if family == "moe" and len({r["experts"] for r in runs}) >= 2:
-        fam["expert_law"] = scaling_fit.clark_law([r["active_params"] for r in runs],
-                                                  [r["experts"] for r in runs],
-                                                  [r["loss"] for r in runs])
+        fam["expert_law"] = scaling_fit.clark_law(
+            [r["active_params"] for r in runs],
+            [r["experts"] for r in runs],
+            [r["loss"] for r in runs],
+        )
     return fam
 
 
@@ -174,13 +206,16 @@ def _isoflop_route(family: str, fam: dict, warnings: list[str], bootstrap: int, 
     inside = [m for m in minima if m.bracketed]
     if len(inside) < 2:
         if len(minima) >= 2:
-            warnings.append(f"{family}: {len(inside)} of {len(minima)} budgets have a minimum "
-                            "inside their ladder; the power laws N_opt = a C^b and D_opt = a' C^b' "
-                            "need 2, so neither is given")
+            warnings.append(
+                f"{family}: {len(inside)} of {len(minima)} budgets have a minimum "
+                "inside their ladder; the power laws N_opt = a C^b and D_opt = a' C^b' "
+                "need 2, so neither is given"
+            )
         return
     fam["n_law"] = scaling_fit.power_law([m.budget for m in inside], [m.n_opt for m in inside])
-    fam["d_law"] = scaling_fit.power_law([m.budget for m in inside],
-                                         [m.budget / (k * m.n_opt) for m in inside])
+    fam["d_law"] = scaling_fit.power_law(
+        [m.budget for m in inside], [m.budget / (k * m.n_opt) for m in inside]
+    )
     if not bootstrap:
         return
     by_budget: dict[float, tuple[list, list]] = {m.budget: ([], []) for m in minima}
@@ -190,18 +225,22 @@ def _isoflop_route(family: str, fam: dict, warnings: list[str], bootstrap: int, 
             by_budget[r["budget"]][1].append(r["loss"])
     boot = scaling_isoflop.bootstrap_route(by_budget, k, bootstrap, seed)
     if boot is None:
-        warnings.append(f"{family}: every budget has exactly 3 sizes, so each parabola passes "
-                        "through its runs and shows no scatter: the power laws get no interval "
-                        "(plan 4 or more sizes per budget)")
+        warnings.append(
+            f"{family}: every budget has exactly 3 sizes, so each parabola passes "
+            "through its runs and shows no scatter: the power laws get no interval "
+            "(plan 4 or more sizes per budget)"
+        )
         return
     if boot.failed <= boot.resamples / 2:
         fam["route_boot"] = boot
     else:
-        warnings.append(f"{family}: {boot.failed} of {boot.resamples} bootstrap resamples of the "
-                        "losses leave fewer than 2 budgets with a minimum inside the ladder: the "
-                        "power laws rest on minima the scatter of the runs can move off their "
-                        "ladders, so their intervals are withheld; add sizes on both sides of each "
-                        "budget's minimum")
+        warnings.append(
+            f"{family}: {boot.failed} of {boot.resamples} bootstrap resamples of the "
+            "losses leave fewer than 2 budgets with a minimum inside the ladder: the "
+            "power laws rest on minima the scatter of the runs can move off their "
+            "ladders, so their intervals are withheld; add sizes on both sides of each "
+            "budget's minimum"
+        )
 
 
 def _envelope_against_route(family: str, fam: dict) -> list[str]:
@@ -217,11 +256,13 @@ def _envelope_against_route(family: str, fam: dict) -> list[str]:
         return []
     fam["envelope_outside"] = (lo, hi)  # the summary marks the envelope's figures
     sizes = len(set(env.n[env.inside]))
-    return [f"{family}: the envelope of the training curves puts N_opt at C {top:.3g} at "
-            f"{n_env:.4g}, outside the IsoFLOP route's 95% interval there ({lo:.4g} to "
-            f"{hi:.4g}): the envelope picks among the ladder's sizes ({sizes} win somewhere) by "
-            "training losses, the route interpolates between them on the validation losses; "
-            "take the route's, and add sizes per budget to bring the two together"]
+    return [
+        f"{family}: the envelope of the training curves puts N_opt at C {top:.3g} at "
+        f"{n_env:.4g}, outside the IsoFLOP route's 95% interval there ({lo:.4g} to "
+        f"{hi:.4g}): the envelope picks among the ladder's sizes ({sizes} win somewhere) by "
+        "training losses, the route interpolates between them on the validation losses; "
+        "take the route's, and add sizes per budget to bring the two together"
+    ]
 
 
 TRAIN_VALID_WARN = 0.10
@@ -235,17 +276,20 @@ def _train_validation_gap(family: str, runs: list[dict], env) -> list[str]:
     pass over data like the validation split leaves them within a few percent, so the
     validation tokens are unlike the training batches, and the envelope, fitted on training
     losses, measures other data than the IsoFLOP minima and the law."""
-    gaps = [float(env.curves[r["name"]][1][-1] / r["loss"] - 1) for r in runs
-            if r["name"] in env.curves]
+    gaps = [
+        float(env.curves[r["name"]][1][-1] / r["loss"] - 1) for r in runs if r["name"] in env.curves
+    ]
     median = float(np.median(gaps))
     if abs(median) <= TRAIN_VALID_WARN:
         return []
-    return [f"{family}: the runs' last training losses lie {median:+.0%} from their final "
-            f"validation losses (median of {len(gaps)} runs; {min(gaps):+.0%} to "
-            f"{max(gaps):+.0%}): the validation tokens they are scored on are unlike their "
-            "training data, so the envelope of the training curves and the IsoFLOP minima and "
-            "law of the validation losses measure different text; where they disagree, trust "
-            "neither"]
+    return [
+        f"{family}: the runs' last training losses lie {median:+.0%} from their final "
+        f"validation losses (median of {len(gaps)} runs; {min(gaps):+.0%} to "
+        f"{max(gaps):+.0%}): the validation tokens they are scored on are unlike their "
+        "training data, so the envelope of the training curves and the IsoFLOP minima and "
+        "law of the validation losses measure different text; where they disagree, trust "
+        "neither"
+    ]
 
 
 def _law_warnings(family: str, fit: scaling_fit.ParametricFit, runs: list[dict]) -> list[str]:
@@ -255,19 +299,25 @@ def _law_warnings(family: str, fit: scaling_fit.ParametricFit, runs: list[dict])
     sizes = Counter(r["budget"] for r in runs)
     full = sum(c >= 3 for c in sizes.values())
     if full < LAW_BUDGETS:
-        out.append(f"{family}: the law's 5 constants rest on {len(runs)} runs of {len(sizes)} "
-                   f"budget(s), {full} of them with 3 or more sizes; it needs {LAW_BUDGETS} or "
-                   "more budgets of 3 or more sizes each to tell the size term from the tokens "
-                   f"term and the floor: add {LAW_BUDGETS - full} budget(s), and read its "
-                   "constants and predictions as unsettled until then")
+        out.append(
+            f"{family}: the law's 5 constants rest on {len(runs)} runs of {len(sizes)} "
+            f"budget(s), {full} of them with 3 or more sizes; it needs {LAW_BUDGETS} or "
+            "more budgets of 3 or more sizes each to tell the size term from the tokens "
+            f"term and the floor: add {LAW_BUDGETS - full} budget(s), and read its "
+            "constants and predictions as unsettled until then"
+        )
     for name, side, bound in fit.on_bounds():
-        out.append(f"{family}: the law's {name} = {bound:.4g} sits on the optimiser's {side} "
-                   "bound, so the runs do not determine it and every prediction of this law "
-                   f"rests on that bound; {BOUND_ADVICE[(name, side)]}")
+        out.append(
+            f"{family}: the law's {name} = {bound:.4g} sits on the optimiser's {side} "
+            "bound, so the runs do not determine it and every prediction of this law "
+            f"rests on that bound; {BOUND_ADVICE[(name, side)]}"
+        )
     hit = fit.boot_on_bounds()
     if hit:
-        out.append(f"{family}: {hit} of {len(fit.boot)} bootstrap fits put a constant on its "
-                   "bound; the 95% intervals are marked where they reach one")
+        out.append(
+            f"{family}: {hit} of {len(fit.boot)} bootstrap fits put a constant on its "
+            "bound; the 95% intervals are marked where they reach one"
+        )
     return out
 
 
@@ -284,18 +334,28 @@ def backtest(runs: list[dict], floor: str = "family") -> dict[str, dict]:
     by_family: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
         by_family[r["family"]].append(r)
-    last = {f: max(r["budget"] for r in rs) for f, rs in by_family.items()
-            if len({r["budget"] for r in rs}) >= 3}
+    last = {
+        f: max(r["budget"] for r in rs)
+        for f, rs in by_family.items()
+        if len({r["budget"] for r in rs}) >= 3
+    }
     earlier = {f: [r for r in by_family[f] if r["budget"] < b] for f, b in last.items()}
     laws = _fits(earlier, floor, 0, 0)
     out = {}
     for f, fit in laws.items():
-        held = sorted((r for r in by_family[f] if r["budget"] == last[f]),
-                      key=lambda r: r["active_params"])
-        errors = [float(r["loss"] / fit.law.loss(r["active_params"], r["tokens"]) - 1) for r in held]
-        out[f] = {"budget": last[f], "fitted_runs": len(earlier[f]),
-                  "runs": [r["name"] for r in held], "errors": errors,
-                  "median_abs": float(np.median(np.abs(errors)))}
+        held = sorted(
+            (r for r in by_family[f] if r["budget"] == last[f]), key=lambda r: r["active_params"]
+        )
+        errors = [
+            float(r["loss"] / fit.law.loss(r["active_params"], r["tokens"]) - 1) for r in held
+        ]
+        out[f] = {
+            "budget": last[f],
+            "fitted_runs": len(earlier[f]),
+            "runs": [r["name"] for r in held],
+            "errors": errors,
+            "median_abs": float(np.median(np.abs(errors))),
+        }
     return out
 
 
@@ -315,8 +375,11 @@ def optimum_trend(results: list[dict]) -> dict[str, tuple]:
             out[family] = (a, b, f"the power law through the minima of {len(inside)} budgets")
         elif inside:
             m = inside[0]
-            out[family] = (m.n_opt / math.sqrt(m.budget), 0.5,
-                           f"the minimum of budget {m.budget:.3g}, grown as C^0.5")
+            out[family] = (
+                m.n_opt / math.sqrt(m.budget),
+                0.5,
+                f"the minimum of budget {m.budget:.3g}, grown as C^0.5",
+            )
     return out
 
 
@@ -328,39 +391,55 @@ def predict(analysis: dict, family: str, budget: float) -> dict:
     if fam is None:
         raise ScalingError(f"the sweep has no finished {family} run")
     if "fit" not in fam:
-        raise ScalingError(f"{family}: {len(fam['runs'])} finished runs; a prediction needs the "
-                           "parametric law, which needs 5")
+        raise ScalingError(
+            f"{family}: {len(fam['runs'])} finished runs; a prediction needs the "
+            "parametric law, which needs 5"
+        )
     fit, k = fam["fit"], fam["k"]
     n, d, loss = fit.law.optimum(budget, k)
-    out = {"family": family, "budget": budget, "n_opt": n, "d_opt": d, "loss": loss,
-           "backtest": fam.get("backtest"), "on_bounds": fit.on_bounds(),
-           "n_interval": fit.interval(lambda b: b.optimum(budget, k)[0]),
-           "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
-           "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2]),
-           "ratio_interval": fit.interval(lambda b: _tokens_per_param(b, budget, k)),
-           "bytes_per_token": analysis.get("bytes_per_token")}
+    out = {
+        "family": family,
+        "budget": budget,
+        "n_opt": n,
+        "d_opt": d,
+        "loss": loss,
+        "backtest": fam.get("backtest"),
+        "on_bounds": fit.on_bounds(),
+        "n_interval": fit.interval(lambda b: b.optimum(budget, k)[0]),
+        "d_interval": fit.interval(lambda b: b.optimum(budget, k)[1]),
+        "loss_interval": fit.interval(lambda b: b.optimum(budget, k)[2]),
+        "ratio_interval": fit.interval(lambda b: _tokens_per_param(b, budget, k)),
+        "bytes_per_token": analysis.get("bytes_per_token"),
+    }
     if "n_law" in fam:
         # The IsoFLOP route (Chinchilla's second approach) as a cross-check on N_opt: the power
         # law through the bracketed per-budget minima. It assumes nothing about the shape of
         # L(N, D), and where the law's minimum along the budget is flat its N_opt is the less
         # certain of the two.
         a, b = fam["n_law"]
-        n_iso = a * budget ** b
-        out["isoflop"] = {"n_opt": n_iso, "ratio": budget / (k * n_iso ** 2),
-                          "budgets": sum(m.bracketed for m in fam["minima"]),
-                          "left_out": [m.budget for m in fam["minima"] if not m.bracketed]}
+        n_iso = a * budget**b
+        out["isoflop"] = {
+            "n_opt": n_iso,
+            "ratio": budget / (k * n_iso**2),
+            "budgets": sum(m.bracketed for m in fam["minima"]),
+            "left_out": [m.budget for m in fam["minima"] if not m.bracketed],
+        }
         boot = fam.get("route_boot")
         if boot is not None:
-            out["isoflop"].update(exponent_interval=boot.exponent_interval(),
-                                  ratio_interval=boot.ratio_interval(budget))
+            out["isoflop"].update(
+                exponent_interval=boot.exponent_interval(),
+                ratio_interval=boot.ratio_interval(budget),
+            )
     runs = fam["runs"]
     if family == "moe":
         best = min(runs, key=lambda r: (abs(math.log(r["budget"] / budget)), r["loss"]))
         out["experts"] = best["experts"]
     budgets = sorted({r["budget"] for r in runs})
     if budget > 10 * budgets[-1]:
-        analysis["warnings"].append(f"{budget:.3g} is {budget / budgets[-1]:.0f}x the sweep's "
-                                    "largest budget: the interval is only as good as the law")
+        analysis["warnings"].append(
+            f"{budget:.3g} is {budget / budgets[-1]:.0f}x the sweep's "
+            "largest budget: the interval is only as good as the law"
+        )
     return out
 
 
@@ -368,210 +447,3 @@ def _tokens_per_param(law: scaling_fit.Law, budget: float, k: float) -> float:
     """D_opt / N_opt of ``law`` at ``budget`` (infinite where its N_opt is 0)."""
     n, d, _ = law.optimum(budget, k)
     return d / n if n else math.inf
-
-
-def prediction_text(p: dict) -> str:
-    lo, hi = p["n_interval"]
-    dlo, dhi = p["d_interval"]
-    llo, lhi = p["loss_interval"]
-    lines = [f"{p['family']} at {p['budget']:.3g} FLOPs:",
-             f"  active parameters N  {p['n_opt']:.4g}  (95%: {lo:.4g} to {hi:.4g})",
-             f"  tokens D             {p['d_opt']:.4g}  (95%: {dlo:.4g} to {dhi:.4g})",
-             f"  tokens per parameter {p['d_opt'] / p['n_opt'] if p['n_opt'] else math.inf:.1f}"
-             + (f"  (95%: {p['ratio_interval'][0]:.1f} to {p['ratio_interval'][1]:.1f})"
-                if "ratio_interval" in p and math.isfinite(p["ratio_interval"][0]) else ""),
-             f"  predicted loss       {p['loss']:.4f}  (95%: {llo:.4f} to {lhi:.4f})"]
-    bpt = p.get("bytes_per_token")
-    if bpt:
-        lines.append(f"  in bits per byte     {bits_per_byte(p['loss'], bpt):.4f}  (95%: "
-                     f"{bits_per_byte(llo, bpt):.4f} to {bits_per_byte(lhi, bpt):.4f})")
-    if p.get("on_bounds"):
-        lines.append("  degenerate law       " + ", ".join(
-            f"{name} on its {side} bound {bound:.4g}" for name, side, bound in p["on_bounds"])
-            + ": the runs do not determine the law, so neither these numbers nor their "
-            "intervals (see the warnings)")
-    iso = p.get("isoflop")
-    if iso:
-        left = (f"; left out: {', '.join(f'{b:.3g}' for b in iso['left_out'])}, whose minima "
-                "lie outside their ladders" if iso["left_out"] else "")
-        lines.append(f"  IsoFLOP route        N {iso['n_opt']:.4g}, {iso['n_opt'] / p['n_opt']:.2f}x the "
-                     f"law's (the power law through the minima of {iso['budgets']} budgets{left})")
-        if "exponent_interval" in iso:
-            (lo, hi), (rlo, rhi) = iso["exponent_interval"], iso["ratio_interval"]
-            lines.append(f"                       exponent of N_opt 95%: {lo:.3f} to {hi:.3f}; "
-                         f"tokens per parameter {iso['ratio']:.1f} (95%: {rlo:.1f} to {rhi:.1f})")
-        else:
-            lines.append(f"                       tokens per parameter {iso['ratio']:.1f}")
-    else:
-        lines.append("  IsoFLOP route        none: fewer than 2 budgets have a minimum inside "
-                     "their ladder")
-    bt = p.get("backtest")
-    if bt:
-        lines.append(f"  backtest             the law fitted below {bt['budget']:.3g} misses that "
-                     f"budget's runs by {bt['median_abs']:.1%} (median; {min(bt['errors']):+.1%} "
-                     f"to {max(bt['errors']):+.1%})")
-    if "width" in p:
-        lines.append(f"  best ladder width    {p['width']}")
-    if p.get("experts"):
-        lines.append(f"  experts              {p['experts']}")
-    return "\n".join(lines)
-
-
-def _minimum_line(m, mult, bound: bool, bpt: float | None = None) -> str:
-    lo, hi = m.n_range
-    if m.bracketed:
-        text = (f"  C {m.budget:.3g}: N_opt {m.n_opt:.4g}, loss {m.loss_opt:.4f}"
-                f"{_bits(m.loss_opt, bpt)}")
-    else:
-        text = (f"  C {m.budget:.3g}: no minimum inside the ladder (N {lo:.4g} to {hi:.4g}): "
-                f"{m.problem()}; lowest run N {m.lowest_n:.4g}, loss {m.lowest_loss:.4f}"
-                f"{_bits(m.lowest_loss, bpt)}; left out of the power laws")
-    if mult is not None:
-        text += f", compute multiplier vs dense {'at least ' if bound else ''}{mult:.2f}x"
-    return text
-
-
-def _interval_text(fit: scaling_fit.ParametricFit, name: str) -> str:
-    """``lo-hi`` of a constant over the bootstrap fits, each end that sits on the optimiser's
-    bound marked."""
-    i = scaling_fit.PARAMS.index(name)
-    lo, hi = fit.interval(lambda b: getattr(b, name))
-    bounds = scaling_fit.BOUNDS[i]
-    ends = []
-    for value, bound in ((lo, bounds[0]), (hi, bounds[1])):
-        v = math.log(value) if name in "ABE" and value > 0 else value
-        mark = " (its bound)" if abs(v - bound) <= scaling_fit.BOUND_TOLERANCE else ""
-        ends.append(f"{value:.3f}{mark}")
-    return "-".join(ends)
-
-
-def _route_lines(fam: dict, inside: int) -> list[str]:
-    """The IsoFLOP route's power laws, with the 95% intervals of their exponents and of the
-    tokens per parameter at the sweep's largest bracketed budget when bootstrapped."""
-    (a, b), (ad, bd) = fam["n_law"], fam["d_law"]
-    boot = fam.get("route_boot")
-    top = max(m.budget for m in fam["minima"] if m.bracketed)
-    ratio = top / (fam["k"] * (a * top ** b) ** 2)
-    if boot is None:
-        return [f"  N_opt = {a:.3g} C^{b:.3f}, D_opt = {ad:.3g} C^{bd:.3f}  (through the minima "
-                f"of {inside} budgets); at C {top:.3g}: N_opt {a * top ** b:.4g}, D/N {ratio:.1f}"]
-    lo, hi = boot.exponent_interval()
-    rlo, rhi = boot.ratio_interval(top)
-    nlo, nhi = boot.n_interval(top)
-    left = (f"; {boot.failed} of {boot.resamples} resamples placed fewer than 2 minima inside "
-            "their ladders and are left out" if boot.failed else "")
-    return [f"  N_opt = {a:.3g} C^{b:.3f} (95%: {lo:.3f} to {hi:.3f}), D_opt = {ad:.3g} "
-            f"C^{bd:.3f} (95%: {1 - hi:.3f} to {1 - lo:.3f})  (through the minima of {inside} "
-            "budgets)",
-            f"  at C {top:.3g}: N_opt {a * top ** b:.4g} (95%: {nlo:.4g} to {nhi:.4g}), D/N "
-            f"{ratio:.1f} (95%: {rlo:.1f} to {rhi:.1f})  (bootstrap of the parabolas' "
-            f"residuals{left})"]
-
-
-def _envelope_line(env: scaling_envelope.Envelope, outside: tuple | None = None) -> str:
-    """Chinchilla's first approach: the power laws through the envelope's points off the edge,
-    or why there are none; ``outside``: the IsoFLOP route's interval its N_opt lies outside."""
-    edge = int(env.edge.sum())
-    where = f"; {scaling_envelope.edge_text(env)}, left out" if edge else ""
-    if env.n_law is None:
-        return f"  envelope of the training curves: no power law ({env.problem})"
-    (a, b), (ad, bd) = env.n_law, env.d_law
-    top = float(env.c[env.inside].max())  # the largest C the laws were fitted through
-    n_top = a * top ** b
-    return (f"  envelope of the training curves: N_opt = {a:.3g} C^{b:.3f}, D_opt = {ad:.3g} "
-            f"C^{bd:.3f}; at C {top:.3g}: N {n_top:.4g}, D/N {ad * top ** bd / n_top:.1f} "
-            f"(through {len(env.c) - edge} points, {len(set(env.n[env.inside]))} sizes{where})"
-            + (f"; outside the IsoFLOP route's 95% interval ({outside[0]:.4g} to "
-               f"{outside[1]:.4g}): take the route's (see the warnings)" if outside else ""))
-
-
-def bits_per_byte(loss: float, bytes_per_token: float | None) -> float | None:
-    """A loss in nats per token as bits per byte of the text: comparable across tokenizers."""
-    return loss / LN2 / bytes_per_token if bytes_per_token else None
-
-
-LN2 = math.log(2)
-
-
-def _bits(loss: float, bytes_per_token: float | None) -> str:
-    bits = bits_per_byte(loss, bytes_per_token)
-    return f" ({bits:.4f} bits/byte)" if bits is not None else ""
-
-
-def _bits_cell(loss: float, bytes_per_token: float | None) -> str:
-    bits = bits_per_byte(loss, bytes_per_token)
-    return "-" if bits is None else f"{bits:.4f}"
-
-
-def _law_lines(fit: scaling_fit.ParametricFit, shared: bool, bpt: float | None) -> list[str]:
-    law, flags = fit.law, fit.on_bounds()
-    lines = [f"  L = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^{law.beta:.3f}"
-             + (f"  (alpha 95%: {_interval_text(fit, 'alpha')}, beta: "
-                f"{_interval_text(fit, 'beta')})" if fit.boot else "")
-             + ("  (E shared by the families)" if shared else "")
-             + (f"; E = {bits_per_byte(law.E, bpt):.4f} bits/byte" if bpt else "")]
-    if flags:
-        lines.append("  degenerate: " + ", ".join(
-            f"{name} on its {side} bound ({bound:.4g})" for name, side, bound in flags)
-            + " (see the warnings for what to add)")
-    return lines
-
-
-def _family_lines(family: str, fam: dict, shared: bool, bpt: float | None) -> list[str]:
-    inside = sum(m.bracketed for m in fam["minima"])
-    lines = [f"{family}: {len(fam['runs'])} runs, {len(fam['minima'])} budgets with a "
-             f"parabola, {inside} with a minimum inside the ladder"]
-    for m in fam["minima"]:
-        lines.append(_minimum_line(m, fam.get("multiplier", {}).get(m.budget),
-                                   m.budget in fam.get("multiplier_bound", ()), bpt))
-    if "n_law" in fam:
-        lines.extend(_route_lines(fam, inside))
-    if fam.get("envelope") is not None:
-        lines.append(_envelope_line(fam["envelope"], fam.get("envelope_outside")))
-    if "fit" in fam:
-        lines.extend(_law_lines(fam["fit"], shared, bpt))
-    bt = fam.get("backtest")
-    if bt:
-        lines.append(f"  backtest: fitted below {bt['budget']:.3g} ({bt['fitted_runs']} runs), "
-                     f"the law's error on that budget's {len(bt['errors'])} runs (measured / "
-                     f"law - 1): median |e| {bt['median_abs']:.2%}, "
-                     + ", ".join(f"{n} {e:+.2%}" for n, e in zip(bt["runs"], bt["errors"])))
-    if "expert_law" in fam:
-        e = fam["expert_law"]
-        lines.append(f"  log L = {e['a']:.4f} log N + {e['b']:.4f} log E + {e['c']:.5f} "
-                     f"log N log E + {e['d']:.3f}  (Clark et al. 2022)")
-    return lines
-
-
-def summary(analysis: dict) -> str:
-    """The fits, family by family; losses in nats per token, and in bits per byte where the
-    analysis knows the validation text's bytes per token."""
-    bpt = analysis.get("bytes_per_token")
-    lines = [f"losses: nats per token of the validation text; bits per byte = nats / ln 2 / "
-             f"{bpt:.4f} (its UTF-8 bytes per predicted token)"] if bpt else []
-    shared = analysis.get("floor") == "shared" and sum(
-        "fit" in fam for fam in analysis["families"].values()) >= 2
-    for family, fam in analysis["families"].items():
-        lines.extend(_family_lines(family, fam, shared, bpt))
-    return "\n".join(lines)
-
-
-def write_report(analysis: dict, out_dir: Path) -> dict[str, Path]:
-    """report.md (tables, fits, warnings) and scaling.png (``scaling_plot.draw``)."""
-    from moe.tools import scaling_plot
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = scaling_plot.draw(analysis, out_dir / "scaling.png")
-    md = ["# Scaling sweep", "", "## Fits", "", "```", summary(analysis), "```", ""]
-    if analysis["warnings"]:
-        md += ["## Warnings", ""] + [f"- {w}" for w in analysis["warnings"]] + [""]
-    bpt = analysis.get("bytes_per_token")
-    md += ["## Runs", "", "| run | family | budget | N | tokens | loss (nats/token) | bits/byte |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
-    md += [f"| {r['name']} | {r['family']} | {r['budget']:.3g} | {r['active_params']:,} "
-           f"| {r['tokens']:,} | {r['loss']:.4f} | {_bits_cell(r['loss'], bpt)} |"
-           for r in analysis["results"]]
-    md += ["", "![scaling](scaling.png)", ""]
-    markdown = out_dir / "report.md"
-    write_atomic(markdown, "\n".join(md))
-    return {"markdown": markdown, "plot": plot}

@@ -37,9 +37,13 @@ def sentences(texts: list[str], min_words: int = 8, max_words: int = 20) -> list
             flat = " ".join(para.split())
             for s in re.split(r"(?<=[.!?])\s+", flat):
                 words = s.split()
-                plain = (s.isascii() and s[:1].isupper() and s.endswith(".")
-                         and not re.search(r"[>`:*=(){}\[\]_/\\|#<]", s)
-                         and all(_WORD.fullmatch(w.rstrip(".,;")) for w in words))
+                plain = (
+                    s.isascii()
+                    and s[:1].isupper()
+                    and s.endswith(".")
+                    and not re.search(r"[>`:*=(){}\[\]_/\\|#<]", s)
+                    and all(_WORD.fullmatch(w.rstrip(".,;")) for w in words)
+                )
                 if plain and min_words <= len(words) <= max_words and s not in seen:
                     seen.add(s)
                     out.append(s)
@@ -48,8 +52,10 @@ def sentences(texts: list[str], min_words: int = 8, max_words: int = 20) -> list
 
 def multiple_choice(pool: list[str], rng: random.Random) -> list[dict]:
     """A question per sentence: its first half, and its true second half among three others."""
-    halves = [(" ".join(s.split()[: len(s.split()) // 2]), " ".join(s.split()[len(s.split()) // 2:]))
-              for s in pool]
+    halves = [
+        (" ".join(s.split()[: len(s.split()) // 2]), " ".join(s.split()[len(s.split()) // 2 :]))
+        for s in pool
+    ]
     out = []
     for i, (context, ending) in enumerate(halves):
         others = rng.sample([h[1] for j, h in enumerate(halves) if j != i and h[1] != ending], 3)
@@ -78,8 +84,10 @@ def build(out_dir: Path, seed: int = 0) -> dict[str, int]:
     if len(pool) < need:
         raise SystemExit(f"only {len(pool)} usable sentences in the stdlib; {need} are needed")
     counts = {}
-    for name, make, part in (("stdlib_sentence_mc", multiple_choice, pool[: need // 2]),
-                             ("stdlib_next_word", next_word, pool[need // 2: need])):
+    for name, make, part in (
+        ("stdlib_sentence_mc", multiple_choice, pool[: need // 2]),
+        ("stdlib_next_word", next_word, pool[need // 2 : need]),
+    ):
         docs = make(part, rng)
         for split, rows in (("train", docs[:TRAIN_DOCS]), ("test", docs[TRAIN_DOCS:])):
             path = out_dir / f"{name}.{split}.jsonl"

@@ -72,19 +72,33 @@ log = logging.getLogger("moe.train")
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                      "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                      "cached_gaussian": float(np_state[4])},
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "name": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (
+            n["name"],
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -104,12 +118,31 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict | None) -> None: ...
 
 
-RESERVED_NAMES = ("step", "tokens", "module", "optimizer", "lr_scheduler", "buffer_names",
-                  "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
-                  "shared_params", "sparse_tensor_module_names", "skipped_steps",
-                  "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-                  "ds_config", "ds_version", "data_sampler", "random_ltd", "num_experts",
-                  "checkpoint_parallel_dimensions", "ds_autoep_layers")
+RESERVED_NAMES = (
+    "step",
+    "tokens",
+    "module",
+    "optimizer",
+    "lr_scheduler",
+    "buffer_names",
+    "param_shapes",
+    "frozen_param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "data_sampler",
+    "random_ltd",
+    "num_experts",
+    "checkpoint_parallel_dimensions",
+    "ds_autoep_layers",
+)
 """Entries of a checkpoint's model-states file that are not a registered part's: the loop's
 step and token counter, and DeepSpeed's own (tests/moe/training/test_layout_resume.py checks
 this list against a saved file), which a part of the same name would overwrite."""
@@ -159,8 +192,15 @@ class Checkpointer:
     holds every part's ``state_dict()`` under its name, beside the step and the token counter.
     The dict is read at each save: a part registered later is saved too."""
 
-    def __init__(self, engine, ckpt_dir: Path, ctx: SaveContext, rank: int,
-                 on_error: str = "stop", states: dict[str, Stateful] | None = None):
+    def __init__(
+        self,
+        engine,
+        ckpt_dir: Path,
+        ctx: SaveContext,
+        rank: int,
+        on_error: str = "stop",
+        states: dict[str, Stateful] | None = None,
+    ):
         self.engine = engine
         self.states = {} if states is None else states
         self.on_error = on_error  # checkpoint.on_save_error: stop | continue
@@ -217,11 +257,15 @@ class Checkpointer:
             if self.ctx.num_moe_layers:
                 (tag_dir / EXPERT_DIR).mkdir(parents=True, exist_ok=True)
         self.fingerprints = gather_expert_fingerprints(self.engine.module)
-        client = {"step": step, "tokens": tokens,
-                  **{name: part.state_dict() for name, part in self.states.items()}}
+        client = {
+            "step": step,
+            "tokens": tokens,
+            **{name: part.state_dict() for name, part in self.states.items()},
+        }
         with _RecordingEngine(self.engine, errors):
-            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client,
-                                        save_latest=False)
+            self.engine.save_checkpoint(
+                str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False
+            )
         with _recorded(errors, tag_dir / rng_file(self.rank)):
             write_atomic(tag_dir / rng_file(self.rank), _serialize(rng_state()))
         if self.rank == 0:
@@ -230,8 +274,9 @@ class Checkpointer:
             with _recorded(errors, tag_dir / TOKENIZER_COPY):
                 write_atomic(tag_dir / TOKENIZER_COPY, self.ctx.tokenizer_file.read_bytes())
 
-    def _failed(self, step: int, tag_dir: Path, errors_by_rank: list[list[str]],
-                remove: bool = True) -> bool:
+    def _failed(
+        self, step: int, tag_dir: Path, errors_by_rank: list[list[str]], remove: bool = True
+    ) -> bool:
         """After an exchange: if some rank failed, remove the partial checkpoint (rank 0, when
         ``remove``), then stop (raise on every rank) or warn and go on, as ``on_save_error``
         says."""
@@ -243,17 +288,26 @@ class Checkpointer:
             shutil.rmtree(tag_dir, ignore_errors=True)
         latest = find_latest(self.ckpt_dir) if self.ckpt_dir.is_dir() else None
         what = "; ".join(f"rank {r}: {', '.join(e)}" for r, e in failed.items())
-        kept = (f"the newest complete checkpoint is still {self.ckpt_dir / latest}" if latest
-                else "there is no complete checkpoint yet")
-        msg = (f"saving checkpoint {tag_dir} at step {step} failed ({what}); "
-               f"{'the partial checkpoint was removed and ' if remove else ''}{kept}")
+        kept = (
+            f"the newest complete checkpoint is still {self.ckpt_dir / latest}"
+            if latest
+            else "there is no complete checkpoint yet"
+        )
+        msg = (
+            f"saving checkpoint {tag_dir} at step {step} failed ({what}); "
+            f"{'the partial checkpoint was removed and ' if remove else ''}{kept}"
+        )
         _barrier()  # the partial directory is gone before any rank goes on
         if self.on_error == "stop":
-            raise CheckpointSaveError(f"{msg}. Free space or fix the storage, then resume (or set "
-                                      "checkpoint.on_save_error: continue to keep training)")
+            raise CheckpointSaveError(
+                f"{msg}. Free space or fix the storage, then resume (or set "
+                "checkpoint.on_save_error: continue to keep training)"
+            )
         if self.rank == 0:
-            log.warning(f"{msg}; training goes on (checkpoint.on_save_error: continue) and the "
-                        "next save tries again")
+            log.warning(
+                f"{msg}; training goes on (checkpoint.on_save_error: continue) and the "
+                "next save tries again"
+            )
         return True
 
     def _publish(self, tag_dir: Path, step: int, tokens: int) -> None:
@@ -265,12 +319,20 @@ class Checkpointer:
         if (tag_dir / EXPERT_DIR).is_dir():
             fsync_path(tag_dir / EXPERT_DIR)
         ctx = self.ctx
-        marker = {"format": FORMAT_VERSION, "tag": tag_dir.name, "step": step,
-                  "tokens": tokens, "world_size": ctx.world_size,
-                  "expert_parallel_size": ctx.expert_parallel_size,
-                  "num_moe_layers": ctx.num_moe_layers, "num_experts": ctx.num_experts,
-                  "tokenizer": {"file": ctx.tokenizer_file.name, "sha256": ctx.tokenizer_sha256},
-                  "expert_fingerprints": self.fingerprints, "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        marker = {
+            "format": FORMAT_VERSION,
+            "tag": tag_dir.name,
+            "step": step,
+            "tokens": tokens,
+            "world_size": ctx.world_size,
+            "expert_parallel_size": ctx.expert_parallel_size,
+            "num_moe_layers": ctx.num_moe_layers,
+            "num_experts": ctx.num_experts,
+            "tokenizer": {"file": ctx.tokenizer_file.name, "sha256": ctx.tokenizer_sha256},
+            "expert_fingerprints": self.fingerprints,
+            "files": files,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         write_atomic(tag_dir / MARKER, json.dumps(marker, indent=1).encode())
         fsync_path(tag_dir)
         write_atomic(self.ckpt_dir / LATEST, tag_dir.name.encode())  # for DeepSpeed's own tools
@@ -399,9 +461,11 @@ def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
         return ckpt_dir / tag if tag else None
     if resume == "none":
         if complete_tags(ckpt_dir):
-            raise CheckpointError(f"{ckpt_dir} already holds checkpoints "
-                                  f"({', '.join(complete_tags(ckpt_dir)[-3:])}); a fresh run would "
-                                  "overwrite them. Use --resume auto, or another run name")
+            raise CheckpointError(
+                f"{ckpt_dir} already holds checkpoints "
+                f"({', '.join(complete_tags(ckpt_dir)[-3:])}); a fresh run would "
+                "overwrite them. Use --resume auto, or another run name"
+            )
         return None
     path = Path(resume)
     if not path.is_dir():

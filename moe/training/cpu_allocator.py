@@ -30,8 +30,10 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    ok = all(mallopt(opt, val) == 1 for opt, val in (
-        (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20)))
+    ok = all(
+        mallopt(opt, val) == 1
+        for opt, val in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20))
+    )
     if not ok:
         log.warning("could not configure malloc to keep freed memory; continuing without")
     return ok

@@ -9,8 +9,9 @@ import torch.distributed as dist
 from data_pipeline.reader import PackedBatch
 
 
-def device_and_backend(local_rank: int, cuda_available: bool | None = None
-                       ) -> tuple[torch.device, str]:
+def device_and_backend(
+    local_rank: int, cuda_available: bool | None = None
+) -> tuple[torch.device, str]:
     """``cuda:LOCAL_RANK`` and NCCL when CUDA is present, the CPU and gloo otherwise."""
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
@@ -19,8 +20,15 @@ def device_and_backend(local_rank: int, cuda_available: bool | None = None
     return torch.device("cpu"), "gloo"
 
 
-PEAK_BF16_DENSE = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
-                   ("A100", 312e12), ("L40S", 362e12), ("B200", 2250e12)]
+PEAK_BF16_DENSE = [
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("B200", 2250e12),
+]
 """Peak dense bf16 FLOP/s by CUDA device-name substring (vendor data sheets; first match wins)."""
 
 
@@ -45,8 +53,12 @@ def pin(batch: PackedBatch) -> PackedBatch:
     compute."""
     if not torch.cuda.is_available():
         return batch
-    return PackedBatch(*(None if t is None else t.pin_memory()
-                         for t in (batch.tokens_BS, batch.doc_ids_BS, batch.targets_BS)))
+    return PackedBatch(
+        *(
+            None if t is None else t.pin_memory()
+            for t in (batch.tokens_BS, batch.doc_ids_BS, batch.targets_BS)
+        )
+    )
 
 
 def to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:

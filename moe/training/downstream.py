@@ -44,25 +44,36 @@ class DownstreamEvaluator(LoopPart):
     (once the guards decided: not a step that rolls back) and adds the scalars to the step
     state, which the reporters registered after it then write."""
 
-    def __init__(self, engine, cfg: RunConfig, rank: int, world_size: int,
-                 tokenizer_file: str | Path):
+    def __init__(
+        self, engine, cfg: RunConfig, rank: int, world_size: int, tokenizer_file: str | Path
+    ):
         from data_pipeline.tokenizer import Tokenizer
         from moe.training.lm_harness import HarnessLM, load_tasks
 
         d = cfg.eval.downstream
         self.cfg, self.engine, self.rank = cfg, engine, rank
         self.task_dict = load_tasks(d.tasks, d.include_path, d.num_fewshot)
-        generation = sorted(n for n, t in self.task_dict["tasks"].items()
-                            if t.OUTPUT_TYPE == "generate_until")
+        generation = sorted(
+            n for n, t in self.task_dict["tasks"].items() if t.OUTPUT_TYPE == "generate_until"
+        )
         if generation:
-            raise ConfigError([f"eval.downstream.tasks: {', '.join(generation)} generate text; "
-                               "during training only log-likelihood tasks run (multiple choice, "
-                               "loglikelihood, loglikelihood_rolling); evaluate generation with "
-                               "moe-eval --tasks"])
+            raise ConfigError(
+                [
+                    f"eval.downstream.tasks: {', '.join(generation)} generate text; "
+                    "during training only log-likelihood tasks run (multiple choice, "
+                    "loglikelihood, loglikelihood_rolling); evaluate generation with "
+                    "moe-eval --tasks"
+                ]
+            )
         spread = d.ranks == "all"
         self.active = spread or rank == 0
-        self.lm = HarnessLM(engine.module, Tokenizer(tokenizer_file), d.batch_size,
-                            rank=rank if spread else 0, world_size=world_size if spread else 1)
+        self.lm = HarnessLM(
+            engine.module,
+            Tokenizer(tokenizer_file),
+            d.batch_size,
+            rank=rank if spread else 0,
+            world_size=world_size if spread else 1,
+        )
         self.last: dict[str, float] = {}
         self.samples: dict[str, int] = {}  # examples evaluated per task, at the last evaluation
 
@@ -74,7 +85,9 @@ class DownstreamEvaluator(LoopPart):
         self.last = scalars
         state.extra.update(scalars)
         if self.rank == 0:
-            shown = ", ".join(f"{k.removeprefix('downstream/')} {v:.4f}" for k, v in scalars.items())
+            shown = ", ".join(
+                f"{k.removeprefix('downstream/')} {v:.4f}" for k, v in scalars.items()
+            )
             log.info(f"step {state.step:>5} | downstream {shown} ({time.time() - t0:.1f}s)")
 
     def evaluate(self) -> dict[str, float]:
@@ -88,8 +101,14 @@ class DownstreamEvaluator(LoopPart):
         module.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-                results = evaluate(self.lm, self.task_dict, limit=self.cfg.eval.downstream.limit,
-                                   bootstrap_iters=0, log_samples=False, verbosity="WARNING")
+                results = evaluate(
+                    self.lm,
+                    self.task_dict,
+                    limit=self.cfg.eval.downstream.limit,
+                    bootstrap_iters=0,
+                    log_samples=False,
+                    verbosity="WARNING",
+                )
         finally:
             module.train(was_training)
             random.setstate(states[0])

@@ -58,6 +58,7 @@ def score_experts(model: torch.nn.Module, batches: list) -> dict[str, torch.Tens
             gate = routing.scores_TE.gather(1, routing.indices_TK).flatten().double()
             sums_L2E[i, 0].index_add_(0, idx, gate)
             sums_L2E[i, 1].index_add_(0, idx, torch.ones_like(gate))
+
         return record
 
     handles = [layer.router.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
@@ -76,40 +77,55 @@ def score_experts(model: torch.nn.Module, batches: list) -> dict[str, torch.Tens
     if dist.is_initialized():
         dist.all_reduce(sums_L2E)
         dist.all_reduce(tokens)
-    top_k = torch.tensor([layer.cfg.router.top_k for layer in layers], dtype=torch.float64,
-                         device=device)
-    return {"gate": (sums_L2E[:, 0] / tokens).cpu(),
-            "token_share": (sums_L2E[:, 1] / (tokens * top_k[:, None])).cpu(),
-            "tokens": tokens.cpu()[0]}
+    top_k = torch.tensor(
+        [layer.cfg.router.top_k for layer in layers], dtype=torch.float64, device=device
+    )
+    return {
+        "gate": (sums_L2E[:, 0] / tokens).cpu(),
+        "token_share": (sums_L2E[:, 1] / (tokens * top_k[:, None])).cpu(),
+        "tokens": tokens.cpu()[0],
+    }
 
 
 def _layer_names(model: torch.nn.Module) -> list[str]:
     # The single-device names (an expert-parallel layer is blocks.i.ffn.deepspeed_moe).
-    return [single_device_name(n + ".")[:-1] for n, m in model.named_modules()
-            if isinstance(m, MoELayer)]
+    return [
+        single_device_name(n + ".")[:-1]
+        for n, m in model.named_modules()
+        if isinstance(m, MoELayer)
+    ]
 
 
-def new_selection(model: torch.nn.Module, reader: PackedReader, cfg: RunConfig,
-                  device: torch.device) -> dict:
+def new_selection(
+    model: torch.nn.Module, reader: PackedReader, cfg: RunConfig, device: torch.device
+) -> dict:
     """Score the experts on this rank's first ``max_batches`` micro-batches and select; the
     reader is left where it was."""
     esft = cfg.finetune.esft
     start = reader.state_dict()
     packed = [to_device(b, device) for b in reader.next_step(esft.max_batches)]
     reader.load_state_dict(start)
-    batches = [(b.tokens_BS[:, :-1], None if b.doc_ids_BS is None else b.doc_ids_BS[:, :-1])
-               for b in packed]
+    batches = [
+        (b.tokens_BS[:, :-1], None if b.doc_ids_BS is None else b.doc_ids_BS[:, :-1])
+        for b in packed
+    ]
     scores = score_experts(model, batches)
     try:
         chosen = select_experts(scores[esft.score], esft.p)
     except ValueError as e:
         raise ConfigError([f"finetune.esft: {e}"]) from None
-    return {"score": esft.score, "p": esft.p, "max_batches": esft.max_batches,
-            "tokens": int(scores["tokens"]),
-            "layers": [{"name": name, "selected": sel, "gate": g.tolist(),
-                        "token_share": s.tolist()}
-                       for name, sel, g, s in zip(_layer_names(model), chosen, scores["gate"],
-                                                  scores["token_share"])]}
+    return {
+        "score": esft.score,
+        "p": esft.p,
+        "max_batches": esft.max_batches,
+        "tokens": int(scores["tokens"]),
+        "layers": [
+            {"name": name, "selected": sel, "gate": g.tolist(), "token_share": s.tolist()}
+            for name, sel, g, s in zip(
+                _layer_names(model), chosen, scores["gate"], scores["token_share"]
+            )
+        ],
+    }
 
 
 def install_selection(model: torch.nn.Module, optimizer, selection: dict, ep_rank: int) -> None:
@@ -119,8 +135,9 @@ def install_selection(model: torch.nn.Module, optimizer, selection: dict, ep_ran
     weight decay to 0 (the stacks are the only trainable parameters)."""
     layers = model.moe_layers()
     if len(layers) != len(selection["layers"]):
-        raise CheckpointError(f"the ESFT selection has {len(selection['layers'])} MoE layers, "
-                              f"the model {len(layers)}")
+        raise CheckpointError(
+            f"the ESFT selection has {len(selection['layers'])} MoE layers, the model {len(layers)}"
+        )
     for layer, chosen in zip(layers, selection["layers"]):
         local = layer.experts.num_experts
         ids_E = torch.arange(ep_rank * local, (ep_rank + 1) * local)
@@ -140,8 +157,9 @@ class ExpertSelection:
 
     state_key = "esft"
 
-    def __init__(self, model, optimizer, cfg: RunConfig, rank: int, ep_rank: int,
-                 device: torch.device):
+    def __init__(
+        self, model, optimizer, cfg: RunConfig, rank: int, ep_rank: int, device: torch.device
+    ):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.rank, self.ep_rank, self.device = rank, ep_rank, device
         self.selection: dict | None = None
@@ -163,9 +181,11 @@ class ExpertSelection:
                 raise CheckpointError("its ESFT selection differs from the one this run trains")
             return
         if selection is None:  # its settings are checked with the run config's (fixed fields)
-            raise CheckpointError("saved without an ESFT selection (not a finetune.method esft "
-                                  "run): start a new run from it with model.init_from instead "
-                                  "of resuming it")
+            raise CheckpointError(
+                "saved without an ESFT selection (not a finetune.method esft "
+                "run): start a new run from it with model.init_from instead "
+                "of resuming it"
+            )
         self._install(selection, "from the checkpoint")
 
     def _install(self, selection: dict, how: str) -> None:
@@ -175,9 +195,12 @@ class ExpertSelection:
             return
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.cfg.run_dir / SELECTION_FILE, json.dumps(selection, indent=1).encode())
-        log.info(f"ESFT ({selection['score']}, p={selection['p']}), {how}: "
-                 + "; ".join(f"{layer['name']}: experts {layer['selected']}"
-                             for layer in selection["layers"])
-                 + "; the experts train without weight decay (docs/finetuning.md)")
+        log.info(
+            f"ESFT ({selection['score']}, p={selection['p']}), {how}: "
+            + "; ".join(
+                f"{layer['name']}: experts {layer['selected']}" for layer in selection["layers"]
+            )
+            + "; the experts train without weight decay (docs/finetuning.md)"
+        )
         ep = self.cfg.parallel.expert_parallel_size
         log_parameter_counts(parameter_counts(self.model, ep), "esft")

@@ -41,9 +41,11 @@ def prepare_finetune(model: nn.Module, cfg: FinetuneConfig) -> None:
         freeze_all_but_routed_experts(model)
         return
     # Methods whose added parameters are all that trains.
-    added = {"adapter": lambda: apply_bottleneck_adapters(model, cfg.adapter),
-             "prompt": lambda: apply_prompt(model, cfg.prompt),
-             "prefix": lambda: apply_prefix(model, cfg.prefix)}
+    added = {
+        "adapter": lambda: apply_bottleneck_adapters(model, cfg.adapter),
+        "prompt": lambda: apply_prompt(model, cfg.prompt),
+        "prefix": lambda: apply_prefix(model, cfg.prefix),
+    }
     if cfg.method in added:
         try:
             _train_only(model, added[cfg.method]())
@@ -77,16 +79,19 @@ def parameter_counts(model: nn.Module, ep_size: int = 1) -> dict[str, float]:
         n = p.numel() * (ep_size if getattr(p, "allreduce", True) is False else 1)
         total += n
         trainable += round(n * getattr(p, "trainable_fraction", 1)) if p.requires_grad else 0
-    return {"trainable_params": trainable, "total_params": total,
-            "trainable_share": trainable / total}
+    return {
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_share": trainable / total,
+    }
 
 
 def log_parameter_counts(counts: dict[str, float], method: str) -> None:
-    log.info(f"finetune.method {method}: {counts['trainable_params']:,} of "
-             f"{counts['total_params']:,} parameters train "
-             f"({100 * counts['trainable_share']:.3f}%)")
-
-
+    log.info(
+        f"finetune.method {method}: {counts['trainable_params']:,} of "
+        f"{counts['total_params']:,} parameters train "
+        f"({100 * counts['trainable_share']:.3f}%)"
+    )
 
 
 @torch.no_grad()
@@ -109,21 +114,27 @@ def load_adapters(model: nn.Module, cfg: LoRAConfig) -> None:
     params = dict(model.named_parameters())
     base_dtype = meta.get("base_dtype", "float32")  # files written before it was recorded: fp32
     if base_dtype not in BASE_DTYPES:
-        raise ConfigError([f"{key}: {path} says base_dtype {base_dtype!r} (known: "
-                           f"{', '.join(BASE_DTYPES)})"])
+        raise ConfigError(
+            [f"{key}: {path} says base_dtype {base_dtype!r} (known: {', '.join(BASE_DTYPES)})"]
+        )
     problems = []
     if meta["base_sha256"] != base_fingerprint(params, BASE_DTYPES[base_dtype]):
-        problems.append(f"{key}: {path} was trained on another base model (its base fingerprint "
-                        f"{meta['base_sha256'][:12]}... differs from this run's, "
-                        "model.init_from); apply it to the checkpoint it was trained from")
+        problems.append(
+            f"{key}: {path} was trained on another base model (its base fingerprint "
+            f"{meta['base_sha256'][:12]}... differs from this run's, "
+            "model.init_from); apply it to the checkpoint it was trained from"
+        )
     saved = json.loads(meta["lora"])
     # The settings that shape the factors and what they compute (arch fields of LoRAConfig).
-    problems += [f"finetune.lora.{name}: {getattr(cfg, name)!r} here, {saved.get(name)!r} in "
-                 f"{path}" for name in function_keys(LoRAConfig)
-                 if saved.get(name) != _plain(getattr(cfg, name))]
+    problems += [
+        f"finetune.lora.{name}: {getattr(cfg, name)!r} here, {saved.get(name)!r} in {path}"
+        for name in function_keys(LoRAConfig)
+        if saved.get(name) != _plain(getattr(cfg, name))
+    ]
     ours = {n: p for n, p in params.items() if is_factor(n)}
-    if not problems and (factors.keys() != ours.keys()
-                         or any(factors[n].shape != p.shape for n, p in ours.items())):
+    if not problems and (
+        factors.keys() != ours.keys() or any(factors[n].shape != p.shape for n, p in ours.items())
+    ):
         problems.append(f"{key}: the factors in {path} do not match this model's")
     if problems:
         raise ConfigError(problems)

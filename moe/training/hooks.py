@@ -126,9 +126,11 @@ class ConsoleReporter(LoopPart):
         eta = elapsed / max(s.step, 1) * (s.max_steps - s.step)
         gn = f" | grad norm {s.grad_norm:.3f}" if s.grad_norm is not None else ""
         mfu = f" | MFU {s.extra['train/mfu']:.1%}" if "train/mfu" in s.extra else ""
-        log.info(f"step {s.step:>5}/{s.max_steps} | loss {s.loss:.4f} (lm {s.lm_loss:.4f} aux "
-                 f"{s.aux_loss:.4f}) | lr {s.lr:.2e}{gn} | {s.tokens_per_second:,.0f} tok/s{mfu} | "
-                 f"ETA {eta / 60:.1f} min")
+        log.info(
+            f"step {s.step:>5}/{s.max_steps} | loss {s.loss:.4f} (lm {s.lm_loss:.4f} aux "
+            f"{s.aux_loss:.4f}) | lr {s.lr:.2e}{gn} | {s.tokens_per_second:,.0f} tok/s{mfu} | "
+            f"ETA {eta / 60:.1f} min"
+        )
 
 
 class TensorBoardReporter(LoopPart):
@@ -188,8 +190,9 @@ class ThroughputMeter(LoopPart):
     """Model FLOPs per second and utilization (MFU) from the training FLOPs per token of the
     active parameters and attention (moe/model/size.py documents the formula)."""
 
-    def __init__(self, train_flops_per_token: float, peak_flops_per_device: float | None,
-                 world_size: int):
+    def __init__(
+        self, train_flops_per_token: float, peak_flops_per_device: float | None, world_size: int
+    ):
         self.flops_per_token = train_flops_per_token
         self.peak = peak_flops_per_device
         self.world = world_size
@@ -215,9 +218,13 @@ class MemoryMeter(LoopPart):
     def after_step(self, s: StepState) -> None:
         if not s.is_log_step:
             return
-        mem = torch.tensor([self.proc.memory_info().rss / 2**30,
-                            torch.cuda.max_memory_allocated() / 2**30
-                            if torch.cuda.is_available() else 0.0], device=comm_device())
+        mem = torch.tensor(
+            [
+                self.proc.memory_info().rss / 2**30,
+                torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+            ],
+            device=comm_device(),
+        )
         if dist.is_initialized():
             dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=self.group)
         rss, gpu = mem.tolist()
@@ -233,10 +240,16 @@ def add_bucket_histogram(writer, tag: str, counts: torch.Tensor, step: int) -> N
     ids = torch.arange(len(counts), dtype=torch.float64)
     total = float(counts.sum())
     writer.add_histogram_raw(
-        tag, min=0.0, max=float(len(counts)), num=total, sum=float((ids * counts).sum()),
+        tag,
+        min=0.0,
+        max=float(len(counts)),
+        num=total,
+        sum=float((ids * counts).sum()),
         sum_squares=float((ids * ids * counts).sum()),
         bucket_limits=[float(i + 1) for i in range(len(counts))],
-        bucket_counts=counts.tolist(), global_step=step)
+        bucket_counts=counts.tolist(),
+        global_step=step,
+    )
 
 
 class ValidationMeter(LoopPart):
@@ -244,8 +257,16 @@ class ValidationMeter(LoopPart):
     split, computed by all ranks together. Every rank runs the same number of forward passes,
     padding with fully masked batches, because an expert-parallel forward is a collective."""
 
-    def __init__(self, engine, every_n_steps: int, windows: list[torch.Tensor], seq_len: int,
-                 batch_size: int, rank: int, world: int):
+    def __init__(
+        self,
+        engine,
+        every_n_steps: int,
+        windows: list[torch.Tensor],
+        seq_len: int,
+        batch_size: int,
+        rank: int,
+        world: int,
+    ):
         self.engine, self.every = engine, every_n_steps
         self.seq_len, self.batch_size = seq_len, batch_size
         self.rank, self.world = rank, world
@@ -255,13 +276,14 @@ class ValidationMeter(LoopPart):
     def _batches(self):
         per_round = self.batch_size * self.world
         for start in range(0, len(self.windows), per_round):
-            mine = self.windows[start + self.rank * self.batch_size:
-                                start + (self.rank + 1) * self.batch_size]
+            mine = self.windows[
+                start + self.rank * self.batch_size : start + (self.rank + 1) * self.batch_size
+            ]
             inputs = torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)
             targets = torch.full((self.batch_size, self.seq_len), -100, dtype=torch.long)
             for i, (tokens_S, targets_S) in enumerate(mine):
-                inputs[i, :len(tokens_S) - 1] = tokens_S[:-1]
-                targets[i, :len(targets_S)] = targets_S  # -100 at prompt tokens too
+                inputs[i, : len(tokens_S) - 1] = tokens_S[:-1]
+                targets[i, : len(targets_S)] = targets_S  # -100 at prompt tokens too
             yield inputs, targets
 
     @torch.no_grad()
@@ -276,8 +298,9 @@ class ValidationMeter(LoopPart):
         for inputs, targets in self._batches():
             inputs, targets = inputs.to(device), targets.to(device)
             logits = module(inputs).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                                     ignore_index=-100, reduction="sum")
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+            )
             sums += torch.stack([loss.double(), (targets != -100).sum().double()])
         self.engine.train(was_training)
         if dist.is_initialized():
@@ -291,9 +314,13 @@ class ValidationMeter(LoopPart):
             return
         self.last = self.evaluate()
         if self.rank == 0:
-            log.info(f"step {s.step:>5} | validation loss {self.last['loss']:.4f} | "
-                     f"perplexity {self.last['perplexity']:.2f} over {self.last['tokens']:,} tokens")
-        s.extra.update({"valid/loss": self.last["loss"], "valid/perplexity": self.last["perplexity"]})
+            log.info(
+                f"step {s.step:>5} | validation loss {self.last['loss']:.4f} | "
+                f"perplexity {self.last['perplexity']:.2f} over {self.last['tokens']:,} tokens"
+            )
+        s.extra.update(
+            {"valid/loss": self.last["loss"], "valid/perplexity": self.last["perplexity"]}
+        )
 
 
 class StepRecorder(LoopPart):
@@ -317,9 +344,19 @@ class StepRecorder(LoopPart):
         # repr of a Python float round-trips exactly: equal strings mean bitwise equal losses.
         # samples: the global sample positions [start, end) the step consumed (all ranks').
         samples = [s.consumed_samples - s.samples_per_step, s.consumed_samples]
-        self.file.write(json.dumps({"step": s.step, "loss": s.local_loss,
-                                    "tokens_sha256": s.tokens_sha256, "skipped": s.skipped,
-                                    "samples": samples, "time": time.time()}) + "\n")
+        self.file.write(
+            json.dumps(
+                {
+                    "step": s.step,
+                    "loss": s.local_loss,
+                    "tokens_sha256": s.tokens_sha256,
+                    "skipped": s.skipped,
+                    "samples": samples,
+                    "time": time.time(),
+                }
+            )
+            + "\n"
+        )
         self.file.flush()
 
     def on_rollback(self, client: dict) -> None:
@@ -336,8 +373,11 @@ class StepRecorder(LoopPart):
                     record = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(record, dict) and isinstance(record.get("step"), int) \
-                        and record["step"] < step:
+                if (
+                    isinstance(record, dict)
+                    and isinstance(record.get("step"), int)
+                    and record["step"] < step
+                ):
                     kept.append(line + "\n")
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(kept))
@@ -361,7 +401,9 @@ def hparams(cfg: RunConfig, counts: dict | None = None) -> dict:
         elif isinstance(node, (int, float, str, bool)):
             flat[prefix] = node
 
-    walk("", {k: v for k, v in to_dict(cfg).items()
-              if k in ("model", "train", "parallel", "finetune")})
+    walk(
+        "",
+        {k: v for k, v in to_dict(cfg).items() if k in ("model", "train", "parallel", "finetune")},
+    )
     walk("params", counts or {})
     return flat

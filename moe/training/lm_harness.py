@@ -35,15 +35,25 @@ from moe.training.harness_setup import BUNDLED_TASKS
 
 log = logging.getLogger("moe.eval")
 
+
 class HarnessLM(TemplateLM):
     """One of our models as an lm-evaluation-harness model. ``rank``/``world_size`` > 1: the
     harness gives each rank its share of the documents, and every rank makes the same number of
     forward passes (padding with dummy batches), as an expert-parallel forward is a collective."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, batch_size: int = 8,
-                 max_length: int | None = None, max_gen_toks: int = 256,
-                 prefix_token_id: int | None = None, seed: int = 1234, rank: int = 0,
-                 world_size: int = 1, progress: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        prefix_token_id: int | None = None,
+        seed: int = 1234,
+        rank: int = 0,
+        world_size: int = 1,
+        progress: bool = False,
+    ):
         super().__init__()
         if batch_size < 1:
             raise EvaluationError(f"batch size: must be >= 1, got {batch_size}")
@@ -57,8 +67,10 @@ class HarnessLM(TemplateLM):
         self.progress = progress
         self.pad_id = max(tokenizer.pad_id, 0)
         if tokenizer.vocab_size > model.cfg.vocab_size:
-            raise EvaluationError(f"{tokenizer.path}: its vocabulary ({tokenizer.vocab_size}) is "
-                                  f"larger than the model's ({model.cfg.vocab_size})")
+            raise EvaluationError(
+                f"{tokenizer.path}: its vocabulary ({tokenizer.vocab_size}) is "
+                f"larger than the model's ({model.cfg.vocab_size})"
+            )
 
     # --- tokens -------------------------------------------------------------------------------
     @property
@@ -126,8 +138,9 @@ class HarnessLM(TemplateLM):
         return list(batches) + [None] * (int(n) - len(batches))
 
     # --- scoring ------------------------------------------------------------------------------
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw
-                              ) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kw
+    ) -> list[tuple[float, bool]]:
         token_reqs = [(ctx, cont) for _, ctx, cont in requests]
         batches = plan_batches(token_reqs, self.batch_size, self.max_length, can_pad(self.model))
         out: list = [None] * len(token_reqs)
@@ -148,9 +161,15 @@ class HarnessLM(TemplateLM):
         once, with the prefix token before the first (the harness's own windowing)."""
         windows, owner = [], []
         for i, (text,) in enumerate(req.args for req in requests):
-            for ctx, cont in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for ctx, cont in map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, ctx, cont))
                 owner.append(i)
         totals = [0.0] * len(requests)
@@ -165,8 +184,10 @@ class HarnessLM(TemplateLM):
         """Greedy or sampled continuations, batched by prompt length per set of generation
         settings, each cut at the first stop sequence (EOS always stops)."""
         if self.world_size > 1:
-            raise EvaluationError("generation tasks run on one process (moe-eval --tasks), not "
-                                  "spread over training ranks")
+            raise EvaluationError(
+                "generation tasks run on one process (moe-eval --tasks), not "
+                "spread over training ranks"
+            )
         out: list[str | None] = [None] * len(requests)
         by_kwargs: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
@@ -176,16 +197,25 @@ class HarnessLM(TemplateLM):
             cfg, until = self._generation_settings(requests[indices[0]].args[1])
             room = self.max_length - cfg.max_new_tokens
             if room < 1:
-                raise EvaluationError(f"max_gen_toks {cfg.max_new_tokens} leaves no room for a "
-                                      f"prompt in the model's {self.max_length} tokens")
+                raise EvaluationError(
+                    f"max_gen_toks {cfg.max_new_tokens} leaves no room for a "
+                    f"prompt in the model's {self.max_length} tokens"
+                )
             prompts = {i: self.tok_encode(requests[i].args[0])[-room:] for i in indices}
             order = sorted(indices, key=lambda i: -len(prompts[i]))
             step = self.batch_size if can_pad(self.model) else 1
             for start in range(0, len(order), step):
-                chunk = order[start:start + step]
+                chunk = order[start : start + step]
                 done = self._stop_check(until)
-                toks = generate_batch(self.model, [prompts[i] for i in chunk], cfg,
-                                      self.eot_token_id, done, generator, self.pad_id)
+                toks = generate_batch(
+                    self.model,
+                    [prompts[i] for i in chunk],
+                    cfg,
+                    self.eot_token_id,
+                    done,
+                    generator,
+                    self.pad_id,
+                )
                 for i, t in zip(chunk, toks):
                     out[i] = postprocess_generated_text(self.tok_decode(t), until, None)
                     self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
@@ -195,30 +225,38 @@ class HarnessLM(TemplateLM):
         def done(row: int, tokens: list[int]) -> bool:
             text = self.tok_decode(tokens)
             return any(s and s in text for s in until)
+
         return done
 
     def _generation_settings(self, kwargs: dict) -> tuple[GenerationConfig, list[str]]:
         kw = dict(kwargs)
-        until = handle_stop_sequences(kw.pop("until", None),
-                                      eos=self._piece_text(self.eot_token_id))
+        until = handle_stop_sequences(
+            kw.pop("until", None), eos=self._piece_text(self.eot_token_id)
+        )
         max_new = int(kw.pop("max_gen_toks", kw.pop("max_new_tokens", self.max_gen_toks)))
         sample = bool(kw.pop("do_sample", False))
         temperature = float(kw.pop("temperature", 1.0 if sample else 0.0) or 0.0)
         top_k, top_p = kw.pop("top_k", None), kw.pop("top_p", None)
         if kw:
-            raise EvaluationError(f"generation settings {sorted(kw)} are not supported (until, "
-                                  "max_gen_toks, do_sample, temperature, top_k, top_p are)")
+            raise EvaluationError(
+                f"generation settings {sorted(kw)} are not supported (until, "
+                "max_gen_toks, do_sample, temperature, top_k, top_p are)"
+            )
         strategy = "sample" if sample and temperature > 0 else "greedy"
-        cfg = GenerationConfig(strategy=strategy, max_new_tokens=max_new,
-                               temperature=temperature if strategy == "sample" else 1.0,
-                               top_k=None if top_k is None else int(top_k),
-                               top_p=None if top_p is None else float(top_p))
+        cfg = GenerationConfig(
+            strategy=strategy,
+            max_new_tokens=max_new,
+            temperature=temperature if strategy == "sample" else 1.0,
+            top_k=None if top_k is None else int(top_k),
+            top_p=None if top_p is None else float(top_p),
+        )
         if cfg.problems():
             raise EvaluationError("generation settings: " + "; ".join(cfg.problems()))
         return cfg, until
 
 
 # --- tasks ------------------------------------------------------------------------------------
+
 
 def _resolved_local_files(config: dict, folder: Path) -> dict:
     """A task config whose local data files are named relative to its YAML file, with those
@@ -238,8 +276,10 @@ def _resolved_local_files(config: dict, folder: Path) -> dict:
         for p in paths if isinstance(paths, list) else [paths]:
             if "://" not in p and not Path(p).is_file():
                 raise EvaluationError(f"task {config.get('task')}: data file {p} not found")
-    kwargs = {**config["dataset_kwargs"], "data_files": resolved if isinstance(files, dict)
-              else resolved["test"]}
+    kwargs = {
+        **config["dataset_kwargs"],
+        "data_files": resolved if isinstance(files, dict) else resolved["test"],
+    }
     return {**config, "dataset_kwargs": kwargs}
 
 
@@ -259,24 +299,37 @@ def task_specs(names: list[str], include_paths: list[str | Path] = ()):
         manager = TaskManager(include_path=[str(f) for f in folders])
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
-        raise EvaluationError("unknown task(s): " + "; ".join(
-            f"{n} (nearest: {', '.join(difflib.get_close_matches(n, manager.all_tasks, 5, 0.5)) or 'none'})"
-            for n in unknown) + " (lm-eval --tasks list shows every task)")
+        raise EvaluationError(
+            "unknown task(s): "
+            + "; ".join(
+                f"{n} (nearest: {', '.join(difflib.get_close_matches(n, manager.all_tasks, 5, 0.5)) or 'none'})"
+                for n in unknown
+            )
+            + " (lm-eval --tasks list shows every task)"
+        )
     specs = []
     for name in names:
         entry = manager.task_index[name]
         path = entry.yaml_path
-        if path is not None and str(entry.kind).endswith("TASK") and any(
-                Path(path).resolve().is_relative_to(f.resolve()) for f in folders):
-            specs.append(_resolved_local_files(load_yaml(path, resolve_func=True),
-                                               Path(path).parent))
+        if (
+            path is not None
+            and str(entry.kind).endswith("TASK")
+            and any(Path(path).resolve().is_relative_to(f.resolve()) for f in folders)
+        ):
+            specs.append(
+                _resolved_local_files(load_yaml(path, resolve_func=True), Path(path).parent)
+            )
         else:
             specs.append(name)
     return manager, specs
 
 
-def load_tasks(names: list[str], include_paths: list[str | Path] = (),
-               num_fewshot: int | None = None, fewshot_seed: int = 1234) -> dict:
+def load_tasks(
+    names: list[str],
+    include_paths: list[str | Path] = (),
+    num_fewshot: int | None = None,
+    fewshot_seed: int = 1234,
+) -> dict:
     """The harness's task dictionary for ``names`` (tasks, groups or tags), with
     ``num_fewshot`` examples before each question (None: each task's own default). A data set
     on the Hugging Face Hub with no network here is refused by name."""
@@ -287,7 +340,8 @@ def load_tasks(names: list[str], include_paths: list[str | Path] = (),
         raise EvaluationError(
             f"task(s) {', '.join(names)}: a data set must be downloaded from the Hugging Face "
             f"Hub, which cannot be reached ({e}); run once with a network (the harness caches "
-            "the data) or use tasks with local data (moe/tasks/, --include-path)") from None
+            "the data) or use tasks with local data (moe/tasks/, --include-path)"
+        ) from None
     for task in task_dict["tasks"].values():
         if num_fewshot is not None:
             task.set_config(key="num_fewshot", value=num_fewshot)

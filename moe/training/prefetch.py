@@ -43,8 +43,9 @@ class PrefetchingReader:
         """The next step's ``accum`` micro-batches (pinned host tensors when CUDA is present)."""
         if self._thread is None:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._read_ahead, name="batch-prefetch",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._read_ahead, name="batch-prefetch", daemon=True
+            )
             self._thread.start()
         item = self._ready.get()
         if isinstance(item, BaseException):

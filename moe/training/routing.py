@@ -31,7 +31,9 @@ class RouterBalance(LoopPart):
             return
         if self.bias_in_use or s.is_log_step:
             E = self.layers[0].num_experts
-            packed = torch.stack([torch.cat([layer.step_load_E, layer.step_sums]) for layer in self.layers])
+            packed = torch.stack(
+                [torch.cat([layer.step_load_E, layer.step_sums]) for layer in self.layers]
+            )
             if dist.is_initialized():
                 dist.all_reduce(packed, group=self.group)
             for layer, row in zip(self.layers, packed):
@@ -46,8 +48,9 @@ class RouterBalance(LoopPart):
     def _publish(self, s: StepState, loads_LE: torch.Tensor, sums_LS: torch.Tensor) -> None:
         # The one read of the routing statistics, on logging steps only: they accumulate on the
         # device over the step's micro-batches (moe_layer.py); all layers come in one copy.
-        spread_L = torch.stack([layer.router.score_bias.max() - layer.router.score_bias.min()
-                                for layer in self.layers])
+        spread_L = torch.stack(
+            [layer.router.score_bias.max() - layer.router.score_bias.min() for layer in self.layers]
+        )
         E = loads_LE.shape[1]
         rows = torch.cat([loads_LE.float(), sums_LS.float(), spread_L.float()[:, None]], 1).tolist()
         for i, (row, layer) in enumerate(zip(rows, self.layers)):

@@ -11,7 +11,6 @@ of training, and every part is closed when training ends, however it ends."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -23,17 +22,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, validation_windows
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import read_manifest
+from data_pipeline.token_stream import validation_windows
 from moe.checkpoint.files import verify_checkpoint
 from moe.config.run import SIGNALS, RunConfig, dump_config
 from moe.core.errors import CheckpointError, ConfigError, LaunchError, TrainingError
 from moe.model.adapters.qlora import quantize_base
 from moe.model.compile import compile_blocks
-from moe.model.moe_layer import counting_routes
 from moe.model.recompute import apply_recompute
 from moe.model.size import flops_per_token
 from moe.model.transformer import MoETransformer
@@ -56,15 +54,14 @@ from moe.training.checkpoint import (
     restore,
 )
 from moe.training.decision import Rollback, Stop, decide
-from moe.training.device import peak_bf16_flops, to_device
-from moe.training.downstream import DownstreamEvaluator, downstream_due
+from moe.training.device import peak_bf16_flops
+from moe.training.downstream import DownstreamEvaluator
 from moe.training.esft import ExpertSelection
 from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
 from moe.training.hooks import (
     ConsoleReporter,
     MemoryMeter,
     StepRecorder,
-    StepState,
     TensorBoardReporter,
     ThroughputMeter,
     ValidationMeter,
@@ -72,7 +69,7 @@ from moe.training.hooks import (
 )
 from moe.training.prefetch import PrefetchingReader
 from moe.training.resilience.faults import FaultInjector
-from moe.training.resilience.nan_guard import NonFiniteGuard, poison_nonfinite
+from moe.training.resilience.nan_guard import NonFiniteGuard
 from moe.training.resilience.preemption import PreemptionGuard, exit_for_requeue
 from moe.training.resilience.spike_guard import (
     LossSpikeGuard,
@@ -82,6 +79,7 @@ from moe.training.resilience.spike_guard import (
 from moe.training.resilience.watchdog import HangWatchdog
 from moe.training.routing import RouterBalance
 from moe.training.run import PartFactory, Run, TrainState, close
+from moe.training.step import train_step
 from moe.training.upcycle import check_source_tokenizer, initialize_from_checkpoint
 
 log = logging.getLogger("moe.train")
@@ -103,14 +101,21 @@ class DistEnv:
         addr, port = self.master_addr, self.master_port
         if addr is None or port is None:
             if self.world_size > 1:
-                raise LaunchError(f"rank {self.rank} of {self.world_size}: MASTER_ADDR and "
-                                  f"MASTER_PORT must be set by the launcher")
+                raise LaunchError(
+                    f"rank {self.rank} of {self.world_size}: MASTER_ADDR and "
+                    f"MASTER_PORT must be set by the launcher"
+                )
             from moe.training.ports import free_port
 
             addr, port = "127.0.0.1", free_port()
-        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
-                "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+        }
 
 
 def resolve_vocab(cfg: RunConfig) -> RunConfig:
@@ -120,8 +125,12 @@ def resolve_vocab(cfg: RunConfig) -> RunConfig:
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tok_vocab
     elif cfg.model.vocab_size < tok_vocab:
-        raise ConfigError([f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
-                           f"tokenizer's vocabulary ({tok_vocab}, {cfg.data.dir})"])
+        raise ConfigError(
+            [
+                f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
+                f"tokenizer's vocabulary ({tok_vocab}, {cfg.data.dir})"
+            ]
+        )
     return cfg
 
 
@@ -152,15 +161,17 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     deepspeed_adapter.install()  # our changes to DeepSpeed's internals, for its pinned release
     ep = cfg.parallel.expert_parallel_size
     if env.world_size % ep:
-        raise ConfigError([f"parallel.expert_parallel_size: {ep} must divide the world size "
-                           f"({env.world_size})"])
+        raise ConfigError(
+            [f"parallel.expert_parallel_size: {ep} must divide the world size ({env.world_size})"]
+        )
     # Same seed on every rank: identical non-expert weights, and each rank keeps its slice of
     # identically initialized experts, whatever the layout.
     seed_everything(cfg.train.seed)
     model = MoETransformer(cfg.model)
     if cfg.model.init_from:  # a resumed run's checkpoint overwrites these weights later
-        initialize_from_checkpoint(model, cfg.model.init_from, cfg.model.upcycle_noise_std,
-                                   cfg.train.seed)
+        initialize_from_checkpoint(
+            model, cfg.model.init_from, cfg.model.upcycle_noise_std, cfg.train.seed
+        )
     prepare_finetune(model, cfg.finetune)  # adapters and frozen parameters, before wrapping
     wrap_moe_layers(model, ep, expert_parallel_rank(env.rank, ep))
     if cfg.finetune.method == "qlora":  # once wrapped: each rank quantises its own experts
@@ -169,17 +180,22 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
         log_parameter_counts(parameter_counts(model, ep), cfg.finetune.method)
     t = cfg.train
     apply_recompute(model, t.recompute, t.recompute_every_n_blocks)
-    groups = optimizer_param_groups(model, t.weight_decay, t.lr, t.router_lr_scale,
-                                    t.expert_lr_scale)
+    groups = optimizer_param_groups(
+        model, t.weight_decay, t.lr, t.router_lr_scale, t.expert_lr_scale
+    )
     if make_optimizer is not None:
         optimizer = make_optimizer(groups)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                                      **t.adamw_options())
+        optimizer = torch.optim.AdamW(
+            groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, **t.adamw_options()
+        )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, env.world_size))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(cfg, env.world_size),
+    )
     if t.compile:
         # Last: on the model as wrapped and recomputed, and as DeepSpeed placed and cast it.
         # Compiled before, the expert layers would probe the grouped GEMM for the fp32 CPU
@@ -193,14 +209,17 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     return engine, model
 
 
-def resume_from(engine, model, tag_dir: Path, cfg: RunConfig, env: DistEnv,
-                tokenizer_sha256: str) -> dict:
+def resume_from(
+    engine, model, tag_dir: Path, cfg: RunConfig, env: DistEnv, tokenizer_sha256: str
+) -> dict:
     """Load a verified checkpoint into the engine, on the saving layout or another one, and
     restore the RNG. Returns the client state: step, tokens, and every registered part's state
     under its name (:func:`~moe.training.checkpoint.restore` gives them back)."""
     marker = verify_checkpoint(tag_dir, cfg, tokenizer_sha256)
-    same_layout = (marker["world_size"] == env.world_size and marker["expert_parallel_size"]
-                   == cfg.parallel.expert_parallel_size)
+    same_layout = (
+        marker["world_size"] == env.world_size
+        and marker["expert_parallel_size"] == cfg.parallel.expert_parallel_size
+    )
     if same_layout:
         path, client = engine.load_checkpoint(str(tag_dir.parent), tag_dir.name)
         if path is None or client is None:
@@ -208,24 +227,19 @@ def resume_from(engine, model, tag_dir: Path, cfg: RunConfig, env: DistEnv,
     else:
         client = load_other_layout(engine, model, tag_dir)
         if env.rank == 0:
-            log.info(f"{tag_dir} was saved on {marker['world_size']} rank(s) with expert "
-                     f"parallelism {marker['expert_parallel_size']}; converted to "
-                     f"{env.world_size} rank(s), expert parallelism "
-                     f"{cfg.parallel.expert_parallel_size}")
+            log.info(
+                f"{tag_dir} was saved on {marker['world_size']} rank(s) with expert "
+                f"parallelism {marker['expert_parallel_size']}; converted to "
+                f"{env.world_size} rank(s), expert parallelism "
+                f"{cfg.parallel.expert_parallel_size}"
+            )
     problems = check_loaded_experts(model, marker.get("expert_fingerprints"))
     if problems:
-        raise CheckpointError(f"{tag_dir}: expert weights are wrong after loading: "
-                              + "; ".join(problems))
+        raise CheckpointError(
+            f"{tag_dir}: expert weights are wrong after loading: " + "; ".join(problems)
+        )
     load_rng(tag_dir, marker, env.rank, env.world_size, cfg.train.seed)
     return client
-
-
-def _token_hash(batches: list[torch.Tensor]) -> str:
-    """Of the host copies of the batches (the device has its own): no device read."""
-    h = hashlib.sha256()
-    for b in batches:
-        h.update(b.numpy().astype(np.int64).tobytes())
-    return h.hexdigest()[:16]
 
 
 def peak_flops(cfg: RunConfig, device: torch.device, threads: int | None = None) -> float | None:
@@ -240,116 +254,13 @@ def peak_flops(cfg: RunConfig, device: torch.device, threads: int | None = None)
     return peak_bf16_flops(device)
 
 
-def count_global_routing(engine, batches: list) -> None:
-    """For routers with ``aux_loss_scope: global_batch``: route every micro-batch of the step
-    once without gradients, sum the routed copies per expert over the micro-batches and all
-    ranks, and leave them in each layer's ``batch_counts_E`` for the step's training forwards.
-
-    ``batches``: the step's micro-batches as (input ids, document ids or None), on the device.
-    The random state is restored afterwards, so jitter and logit noise draw the same values in
-    the training forwards and the counted routing is the routing they use."""
-    layers = [m for m in engine.module.moe_layers() if m.cfg.router.aux_loss_scope == "global_batch"]
-    if not layers:
-        return
-    cuda = [engine.device] if engine.device.type == "cuda" else []
-    with torch.no_grad(), torch.random.fork_rng(devices=cuda), counting_routes(layers):
-        for input_ids_BS, doc_ids_BS in batches:
-            engine.module(input_ids_BS, doc_ids_BS=doc_ids_BS)
-    counts_LE = torch.stack([m.batch_counts_E for m in layers])
-    if dist.is_initialized():
-        dist.all_reduce(counts_LE)  # every expert's routed copies over all data-parallel ranks
-    for m, row in zip(layers, counts_LE):
-        m.batch_counts_E.copy_(row)
-
-
-def train_step(engine, loader: PrefetchingReader, cfg: RunConfig, env: DistEnv,
-               step: int, spike: LossSpikeGuard | None = None) -> StepState:
-    """One optimizer step over ``grad_accum_steps`` micro-batches.
-
-    Host syncs of our code in a step (DeepSpeed's own optimizer step reads the gradient norm
-    and the overflow flag besides): the loss sums and gradient norm are read once, after the
-    optimizer step, in one transfer (the non-finite guard and the per-step record need them
-    every step). Nothing is read per micro-batch: the losses add up on the device, and a
-    micro-batch's copy to the device is asynchronous from pinned memory."""
-    t = cfg.train
-    t0 = time.time()
-    packed = loader.next_step()
-    samples = t.micro_batch_size * t.grad_accum_steps * env.world_size
-    sums = torch.zeros(3, device=engine.device)  # (loss, lm loss, aux loss) summed
-    batches = []
-    for p in packed:
-        p_dev = to_device(p, engine.device)
-        doc_ids = None if p_dev.doc_ids_BS is None else p_dev.doc_ids_BS[:, :-1]
-        batches.append((p_dev.tokens_BS[:, :-1], p_dev.targets(), doc_ids))
-    count_global_routing(engine, [(x, d) for x, _, d in batches])
-    weights, trained = trained_token_weights([t for _, t, _ in batches], env.world_size,
-                                             packed[0].targets_BS is not None)
-    spike_ref = spike.reference() if spike is not None else None
-    z_max = torch.full((1,), -math.inf, device=engine.device)
-    for (inputs, targets, doc_ids), weight in zip(batches, weights):
-        # Only the losses are kept: the (B, S, V) logits would otherwise stay alive through this
-        # micro-batch's backward and the next one's forward (2 bytes per logit in bf16).
-        out = engine(inputs, targets, doc_ids_BS=doc_ids)._replace(logits=None)
-        scored = out.loss  # the micro-batch's own mean: what the spike guard compares
-        if weight is not None:  # masked data: each micro-batch's mean weighed by its targets
-            out = out._replace(loss=out.lm_loss * weight + out.aux_loss,
-                               lm_loss=out.lm_loss * weight)
-        loss = out.loss
-        if spike_ref is not None:
-            loss, z = spike.check(scored, spike_ref, loss)
-            z_max = torch.maximum(z_max, z.reshape(1))
-        engine.backward(poison_nonfinite(loss))
-        engine.step()  # the last micro-batch's step() updates the weights
-        sums += torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach()]).float()
-    skipped = not engine.was_step_applied()
-    is_log = (step == 1 or step % cfg.logging.log_every == 0 or step == t.max_steps
-              or bool(cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0)
-              or downstream_due(cfg, step))
-    # The spike guard's window needs the loss averaged over the ranks every step.
-    mean_over_ranks = (is_log or spike is not None) and dist.is_initialized()
-    local_sum = sums[:1].clone()
-    if mean_over_ranks:
-        dist.all_reduce(sums)
-    sums /= t.grad_accum_steps * (env.world_size if mean_over_ranks else 1)
-    grad_norm = engine.get_global_grad_norm()
-    norm = (grad_norm.detach().float().reshape(1).to(sums.device) if torch.is_tensor(grad_norm)
-            else torch.full((1,), math.nan if grad_norm is None else float(grad_norm),
-                            device=sums.device))
-    # The step's one read of ours (a host sync on GPUs).
-    loss, lm_loss, aux_loss, local_sum, norm_value, z_value, *n = torch.cat(
-        [sums, local_sum, norm, z_max, *([] if trained is None else [trained.reshape(1)])]).tolist()
-    return StepState(
-        step=step, max_steps=t.max_steps, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss,
-        lr=engine.get_lr()[0], grad_norm=None if grad_norm is None else norm_value,
-        step_seconds=time.time() - t0, tokens_per_step=samples * cfg.data.seq_len,
-        samples_per_step=samples, is_log_step=is_log, local_loss=local_sum / t.grad_accum_steps,
-        tokens_sha256=_token_hash([p.tokens_BS for p in packed]), skipped=skipped,
-        spike_zscore=z_value if spike_ref is not None and z_value > spike.cfg.zscore else None,
-        consumed_samples=int(loader.state_dict()["consumed_samples"]),
-        extra={} if trained is None else {"train/trained_tokens": n[0]})
-
-
-def trained_token_weights(targets: list[torch.Tensor], world_size: int, masked: bool
-                          ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-    """For data with a loss mask (targets holding -100): per micro-batch, the factor that turns
-    its mean loss (over its own trained targets) into its share of the mean over every trained
-    target of the step on all ranks, ``n_mb * A * W / N``, since the engine averages the
-    micro-batches' gradients and the ranks'; and ``N``, the step's trained targets. Computed on
-    the device (one all-reduce, no host read). Without a mask (``masked`` False: the same on
-    every rank, they read the same data) every micro-batch has the same number of targets:
-    ``[None, ...]`` and None."""
-    if not masked:
-        return [None] * len(targets), None
-    counts = torch.stack([(t != -100).sum() for t in targets]).float()
-    total = counts.sum()
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    weights = counts * (len(targets) * world_size) / total.clamp(min=1.0)
-    return list(weights), total
-
-
-def train(cfg: RunConfig, env: DistEnv, resume: str = "auto",
-          faults: FaultInjector | None = None, parts: Sequence[PartFactory] = ()) -> dict:
+def train(
+    cfg: RunConfig,
+    env: DistEnv,
+    resume: str = "auto",
+    faults: FaultInjector | None = None,
+    parts: Sequence[PartFactory] = (),
+) -> dict:
     """Train to ``cfg.train.max_steps``. ``resume``: ``auto`` (the newest complete checkpoint of
     the run directory, if any), ``none``, or a checkpoint directory. ``faults``: tests only
     (moe/training/resilience/faults.py). ``parts``: more parts of the loop, each built from the
@@ -371,7 +282,7 @@ def run_step(run: Run) -> None:
     decide, the parts report, then the loop acts on the decision (stop, save, preempt, roll
     back)."""
     ts, every = run.state, run.cfg.checkpoint.every_n_steps
-    state = train_step(run.engine, run.loader, run.cfg, run.env, ts.step + 1, run.spike)
+    state = train_step(run.engine, run.loader, run.cfg, run.env.world_size, ts.step + 1, run.spike)
     ts.step, ts.tokens = state.step, ts.tokens + state.tokens_per_step
     for part in run.parts:
         part.after_step(state)  # meters; the router bias for the next step
@@ -388,8 +299,14 @@ def run_step(run: Run) -> None:
     if isinstance(decision, Rollback):
         roll_back(run, decision)
     elif state.is_log_step:
-        ts.history.append({"step": ts.step, "loss": state.loss, "lm_loss": state.lm_loss,
-                           "tokens_per_s": state.tokens_per_second})
+        ts.history.append(
+            {
+                "step": ts.step,
+                "loss": state.loss,
+                "lm_loss": state.lm_loss,
+                "tokens_per_s": state.tokens_per_second,
+            }
+        )
 
 
 def save(run: Run, step: int) -> None:
@@ -415,19 +332,27 @@ def roll_back(run: Run, decision: Rollback) -> None:
     resumed run loads it (model, optimizer, LR schedule, RNG, every registered state: data
     cursor, guards' windows, ...); then the parts drop what they kept of the steps after it."""
     t0, ts = time.time(), run.state
-    client = resume_from(run.engine, run.model, decision.checkpoint, run.cfg, run.env,
-                         run.tokenizer_sha256)
+    client = resume_from(
+        run.engine, run.model, decision.checkpoint, run.cfg, run.env, run.tokenizer_sha256
+    )
     ts.step, ts.tokens = int(client["step"]), int(client.get("tokens", 0))
     ts.history = [h for h in ts.history if h["step"] <= ts.step]
     restore(run.states, client, decision.checkpoint)
     for part in run.parts:
         part.on_rollback(client)
-    log.info(f"rolled back to {decision.checkpoint} (step {ts.step}) in "
-             f"{time.time() - t0:.2f}s; the steps after it run again")
+    log.info(
+        f"rolled back to {decision.checkpoint} (step {ts.step}) in "
+        f"{time.time() - t0:.2f}s; the steps after it run again"
+    )
 
 
-def start_run(cfg: RunConfig, env: DistEnv, resume: str, faults: FaultInjector | None = None,
-              parts: Sequence[PartFactory] = ()) -> Run:
+def start_run(
+    cfg: RunConfig,
+    env: DistEnv,
+    resume: str,
+    faults: FaultInjector | None = None,
+    parts: Sequence[PartFactory] = (),
+) -> Run:
     """The engine, the data, the resumed state; then the checkpointer and the loop's parts
     around them (closed again if starting fails)."""
     cfg = resolve_vocab(cfg)
@@ -443,36 +368,42 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str, faults: FaultInjector |
     if env.rank == 0:  # written again when this run ends with its checkpoint; none till then
         files.summary.unlink(missing_ok=True)
     engine, model = build_engine(cfg, env)
-    reader = PackedReader(data, cfg.data.seq_len, cfg.data.seed, env.rank, env.world_size,
-                          cfg.train.micro_batch_size, weights=cfg.data.weights(),
-                          loader_workers=cfg.data.loader_workers,
-                          allow_other_data=cfg.data.allow_other_data_on_resume,
-                          document_ids=cfg.model.document_masking)
+    reader = PackedReader(
+        data,
+        cfg.data.seq_len,
+        cfg.data.seed,
+        env.rank,
+        env.world_size,
+        cfg.train.micro_batch_size,
+        weights=cfg.data.weights(),
+        loader_workers=cfg.data.loader_workers,
+        allow_other_data=cfg.data.allow_other_data_on_resume,
+        document_ids=cfg.model.document_masking,
+    )
     loader = PrefetchingReader(reader, cfg.train.grad_accum_steps)
-    state, client = TrainState(), None
-    if resume_dir is not None:
-        t_load = time.time()
-        client = resume_from(engine, model, resume_dir, cfg, env, tokenizer_sha)
-        state.step, state.tokens = int(client["step"]), int(client.get("tokens", 0))
-        if resume_dir.parent.resolve() == ckpt_dir.resolve():
-            state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
-        log.info(f"resumed from {resume_dir} at step {state.step} (loaded in "
-                 f"{time.time() - t_load:.2f}s)")
+    state = TrainState()
+    client = (
+        None
+        if resume_dir is None
+        else resume_state(state, engine, model, resume_dir, cfg, env, tokenizer_sha)
+    )
     train_loader = loader
     if faults is not None:  # tests only: proxies that call the injector (resilience/faults.py)
         engine, train_loader = faults.install(engine, loader, state)
-    run = Run(cfg, env, engine, model, train_loader, tokenizer_sha, state,
-              resumed=None if client is None else (client, resume_dir))
+    run = Run(
+        cfg,
+        env,
+        engine,
+        model,
+        train_loader,
+        tokenizer_sha,
+        state,
+        resumed=None if client is None else (client, resume_dir),
+    )
     try:
         run.carry("data", loader)
         if cfg.finetune.method == "esft":  # before the parts: the parameter counts need it
-            esft = ExpertSelection(model, engine.optimizer, cfg, env.rank,
-                                   expert_parallel_rank(env.rank,
-                                                        cfg.parallel.expert_parallel_size),
-                                   engine.device)
-            run.carry(esft.state_key, esft)
-            if client is None:  # a new run scores the experts on its first batches
-                esft.select(reader)
+            add_expert_selection(run, reader, select=client is None)
         add_parts(run, data)
         for build in parts:
             run.add(build(run))
@@ -482,9 +413,47 @@ def start_run(cfg: RunConfig, env: DistEnv, resume: str, faults: FaultInjector |
         raise
     run.resumed = None
     if state.step >= cfg.train.max_steps and env.rank == 0:
-        log.info(f"the latest checkpoint is at step {state.step}; nothing left to train "
-                 f"(max_steps {cfg.train.max_steps})")
+        log.info(
+            f"the latest checkpoint is at step {state.step}; nothing left to train "
+            f"(max_steps {cfg.train.max_steps})"
+        )
     return run
+
+
+def resume_state(
+    state: TrainState,
+    engine,
+    model,
+    resume_dir: Path,
+    cfg: RunConfig,
+    env: DistEnv,
+    tokenizer_sha: str,
+) -> dict:
+    """Load ``resume_dir`` into the engine and ``state`` (step, tokens, and the checkpoint when
+    it is this run's own); the checkpoint's client state."""
+    ckpt_dir = cfg.run_files.checkpoints
+    t_load = time.time()
+    client = resume_from(engine, model, resume_dir, cfg, env, tokenizer_sha)
+    state.step, state.tokens = int(client["step"]), int(client.get("tokens", 0))
+    if resume_dir.parent.resolve() == ckpt_dir.resolve():
+        state.checkpoint, state.checkpoint_step = ckpt_dir / resume_dir.name, state.step
+    log.info(
+        f"resumed from {resume_dir} at step {state.step} (loaded in {time.time() - t_load:.2f}s)"
+    )
+    return client
+
+
+def add_expert_selection(run: Run, reader: PackedReader, select: bool) -> None:
+    """ESFT's expert selection, carried by the checkpoint; ``select``: a new run scores the
+    experts on its first batches (a resumed one has its selection from the checkpoint)."""
+    cfg, env = run.cfg, run.env
+    ep_rank = expert_parallel_rank(env.rank, cfg.parallel.expert_parallel_size)
+    esft = ExpertSelection(
+        run.model, run.engine.optimizer, cfg, env.rank, ep_rank, run.engine.device
+    )
+    run.carry(esft.state_key, esft)
+    if select:
+        esft.select(reader)
 
 
 def add_parts(run: Run, data: PreparedData) -> None:
@@ -495,8 +464,17 @@ def add_parts(run: Run, data: PreparedData) -> None:
     config_text = dump_config(cfg)
     if cfg.eval.every_n_steps:
         windows = list(validation_windows(data, cfg.data.seq_len, cfg.eval.training_max_tokens))
-        run.add(ValidationMeter(run.engine, cfg.eval.every_n_steps, windows, cfg.data.seq_len,
-                                cfg.eval.batch_size, env.rank, env.world_size))
+        run.add(
+            ValidationMeter(
+                run.engine,
+                cfg.eval.every_n_steps,
+                windows,
+                cfg.data.seq_len,
+                cfg.eval.batch_size,
+                env.rank,
+                env.world_size,
+            )
+        )
     run.add(MemoryMeter())
     train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
     run.add(ThroughputMeter(train_flops, peak_flops(cfg, run.engine.device), env.world_size))
@@ -506,31 +484,42 @@ def add_parts(run: Run, data: PreparedData) -> None:
     events = recorded_events(run_dir)
     run.loader.skip(skipped_windows(events))
     if t.spike.action != "off":
-        run.spike = run.add(LossSpikeGuard(t.spike, run_dir, run.loader, env.rank,
-                                           env.world_size, events=events))
+        run.spike = run.add(
+            LossSpikeGuard(t.spike, run_dir, run.loader, env.rank, env.world_size, events=events)
+        )
     if cfg.eval.downstream.tasks:  # before the reporters, which write its scalars
-        run.add(DownstreamEvaluator(run.engine, cfg, env.rank, env.world_size,
-                                    data.tokenizer_file()))
+        run.add(
+            DownstreamEvaluator(run.engine, cfg, env.rank, env.world_size, data.tokenizer_file())
+        )
     run.add(ConsoleReporter(env.rank))
     run.add(StepRecorder(files.step_records(env.rank)))
     if env.rank == 0 and cfg.logging.tensorboard:
         counts = parameter_counts(run.model, cfg.parallel.expert_parallel_size)
         run.add(TensorBoardReporter(files.tensorboard, config_text, hparams(cfg, counts)))
     save_ctx = SaveContext(
-        config_text=config_text, tokenizer_file=data.tokenizer_file(),
-        tokenizer_sha256=run.tokenizer_sha256, world_size=env.world_size,
-        expert_parallel_size=cfg.parallel.expert_parallel_size, num_moe_layers=len(moe_layers),
-        num_experts=cfg.model.moe.num_experts, keep_last=cfg.checkpoint.keep_last)
-    run.checkpointer = Checkpointer(run.engine, files.checkpoints, save_ctx, env.rank,
-                                    cfg.checkpoint.on_save_error, run.states)
+        config_text=config_text,
+        tokenizer_file=data.tokenizer_file(),
+        tokenizer_sha256=run.tokenizer_sha256,
+        world_size=env.world_size,
+        expert_parallel_size=cfg.parallel.expert_parallel_size,
+        num_moe_layers=len(moe_layers),
+        num_experts=cfg.model.moe.num_experts,
+        keep_last=cfg.checkpoint.keep_last,
+    )
+    run.checkpointer = Checkpointer(
+        run.engine, files.checkpoints, save_ctx, env.rank, cfg.checkpoint.on_save_error, run.states
+    )
 
 
 def add_watch(run: Run) -> None:
     """The preemption guard (the last guard asked) and the hang watchdog, just before the first
     step."""
     cfg, env, t, files = run.cfg, run.env, run.cfg.train, run.cfg.run_files
-    run.add(PreemptionGuard(files.preempted, env.rank,
-                            tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)))
+    run.add(
+        PreemptionGuard(
+            files.preempted, env.rank, tuple(SIGNALS[n] for n in cfg.checkpoint.save_on_signals)
+        )
+    )
     if t.hang_timeout_s:
         run.add(HangWatchdog(t.hang_timeout_s, files.logs, env.rank)).start(run.state.step)
 
@@ -541,24 +530,33 @@ def finish_run(run: Run) -> dict:
     summary names none and the steps left unsaved, and every rank raises
     :class:`CheckpointSaveError`."""
     ts, max_steps = run.state, run.cfg.train.max_steps
-    summary = {"steps": max_steps, "history": ts.history,
-               "checkpoint": None if ts.failed_saves or ts.checkpoint is None
-               else str(ts.checkpoint),
-               "last_save_seconds": ts.last_save_seconds,
-               "threads_per_rank": torch.get_num_threads()}  # the evaluation after it uses them
+    summary = {
+        "steps": max_steps,
+        "history": ts.history,
+        "checkpoint": None if ts.failed_saves or ts.checkpoint is None else str(ts.checkpoint),
+        "last_save_seconds": ts.last_save_seconds,
+        "threads_per_rank": torch.get_num_threads(),
+    }  # the evaluation after it uses them
     if ts.failed_saves:
         first = max(ts.checkpoint_step, 0) + 1
-        summary.update(unsaved_steps=[first, max_steps], failed_saves=ts.failed_saves,
-                       newest_checkpoint=None if ts.checkpoint is None else str(ts.checkpoint))
+        summary.update(
+            unsaved_steps=[first, max_steps],
+            failed_saves=ts.failed_saves,
+            newest_checkpoint=None if ts.checkpoint is None else str(ts.checkpoint),
+        )
     if run.env.rank == 0:
         run.cfg.run_files.summary.write_text(json.dumps(summary, indent=2))
     if ts.failed_saves:
-        kept = (f"the newest complete checkpoint is {ts.checkpoint} (step {ts.checkpoint_step})"
-                if ts.checkpoint is not None else "there is no complete checkpoint")
+        kept = (
+            f"the newest complete checkpoint is {ts.checkpoint} (step {ts.checkpoint_step})"
+            if ts.checkpoint is not None
+            else "there is no complete checkpoint"
+        )
         raise CheckpointSaveError(
             f"the run's final checkpoint is missing: the saves at step(s) "
             f"{', '.join(map(str, ts.failed_saves))} failed (checkpoint.on_save_error: "
             f"continue), so steps {first} to {max_steps} are not saved; {kept}. Free space or "
-            "fix the storage, then resume: those steps train again")
+            "fix the storage, then resume: those steps train again"
+        )
     log.info(f"finished: step {ts.step} of {max_steps}, checkpoint {ts.checkpoint}")
     return summary

@@ -56,8 +56,12 @@ def incompatibilities(source: ModelConfig, target: ModelConfig) -> list[str]:
     return out
 
 
-def upcycle_state_dict(dense_state: dict[str, torch.Tensor], model: MoETransformer,
-                       noise_std: float = 0.0, seed: int = 0) -> dict[str, torch.Tensor]:
+def upcycle_state_dict(
+    dense_state: dict[str, torch.Tensor],
+    model: MoETransformer,
+    noise_std: float = 0.0,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
     """A state dict for ``model`` built from ``dense_state`` (a single-device state dict).
 
     Same-named, same-shaped tensors are copied. Where ``model`` has an MoE layer and the source
@@ -83,9 +87,11 @@ def upcycle_state_dict(dense_state: dict[str, torch.Tensor], model: MoETransform
                 continue
             w = dense_state[src_key].t()  # nn.Linear (out, in) -> expert layout (in, out)
             if w.shape != value.shape[1:]:
-                problems.append(f"{key}: experts of shape {tuple(value.shape[1:])} cannot copy the "
-                                f"dense FFN's {tuple(w.shape)}; set model.moe.expert_hidden to the "
-                                "dense FFN's hidden width")
+                problems.append(
+                    f"{key}: experts of shape {tuple(value.shape[1:])} cannot copy the "
+                    f"dense FFN's {tuple(w.shape)}; set model.moe.expert_hidden to the "
+                    "dense FFN's hidden width"
+                )
                 continue
             experts = w.expand_as(value).clone()
             if noise_std > 0:
@@ -94,16 +100,20 @@ def upcycle_state_dict(dense_state: dict[str, torch.Tensor], model: MoETransform
             out[key] = experts
             used.add(src_key)
         elif key in dense_state:
-            problems.append(f"{key}: shape {tuple(value.shape)} here, "
-                            f"{tuple(dense_state[key].shape)} in the source")
+            problems.append(
+                f"{key}: shape {tuple(value.shape)} here, "
+                f"{tuple(dense_state[key].shape)} in the source"
+            )
         else:
             problems.append(f"{key}: not in the source checkpoint")
     unused = [k for k in dense_state if k not in used]
     if unused:
         problems.append(f"source weights with no place in this model: {unused[:5]}")
     if problems:
-        raise CheckpointError("cannot initialize the model from the source checkpoint:\n  - "
-                              + "\n  - ".join(problems))
+        raise CheckpointError(
+            "cannot initialize the model from the source checkpoint:\n  - "
+            + "\n  - ".join(problems)
+        )
     return out
 
 
@@ -116,7 +126,7 @@ def source_tokenizer(path: str | Path) -> dict | None:
     directory's own (``hf:DIR``) or the one ``moe-import`` recorded; None for other checkpoints
     (the source of an upcycling may have been trained on other data)."""
     if str(path).startswith(HF_PREFIX):
-        return tokenizer_record(Path(str(path)[len(HF_PREFIX):]))
+        return tokenizer_record(Path(str(path)[len(HF_PREFIX) :]))
     marker = read_marker(resolve_checkpoint(path)) or {}
     return marker.get("tokenizer") if marker.get("imported_from") else None
 
@@ -126,19 +136,24 @@ def check_source_tokenizer(path: str | Path, data_sha256: str, data_dir: str) ->
     would mean other text to the model."""
     expected = source_tokenizer(path)
     if expected and expected["sha256"] != data_sha256:
-        raise ConfigError([f"model.init_from: {path} expects the tokenizer {expected['file']} "
-                           f"(sha256 {expected['sha256']}), the data in {data_dir} was prepared "
-                           f"with sha256 {data_sha256}; prepare it with data.tokenizer.model_file "
-                           "pointing at the model's tokenizer"])
+        raise ConfigError(
+            [
+                f"model.init_from: {path} expects the tokenizer {expected['file']} "
+                f"(sha256 {expected['sha256']}), the data in {data_dir} was prepared "
+                f"with sha256 {data_sha256}; prepare it with data.tokenizer.model_file "
+                "pointing at the model's tokenizer"
+            ]
+        )
 
 
-def initialize_from_checkpoint(model: MoETransformer, path: str | Path, noise_std: float = 0.0,
-                               seed: int = 0) -> None:
+def initialize_from_checkpoint(
+    model: MoETransformer, path: str | Path, noise_std: float = 0.0, seed: int = 0
+) -> None:
     """Load ``path`` (any layout, dense or MoE; ``hf:DIR`` a transformers directory) into
     ``model``, upcycling where needed."""
     if str(path).startswith(HF_PREFIX):
-        arch, source_cfg, state = read_hf_model(str(path)[len(HF_PREFIX):])
-        refuse_nonfinite(state, str(path)[len(HF_PREFIX):], arch, source_cfg)
+        arch, source_cfg, state = read_hf_model(str(path)[len(HF_PREFIX) :])
+        refuse_nonfinite(state, str(path)[len(HF_PREFIX) :], arch, source_cfg)
         where = str(path)
     else:
         source, run_cfg, tag_dir = load_model(path)

@@ -12,9 +12,10 @@ experts ``mlp.experts.gate_up_proj`` (E, 2H, D) = [gate; up] and ``mlp.experts.d
 down_proj``), which :class:`SafetensorsDir` stacks on reading; files with the stacked names are
 read as they are.
 
-Importing (:func:`read_hf_model`): config.json is turned into our model config, and anything
-the model cannot express (sliding-window attention, RoPE scaling, biases on the output
-projection, quantized weights, ...) is refused before any tensor is read, naming every field.
+Importing (:func:`read_hf_model`): config.json is turned into our model config
+(``moe/weights/hf_config.py``), and anything the model cannot express (sliding-window attention,
+RoPE scaling, biases on the output projection, quantized weights, ...) is refused before any
+tensor is read, naming every field.
 Tensors are then read one at a time with ``safetensors.safe_open`` (each stacked expert tensor
 is built from its experts' files and the pieces are dropped at once), so the memory held is our
 model plus the largest tensor. A missing shard, a tensor nobody maps, a tensor the model needs
@@ -33,16 +34,10 @@ from typing import Literal
 import torch
 
 from moe.core.config_schema import from_dict
-from moe.core.errors import CheckpointError, ConfigError
+from moe.core.errors import CheckpointError
 from moe.model.transformer import ModelConfig, MoETransformer
+from moe.weights.hf_config import hf_model_config
 
-ARCHITECTURES = {
-    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-}
-"""transformers class (config.json ``architectures``) -> model type we read."""
-DENSE = ("llama", "mistral", "qwen2")
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 """safetensors dtypes we read (converted to fp32; every one of them is exact in fp32)."""
 
@@ -68,9 +63,11 @@ class Link:
 
 
 def links(m: ModelConfig, arch: str) -> list[Link]:
-    """Every tensor of ours and where ``arch`` (a value of ARCHITECTURES) holds it."""
-    out = [Link("embed.weight", ("model.embed_tokens.weight",)),
-           Link("norm.weight", ("model.norm.weight",))]
+    """Every tensor of ours and where ``arch`` (a value of hf_config.ARCHITECTURES) holds it."""
+    out = [
+        Link("embed.weight", ("model.embed_tokens.weight",)),
+        Link("norm.weight", ("model.norm.weight",)),
+    ]
     if not m.tie_embeddings:
         out.append(Link("lm_head.weight", ("lm_head.weight",)))
     moe = m.moe
@@ -79,11 +76,15 @@ def links(m: ModelConfig, arch: str) -> list[Link]:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             out.append(Link(f"{src}attn.{proj}.weight", (f"{dst}self_attn.{proj}.weight",)))
         if m.qkv_bias:
-            out += [Link(f"{src}attn.{p}.bias", (f"{dst}self_attn.{p}.bias",))
-                    for p in ("q_proj", "k_proj", "v_proj")]
+            out += [
+                Link(f"{src}attn.{p}.bias", (f"{dst}self_attn.{p}.bias",))
+                for p in ("q_proj", "k_proj", "v_proj")
+            ]
         if m.qk_norm != "none":
-            out += [Link(f"{src}attn.{n}.weight", (f"{dst}self_attn.{n}.weight",))
-                    for n in ("q_norm", "k_norm")]
+            out += [
+                Link(f"{src}attn.{n}.weight", (f"{dst}self_attn.{n}.weight",))
+                for n in ("q_norm", "k_norm")
+            ]
         out.append(Link(f"{src}attn_norm.weight", (f"{dst}input_layernorm.weight",)))
         out.append(Link(f"{src}ffn_norm.weight", (f"{dst}post_attention_layernorm.weight",)))
         if not m.is_moe_layer(i):
@@ -91,33 +92,47 @@ def links(m: ModelConfig, arch: str) -> list[Link]:
             continue
         out.append(Link(f"{src}ffn.router.weight", (f"{dst}mlp.gate.weight",)))
         out.append(Link(f"{src}ffn.router.score_bias", (), "fresh"))  # zero or unused (hf_support)
-        out.append(Link(f"{src}ffn.experts.w_in", (f"{dst}mlp.experts.gate_up_proj",),
-                        "transpose"))
+        out.append(Link(f"{src}ffn.experts.w_in", (f"{dst}mlp.experts.gate_up_proj",), "transpose"))
         # The routed scaling factor multiplies each expert's output, which is linear in w_out.
-        out.append(Link(f"{src}ffn.experts.w_out", (f"{dst}mlp.experts.down_proj",), "transpose",
-                        moe.router.scaling_factor))
+        out.append(
+            Link(
+                f"{src}ffn.experts.w_out",
+                (f"{dst}mlp.experts.down_proj",),
+                "transpose",
+                moe.router.scaling_factor,
+            )
+        )
         if arch != "qwen2_moe":
             continue
         # Qwen2-MoE always has a shared expert and its sigmoid gate; without our gate a zero
         # gate gives exactly 1/2, so the output projection is held times 2 (exact).
         gated = moe.shared_expert_gate
         if moe.num_shared_experts:
-            out += _dense(f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.",
-                          1.0 if gated else 2.0)
+            out += _dense(
+                f"{src}ffn.shared_mlp.", f"{dst}mlp.shared_expert.", 1.0 if gated else 2.0
+            )
         else:  # width 0: adds 0
-            out += [Link(None, (f"{dst}mlp.shared_expert.{p}.weight",), "zeros", shape=s)
-                    for p, s in (("gate_proj", (0, m.d_model)), ("up_proj", (0, m.d_model)),
-                                 ("down_proj", (m.d_model, 0)))]
-        out.append(Link(f"{src}ffn.shared_gate.weight", (f"{dst}mlp.shared_expert_gate.weight",))
-                   if gated else Link(None, (f"{dst}mlp.shared_expert_gate.weight",), "zeros",
-                                      shape=(1, m.d_model)))
+            out += [
+                Link(None, (f"{dst}mlp.shared_expert.{p}.weight",), "zeros", shape=s)
+                for p, s in (
+                    ("gate_proj", (0, m.d_model)),
+                    ("up_proj", (0, m.d_model)),
+                    ("down_proj", (m.d_model, 0)),
+                )
+            ]
+        out.append(
+            Link(f"{src}ffn.shared_gate.weight", (f"{dst}mlp.shared_expert_gate.weight",))
+            if gated
+            else Link(None, (f"{dst}mlp.shared_expert_gate.weight",), "zeros", shape=(1, m.d_model))
+        )
     return out
 
 
 def _dense(src: str, dst: str, scale: float = 1.0) -> list[Link]:
-    return [Link(f"{src}w_in.weight", (f"{dst}gate_proj.weight", f"{dst}up_proj.weight"),
-                 "halves"),
-            Link(f"{src}w_out.weight", (f"{dst}down_proj.weight",), "copy", scale)]
+    return [
+        Link(f"{src}w_in.weight", (f"{dst}gate_proj.weight", f"{dst}up_proj.weight"), "halves"),
+        Link(f"{src}w_out.weight", (f"{dst}down_proj.weight",), "copy", scale),
+    ]
 
 
 def to_hf(link: Link, ours: torch.Tensor | None) -> list[torch.Tensor]:
@@ -140,178 +155,9 @@ def from_hf(link: Link, theirs: list[torch.Tensor]) -> torch.Tensor:
 
 # --- config.json -> ModelConfig ------------------------------------------------------------------
 
+
 # Keys that never change the function a checkpoint computes (bookkeeping, generation defaults,
 # outputs requested at call time).
-_IGNORED = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_router_logits",
-    "return_dict", "output_hidden_states", "output_attentions", "id2label", "label2id",
-    "is_encoder_decoder", "chunk_size_feed_forward", "problem_type", "pretraining_tp",
-    "max_window_layers", "tokenizer_class",
-}
-
-
-class _Reader:
-    """Reads config.json fields once each, collecting every problem."""
-
-    def __init__(self, hf: dict):
-        self.hf, self.used, self.problems = hf, set(), []
-
-    def get(self, key: str, default=None):
-        self.used.add(key)
-        return self.hf.get(key, default)
-
-    def only(self, key: str, allowed: tuple, why: str, default=None):
-        value = self.get(key, default)
-        if value not in allowed:
-            self.problems.append(f"{key}: {value!r}: {why}")
-        return value
-
-    def refuse(self, key: str, value, why: str) -> None:
-        self.problems.append(f"{key}: {value!r}: {why}")
-
-    def leftovers(self) -> None:
-        for key in sorted(set(self.hf) - self.used - _IGNORED):
-            self.problems.append(f"{key}: {self.hf[key]!r}: not understood by the importer "
-                                 "(moe/weights/hf.py); nothing here says it leaves the model "
-                                 "unchanged")
-
-
-def _rope(r: _Reader) -> float:
-    params = dict(r.get("rope_parameters") or {})
-    scaling = r.get("rope_scaling")
-    if scaling:
-        params = {**scaling, **params}
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    theta = params.pop("rope_theta", r.get("rope_theta", 10000.0))
-    if kind != "default":
-        r.refuse("rope_parameters.rope_type", kind, "only plain RoPE (default) is expressible; "
-                 "scaled RoPE (linear, dynamic, yarn, llama3, ...) is not")
-    partial = params.pop("partial_rotary_factor", r.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        r.refuse("partial_rotary_factor", partial, "rotary embeddings cover every channel")
-    for key, value in params.items():
-        r.refuse(f"rope_parameters.{key}", value, "not read by plain RoPE")
-    return float(theta)
-
-
-def _layers(r: _Reader, n_layers: int) -> tuple[list[int], dict]:
-    """Qwen's MoE layers (not in mlp_only_layers, (i + 1) % decoder_sparse_step == 0) as our
-    first_dense_layers / every_n_layers, or a problem."""
-    step = r.get("decoder_sparse_step", 1) or 1
-    only = set(r.get("mlp_only_layers") or [])
-    moe_layers = [i for i in range(n_layers) if i not in only and (i + 1) % step == 0]
-    if not moe_layers:
-        return moe_layers, {}
-    first = moe_layers[0]
-    for every in range(1, n_layers + 1):
-        if moe_layers == list(range(first, n_layers, every)):
-            return moe_layers, {"first_dense_layers": first, "every_n_layers": every}
-    r.refuse("mlp_only_layers", sorted(only), f"MoE layers {moe_layers} (with "
-             f"decoder_sparse_step {step}) are not 'the first N dense, then every k-th' "
-             "(model.moe.first_dense_layers, model.moe.every_n_layers)")
-    return moe_layers, {}
-
-
-def hf_model_config(hf: dict, where: str) -> tuple[str, dict]:
-    """(model type, our ``model`` config section as a dict) for a transformers config.json, or
-    a ConfigError naming every field the model cannot express."""
-    archs = hf.get("architectures") or []
-    arch = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else None
-    if arch is None:
-        raise ConfigError([f"architectures: {archs!r}: the importer reads one of "
-                           f"{', '.join(ARCHITECTURES)}"], where)
-    r = _Reader(hf)
-    d_model, n_heads = r.get("hidden_size"), r.get("num_attention_heads")
-    n_layers = r.get("num_hidden_layers")
-    head_dim = r.get("head_dim")
-    model = {
-        "vocab_size": r.get("vocab_size"), "d_model": d_model, "n_layers": n_layers,
-        "n_heads": n_heads, "n_kv_heads": r.get("num_key_value_heads"),
-        "head_dim": None if head_dim in (None, d_model // max(n_heads or 1, 1)) else head_dim,
-        "max_seq_len": r.get("max_position_embeddings", 2048), "position": "rope",
-        "rope_theta": _rope(r), "norm": "rmsnorm", "norm_placement": "pre",
-        "norm_eps": r.get("rms_norm_eps", 1e-6),
-        "tie_embeddings": r.get("tie_word_embeddings", False),
-        "init_std": r.get("initializer_range", 0.02),
-    }
-    r.only("hidden_act", ("silu",), "feed-forwards are SwiGLU (gated SiLU) only")
-    r.only("attention_dropout", (0, 0.0, None), "the model has no attention dropout")
-    if arch in ("qwen2", "qwen2_moe", "qwen3_moe"):
-        r.only("use_sliding_window", (False, None), "sliding-window attention is not expressible")
-        r.get("sliding_window")  # read only with use_sliding_window
-        types = r.get("layer_types")
-        if types and set(types) != {"full_attention"}:
-            r.refuse("layer_types", sorted(set(types)), "every layer attends to all earlier "
-                     "tokens (full_attention)")
-    else:
-        r.only("sliding_window", (None,), "sliding-window attention is not expressible")
-    if arch == "qwen2":
-        model["qkv_bias"] = True  # Qwen2's q/k/v projections always have a bias
-    elif arch == "qwen2_moe":
-        model["qkv_bias"] = bool(r.get("qkv_bias", True))
-    else:
-        r.only("attention_bias", (False, None), "a bias on the attention projections includes "
-               "the output projection's, which the model does not have")
-    if arch in DENSE:
-        r.only("mlp_bias", (False, None), "feed-forwards have no bias")
-        model["ffn"] = "dense"
-        model["moe"] = {"dense_hidden": r.get("intermediate_size")}
-    else:
-        model["moe"] = _moe(r, arch, n_layers)
-        if not any(model["moe"].pop("_moe_layers")):
-            model["ffn"] = "dense"
-    if arch == "qwen3_moe":
-        model["qk_norm"] = "head"
-    elif arch == "olmoe":
-        model["qk_norm"] = "projection"
-        r.only("clip_qkv", (None,), "queries, keys and values are never clipped")
-    r.leftovers()
-    if r.problems:
-        raise ConfigError(r.problems, where)
-    return arch, model
-
-
-def _moe(r: _Reader, arch: str, n_layers: int) -> dict:
-    top_k = r.get("num_experts_per_tok")
-    router = {"top_k": top_k, "aux_loss_coef": r.get("router_aux_loss_coef", 0.01),
-              "score_func": "softmax", "order": "softmax_then_topk"}
-    if arch == "mixtral":
-        experts = r.get("num_local_experts")
-        moe = {"num_experts": experts, "expert_hidden": r.get("intermediate_size"),
-               "_moe_layers": [1]}
-        router.update(renormalize=True, jitter_eps=r.get("router_jitter_noise", 0.0) or 0.0)
-    else:
-        experts = r.get("num_experts", r.get("num_local_experts"))
-        router["renormalize"] = bool(r.get("norm_topk_prob", False))
-        if arch == "olmoe":
-            moe = {"num_experts": experts, "expert_hidden": r.get("intermediate_size"),
-                   "_moe_layers": [1]}
-        else:
-            hidden = r.get("moe_intermediate_size")
-            moe_layers, placement = _layers(r, n_layers)
-            moe = {"num_experts": experts, "expert_hidden": hidden, **placement,
-                   "_moe_layers": moe_layers}
-            if len(moe_layers) < n_layers:
-                moe["dense_hidden"] = r.get("intermediate_size")
-            else:
-                r.get("intermediate_size")  # the width of dense layers, and there are none
-    if arch == "qwen2_moe":
-        shared = r.get("shared_expert_intermediate_size", 0) or 0
-        hidden = moe["expert_hidden"]
-        if shared and hidden and shared % hidden:
-            r.refuse("shared_expert_intermediate_size", shared, "the shared expert's width must "
-                     f"be a multiple of moe_intermediate_size ({hidden}): "
-                     "model.moe.num_shared_experts * expert_hidden")
-        elif shared:
-            moe.update(num_shared_experts=shared // hidden, shared_expert_gate=True)
-    moe["router"] = router
-    return moe
-
-
-# --- reading safetensors -------------------------------------------------------------------------
-
-
 class SafetensorsDir:
     """The tensors of a transformers directory (``model.safetensors`` or shards listed in
     ``model.safetensors.index.json``), read one at a time; each name is read at most once and
@@ -330,13 +176,16 @@ class SafetensorsDir:
         elif (hf_dir / "model.safetensors").is_file():
             weight_map = None
         else:
-            raise CheckpointError(f"{hf_dir}: no model.safetensors and no "
-                                  "model.safetensors.index.json")
+            raise CheckpointError(
+                f"{hf_dir}: no model.safetensors and no model.safetensors.index.json"
+            )
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         missing = [f for f in files if not (hf_dir / f).is_file()]
         if missing:
-            raise CheckpointError(f"{index}: shards listed in the index are missing: "
-                                  + ", ".join(str(hf_dir / f) for f in missing))
+            raise CheckpointError(
+                f"{index}: shards listed in the index are missing: "
+                + ", ".join(str(hf_dir / f) for f in missing)
+            )
         self.handles, self.where = {}, {}
         unlisted = []  # in a shard, but the index places them nowhere or in another shard
         for f in files:
@@ -349,22 +198,35 @@ class SafetensorsDir:
                 if weight_map is None or weight_map.get(name) == f:
                     self.where[name] = f
                 else:
-                    unlisted.append(f"{hf_dir / f}: {name}: " + (
-                        f"the index places it in {weight_map[name]}" if name in weight_map
-                        else "not listed in the index"))
+                    unlisted.append(
+                        f"{hf_dir / f}: {name}: "
+                        + (
+                            f"the index places it in {weight_map[name]}"
+                            if name in weight_map
+                            else "not listed in the index"
+                        )
+                    )
         if weight_map:
             absent = [n for n, f in weight_map.items() if n not in self.where]
-            problems = ([f"tensors listed in the index are not in their shard: "
-                         f"{', '.join(f'{n} ({weight_map[n]})' for n in absent[:5])}"]
-                        if absent else [])
+            problems = (
+                [
+                    f"tensors listed in the index are not in their shard: "
+                    f"{', '.join(f'{n} ({weight_map[n]})' for n in absent[:5])}"
+                ]
+                if absent
+                else []
+            )
             # transformers reads every tensor of the shards the index names, those the index
             # leaves out too (as unexpected): a shard holding more than its index says is
             # refused, as a tensor the model has no place for is.
-            problems += unlisted[:10] + ([f"... and {len(unlisted) - 10} more"]
-                                         if len(unlisted) > 10 else [])
+            problems += unlisted[:10] + (
+                [f"... and {len(unlisted) - 10} more"] if len(unlisted) > 10 else []
+            )
             if problems:
-                raise CheckpointError(f"{index}: the index and its shards disagree:\n"
-                                      + "".join(f"  - {p}\n" for p in problems))
+                raise CheckpointError(
+                    f"{index}: the index and its shards disagree:\n"
+                    + "".join(f"  - {p}\n" for p in problems)
+                )
         self.read: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
@@ -379,8 +241,9 @@ class SafetensorsDir:
     def dtype_problem(self, name: str) -> str | None:
         dtype = self.handles[self.where[name]].get_slice(name).get_dtype()
         if dtype not in DTYPES:
-            return (f"{self.file(name)}: {name}: dtype {dtype}; the importer reads "
-                    f"{', '.join(DTYPES)}")
+            return (
+                f"{self.file(name)}: {name}: dtype {dtype}; the importer reads {', '.join(DTYPES)}"
+            )
         return None
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -396,8 +259,9 @@ class SafetensorsDir:
         return sorted(set(self.where) - self.read)
 
 
-def _disk_sources(files: SafetensorsDir, arch: str, name: str, num_experts: int
-                  ) -> list[tuple[str, ...]] | None:
+def _disk_sources(
+    files: SafetensorsDir, arch: str, name: str, num_experts: int
+) -> list[tuple[str, ...]] | None:
     """The file tensors that hold the in-memory tensor ``name``: [(name,)] when the files hold
     it as it is; for stacked experts one tuple per expert ((gate, up) or (down,)); None when
     absent."""
@@ -407,13 +271,16 @@ def _disk_sources(files: SafetensorsDir, arch: str, name: str, num_experts: int
     if name.endswith(".mlp.gate.weight"):
         alt = name.replace(".mlp.", f".{block}.")
         return [(alt,)] if alt in files else None
-    for stacked, parts in ((".mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
-                           (".mlp.experts.down_proj", ("down_proj",))):
+    for stacked, parts in (
+        (".mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
+        (".mlp.experts.down_proj", ("down_proj",)),
+    ):
         if name.endswith(stacked):
             prefix = name[: -len(stacked)] + f".{block}.experts."
             if arch == "mixtral":
-                parts = tuple({"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[p]
-                              for p in parts)
+                parts = tuple(
+                    {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[p] for p in parts
+                )
             return [tuple(f"{prefix}{e}.{p}.weight" for p in parts) for e in range(num_experts)]
     return None
 
@@ -423,7 +290,10 @@ def tokenizer_record(hf_dir: Path) -> dict | None:
     tokenizer.model), or None."""
     for name in ("tokenizer.json", "tokenizer.model"):
         if (hf_dir / name).is_file():
-            return {"file": name, "sha256": hashlib.sha256((hf_dir / name).read_bytes()).hexdigest()}
+            return {
+                "file": name,
+                "sha256": hashlib.sha256((hf_dir / name).read_bytes()).hexdigest(),
+            }
     return None
 
 
@@ -468,22 +338,31 @@ def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch
                 continue
             for group in found:
                 # Per expert: the stacked tensor's rows split evenly over its parts.
-                part = (tuple(want) if len(found) == 1 and len(group) == 1 else
-                        (want[1] // len(group), *want[2:]))
+                part = (
+                    tuple(want)
+                    if len(found) == 1 and len(group) == 1
+                    else (want[1] // len(group), *want[2:])
+                )
                 for n in group:
                     if files.shape(n) != part:
-                        problems.append(f"{files.file(n)}: {n}: shape {files.shape(n)}, "
-                                        f"config.json describes {part}")
+                        problems.append(
+                            f"{files.file(n)}: {n}: shape {files.shape(n)}, "
+                            f"config.json describes {part}"
+                        )
                     elif p := files.dtype_problem(n):
                         problems.append(p)
             sources.append(found)
         plan.append((link, sources))
     named = {n for _, sources in plan for found in sources for group in found for n in group}
-    problems += [f"{files.file(n)}: {n}: no tensor of the model corresponds to it"
-                 for n in sorted(set(files.where) - named)]
+    problems += [
+        f"{files.file(n)}: {n}: no tensor of the model corresponds to it"
+        for n in sorted(set(files.where) - named)
+    ]
     if problems:
-        raise CheckpointError(f"{hf_dir}: the weights do not fit the {arch} model its config.json "
-                              "describes:\n" + "".join(f"  - {p}\n" for p in problems))
+        raise CheckpointError(
+            f"{hf_dir}: the weights do not fit the {arch} model its config.json "
+            "describes:\n" + "".join(f"  - {p}\n" for p in problems)
+        )
     state = {}
     for link, sources in plan:
         theirs = [_assemble(files, found) for found in sources]
@@ -496,8 +375,9 @@ def read_hf_model(hf_dir: str | Path) -> tuple[str, ModelConfig, dict[str, torch
     return arch, cfg, state
 
 
-def refuse_nonfinite(tensors: dict[str, torch.Tensor], hf_dir: str | Path, arch: str,
-                     cfg: ModelConfig) -> None:
+def refuse_nonfinite(
+    tensors: dict[str, torch.Tensor], hf_dir: str | Path, arch: str, cfg: ModelConfig
+) -> None:
     """CheckpointError when one of ``tensors`` (keys of our state dict, as read_hf_model gives
     them) holds NaN or infinite values (a diverged run's weights, a damaged file), naming the
     transformers tensors it was read from and the count. Callers run it where the values are
@@ -511,13 +391,16 @@ def refuse_nonfinite(tensors: dict[str, torch.Tensor], hf_dir: str | Path, arch:
         bad = int(t.numel() - torch.isfinite(t).sum())
         if bad:
             theirs = next((link.theirs for link in links(cfg, arch) if link.ours == key), ())
-            raise CheckpointError(f"{hf_dir}: {', '.join(theirs) or key} ({key} in our model): "
-                                  f"{bad:,} of {t.numel():,} values are NaN or infinite; these "
-                                  "weights cannot be used")
+            raise CheckpointError(
+                f"{hf_dir}: {', '.join(theirs) or key} ({key} in our model): "
+                f"{bad:,} of {t.numel():,} values are NaN or infinite; these "
+                "weights cannot be used"
+            )
 
 
-def read_hf_tensors(hf_dir: str | Path, names: list[str], arch: str, num_experts: int
-                    ) -> tuple[dict[str, torch.Tensor], list[str]]:
+def read_hf_tensors(
+    hf_dir: str | Path, names: list[str], arch: str, num_experts: int
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The transformers tensors ``names`` (in-memory names: stacked experts) as fp32, each that
     the directory holds whole (files of one tensor per expert are stacked), and the names of the
     directory's tensors none of them used."""
@@ -545,6 +428,6 @@ def _assemble(files: SafetensorsDir, found: list[tuple[str, ...]]) -> torch.Tens
         start = 0
         for n in group:
             t = files.tensor(n)
-            out[e, start:start + t.shape[0]] = t
+            out[e, start : start + t.shape[0]] = t
             start += t.shape[0]
     return out

@@ -37,8 +37,9 @@ def build_model(cfg: RunConfig) -> MoETransformer:
     return model
 
 
-def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = None
-                      ) -> tuple[dict, RunConfig, Path]:
+def load_consolidated(
+    path: str | Path, on_file: Callable[[], None] | None = None
+) -> tuple[dict, RunConfig, Path]:
     """The single-device state dict of a checkpoint saved with any layout, its run config and
     its directory, after checking it: complete, no file missing or truncated, every expert of
     every layer present exactly once and holding the weights saved under its id, every tensor
@@ -52,12 +53,15 @@ def load_consolidated(path: str | Path, on_file: Callable[[], None] | None = Non
     cfg = load_config(tag_dir / RUN_CONFIG)
     if cfg.model.vocab_size is None:
         raise CheckpointError(f"{tag_dir / RUN_CONFIG}: model.vocab_size is not resolved")
-    state, _ = read_consolidated(tag_dir, on_file, marker,
-                                 master_weights=cfg.train.precision != "fp32")
+    state, _ = read_consolidated(
+        tag_dir, on_file, marker, master_weights=cfg.train.precision != "fp32"
+    )
     problems = _shape_problems(state, cfg)
     if problems:
-        raise CheckpointError(f"{tag_dir}: checkpoint does not match its config "
-                              f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems))
+        raise CheckpointError(
+            f"{tag_dir}: checkpoint does not match its config "
+            f"({tag_dir / RUN_CONFIG}):\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     return state, cfg, tag_dir
 
 
@@ -69,7 +73,9 @@ def _shape_problems(state: dict, cfg: RunConfig) -> list[str]:
         if key not in state and not (cfg.model.tie_embeddings and key == "lm_head.weight"):
             problems.append(f"{key}: missing")
         elif key in state and state[key].shape != shape:
-            problems.append(f"{key}: shape {tuple(state[key].shape)}, the config needs {tuple(shape)}")
+            problems.append(
+                f"{key}: shape {tuple(state[key].shape)}, the config needs {tuple(shape)}"
+            )
     return problems + [f"{key}: not part of the model" for key in state if key not in expected]
 
 

@@ -20,8 +20,15 @@ PROOF = ROOT / "benchmarks" / "gpu_proof.sh"
 WHEELS_SCRIPT = ROOT / "benchmarks" / "gpu_wheels.sh"
 # What the GPU machine has besides Python 3.12 (docs/gpu.md): a CUDA torch, pyarrow,
 # sentencepiece, tensorboard, mpi4py, transformers; numpy comes with them.
-GPU_MACHINE_HAS = {"torch", "pyarrow", "sentencepiece", "tensorboard", "mpi4py", "transformers",
-                   "numpy"}
+GPU_MACHINE_HAS = {
+    "torch",
+    "pyarrow",
+    "sentencepiece",
+    "tensorboard",
+    "mpi4py",
+    "transformers",
+    "numpy",
+}
 
 
 def norm(name: str) -> str:
@@ -38,7 +45,7 @@ def make_wheel(folder: Path, name: str, version: str, module: str | None = None)
         f"{dist}.data/scripts/{module}-hello": "#!/bin/sh\necho hello\n",
         f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                   "Tag: py3-none-any\n",
+        "Tag: py3-none-any\n",
     }
     record = "".join(f"{f},,\n" for f in files) + f"{dist}.dist-info/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as z:
@@ -52,8 +59,14 @@ def make_wheel(folder: Path, name: str, version: str, module: str | None = None)
 
 def run_proof(out: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
-    return subprocess.run(["bash", str(PROOF), str(out), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(PROOF), str(out), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.integration
@@ -64,14 +77,26 @@ def test_dry_run_on_the_cpu_runs_every_part(tmp_path):
     make_wheel(wheels, "PyYAML", "0.0.1", module="yaml")  # present: must not shadow the real one
     make_wheel(wheels, "torch", "0.0.1")  # never installed, whatever the folder holds
     out, scratch = tmp_path / "out", tmp_path / "scratch"
-    proc = run_proof(out, "--dry-run", "--device", "cpu", "--wheels", str(wheels),
-                     "--scratch", str(scratch))
+    proc = run_proof(
+        out, "--dry-run", "--device", "cpu", "--wheels", str(wheels), "--scratch", str(scratch)
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
 
     files = sorted(p.name for p in out.iterdir())
-    assert files == sorted(["summary.md", "summary.json", "install.log", "env.log",
-                            "pytest.log", "bench.log", "train.log", "eval.log", "profile.md",
-                            "profile.json"])
+    assert files == sorted(
+        [
+            "summary.md",
+            "summary.json",
+            "install.log",
+            "env.log",
+            "pytest.log",
+            "bench.log",
+            "train.log",
+            "eval.log",
+            "profile.md",
+            "profile.json",
+        ]
+    )
     summary = json.loads((out / "summary.json").read_text())
     parts = {p["name"]: p for p in summary["parts"]}
     assert summary["ok"] and list(parts) == ["install", "env", "pytest", "bench", "train", "eval"]
@@ -105,7 +130,8 @@ def test_dry_run_on_the_cpu_runs_every_part(tmp_path):
     # A step profile of each model, eager and compiled, and a line of each in the summary.
     entries = json.loads((out / "profile.json").read_text())["entries"]
     assert [(e["model"], e["setting"]) for e in entries] == [
-        (m, s) for s in ("default", "train.compile=true") for m in ("tiny-dense", "tiny-moe")]
+        (m, s) for s in ("default", "train.compile=true") for m in ("tiny-dense", "tiny-moe")
+    ]
     assert "| tiny-moe | train.compile=true |" in (out / "summary.md").read_text()
 
     train = parts["train"]["figures"]
@@ -121,8 +147,17 @@ def test_dry_run_on_the_cpu_runs_every_part(tmp_path):
 def test_a_part_that_cannot_run_fails_the_proof_and_the_summary_is_still_written(tmp_path):
     """With no time at all every part is skipped: exit status 1, all files written."""
     out = tmp_path / "out"
-    proc = run_proof(out, "--dry-run", "--device", "cpu", "--budget", "1", "--scratch",
-                     str(tmp_path / "scratch"), timeout=120)
+    proc = run_proof(
+        out,
+        "--dry-run",
+        "--device",
+        "cpu",
+        "--budget",
+        "1",
+        "--scratch",
+        str(tmp_path / "scratch"),
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["ok"] and {p["status"] for p in summary["parts"]} == {"skipped"}
@@ -150,8 +185,14 @@ def requirements(dist: str) -> set[str]:
     """The distributions ``dist`` requires on Linux with Python 3.12 (no extras)."""
     from packaging.requirements import Requirement
 
-    where = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
-             "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    where = {
+        "python_version": "3.12",
+        "python_full_version": "3.12.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "extra": "",
+    }
     out = set()
     for text in metadata.requires(dist) or []:
         req = Requirement(text)
@@ -200,6 +241,7 @@ def test_the_wheel_folder_is_ignored_by_git_and_found_by_the_proof():
 
 def load_proof_module():
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("gpu_proof", ROOT / "benchmarks" / "gpu_proof.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -212,8 +254,14 @@ def test_a_second_proof_in_the_same_scratch_trains_a_run_of_its_own(tmp_path):
     it would train nothing and the train part would pass on no evidence."""
     gp = load_proof_module()
     scratch = tmp_path / "scratch"
-    args = gp.argparse.Namespace(outdir=str(tmp_path / "out"), scratch=str(scratch), budget=60.0,
-                                 device="cpu", dry_run=False, wheels=None)
+    args = gp.argparse.Namespace(
+        outdir=str(tmp_path / "out"),
+        scratch=str(scratch),
+        budget=60.0,
+        device="cpu",
+        dry_run=False,
+        wheels=None,
+    )
     assert gp.Proof(args).run_name() == "gpu-proof"
     (scratch / "runs" / "gpu-proof").mkdir(parents=True)
     (scratch / "runs" / "gpu-proof-2").mkdir()
@@ -225,16 +273,28 @@ def test_the_train_part_fails_when_the_run_logged_no_step(tmp_path):
     """A run that exits 0 with a checkpoint but no logged step (it resumed a finished run) is
     not a pass."""
     gp = load_proof_module()
-    args = gp.argparse.Namespace(outdir=str(tmp_path / "out"), scratch=str(tmp_path / "s"),
-                                 budget=60.0, device="cpu", dry_run=False, wheels=None)
+    args = gp.argparse.Namespace(
+        outdir=str(tmp_path / "out"),
+        scratch=str(tmp_path / "s"),
+        budget=60.0,
+        device="cpu",
+        dry_run=False,
+        wheels=None,
+    )
     proof = gp.Proof(args)
 
     def finished_run(part, cmd, log, limit, env=None):
         run_dir = proof.scratch / "runs" / proof.train_name
         run_dir.mkdir(parents=True)
-        (run_dir / "train_summary.json").write_text(json.dumps(
-            {"steps": 100, "checkpoint": str(run_dir / "checkpoints" / "step_0000100"),
-             "history": []}))
+        (run_dir / "train_summary.json").write_text(
+            json.dumps(
+                {
+                    "steps": 100,
+                    "checkpoint": str(run_dir / "checkpoints" / "step_0000100"),
+                    "history": [],
+                }
+            )
+        )
         return 0
 
     proof.run = finished_run
@@ -246,14 +306,21 @@ def test_the_train_part_fails_when_the_run_logged_no_step(tmp_path):
 
 
 @pytest.mark.parametrize("compiled_rc, status", [(0, "pass"), (None, "pass"), (1, "fail")])
-def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(tmp_path,
-                                                                              compiled_rc, status):
+def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(
+    tmp_path, compiled_rc, status
+):
     """The compiled run after the eager one: its ratios are reported; running out of the part's
     time is noted (the compiles take what the tests left), a compiled run that fails is a
     failure."""
     gp = load_proof_module()
-    args = gp.argparse.Namespace(outdir=str(tmp_path / "out"), scratch=str(tmp_path / "s"),
-                                 budget=60.0, device="cpu", dry_run=False, wheels=None)
+    args = gp.argparse.Namespace(
+        outdir=str(tmp_path / "out"),
+        scratch=str(tmp_path / "s"),
+        budget=60.0,
+        device="cpu",
+        dry_run=False,
+        wheels=None,
+    )
     proof = gp.Proof(args)
     proof.scratch.mkdir(parents=True, exist_ok=True)
     commands = []

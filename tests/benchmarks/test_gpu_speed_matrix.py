@@ -35,8 +35,9 @@ class FakeRunner:
     (setting, model) to a reason, ``errors`` holds the (setting, model, nth) runs that fail; a
     cost over the timeout is a run ended at it (None)."""
 
-    def __init__(self, clock, cost=lambda s, m, n: 10.0, speed=lambda s, m, n: 100.0,
-                 skip=None, errors=()):
+    def __init__(
+        self, clock, cost=lambda s, m, n: 10.0, speed=lambda s, m, n: 100.0, skip=None, errors=()
+    ):
         self.clock, self.cost, self.speed = clock, cost, speed
         self.skip, self.errors = skip or {}, set(errors)
         self.calls: list[tuple[str, str]] = []
@@ -56,16 +57,32 @@ class FakeRunner:
         self.clock.t += cost
         if (s, m, n) in self.errors:
             return {"status": "error", "reason": "CUDA out of memory"}
-        row = {"tokens_per_s": self.speed(s, m, n), "mfu": self.speed(s, m, n) / 1000,
-               "warmup_s": 1.0 + (cost - 10.0 if "+compile" in s or s == "compile" else 0.0)}
-        return {"status": "ok", "row": row, "profile": {"model": m, "setting": s}
-                if task.get("profile_steps") else None}
+        row = {
+            "tokens_per_s": self.speed(s, m, n),
+            "mfu": self.speed(s, m, n) / 1000,
+            "warmup_s": 1.0 + (cost - 10.0 if "+compile" in s or s == "compile" else 0.0),
+        }
+        return {
+            "status": "ok",
+            "row": row,
+            "profile": {"model": m, "setting": s} if task.get("profile_steps") else None,
+        }
 
 
-def matrix(settings, runner, clock, *, models=("dense", "moe"), deadline=1000.0,
-           run_deadline=900.0, **kw) -> gm.Matrix:
-    return gm.Matrix(settings, models, runner, clock=clock, deadline=deadline,
-                     run_deadline=run_deadline, run_estimate=10.0, compile_estimate=50.0, **kw)
+def matrix(
+    settings, runner, clock, *, models=("dense", "moe"), deadline=1000.0, run_deadline=900.0, **kw
+) -> gm.Matrix:
+    return gm.Matrix(
+        settings,
+        models,
+        runner,
+        clock=clock,
+        deadline=deadline,
+        run_deadline=run_deadline,
+        run_estimate=10.0,
+        compile_estimate=50.0,
+        **kw,
+    )
 
 
 def plain(*names):
@@ -73,12 +90,19 @@ def plain(*names):
 
 
 def test_settings_are_the_default_each_lever_then_the_compiled_levers():
-    levers = [gm.Lever("compile", ("train.compile=true",)),
-              gm.Lever("a", ("x.a=1",), ("cuda",), compiled=True), gm.Lever("b", ("x.b=1",))]
+    levers = [
+        gm.Lever("compile", ("train.compile=true",)),
+        gm.Lever("a", ("x.a=1",), ("cuda",), compiled=True),
+        gm.Lever("b", ("x.b=1",)),
+    ]
     got = [(s.name, s.overrides, s.needs, s.compiled) for s in gm.settings_of(levers)]
-    assert got == [("default", (), (), False), ("compile", ("train.compile=true",), (), True),
-                   ("a", ("x.a=1",), ("cuda",), False), ("b", ("x.b=1",), (), False),
-                   ("a+compile", ("x.a=1", "train.compile=true"), ("cuda",), True)]
+    assert got == [
+        ("default", (), (), False),
+        ("compile", ("train.compile=true",), (), True),
+        ("a", ("x.a=1",), ("cuda",), False),
+        ("b", ("x.b=1",), (), False),
+        ("a+compile", ("x.a=1", "train.compile=true"), ("cuda",), True),
+    ]
     names = [lv.name for lv in gm.LEVERS]
     assert len(set(names)) == len(names) and names[0] == "compile"
 
@@ -89,9 +113,18 @@ def test_rounds_interleave_the_settings_with_a_default_run_in_every_round():
     m = matrix(plain("a", "b"), runner, clock)
     m.run()
     order = [s for s, _ in runner.calls[:-2]]  # the last two: the profiles of the fastest
-    assert order == ["default"] * 2 + ["a"] * 2 + ["b"] * 2 \
-        + ["a"] * 2 + ["b"] * 2 + ["default"] * 2 \
-        + ["b"] * 2 + ["default"] * 2 + ["a"] * 2
+    assert (
+        order
+        == ["default"] * 2
+        + ["a"] * 2
+        + ["b"] * 2
+        + ["a"] * 2
+        + ["b"] * 2
+        + ["default"] * 2
+        + ["b"] * 2
+        + ["default"] * 2
+        + ["a"] * 2
+    )
     assert [mod for _, mod in runner.calls[:6]] == ["dense", "moe"] * 3
     assert m.status == "complete" and {r.round for r in m.runs} == {1, 2, 3}
 
@@ -116,8 +149,12 @@ def test_a_ratio_is_the_median_of_the_rounds_ratios_to_their_own_default():
 
 def test_a_setting_is_admitted_only_when_all_its_rounds_fit():
     clock = Clock()
-    settings = [gm.Setting("default"), gm.Setting("a", ("x.a=1",)),
-                gm.Setting("b", ("x.b=1", gm.COMPILE)), gm.Setting("c", ("x.c=1",))]
+    settings = [
+        gm.Setting("default"),
+        gm.Setting("a", ("x.a=1",)),
+        gm.Setting("b", ("x.b=1", gm.COMPILE)),
+        gm.Setting("c", ("x.c=1",)),
+    ]
     # 10 s a run; b's first run compiles for 50 s more (its estimate says 50 as well).
     runner = FakeRunner(clock, cost=lambda s, m, n: 60.0 if (s, n) == ("b", 1) else 10.0)
     m = matrix(settings, runner, clock, models=("moe",), run_deadline=160.0, deadline=200.0)
@@ -126,8 +163,19 @@ def test_a_setting_is_admitted_only_when_all_its_rounds_fit():
     # the later rounds of the three (80 + 60 + 30 > 160); those rounds end at t = 140, and the
     # 20 s left hold one round of c with its own default run.
     assert m.status == "complete" and m.not_admitted == []
-    assert [s for s, _ in runner.calls[:11]] == ["default", "a", "b", "a", "b", "default", "b",
-                                                 "default", "a", "default", "c"]
+    assert [s for s, _ in runner.calls[:11]] == [
+        "default",
+        "a",
+        "b",
+        "a",
+        "b",
+        "default",
+        "b",
+        "default",
+        "a",
+        "default",
+        "c",
+    ]
     assert len(runner.calls) == 12 and clock.t == 170.0  # then one profile run
     # b's later rounds were estimated without its compile (from its warm-up over the default's).
     assert m.estimate(settings[2], "moe", first=False) == 10.0
@@ -144,8 +192,14 @@ def test_the_budget_ends_runs_that_overrun_and_starts_none_that_cannot_fit():
     statuses = [(r.setting, r.round, r.status) for r in m.runs]
     # t = 20 after round 1; round 2's two runs are each ended after max(3 x 10, 10 + 60) = 70 s;
     # in round 3 the default runs (t = 170) and a, 10 s with 5 s left, is not started.
-    assert statuses == [("default", 1, "ok"), ("a", 1, "ok"), ("a", 2, "timeout"),
-                        ("default", 2, "timeout"), ("default", 3, "ok"), ("a", 3, "not run")]
+    assert statuses == [
+        ("default", 1, "ok"),
+        ("a", 1, "ok"),
+        ("a", 2, "timeout"),
+        ("default", 2, "timeout"),
+        ("default", 3, "ok"),
+        ("a", 3, "not run"),
+    ]
     assert m.status == "out of time" and clock.t <= 200.0
     ended = next(r for r in m.runs if r.status == "timeout")
     assert ended.wall_s == pytest.approx(70.0)
@@ -156,15 +210,33 @@ def test_time_the_admitted_settings_leave_goes_to_the_others_with_default_runs()
     # a's first run takes 30 s and promises 30 s rounds, which take 10: b and c are refused in
     # round 1 (40 + 80 promised + 30 > 130); at t = 80 the spare time runs rounds 4 and 5 of b,
     # each with a default run (b first in round 5), until a sixth would pass 130. c gets none.
-    runner = FakeRunner(clock, cost=lambda s, m, n: 30.0 if (s, n) == ("a", 1) else 10.0,
-                        speed=lambda s, m, n: {"default": 100.0, "b": 150.0}.get(s, 90.0))
-    m = matrix(plain("a", "b", "c"), runner, clock, models=("moe",), run_deadline=130.0,
-               deadline=200.0)
+    runner = FakeRunner(
+        clock,
+        cost=lambda s, m, n: 30.0 if (s, n) == ("a", 1) else 10.0,
+        speed=lambda s, m, n: {"default": 100.0, "b": 150.0}.get(s, 90.0),
+    )
+    m = matrix(
+        plain("a", "b", "c"), runner, clock, models=("moe",), run_deadline=130.0, deadline=200.0
+    )
     m.run()
-    assert [s for s, _ in runner.calls[:10]] == ["default", "a", "a", "default", "default", "a",
-                                                 "default", "b", "b", "default"]
-    assert [(r.setting, r.round) for r in m.runs[-4:]] == [("default", 4), ("b", 4), ("b", 5),
-                                                          ("default", 5)]
+    assert [s for s, _ in runner.calls[:10]] == [
+        "default",
+        "a",
+        "a",
+        "default",
+        "default",
+        "a",
+        "default",
+        "b",
+        "b",
+        "default",
+    ]
+    assert [(r.setting, r.round) for r in m.runs[-4:]] == [
+        ("default", 4),
+        ("b", 4),
+        ("b", 5),
+        ("default", 5),
+    ]
     assert m.not_admitted == ["c"] and m.status == "complete"
     rows = {r["setting"]: r for r in summary_rows(m)}
     assert rows["b"]["runs"] == 2 and rows["b"]["ratio"] == 1.5 and rows["default"]["runs"] == 5
@@ -183,7 +255,7 @@ def test_skipped_pairs_and_failed_settings_are_reported_and_not_retried():
     assert "round 1: error CUDA out of memory" in rows[("dense", "b")]["note"]
 
 
-FAKE_WORKER = r'''
+FAKE_WORKER = r"""
 import json, os, sys, time
 hang_at = int(os.environ.get("FAKE_HANG_AT", "0"))
 die_at = int(os.environ.get("FAKE_DIE_AT", "0"))
@@ -203,20 +275,34 @@ for line in sys.stdin:
         time.sleep(float(os.environ.get("FAKE_SECONDS", "0.2")))
     row = {"tokens_per_s": 100.0 + n, "mfu": 0.1, "warmup_s": 0.1}
     print(json.dumps({"id": task["id"], "status": "ok", "row": row}), flush=True)
-'''
+"""
 
 
 def start_matrix(tmp_path, budget, **env):
     worker = tmp_path / "fake_worker.py"
     worker.write_text(FAKE_WORKER)
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_speed_matrix.py"), str(out),
-           "--budget", str(budget), "--levers", "compile,expert-loop", "--profile-reserve", "2",
-           "--run-estimate", "1", "--compile-estimate", "1",
-           "--worker-cmd", f"{sys.executable} {worker}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_speed_matrix.py"),
+        str(out),
+        "--budget",
+        str(budget),
+        "--levers",
+        "compile,expert-loop",
+        "--profile-reserve",
+        "2",
+        "--run-estimate",
+        "1",
+        "--compile-estimate",
+        "1",
+        "--worker-cmd",
+        f"{sys.executable} {worker}",
+    ]
     env = {**os.environ, "FAKE_PIDS": str(tmp_path / "pids"), **env}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True), out
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ), out
 
 
 def wait_for_runs(out: Path, n: int, timeout: float = 60) -> None:
@@ -237,7 +323,10 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    return (
+        Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -294,11 +383,38 @@ def test_a_cpu_rehearsal_measures_and_profiles_through_the_real_worker(tmp_path)
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_speed_matrix.py"), str(out),
-         "--device", "cpu", "--tiny", "--models", "tiny-moe", "--levers", "recompute-full,flex",
-         "--rounds", "2", "--steps", "2", "--warmup", "1", "--budget", "400",
-         "--peak-flops", "1e12", "--run-estimate", "10", "--profile-reserve", "60"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_speed_matrix.py"),
+            str(out),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--models",
+            "tiny-moe",
+            "--levers",
+            "recompute-full,flex",
+            "--rounds",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--budget",
+            "400",
+            "--peak-flops",
+            "1e12",
+            "--run-estimate",
+            "10",
+            "--profile-reserve",
+            "60",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     summary = json.loads((out / "matrix.json").read_text())
     assert proc.returncode == 0 and summary["status"] == "complete", proc.stdout[-3000:]
     rows = {r["setting"]: r for r in summary["rows"]}
@@ -309,8 +425,9 @@ def test_a_cpu_rehearsal_measures_and_profiles_through_the_real_worker(tmp_path)
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["ratio"] > 0
     assert rows["default"]["ratio"] == 1.0
     entries = json.loads((out / "profile.json").read_text())["entries"]
-    best = max((rows["default"], rows["recompute-full"]), key=lambda r: (r["ratio"],
-                                                                           r["tokens_per_s"]))
+    best = max(
+        (rows["default"], rows["recompute-full"]), key=lambda r: (r["ratio"], r["tokens_per_s"])
+    )
     assert [(e["model"], e["setting"]) for e in entries] == [("tiny-moe", best["setting"])]
     assert "Fastest per model: tiny-moe" in (out / "matrix.md").read_text()
 
@@ -359,13 +476,15 @@ def test_missing_packages_are_installed_from_the_wheel_folder(tmp_path, monkeypa
     wheels.mkdir()
     make_wheel(wheels, "gpu-matrix-probe", "1.0")
     monkeypatch.setattr(matrix_worker, "NEEDED", ["yaml", "gpu_matrix_probe"])
-    env = matrix_worker.ensure_packages(str(tmp_path / "scratch"), str(wheels),
-                                        tmp_path / "worker.log", time.monotonic() + 120)
+    env = matrix_worker.ensure_packages(
+        str(tmp_path / "scratch"), str(wheels), tmp_path / "worker.log", time.monotonic() + 120
+    )
     site = tmp_path / "scratch" / "site"
     assert (site / "gpu_matrix_probe" / "__init__.py").exists()
     assert env["PYTHONPATH"].split(":")[:2] == [str(site), str(ROOT)]
     assert "install" in (tmp_path / "worker.log").read_text()
     monkeypatch.setattr(matrix_worker, "NEEDED", ["yaml", "no_such_module_anywhere"])
     with pytest.raises(RuntimeError, match="cannot import no_such_module_anywhere"):
-        matrix_worker.ensure_packages(str(tmp_path / "s2"), str(wheels), tmp_path / "w.log",
-                                      time.monotonic() + 120)
+        matrix_worker.ensure_packages(
+            str(tmp_path / "s2"), str(wheels), tmp_path / "w.log", time.monotonic() + 120
+        )

@@ -22,22 +22,47 @@ def test_cpu_tiny_mode_prints_the_table_and_writes_the_profiles(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     prof = tmp_path / "prof"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_train_bench.py", "--device", "cpu", "--tiny",
-         "--steps", "2", "--warmup", "1", "--profile-steps", "1", "--peak-flops", "1e12",
-         "--profile-out", str(prof)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "benchmarks/gpu_train_bench.py",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "1",
+            "--peak-flops",
+            "1e12",
+            "--profile-out",
+            str(prof),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("model"))
     columns = [SHORT[r] for r in REGIONS]
-    assert lines[head].split()[-len(columns):] == columns
+    assert lines[head].split()[-len(columns) :] == columns
     rows = {}
-    for line in lines[head + 2:head + 4]:
+    for line in lines[head + 2 : head + 4]:
         f = line.split()
-        rows[f[0]] = {"tok/s": float(f[2].replace(",", "")), "mfu": f[3], "peak": f[4],
-                      "plan": float(f[5].replace(",", "")),
-                      **{c: 0.0 if v == "-" else float(v.rstrip("%"))
-                         for c, v in zip(columns, f[-len(columns):])}}
+        rows[f[0]] = {
+            "tok/s": float(f[2].replace(",", "")),
+            "mfu": f[3],
+            "peak": f[4],
+            "plan": float(f[5].replace(",", "")),
+            **{
+                c: 0.0 if v == "-" else float(v.rstrip("%"))
+                for c, v in zip(columns, f[-len(columns) :])
+            },
+        }
     assert set(rows) == {"tiny-dense", "tiny-moe"}
     for r in rows.values():
         assert r["tok/s"] > 0 and r["mfu"].endswith("%") and r["peak"] == "n/a"  # no GPU
@@ -48,8 +73,10 @@ def test_cpu_tiny_mode_prints_the_table_and_writes_the_profiles(tmp_path):
     assert moe["experts"] > 0 and moe["permute"] > 0 and moe["router"] > 0
     assert dense["ffn"] > 0 and dense["experts"] == dense["permute"] == dense["router"] == 0
     entries = json.loads((prof / "profile.json").read_text())["entries"]
-    assert [(e["model"], e["setting"]) for e in entries] == [("tiny-dense", "default"),
-                                                            ("tiny-moe", "default")]
+    assert [(e["model"], e["setting"]) for e in entries] == [
+        ("tiny-dense", "default"),
+        ("tiny-moe", "default"),
+    ]
     for e in entries:
         assert e["device"] == "CPU" and e["steps"] == 1 and e["tokens_per_s"] > 0
         assert 0 < e["busy_ms"] <= e["profiled_step_ms"] and len(e["top_kernels"]) == 25
@@ -74,22 +101,51 @@ def test_the_largest_preset_is_chosen_by_planned_memory():
 @pytest.mark.multiprocess
 def test_set_changes_every_model_and_models_keeps_the_named_rows(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "benchmarks/gpu_train_bench.py", "--device", "cpu", "--tiny",
-            "--steps", "1", "--warmup", "1", "--profile-steps", "0"]
+    base = [
+        sys.executable,
+        "benchmarks/gpu_train_bench.py",
+        "--device",
+        "cpu",
+        "--tiny",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--profile-steps",
+        "0",
+    ]
     out = tmp_path / "rows.json"
-    proc = subprocess.run(base + ["--set", "train.micro_batch_size=3", "--set",
-                                  "model.d_model=32", "--models", "tiny-moe", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        base
+        + [
+            "--set",
+            "train.micro_batch_size=3",
+            "--set",
+            "model.d_model=32",
+            "--models",
+            "tiny-moe",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["overrides"] == ["train.micro_batch_size=3", "model.d_model=32"]
     assert [r["model"] for r in report["rows"]] == ["tiny-moe"]
     assert report["rows"][0]["batch"] == "3x32"
-    for bad, named in ((["--set", "train.compil=true"], "train.compil"),
-                       (["--set", "bench.expert_kernel=fast"], "bench.expert_kernel=fast"),
-                       (["--models", "tiny-mo"], "tiny-mo")):
-        proc = subprocess.run(base + bad, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)
+    for bad, named in (
+        (["--set", "train.compil=true"], "train.compil"),
+        (["--set", "bench.expert_kernel=fast"], "bench.expert_kernel=fast"),
+        (["--models", "tiny-mo"], "tiny-mo"),
+    ):
+        proc = subprocess.run(
+            base + bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-2000:]
 
 
@@ -116,7 +172,9 @@ def test_the_bench_knobs():
     from moe.model import experts
 
     assert split_knobs(["a.b=1", "bench.doc_len=64", "bench.expert_kernel=loop"]) == (
-        ["a.b=1"], Knobs(expert_kernel="loop", doc_len=64))
+        ["a.b=1"],
+        Knobs(expert_kernel="loop", doc_len=64),
+    )
     for bad in ("bench.doc_len=0", "bench.expert_kernel=fast", "bench.other=1"):
         with pytest.raises(ConfigError, match=bad.replace(".", "[.]")):
             split_knobs([bad])

@@ -32,17 +32,36 @@ class Trace:
         args = {} if seq is None else {"Sequence number": seq}
         if dims is not None:
             args["Input Dims"] = dims
-        self.events.append({"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid,
-                            "ts": ts, "dur": dur, "args": args})
+        self.events.append(
+            {
+                "ph": "X",
+                "cat": cat,
+                "name": name,
+                "pid": 1,
+                "tid": tid,
+                "ts": ts,
+                "dur": dur,
+                "args": args,
+            }
+        )
 
     def kernel(self, name, ts, dur, launch_at=None, tid=1, stream=7, cat="kernel"):
         self.corr += 1
         if launch_at is not None:
             self.host("cuda_runtime", "cudaLaunchKernel", launch_at, 1, tid=tid)
             self.events[-1]["args"]["correlation"] = self.corr
-        self.events.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream,
-                            "ts": ts, "dur": dur, "args": {"correlation": self.corr,
-                                                           "stream": stream}})
+        self.events.append(
+            {
+                "ph": "X",
+                "cat": cat,
+                "name": name,
+                "pid": 0,
+                "tid": stream,
+                "ts": ts,
+                "dur": dur,
+                "args": {"correlation": self.corr, "stream": stream},
+            }
+        )
 
 
 def synthetic() -> Trace:
@@ -111,8 +130,15 @@ def test_busy_time_is_the_union_over_streams_and_idle_the_rest_of_the_timed_step
     assert ps.busy_time([(0, 10), (5, 10), (20, 5), (21, 1)]) == 20
     assert ps.busy_time([]) == 0
     steps = 2
-    s = ps.summarise({"traceEvents": synthetic().events}, steps, step_s=0.001, dims=DIMS,
-                     window_s=0.0016, model="m", setting="x")
+    s = ps.summarise(
+        {"traceEvents": synthetic().events},
+        steps,
+        step_s=0.001,
+        dims=DIMS,
+        window_s=0.0016,
+        model="m",
+        setting="x",
+    )
     # Kernels [990, 995), [1000, 1150) (two streams overlap), [1200, 1210), [1300, 1350),
     # [1400, 1465), [1470, 1475), [1500, 1530), [1550, 1570).
     busy_us = 5 + 150 + 10 + 50 + 65 + 5 + 30 + 20
@@ -146,18 +172,21 @@ def test_the_top_kernels_are_the_longest_twenty_five():
     assert s["busy_ms"] == pytest.approx(sum(range(1, 41)) / 1000)
 
 
-@pytest.mark.parametrize("dims, region", [
-    ([[T, D], [D, V]], "head & loss"),          # forward
-    ([[T, V], [V, D]], "head & loss"),          # input gradient
-    ([[D, T], [T, V]], "head & loss"),          # weight gradient: the tokens inside
-    ([[T, D], [D, E]], "router"),
-    ([[T, D], [D, 1536]], "dense FFN & shared"),
-    ([[T, 768], [768, D]], "dense FFN & shared"),
-    ([[T, D], [D, 64]], "attention"),
-    ([[D], [T, D], [D, D]], "attention"),       # addmm: the bias is not a matrix
-    ([[T, 5], [5, 7]], None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "dims, region",
+    [
+        ([[T, D], [D, V]], "head & loss"),  # forward
+        ([[T, V], [V, D]], "head & loss"),  # input gradient
+        ([[D, T], [T, V]], "head & loss"),  # weight gradient: the tokens inside
+        ([[T, D], [D, E]], "router"),
+        ([[T, D], [D, 1536]], "dense FFN & shared"),
+        ([[T, 768], [768, D]], "dense FFN & shared"),
+        ([[T, D], [D, 64]], "attention"),
+        ([[D], [T, D], [D, D]], "attention"),  # addmm: the bias is not a matrix
+        ([[T, 5], [5, 7]], None),
+        (None, None),
+    ],
+)
 def test_the_shape_rule_names_a_matrix_product_by_its_widths(dims, region):
     assert ps.gemm_region(dims, DIMS) == region
 
@@ -169,19 +198,31 @@ def test_every_range_of_the_model_has_a_region():
 
 
 def test_kernel_names_are_shortened_to_fit_a_table():
-    grouped = ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::"
-               "gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int,"
-               " int> >, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::Mainloop<8> > > >"
-               " >(T1::Params)")
-    assert ps.short_name(grouped) == ("cutlass::device_kernel<enable_3x_kernel_for_sm9x<cutlass::"
-                                      "gemm::kernel::GemmUniversal<…> > >")
-    add = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::"
-           "BFloat16>, std::array<char*, 3ul> >(int, T2, T3)")
-    assert ps.short_name(add) == "vectorized_elementwise_kernel<4, CUDAFunctor_add<BFloat16>, array<char*, 3ul> >"
-    softmax = ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float,"
-               " at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, int)")
-    assert ps.short_name(softmax) == ("cunn_SoftMaxForward<4, float, float, float, "
-                                      "LogSoftMaxForwardEpilogue>")
+    grouped = (
+        "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::"
+        "gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int,"
+        " int> >, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::Mainloop<8> > > >"
+        " >(T1::Params)"
+    )
+    assert ps.short_name(grouped) == (
+        "cutlass::device_kernel<enable_3x_kernel_for_sm9x<cutlass::"
+        "gemm::kernel::GemmUniversal<…> > >"
+    )
+    add = (
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::"
+        "BFloat16>, std::array<char*, 3ul> >(int, T2, T3)"
+    )
+    assert (
+        ps.short_name(add)
+        == "vectorized_elementwise_kernel<4, CUDAFunctor_add<BFloat16>, array<char*, 3ul> >"
+    )
+    softmax = (
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float,"
+        " at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, int)"
+    )
+    assert ps.short_name(softmax) == (
+        "cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>"
+    )
     assert len(ps.short_name("x" * 300)) == 100 and ps.short_name("a|b") == "a/b"
 
 
@@ -210,10 +251,16 @@ def test_a_cpu_profile_of_a_tiny_model_is_attributed_by_its_ranges(tmp_path):
     from moe.model.transformer import ModelConfig, MoETransformer
 
     torch.manual_seed(0)
-    moe = MoEConfig(num_experts=4, expert_hidden=16, num_shared_experts=1, first_dense_layers=1,
-                    router=RouterConfig(top_k=2))
-    model = MoETransformer(ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4,
-                                       max_seq_len=16, moe=moe))
+    moe = MoEConfig(
+        num_experts=4,
+        expert_hidden=16,
+        num_shared_experts=1,
+        first_dense_layers=1,
+        router=RouterConfig(top_k=2),
+    )
+    model = MoETransformer(
+        ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, max_seq_len=16, moe=moe)
+    )
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randint(0, 64, (2, 17))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -225,12 +272,21 @@ def test_a_cpu_profile_of_a_tiny_model_is_attributed_by_its_ranges(tmp_path):
     assert s["device_kind"] == "cpu" and s["kernels_per_step"] > 100
     # Operators count with their self time: the matrix products, which hold operators of their
     # own (views, copies), are there, and the busy time is the outermost operators' union.
-    assert any(name in ("aten::mm", "aten::addmm", "aten::_grouped_mm")
-               for _, name, *_ in s["top_kernels"])
+    assert any(
+        name in ("aten::mm", "aten::addmm", "aten::_grouped_mm") for _, name, *_ in s["top_kernels"]
+    )
     assert s["kernel_ms_per_step"] == pytest.approx(s["busy_ms"], rel=0.05)
     found = {r for r, *_ in s["regions"]}
-    assert {"attention", "expert GEMMs", "dense FFN & shared", "permute & combine", "router",
-            "norms & elementwise", "head & loss", "optimizer"} <= found
+    assert {
+        "attention",
+        "expert GEMMs",
+        "dense FFN & shared",
+        "permute & combine",
+        "router",
+        "norms & elementwise",
+        "head & loss",
+        "optimizer",
+    } <= found
     by = s["attributed_by"]
     assert by["range"] + by.get("backward", 0) > 0.9 and by["backward"] > 0.05, by
 
@@ -244,8 +300,12 @@ def test_on_the_cpu_operators_count_with_their_self_time_and_busy_is_the_outermo
     t.host("cpu_op", "aten::add", 200, 50)
     kernels, busy, on_device = ps.attribute({"traceEvents": t.events})
     assert not on_device and sorted(busy) == [(0.0, 100.0), (200.0, 50.0)]
-    assert {k.name: k.dur for k in kernels} == {"aten::linear": 70, "aten::addmm": 20,
-                                                 "aten::copy_": 10, "aten::add": 50}
+    assert {k.name: k.dur for k in kernels} == {
+        "aten::linear": 70,
+        "aten::addmm": 20,
+        "aten::copy_": 10,
+        "aten::add": 50,
+    }
     assert {k.region for k in kernels} == {"attention"}
     s = ps.summarise({"traceEvents": t.events}, 1, step_s=0.0005)
     assert s["busy_ms"] == 0.15 and s["idle_ms"] == 0.35 and s["kernel_ms_per_step"] == 0.15

@@ -17,8 +17,20 @@ def logged_valid(run_dir):
 
 def test_quick_run_reports_what_the_runs_logged(tiny_data, tmp_path, capsys):
     out = tmp_path / "bench"
-    summary = quality_bench.main(["--quick", "--steps", "20", "--variants", "top1",
-                                  "--seeds", "1", "--out", str(out), f"data.dir={tiny_data.dir}"])
+    summary = quality_bench.main(
+        [
+            "--quick",
+            "--steps",
+            "20",
+            "--variants",
+            "top1",
+            "--seeds",
+            "1",
+            "--out",
+            str(out),
+            f"data.dir={tiny_data.dir}",
+        ]
+    )
     printed = capsys.readouterr().out
     assert (out / "validation_loss.png").stat().st_size > 1000
     assert (out / "results.json").exists()
@@ -78,9 +90,13 @@ def test_levers_start_from_a_plain_moe_of_the_configs_active_width_and_recipe_re
     plain, recipe, hidden = quality_bench.plain_moe(m, cfg.train)
     assert hidden == active // 2
     base = load_config("configs/default.yaml", plain)
-    assert (base.model.moe.num_experts, base.model.moe.router.top_k,
-            base.model.moe.num_shared_experts, base.model.moe.router.renormalize,
-            base.train.expert_lr_scale) == (8, 2, 0, False, 1.0)
+    assert (
+        base.model.moe.num_experts,
+        base.model.moe.router.top_k,
+        base.model.moe.num_shared_experts,
+        base.model.moe.router.renormalize,
+        base.train.expert_lr_scale,
+    ) == (8, 2, 0, False, 1.0)
     assert 2 * base.model.moe.expert_hidden == active
     again = load_config("configs/default.yaml", [*plain, *recipe])
     assert again.model.moe == m and again.train.expert_lr_scale == cfg.train.expert_lr_scale

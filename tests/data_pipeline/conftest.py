@@ -26,11 +26,15 @@ def write_jsonl(corpus: Path, out: Path) -> Path:
 
 
 def mixed_config(root: Path) -> DataConfig:
-    sources = [SourceConfig(name="files", type="text", paths=[str(root / "corpus")]),
-               SourceConfig(name="paras", type="jsonl", paths=[str(root / "jsonl" / "*.jsonl")],
-                            field="body")]
-    return dataclasses.replace(tiny_data_config(root), sources=sources, shard_tokens=4096,
-                               seq_len=16, seed=3)
+    sources = [
+        SourceConfig(name="files", type="text", paths=[str(root / "corpus")]),
+        SourceConfig(
+            name="paras", type="jsonl", paths=[str(root / "jsonl" / "*.jsonl")], field="body"
+        ),
+    ]
+    return dataclasses.replace(
+        tiny_data_config(root), sources=sources, shard_tokens=4096, seq_len=16, seed=3
+    )
 
 
 @pytest.fixture(scope="session")

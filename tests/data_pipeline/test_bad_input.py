@@ -16,8 +16,9 @@ import yaml
 from data_pipeline import reader as reader_module
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import MANIFEST, read_manifest, write_manifest, write_shard
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
 from moe.config.run import RunConfig
@@ -87,8 +88,14 @@ def test_corrupt_bytes_inside_a_shard_are_caught_by_verify(tiny_data, tmp_path, 
     shard.write_bytes(bytes(data))
     info = next(i for i in read_manifest(copy).splits["train"].shards if copy / i.file == shard)
     found = hashlib.sha256(bytes(data)).hexdigest()
-    cli_fails(["--verify", str(copy)], capsys, str(shard), "SHA-256", f"is {found}",
-              f"manifest's is {info.sha256}")
+    cli_fails(
+        ["--verify", str(copy)],
+        capsys,
+        str(shard),
+        "SHA-256",
+        f"is {found}",
+        f"manifest's is {info.sha256}",
+    )
 
 
 def test_truncated_arrow_file(tiny_data, tmp_path, capsys):
@@ -99,8 +106,10 @@ def test_truncated_arrow_file(tiny_data, tmp_path, capsys):
     cli_fails(["--verify", str(copy)], capsys, str(shard), "truncated")
 
 
-@pytest.mark.parametrize("schema", [pa.schema([("ids", pa.list_(pa.uint16()))]),
-                                    pa.schema([("tokens", pa.list_(pa.int64()))])])
+@pytest.mark.parametrize(
+    "schema",
+    [pa.schema([("ids", pa.list_(pa.uint16()))]), pa.schema([("tokens", pa.list_(pa.int64()))])],
+)
 def test_wrong_schema(tiny_data, tmp_path, capsys, schema):
     copy, shard = prepared_copy(tiny_data, tmp_path)
     with pa.ipc.new_file(str(shard), schema) as w:
@@ -132,7 +141,8 @@ def copy_with_bad_token(tiny_data, tmp_path) -> tuple[Path, Path]:
     tokens[len(tokens) // 3] = 600
     lengths = np.array([info.tokens])
     manifest.splits["train"].shards[0] = dataclasses.replace(
-        write_shard(shard, info.source, tokens, lengths, vocab_size=1000), file=info.file)
+        write_shard(shard, info.source, tokens, lengths, vocab_size=1000), file=info.file
+    )
     write_manifest(copy, manifest)
     return copy, shard
 
@@ -164,7 +174,9 @@ def test_out_of_range_id_fails_its_own_micro_batch(tiny_data, tmp_path):
 def test_tokenizer_vocabulary_larger_than_the_model(tiny_data, tmp_path):
     raw = tiny_run_dict(tiny_data, tmp_path)
     raw["model"]["vocab_size"] = 500  # the tokenizer has 512 pieces
-    with pytest.raises(ConfigError, match=f"model.vocab_size: 500 .* vocabulary \\(512, {tiny_data.dir}"):
+    with pytest.raises(
+        ConfigError, match=f"model.vocab_size: 500 .* vocabulary \\(512, {tiny_data.dir}"
+    ):
         resolve_vocab(from_dict(RunConfig, raw))
     raw["model"]["vocab_size"] = None
     assert resolve_vocab(from_dict(RunConfig, raw)).model.vocab_size == 512
@@ -174,13 +186,21 @@ def test_empty_source(tiny_data, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("  \n\n ")
     (tmp_path / "empty" / "b.txt").write_text("")
-    config = run_config(tiny_data, tmp_path, [
-        {"name": "docs", "type": "text", "paths": tiny_data.sources[0].paths},
-        {"name": "blank", "type": "text", "paths": [str(tmp_path / "empty")]}])
+    config = run_config(
+        tiny_data,
+        tmp_path,
+        [
+            {"name": "docs", "type": "text", "paths": tiny_data.sources[0].paths},
+            {"name": "blank", "type": "text", "paths": [str(tmp_path / "empty")]},
+        ],
+    )
     cli_fails([str(config), "--quiet"], capsys, "'blank'", str(tmp_path / "empty"), "no text")
     assert_nothing_written(tmp_path)
-    config = run_config(tiny_data, tmp_path, [
-        {"name": "docs", "type": "text", "paths": [str(tmp_path / "nothing" / "*.txt")]}])
+    config = run_config(
+        tiny_data,
+        tmp_path,
+        [{"name": "docs", "type": "text", "paths": [str(tmp_path / "nothing" / "*.txt")]}],
+    )
     cli_fails([str(config), "--quiet"], capsys, "nothing matches", "nothing/*.txt")
     assert_nothing_written(tmp_path)
 
@@ -190,14 +210,22 @@ def test_too_few_documents_for_a_validation_split_says_how_many(tiny_data, tmp_p
     (tmp_path / "two").mkdir()
     for name, word in (("a.txt", "alpha"), ("b.txt", "beta")):
         (tmp_path / "two" / name).write_text(
-            "\n\n".join(f"{word} gamma delta {i} epsilon" for i in range(2000)))
-    config = run_config(tiny_data, tmp_path, [
-        {"name": "docs", "type": "text", "paths": [str(tmp_path / "two")]}])
+            "\n\n".join(f"{word} gamma delta {i} epsilon" for i in range(2000))
+        )
+    config = run_config(
+        tiny_data, tmp_path, [{"name": "docs", "type": "text", "paths": [str(tmp_path / "two")]}]
+    )
     raw = yaml.safe_load(config.read_text())
     raw["data"]["valid_fraction"] = 0.01  # neither of the two lands in it (split by content hash)
     config.write_text(yaml.safe_dump(raw))
-    cli_fails([str(config), "--quiet"], capsys, "the validation split is empty",
-              "2 document(s) in all", "data.valid_fraction", "one document")
+    cli_fails(
+        [str(config), "--quiet"],
+        capsys,
+        "the validation split is empty",
+        "2 document(s) in all",
+        "data.valid_fraction",
+        "one document",
+    )
     assert_nothing_written(tmp_path)
 
 
@@ -215,14 +243,22 @@ def test_bad_jsonl_and_missing_columns(tiny_data, tmp_path, capsys):
     bad.write_text("".join(line + "\n" for line in lines))
     offset = sum(len(line) + 1 for line in lines[:2345])
     assert offset > 1 << 20  # past the first of the file's byte ranges
-    err = cli_fails([str(config), "--quiet"], capsys, str(bad),
-                    f"line 2346 (byte {offset}) is not valid JSON: Expecting ',' delimiter at "
-                    "column 29", "x")
+    err = cli_fails(
+        [str(config), "--quiet"],
+        capsys,
+        str(bad),
+        f"line 2346 (byte {offset}) is not valid JSON: Expecting ',' delimiter at column 29",
+        "x",
+    )
     assert "Traceback" not in err
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "t.parquet")
-    config = run_config(tiny_data, tmp_path, [{"name": "p", "type": "parquet",
-                                               "paths": [str(tmp_path / "t.parquet")]}])
+    config = run_config(
+        tiny_data,
+        tmp_path,
+        [{"name": "p", "type": "parquet", "paths": [str(tmp_path / "t.parquet")]}],
+    )
     cli_fails([str(config), "--quiet"], capsys, "t.parquet", "no column 'text'", "body")
     assert_nothing_written(tmp_path)
 
@@ -231,8 +267,9 @@ def test_non_utf8_bytes_are_replaced_and_counted(tiny_data, tmp_path, capsys):
     corpus = tmp_path / "corpus"
     shutil.copytree(tiny_data.sources[0].paths[0], corpus)
     (corpus / "zz_bad.txt").write_bytes(b"valid text \xff then \xfe\xfd and a cut \xc3 end\n" * 3)
-    config = run_config(tiny_data, tmp_path, [{"name": "docs", "type": "text",
-                                               "paths": [str(corpus)]}])
+    config = run_config(
+        tiny_data, tmp_path, [{"name": "docs", "type": "text", "paths": [str(corpus)]}]
+    )
     prepare_cli.main([str(config), "--quiet"])
     out = capsys.readouterr().out
     assert "source 'docs': 12 invalid UTF-8 sequences replaced" in out
@@ -248,29 +285,38 @@ def test_corrupt_or_mislabelled_compressed_input(tiny_data, tmp_path, capsys):
     import gzip
 
     import zstandard
+
     raw = b"".join(json.dumps({"text": f"line {i} " * 20}).encode() + b"\n" for i in range(3000))
     gz, zst = gzip.compress(raw), zstandard.ZstdCompressor().compress(raw)
-    cases = {"truncated.jsonl.gz": (gz[:len(gz) // 2], "corrupt gzip data"),
-             "flipped.jsonl.gz": (gz[:40] + bytes(b ^ 0x55 for b in gz[40:80]) + gz[80:],
-                                  "corrupt gzip data"),
-             "truncated.jsonl.zst": (zst[:len(zst) // 2], "corrupt zstd data"),
-             "garbled.jsonl.zst": (zst[:4] + b"\x00" * 64 + zst[68:], "corrupt zstd data"),
-             "plain.jsonl.gz": (raw, "does not start like gzip")}
+    cases = {
+        "truncated.jsonl.gz": (gz[: len(gz) // 2], "corrupt gzip data"),
+        "flipped.jsonl.gz": (
+            gz[:40] + bytes(b ^ 0x55 for b in gz[40:80]) + gz[80:],
+            "corrupt gzip data",
+        ),
+        "truncated.jsonl.zst": (zst[: len(zst) // 2], "corrupt zstd data"),
+        "garbled.jsonl.zst": (zst[:4] + b"\x00" * 64 + zst[68:], "corrupt zstd data"),
+        "plain.jsonl.gz": (raw, "does not start like gzip"),
+    }
     for name, (data, message) in cases.items():
         bad = tmp_path / "in" / name
         bad.parent.mkdir(exist_ok=True)
         bad.write_bytes(data)
-        config = run_config(tiny_data, tmp_path, [{"name": "j", "type": "jsonl", "paths": [str(bad)]}])
+        config = run_config(
+            tiny_data, tmp_path, [{"name": "j", "type": "jsonl", "paths": [str(bad)]}]
+        )
         cli_fails([str(config), "--quiet"], capsys, str(bad), message)
         assert_nothing_written(tmp_path)
         bad.unlink()
 
 
-def test_empty_rows_are_counted_per_file_with_their_rows_or_refused(tiny_data, tmp_path, capsys,
-                                                                    monkeypatch):
+def test_empty_rows_are_counted_per_file_with_their_rows_or_refused(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
     import pyarrow.parquet as pq
 
     from data_pipeline import sources
+
     lines = [json.dumps({"text": f"record {i} with some words"}) for i in range(12)]
     lines[2], lines[5], lines[8] = '{"text": null}', '{"text": "   "}', '{"text": ""}'
     lines[7] = ""  # a blank line is no record, but it is a line
@@ -279,27 +325,42 @@ def test_empty_rows_are_counted_per_file_with_their_rows_or_refused(tiny_data, t
     texts[2], texts[5] = None, " \n"
     pq.write_table(pa.table({"text": texts}), tmp_path / "b.parquet", row_group_size=4)
     monkeypatch.setattr(sources, "JSONL_MIN_CHUNK_BYTES", 64)  # several ranges, cut mid-line
-    config = run_config(tiny_data, tmp_path, [
-        {"name": "docs", "type": "text", "paths": tiny_data.sources[0].paths},
-        {"name": "j", "type": "jsonl", "paths": [str(tmp_path / "a.jsonl")]},
-        {"name": "p", "type": "parquet", "paths": [str(tmp_path / "b.parquet")]}])
+    config = run_config(
+        tiny_data,
+        tmp_path,
+        [
+            {"name": "docs", "type": "text", "paths": tiny_data.sources[0].paths},
+            {"name": "j", "type": "jsonl", "paths": [str(tmp_path / "a.jsonl")]},
+            {"name": "p", "type": "parquet", "paths": [str(tmp_path / "b.parquet")]},
+        ],
+    )
     raw = yaml.safe_load(config.read_text())
     raw["data"]["tokenizer"] = {"model_file": str(PreparedData(tiny_data.dir).tokenizer_file())}
     config.write_text(yaml.safe_dump(raw))
     prepare_cli.main([str(config), "--quiet"])
     out = capsys.readouterr().out
-    assert (f"source 'j': 3 empty documents skipped ({tmp_path / 'a.jsonl'}: 3 with null, "
-            "empty or whitespace-only text (lines 3, 6, 9))") in out
+    assert (
+        f"source 'j': 3 empty documents skipped ({tmp_path / 'a.jsonl'}: 3 with null, "
+        "empty or whitespace-only text (lines 3, 6, 9))"
+    ) in out
     assert f"source 'p': 2 empty documents skipped ({tmp_path / 'b.parquet'}: 2 with" in out
     stats = {s["name"]: s for s in read_manifest(tmp_path / "out").sources}
     assert stats["j"]["empty_rows"] == {str(tmp_path / "a.jsonl"): {"count": 3, "lines": [3, 6, 9]}}
     assert stats["p"]["empty_rows"] == {str(tmp_path / "b.parquet"): {"count": 2, "rows": [2, 5]}}
-    assert stats["docs"]["empty_rows"] == {} and stats["j"]["documents"]["train"] + \
-        stats["j"]["documents"]["valid"] == 8
+    assert (
+        stats["docs"]["empty_rows"] == {}
+        and stats["j"]["documents"]["train"] + stats["j"]["documents"]["valid"] == 8
+    )
 
     shutil.rmtree(tmp_path / "out")
     raw["data"]["on_empty"] = "error"
     config.write_text(yaml.safe_dump(raw))
-    cli_fails([str(config), "--quiet"], capsys, "source 'j'", str(tmp_path / "a.jsonl"),
-              "(lines 3", "data.on_empty is 'error'")
+    cli_fails(
+        [str(config), "--quiet"],
+        capsys,
+        "source 'j'",
+        str(tmp_path / "a.jsonl"),
+        "(lines 3",
+        "data.on_empty is 'error'",
+    )
     assert_nothing_written(tmp_path)

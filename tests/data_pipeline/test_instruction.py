@@ -18,8 +18,9 @@ import yaml
 from data_pipeline.config import DataConfig, RoleTemplate, SourceConfig, TemplateConfig
 from data_pipeline.prepare import config_hash, prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import IGNORE_INDEX, PackedReader, TokenStream, Window, token_windows
+from data_pipeline.reader import IGNORE_INDEX, PackedReader
 from data_pipeline.shards import read_manifest
+from data_pipeline.token_stream import TokenStream, Window, token_windows
 from data_pipeline.tokenizer import Tokenizer
 from data_pipeline.verify import verify
 from launch import prepare as prepare_cli
@@ -37,19 +38,28 @@ def conversations(corpus: Path, prompt_words: int = 1) -> list[dict]:
     first words (``prompt_words`` times repeated: a longer or shorter prompt, same responses);
     every third is a chat with a system message and two exchanges; KNOWN first."""
     out = [KNOWN]
-    paras = [p.strip() for path in sorted(corpus.iterdir())
-             for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()][:240]
+    paras = [
+        p.strip()
+        for path in sorted(corpus.iterdir())
+        for p in path.read_text(encoding="utf-8").split("\n\n")
+        if p.strip()
+    ][:240]
     for i, para in enumerate(paras):
         ask = " ".join(["Continue:"] * prompt_words + para.split()[:3])
         if i % 3:
             out.append({"prompt": ask, "response": para})
         else:
-            out.append({"messages": [
-                {"role": "system", "content": "You complete docstrings."},
-                {"role": "user", "content": ask},
-                {"role": "assistant", "content": para[:40] or para},
-                {"role": "user", "content": "And then?" * prompt_words},
-                {"role": "assistant", "content": para}]})
+            out.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "You complete docstrings."},
+                        {"role": "user", "content": ask},
+                        {"role": "assistant", "content": para[:40] or para},
+                        {"role": "user", "content": "And then?" * prompt_words},
+                        {"role": "assistant", "content": para},
+                    ]
+                }
+            )
     return out
 
 
@@ -59,15 +69,28 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-def instruction_config(tiny_data: DataConfig, root: Path, template: TemplateConfig | None = None,
-                       **kw) -> DataConfig:
-    source = SourceConfig(name="chat", type="instruction", paths=[str(root / "chat.jsonl")],
-                          template=template or TemplateConfig())
+def instruction_config(
+    tiny_data: DataConfig, root: Path, template: TemplateConfig | None = None, **kw
+) -> DataConfig:
+    source = SourceConfig(
+        name="chat",
+        type="instruction",
+        paths=[str(root / "chat.jsonl")],
+        template=template or TemplateConfig(),
+    )
     tokenizer = dataclasses.replace(
-        tiny_data.tokenizer, model_file=str(PreparedData(tiny_data.dir).tokenizer_file()))
-    return dataclasses.replace(tiny_data, dir=str(root / "data"), sources=[source],
-                               tokenizer=tokenizer, shard_tokens=4096, seq_len=16,
-                               prepare_workers=1, **kw)
+        tiny_data.tokenizer, model_file=str(PreparedData(tiny_data.dir).tokenizer_file())
+    )
+    return dataclasses.replace(
+        tiny_data,
+        dir=str(root / "data"),
+        sources=[source],
+        tokenizer=tokenizer,
+        shard_tokens=4096,
+        seq_len=16,
+        prepare_workers=1,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +114,9 @@ def documents(data_dir) -> list[tuple[np.ndarray, np.ndarray]]:
     for split in manifest.splits.values():
         for info in split.shards:
             table = pa.ipc.open_file(str(Path(data_dir) / info.file)).read_all()
-            for tokens, mask in zip(table.column("tokens").to_pylist(),
-                                    table.column("loss_mask").to_pylist()):
+            for tokens, mask in zip(
+                table.column("tokens").to_pylist(), table.column("loss_mask").to_pylist()
+            ):
                 out.append((np.array(tokens), np.array(mask)))
     return out
 
@@ -103,7 +127,7 @@ def test_the_mask_covers_exactly_the_response_tokens(instruction_data, corpus):
     assert manifest.loss_mask and manifest.sources[0]["template_sha256"]
     docs = documents(instruction_data.dir)
     assert len(docs) == len(conversations(corpus))
-    (tokens, mask), = [(t, m) for t, m in docs if "capital of France?" in tok.decode(t.tolist())]
+    ((tokens, mask),) = [(t, m) for t, m in docs if "capital of France?" in tok.decode(t.tolist())]
     # The conversation as the template writes it, tokenized whole, then EOS.
     text = f"User: {KNOWN['prompt']}\n\nAssistant: {KNOWN['response']}\n\n"
     assert tokens.tolist() == tok.encode(text) + [tok.eos_id]
@@ -125,11 +149,26 @@ def test_the_mask_covers_exactly_the_response_tokens(instruction_data, corpus):
 
 
 def test_the_template_decides_prefixes_bos_and_the_trained_roles(tiny_data, tmp_path):
-    write_jsonl(tmp_path / "chat.jsonl", [{"messages": [
-        {"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."},
-        {"role": "user", "content": "Thanks."}]}] * 3 + [KNOWN] * 40)
-    template = TemplateConfig(user=RoleTemplate("Q:\n", "\n"), assistant=RoleTemplate("A:\n", "\n"),
-                              add_bos=True, train_roles=["user", "assistant"])
+    write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Say hi."},
+                    {"role": "assistant", "content": "Hi there."},
+                    {"role": "user", "content": "Thanks."},
+                ]
+            }
+        ]
+        * 3
+        + [KNOWN] * 40,
+    )
+    template = TemplateConfig(
+        user=RoleTemplate("Q:\n", "\n"),
+        assistant=RoleTemplate("A:\n", "\n"),
+        add_bos=True,
+        train_roles=["user", "assistant"],
+    )
     cfg = instruction_config(tiny_data, tmp_path, template, valid_fraction=0.5)
     prepare(cfg, progress=False)
     tok = Tokenizer(PreparedData(cfg.dir).tokenizer_file())
@@ -142,8 +181,14 @@ def test_the_template_decides_prefixes_bos_and_the_trained_roles(tiny_data, tmp_
         else:
             assert trained == KNOWN["prompt"] + "\n" + KNOWN["response"] + "\n"
     # A new template is a new preparation (the manifest and config hash say so).
-    other = dataclasses.replace(cfg, sources=[dataclasses.replace(
-        cfg.sources[0], template=dataclasses.replace(template, add_bos=False))])
+    other = dataclasses.replace(
+        cfg,
+        sources=[
+            dataclasses.replace(
+                cfg.sources[0], template=dataclasses.replace(template, add_bos=False)
+            )
+        ],
+    )
     assert config_hash(other) != config_hash(cfg)
     # Sources other than instruction keep the hash they had before templates existed (this
     # value was computed before).
@@ -162,8 +207,9 @@ def test_masked_data_verifies_and_its_stream_reads_the_mask(instruction_data, ti
 
 
 def test_packing_keeps_each_documents_mask(instruction_data):
-    reader = PackedReader(instruction_data.dir, instruction_data.seq_len, 3, micro_batch=4,
-                          document_ids=True)
+    reader = PackedReader(
+        instruction_data.dir, instruction_data.seq_len, 3, micro_batch=4, document_ids=True
+    )
     reference = ReferenceRows(reader)
     stream = reader.streams[0]
     masks = np.concatenate([stream.masks[i] for i in stream._epoch(0)[0]])
@@ -174,7 +220,7 @@ def test_packing_keeps_each_documents_mask(instruction_data):
             g = step * 4 + r
             tokens = reference(g).astype(np.int64)
             begin = int(stream._epoch(0)[2](np.array([g]))[0]) * stream.window
-            want = np.where(masks[begin + 1:begin + stream.window] == 1, tokens[1:], IGNORE_INDEX)
+            want = np.where(masks[begin + 1 : begin + stream.window] == 1, tokens[1:], IGNORE_INDEX)
             assert batch.tokens_BS[r].tolist() == tokens.tolist()
             assert batch.targets_BS[r].tolist() == want.tolist(), g
             crossing += int(batch.doc_ids_BS[r].max()) > 0
@@ -183,15 +229,17 @@ def test_packing_keeps_each_documents_mask(instruction_data):
 
 
 def _steps(reader, n):
-    return [(b.tokens_BS.clone(), b.targets_BS.clone()) for _ in range(n)
-            for b in reader.next_step(2)]
+    return [
+        (b.tokens_BS.clone(), b.targets_BS.clone()) for _ in range(n) for b in reader.next_step(2)
+    ]
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_resume_mid_epoch_on_masked_data_is_exact(instruction_data, workers):
     def reader():
-        return PackedReader(instruction_data.dir, instruction_data.seq_len, 5, micro_batch=3,
-                            loader_workers=workers)
+        return PackedReader(
+            instruction_data.dir, instruction_data.seq_len, 5, micro_batch=3, loader_workers=workers
+        )
 
     whole = _steps(reader(), 6)
     first = reader()
@@ -210,11 +258,14 @@ class Unigram(torch.nn.Module):
 
     def __init__(self, vocab: int):
         super().__init__()
-        self.logits_V = torch.nn.Parameter(torch.randn(vocab, generator=torch.Generator().manual_seed(3)))
+        self.logits_V = torch.nn.Parameter(
+            torch.randn(vocab, generator=torch.Generator().manual_seed(3))
+        )
 
     def forward(self, input_ids_BS):
-        return ModelOutput(self.logits_V.expand(*input_ids_BS.shape, -1), None, None,
-                           self.logits_V.new_zeros(()))
+        return ModelOutput(
+            self.logits_V.expand(*input_ids_BS.shape, -1), None, None, self.logits_V.new_zeros(())
+        )
 
 
 def _loss_over_both_splits(model, data_dir, seq_len) -> tuple[float, int]:
@@ -226,7 +277,8 @@ def _loss_over_both_splits(model, data_dir, seq_len) -> tuple[float, int]:
 
 
 def test_changing_the_targets_of_prompt_tokens_does_not_change_the_instruction_loss(
-        tiny_data, corpus, tmp_path):
+    tiny_data, corpus, tmp_path
+):
     """The same responses behind prompts three times as long: every prompt token differs, and a
     model whose predictions do not depend on its inputs has the same loss on both."""
     losses = []
@@ -240,23 +292,33 @@ def test_changing_the_targets_of_prompt_tokens_does_not_change_the_instruction_l
     assert n_a == n_b
     assert math.isclose(a, b, rel_tol=1e-6), (a, b)
     # Counted over every target, the prompts would change it.
-    plain = [evaluate_loss(Unigram(512), [Window(w, w[1:]) for w, _ in token_windows(
-        TokenStream(tmp_path / f"p{k}" / "data", "train"), 16)], 7) for k in (1, 3)]
+    plain = [
+        evaluate_loss(
+            Unigram(512),
+            [
+                Window(w, w[1:])
+                for w, _ in token_windows(TokenStream(tmp_path / f"p{k}" / "data", "train"), 16)
+            ],
+            7,
+        )
+        for k in (1, 3)
+    ]
     assert plain[1]["tokens"] > plain[0]["tokens"]
     assert not math.isclose(plain[0]["loss"], plain[1]["loss"], rel_tol=1e-6)
 
 
 def test_evaluation_reports_the_loss_of_the_trained_tokens(instruction_data):
     torch.manual_seed(0)
-    model = MoETransformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4,
-                                       max_seq_len=32)).eval()
+    model = MoETransformer(
+        ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4, max_seq_len=32)
+    ).eval()
     r = evaluate_perplexity(model, instruction_data.dir, 16, batch_size=5)
     stream = TokenStream(instruction_data.dir, "valid")
     tokens, mask = stream.read(0, len(stream)), stream.read_mask(0, len(stream))
     total, count, start = 0.0, 0, 0
     with torch.no_grad():  # by hand: window by window, summing the trained positions only
         while start + 1 < len(tokens):
-            w = torch.from_numpy(tokens[start:start + 17])
+            w = torch.from_numpy(tokens[start : start + 17])
             logp = torch.log_softmax(model(w[None, :-1]).logits[0].double(), -1)
             for i in range(len(w) - 1):
                 if mask[start + i + 1]:
@@ -269,8 +331,9 @@ def test_evaluation_reports_the_loss_of_the_trained_tokens(instruction_data):
 
 
 def test_a_micro_batch_of_prompt_tokens_only_has_a_zero_loss(instruction_data):
-    model = MoETransformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4,
-                                       max_seq_len=32))
+    model = MoETransformer(
+        ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4, max_seq_len=32)
+    )
     x = torch.randint(0, 512, (2, 8))
     out = model(x, torch.full((2, 8), IGNORE_INDEX))
     assert out.lm_loss.item() == 0.0
@@ -281,9 +344,14 @@ def test_a_micro_batch_of_prompt_tokens_only_has_a_zero_loss(instruction_data):
 # --- bad input ---
 
 BAD = [
-    ({"question": "Why?", "answer": "Because."}, "has neither 'prompt' and 'response' nor 'messages'"),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]},
-     "messages[1] has the unknown role 'bot'; roles are system, user, assistant"),
+    (
+        {"question": "Why?", "answer": "Because."},
+        "has neither 'prompt' and 'response' nor 'messages'",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]},
+        "messages[1] has the unknown role 'bot'; roles are system, user, assistant",
+    ),
     ({"prompt": "Why?", "response": "  "}, "the response is empty"),
     ({"messages": [{"role": "user", "content": "Hi"}]}, "no message of a trained role"),
     ({"prompt": "Why?", "response": 3}, "field 'response' is int, expected a string"),
@@ -294,8 +362,10 @@ BAD = [
 def test_bad_records_are_refused_by_file_and_line(tiny_data, tmp_path, capsys, record, needle):
     path = write_jsonl(tmp_path / "chat.jsonl", [KNOWN] * 3 + [record] + [KNOWN])
     raw = tiny_run_dict(tiny_data, tmp_path / "runs")
-    raw["data"].update(dir=str(tmp_path / "out"), sources=[
-        {"name": "chat", "type": "instruction", "paths": [str(path)]}])
+    raw["data"].update(
+        dir=str(tmp_path / "out"),
+        sources=[{"name": "chat", "type": "instruction", "paths": [str(path)]}],
+    )
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     with pytest.raises(SystemExit) as exc:
@@ -312,17 +382,40 @@ def test_template_options_are_checked(tiny_data, tmp_path):
     from moe.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        from_dict(DataConfig, {"sources": [
-            {"type": "instruction", "paths": ["a.jsonl"], "template": {"train_roles": []}},
-            {"name": "b", "type": "jsonl", "paths": ["b.jsonl"], "template": {"add_bos": True}}]})
+        from_dict(
+            DataConfig,
+            {
+                "sources": [
+                    {"type": "instruction", "paths": ["a.jsonl"], "template": {"train_roles": []}},
+                    {
+                        "name": "b",
+                        "type": "jsonl",
+                        "paths": ["b.jsonl"],
+                        "template": {"add_bos": True},
+                    },
+                ]
+            },
+        )
     assert "sources[0].template.train_roles: name at least one role" in str(e.value)
     assert "sources[1].template: only 'instruction' sources have a template" in str(e.value)
     with pytest.raises(ConfigError, match="template.user.prefx"):
-        from_dict(DataConfig, {"sources": [{"type": "instruction", "paths": ["a"],
-                                            "template": {"user": {"prefx": "Q"}}}]})
+        from_dict(
+            DataConfig,
+            {
+                "sources": [
+                    {"type": "instruction", "paths": ["a"], "template": {"user": {"prefx": "Q"}}}
+                ]
+            },
+        )
     with pytest.raises(ConfigError, match="train_roles"):
-        from_dict(DataConfig, {"sources": [{"type": "instruction", "paths": ["a"],
-                                            "template": {"train_roles": ["bot"]}}]})
+        from_dict(
+            DataConfig,
+            {
+                "sources": [
+                    {"type": "instruction", "paths": ["a"], "template": {"train_roles": ["bot"]}}
+                ]
+            },
+        )
 
 
 def test_parts_and_deduplication_keep_the_masks(tiny_data, corpus, tmp_path):
@@ -360,15 +453,16 @@ def test_a_tokenizer_json_gives_the_same_mask(tmp_path):
     assert ids == tok.encode(render(text, TemplateConfig())) + [tok.eos_id]
     n = int(mask.sum())
     assert mask.tolist() == [0] * (len(mask) - n) + [1] * n
-    assert tok.decode(ids[len(ids) - n:-1]) == " the quick brown fox\n\n"
-    assert tok.decode(ids[:len(ids) - n]) == "User: pack my box\n\nAssistant:"
+    assert tok.decode(ids[len(ids) - n : -1]) == " the quick brown fox\n\n"
+    assert tok.decode(ids[: len(ids) - n]) == "User: pack my box\n\nAssistant:"
     write_json(tmp_path / "no_bos.json", specials=("</s>", "<pad>"))
     with pytest.raises(DataError, match="template.add_bos: the tokenizer defines no BOS"):
         encode([text], TemplateConfig(add_bos=True), Tokenizer(tmp_path / "no_bos.json"))
 
 
-def test_an_instruction_source_beside_plain_text_trains_every_text_token(tiny_data, corpus,
-                                                                          tmp_path):
+def test_an_instruction_source_beside_plain_text_trains_every_text_token(
+    tiny_data, corpus, tmp_path
+):
     """With an instruction source, every shard has the mask column; a text source's are all
     ones, and the mixture reads both."""
     write_jsonl(tmp_path / "chat.jsonl", conversations(corpus)[:80])

@@ -25,8 +25,9 @@ from data_pipeline.config import S3Config
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import read_manifest
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.verify import verify
 from tests.conftest import tiny_data_config, write_corpus
 from tests.helpers import s3 as helper_s3
@@ -42,10 +43,18 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _configs(root: Path, data_dir: str, s3: S3Config | None = None):
-    old = dataclasses.replace(tiny_data_config(root), dir=data_dir, prepare_workers=1,
-                              shard_tokens=12000, s3=s3 or S3Config())
-    new = dataclasses.replace(old, valid_fraction=0.3, tokenizer=dataclasses.replace(
-        old.tokenizer, vocab_size=400, sample_sentences=4000))
+    old = dataclasses.replace(
+        tiny_data_config(root),
+        dir=data_dir,
+        prepare_workers=1,
+        shard_tokens=12000,
+        s3=s3 or S3Config(),
+    )
+    new = dataclasses.replace(
+        old,
+        valid_fraction=0.3,
+        tokenizer=dataclasses.replace(old.tokenizer, vocab_size=400, sample_sentences=4000),
+    )
     return old, new
 
 
@@ -62,7 +71,8 @@ def _content(data: PreparedData) -> dict:
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
-        a[k] == b[k] if isinstance(a[k], bytes) else np.array_equal(a[k], b[k]) for k in a)
+        a[k] == b[k] if isinstance(a[k], bytes) else np.array_equal(a[k], b[k]) for k in a
+    )
 
 
 def _read(cfg, cache: Path) -> dict:
@@ -77,9 +87,15 @@ def _killed(cfg, point: str, count: int, tmp: Path) -> bool:
     config = tmp / "config.pickle"
     config.write_bytes(pickle.dumps(cfg))
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.prepare_kill", point,
-                             str(count), str(config)], cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.prepare_kill", point, str(count), str(config)],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate(timeout=300)
     try:  # the pool's workers lose their parent with it; end any that is still there
         os.killpg(proc.pid, signal.SIGKILL)
@@ -96,8 +112,11 @@ def _kill_points(new_local, tmp: Path, remote: bool) -> list[tuple[str, int]]:
     each object uploaded, the manifest last), just before the manifest, and the removal of the
     earlier data after the switch."""
     shards = sum(len(s.shards) for s in prepare(new_local, progress=False).manifest.splits.values())
-    writes = [("upload", i) for i in range(1, shards + 2)] if remote else \
-        [("shard", i) for i in range(1, shards + 1)]
+    writes = (
+        [("upload", i) for i in range(1, shards + 2)]
+        if remote
+        else [("shard", i) for i in range(1, shards + 1)]
+    )
     return [("tokenizer", 1), *writes, ("manifest", 1), ("remove", 1), ("remove", 2)]
 
 
@@ -121,8 +140,9 @@ def _sweep(old, new, points, tmp: Path) -> None:
 def _stored(cfg) -> list[str]:
     if storage.is_s3(cfg.dir):
         return sorted(i.path.split("/", 2)[2] for i in storage.list_s3(cfg.dir, cfg.s3))
-    return sorted(p.relative_to(cfg.dir).as_posix() for p in Path(cfg.dir).rglob("*")
-                  if p.is_file())
+    return sorted(
+        p.relative_to(cfg.dir).as_posix() for p in Path(cfg.dir).rglob("*") if p.is_file()
+    )
 
 
 def _objects(cfg) -> list[str]:
@@ -130,9 +150,9 @@ def _objects(cfg) -> list[str]:
     pyarrow's listing shows as directories, not files)."""
     boto3 = pytest.importorskip("boto3")
     client = boto3.client("s3", endpoint_url=cfg.s3.endpoint_url, region_name="us-east-1")
-    bucket, prefix = cfg.dir[len("s3://"):].split("/", 1)
+    bucket, prefix = cfg.dir[len("s3://") :].split("/", 1)
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/")
-    return sorted(o["Key"][len(prefix) + 1:] for page in pages for o in page.get("Contents", []))
+    return sorted(o["Key"][len(prefix) + 1 :] for page in pages for o in page.get("Contents", []))
 
 
 @pytest.fixture(scope="module")
@@ -236,16 +256,20 @@ def test_old_layout_is_read_and_replaced(corpus, tmp_path):
 @pytest.mark.integration
 def test_kill_at_every_point_on_local_disk(corpus, tmp_path):
     old, new = _configs(corpus, str(tmp_path / "data"))
-    points = _kill_points(dataclasses.replace(new, dir=str(tmp_path / "reference")), tmp_path,
-                          remote=False)
+    points = _kill_points(
+        dataclasses.replace(new, dir=str(tmp_path / "reference")), tmp_path, remote=False
+    )
     _sweep(old, new, points, tmp_path)
 
 
 @pytest.mark.integration
 def test_kill_at_every_point_on_s3(corpus, bucket, tmp_path):
     old, new = _configs(corpus, f"s3://{helper_s3.BUCKET}/every", bucket)
-    points = _kill_points(dataclasses.replace(new, dir=str(tmp_path / "reference"),
-                                              s3=S3Config()), tmp_path, remote=True)
+    points = _kill_points(
+        dataclasses.replace(new, dir=str(tmp_path / "reference"), s3=S3Config()),
+        tmp_path,
+        remote=True,
+    )
     _sweep(old, new, points, tmp_path)
 
 

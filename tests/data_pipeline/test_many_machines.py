@@ -19,8 +19,11 @@ from tests.conftest import tiny_run_dict
 
 
 def digests(data_dir: Path) -> dict[str, str]:
-    return {p.relative_to(data_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(data_dir).rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(data_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(data_dir).rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_parts_merged_equal_one_machine_byte_for_byte(mixed_data, tmp_path, capsys):
@@ -28,8 +31,11 @@ def test_parts_merged_equal_one_machine_byte_for_byte(mixed_data, tmp_path, caps
     single = Path(mixed_data.dir)
     assert len(read_manifest(single).splits["train"].shards) > 2
     run = tiny_run_dict(mixed_data, tmp_path / "runs")
-    run["data"] = {**run["data"], **{k: v for k, v in dataclasses.asdict(mixed_data).items()
-                                     if k != "dir"}, "dir": str(tmp_path / "data")}
+    run["data"] = {
+        **run["data"],
+        **{k: v for k, v in dataclasses.asdict(mixed_data).items() if k != "dir"},
+        "dir": str(tmp_path / "data"),
+    }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(run))
     cfg = dataclasses.replace(mixed_data, dir=str(tmp_path / "data"))
@@ -55,13 +61,16 @@ def test_parts_merged_equal_one_machine_byte_for_byte(mixed_data, tmp_path, caps
 def test_parts_of_other_inputs_are_refused(mixed_data, tmp_path):
     corpus = tmp_path / "corpus"
     shutil.copytree(mixed_data.sources[0].paths[0], corpus)
-    sources = [dataclasses.replace(mixed_data.sources[0], paths=[str(corpus)]),
-               mixed_data.sources[1]]
+    sources = [
+        dataclasses.replace(mixed_data.sources[0], paths=[str(corpus)]),
+        mixed_data.sources[1],
+    ]
     cfg = dataclasses.replace(mixed_data, dir=str(tmp_path / "data"), sources=sources)
     parts = parts_dir(cfg)
     parts.mkdir()
     shutil.copyfile(PreparedData(mixed_data.dir).tokenizer_file(), parts / "tokenizer.model")
     from data_pipeline.prepare import config_hash
+
     (parts / "tokenizer.json").write_text(f'{{"config_hash": "{config_hash(cfg)}"}}')
     prepare_part(cfg, 0, 2, progress=False)
     (corpus / "new.txt").write_text("a file that appeared after part 0 listed its inputs\n")

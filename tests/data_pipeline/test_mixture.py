@@ -6,8 +6,9 @@ import pytest
 from data_pipeline.mixture import BLOCK, MixtureSchedule
 
 
-@pytest.mark.parametrize("weights", [[1.0], [0.5, 0.5], [0.7, 0.2, 0.1], [3, 1], [1, 1, 1],
-                                     [0.01, 0.99]])
+@pytest.mark.parametrize(
+    "weights", [[1.0], [0.5, 0.5], [0.7, 0.2, 0.1], [3, 1], [1, 1, 1], [0.01, 0.99]]
+)
 def test_every_window_tracks_the_weights_and_indices_are_contiguous(weights):
     m = MixtureSchedule(weights)
     p = np.asarray(weights) / sum(weights)
@@ -19,7 +20,9 @@ def test_every_window_tracks_the_weights_and_indices_are_contiguous(weights):
         for s in range(len(weights)):
             # Source s's samples are exactly its next indices: nothing repeated, nothing skipped.
             assert np.array_equal(k[source == s], before[s] + np.arange((source == s).sum()))
-        assert np.array_equal(m.counts(start + 10_000), before + np.bincount(source, minlength=len(weights)))
+        assert np.array_equal(
+            m.counts(start + 10_000), before + np.bincount(source, minlength=len(weights))
+        )
 
 
 def test_prefix_counts_stay_within_one_sample():

@@ -32,7 +32,9 @@ def _zst_inputs(root: Path) -> Path:
     out.mkdir()
     half = len(lines) // 2
     for name, chunk in (("a", lines[:half]), ("b", lines[half:])):
-        (out / f"{name}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"".join(chunk)))
+        (out / f"{name}.jsonl.zst").write_bytes(
+            zstandard.ZstdCompressor().compress(b"".join(chunk))
+        )
     return out
 
 
@@ -40,12 +42,21 @@ def _setup(tiny_data, tmp_path: Path, trained: bool):
     write_corpus(tmp_path / "corpus")
     inputs = _zst_inputs(tmp_path)
     tokenizer = dataclasses.replace(
-        tiny_data.tokenizer, sample_sentences=3000,
-        model_file=None if trained else str(PreparedData(tiny_data.dir).tokenizer_file()))
+        tiny_data.tokenizer,
+        sample_sentences=3000,
+        model_file=None if trained else str(PreparedData(tiny_data.dir).tokenizer_file()),
+    )
     cfg = dataclasses.replace(
-        tiny_data, dir=str(tmp_path / "data"), prepare_workers=1, tokenizer=tokenizer,
-        sources=[SourceConfig(name="paras", type="jsonl", paths=[str(inputs / "*.jsonl.zst")],
-                              field="body")])
+        tiny_data,
+        dir=str(tmp_path / "data"),
+        prepare_workers=1,
+        tokenizer=tokenizer,
+        sources=[
+            SourceConfig(
+                name="paras", type="jsonl", paths=[str(inputs / "*.jsonl.zst")], field="body"
+            )
+        ],
+    )
     run = tiny_run_dict(cfg, tmp_path / "runs")
     run["data"] = {**dataclasses.asdict(cfg), "dir": cfg.dir}
     config = tmp_path / "run.yaml"
@@ -64,9 +75,11 @@ def _fails(argv: list[str], capsys) -> str:
 
 def _rewrite_fewer(path: Path) -> None:
     """Rewrite a .zst with about half its documents (a later mtime, as any rewrite has)."""
-    lines = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes()).splitlines(True)
+    lines = (
+        zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes()).splitlines(True)
+    )
     before = path.stat().st_mtime_ns
-    path.write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines[:len(lines) // 2])))
+    path.write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines[: len(lines) // 2])))
     os.utime(path, ns=(before + 10**9, before + 10**9))
 
 
@@ -101,8 +114,9 @@ def test_merge_refuses_a_tokenizer_trained_on_a_rewritten_input(tiny_data, tmp_p
     assert "--tokenizer-only again" in err
 
 
-def test_merge_names_a_damaged_part_file_and_the_command_that_redoes_it(tiny_data, tmp_path,
-                                                                        capsys):
+def test_merge_names_a_damaged_part_file_and_the_command_that_redoes_it(
+    tiny_data, tmp_path, capsys
+):
     cfg, config, _ = _setup(tiny_data, tmp_path, trained=False)
     prepare_cli.main([config, "--tokenizer-only", "--quiet"])
     for i in (0, 1):
@@ -116,8 +130,11 @@ def test_merge_names_a_damaged_part_file_and_the_command_that_redoes_it(tiny_dat
             os.truncate(victim, size - 100)
         err = _fails([config, "--merge", "--quiet"], capsys)
         assert str(victim) in err and f"run moe-prepare CONFIG --part {part}/2 again" in err
-        assert ("missing from its part" if damage == "delete" else
-                f"damaged part file, {size - 100:,} bytes where {size:,} were written") in err
+        assert (
+            "missing from its part"
+            if damage == "delete"
+            else f"damaged part file, {size - 100:,} bytes where {size:,} were written"
+        ) in err
         assert not Path(cfg.dir).exists()
         prepare_cli.main([config, "--part", f"{part}/2", "--quiet"])
     prepare_cli.main([config, "--merge", "--quiet"])
@@ -127,7 +144,7 @@ def _invert_middle(path: Path, count: int = 16) -> None:
     """Flip every bit of ``count`` bytes in the middle of a file: damage that keeps its size."""
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
     path.write_bytes(bytes(data))
 
 
@@ -180,7 +197,7 @@ def test_merge_checks_token_ids_counts_and_hashes_recorded(tiny_data, tmp_path, 
     def token_out_of_range(marker):  # the fourth token of the train split: id = vocab_size
         name, (train_docs, _), *_ = marker["items"]["paras/0"]
         data = bytearray((part / name).read_bytes())
-        data[8 * train_docs + 12:8 * train_docs + 16] = vocab.to_bytes(4, "little")
+        data[8 * train_docs + 12 : 8 * train_docs + 16] = vocab.to_bytes(4, "little")
         (part / name).write_bytes(bytes(data))
         marker["sha256"]["paras/0"] = hashlib.sha256(data).hexdigest()
 
@@ -189,8 +206,10 @@ def test_merge_checks_token_ids_counts_and_hashes_recorded(tiny_data, tmp_path, 
 
     prepare_cli.main([config, "--part", "1/2", "--quiet"])
     err = damage(token_out_of_range)
-    assert (f"{part / 'paras-0.bin'}: damaged part file: token id {vocab} out of range for "
-            f"the tokenizer's vocabulary of {vocab}") in err
+    assert (
+        f"{part / 'paras-0.bin'}: damaged part file: token id {vocab} out of range for "
+        f"the tokenizer's vocabulary of {vocab}"
+    ) in err
     err = damage(counts_off_by_one)
     assert "its document counts in part.json do not fit the file" in err
     err = damage(lambda marker: marker.pop("sha256"))

@@ -15,9 +15,10 @@ from data_pipeline.config import DataConfig, SourceConfig, TokenizerConfig
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import SCHEMA_VERSION, read_manifest, token_type
 from data_pipeline.split import content_key, in_valid_split
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import TOKENIZER_FILE, Tokenizer
 from launch import prepare as prepare_cli
 
@@ -26,8 +27,16 @@ def test_round_trip_text_to_stream(tiny_data):
     """Tokenizing the corpus directly gives exactly the stream the shards hold."""
     manifest = read_manifest(tiny_data.dir)
     tok = Tokenizer(PreparedData(tiny_data.dir).tokenizer_file())
-    assert manifest.tokenizer["sha256"] == tok.sha256 and manifest.tokenizer["file"] == f"gen-1/{TOKENIZER_FILE}"
-    assert tok.vocab_size == 512 and (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == (1, 2, 3, 0)
+    assert (
+        manifest.tokenizer["sha256"] == tok.sha256
+        and manifest.tokenizer["file"] == f"gen-1/{TOKENIZER_FILE}"
+    )
+    assert tok.vocab_size == 512 and (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == (
+        1,
+        2,
+        3,
+        0,
+    )
     src = tiny_data.sources[0]
     files = sorted(Path(src.paths[0]).iterdir())
     expected = {"train": [], "valid": []}
@@ -56,8 +65,10 @@ def test_manifest_records_schema_tokenizer_sources_and_shards(mixed_data):
             assert s.file.startswith(f"gen-1/{split}-{s.source}-")
             table = pa.ipc.open_file(pa.memory_map(str(Path(mixed_data.dir) / s.file))).read_all()
             assert table.schema.field("tokens").type == pa.list_(pa.uint16())
-            assert (table.num_rows, sum(len(x) for x in table.column(0).to_pylist())) == \
-                (s.documents, s.tokens)
+            assert (table.num_rows, sum(len(x) for x in table.column(0).to_pylist())) == (
+                s.documents,
+                s.tokens,
+            )
     for src in m.sources:
         ours = m.splits["train"].of_source(src["name"]) + m.splits["valid"].of_source(src["name"])
         assert sum(s.documents for s in ours) == sum(src["documents"].values())
@@ -69,8 +80,12 @@ def test_manifest_records_schema_tokenizer_sources_and_shards(mixed_data):
 
 
 def test_smallest_token_type():
-    assert [str(token_type(v)) for v in (256, 257, 65536, 65537)] == \
-        ["uint8", "uint16", "uint16", "uint32"]
+    assert [str(token_type(v)) for v in (256, 257, 65536, 65537)] == [
+        "uint8",
+        "uint16",
+        "uint16",
+        "uint32",
+    ]
 
 
 def _texts_of(tok: Tokenizer, stream: TokenStream) -> list[str]:
@@ -94,24 +109,36 @@ def test_jsonl_parquet_arrow_sources_read_the_named_field(tmp_path):
         for batch in table.to_batches(max_chunksize=20):
             w.write_batch(batch)
     cfg = DataConfig(
-        dir=str(tmp_path / "data"), valid_fraction=0.1, shard_tokens=1024, prepare_workers=1,
-        sources=[SourceConfig(name=t, type=t, paths=[str(tmp_path / f"a.{ext}")], field="t")
-                 for t, ext in (("jsonl", "jsonl"), ("parquet", "parquet"), ("arrow", "arrow"))],
-        tokenizer=TokenizerConfig(vocab_size=300, special_tokens=["<sep>"]))
+        dir=str(tmp_path / "data"),
+        valid_fraction=0.1,
+        shard_tokens=1024,
+        prepare_workers=1,
+        sources=[
+            SourceConfig(name=t, type=t, paths=[str(tmp_path / f"a.{ext}")], field="t")
+            for t, ext in (("jsonl", "jsonl"), ("parquet", "parquet"), ("arrow", "arrow"))
+        ],
+        tokenizer=TokenizerConfig(vocab_size=300, special_tokens=["<sep>"]),
+    )
     prepare(cfg, progress=False)
     tok = Tokenizer(PreparedData(cfg.dir).tokenizer_file())
     assert "<sep>" in tok.sp.EncodeAsPieces("a<sep>b")  # a special token is never split
     for name in ("jsonl", "parquet", "arrow"):
-        got = _texts_of(tok, TokenStream(cfg.dir, "train", name)) + \
-            _texts_of(tok, TokenStream(cfg.dir, "valid", name))
+        got = _texts_of(tok, TokenStream(cfg.dir, "train", name)) + _texts_of(
+            tok, TokenStream(cfg.dir, "valid", name)
+        )
         assert sorted(got) == sorted(texts)
 
 
 def reusing_tokenizer(data, out_dir, workers: int):
     """``data`` prepared again into ``out_dir`` with ``workers`` workers and its tokenizer."""
-    return dataclasses.replace(data, dir=str(out_dir), prepare_workers=workers,
-                               tokenizer=dataclasses.replace(
-                                   data.tokenizer, model_file=str(PreparedData(data.dir).tokenizer_file())))
+    return dataclasses.replace(
+        data,
+        dir=str(out_dir),
+        prepare_workers=workers,
+        tokenizer=dataclasses.replace(
+            data.tokenizer, model_file=str(PreparedData(data.dir).tokenizer_file())
+        ),
+    )
 
 
 def test_result_does_not_depend_on_workers_and_reuses_a_tokenizer(mixed_data, tmp_path):
@@ -121,19 +148,25 @@ def test_result_does_not_depend_on_workers_and_reuses_a_tokenizer(mixed_data, tm
 
 
 @pytest.mark.parametrize("model_type", ["bpe", "unigram"])
-def test_trained_tokenizer_and_fingerprint_do_not_depend_on_workers(tiny_data, tmp_path,
-                                                                    model_type):
+def test_trained_tokenizer_and_fingerprint_do_not_depend_on_workers(
+    tiny_data, tmp_path, model_type
+):
     """SentencePiece writes its trainer's thread count into the model, and the unigram
     trainer's sums depend on how its work is split: a thread count taken from prepare_workers
     would change the tokenizer's bytes, the fingerprint and with it the sample order."""
     made = {}
     for workers in (1, 2):
-        cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / f"w{workers}"),
-                                  prepare_workers=workers, tokenizer=dataclasses.replace(
-                                      tiny_data.tokenizer, model_type=model_type))
+        cfg = dataclasses.replace(
+            tiny_data,
+            dir=str(tmp_path / f"w{workers}"),
+            prepare_workers=workers,
+            tokenizer=dataclasses.replace(tiny_data.tokenizer, model_type=model_type),
+        )
         prepare(cfg, progress=False)
-        made[workers] = (PreparedData(cfg.dir).tokenizer_file().read_bytes(),
-                         read_manifest(cfg.dir).fingerprint)
+        made[workers] = (
+            PreparedData(cfg.dir).tokenizer_file().read_bytes(),
+            read_manifest(cfg.dir).fingerprint,
+        )
     assert made[1] == made[2]
 
 
@@ -156,8 +189,7 @@ def test_pool_messages_stay_short_whatever_the_item_size(tiny_data, tmp_path):
 
     corpus = tmp_path / "big"
     corpus.mkdir()
-    (corpus / "a.txt").write_text("\n\n".join(f"document {i} " + "word " * 2000
-                                                for i in range(50)))
+    (corpus / "a.txt").write_text("\n\n".join(f"document {i} " + "word " * 2000 for i in range(50)))
     source = SourceConfig(name="big", type="text", paths=[str(corpus)])
     (item,) = work_items(source)
     spill = tmp_path / "spill"
@@ -189,8 +221,9 @@ def test_tasks_group_consecutive_items_by_input_bytes():
     assert workers.group_tasks([], []) == []
 
 
-def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, tmp_path,
-                                                                  monkeypatch):
+def test_main_process_only_hands_out_items_and_writes_token_arrays(
+    mixed_data, tmp_path, monkeypatch
+):
     """With N workers on N cores, per-document work in the main process takes a core from
     them: it must never read, parse or tokenize a document. It sends work items (a file, a
     byte range) and spill file names, and gets back a few counts per item; tokens come as
@@ -203,9 +236,15 @@ def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, t
         raise AssertionError("per-document work in the main process")
 
     # The workers are spawned: they import their own, unpatched modules.
-    for module, name in ((workers, "read_item"), (sources, "read_item"), (workers, "load_docs"),
-                         (tokenizer.Tokenizer, "encode_batch"), (tokenizer.Tokenizer, "encode"),
-                         (sources, "decode"), (sources, "_jsonl_documents")):
+    for module, name in (
+        (workers, "read_item"),
+        (sources, "read_item"),
+        (workers, "load_docs"),
+        (tokenizer.Tokenizer, "encode_batch"),
+        (tokenizer.Tokenizer, "encode"),
+        (sources, "decode"),
+        (sources, "_jsonl_documents"),
+    ):
         monkeypatch.setattr(module, name, per_document)
     sent, received = [], []
     real_tasks, real_task = workers.group_tasks, workers.encode_task
@@ -224,8 +263,12 @@ def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, t
             yield counts
 
     monkeypatch.setattr(workers, "run_tasks", spy_run)
-    texts = [t for p in sorted(Path(mixed_data.sources[0].paths[0]).iterdir())
-             for t in p.read_text(encoding="utf-8").split("\n\n") if len(t) > 40]
+    texts = [
+        t
+        for p in sorted(Path(mixed_data.sources[0].paths[0]).iterdir())
+        for t in p.read_text(encoding="utf-8").split("\n\n")
+        if len(t) > 40
+    ]
     cfg = reusing_tokenizer(mixed_data, tmp_path / "data", workers=2)
     prepare(cfg, progress=False)
     assert read_manifest(cfg.dir).fingerprint == read_manifest(mixed_data.dir).fingerprint
@@ -235,8 +278,17 @@ def test_main_process_only_hands_out_items_and_writes_token_arrays(mixed_data, t
         assert len(raw) < 2048 * len(task)
         assert not any(t.encode() in raw or t.upper().encode() in raw for t in texts[:20])
     for counts in received:
-        assert all(type(n) is int for n in [*counts.documents, counts.invalid_utf8, counts.empty,
-                                            counts.filtered, counts.rows, counts.moved])
+        assert all(
+            type(n) is int
+            for n in [
+                *counts.documents,
+                counts.invalid_utf8,
+                counts.empty,
+                counts.filtered,
+                counts.rows,
+                counts.moved,
+            ]
+        )
 
 
 def test_jsonl_ranges_of_any_size_read_the_same_documents(tmp_path, monkeypatch):
@@ -245,8 +297,10 @@ def test_jsonl_ranges_of_any_size_read_the_same_documents(tmp_path, monkeypatch)
     from data_pipeline import sources
 
     path = tmp_path / "a.jsonl"
-    path.write_text("".join(json.dumps({"text": f"doc {i} " + "é " * (i % 37)}) + "\n"
-                            for i in range(300)), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps({"text": f"doc {i} " + "é " * (i % 37)}) + "\n" for i in range(300)),
+        encoding="utf-8",
+    )
     source = SourceConfig(name="j", type="jsonl", paths=[str(path)])
 
     def documents() -> tuple[int, list]:
@@ -272,22 +326,30 @@ def _one_row_group_parquet(path: Path) -> list:
 
 
 @pytest.mark.parametrize("row_filter", [None, {"column": "lang", "value": "en"}])
-def test_parquet_row_groups_cut_into_row_ranges_read_the_same_documents(tmp_path, monkeypatch,
-                                                                       row_filter):
+def test_parquet_row_groups_cut_into_row_ranges_read_the_same_documents(
+    tmp_path, monkeypatch, row_filter
+):
     """A large row group is cut into row ranges (so that one file of one row group still
     feeds every worker); documents, ids, order and counts do not depend on the cuts."""
     from data_pipeline import sources
     from data_pipeline.config import FilterConfig
 
     _one_row_group_parquet(tmp_path / "a.parquet")
-    source = SourceConfig(name="p", type="parquet", paths=[str(tmp_path / "a.parquet")],
-                          filter=FilterConfig(**row_filter) if row_filter else FilterConfig())
+    source = SourceConfig(
+        name="p",
+        type="parquet",
+        paths=[str(tmp_path / "a.parquet")],
+        filter=FilterConfig(**row_filter) if row_filter else FilterConfig(),
+    )
 
     def read() -> tuple[list, list, tuple[int, int]]:
         items = sources.work_items(source)
         got = [sources.read_item(source, it) for it in items]
-        return ([it.part for it in items], [d for r in got for d in r.docs],
-                (sum(r.filtered for r in got), sum(r.empty for r in got)))
+        return (
+            [it.part for it in items],
+            [d for r in got for d in r.docs],
+            (sum(r.filtered for r in got), sum(r.empty for r in got)),
+        )
 
     parts, want, counts = read()
     assert parts == [0] and len(want) == (2665 if row_filter else 3998)
@@ -303,16 +365,21 @@ def test_parquet_row_groups_cut_into_row_ranges_read_the_same_documents(tmp_path
     assert sources.row_ranges(3, 10_000, 1) == [(0, 1), (1, 2), (2, 3)]
 
 
-def test_one_parquet_row_group_is_shared_by_the_workers_with_the_same_result(tiny_data, tmp_path,
-                                                                             monkeypatch):
+def test_one_parquet_row_group_is_shared_by_the_workers_with_the_same_result(
+    tiny_data, tmp_path, monkeypatch
+):
     from data_pipeline import sources
 
     _one_row_group_parquet(tmp_path / "a.parquet")
     whole = dataclasses.replace(
-        tiny_data, dir=str(tmp_path / "whole"), prepare_workers=2,
+        tiny_data,
+        dir=str(tmp_path / "whole"),
+        prepare_workers=2,
         sources=[SourceConfig(name="p", type="parquet", paths=[str(tmp_path / "a.parquet")])],
-        tokenizer=dataclasses.replace(tiny_data.tokenizer,
-                                      model_file=str(PreparedData(tiny_data.dir).tokenizer_file())))
+        tokenizer=dataclasses.replace(
+            tiny_data.tokenizer, model_file=str(PreparedData(tiny_data.dir).tokenizer_file())
+        ),
+    )
     prepare(whole, progress=False)
     monkeypatch.setattr(sources, "JSONL_MIN_CHUNK_BYTES", 4096)
     assert len(sources.work_items(whole.sources[0])) > 8
@@ -321,8 +388,11 @@ def test_one_parquet_row_group_is_shared_by_the_workers_with_the_same_result(tin
     assert read_manifest(cut.dir).fingerprint == read_manifest(whole.dir).fingerprint
 
 
-def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(tiny_data, tmp_path, monkeypatch):
+def test_interrupted_preparation_leaves_nothing_and_keeps_old_data(
+    tiny_data, tmp_path, monkeypatch
+):
     from data_pipeline import shards
+
     cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"), prepare_workers=1)
     real, calls = shards.write_shard, []
 
@@ -363,9 +433,17 @@ def test_cli_module_imports_no_model_code():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    code = "import sys, launch.prepare; print(sorted({'torch', 'moe.config.run'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    code = (
+        "import sys, launch.prepare; print(sorted({'torch', 'moe.config.run'} & set(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -373,6 +451,7 @@ def test_cli_prepares_then_verifies(tiny_data, tmp_path, capsys):
     import yaml
 
     from tests.conftest import tiny_run_dict
+
     run = tiny_run_dict(tiny_data, tmp_path / "runs")
     run["data"]["dir"] = str(tmp_path / "data")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
@@ -383,8 +462,10 @@ def test_cli_prepares_then_verifies(tiny_data, tmp_path, capsys):
     assert "ok;" in capsys.readouterr().out
     prepare_cli.main([str(tmp_path / "run.yaml"), "--quiet"])
     assert "already prepared" in capsys.readouterr().out
-    assert np.array_equal(TokenStream(tmp_path / "data", "train").read(0, 100),
-                          TokenStream(tiny_data.dir, "train").read(0, 100))
+    assert np.array_equal(
+        TokenStream(tmp_path / "data", "train").read(0, 100),
+        TokenStream(tiny_data.dir, "train").read(0, 100),
+    )
 
 
 def test_data_of_an_older_schema_asks_for_force(tiny_data, tmp_path):
@@ -403,6 +484,7 @@ def test_data_of_an_older_schema_asks_for_force(tiny_data, tmp_path):
 @pytest.mark.parametrize("model_type", ["bpe", "unigram"])
 def test_tokenizer_types_byte_fallback_and_special_ids(tiny_data, tmp_path, model_type):
     from data_pipeline.tokenizer import LineSample, train_tokenizer
+
     sample = LineSample(20000, seed=0)
     for f in sorted(Path(tiny_data.sources[0].paths[0]).iterdir()):
         sample.add(f.read_text(encoding="utf-8"))
@@ -418,10 +500,11 @@ def test_tokenizer_types_byte_fallback_and_special_ids(tiny_data, tmp_path, mode
 
 def test_stdlib_source_reads_docstrings_and_comments():
     from data_pipeline.sources import read_item, work_items
+
     items = work_items(SourceConfig())
     assert len(items) > 500 and all(not Path(i.name).is_absolute() for i in items)
     (item,) = [i for i in items if i.name == "textwrap.py"]
-    (doc_id, text), = read_item(SourceConfig(), item).docs
+    ((doc_id, text),) = read_item(SourceConfig(), item).docs
     assert doc_id == "textwrap.py"
     assert "Text wrapping and filling." in text  # the module docstring
     assert "import re" not in text  # code is left out
@@ -431,6 +514,7 @@ def test_progress_logs_lines_when_not_on_a_terminal(tiny_data, tmp_path, monkeyp
     import io
 
     from data_pipeline import progress as progress_module
+
     out = io.StringIO()  # not a terminal: log lines, no bar
     real = progress_module.Progress
 
@@ -438,15 +522,21 @@ def test_progress_logs_lines_when_not_on_a_terminal(tiny_data, tmp_path, monkeyp
         return real(desc, total, enabled, stream=out, interval=0.0)
 
     monkeypatch.setattr("data_pipeline.assemble.Progress", logging_progress)
-    cfg = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"), prepare_workers=1,
-                              tokenizer=dataclasses.replace(
-                                  tiny_data.tokenizer,
-                                  model_file=str(PreparedData(tiny_data.dir).tokenizer_file())))
+    cfg = dataclasses.replace(
+        tiny_data,
+        dir=str(tmp_path / "data"),
+        prepare_workers=1,
+        tokenizer=dataclasses.replace(
+            tiny_data.tokenizer, model_file=str(PreparedData(tiny_data.dir).tokenizer_file())
+        ),
+    )
     prepare(cfg, progress=True)
     lines = out.getvalue().splitlines()
     manifest = read_manifest(cfg.dir)
     total_mb = sum(p.stat().st_size for p in Path(tiny_data.sources[0].paths[0]).iterdir()) / 1e6
-    assert len(lines) == len(manifest_items := list(Path(tiny_data.sources[0].paths[0]).iterdir())) + 1
+    assert (
+        len(lines) == len(manifest_items := list(Path(tiny_data.sources[0].paths[0]).iterdir())) + 1
+    )
     assert all(line.startswith("tokenize docs: ") for line in lines)
     assert f"of {total_mb:,.1f} MB" in lines[0] and "ETA" in lines[0] and "tokens/s" in lines[0]
     tokens = manifest.splits["train"].tokens + manifest.splits["valid"].tokens

@@ -9,7 +9,8 @@ import torch
 
 from data_pipeline import reader as reader_module
 from data_pipeline.errors import DataError
-from data_pipeline.reader import PackedReader, TokenStream, validation_windows
+from data_pipeline.reader import PackedReader
+from data_pipeline.token_stream import TokenStream, validation_windows
 from tests.helpers.reader_reference import ReferenceRows, reference_doc_ids
 
 
@@ -47,7 +48,7 @@ def epoch_windows(stream, epoch) -> list[tuple]:
     order, _, _ = stream._epoch(epoch)
     tokens = np.concatenate([stream.arrays[i] for i in order])
     S = stream.window
-    return [tuple(tokens[i * S:(i + 1) * S]) for i in range(stream.num_samples)]
+    return [tuple(tokens[i * S : (i + 1) * S]) for i in range(stream.num_samples)]
 
 
 def test_each_epoch_reads_every_window_of_its_shard_order_once(tiny_data):
@@ -57,16 +58,18 @@ def test_each_epoch_reads_every_window_of_its_shard_order_once(tiny_data):
     assert len(stream.arrays) > 1
     rows = reference(tiny_data, 2 * n)
     for epoch in (0, 1):
-        got = sorted(tuple(row) for row in rows[epoch * n:(epoch + 1) * n])
+        got = sorted(tuple(row) for row in rows[epoch * n : (epoch + 1) * n])
         assert got == sorted(epoch_windows(stream, epoch))
     # Epochs differ in order, and (shards reshuffled) in where windows are cut.
     assert not np.array_equal(rows[:n], rows[n:])
 
 
-@pytest.mark.parametrize("world,micro_batch,accum,workers",
-                         [(2, 3, 2, 0), (3, 2, 1, 2), (1, 5, 3, 2)])
-def test_ranks_and_workers_read_disjoint_parts_of_one_global_order(mixed_data, world, micro_batch,
-                                                                   accum, workers):
+@pytest.mark.parametrize(
+    "world,micro_batch,accum,workers", [(2, 3, 2, 0), (3, 2, 1, 2), (1, 5, 3, 2)]
+)
+def test_ranks_and_workers_read_disjoint_parts_of_one_global_order(
+    mixed_data, world, micro_batch, accum, workers
+):
     steps = 3
     rows, state = read_layout(mixed_data, world, micro_batch, accum, steps, workers)
     total = steps * accum * world * micro_batch
@@ -76,9 +79,10 @@ def test_ranks_and_workers_read_disjoint_parts_of_one_global_order(mixed_data, w
     assert state["consumed_samples"] == total
 
 
-@pytest.mark.parametrize("before,after", [((2, 3, 1, 0), (2, 3, 1, 0)),
-                                          ((2, 3, 1, 0), (3, 2, 2, 1)),
-                                          ((1, 4, 2, 2), (4, 1, 1, 0))])
+@pytest.mark.parametrize(
+    "before,after",
+    [((2, 3, 1, 0), (2, 3, 1, 0)), ((2, 3, 1, 0), (3, 2, 2, 1)), ((1, 4, 2, 2), (4, 1, 1, 0))],
+)
 def test_resume_on_any_layout_continues_the_global_order(mixed_data, before, after):
     world, mb, accum, workers = before
     first, state = read_layout(mixed_data, world, mb, accum, 2, workers)
@@ -113,8 +117,11 @@ def test_skipped_ranges_are_never_read_and_the_rest_keeps_its_order(mixed_data):
     wider = reader(mixed_data, micro_batch=3)
     wider.skip([(4, 6)])
     wider.micro_batches(1)
-    with pytest.raises(DataError, match=r"samples \[4, 6\).*begin inside this step's samples "
-                                        r"\[3, 6\): the global batch changed"):
+    with pytest.raises(
+        DataError,
+        match=r"samples \[4, 6\).*begin inside this step's samples "
+        r"\[3, 6\): the global batch changed",
+    ):
         wider.micro_batches(1)
 
 
@@ -126,8 +133,9 @@ def test_state_is_small_and_counts_each_source(mixed_data):
     assert len(json.dumps(state)) < 1024
     counts = {k: v["samples"] for k, v in state["sources"].items()}
     assert sum(counts.values()) == state["consumed_samples"] == 105
-    assert all(v["tokens"] == v["samples"] * (mixed_data.seq_len + 1)
-               for v in state["sources"].values())
+    assert all(
+        v["tokens"] == v["samples"] * (mixed_data.seq_len + 1) for v in state["sources"].values()
+    )
 
 
 def test_mixture_token_proportions_track_the_weights(mixed_data):
@@ -136,8 +144,10 @@ def test_mixture_token_proportions_track_the_weights(mixed_data):
     rows = np.concatenate([r.micro_batches(1)[0].numpy() for _ in range(10)])  # 10k sequences
     # Classify each sequence by the windows each source can produce in the epochs read.
     state = r.state_dict()["sources"]
-    sets = {s.name: {w for e in range(state[s.name]["epoch"] + 1) for w in epoch_windows(s, e)}
-            for s in r.streams}
+    sets = {
+        s.name: {w for e in range(state[s.name]["epoch"] + 1) for w in epoch_windows(s, e)}
+        for s in r.streams
+    }
     origin = [[name for name, ws in sets.items() if tuple(row) in ws] for row in rows]
     assert all(len(o) >= 1 for o in origin)
     unique = [o[0] for o in origin if len(o) == 1]
@@ -160,8 +170,10 @@ def test_changing_weights_on_resume_continues_each_source(mixed_data):
     # Each source continues at its own counter: its next samples are the ones it had not read.
     solo = reader(mixed_data, micro_batch=50, weights={"files": 1, "paras": 9})
     solo.load_state_dict(b.state_dict())
-    assert solo.schedule.base_counts.tolist() == [before["sources"]["files"]["samples"],
-                                                  before["sources"]["paras"]["samples"]]
+    assert solo.schedule.base_counts.tolist() == [
+        before["sources"]["files"]["samples"],
+        before["sources"]["paras"]["samples"],
+    ]
 
 
 def test_resuming_on_other_data_is_refused_unless_allowed(mixed_data):
@@ -186,11 +198,13 @@ def test_document_ids_follow_eos(mixed_data):
     assert reader(mixed_data, micro_batch=2).next_step(1)[0].doc_ids_BS is None
 
 
-@pytest.mark.parametrize("micro_batch,world,accum,small_plans",
-                         [(1, 1, 1, True), (3, 2, 2, True), (7, 1, 3, True), (40, 3, 1, True),
-                          (7, 2, 2, False)])
-def test_batches_match_the_per_row_definition(mixed_data, monkeypatch, micro_batch, world, accum,
-                                              small_plans):
+@pytest.mark.parametrize(
+    "micro_batch,world,accum,small_plans",
+    [(1, 1, 1, True), (3, 2, 2, True), (7, 1, 3, True), (40, 3, 1, True), (7, 2, 2, False)],
+)
+def test_batches_match_the_per_row_definition(
+    mixed_data, monkeypatch, micro_batch, world, accum, small_plans
+):
     """Every row and document id against the definition, one position at a time, over two
     sources and more than an epoch of each: rows that cross shards, and (small plans) plans and
     copy groups that end mid-step, groups of several micro-batches and a shorter last group."""
@@ -225,13 +239,14 @@ def test_batches_stay_valid_and_separate(mixed_data):
         for b in r.next_step(2):
             held.append(b)
             copies.append((b.tokens_BS.clone(), b.doc_ids_BS.clone()))
-    assert all(torch.equal(b.tokens_BS, t) and torch.equal(b.doc_ids_BS, d)
-               for b, (t, d) in zip(held, copies))
+    assert all(
+        torch.equal(b.tokens_BS, t) and torch.equal(b.doc_ids_BS, d)
+        for b, (t, d) in zip(held, copies)
+    )
     for i, b in enumerate(held):
         b.tokens_BS.fill_(-i)
         b.doc_ids_BS.fill_(-i)
-    assert all((b.tokens_BS == -i).all() and (b.doc_ids_BS == -i).all()
-               for i, b in enumerate(held))
+    assert all((b.tokens_BS == -i).all() and (b.doc_ids_BS == -i).all() for i, b in enumerate(held))
 
 
 def test_order_is_deterministic_and_seeded(mixed_data):
@@ -246,8 +261,9 @@ def test_validation_windows_predict_every_token_once(tiny_data):
     windows = [w for w, _ in validation_windows(tiny_data.dir, 32)]
     assert sum(len(w) - 1 for w in windows) == len(stream) - 1
     assert windows[0].tolist() == stream.read(0, 33).tolist()
-    assert [w.tolist() for w in windows] == \
-        [w.tolist() for w, _ in validation_windows(tiny_data.dir, 32)]
+    assert [w.tolist() for w in windows] == [
+        w.tolist() for w, _ in validation_windows(tiny_data.dir, 32)
+    ]
     # Data without a loss mask: every next token is a target.
     assert all(t.tolist() == w[1:].tolist() for w, t in validation_windows(tiny_data.dir, 32))
 

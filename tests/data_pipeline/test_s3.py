@@ -45,12 +45,17 @@ def _write_inputs(root: Path) -> Path:
 
 
 def _sources(base: str) -> list[SourceConfig]:
-    return [SourceConfig(name="files", type="text", paths=[f"{base}/corpus"]),
-            SourceConfig(name="paras", type="jsonl", field="body",
-                         paths=[f"{base}/jsonl/*.jsonl", f"{base}/jsonl/**/*.gz"]),
-            SourceConfig(name="pq", type="parquet", field="content", paths=[f"{base}/tables"]),
-            SourceConfig(name="arrow", type="arrow", field="content",
-                         paths=[f"{base}/tables/b.arrow"])]
+    return [
+        SourceConfig(name="files", type="text", paths=[f"{base}/corpus"]),
+        SourceConfig(
+            name="paras",
+            type="jsonl",
+            field="body",
+            paths=[f"{base}/jsonl/*.jsonl", f"{base}/jsonl/**/*.gz"],
+        ),
+        SourceConfig(name="pq", type="parquet", field="content", paths=[f"{base}/tables"]),
+        SourceConfig(name="arrow", type="arrow", field="content", paths=[f"{base}/tables/b.arrow"]),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +84,20 @@ def aws_env(monkeypatch, tmp_path):
 
 
 def _config(root: Path, base: str, endpoint: str) -> DataConfig:
-    return dataclasses.replace(tiny_data_config(root), sources=_sources(base), shard_tokens=4096,
-                               s3=S3Config(endpoint_url=endpoint, region="us-east-1"))
+    return dataclasses.replace(
+        tiny_data_config(root),
+        sources=_sources(base),
+        shard_tokens=4096,
+        s3=S3Config(endpoint_url=endpoint, region="us-east-1"),
+    )
 
 
 def _digests(data_dir: Path) -> dict[str, str]:
-    return {str(p.relative_to(data_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(data_dir.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+    return {
+        str(p.relative_to(data_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(data_dir.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 def test_prepare_from_s3_is_byte_identical_to_local(s3_server, aws_env, tmp_path):
@@ -105,18 +117,23 @@ def test_prepare_from_s3_is_byte_identical_to_local(s3_server, aws_env, tmp_path
     assert all(sum(c.values()) > 0 for c in counts.values())
 
 
-@pytest.mark.parametrize("path, named", [
-    ("s3://no-such-bucket/in/corpus", "s3://no-such-bucket/in/corpus"),
-    ("s3://no-such-bucket/in/*.txt", "s3://no-such-bucket/in"),
-    (f"s3://{BUCKET}/in/corpus/missing.txt", f"s3://{BUCKET}/in/corpus/missing.txt"),
-    (f"s3://{BUCKET}/in/nowhere/*.txt", f"s3://{BUCKET}/in/nowhere"),
-])
-def test_missing_bucket_or_object_is_named_and_leaves_nothing(s3_server, aws_env, tmp_path,
-                                                              path, named):
+@pytest.mark.parametrize(
+    "path, named",
+    [
+        ("s3://no-such-bucket/in/corpus", "s3://no-such-bucket/in/corpus"),
+        ("s3://no-such-bucket/in/*.txt", "s3://no-such-bucket/in"),
+        (f"s3://{BUCKET}/in/corpus/missing.txt", f"s3://{BUCKET}/in/corpus/missing.txt"),
+        (f"s3://{BUCKET}/in/nowhere/*.txt", f"s3://{BUCKET}/in/nowhere"),
+    ],
+)
+def test_missing_bucket_or_object_is_named_and_leaves_nothing(
+    s3_server, aws_env, tmp_path, path, named
+):
     endpoint, key_id, secret, root = s3_server
     aws_env(key_id, secret)
-    cfg = dataclasses.replace(_config(tmp_path, "", endpoint),
-                              sources=[SourceConfig(name="t", type="text", paths=[path])])
+    cfg = dataclasses.replace(
+        _config(tmp_path, "", endpoint), sources=[SourceConfig(name="t", type="text", paths=[path])]
+    )
     with pytest.raises(DataError, match=named.replace(".", r"\.").replace("*", r"\*")) as err:
         prepare(cfg, progress=False)
     if "no-such-bucket" in path:
@@ -128,9 +145,11 @@ def test_missing_bucket_or_object_is_named_and_leaves_nothing(s3_server, aws_env
 def test_wrong_secret_is_refused_without_showing_it(checking_server, aws_env, tmp_path, capfd):
     endpoint, key_id, secret, root = checking_server
     obj = f"s3://{BUCKET}/in/corpus/{sorted(os.listdir(root / 'corpus'))[0]}"
-    cfg = dataclasses.replace(_config(tmp_path, "", endpoint),
-                              sources=[SourceConfig(name="t", type="text", paths=[obj])],
-                              valid_fraction=0.5)
+    cfg = dataclasses.replace(
+        _config(tmp_path, "", endpoint),
+        sources=[SourceConfig(name="t", type="text", paths=[obj])],
+        valid_fraction=0.5,
+    )
     aws_env(key_id, secret)  # the right key is let in: the refusal below is the secret's doing
     with pytest.raises(DataError, match="too few documents|validation split"):
         prepare(cfg, progress=False)
@@ -148,11 +167,15 @@ def test_wrong_secret_is_refused_without_showing_it(checking_server, aws_env, tm
 
 def test_s3_settings_are_validated_and_not_in_the_data_hash(tmp_path):
     from data_pipeline.prepare import config_hash
+
     cfg = tiny_data_config(tmp_path)
     other = dataclasses.replace(cfg, s3=S3Config(endpoint_url="http://minio:9000", region="x"))
     assert config_hash(other) == config_hash(cfg)
-    bad = dataclasses.replace(cfg, s3=S3Config(endpoint_url="minio:9000"), sources=[
-        SourceConfig(name="hf", type="hf_disk", paths=["s3://b/ds"])])
+    bad = dataclasses.replace(
+        cfg,
+        s3=S3Config(endpoint_url="minio:9000"),
+        sources=[SourceConfig(name="hf", type="hf_disk", paths=["s3://b/ds"])],
+    )
     problems = bad.problems()
     assert any(p.startswith("s3.endpoint_url") for p in problems)
     assert any("hf_disk" in p and p.startswith("sources[0].paths") for p in problems)

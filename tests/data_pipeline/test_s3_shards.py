@@ -21,8 +21,9 @@ from data_pipeline.config import S3Config, SourceConfig
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, validation_windows
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import read_manifest
+from data_pipeline.token_stream import validation_windows
 from tests.conftest import tiny_data_config, write_corpus
 from tests.data_pipeline.conftest import write_jsonl
 from tests.helpers import s3 as helper_s3
@@ -50,8 +51,12 @@ def local_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("local")
     write_corpus(root / "corpus")
     paras = write_jsonl(root / "corpus", root / "paras.jsonl")
-    cfg = dataclasses.replace(tiny_data_config(root), shard_tokens=2048, seq_len=16, sources=[
-        SourceConfig(name="paras", type="jsonl", paths=[str(paras)], field="body")])
+    cfg = dataclasses.replace(
+        tiny_data_config(root),
+        shard_tokens=2048,
+        seq_len=16,
+        sources=[SourceConfig(name="paras", type="jsonl", paths=[str(paras)], field="body")],
+    )
     prepare(cfg, progress=False)
     return cfg
 
@@ -59,15 +64,16 @@ def local_data(tmp_path_factory):
 def _put(local: Path, url: str, s3: S3Config) -> None:
     """Uploads through boto3: moto 5.2.1 answers pyarrow's CompleteMultipartUpload with a
     malformed document (getmoto/moto#10055), so pyarrow's own upload cannot run against it."""
-    bucket, key = url[len("s3://"):].split("/", 1)
+    bucket, key = url[len("s3://") :].split("/", 1)
     _boto(s3.endpoint_url).put_object(Bucket=bucket, Key=key, Body=local.read_bytes())
 
 
 @pytest.fixture
 def remote_data(local_data, creds, monkeypatch):
     """The same config prepared into the bucket (once per module: later calls find it)."""
-    cfg = dataclasses.replace(local_data, dir=PREFIX,
-                              s3=S3Config(endpoint_url=creds, region="us-east-1"))
+    cfg = dataclasses.replace(
+        local_data, dir=PREFIX, s3=S3Config(endpoint_url=creds, region="us-east-1")
+    )
     monkeypatch.setattr(storage, "upload", _put)
     prepare(cfg, progress=False)
     return cfg
@@ -93,8 +99,10 @@ def _shard_bytes(cfg) -> list[int]:
 
 def test_prepare_into_s3_then_read_is_identical_to_local(local_data, remote_data, creds, tmp_path):
     client = _boto(creds)
-    listed = {o["Key"]: o["Size"] for o in client.list_objects_v2(
-        Bucket=helper_s3.BUCKET, Prefix="prepared/")["Contents"]}
+    listed = {
+        o["Key"]: o["Size"]
+        for o in client.list_objects_v2(Bucket=helper_s3.BUCKET, Prefix="prepared/")["Contents"]
+    }
     local = Path(local_data.dir)
     files = [p for p in local.rglob("*") if p.is_file()]
     for path in files:
@@ -110,14 +118,16 @@ def test_prepare_into_s3_then_read_is_identical_to_local(local_data, remote_data
     got, reader = _read(data)
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
     assert reader.state_dict() == local_reader.state_dict()
-    assert [w.tolist() for w, _ in validation_windows(data, 16)] == \
-        [w.tolist() for w, _ in validation_windows(local_data.dir, 16)]
+    assert [w.tolist() for w, _ in validation_windows(data, 16)] == [
+        w.tolist() for w, _ in validation_windows(local_data.dir, 16)
+    ]
     assert data.tokenizer_file().read_bytes() == PreparedData(local).tokenizer_file().read_bytes()
     # Every cached file is a verified copy named by its SHA-256; nothing else is left.
     names = sorted(os.listdir(tmp_path / "cache"))
     files = [n for n in names if len(n) == 64]
-    assert files and all(hashlib.sha256((tmp_path / "cache" / n).read_bytes()).hexdigest() == n
-                         for n in files)
+    assert files and all(
+        hashlib.sha256((tmp_path / "cache" / n).read_bytes()).hexdigest() == n for n in files
+    )
     assert not [n for n in names if n.endswith(".tmp")]
 
 
@@ -153,11 +163,13 @@ def test_cache_bound_holds_with_a_cache_smaller_than_the_data(local_data, remote
 
 def test_read_ahead_fetches_the_next_shards_in_the_background(remote_data, tmp_path, monkeypatch):
     import time
+
     slow = ObjectCache._download
 
     def download(self, *args):  # slow enough that the foreground is still busy
         time.sleep(0.02)
         return slow(self, *args)
+
     monkeypatch.setattr(ObjectCache, "_download", download)
     _, reader = _read(_data(remote_data, tmp_path / "ahead", read_ahead=2), steps=1)
     assert reader._read_ahead is not None and reader._read_ahead.fetched > 0
@@ -176,9 +188,20 @@ def test_two_processes_share_one_cache(local_data, remote_data, tmp_path):
     cache_dir = tmp_path / "cache"
     bound = 4 * max(_shard_bytes(local_data))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(remote_data.dir, remote_data.s3, str(cache_dir),
-                                               bound, r, str(tmp_path / f"r{r}.npy")))
-             for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                remote_data.dir,
+                remote_data.s3,
+                str(cache_dir),
+                bound,
+                r,
+                str(tmp_path / f"r{r}.npy"),
+            ),
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -191,8 +214,9 @@ def test_two_processes_share_one_cache(local_data, remote_data, tmp_path):
     names = os.listdir(cache_dir)
     assert not [n for n in names if n.endswith(".tmp")]
     files = [n for n in names if len(n) == 64]
-    assert files and all(hashlib.sha256((cache_dir / n).read_bytes()).hexdigest() == n
-                         for n in files)
+    assert files and all(
+        hashlib.sha256((cache_dir / n).read_bytes()).hexdigest() == n for n in files
+    )
     assert sum((cache_dir / n).stat().st_size for n in files) <= bound
 
 
@@ -206,7 +230,9 @@ def test_stale_cache_is_cleaned_at_start_up(local_data, remote_data, tmp_path):
     (cache_dir / b).write_bytes((Path(local_data.dir) / shards[1].file).read_bytes()[:-10])
     # A download in flight elsewhere: its temporary file is kept while its lock is held.
     (cache_dir / f"{c}.998.0.tmp").write_bytes(b"in flight")
-    holder = mp.get_context("spawn").Process(target=_hold_lock, args=(str(cache_dir / f"{c}.lock"),))
+    holder = mp.get_context("spawn").Process(
+        target=_hold_lock, args=(str(cache_dir / f"{c}.lock"),)
+    )
     ready = cache_dir / f"{c}.lock"
     holder.start()
     try:
@@ -244,8 +270,9 @@ def _held(path: Path) -> bool:
         os.close(fd)
 
 
-def test_corrupt_or_missing_object_is_named_and_nothing_is_left(local_data, remote_data, creds,
-                                                                tmp_path):
+def test_corrupt_or_missing_object_is_named_and_nothing_is_left(
+    local_data, remote_data, creds, tmp_path
+):
     client = _boto(creds)
     shards = read_manifest(local_data.dir).splits["train"].shards
     victim = shards[3]
@@ -258,11 +285,16 @@ def test_corrupt_or_missing_object_is_named_and_nothing_is_left(local_data, remo
     try:
         with pytest.raises(DataError, match="corrupt") as err:
             _read(_data(remote_data, cache_dir), steps=3)
-        assert str(err.value).startswith(f"{PREFIX}/{victim.file}: corrupt object: its SHA-256 is "
-                                         f"{hashlib.sha256(bad).hexdigest()}, the manifest's is "
-                                         f"{victim.sha256}")
-        assert not [n for n in os.listdir(cache_dir) if n.startswith(victim.sha256)
-                    and not n.endswith(".lock")]
+        assert str(err.value).startswith(
+            f"{PREFIX}/{victim.file}: corrupt object: its SHA-256 is "
+            f"{hashlib.sha256(bad).hexdigest()}, the manifest's is "
+            f"{victim.sha256}"
+        )
+        assert not [
+            n
+            for n in os.listdir(cache_dir)
+            if n.startswith(victim.sha256) and not n.endswith(".lock")
+        ]
         client.delete_object(Bucket=helper_s3.BUCKET, Key=key)
         with pytest.raises(DataError, match="no such object") as err:
             _read(_data(remote_data, tmp_path / "cache2"), steps=3)
@@ -325,9 +357,12 @@ def test_a_cache_full_of_open_shards_times_out_naming_the_setting(tmp_path):
     fd = os.open(held, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # another rank reading it
     try:
-        with pytest.raises(DataError, match=r"s3://b/new: no room in the shard cache .*"
-                                            r"1,000 bytes, data.cache_bytes\) after 0s.*"
-                                            r"raise data.cache_bytes"):
+        with pytest.raises(
+            DataError,
+            match=r"s3://b/new: no room in the shard cache .*"
+            r"1,000 bytes, data.cache_bytes\) after 0s.*"
+            r"raise data.cache_bytes",
+        ):
             cache.fetch("s3://b/new", "b" * 64, nbytes=400)
     finally:
         os.close(fd)
@@ -336,12 +371,14 @@ def test_a_cache_full_of_open_shards_times_out_naming_the_setting(tmp_path):
     assert cache._make_room(400) and not held.exists()
 
 
-def test_verify_checks_every_object_of_an_s3_prefix(local_data, remote_data, creds, tmp_path,
-                                                    capsys):
+def test_verify_checks_every_object_of_an_s3_prefix(
+    local_data, remote_data, creds, tmp_path, capsys
+):
     import yaml
 
     from launch import prepare as prepare_cli
     from tests.conftest import tiny_run_dict
+
     run = tiny_run_dict(remote_data, tmp_path / "runs")
     run["data"].update(dir=PREFIX, s3={"endpoint_url": creds, "region": "us-east-1"})
     config = tmp_path / "run.yaml"
@@ -366,8 +403,10 @@ def test_verify_checks_every_object_of_an_s3_prefix(local_data, remote_data, cre
         client.put_object(Bucket=helper_s3.BUCKET, Key=f"prepared/{victim.file}", Body=good)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err
-    assert (f"{PREFIX}/{victim.file}: corrupt shard: its SHA-256 is "
-            f"{hashlib.sha256(bad).hexdigest()}, the manifest's is {victim.sha256}") in err
+    assert (
+        f"{PREFIX}/{victim.file}: corrupt shard: its SHA-256 is "
+        f"{hashlib.sha256(bad).hexdigest()}, the manifest's is {victim.sha256}"
+    ) in err
     assert not list(tmp_path.glob("moe-verify-*"))
 
 
@@ -379,12 +418,16 @@ def test_instruction_data_on_s3_reads_its_loss_mask_as_local(creds, tmp_path, mo
 
     write_corpus(tmp_path / "corpus")
     chat = write_records(tmp_path / "chat.jsonl", conversations(tmp_path / "corpus"))
-    local = dataclasses.replace(tiny_data_config(tmp_path), shard_tokens=2048, seq_len=16,
-                                sources=[SourceConfig(name="chat", type="instruction",
-                                                      paths=[str(chat)])])
+    local = dataclasses.replace(
+        tiny_data_config(tmp_path),
+        shard_tokens=2048,
+        seq_len=16,
+        sources=[SourceConfig(name="chat", type="instruction", paths=[str(chat)])],
+    )
     prepare(local, progress=False)
-    remote = dataclasses.replace(local, dir=f"{PREFIX}-chat",
-                                 s3=S3Config(endpoint_url=creds, region="us-east-1"))
+    remote = dataclasses.replace(
+        local, dir=f"{PREFIX}-chat", s3=S3Config(endpoint_url=creds, region="us-east-1")
+    )
     monkeypatch.setattr(storage, "upload", _put)
     prepare(remote, progress=False)
     assert read_manifest(local.dir).loss_mask and len(_shard_bytes(local)) > 3
@@ -398,5 +441,6 @@ def test_instruction_data_on_s3_reads_its_loss_mask_as_local(creds, tmp_path, mo
     assert all(a.equal(c) and b.equal(d) for (a, b), (c, d) in zip(got, want))
     assert any((b == -100).any() and (b >= 0).any() for _, b in got)
     remote_windows = validation_windows(_data(remote, tmp_path / "cache"), 16)
-    assert [t.tolist() for _, t in remote_windows] == \
-        [t.tolist() for _, t in validation_windows(local.dir, 16)]
+    assert [t.tolist() for _, t in remote_windows] == [
+        t.tolist() for _, t in validation_windows(local.dir, 16)
+    ]

@@ -15,9 +15,9 @@ from data_pipeline.config import DataConfig, FilterConfig, SourceConfig
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import TokenStream
 from data_pipeline.shards import read_manifest
 from data_pipeline.sources import read_item, work_items
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.core.config_schema import from_dict
 from moe.core.errors import ConfigError
@@ -25,16 +25,17 @@ from tests.data_pipeline.test_prepare import _texts_of
 
 
 def documents(source: SourceConfig) -> list[str]:
-    return [text for item in work_items(source)
-            for _, text in read_item(source, item).docs]
+    return [text for item in work_items(source) for _, text in read_item(source, item).docs]
 
 
 def zstd_frames(data: bytes, frames: int) -> bytes:
     """``data`` as several concatenated zstd frames (what `zstd` writes when files are
     appended, and what a parallel compressor writes)."""
     step = len(data) // frames + 1
-    return b"".join(zstandard.ZstdCompressor(level=3).compress(data[i:i + step])
-                    for i in range(0, len(data), step))
+    return b"".join(
+        zstandard.ZstdCompressor(level=3).compress(data[i : i + step])
+        for i in range(0, len(data), step)
+    )
 
 
 def jsonl_bytes(texts: list[str]) -> bytes:
@@ -60,8 +61,9 @@ def test_compressed_jsonl_and_text_read_like_plain_files(tmp_path):
     (item,) = work_items(zst)
     assert item.part is None
     ids = [i.split("@")[1] for i, _ in read_item(zst, item).docs]
-    assert ids == [i.split("@")[1] for it in work_items(plain)
-                   for i, _ in read_item(plain, it).docs]
+    assert ids == [
+        i.split("@")[1] for it in work_items(plain) for i, _ in read_item(plain, it).docs
+    ]
 
     text = "\n\n".join(TEXTS)
     corpus = tmp_path / "corpus"
@@ -79,19 +81,36 @@ def test_prepare_reads_compressed_sources_and_filtered_datasets(tiny_data, tmp_p
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(raw))
     (tmp_path / "b.jsonl.zst").write_bytes(zstd_frames(raw, 2))
     cfg = dataclasses.replace(
-        tiny_data, dir=str(tmp_path / "data"), valid_fraction=0.1, prepare_workers=1,
-        tokenizer=dataclasses.replace(tiny_data.tokenizer,
-                                      model_file=str(PreparedData(tiny_data.dir).tokenizer_file())),
-        sources=[SourceConfig(name="gz", type="jsonl", paths=[str(tmp_path / "a.jsonl.gz")],
-                              field="body"),
-                 SourceConfig(name="zst", type="jsonl", paths=[str(tmp_path / "b.jsonl.zst")],
-                              field="body"),
-                 SourceConfig(name="en", type="hf_disk", paths=[str(tmp_path / "hf")],
-                              filter=FilterConfig(column="lang", value="en"))])
+        tiny_data,
+        dir=str(tmp_path / "data"),
+        valid_fraction=0.1,
+        prepare_workers=1,
+        tokenizer=dataclasses.replace(
+            tiny_data.tokenizer, model_file=str(PreparedData(tiny_data.dir).tokenizer_file())
+        ),
+        sources=[
+            SourceConfig(
+                name="gz", type="jsonl", paths=[str(tmp_path / "a.jsonl.gz")], field="body"
+            ),
+            SourceConfig(
+                name="zst", type="jsonl", paths=[str(tmp_path / "b.jsonl.zst")], field="body"
+            ),
+            SourceConfig(
+                name="en",
+                type="hf_disk",
+                paths=[str(tmp_path / "hf")],
+                filter=FilterConfig(column="lang", value="en"),
+            ),
+        ],
+    )
     prepare(cfg, progress=False)
     tok = Tokenizer(PreparedData(cfg.dir).tokenizer_file())
     for name, want in (("gz", TEXTS), ("zst", TEXTS), ("en", ENGLISH)):
-        got = [t for split in ("train", "valid") for t in _texts_of(tok, TokenStream(cfg.dir, split, name))]
+        got = [
+            t
+            for split in ("train", "valid")
+            for t in _texts_of(tok, TokenStream(cfg.dir, split, name))
+        ]
         assert sorted(got) == sorted(want)
     stats = {s["name"]: s for s in read_manifest(cfg.dir).sources}
     assert stats["en"]["filtered_documents"] == len(TEXTS) - len(ENGLISH)
@@ -99,8 +118,11 @@ def test_prepare_reads_compressed_sources_and_filtered_datasets(tiny_data, tmp_p
 
 
 LANGS = ["en", "de", "en", "fr"]
-ROWS = {"text": TEXTS, "lang": [LANGS[i % 4] for i in range(len(TEXTS))],
-        "n": list(range(len(TEXTS)))}
+ROWS = {
+    "text": TEXTS,
+    "lang": [LANGS[i % 4] for i in range(len(TEXTS))],
+    "n": list(range(len(TEXTS))),
+}
 ENGLISH = [t for t, lang in zip(ROWS["text"], ROWS["lang"]) if lang == "en"]
 
 
@@ -118,8 +140,9 @@ def save_to_disk(directory: Path, how: str) -> None:
         with pa.ipc.new_stream(str(directory / name), table.schema) as w:
             for batch in part.to_batches(max_chunksize=50):
                 w.write_batch(batch)
-    (directory / "state.json").write_text(json.dumps(
-        {"_data_files": [{"filename": n} for n in names], "_split": None}))
+    (directory / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": n} for n in names], "_split": None})
+    )
     (directory / "dataset_info.json").write_text("{}")
 
 
@@ -155,16 +178,20 @@ def test_parquet_directory_from_the_hub_globs_and_filters(tmp_path):
     (hub / "data").mkdir(parents=True)
     (hub / ".cache").mkdir()
     table = pa.table(ROWS)
-    pq.write_table(table.slice(0, 120), hub / "data" / "train-00000-of-00002.parquet",
-                   row_group_size=50)
+    pq.write_table(
+        table.slice(0, 120), hub / "data" / "train-00000-of-00002.parquet", row_group_size=50
+    )
     pq.write_table(table.slice(120), hub / "data" / "train-00001-of-00002.parquet")
     (hub / "README.md").write_text("---\nlicense: mit\n---\n")
     (hub / ".gitattributes").write_text("*.parquet filter=lfs\n")
     (hub / ".cache" / "stale.parquet").write_bytes(b"not parquet")
     source = SourceConfig(name="hub", type="parquet", paths=[str(hub)])
     assert documents(source) == TEXTS
-    globbed = dataclasses.replace(source, paths=[str(hub / "**" / "train-*.parquet")],
-                                  filter=FilterConfig(column="lang", value="en"))
+    globbed = dataclasses.replace(
+        source,
+        paths=[str(hub / "**" / "train-*.parquet")],
+        filter=FilterConfig(column="lang", value="en"),
+    )
     assert documents(globbed) == ENGLISH
     assert [i.name for i in work_items(globbed)][0] == "data/train-00000-of-00002.parquet"
 
@@ -175,8 +202,9 @@ def test_globs_reach_compressed_files_in_subdirectories(tmp_path):
         path.parent.mkdir(parents=True)
         path.write_bytes(gzip.compress(jsonl_bytes(chunk)))
     (tmp_path / "corpus" / "part0" / "notes.txt").write_text("not matched")
-    source = SourceConfig(name="j", type="jsonl", field="body",
-                          paths=[str(tmp_path / "corpus" / "**" / "*.jsonl.gz")])
+    source = SourceConfig(
+        name="j", type="jsonl", field="body", paths=[str(tmp_path / "corpus" / "**" / "*.jsonl.gz")]
+    )
     assert documents(source) == TEXTS
 
 
@@ -184,11 +212,17 @@ def test_bad_columns_and_filters_name_the_file(tmp_path):
     pq.write_table(pa.table(ROWS), tmp_path / "t.parquet")
     (tmp_path / "broken.parquet").write_bytes(b"PAR1" + b"\x00" * 100)
     base = SourceConfig(name="p", type="parquet", paths=[str(tmp_path / "t.parquet")])
-    cases = [(dataclasses.replace(base, field="body"), "no column 'body' \\(the source's text"),
-             (dataclasses.replace(base, filter=FilterConfig(column="language", value="en")),
-              "no column 'language' \\(the source's filter"),
-             (dataclasses.replace(base, filter=FilterConfig(column="n", value="en")),
-              "column 'n' is int64, which cannot be compared")]
+    cases = [
+        (dataclasses.replace(base, field="body"), "no column 'body' \\(the source's text"),
+        (
+            dataclasses.replace(base, filter=FilterConfig(column="language", value="en")),
+            "no column 'language' \\(the source's filter",
+        ),
+        (
+            dataclasses.replace(base, filter=FilterConfig(column="n", value="en")),
+            "column 'n' is int64, which cannot be compared",
+        ),
+    ]
     for source, message in cases:
         with pytest.raises(DataError, match=f"t.parquet.*{message}"):
             documents(source)
@@ -196,24 +230,57 @@ def test_bad_columns_and_filters_name_the_file(tmp_path):
         documents(dataclasses.replace(base, paths=[str(tmp_path / "broken.parquet")]))
     (tmp_path / "a.jsonl").write_text('{"text": "x", "lang": "en"}\n{"text": "y"}\n')
     with pytest.raises(DataError, match=r"a.jsonl: line 2 \(byte 28\) has no field 'lang'"):
-        documents(SourceConfig(name="j", type="jsonl", paths=[str(tmp_path / "a.jsonl")],
-                               filter=FilterConfig(column="lang", value="en")))
+        documents(
+            SourceConfig(
+                name="j",
+                type="jsonl",
+                paths=[str(tmp_path / "a.jsonl")],
+                filter=FilterConfig(column="lang", value="en"),
+            )
+        )
 
 
 def test_filter_config_is_validated():
     with pytest.raises(ConfigError) as e:
-        from_dict(DataConfig, {"sources": [
-            {"name": "t", "type": "text", "paths": ["x"], "filter": {"column": "lang", "value": "en"}},
-            {"name": "p", "type": "parquet", "paths": ["y"], "filter": {"value": "en"}},
-            {"name": "r", "type": "parquet", "paths": ["y"], "filter": {"column": "lang"}},
-            {"name": "q", "type": "parquet", "paths": ["z"], "filter": {"column": "a", "valu": 1}}]})
+        from_dict(
+            DataConfig,
+            {
+                "sources": [
+                    {
+                        "name": "t",
+                        "type": "text",
+                        "paths": ["x"],
+                        "filter": {"column": "lang", "value": "en"},
+                    },
+                    {"name": "p", "type": "parquet", "paths": ["y"], "filter": {"value": "en"}},
+                    {"name": "r", "type": "parquet", "paths": ["y"], "filter": {"column": "lang"}},
+                    {
+                        "name": "q",
+                        "type": "parquet",
+                        "paths": ["z"],
+                        "filter": {"column": "a", "valu": 1},
+                    },
+                ]
+            },
+        )
     msg = str(e.value)
     assert "sources[0].filter: a 'text' source has no columns to filter on" in msg
     assert "sources[1].filter.column: name the column to filter on" in msg
     assert "sources[2].filter.value: give the value of 'lang'" in msg
     assert "did you mean 'sources[3].filter.value'" in msg
-    cfg = from_dict(DataConfig, {"sources": [{"name": "p", "type": "hf_disk", "paths": ["y"],
-                                              "filter": {"column": "ok", "value": True}}]})
+    cfg = from_dict(
+        DataConfig,
+        {
+            "sources": [
+                {
+                    "name": "p",
+                    "type": "hf_disk",
+                    "paths": ["y"],
+                    "filter": {"column": "ok", "value": True},
+                }
+            ]
+        },
+    )
     assert cfg.sources[0].filter == FilterConfig(column="ok", value=True)
 
 
@@ -223,8 +290,10 @@ def test_python_source_reads_docstrings_and_comments_of_py_files_only(tmp_path):
     gives an empty document (counted) rather than its code."""
     pkg = tmp_path / "pkg" / "sub"
     pkg.mkdir(parents=True)
-    (pkg / "mod.py").write_text('"""Module doc."""\n# first comment\nx = 1  # trailing\n'
-                                'def f():\n    """Function doc."""\n    return "not text"\n')
+    (pkg / "mod.py").write_text(
+        '"""Module doc."""\n# first comment\nx = 1  # trailing\n'
+        'def f():\n    """Function doc."""\n    return "not text"\n'
+    )
     (pkg / "notes.txt").write_text("not python")
     (tmp_path / "pkg" / "broken.py").write_text("def (:\n    # lost\n")
     source = SourceConfig(name="code", type="python", paths=[str(tmp_path / "pkg")])

@@ -21,9 +21,10 @@ from data_pipeline.config import SourceConfig
 from data_pipeline.errors import DataError
 from data_pipeline.prepare import prepare
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import PackedReader, TokenStream
+from data_pipeline.reader import PackedReader
 from data_pipeline.shards import MANIFEST, read_manifest
 from data_pipeline.split import content_key, in_valid_split, in_valid_split_by_location
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from launch import prepare as prepare_cli
 from tests.conftest import tiny_run_dict
@@ -34,10 +35,15 @@ from tests.data_pipeline.test_sources import TEXTS, jsonl_bytes, save_to_disk, z
 
 def _config(tiny_data, out: Path, sources_: list[SourceConfig], **kw):
     return dataclasses.replace(
-        tiny_data, dir=str(out), valid_fraction=0.1, sources=sources_,
-        tokenizer=dataclasses.replace(tiny_data.tokenizer,
-                                      model_file=str(PreparedData(tiny_data.dir).tokenizer_file())),
-        **{"prepare_workers": 1, **kw})
+        tiny_data,
+        dir=str(out),
+        valid_fraction=0.1,
+        sources=sources_,
+        tokenizer=dataclasses.replace(
+            tiny_data.tokenizer, model_file=str(PreparedData(tiny_data.dir).tokenizer_file())
+        ),
+        **{"prepare_workers": 1, **kw},
+    )
 
 
 def _docs(cfg, split: str, source: str) -> list[str]:
@@ -60,12 +66,22 @@ def test_the_same_documents_in_six_containers_give_the_same_streams(tiny_data, t
     pq.write_table(table.slice(120), tmp_path / "pq" / "part-1.parquet", row_group_size=30)
     pq.write_table(table, tmp_path / "one.parquet", row_group_size=len(TEXTS))
     save_to_disk(tmp_path / "hf", "by_hand")
-    containers = {"jsonl": ("jsonl", "a.jsonl"), "gz": ("jsonl", "a.jsonl.gz"),
-                  "zst": ("jsonl", "a.jsonl.zst"), "pqdir": ("parquet", "pq"),
-                  "pqfile": ("parquet", "one.parquet"), "hf": ("hf_disk", "hf")}
-    cfg = _config(tiny_data, tmp_path / "data", [
-        SourceConfig(name=name, type=kind, paths=[str(tmp_path / path)])
-        for name, (kind, path) in containers.items()])
+    containers = {
+        "jsonl": ("jsonl", "a.jsonl"),
+        "gz": ("jsonl", "a.jsonl.gz"),
+        "zst": ("jsonl", "a.jsonl.zst"),
+        "pqdir": ("parquet", "pq"),
+        "pqfile": ("parquet", "one.parquet"),
+        "hf": ("hf_disk", "hf"),
+    }
+    cfg = _config(
+        tiny_data,
+        tmp_path / "data",
+        [
+            SourceConfig(name=name, type=kind, paths=[str(tmp_path / path)])
+            for name, (kind, path) in containers.items()
+        ],
+    )
     prepare(cfg, progress=False)
     want_valid = [t for t in TEXTS if _valid(t)]
     assert 5 < len(want_valid) < 40
@@ -95,8 +111,10 @@ def _corpus_with_copies(root: Path) -> tuple[list[SourceConfig], str]:
     (root / "pq").mkdir()
     pq.write_table(pa.table({"body": more[:50]}), root / "pq" / "x.parquet", row_group_size=20)
     pq.write_table(pa.table({"body": more[50:]}), root / "pq" / "y.parquet", row_group_size=20)
-    return [SourceConfig(name="j", type="jsonl", paths=[str(root / "a.jsonl")], field="body"),
-            SourceConfig(name="p", type="parquet", paths=[str(root / "pq")], field="body")], first
+    return [
+        SourceConfig(name="j", type="jsonl", paths=[str(root / "a.jsonl")], field="body"),
+        SourceConfig(name="p", type="parquet", paths=[str(root / "pq")], field="body"),
+    ], first
 
 
 def test_copies_of_a_validation_document_never_reach_training(tiny_data, tmp_path):
@@ -124,29 +142,39 @@ def test_a_source_of_copies_is_refused_saying_they_are_copies(tiny_data, tmp_pat
     (root / "b.jsonl").write_bytes(jsonl_bytes([c for t in valid for c in (t, f"  {t}\n")]))
     extra = next(t for t in (f"another text, number {i}" for i in range(1000)) if _valid(t))
     (root / "c.jsonl").write_bytes(jsonl_bytes([valid[0], extra, " "]))
-    a, b, c = (SourceConfig(name=n, type="jsonl", paths=[str(root / f"{n}.jsonl")],
-                            field="body") for n in "abc")
-    cases = {("none", "b"): "all its 16 documents are copies of validation documents of "
-                            "source 'a'; a copy goes to the split of its text",
-             ("exact", "b"): "all its 16 documents are exact copies of documents before them; "
-                             "data.dedup: exact keeps only the first copy",
-             ("none", "c"): "of its 3 documents, 1 is a copy of a validation document of "
-                            "source 'a', 1 is in the validation split by the hash of its text, "
-                            "1 is empty"}
+    a, b, c = (
+        SourceConfig(name=n, type="jsonl", paths=[str(root / f"{n}.jsonl")], field="body")
+        for n in "abc"
+    )
+    cases = {
+        ("none", "b"): "all its 16 documents are copies of validation documents of "
+        "source 'a'; a copy goes to the split of its text",
+        ("exact", "b"): "all its 16 documents are exact copies of documents before them; "
+        "data.dedup: exact keeps only the first copy",
+        ("none", "c"): "of its 3 documents, 1 is a copy of a validation document of "
+        "source 'a', 1 is in the validation split by the hash of its text, "
+        "1 is empty",
+    }
     for (dedup, name), want in cases.items():
-        cfg = _config(tiny_data, tmp_path / f"{dedup}-{name}", [a, b if name == "b" else c],
-                      dedup=dedup)
+        cfg = _config(
+            tiny_data, tmp_path / f"{dedup}-{name}", [a, b if name == "b" else c], dedup=dedup
+        )
         with pytest.raises(DataError) as e:
             prepare(cfg, progress=False)
-        assert str(e.value).startswith(f"source {name!r} ({root / name}.jsonl) has no documents "
-                                       "to train on: ") and want in str(e.value), str(e.value)
+        assert str(e.value).startswith(
+            f"source {name!r} ({root / name}.jsonl) has no documents to train on: "
+        ) and want in str(e.value), str(e.value)
         assert "lower" not in str(e.value) and not Path(cfg.dir).exists()
-    cfg = _config(tiny_data, tmp_path / "chance", [a, dataclasses.replace(
-        c, paths=[str(root / "d.jsonl")])])
+    cfg = _config(
+        tiny_data, tmp_path / "chance", [a, dataclasses.replace(c, paths=[str(root / "d.jsonl")])]
+    )
     (root / "d.jsonl").write_bytes(jsonl_bytes([extra]))
-    with pytest.raises(DataError, match="its only document is in the validation split by the "
-                                        "hash of its text; add documents, or lower "
-                                        "data.valid_fraction"):
+    with pytest.raises(
+        DataError,
+        match="its only document is in the validation split by the "
+        "hash of its text; add documents, or lower "
+        "data.valid_fraction",
+    ):
         prepare(cfg, progress=False)
 
 
@@ -158,8 +186,9 @@ def _run_yaml(cfg, tmp_path) -> Path:
     return path
 
 
-def test_exact_dedup_keeps_the_first_copy_whatever_the_workers_or_parts(tiny_data, tmp_path,
-                                                                       capsys):
+def test_exact_dedup_keeps_the_first_copy_whatever_the_workers_or_parts(
+    tiny_data, tmp_path, capsys
+):
     srcs, first = _corpus_with_copies(tmp_path / "in")
     one = _config(tiny_data, tmp_path / "one", srcs, dedup="exact")
     prepare(one, progress=False)
@@ -170,8 +199,12 @@ def test_exact_dedup_keeps_the_first_copy_whatever_the_workers_or_parts(tiny_dat
     everything = [d for n in ("j", "p") for s in ("train", "valid") for d in _docs(one, s, n)]
     keys = [content_key(d) for d in everything]
     assert len(set(keys)) == len(keys) == len(TEXTS)
-    assert read_manifest(one.dir).config_hash != read_manifest(
-        prepare(_config(tiny_data, tmp_path / "all", srcs), progress=False).data_dir).config_hash
+    assert (
+        read_manifest(one.dir).config_hash
+        != read_manifest(
+            prepare(_config(tiny_data, tmp_path / "all", srcs), progress=False).data_dir
+        ).config_hash
+    )
 
     two = dataclasses.replace(one, dir=str(tmp_path / "two"), prepare_workers=2)
     prepare_cli.main([str(_run_yaml(two, tmp_path)), "--quiet"])
@@ -183,8 +216,9 @@ def test_exact_dedup_keeps_the_first_copy_whatever_the_workers_or_parts(tiny_dat
         assert (Path(other.dir) / MANIFEST).read_bytes() == (Path(one.dir) / MANIFEST).read_bytes()
 
 
-def test_split_does_not_depend_on_files_order_workers_cuts_or_parts(tiny_data, tmp_path,
-                                                                    monkeypatch):
+def test_split_does_not_depend_on_files_order_workers_cuts_or_parts(
+    tiny_data, tmp_path, monkeypatch
+):
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "all.jsonl").write_bytes(jsonl_bytes(TEXTS))
     shuffled = TEXTS[:]
@@ -194,8 +228,11 @@ def test_split_does_not_depend_on_files_order_workers_cuts_or_parts(tiny_data, t
         (tmp_path / "three" / f"{'cba'[i]}.jsonl").write_bytes(jsonl_bytes(shuffled[i::3]))
 
     def source(directory: str) -> list[SourceConfig]:
-        return [SourceConfig(name="j", type="jsonl", field="body",
-                             paths=[str(tmp_path / directory / "*.jsonl")])]
+        return [
+            SourceConfig(
+                name="j", type="jsonl", field="body", paths=[str(tmp_path / directory / "*.jsonl")]
+            )
+        ]
 
     whole = _config(tiny_data, tmp_path / "whole", source("one"))
     prepare(whole, progress=False)
@@ -212,7 +249,8 @@ def test_split_does_not_depend_on_files_order_workers_cuts_or_parts(tiny_data, t
 
 
 def test_data_of_the_location_rule_is_used_and_a_new_preparation_says_what_moves(
-        tiny_data, tmp_path, monkeypatch, capsys):
+    tiny_data, tmp_path, monkeypatch, capsys
+):
     old = tmp_path / "data"
     shutil.copytree(tiny_data.dir, old)
     raw = json.loads((old / MANIFEST).read_text())
@@ -225,12 +263,15 @@ def test_data_of_the_location_rule_is_used_and_a_new_preparation_says_what_moves
     PackedReader(old, 8, 0).micro_batches(1)
 
     source = tiny_data.sources[0]
-    docs = [(it.name, Path(it.path).read_text(encoding="utf-8"))
-            for it in sources.work_items(source)]
+    docs = [
+        (it.name, Path(it.path).read_text(encoding="utf-8")) for it in sources.work_items(source)
+    ]
     docs = [(name, text) for name, text in docs if text.strip()]
-    moved = sum(in_valid_split(content_key(text), cfg.valid_fraction)
-                != in_valid_split_by_location(source.name, name, cfg.valid_fraction)
-                for name, text in docs)
+    moved = sum(
+        in_valid_split(content_key(text), cfg.valid_fraction)
+        != in_valid_split_by_location(source.name, name, cfg.valid_fraction)
+        for name, text in docs
+    )
     assert moved > 0
     real_switch, said = generations.write_manifest, []
 

@@ -12,8 +12,12 @@ from data_pipeline import text_bytes
 from data_pipeline.config import TokenizerConfig
 from data_pipeline.tokenizer import LineSample, Tokenizer, train_tokenizer
 
-DOCS = ["Plain ASCII text, with  two spaces.", "Unseen: λx → 漢字 🙂 and more",
-        "a\nmulti-line\n\tdocument\n", "é" * 40]
+DOCS = [
+    "Plain ASCII text, with  two spaces.",
+    "Unseen: λx → 漢字 🙂 and more",
+    "a\nmulti-line\n\tdocument\n",
+    "é" * 40,
+]
 
 
 class Stream:
@@ -26,10 +30,10 @@ class Stream:
         return len(self.ids)
 
     def read(self, start, length):
-        return self.ids[start:start + length]
+        return self.ids[start : start + length]
 
     def read_mask(self, start, length):
-        return None if self.mask is None else self.mask[start:start + length]
+        return None if self.mask is None else self.mask[start : start + length]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +41,9 @@ def sentencepiece(tiny_data, tmp_path_factory) -> Tokenizer:
     sample = LineSample(20000, seed=0)
     for f in sorted(Path(tiny_data.sources[0].paths[0]).iterdir()):
         sample.add(f.read_text(encoding="utf-8"))
-    return train_tokenizer(sample.lines, TokenizerConfig(vocab_size=600),
-                           tmp_path_factory.mktemp("tok") / "t.model")
+    return train_tokenizer(
+        sample.lines, TokenizerConfig(vocab_size=600), tmp_path_factory.mktemp("tok") / "t.model"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +85,11 @@ def test_max_tokens_and_the_loss_mask_bound_the_text(sentencepiece):
     tok = sentencepiece
     ids = _stream(tok)
     first = len(tok.encode(DOCS[0])) + 1  # the first document and its EOS
-    assert text_bytes.predicted_text_bytes(Stream(ids), tok, max_tokens=first) == \
-        (first, len(DOCS[0].encode()), 1)
+    assert text_bytes.predicted_text_bytes(Stream(ids), tok, max_tokens=first) == (
+        first,
+        len(DOCS[0].encode()),
+        1,
+    )
     assert text_bytes.predicted_text_bytes(Stream(ids), tok, max_tokens=first + 2).documents == 2
     mask = np.ones(len(ids), np.uint8)
     second = slice(first + 1, first + 1 + len(tok.encode(DOCS[1])))

@@ -17,9 +17,14 @@ def write_json(path, specials=("<s>", "</s>", "<pad>", "<unk>")):
     tok = HFTokenizer(models.BPE(unk_token="<unk>" if "<unk>" in specials else None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=list(specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        TEXT,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=list(specials),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.save(str(path))
     return HFTokenizer.from_file(str(path))
 

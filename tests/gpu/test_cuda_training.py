@@ -18,8 +18,10 @@ import torch
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNTS = [37, 0, 128, 5, 0, 90, 1, 250]  # experts 1 and 4 get no tokens
@@ -63,9 +65,23 @@ def test_gpu_checkpoint_evaluates_on_the_cpu(bf16_trained, tmp_path):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
     checkpoint = json.loads((bf16_trained / "train_summary.json").read_text())["checkpoint"]
-    proc = subprocess.run([sys.executable, "-m", "launch.evaluate", checkpoint,
-                           "--max-tokens", "2000", "--output", str(tmp_path / "eval")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.evaluate",
+            checkpoint,
+            "--max-tokens",
+            "2000",
+            "--output",
+            str(tmp_path / "eval"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())["checkpoints"][0]
     assert math.isfinite(result["loss"]) and result["loss"] < math.log(512) + 0.5
@@ -90,8 +106,8 @@ def test_grouped_gemm_matches_the_loop_in_bf16():
     xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
     ref, bound, start = [], [], 0
     for e, n in enumerate(COUNTS):
-        ref.append(xd[start:start + n] @ wd[e])
-        bound.append(xd[start:start + n].abs() @ wd[e].abs())
+        ref.append(xd[start : start + n] @ wd[e])
+        bound.append(xd[start : start + n].abs() @ wd[e].abs())
         start += n
     ref, bound = torch.cat(ref), torch.cat(bound)
     # bf16 keeps 8 significant bits: rounding the output costs at most 2^-9 of it, fp32
@@ -100,10 +116,18 @@ def test_grouped_gemm_matches_the_loop_in_bf16():
     with torch.no_grad():
         loop_y = experts_mod._loop_mm(x, w, COUNTS)
     assert ((y.double() - loop_y.double()).abs() <= 2**-7 * bound + 1e-6).all()
-    gw_ref = torch.stack([xd[s:s + n].T @ gd[s:s + n] for s, n in
-                          zip([sum(COUNTS[:e]) for e in range(len(COUNTS))], COUNTS)])
-    gw_bound = torch.stack([xd[s:s + n].abs().T @ gd[s:s + n].abs() for s, n in
-                            zip([sum(COUNTS[:e]) for e in range(len(COUNTS))], COUNTS)])
+    gw_ref = torch.stack(
+        [
+            xd[s : s + n].T @ gd[s : s + n]
+            for s, n in zip([sum(COUNTS[:e]) for e in range(len(COUNTS))], COUNTS)
+        ]
+    )
+    gw_bound = torch.stack(
+        [
+            xd[s : s + n].abs().T @ gd[s : s + n].abs()
+            for s, n in zip([sum(COUNTS[:e]) for e in range(len(COUNTS))], COUNTS)
+        ]
+    )
     assert ((gw.double() - gw_ref).abs() <= 2**-8 * gw_bound + 1e-6).all()
     assert gw[1].abs().max() == 0 and gw[4].abs().max() == 0
     assert torch.isfinite(gx).all()
@@ -120,8 +144,11 @@ def _sync_warnings(fn) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename[len(ours):]}:{w.lineno}" for w in caught
-            if "synchroniz" in str(w.message).lower() and w.filename.startswith(ours)]
+    return [
+        f"{w.filename[len(ours) :]}:{w.lineno}"
+        for w in caught
+        if "synchroniz" in str(w.message).lower() and w.filename.startswith(ours)
+    ]
 
 
 @pytest.mark.parametrize("loop_fallback", [False, True], ids=["grouped", "loop"])
@@ -136,9 +163,17 @@ def test_model_forward_backward_syncs(loop_fallback, monkeypatch):
         monkeypatch.setattr(experts_mod, "grouped_mm_supported", lambda dtype, device: False)
     elif not experts_mod.grouped_mm_supported(torch.bfloat16, torch.device("cuda")):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
-    cfg = from_dict(ModelConfig, {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4,
-                                  "max_seq_len": 64, "moe": {"num_experts": 4,
-                                                             "expert_hidden": 64}})
+    cfg = from_dict(
+        ModelConfig,
+        {
+            "vocab_size": 512,
+            "d_model": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": 64,
+            "moe": {"num_experts": 4, "expert_hidden": 64},
+        },
+    )
     model = MoETransformer(cfg).cuda().to(torch.bfloat16)
     ids = torch.randint(0, 512, (4, 33), device="cuda")
     model(ids[:, :-1], ids[:, 1:]).loss.backward()  # warm-up (the kernel probe syncs once)
@@ -170,7 +205,7 @@ def _train_step_syncs(rank, world, cfg_dict, out_path):
 
     def show(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message).lower() and filename.startswith(ours) and per_step:
-            per_step[-1].append(f"{filename[len(ours):]}:{lineno}")
+            per_step[-1].append(f"{filename[len(ours) :]}:{lineno}")
 
     prefetch.PrefetchingReader.next_step = marked
     warnings.showwarning = show
@@ -193,7 +228,9 @@ def test_a_non_logging_training_step_syncs_only_where_documented(tiny_data, tmp_
     per_step = json.loads(out.read_text())
     want = ["training/resilience/preemption.py", "training/trainer.py"]
     if not grouped_mm_supported(torch.bfloat16, torch.device("cuda")):
-        want += ["model/experts.py"] * (2 * 2)  # the loop's count read: 2 MoE layers x 2 micro-batches
+        want += ["model/experts.py"] * (
+            2 * 2
+        )  # the loop's count read: 2 MoE layers x 2 micro-batches
     for step in (2, 3):
         files = sorted(site.split(":")[0] for site in per_step[step - 1])
         assert files == sorted(want), per_step[step - 1]
@@ -203,10 +240,19 @@ def _engine_peak(rank, world, zero, reduce, out_path):
     from moe.config.run import load_config
     from moe.training.trainer import DistEnv, build_engine
 
-    cfg = load_config(ROOT / "configs" / "moe-125m.yaml", [
-        "model.n_layers=4", "parallel.world_size=1", "parallel.expert_parallel_size=1",
-        f"parallel.zero_stage={zero}", "train.precision=bf16", f"train.grad_reduce_dtype={reduce}",
-        "train.micro_batch_size=4", "train.grad_accum_steps=2"])
+    cfg = load_config(
+        ROOT / "configs" / "moe-125m.yaml",
+        [
+            "model.n_layers=4",
+            "parallel.world_size=1",
+            "parallel.expert_parallel_size=1",
+            f"parallel.zero_stage={zero}",
+            "train.precision=bf16",
+            f"train.grad_reduce_dtype={reduce}",
+            "train.micro_batch_size=4",
+            "train.grad_accum_steps=2",
+        ],
+    )
     dev = torch.device("cuda", 0)
     base = torch.cuda.memory_allocated(dev)
     engine, _ = build_engine(cfg, DistEnv(0, 1, 0, 1))
@@ -255,10 +301,17 @@ def test_expert_lora_at_rank_4_runs_the_grouped_kernel_without_syncs(monkeypatch
     if not experts_mod.grouped_mm_supported(torch.bfloat16, torch.device("cuda")):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
     torch.manual_seed(0)
-    cfg = from_dict(ModelConfig, {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4,
-                                  "max_seq_len": 64, "moe": {"num_experts": 8,
-                                                             "expert_hidden": 64,
-                                                             "router": {"top_k": 2}}})
+    cfg = from_dict(
+        ModelConfig,
+        {
+            "vocab_size": 512,
+            "d_model": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": 64,
+            "moe": {"num_experts": 8, "expert_hidden": 64, "router": {"top_k": 2}},
+        },
+    )
     model = MoETransformer(cfg)
     apply_lora(model, LoRAConfig(targets=["experts"], rank=8, expert_rank="per_top_k"))
     model = model.cuda().to(torch.bfloat16)
@@ -277,8 +330,10 @@ def test_expert_lora_at_rank_4_runs_the_grouped_kernel_without_syncs(monkeypatch
 
     assert _sync_warnings(step) == []
     grads = [m.w_in_lora_A.grad for m in layers]
-    assert all(g is not None and g.shape == m.w_in_lora_A.shape and g.abs().sum() > 0
-               for g, m in zip(grads, layers))
+    assert all(
+        g is not None and g.shape == m.w_in_lora_A.shape and g.abs().sum() > 0
+        for g, m in zip(grads, layers)
+    )
 
 
 def _fine_tune(bf16_trained: Path, tiny_data, tmp_path: Path, method: str) -> tuple[str, Path]:
@@ -286,17 +341,24 @@ def _fine_tune(bf16_trained: Path, tiny_data, tmp_path: Path, method: str) -> tu
     rank 8 // top_k 2 = 4) from the GPU checkpoint, through the trainer; asserts finite losses.
     Returns the base checkpoint and the run directory."""
     base_ckpt = json.loads((bf16_trained / "train_summary.json").read_text())["checkpoint"]
-    d = bf16_run(tiny_data, tmp_path / "runs", max_steps=10, micro_batch_size=8, lr=1e-2,
-                 warmup_steps=1)
+    d = bf16_run(
+        tiny_data, tmp_path / "runs", max_steps=10, micro_batch_size=8, lr=1e-2, warmup_steps=1
+    )
     d["name"] = method
     d["model"]["init_from"] = base_ckpt
-    d["finetune"] = {"method": method, "lora": {"targets": ["attention.q", "attention.v",
-                                                            "experts"],
-                                                "rank": 8, "expert_rank": "per_top_k"}}
+    d["finetune"] = {
+        "method": method,
+        "lora": {
+            "targets": ["attention.q", "attention.v", "experts"],
+            "rank": 8,
+            "expert_rank": "per_top_k",
+        },
+    }
     run_distributed(_train, 1, d, backend="nccl")
     run_dir = tmp_path / "runs" / method
-    losses = [h["loss"] for h in
-              json.loads((run_dir / "train_summary.json").read_text())["history"]]
+    losses = [
+        h["loss"] for h in json.loads((run_dir / "train_summary.json").read_text())["history"]
+    ]
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
     return base_ckpt, run_dir
 

@@ -21,12 +21,18 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
-LIGER = pytest.param("liger", marks=pytest.mark.skipif(
-    importlib.util.find_spec("liger_kernel") is None,
-    reason="liger-kernel is not installed (pip install liger-kernel)"))
+LIGER = pytest.param(
+    "liger",
+    marks=pytest.mark.skipif(
+        importlib.util.find_spec("liger_kernel") is None,
+        reason="liger-kernel is not installed (pip install liger-kernel)",
+    ),
+)
 
 
 def tiny_model(cross_entropy="full", **extra):
@@ -34,14 +40,26 @@ def tiny_model(cross_entropy="full", **extra):
     from moe.model.transformer import ModelConfig, MoETransformer
 
     router = extra.pop("router", {})
-    cfg = from_dict(ModelConfig, {"vocab_size": 1024, "d_model": 128, "n_layers": 3,
-                                  "n_heads": 4, "max_seq_len": 256,
-                                  "cross_entropy": cross_entropy,
-                                  "cross_entropy_chunk_tokens": 256,
-                                  "moe": {"num_experts": 8, "expert_hidden": 64,
-                                          "num_shared_experts": 1, "first_dense_layers": 1,
-                                          "router": {"top_k": 2, "z_loss_coef": 1e-3, **router}},
-                                  **extra})
+    cfg = from_dict(
+        ModelConfig,
+        {
+            "vocab_size": 1024,
+            "d_model": 128,
+            "n_layers": 3,
+            "n_heads": 4,
+            "max_seq_len": 256,
+            "cross_entropy": cross_entropy,
+            "cross_entropy_chunk_tokens": 256,
+            "moe": {
+                "num_experts": 8,
+                "expert_hidden": 64,
+                "num_shared_experts": 1,
+                "first_dense_layers": 1,
+                "router": {"top_k": 2, "z_loss_coef": 1e-3, **router},
+            },
+            **extra,
+        },
+    )
     torch.manual_seed(0)
     return MoETransformer(cfg).cuda().to(torch.bfloat16)
 
@@ -70,10 +88,12 @@ def _needs_grouped_kernel():
         pytest.skip("no bf16 torch._grouped_mm on this GPU and torch: the loop syncs by design")
 
 
-VARIANTS = {"default": {},
-            "global_batch_counts": {"router": {"aux_loss_scope": "global_batch"}},
-            "documents_flex": {"document_masking": True, "attention_backend": "flex"},
-            "sigmoid_bias": {"router": {"score_func": "sigmoid", "bias_update_rate": 1e-3}}}
+VARIANTS = {
+    "default": {},
+    "global_batch_counts": {"router": {"aux_loss_scope": "global_batch"}},
+    "documents_flex": {"document_masking": True, "attention_backend": "flex"},
+    "sigmoid_bias": {"router": {"score_func": "sigmoid", "bias_update_rate": 1e-3}},
+}
 
 
 def _no_sync_steps(model, variant: str) -> None:
@@ -184,8 +204,10 @@ def test_the_fused_losses_match_full_in_bf16_and_save_memory(impl):
     for i in range(3):
         assert err(got[i], ref[i]) <= 2 * err(full[i], ref[i]) + 2**-9, (i, err(got[i], ref[i]))
     assert got[3] < 0.5 * full[3], (got[3], full[3])
-    print(f"peak memory of head and loss: full {full[3] / 2**20:.0f} MiB, {impl} "
-          f"{got[3] / 2**20:.0f} MiB")
+    print(
+        f"peak memory of head and loss: full {full[3] / 2**20:.0f} MiB, {impl} "
+        f"{got[3] / 2**20:.0f} MiB"
+    )
 
 
 def _fused_engine(rank, world, out_path):
@@ -204,18 +226,36 @@ def _fused_engine(rank, world, out_path):
 
     adam._fused_adam = counted
     losses = {}
-    for name, impl, loss in (("foreach", "foreach", "full"), ("fused", "fused", "full"),
-                             ("fused_chunked", "fused", "chunked")):
-        cfg = {"model": {"vocab_size": 1024, "d_model": 128, "n_layers": 2, "n_heads": 4,
-                         "max_seq_len": 128, "cross_entropy": loss,
-                         "cross_entropy_chunk_tokens": 200,
-                         "moe": {"num_experts": 8, "expert_hidden": 64}},
-               "data": {"seq_len": 128},
-               "train": {"micro_batch_size": 4, "precision": "bf16", "seed": 1, "lr": 3e-3,
-                         "warmup_steps": 0, "optimizer_impl": impl},
-               "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
-        engine, _ = build_engine(from_dict(RunConfig, copy.deepcopy(cfg)),
-                                 DistEnv(rank, world, rank, world))
+    for name, impl, loss in (
+        ("foreach", "foreach", "full"),
+        ("fused", "fused", "full"),
+        ("fused_chunked", "fused", "chunked"),
+    ):
+        cfg = {
+            "model": {
+                "vocab_size": 1024,
+                "d_model": 128,
+                "n_layers": 2,
+                "n_heads": 4,
+                "max_seq_len": 128,
+                "cross_entropy": loss,
+                "cross_entropy_chunk_tokens": 200,
+                "moe": {"num_experts": 8, "expert_hidden": 64},
+            },
+            "data": {"seq_len": 128},
+            "train": {
+                "micro_batch_size": 4,
+                "precision": "bf16",
+                "seed": 1,
+                "lr": 3e-3,
+                "warmup_steps": 0,
+                "optimizer_impl": impl,
+            },
+            "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1},
+        }
+        engine, _ = build_engine(
+            from_dict(RunConfig, copy.deepcopy(cfg)), DistEnv(rank, world, rank, world)
+        )
         g = torch.Generator().manual_seed(3)
         ids = torch.randint(0, 1024, (4, 129), generator=g).to(engine.device)
         run = []
@@ -253,8 +293,9 @@ def test_which_sdpa_kernel_runs_at_2048_tokens():
     from moe.model.positions import RotaryEmbedding
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 12, 2048, 64, device="cuda", generator=g).bfloat16()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(2, 12, 2048, 64, device="cuda", generator=g).bfloat16() for _ in range(3)
+    )
     plain = AttentionInputs(None, None, backend="sdpa")
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises if flash cannot run it
         flash = attention_core(q, k, v, plain, False)
@@ -267,5 +308,9 @@ def test_which_sdpa_kernel_runs_at_2048_tokens():
     assert flex.backend == "flex" and ref.mask is not None
     with pytest.raises(RuntimeError), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         attention_core(q, k, v, dataclasses.replace(ref, rotary=None), False)
-    torch.testing.assert_close(attention_core(q, k, v, flex, False).float(),
-                               attention_core(q, k, v, ref, False).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        attention_core(q, k, v, flex, False).float(),
+        attention_core(q, k, v, ref, False).float(),
+        rtol=2e-2,
+        atol=2e-2,
+    )

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,11 +26,29 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_cuda_step_profile_attributes_its_kernels(tmp_path):
     out = tmp_path / "prof"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_train_bench.py", "--device", "cuda", "--tiny",
-         "--models", "tiny-moe", "--steps", "3", "--warmup", "2", "--profile-steps", "2",
-         "--profile-out", str(out)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-        timeout=600)
+        [
+            sys.executable,
+            "benchmarks/gpu_train_bench.py",
+            "--device",
+            "cuda",
+            "--tiny",
+            "--models",
+            "tiny-moe",
+            "--steps",
+            "3",
+            "--warmup",
+            "2",
+            "--profile-steps",
+            "2",
+            "--profile-out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (entry,) = json.loads((out / "profile.json").read_text())["entries"]
     assert entry["device_kind"] == "gpu" and entry["model"] == "tiny-moe"

@@ -32,9 +32,14 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, backend: str = "gloo") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     import deepspeed
     import torch
 
@@ -55,9 +60,13 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> None:
     """Start ``world_size`` processes running ``fn(rank, world_size, *args)``; raise if any
     fails. ``fn`` must be a module-level function (processes are spawned). ``backend="nccl"``
     puts rank r on ``cuda:r``."""
-    mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, backend),
-                       nprocs=world_size,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _entry,
+        args=(world_size, _free_port(), fn, args, backend),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )
 
 
 def global_params(model, ep_rank: int) -> dict:

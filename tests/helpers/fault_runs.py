@@ -26,21 +26,33 @@ def write_run_config(path: Path, run: dict) -> Path:
     return path
 
 
-def launch(config: Path, overrides: list[str] = (), plan: dict | None = None,
-           timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch(
+    config: Path,
+    overrides: list[str] = (),
+    plan: dict | None = None,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """moe-launch CONFIG --no-eval OVERRIDES in a fresh process, with this checkout importable
     by every rank and, if given, ``plan`` as the ranks' fault plan and ``env`` added to its
     environment."""
     env = {**os.environ, **(env or {})}
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     env.pop(PLAN_ENV, None)
     if plan is not None:
         plan_path = Path(plan["fired_dir"]) / "plan.json"
         plan_path.parent.mkdir(parents=True, exist_ok=True)
         plan_path.write_text(json.dumps(plan))
         env[PLAN_ENV] = str(plan_path)
-    return subprocess.run([sys.executable, "-m", "launch.launch", str(config), "--no-eval",
-                           *overrides], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.launch", str(config), "--no-eval", *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def step_records(run_dir: Path, rank: int) -> list[dict]:
@@ -64,13 +76,16 @@ def loss_mismatches(run_dir: Path, reference: Path, max_steps: int, ranks: int =
             continue
         for g, w in zip(got, want):
             if (g["loss"], g["tokens_sha256"]) != (w["loss"], w["tokens_sha256"]):
-                out.append(f"rank {rank} step {g['step']}: loss {g['loss']!r} vs {w['loss']!r}, "
-                           f"tokens {g['tokens_sha256']} vs {w['tokens_sha256']}")
+                out.append(
+                    f"rank {rank} step {g['step']}: loss {g['loss']!r} vs {w['loss']!r}, "
+                    f"tokens {g['tokens_sha256']} vs {w['tokens_sha256']}"
+                )
     return out
 
 
-def sample_problems(run_dir: Path, max_steps: int, global_batch: int,
-                    ranks: tuple[int, ...] = (0, 1)) -> list[str]:
+def sample_problems(
+    run_dir: Path, max_steps: int, global_batch: int, ranks: tuple[int, ...] = (0, 1)
+) -> list[str]:
     """Every global sample index in [0, max_steps * global_batch) consumed by exactly one step
     of the final history, on the records of each of ``ranks``."""
     out = []
@@ -102,8 +117,16 @@ def checkpoint_problems(run_dir: Path) -> list[str]:
 
 
 # (kind, phase) of the campaign's faults, in turn.
-FAULTS = [("kill", "forward"), ("kill", "backward"), ("kill", "optimizer"), ("kill", "save"),
-          ("kill", "eval"), ("term", "forward"), ("hang", "backward"), ("save_error", "save")]
+FAULTS = [
+    ("kill", "forward"),
+    ("kill", "backward"),
+    ("kill", "optimizer"),
+    ("kill", "save"),
+    ("kill", "eval"),
+    ("term", "forward"),
+    ("hang", "backward"),
+    ("save_error", "save"),
+]
 
 
 def campaign_plan(fired_dir: Path, n: int, seed: int, eval_every: int, hang_s: float) -> dict:
@@ -127,8 +150,16 @@ def campaign_plan(fired_dir: Path, n: int, seed: int, eval_every: int, hang_s: f
             if fails_in not in failing and not (phase == "save" and step == last):
                 break
         failing.add(fails_in)
-        faults.append({"id": i, "kind": kind, "phase": phase, "step": step,
-                       "rank": rng.randrange(2), "seconds": hang_s * 20})
+        faults.append(
+            {
+                "id": i,
+                "kind": kind,
+                "phase": phase,
+                "step": step,
+                "rank": rng.randrange(2),
+                "seconds": hang_s * 20,
+            }
+        )
     return {"fired_dir": str(fired_dir), "faults": faults}
 
 
@@ -140,20 +171,28 @@ def campaign_figures(run_dir: Path, plan: dict) -> dict:
     """Faults injected (fired), recovered (restarts that led on to the next step), steps
     recomputed per fault (steps completed after the resumed checkpoint, lost) and the time from
     a fault to the first step completed after its restart."""
-    fired = {int(p.name.split("_")[1]): float(p.read_text())
-             for p in Path(plan["fired_dir"]).glob("fault_*")}
+    fired = {
+        int(p.name.split("_")[1]): float(p.read_text())
+        for p in Path(plan["fired_dir"]).glob("fault_*")
+    }
     records = restarts(run_dir)
     steps = {r["step"]: r["time"] for r in step_records(run_dir, 0)}
-    recomputed = [r["step"] - 1 - int(Path(r["resume"]).name.split("_")[1]) if r["resume"]
-                  else r["step"] - 1 for r in records]
+    recomputed = [
+        r["step"] - 1 - int(Path(r["resume"]).name.split("_")[1]) if r["resume"] else r["step"] - 1
+        for r in records
+    ]
     recover = []
     for r in records:
         resumed = int(Path(r["resume"]).name.split("_")[1]) if r["resume"] else 0
         fault_time = max((t for t in fired.values() if t <= r["time"]), default=None)
         if fault_time is not None and resumed + 1 in steps:
             recover.append(steps[resumed + 1] - fault_time)
-    return {"injected": len(fired), "restarts": len(records), "recomputed": recomputed,
-            "recover_s": recover}
+    return {
+        "injected": len(fired),
+        "restarts": len(records),
+        "recomputed": recomputed,
+        "recover_s": recover,
+    }
 
 
 CAMPAIGN_EVAL_EVERY, CAMPAIGN_HANG_S = 2, 6
@@ -164,12 +203,16 @@ def campaign_config(data, out_dir: Path, name: str, faults: int) -> Path:
     :data:`CAMPAIGN_EVAL_EVERY` steps, a short hang timeout, restarts enough for every fault."""
     from tests.conftest import tiny_run_dict
 
-    d = tiny_run_dict(data, out_dir / "runs", max_steps=campaign_steps(faults),
-                      hang_timeout_s=CAMPAIGN_HANG_S)
-    d.update(name=name, checkpoint={"every_n_steps": 1, "keep_last": 3},
-             logging={"log_every": 1},
-             eval={"every_n_steps": CAMPAIGN_EVAL_EVERY, "max_tokens": 256, "batch_size": 2},
-             launch={"max_restarts": faults + 2})
+    d = tiny_run_dict(
+        data, out_dir / "runs", max_steps=campaign_steps(faults), hang_timeout_s=CAMPAIGN_HANG_S
+    )
+    d.update(
+        name=name,
+        checkpoint={"every_n_steps": 1, "keep_last": 3},
+        logging={"log_every": 1},
+        eval={"every_n_steps": CAMPAIGN_EVAL_EVERY, "max_tokens": 256, "batch_size": 2},
+        launch={"max_restarts": faults + 2},
+    )
     return write_run_config(out_dir / f"{name}.yaml", d)
 
 
@@ -177,5 +220,8 @@ def campaign_problems(run_dir: Path, reference: Path, faults: int) -> list[str]:
     """Losses unlike the reference run's, samples not consumed exactly once, checkpoints that
     do not verify."""
     steps = campaign_steps(faults)
-    return (loss_mismatches(run_dir, reference, steps)
-            + sample_problems(run_dir, steps, global_batch=4) + checkpoint_problems(run_dir))
+    return (
+        loss_mismatches(run_dir, reference, steps)
+        + sample_problems(run_dir, steps, global_batch=4)
+        + checkpoint_problems(run_dir)
+    )

@@ -17,8 +17,9 @@ from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 
 
-def base_and_finetune(data, runs: Path, finetune: dict, pretrain: dict | None = None,
-                      **train) -> tuple[dict, dict]:
+def base_and_finetune(
+    data, runs: Path, finetune: dict, pretrain: dict | None = None, **train
+) -> tuple[dict, dict]:
     """Run configs: "base" (6 steps of pretraining at lr 3e-3, 2 ranks, expert parallelism 2,
     ZeRO 2, one shared expert; ``pretrain``: changes to its train section) and "ft"
     (``finetune`` from base's last checkpoint; ``train``: its train section's changes)."""
@@ -44,8 +45,11 @@ def latest_weights(run_dir: Path) -> dict:
 def trained_samples(data, steps: int = 8, per_step: int = 8) -> torch.Tensor:
     """The first samples of the training data, those of a fine-tuning run's first ``steps``
     steps of ``per_step`` samples (default: 2 ranks x micro-batch 4)."""
-    return PackedReader(data.dir, data.seq_len, data.seed, 0, 1, per_step * steps) \
-        .next_step(1)[0].tokens_BS
+    return (
+        PackedReader(data.dir, data.seq_len, data.seed, 0, 1, per_step * steps)
+        .next_step(1)[0]
+        .tokens_BS
+    )
 
 
 def losses_before_and_after(data, runs: Path, steps: int) -> tuple[dict, dict]:
@@ -57,8 +61,7 @@ def losses_before_and_after(data, runs: Path, steps: int) -> tuple[dict, dict]:
         model = load_model(runs / name)[0]
         with torch.no_grad():
             trained[name] = model(samples[:, :-1], samples[:, 1:]).lm_loss.item()
-        held_out[name] = evaluate_perplexity(model, data.dir, data.seq_len,
-                                             max_tokens=4000)["loss"]
+        held_out[name] = evaluate_perplexity(model, data.dir, data.seq_len, max_tokens=4000)["loss"]
     return trained, held_out
 
 
@@ -78,8 +81,9 @@ def train_measuring_start(rank, world, base, ft, data, out_file, steps: int = 8)
     train(from_dict(RunConfig, copy.deepcopy(ft)), env)
 
 
-def finetune_over_frozen_base(data, tmp_path: Path, finetune: dict, steps: int,
-                              **train) -> tuple[set[str], float, float]:
+def finetune_over_frozen_base(
+    data, tmp_path: Path, finetune: dict, steps: int, **train
+) -> tuple[set[str], float, float]:
     """Pretrain "base", fine-tune "ft" from it for ``steps`` steps (2 ranks, expert parallelism
     2, ZeRO 2), and check that every tensor of the base is bitwise unchanged. Returns the names
     of the tensors the fine-tuning added, and its loss on the samples of those steps at step 0

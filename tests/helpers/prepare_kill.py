@@ -26,9 +26,13 @@ from data_pipeline import generations, shards, storage
 from data_pipeline import prepare as prep
 from tests.helpers.s3 import put_object
 
-POINTS = {"tokenizer": (prep, "build_tokenizer", "after"), "shard": (shards, "write_shard", "after"),
-          "upload": (storage, "upload", "after"), "manifest": (generations, "write_manifest", "before"),
-          "remove": (storage, "delete", "after")}
+POINTS = {
+    "tokenizer": (prep, "build_tokenizer", "after"),
+    "shard": (shards, "write_shard", "after"),
+    "upload": (storage, "upload", "after"),
+    "manifest": (generations, "write_manifest", "before"),
+    "remove": (storage, "delete", "after"),
+}
 
 
 def kill_at(point: str, count: int) -> None:

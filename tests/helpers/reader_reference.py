@@ -21,7 +21,7 @@ class ReferenceRows:
         if (source, epoch) not in self._tokens:
             self._tokens[source, epoch] = np.concatenate([stream.arrays[i] for i in order])
         begin = int(perm(np.array([index]))[0]) * stream.window
-        return self._tokens[source, epoch][begin:begin + stream.window]
+        return self._tokens[source, epoch][begin : begin + stream.window]
 
 
 def reference_doc_ids(row: np.ndarray, eos_id: int) -> list[int]:

@@ -11,7 +11,7 @@ def reference_loss(model, tokens: np.ndarray, seq_len: int) -> tuple[float, int]
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(tokens) - 1, seq_len):
-            w = torch.from_numpy(tokens[start:start + seq_len + 1].astype(np.int64))[None]
+            w = torch.from_numpy(tokens[start : start + seq_len + 1].astype(np.int64))[None]
             logits = model(w[:, :-1]).logits
             total += float(F.cross_entropy(logits.float().flatten(0, 1), w[0, 1:], reduction="sum"))
             count += w.shape[1] - 1

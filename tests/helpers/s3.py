@@ -37,8 +37,12 @@ def moto_server(root: Path, check_credentials: bool):
     env = dict(os.environ)
     if check_credentials:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(SETUP_REQUESTS)
-    server = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        ["moto_server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 30
         while True:
@@ -50,16 +54,33 @@ def moto_server(root: Path, check_credentials: bool):
                     pytest.skip(f"moto_server did not start on 127.0.0.1:{port}")
                 time.sleep(0.1)
         endpoint = f"http://127.0.0.1:{port}"
-        setup = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="setup",
-                     aws_secret_access_key="setup")
+        setup = dict(
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="setup",
+            aws_secret_access_key="setup",
+        )
         iam = boto3.client("iam", **setup)
         iam.create_user(UserName="reader")
-        iam.put_user_policy(UserName="reader", PolicyName="s3", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17",
-             "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        iam.put_user_policy(
+            UserName="reader",
+            PolicyName="s3",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+                }
+            ),
+        )
         key = iam.create_access_key(UserName="reader")["AccessKey"]
-        s3 = boto3.client("s3", **{**setup, "aws_access_key_id": key["AccessKeyId"],
-                                   "aws_secret_access_key": key["SecretAccessKey"]})
+        s3 = boto3.client(
+            "s3",
+            **{
+                **setup,
+                "aws_access_key_id": key["AccessKeyId"],
+                "aws_secret_access_key": key["SecretAccessKey"],
+            },
+        )
         s3.create_bucket(Bucket=BUCKET)
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             s3.put_object(Bucket=BUCKET, Key=f"in/{path.relative_to(root)}", Body=path.read_bytes())
@@ -67,8 +88,6 @@ def moto_server(root: Path, check_credentials: bool):
     finally:
         server.terminate()
         server.wait(timeout=10)
-
-
 
 
 def use_credentials(monkeypatch, tmp_path: Path, key_id: str, secret: str) -> None:
@@ -89,6 +108,7 @@ def put_object(local: Path, url: str, s3) -> None:
     pyarrow's own upload cannot run against it."""
     import boto3
 
-    bucket, key = url[len("s3://"):].split("/", 1)
+    bucket, key = url[len("s3://") :].split("/", 1)
     boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1").put_object(
-        Bucket=bucket, Key=key, Body=local.read_bytes())
+        Bucket=bucket, Key=key, Body=local.read_bytes()
+    )

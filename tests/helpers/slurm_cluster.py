@@ -31,8 +31,9 @@ from moe.training.ports import free_port
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol")
 
 
-def wait_for(predicate, timeout: float, what: str, cluster, poll: float = 0.2,
-             job_log: Path | None = None) -> None:
+def wait_for(
+    predicate, timeout: float, what: str, cluster, poll: float = 0.2, job_log: Path | None = None
+) -> None:
     """Poll ``predicate`` until it holds; after ``timeout`` seconds fail with ``what``, the end
     of ``job_log`` (if given) and the cluster's daemon logs."""
     deadline = time.time() + timeout
@@ -55,8 +56,6 @@ def require_slurm() -> None:
         pytest.skip("the test cluster runs its daemons as root")
 
 
-
-
 @dataclass
 class Cluster:
     root: Path
@@ -75,13 +74,15 @@ class Cluster:
         return self.client_prefix + argv
 
     def run(self, argv: list[str], **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(argv), env=self.env, capture_output=True, text=True,
-                              timeout=60, **kw)
+        return subprocess.run(
+            self.command(argv), env=self.env, capture_output=True, text=True, timeout=60, **kw
+        )
 
     def start(self, argv: list[str], log: str) -> None:
         out = open(self.root / log, "ab")
-        self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                           env=self.env))
+        self.procs.append(
+            subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        )
         out.close()
 
     def wait_ready(self, nodes: int, timeout: float = 60) -> None:
@@ -97,8 +98,12 @@ class Cluster:
             time.sleep(0.5)
         raise RuntimeError(f"the SLURM cluster did not come up in {timeout}s:\n{self.logs()}")
 
-    def wait_job(self, job_id: str, timeout: float, done=("COMPLETED", "FAILED", "CANCELLED",
-                                                           "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")):
+    def wait_job(
+        self,
+        job_id: str,
+        timeout: float,
+        done=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+    ):
         deadline = time.time() + timeout
         state = None
         while time.time() < deadline:
@@ -115,8 +120,10 @@ class Cluster:
         return None
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(self.root.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.root.glob("*.log"))
+        )
 
     def cancel_all(self, timeout: float = 30) -> None:
         """Cancel every job and wait until none is left: slurmstepd outlives slurmd."""
@@ -157,31 +164,62 @@ def write_munge(root: Path, sockets: Path) -> list[str]:
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    return ["munged", "--foreground", "--force", f"--socket={sockets / 'munge.sock'}",
-            f"--key-file={key}", f"--pid-file={root / 'munged.pid'}",
-            f"--log-file={root / 'munged.log'}", f"--seed-file={root / 'munged.seed'}"]
+    return [
+        "munged",
+        "--foreground",
+        "--force",
+        f"--socket={sockets / 'munge.sock'}",
+        f"--key-file={key}",
+        f"--pid-file={root / 'munged.pid'}",
+        f"--log-file={root / 'munged.log'}",
+        f"--seed-file={root / 'munged.seed'}",
+    ]
 
 
-def slurm_conf(root: Path, sockets: Path, controller: str, nodes: list[str], cpus: int,
-               partitions: tuple[str, ...] = (), settings: tuple[str, ...] = ()) -> str:
+def slurm_conf(
+    root: Path,
+    sockets: Path,
+    controller: str,
+    nodes: list[str],
+    cpus: int,
+    partitions: tuple[str, ...] = (),
+    settings: tuple[str, ...] = (),
+) -> str:
     root.mkdir(parents=True, exist_ok=True)
     lines = [
-        "ClusterName=moetest", f"SlurmctldHost={controller}",
-        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
-        "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
+        "ClusterName=moetest",
+        f"SlurmctldHost={controller}",
+        f"SlurmctldPort={free_port()}",
+        f"SlurmdPort={free_port()}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
         # cred_expire also delays a requeued job's restart (default 120 s).
         f"AuthInfo=socket={sockets / 'munge.sock'},cred_expire=5",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-        "ReturnToService=2", "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "ReturnToService=2",
+        "MpiDefault=none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
         # A requeued job becomes eligible after cred_expire; the periodic pass (sched_interval)
         # is what then starts it.
-        "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=2",
-        "KillWait=5", "InactiveLimit=0", "MinJobAge=600", *settings,
-        f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={sockets / 'spool%n'}",
-        f"SlurmctldPidFile={root / 'ctld.pid'}", f"SlurmdPidFile={root / 'd%n.pid'}",
-        f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd-%n.log'}",
+        "SchedulerType=sched/builtin",
+        "SchedulerParameters=sched_interval=2",
+        "KillWait=5",
+        "InactiveLimit=0",
+        "MinJobAge=600",
+        *settings,
+        f"StateSaveLocation={root / 'state'}",
+        f"SlurmdSpoolDir={sockets / 'spool%n'}",
+        f"SlurmctldPidFile={root / 'ctld.pid'}",
+        f"SlurmdPidFile={root / 'd%n.pid'}",
+        f"SlurmctldLogFile={root / 'slurmctld.log'}",
+        f"SlurmdLogFile={root / 'slurmd-%n.log'}",
         *nodes,
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         *partitions,
@@ -194,8 +232,9 @@ def slurm_conf(root: Path, sockets: Path, controller: str, nodes: list[str], cpu
 
 
 @contextlib.contextmanager
-def single_node_cluster(root: Path, cpus: int = 2, partitions: tuple[str, ...] = (),
-                        settings: tuple[str, ...] = ()):
+def single_node_cluster(
+    root: Path, cpus: int = 2, partitions: tuple[str, ...] = (), settings: tuple[str, ...] = ()
+):
     """``partitions``: more ``PartitionName=...`` lines besides the default ``debug``;
     ``settings``: more slurm.conf lines (e.g. ``PreemptType=...``), each replacing a default
     line of the same key (e.g. ``KillWait=2``)."""
@@ -203,9 +242,17 @@ def single_node_cluster(root: Path, cpus: int = 2, partitions: tuple[str, ...] =
     host = socket.gethostname()
     conf = root / "slurm.conf"
     sockets = socket_dir()
-    conf.write_text(slurm_conf(root, sockets, host,
-                               [f"NodeName={host} CPUs={cpus} RealMemory=20000"], cpus,
-                               partitions, settings))
+    conf.write_text(
+        slurm_conf(
+            root,
+            sockets,
+            host,
+            [f"NodeName={host} CPUs={cpus} RealMemory=20000"],
+            cpus,
+            partitions,
+            settings,
+        )
+    )
     cluster = Cluster(root, conf, sockets)
     try:
         cluster.start(write_munge(root, sockets), "munged-stdout.log")
@@ -235,11 +282,14 @@ def two_node_cluster(root: Path, ifname: str = "eth1"):
     names = [f"moe{tag}n1", f"moe{tag}n2"]
     addrs = [f"10.{net}.0.1", f"10.{net}.0.2"]
     conf = root / "slurm.conf"
-    nodes = [f"NodeName=node{i + 1} NodeAddr={a} CPUs=1 RealMemory=8000"
-             for i, a in enumerate(addrs)]
+    nodes = [
+        f"NodeName=node{i + 1} NodeAddr={a} CPUs=1 RealMemory=8000" for i, a in enumerate(addrs)
+    ]
     sockets = socket_dir()
     conf.write_text(slurm_conf(root, sockets, f"node1({addrs[0]})", nodes, 1))
-    cluster = Cluster(root, conf, sockets, client_prefix=["nsenter", f"--net=/var/run/netns/{names[0]}"])
+    cluster = Cluster(
+        root, conf, sockets, client_prefix=["nsenter", f"--net=/var/run/netns/{names[0]}"]
+    )
     try:
         for ns in names:
             _sh("ip", "netns", "add", ns)
@@ -258,13 +308,34 @@ def two_node_cluster(root: Path, ifname: str = "eth1"):
         for i, ns in enumerate(names, 1):
             # nsenter --net, not `ip netns exec` (which remounts /sys; slurmd then fails on
             # cgroups); unshare --uts gives each host its own hostname.
-            script = f"hostname node{i}; exec slurmd -D -f \"$0\" -N node{i}"
+            script = f'hostname node{i}; exec slurmd -D -f "$0" -N node{i}'
             if i == 1:
-                cluster.start(["nsenter", f"--net=/var/run/netns/{ns}", "unshare", "--uts",
-                               "sh", "-c", "hostname node1; exec slurmctld -D -f \"$0\"",
-                               str(conf)], "slurmctld-stdout.log")
-            cluster.start(["nsenter", f"--net=/var/run/netns/{ns}", "unshare", "--uts",
-                           "sh", "-c", script, str(conf)], f"slurmd{i}-stdout.log")
+                cluster.start(
+                    [
+                        "nsenter",
+                        f"--net=/var/run/netns/{ns}",
+                        "unshare",
+                        "--uts",
+                        "sh",
+                        "-c",
+                        'hostname node1; exec slurmctld -D -f "$0"',
+                        str(conf),
+                    ],
+                    "slurmctld-stdout.log",
+                )
+            cluster.start(
+                [
+                    "nsenter",
+                    f"--net=/var/run/netns/{ns}",
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    script,
+                    str(conf),
+                ],
+                f"slurmd{i}-stdout.log",
+            )
         cluster.wait_ready(2)
         yield cluster
     finally:

@@ -29,9 +29,10 @@ def count_host_reads():
         def counted(self, *args, **kwargs):
             caller = sys._getframe(1)
             if threading.get_ident() == thread and caller.f_code.co_filename.startswith(OURS):
-                where = caller.f_code.co_filename[len(OURS):]
+                where = caller.f_code.co_filename[len(OURS) :]
                 calls[f"{where}:{caller.f_lineno} {name}"] += 1
             return real(self, *args, **kwargs)
+
         return counted
 
     for name, real in saved.items():

@@ -15,8 +15,9 @@ def reference_dict(tiny_data, out_dir: Path, name: str) -> dict:
     checkpoint every 2 steps, a step record every step, no TensorBoard. What the tests change
     from it (the data's location, restarts, elastic) leaves every step's loss as it is."""
     d = tiny_run_dict(tiny_data, out_dir, max_steps=REFERENCE_STEPS)
-    d.update(name=name, checkpoint={"every_n_steps": 2},
-             logging={"log_every": 1, "tensorboard": False})
+    d.update(
+        name=name, checkpoint={"every_n_steps": 2}, logging={"log_every": 1, "tensorboard": False}
+    )
     return d
 
 

@@ -20,19 +20,26 @@ def write_config(path: Path, run: dict) -> Path:
     return path
 
 
-def moe_launch(args: list[str], env: dict | None = None, timeout: float = 600,
-               prefix: list[str] = ()):
+def moe_launch(
+    args: list[str], env: dict | None = None, timeout: float = 600, prefix: list[str] = ()
+):
     """Run the real launcher in a fresh process, with this checkout importable by every rank;
     ``prefix`` runs it elsewhere (e.g. inside a network namespace)."""
     root = str(Path(__file__).resolve().parents[2])
     base = dict(os.environ if env is None else env)
     base["PYTHONPATH"] = root + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else "")
-    return subprocess.run([*prefix, sys.executable, "-m", "launch.launch", *args], env=base,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "launch.launch", *args],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def check_finished_run(run_dir: Path, max_steps: int, ranks: int = 2, experts: int = 4,
-                       layers: int = 2) -> None:
+def check_finished_run(
+    run_dir: Path, max_steps: int, ranks: int = 2, experts: int = 4, layers: int = 2
+) -> None:
     """Every rank ran (its log and its own optimizer-state files), the final checkpoint holds
     every expert, TensorBoard has every step."""
     tag = f"step_{max_steps:07d}"
@@ -112,9 +119,14 @@ def kill_rank_after(proc, run_dir: Path, after_steps: int, rank: int = 1) -> str
 def start_launch(config: Path, env: dict | None = None) -> subprocess.Popen:
     """moe-launch CONFIG --no-eval in a session of its own (a test may kill its ranks), its
     output captured."""
-    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "launch.launch", str(config), "--no-eval"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
 
 
 def finish(proc: subprocess.Popen) -> str:

@@ -36,26 +36,34 @@ def global_losses(run_dir, ranks) -> dict[int, float]:
     return {s: sum(p[s] for p in per_rank) / len(ranks) for s in per_rank[0]}
 
 
-def test_a_lost_slot_resumes_on_one_rank_with_the_same_global_batch(tiny_data, tmp_path,
-                                                                    reference_run):
+def test_a_lost_slot_resumes_on_one_rank_with_the_same_global_batch(
+    tiny_data, tmp_path, reference_run
+):
     usable = tmp_path / "usable.json"
     usable.write_text(json.dumps({"localhost": 1}))
-    plan = {"fired_dir": str(tmp_path / "fired"),
-            "faults": [{"id": 0, "kind": "kill", "rank": 1, "step": 4, "phase": "backward"}]}
-    proc = launch(config(tiny_data, tmp_path, "elastic"), plan=plan,
-                  env={USABLE_SLOTS_ENV: str(usable)})
+    plan = {
+        "fired_dir": str(tmp_path / "fired"),
+        "faults": [{"id": 0, "kind": "kill", "rank": 1, "step": 4, "phase": "backward"}],
+    }
+    proc = launch(
+        config(tiny_data, tmp_path, "elastic"), plan=plan, env={USABLE_SLOTS_ENV: str(usable)}
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     run_dir = tmp_path / "runs" / "elastic"
 
-    assert ("elastic: localhost has 1 usable slot(s) of 2; resuming on 1 rank(s) (was 2), "
-            "grad_accum 2 (was 1), expert_parallel_size 1 (was 2), same global batch of "
-            f"{GLOBAL_BATCH} sequences") in out
+    assert (
+        "elastic: localhost has 1 usable slot(s) of 2; resuming on 1 rank(s) (was 2), "
+        "grad_accum 2 (was 1), expert_parallel_size 1 (was 2), same global batch of "
+        f"{GLOBAL_BATCH} sequences"
+    ) in out
     (record,) = restarts(run_dir)
     assert record["resume"].endswith("step_0000002")
     assert record["elastic"]["world_size"] == 1 and record["elastic"]["grad_accum_steps"] == 2
-    assert "was saved on 2 rank(s) with expert parallelism 2; converted to 1 rank(s)" in \
-        (run_dir / "logs" / "rank0.log").read_text()
+    assert (
+        "was saved on 2 rank(s) with expert parallelism 2; converted to 1 rank(s)"
+        in (run_dir / "logs" / "rank0.log").read_text()
+    )
 
     assert sample_problems(run_dir, MAX_STEPS, GLOBAL_BATCH, ranks=(0,)) == []
     got = global_losses(run_dir, ranks=(0,))

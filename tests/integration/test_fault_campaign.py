@@ -21,15 +21,18 @@ FAULTS, SEED = 10, 1234
 
 
 def test_ten_faults_in_one_job_recover_to_the_uninterrupted_run(tiny_data, tmp_path):
-    ref = fr.launch(fr.campaign_config(tiny_data, tmp_path, "reference", FAULTS),
-                    ["launch.max_restarts=0"])
+    ref = fr.launch(
+        fr.campaign_config(tiny_data, tmp_path, "reference", FAULTS), ["launch.max_restarts=0"]
+    )
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
-    plan = fr.campaign_plan(tmp_path / "fired", FAULTS, SEED, fr.CAMPAIGN_EVAL_EVERY,
-                            fr.CAMPAIGN_HANG_S)
+    plan = fr.campaign_plan(
+        tmp_path / "fired", FAULTS, SEED, fr.CAMPAIGN_EVAL_EVERY, fr.CAMPAIGN_HANG_S
+    )
     assert {(f["kind"], f["phase"]) for f in plan["faults"]} == set(fr.FAULTS)
-    proc = fr.launch(fr.campaign_config(tiny_data, tmp_path, "campaign", FAULTS), plan=plan,
-                     timeout=1800)
+    proc = fr.launch(
+        fr.campaign_config(tiny_data, tmp_path, "campaign", FAULTS), plan=plan, timeout=1800
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     run_dir = tmp_path / "runs" / "campaign"
 
@@ -42,8 +45,10 @@ def test_ten_faults_in_one_job_recover_to_the_uninterrupted_run(tiny_data, tmp_p
     first = records[0]
     assert first["signal"] == "SIGKILL", first  # the plan's first fault: a kill in the forward
     resumed_from = first["resume"] or "the start (no complete checkpoint yet)"
-    assert (f"launch: restart 1/{FAULTS + 2}: rank {first['rank']} exited with signal SIGKILL "
-            f"at step {first['step']}; resuming from {resumed_from}") in proc.stdout + proc.stderr
+    assert (
+        f"launch: restart 1/{FAULTS + 2}: rank {first['rank']} exited with signal SIGKILL "
+        f"at step {first['step']}; resuming from {resumed_from}"
+    ) in proc.stdout + proc.stderr
     hang = next(f for f in plan["faults"] if f["kind"] == "hang")
     hang_restart = next(r for r in records if r["returncode"] == HANG_EXIT_CODE)
     assert hang_restart["step"] == hang["step"], (hang, hang_restart)
@@ -54,10 +59,15 @@ def test_ten_faults_in_one_job_recover_to_the_uninterrupted_run(tiny_data, tmp_p
     # unrecorded if its recorder is killed with it): the first watchdog exit after the fault is
     # what the bound is about.
     hung_at = float((tmp_path / "fired" / f"fault_{hang['id']}").read_text())
-    ends = [json.loads(line) for r in range(2) for line in
-            (run_dir / "logs" / f"exits_rank{r}.jsonl").read_text().splitlines()]
-    hang_end = min((e for e in ends if e["returncode"] == HANG_EXIT_CODE and e["time"] > hung_at),
-                   key=lambda e: e["time"])
+    ends = [
+        json.loads(line)
+        for r in range(2)
+        for line in (run_dir / "logs" / f"exits_rank{r}.jsonl").read_text().splitlines()
+    ]
+    hang_end = min(
+        (e for e in ends if e["returncode"] == HANG_EXIT_CODE and e["time"] > hung_at),
+        key=lambda e: e["time"],
+    )
     assert hang_end["time"] - hung_at < fr.CAMPAIGN_HANG_S + 4 + 3 * poll_s(fr.CAMPAIGN_HANG_S)
     stacks = hang_file(run_dir / "logs", hang["rank"]).read_text()
     assert f"the last completed step is {hang['step'] - 1}" in stacks and "in _fire" in stacks

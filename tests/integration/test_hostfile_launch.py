@@ -14,9 +14,16 @@ def test_hostfile_runner_trains_two_ranks_ep2(tiny_data, tmp_path):
     hosts = tmp_path / "hostfile"
     hosts.write_text("# this machine; slot 2 is not used\nlocalhost slots=3\n")
     run = tiny_run_dict(tiny_data, tmp_path / "runs")
-    run["launch"] = {"scheduler": "hostfile", "env": {"MOE_TEST_VALUE": "a b"},
-                     "hostfile": {"path": str(hosts), "include": "localhost:0,1",
-                                  "master_addr": "127.0.0.1", "ssh_check": False}}
+    run["launch"] = {
+        "scheduler": "hostfile",
+        "env": {"MOE_TEST_VALUE": "a b"},
+        "hostfile": {
+            "path": str(hosts),
+            "include": "localhost:0,1",
+            "master_addr": "127.0.0.1",
+            "ssh_check": False,
+        },
+    }
     config = write_config(tmp_path / "tiny.yaml", run)
     proc = moe_launch([str(config), "--no-eval"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -31,9 +31,14 @@ def start(config: Path, *overrides: str) -> subprocess.Popen:
     """moe-launch in a session of its own, as a shell starts a foreground job (a terminal's
     Ctrl-C goes to its process group)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "launch.launch", str(config), "--no-eval",
-                             *overrides], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "launch.launch", str(config), "--no-eval", *overrides],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @contextlib.contextmanager
@@ -72,14 +77,19 @@ def alive(pids) -> list[int]:
 
 def config(tiny_data, tmp_path: Path, name: str, **train) -> tuple[Path, Path]:
     d = tiny_run_dict(tiny_data, tmp_path / "runs", **train)
-    d.update(name=name, checkpoint={"every_n_steps": 0}, launch={"max_restarts": 0},
-             logging={"log_every": 1, "tensorboard": False})
+    d.update(
+        name=name,
+        checkpoint={"every_n_steps": 0},
+        launch={"max_restarts": 0},
+        logging={"log_every": 1, "tensorboard": False},
+    )
     return write_run_config(tmp_path / f"{name}.yaml", d), tmp_path / "runs" / name
 
 
 def test_a_frozen_rank_is_named_by_the_healthy_one_and_killed(tiny_data, tmp_path):
-    cfg, run_dir = config(tiny_data, tmp_path, "frozen", max_steps=10_000,
-                          hang_timeout_s=HANG_TIMEOUT_S)
+    cfg, run_dir = config(
+        tiny_data, tmp_path, "frozen", max_steps=10_000, hang_timeout_s=HANG_TIMEOUT_S
+    )
     proc = start(cfg)
     with killed_on_failure(proc):
         wait_for_steps(proc, run_dir, 3, rank=1)
@@ -110,8 +120,9 @@ def test_a_frozen_rank_is_named_by_the_healthy_one_and_killed(tiny_data, tmp_pat
     assert list(record["missing"]) == ["1"] and record["inside"] and record["collective"]
     assert not hang_file(logs, 1).exists()  # a stopped process writes nothing
     assert "hang: no training step completed" in (logs / "rank0.log").read_text()
-    assert json.loads((logs / "exits_rank1.jsonl").read_text().splitlines()[-1])["signal"] \
-        == "SIGKILL"
+    assert (
+        json.loads((logs / "exits_rank1.jsonl").read_text().splitlines()[-1])["signal"] == "SIGKILL"
+    )
 
 
 def test_term_and_ctrl_c_save_and_exit_75_a_second_signal_stops_at_once(tiny_data, tmp_path):
@@ -188,8 +199,10 @@ def test_a_killed_moe_launch_takes_the_runner_and_every_rank_with_it(tiny_data, 
             os.kill(pid, signal.SIGKILL)
     assert left == {}, left
     out = proc.stdout.read()
-    assert f"moe-launch (pid {proc.pid}) is gone: stopping rank pid" in \
-        (run_dir / "logs" / "rank0.log").read_text(), out[-3000:]
+    assert (
+        f"moe-launch (pid {proc.pid}) is gone: stopping rank pid"
+        in (run_dir / "logs" / "rank0.log").read_text()
+    ), out[-3000:]
 
 
 def test_two_ctrl_c_0_3_s_apart_say_both_and_stop_at_once(tiny_data, tmp_path):
@@ -200,8 +213,23 @@ def test_two_ctrl_c_0_3_s_apart_say_both_and_stop_at_once(tiny_data, tmp_path):
     cfg, run_dir = config(tiny_data, tmp_path, "twice", max_steps=10_000)
     plan = tmp_path / "faults" / "plan.json"
     plan.parent.mkdir()
-    plan.write_text(json.dumps({"fired_dir": str(plan.parent), "faults": [
-        {"id": 0, "kind": "hang", "rank": 0, "step": 4, "phase": "forward", "seconds": 60}]}))
+    plan.write_text(
+        json.dumps(
+            {
+                "fired_dir": str(plan.parent),
+                "faults": [
+                    {
+                        "id": 0,
+                        "kind": "hang",
+                        "rank": 0,
+                        "step": 4,
+                        "phase": "forward",
+                        "seconds": 60,
+                    }
+                ],
+            }
+        )
+    )
     proc = start(cfg, f"launch.env={{{PLAN_ENV}: {plan}}}")
     with killed_on_failure(proc):
         while not (plan.parent / "fault_0").exists():
@@ -217,10 +245,11 @@ def test_two_ctrl_c_0_3_s_apart_say_both_and_stop_at_once(tiny_data, tmp_path):
     assert proc.returncode == 130, out[-3000:]
     assert alive(tree) == [], out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
-    said = ["launch: SIGINT: every rank saves at the end of its step and stops",
-            "launch: SIGINT, a second signal: stopping every rank now, without waiting for the "
-            "save",
-            "launch: stopped by SIGINT without saving (exit code 130)"]
+    said = [
+        "launch: SIGINT: every rank saves at the end of its step and stops",
+        "launch: SIGINT, a second signal: stopping every rank now, without waiting for the save",
+        "launch: stopped by SIGINT without saving (exit code 130)",
+    ]
     found = [[i for i, line in enumerate(lines) if line.startswith(s)] for s in said]
     assert [len(f) for f in found] == [1, 1, 1] and found == sorted(found), lines
     assert "Traceback" not in out, out[-5000:]

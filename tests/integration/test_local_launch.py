@@ -39,10 +39,21 @@ def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_data, 
     steps = list(range(1, every + 2))
     last = f"step_{steps[-1]:07d}"
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(run))
-    proc = subprocess.run([sys.executable, "-m", "launch.launch", str(tmp_path / "tiny.yaml"),
-                           "logging.log_every=1", "eval.in_training_max_tokens=1000",
-                           "eval.max_tokens=2000", "logging.peak_flops_per_device=6.0e10"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.launch",
+            str(tmp_path / "tiny.yaml"),
+            "logging.log_every=1",
+            "eval.in_training_max_tokens=1000",
+            "eval.max_tokens=2000",
+            "logging.peak_flops_per_device=6.0e10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "tiny"
 
@@ -97,13 +108,21 @@ def test_two_ranks_expert_parallel_train_checkpoint_tensorboard_eval(tiny_data, 
         for h in hists:
             assert len(h.histogram_value.bucket) == 4
             assert sum(h.histogram_value.bucket) == 256
-        for name in ("dropped_fraction", "router_entropy", "aux_loss", "z_loss", "load_cv",
-                     "max_over_mean_load"):
+        for name in (
+            "dropped_fraction",
+            "router_entropy",
+            "aux_loss",
+            "z_loss",
+            "load_cv",
+            "max_over_mean_load",
+        ):
             values = [e.value for e in acc.Scalars(f"moe/layer{layer}/{name}")]
             assert len(values) == len(steps) and all(math.isfinite(v) for v in values), name
         assert all(e.value == 0 for e in acc.Scalars(f"moe/layer{layer}/dropped_fraction"))
-        assert all(0 < e.value <= math.log(4) + 1e-6
-                   for e in acc.Scalars(f"moe/layer{layer}/router_entropy"))
+        assert all(
+            0 < e.value <= math.log(4) + 1e-6
+            for e in acc.Scalars(f"moe/layer{layer}/router_entropy")
+        )
     assert all(e.value > 0.1 for e in acc.Scalars("system/process_memory_gib"))
     assert [e.value for e in acc.Scalars("train/skipped_steps")] == [0] * len(steps)
     mfu = [e.value for e in acc.Scalars("train/mfu")]

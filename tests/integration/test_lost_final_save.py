@@ -14,15 +14,21 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_run_whose_final_save_failed_ends_non_zero_and_names_the_unsaved_steps(
-        tiny_data, tmp_path):
+    tiny_data, tmp_path
+):
     d = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=4)
-    d.update(name="lost", checkpoint={"every_n_steps": 2, "on_save_error": "continue"},
-             launch={"max_restarts": 0})
+    d.update(
+        name="lost",
+        checkpoint={"every_n_steps": 2, "on_save_error": "continue"},
+        launch={"max_restarts": 0},
+    )
     config = fr.write_run_config(tmp_path / "lost.yaml", d)
     # Rank 0's first checkpoint write of step 4 fails, at the periodic save and at the final one.
     fault = {"kind": "save_error", "phase": "save", "rank": 0, "step": 4}
-    plan = {"fired_dir": str(tmp_path / "fired"),
-            "faults": [{"id": 0, **fault}, {"id": 1, **fault}]}
+    plan = {
+        "fired_dir": str(tmp_path / "fired"),
+        "faults": [{"id": 0, **fault}, {"id": 1, **fault}],
+    }
     proc = fr.launch(config, plan=plan, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]

@@ -31,8 +31,9 @@ def launch(config: Path) -> subprocess.Popen:
 
 
 def test_a_two_rank_run_from_hf_weights_is_killed_and_resumes_exactly(tiny_data, tmp_path):
-    hf_dir, hf = make_hf(tmp_path, "mixtral", vocab_size=tiny_data.tokenizer.vocab_size,
-                         num_hidden_layers=2)
+    hf_dir, hf = make_hf(
+        tmp_path, "mixtral", vocab_size=tiny_data.tokenizer.vocab_size, num_hidden_layers=2
+    )
     (hf_dir / "tokenizer.json").unlink()  # the data's own SentencePiece tokenizer is the model's
     with torch.no_grad():  # confident, wrong predictions: a loss no fresh model has
         hf.lm_head.weight.mul_(30)

@@ -35,34 +35,53 @@ def write_config(tiny_data, tmp_path: Path, name: str, **data) -> Path:
     return path
 
 
-
-
-def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp_path,
-                                                                  reference_run):
+def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(
+    tiny_data, tmp_path, reference_run
+):
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
-    with helper_s3.moto_server(tmp_path / "empty", check_credentials=False) as (endpoint, key_id,
-                                                                                  secret):
+    with helper_s3.moto_server(tmp_path / "empty", check_credentials=False) as (
+        endpoint,
+        key_id,
+        secret,
+    ):
         boto3 = pytest.importorskip("boto3")
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id=key_id, aws_secret_access_key=secret)
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=key_id,
+            aws_secret_access_key=secret,
+        )
         for path in sorted(p for p in Path(tiny_data.dir).rglob("*") if p.is_file()):
-            client.put_object(Bucket=helper_s3.BUCKET,
-                              Key=f"tiny/{path.relative_to(tiny_data.dir).as_posix()}",
-                              Body=path.read_bytes())
+            client.put_object(
+                Bucket=helper_s3.BUCKET,
+                Key=f"tiny/{path.relative_to(tiny_data.dir).as_posix()}",
+                Body=path.read_bytes(),
+            )
         shards = [s for split in read_manifest(tiny_data.dir).splits.values() for s in split.shards]
         bound = 2 * max(s.bytes for s in shards)  # two shards of the four
         assert bound < sum(s.bytes for s in shards)
         cache = tmp_path / "cache"
-        config = write_config(tiny_data, tmp_path, "s3", dir=f"s3://{helper_s3.BUCKET}/tiny",
-                              s3={"endpoint_url": endpoint, "region": "us-east-1"},
-                              cache_dir=str(cache), cache_bytes=bound)
+        config = write_config(
+            tiny_data,
+            tmp_path,
+            "s3",
+            dir=f"s3://{helper_s3.BUCKET}/tiny",
+            s3={"endpoint_url": endpoint, "region": "us-east-1"},
+            cache_dir=str(cache),
+            cache_bytes=bound,
+        )
         assert secret not in config.read_text()
-        s3_env = dict(env, AWS_ACCESS_KEY_ID=key_id, AWS_SECRET_ACCESS_KEY=secret,
-                      AWS_EC2_METADATA_DISABLED="true",
-                      AWS_CONFIG_FILE=str(tmp_path / "none"),
-                      AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+        s3_env = dict(
+            env,
+            AWS_ACCESS_KEY_ID=key_id,
+            AWS_SECRET_ACCESS_KEY=secret,
+            AWS_EC2_METADATA_DISABLED="true",
+            AWS_CONFIG_FILE=str(tmp_path / "none"),
+            AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        )
 
         run_dir = tmp_path / "runs" / "s3"
         first = kill_rank_after(start_launch(config, s3_env), run_dir, 3)
@@ -83,7 +102,13 @@ def test_two_ranks_from_s3_killed_and_resumed_match_the_local_run(tiny_data, tmp
     assert files and not [n for n in names if n.endswith(".tmp")]
     assert all(hashlib.sha256((cache / n).read_bytes()).hexdigest() == n for n in files)
     assert sum((cache / n).stat().st_size for n in files) <= bound
-    logs = first + second + "".join(p.read_text(errors="replace")
-                                    for p in run_dir.rglob("*") if p.is_file()
-                                    and p.suffix in (".log", ".jsonl", ".yaml", ".json"))
+    logs = (
+        first
+        + second
+        + "".join(
+            p.read_text(errors="replace")
+            for p in run_dir.rglob("*")
+            if p.is_file() and p.suffix in (".log", ".jsonl", ".yaml", ".json")
+        )
+    )
     assert secret not in logs

@@ -25,8 +25,13 @@ pytestmark = pytest.mark.integration
 
 def scaling_cmd(*args, check=True, timeout=900):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "launch.scaling", *map(str, args)], env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.scaling", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
@@ -43,14 +48,38 @@ def test_a_tiny_sweep_is_planned_run_stopped_resumed_fitted_and_predicted(tiny_d
     sweep = tmp_path / "sweep"
 
     # A budget too small for the largest width is refused with the numbers, writing nothing.
-    out = scaling_cmd("plan", base, "--budgets", "1e8", "--families", "dense",
-                      "--widths", "64,96,128", "--out", sweep, check=False)
+    out = scaling_cmd(
+        "plan",
+        base,
+        "--budgets",
+        "1e8",
+        "--families",
+        "dense",
+        "--widths",
+        "64,96,128",
+        "--out",
+        sweep,
+        check=False,
+    )
     assert out.returncode == 2 and "at least 25 steps" in out.stderr and not sweep.exists()
 
     # --min-steps 25: the default (200) halves these runs' batch of 2 sequences, doubling
     # their steps; the mechanics tested here do not need them.
-    scaling_cmd("plan", base, "--budgets", "3e9,6e9", "--families", "dense",
-                "--widths", "64,96,128", "--out", sweep, "--allow-repeat", "--min-steps", "25")
+    scaling_cmd(
+        "plan",
+        base,
+        "--budgets",
+        "3e9,6e9",
+        "--families",
+        "dense",
+        "--widths",
+        "64,96,128",
+        "--out",
+        sweep,
+        "--allow-repeat",
+        "--min-steps",
+        "25",
+    )
     plan = json.loads((sweep / "sweep.json").read_text())
     assert len(plan["runs"]) == 6
     assert all(abs(r["flops"] / r["budget"] - 1) <= 0.02 for r in plan["runs"])
@@ -59,9 +88,13 @@ def test_a_tiny_sweep_is_planned_run_stopped_resumed_fitted_and_predicted(tiny_d
 
     # Run, and stop the sweep with TERM once the first run has finished.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "launch.scaling", "run", str(sweep),
-                             "--jobs", "2"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.scaling", "run", str(sweep), "--jobs", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 600
 
     def evaluated():  # runs whose final checkpoint was evaluated: finished
@@ -93,14 +126,38 @@ def test_a_tiny_sweep_is_planned_run_stopped_resumed_fitted_and_predicted(tiny_d
     # refused with the numbers, nothing written. The run is the law's pick, so the budget is
     # far enough beyond the sweep (17x) that its run reads the corpus about 3 times; at 2x the
     # pick read it 0.7 to a bit over 1 times depending on the fit.
-    out = scaling_cmd("predict", sweep, "--budget", "1e11", "--family", "dense",
-                      "--bootstrap", "5", "--write-config", cfg_path, check=False)
+    out = scaling_cmd(
+        "predict",
+        sweep,
+        "--budget",
+        "1e11",
+        "--family",
+        "dense",
+        "--bootstrap",
+        "5",
+        "--write-config",
+        cfg_path,
+        check=False,
+    )
     assert out.returncode == 2 and "epochs of the prepared corpus" in out.stderr, out.stderr
     assert not cfg_path.exists()
-    out = scaling_cmd("predict", sweep, "--budget", "1e11", "--family", "dense",
-                      "--bootstrap", "5", "--write-config", cfg_path, "--allow-repeat")
+    out = scaling_cmd(
+        "predict",
+        sweep,
+        "--budget",
+        "1e11",
+        "--family",
+        "dense",
+        "--bootstrap",
+        "5",
+        "--write-config",
+        cfg_path,
+        "--allow-repeat",
+    )
     assert "active parameters N" in out.stdout and "95%" in out.stdout
     assert float(re.search(r"tokens \(([\d.]+) epochs\)", out.stdout)[1]) > 1
-    assert "the run of the best ladder shape: width" in out.stdout and "predicted loss" in out.stdout
+    assert (
+        "the run of the best ladder shape: width" in out.stdout and "predicted loss" in out.stdout
+    )
     cfg = load_config(cfg_path)
     assert cfg.model.d_model in WIDTHS and cfg.model.ffn == "dense"

@@ -21,11 +21,11 @@ HOSTILE = "x; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ #"
 def cluster(tmp_path_factory):
     # A second partition that takes only the account "physics". Without an accounting database
     # sbatch --test-only accepts any account there (checked): moe-launch's own check refuses it.
-    restricted = "PartitionName=restricted Nodes=ALL AllowAccounts=physics MaxTime=INFINITE State=UP"
+    restricted = (
+        "PartitionName=restricted Nodes=ALL AllowAccounts=physics MaxTime=INFINITE State=UP"
+    )
     with single_node_cluster(tmp_path_factory.mktemp("cluster"), partitions=(restricted,)) as c:
         yield c
-
-
 
 
 def slurm_run(tiny_data, tmp_path, name="tiny", max_steps=6, **slurm) -> tuple:
@@ -44,7 +44,8 @@ def submit(config, cluster, *overrides) -> str:
 
 
 def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_finish(
-        tiny_data, tmp_path, cluster):
+    tiny_data, tmp_path, cluster
+):
     """2 tasks, expert parallelism 2, hostile run directory, job name and environment value
     (they must arrive literally). In one job: ``scancel --signal=TERM`` to the ranks while they
     start (what a grace-time preemption sends; ``checkpoint.save_on_signals`` does not list
@@ -63,11 +64,21 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     run["checkpoint"] = {"every_n_steps": 20}
     plan = tmp_path / "faults" / "plan.json"
     plan.parent.mkdir()
-    plan.write_text(json.dumps({"fired_dir": str(plan.parent), "faults": [
-        {"id": 0, "kind": "kill", "rank": 1, "step": kill_at, "phase": "backward"}]}))
-    run["launch"] = {"scheduler": "slurm",
-                     "env": {"MOE_TEST_VALUE": hostile, PLAN_ENV: str(plan)},
-                     "slurm": {"job_name": hostile, "cpus_per_task": 1}}
+    plan.write_text(
+        json.dumps(
+            {
+                "fired_dir": str(plan.parent),
+                "faults": [
+                    {"id": 0, "kind": "kill", "rank": 1, "step": kill_at, "phase": "backward"}
+                ],
+            }
+        )
+    )
+    run["launch"] = {
+        "scheduler": "slurm",
+        "env": {"MOE_TEST_VALUE": hostile, PLAN_ENV: str(plan)},
+        "slurm": {"job_name": hostile, "cpus_per_task": 1},
+    }
     config = write_config(tmp_path / "tiny.yaml", run)
     run_dir = out_dir / "tiny"
     job_id = submit(config, cluster)
@@ -78,12 +89,22 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     wait_for(rank0.exists, 120, "the rank did not start", cluster)
     assert "step " not in rank0.read_text()  # still starting: imports, DeepSpeed, data
     assert cluster.run(["scancel", "--signal=TERM", job_id]).returncode == 0
-    wait_for(lambda: "requeueing job" in job_log_path.read_text(), 120, "no requeue", cluster,
-             job_log=job_log_path)
+    wait_for(
+        lambda: "requeueing job" in job_log_path.read_text(),
+        120,
+        "no requeue",
+        cluster,
+        job_log=job_log_path,
+    )
 
     # 2. Rank 1 killed at step 25: srun started again in the allocation, from step 20.
-    wait_for(lambda: "launch: restart 1/3: " in job_log_path.read_text(), 240,
-             "no restart inside the allocation", cluster)
+    wait_for(
+        lambda: "launch: restart 1/3: " in job_log_path.read_text(),
+        240,
+        "no restart inside the allocation",
+        cluster,
+    )
+
     # The ranks' own environment holds the hostile value, byte for byte.
     def rank_environs() -> list[bytes]:
         environs = []
@@ -96,14 +117,23 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
                     pass  # a step process that ended meanwhile
         return environs
 
-    wait_for(lambda: any(b"MOE_TEST_VALUE=" + hostile.encode() + b"\0" in e
-                         for e in rank_environs()), 60, "no rank with the hostile value", cluster)
+    wait_for(
+        lambda: any(b"MOE_TEST_VALUE=" + hostile.encode() + b"\0" in e for e in rank_environs()),
+        60,
+        "no rank with the hostile value",
+        cluster,
+    )
 
     # 3. TERM to the supervisor once the restarted attempt steps: checkpoint, requeue, resume.
     resumed_20 = f"resumed from {run_dir / 'checkpoints' / 'step_0000020'} at step 20"
-    wait_for(lambda: resumed_20 in rank0.read_text()
-             and "] step " in rank0.read_text().split(resumed_20)[-1], 240,
-             "the restarted attempt did not step", cluster)
+    wait_for(
+        lambda: (
+            resumed_20 in rank0.read_text() and "] step " in rank0.read_text().split(resumed_20)[-1]
+        ),
+        240,
+        "the restarted attempt did not step",
+        cluster,
+    )
     assert cluster.run(["scancel", "--batch", "--signal=TERM", job_id]).returncode == 0
     state = cluster.wait_job(job_id, 400)
     job_log = job_log_path.read_text()
@@ -114,10 +144,14 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     # The ranks held the TERM and stopped before their first step. When it also reached a process
     # a rank was running (DeepSpeed's ninja probe while it loads its op), that rank failed first:
     # it exits as preempted all the same (launch/train.py), and the job is requeued, not restarted.
-    assert ("SIGTERM before the first step: nothing to save" in log
-            or "after SIGTERM: taken as the stop the signal asked for" in log), log[-3000:]
-    assert (f"launch: restart 1/3: rank 1 exited with signal SIGKILL at step {kill_at}; "
-            f"resuming from {run_dir / 'checkpoints' / 'step_0000020'}") in job_log, job_log[-3000:]
+    assert (
+        "SIGTERM before the first step: nothing to save" in log
+        or "after SIGTERM: taken as the stop the signal asked for" in log
+    ), log[-3000:]
+    assert (
+        f"launch: restart 1/3: rank 1 exited with signal SIGKILL at step {kill_at}; "
+        f"resuming from {run_dir / 'checkpoints' / 'step_0000020'}"
+    ) in job_log, job_log[-3000:]
     assert job_log.count("launch: restart") == 1  # never for a signal
     saved = int(log.split("SIGUSR1: saved step ")[1].split(";")[0])
     assert 20 < saved < max_steps  # after the restart from step 20
@@ -126,16 +160,18 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     exited = job_log.index("Exited with exit code 75")
     assert job_log.index("the exit code 75 above is the planned exit of a preempted run") > exited
     assert "preempted, requeued, will resume from step 0" in job_log
-    assert f"preempted, requeued, will resume from step {saved} (requeueing job {job_id})" \
-        in job_log
+    assert (
+        f"preempted, requeued, will resume from step {saved} (requeueing job {job_id})" in job_log
+    )
     # Evaluated once, in the same allocation, after the last requeued run finished.
     assert job_log.count("training finished; evaluating the final checkpoint on one task") == 1
     assert job_log.rindex("requeueing job") < job_log.index("training finished")
     tail = job_log.splitlines()[-2:]
     report = run_dir / "checkpoints" / f"step_{max_steps:07d}" / "eval" / "report.md"
-    assert tail == [f"eval report     {report}",
-                    f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, "
-                    "one table)"], job_log[-2000:]
+    assert tail == [
+        f"eval report     {report}",
+        f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, one table)",
+    ], job_log[-2000:]
     assert report.is_file() and (report.parent / "eval.json").is_file()
     assert "FutureWarning" not in job_log
     check_finished_run(run_dir, max_steps)
@@ -166,8 +202,12 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
 
     # status: state, elapsed and limit, the last logged step, checkpoint, log paths.
     steps = run_dir / "logs" / "steps_rank0.jsonl"
-    wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 3, 180,
-             "no steps logged", cluster)
+    wait_for(
+        lambda: steps.exists() and len(steps.read_text().splitlines()) >= 3,
+        180,
+        "no steps logged",
+        cluster,
+    )
     out = moe_launch(["status", str(run_dir)], env=cluster.env)
     assert out.returncode == 0, out.stderr
     assert f"job {job_id}: RUNNING" in out.stdout and "of 10:00" in out.stdout, out.stdout
@@ -180,11 +220,13 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
     assert first.returncode == 0, first.stderr
     assert f"cancelled SLURM job {job_id} (was RUNNING)" in first.stdout
     second = moe_launch(["cancel", job_id], env=cluster.env)
-    assert second.returncode != 0 and f"nothing cancelled: job {job_id} is CANCELLED" \
-        in second.stderr, second.stderr
+    assert (
+        second.returncode != 0 and f"nothing cancelled: job {job_id} is CANCELLED" in second.stderr
+    ), second.stderr
     unknown = moe_launch(["cancel", "999999"], env=cluster.env)
-    assert unknown.returncode != 0 and "nothing cancelled: job 999999 is unknown" \
-        in unknown.stderr, unknown.stderr
+    assert (
+        unknown.returncode != 0 and "nothing cancelled: job 999999 is unknown" in unknown.stderr
+    ), unknown.stderr
     assert json.loads((run_dir / "slurm_jobs.json").read_text())[0]["state"] == "CANCELLED"
     # The cancel's TERM reached the ranks, which save on it under SLURM (within KillWait).
     latest = run_dir / "checkpoints" / "latest"
@@ -204,42 +246,66 @@ def test_resubmit_refused_while_queued_status_then_cancel(tiny_data, tmp_path, c
     assert [j["job_id"] for j in jobs] == [job_id, resubmitted]
 
 
-@pytest.mark.parametrize("overrides, reason, finding", [
-    (["launch.slurm.partition=nosuchpartition"], "Invalid partition name specified",
-     "launch.slurm.partition: SLURM has no partition 'nosuchpartition' (partitions: debug, "
-     "restricted)"),
-    (["launch.slurm.cpus_per_task=64"], "Requested node configuration is not available",
-     "launch.slurm.cpus_per_task: 1 tasks per node x 64 CPUs = 64 CPUs per node, but the "
-     "largest node of partition 'debug' has 2"),
-    (["launch.slurm.nodes=2", "parallel.world_size=2"],
-     "Requested node configuration is not available",
-     "launch.slurm.nodes: 2 nodes requested, partition 'debug' has 1"),
-    (["launch.slurm.gpus_per_node=1"], "Invalid generic resource (gres) specification",
-     "launch.slurm.gpus_per_node: 1 GPUs per node requested, but the nodes of partition 'debug' "
-     "have no GPUs"),
-    (["launch.slurm.partition=restricted", "launch.slurm.account=chemistry"], None,
-     "launch.slurm.account: partition 'restricted' allows only the accounts physics, not "
-     "'chemistry'"),
-])
-def test_impossible_requests_are_refused_before_any_data_work(tiny_data, tmp_path, cluster,
-                                                              overrides, reason, finding):
+@pytest.mark.parametrize(
+    "overrides, reason, finding",
+    [
+        (
+            ["launch.slurm.partition=nosuchpartition"],
+            "Invalid partition name specified",
+            "launch.slurm.partition: SLURM has no partition 'nosuchpartition' (partitions: debug, "
+            "restricted)",
+        ),
+        (
+            ["launch.slurm.cpus_per_task=64"],
+            "Requested node configuration is not available",
+            "launch.slurm.cpus_per_task: 1 tasks per node x 64 CPUs = 64 CPUs per node, but the "
+            "largest node of partition 'debug' has 2",
+        ),
+        (
+            ["launch.slurm.nodes=2", "parallel.world_size=2"],
+            "Requested node configuration is not available",
+            "launch.slurm.nodes: 2 nodes requested, partition 'debug' has 1",
+        ),
+        (
+            ["launch.slurm.gpus_per_node=1"],
+            "Invalid generic resource (gres) specification",
+            "launch.slurm.gpus_per_node: 1 GPUs per node requested, but the nodes of partition 'debug' "
+            "have no GPUs",
+        ),
+        (
+            ["launch.slurm.partition=restricted", "launch.slurm.account=chemistry"],
+            None,
+            "launch.slurm.account: partition 'restricted' allows only the accounts physics, not "
+            "'chemistry'",
+        ),
+    ],
+)
+def test_impossible_requests_are_refused_before_any_data_work(
+    tiny_data, tmp_path, cluster, overrides, reason, finding
+):
     """Each case against the real controller: SLURM's own reason from ``sbatch --test-only``
     where it gives one, and what the partition lacks, named by config key."""
     config, run_dir = slurm_run(tiny_data, tmp_path)
     # A finished run's directory, submitted again with an impossible request: refused, and
     # left byte-identical.
-    records = [{"job_id": "424242", "submitted": "t", "script": "s", "log": "l",
-                "state": "COMPLETED"}]
-    files = {"config.yaml": "old config\n", "job.sbatch": "old script\n",
-             "plan.json": "{}\n", "slurm_jobs.json": json.dumps(records)}
+    records = [
+        {"job_id": "424242", "submitted": "t", "script": "s", "log": "l", "state": "COMPLETED"}
+    ]
+    files = {
+        "config.yaml": "old config\n",
+        "job.sbatch": "old script\n",
+        "plan.json": "{}\n",
+        "slurm_jobs.json": json.dumps(records),
+    }
     run_dir.mkdir(parents=True)
     for name, text in files.items():
         (run_dir / name).write_text(text)
     proc = moe_launch([str(config), *overrides], env=cluster.env)
     assert proc.returncode != 0
     assert {p.name: p.read_text() for p in run_dir.iterdir()} == files
-    assert "SLURM would refuse this job; nothing was prepared or submitted" in proc.stderr, \
+    assert "SLURM would refuse this job; nothing was prepared or submitted" in proc.stderr, (
         proc.stderr
+    )
     said = [line for line in proc.stderr.splitlines() if "sbatch --test-only: " in line]
     if reason is not None:  # SLURM's own words
         assert len(said) == 1 and reason in said[0], proc.stderr
@@ -268,8 +334,11 @@ def test_time_limits_as_sbatch_reads_them_and_a_job_slurm_forgot(tiny_data, tmp_
 
     config, run_dir = slurm_run(tiny_data, tmp_path, name="phantom")
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "slurm_jobs.json").write_text(json.dumps([
-        {"job_id": "999999", "submitted": "t", "script": "s", "log": "l", "state": None}]))
+    (run_dir / "slurm_jobs.json").write_text(
+        json.dumps(
+            [{"job_id": "999999", "submitted": "t", "script": "s", "log": "l", "state": None}]
+        )
+    )
     (run_dir / "slurm_job_ends.txt").write_text("999999 75 requeued 5\n")
     status = moe_launch(["status", str(run_dir)], env=cluster.env)
     assert status.returncode == 1, status.stdout + status.stderr
@@ -278,5 +347,7 @@ def test_time_limits_as_sbatch_reads_them_and_a_job_slurm_forgot(tiny_data, tmp_
     assert "jobs of the run 999999 (finished, final state unknown)" in status.stdout
     job_id = submit(config, cluster, "train.max_steps=100000")  # not refused
     assert moe_launch(["cancel", str(run_dir)], env=cluster.env).returncode == 0
-    assert [j["job_id"] for j in json.loads((run_dir / "slurm_jobs.json").read_text())] == \
-        ["999999", job_id]
+    assert [j["job_id"] for j in json.loads((run_dir / "slurm_jobs.json").read_text())] == [
+        "999999",
+        job_id,
+    ]

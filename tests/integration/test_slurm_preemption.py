@@ -19,17 +19,19 @@ from tests.integration.test_slurm_job_lifecycle import slurm_run, submit
 
 pytestmark = pytest.mark.integration
 
-PARTITIONS = ("PartitionName=low Nodes=ALL PreemptMode=REQUEUE GraceTime=120 PriorityTier=1 "
-              "State=UP",
-              "PartitionName=high Nodes=ALL PreemptMode=OFF PriorityTier=10 State=UP")
+PARTITIONS = (
+    "PartitionName=low Nodes=ALL PreemptMode=REQUEUE GraceTime=120 PriorityTier=1 State=UP",
+    "PartitionName=high Nodes=ALL PreemptMode=OFF PriorityTier=10 State=UP",
+)
 SETTINGS = ("PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE")
 HOLD_AT = 8
 
 
 def test_grace_time_preemption_saves_requeues_and_resumes_bitwise(tiny_data, tmp_path):
     max_steps = 120
-    config, run_dir = slurm_run(tiny_data, tmp_path, name="low", max_steps=max_steps,
-                                partition="low", cpus_per_task=2)
+    config, run_dir = slurm_run(
+        tiny_data, tmp_path, name="low", max_steps=max_steps, partition="low", cpus_per_task=2
+    )
     reference = moe_launch([str(config), "--scheduler", "local", "--no-eval", "name=reference"])
     assert reference.returncode == 0, reference.stderr[-3000:]
     # The job's 120 steps take about 2 s: without a pause SLURM may not preempt it before it
@@ -37,20 +39,51 @@ def test_grace_time_preemption_saves_requeues_and_resumes_bitwise(tiny_data, tmp
     # the reference's); the preemption's TERM arrives in that pause and is acted on after it.
     plan = tmp_path / "faults" / "plan.json"
     plan.parent.mkdir()
-    plan.write_text(json.dumps({"fired_dir": str(plan.parent), "faults": [
-        {"id": 0, "kind": "hang", "rank": 0, "step": HOLD_AT, "phase": "forward",
-         "seconds": 30}]}))
+    plan.write_text(
+        json.dumps(
+            {
+                "fired_dir": str(plan.parent),
+                "faults": [
+                    {
+                        "id": 0,
+                        "kind": "hang",
+                        "rank": 0,
+                        "step": HOLD_AT,
+                        "phase": "forward",
+                        "seconds": 30,
+                    }
+                ],
+            }
+        )
+    )
     job = yaml.safe_load(config.read_text())
     job["launch"]["env"] = {PLAN_ENV: str(plan)}
     config.write_text(yaml.safe_dump(job))
-    with single_node_cluster(tmp_path / "cluster", partitions=PARTITIONS,
-                             settings=SETTINGS) as cluster:
+    with single_node_cluster(
+        tmp_path / "cluster", partitions=PARTITIONS, settings=SETTINGS
+    ) as cluster:
         job_id = submit(config, cluster, "--no-eval")
-        wait_for(lambda: (plan.parent / "fault_0").exists(), 240,
-                 f"the job did not reach step {HOLD_AT}", cluster)
+        wait_for(
+            lambda: (plan.parent / "fault_0").exists(),
+            240,
+            f"the job did not reach step {HOLD_AT}",
+            cluster,
+        )
         # Needs both CPUs of the node: SLURM preempts the low job to start it.
-        high = cluster.run(["sbatch", "--parsable", "-p", "high", "-c", "2", "-o", "/dev/null",
-                            "--wrap", "sleep 1"])
+        high = cluster.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "high",
+                "-c",
+                "2",
+                "-o",
+                "/dev/null",
+                "--wrap",
+                "sleep 1",
+            ]
+        )
         assert high.returncode == 0, high.stderr
         state = cluster.wait_job(job_id, 400)
         job_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
@@ -110,34 +143,50 @@ def test_usr1_as_the_job_starts_requeues_it_every_time(tiny_data, tmp_path):
 
         def over(run: int) -> bool:
             fields = job_fields(cluster, job_id)
-            return (fields.get("Restarts") == str(run + 1)
-                    or fields.get("JobState") in ("FAILED", "COMPLETED", "CANCELLED"))
+            return fields.get("Restarts") == str(run + 1) or fields.get("JobState") in (
+                "FAILED",
+                "COMPLETED",
+                "CANCELLED",
+            )
 
         for run in range(EARLY_SIGNALS):
-            wait_for(lambda r=run: batch_shell(job_id, r) is not None, 240,
-                     f"run {run} did not start", cluster, poll=0.005, job_log=job_log)
+            wait_for(
+                lambda r=run: batch_shell(job_id, r) is not None,
+                240,
+                f"run {run} did not start",
+                cluster,
+                poll=0.005,
+                job_log=job_log,
+            )
             sent = cluster.run(["scancel", "--batch", "--signal=USR1", job_id])
             assert sent.returncode == 0, sent.stderr
-            wait_for(lambda r=run: over(r), 120, f"run {run} was not requeued", cluster,
-                     job_log=job_log)
+            wait_for(
+                lambda r=run: over(r), 120, f"run {run} was not requeued", cluster, job_log=job_log
+            )
             fields = job_fields(cluster, job_id)
-            assert fields.get("Restarts") == str(run + 1), \
-                (fields, job_log.read_text()[-3000:], cluster.logs()[-3000:])
+            assert fields.get("Restarts") == str(run + 1), (
+                fields,
+                job_log.read_text()[-3000:],
+                cluster.logs()[-3000:],
+            )
         cluster.run(["scancel", job_id])
         cluster.wait_job(job_id, 120)
     log = job_log.read_text()
-    assert log.count("USR1 before srun started: no rank ran, nothing to save") == EARLY_SIGNALS, \
+    assert log.count("USR1 before srun started: no rank ran, nothing to save") == EARLY_SIGNALS, (
         log[-4000:]
+    )
     assert log.count("preempted, requeued, will resume from step 0") == EARLY_SIGNALS
     assert "launch: restart" not in log and "] step " not in log
-    requeued = [line for line in (run_dir / "slurm_job_ends.txt").read_text().splitlines()
-                if line.split()[2] == "requeued"]
+    requeued = [
+        line
+        for line in (run_dir / "slurm_job_ends.txt").read_text().splitlines()
+        if line.split()[2] == "requeued"
+    ]
     assert len(requeued) == EARLY_SIGNALS, requeued
 
 
 @pytest.mark.slurm
-def test_a_cancel_while_the_ranks_start_leaves_the_last_line_and_the_record(tiny_data,
-                                                                            tmp_path):
+def test_a_cancel_while_the_ranks_start_leaves_the_last_line_and_the_record(tiny_data, tmp_path):
     """``moe-launch cancel`` while the rank starts up (imports, DeepSpeed, data): the rank holds
     the TERM until its first step, which comes later than SLURM's KillWait (2 s here; ranks of
     a large model outlast the default 30 s), and SLURM kills the job's processes, the
@@ -159,16 +208,22 @@ def test_a_cancel_while_the_ranks_start_leaves_the_last_line_and_the_record(tiny
         assert cancelled.returncode == 0, cancelled.stderr
         assert cluster.wait_job(job_id, 120) == "CANCELLED"
         # Until every process of the job is gone: a supervisor still alive could still write.
-        wait_for(lambda: cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip() == "",
-                 120, "the job's processes did not end", cluster)
+        wait_for(
+            lambda: cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip() == "",
+            120,
+            "the job's processes did not end",
+            cluster,
+        )
     log = job_log.read_text()
-    rank0 = (run_dir / "logs" / "rank0.log")
+    rank0 = run_dir / "logs" / "rank0.log"
     assert not rank0.exists() or "] step " not in rank0.read_text()
     # CANCELLED, or COMPLETING while SLURM still ends the job's steps.
     said = [line for line in log.splitlines() if line.startswith(f"job {job_id} is ")]
-    assert said and re.match(f"job {job_id} is (CANCELLED|COMPLETING .*): not requeued, not "
-                             f"restarted; submit the same run again to resume from step 0",
-                             said[0]), log[-3000:]
+    assert said and re.match(
+        f"job {job_id} is (CANCELLED|COMPLETING .*): not requeued, not "
+        f"restarted; submit the same run again to resume from step 0",
+        said[0],
+    ), log[-3000:]
     assert (run_dir / "slurm_job_ends.txt").read_text().splitlines() == [f"{job_id} 143 ended"]
     status = moe_launch(["status", str(run_dir)], env=cluster.env)
     assert f"job {job_id}: CANCELLED" in status.stdout, status.stdout + status.stderr

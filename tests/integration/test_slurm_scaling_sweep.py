@@ -30,8 +30,13 @@ HOSTILE = "sweep 'q' \"d\" $(touch {s}) `touch {s}`; #"
 
 
 def scaling(env, *args, timeout=400):
-    return subprocess.run([sys.executable, "-m", "launch.scaling", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.scaling", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def jobs_of(run_dir: Path) -> list[dict]:
@@ -50,8 +55,22 @@ def test_a_sweep_runs_as_slurm_jobs_resumes_and_reports_the_failed_run(tiny_data
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump(d))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = scaling(env, "plan", base, "--budgets", "3e9", "--families", "dense",
-                  "--widths", "64,96,128", "--out", sweep, "--allow-repeat", "--min-steps", "25")
+    out = scaling(
+        env,
+        "plan",
+        base,
+        "--budgets",
+        "3e9",
+        "--families",
+        "dense",
+        "--widths",
+        "64,96,128",
+        "--out",
+        sweep,
+        "--allow-repeat",
+        "--min-steps",
+        "25",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     names = [r["name"] for r in json.loads((sweep / "sweep.json").read_text())["runs"]]
     bad = names[-1]
@@ -64,8 +83,14 @@ def test_a_sweep_runs_as_slurm_jobs_resumes_and_reports_the_failed_run(tiny_data
     # sends): it saves, its job requeues itself and resumes, and the sweep waits through that.
     faults = tmp_path / "faults"
     faults.mkdir()
-    (faults / "plan.json").write_text(json.dumps({"fired_dir": str(faults), "faults": [
-        {"id": 0, "kind": "term", "rank": 0, "step": 30, "phase": "backward"}]}))
+    (faults / "plan.json").write_text(
+        json.dumps(
+            {
+                "fired_dir": str(faults),
+                "faults": [{"id": 0, "kind": "term", "rank": 0, "step": 30, "phase": "backward"}],
+            }
+        )
+    )
     config = sweep / "configs" / f"{names[0]}.yaml"
     preempted = yaml.safe_load(config.read_text())
     preempted["launch"]["env"] = {PLAN_ENV: str(faults / "plan.json")}
@@ -78,8 +103,10 @@ def test_a_sweep_runs_as_slurm_jobs_resumes_and_reports_the_failed_run(tiny_data
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert "3 submitted, at most 2 running at once" in out.stdout, out.stdout
         ids = {n: jobs_of(runs[n])[0]["job_id"] for n in names}
-        assert cluster.run(["squeue", "-h", "-j", ids[names[0]], "-o", "%j"]).stdout.strip() \
+        assert (
+            cluster.run(["squeue", "-h", "-j", ids[names[0]], "-o", "%j"]).stdout.strip()
             == names[0]
+        )
         # The third run waits for one of the first two: never more than 2 at once.
         first_two = {ids[n] for n in names[:2]}
         after = jobs_of(runs[bad])[0]["after"]

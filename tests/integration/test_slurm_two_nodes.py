@@ -16,14 +16,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
 def test_slurm_two_nodes_one_rank_each_ep2(tiny_data, tmp_path):
     run = tiny_run_dict(tiny_data, tmp_path / "runs")
-    run["launch"] = {"scheduler": "slurm",
-                     "slurm": {"nodes": 2, "cpus_per_task": 1, "socket_ifname": "eth1"}}
+    run["launch"] = {
+        "scheduler": "slurm",
+        "slurm": {"nodes": 2, "cpus_per_task": 1, "socket_ifname": "eth1"},
+    }
     config = write_config(tmp_path / "tiny.yaml", run)
     run_dir = tmp_path / "runs" / "tiny"
     with two_node_cluster(tmp_path / "cluster", ifname="eth1") as cluster:
         t0 = time.time()
-        proc = moe_launch([str(config)], env=cluster.env,
-                          prefix=cluster.client_prefix)
+        proc = moe_launch([str(config)], env=cluster.env, prefix=cluster.client_prefix)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         job_id = proc.stdout.split("submitted SLURM job ")[1].split()[0]
         state = cluster.wait_job(job_id, 400)

@@ -14,7 +14,7 @@ import torch
 import yaml
 from PIL import Image
 
-from data_pipeline.reader import TokenStream
+from data_pipeline.token_stream import TokenStream
 from launch.evaluate import main
 from moe.config.run import load_config
 from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir, load_model
@@ -33,8 +33,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eval-runs")
-    layouts = {"ep2": {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2, "steps": 2},
-               "single": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2, "steps": 1}}
+    layouts = {
+        "ep2": {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2, "steps": 2},
+        "single": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2, "steps": 1},
+    }
     procs = {}
     for name, p in layouts.items():
         d = tiny_run_dict(tiny_data, root / "runs", max_steps=p.pop("steps"), lr=1e-30, min_lr=0.0)
@@ -42,7 +44,10 @@ def runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
         (root / f"{name}.yaml").write_text(yaml.safe_dump(d))
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "launch.launch", str(root / f"{name}.yaml"), "--no-eval"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"{name}: {out[-3000:]}"
@@ -52,8 +57,14 @@ def runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
 def test_two_layouts_of_the_same_weights_evaluate_identically(runs, tiny_data):
     ep2 = runs["ep2"] / "checkpoints" / "step_0000002"
     single = runs["single"] / "checkpoints" / "step_0000001"
-    opts = EvalOptions(max_tokens=1200, data_prompts=1, generation=[
-        GenerationConfig("greedy", max_new_tokens=6), GenerationConfig("beam", max_new_tokens=6, num_beams=3)])
+    opts = EvalOptions(
+        max_tokens=1200,
+        data_prompts=1,
+        generation=[
+            GenerationConfig("greedy", max_new_tokens=6),
+            GenerationConfig("beam", max_new_tokens=6, num_beams=3),
+        ],
+    )
     a, b = evaluate_checkpoint_dir(ep2, opts), evaluate_checkpoint_dir(single, opts)
 
     # The independent truth: the weights every layout initializes from, and a plain loop.
@@ -71,7 +82,9 @@ def test_two_layouts_of_the_same_weights_evaluate_identically(runs, tiny_data):
     assert a["loss"] == b["loss"]
     assert math.isclose(a["loss"], ref_loss, rel_tol=1e-5)
     assert math.isclose(a["perplexity"], math.exp(ref_loss), rel_tol=1e-4)
-    assert [x["kept_per_expert"] for x in a["experts"]] == [x["kept_per_expert"] for x in b["experts"]]
+    assert [x["kept_per_expert"] for x in a["experts"]] == [
+        x["kept_per_expert"] for x in b["experts"]
+    ]
     assert [g["outputs"] for g in a["generations"]] == [g["outputs"] for g in b["generations"]]
 
 
@@ -84,9 +97,26 @@ def test_cli_writes_json_markdown_and_valid_pngs(runs, tiny_data, tmp_path):
     ckpt = runs["ep2"] / "checkpoints" / "step_0000002"
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.evaluate", str(ckpt), "--max-tokens", "800",
-         "--max-new-tokens", "6", "--num-prompts", "1", "--threads", "1", "--output", str(out)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "launch.evaluate",
+            str(ckpt),
+            "--max-tokens",
+            "800",
+            "--max-new-tokens",
+            "6",
+            "--num-prompts",
+            "1",
+            "--threads",
+            "1",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
     result = json.loads((out / "eval.json").read_text())
@@ -115,8 +145,14 @@ def test_cli_writes_json_markdown_and_valid_pngs(runs, tiny_data, tmp_path):
             w, h = img.size
             assert w >= 300 and h >= 150 and np.asarray(img.convert("L")).std() > 5  # not blank
     report = (out / "report.md").read_text()
-    for needle in ("# Evaluation report", "](expert_load_step_0000002.png)", "](loss_curves.png)",
-                   f"{c['perplexity']:.2f}", "Tokens each expert prefers", "Generations"):
+    for needle in (
+        "# Evaluation report",
+        "](expert_load_step_0000002.png)",
+        "](loss_curves.png)",
+        f"{c['perplexity']:.2f}",
+        "Tokens each expert prefers",
+        "Generations",
+    ):
         assert needle in report
     assert "perplexity" in proc.stdout and f"{c['perplexity']:.2f}" in proc.stdout
     assert not list(tmp_path.glob(".*staging*"))
@@ -140,8 +176,17 @@ def test_all_skips_an_incomplete_checkpoint(runs, tmp_path, capsys):
     run = tmp_path / "ep2"
     shutil.copytree(runs["ep2"] / "checkpoints", run / "checkpoints")
     (run / "checkpoints" / "step_0000002" / "checkpoint.json").unlink()
-    main([str(run), "--all", "--no-generation", "--max-tokens", "100", "--output",
-          str(tmp_path / "out")])
+    main(
+        [
+            str(run),
+            "--all",
+            "--no-generation",
+            "--max-tokens",
+            "100",
+            "--output",
+            str(tmp_path / "out"),
+        ]
+    )
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert [c["step"] for c in result["checkpoints"]] == [1]
     assert "skipping" in capsys.readouterr().err
@@ -149,33 +194,51 @@ def test_all_skips_an_incomplete_checkpoint(runs, tmp_path, capsys):
 
 def test_checkpoints_of_different_runs_compared(runs, tmp_path, capsys):
     ckpts = [runs["ep2"] / "checkpoints" / "step_0000002", runs["single"]]
-    main([str(c) for c in ckpts] + ["--output", str(tmp_path / "cmp"), "--no-generation",
-                                   "--max-tokens", "200"])
+    main(
+        [str(c) for c in ckpts]
+        + ["--output", str(tmp_path / "cmp"), "--no-generation", "--max-tokens", "200"]
+    )
     result = json.loads((tmp_path / "cmp" / "eval.json").read_text())
-    assert [c["label"] for c in result["checkpoints"]] == ["ep2-step_0000002", "single-step_0000001"]
+    assert [c["label"] for c in result["checkpoints"]] == [
+        "ep2-step_0000002",
+        "single-step_0000001",
+    ]
     assert result["checkpoints"][0]["loss"] == result["checkpoints"][1]["loss"]  # same weights
     assert sorted(p.name for p in (tmp_path / "cmp").glob("expert_load_*.png")) == [
-        "expert_load_ep2-step_0000002.png", "expert_load_single-step_0000001.png"]
+        "expert_load_ep2-step_0000002.png",
+        "expert_load_single-step_0000001.png",
+    ]
     assert "single-step_0000001" in capsys.readouterr().out
 
 
 def test_text_files_on_the_command_line(runs, tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("Return the number of items in the list.\n" * 4)
-    main([str(runs["single"]), "--text", str(text), "--no-generation", "--output", str(tmp_path / "o")])
+    main(
+        [
+            str(runs["single"]),
+            "--text",
+            str(text),
+            "--no-generation",
+            "--output",
+            str(tmp_path / "o"),
+        ]
+    )
     (c,) = json.loads((tmp_path / "o" / "eval.json").read_text())["checkpoints"]
     assert "1 text file(s)" in c["data"] and c["tokens"] > 20
 
 
 def test_bad_arguments_exit_2_with_a_clear_message_and_write_nothing(runs, tmp_path, capsys):
     good = runs["single"] / "checkpoints" / "step_0000001"
-    cases = [([str(tmp_path / "nowhere")], "nowhere: no such checkpoint directory"),
-             ([str(good), str(tmp_path / "gone")], "gone: no such checkpoint directory"),
-             ([str(tmp_path / "nowhere"), "--all"], "nowhere: no such run directory"),
-             ([str(good), str(runs["ep2"])], "--output: the checkpoints belong to different runs"),
-             ([str(good), "--top-p", "2", "--num-beams", "0"], "--top-p: must be in (0, 1]"),
-             ([str(good), "--num-beams", "0"], "--num-beams: must be >= 1"),
-             ([str(good), "--text", str(tmp_path / "missing.txt")], "missing.txt: no such text file")]
+    cases = [
+        ([str(tmp_path / "nowhere")], "nowhere: no such checkpoint directory"),
+        ([str(good), str(tmp_path / "gone")], "gone: no such checkpoint directory"),
+        ([str(tmp_path / "nowhere"), "--all"], "nowhere: no such run directory"),
+        ([str(good), str(runs["ep2"])], "--output: the checkpoints belong to different runs"),
+        ([str(good), "--top-p", "2", "--num-beams", "0"], "--top-p: must be in (0, 1]"),
+        ([str(good), "--num-beams", "0"], "--num-beams: must be >= 1"),
+        ([str(good), "--text", str(tmp_path / "missing.txt")], "missing.txt: no such text file"),
+    ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:
             main(argv + ["--no-expert-stats"])
@@ -189,23 +252,54 @@ def test_tasks_of_every_checkpoint_of_a_run_in_one_table(runs, tmp_path, capsys)
     """moe-eval --all --tasks: the harness's results with their standard errors per checkpoint;
     the same weights saved with two layouts score the same."""
     pytest.importorskip("lm_eval")
-    main([str(runs["ep2"]), "--all", "--tasks", "stdlib_sentence_mc,stdlib_next_word",
-          "--limit", "6", "--num-fewshot", "1", "--batch-size", "5", "--output",
-          str(tmp_path / "tasks")])
+    main(
+        [
+            str(runs["ep2"]),
+            "--all",
+            "--tasks",
+            "stdlib_sentence_mc,stdlib_next_word",
+            "--limit",
+            "6",
+            "--num-fewshot",
+            "1",
+            "--batch-size",
+            "5",
+            "--output",
+            str(tmp_path / "tasks"),
+        ]
+    )
     result = json.loads((tmp_path / "tasks" / "eval.json").read_text())
     assert [c["step"] for c in result["checkpoints"]] == [1, 2]
     rows = {(r["task"], r["metric"]): r for r in result["checkpoints"][-1]["downstream"]}
-    assert set(rows) == {("stdlib_sentence_mc", "acc"), ("stdlib_sentence_mc", "acc_norm"),
-                         ("stdlib_next_word", "exact_match")}
+    assert set(rows) == {
+        ("stdlib_sentence_mc", "acc"),
+        ("stdlib_sentence_mc", "acc_norm"),
+        ("stdlib_next_word", "exact_match"),
+    }
     acc = rows[("stdlib_sentence_mc", "acc")]
-    assert acc["samples"] == 6 and acc["num_fewshot"] == 1 and acc["value"] in {i / 6 for i in range(7)}
+    assert (
+        acc["samples"] == 6
+        and acc["num_fewshot"] == 1
+        and acc["value"] in {i / 6 for i in range(7)}
+    )
     p = acc["value"]
     assert acc["stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 5), abs=1e-9)  # the harness's
     report = (tmp_path / "tasks" / "report.md").read_text()
     assert "stdlib_sentence_mc acc" in report and f"{p:.4f} ± {acc['stderr']:.4f}" in report
     assert "stdlib_sentence_mc acc_norm" in capsys.readouterr().out
-    main([str(runs["single"]), "--tasks", "stdlib_sentence_mc", "--limit", "6", "--num-fewshot",
-          "1", "--output", str(tmp_path / "single")])
+    main(
+        [
+            str(runs["single"]),
+            "--tasks",
+            "stdlib_sentence_mc",
+            "--limit",
+            "6",
+            "--num-fewshot",
+            "1",
+            "--output",
+            str(tmp_path / "single"),
+        ]
+    )
     single = json.loads((tmp_path / "single" / "eval.json").read_text())["checkpoints"][0]
     ep2_step1 = result["checkpoints"][0]["downstream"]
     assert [r["value"] for r in single["downstream"]] == [r["value"] for r in ep2_step1[:2]]
@@ -214,12 +308,18 @@ def test_tasks_of_every_checkpoint_of_a_run_in_one_table(runs, tmp_path, capsys)
 def test_bad_task_arguments_exit_2_and_write_nothing(runs, tmp_path, capsys, monkeypatch):
     pytest.importorskip("lm_eval")
     good = runs["single"] / "checkpoints" / "step_0000001"
-    cases = [(["--tasks", "stdlib_sentence"], "unknown task(s): stdlib_sentence (nearest: "
-                                             "stdlib_sentence_mc"),
-             (["--tasks", "stdlib_sentence_mc", "--limit", "0"], "--limit: must be >= 1"),
-             (["--tasks", ","], "--tasks: name at least one task"),
-             (["--tasks", "stdlib_sentence_mc", "--include-path", str(tmp_path / "none")],
-              "none: no such directory")]
+    cases = [
+        (
+            ["--tasks", "stdlib_sentence"],
+            "unknown task(s): stdlib_sentence (nearest: stdlib_sentence_mc",
+        ),
+        (["--tasks", "stdlib_sentence_mc", "--limit", "0"], "--limit: must be >= 1"),
+        (["--tasks", ","], "--tasks: name at least one task"),
+        (
+            ["--tasks", "stdlib_sentence_mc", "--include-path", str(tmp_path / "none")],
+            "none: no such directory",
+        ),
+    ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:
             main([str(good), "--output", str(tmp_path / "out"), *argv])
@@ -229,8 +329,9 @@ def test_bad_task_arguments_exit_2_and_write_nothing(runs, tmp_path, capsys, mon
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a)
+    )
     with pytest.raises(SystemExit):
         main([str(good), "--tasks", "stdlib_sentence_mc", "--output", str(tmp_path / "out")])
     assert "pip install -c constraints.txt -e '.[eval]'" in capsys.readouterr().err

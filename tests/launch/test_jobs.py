@@ -20,9 +20,11 @@ def no_slurm_memory(tmp_path, monkeypatch):
     """squeue that has forgotten every job and sacct without an accounting database."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, message in [("squeue", "slurm_load_jobs error: Invalid job id specified"),
-                          ("sacct", "Slurm accounting storage is disabled"),
-                          ("scancel", "should not be called")]:
+    for name, message in [
+        ("squeue", "slurm_load_jobs error: Invalid job id specified"),
+        ("sacct", "Slurm accounting storage is disabled"),
+        ("scancel", "should not be called"),
+    ]:
         path = bin_dir / name
         path.write_text(f"#!/bin/sh\necho '{message}' >&2\nexit 1\n")
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -32,10 +34,26 @@ def no_slurm_memory(tmp_path, monkeypatch):
 def test_status_falls_back_to_the_run_directory_records(tmp_path, no_slurm_memory, capsys):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "slurm_jobs.json").write_text(json.dumps([
-        {"job_id": "41", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out", "state": None},
-        {"job_id": "42", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
-         "state": None}]))
+    (run_dir / "slurm_jobs.json").write_text(
+        json.dumps(
+            [
+                {
+                    "job_id": "41",
+                    "submitted": "t",
+                    "script": "s",
+                    "log": "/x/slurm-%j.out",
+                    "state": None,
+                },
+                {
+                    "job_id": "42",
+                    "submitted": "t",
+                    "script": "s",
+                    "log": "/x/slurm-%j.out",
+                    "state": None,
+                },
+            ]
+        )
+    )
     (run_dir / "slurm_job_ends.txt").write_text("42 0 requeued\n42 0 ended\n")
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "latest").write_text("step_0000008\n")
@@ -59,16 +77,32 @@ def test_unknown_job_is_said_to_be_unknown_and_status_exits_non_zero(no_slurm_me
 
 def write_records(run_dir: Path, ends: str) -> None:
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "slurm_jobs.json").write_text(json.dumps([
-        {"job_id": "41", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
-         "state": "COMPLETED"},
-        {"job_id": "42", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
-         "state": None}]))
+    (run_dir / "slurm_jobs.json").write_text(
+        json.dumps(
+            [
+                {
+                    "job_id": "41",
+                    "submitted": "t",
+                    "script": "s",
+                    "log": "/x/slurm-%j.out",
+                    "state": "COMPLETED",
+                },
+                {
+                    "job_id": "42",
+                    "submitted": "t",
+                    "script": "s",
+                    "log": "/x/slurm-%j.out",
+                    "state": None,
+                },
+            ]
+        )
+    )
     (run_dir / "slurm_job_ends.txt").write_text(ends)
 
 
-def test_a_requeued_job_slurm_forgot_is_finished_not_requeued_forever(tmp_path, no_slurm_memory,
-                                                                      capsys):
+def test_a_requeued_job_slurm_forgot_is_finished_not_requeued_forever(
+    tmp_path, no_slurm_memory, capsys
+):
     """No accounting: the job requeued itself at step 5, was then killed hard and purged from
     squeue. It is over, its state unknown: status says so (and exits 1), the history line says
     the same, nothing is recorded as if known, and the run directory is free again."""
@@ -79,8 +113,9 @@ def test_a_requeued_job_slurm_forgot_is_finished_not_requeued_forever(tmp_path, 
     assert e.value.code == 1
     out = capsys.readouterr().out
     first = out.splitlines()[0]
-    assert first.startswith("job 42: finished, final state unknown: neither squeue nor sacct "
-                            "knows the job"), out
+    assert first.startswith(
+        "job 42: finished, final state unknown: neither squeue nor sacct knows the job"
+    ), out
     assert "REQUEUED" not in out and "will resume" not in out
     assert "jobs of the run 41 (COMPLETED), 42 (finished, final state unknown)" in out
     assert json.loads((run_dir / "slurm_jobs.json").read_text())[1]["state"] is None
@@ -92,14 +127,17 @@ def test_a_requeued_job_slurm_forgot_is_finished_not_requeued_forever(tmp_path, 
     assert "nothing cancelled: job 42 is finished, final state unknown" in capsys.readouterr().err
 
 
-def test_a_job_the_controller_cannot_be_asked_about_still_blocks_resubmission(tmp_path,
-                                                                              monkeypatch):
+def test_a_job_the_controller_cannot_be_asked_about_still_blocks_resubmission(
+    tmp_path, monkeypatch
+):
     """squeue failing for another reason (controller down) proves nothing: a requeued job
     stays requeued, and the run directory stays its own."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, message in [("squeue", "slurm_load_jobs error: Unable to contact slurm controller"),
-                          ("sacct", "Slurm accounting storage is disabled")]:
+    for name, message in [
+        ("squeue", "slurm_load_jobs error: Unable to contact slurm controller"),
+        ("sacct", "Slurm accounting storage is disabled"),
+    ]:
         (bin_dir / name).write_text(f"#!/bin/sh\necho '{message}' >&2\nexit 1\n")
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
@@ -113,12 +151,14 @@ def test_a_job_the_controller_cannot_be_asked_about_still_blocks_resubmission(tm
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def test_a_submission_sbatch_refuses_leaves_the_run_directory_byte_identical(
-        tiny_data, tmp_path, no_slurm_memory, capsys):
+    tiny_data, tmp_path, no_slurm_memory, capsys
+):
     """A finished run submitted again with a request SLURM refuses (sbatch --test-only): the
     resolved config, job script, plan and records stay as they were, byte for byte."""
     import yaml
@@ -134,8 +174,10 @@ def test_a_submission_sbatch_refuses_leaves_the_run_directory_byte_identical(
     for name in ("config.yaml", "job.sbatch", "plan.json"):
         (run_dir / name).write_text(f"the finished run's {name}\n")
     sbatch = tmp_path / "bin" / "sbatch"
-    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Requested "
-                      "node configuration is not available' >&2\nexit 1\n")
+    sbatch.write_text(
+        "#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Requested "
+        "node configuration is not available' >&2\nexit 1\n"
+    )
     sbatch.chmod(0o755)
     before = snapshot(run_dir)
     with pytest.raises(SystemExit) as e:
@@ -158,17 +200,22 @@ def test_last_step_counts_a_rerun_step_once_with_its_latest_line(tmp_path):
         lines = [{"step": s, "loss": 10.0 + s + shift} for s in (1, 2, 3, 4)]
         lines += [{"step": s, "loss": 20.0 + s + shift} for s in (3, 4)]
         (logs / f"steps_rank{rank}.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "lo')  # cut mid-write
+            "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "lo'
+        )  # cut mid-write
     (logs / "rank0.log").write_text(
-        "12:00:00 [rank 0] step     4/9 | loss 9.0 (lm 9 aux 0) | lr 1e-3 | 1,234 tok/s | x\n")
+        "12:00:00 [rank 0] step     4/9 | loss 9.0 (lm 9 aux 0) | lr 1e-3 | 1,234 tok/s | x\n"
+    )
     assert last_steps(tmp_path) == {"step": 4, "loss": 24.5, "tokens_per_s": 1234}
 
 
 def test_logs_show_the_job_log_and_a_rank_log(tmp_path, no_slurm_memory, capsys):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "slurm_jobs.json").write_text(json.dumps([
-        {"job_id": "42", "log": str(run_dir / "logs" / "slurm-%j.out"), "state": "COMPLETED"}]))
+    (run_dir / "slurm_jobs.json").write_text(
+        json.dumps(
+            [{"job_id": "42", "log": str(run_dir / "logs" / "slurm-%j.out"), "state": "COMPLETED"}]
+        )
+    )
     (run_dir / "logs" / "slurm-42.out").write_text("job 42 (restart 0): 2 ranks\n")
     (run_dir / "logs" / "rank1.log").write_text("step 3/3\n")
     main(["logs", str(run_dir), "-f"])  # the job is over: prints all and returns
@@ -183,20 +230,28 @@ def test_logs_show_the_job_log_and_a_rank_log(tmp_path, no_slurm_memory, capsys)
 def test_output_cut_short_by_the_reader_ends_without_a_traceback(tmp_path, no_slurm_memory):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "slurm_jobs.json").write_text(json.dumps([
-        {"job_id": "42", "log": str(run_dir / "logs" / "slurm-%j.out"), "state": "COMPLETED"}]))
+    (run_dir / "slurm_jobs.json").write_text(
+        json.dumps(
+            [{"job_id": "42", "log": str(run_dir / "logs" / "slurm-%j.out"), "state": "COMPLETED"}]
+        )
+    )
     (run_dir / "logs" / "slurm-42.out").write_text("a log line\n" * 200_000)  # > a pipe buffer
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         f"{shlex.quote(sys.executable)} -m launch.launch logs {shlex.quote(str(run_dir))} | head -1",
-        shell=True, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(root)})
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert proc.stdout.startswith("==> ")
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
-def test_status_of_a_requeued_job_says_preempted_and_where_it_resumes(tmp_path, monkeypatch,
-                                                                     capsys):
+def test_status_of_a_requeued_job_says_preempted_and_where_it_resumes(
+    tmp_path, monkeypatch, capsys
+):
     """After a preemption the job is pending again (SLURM's requeue): status says that exit 75
     was the planned stop and from which step the job resumes, until a later run ended."""
     bin_dir = tmp_path / "bin"
@@ -207,16 +262,28 @@ def test_status_of_a_requeued_job_says_preempted_and_where_it_resumes(tmp_path, 
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "slurm_jobs.json").write_text(json.dumps([
-        {"job_id": "42", "submitted": "t", "script": "s", "log": "/x/slurm-%j.out",
-         "state": None}]))
+    (run_dir / "slurm_jobs.json").write_text(
+        json.dumps(
+            [
+                {
+                    "job_id": "42",
+                    "submitted": "t",
+                    "script": "s",
+                    "log": "/x/slurm-%j.out",
+                    "state": None,
+                }
+            ]
+        )
+    )
     ends = run_dir / "slurm_job_ends.txt"
     ends.write_text("42 75 requeued 17\n")
     main(["status", str(run_dir)])
     out = capsys.readouterr().out
     assert "job 42: PENDING (BeginTime)" in out
-    assert ("preempted       exit code 75 on purpose (not a failure): requeued, will resume "
-            "from step 17") in out
+    assert (
+        "preempted       exit code 75 on purpose (not a failure): requeued, will resume "
+        "from step 17"
+    ) in out
     squeue.write_text("#!/bin/sh\necho 'RUNNING|None|0:05|30:00'\n")  # it runs again
     main(["status", str(run_dir)])
     out = capsys.readouterr().out
@@ -232,8 +299,11 @@ def test_a_run_directory_from_before_the_job_list_is_still_read(tmp_path):
 
     from launch.slurm.jobs import read_jobs
 
-    (tmp_path / "slurm_job.json").write_text(json.dumps(
-        {"job_id": "77", "submitted": "2026-01-01T00:00:00+0000", "script": "job.sbatch"}))
+    (tmp_path / "slurm_job.json").write_text(
+        json.dumps(
+            {"job_id": "77", "submitted": "2026-01-01T00:00:00+0000", "script": "job.sbatch"}
+        )
+    )
     jobs = read_jobs(tmp_path)
     assert [j["job_id"] for j in jobs] == ["77"] and jobs[0]["state"] is None
     assert jobs[0]["log"] == str(tmp_path / "logs" / "slurm-%j.out")

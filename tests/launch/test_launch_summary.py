@@ -17,8 +17,12 @@ def _finish(run_dir, tensorboard: bool, capsys) -> str:
     (run_dir / "train_summary.json").write_text(json.dumps({"checkpoint": "CKPT", "history": []}))
     if tensorboard:
         (run_dir / "tensorboard").mkdir()
-    plan = Plan(scheduler="local", command=[sys.executable, "-c", "pass"], run_dir=str(run_dir),
-                world_size=1)
+    plan = Plan(
+        scheduler="local",
+        command=[sys.executable, "-c", "pass"],
+        run_dir=str(run_dir),
+        world_size=1,
+    )
     run_to_end(plan, run_dir, evaluate=False)
     return capsys.readouterr().out
 
@@ -37,9 +41,16 @@ def test_summary_with_tensorboard_names_the_existing_logdir(tmp_path, capsys):
 def test_a_run_without_its_final_checkpoint_is_not_finished_with_an_older_one(tmp_path):
     """A summary whose last save failed (checkpoint.on_save_error: continue) names no
     checkpoint: finishing it names the unsaved steps instead of evaluating an older one."""
-    (tmp_path / "train_summary.json").write_text(json.dumps(
-        {"checkpoint": None, "history": [], "unsaved_steps": [11, 40],
-         "newest_checkpoint": "RUN/checkpoints/step_0000010"}))
+    (tmp_path / "train_summary.json").write_text(
+        json.dumps(
+            {
+                "checkpoint": None,
+                "history": [],
+                "unsaved_steps": [11, 40],
+                "newest_checkpoint": "RUN/checkpoints/step_0000010",
+            }
+        )
+    )
     with pytest.raises(LaunchError, match="steps 11 to 40 are not saved .*step_0000010"):
         finish(tmp_path, evaluate=True)
 
@@ -57,12 +68,19 @@ def test_the_evaluation_after_training_runs_with_the_ranks_threads(tmp_path, mon
 
     def evaluate_checkpoint(path):
         seen.append((path, torch.get_num_threads()))
-        return {"loss": 1.0, "tokens": 10, "uniform_loss": 2.0, "perplexity": 2.7,
-                "output": "eval.json", "report": "report.md"}
+        return {
+            "loss": 1.0,
+            "tokens": 10,
+            "uniform_loss": 2.0,
+            "perplexity": 2.7,
+            "output": "eval.json",
+            "report": "report.md",
+        }
 
     monkeypatch.setattr(finish_module, "evaluate_checkpoint", evaluate_checkpoint)
-    (tmp_path / "train_summary.json").write_text(json.dumps(
-        {"checkpoint": "CKPT", "history": [], "threads_per_rank": ranks}))
+    (tmp_path / "train_summary.json").write_text(
+        json.dumps({"checkpoint": "CKPT", "history": [], "threads_per_rank": ranks})
+    )
     lines = finish(tmp_path, evaluate=True)
     assert seen == [("CKPT", ranks)] and "perplexity      2.70" in lines
     assert torch.get_num_threads() == before  # this process's setting comes back

@@ -47,8 +47,12 @@ def killed_parent_takes(how: str, child_code: str, *args: str) -> tuple[int, flo
     """Start the stand-in moe-launch, SIGKILL it once its child runs; (the moe-launch pid, the
     seconds its child took to end)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", MOE_LAUNCH, how, child_code, *args],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MOE_LAUNCH, how, child_code, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     child = psutil.Process(int(proc.stdout.readline()))
     try:
         time.sleep(0.5)  # past the child's start-up
@@ -104,8 +108,10 @@ def test_only_a_process_of_this_machine_and_pid_namespace_is_watched():
 def test_the_rank_wrapper_waits_for_the_rank_to_stop_itself_then_kills_it():
     """The training process writes why to its log and stops itself; the wrapper kills it only
     if it has not within STOP_WITHIN_S (a rank stuck in C code)."""
-    for code, killed in (("import time; time.sleep(0.3)", False),
-                         ("import time; time.sleep(60)", True)):
+    for code, killed in (
+        ("import time; time.sleep(0.3)", False),
+        ("import time; time.sleep(60)", True),
+    ):
         child = subprocess.Popen([sys.executable, "-c", code])
         reaper = threading.Thread(target=child.wait)  # the wrapper's main thread
         reaper.start()

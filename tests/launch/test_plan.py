@@ -27,7 +27,10 @@ def test_moe_plan_prints_the_size_of_a_checkpoint(capsys):
     # holds: half the 12,582,912 routed-expert parameters) and rank 0's again.
     held = 16_533_760 - 12_582_912 // 2
     assert [m["checkpoint_bytes"] for m in report["memory"]] == [
-        4 * 16_533_760 + 8 * held * 3, 16 * 16_533_760, 16 * 16_533_760]
+        4 * 16_533_760 + 8 * held * 3,
+        16 * 16_533_760,
+        16 * 16_533_760,
+    ]
 
 
 def test_moe_plan_json_with_layout_flags(capsys):
@@ -55,12 +58,24 @@ def test_null_vocabulary_comes_from_the_manifest_or_the_tokenizer(tiny_data, tmp
 
 
 def test_moe_plan_lists_fitting_layouts_best_first(capsys):
-    main(["configs/mixtral-8x7b.yaml", "--gpus", "64", "--gpu-memory", "80", "--json",
-          "--top", "100"])
+    main(
+        [
+            "configs/mixtral-8x7b.yaml",
+            "--gpus",
+            "64",
+            "--gpu-memory",
+            "80",
+            "--json",
+            "--top",
+            "100",
+        ]
+    )
     r = json.loads(capsys.readouterr().out)
     assert r["fitting"] == len(r["layouts"]) > 0 and r["global_batch"] == 1024
-    keys = [(round(x["compute_factor"], 4), -x["micro_batch"], x["comm_gib_per_step"], x["zero"])
-            for x in r["layouts"]]
+    keys = [
+        (round(x["compute_factor"], 4), -x["micro_batch"], x["comm_gib_per_step"], x["zero"])
+        for x in r["layouts"]
+    ]
     assert keys == sorted(keys)
     for x in r["layouts"]:
         assert 64 % x["ep"] == 0 and 8 % x["ep"] == 0 and x["zero"] in (1, 2)  # bf16: ZeRO 1/2
@@ -83,15 +98,18 @@ def test_more_memory_never_fits_fewer_layouts(capsys):
     assert counts == sorted(counts) and counts[-1] > 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--world-size", "-2"], "--world-size must be >= 1, got -2"),
-    (["--world-size", "0"], "--world-size must be >= 1, got 0"),
-    (["--ep", "0"], "--ep must be >= 1, got 0"),
-    (["--gpus", "0", "--gpu-memory", "80"], "--gpus must be >= 1, got 0"),
-    (["--gpus", "8", "--gpu-memory", "nan"], "--gpu-memory must be a finite number of GiB > 0"),
-    (["--gpus", "8", "--gpu-memory", "inf"], "--gpu-memory must be a finite number of GiB > 0"),
-    (["--gpus", "8", "--gpu-memory", "80", "--top", "0"], "--top must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--world-size", "-2"], "--world-size must be >= 1, got -2"),
+        (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["--ep", "0"], "--ep must be >= 1, got 0"),
+        (["--gpus", "0", "--gpu-memory", "80"], "--gpus must be >= 1, got 0"),
+        (["--gpus", "8", "--gpu-memory", "nan"], "--gpu-memory must be a finite number of GiB > 0"),
+        (["--gpus", "8", "--gpu-memory", "inf"], "--gpu-memory must be a finite number of GiB > 0"),
+        (["--gpus", "8", "--gpu-memory", "80", "--top", "0"], "--top must be >= 1, got 0"),
+    ],
+)
 def test_moe_plan_refuses_flags_outside_their_range(argv, message, capsys):
     """A world size of -2 or 0 and an expert-parallel size of 0 once printed a plan, NaN GiB
     printed that nothing fits, and --top 0 said that 72 layouts fit and that nothing fits."""

@@ -21,8 +21,9 @@ HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' #"
 
 def write_config(tmp_path: Path, data_dir: str, **slurm) -> Path:
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"name": "prep", "data": {"dir": data_dir},
-                                    "launch": {"slurm": slurm}}))
+    path.write_text(
+        yaml.safe_dump({"name": "prep", "data": {"dir": data_dir}, "launch": {"slurm": slurm}})
+    )
     return path
 
 
@@ -31,7 +32,7 @@ def script_blocks(out: str) -> dict[str, str]:
     blocks, name = {}, None
     for line in out.splitlines():
         if line.startswith("# file "):
-            name = Path(line[len("# file "):-1]).stem
+            name = Path(line[len("# file ") : -1]).stem
             blocks[name] = ""
         elif line.startswith("# commands"):
             name = None
@@ -45,8 +46,15 @@ def test_dry_run_prints_three_chained_scripts_quoted(tmp_path, capsys, monkeypat
     sentinel = tmp_path / "SENTINEL"
     hostile = HOSTILE.format(s=sentinel)
     data_dir = tmp_path / f"data {hostile}"
-    config = write_config(tmp_path, str(data_dir), partition="cpu", account="proj-1",
-                          time="2:00:00", job_name=hostile, extra_sbatch=["--mem=8G"])
+    config = write_config(
+        tmp_path,
+        str(data_dir),
+        partition="cpu",
+        account="proj-1",
+        time="2:00:00",
+        job_name=hostile,
+        extra_sbatch=["--mem=8G"],
+    )
     main([str(config), "--slurm-parts", "4", "--dry-run", "data.prepare_workers=3", "--force"])
     out = capsys.readouterr().out
     job_dir = Path(str(data_dir) + ".slurm")
@@ -55,14 +63,23 @@ def test_dry_run_prints_three_chained_scripts_quoted(tmp_path, capsys, monkeypat
     for step, script in scripts.items():
         opts = sbatch_options(script)
         assert opts["--job-name"] == f"{hostile}-prepare-{step}"
-        assert (opts["--partition"], opts["--account"], opts["--time"], opts["--mem"]) == \
-            ("cpu", "proj-1", "2:00:00", "8G")
+        assert (opts["--partition"], opts["--account"], opts["--time"], opts["--mem"]) == (
+            "cpu",
+            "proj-1",
+            "2:00:00",
+            "8G",
+        )
         assert opts["--cpus-per-task"] == "3" and opts["--ntasks"] == "1"
         assert opts["--output"].startswith(str(job_dir / "logs") + "/")
         assert ("--array" in opts) == (step == "parts")
         command = shlex.split(script.strip().splitlines()[-1])
-        assert command[:5] == [sys.executable, "-u", "-m", "launch.prepare",
-                               str(job_dir / "config.yaml")]
+        assert command[:5] == [
+            sys.executable,
+            "-u",
+            "-m",
+            "launch.prepare",
+            str(job_dir / "config.yaml"),
+        ]
         cd = next(line for line in script.splitlines() if line.startswith("cd "))
         assert shlex.split(cd) == ["cd", str(tmp_path)]
     assert sbatch_options(scripts["parts"])["--array"] == "0-3"
@@ -74,10 +91,19 @@ def test_dry_run_prints_three_chained_scripts_quoted(tmp_path, capsys, monkeypat
     commands = [shlex.split(line) for line in out.splitlines() if line.startswith("sbatch ")]
     assert commands == [
         ["sbatch", "--parsable", str(job_dir / "tokenizer.sbatch")],
-        ["sbatch", "--parsable", "--dependency=afterok:<tokenizer job id>",
-         str(job_dir / "parts.sbatch")],
-        ["sbatch", "--parsable", "--dependency=afterok:<parts job id>",
-         str(job_dir / "merge.sbatch")]]
+        [
+            "sbatch",
+            "--parsable",
+            "--dependency=afterok:<tokenizer job id>",
+            str(job_dir / "parts.sbatch"),
+        ],
+        [
+            "sbatch",
+            "--parsable",
+            "--dependency=afterok:<parts job id>",
+            str(job_dir / "merge.sbatch"),
+        ],
+    ]
     assert not job_dir.exists() and not sentinel.exists()  # a dry run writes nothing
 
 
@@ -86,8 +112,10 @@ def fake_slurm(bin_dir: Path, log: Path) -> None:
     every job completed."""
     bin_dir.mkdir()
     sbatch = bin_dir / "sbatch"
-    sbatch.write_text(f"#!/bin/bash\nprintf '%s\\n' \"$*\" >> {shlex.quote(str(log))}\n"
-                      f"echo $(( 100 + $(wc -l < {shlex.quote(str(log))}) ))\n")
+    sbatch.write_text(
+        f"#!/bin/bash\nprintf '%s\\n' \"$*\" >> {shlex.quote(str(log))}\n"
+        f"echo $(( 100 + $(wc -l < {shlex.quote(str(log))}) ))\n"
+    )
     squeue = bin_dir / "squeue"
     squeue.write_text("#!/bin/sh\necho 'COMPLETED|None|0:05|2:00:00'\n")
     for path in (sbatch, squeue):
@@ -107,7 +135,8 @@ def test_submit_chains_records_and_reports_the_jobs(tmp_path, capsys, monkeypatc
     assert log.read_text().splitlines() == [
         f"--parsable {job_dir / 'tokenizer.sbatch'}",
         f"--parsable --dependency=afterok:101 {job_dir / 'parts.sbatch'}",
-        f"--parsable --dependency=afterok:102 {job_dir / 'merge.sbatch'}"]
+        f"--parsable --dependency=afterok:102 {job_dir / 'merge.sbatch'}",
+    ]
     assert "submitted SLURM jobs: tokenizer 101, parts 102 (array), merge 103" in out
     assert "squeue -j 101,102,103" in out
     records = json.loads((job_dir / "slurm_jobs.json").read_text())
@@ -125,12 +154,15 @@ def test_submit_chains_records_and_reports_the_jobs(tmp_path, capsys, monkeypatc
     assert "checkpoint" not in status and "rank logs" not in status  # not a training run
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--slurm-parts", "0"], "--slurm-parts: the number of parts must be at least 1, got 0"),
-    (["--slurm-parts", "2", "data.dir=s3://bucket/data"], "data.dir s3://bucket/data: the "),
-    (["--slurm-parts", "2"], "'sbatch' not found on PATH"),
-    (["--dry-run"], "--dry-run goes with --slurm-parts"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--slurm-parts", "0"], "--slurm-parts: the number of parts must be at least 1, got 0"),
+        (["--slurm-parts", "2", "data.dir=s3://bucket/data"], "data.dir s3://bucket/data: the "),
+        (["--slurm-parts", "2"], "'sbatch' not found on PATH"),
+        (["--dry-run"], "--dry-run goes with --slurm-parts"),
+    ],
+)
 def test_bad_input_is_refused_clearly(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()

@@ -21,8 +21,9 @@ import launch.rank as rank
 from launch.signal_latch import CATCHABLE
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCKED = ("import signal; "
-           "print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))")
+BLOCKED = (
+    "import signal; print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))"
+)
 
 
 def test_the_training_process_starts_with_the_preemption_signals_blocked(monkeypatch):
@@ -31,8 +32,9 @@ def test_the_training_process_starts_with_the_preemption_signals_blocked(monkeyp
 
     def popen(cmd, **kwargs):
         assert cmd[1:4] == ["-u", "-m", "launch.train"], cmd
-        probe["proc"] = real_popen([sys.executable, "-c", BLOCKED], stdout=subprocess.PIPE,
-                                   text=True, **kwargs)
+        probe["proc"] = real_popen(
+            [sys.executable, "-c", BLOCKED], stdout=subprocess.PIPE, text=True, **kwargs
+        )
         return probe["proc"]
 
     monkeypatch.setattr(rank.subprocess, "Popen", popen)
@@ -44,11 +46,14 @@ def test_the_training_process_starts_with_the_preemption_signals_blocked(monkeyp
 
 
 def test_the_latch_takes_a_signal_that_was_pending_while_blocked():
-    code = ("import os, signal; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]); "
-            "os.kill(os.getpid(), signal.SIGTERM); "
-            "from launch.signal_latch import LATCH; LATCH.install(); print(LATCH.first)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import os, signal; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]); "
+        "os.kill(os.getpid(), signal.SIGTERM); "
+        "from launch.signal_latch import LATCH; LATCH.install(); print(LATCH.first)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == str(int(signal.SIGTERM)), proc
 
 
@@ -58,9 +63,14 @@ def test_term_to_the_whole_step_as_the_rank_starts_does_not_kill_it(tmp_path):
     does not exist); before the fix it died of the signal (143)."""
     config = tmp_path / "missing.yaml"
     for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "-m", "launch.rank", "--config", str(config)],
-                                cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launch.rank", "--config", str(config)],
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
         deadline = time.time() + 30
         while time.time() < deadline and not children.read_text().split():
@@ -68,6 +78,8 @@ def test_term_to_the_whole_step_as_the_rank_starts_does_not_kill_it(tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, err[-2000:]
-    ends = [json.loads(line) for line in (tmp_path / "logs" / "exits_rank0.jsonl").read_text()
-            .splitlines()]
+    ends = [
+        json.loads(line)
+        for line in (tmp_path / "logs" / "exits_rank0.jsonl").read_text().splitlines()
+    ]
     assert [(e["returncode"], e["signal"]) for e in ends] == [(2, None)] * 3

@@ -12,12 +12,12 @@ import pytest
 import yaml
 
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import TokenStream
 from data_pipeline.text_bytes import predicted_text_bytes
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from launch import scaling_sweep
 from moe.core.run_dir import RunDir
-from moe.tools import scaling_report
+from moe.tools import scaling_report, scaling_text
 from tests.conftest import tiny_run_dict
 
 
@@ -57,9 +57,11 @@ def test_bytes_per_token_are_those_of_the_runs_validation_predictions(sweep, tin
     split = data.manifest.splits["valid"]
     assert seen.documents < split.documents / 2
     (w,) = notes
-    assert w.startswith(f"the runs are scored on the first 500 validation tokens (eval.max_tokens "
-                        f"500), which reach into {seen.documents} of the split's "
-                        f"{split.documents} documents")
+    assert w.startswith(
+        f"the runs are scored on the first 500 validation tokens (eval.max_tokens "
+        f"500), which reach into {seen.documents} of the split's "
+        f"{split.documents} documents"
+    )
     value, (why,) = scaling_sweep.validation_text(sweep, [{"name": "r1", "eval_tokens": 400}])
     assert value is None and "evaluated on 400 validation targets" in why and "gives 500" in why
     value, (why,) = scaling_sweep.validation_text(sweep, [{"name": "gone", "eval_tokens": 500}])
@@ -73,8 +75,9 @@ def test_runs_scored_on_the_whole_split_get_no_coverage_warning(sweep, tiny_data
     d = yaml.safe_load(config.read_text())
     d["eval"] = {"max_tokens": None}
     config.write_text(yaml.safe_dump(d))
-    value, notes = scaling_sweep.validation_text(sweep, [{"name": "r1",
-                                                          "eval_tokens": whole.targets}])
+    value, notes = scaling_sweep.validation_text(
+        sweep, [{"name": "r1", "eval_tokens": whole.targets}]
+    )
     assert value == whole.bytes / whole.targets and notes == []
     assert whole.documents == data.manifest.splits["valid"].documents
 
@@ -85,21 +88,24 @@ def test_fit_and_predict_give_losses_in_bits_per_byte_beside_nats():
     from tests.moe.tools.test_scaling import _ladder_runs
 
     bpt = 3.5
-    analysis = scaling_report.analyse(_ladder_runs((1e18, 3e18, 1e19)), bootstrap=5,
-                                      bytes_per_token=bpt)
-    text = scaling_report.summary(analysis)
+    analysis = scaling_report.analyse(
+        _ladder_runs((1e18, 3e18, 1e19)), bootstrap=5, bytes_per_token=bpt
+    )
+    text = scaling_text.summary(analysis)
     m = analysis["families"]["dense"]["minima"][0]
     bits = m.loss_opt / math.log(2) / bpt
     assert f"loss {m.loss_opt:.4f} ({bits:.4f} bits/byte)" in text
     law = analysis["families"]["dense"]["fit"].law
     assert f"E = {law.E / math.log(2) / bpt:.4f} bits/byte" in text
-    assert text.startswith("losses: nats per token of the validation text; bits per byte = nats "
-                           "/ ln 2 / 3.5000")
+    assert text.startswith(
+        "losses: nats per token of the validation text; bits per byte = nats / ln 2 / 3.5000"
+    )
     p = scaling_report.predict(analysis, "dense", 1e20)
     lo, hi = p["loss_interval"]
-    assert (f"in bits per byte     {p['loss'] / math.log(2) / bpt:.4f}  (95%: "
-            f"{lo / math.log(2) / bpt:.4f} to {hi / math.log(2) / bpt:.4f})") in \
-        scaling_report.prediction_text(p)
+    assert (
+        f"in bits per byte     {p['loss'] / math.log(2) / bpt:.4f}  (95%: "
+        f"{lo / math.log(2) / bpt:.4f} to {hi / math.log(2) / bpt:.4f})"
+    ) in scaling_text.prediction_text(p)
     analysis["bytes_per_token"] = None  # the data unreadable: nats per token only
-    assert "bits" not in scaling_report.summary(analysis)
-    assert np.isclose(scaling_report.bits_per_byte(2.0, 2.0), 1 / math.log(2))
+    assert "bits" not in scaling_text.summary(analysis)
+    assert np.isclose(scaling_text.bits_per_byte(2.0, 2.0), 1 / math.log(2))

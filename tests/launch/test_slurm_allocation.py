@@ -20,12 +20,17 @@ from launch.slurm.allocation import (
 def test_the_build_and_the_programs_it_starts_outlive_the_jobs_stop_signals():
     """What a signal to the whole step does to a compiler: nothing (an ignored signal stays
     ignored across exec)."""
-    proc = subprocess.run(["sh", "-c", "kill -USR1 $$; kill -USR2 $$; kill -TERM $$; echo alive"],
-                          capture_output=True, text=True, timeout=30,
-                          preexec_fn=ignore_stop_signals)
+    proc = subprocess.run(
+        ["sh", "-c", "kill -USR1 $$; kill -USR2 $$; kill -TERM $$; echo alive"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        preexec_fn=ignore_stop_signals,
+    )
     assert (proc.returncode, proc.stdout) == (0, "alive\n")
-    unprotected = subprocess.run(["sh", "-c", "kill -USR1 $$; echo alive"], capture_output=True,
-                                 text=True, timeout=30)
+    unprotected = subprocess.run(
+        ["sh", "-c", "kill -USR1 $$; echo alive"], capture_output=True, text=True, timeout=30
+    )
     assert unprotected.returncode != 0 and unprotected.stdout == ""
 
 
@@ -56,8 +61,9 @@ def test_only_an_old_lock_with_no_build_running_is_stale_and_cleared(tmp_path, c
     assert clear_stale_build_locks(tmp_path / "missing") == []
 
 
-def test_the_lock_is_looked_for_where_the_ranks_build_launch_env_s_directory(tmp_path,
-                                                                             monkeypatch, capsys):
+def test_the_lock_is_looked_for_where_the_ranks_build_launch_env_s_directory(
+    tmp_path, monkeypatch, capsys
+):
     """``launch.env: {TORCH_EXTENSIONS_DIR: ...}`` reaches the ranks, not the supervisor's own
     environment: a stale lock there is named and removed, and the op built there is found,
     so nothing is built; a young lock with no build on this node is named, not removed."""
@@ -80,5 +86,7 @@ def test_the_lock_is_looked_for_where_the_ranks_build_launch_env_s_directory(tmp
     assert builds == [] and not stale.exists() and young.exists()
     out = capsys.readouterr().out
     assert f"removing a stale torch-extensions build lock {stale}" in out, out
-    assert (f"a torch-extensions build lock {young} (0 s old) has no build running on this "
-            f"node: the ranks wait until it is gone") in out, out
+    assert (
+        f"a torch-extensions build lock {young} (0 s old) has no build running on this "
+        f"node: the ranks wait until it is gone"
+    ) in out, out

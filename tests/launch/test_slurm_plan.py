@@ -35,10 +35,15 @@ HOSTILE = "a; rm -rf \"$HOME\" $(touch {s}) `touch {s}` 'q' \\ # \n end"
 
 
 def slurm_config(tmp_path, **slurm) -> RunConfig:
-    return from_dict(RunConfig, {
-        "name": "tiny", "output_dir": str(tmp_path / "runs"),
-        "parallel": {"world_size": 4, "expert_parallel_size": 2},
-        "launch": {"scheduler": "slurm", "slurm": slurm}})
+    return from_dict(
+        RunConfig,
+        {
+            "name": "tiny",
+            "output_dir": str(tmp_path / "runs"),
+            "parallel": {"world_size": 4, "expert_parallel_size": 2},
+            "launch": {"scheduler": "slurm", "slurm": slurm},
+        },
+    )
 
 
 def supervisor_argv(script: str) -> list[str]:
@@ -53,31 +58,57 @@ def sbatch_options(script: str) -> dict[str, str | None]:
     out = {}
     for line in script.splitlines():
         if line.startswith("#SBATCH "):
-            for token in shlex.split(line[len("#SBATCH "):]):
+            for token in shlex.split(line[len("#SBATCH ") :]):
                 key, _, value = token.partition("=")
                 out[key] = value if _ else None
     return out
 
 
 def test_script_holds_requested_resources_and_one_supervisor_line(tmp_path):
-    cfg = slurm_config(tmp_path, nodes=2, gpus_per_node=2, cpus_per_task=6, time="1-02:00:00",
-                       partition="gpu", account="proj-1", job_name="moe run",
-                       extra_sbatch=["--exclusive", "--mem=0"], signal_seconds=300,
-                       socket_ifname="ib0")
+    cfg = slurm_config(
+        tmp_path,
+        nodes=2,
+        gpus_per_node=2,
+        cpus_per_task=6,
+        time="1-02:00:00",
+        partition="gpu",
+        account="proj-1",
+        job_name="moe run",
+        extra_sbatch=["--exclusive", "--mem=0"],
+        signal_seconds=300,
+        socket_ifname="ib0",
+    )
     plan = build_plan(cfg)
     script = plan.files[JOB_SCRIPT]
     opts = sbatch_options(script)
     run_dir = tmp_path / "runs" / "tiny"
-    assert opts == {"--job-name": "moe run", "--nodes": "2", "--ntasks-per-node": "2",
-                    "--cpus-per-task": "6", "--gpus-per-node": "2", "--time": "1-02:00:00",
-                    "--partition": "gpu", "--account": "proj-1",
-                    "--output": str(run_dir / "logs" / "slurm-%j.out"), "--open-mode": "append",
-                    "--chdir": str(Path.cwd()), "--signal": "B:USR1@300", "--requeue": None,
-                    "--exclusive": None, "--mem": "0"}
+    assert opts == {
+        "--job-name": "moe run",
+        "--nodes": "2",
+        "--ntasks-per-node": "2",
+        "--cpus-per-task": "6",
+        "--gpus-per-node": "2",
+        "--time": "1-02:00:00",
+        "--partition": "gpu",
+        "--account": "proj-1",
+        "--output": str(run_dir / "logs" / "slurm-%j.out"),
+        "--open-mode": "append",
+        "--chdir": str(Path.cwd()),
+        "--signal": "B:USR1@300",
+        "--requeue": None,
+        "--exclusive": None,
+        "--mem": "0",
+    }
     # Directives, then the supervisor under a shell that holds the stop signals for it: the
     # restart policy lives in Python, not in the script.
-    assert supervisor_argv(script) == [sys.executable, "-u", "-m", "launch.supervise", "slurm",
-                                       str(run_dir / "config.yaml")]
+    assert supervisor_argv(script) == [
+        sys.executable,
+        "-u",
+        "-m",
+        "launch.supervise",
+        "slurm",
+        str(run_dir / "config.yaml"),
+    ]
     assert plan.command == ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)]
     assert (plan.world_size, plan.nodes, plan.submits) == (4, 2, True)
 
@@ -88,11 +119,23 @@ def test_srun_starts_one_rank_wrapper_per_task_that_saves_on_usr1_and_term(tmp_p
     calls, _ = slurm_job(cfg, srun_body="exit 0\n")
     srun, env = next(c for c in calls if c[0][0] == "srun")
     run_dir = tmp_path / "runs" / "tiny"
-    assert srun[:6] == ["srun", "--ntasks=4", "--ntasks-per-node=2", "--cpus-per-task=6",
-                        "--kill-on-bad-exit=1", "--label"]
-    assert srun[6:] == [sys.executable, "-u", "-m", "launch.rank", "--config",
-                        str(run_dir / "config.yaml"),
-                        "checkpoint.save_on_signals=[USR2, USR1, TERM]"]
+    assert srun[:6] == [
+        "srun",
+        "--ntasks=4",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=6",
+        "--kill-on-bad-exit=1",
+        "--label",
+    ]
+    assert srun[6:] == [
+        sys.executable,
+        "-u",
+        "-m",
+        "launch.rank",
+        "--config",
+        str(run_dir / "config.yaml"),
+        "checkpoint.save_on_signals=[USR2, USR1, TERM]",
+    ]
     assert env["GLOO_SOCKET_IFNAME"] == "ib0" and env["PYTHONUNBUFFERED"] == "1"
 
 
@@ -108,9 +151,11 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys, monkeypa
 
 def recorder(path: Path, log: Path, body: str = "") -> None:
     """An executable that appends its NUL-separated argv and environment to ``log``."""
-    path.write_text("#!/bin/bash\n"
-                    f"{{ printf '%s\\0' \"$0\" \"$@\"; printf '\\n--env\\n'; env -0; "
-                    f"printf '\\n--end\\n'; }} >> {shlex.quote(str(log))}\n{body}")
+    path.write_text(
+        "#!/bin/bash\n"
+        f"{{ printf '%s\\0' \"$0\" \"$@\"; printf '\\n--env\\n'; env -0; "
+        f"printf '\\n--end\\n'; }} >> {shlex.quote(str(log))}\n{body}"
+    )
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
@@ -130,24 +175,34 @@ def slurm_job(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     saved = {signum: signal.getsignal(signum) for signum in CATCHABLE}  # restored after each
 
-    def run(cfg: RunConfig, srun_body: str = "", scontrol_body: str = "", evaluate: bool = True,
-            expect_rc: int = 0, before_srun=None):
+    def run(
+        cfg: RunConfig,
+        srun_body: str = "",
+        scontrol_body: str = "",
+        evaluate: bool = True,
+        expect_rc: int = 0,
+        before_srun=None,
+    ):
         log.unlink(missing_ok=True)  # this run's calls only
         recorder(bin_dir / "srun", log, srun_body)
-        recorder(bin_dir / "scontrol", log,
-                 scontrol_body + 'case "$1 $2" in\n'
-                 '  "show hostnames") printf "node7\\nnode8\\n";;\n'
-                 '  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.9.0.7 '
-                 'NodeHostName=$3";;\n'
-                 "esac\n")
+        recorder(
+            bin_dir / "scontrol",
+            log,
+            scontrol_body + 'case "$1 $2" in\n'
+            '  "show hostnames") printf "node7\\nnode8\\n";;\n'
+            '  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.9.0.7 '
+            'NodeHostName=$3";;\n'
+            "esac\n",
+        )
         plan = build_plan(cfg, evaluate=evaluate)
         argv = supervisor_argv(plan.files[JOB_SCRIPT])
         assert argv[1:5] == ["-u", "-m", "launch.supervise", "slurm"]
         config = Path(argv[5])
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(dump_config(cfg))
-        monkeypatch.setattr(allocation, "build_ops",
-                            lambda env, tick=None: before_srun() if before_srun else 0)
+        monkeypatch.setattr(
+            allocation, "build_ops", lambda env, tick=None: before_srun() if before_srun else 0
+        )
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
@@ -162,8 +217,7 @@ def slurm_job(tmp_path, monkeypatch):
             argv_part, env_part = record.split("\n--env\n")
             call = argv_part.split("\0")[:-1]
             call[0] = Path(call[0]).name
-            calls.append((call, dict(kv.split("=", 1) for kv in env_part.split("\0")
-                                     if "=" in kv)))
+            calls.append((call, dict(kv.split("=", 1) for kv in env_part.split("\0") if "=" in kv)))
         return calls, out.getvalue()
 
     return run
@@ -172,8 +226,13 @@ def slurm_job(tmp_path, monkeypatch):
 def test_hostile_values_reach_srun_literally_and_execute_nothing(tmp_path, slurm_job):
     sentinel = tmp_path / "SENTINEL"
     hostile = HOSTILE.format(s=sentinel)
-    cfg = slurm_config(tmp_path, nodes=2, socket_ifname="eth1",
-                       srun_args=[f"--comment={hostile}"], job_name=hostile.replace("\n", " "))
+    cfg = slurm_config(
+        tmp_path,
+        nodes=2,
+        socket_ifname="eth1",
+        srun_args=[f"--comment={hostile}"],
+        job_name=hostile.replace("\n", " "),
+    )
     cfg.launch.env = {"MOE_VALUE": hostile}
     cfg.output_dir = str(tmp_path / "runs ; $(touch x) `touch y` 'q\"")
     (tmp_path / "home").mkdir()
@@ -200,14 +259,14 @@ def test_script_requeues_after_a_preemption_checkpoint(tmp_path, slurm_job):
     assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
     # The ranks saved and left the marker, then exited 75: the script requeues the job.
     saved = '{"step": 17, "signal": "SIGUSR1"}'
-    calls, out = slurm_job(cfg, srun_body=f"echo '{saved}' > {shlex.quote(str(marker))}\n"
-                                                      "exit 75\n")
+    calls, out = slurm_job(cfg, srun_body=f"echo '{saved}' > {shlex.quote(str(marker))}\nexit 75\n")
     assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
     # srun's "Exited with exit code 75" is followed by what it means.
     assert out.splitlines()[-2:] == [
         f"preemption signal ({saved}): the exit code 75 above is the planned exit of a "
         "preempted run, not a failure",
-        "preempted, requeued, will resume from step 17 (requeueing job 1234)"]
+        "preempted, requeued, will resume from step 17 (requeueing job 1234)",
+    ]
     ends = (tmp_path / "runs" / "tiny" / "slurm_job_ends.txt").read_text().splitlines()
     assert ends[-1] == "1234 75 requeued 17"
     assert requeued_at(tmp_path / "runs" / "tiny", "1234") == 17
@@ -215,8 +274,9 @@ def test_script_requeues_after_a_preemption_checkpoint(tmp_path, slurm_job):
     # checkpoint (its directory and its marker).
     (marker.parent / "checkpoints" / "step_0000040").mkdir(parents=True)
     (marker.parent / "checkpoints" / "step_0000040" / "checkpoint.json").write_text("{}")
-    calls, out = slurm_job(cfg, srun_body=f"echo '{{\"step\": null}}' > "
-                                                      f"{shlex.quote(str(marker))}\nexit 75\n")
+    calls, out = slurm_job(
+        cfg, srun_body=f"echo '{{\"step\": null}}' > {shlex.quote(str(marker))}\nexit 75\n"
+    )
     assert "preempted, requeued, will resume from step 40 (requeueing job 1234)" in out
 
 
@@ -225,8 +285,9 @@ def finish_calls(calls) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("evaluate", [True, False])
-def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(tmp_path, evaluate,
-                                                                       slurm_job):
+def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(
+    tmp_path, evaluate, slurm_job
+):
     cfg = slurm_config(tmp_path, nodes=2, cpus_per_task=3)
     run_dir = tmp_path / "runs" / "tiny"
     marker = RunDir(run_dir).preempted
@@ -237,12 +298,18 @@ def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(tmp_path
     calls, out = slurm_job(cfg, srun_body="exit 0\n", evaluate=evaluate)
     (finish,) = finish_calls(calls)
     assert finish[1:4] == ["--ntasks=1", "--nodes=1", "--cpus-per-task=3"]
-    assert finish[5:] == ["-u", "-m", "launch.finish", str(run_dir),
-                          *([] if evaluate else ["--no-eval"])]
+    assert finish[5:] == [
+        "-u",
+        "-m",
+        "launch.finish",
+        str(run_dir),
+        *([] if evaluate else ["--no-eval"]),
+    ]
     assert ("evaluating the final checkpoint" in out) == evaluate
     # Preempted (marker, exit 75): requeued, no evaluation of a checkpoint that is not final.
-    calls, out = slurm_job(cfg, srun_body=f"echo '{{}}' > {shlex.quote(str(marker))}\n"
-                                                      "exit 75\n", evaluate=evaluate)
+    calls, out = slurm_job(
+        cfg, srun_body=f"echo '{{}}' > {shlex.quote(str(marker))}\nexit 75\n", evaluate=evaluate
+    )
     assert finish_calls(calls) == [] and "requeueing job 1234" in out
     # Training failed (twice the same way): no evaluation, the job fails.
     calls, out = slurm_job(cfg, srun_body="exit 3\n", evaluate=evaluate, expect_rc=1)
@@ -252,18 +319,23 @@ def test_a_finished_run_is_evaluated_on_one_task_a_preempted_one_is_not(tmp_path
 
 # A stand-in for srun that behaves like the ranks under it: on the save signal (USR1) it
 # leaves the marker and exits 75; it records which signal arrived.
-SAVING_SRUN = ("trap 'echo USR1 >> {got}; echo {{}} > {marker}; exit 75' USR1\n"
-               "trap 'echo TERM >> {got}; exit 137' TERM\n"
-               "touch {started}\n"
-               "for i in $(seq 300); do sleep 0.1; done\nexit 0\n")
+SAVING_SRUN = (
+    "trap 'echo USR1 >> {got}; echo {{}} > {marker}; exit 75' USR1\n"
+    "trap 'echo TERM >> {got}; exit 137' TERM\n"
+    "touch {started}\n"
+    "for i in $(seq 300); do sleep 0.1; done\nexit 0\n"
+)
 
 
 def saving_srun(tmp_path) -> tuple[str, Path, Path]:
     run_dir = tmp_path / "runs" / "tiny"
     run_dir.mkdir(parents=True, exist_ok=True)
     got, started = tmp_path / "srun-got", tmp_path / "srun-started"
-    body = SAVING_SRUN.format(got=shlex.quote(str(got)), started=shlex.quote(str(started)),
-                              marker=shlex.quote(str(RunDir(run_dir).preempted)))
+    body = SAVING_SRUN.format(
+        got=shlex.quote(str(got)),
+        started=shlex.quote(str(started)),
+        marker=shlex.quote(str(RunDir(run_dir).preempted)),
+    )
     return body, got, started
 
 
@@ -282,7 +354,8 @@ def signal_once(path: Path, signum: int) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2])
 def test_a_stop_signal_to_the_supervisor_reaches_the_ranks_as_usr1_and_requeues(
-        tmp_path, slurm_job, signum):
+    tmp_path, slurm_job, signum
+):
     """``--signal=B:USR1@N``, ``scancel --batch --signal=TERM|USR1|USR2`` signal the batch step:
     the supervisor passes USR1 on to srun (never TERM, which srun turns into SIGKILL of every
     rank), the ranks save, the job requeues, and no restart is attempted."""
@@ -294,7 +367,9 @@ def test_a_stop_signal_to_the_supervisor_reaches_the_ranks_as_usr1_and_requeues(
     assert got.read_text().split() == ["USR1"]
     assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
     assert len([c for c in calls if c[0][0] == "srun"]) == 1 and "launch: restart" not in out
-    assert out.splitlines()[-1] == "preempted, requeued, will resume from step 0 (requeueing job 1234)"
+    assert (
+        out.splitlines()[-1] == "preempted, requeued, will resume from step 0 (requeueing job 1234)"
+    )
 
 
 def test_a_job_slurm_will_not_requeue_ends_saying_so(tmp_path, slurm_job):
@@ -302,18 +377,20 @@ def test_a_job_slurm_will_not_requeue_ends_saying_so(tmp_path, slurm_job):
     job ends with 75 and its last line and record say it was not requeued."""
     body, got, started = saving_srun(tmp_path)
     signal_once(started, signal.SIGTERM)
-    refuse = ('if [ "$1" = requeue ]; then echo "Requested operation is presently disabled" >&2; '
-              "exit 1; fi\n")
+    refuse = (
+        'if [ "$1" = requeue ]; then echo "Requested operation is presently disabled" >&2; '
+        "exit 1; fi\n"
+    )
     calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=refuse, expect_rc=75)
-    assert out.splitlines()[-1] == ("not requeued after all: submit the same run again to resume "
-                                    "from step 0")
+    assert out.splitlines()[-1] == (
+        "not requeued after all: submit the same run again to resume from step 0"
+    )
     ends = (tmp_path / "runs" / "tiny" / "slurm_job_ends.txt").read_text().splitlines()
     assert ends[-1] == "1234 75 ended"
 
 
 @pytest.mark.parametrize("state", ["CANCELLED", "TIMEOUT"])
-def test_a_cancel_or_the_time_limit_is_neither_restarted_nor_requeued(tmp_path, slurm_job,
-                                                                     state):
+def test_a_cancel_or_the_time_limit_is_neither_restarted_nor_requeued(tmp_path, slurm_job, state):
     """``scancel JOB`` and the time limit send TERM to everything, srun kills the ranks (137):
     SLURM already calls the job CANCELLED (TIMEOUT), and the supervisor says so, last."""
     body, got, started = saving_srun(tmp_path)
@@ -323,8 +400,10 @@ def test_a_cancel_or_the_time_limit_is_neither_restarted_nor_requeued(tmp_path, 
     calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=show_job, expect_rc=137)
     assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
     assert "launch: restart" not in out
-    assert out.splitlines()[-1] == (f"job 1234 is {state}: not requeued, not restarted; submit "
-                                    "the same run again to resume from step 0")
+    assert out.splitlines()[-1] == (
+        f"job 1234 is {state}: not requeued, not restarted; submit "
+        "the same run again to resume from step 0"
+    )
 
 
 def test_without_requeue_a_stop_signal_ends_the_job_cleanly(tmp_path, slurm_job):
@@ -332,8 +411,10 @@ def test_without_requeue_a_stop_signal_ends_the_job_cleanly(tmp_path, slurm_job)
     signal_once(started, signal.SIGTERM)
     calls, out = slurm_job(slurm_config(tmp_path, requeue=False), body, expect_rc=75)
     assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
-    assert out.splitlines()[-1] == ("preempted, not requeued (launch.slurm.requeue: false): "
-                                    "submit the same run again to resume from step 0")
+    assert out.splitlines()[-1] == (
+        "preempted, not requeued (launch.slurm.requeue: false): "
+        "submit the same run again to resume from step 0"
+    )
 
 
 @pytest.mark.parametrize("moment", ["building the op", "between build and srun"])
@@ -346,21 +427,28 @@ def test_a_signal_before_srun_starts_requeues_without_starting_it(tmp_path, slur
         return 0
 
     if moment == "building the op":
-        calls, out = slurm_job(slurm_config(tmp_path), srun_body="exit 0\n",
-                               before_srun=signal_now)
+        calls, out = slurm_job(slurm_config(tmp_path), srun_body="exit 0\n", before_srun=signal_now)
         assert "USR1 before srun started: no rank ran, nothing to save" in out
     else:
         # The signal lands while srun is being started: it is passed on at once, and the
         # stand-in, which ends on USR1 like the ranks, is not waited for.
         body, got, started = saving_srun(tmp_path)
-        calls, out = slurm_job(slurm_config(tmp_path), srun_body=body, before_srun=lambda: (
-            signal_once(tmp_path / "runs", signal.SIGUSR1), time.sleep(0.2), 0)[-1])
+        calls, out = slurm_job(
+            slurm_config(tmp_path),
+            srun_body=body,
+            before_srun=lambda: (
+                signal_once(tmp_path / "runs", signal.SIGUSR1),
+                time.sleep(0.2),
+                0,
+            )[-1],
+        )
     assert ["scontrol", "requeue", "1234"] in [c[0] for c in calls]
     assert "requeueing job 1234" in out
 
 
-def test_a_signal_the_ranks_could_not_act_on_requeues_from_the_newest_checkpoint(tmp_path,
-                                                                                 slurm_job):
+def test_a_signal_the_ranks_could_not_act_on_requeues_from_the_newest_checkpoint(
+    tmp_path, slurm_job
+):
     """``scancel --full --signal=TERM`` also reaches srun, which kills every rank (137): nothing
     new was saved, and that is no training failure either: no restart, a requeue from the
     newest complete checkpoint."""
@@ -374,23 +462,32 @@ def test_a_signal_the_ranks_could_not_act_on_requeues_from_the_newest_checkpoint
     calls, out = slurm_job(slurm_config(tmp_path), body)
     assert "stopped by SIGTERM before the ranks could save (srun exited with status 137)" in out
     assert "launch: restart" not in out
-    assert out.splitlines()[-1] == ("preempted, requeued, will resume from step 10 (requeueing "
-                                    "job 1234)")
+    assert out.splitlines()[-1] == (
+        "preempted, requeued, will resume from step 10 (requeueing job 1234)"
+    )
 
 
-@pytest.mark.parametrize("slurm, key", [
-    ({"partition": "gpu; touch /tmp/x"}, "launch.slurm.partition"),
-    ({"account": "$(id)"}, "launch.slurm.account"),
-    ({"time": "2h"}, "launch.slurm.time"),
-    ({"extra_sbatch": ["--mem=0\nrm -rf /"]}, "launch.slurm.extra_sbatch[0]"),
-    ({"job_name": "a\nb"}, "launch.slurm.job_name"),
-    ({"socket_ifname": "eth0 eth1"}, "launch.slurm.socket_ifname"),
-    ({"nodes": 3}, "parallel.world_size"),
-    ({"extra_sbatch": ["--signal=B:USR1@60"]}, "launch.slurm.extra_sbatch[0]: '--signal=B:USR1"),
-    ({"time": "4:00", "signal_seconds": 180},
-     "a limit of 240 s leaves no time to train before the preemption signal at signal_seconds "
-     "(180 s) before it; it must exceed 240 s"),
-])
+@pytest.mark.parametrize(
+    "slurm, key",
+    [
+        ({"partition": "gpu; touch /tmp/x"}, "launch.slurm.partition"),
+        ({"account": "$(id)"}, "launch.slurm.account"),
+        ({"time": "2h"}, "launch.slurm.time"),
+        ({"extra_sbatch": ["--mem=0\nrm -rf /"]}, "launch.slurm.extra_sbatch[0]"),
+        ({"job_name": "a\nb"}, "launch.slurm.job_name"),
+        ({"socket_ifname": "eth0 eth1"}, "launch.slurm.socket_ifname"),
+        ({"nodes": 3}, "parallel.world_size"),
+        (
+            {"extra_sbatch": ["--signal=B:USR1@60"]},
+            "launch.slurm.extra_sbatch[0]: '--signal=B:USR1",
+        ),
+        (
+            {"time": "4:00", "signal_seconds": 180},
+            "a limit of 240 s leaves no time to train before the preemption signal at signal_seconds "
+            "(180 s) before it; it must exceed 240 s",
+        ),
+    ],
+)
 def test_values_no_quoting_can_carry_are_refused_with_their_key(tmp_path, slurm, key):
     with pytest.raises(ConfigError) as e:
         build_plan(slurm_config(tmp_path, **slurm))
@@ -404,36 +501,62 @@ def test_percent_in_the_run_directory_is_refused_for_the_job_log(tmp_path):
         build_plan(cfg)
 
 
-@pytest.mark.parametrize("time_limit, seconds", [
-    ("30", 1800), ("45:30", 2730), ("12:00:00", 43200), ("48:00:00", 172800), ("2-12", 216000),
-    ("2-12:30", 217800), ("2-12:30:15", 217815), ("UNLIMITED", None), ("infinite", None),
-    ("0", None), ("0:30", 30)])
+@pytest.mark.parametrize(
+    "time_limit, seconds",
+    [
+        ("30", 1800),
+        ("45:30", 2730),
+        ("12:00:00", 43200),
+        ("48:00:00", 172800),
+        ("2-12", 216000),
+        ("2-12:30", 217800),
+        ("2-12:30:15", 217815),
+        ("UNLIMITED", None),
+        ("infinite", None),
+        ("0", None),
+        ("0:30", 30),
+    ],
+)
 def test_every_slurm_time_format_is_accepted(time_limit, seconds):
     assert slurm_time_seconds(time_limit) == seconds
 
 
-@pytest.mark.parametrize("time_limit, why", [
-    ("99:99:99", "minutes 99 out of range 0-59"), ("10:60", "seconds 60 out of range 0-59"),
-    ("1-24:00", "hours 24 out of range 0-23"), ("1:2:3:4", "not a SLURM time"),
-    ("2h", "not a SLURM time"), ("-5", "not a SLURM time")])
+@pytest.mark.parametrize(
+    "time_limit, why",
+    [
+        ("99:99:99", "minutes 99 out of range 0-59"),
+        ("10:60", "seconds 60 out of range 0-59"),
+        ("1-24:00", "hours 24 out of range 0-23"),
+        ("1:2:3:4", "not a SLURM time"),
+        ("2h", "not a SLURM time"),
+        ("-5", "not a SLURM time"),
+    ],
+)
 def test_invalid_times_are_refused_with_the_reason(tmp_path, time_limit, why):
-    with pytest.raises(ConfigError, match=f"launch.slurm.time: '{time_limit}' is not a SLURM "
-                                          f"time \\({why}\\)"):
+    with pytest.raises(
+        ConfigError, match=f"launch.slurm.time: '{time_limit}' is not a SLURM time \\({why}\\)"
+    ):
         build_plan(slurm_config(tmp_path, time=time_limit))
 
 
-@pytest.mark.parametrize("yaml_text, directive, seconds", [
-    ("30", "30", 1800),  # a number is minutes, as sbatch reads --time=30
-    ("0", "0", None),  # no limit, as sbatch reads --time=0
-    ("0:30", "0:30", 30),  # YAML 1.1 would read the number 30 (base 60): 30 minutes
-    ("24:00:00", "24:00:00", 86400),
-    ("'90'", "90", 5400)])
+@pytest.mark.parametrize(
+    "yaml_text, directive, seconds",
+    [
+        ("30", "30", 1800),  # a number is minutes, as sbatch reads --time=30
+        ("0", "0", None),  # no limit, as sbatch reads --time=0
+        ("0:30", "0:30", 30),  # YAML 1.1 would read the number 30 (base 60): 30 minutes
+        ("24:00:00", "24:00:00", 86400),
+        ("'90'", "90", 5400),
+    ],
+)
 def test_time_is_read_from_yaml_as_sbatch_reads_it(tmp_path, yaml_text, directive, seconds):
     config = tmp_path / "run.yaml"
-    config.write_text(f"name: tiny\noutput_dir: {tmp_path / 'runs'}\n"
-                      f"parallel: {{world_size: 4, expert_parallel_size: 2}}\n"
-                      f"launch:\n  scheduler: slurm\n  slurm:\n    signal_seconds: 0\n"
-                      f"    time: {yaml_text}\n")
+    config.write_text(
+        f"name: tiny\noutput_dir: {tmp_path / 'runs'}\n"
+        f"parallel: {{world_size: 4, expert_parallel_size: 2}}\n"
+        f"launch:\n  scheduler: slurm\n  slurm:\n    signal_seconds: 0\n"
+        f"    time: {yaml_text}\n"
+    )
     cfg = load_config(config)
     assert str(cfg.launch.slurm.time) == directive
     assert slurm_time_seconds(str(cfg.launch.slurm.time)) == seconds
@@ -465,16 +588,20 @@ def test_a_failed_srun_step_is_started_again_in_the_allocation(tmp_path, slurm_j
     counter = tmp_path / "attempts"
     steps = " ".join(shlex.quote(str(run_dir / "logs" / f"steps_rank{r}.jsonl")) for r in range(4))
     # Attempt 1 fails with status 9 in step 3, attempt 2 finishes.
-    body = (f"n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}\n"
-            f'case "$*" in *launch.rank*) for f in {steps}; do printf \'{{"step": 1}}\\n'
-            f'{{"step": 2}}\\n\' >> "$f"; done;; *) exit 0;; esac\n'
-            'if [ "$n" -eq 0 ]; then exit 9; fi\nexit ${SECOND_STATUS:-0}\n')
+    body = (
+        f"n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}\n"
+        f'case "$*" in *launch.rank*) for f in {steps}; do printf \'{{"step": 1}}\\n'
+        f'{{"step": 2}}\\n\' >> "$f"; done;; *) exit 0;; esac\n'
+        'if [ "$n" -eq 0 ]; then exit 9; fi\nexit ${SECOND_STATUS:-0}\n'
+    )
     calls, out = slurm_job(slurm_config(tmp_path), srun_body=body)
     trains = training_calls(calls)
     assert len(trains) == 2 and len(finish_calls(calls)) == 1
-    assert ("launch: restart 1/3: a rank (the launcher did not say which) exited with code 9 at "
-            "step 3; resuming from the start (no complete checkpoint yet)\n"
-            "launch: job 1234 (restart 0, attempt 2): 4 ranks, master 10.9.0.7:") in out
+    assert (
+        "launch: restart 1/3: a rank (the launcher did not say which) exited with code 9 at "
+        "step 3; resuming from the start (no complete checkpoint yet)\n"
+        "launch: job 1234 (restart 0, attempt 2): 4 ranks, master 10.9.0.7:"
+    ) in out
     ports = [env["MASTER_PORT"] for argv, env in calls if argv in trains]
     assert ports == [str(15000 + 1234 * 4), str(15000 + 1234 * 4 + 1)]
 
@@ -484,7 +611,8 @@ def test_a_failed_srun_step_is_started_again_in_the_allocation(tmp_path, slurm_j
     assert len(training_calls(calls)) == 2 and finish_calls(calls) == []
     assert out.splitlines()[-1].startswith(
         "error: training failed the same way twice in a row: a rank (the launcher did not say "
-        "which) exited with code 9 at step 3")
+        "which) exited with code 9 at step 3"
+    )
 
     counter.unlink()
     cfg = slurm_config(tmp_path)
@@ -497,7 +625,8 @@ def test_a_failed_srun_step_is_started_again_in_the_allocation(tmp_path, slurm_j
 
 @pytest.mark.parametrize("srun_status", [137, 0])
 def test_a_cancel_while_the_ranks_start_is_recorded_before_slurm_kills_the_supervisor(
-        tmp_path, slurm_job, srun_status):
+    tmp_path, slurm_job, srun_status
+):
     """``moe-launch cancel`` (``scancel JOB``) while the ranks start up: they hold the TERM until
     their first step, longer than SLURM's KillWait, after which SLURM kills everything, the
     supervisor included. Its last line and the job's record in slurm_job_ends.txt are written
@@ -506,26 +635,39 @@ def test_a_cancel_while_the_ranks_start_is_recorded_before_slurm_kills_the_super
     SLURM gave up waiting for its step: the job is not taken for finished (no evaluation)."""
     run_dir = tmp_path / "runs" / "tiny"
     (run_dir / "logs").mkdir(parents=True)
-    ends, seen, started = (run_dir / "slurm_job_ends.txt", tmp_path / "seen",
-                           tmp_path / "srun-started")
+    ends, seen, started = (
+        run_dir / "slurm_job_ends.txt",
+        tmp_path / "seen",
+        tmp_path / "srun-started",
+    )
     q = shlex.quote
-    body = (f"trap : USR1\ntouch {q(str(started))}\n"
-            f"for i in $(seq 200); do [ -s {q(str(ends))} ] && {{ touch {q(str(seen))}; "
-            f"exit {srun_status}; }}; sleep 0.05; done\nexit {srun_status}\n")
+    body = (
+        f"trap : USR1\ntouch {q(str(started))}\n"
+        f"for i in $(seq 200); do [ -s {q(str(ends))} ] && {{ touch {q(str(seen))}; "
+        f"exit {srun_status}; }}; sleep 0.05; done\nexit {srun_status}\n"
+    )
     signal_once(started, signal.SIGTERM)
     show_job = 'if [ "$1 $2" = "show job" ]; then echo "JobId=1234 JobState=CANCELLED"; fi\n'
-    calls, out = slurm_job(slurm_config(tmp_path), body, scontrol_body=show_job,
-                           expect_rc=srun_status or PREEMPTED_EXIT_CODE)
+    calls, out = slurm_job(
+        slurm_config(tmp_path),
+        body,
+        scontrol_body=show_job,
+        expect_rc=srun_status or PREEMPTED_EXIT_CODE,
+    )
     assert seen.exists(), out  # recorded while srun still ran
     assert finish_calls(calls) == [] and "training finished" not in out
     assert ends.read_text().splitlines() == ["1234 143 ended"]  # one record for the run
-    early = ("job 1234 is CANCELLED: not requeued, not restarted; submit the same run again to "
-             "resume from step 0 (the ranks save if SLURM's KillWait leaves them time)")
+    early = (
+        "job 1234 is CANCELLED: not requeued, not restarted; submit the same run again to "
+        "resume from step 0 (the ranks save if SLURM's KillWait leaves them time)"
+    )
     # Said before srun ended, and again once it has, where SLURM lets the supervisor see it.
     lines = out.splitlines()
-    assert lines.index(early) < lines.index(f"stopped by SIGTERM before the ranks could save "
-                                            f"(srun exited with status {srun_status}): not a "
-                                            f"training failure, not restarted"), out
+    assert lines.index(early) < lines.index(
+        f"stopped by SIGTERM before the ranks could save "
+        f"(srun exited with status {srun_status}): not a "
+        f"training failure, not restarted"
+    ), out
     assert lines[-1] == early.split(" (the ranks")[0], out
     assert not any(c[0][:2] == ["scontrol", "requeue"] for c in calls)
 
@@ -548,10 +690,21 @@ def test_a_stop_signal_as_the_job_starts_is_held_for_the_supervisor(tmp_path, af
     cfg.launch.env = {"TORCH_EXTENSIONS_DIR": str(ext)}
     plan = build_plan(cfg)
     plan.write_run_dir(dump_config(cfg))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234",
-           "SLURM_JOB_NODELIST": "node7", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
-    job = subprocess.Popen(["bash", str(Path(plan.run_dir) / JOB_SCRIPT)], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "1234",
+        "SLURM_JOB_NODELIST": "node7",
+        "PYTHONPATH": str(ROOT),
+        "TMPDIR": str(tmp_path),
+    }
+    job = subprocess.Popen(
+        ["bash", str(Path(plan.run_dir) / JOB_SCRIPT)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     time.sleep(after_s)
     job.send_signal(signal.SIGUSR1)
     out, _ = job.communicate(timeout=120)

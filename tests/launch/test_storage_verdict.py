@@ -22,9 +22,12 @@ SIZE = 4_310_052  # a real tiny checkpoint's size, from the report of this defec
 @pytest.fixture
 def free_bytes(monkeypatch):
     """Set the free space statvfs reports (``free_bytes(n)``)."""
+
     def set_free(n: int) -> None:
-        monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(
-            f_flag=0, f_bavail=n // 512, f_frsize=512))
+        monkeypatch.setattr(
+            os, "statvfs", lambda path: SimpleNamespace(f_flag=0, f_bavail=n // 512, f_frsize=512)
+        )
+
     return set_free
 
 
@@ -45,9 +48,11 @@ def test_a_full_disk_is_named_with_the_newest_checkpoints_size(tmp_path, free_by
     size = write_checkpoint(ckpt_dir, "step_0000004", [SIZE - 100_000, 100_000])
     free_bytes(1_000_448)
     verdict = train_entry.storage_verdict(ckpt_dir)
-    assert verdict == (f"the checkpoint storage at {ckpt_dir} is full: 1,000,448 bytes free, a "
-                       f"checkpoint of this run takes about {size:,} bytes (the size of "
-                       "step_0000004, the newest checkpoint)")
+    assert verdict == (
+        f"the checkpoint storage at {ckpt_dir} is full: 1,000,448 bytes free, a "
+        f"checkpoint of this run takes about {size:,} bytes (the size of "
+        "step_0000004, the newest checkpoint)"
+    )
     assert "16,777,216" not in verdict
 
 
@@ -56,12 +61,16 @@ def test_before_the_first_checkpoint_the_planner_sizes_it(tiny_data, tmp_path, f
     assert cfg.model.vocab_size is None  # read from the prepared data's manifest
     planned = train_entry.checkpoint_size(tmp_path / "none", cfg)
     model = dataclasses.replace(cfg.model, vocab_size=tiny_data.tokenizer.vocab_size)
-    assert planned == (int(checkpoint_bytes(model, "fp32", 2, 2)),
-                       "planned from the config: weights and optimizer states")
+    assert planned == (
+        int(checkpoint_bytes(model, "fp32", 2, 2)),
+        "planned from the config: weights and optimizer states",
+    )
     free_bytes(4096)
     verdict = train_entry.storage_verdict(tmp_path / "runs" / "tiny" / "checkpoints", cfg)
-    assert f"4,096 bytes free, a checkpoint of this run takes about {planned[0]:,} bytes " \
-           "(planned from the config" in verdict
+    assert (
+        f"4,096 bytes free, a checkpoint of this run takes about {planned[0]:,} bytes "
+        "(planned from the config" in verdict
+    )
 
 
 def test_room_for_a_checkpoint_but_not_for_the_run_beside_it(tmp_path, free_bytes):

@@ -74,12 +74,14 @@ def test_failed_run_leaves_the_group_alone(calls, error):
     assert seen == ["init", "barrier", "train"]
 
 
-def test_a_failure_after_a_preemption_signal_exits_as_preempted(calls, monkeypatch,
-                                                                  tiny_config_file):
+def test_a_failure_after_a_preemption_signal_exits_as_preempted(
+    calls, monkeypatch, tiny_config_file
+):
     """SLURM's stop signal reaches every process of the step: a child the rank runs at that
     moment (DeepSpeed's ``ninja --version`` while it loads an op) dies, and the rank, which held
     the signal, fails with the child's error. That is the stop, not a failure to restart."""
     from moe.training.resilience import preemption
+
     monkeypatch.setattr(preemption, "_RECEIVED", [signal.SIGUSR1])
     seen, run = calls
     with pytest.raises(SystemExit) as info:
@@ -90,9 +92,11 @@ def test_a_failure_after_a_preemption_signal_exits_as_preempted(calls, monkeypat
     assert not list(marker.parent.glob(f".{marker.name}.*"))  # written whole, no temp left
 
 
-def test_a_failure_after_a_signal_keeps_a_marker_the_ranks_already_left(calls, monkeypatch,
-                                                                         tiny_config_file):
+def test_a_failure_after_a_signal_keeps_a_marker_the_ranks_already_left(
+    calls, monkeypatch, tiny_config_file
+):
     from moe.training.resilience import preemption
+
     monkeypatch.setattr(preemption, "_RECEIVED", [signal.SIGTERM])
     marker = RunDir(tiny_config_file.parent / "runs" / "tiny").preempted
     marker.parent.mkdir(parents=True)
@@ -104,10 +108,12 @@ def test_a_failure_after_a_signal_keeps_a_marker_the_ranks_already_left(calls, m
     assert json.loads(marker.read_text())["step"] == 2
 
 
-def test_a_failure_no_restart_can_fix_stays_a_failure_after_a_signal(calls, monkeypatch,
-                                                                       tiny_config_file):
+def test_a_failure_no_restart_can_fix_stays_a_failure_after_a_signal(
+    calls, monkeypatch, tiny_config_file
+):
     from moe.core.errors import ConfigError
     from moe.training.resilience import preemption
+
     monkeypatch.setattr(preemption, "_RECEIVED", [signal.SIGUSR1])
     seen, run = calls
     with pytest.raises(SystemExit) as info:
@@ -118,6 +124,7 @@ def test_a_failure_no_restart_can_fix_stays_a_failure_after_a_signal(calls, monk
 
 def test_a_failure_without_a_signal_is_a_failure(calls, monkeypatch, tiny_config_file):
     from moe.training.resilience import preemption
+
     monkeypatch.setattr(preemption, "_RECEIVED", [])
     seen, run = calls
     with pytest.raises(RuntimeError, match="Ninja"):
@@ -127,14 +134,13 @@ def test_a_failure_without_a_signal_is_a_failure(calls, monkeypatch, tiny_config
 
 def test_every_caught_preemption_signal_is_remembered(monkeypatch):
     from moe.training.resilience import preemption
+
     monkeypatch.setattr(preemption, "_RECEIVED", [])
     assert preemption.received_signal() is None
     held = preemption.HeldSignal()
     held._on_signal(signal.SIGUSR1, None)
     assert held.take() == signal.SIGUSR1
     assert preemption.received_signal() == signal.SIGUSR1  # taken by a guard, still remembered
-
-
 
 
 @pytest.mark.parametrize("when", ["during imports", "during start-up"])
@@ -147,11 +153,23 @@ def test_a_signal_before_the_first_step_exits_75_without_a_checkpoint(tiny_data,
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(run))
     run_dir = tmp_path / "runs" / "tiny"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.Popen([sys.executable, "-m", "launch.train", "--config", str(config)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", "--config", str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     rank0 = run_dir / "logs" / "rank0.log"
     if when == "during imports":
         time.sleep(0.3)
@@ -163,7 +181,6 @@ def test_a_signal_before_the_first_step_exits_75_without_a_checkpoint(tiny_data,
     proc.send_signal(signal.SIGUSR1)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
-    assert json.loads(RunDir(run_dir).preempted.read_text()) == {"step": None,
-                                                                     "signal": "SIGUSR1"}
+    assert json.loads(RunDir(run_dir).preempted.read_text()) == {"step": None, "signal": "SIGUSR1"}
     assert "SIGUSR1 before the first step: nothing to save" in rank0.read_text()
     assert not list((run_dir / "checkpoints").glob("step_*"))

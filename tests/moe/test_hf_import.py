@@ -24,8 +24,15 @@ from moe.weights.load import load_model
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
 
 
 def hf_config(arch: str, **over):
@@ -35,13 +42,26 @@ def hf_config(arch: str, **over):
         cls = transformers.MixtralConfig
     elif arch == "qwen2_moe":
         # A dense first layer, a gated shared expert of 2 expert widths, q/k/v biases.
-        c.update(intermediate_size=40, moe_intermediate_size=8, shared_expert_intermediate_size=16,
-                 num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=False)
+        c.update(
+            intermediate_size=40,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+        )
         cls = transformers.Qwen2MoeConfig
     elif arch == "qwen3_moe":
         # Heads wider than hidden_size / heads, per-head q/k norms, renormalized top-k.
-        c.update(intermediate_size=24, moe_intermediate_size=8, num_experts=4, head_dim=12,
-                 num_experts_per_tok=2, norm_topk_prob=True)
+        c.update(
+            intermediate_size=24,
+            moe_intermediate_size=8,
+            num_experts=4,
+            head_dim=12,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        )
         cls = transformers.Qwen3MoeConfig
     elif arch == "olmoe":
         # q/k norms over the whole projections, no renormalization.
@@ -49,8 +69,11 @@ def hf_config(arch: str, **over):
         cls = transformers.OlmoeConfig
     else:
         c.update(intermediate_size=24)
-        cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config}[arch]
+        cls = {
+            "llama": transformers.LlamaConfig,
+            "mistral": transformers.MistralConfig,
+            "qwen2": transformers.Qwen2Config,
+        }[arch]
         if arch == "mistral":
             c["sliding_window"] = None
     c.update(over)
@@ -73,8 +96,9 @@ def write_tokenizer(path: Path) -> None:
 def make_hf(tmp: Path, arch: str, seed: int = 0, **over) -> tuple[Path, torch.nn.Module]:
     """A random transformers model of ``arch`` saved sharded in fp32 at ``tmp / arch``."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **over),
-                                                          dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(arch, **over), dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 1:  # norm gains and biases
@@ -130,8 +154,11 @@ def bpe_tokenizer_json(corpus: Path, out: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train([str(p) for p in sorted(corpus.glob("*.txt"))], trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -139,7 +166,8 @@ def bpe_tokenizer_json(corpus: Path, out: Path) -> Path:
 
 
 def test_data_prepared_with_the_models_tokenizer_json_trains_from_hf_weights_with_its_loss(
-        tiny_data, tmp_path, monkeypatch):
+    tiny_data, tmp_path, monkeypatch
+):
     """Data prepared with a ``tokenizer.json`` (data.tokenizer.model_file), then through the
     real trainer (one gloo rank, ``model.init_from: hf:DIR``) for every architecture (Qwen2-MoE:
     shared expert gate, biases, a dense layer; Qwen3-MoE: head_dim, q/k norms; OLMoE: q/k norms
@@ -160,8 +188,9 @@ def test_data_prepared_with_the_models_tokenizer_json_trains_from_hf_weights_wit
     from tests.conftest import tiny_run_dict
 
     tok_json = bpe_tokenizer_json(Path(tiny_data.sources[0].paths[0]), tmp_path / "tok")
-    data = dataclasses.replace(tiny_data, dir=str(tmp_path / "data"),
-                               tokenizer=TokenizerConfig(model_file=str(tok_json)))
+    data = dataclasses.replace(
+        tiny_data, dir=str(tmp_path / "data"), tokenizer=TokenizerConfig(model_file=str(tok_json))
+    )
     prepare(data, progress=False)
     seen = []
 
@@ -190,17 +219,22 @@ def test_data_prepared_with_the_models_tokenizer_json_trains_from_hf_weights_wit
             d["logging"] = {"log_every": 1, "tensorboard": False}
             d["eval"] = {"every_n_steps": 0}
             seen.clear()
-            trainer.train(from_dict(RunConfig, copy.deepcopy(d)), trainer.DistEnv(0, 1, 0, 1),
-                          resume="none")
+            trainer.train(
+                from_dict(RunConfig, copy.deepcopy(d)), trainer.DistEnv(0, 1, 0, 1), resume="none"
+            )
             x, y, loss = seen[0]
             assert int(x.max()) >= 300  # BPE merges of the tokenizer.json, not bytes alone
             with torch.no_grad():
                 logits = hf(input_ids=x).logits
-            want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(),
-                                                     ignore_index=-100)
+            want = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), y.flatten(), ignore_index=-100
+            )
             torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
-            step = json.loads((tmp_path / "runs" / arch / "logs" / "steps_rank0.jsonl")
-                              .read_text().splitlines()[0])
+            step = json.loads(
+                (tmp_path / "runs" / arch / "logs" / "steps_rank0.jsonl")
+                .read_text()
+                .splitlines()[0]
+            )
             aux = step["loss"] - float(loss)  # the logged loss adds the balancing loss
             if d["model"]["ffn"] == "moe":
                 assert 0 <= aux < 0.1
@@ -209,13 +243,15 @@ def test_data_prepared_with_the_models_tokenizer_json_trains_from_hf_weights_wit
         # The SentencePiece data of tiny_data with the same model: refused before training.
         other = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=1)
         # (vocab_size large enough for that tokenizer: the tokenizer check is what refuses)
-        other.update(name="mismatch", model={**d["model"], "vocab_size": 512},
-                     parallel=d["parallel"])
+        other.update(
+            name="mismatch", model={**d["model"], "vocab_size": 512}, parallel=d["parallel"]
+        )
         with pytest.raises(ConfigError) as e:
-            trainer.train(from_dict(RunConfig, other), trainer.DistEnv(0, 1, 0, 1),
-                          resume="none")
+            trainer.train(from_dict(RunConfig, other), trainer.DistEnv(0, 1, 0, 1), resume="none")
     assert hashlib.sha256(tok_json.read_bytes()).hexdigest() in str(e.value)
-    data_sha = json.loads((Path(tiny_data.dir) / "manifest.json").read_text())["tokenizer"]["sha256"]
+    data_sha = json.loads((Path(tiny_data.dir) / "manifest.json").read_text())["tokenizer"][
+        "sha256"
+    ]
     assert data_sha in str(e.value)
 
 
@@ -228,8 +264,17 @@ def test_export_reproduces_every_tensor_of_the_original(arch, tmp_path, capsys):
     hf_dir, _ = make_hf(tmp_path, arch)
     assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
     target = {"llama": "llama"}.get(arch, arch)
-    export_main([str(tmp_path / "ckpt"), str(tmp_path / "back"), "--format", "hf",
-                 "--arch", target, "--quiet"])
+    export_main(
+        [
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "back"),
+            "--format",
+            "hf",
+            "--arch",
+            target,
+            "--quiet",
+        ]
+    )
 
     def tensors(d: Path) -> dict:
         out = {}
@@ -242,8 +287,10 @@ def test_export_reproduces_every_tensor_of_the_original(arch, tmp_path, capsys):
     assert original.keys() == back.keys()
     for k in original:
         assert torch.equal(original[k], back[k]), k
-    assert (json.loads((tmp_path / "back" / "config.json").read_text())["architectures"]
-            == json.loads((hf_dir / "config.json").read_text())["architectures"])
+    assert (
+        json.loads((tmp_path / "back" / "config.json").read_text())["architectures"]
+        == json.loads((hf_dir / "config.json").read_text())["architectures"]
+    )
 
 
 def test_a_directory_without_tokenizer_files_imports_and_exports_without_one(tmp_path, capsys):
@@ -265,13 +312,15 @@ def test_a_directory_without_tokenizer_files_imports_and_exports_without_one(tmp
         assert f"note: {tmp_path / 'ckpt'} holds no tokenizer" in err and "Traceback" not in err
         names = {f.name for f in (tmp_path / fmt).iterdir()}
         assert not names & {"tokenizer.json", "tokenizer.model", "hf_tokenizer"}, names
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
-                                                             dtype=torch.float32).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32
+    ).eval()
     model, _, _ = load_model(tmp_path / "ckpt")
     x = ids()
     with torch.no_grad():
-        torch.testing.assert_close(back(input_ids=x).logits, hf(input_ids=x).logits,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            back(input_ids=x).logits, hf(input_ids=x).logits, rtol=1e-4, atol=1e-4
+        )
         torch.testing.assert_close(model(x).logits, hf(input_ids=x).logits, rtol=1e-4, atol=1e-4)
     assert not list(tmp_path.glob(".hf*")) and not list(tmp_path.glob(".fp32*"))
 
@@ -295,8 +344,13 @@ def test_dense_llama_upcycles_into_moe_with_unchanged_logits(tmp_path):
 
     hf_dir, hf = make_hf(tmp_path, "llama")
     _, dense_cfg, _ = read_hf_model(hf_dir)
-    cfg = copy_config(dense_cfg, ffn="moe", moe=MoEConfig(
-        num_experts=4, expert_hidden=24, router=RouterConfig(top_k=2, renormalize=True)))
+    cfg = copy_config(
+        dense_cfg,
+        ffn="moe",
+        moe=MoEConfig(
+            num_experts=4, expert_hidden=24, router=RouterConfig(top_k=2, renormalize=True)
+        ),
+    )
     model = MoETransformer(cfg).eval()
     initialize_from_checkpoint(model, f"hf:{hf_dir}")
     assert len(model.moe_layers()) == 3
@@ -311,18 +365,31 @@ def copy_config(cfg, **changes):
     return dataclasses.replace(cfg, **changes)
 
 
-@pytest.mark.parametrize("arch, over, named", [
-    ("mistral", {"sliding_window": 16}, ["sliding_window: 16"]),
-    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-               "attention_bias": True, "hidden_act": "gelu"},
-     ["rope_parameters.rope_type: 'linear'", "attention_bias: True", "hidden_act: 'gelu'"]),
-    ("qwen2_moe", {"use_sliding_window": True, "shared_expert_intermediate_size": 12},
-     ["use_sliding_window: True", "shared_expert_intermediate_size: 12"]),
-    ("olmoe", {"clip_qkv": 8.0}, ["clip_qkv: 8.0"]),
-    ("qwen3_moe", {"mlp_only_layers": [2]}, ["mlp_only_layers: [2]"]),
-])
+@pytest.mark.parametrize(
+    "arch, over, named",
+    [
+        ("mistral", {"sliding_window": 16}, ["sliding_window: 16"]),
+        (
+            "llama",
+            {
+                "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+                "attention_bias": True,
+                "hidden_act": "gelu",
+            },
+            ["rope_parameters.rope_type: 'linear'", "attention_bias: True", "hidden_act: 'gelu'"],
+        ),
+        (
+            "qwen2_moe",
+            {"use_sliding_window": True, "shared_expert_intermediate_size": 12},
+            ["use_sliding_window: True", "shared_expert_intermediate_size: 12"],
+        ),
+        ("olmoe", {"clip_qkv": 8.0}, ["clip_qkv: 8.0"]),
+        ("qwen3_moe", {"mlp_only_layers": [2]}, ["mlp_only_layers: [2]"]),
+    ],
+)
 def test_what_the_model_cannot_express_is_refused_by_name_before_any_work(
-        arch, over, named, tmp_path, capsys, monkeypatch):
+    arch, over, named, tmp_path, capsys, monkeypatch
+):
     hf_dir, _ = make_hf(tmp_path, arch)
     cfg = json.loads((hf_dir / "config.json").read_text())
     cfg.update(over)
@@ -358,48 +425,59 @@ def _rewrite(hf_dir: Path, change, reindex: bool = True) -> None:
     from safetensors.torch import load_file, save_file
 
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
-    name = next(k for k in index["weight_map"] if k.endswith("layers.1.mlp.gate.weight")
-                or k.endswith("layers.1.block_sparse_moe.gate.weight"))
+    name = next(
+        k
+        for k in index["weight_map"]
+        if k.endswith("layers.1.mlp.gate.weight")
+        or k.endswith("layers.1.block_sparse_moe.gate.weight")
+    )
     shard = hf_dir / index["weight_map"][name]
     tensors = load_file(str(shard))
     change(tensors, name)
     save_file(tensors, str(shard), metadata={"format": "pt"})
     if not reindex:
         return
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors
-                           or v != shard.name}
+    index["weight_map"] = {
+        k: v for k, v in index["weight_map"].items() if k in tensors or v != shard.name
+    }
     index["weight_map"].update({k: shard.name for k in tensors})
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("damage, expected", [
-    ("missing_shard", "shards listed in the index are missing"),
-    ("wrong_shape", "shape (4, 31), config.json describes (4, 32)"),
-    ("extra_tensor", "model.layers.1.mlp.extra.weight: no tensor of the model corresponds"),
-    # In a shard but not in the index: transformers reads it anyway (as unexpected).
-    ("unindexed_tensor", "model.layers.1.mlp.extra.weight: not listed in the index"),
-    ("unindexed_needed", "model.layers.1.mlp.gate.weight: not listed in the index"),
-    ("other_shard", "model.layers.1.mlp.gate.weight: the index places it in model-0000"),
-    ("missing_tensor", "missing (needed for blocks.1.ffn.router.weight)"),
-    ("int_dtype", "dtype I32"),
-    ("nan_value", "1 of 128 values are NaN or infinite"),
-    ("inf_value", "2 of 128 values are NaN or infinite"),
-])
-def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected, tmp_path,
-                                                                capsys):
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("missing_shard", "shards listed in the index are missing"),
+        ("wrong_shape", "shape (4, 31), config.json describes (4, 32)"),
+        ("extra_tensor", "model.layers.1.mlp.extra.weight: no tensor of the model corresponds"),
+        # In a shard but not in the index: transformers reads it anyway (as unexpected).
+        ("unindexed_tensor", "model.layers.1.mlp.extra.weight: not listed in the index"),
+        ("unindexed_needed", "model.layers.1.mlp.gate.weight: not listed in the index"),
+        ("other_shard", "model.layers.1.mlp.gate.weight: the index places it in model-0000"),
+        ("missing_tensor", "missing (needed for blocks.1.ffn.router.weight)"),
+        ("int_dtype", "dtype I32"),
+        ("nan_value", "1 of 128 values are NaN or infinite"),
+        ("inf_value", "2 of 128 values are NaN or infinite"),
+    ],
+)
+def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected, tmp_path, capsys):
     hf_dir, _ = make_hf(tmp_path, "qwen3_moe")
     if damage == "missing_shard":
         next(hf_dir.glob("model-00002-*.safetensors")).unlink()
     elif damage == "wrong_shape":
         _rewrite(hf_dir, lambda t, n: t.__setitem__(n, t[n][:, :31].contiguous()))
     elif damage == "extra_tensor":
-        _rewrite(hf_dir, lambda t, n: t.__setitem__("model.layers.1.mlp.extra.weight",
-                                                    torch.zeros(2)))
+        _rewrite(
+            hf_dir, lambda t, n: t.__setitem__("model.layers.1.mlp.extra.weight", torch.zeros(2))
+        )
     elif damage == "missing_tensor":
         _rewrite(hf_dir, lambda t, n: t.pop(n))
     elif damage == "unindexed_tensor":
-        _rewrite(hf_dir, lambda t, n: t.__setitem__("model.layers.1.mlp.extra.weight",
-                                                    torch.zeros(2)), reindex=False)
+        _rewrite(
+            hf_dir,
+            lambda t, n: t.__setitem__("model.layers.1.mlp.extra.weight", torch.zeros(2)),
+            reindex=False,
+        )
     elif damage in ("unindexed_needed", "other_shard"):
         index_file = hf_dir / "model.safetensors.index.json"
         index = json.loads(index_file.read_text())
@@ -419,12 +497,20 @@ def test_damaged_weights_are_refused_with_file_and_tensor_named(damage, expected
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert expected in err, err
-    if damage in ("wrong_shape", "extra_tensor", "int_dtype", "unindexed_tensor",
-                  "unindexed_needed", "other_shard"):
+    if damage in (
+        "wrong_shape",
+        "extra_tensor",
+        "int_dtype",
+        "unindexed_tensor",
+        "unindexed_needed",
+        "other_shard",
+    ):
         assert ".safetensors: model.layers.1." in err  # the file and the tensor
     if damage in ("nan_value", "inf_value"):  # the directory, their tensor and ours
-        assert f"{hf_dir}: model.layers.1.mlp.gate.weight (blocks.1.ffn.router.weight in our " \
-               "model)" in err
+        assert (
+            f"{hf_dir}: model.layers.1.mlp.gate.weight (blocks.1.ffn.router.weight in our "
+            "model)" in err
+        )
     assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt*"))
 
 
@@ -478,6 +564,9 @@ def test_a_run_starting_from_open_weights_with_nan_values_is_refused(tmp_path):
     model = MoETransformer(cfg)
     initialize_from_checkpoint(model, f"hf:{hf_dir}")  # the undamaged weights load
     _rewrite(hf_dir, lambda t, n: t[n].view(-1).__setitem__(3, float("nan")))
-    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.gate.weight \(blocks.1.ffn"
-                                              r".router.weight in our model\): 1 of 128 values"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.layers.1.mlp.gate.weight \(blocks.1.ffn"
+        r".router.weight in our model\): 1 of 128 values",
+    ):
         initialize_from_checkpoint(MoETransformer(cfg), f"hf:{hf_dir}")

@@ -83,20 +83,24 @@ class AdaptedMoELayer(MoELayer):
         return self.adapter(y_BSD), aux_loss
 
 
-_ADAPTED = {CausalSelfAttention: AdaptedAttention, DenseFFN: AdaptedDenseFFN,
-            MoELayer: AdaptedMoELayer}
+_ADAPTED = {
+    CausalSelfAttention: AdaptedAttention,
+    DenseFFN: AdaptedDenseFFN,
+    MoELayer: AdaptedMoELayer,
+}
 
 
 def bottleneck_problems(d_model: int, cfg: BottleneckConfig) -> list[str]:
     """What keeps ``cfg`` from adapting a model of width ``d_model`` (keys of the section)."""
     if cfg.hidden > d_model:
-        return [f"hidden: {cfg.hidden} exceeds the model width ({d_model}); a bottleneck "
-                f"adapter narrows, use at most {d_model}"]
+        return [
+            f"hidden: {cfg.hidden} exceeds the model width ({d_model}); a bottleneck "
+            f"adapter narrows, use at most {d_model}"
+        ]
     return []
 
 
-def apply_bottleneck_adapters(model: MoETransformer, cfg: BottleneckConfig
-                              ) -> list[nn.Parameter]:
+def apply_bottleneck_adapters(model: MoETransformer, cfg: BottleneckConfig) -> list[nn.Parameter]:
     """Add an adapter after the sublayers ``cfg.placement`` names in every block of ``model`` (a
     single-device model, before any wrapping), drawing the down-projections from the global
     random state. Returns the new parameters."""

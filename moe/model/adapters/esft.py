@@ -62,7 +62,7 @@ def select_experts(scores_LE: torch.Tensor, p: float) -> list[list[int]]:
         if not total > 0:
             raise ValueError(f"MoE layer {layer}: every expert scored 0 (no token was routed)")
         n = int(torch.searchsorted(cum, p * total).item()) + 1  # first prefix reaching p
-        out.append(sorted(order[:min(n, len(order))].tolist()))
+        out.append(sorted(order[: min(n, len(order))].tolist()))
     return out
 
 
@@ -82,7 +82,11 @@ def freeze_all_but_routed_experts(model: nn.Module) -> None:
     """ESFT's freezing before the selection is known: only the routed experts' stacks keep
     ``requires_grad`` (attention, norms, embeddings, routers, shared experts and dense layers
     are frozen); :func:`mask_expert_rows` then narrows each stack to its selected experts."""
-    stacks = {id(p) for m in model.modules() if isinstance(m, GroupedExperts)
-              for p in m.parameters(recurse=False)}
+    stacks = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, GroupedExperts)
+        for p in m.parameters(recurse=False)
+    }
     for p in model.parameters():
         p.requires_grad_(id(p) in stacks)

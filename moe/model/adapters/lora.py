@@ -48,17 +48,35 @@ from moe.model.experts import (
 from moe.model.moe_layer import MoELayer
 from moe.model.router import TopKRouter
 
-LoRATarget = Literal["attention.q", "attention.k", "attention.v", "attention.o", "ffn",
-                     "shared_experts", "experts", "router"]
-_ATTENTION = {"attention.q": "q_proj", "attention.k": "k_proj", "attention.v": "v_proj",
-              "attention.o": "o_proj"}
+LoRATarget = Literal[
+    "attention.q",
+    "attention.k",
+    "attention.v",
+    "attention.o",
+    "ffn",
+    "shared_experts",
+    "experts",
+    "router",
+]
+_ATTENTION = {
+    "attention.q": "q_proj",
+    "attention.k": "k_proj",
+    "attention.v": "v_proj",
+    "attention.o": "o_proj",
+}
 
 
 @dataclass
 class LoRAConfig:
     targets: list[LoRATarget] = arch(
-        default_factory=lambda: ["attention.q", "attention.k", "attention.v", "attention.o",
-                                 "experts"])
+        default_factory=lambda: [
+            "attention.q",
+            "attention.k",
+            "attention.v",
+            "attention.o",
+            "experts",
+        ]
+    )
     """What gets LoRA factors: attention.q, attention.k, attention.v, attention.o (the attention
     projections), ffn (dense FFN layers), shared_experts, experts (routed experts, per-expert
     stacks), router. Each must match at least one layer of the model."""
@@ -110,8 +128,10 @@ def lora_sites(model: nn.Module, target: str, cfg: LoRAConfig) -> list[tuple[str
         elif target == "ffn" and isinstance(m, DenseFFN) and id(m) not in shared:
             out += [(f"{name}.w_in", m.w_in, cfg.rank), (f"{name}.w_out", m.w_out, cfg.rank)]
         elif target == "shared_experts" and isinstance(m, MoELayer) and m.shared_mlp is not None:
-            out += [(f"{name}.shared_mlp.w_in", m.shared_mlp.w_in, cfg.rank),
-                    (f"{name}.shared_mlp.w_out", m.shared_mlp.w_out, cfg.rank)]
+            out += [
+                (f"{name}.shared_mlp.w_in", m.shared_mlp.w_in, cfg.rank),
+                (f"{name}.shared_mlp.w_out", m.shared_mlp.w_out, cfg.rank),
+            ]
         elif target == "experts" and isinstance(m, MoELayer):
             out.append((f"{name}.experts", m.experts, cfg.expert_rank_of(m.cfg.router.top_k)))
         elif target == "router" and isinstance(m, MoELayer):
@@ -138,29 +158,36 @@ def lora_problems(model: nn.Module, cfg: LoRAConfig) -> list[str]:
         sites = lora_sites(model, target, cfg)
         if not sites:
             out.append(f"targets: {target!r} matches no layer of this model ({_absent(target)})")
-        found = [_rank_problem(target, name, module, rank, cfg)
-                 for name, module, rank in sites]
+        found = [_rank_problem(target, name, module, rank, cfg) for name, module, rank in sites]
         out += [p for p in found if p][:1]
     return out
 
 
-def _rank_problem(target: str, name: str, module: nn.Module, rank: int,
-                  cfg: LoRAConfig) -> str | None:
+def _rank_problem(
+    target: str, name: str, module: nn.Module, rank: int, cfg: LoRAConfig
+) -> str | None:
     if rank < 1:
-        return (f"rank: {cfg.rank} with expert_rank per_top_k gives the routed experts rank "
-                f"{cfg.rank} // top_k = 0; use a rank >= top_k")
+        return (
+            f"rank: {cfg.rank} with expert_rank per_top_k gives the routed experts rank "
+            f"{cfg.rank} // top_k = 0; use a rank >= top_k"
+        )
     for wname, (d_in, d_out) in _factor_shapes(module).items():
         if rank > min(d_in, d_out):
             per = "" if rank == cfg.rank else f" (per expert with expert_rank per_top_k: {rank})"
-            return (f"rank: {cfg.rank}{per} exceeds the smaller dimension of {target} "
-                    f"({name}.{wname}: {d_in} -> {d_out}); use at most {min(d_in, d_out)}")
+            return (
+                f"rank: {cfg.rank}{per} exceeds the smaller dimension of {target} "
+                f"({name}.{wname}: {d_in} -> {d_out}); use at most {min(d_in, d_out)}"
+            )
     return None
 
 
 def _absent(target: str) -> str:
-    return {"ffn": "it has no dense FFN layer", "shared_experts": "it has no shared experts",
-            "experts": "it has no MoE layer", "router": "it has no MoE layer"}.get(
-        target, "no such module")
+    return {
+        "ffn": "it has no dense FFN layer",
+        "shared_experts": "it has no shared experts",
+        "experts": "it has no MoE layer",
+        "router": "it has no MoE layer",
+    }.get(target, "no such module")
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[nn.Parameter]:
@@ -274,8 +301,7 @@ class LoRAGroupedExperts(GroupedExperts, _Adapted):
             a, b = getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
             rank = kernel_rank(a.shape[-1], a.dtype)
             for shape in ((*a.shape[:-1], rank), (b.shape[0], rank, b.shape[-1])):
-                if not uses_grouped_kernel(x_ND, torch.empty(shape, dtype=a.dtype,
-                                                             device="meta")):
+                if not uses_grouped_kernel(x_ND, torch.empty(shape, dtype=a.dtype, device="meta")):
                     return True
         return False
 
@@ -287,8 +313,7 @@ class LoRAGroupedExperts(GroupedExperts, _Adapted):
         return y_NO + self.lora_scale * grouped_mm(a_NR, b, counts_E, counts_host)
 
 
-_LORA_CLASS = {nn.Linear: LoRALinear, TopKRouter: LoRARouter,
-               GroupedExperts: LoRAGroupedExperts}
+_LORA_CLASS = {nn.Linear: LoRALinear, TopKRouter: LoRARouter, GroupedExperts: LoRAGroupedExperts}
 _BASE_CLASS = {v: k for k, v in _LORA_CLASS.items()}
 
 
@@ -314,8 +339,7 @@ def base_fingerprint(params: dict[str, torch.Tensor], dtype: torch.dtype = torch
     for name in sorted(params):
         if not is_factor(name):
             h.update(name.encode())
-            h.update(params[name].detach().to(dtype).float().cpu().contiguous().numpy()
-                     .tobytes())
+            h.update(params[name].detach().to(dtype).float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -44,28 +44,35 @@ def prefix_problems(attention_backend: str, position: str, document_masking: boo
     """The model settings prefix tuning does not support (full keys, each with its fix)."""
     out = []
     if attention_backend == "flex" or (attention_backend == "auto" and position in ("alibi", "t5")):
-        out.append(f"model.attention_backend: {attention_backend} can run flex attention (with "
-                   f"position {position}), which prefix tuning does not support; use sdpa or "
-                   "reference")
+        out.append(
+            f"model.attention_backend: {attention_backend} can run flex attention (with "
+            f"position {position}), which prefix tuning does not support; use sdpa or "
+            "reference"
+        )
     if document_masking:
-        out.append("model.document_masking: prefix tuning does not support packed documents "
-                   "(per-document attention); set it false")
+        out.append(
+            "model.document_masking: prefix tuning does not support packed documents "
+            "(per-document attention); set it false"
+        )
     return out
 
 
 class PrefixAttention(CausalSelfAttention):
     prefix_k: nn.Parameter  # (Hkv, n, hd), added by apply_prefix
     prefix_v: nn.Parameter
+
     def extend_keys(self, k, v, inputs: AttentionInputs):
         if inputs.backend not in ("sdpa", "reference") or inputs.doc_lengths is not None:
-            raise ValueError(f"prefix tuning does not support the {inputs.backend} back end "
-                             "or packed documents")
+            raise ValueError(
+                f"prefix tuning does not support the {inputs.backend} back end or packed documents"
+            )
         B, L, n = k.shape[0], k.shape[2], self.prefix_k.shape[1]
         mask = inputs.mask  # None: plain causal over L = S keys
         if mask is None:
             mask = torch.ones(L, L, dtype=torch.bool, device=k.device).tril()[None, None]
         front = (torch.ones if mask.dtype == torch.bool else torch.zeros)(
-            *mask.shape[:-1], n, dtype=mask.dtype, device=mask.device)
+            *mask.shape[:-1], n, dtype=mask.dtype, device=mask.device
+        )
         k = torch.cat((self.prefix_k.to(k.dtype).expand(B, -1, -1, -1), k), dim=2)
         v = torch.cat((self.prefix_v.to(v.dtype).expand(B, -1, -1, -1), v), dim=2)
         return k, v, dataclasses.replace(inputs, mask=torch.cat((front, mask), dim=-1))
@@ -80,8 +87,12 @@ def apply_prefix(model: nn.Module, cfg: PrefixConfig) -> list[nn.Parameter]:
             like = m.k_proj.weight
             m.__class__ = PrefixAttention
             for name in ("prefix_k", "prefix_v"):
-                p = torch.randn(m.n_kv_heads, cfg.tokens, m.head_dim, dtype=like.dtype,
-                                device=like.device) * cfg.init_std
+                p = (
+                    torch.randn(
+                        m.n_kv_heads, cfg.tokens, m.head_dim, dtype=like.dtype, device=like.device
+                    )
+                    * cfg.init_std
+                )
                 setattr(m, name, nn.Parameter(p))
                 added.append(getattr(m, name))
     return added

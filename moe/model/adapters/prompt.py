@@ -90,8 +90,10 @@ def apply_prompt(model: MoETransformer, cfg: PromptConfig) -> list[nn.Parameter]
         if cfg.init == "vocab":
             prompt = table[torch.randint(0, table.shape[0], (cfg.tokens,))].clone()
         else:
-            prompt = torch.randn(cfg.tokens, table.shape[1], dtype=table.dtype,
-                                 device=table.device) * table.std()
+            prompt = (
+                torch.randn(cfg.tokens, table.shape[1], dtype=table.dtype, device=table.device)
+                * table.std()
+            )
     model.__class__ = PromptTunedTransformer
     model.embed.__class__ = PromptEmbedding
     embed = cast(PromptEmbedding, model.embed)

@@ -57,9 +57,26 @@ SCALE_BLOCK = 256
 """Absmaxes per block of the double quantisation."""
 TORCHAO_PIP = "pip install torchao==0.18.0"
 
-NF4_CODE = torch.tensor([
-    -1.0000, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0000,
-    0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0000])
+NF4_CODE = torch.tensor(
+    [
+        -1.0000,
+        -0.6962,
+        -0.5251,
+        -0.3949,
+        -0.2844,
+        -0.1848,
+        -0.0911,
+        0.0000,
+        0.0796,
+        0.1609,
+        0.2461,
+        0.3379,
+        0.4407,
+        0.5626,
+        0.7230,
+        1.0000,
+    ]
+)
 """The 16 NF4 values as torchao rounds them (QLoRA's quantiles of N(0, 1), scaled to [-1, 1])."""
 _BYTE_VALUES = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1)
 """(256, 2): the two values a byte of codes holds (high nibble first, as torchao packs them)."""
@@ -118,24 +135,32 @@ def quantize_nf4(w_M: torch.Tensor) -> dict[str, torch.Tensor]:
 def empty_nf4(shape: torch.Size, device=None) -> dict[str, torch.Tensor]:
     """Parts shaped for a stack of ``shape`` (M, ...), to be loaded from a checkpoint."""
     m, n = shape[0], _padded(math.prod(shape[1:]))
-    return {"codes": torch.zeros(m, n // 2, dtype=torch.uint8, device=device),
-            "scales": torch.zeros(m, n // BLOCK, dtype=torch.int8, device=device),
-            "factor": torch.ones(m, n // (BLOCK * SCALE_BLOCK), device=device),
-            "mean": torch.zeros(m, device=device)}
+    return {
+        "codes": torch.zeros(m, n // 2, dtype=torch.uint8, device=device),
+        "scales": torch.zeros(m, n // BLOCK, dtype=torch.int8, device=device),
+        "factor": torch.ones(m, n // (BLOCK * SCALE_BLOCK), device=device),
+        "mean": torch.zeros(m, device=device),
+    }
 
 
-def dequantize_nf4(codes: torch.Tensor, scales: torch.Tensor, factor: torch.Tensor,
-                   mean: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def dequantize_nf4(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    factor: torch.Tensor,
+    mean: torch.Tensor,
+    shape: torch.Size,
+) -> torch.Tensor:
     """The fp32 stack (M, ...) of ``shape`` the parts hold: torchao's dequantisation, for every
     matrix of the stack at once."""
     m = codes.shape[0]
     # The absmax of each block: int8 / its scale block's factor + the matrix's mean.
-    absmax_MB = (scales.view(m, factor.shape[1], SCALE_BLOCK).float()
-                 / factor[:, :, None]).reshape(m, -1) + mean[:, None]
+    absmax_MB = (scales.view(m, factor.shape[1], SCALE_BLOCK).float() / factor[:, :, None]).reshape(
+        m, -1
+    ) + mean[:, None]
     # One lookup per byte (int32 indices): a quarter of the index memory of one int64 per value.
     values = _BYTE_VALUES.to(codes.device).index_select(0, codes.reshape(-1).int())
     values = values.view(m, -1, BLOCK) * absmax_MB[:, :, None]
-    return values.view(m, -1)[:, :math.prod(shape[1:])].view(shape)
+    return values.view(m, -1)[:, : math.prod(shape[1:])].view(shape)
 
 
 class _Weight:
@@ -236,8 +261,12 @@ class NF4LoRAGroupedExperts(LoRAGroupedExperts, NF4GroupedExperts):
     """LoRA on NF4 routed experts: the factors' grouped products over NF4GroupedExperts'."""
 
 
-_NF4_CLASS = {nn.Linear: NF4Linear, LoRALinear: NF4LoRALinear, GroupedExperts: NF4GroupedExperts,
-              LoRAGroupedExperts: NF4LoRAGroupedExperts}
+_NF4_CLASS = {
+    nn.Linear: NF4Linear,
+    LoRALinear: NF4LoRALinear,
+    GroupedExperts: NF4GroupedExperts,
+    LoRAGroupedExperts: NF4LoRAGroupedExperts,
+}
 _FLOAT_CLASS = {v: k for k, v in _NF4_CLASS.items()}
 
 
@@ -288,16 +317,18 @@ def dequantize_base(model: nn.Module) -> int:
     modules."""
     modules = [m for m in model.modules() if type(m) in _FLOAT_CLASS]
     for module in modules:
-        weights = {name: _Weight(module, name).dequantized(torch.float32)
-                   for name in _shapes(module)}
+        weights = {
+            name: _Weight(module, name).dequantized(torch.float32) for name in _shapes(module)
+        }
         for name in weights:
             for k in _PARTS:
                 delattr(module, f"{name}_nf4_{k}")
         module.__class__ = _FLOAT_CLASS[type(module)]
         del module.nf4_shapes
         for name, w in weights.items():
-            setattr(module, name, nn.Parameter(w if name != "weight" else w[0],
-                                               requires_grad=False))
+            setattr(
+                module, name, nn.Parameter(w if name != "weight" else w[0], requires_grad=False)
+            )
     return len(modules)
 
 
@@ -312,5 +343,9 @@ def quantized_numel(module: nn.Module) -> int:
 
 def nf4_bytes(model: nn.Module) -> int:
     """Bytes of every NF4 buffer of ``model``: codes, quantised scales, factors, means."""
-    return sum(getattr(m, f"{name}_nf4_{k}").nbytes for m in nf4_modules(model)
-               for name in _shapes(m) for k in _PARTS)
+    return sum(
+        getattr(m, f"{name}_nf4_{k}").nbytes
+        for m in nf4_modules(model)
+        for name in _shapes(m)
+        for k in _PARTS
+    )

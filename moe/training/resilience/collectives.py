@@ -21,10 +21,24 @@ from dataclasses import dataclass
 
 from moe.core.errors import TrainingError
 
-WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-           "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all",
-           "broadcast", "barrier", "reduce", "gather", "scatter", "all_gather_object",
-           "broadcast_object_list", "monitored_barrier")
+WRAPPED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_gather_object",
+    "broadcast_object_list",
+    "monitored_barrier",
+)
 
 
 class CollectiveTimeout(TrainingError):
@@ -44,8 +58,10 @@ class LastCollective:
         if self.name is None:
             return "last collective entered: none recorded"
         state = "returned" if self.returned else "still inside it"
-        return (f"last collective entered: {self.name} (call {self.calls} of this process), "
-                f"{time.monotonic() - self.entered:.1f}s ago, {state}")
+        return (
+            f"last collective entered: {self.name} (call {self.calls} of this process), "
+            f"{time.monotonic() - self.entered:.1f}s ago, {state}"
+        )
 
 
 LAST = LastCollective()
@@ -72,7 +88,8 @@ def _wrap(name: str, fn, rank: int, timeout_s: float):
                 raise CollectiveTimeout(
                     f"rank {rank}: {name} did not complete within {timeout_s:g}s (the process "
                     f"group's timeout: train.hang_timeout_s plus the hang watchdog's margin): a "
-                    f"peer rank is hung or gone ({str(e).splitlines()[0]})") from e
+                    f"peer rank is hung or gone ({str(e).splitlines()[0]})"
+                ) from e
             raise
         finally:
             LAST.depth -= 1

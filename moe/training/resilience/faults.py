@@ -156,8 +156,9 @@ class PlannedFaults(FaultInjector):
         for f in self.faults:
             if f["phase"] == phase and f["step"] == step:
                 try:
-                    fd = os.open(self.fired_dir / f"fault_{f['id']}",
-                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                    fd = os.open(
+                        self.fired_dir / f"fault_{f['id']}", os.O_CREAT | os.O_EXCL | os.O_WRONLY
+                    )
                 except FileExistsError:
                     continue  # fired before a restart
                 os.write(fd, repr(time.time()).encode())

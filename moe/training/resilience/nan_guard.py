@@ -57,18 +57,24 @@ class NonFiniteGuard(LoopPart):
             self.consecutive = 0
             return CONTINUE
         if not s.skipped:
-            return Stop(f"step {s.step}: non-finite loss ({s.loss}) or gradient norm "
-                        f"({s.grad_norm}) was applied to the weights (nothing skips steps "
-                        "without ZeRO stage 1 or 2); stopping. Resume from the last "
-                        "checkpoint, with ZeRO stage 1 or 2 to skip such steps")
+            return Stop(
+                f"step {s.step}: non-finite loss ({s.loss}) or gradient norm "
+                f"({s.grad_norm}) was applied to the weights (nothing skips steps "
+                "without ZeRO stage 1 or 2); stopping. Resume from the last "
+                "checkpoint, with ZeRO stage 1 or 2 to skip such steps"
+            )
         self.consecutive += 1
         if self.rank == 0 and s.spike_zscore is None:  # a spike skip: spike_guard.py warns
-            log.warning(f"step {s.step}: skipped: non-finite loss ({s.loss}) or gradient norm "
-                        f"({s.grad_norm}); {self.consecutive} consecutive skip(s) of at most "
-                        f"{self.max_skips}")
+            log.warning(
+                f"step {s.step}: skipped: non-finite loss ({s.loss}) or gradient norm "
+                f"({s.grad_norm}); {self.consecutive} consecutive skip(s) of at most "
+                f"{self.max_skips}"
+            )
         if self.consecutive >= self.max_skips:
-            return Stop(f"step {s.step}: {self.consecutive} consecutive steps had a "
-                        "non-finite loss or gradient norm (or a loss spike, train.spike); "
-                        "stopping. The last checkpoint holds the last good state: lower "
-                        "train.lr or raise train.grad_clip, then resume")
+            return Stop(
+                f"step {s.step}: {self.consecutive} consecutive steps had a "
+                "non-finite loss or gradient norm (or a loss spike, train.spike); "
+                "stopping. The last checkpoint holds the last good state: lower "
+                "train.lr or raise train.grad_clip, then resume"
+            )
         return Skip(f"step {s.step}: non-finite loss or gradient norm, or a loss spike")

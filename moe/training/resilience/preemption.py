@@ -102,11 +102,15 @@ def exit_for_requeue(marker: Path, rank: int, decision: Stop) -> NoReturn:
     if rank == 0:
         marker.write_text(json.dumps({"step": decision.step, "signal": decision.reason}))
     if decision.step is None:
-        log.info(f"{decision.reason} before the first step: nothing to save; exiting with code "
-                 f"{PREEMPTED_EXIT_CODE} so that the job can start again")
+        log.info(
+            f"{decision.reason} before the first step: nothing to save; exiting with code "
+            f"{PREEMPTED_EXIT_CODE} so that the job can start again"
+        )
     else:
-        log.info(f"{decision.reason}: saved step {decision.step}; exiting with code "
-                 f"{PREEMPTED_EXIT_CODE} so that the job can resume from it")
+        log.info(
+            f"{decision.reason}: saved step {decision.step}; exiting with code "
+            f"{PREEMPTED_EXIT_CODE} so that the job can resume from it"
+        )
     # No rank may exit (and have a scheduler kill the others) before the marker exists.
     if dist.is_initialized():
         dist.barrier()

@@ -99,8 +99,15 @@ class LossSpikeGuard(LoopPart):
 
     state_key = "spike_guard"
 
-    def __init__(self, cfg: SpikeConfig, run_dir: Path, loader, rank: int, world_size: int,
-                 events: list[dict] = ()):
+    def __init__(
+        self,
+        cfg: SpikeConfig,
+        run_dir: Path,
+        loader,
+        rank: int,
+        world_size: int,
+        events: list[dict] = (),
+    ):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.loader = loader  # its state_dict() gives the data cursor after the step
         self.path = Path(run_dir) / SKIPPED_BATCHES
@@ -118,8 +125,9 @@ class LossSpikeGuard(LoopPart):
         std = max(statistics.pstdev(self.losses), 1e-6)  # a flat window is not infinitely strict
         return statistics.fmean(self.losses), std
 
-    def check(self, loss: torch.Tensor, ref: tuple[float, float],
-              backprop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def check(
+        self, loss: torch.Tensor, ref: tuple[float, float], backprop: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss to back-propagate: ``backprop`` (default ``loss``) or, on a spike, NaN times
         it; the z-score of the micro-batch loss averaged over the ranks). No host read."""
         mean_loss = loss.detach().float().clone()
@@ -156,45 +164,69 @@ class LossSpikeGuard(LoopPart):
             return CONTINUE
         self.events += 1
         mean, std = self.reference()
-        event = {"step": s.step, "reason": "loss_spike", "action": "skip", "loss": s.loss,
-                 "zscore": s.spike_zscore, "window_mean": mean, "window_std": std,
-                 "samples": [end - s.samples_per_step, end], "applied": not s.skipped}
-        what = (f"step {s.step}: loss spike (z-score {s.spike_zscore:.1f} > {self.cfg.zscore} "
-                f"over the last {len(self.losses)} steps, mean {mean:.4f}, std {std:.4f})")
+        event = {
+            "step": s.step,
+            "reason": "loss_spike",
+            "action": "skip",
+            "loss": s.loss,
+            "zscore": s.spike_zscore,
+            "window_mean": mean,
+            "window_std": std,
+            "samples": [end - s.samples_per_step, end],
+            "applied": not s.skipped,
+        }
+        what = (
+            f"step {s.step}: loss spike (z-score {s.spike_zscore:.1f} > {self.cfg.zscore} "
+            f"over the last {len(self.losses)} steps, mean {mean:.4f}, std {std:.4f})"
+        )
         if self.cfg.action == "rollback" and latest is not None:
             decision = self._roll_back(s, event, what, *latest)
         else:
             decision = Skip(what)
             if self.rank == 0:
-                fallback = (" (train.spike.action rollback: no checkpoint to roll back to yet)"
-                            if self.cfg.action == "rollback" else "")
-                log.warning(f"{what}; update skipped on every rank{fallback}; global samples "
-                            f"[{event['samples'][0]}, {event['samples'][1]}) recorded in "
-                            f"{self.path}")
+                fallback = (
+                    " (train.spike.action rollback: no checkpoint to roll back to yet)"
+                    if self.cfg.action == "rollback"
+                    else ""
+                )
+                log.warning(
+                    f"{what}; update skipped on every rank{fallback}; global samples "
+                    f"[{event['samples'][0]}, {event['samples'][1]}) recorded in "
+                    f"{self.path}"
+                )
         if not isinstance(decision, Stop):
             self._record(event)
         return decision
 
-    def _roll_back(self, s: StepState, event: dict, what: str, step: int,
-                   tag_dir: Path) -> Decision:
+    def _roll_back(
+        self, s: StepState, event: dict, what: str, step: int, tag_dir: Path
+    ) -> Decision:
         done = self.rollbacks[s.step]
         if done >= self.cfg.max_rollbacks:
             return Stop(
                 f"{what} after {done} rollback(s) for spikes at step {s.step} "
                 f"(train.spike.max_rollbacks {self.cfg.max_rollbacks}); stopping. The skipped "
                 f"data is recorded in {self.path}; lower train.lr or raise train.spike.zscore, "
-                "then resume")
+                "then resume"
+            )
         self.rollbacks[s.step] += 1
         skipped = _merged([(a, b) for st, a, b in self.recent if st > step])
-        event.update(action="rollback", rolled_back_to=step, checkpoint=str(tag_dir),
-                     skipped_samples=skipped, rollback=done + 1)
+        event.update(
+            action="rollback",
+            rolled_back_to=step,
+            checkpoint=str(tag_dir),
+            skipped_samples=skipped,
+            rollback=done + 1,
+        )
         self.pending = skipped
         if self.rank == 0:
             ranges = ", ".join(f"[{a}, {b})" for a, b in skipped)
-            log.warning(f"{what}; update dropped; rolling back every rank to {tag_dir} (step "
-                        f"{step}, rollback {done + 1} of at most {self.cfg.max_rollbacks} for "
-                        f"step {s.step}); global samples {ranges} will not be trained on, "
-                        f"recorded in {self.path}")
+            log.warning(
+                f"{what}; update dropped; rolling back every rank to {tag_dir} (step "
+                f"{step}, rollback {done + 1} of at most {self.cfg.max_rollbacks} for "
+                f"step {s.step}); global samples {ranges} will not be trained on, "
+                f"recorded in {self.path}"
+            )
         return Rollback(step, tag_dir, what)
 
     def _record(self, event: dict) -> None:

@@ -95,8 +95,13 @@ class Heartbeats:
         if not addr or not port:
             return None
         try:
-            store = dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
-                                  timeout=timedelta(seconds=STORE_TIMEOUT_S))
+            store = dist.TCPStore(
+                addr,
+                int(port),
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=STORE_TIMEOUT_S),
+            )
         except Exception as e:  # the watchdog works without heartbeats
             log.warning(f"rank {rank}: hang watchdog: no heartbeats ({e})")
             return None
@@ -114,8 +119,14 @@ class Heartbeats:
 
     def publish(self, step: int) -> None:
         self.beat += 1
-        record = {"beat": self.beat, "calls": LAST.calls, "name": LAST.name,
-                  "inside": not LAST.returned, "step": step, "time": time.time()}
+        record = {
+            "beat": self.beat,
+            "calls": LAST.calls,
+            "name": LAST.name,
+            "inside": not LAST.returned,
+            "step": step,
+            "time": time.time(),
+        }
         self._ask(self.store.set, f"{KEY_PREFIX}beat/{self.rank}", json.dumps(record))
 
     def read(self) -> dict[int, dict | None]:
@@ -147,16 +158,24 @@ class Heartbeats:
         return not keys or bool(self._ask(self.store.check, keys))
 
 
-def not_arrived(rank: int, calls: int, inside: bool, first: dict[int, dict | None],
-                second: dict[int, dict | None], store_error: str | None,
-                waited_s: float) -> dict[int, str]:
+def not_arrived(
+    rank: int,
+    calls: int,
+    inside: bool,
+    first: dict[int, dict | None],
+    second: dict[int, dict | None],
+    store_error: str | None,
+    waited_s: float,
+) -> dict[int, str]:
     """The ranks that have not reached this rank's collective (number ``calls``; ``inside``:
     this rank is waiting in it), each with the reason, from two readings of the heartbeats
     ``waited_s`` seconds apart. A rank not inside a collective names itself when its peers have
     gone further: they are waiting for it."""
     if store_error and rank != 0:
-        return {0: f"the rendezvous store, which runs in rank 0, did not answer ({store_error}): "
-                   f"rank 0 is stopped, frozen or gone"}
+        return {
+            0: f"the rendezvous store, which runs in rank 0, did not answer ({store_error}): "
+            f"rank 0 is stopped, frozen or gone"
+        }
     out: dict[int, str] = {}
     for r in sorted(second):
         if r == rank:
@@ -165,22 +184,28 @@ def not_arrived(rank: int, calls: int, inside: bool, first: dict[int, dict | Non
         if now is None:
             out[r] = "no heartbeat: it never reached the training loop, or is gone"
         elif before is not None and before["beat"] == now["beat"]:
-            out[r] = (f"stopped responding: its heartbeat did not change in {waited_s:.1f}s "
-                      f"(the last one, {time.time() - now['time']:.1f}s ago, said "
-                      f"{_where(now)}): the process is stopped, frozen or gone")
+            out[r] = (
+                f"stopped responding: its heartbeat did not change in {waited_s:.1f}s "
+                f"(the last one, {time.time() - now['time']:.1f}s ago, said "
+                f"{_where(now)}): the process is stopped, frozen or gone"
+            )
         elif inside and now["calls"] < calls:
             out[r] = f"{ALIVE}: it is {_where(now)}"
     if not inside:
         ahead = [r for r, hb in second.items() if r != rank and hb and hb["calls"] > calls]
         if ahead:
-            out[rank] = (f"{ALIVE}: this rank is not inside a collective while rank(s) "
-                         f"{', '.join(map(str, ahead))} went further and wait for it")
+            out[rank] = (
+                f"{ALIVE}: this rank is not inside a collective while rank(s) "
+                f"{', '.join(map(str, ahead))} went further and wait for it"
+            )
     return out
 
 
 def _where(hb: dict) -> str:
     state = "inside" if hb["inside"] else "past"
-    return f"{state} collective call {hb['calls']} ({hb['name'] or 'none'}) in step {hb['step'] + 1}"
+    return (
+        f"{state} collective call {hb['calls']} ({hb['name'] or 'none'}) in step {hb['step'] + 1}"
+    )
 
 
 class HangWatchdog(LoopPart):
@@ -246,25 +271,31 @@ class HangWatchdog(LoopPart):
         if hb is not None:
             hb.mark_reported()
             # The first rank waits for every live peer's stacks; the others for its verdict.
-            live = ([r for r in range(hb.world) if r not in missing or missing[r].startswith(ALIVE)]
-                    if alarm is None else [alarm])
+            live = (
+                [r for r in range(hb.world) if r not in missing or missing[r].startswith(ALIVE)]
+                if alarm is None
+                else [alarm]
+            )
             end = time.monotonic() + 3 * self.poll
             while not hb.reported(live) and time.monotonic() < end:
                 self._pause(self.poll / 2)
 
-    def _report(self, idle: float, alarm: int | None, calls: int,
-                missing: dict[int, str]) -> None:
+    def _report(self, idle: float, alarm: int | None, calls: int, missing: dict[int, str]) -> None:
         first = "" if alarm is None or alarm == self.rank else f", rank {alarm}'s watchdog fired"
-        msg = (f"rank {self.rank}: hang: no training step completed for {idle:.0f}s{first} "
-               f"(train.hang_timeout_s {self.timeout:g}; the last "
-               f"completed step is {self.last_step}); the stack of every thread is in "
-               f"{self.path}; exiting with code {HANG_EXIT_CODE}")
+        msg = (
+            f"rank {self.rank}: hang: no training step completed for {idle:.0f}s{first} "
+            f"(train.hang_timeout_s {self.timeout:g}; the last "
+            f"completed step is {self.last_step}); the stack of every thread is in "
+            f"{self.path}; exiting with code {HANG_EXIT_CODE}"
+        )
         if missing:
             named = "; ".join(f"rank {r}: {reason}" for r, reason in missing.items())
             arrival = f"did not arrive at collective call {calls}: {named}"
         elif alarm is not None and alarm != self.rank:
-            arrival = (f"which rank did not arrive: see the report of rank {alarm}, whose "
-                       f"watchdog fired first ({hang_file(self.path.parent, alarm).name})")
+            arrival = (
+                f"which rank did not arrive: see the report of rank {alarm}, whose "
+                f"watchdog fired first ({hang_file(self.path.parent, alarm).name})"
+            )
         elif self.heartbeats is None:
             arrival = "which rank did not arrive: unknown (no heartbeats in this run)"
         else:
@@ -276,11 +307,22 @@ class HangWatchdog(LoopPart):
             faulthandler.dump_traceback(f, all_threads=True)
             f.write("\n")
         with self.records.open("a") as f:
-            f.write(json.dumps({"rank": self.rank, "step": self.last_step + 1,
-                                "collective": LAST.name, "call": calls,
-                                "inside": not LAST.returned, "alarm_from": alarm,
-                                "missing": {str(r): v for r, v in missing.items()},
-                                "stacks": self.path.name, "time": time.time()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "rank": self.rank,
+                        "step": self.last_step + 1,
+                        "collective": LAST.name,
+                        "call": calls,
+                        "inside": not LAST.returned,
+                        "alarm_from": alarm,
+                        "missing": {str(r): v for r, v in missing.items()},
+                        "stacks": self.path.name,
+                        "time": time.time(),
+                    }
+                )
+                + "\n"
+            )
         log.error(msg)
         log.error(f"rank {self.rank}: {arrival}")
 

@@ -33,13 +33,15 @@ def test_the_default_demo_validates_during_training_on_part_of_the_split():
 
 
 def test_validation_during_training_reads_its_own_token_limit():
-    cfg = load_config("configs/default.yaml", ["eval.in_training_max_tokens=null",
-                                               "eval.max_tokens=500"])
+    cfg = load_config(
+        "configs/default.yaml", ["eval.in_training_max_tokens=null", "eval.max_tokens=500"]
+    )
     assert cfg.eval.training_max_tokens == 500  # max_tokens bounds every evaluation
     cfg = load_config("configs/default.yaml", ["eval.in_training_max_tokens=300"])
     assert cfg.eval.training_max_tokens == 300 and cfg.eval.max_tokens is None
-    cfg = load_config("configs/default.yaml", ["eval.in_training_max_tokens=300",
-                                               "eval.max_tokens=200"])
+    cfg = load_config(
+        "configs/default.yaml", ["eval.in_training_max_tokens=300", "eval.max_tokens=200"]
+    )
     assert cfg.eval.training_max_tokens == 200
     cfg = load_config("configs/default.yaml", ["eval.in_training_max_tokens=null"])
     assert cfg.eval.training_max_tokens is None  # the whole split
@@ -57,22 +59,38 @@ def test_typo_key_is_named_with_suggestion(tmp_path):
 
 
 def test_all_problems_reported_at_once(tmp_path):
-    p = write(tmp_path, {"train": {"lr": -1, "max_steps": "ten"},
-                         "model": {"moe": {"router": {"score_func": "relu"}}},
-                         "parallel": {"world_size": 2, "expert_parallel_size": 3}})
+    p = write(
+        tmp_path,
+        {
+            "train": {"lr": -1, "max_steps": "ten"},
+            "model": {"moe": {"router": {"score_func": "relu"}}},
+            "parallel": {"world_size": 2, "expert_parallel_size": 3},
+        },
+    )
     with pytest.raises(ConfigError) as e:
         load_config(p)
     msg = str(e.value)
-    for expected in ("train.max_steps: expected an integer", "model.moe.router.score_func",
-                     "'relu' is not allowed", "parallel.expert_parallel_size: 3 must divide"):
+    for expected in (
+        "train.max_steps: expected an integer",
+        "model.moe.router.score_func",
+        "'relu' is not allowed",
+        "parallel.expert_parallel_size: 3 must divide",
+    ):
         assert expected in msg, msg
     assert str(p) in msg
 
 
 def test_cross_section_check(tmp_path):
-    p = write(tmp_path, {"model": {"moe": {"num_experts": 6}},
-                         "parallel": {"world_size": 4, "expert_parallel_size": 4}})
-    with pytest.raises(ConfigError, match=r"expert_parallel_size: 4 must divide model.moe.num_experts \(6\)"):
+    p = write(
+        tmp_path,
+        {
+            "model": {"moe": {"num_experts": 6}},
+            "parallel": {"world_size": 4, "expert_parallel_size": 4},
+        },
+    )
+    with pytest.raises(
+        ConfigError, match=r"expert_parallel_size: 4 must divide model.moe.num_experts \(6\)"
+    ):
         load_config(p)
 
 
@@ -93,9 +111,15 @@ def test_round_trip_of_resolved_config(tmp_path):
     assert isinstance(cfg, RunConfig)
 
 
-@pytest.mark.parametrize("key, text", [("train.lr", "inf"), ("train.lr", "nan"),
-                                       ("model.moe.router.aux_loss_coef", "nan"),
-                                       ("train.grad_clip", "-inf")])
+@pytest.mark.parametrize(
+    "key, text",
+    [
+        ("train.lr", "inf"),
+        ("train.lr", "nan"),
+        ("model.moe.router.aux_loss_coef", "nan"),
+        ("train.grad_clip", "-inf"),
+    ],
+)
 def test_nan_and_infinite_numbers_are_refused_for_every_float_setting(key, text, tmp_path):
     """Range checks compare, and every comparison with NaN is false: train.lr=inf and an
     auxiliary-loss weight of NaN once passed and trained on them."""

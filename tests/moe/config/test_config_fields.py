@@ -55,17 +55,18 @@ def test_a_saved_config_without_a_newer_key_holds_its_default():
     del saved["rope_theta"], saved["moe"]["router"]["renormalize"]
     assert config_mismatches(saved, ModelConfig()) == []
     assert config_mismatches(saved, ModelConfig(rope_theta=5e5)) == [
-        "model.rope_theta: the checkpoint has 10000.0, the config has 500000.0"]
+        "model.rope_theta: the checkpoint has 10000.0, the config has 500000.0"
+    ]
 
 
 def test_only_function_changing_fields_are_compared():
     saved = to_dict(ModelConfig())
-    changed = ModelConfig(init_std=0.5, attention_backend="reference",
-                          document_masking=True)
+    changed = ModelConfig(init_std=0.5, attention_backend="reference", document_masking=True)
     assert config_mismatches(saved, changed) == []
     changed.moe.router = RouterConfig(scaling_factor=2.5, z_loss_coef=1.0)
     assert config_mismatches(saved, changed) == [
-        "model.moe.router.scaling_factor: the checkpoint has 1.0, the config has 2.5"]
+        "model.moe.router.scaling_factor: the checkpoint has 1.0, the config has 2.5"
+    ]
     assert "moe.router.scaling_factor" in function_keys(ModelConfig)
 
 
@@ -89,9 +90,20 @@ def test_planning_counts_capacity_with_the_routers_own_function(monkeypatch):
 def test_every_finetune_field_is_classified():
     roles = field_roles(FinetuneConfig)  # raises on an unclassified field
     assert set(resume_keys(FinetuneConfig)) == {
-        "method", "lora.targets", "lora.rank", "lora.alpha", "lora.expert_rank",
-        "lora.train_router", "esft.score", "esft.p", "esft.max_batches", "adapter.hidden",
-        "adapter.placement", "prompt.tokens", "prefix.tokens"}
+        "method",
+        "lora.targets",
+        "lora.rank",
+        "lora.alpha",
+        "lora.expert_rank",
+        "lora.train_router",
+        "esft.score",
+        "esft.p",
+        "esft.max_batches",
+        "adapter.hidden",
+        "adapter.placement",
+        "prompt.tokens",
+        "prefix.tokens",
+    }
     assert roles["lora.train_router"] == roles["esft.p"] == "fixed"
     assert roles["lora.dropout"] == roles["lora.init_from"] == roles["prompt.init"] == "runtime"
     # What an adapter file must share with the run that applies it.
@@ -107,7 +119,8 @@ def test_a_new_finetune_field_is_checked_on_resume_or_named_unclassified():
     saved = to_dict(FinetuneConfig(method="full"))  # a checkpoint older than both fields
     assert finetune_mismatches(saved, WithKnob(method="full", loose=3)) == []
     assert finetune_mismatches(saved, WithKnob(method="full", knob=2)) == [
-        "finetune.knob: the checkpoint has 0, the config has 2"]
+        "finetune.knob: the checkpoint has 0, the config has 2"
+    ]
 
     @dataclass
     class Unclassified(FinetuneConfig):

@@ -29,5 +29,7 @@ def test_field_docstrings_are_read_from_the_source():
     docs = field_docs(RouterConfig)
     assert docs["top_k"].startswith("Experts per token")
     assert "order" in docs and "aux_loss_scope" in docs
-    assert ("| `z_loss_coef` | float | `0.0` | no | Coefficient of the ST-MoE router z-loss "
-            "mean(logsumexp(logits)^2). |") in reference()
+    assert (
+        "| `z_loss_coef` | float | `0.0` | no | Coefficient of the ST-MoE router z-loss "
+        "mean(logsumexp(logits)^2). |"
+    ) in reference()

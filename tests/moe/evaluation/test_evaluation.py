@@ -11,7 +11,7 @@ import torch
 
 from data_pipeline.errors import DataError
 from data_pipeline.prepared import PreparedData
-from data_pipeline.reader import TokenStream
+from data_pipeline.token_stream import TokenStream
 from data_pipeline.tokenizer import Tokenizer
 from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
@@ -48,8 +48,9 @@ def test_perplexity_is_exp_of_the_mean_token_loss(model, tiny_data, max_tokens):
     stream = TokenStream(tiny_data.dir, "valid")
     n = len(stream) if max_tokens is None else min(len(stream), max_tokens + 1)  # random split
     ref_loss, ref_count = reference_loss(model, stream.read(0, n), tiny_data.seq_len)
-    r = evaluate_perplexity(model, tiny_data.dir, tiny_data.seq_len, batch_size=5,
-                            max_tokens=max_tokens)
+    r = evaluate_perplexity(
+        model, tiny_data.dir, tiny_data.seq_len, batch_size=5, max_tokens=max_tokens
+    )
     assert r["tokens"] == ref_count == n - 1
     assert math.isclose(r["loss"], ref_loss, rel_tol=1e-5)
     assert math.isclose(r["perplexity"], math.exp(ref_loss), rel_tol=1e-4)
@@ -91,7 +92,9 @@ def test_bad_evaluation_data_names_the_problem(run_cfg, tiny_data, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     data = open_eval_data(run_cfg, text_files=[str(tmp_path / "empty.txt")])
     with pytest.raises(DataError, match="no tokens to evaluate"):
-        evaluate_loss(MoETransformer(run_cfg.model), token_windows(data.tokens, 8), 2, source="empty")
+        evaluate_loss(
+            MoETransformer(run_cfg.model), token_windows(data.tokens, 8), 2, source="empty"
+        )
 
 
 def test_evaluation_progress_counts_the_predicted_tokens(model, tiny_data):
@@ -106,26 +109,31 @@ def test_evaluation_progress_counts_the_predicted_tokens(model, tiny_data):
     bar = Progress("evaluate x", 500, stream=out, interval=0.0, unit="tokens")
     r = evaluate_loss(model, windows, 4, progress=bar)
     lines = out.getvalue().splitlines()
-    forwards = len(list(batches(token_windows(TokenStream(tiny_data.dir, "valid"),
-                                              tiny_data.seq_len, 500), 4)))
+    forwards = len(
+        list(batches(token_windows(TokenStream(tiny_data.dir, "valid"), tiny_data.seq_len, 500), 4))
+    )
     assert r["tokens"] == 500 and len(lines) == forwards + 1  # a line per forward, then done
     assert lines[-1].startswith("evaluate x: 500 of 500 tokens (100%)") and "(done)" in lines[-1]
     assert options_from_args(parse_args(["ckpt"])).progress
     assert not options_from_args(parse_args(["ckpt", "--quiet"])).progress
 
 
-@pytest.mark.parametrize("argv, problem", [
-    (["--temperature", "nan"], "--temperature: must be a finite number >= 0, got nan"),
-    (["--length-penalty", "inf"], "--length-penalty: must be a finite number, got inf"),
-    (["--min-token-count", "0"], "--min-token-count: must be >= 1, got 0"),
-    (["--threads", "-2"], "--threads: must be >= 1, got -2"),
-    (["--num-prompts", "-1"], "--num-prompts: must be >= 0, got -1"),
-    (["--top-tokens", "-1"], "--top-tokens: must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--temperature", "nan"], "--temperature: must be a finite number >= 0, got nan"),
+        (["--length-penalty", "inf"], "--length-penalty: must be a finite number, got inf"),
+        (["--min-token-count", "0"], "--min-token-count: must be >= 1, got 0"),
+        (["--threads", "-2"], "--threads: must be >= 1, got -2"),
+        (["--num-prompts", "-1"], "--num-prompts: must be >= 0, got -1"),
+        (["--top-tokens", "-1"], "--top-tokens: must be >= 0, got -1"),
+    ],
+)
 def test_moe_eval_refuses_flags_outside_their_range_before_anything_runs(argv, problem, capsys):
     """NaN passed the temperature check (every comparison with NaN is false) and a negative
     thread count reached torch before any check."""
     from launch.evaluate import main
+
     with pytest.raises(SystemExit) as e:
         main(["a-checkpoint-that-is-never-opened", *argv])
     assert e.value.code == 2

@@ -19,10 +19,15 @@ V, E, K = 23, 4, 2
 
 def make_model(capacity_factor):
     torch.manual_seed(3)
-    moe = MoEConfig(num_experts=E, expert_hidden=16, capacity_factor=capacity_factor,
-                    router=RouterConfig(top_k=K))
-    m = MoETransformer(ModelConfig(vocab_size=V, d_model=16, n_layers=3, n_heads=2, max_seq_len=32,
-                                   moe=moe))
+    moe = MoEConfig(
+        num_experts=E,
+        expert_hidden=16,
+        capacity_factor=capacity_factor,
+        router=RouterConfig(top_k=K),
+    )
+    m = MoETransformer(
+        ModelConfig(vocab_size=V, d_model=16, n_layers=3, n_heads=2, max_seq_len=32, moe=moe)
+    )
     with torch.no_grad():  # decisive, unbalanced routing
         for layer in m.moe_layers():
             layer.router.weight.mul_(40)
@@ -32,8 +37,10 @@ def make_model(capacity_factor):
 def reference_routing(model, batches):
     """Per layer and batch: softmax router probabilities recomputed from the layer's input."""
     inputs = {i: [] for i in range(len(model.moe_layers()))}
-    hooks = [layer.register_forward_pre_hook(lambda mod, args, i=i: inputs[i].append(args[0]))
-             for i, layer in enumerate(model.moe_layers())]
+    hooks = [
+        layer.register_forward_pre_hook(lambda mod, args, i=i: inputs[i].append(args[0]))
+        for i, layer in enumerate(model.moe_layers())
+    ]
     with torch.no_grad():
         for b in batches:
             model(b)
@@ -83,7 +90,9 @@ def test_loads_dropped_fraction_and_entropy_match_recomputed_routing(capacity_fa
         assert math.isclose(layer["router_entropy"], entropy / T_total, rel_tol=1e-4)
         assert math.isclose(sum(layer["load_fraction"]), 1.0, rel_tol=1e-9)
         loads = kept.double()
-        assert math.isclose(layer["max_over_mean_load"], float(loads.max() / loads.mean()), rel_tol=1e-9)
+        assert math.isclose(
+            layer["max_over_mean_load"], float(loads.max() / loads.mean()), rel_tol=1e-9
+        )
     if capacity_factor:
         assert any(layer["dropped_fraction"] > 0.05 for layer in summary)  # the case has teeth
     else:
@@ -106,8 +115,10 @@ def test_token_preferences_are_routing_shares_of_frequent_tokens():
             # A token's K experts are distinct: count the positions that chose e.
             routed_V = torch.bincount(tokens[(indices_TK == e).any(-1)], minlength=V)
             share_V = routed_V.double() / freq.double()
-            ranked = sorted((v for v in range(V) if freq[v] > freq[rare]),
-                            key=lambda v: (-share_V[v].item(), -freq[v].item(), v))
+            ranked = sorted(
+                (v for v in range(V) if freq[v] > freq[rare]),
+                key=lambda v: (-share_V[v].item(), -freq[v].item(), v),
+            )
             assert [p["id"] for p in prefs] == ranked[:3]
             assert all(math.isclose(p["share"], round(share_V[p["id"]].item(), 4)) for p in prefs)
             for p in prefs:
@@ -132,8 +143,9 @@ def test_specialisation_finds_the_tokens_a_deliberately_specialised_router_sends
     token v goes to expert v % E (top-1). Each expert's over-represented tokens are then its own
     class, each with lift N / N_e, and its effective token count is that of its class."""
     moe = MoEConfig(num_experts=E, expert_hidden=8, router=RouterConfig(top_k=1))
-    model = MoETransformer(ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2,
-                                       max_seq_len=32, moe=moe)).eval()
+    model = MoETransformer(
+        ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, max_seq_len=32, moe=moe)
+    ).eval()
     with torch.no_grad():
         model.blocks[0].attn.o_proj.weight.zero_()
         model.embed.weight.zero_()
@@ -151,15 +163,29 @@ def test_specialisation_finds_the_tokens_a_deliberately_specialised_router_sends
             assert math.isclose(t["lift"], round(len(tokens) / freq[e::E].sum().item(), 4))
         p = freq[e::E] / freq[e::E].sum()
         p = p[p > 0]
-        assert math.isclose(layer["effective_tokens"][e], math.exp(-(p * p.log()).sum().item()),
-                            rel_tol=1e-9)
+        assert math.isclose(
+            layer["effective_tokens"][e], math.exp(-(p * p.log()).sum().item()), rel_tol=1e-9
+        )
         assert layer["effective_tokens"][e] < layer["data_effective_tokens"]
 
     from moe.evaluation.report import _checkpoint_section, _piece
 
-    md = "\n".join(_checkpoint_section({"label": "x", "checkpoint": "c", "batch_size": 4,
-                                        "seq_len": 30, "capacity_factor": None,
-                                        "experts": [layer]}, None))
+    md = "\n".join(
+        _checkpoint_section(
+            {
+                "label": "x",
+                "checkpoint": "c",
+                "batch_size": 4,
+                "seq_len": 30,
+                "capacity_factor": None,
+                "experts": [layer],
+            },
+            None,
+        )
+    )
     assert "### Expert specialisation" in md
     best = layer["over_represented"][1][0]
-    assert f"| 1 | {layer['effective_tokens'][1]:.1f} | {_piece(best['piece'])} {best['lift']:.1f}" in md
+    assert (
+        f"| 1 | {layer['effective_tokens'][1]:.1f} | {_piece(best['piece'])} {best['lift']:.1f}"
+        in md
+    )

@@ -25,8 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 lm_eval = pytest.importorskip("lm_eval")
 
 MC, GEN = "stdlib_sentence_mc", "stdlib_next_word"
-TEXTS = ["Return a new list of the items.\n\nRaise ValueError when the list is empty. " * 6,
-         "A", "Parse the command line and return the namespace."]
+TEXTS = [
+    "Return a new list of the items.\n\nRaise ValueError when the list is empty. " * 6,
+    "A",
+    "Parse the command line and return the namespace.",
+]
 
 
 def _train(rank, world, cfg):
@@ -49,22 +52,37 @@ def models(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("harness")
     ours = tiny_run_dict(tiny_data, root / "runs", max_steps=6, lr=3e-3)
     ours["name"] = "ours"
-    base, lora = base_and_finetune(tiny_data, root / "runs",
-                                   {"method": "lora", "lora": {
-                                       "rank": 4, "targets": ["attention.q", "attention.v",
-                                                              "experts"]}},
-                                   max_steps=8, lr=1e-2)
+    base, lora = base_and_finetune(
+        tiny_data,
+        root / "runs",
+        {
+            "method": "lora",
+            "lora": {"rank": 4, "targets": ["attention.q", "attention.v", "experts"]},
+        },
+        max_steps=8,
+        lr=1e-2,
+    )
     run_distributed(_train, 2, [ours, base, lora])
     hf_dir, _ = make_hf(root / "hf", "mixtral", vocab_size=400)
     bpe_tokenizer_json(Path(tiny_data.sources[0].paths[0]), hf_dir)
-    (hf_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-         "pad_token": "<pad>"}))
+    (hf_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<pad>",
+            }
+        )
+    )
     import_main([str(hf_dir), str(root / "mixtral")])
-    return {"ours": (root / "runs" / "ours", _export(root / "runs" / "ours", root / "ours-hf")),
-            "mixtral": (root / "mixtral", _export(root / "mixtral", root / "mixtral-hf")),
-            "lora": (root / "runs" / "ft", _export(root / "runs" / "ft", root / "lora-hf",
-                                                   "--merge-adapters"))}
+    return {
+        "ours": (root / "runs" / "ours", _export(root / "runs" / "ours", root / "ours-hf")),
+        "mixtral": (root / "mixtral", _export(root / "mixtral", root / "mixtral-hf")),
+        "lora": (
+            root / "runs" / "ft",
+            _export(root / "runs" / "ft", root / "lora-hf", "--merge-adapters"),
+        ),
+    }
 
 
 def hf_model(hf_dir):
@@ -88,8 +106,10 @@ def test_every_request_scores_as_the_harness_hf_model_scores_it(models, kind):
 
     checkpoint, hf_dir = models[kind]
     ours, theirs = harness_model(checkpoint, batch_size=5, device="cpu"), hf_model(hf_dir)
-    assert (ours.prefix_token_id, ours.eot_token_id) == (theirs.prefix_token_id,
-                                                          theirs.eot_token_id)
+    assert (ours.prefix_token_id, ours.eot_token_id) == (
+        theirs.prefix_token_id,
+        theirs.eot_token_id,
+    )
     for name, reqs in requests([MC, GEN], 1, 6).items():
         kind_of = reqs[0].request_type
         a, b = getattr(ours, kind_of)(reqs), getattr(theirs, kind_of)(reqs)
@@ -110,10 +130,13 @@ def test_task_accuracies_equal_the_harness_hf_model_s(models, kind):
 
     checkpoint, hf_dir = models[kind]
     results = {}
-    for name, lm in (("ours", harness_model(checkpoint, batch_size=8, device="cpu")),
-                     ("hf", hf_model(hf_dir))):
-        r = evaluate(lm, load_tasks([MC], num_fewshot=0), limit=40, bootstrap_iters=0,
-                     log_samples=False)["results"][MC]
+    for name, lm in (
+        ("ours", harness_model(checkpoint, batch_size=8, device="cpu")),
+        ("hf", hf_model(hf_dir)),
+    ):
+        r = evaluate(
+            lm, load_tasks([MC], num_fewshot=0), limit=40, bootstrap_iters=0, log_samples=False
+        )["results"][MC]
         results[name] = (r["acc,none"], r["acc_norm,none"])
     assert results["ours"] == results["hf"]
 

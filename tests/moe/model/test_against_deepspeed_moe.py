@@ -33,10 +33,25 @@ def _worker(rank, world, k, out_dir):
     from deepspeed.moe.layer import MoE
 
     torch.manual_seed(0)
-    ours = MoELayer(D, MoEConfig(num_experts=E, expert_hidden=H,
-                                 router=RouterConfig(top_k=k, renormalize=k == 2, aux_loss_coef=0)))
-    ds = MoE(hidden_size=D, expert=SwiGLUExpert(), num_experts=E, ep_size=1, k=k,
-             drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False, min_capacity=0)
+    ours = MoELayer(
+        D,
+        MoEConfig(
+            num_experts=E,
+            expert_hidden=H,
+            router=RouterConfig(top_k=k, renormalize=k == 2, aux_loss_coef=0),
+        ),
+    )
+    ds = MoE(
+        hidden_size=D,
+        expert=SwiGLUExpert(),
+        num_experts=E,
+        ep_size=1,
+        k=k,
+        drop_tokens=False,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+        min_capacity=0,
+    )
     ds.set_deepspeed_parallelism()
     with torch.no_grad():
         ds.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
@@ -50,10 +65,18 @@ def _worker(rank, world, k, out_dir):
     g = torch.randn_like(y_ours)
     y_ours.backward(g)
     y_ds.backward(g)
-    ds_w_in = torch.stack([ex.w_in.weight.grad.T for ex in ds.deepspeed_moe.experts.deepspeed_experts])
-    torch.save({"y": (y_ours.detach(), y_ds.detach()), "dx": (x1.grad, x2.grad),
-                "router": (ours.router.weight.grad, ds.deepspeed_moe.gate.wg.weight.grad),
-                "w_in": (ours.experts.w_in.grad, ds_w_in)}, f"{out_dir}/result.pt")
+    ds_w_in = torch.stack(
+        [ex.w_in.weight.grad.T for ex in ds.deepspeed_moe.experts.deepspeed_experts]
+    )
+    torch.save(
+        {
+            "y": (y_ours.detach(), y_ds.detach()),
+            "dx": (x1.grad, x2.grad),
+            "router": (ours.router.weight.grad, ds.deepspeed_moe.gate.wg.weight.grad),
+            "w_in": (ours.experts.w_in.grad, ds_w_in),
+        },
+        f"{out_dir}/result.pt",
+    )
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -36,10 +36,14 @@ CUDA = torch.cuda.is_available()
 
 def position_module(kind: str, n_heads: int = 4, head_dim: int = 8) -> PositionEncoding:
     torch.manual_seed(3)
-    module = {"rope": lambda: RotaryEmbedding(head_dim), "alibi": lambda: AlibiBias(n_heads),
-              "t5": lambda: T5RelativeBias(n_heads, 8, 16),
-              "learned": lambda: LearnedPositions(64, 32),
-              "sinusoidal": lambda: SinusoidalPositions(32), "none": PositionEncoding}[kind]()
+    module = {
+        "rope": lambda: RotaryEmbedding(head_dim),
+        "alibi": lambda: AlibiBias(n_heads),
+        "t5": lambda: T5RelativeBias(n_heads, 8, 16),
+        "learned": lambda: LearnedPositions(64, 32),
+        "sinusoidal": lambda: SinusoidalPositions(32),
+        "none": PositionEncoding,
+    }[kind]()
     if kind == "t5":
         torch.nn.init.normal_(module.bias.weight, std=1.0)  # large enough to matter
     return module
@@ -54,8 +58,16 @@ def packed_docs(B: int, S: int) -> torch.Tensor:
     return doc
 
 
-def run_attention(backend: str, position: str, n_kv_heads: int, docs: bool, device="cpu",
-                  S: int = 40, grad: bool = True, recompute: bool = False):
+def run_attention(
+    backend: str,
+    position: str,
+    n_kv_heads: int,
+    docs: bool,
+    device="cpu",
+    S: int = 40,
+    grad: bool = True,
+    recompute: bool = False,
+):
     """Output, gradients (x, and the T5 table when there is one) and the back end that ran."""
     torch.manual_seed(0)
     attn = CausalSelfAttention(32, 4, n_kv_heads).to(device)
@@ -76,8 +88,9 @@ def run_attention(backend: str, position: str, n_kv_heads: int, docs: bool, devi
     return y, grads, inputs.backend
 
 
-def expected_backend(requested: str, position: str, docs: bool, device_type: str, grad: bool,
-                     length: int = 40):
+def expected_backend(
+    requested: str, position: str, docs: bool, device_type: str, grad: bool, length: int = 40
+):
     bias = position in ("alibi", "t5")
     if requested == "auto":
         if not docs and not bias:
@@ -136,8 +149,10 @@ def test_score_mods_are_the_score_bias_with_its_gradient(position):
     the T5 table gets the same gradient through it (what flex's backward differentiates)."""
     module = position_module(position)
     pos_BL = positions_from_doc_ids(packed_docs(2, 30))
-    b, h, q, k = (torch.arange(n).view([-1 if i == d else 1 for i in range(4)])
-                  for d, n in enumerate((2, 4, 30, 30)))
+    b, h, q, k = (
+        torch.arange(n).view([-1 if i == d else 1 for i in range(4)])
+        for d, n in enumerate((2, 4, 30, 30))
+    )
     via_mod = module.score_mod(pos_BL)(torch.zeros(()), b, h, q, k)
     bias = module.score_bias(pos_BL, pos_BL)
     torch.testing.assert_close(via_mod, bias, atol=1e-6, rtol=1e-6)
@@ -156,8 +171,7 @@ def test_score_mods_are_the_score_bias_with_its_gradient(position):
 def test_flex_matches_reference_on_cuda(position, heads, docs):
     torch.backends.cuda.matmul.allow_tf32 = False
     y, grads, ran = run_attention("flex", position, HEADS[heads], docs, device="cuda", S=200)
-    y_ref, g_ref, _ = run_attention("reference", position, HEADS[heads], docs, device="cuda",
-                                    S=200)
+    y_ref, g_ref, _ = run_attention("reference", position, HEADS[heads], docs, device="cuda", S=200)
     assert ran == "flex"
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     for g, g0 in zip(grads, g_ref):
@@ -173,13 +187,14 @@ def test_auto_and_fallbacks_choose_as_documented(device_type, grad, length):
             position = "alibi" if bias else "rope"
             for requested in ("auto", "sdpa", "flex"):
                 got, _ = choose_backend(requested, device_type, docs, bias, False, grad, length)
-                assert got == expected_backend(requested, position, docs, device_type, grad,
-                                               length)
-            assert choose_backend("reference", device_type, docs, bias, False, grad)[0] == \
-                "reference"
+                assert got == expected_backend(requested, position, docs, device_type, grad, length)
+            assert (
+                choose_backend("reference", device_type, docs, bias, False, grad)[0] == "reference"
+            )
             for requested in ("auto", "sdpa", "flex"):  # past a cached prefix
-                assert choose_backend(requested, device_type, docs, bias, True, grad)[0] == \
-                    "reference"
+                assert (
+                    choose_backend(requested, device_type, docs, bias, True, grad)[0] == "reference"
+                )
     # The rule auto follows on CPU, spelled out: plain causal runs SDPA's causal kernel, long
     # packed sequences per-document SDPA, short ones and biases the explicit mask; on CUDA
     # documents and biases run flex.
@@ -187,8 +202,9 @@ def test_auto_and_fallbacks_choose_as_documented(device_type, grad, length):
     assert choose_backend("auto", "cpu", True, False, False, True, 4096)[0] == "sdpa"
     assert choose_backend("auto", "cpu", True, False, False, True, 1024)[0] == "reference"
     assert choose_backend("auto", "cpu", True, True, False, True, 4096)[0] == "reference"
-    assert choose_backend("auto", "cuda", True, True, False, True)[0] == \
-        ("flex" if attention.FLEX_AVAILABLE else "reference")
+    assert choose_backend("auto", "cuda", True, True, False, True)[0] == (
+        "flex" if attention.FLEX_AVAILABLE else "reference"
+    )
 
 
 def test_fallbacks_are_logged_and_recurring_ids_take_the_mask(caplog):
@@ -247,9 +263,15 @@ def test_flex_keeps_no_square_tensor_at_8192_on_cuda():
     assert max_saved_numel("reference", S, True, "cuda") >= S * S
 
 
-@pytest.mark.parametrize("backend, position, docs", [
-    ("sdpa", "rope", True), ("sdpa", "none", False), ("reference", "t5", True),
-    ("reference", "alibi", False)])
+@pytest.mark.parametrize(
+    "backend, position, docs",
+    [
+        ("sdpa", "rope", True),
+        ("sdpa", "none", False),
+        ("reference", "t5", True),
+        ("reference", "alibi", False),
+    ],
+)
 def test_recompute_core_gives_identical_gradients(backend, position, docs, monkeypatch):
     calls = []
     core = attention.attention_core
@@ -267,10 +289,20 @@ def test_recompute_core_gives_identical_gradients(backend, position, docs, monke
 
 def tiny_model(position: str, backend: str, **options) -> MoETransformer:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      max_seq_len=64, position=position, t5_num_buckets=8, t5_max_distance=16,
-                      attention_backend=backend, moe=MoEConfig(num_experts=4, expert_hidden=16),
-                      **options)
+    cfg = ModelConfig(
+        vocab_size=61,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=64,
+        position=position,
+        t5_num_buckets=8,
+        t5_max_distance=16,
+        attention_backend=backend,
+        moe=MoEConfig(num_experts=4, expert_hidden=16),
+        **options,
+    )
     assert not cfg.problems()
     model = MoETransformer(cfg)
     with torch.no_grad():  # biases start at 0 and norm gains at 1: make both matter
@@ -282,9 +314,11 @@ def tiny_model(position: str, backend: str, **options) -> MoETransformer:
 
 # The attention options of the open-weights architectures (each head narrower than
 # d_model / n_heads, biases, query/key norms), on the back ends.
-ATTENTION_OPTIONS = {"qwen3": {"head_dim": 12, "qk_norm": "head"},
-                     "olmoe": {"qk_norm": "projection"},
-                     "qwen2": {"qkv_bias": True, "head_dim": 6}}
+ATTENTION_OPTIONS = {
+    "qwen3": {"head_dim": 12, "qk_norm": "head"},
+    "olmoe": {"qk_norm": "projection"},
+    "qwen2": {"qkv_bias": True, "head_dim": 6},
+}
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
@@ -297,8 +331,7 @@ def test_model_backends_match_reference(position, backend, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
 @pytest.mark.parametrize("options", ATTENTION_OPTIONS.values(), ids=ATTENTION_OPTIONS.keys())
-def test_model_attention_options_match_reference_on_every_backend(options, backend,
-                                                                   monkeypatch):
+def test_model_attention_options_match_reference_on_every_backend(options, backend, monkeypatch):
     check_model_backend("rope", backend, options, monkeypatch)
 
 
@@ -314,21 +347,28 @@ def check_model_backend(position: str, backend: str, options: dict, monkeypatch)
         out.loss.backward()
         with torch.no_grad():
             no_grad_logits = model(ids, doc_ids_BS=doc).logits
-        results.append((out.logits, {n: p.grad for n, p in model.named_parameters()},
-                        no_grad_logits))
+        results.append(
+            (out.logits, {n: p.grad for n, p in model.named_parameters()}, no_grad_logits)
+        )
     (ref, ref_grads, ref_ng), (got, grads, got_ng) = results
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_ng, ref_ng, atol=1e-5, rtol=1e-5)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grads[name], ref_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
-@pytest.mark.parametrize("backend, position, options", [
-    *[(b, p, {}) for b in ("sdpa", "flex", "auto", "reference") for p in ("rope", "t5")],
-    ("flex", "rope", ATTENTION_OPTIONS["qwen3"]), ("sdpa", "rope", ATTENTION_OPTIONS["olmoe"]),
-    ("auto", "rope", ATTENTION_OPTIONS["qwen2"])])
+@pytest.mark.parametrize(
+    "backend, position, options",
+    [
+        *[(b, p, {}) for b in ("sdpa", "flex", "auto", "reference") for p in ("rope", "t5")],
+        ("flex", "rope", ATTENTION_OPTIONS["qwen3"]),
+        ("sdpa", "rope", ATTENTION_OPTIONS["olmoe"]),
+        ("auto", "rope", ATTENTION_OPTIONS["qwen2"]),
+    ],
+)
 def test_kv_cache_decoding_with_every_backend(position, backend, options, monkeypatch):
     """Prefill runs the chosen back end (flex too: no gradients), decoding past the cached
     prefix the reference; together they equal one full forward."""
@@ -340,6 +380,8 @@ def test_kv_cache_decoding_with_every_backend(position, backend, options, monkey
     with torch.no_grad():
         full = model(ids, doc_ids_BS=doc).logits
         cache = model.new_kv_cache()
-        pieces = [model(ids[:, a:b], doc_ids_BS=doc[:, a:b], kv_cache=cache).logits
-                  for a, b in [(0, 12)] + [(t, t + 1) for t in range(12, 20)]]
+        pieces = [
+            model(ids[:, a:b], doc_ids_BS=doc[:, a:b], kv_cache=cache).logits
+            for a, b in [(0, 12)] + [(t, t + 1) for t in range(12, 20)]
+        ]
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=2e-5, rtol=1e-5)

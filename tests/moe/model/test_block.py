@@ -14,7 +14,7 @@ def test_rmsnorm_formula():
     norm = RMSNorm(16, eps=1e-6)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-    expected = x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    expected = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6) * norm.weight
     torch.testing.assert_close(norm(x), expected)
 
 
@@ -25,7 +25,9 @@ def test_layernorm_formula():
         norm.weight.uniform_(0.5, 1.5)
         norm.bias.uniform_(-1, 1)
     mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
-    torch.testing.assert_close(norm(x), (x - mean) / torch.sqrt(var + 1e-5) * norm.weight + norm.bias)
+    torch.testing.assert_close(
+        norm(x), (x - mean) / torch.sqrt(var + 1e-5) * norm.weight + norm.bias
+    )
     # bf16 input is normalized in fp32 and returned in bf16.
     assert norm(x.bfloat16()).dtype == torch.bfloat16
 

@@ -36,11 +36,17 @@ LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 def model_config(capacity_factor=None, **extra) -> ModelConfig:
     """A dense first layer, then MoE layers (4 experts, top-2, a shared expert, z-loss)."""
-    moe = MoEConfig(num_experts=4, expert_hidden=16, num_shared_experts=1, first_dense_layers=1,
-                    capacity_factor=capacity_factor,
-                    router=RouterConfig(top_k=2, z_loss_coef=0.01))
-    return ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, max_seq_len=S,
-                       moe=moe, **extra)
+    moe = MoEConfig(
+        num_experts=4,
+        expert_hidden=16,
+        num_shared_experts=1,
+        first_dense_layers=1,
+        capacity_factor=capacity_factor,
+        router=RouterConfig(top_k=2, z_loss_coef=0.01),
+    )
+    return ModelConfig(
+        vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, max_seq_len=S, moe=moe, **extra
+    )
 
 
 def unique_graphs() -> int:
@@ -53,8 +59,13 @@ def doc_ids(g: torch.Generator) -> torch.Tensor:
     return (torch.arange(S)[None, None] >= cuts[:, :, None]).sum(1)
 
 
-def train(cfg: ModelConfig, steps: int, backend: str | None = None, recompute: str = "none",
-          documents: bool = False) -> dict:
+def train(
+    cfg: ModelConfig,
+    steps: int,
+    backend: str | None = None,
+    recompute: str = "none",
+    documents: bool = False,
+) -> dict:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -74,8 +85,12 @@ def train(cfg: ModelConfig, steps: int, backend: str | None = None, recompute: s
         opt.zero_grad()
         losses.append(out.loss.detach())
         graphs.append(unique_graphs())
-    return {"losses": torch.stack(losses), "graphs": graphs, "model": model,
-            "breaks": sum(counters["graph_break"].values())}
+    return {
+        "losses": torch.stack(losses),
+        "graphs": graphs,
+        "model": model,
+        "breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def test_compiled_blocks_with_inductor_give_eager_losses():
@@ -93,8 +108,9 @@ def test_the_compiled_chunked_loss_with_inductor_gives_the_eager_full_losses():
     inductor too (blocks of 12 of the 32 tokens: two shapes, both in the first step); the losses
     are the eager full loss's."""
     eager = train(model_config(), 5)
-    compiled = train(model_config(cross_entropy="chunked", cross_entropy_chunk_tokens=12), 5,
-                     backend="inductor")
+    compiled = train(
+        model_config(cross_entropy="chunked", cross_entropy_chunk_tokens=12), 5, backend="inductor"
+    )
     assert compiled["model"].head_loss.body is not chunk_loss_and_grads  # the compiled one
     torch.testing.assert_close(compiled["losses"], eager["losses"], **LOSS_TOL)
     assert compiled["breaks"] == 0
@@ -110,8 +126,9 @@ def test_compiled_blocks_with_recompute_give_eager_losses(recompute):
     # Nothing is compiled after step 2. (Run after another test in the same process, the
     # selective mode's eager checkpoint fallbacks get one more compile in step 2: a resumed frame
     # made dynamic by dynamo's automatic dynamic shapes; alone it compiles in step 1 only.)
-    assert compiled["graphs"][0] > 0 and compiled["graphs"][-1] == compiled["graphs"][1], \
-        compiled["graphs"]
+    assert compiled["graphs"][0] > 0 and compiled["graphs"][-1] == compiled["graphs"][1], compiled[
+        "graphs"
+    ]
 
 
 @pytest.mark.parametrize("attention_backend", ["reference", "sdpa"])
@@ -159,19 +176,22 @@ def test_command_lines_and_eager_models_do_not_import_dynamo():
     backward through them (capacity dropping, per-document SDPA), do not pay for it."""
     import subprocess
     import sys
-    code = ("import sys, torch, launch.launch, launch.evaluate, launch.prepare, "
-            "moe.parallel.deepspeed_adapter\n"
-            "from moe.model.moe_layer import MoEConfig\n"
-            "from moe.model.router import RouterConfig\n"
-            "from moe.model.transformer import ModelConfig, MoETransformer\n"
-            "moe = MoEConfig(num_experts=4, expert_hidden=16, capacity_factor=1.0, "
-            "router=RouterConfig(top_k=2))\n"
-            "m = MoETransformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, "
-            "max_seq_len=16, moe=moe, attention_backend='sdpa', document_masking=True))\n"
-            "ids = torch.randint(0, 64, (2, 17))\n"
-            "docs = (torch.arange(16) >= 7).long().expand(2, 16)\n"
-            "m(ids[:, :-1], ids[:, 1:], doc_ids_BS=docs).loss.backward()\n"
-            "print('torch._dynamo' in sys.modules)")
+
+    code = (
+        "import sys, torch, launch.launch, launch.evaluate, launch.prepare, "
+        "moe.parallel.deepspeed_adapter\n"
+        "from moe.model.moe_layer import MoEConfig\n"
+        "from moe.model.router import RouterConfig\n"
+        "from moe.model.transformer import ModelConfig, MoETransformer\n"
+        "moe = MoEConfig(num_experts=4, expert_hidden=16, capacity_factor=1.0, "
+        "router=RouterConfig(top_k=2))\n"
+        "m = MoETransformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, "
+        "max_seq_len=16, moe=moe, attention_backend='sdpa', document_masking=True))\n"
+        "ids = torch.randint(0, 64, (2, 17))\n"
+        "docs = (torch.arange(16) >= 7).long().expand(2, 16)\n"
+        "m(ids[:, :-1], ids[:, 1:], doc_ids_BS=docs).loss.backward()\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"

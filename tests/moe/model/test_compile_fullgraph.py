@@ -29,15 +29,25 @@ D, B, S = 32, 2, 24
 
 VARIANTS = {
     "softmax_top2": {},
-    "sigmoid_bias_scaled": {"router": {"score_func": "sigmoid", "bias_update_rate": 0.01,
-                                       "scaling_factor": 2.5, "top_k": 3}},
-    "topk_then_softmax_renormalized": {"router": {"order": "topk_then_softmax",
-                                                  "renormalize": True}},
+    "sigmoid_bias_scaled": {
+        "router": {
+            "score_func": "sigmoid",
+            "bias_update_rate": 0.01,
+            "scaling_factor": 2.5,
+            "top_k": 3,
+        }
+    },
+    "topk_then_softmax_renormalized": {
+        "router": {"order": "topk_then_softmax", "renormalize": True}
+    },
     "sequence_aux_z_loss": {"router": {"aux_loss_type": "sequence", "z_loss_coef": 0.01}},
     "global_batch_aux": {"router": {"aux_loss_scope": "global_batch"}},
     "noise_and_jitter": {"router": {"jitter_eps": 0.1, "logit_noise_std": 0.5}},
-    "shared_gated_gelu": {"num_shared_experts": 1, "shared_expert_gate": True,
-                          "activation": "gelu"},
+    "shared_gated_gelu": {
+        "num_shared_experts": 1,
+        "shared_expert_gate": True,
+        "activation": "gelu",
+    },
 }
 
 
@@ -78,8 +88,9 @@ def test_the_moe_layer_is_one_graph_compiled_once(variant, dtype):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     if not noisy:  # compiled random draws are not eager's
-        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else \
-            {"rtol": 2e-2, "atol": 2e-2}
+        tol = (
+            {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        )
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, **tol)
     torch.testing.assert_close(compiled.step_load_E, eager.step_load_E)
@@ -107,6 +118,7 @@ def test_global_batch_routing_counts_without_bincount(monkeypatch):
     """torch.bincount reads the largest id back to the host on CUDA (a sync per call, and its
     length depends on the data): the counting pass and the global-batch aux loss use a
     fixed-length scatter-add instead."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("torch.bincount in the MoE path")
 

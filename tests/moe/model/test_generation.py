@@ -32,8 +32,16 @@ DECODERS = [FullForwardDecoder, KVCacheDecoder]
 @pytest.fixture(scope="module")
 def model() -> MoETransformer:
     torch.manual_seed(0)
-    m = MoETransformer(ModelConfig(vocab_size=V, d_model=16, n_layers=2, n_heads=2, max_seq_len=16,
-                                   moe=MoEConfig(num_experts=4, expert_hidden=16)))
+    m = MoETransformer(
+        ModelConfig(
+            vocab_size=V,
+            d_model=16,
+            n_layers=2,
+            n_heads=2,
+            max_seq_len=16,
+            moe=MoEConfig(num_experts=4, expert_hidden=16),
+        )
+    )
     with torch.no_grad():  # peaked, position-dependent next-token distributions
         m.lm_head.weight.mul_(60)
     return m.eval()
@@ -45,7 +53,7 @@ def sequence_logprobs(model, prompt, conts_NT) -> torch.Tensor:
     with torch.no_grad():
         logp = model(ids[:, :-1]).logits.double().log_softmax(-1)
     P = len(prompt)
-    return logp[:, P - 1:].gather(-1, ids[:, P:, None])[..., 0].sum(-1)
+    return logp[:, P - 1 :].gather(-1, ids[:, P:, None])[..., 0].sum(-1)
 
 
 def run(model, eos=None, **kw):
@@ -114,8 +122,12 @@ def test_beam_search_exhaustive_width_returns_the_exact_top_sequences(model):
     beams = run(model, strategy="beam", num_beams=W, num_return=W, max_new_tokens=T)
     order = ref.argsort(descending=True)[:W]
     assert [h.tokens for h in beams] == conts[order].tolist()
-    torch.testing.assert_close(torch.tensor([h.logprob for h in beams], dtype=torch.float64),
-                               ref[order], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([h.logprob for h in beams], dtype=torch.float64),
+        ref[order],
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("width", [2, 3, 4])
@@ -128,8 +140,12 @@ def test_beam_search_is_ordered_and_beats_greedy(model, width):
     assert len({tuple(h.tokens) for h in beams}) == width
     assert beams[0].logprob >= greedy.logprob - 1e-9
     conts = torch.tensor([h.tokens for h in beams])
-    torch.testing.assert_close(torch.tensor(scores, dtype=torch.float64),
-                               sequence_logprobs(model, PROMPT, conts), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(scores, dtype=torch.float64),
+        sequence_logprobs(model, PROMPT, conts),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_generation_stops_at_eos(model):
@@ -165,9 +181,15 @@ def test_invalid_settings_are_listed_together(model):
     assert "top_p" in msg and "temperature" in msg and "exceeds the model's 16 tokens" in msg
 
 
-@pytest.mark.parametrize("kw", [dict(strategy="greedy"), dict(strategy="beam", num_beams=3),
-                                dict(strategy="sample", temperature=0.8, top_k=3, seed=5)],
-                         ids=["greedy", "beam3", "sample"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(strategy="greedy"),
+        dict(strategy="beam", num_beams=3),
+        dict(strategy="sample", temperature=0.8, top_k=3, seed=5),
+    ],
+    ids=["greedy", "beam3", "sample"],
+)
 def test_kv_cache_decoding_equals_full_forward(model, kw):
     cfg = GenerationConfig(max_new_tokens=8, **kw)
     cached = generate(KVCacheDecoder(model), PROMPT, cfg, None)

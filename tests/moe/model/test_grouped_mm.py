@@ -17,7 +17,7 @@ COUNTS = [5, 0, 9, 0, 3, 7]  # experts 1 and 3 get no tokens
 def loop_reference(x_ND, w_EIO, counts):
     out, start = [], 0
     for e, n in enumerate(counts):
-        out.append(x_ND[start:start + n].double() @ w_EIO[e].double())
+        out.append(x_ND[start : start + n].double() @ w_EIO[e].double())
         start += n
     return torch.cat(out)
 
@@ -78,11 +78,13 @@ def test_cuda_needs_bf16_and_a_capable_gpu(monkeypatch):
     monkeypatch.setattr(experts_mod, "_probe", lambda dtype, device: True)
     monkeypatch.setattr(experts_mod, "_probed", {})
     cuda = torch.device("cuda", 0)
-    for cap, version, dtype, want in [((9, 0), (2, 11), torch.bfloat16, True),
-                                      ((9, 0), (2, 11), torch.float32, False),
-                                      ((8, 0), (2, 11), torch.bfloat16, False),
-                                      ((8, 0), (2, 13), torch.bfloat16, True),
-                                      ((7, 5), (2, 13), torch.bfloat16, False)]:
+    for cap, version, dtype, want in [
+        ((9, 0), (2, 11), torch.bfloat16, True),
+        ((9, 0), (2, 11), torch.float32, False),
+        ((8, 0), (2, 11), torch.bfloat16, False),
+        ((8, 0), (2, 13), torch.bfloat16, True),
+        ((7, 5), (2, 13), torch.bfloat16, False),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, cap=cap: cap)
         monkeypatch.setattr(experts_mod, "_torch_version", lambda version=version: version)
         assert grouped_mm_supported(dtype, cuda) == want, (cap, version, dtype)
@@ -100,8 +102,9 @@ def test_host_reads_of_one_moe_layer_forward_and_backward(kernel, capacity_facto
     if not kernel:
         monkeypatch.setattr(experts_mod, "grouped_mm_supported", lambda dtype, device: False)
     torch.manual_seed(0)
-    layer = MoELayer(16, MoEConfig(num_experts=4, expert_hidden=16,
-                                   capacity_factor=capacity_factor))
+    layer = MoELayer(
+        16, MoEConfig(num_experts=4, expert_hidden=16, capacity_factor=capacity_factor)
+    )
     x = torch.randn(2, 24, 16, requires_grad=True)
     with count_host_reads() as reads:
         y, aux = layer(x)
@@ -136,8 +139,11 @@ def test_bf16_experts_copy_no_weight_in_forward_or_backward():
     torch.manual_seed(0)
     experts = GroupedExperts(len(COUNTS), 32, 16, "swiglu").bfloat16()
     x = torch.randn(sum(COUNTS), 32, dtype=torch.bfloat16, requires_grad=True)
-    weights = {s for p in experts.parameters()  # as stored or transposed
-               for s in (tuple(p.shape), tuple(p.transpose(1, 2).shape))}
+    weights = {
+        s
+        for p in experts.parameters()  # as stored or transposed
+        for s in (tuple(p.shape), tuple(p.transpose(1, 2).shape))
+    }
     with _Copies() as mode:
         y = experts(x, torch.tensor(COUNTS), torch.rand(sum(COUNTS)))
         y.float().square().sum().backward()

@@ -28,16 +28,23 @@ VOCAB, B, S = 97, 3, 16
 
 
 def config(vocab: int = VOCAB, **extra) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, max_seq_len=S,
-                       moe=MoEConfig(num_experts=4, expert_hidden=16, num_shared_experts=1),
-                       **extra)
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=S,
+        moe=MoEConfig(num_experts=4, expert_hidden=16, num_shared_experts=1),
+        **extra,
+    )
 
 
 def pair(chunk: int, **extra) -> tuple[MoETransformer, MoETransformer]:
     torch.manual_seed(0)
     full = MoETransformer(config(**extra))
-    chunked = MoETransformer(config(cross_entropy="chunked", cross_entropy_chunk_tokens=chunk,
-                                    **extra))
+    chunked = MoETransformer(
+        config(cross_entropy="chunked", cross_entropy_chunk_tokens=chunk, **extra)
+    )
     chunked.load_state_dict(full.state_dict())
     return full, chunked
 
@@ -77,24 +84,25 @@ def test_tied_embeddings_and_a_frozen_head():
     x, t = batch(2)
     full(x, t).loss.backward()
     chunked(x, t).loss.backward()
-    torch.testing.assert_close(chunked.embed.weight.grad, full.embed.weight.grad,
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        chunked.embed.weight.grad, full.embed.weight.grad, rtol=1e-6, atol=1e-6
+    )
     full, chunked = pair(5)
     for m in (full, chunked):
         m.lm_head.weight.requires_grad_(False)
     full(x, t).loss.backward()
     chunked(x, t).loss.backward()
     assert chunked.lm_head.weight.grad is None
-    torch.testing.assert_close(chunked.embed.weight.grad, full.embed.weight.grad,
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        chunked.embed.weight.grad, full.embed.weight.grad, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_without_gradients_and_without_targets():
     full, chunked = pair(7)
     x, t = batch(3)
     with torch.no_grad():
-        torch.testing.assert_close(chunked(x, t).lm_loss, full(x, t).lm_loss,
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(chunked(x, t).lm_loss, full(x, t).lm_loss, rtol=1e-6, atol=1e-6)
     # Evaluation and generation pass no targets: the logits, exactly the full model's.
     assert torch.equal(chunked(x).logits, full(x).logits)
     # Every target ignored: 0, not NaN, as the full loss.
@@ -108,9 +116,12 @@ def test_the_full_loss_is_the_reference_formula_bitwise():
     full, _ = pair(7)
     x, t = batch(4)
     out = full(x, t)
-    want = torch.nn.functional.cross_entropy(
-        out.logits.float().flatten(0, 1), t.flatten(), ignore_index=IGNORE, reduction="sum"
-    ) / (t != IGNORE).sum()
+    want = (
+        torch.nn.functional.cross_entropy(
+            out.logits.float().flatten(0, 1), t.flatten(), ignore_index=IGNORE, reduction="sum"
+        )
+        / (t != IGNORE).sum()
+    )
     assert torch.equal(out.lm_loss, want)
 
 
@@ -195,17 +206,21 @@ def test_a_compiled_block_gives_the_eager_loss_and_gradients():
         ref.loss.backward()
         out.loss.backward()
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(chunked.lm_head.weight.grad, full.lm_head.weight.grad,
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            chunked.lm_head.weight.grad, full.lm_head.weight.grad, rtol=1e-6, atol=1e-6
+        )
 
 
 def test_config_problems_name_the_key_and_the_fix(monkeypatch):
-    assert any("cross_entropy_chunk_tokens: must be >= 1" in p
-               for p in config(cross_entropy_chunk_tokens=0).problems())
+    assert any(
+        "cross_entropy_chunk_tokens: must be >= 1" in p
+        for p in config(cross_entropy_chunk_tokens=0).problems()
+    )
     monkeypatch.setattr(loss_mod.importlib.util, "find_spec", lambda name: None)
     problems = config(cross_entropy="liger").problems()
-    assert any("cross_entropy: liger" in p and "pip install liger-kernel" in p
-               for p in problems), problems
+    assert any("cross_entropy: liger" in p and "pip install liger-kernel" in p for p in problems), (
+        problems
+    )
 
 
 def test_liger_on_the_cpu_is_refused_naming_cuda(monkeypatch):

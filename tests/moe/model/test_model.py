@@ -11,8 +11,9 @@ from moe.model.transformer import ModelConfig, MoETransformer
 def small_model(**moe_kwargs) -> MoETransformer:
     torch.manual_seed(0)
     moe = MoEConfig(num_experts=4, expert_hidden=32, **moe_kwargs)
-    return MoETransformer(ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4,
-                                      max_seq_len=16, moe=moe))
+    return MoETransformer(
+        ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, moe=moe)
+    )
 
 
 def test_output_shapes_and_initial_loss_near_uniform():

@@ -53,8 +53,10 @@ def reference(x, layer: MoELayer):
         out[t] = out[t] + w * (h @ w_out[e])
     out = torch.stack(out)
     if layer.shared_mlp is not None:
-        shared = F.linear(_act(F.linear(x, layer.shared_mlp.w_in.weight.double()), cfg,
-                               layer.shared_mlp.hidden), layer.shared_mlp.w_out.weight.double())
+        shared = F.linear(
+            _act(F.linear(x, layer.shared_mlp.w_in.weight.double()), cfg, layer.shared_mlp.hidden),
+            layer.shared_mlp.w_out.weight.double(),
+        )
         if layer.shared_gate is not None:  # Qwen2-MoE: sigmoid(x . g) per token
             shared = torch.sigmoid(x @ layer.shared_gate.weight.double()[0])[:, None] * shared
         out = out + shared
@@ -84,10 +86,17 @@ def make_layer(router: dict, dtype, **moe):
 
 
 @pytest.mark.parametrize("router", CASES, ids=lambda r: "-".join(f"{v}" for v in r.values()))
-@pytest.mark.parametrize("variant", [{}, {"capacity_factor": 1.0}, {"num_shared_experts": 2},
-                                     {"activation": "gelu", "capacity_factor": 0.5},
-                                     {"num_shared_experts": 1, "shared_expert_gate": True}],
-                         ids=["dropless", "cf1.0", "shared", "gelu-cf0.5", "gated-shared"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"capacity_factor": 1.0},
+        {"num_shared_experts": 2},
+        {"activation": "gelu", "capacity_factor": 0.5},
+        {"num_shared_experts": 1, "shared_expert_gate": True},
+    ],
+    ids=["dropless", "cf1.0", "shared", "gelu-cf0.5", "gated-shared"],
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64-loop", "f32-grouped"])
 def test_matches_reference_outputs_and_gradients(router, variant, dtype):
     layer = make_layer(router, dtype, **variant)
@@ -123,15 +132,17 @@ class _swapped:
     def __enter__(self):
         m = self.layer
         self.saved = (m.router.weight, m.experts.w_in, m.experts.w_out)
-        for mod, name, leaf in zip((m.router, m.experts, m.experts), ("weight", "w_in", "w_out"),
-                                   self.leaves):
+        for mod, name, leaf in zip(
+            (m.router, m.experts, m.experts), ("weight", "w_in", "w_out"), self.leaves
+        ):
             del mod._parameters[name]
             setattr(mod, name, leaf)
 
     def __exit__(self, *exc):
         m = self.layer
-        for mod, name, p in zip((m.router, m.experts, m.experts), ("weight", "w_in", "w_out"),
-                                self.saved):
+        for mod, name, p in zip(
+            (m.router, m.experts, m.experts), ("weight", "w_in", "w_out"), self.saved
+        ):
             delattr(mod, name)
             mod.register_parameter(name, p)
 
@@ -160,7 +171,9 @@ def test_experts_with_zero_tokens():
     y, _ = layer(x.requires_grad_())
     y.sum().backward()
     assert layer.stats["tokens_per_expert"].tolist() == [0, 0, 0, 10, 0, 0, 0, 0]
-    assert layer.experts.w_in.grad[3].abs().sum() > 0 and layer.experts.w_in.grad[0].abs().sum() == 0
+    assert (
+        layer.experts.w_in.grad[3].abs().sum() > 0 and layer.experts.w_in.grad[0].abs().sum() == 0
+    )
 
 
 def test_step_counters_stay_exact_fp32_in_a_bf16_layer():
@@ -179,15 +192,21 @@ def test_every_step_sum_is_added_up_by_name():
     """Each entry of STEP_SUMS holds its own quantity over a step's training micro-batches,
     whatever its position; a validation pass adds nothing."""
     torch.manual_seed(0)
-    layer = MoELayer(16, MoEConfig(num_experts=4, expert_hidden=16,
-                                   router=RouterConfig(top_k=2, z_loss_coef=1e-3)))
+    layer = MoELayer(
+        16,
+        MoEConfig(num_experts=4, expert_hidden=16, router=RouterConfig(top_k=2, z_loss_coef=1e-3)),
+    )
     want = dict.fromkeys(STEP_SUMS, 0.0)
     for tokens in (5, 7):
         layer(torch.randn(1, tokens, 16))
         st = layer.stats
-        for name, value in (("routed", 2 * tokens), ("router_entropy", st["router_entropy"]),
-                            ("aux_loss", st["aux_loss"]), ("z_loss", st["z_loss"]),
-                            ("micro_batches", 1)):
+        for name, value in (
+            ("routed", 2 * tokens),
+            ("router_entropy", st["router_entropy"]),
+            ("aux_loss", st["aux_loss"]),
+            ("z_loss", st["z_loss"]),
+            ("micro_batches", 1),
+        ):
             want[name] += float(value)
     layer.eval()
     layer(torch.randn(1, 3, 16))

@@ -64,7 +64,9 @@ def test_alibi_standard_slopes():
     # Press et al.: 8 heads -> 1/2, 1/4, ..., 1/256.
     torch.testing.assert_close(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
     # 16 heads: 2^(-0.5 * (i + 1)).
-    torch.testing.assert_close(alibi_slopes(16), torch.tensor([2.0 ** (-0.5 * (i + 1)) for i in range(16)]))
+    torch.testing.assert_close(
+        alibi_slopes(16), torch.tensor([2.0 ** (-0.5 * (i + 1)) for i in range(16)])
+    )
     # 12 heads (not a power of two): the 8-head slopes, then the odd-indexed 16-head slopes.
     expected = [2.0 ** -(i + 1) for i in range(8)] + [2.0 ** (-0.5 * (2 * j + 1)) for j in range(4)]
     torch.testing.assert_close(alibi_slopes(12), torch.tensor(expected))

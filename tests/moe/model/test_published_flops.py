@@ -35,8 +35,12 @@ PUBLISHED = [  # (where, tokens/s per GPU, model TFLOP/s per GPU)
 def nemo_mixtral_flops_per_token(L, h, S, V, query_groups, heads, ffn, top_k) -> float:
     """NeMo's ``flops_formulas.mixtral`` for one token (its batch x sequence factor divided
     out), in the version those tables used: attention over the full S x S square."""
-    return L * h * h * (12 + 12 * query_groups / heads + 18 * top_k * ffn / h + 12 * S / h
-                        + 6 * V / (L * h))
+    return (
+        L
+        * h
+        * h
+        * (12 + 12 * query_groups / heads + 18 * top_k * ffn / h + 12 * S / h + 6 * V / (L * h))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +51,9 @@ def mixtral():
 
 
 @pytest.mark.parametrize("where,tokens_per_s,tflops", PUBLISHED, ids=[p[0] for p in PUBLISHED])
-def test_mixtral_training_flops_per_token_reproduce_the_published_figure(mixtral, where,
-                                                                         tokens_per_s, tflops):
+def test_mixtral_training_flops_per_token_reproduce_the_published_figure(
+    mixtral, where, tokens_per_s, tflops
+):
     implied = tflops * 1e12 / tokens_per_s  # model FLOPs per token of the published run
     ours = flops_per_token(mixtral.model, mixtral.data.seq_len)["training"]
     assert abs(ours / implied - 1) < 0.03, (where, ours, implied)
@@ -62,8 +67,16 @@ def test_the_terms_match_nemos_formula_except_the_router(mixtral):
     MoE layer, 0.008% of the total) is ours alone."""
     m, S = mixtral.model, mixtral.data.seq_len
     ours = flops_per_token(m, S)["training"]
-    nemo = nemo_mixtral_flops_per_token(m.n_layers, m.d_model, S, m.vocab_size, m.kv_heads,
-                                        m.n_heads, m.moe.expert_hidden, m.moe.router.top_k)
+    nemo = nemo_mixtral_flops_per_token(
+        m.n_layers,
+        m.d_model,
+        S,
+        m.vocab_size,
+        m.kv_heads,
+        m.n_heads,
+        m.moe.expert_hidden,
+        m.moe.router.top_k,
+    )
     router = 6 * count_parameters(m).active["router"]
     assert router == 6 * m.n_layers * m.d_model * m.moe.num_experts
     assert ours - router == pytest.approx(nemo, rel=1e-12)

@@ -24,12 +24,20 @@ def model_config(**moe) -> ModelConfig:
     """4 layers: a dense first layer, then MoE layers with shared experts, top-2, z-loss and the
     loss-free bias (so that a double-counted load would move the bias differently)."""
     extra = moe.pop("model", {})
-    router = RouterConfig(top_k=2, z_loss_coef=0.01, bias_update_rate=0.01,
-                          **moe.pop("router", {}))
-    moe_cfg = MoEConfig(**{"num_experts": 4, "expert_hidden": 16, "num_shared_experts": 1,
-                           "first_dense_layers": 1, "router": router, **moe})
-    return ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, max_seq_len=S,
-                       moe=moe_cfg, **extra)
+    router = RouterConfig(top_k=2, z_loss_coef=0.01, bias_update_rate=0.01, **moe.pop("router", {}))
+    moe_cfg = MoEConfig(
+        **{
+            "num_experts": 4,
+            "expert_hidden": 16,
+            "num_shared_experts": 1,
+            "first_dense_layers": 1,
+            "router": router,
+            **moe,
+        }
+    )
+    return ModelConfig(
+        vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, max_seq_len=S, moe=moe_cfg, **extra
+    )
 
 
 def batches(n: int) -> list[torch.Tensor]:
@@ -38,9 +46,19 @@ def batches(n: int) -> list[torch.Tensor]:
 
 
 def step_state(step: int) -> StepState:
-    return StepState(step=step, max_steps=2, loss=0.0, lm_loss=0.0, aux_loss=0.0, lr=0.0,
-                     grad_norm=None, step_seconds=1.0, tokens_per_step=1, samples_per_step=1,
-                     is_log_step=True)
+    return StepState(
+        step=step,
+        max_steps=2,
+        loss=0.0,
+        lm_loss=0.0,
+        aux_loss=0.0,
+        lr=0.0,
+        grad_norm=None,
+        step_seconds=1.0,
+        tokens_per_step=1,
+        samples_per_step=1,
+        is_log_step=True,
+    )
 
 
 def train_steps(cfg: ModelConfig, mode: str, every_n: int = 1, steps: int = 2, accum: int = 2):
@@ -64,8 +82,12 @@ def train_steps(cfg: ModelConfig, mode: str, every_n: int = 1, steps: int = 2, a
             res.loss.backward()
             out["losses"].append(torch.stack([res.loss, res.lm_loss, res.aux_loss]).detach())
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        out["counters"].append([torch.cat([layer.step_load_E, layer.step_sums]).clone()
-                                for layer in model.moe_layers()])
+        out["counters"].append(
+            [
+                torch.cat([layer.step_load_E, layer.step_sums]).clone()
+                for layer in model.moe_layers()
+            ]
+        )
         state = step_state(step + 1)
         hook.after_step(state)
         out["metrics"].append(state.extra)
@@ -77,12 +99,19 @@ def train_steps(cfg: ModelConfig, mode: str, every_n: int = 1, steps: int = 2, a
 CASES = {
     "dropless": {},
     "capacity-dropping": {"capacity_factor": 0.75},
-    "noisy-router-wide-experts": {"expert_hidden": 48,  # hidden > d_model: scale after w_out
-                                  "router": {"jitter_eps": 0.1, "logit_noise_std": 0.5}},
-    "open-weights-options": {"shared_expert_gate": True,
-                             "model": {"head_dim": 12, "qkv_bias": True, "qk_norm": "projection"}},
-    "gelu-postnorm-layernorm": {"activation": "gelu", "capacity_factor": 1.0,
-                                "model": {"norm": "layernorm", "norm_placement": "post"}},
+    "noisy-router-wide-experts": {
+        "expert_hidden": 48,  # hidden > d_model: scale after w_out
+        "router": {"jitter_eps": 0.1, "logit_noise_std": 0.5},
+    },
+    "open-weights-options": {
+        "shared_expert_gate": True,
+        "model": {"head_dim": 12, "qkv_bias": True, "qk_norm": "projection"},
+    },
+    "gelu-postnorm-layernorm": {
+        "activation": "gelu",
+        "capacity_factor": 1.0,
+        "model": {"norm": "layernorm", "norm_placement": "post"},
+    },
 }
 
 
@@ -95,14 +124,21 @@ def test_gradients_losses_and_moe_statistics_do_not_change(case):
         for step, (g_ref, g_got) in enumerate(zip(ref["grads"], got["grads"])):
             assert g_ref.keys() == g_got.keys()
             for name in g_ref:
-                torch.testing.assert_close(g_got[name], g_ref[name], rtol=1e-6, atol=1e-12,
-                                           msg=f"{mode}, step {step}: gradient of {name}")
-        torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(ref["losses"]),
-                                   rtol=0, atol=0)
+                torch.testing.assert_close(
+                    g_got[name],
+                    g_ref[name],
+                    rtol=1e-6,
+                    atol=1e-12,
+                    msg=f"{mode}, step {step}: gradient of {name}",
+                )
+        torch.testing.assert_close(
+            torch.stack(got["losses"]), torch.stack(ref["losses"]), rtol=0, atol=0
+        )
         for step in range(len(ref["counters"])):
             for layer, (a, b) in enumerate(zip(got["counters"][step], ref["counters"][step])):
-                torch.testing.assert_close(a, b, rtol=0, atol=0,
-                                           msg=f"{mode}: step counters of MoE layer {layer}")
+                torch.testing.assert_close(
+                    a, b, rtol=0, atol=0, msg=f"{mode}: step counters of MoE layer {layer}"
+                )
             assert got["metrics"][step] == ref["metrics"][step], mode
             for a, b in zip(got["bias"][step], ref["bias"][step]):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{mode}: loss-free bias")
@@ -155,8 +191,11 @@ def test_saved_activations_none_over_selective_over_full():
 def test_every_second_block_recomputes():
     cfg = model_config()
     assert apply_recompute(MoETransformer(cfg), "full", 2) == [0, 2]
-    none, full, half = (saved_bytes(cfg, "none"), saved_bytes(cfg, "full"),
-                        saved_bytes(cfg, "full", 2))
+    none, full, half = (
+        saved_bytes(cfg, "none"),
+        saved_bytes(cfg, "full"),
+        saved_bytes(cfg, "full", 2),
+    )
     assert full < half < none, (full, half, none)
 
     # Attention runs twice (forward and recompute) exactly in the blocks that recompute.
@@ -177,8 +216,11 @@ def test_apply_recompute_sets_the_switches_and_resets_them():
     for block in model.blocks:
         assert block.recompute_norms and block.attn.recompute_core
         assert not (block.recompute_block or block.recompute_attention)
-        acts = [m.recompute_activation for m in block.ffn.modules()
-                if hasattr(m, "recompute_activation")]
+        acts = [
+            m.recompute_activation
+            for m in block.ffn.modules()
+            if hasattr(m, "recompute_activation")
+        ]
         assert acts and all(acts)  # dense FFN; routed and shared experts
     apply_recompute(model, "full")
     assert model.blocks[0].recompute_block and not model.blocks[0].recompute_attention  # dense
@@ -187,10 +229,18 @@ def test_apply_recompute_sets_the_switches_and_resets_them():
         assert block.ffn.recompute_experts and not block.attn.recompute_core
     apply_recompute(model, "none")
     for block in model.blocks:
-        flags = [block.recompute_block, block.recompute_attention, block.recompute_norms,
-                 block.attn.recompute_core]
-        flags += [getattr(m, name) for m in block.ffn.modules()
-                  for name in ("recompute_experts", "recompute_activation") if hasattr(m, name)]
+        flags = [
+            block.recompute_block,
+            block.recompute_attention,
+            block.recompute_norms,
+            block.attn.recompute_core,
+        ]
+        flags += [
+            getattr(m, name)
+            for m in block.ffn.modules()
+            for name in ("recompute_experts", "recompute_activation")
+            if hasattr(m, name)
+        ]
         assert not any(flags)
     with pytest.raises(ValueError, match="every_n_blocks"):
         apply_recompute(model, "full", 0)
@@ -198,8 +248,9 @@ def test_apply_recompute_sets_the_switches_and_resets_them():
 
 def test_config_refuses_unknown_mode_and_bad_interval():
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["train.recompute=bogus",
-                                             "train.recompute_every_n_blocks=1"])
+        load_config(
+            "configs/default.yaml", ["train.recompute=bogus", "train.recompute_every_n_blocks=1"]
+        )
     assert "train.recompute: 'bogus' is not allowed" in str(e.value)
     with pytest.raises(ConfigError, match="train.recompute_every_n_blocks: must be >= 1, got 0"):
         load_config("configs/default.yaml", ["train.recompute_every_n_blocks=0"])

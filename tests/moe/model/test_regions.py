@@ -22,10 +22,16 @@ VOCAB, B, S = 64, 2, 16
 def tiny_model(seed: int = 0) -> MoETransformer:
     """A dense first layer, then MoE layers with a shared expert: every range is reached."""
     torch.manual_seed(seed)
-    moe = MoEConfig(num_experts=4, expert_hidden=16, num_shared_experts=1, first_dense_layers=1,
-                    router=RouterConfig(top_k=2))
-    return MoETransformer(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4,
-                                      max_seq_len=S, moe=moe))
+    moe = MoEConfig(
+        num_experts=4,
+        expert_hidden=16,
+        num_shared_experts=1,
+        first_dense_layers=1,
+        router=RouterConfig(top_k=2),
+    )
+    return MoETransformer(
+        ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, max_seq_len=S, moe=moe)
+    )
 
 
 def step(model: MoETransformer, g: torch.Generator) -> torch.Tensor:

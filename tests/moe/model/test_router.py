@@ -10,18 +10,18 @@ from moe.model.router import RouterConfig, TopKRouter, load_balancing_loss
 
 def test_switch_aux_loss_by_hand():
     # 4 tokens, 4 experts, top-1. Tokens 0,1 -> expert 0; token 2 -> expert 1; token 3 -> expert 3.
-    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1],
-                          [0.6, 0.2, 0.1, 0.1],
-                          [0.1, 0.5, 0.2, 0.2],
-                          [0.2, 0.1, 0.1, 0.6]])
+    probs = torch.tensor(
+        [[0.7, 0.1, 0.1, 0.1], [0.6, 0.2, 0.1, 0.1], [0.1, 0.5, 0.2, 0.2], [0.2, 0.1, 0.1, 0.6]]
+    )
     idx = probs.argmax(-1, keepdim=True)
     # f = [2/4, 1/4, 0, 1/4]; P = column means = [0.4, 0.225, 0.125, 0.25]
     expected = 4 * (0.5 * 0.4 + 0.25 * 0.225 + 0 * 0.125 + 0.25 * 0.25)
     assert math.isclose(load_balancing_loss(probs, idx, 4).item(), expected, rel_tol=1e-6)
     # Perfectly balanced routing and uniform probabilities give exactly 1.
     uniform = torch.full((4, 4), 0.25)
-    assert math.isclose(load_balancing_loss(uniform, torch.arange(4)[:, None], 4).item(), 1.0,
-                        rel_tol=1e-6)
+    assert math.isclose(
+        load_balancing_loss(uniform, torch.arange(4)[:, None], 4).item(), 1.0, rel_tol=1e-6
+    )
 
 
 def test_sequence_level_aux_loss_by_hand():
@@ -41,17 +41,26 @@ def test_z_loss_by_hand():
         router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
     x = torch.tensor([[1.0, 2.0], [0.0, -1.0]])
     # logits: [1, 2, 3] and [0, -1, -1]
-    lse1 = math.log(math.e ** 1 + math.e ** 2 + math.e ** 3)
-    lse2 = math.log(1 + 2 * math.e ** -1)
-    assert math.isclose(router(x).z_loss.item(), (lse1 ** 2 + lse2 ** 2) / 2, rel_tol=1e-6)
+    lse1 = math.log(math.e**1 + math.e**2 + math.e**3)
+    lse2 = math.log(1 + 2 * math.e**-1)
+    assert math.isclose(router(x).z_loss.item(), (lse1**2 + lse2**2) / 2, rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_loss_free_bias_moves_toward_balance(score_func):
     torch.manual_seed(0)
     E = 8
-    router = TopKRouter(16, E, RouterConfig(top_k=2, score_func=score_func, renormalize=True,
-                                            bias_update_rate=0.001, aux_loss_coef=0.0))
+    router = TopKRouter(
+        16,
+        E,
+        RouterConfig(
+            top_k=2,
+            score_func=score_func,
+            renormalize=True,
+            bias_update_rate=0.001,
+            aux_loss_coef=0.0,
+        ),
+    )
     with torch.no_grad():
         router.weight.normal_(std=0.1)
         router.weight[0] += 0.1  # a skewed router: expert 0 wins for every input
@@ -94,17 +103,22 @@ def test_router_runs_in_fp32_for_bf16_inputs():
     assert r.scores_TE.dtype == torch.float32 and r.weights_TK.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(top_k=9), "top_k: 9 must be between 1 and 8"),
-    (dict(top_k=0), "top_k: 0 must be between 1 and 8"),
-    (dict(score_func="sigmoid", order="topk_then_softmax"), "needs score_func 'softmax'"),
-    (dict(jitter_eps=1.5), "jitter_eps: must be < 1"),
-    (dict(aux_loss_coef=-1.0), "aux_loss_coef: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(top_k=9), "top_k: 9 must be between 1 and 8"),
+        (dict(top_k=0), "top_k: 0 must be between 1 and 8"),
+        (dict(score_func="sigmoid", order="topk_then_softmax"), "needs score_func 'softmax'"),
+        (dict(jitter_eps=1.5), "jitter_eps: must be < 1"),
+        (dict(aux_loss_coef=-1.0), "aux_loss_coef: must be >= 0"),
+    ],
+)
 def test_validation_messages(kwargs, message):
     assert any(message in p for p in RouterConfig(**kwargs).problems(num_experts=8))
 
 
 def test_top_k_larger_than_experts_is_refused():
-    assert any("at most the number of experts (4)" in p
-               for p in RouterConfig(top_k=6).problems(num_experts=4))
+    assert any(
+        "at most the number of experts (4)" in p
+        for p in RouterConfig(top_k=6).problems(num_experts=4)
+    )

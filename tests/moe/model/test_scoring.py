@@ -18,9 +18,17 @@ V = 11
 @pytest.fixture(scope="module", params=["rope", "learned"])
 def model(request) -> MoETransformer:
     torch.manual_seed(0)
-    m = MoETransformer(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=24,
-                                   position=request.param,
-                                   moe=MoEConfig(num_experts=4, expert_hidden=16)))
+    m = MoETransformer(
+        ModelConfig(
+            vocab_size=V,
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            max_seq_len=24,
+            position=request.param,
+            moe=MoEConfig(num_experts=4, expert_hidden=16),
+        )
+    )
     with torch.no_grad():
         m.lm_head.weight.mul_(8)  # peaked distributions: argmax ties are unlikely
     return m.eval()
@@ -30,7 +38,7 @@ def reference(model, ctx, cont):
     """One float64 log-softmax over one unpadded full forward of context + continuation."""
     ids = torch.tensor([ctx + cont])
     with torch.no_grad():
-        logp = model(ids[:, :-1]).logits[0].double().log_softmax(-1)[len(ctx) - 1:]
+        logp = model(ids[:, :-1]).logits[0].double().log_softmax(-1)[len(ctx) - 1 :]
     cont_T = torch.tensor(cont)
     return float(logp.gather(1, cont_T[:, None]).sum()), bool((logp.argmax(-1) == cont_T).all())
 

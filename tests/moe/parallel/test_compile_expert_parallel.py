@@ -21,14 +21,29 @@ VOCAB, SEQ, MB, STEPS = 64, 16, 2, 4
 
 
 def run_config(compiled: bool, recompute: str) -> dict:
-    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": SEQ,
-                      "moe": {"num_experts": 4, "expert_hidden": 16,
-                              "router": {"top_k": 2, "z_loss_coef": 0.01}}},
-            "data": {"seq_len": SEQ},
-            "train": {"micro_batch_size": MB, "grad_clip": 0.0, "seed": 11,
-                      "recompute": recompute, "compile": compiled},
-            "parallel": {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2}}
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": SEQ,
+            "moe": {
+                "num_experts": 4,
+                "expert_hidden": 16,
+                "router": {"top_k": 2, "z_loss_coef": 0.01},
+            },
+        },
+        "data": {"seq_len": SEQ},
+        "train": {
+            "micro_batch_size": MB,
+            "grad_clip": 0.0,
+            "seed": 11,
+            "recompute": recompute,
+            "compile": compiled,
+        },
+        "parallel": {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2},
+    }
 
 
 def _worker(rank, world, batches, out_dir):
@@ -36,8 +51,11 @@ def _worker(rank, world, batches, out_dir):
     results = {}
     for name, compiled, recompute in (("eager", False, "none"), ("compiled", True, "full")):
         cfg = from_dict(RunConfig, copy.deepcopy(run_config(compiled, recompute)))
-        engine, model = build_engine(cfg, DistEnv(rank, world, rank, world),
-                                     make_optimizer=lambda g: torch.optim.SGD(g, lr=0.5))
+        engine, model = build_engine(
+            cfg,
+            DistEnv(rank, world, rank, world),
+            make_optimizer=lambda g: torch.optim.SGD(g, lr=0.5),
+        )
         calls[0], losses, graphs, routed = 0, [], [], []
         for step in range(STEPS):
             batch = batches[step][rank]
@@ -46,12 +64,16 @@ def _worker(rank, world, batches, out_dir):
             engine.step()
             losses.append(out.loss.detach())
             graphs.append(counters["stats"]["unique_graphs"])
-            routed.append(torch.stack([layer.stats["tokens_per_expert"]
-                                       for layer in model.moe_layers()]))
-        results[name] = {"losses": torch.stack(losses), "params": global_params(model, rank),
-                         "all_to_all_calls": torch.tensor(calls[0]),
-                         "graphs": torch.tensor(graphs),
-                         "routed": torch.stack(routed)}
+            routed.append(
+                torch.stack([layer.stats["tokens_per_expert"] for layer in model.moe_layers()])
+            )
+        results[name] = {
+            "losses": torch.stack(losses),
+            "params": global_params(model, rank),
+            "all_to_all_calls": torch.tensor(calls[0]),
+            "graphs": torch.tensor(graphs),
+            "routed": torch.stack(routed),
+        }
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -72,5 +94,6 @@ def test_compiled_blocks_with_expert_parallelism_match_eager(tmp_path):
         # results by a few ulps per op; SGD steps carry that into later losses.
         torch.testing.assert_close(comp["losses"], eager["losses"], rtol=1e-5, atol=1e-5)
         for name, p in eager["params"].items():
-            torch.testing.assert_close(comp["params"][name], p, rtol=1e-4, atol=1e-5,
-                                       msg=f"rank {rank}: {name}")
+            torch.testing.assert_close(
+                comp["params"][name], p, rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {name}"
+            )

@@ -69,8 +69,9 @@ print("RESULT " + json.dumps(out))
 
 
 def test_install_replaces_deepspeed_internals_once_and_only_when_called():
-    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line.removeprefix("RESULT "))
@@ -94,8 +95,11 @@ def test_other_deepspeed_releases_are_refused_by_name(monkeypatch, version):
     from moe.parallel import deepspeed_adapter
 
     monkeypatch.setattr(deepspeed, "__version__", version)
-    with pytest.raises(MoEError, match=rf"DeepSpeed {re.escape(version)} is installed, but "
-                                       r"this project supports DeepSpeed 0\.19\.8 only"):
+    with pytest.raises(
+        MoEError,
+        match=rf"DeepSpeed {re.escape(version)} is installed, but "
+        r"this project supports DeepSpeed 0\.19\.8 only",
+    ):
         deepspeed_adapter.install()
 
 

@@ -15,8 +15,9 @@ def _installed():
 
 def test_expert_files_go_into_the_experts_directory(tmp_path):
     name = DeepSpeedEngine._get_expert_ckpt_name(str(tmp_path), 1, 3, "step_0000002")
-    assert name == str(tmp_path / "step_0000002" / EXPERT_DIR /
-                       "layer_1_expert_3_mp_rank_00_model_states.pt")
+    assert name == str(
+        tmp_path / "step_0000002" / EXPERT_DIR / "layer_1_expert_3_mp_rank_00_model_states.pt"
+    )
 
 
 def test_checkpoints_with_expert_files_beside_the_others_still_load(tmp_path):
@@ -40,9 +41,16 @@ def _wrapped_model():
     from moe.parallel.deepspeed_adapter import wrap_moe_layers
 
     torch.manual_seed(0)
-    model = MoETransformer(ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2,
-                                       max_seq_len=16,
-                                       moe=MoEConfig(num_experts=4, expert_hidden=8)))
+    model = MoETransformer(
+        ModelConfig(
+            vocab_size=32,
+            d_model=16,
+            n_layers=2,
+            n_heads=2,
+            max_seq_len=16,
+            moe=MoEConfig(num_experts=4, expert_hidden=8),
+        )
+    )
     return wrap_moe_layers(model, ep_size=1, ep_rank=0)
 
 
@@ -61,8 +69,10 @@ def test_loaded_experts_are_checked_against_the_saved_fingerprints():
     with torch.no_grad():
         w_in[[0, 1]] = w_in[[1, 0]].clone()  # two experts' weights under each other's ids
     problems = check_loaded_experts(model, saved)
-    assert problems == ["blocks.0.ffn.experts.w_in: expert 0 holds the weights saved as expert 1, "
-                        "expert 1 holds the weights saved as expert 0"]
+    assert problems == [
+        "blocks.0.ffn.experts.w_in: expert 0 holds the weights saved as expert 1, "
+        "expert 1 holds the weights saved as expert 0"
+    ]
     with torch.no_grad():
         w_in[1] = w_in[0]  # identical experts ...
     assert check_loaded_experts(model, None) != []  # ... refused without fingerprints

@@ -15,8 +15,15 @@ D, E, H = 16, 4, 8
 
 def make_layer(capacity_factor):
     torch.manual_seed(5)
-    return MoELayer(D, MoEConfig(num_experts=E, expert_hidden=H, capacity_factor=capacity_factor,
-                                 router=RouterConfig(top_k=2)))
+    return MoELayer(
+        D,
+        MoEConfig(
+            num_experts=E,
+            expert_hidden=H,
+            capacity_factor=capacity_factor,
+            router=RouterConfig(top_k=2),
+        ),
+    )
 
 
 def inputs(rank: int, skew: str) -> torch.Tensor:
@@ -45,9 +52,16 @@ def _worker(rank, world, capacity_factor, skew, out_dir):
     x = inputs(rank, skew).requires_grad_(True)
     y, aux = wrapped(x)
     (y.square().sum() + aux).backward()
-    torch.save({"y": y.detach(), "dx": x.grad, "dw_in": layer.experts.w_in.grad,
-                "dw_router": layer.router.weight.grad,
-                "counts": layer.stats["tokens_per_expert"]}, f"{out_dir}/rank{rank}.pt")
+    torch.save(
+        {
+            "y": y.detach(),
+            "dx": x.grad,
+            "dw_in": layer.experts.w_in.grad,
+            "dw_router": layer.router.weight.grad,
+            "counts": layer.stats["tokens_per_expert"],
+        },
+        f"{out_dir}/rank{rank}.pt",
+    )
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["dropless", "cf0.75"])
@@ -71,10 +85,12 @@ def test_two_rank_dispatch_equals_single_device(tmp_path, capacity_factor, skew)
         dw_in += ref_layer.experts.w_in.grad
         dw_router += ref_layer.router.weight.grad
         # Each rank's router gradient comes from its own tokens only.
-        torch.testing.assert_close(got[rank]["dw_router"], ref_layer.router.weight.grad,
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            got[rank]["dw_router"], ref_layer.router.weight.grad, rtol=1e-5, atol=1e-6
+        )
     # Each rank's local experts got the gradient of both ranks' tokens routed to them.
-    torch.testing.assert_close(torch.cat([got[0]["dw_in"], got[1]["dw_in"]]), dw_in,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.cat([got[0]["dw_in"], got[1]["dw_in"]]), dw_in, rtol=1e-5, atol=1e-6
+    )
     if skew == "to_rank0":  # experts 2 and 3 (all of rank 1's) received no token
         assert dw_in[2:].abs().sum() == 0 and got[1]["dw_in"].abs().sum() == 0

@@ -22,17 +22,23 @@ def _worker(rank, world, hf_dir, batches, out_dir):
     _, model_cfg, _ = read_hf_model(hf_dir)
     model = to_dict(model_cfg)
     model["init_from"] = f"hf:{hf_dir}"
-    cfg = from_dict(RunConfig, {"model": model, "data": {"seq_len": SEQ},
-                                "train": {"micro_batch_size": 2, "seed": 5},
-                                "parallel": {"world_size": 2, "expert_parallel_size": 2,
-                                             "zero_stage": 2}})
+    cfg = from_dict(
+        RunConfig,
+        {
+            "model": model,
+            "data": {"seq_len": SEQ},
+            "train": {"micro_batch_size": 2, "seed": 5},
+            "parallel": {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2},
+        },
+    )
     engine, wrapped = build_engine(cfg, DistEnv(rank, world, rank, world))
     experts = [layer.experts.w_in.shape[0] for layer in wrapped.moe_layers()]
     batch = batches[rank]
     with torch.no_grad():
         out = engine(batch[:, :-1], batch[:, 1:])
-    torch.save({"lm_loss": out.lm_loss, "local_experts": torch.tensor(experts)},
-               f"{out_dir}/rank{rank}.pt")
+    torch.save(
+        {"lm_loss": out.lm_loss, "local_experts": torch.tensor(experts)}, f"{out_dir}/rank{rank}.pt"
+    )
 
 
 def test_two_ranks_with_expert_parallelism_start_from_hf_weights(tmp_path):
@@ -45,6 +51,7 @@ def test_two_ranks_with_expert_parallelism_start_from_hf_weights(tmp_path):
         assert res["local_experts"].tolist() == [2, 2, 2]  # 4 experts over 2 ranks
         x, y = batches[rank][:, :-1], batches[rank][:, 1:]
         with torch.no_grad():
-            want = torch.nn.functional.cross_entropy(hf(input_ids=x).logits.flatten(0, 1),
-                                                     y.flatten())
+            want = torch.nn.functional.cross_entropy(
+                hf(input_ids=x).logits.flatten(0, 1), y.flatten()
+            )
         torch.testing.assert_close(res["lm_loss"], want, rtol=1e-4, atol=1e-4)

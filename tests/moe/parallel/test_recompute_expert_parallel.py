@@ -20,16 +20,32 @@ MODES = ("none", "full", "selective")
 
 
 def run_config(mode: str) -> dict:
-    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 3, "n_heads": 4,
-                      "max_seq_len": SEQ,
-                      "moe": {"num_experts": 4, "expert_hidden": 16, "num_shared_experts": 1,
-                              "first_dense_layers": 1, "capacity_factor": 1.0,
-                              "router": {"top_k": 2, "z_loss_coef": 0.01,
-                                         "bias_update_rate": 0.01}}},
-            "data": {"seq_len": SEQ},
-            "train": {"micro_batch_size": MB, "grad_accum_steps": 2, "grad_clip": 0.0,
-                      "seed": 11, "recompute": mode},
-            "parallel": {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2}}
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 3,
+            "n_heads": 4,
+            "max_seq_len": SEQ,
+            "moe": {
+                "num_experts": 4,
+                "expert_hidden": 16,
+                "num_shared_experts": 1,
+                "first_dense_layers": 1,
+                "capacity_factor": 1.0,
+                "router": {"top_k": 2, "z_loss_coef": 0.01, "bias_update_rate": 0.01},
+            },
+        },
+        "data": {"seq_len": SEQ},
+        "train": {
+            "micro_batch_size": MB,
+            "grad_accum_steps": 2,
+            "grad_clip": 0.0,
+            "seed": 11,
+            "recompute": mode,
+        },
+        "parallel": {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 2},
+    }
 
 
 def _worker(rank, world, batches, out_dir):
@@ -37,8 +53,11 @@ def _worker(rank, world, batches, out_dir):
     results = {}
     for mode in MODES:
         cfg = from_dict(RunConfig, copy.deepcopy(run_config(mode)))
-        engine, model = build_engine(cfg, DistEnv(rank, world, rank, world),
-                                     make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0))
+        engine, model = build_engine(
+            cfg,
+            DistEnv(rank, world, rank, world),
+            make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0),
+        )
         assert any(b.recompute_attention for b in model.blocks) == (mode == "full")
         before = global_params(model, rank)
         calls[0] = 0
@@ -53,8 +72,9 @@ def _worker(rank, world, batches, out_dir):
         results[mode] = {
             "grads": {n: before[n] - after[n] for n in before},
             "losses": torch.stack(losses),
-            "counters": torch.stack([torch.cat([layer.step_load_E, layer.step_sums])
-                                     for layer in model.moe_layers()]),
+            "counters": torch.stack(
+                [torch.cat([layer.step_load_E, layer.step_sums]) for layer in model.moe_layers()]
+            ),
             "all_to_all_calls": torch.tensor(calls[0]),
         }
     torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -75,8 +95,18 @@ def test_recompute_on_two_ranks_changes_no_gradient_and_sends_no_token_again(tmp
             got = res[mode]
             assert int(got["all_to_all_calls"]) == int(ref["all_to_all_calls"]), mode
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=0)
-            torch.testing.assert_close(got["counters"], ref["counters"], rtol=0, atol=0,
-                                       msg=f"rank {rank}, {mode}: MoE step counters")
+            torch.testing.assert_close(
+                got["counters"],
+                ref["counters"],
+                rtol=0,
+                atol=0,
+                msg=f"rank {rank}, {mode}: MoE step counters",
+            )
             for name, g in ref["grads"].items():
-                torch.testing.assert_close(got["grads"][name], g, rtol=1e-6, atol=1e-12,
-                                           msg=f"rank {rank}, {mode}: gradient of {name}")
+                torch.testing.assert_close(
+                    got["grads"][name],
+                    g,
+                    rtol=1e-6,
+                    atol=1e-12,
+                    msg=f"rank {rank}, {mode}: gradient of {name}",
+                )

@@ -26,8 +26,10 @@ transformers = pytest.importorskip("transformers")
 
 ARCHS = {
     "mixtral": {"n_kv_heads": 2, "moe": {"router": {"top_k": 2, "order": "topk_then_softmax"}}},
-    "qwen2_moe": {"n_layers": 3, "moe": {"num_shared_experts": 1, "first_dense_layers": 1,
-                                         "router": {"top_k": 2}}},
+    "qwen2_moe": {
+        "n_layers": 3,
+        "moe": {"num_shared_experts": 1, "first_dense_layers": 1, "router": {"top_k": 2}},
+    },
 }
 
 
@@ -57,8 +59,12 @@ def test_fp32_export_equals_the_checkpoint(trained):
 
     arch, run_dir, out = trained
     model, cfg, tag_dir = load_model(run_dir)
-    proc = subprocess.run([sys.executable, "-m", "launch.export", str(run_dir), str(out / "fp32")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.export", str(run_dir), str(out / "fp32")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Not a terminal: the progress of reading the checkpoint comes as log lines, here the last.
     assert f"export: read {tag_dir}: " in proc.stderr and "(100%)" in proc.stderr
@@ -69,7 +75,9 @@ def test_fp32_export_equals_the_checkpoint(trained):
     for name, value in expected.items():
         assert state[name].dtype == torch.float32
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
-    assert (out / "fp32" / "tokenizer.model").read_bytes() == (tag_dir / "tokenizer.model").read_bytes()
+    assert (out / "fp32" / "tokenizer.model").read_bytes() == (
+        tag_dir / "tokenizer.model"
+    ).read_bytes()
     # The destination exists now: a second export is refused and changes nothing.
     before = (out / "fp32" / FP32_FILE).stat().st_mtime_ns
     with pytest.raises(CheckpointError, match="already exists"):
@@ -95,9 +103,12 @@ def test_hugging_face_export_matches_our_logits_and_tokenizer(trained, tiny_data
     if arch == "mixtral":
         # Also as Qwen2-MoE: renormalized top-k routing and a zero-width shared expert.
         qwen = transformers.AutoModelForCausalLM.from_pretrained(
-            str(export_hf(run_dir, out / "hf_qwen", arch="qwen2_moe")), dtype=torch.float32)
+            str(export_hf(run_dir, out / "hf_qwen", arch="qwen2_moe")), dtype=torch.float32
+        )
         with torch.no_grad():
-            torch.testing.assert_close(qwen.eval()(input_ids=ids).logits, ours, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                qwen.eval()(input_ids=ids).logits, ours, rtol=1e-4, atol=1e-4
+            )
 
     tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     sp = Tokenizer(tag_dir / "tokenizer.model")
@@ -132,15 +143,17 @@ def test_export_progress_logs_each_file_off_a_terminal(trained, capsys, monkeypa
 
     arch, run_dir, out = trained
     real = progress_module.Progress
-    monkeypatch.setattr("moe.tools.export.Progress",
-                        lambda *a, **kw: real(*a, **{**kw, "interval": 0.0}))
+    monkeypatch.setattr(
+        "moe.tools.export.Progress", lambda *a, **kw: real(*a, **{**kw, "interval": 0.0})
+    )
     tag_dir = resolve_checkpoint(run_dir)
     files = len(state_files(tag_dir))
     assert files > 2  # the main states and an expert file per expert
     main([str(run_dir), str(out / "fp32-progress")])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("export:")]
-    assert [line.split(": ")[2].split(" of ")[0] for line in lines] == \
-        [str(i) for i in range(1, files + 1)] + [str(files)]
+    assert [line.split(": ")[2].split(" of ")[0] for line in lines] == [
+        str(i) for i in range(1, files + 1)
+    ] + [str(files)]
     assert lines[0].startswith(f"export: read {tag_dir}: 1 of {files} files")
     assert lines[-1].endswith("(done)")
     main([str(run_dir), str(out / "fp32-quiet"), "--quiet"])

@@ -40,34 +40,58 @@ ROOT = Path(__file__).resolve().parents[3]
 
 DENSE_TARGETS = ("llama",)
 """Targets whose layers are all dense: every MoE model is refused there."""
-BASE = {"d_model": 32, "n_layers": 3, "n_heads": 4, "max_seq_len": 64,
-        "moe": {"num_experts": 4, "expert_hidden": 16,
-                "router": {"top_k": 2, "renormalize": True}}}
+BASE = {
+    "d_model": 32,
+    "n_layers": 3,
+    "n_heads": 4,
+    "max_seq_len": 64,
+    "moe": {"num_experts": 4, "expert_hidden": 16, "router": {"top_k": 2, "renormalize": True}},
+}
 """Held exactly by every target but the dense ones: the reference point of the one-at-a-time
 variants."""
 
 NUMERIC = {
-    "vocab_size": [600], "d_model": [48], "n_layers": [2], "n_heads": [2],
-    "n_kv_heads": [1, 2], "max_seq_len": [48], "rope_theta": [500.0], "norm_eps": [1e-2],
-    "init_std": [0.05], "t5_num_buckets": [8], "t5_max_distance": [20],
-    "moe.num_experts": [6], "moe.expert_hidden": [24], "moe.capacity_factor": [1.25],
-    "moe.num_shared_experts": [1], "moe.every_n_layers": [2], "moe.first_dense_layers": [1],
-    "moe.dense_hidden": [24], "moe.router.top_k": [1, 3], "moe.router.scaling_factor": [2.5],
-    "moe.router.jitter_eps": [0.1], "moe.router.logit_noise_std": [0.5],
-    "moe.router.aux_loss_coef": [0.1], "moe.router.z_loss_coef": [1e-3],
-    "moe.router.bias_update_rate": [0.01], "moe.router.init_std": [0.1], "head_dim": [12],
+    "vocab_size": [600],
+    "d_model": [48],
+    "n_layers": [2],
+    "n_heads": [2],
+    "n_kv_heads": [1, 2],
+    "max_seq_len": [48],
+    "rope_theta": [500.0],
+    "norm_eps": [1e-2],
+    "init_std": [0.05],
+    "t5_num_buckets": [8],
+    "t5_max_distance": [20],
+    "moe.num_experts": [6],
+    "moe.expert_hidden": [24],
+    "moe.capacity_factor": [1.25],
+    "moe.num_shared_experts": [1],
+    "moe.every_n_layers": [2],
+    "moe.first_dense_layers": [1],
+    "moe.dense_hidden": [24],
+    "moe.router.top_k": [1, 3],
+    "moe.router.scaling_factor": [2.5],
+    "moe.router.jitter_eps": [0.1],
+    "moe.router.logit_noise_std": [0.5],
+    "moe.router.aux_loss_coef": [0.1],
+    "moe.router.z_loss_coef": [1e-3],
+    "moe.router.bias_update_rate": [0.01],
+    "moe.router.init_std": [0.1],
+    "head_dim": [12],
 }
 NOT_VARIED = {
     "init_from": "needs another run's checkpoint; only chooses the starting weights",
     "upcycle_noise_std": "read only with init_from",
     "cross_entropy_chunk_tokens": "the block size of the training loss cross_entropy chunked "
-                                  "(varied); tests/moe/model/test_loss.py varies it",
+    "(varied); tests/moe/model/test_loss.py varies it",
 }
 UNAVAILABLE = {
     ("cross_entropy", "liger"): "Liger-Kernel's Triton kernels run on CUDA only "
-                                "(tests/gpu/test_levers.py); full and chunked are swept",
+    "(tests/gpu/test_levers.py); full and chunked are swept",
 }
 """Values that cannot train on a CPU, with the reason; the field's other values are swept."""
+
+
 def _literal_and_bool_fields(cls=ModelConfig, prefix=""):
     """(dotted path, every value) of each Literal and bool field, nested configs included;
     numeric and other fields as (dotted path, None)."""
@@ -86,7 +110,6 @@ def _literal_and_bool_fields(cls=ModelConfig, prefix=""):
 
 FIELDS = dict(_literal_and_bool_fields())
 POSITIONS = FIELDS["position"]
-
 
 
 def _get(d: dict, path: str):
@@ -114,8 +137,13 @@ PAIRS = [
     {"norm": "layernorm", "norm_placement": "post"},
     {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 20},
     {"tie_embeddings": True, "moe.num_shared_experts": 1, "moe.first_dense_layers": 1},
-    {"qkv_bias": True, "head_dim": 12, "moe.num_shared_experts": 2,
-     "moe.shared_expert_gate": True, "moe.router.renormalize": False},
+    {
+        "qkv_bias": True,
+        "head_dim": 12,
+        "moe.num_shared_experts": 2,
+        "moe.shared_expert_gate": True,
+        "moe.router.renormalize": False,
+    },
 ]
 COMPANIONS = {("moe.shared_expert_gate", True): {"moe.num_shared_experts": 1}}
 """A value that is valid only with another setting, which its variant then also takes."""
@@ -156,8 +184,10 @@ def test_an_option_without_a_rule_is_refused_by_name(monkeypatch):
     del rules["moe.router.z_loss_coef"]
     monkeypatch.setitem(hf_support.TARGETS, "mixtral", rules)
     problems = hf_support.problems(from_dict(ModelConfig, copy.deepcopy(BASE)), "mixtral", {})
-    assert problems == ["model.moe.router.z_loss_coef: 0.0: the mixtral export has no rule for "
-                        "this option yet (moe/tools/hf_support.py)"]
+    assert problems == [
+        "model.moe.router.z_loss_coef: 0.0: the mixtral export has no rule for "
+        "this option yet (moe/tools/hf_support.py)"
+    ]
 
 
 # --- checkpoints ------------------------------------------------------------------------------
@@ -288,9 +318,24 @@ def test_moe_eval_evaluates_every_variant(checkpoints):
     report = checkpoints.root / "eval"
     runs = [str(checkpoints.runs[v]) for v in sorted(VARIANTS)]
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.evaluate", *runs, "--output", str(report),
-         "--max-tokens", "64", "--no-generation", "--threads", "1"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        [
+            sys.executable,
+            "-m",
+            "launch.evaluate",
+            *runs,
+            "--output",
+            str(report),
+            "--max-tokens",
+            "64",
+            "--no-generation",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((report / "eval.json").read_text())["checkpoints"]
     assert len(results) == len(runs)
@@ -329,4 +374,5 @@ def test_a_zero_selection_bias_exports_and_a_learned_one_is_refused():
     assert hf_support.problems(cfg.model, "mixtral", state) == []
     state["blocks.0.ffn.router.score_bias"] = torch.tensor([0.0, 0.02, -0.01, 0.0])
     assert [p.split(":")[0] for p in hf_support.problems(cfg.model, "mixtral", state)] == [
-        "model.moe.router.bias_update_rate"]
+        "model.moe.router.bias_update_rate"
+    ]

@@ -32,20 +32,42 @@ MOE = {"num_experts": 4, "expert_hidden": 24}
 CASES = {
     # D (32) differs from the experts' hidden width (24): gate_up_proj's and down_proj's factors
     # cannot trade places unnoticed. A routed scaling factor scales down_proj and its B.
-    "mixtral": ({"n_kv_heads": 2, "moe": {**MOE, "router": {
-        "top_k": 2, "order": "topk_then_softmax", "scaling_factor": 1.5}}},
-        {"targets": [*ATTENTION, "experts", "router"], "dropout": 0.1}),
+    "mixtral": (
+        {
+            "n_kv_heads": 2,
+            "moe": {
+                **MOE,
+                "router": {"top_k": 2, "order": "topk_then_softmax", "scaling_factor": 1.5},
+            },
+        },
+        {"targets": [*ATTENTION, "experts", "router"], "dropout": 0.1},
+    ),
     # An ungated shared expert is exported times 2 on down_proj; the dense first layer's FFN.
-    "qwen2_moe": ({"n_layers": 3, "qkv_bias": True, "moe": {
-        **MOE, "num_shared_experts": 1, "first_dense_layers": 1, "router": {"top_k": 2}}},
-        {"targets": ["attention.q", "attention.v", "ffn", "shared_experts", "experts", "router"],
-         "expert_rank": "per_top_k"}),
-    "llama": ({"ffn": "dense", "moe": {"dense_hidden": 48}},
-              {"targets": [*ATTENTION, "ffn"], "dropout": 0.1}),
+    "qwen2_moe": (
+        {
+            "n_layers": 3,
+            "qkv_bias": True,
+            "moe": {
+                **MOE,
+                "num_shared_experts": 1,
+                "first_dense_layers": 1,
+                "router": {"top_k": 2},
+            },
+        },
+        {
+            "targets": ["attention.q", "attention.v", "ffn", "shared_experts", "experts", "router"],
+            "expert_rank": "per_top_k",
+        },
+    ),
+    "llama": (
+        {"ffn": "dense", "moe": {"dense_hidden": 48}},
+        {"targets": [*ATTENTION, "ffn"], "dropout": 0.1},
+    ),
     # Routers trained in full and with LoRA: each saved whole (modules_to_save), LoRA folded in.
-    "mixtral+train_router": ({"moe": {**MOE, "router": {"top_k": 2, "renormalize": True}}},
-                             {"targets": ["attention.o", "experts", "router"],
-                              "train_router": True}),
+    "mixtral+train_router": (
+        {"moe": {**MOE, "router": {"top_k": 2, "renormalize": True}}},
+        {"targets": ["attention.o", "experts", "router"], "train_router": True},
+    ),
 }
 
 
@@ -53,11 +75,22 @@ def _adapted(case: str) -> tuple[torch.nn.Module, RunConfig, dict]:
     """Our model with LoRA on every target of the case and every factor random (and the routers
     moved, where they train), and the base weights it started from."""
     model, lora = CASES[case]
-    cfg = from_dict(RunConfig, {
-        "model": {"vocab_size": 96, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                  "max_seq_len": 32, "init_from": "base", **model},
-        "data": {"seq_len": 32},
-        "finetune": {"method": "lora", "lora": {"rank": 4, "alpha": 6.0, **lora}}})
+    cfg = from_dict(
+        RunConfig,
+        {
+            "model": {
+                "vocab_size": 96,
+                "d_model": 32,
+                "n_layers": 2,
+                "n_heads": 4,
+                "max_seq_len": 32,
+                "init_from": "base",
+                **model,
+            },
+            "data": {"seq_len": 32},
+            "finetune": {"method": "lora", "lora": {"rank": 4, "alpha": 6.0, **lora}},
+        },
+    )
     torch.manual_seed(0)
     ours = build_model(cfg)
     base = {k: v.clone() for k, v in ours.state_dict().items() if not is_factor(k)}
@@ -111,22 +144,23 @@ def test_peft_loads_the_adapter_onto_the_base_with_our_logits(case, tmp_path):
     if moe:  # fused experts: peft's parameter targets, and no dropout there
         router = [] if lora.train_router else ["mlp.gate.weight"]
         assert sorted(config["target_parameters"]) == sorted(
-            ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", *router])
+            ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", *router]
+        )
         assert config["lora_dropout"] == 0.0
     else:
         assert config["lora_dropout"] == lora.dropout
     assert config["modules_to_save"] == (["mlp.gate"] if lora.train_router else None)
     if lora.expert_rank == "per_top_k":  # rank 4 // top_k 2 for the routed experts alone
-        assert config["rank_pattern"] == {"mlp.experts.gate_up_proj": 2,
-                                          "mlp.experts.down_proj": 2}
+        assert config["rank_pattern"] == {"mlp.experts.gate_up_proj": 2, "mlp.experts.down_proj": 2}
 
 
 def test_only_lora_adapters_of_the_base_export():
     _, cfg, _ = _adapted("mixtral")
     assert peft_problems(cfg) == []
     for method in ("full", "esft", "adapter", "prompt", "prefix"):
-        (problem,) = peft_problems(dataclasses.replace(
-            cfg, finetune=dataclasses.replace(cfg.finetune, method=method)))
+        (problem,) = peft_problems(
+            dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, method=method))
+        )
         assert problem.startswith(f"finetune.method: {method}: only LoRA")
 
 
@@ -141,11 +175,14 @@ def test_the_base_directory_must_hold_the_fine_tunes_base(tmp_path):
 
     moved = dict(state)
     moved["blocks.1.ffn.experts.w_out"] = state["blocks.1.ffn.experts.w_out"] * (1 + 1e-4)
-    with pytest.raises(CheckpointError, match=r"^--base-hf .*: not the base model the adapters "
-                       r"of .* were trained on \(model.init_from: base\): 1 of \d+ weights "
-                       r"differ \(blocks.1.ffn.experts.w_out\); the --format hf export of "
-                       r"this run's base \(model.init_from: base\); export it with: "
-                       r"moe-export base DIR --format hf, then pass --base-hf DIR"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^--base-hf .*: not the base model the adapters "
+        r"of .* were trained on \(model.init_from: base\): 1 of \d+ weights "
+        r"differ \(blocks.1.ffn.experts.w_out\); the --format hf export of "
+        r"this run's base \(model.init_from: base\); export it with: "
+        r"moe-export base DIR --format hf, then pass --base-hf DIR",
+    ):
         check_base(tmp_path / "base", moved, cfg, tmp_path)
     with pytest.raises(CheckpointError, match="^--base-hf .*: not a model the importer reads"):
         check_base(tmp_path / "nowhere", state, cfg, tmp_path)
@@ -153,17 +190,27 @@ def test_the_base_directory_must_hold_the_fine_tunes_base(tmp_path):
     ours, cfg, base_state = _adapted("mixtral+train_router")
     _save_base(base_state, cfg, "mixtral", tmp_path / "mixtral")
     assert check_base(tmp_path / "mixtral", ours.state_dict(), cfg, tmp_path) == "mixtral"
-    frozen = dataclasses.replace(cfg, finetune=dataclasses.replace(
-        cfg.finetune, lora=dataclasses.replace(cfg.finetune.lora, train_router=False)))
+    frozen = dataclasses.replace(
+        cfg,
+        finetune=dataclasses.replace(
+            cfg.finetune, lora=dataclasses.replace(cfg.finetune.lora, train_router=False)
+        ),
+    )
     with pytest.raises(CheckpointError, match=r"2 of \d+ weights differ \(blocks.0.ffn.router"):
         check_base(tmp_path / "mixtral", ours.state_dict(), frozen, tmp_path)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--format", "hf", "--base-hf", "x"], "--base-hf goes with --format peft"),
-    (["--format", "peft", "--base-hf", "x", "--arch", "llama"], "--arch goes with --format hf"),
-    (["--format", "peft", "--merge-adapters"], "--merge-adapters goes with --format fp32 or hf"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--format", "hf", "--base-hf", "x"], "--base-hf goes with --format peft"),
+        (["--format", "peft", "--base-hf", "x", "--arch", "llama"], "--arch goes with --format hf"),
+        (
+            ["--format", "peft", "--merge-adapters"],
+            "--merge-adapters goes with --format fp32 or hf",
+        ),
+    ],
+)
 def test_options_that_do_not_go_with_the_format_are_refused(args, message, tmp_path, capsys):
     from launch.export import main
 
@@ -173,12 +220,21 @@ def test_options_that_do_not_go_with_the_format_are_refused(args, message, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("init_from, hint", [
-    # An hf: base is the directory itself: the hint names it (not "moe-export hf:DIR ...").
-    ("hf:/models/my base", "this run's base (model.init_from: hf:/models/my base) is that "
-                           "directory: --base-hf '/models/my base'"),
-    ("runs/base", "export it with: moe-export runs/base DIR --format hf, then pass --base-hf DIR"),
-])
+@pytest.mark.parametrize(
+    "init_from, hint",
+    [
+        # An hf: base is the directory itself: the hint names it (not "moe-export hf:DIR ...").
+        (
+            "hf:/models/my base",
+            "this run's base (model.init_from: hf:/models/my base) is that "
+            "directory: --base-hf '/models/my base'",
+        ),
+        (
+            "runs/base",
+            "export it with: moe-export runs/base DIR --format hf, then pass --base-hf DIR",
+        ),
+    ],
+)
 def test_a_missing_base_hf_names_the_directory_to_pass(init_from, hint, tmp_path, capsys):
     import yaml
 

@@ -46,8 +46,14 @@ def measured_counts(model: torch.nn.Module) -> dict[str, int]:
 
 
 def small(**kw) -> ModelConfig:
-    base = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, max_seq_len=40,
-                moe=MoEConfig(num_experts=4, expert_hidden=24))
+    base = dict(
+        vocab_size=97,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        max_seq_len=40,
+        moe=MoEConfig(num_experts=4, expert_hidden=24),
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -55,19 +61,34 @@ def small(**kw) -> ModelConfig:
 VARIANTS = {
     "default": small(),
     "gqa_tied_learned": small(n_kv_heads=2, tie_embeddings=True, position="learned"),
-    "mqa_t5_layernorm_post": small(n_kv_heads=1, position="t5", norm="layernorm",
-                                   norm_placement="post"),
-    "alibi_gelu_shared_first_dense": small(position="alibi", moe=MoEConfig(
-        num_experts=6, expert_hidden=16, activation="gelu", num_shared_experts=2,
-        first_dense_layers=1, router=RouterConfig(top_k=3))),
-    "every_other_layer_sinusoidal": small(position="sinusoidal", n_layers=4,
-                                          moe=MoEConfig(num_experts=4, expert_hidden=24,
-                                                        every_n_layers=2, dense_hidden=40)),
+    "mqa_t5_layernorm_post": small(
+        n_kv_heads=1, position="t5", norm="layernorm", norm_placement="post"
+    ),
+    "alibi_gelu_shared_first_dense": small(
+        position="alibi",
+        moe=MoEConfig(
+            num_experts=6,
+            expert_hidden=16,
+            activation="gelu",
+            num_shared_experts=2,
+            first_dense_layers=1,
+            router=RouterConfig(top_k=3),
+        ),
+    ),
+    "every_other_layer_sinusoidal": small(
+        position="sinusoidal",
+        n_layers=4,
+        moe=MoEConfig(num_experts=4, expert_hidden=24, every_n_layers=2, dense_hidden=40),
+    ),
     "dense": small(ffn="dense"),
-    "head_dim_qkv_bias_head_norm": small(n_kv_heads=2, head_dim=12, qkv_bias=True,
-                                         qk_norm="head"),
-    "projection_norm_gated_shared": small(head_dim=6, qk_norm="projection", moe=MoEConfig(
-        num_experts=4, expert_hidden=8, num_shared_experts=2, shared_expert_gate=True)),
+    "head_dim_qkv_bias_head_norm": small(n_kv_heads=2, head_dim=12, qkv_bias=True, qk_norm="head"),
+    "projection_norm_gated_shared": small(
+        head_dim=6,
+        qk_norm="projection",
+        moe=MoEConfig(
+            num_experts=4, expert_hidden=8, num_shared_experts=2, shared_expert_gate=True
+        ),
+    ),
 }
 
 
@@ -86,20 +107,28 @@ def test_parameter_counts_match_the_model_exactly(name):
 
 
 def test_dense_baseline_has_the_moe_active_parameters_minus_the_router():
-    for moe in (MoEConfig(num_experts=8, expert_hidden=24),
-                MoEConfig(num_experts=8, expert_hidden=16, num_shared_experts=1,
-                          router=RouterConfig(top_k=3))):
+    for moe in (
+        MoEConfig(num_experts=8, expert_hidden=24),
+        MoEConfig(
+            num_experts=8, expert_hidden=16, num_shared_experts=1, router=RouterConfig(top_k=3)
+        ),
+    ):
         sparse = small(moe=moe)
         dense = dataclasses.replace(sparse, ffn="dense")
         assert all(type(b.ffn).__name__ == "DenseFFN" for b in MoETransformer(dense).blocks)
         a = count_parameters(sparse)
         assert count_parameters(dense).total_params == a.active_params - a.total["router"]
-        assert sum(p.numel() for p in MoETransformer(dense).parameters()) == \
-            a.active_params - a.total["router"]
+        assert (
+            sum(p.numel() for p in MoETransformer(dense).parameters())
+            == a.active_params - a.total["router"]
+        )
 
 
-@pytest.mark.parametrize("extra", [{}, {"head_dim": 12, "qkv_bias": True, "qk_norm": "head"}],
-                         ids=["plain", "head_dim_bias_norm"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"head_dim": 12, "qkv_bias": True, "qk_norm": "head"}],
+    ids=["plain", "head_dim_bias_norm"],
+)
 def test_forward_matmul_flops_match_a_flop_counter(extra):
     # FlopCounterMode counts aten.mm (projections, FFNs, head); not CPU SDPA or grouped GEMMs,
     # so the dense model is the exact check of the 2 * N_matmul term.
@@ -111,7 +140,9 @@ def test_forward_matmul_flops_match_a_flop_counter(extra):
     f = flops_per_token(cfg, seq_len=40)
     assert counter.get_total_flops() / ids.numel() == 2 * f["matmul_params"]
     assert f["attention_forward"] == 4 * 3 * 40 * cfg.n_heads * cfg.head_size
-    assert f["training"] == 3 * f["forward"] == 3 * (2 * f["matmul_params"] + f["attention_forward"])
+    assert (
+        f["training"] == 3 * f["forward"] == 3 * (2 * f["matmul_params"] + f["attention_forward"])
+    )
 
 
 @pytest.mark.parametrize("name", ["default", "alibi_gelu_shared_first_dense", "dense"])
@@ -152,8 +183,13 @@ def test_memory_under_zero_stages_and_expert_parallelism():
     assert fp32.model_states_bytes == 16 * c.total_params
 
 
-PRESETS = ["configs/default.yaml", "configs/moe-125m.yaml", "configs/moe-1b.yaml",
-           "configs/mixtral-8x7b.yaml", "configs/deepseek-moe-16b.yaml"]
+PRESETS = [
+    "configs/default.yaml",
+    "configs/moe-125m.yaml",
+    "configs/moe-1b.yaml",
+    "configs/mixtral-8x7b.yaml",
+    "configs/deepseek-moe-16b.yaml",
+]
 
 
 @pytest.mark.parametrize("path", PRESETS)
@@ -164,16 +200,23 @@ def test_presets_validate_and_instantiate_on_the_meta_device(path):
     with torch.device("meta"):
         model = MoETransformer(cfg.model)
     assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg.model).total_params
-    assert measured_counts(model) == {k: v for k, v in count_parameters(cfg.model).total.items() if v}
-    report = build_report(cfg, cfg.parallel.world_size, cfg.parallel.expert_parallel_size, [0, 1, 2])
+    assert measured_counts(model) == {
+        k: v for k, v in count_parameters(cfg.model).total.items() if v
+    }
+    report = build_report(
+        cfg, cfg.parallel.world_size, cfg.parallel.expert_parallel_size, [0, 1, 2]
+    )
     assert [m["zero_stage"] for m in report["memory"]] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("path, total, active, tol", [
-    ("configs/mixtral-8x7b.yaml", 46.7e9, 12.9e9, 0.01),      # Mixtral of Experts, 2024
-    ("configs/deepseek-moe-16b.yaml", 16.4e9, 2.8e9, 0.02),   # DeepSeekMoE, 2024 (2.8B rounded)
-    ("configs/moe-125m.yaml", None, 125e6, 0.02),
-])
+@pytest.mark.parametrize(
+    "path, total, active, tol",
+    [
+        ("configs/mixtral-8x7b.yaml", 46.7e9, 12.9e9, 0.01),  # Mixtral of Experts, 2024
+        ("configs/deepseek-moe-16b.yaml", 16.4e9, 2.8e9, 0.02),  # DeepSeekMoE, 2024 (2.8B rounded)
+        ("configs/moe-125m.yaml", None, 125e6, 0.02),
+    ],
+)
 def test_preset_sizes_match_published_counts(path, total, active, tol):
     c = count_parameters(load_config(path).model)
     if total is not None:
@@ -193,8 +236,11 @@ def test_the_1b_preset_has_olmoe_routing_fits_one_gpu_and_a_dense_twin_of_equal_
     assert dense.active["dense_ffn"] == moe.active["routed_experts"]
     # Trains on one 80 GB GPU with ZeRO 1, as the preset says (moe-plan's total).
     t = cfg.train
-    assert (cfg.parallel.world_size, cfg.parallel.expert_parallel_size,
-            cfg.parallel.zero_stage) == (1, 1, 1)
+    assert (
+        cfg.parallel.world_size,
+        cfg.parallel.expert_parallel_size,
+        cfg.parallel.zero_stage,
+    ) == (1, 1, 1)
     plan = memory_per_gpu(m, 1, 1, 1, t.precision, t.micro_batch_size, cfg.data.seq_len)
     assert plan.total_bytes < USABLE_FRACTION * 80 * 2**30
 

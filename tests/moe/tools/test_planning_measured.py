@@ -19,18 +19,48 @@ from moe.tools.planning import activation_bytes, memory_per_gpu
 B, S, VOCAB = 2, 96, 512
 
 CONFIGS = {
-    "dense_ffn": ModelConfig(vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=4, max_seq_len=S,
-                             ffn="dense", moe=MoEConfig(expert_hidden=128)),
-    "8_experts_top2": ModelConfig(vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=4,
-                                  max_seq_len=S, moe=MoEConfig(num_experts=8, expert_hidden=128)),
+    "dense_ffn": ModelConfig(
+        vocab_size=VOCAB,
+        d_model=96,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=S,
+        ffn="dense",
+        moe=MoEConfig(expert_hidden=128),
+    ),
+    "8_experts_top2": ModelConfig(
+        vocab_size=VOCAB,
+        d_model=96,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=S,
+        moe=MoEConfig(num_experts=8, expert_hidden=128),
+    ),
     "32_fine_top8_shared": ModelConfig(
-        vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=4, max_seq_len=S,
-        moe=MoEConfig(num_experts=32, expert_hidden=32, num_shared_experts=1,
-                      router=RouterConfig(top_k=8))),
+        vocab_size=VOCAB,
+        d_model=96,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=S,
+        moe=MoEConfig(
+            num_experts=32, expert_hidden=32, num_shared_experts=1, router=RouterConfig(top_k=8)
+        ),
+    ),
     "every_other_layer_moe_gqa": ModelConfig(
-        vocab_size=VOCAB, d_model=96, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=S,
-        moe=MoEConfig(num_experts=8, expert_hidden=64, every_n_layers=2, dense_hidden=160,
-                      router=RouterConfig(top_k=2, order="topk_then_softmax"))),
+        vocab_size=VOCAB,
+        d_model=96,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=S,
+        moe=MoEConfig(
+            num_experts=8,
+            expert_hidden=64,
+            every_n_layers=2,
+            dense_hidden=160,
+            router=RouterConfig(top_k=2, order="topk_then_softmax"),
+        ),
+    ),
 }
 MODES = ("none", "selective", "full")
 
@@ -44,8 +74,9 @@ def measure_saved_bytes(model: torch.nn.Module, ids_BS, targets_BS, doc_ids_BS=N
     return saved["bytes"]
 
 
-def measured_and_planned(cfg: ModelConfig, mode: str, precision: str, every_n: int = 1,
-                         docs: bool = False) -> tuple[int, float]:
+def measured_and_planned(
+    cfg: ModelConfig, mode: str, precision: str, every_n: int = 1, docs: bool = False
+) -> tuple[int, float]:
     torch.manual_seed(0)
     model = MoETransformer(cfg)
     if precision == "bf16":
@@ -87,8 +118,9 @@ def test_reference_attention_keeps_a_mask_per_layer_that_sdpa_does_not(precision
     masks = activation_bytes(ref, B, S, precision).attention_mask_bytes
     assert masks == 3 * e * B * S * S
     # The fused per-document kernel keeps none of it (what sdpa and flex plan for).
-    measured_sdpa, _ = measured_and_planned(dataclasses.replace(base, attention_backend="sdpa"),
-                                            "none", precision, docs=True)
+    measured_sdpa, _ = measured_and_planned(
+        dataclasses.replace(base, attention_backend="sdpa"), "none", precision, docs=True
+    )
     assert abs((measured_ref - measured_sdpa) / masks - 1) < 0.15
 
 
@@ -111,9 +143,10 @@ def test_the_chunked_loss_keeps_the_weight_gradient_instead_of_the_log_softmax(p
 
 
 def test_capacity_factor_bounds_the_routed_copies():
-    cfg = dataclasses.replace(CONFIGS["8_experts_top2"],
-                              moe=dataclasses.replace(CONFIGS["8_experts_top2"].moe,
-                                                      capacity_factor=0.5))
+    cfg = dataclasses.replace(
+        CONFIGS["8_experts_top2"],
+        moe=dataclasses.replace(CONFIGS["8_experts_top2"].moe, capacity_factor=0.5),
+    )
     measured, planned = measured_and_planned(cfg, "none", "fp32")
     # Random routing fills some experts below capacity: the plan is an upper bound, close by.
     assert measured <= planned * 1.02 and planned / measured - 1 < 0.15, (measured, planned)
@@ -143,9 +176,14 @@ def test_peak_memory_of_a_bf16_training_step_matches_the_planned_total(mode):
     saved activations and the transient working set; the step's peak is the larger of the
     forward/backward peak and the optimizer step's (activations freed, master gradients held).
     Tolerance 15%: the CUDA caching allocator rounds blocks up and kernels take workspaces."""
-    cfg = ModelConfig(vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, max_seq_len=2048,
-                      moe=MoEConfig(num_experts=16, expert_hidden=1024,
-                                    router=RouterConfig(top_k=2)))
+    cfg = ModelConfig(
+        vocab_size=32000,
+        d_model=1024,
+        n_layers=8,
+        n_heads=16,
+        max_seq_len=2048,
+        moe=MoEConfig(num_experts=16, expert_hidden=1024, router=RouterConfig(top_k=2)),
+    )
     mb, seq = 4, 2048
     dev = torch.device("cuda")
     torch.manual_seed(0)

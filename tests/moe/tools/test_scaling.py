@@ -15,19 +15,34 @@ from launch import scaling_run, scaling_sweep
 from moe.core.errors import ScalingError
 from moe.model.size import flops_per_token
 from moe.model.transformer import ModelConfig
-from moe.tools import scaling, scaling_fit, scaling_report
+from moe.tools import scaling, scaling_fit, scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
 from tests.moe.tools.test_scaling_fit import TRUE
 
 
-def base(corpus_tokens: int = 10 ** 12) -> scaling.Base:
+def base(corpus_tokens: int = 10**12) -> scaling.Base:
     model = ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
-    model = replace(model, moe=replace(model.moe, num_experts=16, expert_hidden=256,
-                                       num_shared_experts=1,
-                                       router=replace(model.moe.router, top_k=3)))
-    return scaling.Base(model=model, seq_len=256, world_size=2, micro_batch_size=8,
-                        grad_accum_steps=1, lr=3e-3, min_lr=3e-4, warmup_steps=20,
-                        corpus_tokens=corpus_tokens)
+    model = replace(
+        model,
+        moe=replace(
+            model.moe,
+            num_experts=16,
+            expert_hidden=256,
+            num_shared_experts=1,
+            router=replace(model.moe.router, top_k=3),
+        ),
+    )
+    return scaling.Base(
+        model=model,
+        seq_len=256,
+        world_size=2,
+        micro_batch_size=8,
+        grad_accum_steps=1,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=20,
+        corpus_tokens=corpus_tokens,
+    )
 
 
 @pytest.mark.parametrize("budgets", [[3e13, 1e14, 3e14], [1e15, 1e16], [5e12]])
@@ -84,7 +99,9 @@ def test_the_ladder_is_centred_on_the_rule_of_thumb_optimum():
         n = sorted(r.active_params for r in runs)
         target = math.sqrt(budget / 120)
         assert n[0] < target < n[-1] or n[0] == min(n)  # bracketed unless the ladder ends
-        assert sorted({r.width for r in runs}) == [r.width for r in sorted(runs, key=lambda r: r.width)]
+        assert sorted({r.width for r in runs}) == [
+            r.width for r in sorted(runs, key=lambda r: r.width)
+        ]
 
 
 @pytest.mark.parametrize("width", scaling.WIDTHS[:8])
@@ -97,8 +114,9 @@ def test_every_small_ladder_width_builds_a_model_that_trains(width):
     from moe.model.transformer import MoETransformer
 
     for family in scaling.FAMILIES:
-        cfg = replace(scaling.shape_for_width(base().model, width, family), vocab_size=64,
-                      max_seq_len=16)
+        cfg = replace(
+            scaling.shape_for_width(base().model, width, family), vocab_size=64, max_seq_len=16
+        )
         head_dim = cfg.d_model // cfg.n_heads
         assert cfg.n_heads * head_dim == width and head_dim in (8, 12, 16, 32)
         torch.manual_seed(0)
@@ -118,22 +136,29 @@ def test_the_predicted_run_is_the_ladder_shape_the_law_ranks_best():
     for family in scaling.FAMILIES:
         shapes = [scaling.shape_for_width(b.model, w, family) for w in scaling.WIDTHS]
         params = [flops_per_token(m, b.seq_len)["matmul_params"] for m in shapes]
-        k = float(np.median([flops_per_token(m, b.seq_len)["training"] / n
-                             for m, n in zip(shapes, params)]))
+        k = float(
+            np.median(
+                [flops_per_token(m, b.seq_len)["training"] / n for m, n in zip(shapes, params)]
+            )
+        )
         for budget in np.geomspace(1e12, 1e18, 60):
             run, model = scaling.best_ladder_run(b, law, budget, family)
             assert model.d_model == run.width and run.steps >= scaling.STEPS_FLOOR
             others = [scaling._run_for(b, m, family, budget, "x") for m in shapes]
-            losses = [law.loss(r.active_params, r.tokens) for r in others
-                      if r.steps >= scaling.STEPS_FLOOR]
+            losses = [
+                law.loss(r.active_params, r.tokens)
+                for r in others
+                if r.steps >= scaling.STEPS_FLOOR
+            ]
             assert law.loss(run.active_params, run.tokens) == pytest.approx(min(losses), rel=1e-12)
             n_opt = law.optimum(budget, k)[0]
             nearest = min(range(len(params)), key=lambda i: abs(math.log(params[i] / n_opt)))
             if scaling.WIDTHS[nearest] != run.width:
                 differs += 1
                 near = others[nearest]
-                assert law.loss(near.active_params, near.tokens) > law.loss(run.active_params,
-                                                                            run.tokens)
+                assert law.loss(near.active_params, near.tokens) > law.loss(
+                    run.active_params, run.tokens
+                )
     assert differs >= 1
     with pytest.raises(ScalingError, match="no ladder shape"):
         scaling.best_ladder_run(b, law, 1e6, "dense")
@@ -144,7 +169,10 @@ def test_a_corpus_too_small_names_the_largest_budget_it_allows():
     with pytest.raises(ScalingError) as e:
         scaling.plan_sweep(small, [3e13, 1e14, 3e14], 5, ["dense", "moe"], experts=[8, 16])
     text = str(e.value)
-    assert "45 of 45 runs would read the prepared corpus (2,000,000 training tokens) more than once" in text
+    assert (
+        "45 of 45 runs would read the prepared corpus (2,000,000 training tokens) more than once"
+        in text
+    )
     # Every run listed would be 45 lines: the first 12, then a count.
     assert text.count("\n  - ") == scaling.MAX_PROBLEMS_SHOWN and "... and 33 more" in text
     fits = float(re.search(r"repeats nothing is about ([0-9.e+]+) FLOPs", text).group(1))
@@ -165,8 +193,9 @@ def test_bad_budgets_and_corpora_are_refused_with_numbers():
     with pytest.raises(ScalingError) as e:
         scaling.plan_sweep(base(corpus_tokens=1_000_000), [1e15], 3, ["dense"])
     assert "epochs of the prepared corpus (1,000,000 training tokens)" in str(e.value)
-    runs, _ = scaling.plan_sweep(base(corpus_tokens=1_000_000), [1e15], 3, ["dense"],
-                                 allow_repeat=True)
+    runs, _ = scaling.plan_sweep(
+        base(corpus_tokens=1_000_000), [1e15], 3, ["dense"], allow_repeat=True
+    )
     assert max(r.epochs for r in runs) > 1
     with pytest.raises(ScalingError, match="at least 3 sizes"):
         scaling.plan_sweep(base(), [1e15], 2, ["dense"])
@@ -182,10 +211,19 @@ def test_a_prediction_carries_intervals_and_a_ladder_width():
         for f, width in zip((0.25, 0.5, 1, 2, 4), (256, 384, 512, 768, 1024)):
             n = n_opt * f
             d = budget / (budget_k * n)
-            runs.append({"name": f"{budget}-{f}", "family": "dense", "budget": budget,
-                         "active_params": n, "tokens": d, "flops": budget, "width": width,
-                         "experts": 0,
-                         "loss": float(TRUE.loss(n, d) * (1 + 0.003 * rng.standard_normal()))})
+            runs.append(
+                {
+                    "name": f"{budget}-{f}",
+                    "family": "dense",
+                    "budget": budget,
+                    "active_params": n,
+                    "tokens": d,
+                    "flops": budget,
+                    "width": width,
+                    "experts": 0,
+                    "loss": float(TRUE.loss(n, d) * (1 + 0.003 * rng.standard_normal())),
+                }
+            )
     analysis = scaling_report.analyse(runs, bootstrap=20)
     p = scaling_report.predict(analysis, "dense", 1e20)
     n_true, d_true, l_true = TRUE.optimum(1e20, budget_k)
@@ -198,18 +236,28 @@ def test_a_prediction_carries_intervals_and_a_ladder_width():
 def test_a_report_of_too_few_runs_for_any_fit_is_written_with_the_warnings(tmp_path):
     """Two finished runs of one budget (the rest failed or are still running): no minimum, no
     law, yet the report and its plot are written (empty log-scaled panels broke the layout)."""
-    runs = [{"name": f"w{w}", "family": "dense", "budget": 3e9, "active_params": n,
-             "tokens": 3e9 / (6 * n), "flops": 3e9, "width": w, "experts": 0, "loss": loss}
-            for w, n, loss in ((64, 1e5, 6.1), (96, 2e5, 5.9))]
+    runs = [
+        {
+            "name": f"w{w}",
+            "family": "dense",
+            "budget": 3e9,
+            "active_params": n,
+            "tokens": 3e9 / (6 * n),
+            "flops": 3e9,
+            "width": w,
+            "experts": 0,
+            "loss": loss,
+        }
+        for w, n, loss in ((64, 1e5, 6.1), (96, 2e5, 5.9))
+    ]
     analysis = scaling_report.analyse(runs, bootstrap=5)
-    paths = scaling_report.write_report(analysis, tmp_path / "report")
+    paths = scaling_text.write_report(analysis, tmp_path / "report")
     assert paths["plot"].stat().st_size > 10_000
     text = paths["markdown"].read_text()
     assert "2 finished runs, no minimum" in text and "| w96 | dense |" in text
 
 
-def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch, tmp_path,
-                                                                     capsys):
+def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch, tmp_path, capsys):
     """``moe-scaling predict --fit-below C``: the law comes from the runs of smaller budgets only
     (the benchmark's held-out check); nothing below C is an error with the number."""
     import launch.scaling as cli
@@ -218,12 +266,26 @@ def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch,
     seen = []
     monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, []))
     monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: rows)
-    monkeypatch.setattr(cli.scaling_report, "analyse",
-                        lambda r, bootstrap, floor, progress, bytes_per_token:
-                        seen.append((r, floor, progress)) or {"families": {}, "warnings": []})
+    monkeypatch.setattr(
+        cli.scaling_report,
+        "analyse",
+        lambda r, bootstrap, floor, progress, bytes_per_token: (
+            seen.append((r, floor, progress)) or {"families": {}, "warnings": []}
+        ),
+    )
     with pytest.raises(SystemExit):  # no dense law in the stub analysis: refused after it
-        cli.main(["predict", str(tmp_path), "--budget", "1e13", "--family", "dense",
-                  "--fit-below", "1e13"])
+        cli.main(
+            [
+                "predict",
+                str(tmp_path),
+                "--budget",
+                "1e13",
+                "--family",
+                "dense",
+                "--fit-below",
+                "1e13",
+            ]
+        )
     assert [r["budget"] for r in seen[0][0]] == [1e12, 3e12] and seen[0][1] == "family"
     assert seen[0][2] is cli.bootstrap_progress  # predict shows the bootstrap's progress
     with pytest.raises(SystemExit):
@@ -235,18 +297,29 @@ def test_predict_fit_below_leaves_the_larger_budgets_out_of_the_fit(monkeypatch,
 
 
 def _isoflop_runs(losses, budget=3e12):
-    return [{"name": f"dense-w{w}", "family": "dense", "budget": budget,
-             "active_params": 1e4 * 2 ** i, "tokens": budget / (6e4 * 2 ** i), "flops": budget,
-             "width": w, "experts": 0, "loss": loss}
-            for i, (w, loss) in enumerate(zip((16, 24, 32, 48, 64), losses))]
+    return [
+        {
+            "name": f"dense-w{w}",
+            "family": "dense",
+            "budget": budget,
+            "active_params": 1e4 * 2**i,
+            "tokens": budget / (6e4 * 2**i),
+            "flops": budget,
+            "width": w,
+            "experts": 0,
+            "loss": loss,
+        }
+        for i, (w, loss) in enumerate(zip((16, 24, 32, 48, 64), losses))
+    ]
 
 
 def test_a_run_above_both_neighbours_is_reported_by_name():
     """Along one budget the loss has one minimum: an interior run more than 2% above both its
     neighbours failed to train (seen in a real sweep: 5.30 between 4.17 and 4.71) and is named,
     with the flag that leaves it out; the noise of a flat bottom (1%) is not."""
-    warnings = scaling_report.analyse(_isoflop_runs([4.05, 4.02, 4.17, 5.30, 4.71]),
-                                      bootstrap=0)["warnings"]
+    warnings = scaling_report.analyse(_isoflop_runs([4.05, 4.02, 4.17, 5.30, 4.71]), bootstrap=0)[
+        "warnings"
+    ]
     bump = [w for w in warnings if "above both neighbours" in w]
     assert len(bump) == 1 and "dense-w48 ended at 5.3000" in bump[0]
     assert "--exclude dense-w48" in bump[0]
@@ -254,20 +327,39 @@ def test_a_run_above_both_neighbours_is_reported_by_name():
     assert not [w for w in quiet["warnings"] if "above both neighbours" in w]
 
 
-def test_fit_exclude_leaves_named_runs_out_and_refuses_unknown_names(monkeypatch, tmp_path,
-                                                                      capsys):
+def test_fit_exclude_leaves_named_runs_out_and_refuses_unknown_names(monkeypatch, tmp_path, capsys):
     import launch.scaling as cli
 
-    runs = [scaling.PlannedRun(name=f"dense-w{w}", family="dense", budget=3e12, width=w,
-                               n_layers=2, n_heads=1, experts=0, active_params=n, total_params=n,
-                               tokens=int(3e12 / (6 * n)), steps=100, batch_sequences=8,
-                               micro_batch_size=8, grad_accum_steps=1, flops=3e12, lr=1e-3,
-                               min_lr=1e-4, warmup_steps=10, epochs=0.1)
-            for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))]
+    runs = [
+        scaling.PlannedRun(
+            name=f"dense-w{w}",
+            family="dense",
+            budget=3e12,
+            width=w,
+            n_layers=2,
+            n_heads=1,
+            experts=0,
+            active_params=n,
+            total_params=n,
+            tokens=int(3e12 / (6 * n)),
+            steps=100,
+            batch_sequences=8,
+            micro_batch_size=8,
+            grad_accum_steps=1,
+            flops=3e12,
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_steps=10,
+            epochs=0.1,
+        )
+        for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))
+    ]
     monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, runs))
     monkeypatch.setattr(scaling_sweep, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
-    assert [r["name"] for r in scaling_sweep.results(tmp_path, "dense-w24, dense-w48")] == ["dense-w16",
-                                                                                  "dense-w32"]
+    assert [r["name"] for r in scaling_sweep.results(tmp_path, "dense-w24, dense-w48")] == [
+        "dense-w16",
+        "dense-w32",
+    ]
     assert len(scaling_sweep.results(tmp_path)) == 4
     with pytest.raises(ScalingError, match=r"\['dense-w40'\] are not runs of"):
         scaling_sweep.results(tmp_path, "dense-w16,dense-w40")
@@ -286,10 +378,19 @@ def _ladder_runs(budgets, scale_last=1.0, noise=0.003, seed=5):
             n = n_opt * f
             d = budget / (6.0 * n)
             loss = TRUE.loss(n, d) * (1 + noise * rng.standard_normal())
-            runs.append({"name": f"c{budget:.0e}-x{f}", "family": "dense", "budget": budget,
-                         "active_params": n, "tokens": d, "flops": budget, "width": 64,
-                         "experts": 0,
-                         "loss": float(loss * (scale_last if budget == budgets[-1] else 1))})
+            runs.append(
+                {
+                    "name": f"c{budget:.0e}-x{f}",
+                    "family": "dense",
+                    "budget": budget,
+                    "active_params": n,
+                    "tokens": d,
+                    "flops": budget,
+                    "width": 64,
+                    "experts": 0,
+                    "loss": float(loss * (scale_last if budget == budgets[-1] else 1)),
+                }
+            )
     return runs
 
 
@@ -308,9 +409,9 @@ def test_the_backtest_measures_the_law_one_budget_out():
     assert bt["median_abs"] == pytest.approx(0.05, abs=0.01)
     assert all(e < -0.03 for e in bt["errors"])
     assert [w for w in bad["warnings"] if "misses that budget's runs by 5." in w]
-    assert "backtest: fitted below 3e+19 (15 runs)" in scaling_report.summary(bad)
+    assert "backtest: fitted below 3e+19 (15 runs)" in scaling_text.summary(bad)
     p = scaling_report.predict(bad, "dense", 1e20)
-    assert "backtest" in scaling_report.prediction_text(p)
+    assert "backtest" in scaling_text.prediction_text(p)
     two = scaling_report.analyse(_ladder_runs(budgets[:2]), bootstrap=0)
     assert two["families"]["dense"]["backtest"] is None
 
@@ -320,18 +421,22 @@ def test_analyse_with_a_shared_floor():
     summary says; the separate fits differ in E."""
     budgets = (1e18, 3e18, 1e19, 3e19)
     dense = _ladder_runs(budgets)
-    moe = [{**r, "family": "moe", "name": "moe-" + r["name"], "experts": 8,
-            "loss": r["loss"] * 0.97} for r in _ladder_runs(budgets, seed=6)]
+    moe = [
+        {**r, "family": "moe", "name": "moe-" + r["name"], "experts": 8, "loss": r["loss"] * 0.97}
+        for r in _ladder_runs(budgets, seed=6)
+    ]
     shared = scaling_report.analyse(dense + moe, bootstrap=0, floor="shared")
     own = scaling_report.analyse(dense + moe, bootstrap=0)
     laws = {f: shared["families"][f]["fit"].law for f in ("dense", "moe")}
     assert laws["dense"].E == laws["moe"].E
     assert own["families"]["dense"]["fit"].law.E != own["families"]["moe"]["fit"].law.E
     assert shared["families"]["moe"]["backtest"]["fitted_runs"] == 15
-    assert shared["families"]["dense"]["backtest"]["errors"] != \
-        own["families"]["dense"]["backtest"]["errors"]
-    assert "(E shared by the families)" in scaling_report.summary(shared)
-    assert "shared" not in scaling_report.summary(own)
+    assert (
+        shared["families"]["dense"]["backtest"]["errors"]
+        != own["families"]["dense"]["backtest"]["errors"]
+    )
+    assert "(E shared by the families)" in scaling_text.summary(shared)
+    assert "shared" not in scaling_text.summary(own)
     p = scaling_report.predict(shared, "moe", 1e20)
     assert p["loss"] == pytest.approx(laws["moe"].optimum(1e20, 6.0)[2])
 
@@ -345,8 +450,10 @@ def test_a_prediction_cross_checks_n_opt_by_the_isoflop_minima():
     assert p["isoflop"]["budgets"] == 4
     assert abs(p["isoflop"]["n_opt"] / n_true - 1) < 0.05
     ratio = p["isoflop"]["n_opt"] / p["n_opt"]
-    assert f"IsoFLOP route        N {p['isoflop']['n_opt']:.4g}, {ratio:.2f}x the law's" in \
-        scaling_report.prediction_text(p)
+    assert (
+        f"IsoFLOP route        N {p['isoflop']['n_opt']:.4g}, {ratio:.2f}x the law's"
+        in scaling_text.prediction_text(p)
+    )
 
 
 def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path, capsys):
@@ -358,10 +465,19 @@ def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path
 
     import launch.scaling as cli
 
-    monkeypatch.setattr(cli, "_base", lambda cfg: replace(base(), micro_batch_size=4,
-                                                          grad_accum_steps=2))
-    args = ["plan", "configs/default.yaml", "--budgets", "3e11,1e12,3e12", "--sizes", "5",
-            "--families", "dense"]
+    monkeypatch.setattr(
+        cli, "_base", lambda cfg: replace(base(), micro_batch_size=4, grad_accum_steps=2)
+    )
+    args = [
+        "plan",
+        "configs/default.yaml",
+        "--budgets",
+        "3e11,1e12,3e12",
+        "--sizes",
+        "5",
+        "--families",
+        "dense",
+    ]
     cli.main([*args, "--out", str(tmp_path / "a"), "--min-steps", "200"])
     sweep = json.loads((tmp_path / "a" / "sweep.json").read_text())
     assert sweep["min_steps"] == 200
@@ -369,15 +485,22 @@ def test_plan_min_steps_is_kept_with_the_sweep_and_checked(monkeypatch, tmp_path
     run = next(r for r in sweep["runs"] if r["name"] == "dense-c3e11-w24")
     cfg = yaml.safe_load((tmp_path / "a" / "configs" / "dense-c3e11-w24.yaml").read_text())
     assert (cfg["train"]["max_steps"], cfg["train"]["lr"]) == (run["steps"], run["lr"])
-    assert cfg["train"]["micro_batch_size"] * cfg["train"]["grad_accum_steps"] * 2 \
-        == run["batch_sequences"] < 16
+    assert (
+        cfg["train"]["micro_batch_size"] * cfg["train"]["grad_accum_steps"] * 2
+        == run["batch_sequences"]
+        < 16
+    )
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         cli.main([*args, "--out", str(tmp_path / "b"), "--min-steps", "10"])
-    assert e.value.code == 2 and "--min-steps 10: a run needs at least 25" in capsys.readouterr().err
+    assert (
+        e.value.code == 2 and "--min-steps 10: a run needs at least 25" in capsys.readouterr().err
+    )
     assert not (tmp_path / "b").exists()
     # predict plans the run it writes with the sweep's --min-steps.
-    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: _ladder_runs((1e18, 3e18, 1e19)))
+    monkeypatch.setattr(
+        scaling_sweep, "results", lambda d, exclude=None: _ladder_runs((1e18, 3e18, 1e19))
+    )
     _, run, d = cli.predicted_run(tmp_path / "a", "dense", 1e11, bootstrap=0)
     assert run.steps >= 200 and run.batch_sequences < 16
     assert d["train"]["max_steps"] == run.steps
@@ -393,8 +516,12 @@ def test_runs_of_few_steps_are_warned_about_with_the_fix():
         r["steps"] = steps
     warnings = scaling_report.analyse(runs, bootstrap=0)["warnings"]
     (w,) = [w for w in warnings if "optimizer steps" in w]
-    assert w.startswith("2 run(s) trained fewer than 200 optimizer steps (dense-w64 80, "
-                        "dense-w48 150)") and "--min-steps 200" in w
+    assert (
+        w.startswith(
+            "2 run(s) trained fewer than 200 optimizer steps (dense-w64 80, dense-w48 150)"
+        )
+        and "--min-steps 200" in w
+    )
     for r in runs:  # the warning analyse gives: none when every run has 200 steps
         r["steps"] = max(r["steps"], 200)
     assert scaling.short_runs_warning(runs) is None
@@ -406,12 +533,30 @@ def test_fits_without_scipy_are_refused_naming_the_extra(tmp_path, monkeypatch, 
     monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy now raises ImportError
     with pytest.raises(ScalingError, match=r"pip install -c constraints.txt -e '\.\[scaling\]'"):
         scaling_fit.power_law([1e12, 1e13, 1e14], [1.0, 2.0, 4.0])
-    runs = [scaling.PlannedRun(name=f"dense-w{w}", family="dense", budget=3e12, width=w,
-                               n_layers=2, n_heads=1, experts=0, active_params=n, total_params=n,
-                               tokens=int(3e12 / (6 * n)), steps=300, batch_sequences=8,
-                               micro_batch_size=8, grad_accum_steps=1, flops=3e12, lr=1e-3,
-                               min_lr=1e-4, warmup_steps=10, epochs=0.1)
-            for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))]
+    runs = [
+        scaling.PlannedRun(
+            name=f"dense-w{w}",
+            family="dense",
+            budget=3e12,
+            width=w,
+            n_layers=2,
+            n_heads=1,
+            experts=0,
+            active_params=n,
+            total_params=n,
+            tokens=int(3e12 / (6 * n)),
+            steps=300,
+            batch_sequences=8,
+            micro_batch_size=8,
+            grad_accum_steps=1,
+            flops=3e12,
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_steps=10,
+            epochs=0.1,
+        )
+        for w, n in ((16, 10_000), (24, 20_000), (32, 40_000), (48, 80_000))
+    ]
     monkeypatch.setattr(scaling_sweep, "load_sweep", lambda d: ({}, runs))
     monkeypatch.setattr(scaling_sweep, "finished", lambda d, r: {"loss": 4.0 + r.width / 100})
     with pytest.raises(SystemExit) as e:
@@ -423,9 +568,17 @@ def small_vocab_base(corpus_tokens: int = 10_800_000) -> scaling.Base:
     """The researcher's setting of the issue: a 1,024-token vocabulary, one rank, 16 sequences
     of 256 tokens per step, a 10.8M-token corpus."""
     model = ModelConfig(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
-    return scaling.Base(model=model, seq_len=256, world_size=1, micro_batch_size=16,
-                        grad_accum_steps=1, lr=3e-3, min_lr=3e-4, warmup_steps=20,
-                        corpus_tokens=corpus_tokens)
+    return scaling.Base(
+        model=model,
+        seq_len=256,
+        world_size=1,
+        micro_batch_size=16,
+        grad_accum_steps=1,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=20,
+        corpus_tokens=corpus_tokens,
+    )
 
 
 def _plan_cli(monkeypatch, b: scaling.Base):
@@ -445,15 +598,28 @@ def test_budgets_that_round_alike_get_exact_names_of_their_own(monkeypatch, tmp_
     labels = {r.name: re.fullmatch(r"dense-c([0-9.e]+)-w\d+", r.name)[1] for r in runs}
     assert set(labels.values()) == {"1.6e13", "2e13", "2.4e13"}
     assert all(float(labels[r.name]) == r.budget for r in runs)
-    assert scaling.budget_label(3e13) == "3e13" and scaling.budget_label(123456789.0) == \
-        "1.23456789e8"
+    assert (
+        scaling.budget_label(3e13) == "3e13" and scaling.budget_label(123456789.0) == "1.23456789e8"
+    )
     with pytest.raises(ScalingError, match=r"--budgets: 2e\+13 given more than once"):
         scaling.plan_sweep(base(), [2e13, 1.6e13, 2e13], 3, ["dense"])
     with pytest.raises(ScalingError, match="--widths: 64 given more than once"):
         scaling.plan_sweep(base(), [2e13], 3, ["dense"], widths=[64, 96, 64])
     cli = _plan_cli(monkeypatch, base())
-    cli.main(["plan", "configs/default.yaml", "--budgets", "1.6e13,2e13,2.4e13", "--sizes", "3",
-              "--families", "dense", "--out", str(tmp_path / "s")])
+    cli.main(
+        [
+            "plan",
+            "configs/default.yaml",
+            "--budgets",
+            "1.6e13,2e13,2.4e13",
+            "--sizes",
+            "3",
+            "--families",
+            "dense",
+            "--out",
+            str(tmp_path / "s"),
+        ]
+    )
     assert sorted(p.stem for p in (tmp_path / "s" / "configs").glob("*.yaml")) == sorted(names)
 
 
@@ -464,7 +630,16 @@ def test_plan_force_leaves_no_config_of_the_old_plan(monkeypatch, tmp_path, caps
 
     cli = _plan_cli(monkeypatch, base())
     out = tmp_path / "s"
-    args = ["plan", "configs/default.yaml", "--sizes", "3", "--families", "dense", "--out", str(out)]
+    args = [
+        "plan",
+        "configs/default.yaml",
+        "--sizes",
+        "3",
+        "--families",
+        "dense",
+        "--out",
+        str(out),
+    ]
     cli.main([*args, "--budgets", "1e13,3e13"])
     old = {p.stem for p in (out / "configs").glob("*.yaml")}
     (out / "runs" / sorted(old)[0]).mkdir(parents=True)
@@ -492,13 +667,15 @@ def test_each_budget_gets_a_ladder_around_its_own_expected_optimum():
         ladders.add(tuple(sorted(r.width for r in rs)))
     assert len(ladders) >= 2
     # 20 tokens per parameter at the ladder's own FLOPs per token (attention included)
-    r = min(runs, key=lambda r: abs(math.log(r.active_params / scaling.rule_of_thumb(
-        b, r.budget, "dense"))))
+    r = min(
+        runs,
+        key=lambda r: abs(math.log(r.active_params / scaling.rule_of_thumb(b, r.budget, "dense"))),
+    )
     assert 10 < r.tokens_per_param < 40
 
 
 def test_a_ladder_off_its_expected_optimum_is_warned_about_naming_the_side():
-    b = small_vocab_base(10 ** 12)
+    b = small_vocab_base(10**12)
     runs, _ = scaling.plan_sweep(b, [3e10], 3, ["dense"], widths=[48, 64, 96])
     (w,) = scaling.ladder_warnings(b, runs)
     assert "lies below the ladder's smallest size (dense-c3e10-w48" in w
@@ -514,8 +691,9 @@ def test_a_ladder_off_its_expected_optimum_is_warned_about_naming_the_side():
     assert "output head is" in w
 
 
-def test_plan_centre_from_a_sweep_centres_ladders_on_its_measured_minima(monkeypatch, tmp_path,
-                                                                        capsys):
+def test_plan_centre_from_a_sweep_centres_ladders_on_its_measured_minima(
+    monkeypatch, tmp_path, capsys
+):
     """--centre-from SWEEP: each ladder centred on the power law through SWEEP's bracketed
     minima (here N_opt = 4e4 at 1e12 and 8e4 at 4e12, so C^0.5), not the rule of thumb; the
     plan names its source, and a sweep with no bracketed minimum is refused."""
@@ -524,11 +702,20 @@ def test_plan_centre_from_a_sweep_centres_ladders_on_its_measured_minima(monkeyp
     rows = []
     for budget, n_opt in ((1e12, 4e4), (4e12, 8e4)):
         for f in (0.25, 0.5, 1, 2, 4):
-            rows.append({"name": f"c{budget:g}-{f}", "family": "dense", "budget": budget,
-                         "active_params": n_opt * f, "tokens": budget / (8 * n_opt * f),
-                         "flops": budget, "experts": 0, "steps": 300,
-                         "loss": 3.0 + 0.1 * math.log(f) ** 2})
-    b = small_vocab_base(10 ** 12)
+            rows.append(
+                {
+                    "name": f"c{budget:g}-{f}",
+                    "family": "dense",
+                    "budget": budget,
+                    "active_params": n_opt * f,
+                    "tokens": budget / (8 * n_opt * f),
+                    "flops": budget,
+                    "experts": 0,
+                    "steps": 300,
+                    "loss": 3.0 + 0.1 * math.log(f) ** 2,
+                }
+            )
+    b = small_vocab_base(10**12)
     cli = _plan_cli(monkeypatch, b)
     monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: rows)
     centre, source = cli._centre_from(tmp_path / "old")
@@ -540,12 +727,28 @@ def test_plan_centre_from_a_sweep_centres_ladders_on_its_measured_minima(monkeyp
     assert middle.active_params == min(ladder_n, key=lambda n: abs(math.log(n / 1.6e5)))
     plain, _ = scaling.plan_sweep(b, [1.6e13], 5, ["dense"])  # the rule centres elsewhere
     assert sorted(r.width for r in plain)[2] > middle.width
-    cli.main(["plan", "configs/default.yaml", "--budgets", "1.6e13", "--families", "dense",
-              "--out", str(tmp_path / "new"), "--centre-from", str(tmp_path / "old")])
+    cli.main(
+        [
+            "plan",
+            "configs/default.yaml",
+            "--budgets",
+            "1.6e13",
+            "--families",
+            "dense",
+            "--out",
+            str(tmp_path / "new"),
+            "--centre-from",
+            str(tmp_path / "old"),
+        ]
+    )
     assert json.loads((tmp_path / "new" / "sweep.json").read_text())["centre"].startswith(
-        f"from {tmp_path / 'old'}")
-    monkeypatch.setattr(scaling_sweep, "results", lambda d, exclude=None: [
-        dict(r, loss=3.0 + 0.1 * r["active_params"] / 4e4) for r in rows])  # all rising
+        f"from {tmp_path / 'old'}"
+    )
+    monkeypatch.setattr(
+        scaling_sweep,
+        "results",
+        lambda d, exclude=None: [dict(r, loss=3.0 + 0.1 * r["active_params"] / 4e4) for r in rows],
+    )  # all rising
     with pytest.raises(ScalingError, match="no budget of its finished runs has a minimum"):
         cli._centre_from(tmp_path / "old")
 
@@ -556,8 +759,11 @@ def test_plan_and_fit_agree_on_the_steps_a_run_needs(monkeypatch, tmp_path, caps
     plan warned about in the same words."""
     import launch.scaling as cli
 
-    assert cli.parser().parse_args(["plan", "c.yaml", "--budgets", "1"]).min_steps == \
-        scaling.MIN_STEPS == small_vocab_base().min_steps
+    assert (
+        cli.parser().parse_args(["plan", "c.yaml", "--budgets", "1"]).min_steps
+        == scaling.MIN_STEPS
+        == small_vocab_base().min_steps
+    )
     b = small_vocab_base()
     runs, _ = scaling.plan_sweep(b, [1e11, 3e11], 5, ["dense"])
     assert min(r.steps for r in runs) >= scaling.MIN_STEPS
@@ -573,8 +779,20 @@ def test_plan_and_fit_agree_on_the_steps_a_run_needs(monkeypatch, tmp_path, caps
     assert "1 of them train one sequence per rank already" in fit_warning
     assert "--min-steps" not in fit_warning
     cli = _plan_cli(monkeypatch, b)
-    cli.main(["plan", "configs/default.yaml", "--budgets", "2e10", "--sizes", "5",
-              "--families", "dense", "--out", str(tmp_path / "s")])
+    cli.main(
+        [
+            "plan",
+            "configs/default.yaml",
+            "--budgets",
+            "2e10",
+            "--sizes",
+            "5",
+            "--families",
+            "dense",
+            "--out",
+            str(tmp_path / "s"),
+        ]
+    )
     assert f"warning: {plan_warning}" in capsys.readouterr().out
 
 
@@ -583,7 +801,6 @@ def test_the_progress_eta_is_the_rate_so_far(monkeypatch, capsys):
     smoothed rate took that as the speed (an ETA of seconds with minutes of work left). The
     ETA is the compute left at the rate since the start."""
     import tqdm.std
-
 
     clock = [1000.0]
     monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
@@ -600,11 +817,30 @@ def test_the_progress_eta_is_the_rate_so_far(monkeypatch, capsys):
 
 
 def _planned(rows):
-    return [scaling.PlannedRun(
-        name=r["name"], family=r["family"], budget=r["budget"], width=r["width"], n_layers=2,
-        n_heads=1, experts=0, active_params=r["active_params"], total_params=r["active_params"],
-        tokens=r["tokens"], steps=300, batch_sequences=8, micro_batch_size=8, grad_accum_steps=1,
-        flops=r["flops"], lr=1e-3, min_lr=1e-4, warmup_steps=10, epochs=0.1) for r in rows]
+    return [
+        scaling.PlannedRun(
+            name=r["name"],
+            family=r["family"],
+            budget=r["budget"],
+            width=r["width"],
+            n_layers=2,
+            n_heads=1,
+            experts=0,
+            active_params=r["active_params"],
+            total_params=r["active_params"],
+            tokens=r["tokens"],
+            steps=300,
+            batch_sequences=8,
+            micro_batch_size=8,
+            grad_accum_steps=1,
+            flops=r["flops"],
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_steps=10,
+            epochs=0.1,
+        )
+        for r in rows
+    ]
 
 
 def test_fit_shows_the_bootstrap_progress(monkeypatch, tmp_path, capsys):

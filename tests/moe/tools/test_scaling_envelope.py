@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe.tools import scaling_envelope as se
-from moe.tools import scaling_report
+from moe.tools import scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
 
 TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
@@ -30,10 +30,21 @@ def curve_runs(sizes=None, noise=0.0, steps=400, seed=0, law=TRUE):
             d = b / (K * n)
             s = np.arange(1, steps + 1)
             loss = law.loss(n, d * s / steps) * (1 + noise * rng.standard_normal(steps))
-            runs.append({"name": f"c{b:g}-n{n:.4g}", "family": "dense", "budget": b,
-                         "steps": steps, "active_params": float(n), "tokens": d, "flops": b,
-                         "width": 64, "experts": 0, "loss": float(law.loss(n, d)),
-                         "curve": (s, loss)})
+            runs.append(
+                {
+                    "name": f"c{b:g}-n{n:.4g}",
+                    "family": "dense",
+                    "budget": b,
+                    "steps": steps,
+                    "active_params": float(n),
+                    "tokens": d,
+                    "flops": b,
+                    "width": 64,
+                    "experts": 0,
+                    "loss": float(law.loss(n, d)),
+                    "curve": (s, loss),
+                }
+            )
     return runs
 
 
@@ -54,8 +65,11 @@ def test_the_envelope_is_the_lowest_curve_at_each_compute():
     is one of them."""
     env = se.envelope(curve_runs(noise=0.01))
     for j, c in enumerate(env.c):
-        values = {name: np.interp(np.log(c), np.log(cc), ll)
-                  for name, (cc, ll) in env.curves.items() if cc[0] <= c <= cc[-1] * (1 + 1e-9)}
+        values = {
+            name: np.interp(np.log(c), np.log(cc), ll)
+            for name, (cc, ll) in env.curves.items()
+            if cc[0] <= c <= cc[-1] * (1 + 1e-9)
+        }
         assert env.loss[j] == pytest.approx(min(values.values()), rel=1e-12)
         assert env.run[j] == min(values, key=values.get)
 
@@ -83,9 +97,11 @@ def test_points_at_the_edge_of_the_runs_stay_out_of_the_power_laws():
     env = se.envelope(runs)
     assert env.smallest.all() and not env.largest.any() and env.n_law is None
     assert env.problem.startswith("0 of 60 points lie off the edge")
-    assert "at 60 of 60 points the lowest curve is the smallest run reaching that compute (add " \
+    assert (
+        "at 60 of 60 points the lowest curve is the smallest run reaching that compute (add "
         "smaller sizes)" in env.problem
-    text = scaling_report.summary(scaling_report.analyse(runs, bootstrap=0))
+    )
+    text = scaling_text.summary(scaling_report.analyse(runs, bootstrap=0))
     assert "envelope of the training curves: no power law (0 of 60 points" in text
 
 
@@ -94,13 +110,14 @@ def test_the_summary_prints_the_envelope_laws_and_runs_without_curves_have_none(
     analysis = scaling_report.analyse(runs, bootstrap=0)
     env = analysis["families"]["dense"]["envelope"]
     a, b = env.n_law
-    assert f"envelope of the training curves: N_opt = {a:.3g} C^{b:.3f}" in \
-        scaling_report.summary(analysis)
+    assert f"envelope of the training curves: N_opt = {a:.3g} C^{b:.3f}" in scaling_text.summary(
+        analysis
+    )
     for r in runs:
         r["curve"] = None
     bare = scaling_report.analyse(runs, bootstrap=0)
     assert bare["families"]["dense"]["envelope"] is None
-    assert "envelope" not in scaling_report.summary(bare)
+    assert "envelope" not in scaling_text.summary(bare)
 
 
 def test_validation_losses_unlike_the_training_curves_are_warned_about():
@@ -111,10 +128,13 @@ def test_validation_losses_unlike_the_training_curves_are_warned_about():
     runs = curve_runs(sizes=TRUE.optimum(BUDGETS[1], K)[0] * np.geomspace(0.25, 4, 5))
     for r in runs:
         r["loss"] = float(r["curve"][1][-1] / 1.3)
-    (w,) = [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
-            if "training losses" in w]
-    assert w.startswith("dense: the runs' last training losses lie +30% from their final "
-                        "validation losses (median of 20 runs")
+    (w,) = [
+        w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"] if "training losses" in w
+    ]
+    assert w.startswith(
+        "dense: the runs' last training losses lie +30% from their final "
+        "validation losses (median of 20 runs"
+    )
     for r in runs:
         r["loss"] = float(r["curve"][1][-1] * 0.97)
     assert scaling_report._train_validation_gap("dense", runs, se.envelope(runs)) == []
@@ -127,9 +147,13 @@ def test_an_envelope_outside_the_routes_interval_is_warned_about():
 
     runs = curve_runs(sizes=TRUE.optimum(BUDGETS[1], K)[0] * np.geomspace(0.25, 4, 5))
     env = se.envelope(runs)
-    by_budget = {b: ([r["active_params"] for r in runs if r["budget"] == b],
-                     [r["loss"] * (1 + 0.003 * np.sin(i)) for i, r in enumerate(runs)
-                      if r["budget"] == b]) for b in BUDGETS}
+    by_budget = {
+        b: (
+            [r["active_params"] for r in runs if r["budget"] == b],
+            [r["loss"] * (1 + 0.003 * np.sin(i)) for i, r in enumerate(runs) if r["budget"] == b],
+        )
+        for b in BUDGETS
+    }
     fam = {"envelope": env, "route_boot": scaling_isoflop.bootstrap_route(by_budget, K, 50)}
     top = env.c[env.inside].max()  # the largest compute the envelope's laws were fitted on
     lo, hi = fam["route_boot"].n_interval(top)
@@ -137,10 +161,13 @@ def test_an_envelope_outside_the_routes_interval_is_warned_about():
     assert scaling_report._envelope_against_route("dense", fam) == []
     env.n_law = (env.n_law[0] * 2, env.n_law[1])
     (w,) = scaling_report._envelope_against_route("dense", fam)
-    assert w.startswith(f"dense: the envelope of the training curves puts N_opt at C {top:.3g} "
-                        f"at {env.n_law[0] * top ** env.n_law[1]:.4g}")
+    assert w.startswith(
+        f"dense: the envelope of the training curves puts N_opt at C {top:.3g} "
+        f"at {env.n_law[0] * top ** env.n_law[1]:.4g}"
+    )
     assert f"outside the IsoFLOP route's 95% interval there ({lo:.4g} to {hi:.4g})" in w
     # the summary marks the envelope's figures where they are printed
-    assert scaling_report._envelope_line(env, fam["envelope_outside"]).endswith(
+    assert scaling_text._envelope_line(env, fam["envelope_outside"]).endswith(
         f"outside the IsoFLOP route's 95% interval ({lo:.4g} to {hi:.4g}): take the route's "
-        "(see the warnings)")
+        "(see the warnings)"
+    )

@@ -10,7 +10,7 @@ import pytest
 
 from moe.core.errors import ScalingError
 from moe.tools import scaling_fit as sf
-from moe.tools import scaling_report
+from moe.tools import scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
 
 TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
@@ -90,8 +90,9 @@ def test_a_shared_floor_pins_e_where_one_family_alone_cannot():
     n2, d2 = (a.ravel() for a in np.meshgrid(np.geomspace(1e7, 1e8, 4), np.geomspace(1e9, 1e10, 4)))
     narrow = MOE.loss(n2, d2) * (1 + 0.01 * rng.standard_normal(n2.size))
     own = sf.fit_parametric(n2, d2, narrow, bootstrap=0).law
-    shared = sf.fit_shared_floor({"dense": (n, d, wide), "moe": (n2, d2, narrow)},
-                                      bootstrap=0)["moe"].law
+    shared = sf.fit_shared_floor({"dense": (n, d, wide), "moe": (n2, d2, narrow)}, bootstrap=0)[
+        "moe"
+    ].law
     far_n, far_d = 1e9, 1e11
     truth = MOE.loss(far_n, far_d)
     own_error = abs(own.loss(far_n, far_d) / truth - 1)
@@ -111,15 +112,16 @@ def test_the_compute_optimum_is_the_minimum_along_the_budget():
 
 def test_power_laws_through_the_minima():
     budgets = np.geomspace(1e18, 1e22, 5)
-    a, b = sf.power_law(budgets, 0.1 * budgets ** 0.5)
+    a, b = sf.power_law(budgets, 0.1 * budgets**0.5)
     assert math.isclose(b, 0.5, rel_tol=1e-9) and math.isclose(a, 0.1, rel_tol=1e-6)
 
 
 def test_compute_multiplier():
     k, budget = 6.0, 1e20
     # A MoE that reaches exactly dense's optimal loss at the same budget saves nothing ...
-    assert math.isclose(sf.compute_multiplier(TRUE, k, TRUE.optimum(budget, k)[2], budget),
-                        1.0, rel_tol=1e-6)
+    assert math.isclose(
+        sf.compute_multiplier(TRUE, k, TRUE.optimum(budget, k)[2], budget), 1.0, rel_tol=1e-6
+    )
     # ... one that reaches dense's optimal loss of 3x the budget saves 3x.
     better = TRUE.optimum(3 * budget, k)[2]
     assert math.isclose(sf.compute_multiplier(TRUE, k, better, budget), 3.0, rel_tol=1e-5)
@@ -131,8 +133,12 @@ def test_expert_law_recovers_its_constants():
     n = np.repeat(np.geomspace(1e6, 1e8, 6), 3)
     e = np.tile([4, 16, 64], 6)
     true = {"a": -0.08, "b": -0.03, "c": 0.001, "d": 2.4}
-    loss = np.exp(true["a"] * np.log(n) + true["b"] * np.log(e)
-                  + true["c"] * np.log(n) * np.log(e) + true["d"]) * (1 + 1e-4 * rng.standard_normal(n.size))
+    loss = np.exp(
+        true["a"] * np.log(n)
+        + true["b"] * np.log(e)
+        + true["c"] * np.log(n) * np.log(e)
+        + true["d"]
+    ) * (1 + 1e-4 * rng.standard_normal(n.size))
     got = sf.clark_law(n, e, loss)
     for key, value in true.items():
         assert abs(got[key] - value) < 2e-3 + 0.05 * abs(value)
@@ -156,8 +162,11 @@ def _reference_objective(p, log_n, log_d, log_l):
     total = 0.0
     for x, y, z in zip(log_n, log_d, log_l):
         r = math.log(math.exp(a - alpha * x) + math.exp(b - beta * y) + math.exp(e)) - z
-        total += 0.5 * r * r if abs(r) <= sf.HUBER_DELTA else sf.HUBER_DELTA * (
-            abs(r) - 0.5 * sf.HUBER_DELTA)
+        total += (
+            0.5 * r * r
+            if abs(r) <= sf.HUBER_DELTA
+            else sf.HUBER_DELTA * (abs(r) - 0.5 * sf.HUBER_DELTA)
+        )
     return total
 
 
@@ -168,17 +177,25 @@ def test_the_vectorised_objective_its_gradient_and_hessian_match_a_slow_referenc
     n, d, loss = synthetic(0.01)
     log_n, log_d, log_l = np.log(n), np.log(d), np.log(loss)
     rng = np.random.default_rng(0)
-    p = np.column_stack([rng.uniform(4, 9, 6), rng.uniform(5, 10, 6), rng.uniform(0.3, 0.9, 6),
-                         rng.uniform(0.2, 0.6, 6), rng.uniform(0.2, 0.6, 6)])
+    p = np.column_stack(
+        [
+            rng.uniform(4, 9, 6),
+            rng.uniform(5, 10, 6),
+            rng.uniform(0.3, 0.9, 6),
+            rng.uniform(0.2, 0.6, 6),
+            rng.uniform(0.2, 0.6, 6),
+        ]
+    )
     value, grad, hess = sf._batch(p, log_n, log_d, log_l, hessian=True)
     eps = 1e-6
     for k in range(len(p)):
-        assert value[k] == pytest.approx(_reference_objective(p[k], log_n, log_d, log_l),
-                                         rel=1e-12)
+        assert value[k] == pytest.approx(_reference_objective(p[k], log_n, log_d, log_l), rel=1e-12)
         for i in range(5):
             step = eps * np.eye(5)[i]
-            fd = (_reference_objective(p[k] + step, log_n, log_d, log_l)
-                  - _reference_objective(p[k] - step, log_n, log_d, log_l)) / (2 * eps)
+            fd = (
+                _reference_objective(p[k] + step, log_n, log_d, log_l)
+                - _reference_objective(p[k] - step, log_n, log_d, log_l)
+            ) / (2 * eps)
             assert grad[k, i] == pytest.approx(fd, rel=1e-5, abs=1e-10)
             g_hi = sf._batch((p[k] + step)[None], log_n, log_d, log_l)[1][0]
             g_lo = sf._batch((p[k] - step)[None], log_n, log_d, log_l)[1][0]
@@ -186,10 +203,12 @@ def test_the_vectorised_objective_its_gradient_and_hessian_match_a_slow_referenc
     idx = rng.integers(0, len(n), len(n))
     counts = np.bincount(idx, minlength=len(n)).astype(float)
     value, grad = sf._objective(p[0], log_n, log_d, log_l, counts)
-    assert value == pytest.approx(_reference_objective(p[0], log_n[idx], log_d[idx], log_l[idx]),
-                                  rel=1e-12)
-    assert np.allclose(grad, sf._objective(p[0], log_n[idx], log_d[idx], log_l[idx])[1],
-                       rtol=1e-10, atol=1e-15)
+    assert value == pytest.approx(
+        _reference_objective(p[0], log_n[idx], log_d[idx], log_l[idx]), rel=1e-12
+    )
+    assert np.allclose(
+        grad, sf._objective(p[0], log_n[idx], log_d[idx], log_l[idx])[1], rtol=1e-10, atol=1e-15
+    )
 
 
 FIT_TOLERANCE = 1e-5
@@ -205,11 +224,23 @@ def _grid_lbfgsb(n, d, loss) -> np.ndarray:
 
     log_n, log_d, log_l = np.log(n), np.log(d), np.log(loss)
     grid = sf._grid()
-    starts = grid[np.argsort(sf._grid_terms(grid, log_n, log_d, log_l).sum(1))[:sf.STARTS]]
+    starts = grid[np.argsort(sf._grid_terms(grid, log_n, log_d, log_l).sum(1))[: sf.STARTS]]
     with threadpool_limits(limits=1):
-        best = min((minimize(sf._objective, p0, args=(log_n, log_d, log_l), jac=True,
-                             method="L-BFGS-B", bounds=sf.BOUNDS, options=sf.LBFGS_OPTIONS)
-                    for p0 in starts), key=lambda r: r.fun)
+        best = min(
+            (
+                minimize(
+                    sf._objective,
+                    p0,
+                    args=(log_n, log_d, log_l),
+                    jac=True,
+                    method="L-BFGS-B",
+                    bounds=sf.BOUNDS,
+                    options=sf.LBFGS_OPTIONS,
+                )
+                for p0 in starts
+            ),
+            key=lambda r: r.fun,
+        )
     return best.x
 
 
@@ -296,8 +327,13 @@ def test_the_fit_runs_on_one_blas_thread_in_a_fresh_process():
     import sys
     from pathlib import Path
 
-    out = subprocess.run([sys.executable, "-c", ONE_THREAD_SCRIPT], capture_output=True,
-                         text=True, cwd=Path(__file__).resolve().parents[3], timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_THREAD_SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[3],
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen and set(seen) == {1}, seen
@@ -309,41 +345,83 @@ def test_constants_on_the_optimisers_bounds_are_flagged_with_what_to_add():
     marks the law degenerate and the interval ends that sit on a bound; the prediction says it
     rests on a degenerate law."""
     n, d, loss = _degenerate()
-    runs = [{"name": f"r{i}", "family": "dense", "budget": b, "active_params": float(x),
-             "tokens": float(t), "flops": b, "width": 16, "experts": 0, "loss": float(v),
-             "steps": 300}
-            for i, (x, t, v, b) in enumerate(zip(n, d, loss, np.repeat([3e10, 1e11], 3)))]
+    runs = [
+        {
+            "name": f"r{i}",
+            "family": "dense",
+            "budget": b,
+            "active_params": float(x),
+            "tokens": float(t),
+            "flops": b,
+            "width": 16,
+            "experts": 0,
+            "loss": float(v),
+            "steps": 300,
+        }
+        for i, (x, t, v, b) in enumerate(zip(n, d, loss, np.repeat([3e10, 1e11], 3)))
+    ]
     analysis = scaling_report.analyse(runs, bootstrap=20)
     fit = analysis["families"]["dense"]["fit"]
     flags = fit.on_bounds()
     assert flags
     warnings = analysis["warnings"]
     for name, side, bound in flags:
-        (w,) = [w for w in warnings if f"law's {name} = {bound:.4g} sits on the optimiser's {side}" in w]
+        (w,) = [
+            w for w in warnings if f"law's {name} = {bound:.4g} sits on the optimiser's {side}" in w
+        ]
         assert scaling_report.BOUND_ADVICE[(name, side)] in w
     assert any("6 runs of 2 budget(s)" in w and "add 1 budget(s)" in w for w in warnings)
     assert any("bootstrap fits put a constant on its bound" in w for w in warnings)
-    text = scaling_report.summary(analysis)
+    text = scaling_text.summary(analysis)
     assert "degenerate: " in text and "(its bound)" in text
     p = scaling_report.predict(analysis, "dense", 1e12)
-    assert "degenerate law" in scaling_report.prediction_text(p)
+    assert "degenerate law" in scaling_text.prediction_text(p)
     # a well-posed law has none of these
-    good = [dict(r, budget=float(b), name=f"g{i}") for i, (r, b) in enumerate(zip(
-        [{"family": "dense", "active_params": float(x), "tokens": float(t), "flops": 0,
-          "width": 16, "experts": 0, "loss": float(v), "steps": 300}
-         for x, t, v in zip(*_ladder_data((1e18, 3e18, 1e19)))], np.repeat([1e18, 3e18, 1e19], 5)))]
+    good = [
+        dict(r, budget=float(b), name=f"g{i}")
+        for i, (r, b) in enumerate(
+            zip(
+                [
+                    {
+                        "family": "dense",
+                        "active_params": float(x),
+                        "tokens": float(t),
+                        "flops": 0,
+                        "width": 16,
+                        "experts": 0,
+                        "loss": float(v),
+                        "steps": 300,
+                    }
+                    for x, t, v in zip(*_ladder_data((1e18, 3e18, 1e19)))
+                ],
+                np.repeat([1e18, 3e18, 1e19], 5),
+            )
+        )
+    ]
     for r in good:
         r["flops"] = r["budget"]
     clean = scaling_report.analyse(good, bootstrap=10)
     assert not clean["families"]["dense"]["fit"].on_bounds()
     assert not [w for w in clean["warnings"] if "bound" in w or "budget(s)" in w]
-    assert "degenerate" not in scaling_report.summary(clean)
+    assert "degenerate" not in scaling_text.summary(clean)
 
 
 def _budget_runs(budget, losses, n=(1e4, 2e4, 4e4, 8e4, 1.6e5)):
-    return [{"name": f"c{budget:g}-{i}", "family": "dense", "budget": budget,
-             "active_params": x, "tokens": budget / (6 * x), "flops": budget, "width": 16,
-             "experts": 0, "loss": v, "steps": 300} for i, (x, v) in enumerate(zip(n, losses))]
+    return [
+        {
+            "name": f"c{budget:g}-{i}",
+            "family": "dense",
+            "budget": budget,
+            "active_params": x,
+            "tokens": budget / (6 * x),
+            "flops": budget,
+            "width": 16,
+            "experts": 0,
+            "loss": v,
+            "steps": 300,
+        }
+        for i, (x, v) in enumerate(zip(n, losses))
+    ]
 
 
 def test_an_extrapolated_or_concave_vertex_stays_out_of_the_power_law_and_the_plot():
@@ -359,20 +437,23 @@ def test_an_extrapolated_or_concave_vertex_stays_out_of_the_power_law_and_the_pl
     assert kinds == {3e11: "extrapolated", 1e12: "bracketed", 1e13: "bracketed", 3e13: "concave"}
     inside = [m for m in fam["minima"] if m.bracketed]
     assert fam["n_law"] == sf.power_law([m.budget for m in inside], [m.n_opt for m in inside])
-    text = scaling_report.summary(analysis)
+    text = scaling_text.summary(analysis)
     far = next(m for m in fam["minima"] if m.budget == 3e11)
     assert f"N_opt {far.n_opt:.4g}" not in text and "C 3e+11: no minimum inside the ladder" in text
     assert "(through the minima of 2 budgets)" in text
     p = scaling_report.predict(analysis, "dense", 1e14)
     assert p["isoflop"]["budgets"] == 2 and p["isoflop"]["left_out"] == [3e11, 3e13]
-    assert "left out: 3e+11, 3e+13" in scaling_report.prediction_text(p)
+    assert "left out: 3e+11, 3e+13" in scaling_text.prediction_text(p)
     # One bracketed budget: no power law, no IsoFLOP route, and a warning saying why.
-    runs = [r for b, v in off.items() for r in _budget_runs(b, v)] + _budget_runs(1e12, bracketed[1e12])
+    runs = [r for b, v in off.items() for r in _budget_runs(b, v)] + _budget_runs(
+        1e12, bracketed[1e12]
+    )
     analysis = scaling_report.analyse(runs, bootstrap=0)
     assert "n_law" not in analysis["families"]["dense"]
     assert any("1 of 3 budgets have a minimum inside" in w for w in analysis["warnings"])
-    assert "IsoFLOP route        none" in scaling_report.prediction_text(
-        scaling_report.predict(analysis, "dense", 1e14))
+    assert "IsoFLOP route        none" in scaling_text.prediction_text(
+        scaling_report.predict(analysis, "dense", 1e14)
+    )
     # The plot: stars only at bracketed vertices; the others' lowest runs hollow.
     from moe.tools import scaling_plot
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moe.tools import scaling_isoflop as si
-from moe.tools import scaling_report
+from moe.tools import scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
 
 TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
@@ -27,17 +27,34 @@ def test_isoflop_minimum_and_the_edge_of_the_ladder():
     beyond = n_opt * np.array([4.0, 8.0, 16.0, 32.0])  # every size larger than the optimum
     m = si.isoflop_minimum(budget, beyond, TRUE.loss(beyond, budget / (k * beyond)))
     assert m.at_edge and m.side == "smaller" and m.lowest_n == beyond[0]
-    runs = [{"name": f"r{i}", "family": "dense", "budget": budget, "active_params": float(x),
-             "tokens": budget / (k * x), "flops": budget, "width": 64 * (i + 1), "experts": 0,
-             "loss": float(TRUE.loss(x, budget / (k * x)))} for i, x in enumerate(beyond)]
-    (w,) = [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
-            if "no minimum inside the ladder" in w]
+    runs = [
+        {
+            "name": f"r{i}",
+            "family": "dense",
+            "budget": budget,
+            "active_params": float(x),
+            "tokens": budget / (k * x),
+            "flops": budget,
+            "width": 64 * (i + 1),
+            "experts": 0,
+            "loss": float(TRUE.loss(x, budget / (k * x))),
+        }
+        for i, x in enumerate(beyond)
+    ]
+    (w,) = [
+        w
+        for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
+        if "no minimum inside the ladder" in w
+    ]
     assert "add sizes with smaller N" in w
     # the same runs mirrored (loss falling with N): the other side
     for r, x in zip(runs, beyond[::-1]):
         r["loss"] = float(TRUE.loss(x, budget / (k * x)))
-    (w,) = [w for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
-            if "no minimum inside the ladder" in w]
+    (w,) = [
+        w
+        for w in scaling_report.analyse(runs, bootstrap=0)["warnings"]
+        if "no minimum inside the ladder" in w
+    ]
     assert "add sizes with larger N" in w
 
 
@@ -69,7 +86,10 @@ def _sweep(noise: float, seed: int, sizes=LADDER) -> dict:
     out = {}
     for b in BUDGETS:
         n = TRUE.optimum(b, K)[0] * sizes
-        out[b] = (list(n), list(TRUE.loss(n, b / (K * n)) * (1 + noise * rng.standard_normal(len(n)))))
+        out[b] = (
+            list(n),
+            list(TRUE.loss(n, b / (K * n)) * (1 + noise * rng.standard_normal(len(n)))),
+        )
     return out
 
 
@@ -107,42 +127,69 @@ def test_the_route_bootstrap_covers_the_exponent_and_the_tokens_per_parameter():
 def test_the_tokens_per_parameter_of_the_route_is_c_over_k_n_squared():
     boot = si.bootstrap_route(_sweep(0.003, 1), K, 20)
     assert boot.resamples == 20 and len(boot.b) + boot.failed == 20
-    n = math.exp(1.5) * 1e20 ** 0.5
+    n = math.exp(1.5) * 1e20**0.5
     assert float(boot.ratio(1e20, 1.5, 0.5)) == pytest.approx(1e20 / (K * n * n), rel=1e-12)
 
 
 def test_three_sizes_per_budget_show_no_scatter_to_resample():
     data = _sweep(0.01, 1, sizes=LADDER[1:4])
     assert si.bootstrap_route(data, K, 20) is None
-    runs = [{"name": f"r{b:g}-{i}", "family": "dense", "budget": b, "active_params": x,
-             "tokens": b / (K * x), "flops": b, "width": 64, "experts": 0, "loss": v,
-             "steps": 300} for b, (n, loss) in data.items() for i, (x, v) in enumerate(zip(n, loss))]
+    runs = [
+        {
+            "name": f"r{b:g}-{i}",
+            "family": "dense",
+            "budget": b,
+            "active_params": x,
+            "tokens": b / (K * x),
+            "flops": b,
+            "width": 64,
+            "experts": 0,
+            "loss": v,
+            "steps": 300,
+        }
+        for b, (n, loss) in data.items()
+        for i, (x, v) in enumerate(zip(n, loss))
+    ]
     analysis = scaling_report.analyse(runs, bootstrap=5)
     assert "route_boot" not in analysis["families"]["dense"]
     assert any("plan 4 or more sizes per budget" in w for w in analysis["warnings"])
 
 
 def test_fit_and_predict_print_the_route_intervals():
-    runs = [{"name": f"r{b:g}-{i}", "family": "dense", "budget": b, "active_params": x,
-             "tokens": b / (K * x), "flops": b, "width": 64, "experts": 0, "loss": v,
-             "steps": 300} for b, (n, loss) in _sweep(0.003, 2).items()
-            for i, (x, v) in enumerate(zip(n, loss))]
+    runs = [
+        {
+            "name": f"r{b:g}-{i}",
+            "family": "dense",
+            "budget": b,
+            "active_params": x,
+            "tokens": b / (K * x),
+            "flops": b,
+            "width": 64,
+            "experts": 0,
+            "loss": v,
+            "steps": 300,
+        }
+        for b, (n, loss) in _sweep(0.003, 2).items()
+        for i, (x, v) in enumerate(zip(n, loss))
+    ]
     analysis = scaling_report.analyse(runs, bootstrap=30)
     fam = analysis["families"]["dense"]
     lo, hi = fam["route_boot"].exponent_interval()
     assert lo < fam["n_law"][1] < hi
-    text = scaling_report.summary(analysis)
+    text = scaling_text.summary(analysis)
     assert f"(95%: {lo:.3f} to {hi:.3f}), D_opt" in text
     assert f"(95%: {1 - hi:.3f} to {1 - lo:.3f})" in text
     nlo, nhi = fam["route_boot"].n_interval(3e19)
-    assert f"at C 3e+19: N_opt {fam['n_law'][0] * 3e19 ** fam['n_law'][1]:.4g} (95%: {nlo:.4g} " \
-           f"to {nhi:.4g}), D/N " in text
+    assert (
+        f"at C 3e+19: N_opt {fam['n_law'][0] * 3e19 ** fam['n_law'][1]:.4g} (95%: {nlo:.4g} "
+        f"to {nhi:.4g}), D/N " in text
+    )
     assert nlo < TRUE.optimum(3e19, K)[0] < nhi
     p = scaling_report.predict(analysis, "dense", 1e20)
     rlo, rhi = p["isoflop"]["ratio_interval"]
     assert rlo < p["isoflop"]["ratio"] < rhi
     law_lo, law_hi = p["ratio_interval"]
     assert law_lo < p["d_opt"] / p["n_opt"] < law_hi
-    out = scaling_report.prediction_text(p)
+    out = scaling_text.prediction_text(p)
     assert f"exponent of N_opt 95%: {p['isoflop']['exponent_interval'][0]:.3f}" in out
     assert f"(95%: {law_lo:.1f} to {law_hi:.1f})" in out

@@ -61,8 +61,9 @@ def test_the_d_opt_panel_draws_the_law_the_minima_and_their_power_law(drawn):
     power = _by_gid(ax[0, 2], "isoflop-law-D-dense")
     a, b = fam["d_law"]
     assert np.allclose(power.get_ydata(), a * power.get_xdata() ** b)
-    assert np.allclose(_by_gid(ax[0, 1], "law-N-dense").get_ydata(),
-                       [law.optimum(x, k)[0] for x in c], rtol=1e-12)
+    assert np.allclose(
+        _by_gid(ax[0, 1], "law-N-dense").get_ydata(), [law.optimum(x, k)[0] for x in c], rtol=1e-12
+    )
 
 
 def test_the_loss_panel_draws_the_envelope_and_the_laws_optimal_loss(drawn):
@@ -72,14 +73,21 @@ def test_the_loss_panel_draws_the_envelope_and_the_laws_optimal_loss(drawn):
     assert np.array_equal(env.get_xdata(), fam["envelope"].c)
     assert np.array_equal(env.get_ydata(), fam["envelope"].loss)
     best = _by_gid(ax[1, 0], "law-loss-dense")
-    assert np.allclose(best.get_ydata(),
-                       [fam["fit"].law.optimum(x, fam["k"])[2] for x in best.get_xdata()])
+    assert np.allclose(
+        best.get_ydata(), [fam["fit"].law.optimum(x, fam["k"])[2] for x in best.get_xdata()]
+    )
     # The envelope is the lowest of the runs' losses at each C (within 2e-4: the local line
     # through a curve convex in ln(step) reads a little low at a run's last step), so on or
     # above the law's optimal loss.
     runs = fam["runs"]
-    lowest = [min(TRUE.loss(r["active_params"], r["tokens"] * x / r["budget"]) for r in runs
-                  if x <= r["budget"] * (1 + 1e-9)) for x in fam["envelope"].c]
+    lowest = [
+        min(
+            TRUE.loss(r["active_params"], r["tokens"] * x / r["budget"])
+            for r in runs
+            if x <= r["budget"] * (1 + 1e-9)
+        )
+        for x in fam["envelope"].c
+    ]
     assert np.allclose(fam["envelope"].loss, lowest, rtol=2e-4)
     optimum = np.array([TRUE.optimum(x, fam["k"])[2] for x in fam["envelope"].c])
     assert np.all(fam["envelope"].loss >= optimum * (1 - 2e-4))

@@ -41,19 +41,23 @@ def test_router_computes_in_fp32_on_bf16_input(score_func):
     ref_idx = select64.topk(2, dim=-1).indices
     assert torch.equal(r.indices_TK.sort(-1).values, ref_idx.sort(-1).values)
     torch.testing.assert_close(r.scores_TE.double(), scores64, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(r.weights_TK.double(), scores64.gather(-1, r.indices_TK),
-                               rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        r.weights_TK.double(), scores64.gather(-1, r.indices_TK), rtol=1e-5, atol=1e-7
+    )
     probs64 = scores64 if score_func == "softmax" else scores64 / scores64.sum(-1, keepdim=True)
-    torch.testing.assert_close(r.aux_loss.double(), load_balancing_loss(probs64, ref_idx, 8),
-                               rtol=1e-5, atol=0)
-    torch.testing.assert_close(r.z_loss.double(), torch.logsumexp(logits64, -1).pow(2).mean(),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        r.aux_loss.double(), load_balancing_loss(probs64, ref_idx, 8), rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(
+        r.z_loss.double(), torch.logsumexp(logits64, -1).pow(2).mean(), rtol=1e-5, atol=0
+    )
 
 
 def test_expert_bias_and_step_counters_stay_fp32_under_a_cast():
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=4, expert_hidden=16,
-                    router=RouterConfig(top_k=2, bias_update_rate=1e-4))
+    cfg = MoEConfig(
+        num_experts=4, expert_hidden=16, router=RouterConfig(top_k=2, bias_update_rate=1e-4)
+    )
     layer = MoELayer(32, cfg).to(torch.bfloat16)
     assert layer.experts.w_in.dtype == torch.bfloat16  # the cast did happen
     for buf in (layer.router.score_bias, layer.step_load_E, layer.step_sums):
@@ -151,9 +155,16 @@ def test_norm_statistics_are_fp32_so_bf16_output_is_rounded_once(kind):
 
 def test_language_model_and_balancing_losses_are_fp32_in_a_bf16_model():
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
-                      moe=MoEConfig(num_experts=4, expert_hidden=32,
-                                    router=RouterConfig(top_k=2, z_loss_coef=1e-3)))
+    cfg = ModelConfig(
+        vocab_size=512,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=64,
+        moe=MoEConfig(
+            num_experts=4, expert_hidden=32, router=RouterConfig(top_k=2, z_loss_coef=1e-3)
+        ),
+    )
     model = MoETransformer(cfg).bfloat16()
     ids = torch.randint(0, 512, (2, 33))
     out = model(ids[:, :-1], ids[:, 1:])
@@ -188,6 +199,9 @@ def test_precision_reaches_deepspeed():
 def test_fp16_and_bf16_at_zero_stage_0_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"train.precision: fp16 is not supported .*use bf16"):
         _cfg(precision="fp16")
-    with pytest.raises(ConfigError, match=r"parallel.zero_stage: train.precision bf16 needs ZeRO "
-                                          r"stage 1 or 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.zero_stage: train.precision bf16 needs ZeRO "
+        r"stage 1 or 2",
+    ):
         from_dict(RunConfig, {"train": {"precision": "bf16"}, "parallel": {"zero_stage": 0}})

@@ -100,8 +100,9 @@ def test_the_planner_sizes_a_saved_checkpoint(killed_run):
     run_dir, _ = killed_run
     _, cfg, tag_dir = load_model(run_dir)
     written = sum(f.stat().st_size for f in tag_dir.rglob("*") if f.is_file())
-    planned = checkpoint_bytes(cfg.model, cfg.train.precision, cfg.parallel.zero_stage,
-                               cfg.parallel.expert_parallel_size)
+    planned = checkpoint_bytes(
+        cfg.model, cfg.train.precision, cfg.parallel.zero_stage, cfg.parallel.expert_parallel_size
+    )
     assert 0.95 * written < planned <= written, (planned, written)
 
 
@@ -112,8 +113,10 @@ def _copy_checkpoint(run_dir, tmp_path):
 
 
 def _snapshot(path):
-    return {p.relative_to(path).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in path.rglob("*")}
+    return {
+        p.relative_to(path).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in path.rglob("*")
+    }
 
 
 def test_truncated_file_is_named(killed_run, tmp_path):
@@ -122,11 +125,16 @@ def test_truncated_file_is_named(killed_run, tmp_path):
     ckpt = _copy_checkpoint(killed_run[0], tmp_path)
     victim = ckpt / "experts" / "layer_0_expert_2_mp_rank_00_model_states.pt"
     victim.write_bytes(victim.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match=r"layer_0_expert_2_mp_rank_00_model_states\.pt: "
-                                              r"truncated"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"layer_0_expert_2_mp_rank_00_model_states\.pt: "
+        r"truncated",
+    ):
         load_model(ckpt)
     (ckpt / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: missing"):
+    with pytest.raises(
+        CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: missing"
+    ):
         verify_files(ckpt)
 
 
@@ -134,8 +142,13 @@ def _save_as_expert(src, dst, src_id, dst_id, ckpt):
     """Expert ``src_id``'s weights saved again as expert ``dst_id`` (keys renamed), with the
     marker's recorded size updated so that only the content is wrong."""
     state = torch.load(src, weights_only=True)
-    torch.save({k.replace(f"deepspeed_experts.{src_id}.", f"deepspeed_experts.{dst_id}."): v
-                for k, v in state.items()}, dst)
+    torch.save(
+        {
+            k.replace(f"deepspeed_experts.{src_id}.", f"deepspeed_experts.{dst_id}."): v
+            for k, v in state.items()
+        },
+        dst,
+    )
     marker = json.loads((ckpt / MARKER).read_text())
     marker["files"][f"experts/{dst.name}"] = dst.stat().st_size
     (ckpt / MARKER).write_text(json.dumps(marker))
@@ -154,8 +167,11 @@ def test_expert_saved_twice_or_under_the_wrong_id_is_refused(killed_run, tmp_pat
     # Expert 0's weights saved again as expert 1 (keys renamed): the fingerprints recorded at
     # save time say which expert the file really holds.
     marker = _save_as_expert(e0, e1, 0, 1, ckpt)
-    with pytest.raises(CheckpointError, match=r"blocks\.1\.ffn\.experts\.w_in: expert 1 holds "
-                                              r"the weights saved as expert 0"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"blocks\.1\.ffn\.experts\.w_in: expert 1 holds "
+        r"the weights saved as expert 0",
+    ):
         load_model(ckpt)
     # A checkpoint without fingerprints (older format): bitwise duplicates are refused.
     del marker["expert_fingerprints"]
@@ -183,14 +199,19 @@ def test_experts_identical_when_saved_are_accepted(killed_run, tmp_path):
 
 
 def test_missing_checkpoint_directory_exits_with_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "launch.evaluate", str(tmp_path / "nowhere")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.evaluate", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert f"{tmp_path / 'nowhere'}: no such checkpoint directory" in proc.stderr
 
 
 def test_config_and_tokenizer_mismatch_are_refused_before_anything_is_written(
-        killed_run, tiny_data, tmp_path):
+    killed_run, tiny_data, tmp_path
+):
     run_dir, cfg_dict = killed_run
     ckpt = run_dir / "checkpoints" / "step_0000002"
     before = _snapshot(ckpt)
@@ -212,8 +233,9 @@ def test_config_and_tokenizer_mismatch_are_refused_before_anything_is_written(
     (data_copy / "manifest.json").write_text(json.dumps(manifest))
     other = copy.deepcopy(cfg_dict)
     other["data"]["dir"] = str(data_copy)
-    with pytest.raises(CheckpointError, match="tokenizer: the checkpoint was trained with "
-                                              "tokenizer.model"):
+    with pytest.raises(
+        CheckpointError, match="tokenizer: the checkpoint was trained with tokenizer.model"
+    ):
         train(from_dict(RunConfig, other), DistEnv(0, 1, 0, 1), resume=str(ckpt))
     # --resume none in a run directory that has checkpoints would overwrite them.
     with pytest.raises(CheckpointError, match="already holds checkpoints"):
@@ -244,10 +266,12 @@ def test_resume_refuses_any_function_changing_setting_by_name(killed_run):
     with pytest.raises(CheckpointError) as err:
         train(from_dict(RunConfig, bad), DistEnv(0, 1, 0, 1), resume=str(ckpt))
     msg = str(err.value)
-    for line in ("model.position: the checkpoint has 'rope', the config has 'alibi'",
-                 "model.norm: the checkpoint has 'rmsnorm', the config has 'layernorm'",
-                 "model.moe.capacity_factor: the checkpoint has None, the config has 1.25",
-                 "model.moe.router.renormalize: the checkpoint has False, the config has True"):
+    for line in (
+        "model.position: the checkpoint has 'rope', the config has 'alibi'",
+        "model.norm: the checkpoint has 'rmsnorm', the config has 'layernorm'",
+        "model.moe.capacity_factor: the checkpoint has None, the config has 1.25",
+        "model.moe.router.renormalize: the checkpoint has False, the config has True",
+    ):
         assert line in msg
     assert "set model.init_from to the checkpoint in a new run" in msg
 
@@ -295,7 +319,8 @@ def _steps(run_dir, rank):
 
 
 def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_persistent_nan_stops(
-        tiny_data, tmp_path):
+    tiny_data, tmp_path
+):
     """Rank 1's loss is NaN at step 3 (one skip), finite at 4, NaN from 5 on: with at most 2
     consecutive skips the run stops at step 6, and nothing of step 6 is saved."""
     from moe.parallel.layout import read_layout_free
@@ -307,8 +332,14 @@ def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_persistent_nan_stops
     for rank in range(2):
         msg = (tmp_path / f"result.{rank}").read_text()
         assert "step 6: 2 consecutive steps had a non-finite loss or gradient norm" in msg
-        assert [r["skipped"] for r in _steps(run_dir, rank)] == [False, False, True, False,
-                                                                  True, True]
+        assert [r["skipped"] for r in _steps(run_dir, rank)] == [
+            False,
+            False,
+            True,
+            False,
+            True,
+            True,
+        ]
     # A skipped step changes nothing: weights, Adam moments and Adam's step count stay.
     ckpt = run_dir / "checkpoints"
     s = {step: read_layout_free(ckpt / f"step_{step:07d}") for step in (2, 3, 4, 5)}
@@ -316,8 +347,12 @@ def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_persistent_nan_stops
         for key in ("params", "exp_avg", "exp_avg_sq"):
             for name in s[before][key]:
                 assert torch.equal(s[before][key][name], s[after][key][name]), (key, name)
-    assert {k: set(v["step"].values()) for k, v in s.items()} == {2: {2.0}, 3: {2.0}, 4: {3.0},
-                                                                  5: {3.0}}
+    assert {k: set(v["step"].values()) for k, v in s.items()} == {
+        2: {2.0},
+        3: {2.0},
+        4: {3.0},
+        5: {3.0},
+    }
     assert any(not torch.equal(s[3]["params"][n], s[4]["params"][n]) for n in s[3]["params"])
     # The run stopped at step 6 before saving it: the last checkpoint is the last good state.
     assert complete_tags(ckpt)[-1] == "step_0000005"

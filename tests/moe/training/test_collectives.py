@@ -25,8 +25,9 @@ def _worker(rank, port, out_dir):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     record_collectives(rank, TIMEOUT_S)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+    )
     dist.barrier()
     assert LAST.name == "barrier" and LAST.returned
     # A collective made of others (all_gather_object calls all_gather) counts once: the
@@ -40,18 +41,22 @@ def _worker(rank, port, out_dir):
             dist.all_reduce(torch.ones(4))
         except CollectiveTimeout as e:
             Path(out_dir, "error").write_text(
-                f"{time.monotonic() - t0:.1f}\n{e}\n{LAST.describe()}")
+                f"{time.monotonic() - t0:.1f}\n{e}\n{LAST.describe()}"
+            )
     else:
         time.sleep(TIMEOUT_S * 4)  # never enters the all-reduce
     os._exit(0)  # the group is broken: no orderly teardown
 
 
 def test_a_timed_out_collective_names_itself_and_the_setting(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
     seconds, message, record = (tmp_path / "error").read_text().split("\n", 2)
     assert float(seconds) < TIMEOUT_S * 3
-    assert message.startswith(f"rank 0: all_reduce did not complete within {TIMEOUT_S}s "
-                              f"(the process group's timeout: train.hang_timeout_s plus the hang "
-                              f"watchdog's margin)"), message
+    assert message.startswith(
+        f"rank 0: all_reduce did not complete within {TIMEOUT_S}s "
+        f"(the process group's timeout: train.hang_timeout_s plus the hang "
+        f"watchdog's margin)"
+    ), message
     assert record.startswith("last collective entered: all_reduce") and "still inside" in record

@@ -26,13 +26,25 @@ VOCAB, SEQ, MB, STEPS = 64, 16, 2, 3
 
 
 def run_config(compiled: bool) -> dict:
-    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": SEQ,
-                      "moe": {"num_experts": 4, "expert_hidden": 16, "router": {"top_k": 2}}},
-            "data": {"seq_len": SEQ},
-            "train": {"micro_batch_size": MB, "grad_clip": 0.0, "seed": 5, "precision": "bf16",
-                      "compile": compiled},
-            "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": SEQ,
+            "moe": {"num_experts": 4, "expert_hidden": 16, "router": {"top_k": 2}},
+        },
+        "data": {"seq_len": SEQ},
+        "train": {
+            "micro_batch_size": MB,
+            "grad_clip": 0.0,
+            "seed": 5,
+            "precision": "bf16",
+            "compile": compiled,
+        },
+        "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1},
+    }
 
 
 def _worker(rank, world, batches, out_file, device="cpu"):
@@ -48,9 +60,11 @@ def _worker(rank, world, batches, out_file, device="cpu"):
     experts._loop_mm = counting
     results = {}
     for name, compiled in (("compiled", True), ("eager", False)):
-        engine, model = build_engine(from_dict(RunConfig, copy.deepcopy(run_config(compiled))),
-                                     DistEnv(rank, world, rank, world),
-                                     make_optimizer=lambda g: torch.optim.SGD(g, lr=0.5))
+        engine, model = build_engine(
+            from_dict(RunConfig, copy.deepcopy(run_config(compiled))),
+            DistEnv(rank, world, rank, world),
+            make_optimizer=lambda g: torch.optim.SGD(g, lr=0.5),
+        )
         loops[0], losses = 0, []
         for batch in batches:
             batch = batch.to(device)
@@ -58,30 +72,46 @@ def _worker(rank, world, batches, out_file, device="cpu"):
             engine.backward(out.loss)
             engine.step()
             losses.append(out.loss.detach().float())
-        results[name] = {"losses": torch.stack(losses).cpu(), "loops": torch.tensor(loops[0]),
-                         "dtype": str(next(m for m in model.modules()
-                                           if isinstance(m, experts.GroupedExperts)).w_in.dtype)}
+        results[name] = {
+            "losses": torch.stack(losses).cpu(),
+            "loops": torch.tensor(loops[0]),
+            "dtype": str(
+                next(m for m in model.modules() if isinstance(m, experts.GroupedExperts)).w_in.dtype
+            ),
+        }
     torch.save(results, out_file)
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
 def test_compiled_bf16_experts_run_the_grouped_kernel_and_match_eager(tmp_path, device):
     if device == "cuda":
         from moe.model.experts import grouped_mm_supported
+
         if not grouped_mm_supported(torch.bfloat16, torch.device("cuda", 0)):
             pytest.skip("this GPU and torch have no bf16 grouped GEMM: the loop is the path")
     torch.manual_seed(0)
     batches = [torch.randint(0, VOCAB, (MB, SEQ + 1)) for _ in range(STEPS)]
     out_file = tmp_path / "results.pt"
-    run_distributed(_worker, 1, batches, str(out_file), device,
-                    backend="nccl" if device == "cuda" else "gloo")
+    run_distributed(
+        _worker, 1, batches, str(out_file), device, backend="nccl" if device == "cuda" else "gloo"
+    )
     res = torch.load(out_file, weights_only=True)
     assert res["compiled"]["dtype"] == "torch.bfloat16"  # as DeepSpeed cast it
     assert res["eager"]["loops"] == 0 and res["compiled"]["loops"] == 0
     # bf16 rounding differs between fused (inductor) and eager kernels: a few 1e-3 relative;
     # a wrong expert or a dropped term moves these losses by far more.
-    torch.testing.assert_close(res["compiled"]["losses"], res["eager"]["losses"], rtol=2e-2,
-                               atol=2e-2)
+    torch.testing.assert_close(
+        res["compiled"]["losses"], res["eager"]["losses"], rtol=2e-2, atol=2e-2
+    )

@@ -57,9 +57,13 @@ def test_peak_flops_from_the_device_name(monkeypatch):
     from moe.training.device import peak_bf16_flops
 
     cuda = torch.device("cuda", 0)
-    for name, want in [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                       ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                       ("Tesla T4", None)]:
+    for name, want in [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("Tesla T4", None),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda d, name=name: name)
         assert peak_bf16_flops(cuda) == want, name
     assert peak_bf16_flops(torch.device("cpu")) is None
@@ -75,8 +79,10 @@ def test_trainer_mfu_peak_prefers_the_config_and_needs_bf16(monkeypatch):
     base = {"name": "x", "data": {"dir": "unused"}}
     bf16 = from_dict(RunConfig, {**base, "train": {"precision": "bf16"}})
     fp32 = from_dict(RunConfig, {**base, "train": {"precision": "fp32"}})
-    given = from_dict(RunConfig, {**base, "train": {"precision": "bf16"},
-                                  "logging": {"peak_flops_per_device": 1e15}})
+    given = from_dict(
+        RunConfig,
+        {**base, "train": {"precision": "bf16"}, "logging": {"peak_flops_per_device": 1e15}},
+    )
     assert peak_flops(bf16, cuda) == 989e12
     assert peak_flops(fp32, cuda) is None  # a bf16 peak would understate fp32 utilization
     assert peak_flops(given, cuda) == 1e15
@@ -90,8 +96,10 @@ def test_a_cpu_rank_peak_counts_its_threads():
     from moe.core.config_schema import from_dict
     from moe.training.trainer import peak_flops
 
-    cfg = from_dict(RunConfig, {"name": "x", "data": {"dir": "unused"},
-                                "logging": {"peak_flops_per_device": 8e10}})
+    cfg = from_dict(
+        RunConfig,
+        {"name": "x", "data": {"dir": "unused"}, "logging": {"peak_flops_per_device": 8e10}},
+    )
     cpu = torch.device("cpu")
     assert peak_flops(cfg, cpu, threads=1) == 8e10
     assert peak_flops(cfg, cpu, threads=2) == 16e10

@@ -44,20 +44,27 @@ def test_it_runs_at_checkpoints_every_n_steps_and_at_the_end(tiny_data, tmp_path
 
 def test_config_problems_are_named(tiny_data, tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
-        config(tiny_data, tmp_path, tasks=[MC], ranks="rank0", limit=0, every_n_steps=-1,
-               colour="red")
+        config(
+            tiny_data, tmp_path, tasks=[MC], ranks="rank0", limit=0, every_n_steps=-1, colour="red"
+        )
     text = str(e.value)
     assert "eval.downstream.colour: unknown key" in text
     assert "eval.downstream.limit: must be >= 1" in text
     assert "eval.downstream.every_n_steps: must be >= 0" in text
-    with pytest.raises(ConfigError, match="eval.downstream.ranks: rank0 cannot run a model with "
-                                          "expert parallelism 2"):
+    with pytest.raises(
+        ConfigError,
+        match="eval.downstream.ranks: rank0 cannot run a model with expert parallelism 2",
+    ):
         config(tiny_data, tmp_path, tasks=[MC], ranks="rank0")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "lm_eval" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"eval.downstream.tasks: .*pip install -c "
-                                          r"constraints.txt -e '.\[eval\]'"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a)
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"eval.downstream.tasks: .*pip install -c "
+        r"constraints.txt -e '.\[eval\]'",
+    ):
         config(tiny_data, tmp_path, tasks=[MC])
     config(tiny_data, tmp_path)  # off: no harness needed
 
@@ -77,16 +84,27 @@ def test_settings_reach_the_harness(tiny_data, tmp_path):
     (folder / "parity.yaml").write_text(
         "task: parity\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: parity.jsonl\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
-    cfg = config(tiny_data, tmp_path, tasks=[MC, "parity"], include_path=[str(folder)], limit=5,
-                 num_fewshot=2, batch_size=3)
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    cfg = config(
+        tiny_data,
+        tmp_path,
+        tasks=[MC, "parity"],
+        include_path=[str(folder)],
+        limit=5,
+        num_fewshot=2,
+        batch_size=3,
+    )
     ev = evaluator(cfg, tiny_data)
     assert ev.lm.batch_size == 3
     assert ev.task_dict["tasks"][MC].config.num_fewshot == 2
     state = SimpleNamespace(step=4, rollback_to=None, extra={})
     ev.on_step_end(state)
-    assert set(state.extra) == {f"downstream/{MC}/acc", f"downstream/{MC}/acc_norm",
-                                "downstream/parity/acc"}
+    assert set(state.extra) == {
+        f"downstream/{MC}/acc",
+        f"downstream/{MC}/acc_norm",
+        "downstream/parity/acc",
+    }
     assert all(0 <= v <= 1 for v in state.extra.values())
     assert ev.samples == {MC: 5, "parity": 5}
     skipped = SimpleNamespace(step=5, rollback_to=None, extra={})
@@ -99,8 +117,11 @@ def test_settings_reach_the_harness(tiny_data, tmp_path):
 def test_generation_and_unknown_tasks_are_refused(tiny_data, tmp_path):
     with pytest.raises(ConfigError, match="stdlib_next_word generate text"):
         evaluator(config(tiny_data, tmp_path, tasks=["stdlib_next_word"]), tiny_data)
-    with pytest.raises(EvaluationError, match=r"unknown task\(s\): stdlib_sentence \(nearest: "
-                                              r"stdlib_sentence_mc"):
+    with pytest.raises(
+        EvaluationError,
+        match=r"unknown task\(s\): stdlib_sentence \(nearest: "
+        r"stdlib_sentence_mc",
+    ):
         evaluator(config(tiny_data, tmp_path, tasks=["stdlib_sentence"]), tiny_data)
 
 
@@ -124,16 +145,19 @@ def _train_three_ways(rank, world, runs):
 
 
 def losses(run_dir, rank):
-    rows = [json.loads(x) for x in (run_dir / "logs" / f"steps_rank{rank}.jsonl").read_text()
-            .splitlines()]
+    rows = [
+        json.loads(x)
+        for x in (run_dir / "logs" / f"steps_rank{rank}.jsonl").read_text().splitlines()
+    ]
     return [(r["step"], repr(r["loss"]), r["tokens_sha256"]) for r in rows]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["all-ep2", "rank0-ep1"])
-def test_training_is_unchanged_and_the_logged_accuracy_is_the_harness_s(tiny_data, tmp_path,
-                                                                       layout):
+def test_training_is_unchanged_and_the_logged_accuracy_is_the_harness_s(
+    tiny_data, tmp_path, layout
+):
     from moe.evaluation.harness import harness_model, run_tasks
 
     ranks, ep = layout.split("-ep")
@@ -160,4 +184,5 @@ def test_training_is_unchanged_and_the_logged_accuracy_is_the_harness_s(tiny_dat
     by_metric = {r["metric"]: r["value"] for r in offline}
     assert acc[-1][1] == pytest.approx(by_metric["acc"], abs=1e-6)
     assert logged["with"][f"downstream/{MC}/acc_norm"][-1][1] == pytest.approx(
-        by_metric["acc_norm"], abs=1e-6)
+        by_metric["acc_norm"], abs=1e-6
+    )

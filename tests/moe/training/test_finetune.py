@@ -29,15 +29,24 @@ TARGETS = ["attention.q", "attention.v", "shared_experts", "experts"]
 
 
 def run_config(world: int, accum: int, targets: list[str]) -> dict:
-    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": SEQ, "init_from": "base",
-                      "moe": {"num_experts": 4, "expert_hidden": 16, "num_shared_experts": 1}},
-            "data": {"seq_len": SEQ},
-            "train": {"micro_batch_size": MB, "grad_accum_steps": accum, "grad_clip": 0.0,
-                      "seed": 11},
-            "parallel": {"world_size": world, "expert_parallel_size": world, "zero_stage": 2},
-            "finetune": {"method": "lora",
-                         "lora": {"targets": targets, "rank": 4, "train_router": True}}}
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": SEQ,
+            "init_from": "base",
+            "moe": {"num_experts": 4, "expert_hidden": 16, "num_shared_experts": 1},
+        },
+        "data": {"seq_len": SEQ},
+        "train": {"micro_batch_size": MB, "grad_accum_steps": accum, "grad_clip": 0.0, "seed": 11},
+        "parallel": {"world_size": world, "expert_parallel_size": world, "zero_stage": 2},
+        "finetune": {
+            "method": "lora",
+            "lora": {"targets": targets, "rank": 4, "train_router": True},
+        },
+    }
 
 
 def _worker(rank, world, cases, batches, out_dir):
@@ -46,8 +55,11 @@ def _worker(rank, world, cases, batches, out_dir):
     trainer.initialize_from_checkpoint = lambda *args, **kwargs: None
     for tag, cfg_dict in cases:
         cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
-        engine, model = build_engine(cfg, DistEnv(rank, world, rank, world),
-                                     make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0))
+        engine, model = build_engine(
+            cfg,
+            DistEnv(rank, world, rank, world),
+            make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0),
+        )
         accum = cfg.train.grad_accum_steps
         snapshots, losses = [global_params(model, rank)], []
         for _ in range(2):  # B starts at zero: the second step moves A too
@@ -60,13 +72,21 @@ def _worker(rank, world, cases, batches, out_dir):
             snapshots.append(global_params(model, rank))
         opt = engine.optimizer
         names = {id(p): n.replace(".deepspeed_moe.", ".") for n, p in model.named_parameters()}
-        torch.save({"snapshots": snapshots, "losses": torch.stack(losses),
-                    "trainable": sorted(n.replace(".deepspeed_moe.", ".")
-                                        for n, p in model.named_parameters() if p.requires_grad),
-                    "optimized": sorted(names[id(p)] for g in opt.bit16_groups for p in g),
-                    "partition_numel": sum(t.numel() for t in opt.single_partition_of_fp32_groups),
-                    "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad)},
-                   f"{out_dir}/{tag}_rank{rank}.pt")
+        torch.save(
+            {
+                "snapshots": snapshots,
+                "losses": torch.stack(losses),
+                "trainable": sorted(
+                    n.replace(".deepspeed_moe.", ".")
+                    for n, p in model.named_parameters()
+                    if p.requires_grad
+                ),
+                "optimized": sorted(names[id(p)] for g in opt.bit16_groups for p in g),
+                "partition_numel": sum(t.numel() for t in opt.single_partition_of_fp32_groups),
+                "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            },
+            f"{out_dir}/{tag}_rank{rank}.pt",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +96,20 @@ def layouts(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_layouts")
     cases = {"experts": TARGETS, "no-experts": ["attention.q"]}
     for world, accum in ((1, 2), (2, 1)):
-        run_distributed(_worker, world, [(f"{tag}-w{world}", run_config(world, accum, t))
-                                         for tag, t in cases.items()], batches, str(out))
+        run_distributed(
+            _worker,
+            world,
+            [(f"{tag}-w{world}", run_config(world, accum, t)) for tag, t in cases.items()],
+            batches,
+            str(out),
+        )
     return out
 
 
 def _merged(out, tag, world):
-    results = [torch.load(out / f"{tag}-w{world}_rank{r}.pt", weights_only=True)
-               for r in range(world)]
+    results = [
+        torch.load(out / f"{tag}-w{world}_rank{r}.pt", weights_only=True) for r in range(world)
+    ]
     snapshots = [{} for _ in results[0]["snapshots"]]
     for res in results:
         for merged, snap in zip(snapshots, res["snapshots"]):
@@ -103,9 +129,13 @@ def assert_same_training(one, losses1, two, losses2) -> set[str]:
     for name in one[0]:
         torch.testing.assert_close(two[0][name], one[0][name], rtol=0, atol=0, msg=name)
         for step in (1, 2):
-            torch.testing.assert_close(two[step][name] - two[0][name],
-                                       one[step][name] - one[0][name], rtol=1e-4, atol=1e-6,
-                                       msg=f"update {step} of {name}")
+            torch.testing.assert_close(
+                two[step][name] - two[0][name],
+                one[step][name] - one[0][name],
+                rtol=1e-4,
+                atol=1e-6,
+                msg=f"update {step} of {name}",
+            )
     return {n for n in one[0] if not torch.equal(one[2][n], one[0][n])}
 
 
@@ -117,8 +147,7 @@ def test_lora_on_two_expert_parallel_ranks_equals_one_process(layouts, tag):
     # Only the factors and the (train_router) routers move; the base stays bit for bit.
     assert moved and all("lora_" in n or "router.weight" in n for n in moved), moved
     if tag == "experts":  # the check has teeth: both expert factors moved, for every expert
-        assert {f"blocks.1.ffn.experts.w_in_lora_{f}[{e}]" for f in "AB" for e in range(4)} \
-            <= moved
+        assert {f"blocks.1.ffn.experts.w_in_lora_{f}[{e}]" for f in "AB" for e in range(4)} <= moved
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -132,8 +161,11 @@ def test_frozen_parameters_have_no_optimizer_state(layouts, world):
 
 
 def _train_worker(rank, world, cfg_dict, resume):
-    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world),
-          resume=resume)
+    train(
+        from_dict(RunConfig, copy.deepcopy(cfg_dict)),
+        DistEnv(rank, world, rank, world),
+        resume=resume,
+    )
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -160,8 +192,10 @@ def lora_runs(tiny_data, tmp_path_factory):
         d["name"] = name
         d["model"]["init_from"] = str(base_ckpt)
         d["checkpoint"] = {"every_n_steps": 4}
-        d["finetune"] = {"method": "lora", "lora": {"targets": ["attention.q", "attention.v",
-                                                                "experts"], "rank": 4}}
+        d["finetune"] = {
+            "method": "lora",
+            "lora": {"targets": ["attention.q", "attention.v", "experts"], "rank": 4},
+        }
         return d
 
     run_distributed(_train_worker, 2, lora_run("lora"), "auto")
@@ -182,18 +216,30 @@ def test_lora_run_from_a_checkpoint_trains_only_its_factors(lora_runs, tiny_data
     # measured 0.080 to 0.083 lower over data seeds 7, 8, 9.
     samples = trained_samples(tiny_data, 8, per_step=4)  # 2 ranks x micro-batch 2
     with torch.no_grad():
-        loss = {name: load_model(path)[0](samples[:, :-1], samples[:, 1:]).lm_loss.item()
-                for name, path in (("base", base_ckpt), ("lora", runs / "lora"))}
+        loss = {
+            name: load_model(path)[0](samples[:, :-1], samples[:, 1:]).lm_loss.item()
+            for name, path in (("base", base_ckpt), ("lora", runs / "lora"))
+        }
     assert loss["lora"] < loss["base"] - 0.03, loss
 
     base_state, _, _ = load_consolidated(base_ckpt)
     tuned, cfg, _ = load_consolidated(runs / "lora")
     factors = {k for k in tuned if "lora_" in k}
     assert tuned.keys() == base_state.keys() | factors
-    assert factors == {*(f"blocks.{i}.attn.{p}.lora_{f}" for i in range(2)
-                         for p in ("q_proj", "v_proj") for f in "AB"),
-                       *(f"blocks.{i}.ffn.experts.w_{w}_lora_{f}" for i in range(2)
-                         for w in ("in", "out") for f in "AB")}
+    assert factors == {
+        *(
+            f"blocks.{i}.attn.{p}.lora_{f}"
+            for i in range(2)
+            for p in ("q_proj", "v_proj")
+            for f in "AB"
+        ),
+        *(
+            f"blocks.{i}.ffn.experts.w_{w}_lora_{f}"
+            for i in range(2)
+            for w in ("in", "out")
+            for f in "AB"
+        ),
+    }
     for key, value in base_state.items():
         assert torch.equal(tuned[key], value), f"base weight {key} changed"
     assert all(tuned[k].abs().sum() > 0 for k in factors if "lora_B" in k)  # the factors trained
@@ -201,10 +247,15 @@ def test_lora_run_from_a_checkpoint_trains_only_its_factors(lora_runs, tiny_data
     # TensorBoard's hparams record the trainable parameters and their share.
     acc = EventAccumulator(str(runs / "lora" / "tensorboard"))
     acc.Reload()
-    (hp,) = [data.session_start_info.hparams for data in (
-        plugin_data_pb2.HParamsPluginData.FromString(m.plugin_data.content)
-        for m in acc.summary_metadata.values() if m.plugin_data.plugin_name == "hparams")
-        if data.HasField("session_start_info")]
+    (hp,) = [
+        data.session_start_info.hparams
+        for data in (
+            plugin_data_pb2.HParamsPluginData.FromString(m.plugin_data.content)
+            for m in acc.summary_metadata.values()
+            if m.plugin_data.plugin_name == "hparams"
+        )
+        if data.HasField("session_start_info")
+    ]
     trainable = sum(v.numel() for k, v in tuned.items() if k in factors)
     assert hp["params.trainable_params"].number_value == trainable
     total = sum(p.numel() for p in build_model(cfg).parameters())
@@ -217,8 +268,9 @@ def test_stopped_lora_run_resumes_exactly(lora_runs):
     """Stopped after step 4 and resumed (on 2 ranks, expert parallelism 2: each rank must get
     its own frozen experts back): steps 5-8 as in the uninterrupted run, bit for bit."""
     runs, _, lora_run = lora_runs
-    run_distributed(_train_worker, 2, lora_run("resumed"),
-                    str(runs / "lora" / "checkpoints" / "step_0000004"))
+    run_distributed(
+        _train_worker, 2, lora_run("resumed"), str(runs / "lora" / "checkpoints" / "step_0000004")
+    )
     losses, resumed = _losses(runs / "lora"), _losses(runs / "resumed")
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in resumed:
@@ -256,7 +308,9 @@ def test_export_merges_adapters_on_request(lora_runs, tmp_path, capsys):
     state, tuned_cfg, _ = load_consolidated(runs / "lora")
     adapted = build_model(tuned_cfg)
     adapted.load_state_dict(state)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         want = adapted.eval()(ids).logits
         got = plain.eval()(ids).logits
@@ -284,15 +338,19 @@ def test_adapters_alone_apply_to_their_base_only(lora_runs, tmp_path):
     model = MoETransformer(cfg.model)
     initialize_from_checkpoint(model, base_ckpt)
     prepare_finetune(model, FinetuneConfig("lora", lora))  # the base and the file
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
-        torch.testing.assert_close(model.eval()(ids).logits, adapted.eval()(ids).logits,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            model.eval()(ids).logits, adapted.eval()(ids).logits, rtol=0, atol=0
+        )
 
     with pytest.raises(ConfigError) as e:  # another base: the seeded initialization
         prepare_finetune(MoETransformer(cfg.model), FinetuneConfig("lora", lora))
     assert e.value.problems[0].startswith(
-        f"finetune.lora.init_from: {adapter} was trained on another base model")
+        f"finetune.lora.init_from: {adapter} was trained on another base model"
+    )
     base = MoETransformer(cfg.model)
     initialize_from_checkpoint(base, base_ckpt)
     with pytest.raises(ConfigError) as e:
@@ -319,21 +377,28 @@ def test_adapters_of_a_bf16_run_apply_to_their_fp32_base(lora_runs, tmp_path):
     base_state, _, _ = load_consolidated(base_ckpt)
     embed = "embed.weight"
     assert not torch.equal(state[embed], base_state[embed])  # rounded to bf16 ...
-    assert state[embed].dtype == torch.bfloat16 and torch.equal(state[embed], base_state[embed].bfloat16())
+    assert state[embed].dtype == torch.bfloat16 and torch.equal(
+        state[embed], base_state[embed].bfloat16()
+    )
     main([str(runs / "bf16"), str(tmp_path / "ad"), "--format", "adapters", "--quiet"])
-    lora = dataclasses.replace(cfg.finetune.lora, init_from=str(tmp_path / "ad" / "adapter.safetensors"))
+    lora = dataclasses.replace(
+        cfg.finetune.lora, init_from=str(tmp_path / "ad" / "adapter.safetensors")
+    )
     model = MoETransformer(cfg.model)
     initialize_from_checkpoint(model, base_ckpt)
     prepare_finetune(model, FinetuneConfig("lora", lora))  # ... and accepted
     adapted = build_model(cfg)
     adapted.load_state_dict(state)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():  # the base as the run held it: the same
-            if "lora_" not in name:                  # function then
+            if "lora_" not in name:  # function then
                 p.copy_(p.bfloat16())
-        torch.testing.assert_close(model.eval()(ids).logits, adapted.eval()(ids).logits,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            model.eval()(ids).logits, adapted.eval()(ids).logits, rtol=0, atol=0
+        )
     with pytest.raises(ConfigError) as e:
         prepare_finetune(MoETransformer(cfg.model), FinetuneConfig("lora", lora))
     assert "was trained on another base model" in e.value.problems[0]
@@ -357,8 +422,9 @@ def test_resume_refuses_other_adapters_by_key(lora_runs):
 
     verify_checkpoint(tag, config())  # the same: accepted
     verify_checkpoint(tag, config(dropout=0.1))  # dropout changes no parameter
-    with pytest.raises(CheckpointError, match="finetune.lora.rank: the checkpoint has 4, the "
-                                              "config has 8"):
+    with pytest.raises(
+        CheckpointError, match="finetune.lora.rank: the checkpoint has 4, the config has 8"
+    ):
         verify_checkpoint(tag, config(rank=8))
     with pytest.raises(CheckpointError, match="finetune.lora.targets: the checkpoint has"):
         verify_checkpoint(tag, config(targets=["attention.q"]))
@@ -389,15 +455,32 @@ def test_peft_export_goes_onto_the_base_export_only(lora_runs, tmp_path, capsys)
     err = refused(runs / "lora", out)
     assert "--base-hf" in err and f"moe-export {base_ckpt} DIR --format hf" in err
     main([str(base_ckpt), str(tmp_path / "hf_base"), "--format", "hf", "--quiet"])
-    main([str(runs / "lora"), str(tmp_path / "hf_tuned"), "--format", "hf", "--quiet",
-          "--merge-adapters"])
+    main(
+        [
+            str(runs / "lora"),
+            str(tmp_path / "hf_tuned"),
+            "--format",
+            "hf",
+            "--quiet",
+            "--merge-adapters",
+        ]
+    )
     made = ["hf_base", "hf_tuned"]
     assert "finetune.method: none" in refused(runs / "base", out, "--base-hf", tmp_path / "hf_base")
     err = refused(runs / "lora", out, "--base-hf", tmp_path / "hf_tuned")
     assert "not the base model the adapters" in err and "blocks.0.attn.q_proj.weight" in err
 
-    main([str(runs / "lora"), str(out), "--format", "peft", "--quiet",
-          "--base-hf", str(tmp_path / "hf_base")])
+    main(
+        [
+            str(runs / "lora"),
+            str(out),
+            "--format",
+            "peft",
+            "--quiet",
+            "--base-hf",
+            str(tmp_path / "hf_base"),
+        ]
+    )
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((tmp_path / "hf_base").resolve())
     assert config["target_modules"] == ["self_attn.q_proj", "self_attn.v_proj"]
@@ -406,14 +489,17 @@ def test_peft_export_goes_onto_the_base_export_only(lora_runs, tmp_path, capsys)
     state, cfg, _ = load_consolidated(runs / "lora")
     ours = build_model(cfg)
     ours.load_state_dict(state)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 32),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
     base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_base"))
     with torch.no_grad():
         want = ours.eval()(ids).logits
         assert (want - base.eval()(input_ids=ids).logits).abs().max() > 1e-3  # trained factors
-        for model in (peft.PeftModel.from_pretrained(base, str(out)),
-                      peft.AutoPeftModelForCausalLM.from_pretrained(str(out))):
+        for model in (
+            peft.PeftModel.from_pretrained(base, str(out)),
+            peft.AutoPeftModelForCausalLM.from_pretrained(str(out)),
+        ):
             got = model.eval()(input_ids=ids).logits
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data_pipeline.reader import TokenStream, token_windows
+from data_pipeline.token_stream import TokenStream, token_windows
 from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
 from moe.model.generation import FullForwardDecoder, GenerationConfig, KVCacheDecoder, generate
@@ -38,8 +38,15 @@ METHODS = {
 def _config(data, runs, name: str, **finetune) -> dict:
     # Router jitter and weight decay: a resumed run must restore the random state and every
     # optimizer moment, not only the weights.
-    d = tiny_run_dict(data, runs, max_steps=STEPS if finetune else 2, lr=2e-2, min_lr=0.0,
-                      warmup_steps=1, weight_decay=0.1)
+    d = tiny_run_dict(
+        data,
+        runs,
+        max_steps=STEPS if finetune else 2,
+        lr=2e-2,
+        min_lr=0.0,
+        warmup_steps=1,
+        weight_decay=0.1,
+    )
     d["model"]["moe"]["router"]["jitter_eps"] = 0.01
     d.update(name=name, checkpoint={"every_n_steps": STOP})
     d["logging"]["tensorboard"] = False
@@ -57,8 +64,10 @@ def _worker(rank, world, data, runs):
     for method, settings in METHODS.items():
         d = _config(data, runs, method, method=method, **settings)
         run(d, "auto")
-        run({**d, "name": f"{method}-resumed"},
-            str(runs / method / "checkpoints" / f"step_{STOP:07d}"))
+        run(
+            {**d, "name": f"{method}-resumed"},
+            str(runs / method / "checkpoints" / f"step_{STOP:07d}"),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +97,19 @@ def test_stopped_run_resumes_exactly(runs, method):
         assert torch.equal(again[key], value), key
     base, _, _ = load_consolidated(runs / "base")
     moved = [k for k in tuned if k not in base or not torch.equal(tuned[k], base[k])]
-    added = {"full": [], "esft": [], "lora": ["lora_"], "adapter": [".adapter."],
-             "prompt": ["embed.prompt"],
-             "prefix": [".prefix_"]}[method]
+    added = {
+        "full": [],
+        "esft": [],
+        "lora": ["lora_"],
+        "adapter": [".adapter."],
+        "prompt": ["embed.prompt"],
+        "prefix": [".prefix_"],
+    }[method]
     if method == "full":
         # every parameter trained (the routers' selection bias is a buffer, off here)
-        assert {k for k in base if k not in moved} == {f"blocks.{i}.ffn.router.score_bias"
-                                                       for i in range(2)}
+        assert {k for k in base if k not in moved} == {
+            f"blocks.{i}.ffn.router.score_bias" for i in range(2)
+        }
     elif method == "esft":
         assert moved and all(".experts.w_" in k for k in moved), moved
     else:  # the added parameters only, and they trained
@@ -128,15 +143,32 @@ def _adapted(run_dir):
 def test_moe_eval_and_generation_use_the_adapters(runs, method, tmp_path):
     from launch.evaluate import main
 
-    main([str(runs / method), "--output", str(tmp_path), "--quiet", "--threads", "1",
-          "--max-tokens", str(EVAL_TOKENS), "--strategy", "greedy", "beam", "--num-beams", "2",
-          "--max-new-tokens", str(NEW_TOKENS), "--num-prompts", "2"])
+    main(
+        [
+            str(runs / method),
+            "--output",
+            str(tmp_path),
+            "--quiet",
+            "--threads",
+            "1",
+            "--max-tokens",
+            str(EVAL_TOKENS),
+            "--strategy",
+            "greedy",
+            "beam",
+            "--num-beams",
+            "2",
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--num-prompts",
+            "2",
+        ]
+    )
     (result,) = json.loads((tmp_path / "eval.json").read_text())["checkpoints"]
 
     tuned, cfg = _adapted(runs / method)
     base, _ = _adapted(runs / "base")
-    windows = list(token_windows(TokenStream(cfg.data.dir, "valid"), cfg.data.seq_len,
-                                 EVAL_TOKENS))
+    windows = list(token_windows(TokenStream(cfg.data.dir, "valid"), cfg.data.seq_len, EVAL_TOKENS))
     want, before = _direct_loss(tuned, windows), _direct_loss(base, windows)
     # moe-eval sums fp32 batch losses; LoRA is evaluated merged (rounding).
     assert result["loss"] == pytest.approx(want, rel=1e-5 if method == "lora" else 1e-6)
@@ -154,14 +186,24 @@ def test_moe_eval_and_generation_use_the_adapters(runs, method, tmp_path):
         torch.testing.assert_close(cached[0], first, rtol=0, atol=2e-5)
         assert (first - first_base).abs().max() > 1e-3  # the adapters change the next token's
         # The whole greedy continuation is the adapted model's, each step recomputed in full.
-        (hyp,) = generate(FullForwardDecoder(tuned), g["prompt"],
-                          GenerationConfig(max_new_tokens=NEW_TOKENS), eos_id=None)
-        assert g["outputs"][0]["tokens"] == hyp.tokens[:len(g["outputs"][0]["tokens"])]
+        (hyp,) = generate(
+            FullForwardDecoder(tuned),
+            g["prompt"],
+            GenerationConfig(max_new_tokens=NEW_TOKENS),
+            eos_id=None,
+        )
+        assert g["outputs"][0]["tokens"] == hyp.tokens[: len(g["outputs"][0]["tokens"])]
 
 
-@pytest.mark.parametrize("method, key, value", [
-    ("adapter", "hidden", 4), ("adapter", "placement", "ffn"), ("prompt", "tokens", 5),
-    ("prefix", "tokens", 5)])
+@pytest.mark.parametrize(
+    "method, key, value",
+    [
+        ("adapter", "hidden", 4),
+        ("adapter", "placement", "ffn"),
+        ("prompt", "tokens", 5),
+        ("prefix", "tokens", 5),
+    ],
+)
 def test_resume_refuses_other_adapter_shapes_by_key(runs, tiny_data, method, key, value):
     from moe.checkpoint.files import verify_checkpoint
     from moe.core.errors import CheckpointError

@@ -14,7 +14,8 @@ from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
-from moe.training.trainer import DistEnv, build_engine, count_global_routing
+from moe.training.step import count_global_routing
+from moe.training.trainer import DistEnv, build_engine
 from tests.helpers.distributed import run_distributed
 from tests.moe.training.test_layout_equivalence import global_params
 
@@ -24,27 +25,43 @@ VOCAB, SEQ, GLOBAL = 64, 16, 8  # 8 sequences per optimizer step
 
 
 def run_config(world: int, accum: int, scope: str, ep: int = 1) -> dict:
-    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": SEQ,
-                      "moe": {"num_experts": 4, "expert_hidden": 16,
-                              "router": {"top_k": 2, "aux_loss_coef": 1.0,
-                                         "aux_loss_scope": scope}}},
-            "data": {"seq_len": SEQ},
-            "train": {"micro_batch_size": GLOBAL // (world * accum), "grad_accum_steps": accum,
-                      "grad_clip": 0.0, "seed": 5},
-            "parallel": {"world_size": world, "expert_parallel_size": ep, "zero_stage": 2}}
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": SEQ,
+            "moe": {
+                "num_experts": 4,
+                "expert_hidden": 16,
+                "router": {"top_k": 2, "aux_loss_coef": 1.0, "aux_loss_scope": scope},
+            },
+        },
+        "data": {"seq_len": SEQ},
+        "train": {
+            "micro_batch_size": GLOBAL // (world * accum),
+            "grad_accum_steps": accum,
+            "grad_clip": 0.0,
+            "seed": 5,
+        },
+        "parallel": {"world_size": world, "expert_parallel_size": ep, "zero_stage": 2},
+    }
 
 
 def _worker(rank, world, cfg_dicts, batch, out_dir):
     for i, cfg_dict in enumerate(cfg_dicts):
         cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
-        engine, model = build_engine(cfg, DistEnv(rank, world, rank, world),
-                                     make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0))
+        engine, model = build_engine(
+            cfg,
+            DistEnv(rank, world, rank, world),
+            make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0),
+        )
         ep = cfg.parallel.expert_parallel_size
         before = global_params(model, rank % ep)
         mb, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
         # Micro-step m of rank r takes rows [(m * world + r) * mb, ...) of the global batch.
-        micro = [batch[(m * world + rank) * mb:(m * world + rank + 1) * mb] for m in range(accum)]
+        micro = [batch[(m * world + rank) * mb : (m * world + rank + 1) * mb] for m in range(accum)]
         count_global_routing(engine, [(b[:, :-1], None) for b in micro])
         aux = []
         for b in micro:
@@ -52,8 +69,10 @@ def _worker(rank, world, cfg_dicts, batch, out_dir):
             engine.backward(out.loss)
             engine.step()
             aux.append(out.aux_loss.detach())
-        torch.save({"before": before, "after": global_params(model, rank % ep),
-                    "aux": torch.stack(aux)}, f"{out_dir}/run{i}_rank{rank}.pt")
+        torch.save(
+            {"before": before, "after": global_params(model, rank % ep), "aux": torch.stack(aux)},
+            f"{out_dir}/run{i}_rank{rank}.pt",
+        )
 
 
 def run_layouts(tmp_path, world, configs, batch, tag):
@@ -76,11 +95,23 @@ def test_global_batch_balancing_is_independent_of_the_split(tmp_path):
     torch.manual_seed(0)
     batch = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1))
     (g14, g14_grads), (m14, _), (whole, whole_grads) = run_layouts(
-        tmp_path, 1, [run_config(1, 4, "global_batch"), run_config(1, 4, "micro_batch"),
-                      run_config(1, 1, "micro_batch")], batch, "one_rank")
+        tmp_path,
+        1,
+        [
+            run_config(1, 4, "global_batch"),
+            run_config(1, 4, "micro_batch"),
+            run_config(1, 1, "micro_batch"),
+        ],
+        batch,
+        "one_rank",
+    )
     [(g22, g22_grads), (g22ep, g22ep_grads)] = run_layouts(
-        tmp_path, 2, [run_config(2, 2, "global_batch"), run_config(2, 2, "global_batch", ep=2)],
-        batch, "two_ranks")
+        tmp_path,
+        2,
+        [run_config(2, 2, "global_batch"), run_config(2, 2, "global_batch", ep=2)],
+        batch,
+        "two_ranks",
+    )
 
     # The global batch as one micro-batch is the reference; the option must reproduce it.
     for aux in (g14, g22, g22ep):
@@ -90,15 +121,17 @@ def test_global_batch_balancing_is_independent_of_the_split(tmp_path):
     for grads in (g14_grads, g22_grads, g22ep_grads):
         assert grads.keys() == whole_grads.keys()
         for name in whole_grads:
-            torch.testing.assert_close(grads[name], whole_grads[name], rtol=1e-4, atol=1e-6,
-                                       msg=f"gradient of {name}")
+            torch.testing.assert_close(
+                grads[name], whole_grads[name], rtol=1e-4, atol=1e-6, msg=f"gradient of {name}"
+            )
     assert any(g.abs().max() > 1e-4 for n, g in whole_grads.items() if "router" in n)
 
 
 def test_counting_pass_sets_f_and_leaves_step_counters_alone():
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=4, expert_hidden=8,
-                    router=RouterConfig(top_k=1, aux_loss_scope="global_batch"))
+    cfg = MoEConfig(
+        num_experts=4, expert_hidden=8, router=RouterConfig(top_k=1, aux_loss_scope="global_batch")
+    )
     layer = MoELayer(16, cfg).train()
     x = torch.randn(2, 8, 16)
     from moe.model.moe_layer import counting_routes

@@ -36,6 +36,7 @@ def _train_counting(rank, world, cfg_dict, out_path, loop_fallback):
     snapshots = []
     real_next = prefetch.PrefetchingReader.next_step
     with count_host_reads() as reads:
+
         def marked(self):
             snapshots.append(Counter(reads))  # everything before belongs to the previous step
             return real_next(self)
@@ -57,10 +58,14 @@ def _by_site(reads: dict) -> Counter:
     return out
 
 
-@pytest.mark.parametrize("loop_fallback,levers", [(False, False), (True, False), (False, True)],
-                         ids=["grouped", "loop", "grouped+levers"])
-def test_a_non_logging_step_reads_only_what_is_documented(tiny_data, tmp_path, loop_fallback,
-                                                          levers):
+@pytest.mark.parametrize(
+    "loop_fallback,levers",
+    [(False, False), (True, False), (False, True)],
+    ids=["grouped", "loop", "grouped+levers"],
+)
+def test_a_non_logging_step_reads_only_what_is_documented(
+    tiny_data, tmp_path, loop_fallback, levers
+):
     """``levers``: the chunked loss and fused AdamW (docs/gpu.md, "Speed levers") add no read."""
     import torch
 
@@ -82,8 +87,13 @@ def test_a_non_logging_step_reads_only_what_is_documented(tiny_data, tmp_path, l
     assert len(steps) == 4
     # numpy: the step's token hash for the step record, of the batches' host copies (never a
     # device read: the device gets its own copies).
-    want = Counter({"training/trainer.py tolist": 1, "training/resilience/preemption.py item": 1,
-                    "training/trainer.py numpy": ACCUM})
+    want = Counter(
+        {
+            "training/trainer.py tolist": 1,
+            "training/resilience/preemption.py item": 1,
+            "training/trainer.py numpy": ACCUM,
+        }
+    )
     if loop_fallback:
         want["model/experts.py tolist"] = MOE_LAYERS * ACCUM
     for step in (2, 3):  # steps 1 and 4 log (and step 4 saves)

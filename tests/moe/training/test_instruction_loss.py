@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from data_pipeline.reader import IGNORE_INDEX, PackedReader
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.training.trainer import trained_token_weights
+from moe.training.step import trained_token_weights
 from tests.conftest import tiny_run_dict
 from tests.data_pipeline.test_instruction import (
     corpus,  # noqa: F401 (a fixture)
@@ -24,8 +24,9 @@ from tests.helpers.distributed import run_distributed
 
 def _model() -> MoETransformer:
     torch.manual_seed(0)
-    return MoETransformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4,
-                                      max_seq_len=16))
+    return MoETransformer(
+        ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16)
+    )
 
 
 def test_micro_batches_are_weighed_by_their_trained_targets():
@@ -44,8 +45,15 @@ def test_micro_batches_are_weighed_by_their_trained_targets():
     model.zero_grad()
     # By hand: every trained target of the step counts once.
     logits = torch.cat([model(x).logits.flatten(0, 1) for x in inputs])
-    want = F.cross_entropy(logits, torch.cat([y.flatten() for y in targets]),
-                           ignore_index=IGNORE_INDEX, reduction="sum") / 25
+    want = (
+        F.cross_entropy(
+            logits,
+            torch.cat([y.flatten() for y in targets]),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        / 25
+    )
     want.backward()
     assert math.isclose(step.item(), want.item(), rel_tol=1e-6)
     for name, grad in got.items():
@@ -70,15 +78,20 @@ def _train(rank, world, cfg_dict, out_file):
 
 @pytest.mark.multiprocess
 def test_the_trainer_reports_the_loss_of_the_trained_tokens(instruction_data, tmp_path):  # noqa: F811
-    d = tiny_run_dict(instruction_data, tmp_path / "runs", max_steps=1, grad_accum_steps=2,
-                      micro_batch_size=3)
-    d["data"] = {"dir": instruction_data.dir, "seq_len": instruction_data.seq_len,
-                 "seed": instruction_data.seed,
-                 "sources": [{"name": "chat", "type": "instruction",
-                              "paths": instruction_data.sources[0].paths}],
-                 "tokenizer": {"model_file": instruction_data.tokenizer.model_file,
-                               "vocab_size": 512},
-                 "valid_fraction": instruction_data.valid_fraction, "shard_tokens": 4096}
+    d = tiny_run_dict(
+        instruction_data, tmp_path / "runs", max_steps=1, grad_accum_steps=2, micro_batch_size=3
+    )
+    d["data"] = {
+        "dir": instruction_data.dir,
+        "seq_len": instruction_data.seq_len,
+        "seed": instruction_data.seed,
+        "sources": [
+            {"name": "chat", "type": "instruction", "paths": instruction_data.sources[0].paths}
+        ],
+        "tokenizer": {"model_file": instruction_data.tokenizer.model_file, "vocab_size": 512},
+        "valid_fraction": instruction_data.valid_fraction,
+        "shard_tokens": 4096,
+    }
     d["model"].update(max_seq_len=16, init_std=0.5)  # predictions far from uniform
     d["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
     d["checkpoint"] = {"every_n_steps": 0}
@@ -99,8 +112,9 @@ def test_the_trainer_reports_the_loss_of_the_trained_tokens(instruction_data, tm
     with torch.no_grad():
         for b in reader.next_step(2):
             logits = model(b.tokens_BS[:, :-1]).logits.flatten(0, 1)
-            total += F.cross_entropy(logits, b.targets_BS.flatten(), ignore_index=IGNORE_INDEX,
-                                     reduction="sum").item()
+            total += F.cross_entropy(
+                logits, b.targets_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            ).item()
             count += int((b.targets_BS != IGNORE_INDEX).sum())
             every += F.cross_entropy(logits, b.tokens_BS[:, 1:].flatten(), reduction="sum").item()
     assert 0 < count < 2 * 3 * 16
@@ -114,15 +128,17 @@ def test_validation_during_training_reports_the_loss_of_the_trained_tokens(instr
     tests/data_pipeline/test_instruction.py)."""
     from types import SimpleNamespace
 
-    from data_pipeline.reader import validation_windows
+    from data_pipeline.token_stream import validation_windows
     from moe.evaluation.evaluate import evaluate_perplexity
     from moe.training.hooks import ValidationMeter
 
     torch.manual_seed(0)
-    model = MoETransformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4,
-                                       max_seq_len=16, init_std=0.5))
-    engine = SimpleNamespace(module=model, device=torch.device("cpu"), eval=model.eval,
-                             train=model.train)
+    model = MoETransformer(
+        ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4, max_seq_len=16, init_std=0.5)
+    )
+    engine = SimpleNamespace(
+        module=model, device=torch.device("cpu"), eval=model.eval, train=model.train
+    )
     windows = list(validation_windows(instruction_data.dir, 16))
     got = ValidationMeter(engine, 1, windows, 16, 3, 0, 1).evaluate()
     want = evaluate_perplexity(model, instruction_data.dir, 16, batch_size=3)

@@ -23,13 +23,20 @@ VOCAB, SEQ, MB = 64, 16, 2
 def run_config(world: int, ep: int, accum: int, zero: int, moe: dict) -> dict:
     moe = dict(moe)
     model = moe.pop("model", {})  # model options beside the MoE ones
-    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": SEQ, "moe": {"num_experts": 4, "expert_hidden": 16, **moe},
-                      **model},
-            "data": {"seq_len": SEQ},
-            "train": {"micro_batch_size": MB, "grad_accum_steps": accum, "grad_clip": 0.0,
-                      "seed": 11},
-            "parallel": {"world_size": world, "expert_parallel_size": ep, "zero_stage": zero}}
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": SEQ,
+            "moe": {"num_experts": 4, "expert_hidden": 16, **moe},
+            **model,
+        },
+        "data": {"seq_len": SEQ},
+        "train": {"micro_batch_size": MB, "grad_accum_steps": accum, "grad_clip": 0.0, "seed": 11},
+        "parallel": {"world_size": world, "expert_parallel_size": ep, "zero_stage": zero},
+    }
 
 
 def _worker(rank, world, cases, batches, out_dir):
@@ -37,8 +44,11 @@ def _worker(rank, world, cases, batches, out_dir):
     for tag, cfg_dict in cases:
         cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
         ep = cfg.parallel.expert_parallel_size
-        engine, model = build_engine(cfg, DistEnv(rank, world, rank, world),
-                                     make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0))
+        engine, model = build_engine(
+            cfg,
+            DistEnv(rank, world, rank, world),
+            make_optimizer=lambda g: torch.optim.SGD(g, lr=1.0),
+        )
         before = global_params(model, rank % ep)
         accum = cfg.train.grad_accum_steps
         losses = []
@@ -49,14 +59,22 @@ def _worker(rank, world, cases, batches, out_dir):
             engine.step()
             losses.append(out.loss.detach())
         after = global_params(model, rank % ep)
-        torch.save({"before": before, "after": after, "losses": torch.stack(losses),
-                    "grad_norm": torch.tensor(float(engine.get_global_grad_norm()))},
-                   f"{out_dir}/{tag}_rank{rank}.pt")
+        torch.save(
+            {
+                "before": before,
+                "after": after,
+                "losses": torch.stack(losses),
+                "grad_norm": torch.tensor(float(engine.get_global_grad_norm())),
+            },
+            f"{out_dir}/{tag}_rank{rank}.pt",
+        )
 
 
 def merged_results(out, tag, world):
-    results = [torch.load(out / f"world{world}" / f"{tag}_rank{r}.pt", weights_only=True)
-               for r in range(world)]
+    results = [
+        torch.load(out / f"world{world}" / f"{tag}_rank{r}.pt", weights_only=True)
+        for r in range(world)
+    ]
     merged = {"before": {}, "after": {}}
     for res in results:
         for key in ("before", "after"):
@@ -69,14 +87,22 @@ def merged_results(out, tag, world):
     return merged, losses.mean(), results[0]["grad_norm"]
 
 
-MOES = {"dropless-top2": {},
-        "dropping-shared-top1": {"capacity_factor": 1.0, "num_shared_experts": 1,
-                                 "router": {"top_k": 1, "z_loss_coef": 0.01}},
-        # Qwen2/3-MoE's and OLMoE's options: a gated shared expert (a replicated parameter
-        # beside the experts), head_dim, q/k/v biases, query/key norms.
-        "open-weights-options": {"num_shared_experts": 1, "shared_expert_gate": True,
-                                 "router": {"renormalize": True},
-                                 "model": {"head_dim": 12, "qkv_bias": True, "qk_norm": "head"}}}
+MOES = {
+    "dropless-top2": {},
+    "dropping-shared-top1": {
+        "capacity_factor": 1.0,
+        "num_shared_experts": 1,
+        "router": {"top_k": 1, "z_loss_coef": 0.01},
+    },
+    # Qwen2/3-MoE's and OLMoE's options: a gated shared expert (a replicated parameter
+    # beside the experts), head_dim, q/k/v biases, query/key norms.
+    "open-weights-options": {
+        "num_shared_experts": 1,
+        "shared_expert_gate": True,
+        "router": {"renormalize": True},
+        "model": {"head_dim": 12, "qkv_bias": True, "qk_norm": "head"},
+    },
+}
 ZEROS = (1, 2)
 
 
@@ -90,9 +116,13 @@ def layouts(tmp_path_factory):
     cases = [(f"{moe_id}-zero{zero}", moe, zero) for moe_id, moe in MOES.items() for zero in ZEROS]
     for world, ep, accum in ((1, 1, 2), (2, 2, 1)):
         (out / f"world{world}").mkdir()
-        run_distributed(_worker, world, [(tag, run_config(world, ep, accum, zero, moe))
-                                         for tag, moe, zero in cases], batches,
-                        str(out / f"world{world}"))
+        run_distributed(
+            _worker,
+            world,
+            [(tag, run_config(world, ep, accum, zero, moe)) for tag, moe, zero in cases],
+            batches,
+            str(out / f"world{world}"),
+        )
     return out
 
 
@@ -112,5 +142,8 @@ def test_ep2_on_two_ranks_equals_one_process(layouts, zero, moe_id):
         g2 = multi["before"][name] - multi["after"][name]
         torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
     # The check has teeth: expert gradients are not all zero.
-    assert any((single["before"][n] - single["after"][n]).abs().max() > 1e-6
-               for n in single["before"] if "experts.w_in" in n)
+    assert any(
+        (single["before"][n] - single["after"][n]).abs().max() > 1e-6
+        for n in single["before"]
+        if "experts.w_in" in n
+    )

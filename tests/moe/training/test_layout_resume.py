@@ -70,8 +70,14 @@ def loaded_tallies(run_dir, world) -> list[dict]:
 
 
 def layout_dict(tiny_data, out_dir, name, world, max_steps, every):
-    d = tiny_run_dict(tiny_data, out_dir, max_steps=max_steps, grad_accum_steps=2 // world,
-                      warmup_steps=1, lr=3e-3)
+    d = tiny_run_dict(
+        tiny_data,
+        out_dir,
+        max_steps=max_steps,
+        grad_accum_steps=2 // world,
+        warmup_steps=1,
+        lr=3e-3,
+    )
     d["name"] = name
     d["parallel"] = {"world_size": world, "expert_parallel_size": world, "zero_stage": 2}
     d["checkpoint"] = {"every_n_steps": every}
@@ -97,8 +103,9 @@ def assert_same_state(a_dir, b_dir):
     assert a["params"].keys() == b["params"].keys()
     for key in ("params", "exp_avg", "exp_avg_sq"):
         for name in a[key]:
-            torch.testing.assert_close(b[key][name], a[key][name], rtol=1e-4, atol=1e-6,
-                                       msg=f"{key} of {name}")
+            torch.testing.assert_close(
+                b[key][name], a[key][name], rtol=1e-4, atol=1e-6, msg=f"{key} of {name}"
+            )
     assert a["step"] == b["step"]
     bias_a = load_file(a_dir / MAIN_STATES)["module"]
     bias_b = load_file(b_dir / MAIN_STATES)["module"]
@@ -121,8 +128,9 @@ def test_resume_on_another_layout_matches_the_original_layout(tiny_data, tmp_pat
     # A: 2 ranks, EP 2, steps 1-7, checkpoints at 3, 6 and 7.
     run_distributed(_train_worker, 2, layout_dict(tiny_data, runs, "a", 2, 7, every=3), "auto")
     a3 = runs / "a" / "checkpoints" / "step_0000003"
-    saved_bias = {k: v for k, v in load_file(a3 / MAIN_STATES)["module"].items()
-                  if k.endswith("score_bias")}
+    saved_bias = {
+        k: v for k, v in load_file(a3 / MAIN_STATES)["module"].items() if k.endswith("score_bias")
+    }
     assert any(v.abs().sum() > 0 for v in saved_bias.values())  # the check has teeth
     check_layout_free_state(a3)
 
@@ -137,27 +145,31 @@ def test_resume_on_another_layout_matches_the_original_layout(tiny_data, tmp_pat
     # the same layout, resumed from B at step 5 to step 6.
     b2 = layout_dict(tiny_data, runs, "b2", 1, 6, every=1)
     b5 = runs / "b" / "checkpoints" / "step_0000005"
-    run_distributed(_train_worker, 1, layout_dict(tiny_data, runs, "b", 1, 7, every=1), str(a3),
-                    (b2, str(b5)))
+    run_distributed(
+        _train_worker, 1, layout_dict(tiny_data, runs, "b", 1, 7, every=1), str(a3), (b2, str(b5))
+    )
     assert loaded_tallies(runs / "b", 1) == [a_tally]  # another layout
     assert loaded_tallies(runs / "b2", 1) == [tally(b5)]  # the same layout
     assert tally(b5)["steps"] == 5
     a7, b7 = (tally(runs / name / "checkpoints" / "step_0000007") for name in ("a", "b"))
     assert b7["steps"] == a7["steps"] == 7 and b7["loss_sum"] == pytest.approx(a7["loss_sum"])
     assert tally(runs / "b2" / "checkpoints" / "step_0000006") == tally(
-        runs / "b" / "checkpoints" / "step_0000006")
+        runs / "b" / "checkpoints" / "step_0000006"
+    )
     b_losses = global_losses(runs / "b", 1)
     assert_losses_match(b_losses, global_losses(runs / "a", 2), [4, 5, 6, 7])
-    assert_same_state(runs / "a" / "checkpoints" / "step_0000007",
-                      runs / "b" / "checkpoints" / "step_0000007")
+    assert_same_state(
+        runs / "a" / "checkpoints" / "step_0000007", runs / "b" / "checkpoints" / "step_0000007"
+    )
     check_layout_free_state(b5)
 
     # C: 2 ranks, EP 2, resumed from B's 1-rank checkpoint at step 5, steps 6-7.
     run_distributed(_train_worker, 2, layout_dict(tiny_data, runs, "c", 2, 7, every=2), str(b5))
     assert loaded_tallies(runs / "c", 2) == [tally(b5)] * 2
     assert_losses_match(global_losses(runs / "c", 2), b_losses, [6, 7])
-    assert_same_state(runs / "b" / "checkpoints" / "step_0000007",
-                      runs / "c" / "checkpoints" / "step_0000007")
+    assert_same_state(
+        runs / "b" / "checkpoints" / "step_0000007", runs / "c" / "checkpoints" / "step_0000007"
+    )
 
 
 def check_layout_free_state(tag_dir):

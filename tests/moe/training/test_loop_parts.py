@@ -32,9 +32,19 @@ class Answer(LoopPart):
 
 
 def step_state() -> StepState:
-    return StepState(step=3, max_steps=9, loss=1.0, lm_loss=1.0, aux_loss=0.0, lr=1.0,
-                     grad_norm=1.0, step_seconds=1.0, tokens_per_step=1, samples_per_step=1,
-                     is_log_step=False)
+    return StepState(
+        step=3,
+        max_steps=9,
+        loss=1.0,
+        lm_loss=1.0,
+        aux_loss=0.0,
+        lr=1.0,
+        grad_norm=1.0,
+        step_seconds=1.0,
+        tokens_per_step=1,
+        samples_per_step=1,
+        is_log_step=False,
+    )
 
 
 def test_the_most_severe_answer_wins_and_a_stop_ends_the_asking(tmp_path):
@@ -103,13 +113,29 @@ def test_every_part_is_closed_when_a_step_raises(tiny_data, tmp_path, monkeypatc
     monkeypatch.setattr(trainer, "start_run", recording_start)
     usr1 = signal.getsignal(signal.SIGUSR1)
     with pytest.raises(RuntimeError, match="raised inside step 2"):
-        trainer.train(from_dict(RunConfig, copy.deepcopy(d)), trainer.DistEnv(0, 1, 0, 1),
-                      resume="none", faults=RaiseInStep2(), parts=[lambda run: Extra()])
+        trainer.train(
+            from_dict(RunConfig, copy.deepcopy(d)),
+            trainer.DistEnv(0, 1, 0, 1),
+            resume="none",
+            faults=RaiseInStep2(),
+            parts=[lambda run: Extra()],
+        )
     [run] = started
     kinds = {type(p).__name__ for p in run.parts}
-    assert kinds == {"ValidationMeter", "MemoryMeter", "ThroughputMeter", "RouterBalance",
-                     "NonFiniteGuard", "LossSpikeGuard", "ConsoleReporter", "StepRecorder",
-                     "TensorBoardReporter", "PreemptionGuard", "HangWatchdog", "Extra"}
+    assert kinds == {
+        "ValidationMeter",
+        "MemoryMeter",
+        "ThroughputMeter",
+        "RouterBalance",
+        "NonFiniteGuard",
+        "LossSpikeGuard",
+        "ConsoleReporter",
+        "StepRecorder",
+        "TensorBoardReporter",
+        "PreemptionGuard",
+        "HangWatchdog",
+        "Extra",
+    }
     assert sorted(map(id, closed)) == sorted(map(id, run.parts))  # each once
     by_kind = {type(p).__name__: p for p in run.parts}
     assert by_kind["TensorBoardReporter"].writer.all_writers is None  # flushed and closed

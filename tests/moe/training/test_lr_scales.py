@@ -21,13 +21,25 @@ VOCAB, SEQ = 64, 16
 
 
 def run_config(router: float, expert: float) -> dict:
-    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": SEQ, "moe": {"num_experts": 4, "expert_hidden": 16,
-                                                  "num_shared_experts": 1}},
-            "data": {"seq_len": SEQ},
-            "train": {"micro_batch_size": 4, "seed": 5, "router_lr_scale": router,
-                      "expert_lr_scale": expert, "warmup_steps": 2},
-            "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}}
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": SEQ,
+            "moe": {"num_experts": 4, "expert_hidden": 16, "num_shared_experts": 1},
+        },
+        "data": {"seq_len": SEQ},
+        "train": {
+            "micro_batch_size": 4,
+            "seed": 5,
+            "router_lr_scale": router,
+            "expert_lr_scale": expert,
+            "warmup_steps": 2,
+        },
+        "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2},
+    }
 
 
 def _worker(rank, world, cfg_dicts, batch, out_file):

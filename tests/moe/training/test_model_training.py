@@ -17,17 +17,35 @@ from tests.helpers.distributed import run_distributed
 pytestmark = pytest.mark.multiprocess
 
 VARIANTS = {
-    "alibi_layernorm_post_tied_gqa": {"position": "alibi", "norm": "layernorm",
-                                      "norm_placement": "post", "tie_embeddings": True,
-                                      "n_kv_heads": 2},
-    "t5_mqa_gelu": {"position": "t5", "n_kv_heads": 1, "t5_num_buckets": 8, "t5_max_distance": 24,
-                    "moe": {"num_experts": 4, "expert_hidden": 32, "activation": "gelu"}},
-    "learned_shared_first_dense": {"position": "learned", "moe": {
-        "num_experts": 4, "expert_hidden": 32, "num_shared_experts": 1, "first_dense_layers": 1}},
+    "alibi_layernorm_post_tied_gqa": {
+        "position": "alibi",
+        "norm": "layernorm",
+        "norm_placement": "post",
+        "tie_embeddings": True,
+        "n_kv_heads": 2,
+    },
+    "t5_mqa_gelu": {
+        "position": "t5",
+        "n_kv_heads": 1,
+        "t5_num_buckets": 8,
+        "t5_max_distance": 24,
+        "moe": {"num_experts": 4, "expert_hidden": 32, "activation": "gelu"},
+    },
+    "learned_shared_first_dense": {
+        "position": "learned",
+        "moe": {
+            "num_experts": 4,
+            "expert_hidden": 32,
+            "num_shared_experts": 1,
+            "first_dense_layers": 1,
+        },
+    },
     "sinusoidal_document_masked": {"position": "sinusoidal", "document_masking": True},
     "dense": {"ffn": "dense", "moe": {"dense_hidden": 64}},
-    "upcycled": {"init_from": "@dense", "moe": {
-        "num_experts": 4, "expert_hidden": 64, "router": {"top_k": 2, "renormalize": True}}},
+    "upcycled": {
+        "init_from": "@dense",
+        "moe": {"num_experts": 4, "expert_hidden": 64, "router": {"top_k": 2, "renormalize": True}},
+    },
 }
 
 
@@ -65,8 +83,13 @@ def test_every_option_trains_checkpoints_and_evaluates(tiny_data, tmp_path):
     ids = torch.randint(0, 512, (2, 32))
     run_distributed(_train_all, 1, base, str(runs), ids)
 
-    losses = {name: [h["loss"] for h in json.loads(
-        (runs / name / "train_summary.json").read_text())["history"]] for name in VARIANTS}
+    losses = {
+        name: [
+            h["loss"]
+            for h in json.loads((runs / name / "train_summary.json").read_text())["history"]
+        ]
+        for name in VARIANTS
+    }
     for name, options in VARIANTS.items():
         assert all(math.isfinite(x) for x in losses[name]), (name, losses[name])
         if name != "upcycled":  # it starts trained; see below
@@ -82,8 +105,12 @@ def test_every_option_trains_checkpoints_and_evaluates(tiny_data, tmp_path):
     # The upcycled run started as the dense run's final model: same logits at step 0.
     dense, _, _ = load_model(runs / "dense")
     with torch.no_grad():
-        torch.testing.assert_close(torch.load(runs / "upcycled_step0_logits.pt", weights_only=True),
-                                   dense(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.load(runs / "upcycled_step0_logits.pt", weights_only=True),
+            dense(ids).logits,
+            atol=1e-5,
+            rtol=1e-5,
+        )
     # Its first step starts from the dense run's progress, not from scratch.
     assert losses["upcycled"][0] < losses["dense"][0] - 0.3, losses
     upcycled, _, _ = load_model(runs / "upcycled")

@@ -14,16 +14,27 @@ from tests.helpers.syncs import count_host_reads
 
 
 def state(is_log: bool) -> StepState:
-    return StepState(step=1, max_steps=2, loss=0.0, lm_loss=0.0, aux_loss=0.0, lr=0.0,
-                     grad_norm=None, step_seconds=1.0, tokens_per_step=1, samples_per_step=1,
-                     is_log_step=is_log)
+    return StepState(
+        step=1,
+        max_steps=2,
+        loss=0.0,
+        lm_loss=0.0,
+        aux_loss=0.0,
+        lr=0.0,
+        grad_norm=None,
+        step_seconds=1.0,
+        tokens_per_step=1,
+        samples_per_step=1,
+        is_log_step=is_log,
+    )
 
 
 @pytest.mark.parametrize("is_log", [False, True])
 def test_reads_once_per_logging_step_and_publishes_the_counters(is_log):
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=4, expert_hidden=16,
-                    router=RouterConfig(top_k=2, bias_update_rate=0.01))
+    cfg = MoEConfig(
+        num_experts=4, expert_hidden=16, router=RouterConfig(top_k=2, bias_update_rate=0.01)
+    )
     layers = [MoELayer(16, cfg), MoELayer(16, cfg)]
     for layer in layers:
         for _ in range(2):  # two micro-batches
@@ -42,7 +53,9 @@ def test_reads_once_per_logging_step_and_publishes_the_counters(is_log):
         assert torch.equal(s.histograms[f"moe/layer{i}/expert_load"], load)
         assert s.extra[f"moe/layer{i}/dropped_fraction"] == pytest.approx(0.0)  # dropless
         assert s.extra[f"moe/layer{i}/max_over_mean_load"] == pytest.approx(
-            float(load.max() / load.mean()))
+            float(load.max() / load.mean())
+        )
         bias = layers[i].router.score_bias
         assert s.extra[f"moe/layer{i}/expert_bias_spread"] == pytest.approx(
-            float(bias.max() - bias.min()))
+            float(bias.max() - bias.min())
+        )

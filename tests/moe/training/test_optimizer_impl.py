@@ -30,13 +30,19 @@ IMPLS = ("for_loop", "foreach", "fused", "auto")
 
 
 def run_config(**train) -> dict:
-    return {"model": {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": SEQ,
-                      "moe": {"num_experts": 4, "expert_hidden": 16, "router": {"top_k": 2}}},
-            "data": {"seq_len": SEQ},
-            "train": {"micro_batch_size": MB, "seed": 5, "lr": 1e-2, "warmup_steps": 0,
-                      **train},
-            "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "max_seq_len": SEQ,
+            "moe": {"num_experts": 4, "expert_hidden": 16, "router": {"top_k": 2}},
+        },
+        "data": {"seq_len": SEQ},
+        "train": {"micro_batch_size": MB, "seed": 5, "lr": 1e-2, "warmup_steps": 0, **train},
+        "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1},
+    }
 
 
 def _train(engine, batches) -> tuple[list[float], list[float]]:
@@ -62,6 +68,7 @@ def _worker(rank, world, batches, ckpt_dir, out_file):
         def counted(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return real(*args, **kwargs)
+
         return counted
 
     for name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam"):
@@ -77,8 +84,11 @@ def _worker(rank, world, batches, ckpt_dir, out_file):
         calls.clear()
         engine = engine_for(optimizer_impl=impl)
         losses, norms = _train(engine, batches)
-        results[impl] = {"losses": losses, "calls": dict(calls),
-                         "groups": len(engine.optimizer.optimizer.param_groups)}
+        results[impl] = {
+            "losses": losses,
+            "calls": dict(calls),
+            "groups": len(engine.optimizer.optimizer.param_groups),
+        }
         if impl == "for_loop":
             results["full_norms"] = norms
     for impl in ("for_loop", "fused"):  # two steps, a save, then two more in another engine
@@ -89,10 +99,20 @@ def _worker(rank, world, batches, ckpt_dir, out_file):
         other = engine_for(optimizer_impl="fused" if impl == "for_loop" else "for_loop")
         other.load_checkpoint(ckpt_dir, tag=impl)
         results[f"resumed_from_{impl}"] = _train(other, batches[2:])[0]
-    chunked = build_engine(from_dict(RunConfig, {**copy.deepcopy(run_config(
-        optimizer_impl="for_loop")), "model": {**run_config()["model"],
-                                               "cross_entropy": "chunked",
-                                               "cross_entropy_chunk_tokens": 7}}), env)[0]
+    chunked = build_engine(
+        from_dict(
+            RunConfig,
+            {
+                **copy.deepcopy(run_config(optimizer_impl="for_loop")),
+                "model": {
+                    **run_config()["model"],
+                    "cross_entropy": "chunked",
+                    "cross_entropy_chunk_tokens": 7,
+                },
+            },
+        ),
+        env,
+    )[0]
     assert chunked.module.head_loss is not None
     results["chunked"], results["chunked_norms"] = _train(chunked, batches)
     torch.save(results, out_file)
@@ -108,8 +128,12 @@ def results(tmp_path_factory):
 
 
 def test_each_setting_runs_its_implementation_once_per_group_and_step(results):
-    want = {"for_loop": "_single_tensor_adam", "foreach": "_multi_tensor_adam",
-            "fused": "_fused_adam", "auto": "_single_tensor_adam"}  # auto on the CPU: for_loop
+    want = {
+        "for_loop": "_single_tensor_adam",
+        "foreach": "_multi_tensor_adam",
+        "fused": "_fused_adam",
+        "auto": "_single_tensor_adam",
+    }  # auto on the CPU: for_loop
     for impl, name in want.items():
         r = results[impl]
         assert r["calls"] == {name: STEPS * r["groups"]}, (impl, r)
@@ -127,12 +151,21 @@ def test_the_losses_agree_with_for_loop(results):
 def test_a_checkpoint_loads_into_another_implementation(results):
     ref = torch.tensor(results["for_loop"]["losses"][2:])
     for impl in ("for_loop", "fused"):
-        torch.testing.assert_close(torch.tensor(results[f"resumed_from_{impl}"]), ref,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(results[f"resumed_from_{impl}"]), ref, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_the_chunked_loss_trains_as_the_full_loss_through_the_engine(results):
-    torch.testing.assert_close(torch.tensor(results["chunked"]),
-                               torch.tensor(results["for_loop"]["losses"]), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.tensor(results["chunked_norms"]),
-                               torch.tensor(results["full_norms"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(results["chunked"]),
+        torch.tensor(results["for_loop"]["losses"]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    torch.testing.assert_close(
+        torch.tensor(results["chunked_norms"]),
+        torch.tensor(results["full_norms"]),
+        rtol=1e-5,
+        atol=1e-5,
+    )

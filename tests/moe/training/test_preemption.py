@@ -41,9 +41,19 @@ def end_of_step(guard: PreemptionGuard, ckpt: RecordingCheckpoint, s: StepState)
 
 
 def state(step: int, max_steps: int = 10) -> StepState:
-    return StepState(step=step, max_steps=max_steps, loss=1.0, lm_loss=1.0, aux_loss=0.0, lr=1e-3,
-                     grad_norm=None, step_seconds=0.1, tokens_per_step=1, samples_per_step=1,
-                     is_log_step=False)
+    return StepState(
+        step=step,
+        max_steps=max_steps,
+        loss=1.0,
+        lm_loss=1.0,
+        aux_loss=0.0,
+        lr=1e-3,
+        grad_norm=None,
+        step_seconds=0.1,
+        tokens_per_step=1,
+        samples_per_step=1,
+        is_log_step=False,
+    )
 
 
 def test_sigusr1_saves_at_the_next_step_boundary_and_exits_75(tmp_path):
@@ -81,8 +91,9 @@ def test_first_sigterm_saves_and_a_second_would_end_the_process(tmp_path):
     given back at once, so a second SIGTERM gets the old disposition (death by default)."""
     ckpt = RecordingCheckpoint()
     previous = signal.getsignal(signal.SIGTERM)
-    hook = PreemptionGuard(tmp_path / "preempted.json", rank=0,
-                          signals=(signal.SIGUSR1, signal.SIGTERM))
+    hook = PreemptionGuard(
+        tmp_path / "preempted.json", rank=0, signals=(signal.SIGUSR1, signal.SIGTERM)
+    )
     assert signal.getsignal(signal.SIGTERM) == hook._on_signal
     os.kill(os.getpid(), signal.SIGTERM)  # handled, not fatal
     assert signal.getsignal(signal.SIGTERM) == previous
@@ -111,8 +122,9 @@ def test_a_signal_at_the_last_step_leaves_the_ordinary_final_save(tmp_path):
 
 def _one_rank_signalled(rank, world_size, marker_dir, signum):
     ckpt = RecordingCheckpoint()
-    hook = PreemptionGuard(marker_dir / "preempted.json", rank,
-                          signals=(signal.SIGUSR1, signal.SIGTERM))
+    hook = PreemptionGuard(
+        marker_dir / "preempted.json", rank, signals=(signal.SIGUSR1, signal.SIGTERM)
+    )
     end_of_step(hook, ckpt, state(1))
     if rank == 1:
         os.kill(os.getpid(), signum)
@@ -132,4 +144,6 @@ def test_ranks_agree_when_only_one_is_signalled(tmp_path, signum):
     assert (tmp_path / "exited0").exists() and (tmp_path / "exited1").exists()
     # Rank 0 writes the marker and names the signal that rank 1 got.
     assert json.loads((tmp_path / "preempted.json").read_text()) == {
-        "step": 2, "signal": signal.Signals(signum).name}
+        "step": 2,
+        "signal": signal.Signals(signum).name,
+    }

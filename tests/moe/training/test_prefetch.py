@@ -15,8 +15,15 @@ ACCUM = 3
 
 
 def make_reader(tiny_data, workers: int = 0) -> PackedReader:
-    return PackedReader(tiny_data.dir, tiny_data.seq_len, tiny_data.seed, rank=0, world=1,
-                        micro_batch=2, loader_workers=workers)
+    return PackedReader(
+        tiny_data.dir,
+        tiny_data.seq_len,
+        tiny_data.seed,
+        rank=0,
+        world=1,
+        micro_batch=2,
+        loader_workers=workers,
+    )
 
 
 def tokens(steps) -> list[torch.Tensor]:

@@ -24,8 +24,10 @@ from tests.moe.training.test_finetune import (
     run_config,
 )
 
-pytestmark = [pytest.mark.multiprocess,
-              pytest.mark.skipif(torchao_missing() is not None, reason="needs torchao")]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(torchao_missing() is not None, reason="needs torchao"),
+]
 
 TARGETS = ["attention.q", "attention.v", "experts"]
 
@@ -80,9 +82,15 @@ def test_qlora_run_trains_only_its_factors_on_an_nf4_base(qlora_runs):
     nf4 = {k for k in tuned if "_nf4_" in k}
     # Every attention projection and expert stack is held in NF4: no float copy is saved.
     quantised = {k.rsplit("_nf4_", 1)[0] for k in nf4}
-    assert quantised == {f"blocks.{i}.{w}" for i in range(2) for w in (
-        *(f"attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
-        "ffn.experts.w_in", "ffn.experts.w_out")}
+    assert quantised == {
+        f"blocks.{i}.{w}"
+        for i in range(2)
+        for w in (
+            *(f"attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+            "ffn.experts.w_in",
+            "ffn.experts.w_out",
+        )
+    }
     assert not quantised & tuned.keys()
     # The rest of the base is as the base checkpoint saved it, the NF4 base is the base's
     # weights quantised (one matrix at a time, as the test of the format checks).
@@ -138,11 +146,22 @@ def test_eval_and_merged_export_of_a_qlora_checkpoint(qlora_runs, tmp_path, caps
 
     runs, base_ckpt = qlora_runs
     for run, ckpt in (("qlora", runs / "qlora"), ("base", base_ckpt)):
-        evaluate([str(ckpt), "--max-tokens", "2000", "--no-generation", "--no-expert-stats",
-                  "--output", str(tmp_path / f"eval-{run}"), "--quiet"])
+        evaluate(
+            [
+                str(ckpt),
+                "--max-tokens",
+                "2000",
+                "--no-generation",
+                "--no-expert-stats",
+                "--output",
+                str(tmp_path / f"eval-{run}"),
+                "--quiet",
+            ]
+        )
     tuned_loss, base_loss = (
         json.loads((tmp_path / f"eval-{r}" / "eval.json").read_text())["checkpoints"][0]["loss"]
-        for r in ("qlora", "base"))
+        for r in ("qlora", "base")
+    )
     assert 0 < tuned_loss and tuned_loss != base_loss
 
     for extra in ([], ["--format", "adapters"]):  # the NF4 base has no fp32 fingerprint
@@ -171,10 +190,13 @@ def test_eval_and_merged_export_of_a_qlora_checkpoint(qlora_runs, tmp_path, caps
     plain.load_state_dict(merged)
     adapted = build_model(tuned_cfg)
     adapted.load_state_dict(state)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
-        torch.testing.assert_close(plain.eval()(ids).logits, adapted.eval()(ids).logits,
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            plain.eval()(ids).logits, adapted.eval()(ids).logits, rtol=0, atol=1e-5
+        )
 
 
 def test_qlora_on_two_expert_parallel_ranks_equals_one_process(tmp_path):

@@ -41,8 +41,11 @@ class BadBatch(FaultInjector):
 
 def _worker(rank, world, cfg_dict):
     cfg = from_dict(RunConfig, copy.deepcopy(cfg_dict))
-    train(cfg, DistEnv(rank, world, rank, world),
-          faults=BadBatch(rank, rarest_token(cfg_dict["data"]["dir"])))
+    train(
+        cfg,
+        DistEnv(rank, world, rank, world),
+        faults=BadBatch(rank, rarest_token(cfg_dict["data"]["dir"])),
+    )
 
 
 def _steps(run_dir, rank):
@@ -50,9 +53,14 @@ def _steps(run_dir, rank):
 
 
 def _run(tiny_data, tmp_path, name, action):
-    cfg = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=BAD_STEP + 1, lr=1e-2,
-                        min_lr=1e-2, spike={"action": action, "window": 6, "min_steps": 4,
-                                            "zscore": 4.0})
+    cfg = tiny_run_dict(
+        tiny_data,
+        tmp_path / "runs",
+        max_steps=BAD_STEP + 1,
+        lr=1e-2,
+        min_lr=1e-2,
+        spike={"action": action, "window": 6, "min_steps": 4, "zscore": 4.0},
+    )
     cfg["name"] = name
     cfg["checkpoint"] = {"every_n_steps": 1}
     run_distributed(_worker, 2, cfg)
@@ -106,8 +114,9 @@ def test_without_the_guard_the_bad_step_is_applied(tiny_data, tmp_path):
 
 
 def test_spike_settings_are_validated(tiny_data, tmp_path):
-    cfg = tiny_run_dict(tiny_data, tmp_path, spike={"action": "rollback", "window": 3,
-                                                    "min_steps": 5, "zscore": 0})
+    cfg = tiny_run_dict(
+        tiny_data, tmp_path, spike={"action": "rollback", "window": 3, "min_steps": 5, "zscore": 0}
+    )
     cfg["parallel"]["zero_stage"] = 0
     with pytest.raises(ConfigError) as e:
         from_dict(RunConfig, cfg)

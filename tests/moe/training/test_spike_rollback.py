@@ -68,9 +68,14 @@ class BadData(FaultInjector):
 
 
 def _config(tiny_data, out, name, max_steps, every=4, **spike):
-    cfg = tiny_run_dict(tiny_data, out, max_steps=max_steps, lr=1e-2, min_lr=1e-2,
-                        spike={"action": "rollback", "window": 6, "min_steps": 4,
-                               "zscore": 4.0, **spike})
+    cfg = tiny_run_dict(
+        tiny_data,
+        out,
+        max_steps=max_steps,
+        lr=1e-2,
+        min_lr=1e-2,
+        spike={"action": "rollback", "window": 6, "min_steps": 4, "zscore": 4.0, **spike},
+    )
     cfg["name"] = name
     cfg["checkpoint"] = {"every_n_steps": every}
     return cfg
@@ -114,20 +119,22 @@ def _events(cfg):
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rollback")
-    cfgs = {"A": _config(tiny_data, tmp / "runs", "A", 12),
-            "R": _config(tiny_data, tmp / "runs", "R", 12),
-            "B": _config(tiny_data, tmp / "runs", "B", 13, every=10, max_rollbacks=1)}
+    cfgs = {
+        "A": _config(tiny_data, tmp / "runs", "A", 12),
+        "R": _config(tiny_data, tmp / "runs", "R", 12),
+        "B": _config(tiny_data, tmp / "runs", "B", 13, every=10, max_rollbacks=1),
+    }
     (_run_dir(cfgs["R"])).mkdir(parents=True)
-    (_run_dir(cfgs["R"]) / SKIPPED_BATCHES).write_text(json.dumps(
-        {"step": 10, "action": "rollback", "skipped_samples": [[36, 40]]}) + "\n")
+    (_run_dir(cfgs["R"]) / SKIPPED_BATCHES).write_text(
+        json.dumps({"step": 10, "action": "rollback", "skipped_samples": [[36, 40]]}) + "\n"
+    )
     run_distributed(_worker, 2, cfgs, str(tmp / "outcome"))
     outcomes = [json.loads((tmp / f"outcome.{r}").read_text()) for r in range(2)]
     return cfgs, outcomes
 
 
 def _comparable(records):
-    return [(r["step"], r["loss"], r["tokens_sha256"], r["samples"], r["skipped"])
-            for r in records]
+    return [(r["step"], r["loss"], r["tokens_sha256"], r["samples"], r["skipped"]) for r in records]
 
 
 def test_rollback_restores_the_checkpoint_and_skips_the_window(runs):
@@ -183,9 +190,11 @@ def test_no_checkpoint_yet_skips_and_a_recurring_spike_stops(runs):
 
 
 def test_rollback_settings_are_validated(tiny_data, tmp_path):
-    cfg = tiny_run_dict(tiny_data, tmp_path, spike={"action": "rollback",
-                                                    "rollback_skip_steps": 0,
-                                                    "max_rollbacks": 0})
+    cfg = tiny_run_dict(
+        tiny_data,
+        tmp_path,
+        spike={"action": "rollback", "rollback_skip_steps": 0, "max_rollbacks": 0},
+    )
     cfg["checkpoint"] = {"every_n_steps": 0}
     with pytest.raises(ConfigError) as e:
         from_dict(RunConfig, cfg)
@@ -218,16 +227,29 @@ def test_the_skipped_window_holds_the_last_steps_after_the_checkpoint_only(tmp_p
     from moe.training.hooks import StepState
     from moe.training.resilience.spike_guard import LossSpikeGuard, SpikeConfig
 
-    cfg = SpikeConfig(action="rollback", window=4, min_steps=2, rollback_skip_steps=3,
-                      max_rollbacks=2)
+    cfg = SpikeConfig(
+        action="rollback", window=4, min_steps=2, rollback_skip_steps=3, max_rollbacks=2
+    )
     cursor = _Cursor()
     guard = LossSpikeGuard(cfg, tmp_path, cursor, 0, 1, events=[{"step": 7, "action": "rollback"}])
 
     def step(n, start, z=None):
         cursor.consumed = start + 4
-        s = StepState(step=n, max_steps=9, loss=1.0, lm_loss=1.0, aux_loss=0.0, lr=1.0,
-                      grad_norm=1.0, step_seconds=1.0, tokens_per_step=1, samples_per_step=4,
-                      is_log_step=False, spike_zscore=z, skipped=z is not None)
+        s = StepState(
+            step=n,
+            max_steps=9,
+            loss=1.0,
+            lm_loss=1.0,
+            aux_loss=0.0,
+            lr=1.0,
+            grad_norm=1.0,
+            step_seconds=1.0,
+            tokens_per_step=1,
+            samples_per_step=4,
+            is_log_step=False,
+            spike_zscore=z,
+            skipped=z is not None,
+        )
         return guard.decide(s, (5, tmp_path / "step_5"))
 
     for n in range(1, 7):

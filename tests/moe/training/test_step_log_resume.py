@@ -14,15 +14,24 @@ def test_step_log_is_cut_back_to_the_resumed_step(tmp_path):
     short) and a run resumed from step 5's checkpoint: steps 1-5 kept, 6 onward once."""
     path = tmp_path / "logs" / "steps_rank0.jsonl"
     path.parent.mkdir()
-    old = [json.dumps({"step": i, "loss": float(i), "tokens_sha256": "old", "skipped": False})
-           for i in range(1, 9)]
+    old = [
+        json.dumps({"step": i, "loss": float(i), "tokens_sha256": "old", "skipped": False})
+        for i in range(1, 9)
+    ]
     path.write_text("\n".join(old) + '\n{"step": 9, "lo')
     hook = StepRecorder(path)
     assert path.read_text().startswith(old[0])  # nothing changes before the first step
     for step in (6, 7):
-        hook.on_step_end(SimpleNamespace(step=step, local_loss=0.5, tokens_sha256="new",
-                                         consumed_samples=4 * step, samples_per_step=4,
-                                         skipped=False))
+        hook.on_step_end(
+            SimpleNamespace(
+                step=step,
+                local_loss=0.5,
+                tokens_sha256="new",
+                consumed_samples=4 * step,
+                samples_per_step=4,
+                skipped=False,
+            )
+        )
     hook.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]

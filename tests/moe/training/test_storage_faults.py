@@ -37,8 +37,11 @@ def tmpfs(path: Path, size: int):
     if os.geteuid() != 0:
         pytest.skip("mounting a size-limited tmpfs needs root")
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
@@ -58,16 +61,24 @@ def _worker(rank, world, cfg_dict, result_path, ballast):
         out = original(self, *args, **kw)
         if out and ballast and rank == 0 and Path(ballast).exists():
             ckpt = Path(ballast).parent
-            Path(f"{result_path}.after_failure").write_text(json.dumps(
-                {"complete": complete_tags(ckpt),
-                 "dirs": sorted(d.name for d in ckpt.iterdir() if d.name.startswith("step_"))}))
+            Path(f"{result_path}.after_failure").write_text(
+                json.dumps(
+                    {
+                        "complete": complete_tags(ckpt),
+                        "dirs": sorted(
+                            d.name for d in ckpt.iterdir() if d.name.startswith("step_")
+                        ),
+                    }
+                )
+            )
             Path(ballast).unlink()
         return out
 
     ckpt_mod.Checkpointer._failed = failed
     try:
-        summary = train(from_dict(RunConfig, copy.deepcopy(cfg_dict)),
-                        DistEnv(rank, world, rank, world))
+        summary = train(
+            from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world)
+        )
         outcome = {"finished": summary["checkpoint"]}
     except CheckpointError as e:
         outcome = {"error": type(e).__name__, "message": str(e)}
@@ -93,7 +104,8 @@ def checkpoint_bytes(tiny_data, tmp_path_factory):
 
 
 def test_full_disk_stops_every_rank_and_keeps_the_previous_checkpoint(
-        tiny_data, tmp_path, checkpoint_bytes):
+    tiny_data, tmp_path, checkpoint_bytes
+):
     """Room for one and a half checkpoints: the step-2 save completes, the step-4 save runs out
     of space; both ranks stop with the path and errno; the step-2 checkpoint still verifies and
     a resumed run (after the disk grew) starts from it."""
@@ -116,8 +128,9 @@ def test_full_disk_stops_every_rank_and_keeps_the_previous_checkpoint(
         assert verify_files(ckpt / "step_0000002")["step"] == 2
         assert resolve_resume("auto", ckpt) == ckpt / "step_0000002"
 
-        subprocess.run(["mount", "-o", f"remount,size={4 * checkpoint_bytes}", str(ckpt)],
-                       check=True)
+        subprocess.run(
+            ["mount", "-o", f"remount,size={4 * checkpoint_bytes}", str(ckpt)], check=True
+        )
         run_distributed(_worker, 2, cfg, str(tmp_path / "result"), None)
         assert _outcomes(tmp_path)[0] == {"finished": str(ckpt / "step_0000006")}
         assert [r["step"] for r in _steps(run_dir, 0)] == [1, 2, 3, 4, 5, 6]
@@ -126,7 +139,8 @@ def test_full_disk_stops_every_rank_and_keeps_the_previous_checkpoint(
 
 
 def test_full_disk_with_continue_keeps_training_and_saves_once_space_is_freed(
-        tiny_data, tmp_path, checkpoint_bytes):
+    tiny_data, tmp_path, checkpoint_bytes
+):
     """on_save_error: continue. A ballast file leaves room for one checkpoint only: the step-4
     save fails and is removed, training goes on, rank 0 deletes the ballast, and the step-6 save
     succeeds. keep_last 1 never deleted step 2 while step 4 failed."""
@@ -141,7 +155,9 @@ def test_full_disk_with_continue_keeps_training_and_saves_once_space_is_freed(
         assert not ballast.exists(), "no save failed: the tmpfs was not small enough"
         # Right after the failed step-4 save: step 2 complete, nothing of step 4 left.
         assert json.loads((tmp_path / "result.after_failure").read_text()) == {
-            "complete": ["step_0000002"], "dirs": ["step_0000002"]}
+            "complete": ["step_0000002"],
+            "dirs": ["step_0000002"],
+        }
         for outcome in _outcomes(tmp_path):
             assert outcome == {"finished": str(ckpt / "step_0000006")}
         steps = _steps(run_dir, 1)
@@ -151,8 +167,9 @@ def test_full_disk_with_continue_keeps_training_and_saves_once_space_is_freed(
         assert not (ckpt / "step_0000004").exists()
         assert verify_files(ckpt / "step_0000006")["step"] == 6
         assert find_latest(ckpt) == "step_0000006"
-        assert not any((d / MARKER).exists() for d in ckpt.iterdir()
-                       if d.is_dir() and d.name != "step_0000006")
+        assert not any(
+            (d / MARKER).exists() for d in ckpt.iterdir() if d.is_dir() and d.name != "step_0000006"
+        )
 
 
 def _planned_worker(rank, world, cfg_dict, result_path, plan):
@@ -160,8 +177,11 @@ def _planned_worker(rank, world, cfg_dict, result_path, plan):
     from moe.training.resilience.faults import PlannedFaults
 
     try:
-        summary = train(from_dict(RunConfig, copy.deepcopy(cfg_dict)),
-                        DistEnv(rank, world, rank, world), faults=PlannedFaults(plan, rank))
+        summary = train(
+            from_dict(RunConfig, copy.deepcopy(cfg_dict)),
+            DistEnv(rank, world, rank, world),
+            faults=PlannedFaults(plan, rank),
+        )
         outcome = {"finished": summary["checkpoint"]}
     except CheckpointError as e:
         outcome = {"error": type(e).__name__, "message": str(e)}
@@ -169,7 +189,8 @@ def _planned_worker(rank, world, cfg_dict, result_path, plan):
 
 
 def test_continue_with_a_failed_final_save_ends_in_error_and_names_the_unsaved_steps(
-        tiny_data, tmp_path):
+    tiny_data, tmp_path
+):
     """on_save_error: continue, and every save of the last step fails (rank 1's first checkpoint
     write, at the periodic save and again at the final one): the run does not end as a success,
     every rank names the unsaved steps and the newest checkpoint, and train_summary.json points
@@ -179,7 +200,10 @@ def test_continue_with_a_failed_final_save_ends_in_error_and_names_the_unsaved_s
     run_dir = tmp_path / "runs" / "lost"
     ckpt = run_dir / "checkpoints"
     fault = {"kind": "save_error", "phase": "save", "rank": 1, "step": 4}
-    plan = {"fired_dir": str(tmp_path / "fired"), "faults": [{"id": 0, **fault}, {"id": 1, **fault}]}
+    plan = {
+        "fired_dir": str(tmp_path / "fired"),
+        "faults": [{"id": 0, **fault}, {"id": 1, **fault}],
+    }
     (tmp_path / "fired").mkdir()
     run_distributed(_planned_worker, 2, cfg, str(tmp_path / "result"), plan)
     assert sorted(p.name for p in (tmp_path / "fired").iterdir()) == ["fault_0", "fault_1"]

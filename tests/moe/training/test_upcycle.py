@@ -16,13 +16,27 @@ HIDDEN = 48
 
 def dense_config(**kw) -> ModelConfig:
     # ffn=dense with dense_hidden=HIDDEN: every layer a dense FFN of width HIDDEN.
-    return ModelConfig(vocab_size=83, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                       max_seq_len=32, ffn="dense", moe=MoEConfig(dense_hidden=HIDDEN), **kw)
+    return ModelConfig(
+        vocab_size=83,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=32,
+        ffn="dense",
+        moe=MoEConfig(dense_hidden=HIDDEN),
+        **kw,
+    )
 
 
 def moe_config(dense: ModelConfig, router: RouterConfig, **moe_kw) -> ModelConfig:
-    return dataclasses.replace(dense, ffn="moe", moe=MoEConfig(
-        num_experts=4, expert_hidden=HIDDEN, dense_hidden=HIDDEN, router=router, **moe_kw))
+    return dataclasses.replace(
+        dense,
+        ffn="moe",
+        moe=MoEConfig(
+            num_experts=4, expert_hidden=HIDDEN, dense_hidden=HIDDEN, router=router, **moe_kw
+        ),
+    )
 
 
 def trained_dense(cfg: ModelConfig) -> MoETransformer:
@@ -38,11 +52,15 @@ def trained_dense(cfg: ModelConfig) -> MoETransformer:
     return model.eval()
 
 
-@pytest.mark.parametrize("router", [
-    RouterConfig(top_k=2, renormalize=True),
-    RouterConfig(top_k=2, order="topk_then_softmax"),
-    RouterConfig(top_k=1, score_func="sigmoid", renormalize=True),
-], ids=["softmax_topk_renorm", "topk_softmax", "sigmoid_top1_renorm"])
+@pytest.mark.parametrize(
+    "router",
+    [
+        RouterConfig(top_k=2, renormalize=True),
+        RouterConfig(top_k=2, order="topk_then_softmax"),
+        RouterConfig(top_k=1, score_func="sigmoid", renormalize=True),
+    ],
+    ids=["softmax_topk_renorm", "topk_softmax", "sigmoid_top1_renorm"],
+)
 def test_upcycled_model_equals_dense_model_at_step_0(router):
     dense_cfg = dense_config(position="alibi", tie_embeddings=True)
     dense = trained_dense(dense_cfg)
@@ -92,8 +110,9 @@ def test_noise_makes_experts_differ_deterministically():
 def test_mismatches_are_reported_by_key():
     dense_cfg = dense_config()
     dense = trained_dense(dense_cfg)
-    wrong_width = dataclasses.replace(dense_cfg, ffn="moe",
-                                      moe=MoEConfig(num_experts=4, expert_hidden=HIDDEN // 2))
+    wrong_width = dataclasses.replace(
+        dense_cfg, ffn="moe", moe=MoEConfig(num_experts=4, expert_hidden=HIDDEN // 2)
+    )
     with pytest.raises(CheckpointError, match="set model.moe.expert_hidden"):
         upcycle_state_dict(dense.state_dict(), MoETransformer(wrong_width))
     other = dataclasses.replace(dense_cfg, position="alibi", d_model=64)
@@ -126,7 +145,9 @@ def test_a_new_function_changing_field_must_agree():
     class WithKnob(ModelConfig):
         knob: int = arch(0)
 
-    dense_cfg = WithKnob(**{f.name: getattr(dense_config(), f.name)
-                            for f in dataclasses.fields(ModelConfig)})
+    dense_cfg = WithKnob(
+        **{f.name: getattr(dense_config(), f.name) for f in dataclasses.fields(ModelConfig)}
+    )
     assert incompatibilities(dense_cfg, dataclasses.replace(dense_cfg, knob=1)) == [
-        "model.knob: this run has 1, the source checkpoint 0"]
+        "model.knob: this run has 1, the source checkpoint 0"
+    ]

@@ -51,8 +51,11 @@ def _worker(rank, world, cfg_dict):
     # As launch/train.py does (there before the group starts; the collectives our code and
     # DeepSpeed look up at call time are recorded all the same).
     record_collectives(rank, 0)
-    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world),
-          faults=Stall(rank))
+    train(
+        from_dict(RunConfig, copy.deepcopy(cfg_dict)),
+        DistEnv(rank, world, rank, world),
+        faults=Stall(rank),
+    )
 
 
 def test_a_stalled_rank_is_detected_and_its_stacks_written(tiny_data, tmp_path):
@@ -85,9 +88,16 @@ def test_a_stalled_rank_is_detected_and_its_stacks_written(tiny_data, tmp_path):
 def test_two_readings_of_the_heartbeats_name_a_frozen_and_a_late_rank():
     """Rank 0 waits in call 9: rank 1's heartbeat stood still (frozen), rank 2's moved on but
     it is at call 7 (behind), rank 3 is in call 9 too (arrived)."""
+
     def hb(beat, calls, inside=True):
-        return {"beat": beat, "calls": calls, "name": "all_reduce", "inside": inside,
-                "step": 4, "time": time.time()}
+        return {
+            "beat": beat,
+            "calls": calls,
+            "name": "all_reduce",
+            "inside": inside,
+            "step": 4,
+            "time": time.time(),
+        }
 
     first = {0: hb(1, 9), 1: hb(5, 8), 2: hb(5, 7, False), 3: hb(5, 9)}
     second = {0: hb(2, 9), 1: hb(5, 8), 2: hb(6, 7, False), 3: hb(6, 9)}

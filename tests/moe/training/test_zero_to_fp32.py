@@ -40,8 +40,12 @@ def _run(tiny_data, out_dir, name, world, ep):
 
 def zero_to_fp32(ckpt_dir, out_dir) -> subprocess.CompletedProcess:
     """The script DeepSpeed saved beside the checkpoints, on the tag named in ``latest``."""
-    return subprocess.run([sys.executable, str(ckpt_dir / "zero_to_fp32.py"), str(ckpt_dir),
-                           str(out_dir)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ckpt_dir / "zero_to_fp32.py"), str(ckpt_dir), str(out_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _assert_equals_our_model(ckpt_dir, out_dir):
@@ -96,16 +100,29 @@ def test_moe_export_deepspeed_makes_any_layout_readable_by_zero_to_fp32(w4ep2, t
 
     ckpt_dir = w4ep2
     out = tmp_path / "converted"
-    result = subprocess.run([sys.executable, "-m", "launch.export", str(ckpt_dir.parent), str(out),
-                             "--format", "deepspeed"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.export",
+            str(ckpt_dir.parent),
+            str(out),
+            "--format",
+            "deepspeed",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (out / "latest").read_text() == "step_0000002"
     original, converted = (read_layout_free(d / "step_0000002") for d in (ckpt_dir, out))
     for key in ("params", "exp_avg", "exp_avg_sq"):
         assert original[key].keys() == converted[key].keys()
         for name, value in original[key].items():
-            torch.testing.assert_close(converted[key][name], value, rtol=0, atol=0,
-                                       msg=f"{key} {name}")
+            torch.testing.assert_close(
+                converted[key][name], value, rtol=0, atol=0, msg=f"{key} {name}"
+            )
     z = zero_to_fp32(out, tmp_path / "fp32")
     assert z.returncode == 0, z.stdout + z.stderr
     _assert_equals_our_model(out, tmp_path / "fp32")

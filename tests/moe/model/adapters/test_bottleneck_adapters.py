@@ -19,17 +19,38 @@ from tests.helpers.finetune import base_and_finetune, latest_weights, losses_bef
 
 def tiny_model(**model) -> MoETransformer:
     torch.manual_seed(0)
-    return MoETransformer(from_dict(ModelConfig, {
-        "vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 4, "max_seq_len": 16,
-        "moe": {"num_experts": 4, "expert_hidden": 16, "first_dense_layers": 1,
-                "num_shared_experts": 1}, **model}))
+    return MoETransformer(
+        from_dict(
+            ModelConfig,
+            {
+                "vocab_size": 64,
+                "d_model": 32,
+                "n_layers": 3,
+                "n_heads": 4,
+                "max_seq_len": 16,
+                "moe": {
+                    "num_experts": 4,
+                    "expert_hidden": 16,
+                    "first_dense_layers": 1,
+                    "num_shared_experts": 1,
+                },
+                **model,
+            },
+        )
+    )
 
 
 def adapted(placement: str, **model) -> MoETransformer:
     m = tiny_model(**model)
-    cfg = load_config("configs/default.yaml", [
-        "finetune.method=adapter", "model.init_from=x", "finetune.adapter.hidden=8",
-        f"finetune.adapter.placement={placement}"]).finetune
+    cfg = load_config(
+        "configs/default.yaml",
+        [
+            "finetune.method=adapter",
+            "model.init_from=x",
+            "finetune.adapter.hidden=8",
+            f"finetune.adapter.placement={placement}",
+        ],
+    ).finetune
     prepare_finetune(m, cfg)
     return m
 
@@ -37,8 +58,7 @@ def adapted(placement: str, **model) -> MoETransformer:
 IDS = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("placement,norm", [("both", "pre"), ("attention", "post"),
-                                            ("ffn", "pre")])
+@pytest.mark.parametrize("placement,norm", [("both", "pre"), ("attention", "post"), ("ffn", "pre")])
 def test_adapted_model_starts_as_the_base_exactly(placement, norm):
     base, model = tiny_model(norm_placement=norm), adapted(placement, norm_placement=norm)
     with torch.no_grad():
@@ -79,31 +99,49 @@ def test_adapters_sit_after_the_sublayer_output():
     x = torch.randn(2, 16, 32, generator=gen)
     block, base_block = model.blocks[1], base.blocks[1]
     with torch.no_grad():
+
         def reference(adapter, y):
-            return y + F.linear(F.gelu(F.linear(y, adapter.down.weight, adapter.down.bias)),
-                                adapter.up.weight, adapter.up.bias)
+            return y + F.linear(
+                F.gelu(F.linear(y, adapter.down.weight, adapter.down.bias)),
+                adapter.up.weight,
+                adapter.up.bias,
+            )
+
         y, aux = block.ffn(x)
         y_base, aux_base = base_block.ffn(x)
         torch.testing.assert_close(y, reference(block.ffn.adapter, y_base), rtol=0, atol=1e-6)
         assert torch.equal(aux, aux_base)
         _, inputs = model._attention_inputs(IDS[:, :-1], None, None)
-        torch.testing.assert_close(block.attn(x, inputs),
-                                   reference(block.attn.adapter, base_block.attn(x, inputs)),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            block.attn(x, inputs),
+            reference(block.attn.adapter, base_block.attn(x, inputs)),
+            rtol=0,
+            atol=1e-6,
+        )
         assert not torch.allclose(model(IDS[:, :-1]).logits, base(IDS[:, :-1]).logits)
 
 
 def test_bad_settings_are_refused_by_key():
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=adapter",
-                                             "model.d_model=64", "model.n_heads=4",
-                                             "finetune.adapter.hidden=65"])
+        load_config(
+            "configs/default.yaml",
+            [
+                "model.init_from=ckpt",
+                "finetune.method=adapter",
+                "model.d_model=64",
+                "model.n_heads=4",
+                "finetune.adapter.hidden=65",
+            ],
+        )
     assert e.value.problems == [
         "finetune.adapter.hidden: 65 exceeds the model width (64); a bottleneck adapter "
-        "narrows, use at most 64"]
+        "narrows, use at most 64"
+    ]
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=adapter",
-                                             "finetune.adapter.hidden=0"])
+        load_config(
+            "configs/default.yaml",
+            ["model.init_from=ckpt", "finetune.method=adapter", "finetune.adapter.hidden=0"],
+        )
     assert e.value.problems == ["finetune.adapter.hidden: must be >= 1, got 0"]
     assert BottleneckConfig().placement == "both"
 
@@ -123,8 +161,14 @@ def test_adapter_run_trains_and_leaves_the_base_unchanged(tiny_data, tmp_path):
     # which the adapters learn in 8 steps. From a base trained 6 steps at lr 3e-3 they gained
     # under 0.01 on samples seen once, a difference the data draw decides.
     base, ft = base_and_finetune(
-        tiny_data, runs, {"method": "adapter", "adapter": {"hidden": 16, "init_std": 0.2}},
-        pretrain={"max_steps": 2, "lr": 1e-3}, max_steps=8, lr=1e-2, weight_decay=0.1)
+        tiny_data,
+        runs,
+        {"method": "adapter", "adapter": {"hidden": 16, "init_std": 0.2}},
+        pretrain={"max_steps": 2, "lr": 1e-3},
+        max_steps=8,
+        lr=1e-2,
+        weight_decay=0.1,
+    )
     run_distributed(_runs, 2, base, ft)
 
     before, after = latest_weights(runs / "base"), latest_weights(runs / "ft")

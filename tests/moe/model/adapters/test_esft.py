@@ -24,9 +24,13 @@ from tests.helpers.finetune import base_and_finetune, latest_weights, losses_bef
 
 
 def test_selection_is_the_smallest_prefix_reaching_p():
-    s = torch.tensor([[5.0, 2.0, 2.0, 1.0],   # total 10; the 2s tie: expert 1 before expert 2
-                      [1.0, 4.0, 0.0, 5.0]])  # expert 2 scored nothing
-    assert select_experts(s, 0.5) == [[0], [3]]       # 5/10 reaches 0.5 exactly
+    s = torch.tensor(
+        [
+            [5.0, 2.0, 2.0, 1.0],  # total 10; the 2s tie: expert 1 before expert 2
+            [1.0, 4.0, 0.0, 5.0],
+        ]
+    )  # expert 2 scored nothing
+    assert select_experts(s, 0.5) == [[0], [3]]  # 5/10 reaches 0.5 exactly
     assert select_experts(s, 0.51) == [[0, 1], [1, 3]]
     assert select_experts(s, 0.7) == [[0, 1], [1, 3]]  # 7/10 and 9/10
     assert select_experts(s, 0.71) == [[0, 1, 2], [1, 3]]
@@ -44,18 +48,35 @@ def test_selection_is_the_smallest_prefix_reaching_p():
 
 def tiny_model() -> MoETransformer:
     torch.manual_seed(0)
-    return MoETransformer(from_dict(ModelConfig, {
-        "vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 4, "max_seq_len": 16,
-        "moe": {"num_experts": 4, "expert_hidden": 16, "first_dense_layers": 1,
-                "num_shared_experts": 1, "router": {"top_k": 2, "renormalize": True}}}))
+    return MoETransformer(
+        from_dict(
+            ModelConfig,
+            {
+                "vocab_size": 64,
+                "d_model": 32,
+                "n_layers": 3,
+                "n_heads": 4,
+                "max_seq_len": 16,
+                "moe": {
+                    "num_experts": 4,
+                    "expert_hidden": 16,
+                    "first_dense_layers": 1,
+                    "num_shared_experts": 1,
+                    "router": {"top_k": 2, "renormalize": True},
+                },
+            },
+        )
+    )
 
 
 def test_scores_are_the_routers_gate_scores_and_selection_shares():
     model = tiny_model()
     ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
     seen = []  # each layer's routing, taken independently of the scoring pass
-    handles = [layer.router.register_forward_hook(lambda m, a, r: seen.append(r))
-               for layer in model.moe_layers()]
+    handles = [
+        layer.router.register_forward_hook(lambda m, a, r: seen.append(r))
+        for layer in model.moe_layers()
+    ]
     scores = score_experts(model, [(ids[:2], None), (ids[2:], None)])
     for h in handles:
         h.remove()
@@ -64,15 +85,15 @@ def test_scores_are_the_routers_gate_scores_and_selection_shares():
     assert scores["tokens"] == T
     for i in range(2):  # 2 MoE layers; routings in order: batch 0 layers 1, 2; batch 1 ...
         routings = seen[i::2]
-        picked = torch.cat([torch.zeros_like(r.scores_TE).scatter(1, r.indices_TK, 1.0)
-                            for r in routings])  # (T, E) one where the token chose the expert
+        picked = torch.cat(
+            [torch.zeros_like(r.scores_TE).scatter(1, r.indices_TK, 1.0) for r in routings]
+        )  # (T, E) one where the token chose the expert
         probs = torch.cat([r.scores_TE for r in routings])
         torch.testing.assert_close(scores["gate"][i].float(), (probs * picked).sum(0) / T)
         torch.testing.assert_close(scores["token_share"][i].float(), picked.sum(0) / (2 * T))
         assert math.isclose(scores["token_share"][i].sum().item(), 1.0)
     # The gate score is the router's score before renormalisation: shares differ from counts.
-    assert not torch.allclose(scores["gate"][0] / scores["gate"][0].sum(),
-                              scores["token_share"][0])
+    assert not torch.allclose(scores["gate"][0] / scores["gate"][0].sum(), scores["token_share"][0])
 
 
 def test_masked_rows_get_no_gradient_and_counts_follow_the_selection():
@@ -96,28 +117,44 @@ def test_masked_rows_get_no_gradient_and_counts_follow_the_selection():
 
 def test_bad_settings_are_refused_by_key():
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=esft",
-                                             "finetune.esft.score=mean"])
+        load_config(
+            "configs/default.yaml",
+            ["model.init_from=ckpt", "finetune.method=esft", "finetune.esft.score=mean"],
+        )
     assert e.value.problems[0].startswith("finetune.esft.score: 'mean' is not allowed")
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=esft",
-                                             "finetune.esft.p=1.5", "finetune.esft.max_batches=0"])
-    assert e.value.problems == ["finetune.esft.p: must be between 0 and 1, got 1.5",
-                                "finetune.esft.max_batches: must be >= 1, got 0"]
+        load_config(
+            "configs/default.yaml",
+            [
+                "model.init_from=ckpt",
+                "finetune.method=esft",
+                "finetune.esft.p=1.5",
+                "finetune.esft.max_batches=0",
+            ],
+        )
+    assert e.value.problems == [
+        "finetune.esft.p: must be between 0 and 1, got 1.5",
+        "finetune.esft.max_batches: must be >= 1, got 0",
+    ]
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=esft",
-                                             "model.ffn=dense"])
-    assert "finetune.method: esft trains selected routed experts, and this model has no MoE" \
+        load_config(
+            "configs/default.yaml",
+            ["model.init_from=ckpt", "finetune.method=esft", "model.ffn=dense"],
+        )
+    assert (
+        "finetune.method: esft trains selected routed experts, and this model has no MoE"
         in e.value.problems[0]
+    )
 
 
 def first_batches(data, ranks, world: int, micro_batch: int, n: int) -> list:
     """The first ``n`` micro-batches of each of ``ranks`` (of ``world``) in the training data, as
     an ESFT run scores them: (input ids, no document ids)."""
-    return [(b.tokens_BS[:, :-1], None)
-            for r in ranks
-            for b in PackedReader(data.dir, data.seq_len, data.seed, r, world,
-                                  micro_batch).next_step(n)]
+    return [
+        (b.tokens_BS[:, :-1], None)
+        for r in ranks
+        for b in PackedReader(data.dir, data.seq_len, data.seed, r, world, micro_batch).next_step(n)
+    ]
 
 
 def p_selecting_both_halves(gate_LE: torch.Tensor) -> float:
@@ -155,8 +192,9 @@ def _runs(rank, world, base, ft, data):
     env = DistEnv(rank, world, rank, world)
     train(from_dict(RunConfig, copy.deepcopy(base)), env)
     model = load_model(Path(base["output_dir"]) / "base")[0]
-    batches = first_batches(data, [rank], world, ft["train"]["micro_batch_size"],
-                            ft["finetune"]["esft"]["max_batches"])
+    batches = first_batches(
+        data, [rank], world, ft["train"]["micro_batch_size"], ft["finetune"]["esft"]["max_batches"]
+    )
     p = p_selecting_both_halves(score_experts(model, batches)["gate"])  # summed over ranks
     ft = copy.deepcopy(ft)
     ft["finetune"]["esft"]["p"] = p
@@ -188,9 +226,15 @@ def esft_runs(tiny_data, tmp_path_factory):
     # A base 2 steps past its start: the selected experts have the data's plain token
     # statistics left to learn in 6 steps, a gain well clear of the data draw's noise.
     base, ft = base_and_finetune(
-        tiny_data, runs, {"method": "esft", "esft": {"score": "gate", "max_batches": 2}},
-        pretrain={"max_steps": 2, "lr": 1e-3}, max_steps=6, lr=1e-2, warmup_steps=1,
-        weight_decay=0.1)
+        tiny_data,
+        runs,
+        {"method": "esft", "esft": {"score": "gate", "max_batches": 2}},
+        pretrain={"max_steps": 2, "lr": 1e-3},
+        max_steps=6,
+        lr=1e-2,
+        warmup_steps=1,
+        weight_decay=0.1,
+    )
     run_distributed(_runs, 2, base, ft, tiny_data)
     selection = json.loads((runs / "ft" / "esft_selection.json").read_text())
     ft["finetune"]["esft"]["p"] = selection["p"]
@@ -204,10 +248,16 @@ def test_only_selected_experts_train_under_expert_parallelism(tiny_data, esft_ru
     assert selection["tokens"] == 2 * 2 * 4 * tiny_data.seq_len  # ranks x batches x B x S
     assert [layer["name"] for layer in selection["layers"]] == ["blocks.0.ffn", "blocks.1.ffn"]
     # The scores are the base model's on both ranks' first 2 micro-batches, on one device here.
-    gate = score_experts(load_model(runs / "base")[0],
-                         first_batches(tiny_data, range(2), world=2, micro_batch=4, n=2))["gate"]
-    torch.testing.assert_close(torch.tensor([layer["gate"] for layer in selection["layers"]],
-                                            dtype=gate.dtype), gate, rtol=1e-5, atol=1e-7)
+    gate = score_experts(
+        load_model(runs / "base")[0],
+        first_batches(tiny_data, range(2), world=2, micro_batch=4, n=2),
+    )["gate"]
+    torch.testing.assert_close(
+        torch.tensor([layer["gate"] for layer in selection["layers"]], dtype=gate.dtype),
+        gate,
+        rtol=1e-5,
+        atol=1e-7,
+    )
     got = [layer["selected"] for layer in selection["layers"]]
     assert got == select_experts(gate, ft["finetune"]["esft"]["p"])
     assert all(1 <= len(s) < 4 for s in got)
@@ -242,8 +292,11 @@ def _resume_on_one_rank(rank, world, cfg_dict, tag_dir):
     from moe.training.trainer import DistEnv, train
 
     esft.score_experts = None  # a resumed run must take its checkpoint's selection
-    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world),
-          resume=tag_dir)
+    train(
+        from_dict(RunConfig, copy.deepcopy(cfg_dict)),
+        DistEnv(rank, world, rank, world),
+        resume=tag_dir,
+    )
 
 
 @pytest.mark.multiprocess

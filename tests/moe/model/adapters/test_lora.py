@@ -17,10 +17,25 @@ from moe.training.finetune import parameter_counts, prepare_finetune
 
 def tiny_model(**moe) -> MoETransformer:
     torch.manual_seed(0)
-    return MoETransformer(from_dict(ModelConfig, {
-        "vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 4, "max_seq_len": 16,
-        "moe": {"num_experts": 4, "expert_hidden": 16, "first_dense_layers": 1,
-                "num_shared_experts": 1, **moe}}))
+    return MoETransformer(
+        from_dict(
+            ModelConfig,
+            {
+                "vocab_size": 64,
+                "d_model": 32,
+                "n_layers": 3,
+                "n_heads": 4,
+                "max_seq_len": 16,
+                "moe": {
+                    "num_experts": 4,
+                    "expert_hidden": 16,
+                    "first_dense_layers": 1,
+                    "num_shared_experts": 1,
+                    **moe,
+                },
+            },
+        )
+    )
 
 
 def _randomize_factors(model):
@@ -35,12 +50,12 @@ def _reference_experts(mod, x_ND, counts, scale_N):
     """One expert at a time, in plain matmuls: the function the grouped pass must compute."""
     s, rows, start = mod.lora_scale, [], 0
     for e, n in enumerate(counts):
-        x = x_ND[start:start + n]
+        x = x_ND[start : start + n]
         h = x @ mod.w_in[e] + s * (x @ mod.w_in_lora_A[e]) @ mod.w_in_lora_B[e]
         gate, up = h.split(mod.hidden, dim=-1)
         h = F.silu(gate) * up
         y = h @ mod.w_out[e] + s * (h @ mod.w_out_lora_A[e]) @ mod.w_out_lora_B[e]
-        rows.append(y * scale_N[start:start + n, None])
+        rows.append(y * scale_N[start : start + n, None])
         start += n
     return torch.cat(rows)
 
@@ -82,8 +97,10 @@ def test_a_rank_the_kernel_cannot_take_is_padded_not_looped(monkeypatch, dtype, 
     _randomize_factors(model)
     mod = model.blocks[1].ffn.experts.to(dtype)
     assert mod.w_in_lora_A.shape == (4, 32, rank)
-    assert not all(uses_grouped_kernel(torch.empty(1, 32, dtype=dtype), w)
-                   for w in mod.parameters(recurse=False))  # unpadded, the loop would run
+    assert not all(
+        uses_grouped_kernel(torch.empty(1, 32, dtype=dtype), w)
+        for w in mod.parameters(recurse=False)
+    )  # unpadded, the loop would run
     assert not mod.needs_host_counts(torch.empty(1, 32, dtype=dtype))
     monkeypatch.setattr(experts_mod, "_loop_mm", lambda *a: pytest.fail("looped over experts"))
     counts = [5, 0, 7, 4]
@@ -104,9 +121,23 @@ def test_a_rank_the_kernel_cannot_take_is_padded_not_looped(monkeypatch, dtype, 
 
 def test_merged_model_equals_the_adapted_one():
     model = tiny_model(router={"top_k": 2}, shared_expert_gate=True)
-    apply_lora(model, LoRAConfig(targets=["attention.q", "attention.k", "attention.v",
-                                          "attention.o", "ffn", "shared_experts", "experts",
-                                          "router"], rank=4, dropout=0.1))
+    apply_lora(
+        model,
+        LoRAConfig(
+            targets=[
+                "attention.q",
+                "attention.k",
+                "attention.v",
+                "attention.o",
+                "ffn",
+                "shared_experts",
+                "experts",
+                "router",
+            ],
+            rank=4,
+            dropout=0.1,
+        ),
+    )
     _randomize_factors(model)
     model.eval()  # no dropout: the merged weights compute the adapted function exactly
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -125,15 +156,19 @@ def test_merged_model_equals_the_adapted_one():
 
 def test_frozen_parameters_get_no_gradient():
     model = tiny_model()
-    cfg = load_config("configs/default.yaml", ["finetune.method=lora", "model.init_from=x",
-                                               "finetune.lora.train_router=true"]).finetune
+    cfg = load_config(
+        "configs/default.yaml",
+        ["finetune.method=lora", "model.init_from=x", "finetune.lora.train_router=true"],
+    ).finetune
     prepare_finetune(model, cfg)
     ids = torch.randint(0, 64, (2, 17))
     model(ids[:, :-1], ids[:, 1:]).loss.backward()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n or n.endswith("router.weight") for n in trainable)
     assert {n for n in trainable if n.endswith("router.weight")} == {
-        "blocks.1.ffn.router.weight", "blocks.2.ffn.router.weight"}
+        "blocks.1.ffn.router.weight",
+        "blocks.2.ffn.router.weight",
+    }
     for name, p in model.named_parameters():
         if name in trainable:
             assert p.grad is not None, name
@@ -142,8 +177,9 @@ def test_frozen_parameters_get_no_gradient():
     # B starts at zero, so the adapted model starts as the base; its gradient is not zero.
     assert model.blocks[0].attn.q_proj.lora_B.grad.abs().sum() > 0
     counts = parameter_counts(model)
-    assert counts["trainable_params"] == sum(p.numel() for n, p in model.named_parameters()
-                                             if n in trainable)
+    assert counts["trainable_params"] == sum(
+        p.numel() for n, p in model.named_parameters() if n in trainable
+    )
     assert 0 < counts["trainable_share"] < 0.5
 
 
@@ -155,21 +191,30 @@ def config_errors(*overrides) -> list[str]:
 
 def test_bad_targets_and_ranks_are_refused_by_name():
     assert config_errors("finetune.method=lora", "finetune.lora.targets=[ffn]") == [
-        "finetune.lora.targets: 'ffn' matches no layer of this model (it has no dense FFN layer)"]
-    (msg,) = config_errors("finetune.method=lora", "finetune.lora.targets=[router]",
-                           "finetune.lora.rank=64")
+        "finetune.lora.targets: 'ffn' matches no layer of this model (it has no dense FFN layer)"
+    ]
+    (msg,) = config_errors(
+        "finetune.method=lora", "finetune.lora.targets=[router]", "finetune.lora.rank=64"
+    )
     assert msg.startswith("finetune.lora.rank: 64 exceeds the smaller dimension of router")
-    (msg,) = config_errors("finetune.method=lora", "finetune.lora.targets=[experts]",
-                           "finetune.lora.expert_rank=per_top_k", "finetune.lora.rank=1")
+    (msg,) = config_errors(
+        "finetune.method=lora",
+        "finetune.lora.targets=[experts]",
+        "finetune.lora.expert_rank=per_top_k",
+        "finetune.lora.rank=1",
+    )
     assert msg.startswith("finetune.lora.rank: 1 with expert_rank per_top_k")
-    assert config_errors("finetune.method=lora", "finetune.lora.targets=[attention.x]")[0] \
-        .startswith("finetune.lora.targets[0]: 'attention.x' is not allowed")
+    assert config_errors("finetune.method=lora", "finetune.lora.targets=[attention.x]")[
+        0
+    ].startswith("finetune.lora.targets[0]: 'attention.x' is not allowed")
     for method in ("full", "lora"):
         with pytest.raises(ConfigError) as e:
             load_config("configs/default.yaml", [f"finetune.method={method}"])
-        assert e.value.problems == [f"model.init_from: finetune.method {method} starts from "
-                                    "trained weights; set model.init_from to a checkpoint (or "
-                                    "hf:DIR)"]
+        assert e.value.problems == [
+            f"model.init_from: finetune.method {method} starts from "
+            "trained weights; set model.init_from to a checkpoint (or "
+            "hf:DIR)"
+        ]
     load_config("configs/default.yaml", ["finetune.method=full", "model.init_from=ckpt"])
     # The LoRA config asks for the base it adapts.
     with pytest.raises(ConfigError, match="model.init_from: finetune.method lora"):
@@ -184,8 +229,15 @@ def test_cli_exits_2_naming_the_key(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(f"name: x\noutput_dir: {tmp_path / 'runs'}\n")
     with pytest.raises(SystemExit) as e:
-        main([str(config), "--dry-run", "model.init_from=ckpt", "finetune.method=lora",
-              "finetune.lora.rank=100000"])
+        main(
+            [
+                str(config),
+                "--dry-run",
+                "model.init_from=ckpt",
+                "finetune.method=lora",
+                "finetune.lora.rank=100000",
+            ]
+        )
     assert e.value.code == 2
     assert "finetune.lora.rank: 100000 exceeds the smaller dimension" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()

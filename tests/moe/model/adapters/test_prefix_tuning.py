@@ -21,12 +21,30 @@ IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
 
 def prefixed(**model) -> MoETransformer:
     torch.manual_seed(0)
-    m = MoETransformer(from_dict(ModelConfig, {
-        "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-        "max_seq_len": 24, "moe": {"num_experts": 4, "expert_hidden": 16}, **model}))
-    cfg = load_config("configs/default.yaml", [
-        "finetune.method=prefix", "model.init_from=x", f"finetune.prefix.tokens={N}",
-        "finetune.prefix.init_std=0.5"]).finetune
+    m = MoETransformer(
+        from_dict(
+            ModelConfig,
+            {
+                "vocab_size": 64,
+                "d_model": 32,
+                "n_layers": 2,
+                "n_heads": 4,
+                "n_kv_heads": 2,
+                "max_seq_len": 24,
+                "moe": {"num_experts": 4, "expert_hidden": 16},
+                **model,
+            },
+        )
+    )
+    cfg = load_config(
+        "configs/default.yaml",
+        [
+            "finetune.method=prefix",
+            "model.init_from=x",
+            f"finetune.prefix.tokens={N}",
+            "finetune.prefix.init_std=0.5",
+        ],
+    ).finetune
     prepare_finetune(m, cfg)
     return m.eval()
 
@@ -47,8 +65,9 @@ def test_attention_with_prefixes_equals_a_hand_computation(backend):
         k = torch.cat((attn.prefix_k.expand(2, -1, -1, -1), k), 2).repeat_interleave(2, 1)
         v = torch.cat((attn.prefix_v.expand(2, -1, -1, -1), v), 2).repeat_interleave(2, 1)
         scores = q @ k.transpose(-1, -2) / math.sqrt(8)  # (B, H, S, N + S)
-        allowed = torch.cat((torch.ones(12, N, dtype=torch.bool),
-                             torch.ones(12, 12, dtype=torch.bool).tril()), 1)
+        allowed = torch.cat(
+            (torch.ones(12, N, dtype=torch.bool), torch.ones(12, 12, dtype=torch.bool).tril()), 1
+        )
         y = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
         want = attn.o_proj(y.transpose(1, 2).reshape(2, 12, 32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -80,27 +99,43 @@ def test_only_prefixes_train():
 def test_unsupported_back_ends_are_refused_by_key():
     def problems(*overrides):
         with pytest.raises(ConfigError) as e:
-            load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=prefix",
-                                                 *overrides])
+            load_config(
+                "configs/default.yaml",
+                ["model.init_from=ckpt", "finetune.method=prefix", *overrides],
+            )
         return e.value.problems
 
     assert problems("model.attention_backend=flex")[0].startswith(
-        "model.attention_backend: flex can run flex attention")
+        "model.attention_backend: flex can run flex attention"
+    )
     assert problems("model.position=alibi")[0].startswith(
-        "model.attention_backend: auto can run flex attention (with position alibi)")
+        "model.attention_backend: auto can run flex attention (with position alibi)"
+    )
     assert problems("model.document_masking=true") == [
         "model.document_masking: prefix tuning does not support packed documents "
-        "(per-document attention); set it false"]
-    load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=prefix",
-                                         "model.position=alibi",
-                                         "model.attention_backend=reference"])
+        "(per-document attention); set it false"
+    ]
+    load_config(
+        "configs/default.yaml",
+        [
+            "model.init_from=ckpt",
+            "finetune.method=prefix",
+            "model.position=alibi",
+            "model.attention_backend=reference",
+        ],
+    )
 
 
 @pytest.mark.multiprocess
 def test_prefix_run_trains_and_leaves_the_base_unchanged(tiny_data, tmp_path):
     added, start, end = finetune_over_frozen_base(
-        tiny_data, tmp_path, {"method": "prefix", "prefix": {"tokens": 4}}, steps=2, lr=1e-2,
-        weight_decay=0.1)
+        tiny_data,
+        tmp_path,
+        {"method": "prefix", "prefix": {"tokens": 4}},
+        steps=2,
+        lr=1e-2,
+        weight_decay=0.1,
+    )
     assert added == {f"blocks.{i}.attn.prefix_{kv}" for i in (0, 1) for kv in "kv"}
     # Measured: 5.5846 -> 5.5795 on the 2 steps' samples. Over 8 steps, every sample seen once,
     # the loss on them did not fall (5.6879 -> 5.6882 at lr 1e-3, 5.6908 at 1e-2), though on a

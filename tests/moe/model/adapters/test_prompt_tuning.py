@@ -21,15 +21,34 @@ IDS = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
 
 def models(init="vocab", **model) -> tuple[MoETransformer, MoETransformer, torch.Tensor]:
     """(base, prompted copy of it, the ids the vocab prompt was drawn from)."""
+
     def build():
         torch.manual_seed(0)
-        return MoETransformer(from_dict(ModelConfig, {
-            "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 24,
-            "moe": {"num_experts": 4, "expert_hidden": 16}, **model}))
+        return MoETransformer(
+            from_dict(
+                ModelConfig,
+                {
+                    "vocab_size": 64,
+                    "d_model": 32,
+                    "n_layers": 2,
+                    "n_heads": 4,
+                    "max_seq_len": 24,
+                    "moe": {"num_experts": 4, "expert_hidden": 16},
+                    **model,
+                },
+            )
+        )
+
     base, prompted = build(), build()
-    cfg = load_config("configs/default.yaml", [
-        "finetune.method=prompt", "model.init_from=x", f"finetune.prompt.tokens={N}",
-        f"finetune.prompt.init={init}"]).finetune
+    cfg = load_config(
+        "configs/default.yaml",
+        [
+            "finetune.method=prompt",
+            "model.init_from=x",
+            f"finetune.prompt.tokens={N}",
+            f"finetune.prompt.init={init}",
+        ],
+    ).finetune
     torch.manual_seed(3)
     prepare_finetune(prompted, cfg)
     torch.manual_seed(3)
@@ -37,11 +56,17 @@ def models(init="vocab", **model) -> tuple[MoETransformer, MoETransformer, torch
     return base.eval(), prompted.eval(), drawn
 
 
-@pytest.mark.parametrize("model", [
-    {"position": "rope"}, {"position": "learned"}, {"position": "alibi"},
-    {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 24},
-    {"position": "sinusoidal", "attention_backend": "reference"},
-    {"position": "rope", "attention_backend": "flex"}])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"position": "rope"},
+        {"position": "learned"},
+        {"position": "alibi"},
+        {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 24},
+        {"position": "sinusoidal", "attention_backend": "reference"},
+        {"position": "rope", "attention_backend": "flex"},
+    ],
+)
 def test_a_vocab_prompt_computes_what_the_hard_prompt_does(model):
     base, prompted, drawn = models(**model)
     torch.testing.assert_close(prompted.embed.prompt, base.embed.weight[drawn], rtol=0, atol=0)
@@ -107,24 +132,40 @@ def test_expert_statistics_route_the_prompt_positions_and_rank_the_tokens():
 
 def test_bad_settings_are_refused_by_key():
     with pytest.raises(ConfigError) as e:
-        load_config("configs/default.yaml", [
-            "model.init_from=ckpt", "finetune.method=prompt", "model.document_masking=true",
-            "model.position=learned", "model.max_seq_len=140", "data.seq_len=128"])
+        load_config(
+            "configs/default.yaml",
+            [
+                "model.init_from=ckpt",
+                "finetune.method=prompt",
+                "model.document_masking=true",
+                "model.position=learned",
+                "model.max_seq_len=140",
+                "data.seq_len=128",
+            ],
+        )
     assert e.value.problems == [
         "model.document_masking: finetune.method prompt does not support packed documents (a "
         "soft prompt in front of a row would be seen by its first document only); set it false",
         "finetune.prompt.tokens: 20 prompt positions before data.seq_len 128 exceed "
-        "model.max_seq_len (140) of the learned position table; use at most 12 tokens"]
+        "model.max_seq_len (140) of the learned position table; use at most 12 tokens",
+    ]
     with pytest.raises(ConfigError, match="finetune.prompt.tokens: must be >= 1, got 0"):
-        load_config("configs/default.yaml", ["model.init_from=ckpt", "finetune.method=prompt",
-                                             "finetune.prompt.tokens=0"])
+        load_config(
+            "configs/default.yaml",
+            ["model.init_from=ckpt", "finetune.method=prompt", "finetune.prompt.tokens=0"],
+        )
 
 
 @pytest.mark.multiprocess
 def test_prompt_run_trains_and_leaves_the_base_unchanged(tiny_data, tmp_path):
     added, start, end = finetune_over_frozen_base(
-        tiny_data, tmp_path, {"method": "prompt", "prompt": {"tokens": 8}}, steps=8, lr=3e-3,
-        weight_decay=0.1)
+        tiny_data,
+        tmp_path,
+        {"method": "prompt", "prompt": {"tokens": 8}},
+        steps=8,
+        lr=3e-3,
+        weight_decay=0.1,
+    )
     assert added == {"embed.prompt"}
     # Measured: 5.69342 -> 5.69315. Small: 8 prompt vectors in front of a frozen model barely
     # past its start, 8 steps, every sample seen once (lr 3e-2 overshoots: 5.6941).

@@ -122,34 +122,42 @@ def test_quantised_products_equal_lora_on_the_dequantised_weights():
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * (2 * 3 + 2 + 2 * 4)
     for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
     # The NF4 weights still count as (frozen) parameters of the model.
     assert parameter_counts(model) == counts
     # The base is no parameter: nothing can give it a gradient or optimizer state.
     assert all("lora_" in n or not p.requires_grad for n, p in model.named_parameters())
-    assert not [n for n, _ in model.named_parameters()
-                if n.endswith(("q_proj.weight", "experts.w_in", "experts.w_out"))]
+    assert not [
+        n
+        for n, _ in model.named_parameters()
+        if n.endswith(("q_proj.weight", "experts.w_in", "experts.w_out"))
+    ]
 
 
 def test_no_dequantised_weight_is_kept_for_the_backward():
     model = _qlora_model()
     quantize_base(model)
     # Every quantised weight's shape, stacked and per matrix (nn.Linear's (out, in) included).
-    shapes = {shape for m in model.modules() for s in getattr(m, "nf4_shapes", {}).values()
-              for shape in (tuple(s), tuple(s[1:]))}
+    shapes = {
+        shape
+        for m in model.modules()
+        for s in getattr(m, "nf4_shapes", {}).values()
+        for shape in (tuple(s), tuple(s[1:]))
+    }
     saved = []
     ids = torch.randint(0, 64, (2, 14))  # 26 tokens: no activation is shaped like a weight
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(tuple(t.shape)) or t, lambda t: t
+    ):
         model(ids[:, :-1], ids[:, 1:]).loss.backward()
     assert saved and not [s for s in saved if s in shapes]
     # The plain LoRA model does keep its (float) weights for the backward: the check has teeth.
     plain = copy.deepcopy(model)
     dequantize_base(plain)
     saved.clear()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(tuple(t.shape)) or t, lambda t: t
+    ):
         plain(ids[:, :-1], ids[:, 1:]).loss.backward()
     assert [s for s in saved if s in shapes]
 
@@ -157,8 +165,7 @@ def test_no_dequantised_weight_is_kept_for_the_backward():
 def test_base_memory_is_under_0_3_of_bf16():
     """The default-size fine-tuning model (configs/finetune-qlora.yaml): bytes of every NF4
     buffer (codes, int8 scales, factors, means) against 2 bytes per quantised value."""
-    cfg = load_config("configs/finetune-qlora.yaml", ["model.init_from=x",
-                                                      "model.vocab_size=4096"])
+    cfg = load_config("configs/finetune-qlora.yaml", ["model.init_from=x", "model.vocab_size=4096"])
     from moe.model.transformer import MoETransformer
 
     torch.manual_seed(0)
@@ -181,11 +188,18 @@ def test_qlora_without_torchao_is_refused_by_key(monkeypatch, tmp_path, capsys):
         load_config("configs/finetune-qlora.yaml", ["model.init_from=ckpt"])
     assert e.value.problems == [
         "finetune.method: qlora quantises the base with torchao, which is not installed: "
-        "pip install torchao==0.18.0 (or pip install -e .[qlora])"]
+        "pip install torchao==0.18.0 (or pip install -e .[qlora])"
+    ]
     from launch.launch import main
 
     with pytest.raises(SystemExit) as e:
-        main(["configs/finetune-qlora.yaml", "--dry-run", "model.init_from=ckpt",
-              f"output_dir={tmp_path / 'runs'}"])
+        main(
+            [
+                "configs/finetune-qlora.yaml",
+                "--dry-run",
+                "model.init_from=ckpt",
+                f"output_dir={tmp_path / 'runs'}",
+            ]
+        )
     assert e.value.code == 2 and "pip install torchao" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()

@@ -1,4 +1,4 @@
-"""The restart loop of local and hostfile launches (launch/supervise.py) with a fake launcher: a
+"""The restart loop of local and hostfile launches (launch/restarts.py) with a fake launcher: a
 small script that plays both ranks (their step records, their exit records as launch/rank.py
 writes them) and follows a per-attempt script of outcomes. The real launch is tested in
 tests/integration/test_fault_campaign.py."""
@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from launch import supervise
+from launch import restarts as restart_policy
 from launch.rank import exit_record, exits_file
-from launch.supervise import RESTARTS_FILE, Relaunch, run_with_restarts
+from launch.restarts import RESTARTS_FILE, Relaunch, run_with_restarts
 from moe.core.errors import LaunchError
 from tests.launch.test_config_errors import launch_errors
 
-FAKE = r'''
+FAKE = r"""
 import json, sys, time
 from pathlib import Path
 from launch.rank import exit_record, exits_file
@@ -38,7 +38,7 @@ if outcome.get("hang"):  # what a hang watchdog writes before it exits with code
     with (logs / "hangs_rank0.jsonl").open("a") as f:
         f.write(json.dumps(outcome["hang"]) + "\n")
 if outcome.get("final"):  # a rank's word that no restart fixes this (launch/train.py)
-    from launch.supervise import record_final
+    from launch.restarts import record_final
     record_final(logs, 1, "storage", outcome["final"])
 for rank, rc in enumerate(outcome["ranks"]):
     if rc is not None:
@@ -48,11 +48,12 @@ for rank, rc in enumerate(outcome["ranks"]):
 if outcome.get("linger"):
     time.sleep(3600)
 sys.exit(outcome["launcher"])
-'''
+"""
 
 
-def run(tmp_path, script, max_restarts=3, checkpoints=(), preempted=lambda rc: rc == 75,
-        replan=None):
+def run(
+    tmp_path, script, max_restarts=3, checkpoints=(), preempted=lambda rc: rc == 75, replan=None
+):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for step in checkpoints:  # a complete checkpoint: its directory and its marker
@@ -62,8 +63,9 @@ def run(tmp_path, script, max_restarts=3, checkpoints=(), preempted=lambda rc: r
     fake = tmp_path / "fake_launcher.py"
     fake.write_text(FAKE)
     cmd = [sys.executable, str(fake), str(run_dir), json.dumps(script)]
-    rc = run_with_restarts(cmd, None, run_dir, 2, max_restarts, preempted,
-                           replan and (lambda: replan(cmd)))
+    rc = run_with_restarts(
+        cmd, None, run_dir, 2, max_restarts, preempted, replan and (lambda: replan(cmd))
+    )
     return rc, run_dir
 
 
@@ -80,34 +82,45 @@ KILLED = -9  # subprocess's return code of a process killed by SIGKILL
 
 
 def test_failures_are_restarted_and_logged_with_rank_cause_and_step(tmp_path, capsys):
-    script = [{"reach": 4, "ranks": [None, KILLED], "launcher": 137},
-              {"reach": 6, "ranks": [70, 143], "launcher": 70},
-              {"reach": 8, "ranks": [0, 0], "launcher": 0}]
+    script = [
+        {"reach": 4, "ranks": [None, KILLED], "launcher": 137},
+        {"reach": 6, "ranks": [70, 143], "launcher": 70},
+        {"reach": 8, "ranks": [0, 0], "launcher": 0},
+    ]
     rc, run_dir = run(tmp_path, script)
     assert rc == 0 and attempts(run_dir) == 3
     out = capsys.readouterr().out
-    assert "restart 1/3: rank 1 exited with signal SIGKILL at step 5; resuming from the start" in out
+    assert (
+        "restart 1/3: rank 1 exited with signal SIGKILL at step 5; resuming from the start" in out
+    )
     assert "restart 2/3: rank 0 exited with code 70 at step 7" in out
     got = restarts(run_dir)
-    assert [(r["restart"], r["rank"], r["returncode"], r["signal"], r["step"]) for r in got] == \
-        [(1, 1, None, "SIGKILL", 5), (2, 0, 70, None, 7)]
+    assert [(r["restart"], r["rank"], r["returncode"], r["signal"], r["step"]) for r in got] == [
+        (1, 1, None, "SIGKILL", 5),
+        (2, 0, 70, None, 7),
+    ]
 
 
 def test_a_failure_no_restart_fixes_stops_at_once_naming_its_cause(tmp_path):
     """A full disk recorded by rank 1: no restart (three were allowed), and the one error says
     why, in its last words. A final record of an earlier attempt does not count."""
     cause = "the checkpoint storage at /ckpt is full: 0 bytes free"
-    script = [{"reach": 4, "ranks": [2, 2], "launcher": 2, "final": cause},
-              {"reach": 8, "ranks": [0, 0], "launcher": 0}]
+    script = [
+        {"reach": 4, "ranks": [2, 2], "launcher": 2, "final": cause},
+        {"reach": 8, "ranks": [0, 0], "launcher": 0},
+    ]
     with pytest.raises(LaunchError) as e:
         run(tmp_path, script)
-    assert str(e.value).endswith(f"not restarted, a restart cannot fix this: storage on rank 1: "
-                                 f"{cause}")
+    assert str(e.value).endswith(
+        f"not restarted, a restart cannot fix this: storage on rank 1: {cause}"
+    )
     assert attempts(tmp_path / "run") == 1 and restarts(tmp_path / "run") == []
     # The same record from a finished attempt: the next failure is restarted as usual.
     (tmp_path / "run" / "logs" / "attempts").unlink()
-    script = [{"reach": 2, "ranks": [None, KILLED], "launcher": 137},
-              {"reach": 8, "ranks": [0, 0], "launcher": 0}]
+    script = [
+        {"reach": 2, "ranks": [None, KILLED], "launcher": 137},
+        {"reach": 8, "ranks": [0, 0], "launcher": 0},
+    ]
     rc, run_dir = run(tmp_path, script)
     assert rc == 0 and attempts(run_dir) == 2 and len(restarts(run_dir)) == 1
 
@@ -115,9 +128,11 @@ def test_a_failure_no_restart_fixes_stops_at_once_naming_its_cause(tmp_path):
 def test_the_failing_step_counts_from_the_checkpoint_the_attempt_resumed(tmp_path, capsys):
     """An attempt that dies before completing a step: the step after the resumed checkpoint, not
     the step an earlier attempt had reached."""
-    script = [{"reach": 9, "ranks": [1, None], "launcher": 1},
-              {"reach": 0, "ranks": [2, None], "launcher": 2},
-              {"reach": 9, "ranks": [0, 0], "launcher": 0}]
+    script = [
+        {"reach": 9, "ranks": [1, None], "launcher": 1},
+        {"reach": 0, "ranks": [2, None], "launcher": 2},
+        {"reach": 9, "ranks": [0, 0], "launcher": 0},
+    ]
     run(tmp_path, script, checkpoints=[6])
     out = capsys.readouterr().out
     assert "rank 0 exited with code 1 at step 10" in out
@@ -125,18 +140,26 @@ def test_the_failing_step_counts_from_the_checkpoint_the_attempt_resumed(tmp_pat
 
 
 def test_the_same_failure_at_the_same_step_twice_stops_early(tmp_path):
-    script = [{"reach": 4, "ranks": [None, 3], "launcher": 3},
-              {"reach": 4, "ranks": [3, None], "launcher": 3}]  # another rank, same cause
-    with pytest.raises(LaunchError, match=r"failed the same way twice in a row: rank 0 exited "
-                                          r"with code 3 at step 5, as before restart 1/5"):
+    script = [
+        {"reach": 4, "ranks": [None, 3], "launcher": 3},
+        {"reach": 4, "ranks": [3, None], "launcher": 3},
+    ]  # another rank, same cause
+    with pytest.raises(
+        LaunchError,
+        match=r"failed the same way twice in a row: rank 0 exited "
+        r"with code 3 at step 5, as before restart 1/5",
+    ):
         run(tmp_path, script, max_restarts=5)
     assert attempts(tmp_path / "run") == 2
 
 
 def test_restarts_run_out(tmp_path):
     script = [{"reach": s, "ranks": [None, 1], "launcher": 1} for s in (2, 4, 6)]
-    with pytest.raises(LaunchError, match=r"rank 1 exited with code 1 at step 7, after 2 "
-                                          r"restart\(s\) \(launch.max_restarts\)"):
+    with pytest.raises(
+        LaunchError,
+        match=r"rank 1 exited with code 1 at step 7, after 2 "
+        r"restart\(s\) \(launch.max_restarts\)",
+    ):
         run(tmp_path, script, max_restarts=2)
     assert attempts(tmp_path / "run") == 3
 
@@ -155,9 +178,11 @@ def test_a_preemption_is_returned_not_restarted(tmp_path):
 def test_a_launcher_that_outlives_a_failed_rank_is_stopped(tmp_path, monkeypatch):
     """Ranks on other nodes are not DeepSpeed's per-node launcher's to stop: once a rank's end
     is recorded and the launcher still runs after the grace period, its tree is terminated."""
-    monkeypatch.setattr(supervise, "GRACE_S", 1.0)
-    script = [{"reach": 3, "ranks": [None, KILLED], "launcher": 1, "linger": True},
-              {"reach": 5, "ranks": [0, 0], "launcher": 0}]
+    monkeypatch.setattr(restart_policy, "GRACE_S", 1.0)
+    script = [
+        {"reach": 3, "ranks": [None, KILLED], "launcher": 1, "linger": True},
+        {"reach": 5, "ranks": [0, 0], "launcher": 0},
+    ]
     t0 = time.monotonic()
     rc, run_dir = run(tmp_path, script)
     assert rc == 0 and time.monotonic() - t0 < 30
@@ -183,8 +208,12 @@ def test_a_replanned_restart_runs_the_new_command_and_logs_why(tmp_path, capsys)
 
     def replan(cmd):
         # The first command would fail forever; the replanned one finishes.
-        return Relaunch(cmd[:-1] + [json.dumps([{"reach": 4, "ranks": [0], "launcher": 0}])], 1,
-                        "elastic: host b unreachable", {"elastic": {"world_size": 1}})
+        return Relaunch(
+            cmd[:-1] + [json.dumps([{"reach": 4, "ranks": [0], "launcher": 0}])],
+            1,
+            "elastic: host b unreachable",
+            {"elastic": {"world_size": 1}},
+        )
 
     rc, run_dir = run(tmp_path, failing, replan=replan)
     assert rc == 0 and attempts(run_dir) == 2
@@ -196,8 +225,11 @@ def test_a_replan_that_finds_no_layout_stops_without_restarting(tmp_path):
     def replan(cmd):
         raise LaunchError("elastic: 0 usable slot(s) of 2")
 
-    with pytest.raises(LaunchError, match=r"training failed: rank 1 exited with code 1 at step 3; "
-                                          r"not restarted: elastic: 0 usable slot\(s\) of 2"):
+    with pytest.raises(
+        LaunchError,
+        match=r"training failed: rank 1 exited with code 1 at step 3; "
+        r"not restarted: elastic: 0 usable slot\(s\) of 2",
+    ):
         run(tmp_path, [{"reach": 2, "ranks": [None, 1], "launcher": 1}], replan=replan)
     assert attempts(tmp_path / "run") == 1
 
@@ -205,17 +237,27 @@ def test_a_replan_that_finds_no_layout_stops_without_restarting(tmp_path):
 def test_a_hang_names_the_rank_that_did_not_arrive_not_the_one_that_reported_it(tmp_path, capsys):
     """Rank 0's watchdog exits with 70 first; its report names rank 1 (frozen), which the
     failure line blames."""
-    hang = {"rank": 0, "step": 4, "collective": "all_reduce", "call": 57, "inside": True,
-            "missing": {"1": "stopped responding: its heartbeat did not change in 1.8s"},
-            "time": time.time()}
-    script = [{"reach": 3, "ranks": [70, KILLED], "launcher": 70, "hang": hang},
-              {"reach": 5, "ranks": [0, 0], "launcher": 0}]
+    hang = {
+        "rank": 0,
+        "step": 4,
+        "collective": "all_reduce",
+        "call": 57,
+        "inside": True,
+        "missing": {"1": "stopped responding: its heartbeat did not change in 1.8s"},
+        "time": time.time(),
+    }
+    script = [
+        {"reach": 3, "ranks": [70, KILLED], "launcher": 70, "hang": hang},
+        {"reach": 5, "ranks": [0, 0], "launcher": 0},
+    ]
     rc, run_dir = run(tmp_path, script)
     assert rc == 0
     out = capsys.readouterr().out
-    assert ("restart 1/3: rank 1 hung at step 4: stopped responding: its heartbeat did not "
-            "change in 1.8s; it did not reach all_reduce (collective call 57), reported by the "
-            "hang watchdog of rank(s) 0") in out, out
+    assert (
+        "restart 1/3: rank 1 hung at step 4: stopped responding: its heartbeat did not "
+        "change in 1.8s; it did not reach all_reduce (collective call 57), reported by the "
+        "hang watchdog of rank(s) 0"
+    ) in out, out
     assert "rank 0 exited" not in out
     assert restarts(run_dir)[0]["rank"] == 1 and restarts(run_dir)[0]["hang"]
 
@@ -228,7 +270,7 @@ def test_steps_written_in_an_attempt_count_even_when_the_file_clock_lags(tmp_pat
     logs.mkdir()
     old = logs / "steps_rank1.jsonl"
     old.write_text('{"step": 7}\n')  # an earlier attempt's, untouched in this one
-    attempt = supervise.Attempt(tmp_path, 2, resumed_step=2)
+    attempt = restart_policy.Attempt(tmp_path, 2, resumed_step=2)
     path = logs / "steps_rank0.jsonl"
     path.write_text('{"step": 3}\n{"step": 4}\n')
     lagging = attempt.started - 0.004
