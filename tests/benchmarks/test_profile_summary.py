@@ -288,7 +288,10 @@ def test_a_cpu_profile_of_a_tiny_model_is_attributed_by_its_ranges(tmp_path):
         "optimizer",
     } <= found
     by = s["attributed_by"]
-    assert by["range"] + by.get("backward", 0) > 0.9 and by["backward"] > 0.05, by
+    # Backward operators outside every range get their forward operator's region; their share
+    # of the time moves with the machine's load (0.9% to over 5% measured), so only its presence
+    # is asserted here (the rule itself: the synthetic trace above).
+    assert by["range"] + by.get("backward", 0) > 0.9 and by.get("backward", 0) > 0, by
 
 
 def test_on_the_cpu_operators_count_with_their_self_time_and_busy_is_the_outermost():

@@ -1,7 +1,7 @@
 """Host reads of tensor values (syncs on a GPU) in a training step of the real trainer.
 
 Documented, per optimizer step: one ``tolist`` of the step's losses and gradient norm
-(trainer.py) and one ``item`` of the all-reduced preemption flag (preemption.py); ``numpy`` of the
+(step.py) and one ``item`` of the all-reduced preemption flag (preemption.py); ``numpy`` of the
 micro-batches' host copies for the step's token hash (not a device read). Per MoE layer
 and micro-batch: none with the grouped expert kernel and local experts; one ``tolist`` of the
 expert counts with the loop fallback (expert parallelism has its split-size read in its place,
@@ -89,9 +89,9 @@ def test_a_non_logging_step_reads_only_what_is_documented(
     # device read: the device gets its own copies).
     want = Counter(
         {
-            "training/trainer.py tolist": 1,
+            "training/step.py tolist": 1,
             "training/resilience/preemption.py item": 1,
-            "training/trainer.py numpy": ACCUM,
+            "training/step.py numpy": ACCUM,
         }
     )
     if loop_fallback:
