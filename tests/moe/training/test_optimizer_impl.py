@@ -124,7 +124,7 @@ def results(tmp_path_factory):
     torch.manual_seed(0)
     batches = [torch.randint(0, VOCAB, (MB, SEQ + 1)) for _ in range(STEPS)]
     run_distributed(_worker, 1, batches, str(tmp / "ckpt"), str(tmp / "out.pt"))
-    return torch.load(tmp / "out.pt", weights_only=False)
+    return torch.load(tmp / "out.pt", weights_only=True)
 
 
 def test_each_setting_runs_its_implementation_once_per_group_and_step(results):
