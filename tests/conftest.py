@@ -38,16 +38,33 @@ STDLIB_MODULES = [
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """For pytest-xdist's ``--dist loadgroup`` (docs/testing.md): the tests of one file run on one
-    worker, so a module-scoped fixture (the export sweep's trained checkpoints) is built once;
-    every run of the real launcher (integration, slurm) is in one group, so no two run at once
-    (hostfile launches use the fixed master port 29500; SLURM clusters start daemons and
-    network namespaces, and each fills both cores)."""
+    worker, so a module-scoped fixture (a trained base, the export sweep's checkpoints) is built
+    once; the SLURM tests are one group, so no two of their clusters (daemons, network
+    namespaces, each filling both cores) run at once. Other launcher runs take free ports and
+    directories of their own: one may run beside another."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        serial = item.get_closest_marker("integration") or item.get_closest_marker("slurm")
-        group = "launcher" if serial else item.nodeid.split("::")[0]
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup``, each test id a worker collected must carry its group
+    (``...@group``): that is what xdist schedules by. If a pytest or xdist release stops that
+    (pytest 9.2 with xdist 3.8 did: constraints.txt), every test becomes a group of its own and
+    the suite silently loses what the groups are for (one build of a module's fixtures, one
+    SLURM cluster at a time); stop instead."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    lost = [i for i in ids if i.rfind("@") <= i.rfind("]")]  # as xdist finds a group
+    if lost:
+        pytest.exit(
+            f"--dist loadgroup: {len(lost)} of {len(ids)} tests lost their xdist group on "
+            f"{node.gateway.id} (first: {lost[0]}): this pytest / pytest-xdist pair does not "
+            "group tests; install the versions constraints.txt pins",
+            returncode=4,
+        )
 
 
 # A shell starts a background job (`cmd &` without job control) with SIGINT and SIGQUIT ignored,

@@ -4,6 +4,7 @@ passwordless ssh and pdsh; the plan for them is checked in tests/launch/test_pla
 
 import pytest
 
+from moe.training.ports import free_port
 from tests.conftest import tiny_run_dict
 from tests.integration.launch_checks import check_finished_run, moe_launch, write_config
 
@@ -21,6 +22,7 @@ def test_hostfile_runner_trains_two_ranks_ep2(tiny_data, tmp_path):
             "path": str(hosts),
             "include": "localhost:0,1",
             "master_addr": "127.0.0.1",
+            "master_port": free_port(),  # not the default 29500: other launches may run beside
             "ssh_check": False,
         },
     }
