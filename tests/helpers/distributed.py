@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import torch.multiprocessing as mp
@@ -31,7 +32,17 @@ def _free_port() -> int:
     return free_port()
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, backend: str = "gloo") -> None:
+# Modules every rank imports, imported once by the fork server that starts the ranks (see
+# run_distributed): a rank is a fork of it, not a fresh interpreter importing torch and DeepSpeed.
+PRELOAD = ["torch", "deepspeed", "moe.training.trainer", "tests.helpers.distributed"]
+
+
+def _entry(
+    rank: int, world_size: int, port: int, fn, args, backend: str = "gloo", env=None
+) -> None:
+    if env is not None:  # the test's environment, not the fork server's (started earlier)
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -58,14 +69,22 @@ def _entry(rank: int, world_size: int, port: int, fn, args, backend: str = "gloo
 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> None:
     """Start ``world_size`` processes running ``fn(rank, world_size, *args)``; raise if any
-    fails. ``fn`` must be a module-level function (processes are spawned). ``backend="nccl"``
-    puts rank r on ``cuda:r``."""
+    fails. ``fn`` must be a module-level function (it is pickled). ``backend="nccl"`` puts rank
+    r on ``cuda:r``.
+
+    The ranks are forked from multiprocessing's fork server, which imports :data:`PRELOAD`
+    once per test process: two ranks start in about 0.2 s instead of the 2.3-2.8 s of two
+    spawned interpreters importing torch and DeepSpeed (on 2 idle cores), and each is still a
+    process of its own, forked from an interpreter that has imported those modules and run
+    nothing else (CUDA is not initialised there; the test process itself is never forked).
+    Each rank gets the test's current environment, not the server's."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
     mp.start_processes(
         _entry,
-        args=(world_size, _free_port(), fn, args, backend),
+        args=(world_size, _free_port(), fn, args, backend, dict(os.environ)),
         nprocs=world_size,
         join=True,
-        start_method="spawn",
+        start_method="forkserver",
     )
 
 
