@@ -1,6 +1,7 @@
 """Is the default config's training step slower than it was? The step time of
 ``configs/default.yaml`` (2 ranks through ``moe-launch``, as users run it) with this checkout's
-code against another commit's, in alternating rounds.
+code against another commit's, in alternating rounds. Each side trains on its own tree's
+config (a key one release adds the other refuses); the keys in which they differ are printed.
 
     flock /tmp/moe-integration.lock python benchmarks/cpu_step_ab.py --base main
     python benchmarks/cpu_step_ab.py --base HEAD~3 --rounds 5 --steps 60
@@ -32,13 +33,35 @@ from moe.core.run_dir import RunDir
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def config_differences(base: Path, this: Path) -> list[str]:
+    """The keys whose values differ between two trees' configs/default.yaml (each side trains
+    on its own, since a key one release adds the other refuses): what besides the code differs
+    between the two sides' steps."""
+    import yaml
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = (
+        flat(yaml.safe_load((t / "configs" / "default.yaml").read_text())) for t in (base, this)
+    )
+    return [
+        f"{k}: {a.get(k, '(absent)')} -> {b.get(k, '(absent)')}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
+
+
 def run_steps(tree: Path, runs: Path, name: str, steps: int, extra: list[str]) -> list[float]:
     """Tokens/s of each logged step of one training run of ``tree``'s code."""
     cmd = [
         sys.executable,
         "-m",
         "launch.launch",
-        str(ROOT / "configs" / "default.yaml"),
+        str(tree / "configs" / "default.yaml"),  # its own: config keys come and go
         f"name={name}",
         f"output_dir={runs}",
         f"data.dir={ROOT / 'data' / 'stdlib'}",
@@ -194,6 +217,8 @@ def main(argv=None) -> dict:
         ["git", "archive", "--format=tar", args.base], cwd=ROOT, check=True, capture_output=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(base)], input=tar, check=True)
+    for line in config_differences(base, ROOT):
+        print(f"configs/default.yaml differs: {line}", flush=True)
     sides = {"base": base, "this": ROOT}
     medians: dict[str, list[float]] = {"base": [], "this": []}
     try:
