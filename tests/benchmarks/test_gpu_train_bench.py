@@ -80,7 +80,11 @@ def test_cpu_tiny_mode_prints_the_table_and_writes_the_profiles(tmp_path):
     for e in entries:
         assert e["device"] == "CPU" and e["steps"] == 1 and e["tokens_per_s"] > 0
         assert 0 < e["busy_ms"] <= e["profiled_step_ms"] and len(e["top_kernels"]) == 25
-        assert e["attributed_by"]["range"] > 0.5
+        # The model's ranges place most operator time, directly or (backward operators) through
+        # their forward's sequence number: range 0.62-0.68 and backward 0.29-0.33 on an idle
+        # machine; under load the backward's share grew (range 0.42 in one CI run).
+        how = e["attributed_by"]
+        assert how["range"] > 0.25 and how["range"] + how.get("backward", 0) > 0.8, how
     md = (prof / "profile.md").read_text()
     assert "## tiny-moe | default | CPU" in md and len(md.splitlines()) < 120
 
