@@ -80,6 +80,13 @@ LEVERS = (
     ),
     Lever("adamw-fused", ("train.optimizer_impl=fused",), note="torch's fused AdamW kernel"),
     Lever(
+        "permute-gather",
+        ("model.moe.permute=gather",),
+        ("moe",),
+        compiled=True,
+        note="token copies moved by gathers only, no scatter-add (atomics) either way",
+    ),
+    Lever(
         "expert-loop",
         ("bench.expert_kernel=loop",),
         ("moe",),

@@ -5,6 +5,13 @@ into one contiguous (N, D) block that grouped GEMMs consume, and scattered back 
 weights. Dropped copies (over capacity) are sorted into a sentinel bucket past the last expert and
 cut off, so they cost nothing in the experts and contribute zero to the output.
 
+How a copy's rows move (``model.moe.permute``): ``index_add`` gathers the copies with
+``index_select`` and sums them back with ``index_add`` (the backward of each is the other, so
+both directions hold one scatter-add: atomic adds on CUDA, in the rows' dtype); ``gather`` moves
+rows by gathers only, in both directions: a token's K outputs are gathered through the inverse of
+the sort (:func:`copy_slots`) and summed at once (in fp32 for bf16 rows, rounded once, and
+deterministic), and the dispatch's gradient is formed the same way (:class:`_CopyRows`).
+
 Two dispatchers with one interface (``plan``, ``dispatch``, ``combine``): :class:`LocalDispatcher`
 for experts that all live on this device, and :class:`ExpertParallelDispatcher`, which moves the
 copies to the ranks of an expert-parallel group that hold their experts (all-to-all). The model
@@ -15,11 +22,15 @@ the other, with the process group it made.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
 from moe.model.compile import eager_under_compile, mark_rows_dynamic
+
+PermuteImpl = Literal["index_add", "gather"]
+PERMUTE_IMPLS: tuple[str, ...] = get_args(PermuteImpl)
 
 
 @dataclass
@@ -29,6 +40,62 @@ class DispatchPlan:
     counts_E: torch.Tensor  # kept copies per expert (int64)
     num_tokens: int
     counts_host: list[int] | None = None  # counts_E on the host, where already read
+    slots_TK: torch.Tensor | None = None  # permute "gather": see copy_slots
+    dropping: bool = False  # some copies may have been dropped (a capacity factor)
+
+
+def copy_slots(copy_N: torch.Tensor, num_copies: int, top_k: int, dropping: bool) -> torch.Tensor:
+    """(T, K) position of each routed copy among the kept, expert-sorted copies ``copy_N``: the
+    inverse of the sort. A dropped copy (``dropping``) points one past the last kept copy, at a
+    zero row that :func:`sum_copies` appends."""
+    n = copy_N.numel()
+    positions = torch.arange(n, device=copy_N.device)
+    if dropping:
+        slots = torch.full((num_copies,), n, dtype=copy_N.dtype, device=copy_N.device)
+        slots = slots.index_copy(0, copy_N, positions)
+    else:  # every copy kept: copy_N is a permutation of all of them
+        slots = torch.empty_like(copy_N).index_copy_(0, copy_N, positions)
+    return slots.view(-1, top_k)
+
+
+def sum_copies(y_ND: torch.Tensor, slots_TK: torch.Tensor, dropping: bool) -> torch.Tensor:
+    """(T, D): row t is the sum of the rows of ``y_ND`` at ``slots_TK[t]``, by gathers and one
+    reduction over K (accumulated in fp32 for bf16 and fp16 rows), no scatter."""
+    if dropping:
+        y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[-1])])
+    T, K = slots_TK.shape
+    return y_ND.index_select(0, slots_TK.reshape(-1)).view(T, K, -1).sum(1)
+
+
+class _CopyRows(torch.autograd.Function):
+    """The dispatch's gather of token rows into expert order; its gradient sums each token's
+    copies by gathers (:func:`sum_copies`), where ``index_select``'s would scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_N, slots_TK, dropping):
+        ctx.save_for_backward(slots_TK)
+        ctx.dropping = dropping
+        return x_TD.index_select(0, token_N)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (slots_TK,) = ctx.saved_tensors
+        return sum_copies(grad_ND, slots_TK, ctx.dropping), None, None, None
+
+
+class _SumCopies(torch.autograd.Function):
+    """The combine's sum of each token's expert outputs (:func:`sum_copies`); its gradient is
+    the gather of the token gradients into expert order."""
+
+    @staticmethod
+    def forward(ctx, y_ND, token_N, slots_TK, dropping):
+        ctx.save_for_backward(token_N)
+        return sum_copies(y_ND, slots_TK, dropping)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        (token_N,) = ctx.saved_tensors
+        return grad_TD.index_select(0, token_N), None, None, None
 
 
 def capacity_keep_mask(
@@ -70,10 +137,14 @@ def _kept_copies(order: torch.Tensor, counts_E: torch.Tensor, top_k: int):
 
 
 class LocalDispatcher:
-    """Dispatch for experts that all live on this device."""
+    """Dispatch for experts that all live on this device; ``permute``: how rows move (the
+    module's docstring)."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, permute: PermuteImpl = "index_add"):
+        if permute not in PERMUTE_IMPLS:
+            raise ValueError(f"permute: one of {', '.join(PERMUTE_IMPLS)}, got {permute!r}")
         self.num_experts = num_experts
+        self.permute = permute
 
     def plan(self, indices_TK: torch.Tensor, keep_TK: torch.Tensor | None) -> DispatchPlan:
         T, K = indices_TK.shape
@@ -87,12 +158,15 @@ class LocalDispatcher:
             order, token_N, counts_host = _kept_copies(order, counts[: self.num_experts], K)
         else:
             token_N = order // K
+        dropping = keep_TK is not None
         return DispatchPlan(
             copy_N=order,
             token_N=token_N,
             counts_E=counts[: self.num_experts],
             num_tokens=T,
             counts_host=counts_host,
+            slots_TK=copy_slots(order, T * K, K, dropping) if self.permute == "gather" else None,
+            dropping=dropping,
         )
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan):
@@ -100,12 +174,17 @@ class LocalDispatcher:
 
         The weights travel with the copies so the experts can apply them where the activation
         is narrowest (see GroupedExperts.forward)."""
-        x_ND = x_TD.index_select(0, plan.token_N)
+        if plan.slots_TK is not None:
+            x_ND = _CopyRows.apply(x_TD, plan.token_N, plan.slots_TK, plan.dropping)
+        else:
+            x_ND = x_TD.index_select(0, plan.token_N)
         w_N = weights_TK.reshape(-1).index_select(0, plan.copy_N)
         return x_ND, w_N, plan.counts_E
 
     def combine(self, y_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Sum each token's (already weighted) expert outputs back into token order."""
+        if plan.slots_TK is not None:
+            return _SumCopies.apply(y_ND, plan.token_N, plan.slots_TK, plan.dropping)
         out_TD = y_ND.new_zeros(plan.num_tokens, y_ND.shape[-1])
         return out_TD.index_add(0, plan.token_N, y_ND)
 
@@ -140,8 +219,8 @@ class ExpertParallelDispatcher(LocalDispatcher):
     The received rows are marked as a dynamic size, so the compiled experts between dispatch
     and combine are compiled once for every row count (moe/model/compile.py)."""
 
-    def __init__(self, num_experts: int, group, ep_size: int):
-        super().__init__(num_experts)
+    def __init__(self, num_experts: int, group, ep_size: int, permute: PermuteImpl = "index_add"):
+        super().__init__(num_experts, permute)
         self.group, self.ep_size = group, ep_size
         self.num_local = num_experts // ep_size
 

@@ -8,8 +8,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from moe.core.config_schema import arch, minimums
-from moe.model.dispatcher import LocalDispatcher, capacity_keep_mask, count_ids
+from moe.core.config_schema import arch, minimums, runtime
+from moe.model.dispatcher import (
+    LocalDispatcher,
+    PermuteImpl,
+    capacity_keep_mask,
+    count_ids,
+)
 from moe.model.experts import Activation, DenseFFN, GroupedExperts
 from moe.model.recompute import outside_recompute, recompute
 from moe.model.regions import COMBINE, DISPATCH, EXPERTS, ROUTER, region
@@ -47,6 +52,12 @@ class MoEConfig:
     dense_hidden: int | None = arch(None)
     """Hidden width of the dense layers (default: (top_k + num_shared_experts) * expert_hidden,
     the active expert width of an MoE layer)."""
+    permute: PermuteImpl = runtime("index_add")
+    """How token copies move to their experts and back (moe/model/dispatcher.py). ``index_add``:
+    a gather there and a scatter-add back (and in the gradient of the gather: atomic adds in the
+    rows' dtype on CUDA). ``gather``: gathers only, through the inverse of the expert sort; each
+    token's K outputs (and, in the backward, its copies' gradients) summed in one reduction, in
+    fp32 for bf16 rows and in a fixed order."""
 
     def problems(self) -> list[str]:
         out = minimums(
@@ -115,7 +126,7 @@ class MoELayer(nn.Module):
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
         if self.shared_gate is not None:
             nn.init.normal_(self.shared_gate.weight, std=init_std)
-        self.dispatcher = LocalDispatcher(cfg.num_experts)
+        self.dispatcher = LocalDispatcher(cfg.num_experts, cfg.permute)
         # Sums over the micro-batches of one optimizer step, read (and reset) by the training
         # part that updates the loss-free bias and logs: kept copies per expert, and STEP_SUMS.
         self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)

@@ -229,7 +229,7 @@ class DeepSpeedMoE(_DeepSpeedMoEBase):
         if self.ep_size > 1:
             group = groups._get_expert_parallel_group(self.expert_group_name)
             self.deepspeed_moe.dispatcher = ExpertParallelDispatcher(
-                self.num_experts, group, self.ep_size
+                self.num_experts, group, self.ep_size, self.deepspeed_moe.dispatcher.permute
             )
 
     def forward(self, x_BSD: torch.Tensor):

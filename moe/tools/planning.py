@@ -43,12 +43,15 @@ gate/up output 2, then silu(gate)), 1 for GELU.
   when shared experts read it), the logits 4TE (the z-loss's logsumexp), the scores 4TE,
   the logsumexp 4T, the top-k ids 8TK, + 4TK for topk_then_softmax, + 4TK + 4T for
   renormalize, + 4T for sigmoid scores; in bf16 also the fp32 copy of the router weight 4ED.
-  Dispatch: two int64 index vectors 16N (+ 8N for the expert-parallel regrouping).
+  Dispatch: two int64 index vectors 16N (+ 8N for the expert-parallel regrouping; + 8TK, the
+  inverse of the sort, with ``moe.permute: gather``).
   Routed experts, none: the dispatched rows eND, the expert input projection w eN Hx, the
   activation eN Hx, the combine-weighted copy where it is applied (eN Hx when Hx <= D, else the
-  output eND), the output rows kept by the combine eND, and the combine weights 4N (fp32
-  in any dtype: the product is formed in fp32). Selective: the activation's intermediates (silu(gate) in the w term) are
-  recomputed. Full: the region keeps its inputs (rows eND, weights 4N) and its output rows eND.
+  output eND), the output rows kept by the combine eND (by its scatter-add: none with
+  ``moe.permute: gather``, whose gradient needs only the indices), and the combine weights 4N
+  (fp32 in any dtype: the product is formed in fp32). Selective: the activation's
+  intermediates (silu(gate) in the w term) are recomputed. Full: the region keeps its inputs
+  (rows eND, weights 4N), and the combine its output rows eND (not with gather).
   Shared experts: a dense FFN of width Fs on the norm output, dropped (but for its input)
   under full.
 - Block under full recompute: a dense block keeps its input eTD; an MoE block its input eTD
@@ -267,16 +270,18 @@ def _router(cfg: ModelConfig, T: int, e: int) -> float:
 def _experts(cfg: ModelConfig, N: int, e: int, mode: str) -> float:
     moe, D = cfg.moe, cfg.d_model
     Hx, swiglu = moe.expert_hidden, moe.activation == "swiglu"
+    kept_out = D if moe.permute == "index_add" else 0  # the combine's scatter-add keeps its rows
     if mode == "full":
-        return 2 * e * N * D + 4 * N
+        return e * N * (D + kept_out) + 4 * N
     act_in = (2 if swiglu else 1) * Hx
     if mode == "selective":  # the activation's intermediates are rebuilt in the backward
         inner = act_in + Hx
     else:
         inner = act_in + (Hx if swiglu else 0) + Hx + (Hx if Hx <= D else 0)
     if Hx <= D:  # the combine weight scales the (N, Hx) activation
-        return e * N * (D + inner + D) + 4 * N
-    return e * N * (D + inner + 2 * D) + 4 * N  # the weight is applied to the (N, D) output
+        return e * N * (D + inner + kept_out) + 4 * N
+    # the weight is applied to the (N, D) output
+    return e * N * (D + inner + D + kept_out) + 4 * N
 
 
 def _moe_block_ffn(cfg: ModelConfig, T: int, e: int, mode: str, ep_size: int) -> float:
@@ -284,6 +289,8 @@ def _moe_block_ffn(cfg: ModelConfig, T: int, e: int, mode: str, ep_size: int) ->
     moe = cfg.moe
     N = routed_copies(cfg, T)
     out = _router(cfg, T, e) + 16 * N + (8 * N if ep_size > 1 else 0)
+    if moe.permute == "gather":  # the inverse of the sort, one int64 per routed copy
+        out += 8 * T * moe.router.top_k
     out += _experts(cfg, N, e, mode)
     shared = moe.num_shared_experts * moe.expert_hidden
     if shared:

@@ -40,6 +40,7 @@ def tiny_model(cross_entropy="full", **extra):
     from moe.model.transformer import ModelConfig, MoETransformer
 
     router = extra.pop("router", {})
+    moe = extra.pop("moe", {})
     cfg = from_dict(
         ModelConfig,
         {
@@ -56,6 +57,7 @@ def tiny_model(cross_entropy="full", **extra):
                 "num_shared_experts": 1,
                 "first_dense_layers": 1,
                 "router": {"top_k": 2, "z_loss_coef": 1e-3, **router},
+                **moe,
             },
             **extra,
         },
@@ -93,6 +95,7 @@ VARIANTS = {
     "global_batch_counts": {"router": {"aux_loss_scope": "global_batch"}},
     "documents_flex": {"document_masking": True, "attention_backend": "flex"},
     "sigmoid_bias": {"router": {"score_func": "sigmoid", "bias_update_rate": 1e-3}},
+    "gather_permute": {"moe": {"permute": "gather"}},
 }
 
 
@@ -314,3 +317,23 @@ def test_which_sdpa_kernel_runs_at_2048_tokens():
         rtol=2e-2,
         atol=2e-2,
     )
+
+
+def test_the_gather_permutation_sums_each_tokens_copies_rounded_once_in_bf16():
+    """``model.moe.permute=gather`` on CUDA: the combine and the dispatch's gradient equal the
+    exact sums of the bf16 rows rounded once to bf16 (index_add adds in bf16, atomically)."""
+    from moe.model.dispatcher import LocalDispatcher
+
+    g = torch.Generator().manual_seed(0)
+    T, K, E, D = 4096, 8, 64, 256
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].cuda()
+    gather, index_add = LocalDispatcher(E, "gather"), LocalDispatcher(E, "index_add")
+    plan = gather.plan(idx, None)
+    y = torch.randn(T * K, D, generator=g).cuda().bfloat16()
+    exact = index_add.combine(y.double(), plan).bfloat16()
+    assert torch.equal(gather.combine(y, plan), exact)
+
+    x = torch.randn(T, D, generator=g).cuda().bfloat16().requires_grad_(True)
+    x_ND = gather.dispatch(x, torch.ones(T, K, device="cuda"), plan)[0]
+    x_ND.backward(y)
+    assert torch.equal(x.grad, exact)

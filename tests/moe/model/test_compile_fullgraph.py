@@ -48,6 +48,7 @@ VARIANTS = {
         "shared_expert_gate": True,
         "activation": "gelu",
     },
+    "gather_permute": {"permute": "gather", "router": {"top_k": 3}},
 }
 
 

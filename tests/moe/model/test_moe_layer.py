@@ -94,8 +94,10 @@ def make_layer(router: dict, dtype, **moe):
         {"num_shared_experts": 2},
         {"activation": "gelu", "capacity_factor": 0.5},
         {"num_shared_experts": 1, "shared_expert_gate": True},
+        {"permute": "gather"},
+        {"permute": "gather", "activation": "gelu", "capacity_factor": 0.5},
     ],
-    ids=["dropless", "cf1.0", "shared", "gelu-cf0.5", "gated-shared"],
+    ids=["dropless", "cf1.0", "shared", "gelu-cf0.5", "gated-shared", "gather", "gather-cf0.5"],
 )
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64-loop", "f32-grouped"])
 def test_matches_reference_outputs_and_gradients(router, variant, dtype):

@@ -1,5 +1,6 @@
 """The all-to-all dispatcher on 2 ranks against the single-device layer, including experts and
-whole ranks that receive zero tokens, and capacity dropping."""
+whole ranks that receive zero tokens, and capacity dropping; with either way of moving rows
+(``model.moe.permute``) on the ranks, against the default on one device."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.multiprocess
 D, E, H = 16, 4, 8
 
 
-def make_layer(capacity_factor):
+def make_layer(capacity_factor, permute="index_add"):
     torch.manual_seed(5)
     return MoELayer(
         D,
@@ -22,6 +23,7 @@ def make_layer(capacity_factor):
             expert_hidden=H,
             capacity_factor=capacity_factor,
             router=RouterConfig(top_k=2),
+            permute=permute,
         ),
     )
 
@@ -42,13 +44,14 @@ def force_router(layer, skew):
             layer.router.weight[1, 0] = 0.5
 
 
-def _worker(rank, world, capacity_factor, skew, out_dir):
+def _worker(rank, world, capacity_factor, skew, permute, out_dir):
     from moe.parallel.deepspeed_adapter import DeepSpeedMoE
 
-    layer = make_layer(capacity_factor)
+    layer = make_layer(capacity_factor, permute)
     force_router(layer, skew)
     wrapped = DeepSpeedMoE(layer, ep_size=2, ep_rank=rank)
     wrapped.set_deepspeed_parallelism()
+    assert wrapped.deepspeed_moe.dispatcher.permute == permute  # kept by the all-to-all one
     x = inputs(rank, skew).requires_grad_(True)
     y, aux = wrapped(x)
     (y.square().sum() + aux).backward()
@@ -64,10 +67,11 @@ def _worker(rank, world, capacity_factor, skew, out_dir):
     )
 
 
+@pytest.mark.parametrize("permute", ["index_add", "gather"])
 @pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["dropless", "cf0.75"])
 @pytest.mark.parametrize("skew", ["none", "to_rank0", "rank1_keeps_none"])
-def test_two_rank_dispatch_equals_single_device(tmp_path, capacity_factor, skew):
-    run_distributed(_worker, 2, capacity_factor, skew, str(tmp_path))
+def test_two_rank_dispatch_equals_single_device(tmp_path, capacity_factor, skew, permute):
+    run_distributed(_worker, 2, capacity_factor, skew, permute, str(tmp_path))
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
     ref_layer = make_layer(capacity_factor)

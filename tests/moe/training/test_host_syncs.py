@@ -66,7 +66,8 @@ def _by_site(reads: dict) -> Counter:
 def test_a_non_logging_step_reads_only_what_is_documented(
     tiny_data, tmp_path, loop_fallback, levers
 ):
-    """``levers``: the chunked loss and fused AdamW (docs/gpu.md, "Speed levers") add no read."""
+    """``levers``: the chunked loss, fused AdamW and the gather permutation (docs/gpu.md, "Speed
+    levers") add no read."""
     import torch
 
     from moe.model.experts import grouped_mm_supported
@@ -77,6 +78,7 @@ def test_a_non_logging_step_reads_only_what_is_documented(
     d = tiny_run_dict(tiny_data, tmp_path / "runs", max_steps=4, grad_accum_steps=ACCUM, **train)
     if levers:
         d["model"].update(cross_entropy="chunked", cross_entropy_chunk_tokens=20)
+        d["model"]["moe"]["permute"] = "gather"
     d["model"]["moe"]["router"]["bias_update_rate"] = 0.001  # its update must not read either
     d["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
     d["logging"] = {"log_every": 1000}
