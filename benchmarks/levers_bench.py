@@ -10,6 +10,11 @@ inputs.
 ``step``: a training step (forward, backward, AdamW) of configs/default.yaml's model at its
 4096-token vocabulary, one micro-batch of 8 x 256 tokens, full against chunked loss.
 
+``permute``: how token copies move (``model.moe.permute``), index_add against gather: a
+training step of configs/default.yaml's model as in ``step``, and the forward and backward of
+one MoE layer of fine-grained experts at configs/moe-1b.yaml's routing (64 experts, top 8,
+width 384, model width 1024 scaled to ``--d-model``) on ``--tokens`` tokens, fp32 and bf16.
+
 ``optimizer``: one AdamW step (``train.optimizer_impl``) over the parameter groups one rank of
 configs/default.yaml steps under DeepSpeed (ZeRO 2, 2 ranks, expert parallelism 2: half of the
 non-expert weights as one flat partition, each local expert tensor its own group): for_loop
@@ -17,6 +22,7 @@ non-expert weights as one flat partition, each local expert tensor its own group
 
     PYTHONPATH=$PWD python benchmarks/levers_bench.py                 # all three, 5 rounds
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only loss --tokens 4096 --vocab 32000
+    PYTHONPATH=$PWD python benchmarks/levers_bench.py --only permute
 """
 
 from __future__ import annotations
@@ -171,6 +177,62 @@ def bench_step(args) -> dict:
     )
 
 
+def bench_permute(args) -> dict:
+    from moe.model.moe_layer import MoEConfig, MoELayer
+    from moe.model.router import RouterConfig
+
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, 4096, (8, 257), generator=g)
+    impls = ("index_add", "gather")
+    calls = {}
+    for impl in impls:
+        cfg = copy.deepcopy(load_config("configs/default.yaml").model)
+        cfg.vocab_size, cfg.moe.permute = 4096, impl
+        torch.manual_seed(0)
+        model = MoETransformer(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model=model, opt=opt):
+            model(batch[:, :-1], batch[:, 1:]).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        calls[impl] = step
+    out = {
+        "step": report(
+            "training step, configs/default.yaml's model, 8 x 256 tokens, fp32",
+            interleaved(calls, args.rounds, 2),
+            "index_add",
+        )
+    }
+    x = torch.randn(1, args.tokens, args.d_model, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        calls = {}
+        for impl in impls:
+            torch.manual_seed(0)
+            moe = MoEConfig(
+                num_experts=64, expert_hidden=384, router=RouterConfig(top_k=8), permute=impl
+            )
+            layer = MoELayer(args.d_model, moe).to(dtype)
+            xd = x.to(dtype).requires_grad_(True)
+
+            def call(layer=layer, xd=xd):
+                y, aux = layer(xd)
+                (y.float().square().mean() + aux).backward()
+                layer.zero_grad(set_to_none=True)
+                xd.grad = None
+
+            calls[impl] = call
+        name = str(dtype).removeprefix("torch.")
+        out[f"layer_{name}"] = report(
+            f"MoE layer forward + backward, 64 experts top 8 width 384, T {args.tokens}, "
+            f"D {args.d_model}, {name}",
+            interleaved(calls, args.rounds, 2),
+            "index_add",
+        )
+    return out
+
+
 def default_rank_groups() -> list[int]:
     """Numbers of elements of one rank's optimizer groups for configs/default.yaml at
     world size 2, expert parallelism 2, ZeRO 2 (see the module docstring)."""
@@ -202,7 +264,7 @@ def bench_optimizer(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["loss", "step", "optimizer"], action="append")
+    ap.add_argument("--only", choices=["loss", "step", "permute", "optimizer"], action="append")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--d-model", type=int, default=256)
@@ -213,7 +275,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} interleaved rounds")
-    benches = {"loss": bench_loss, "step": bench_step, "optimizer": bench_optimizer}
+    benches = {
+        "loss": bench_loss,
+        "step": bench_step,
+        "permute": bench_permute,
+        "optimizer": bench_optimizer,
+    }
     out = {name: benches[name](args) for name in (args.only or benches)}
     if args.json:
         with open(args.json, "w") as f:
