@@ -9,8 +9,8 @@ How a copy's rows move (``model.moe.permute``): ``index_add`` gathers the copies
 ``index_select`` and sums them back with ``index_add`` (the backward of each is the other, so
 both directions hold one scatter-add: atomic adds on CUDA, in the rows' dtype); ``gather`` moves
 rows by gathers only, in both directions: a token's K outputs are gathered through the inverse of
-the sort (:func:`copy_slots`) and summed at once (in fp32 for bf16 rows, rounded once, and
-deterministic), and the dispatch's gradient is formed the same way (:class:`_CopyRows`).
+the sort (:func:`copy_slots`) and summed in the same kernel (in fp32 for bf16 rows, rounded
+once, and deterministic), and the dispatch's gradient is formed the same way (:class:`_CopyRows`).
 
 Two dispatchers with one interface (``plan``, ``dispatch``, ``combine``): :class:`LocalDispatcher`
 for experts that all live on this device, and :class:`ExpertParallelDispatcher`, which moves the
@@ -26,6 +26,7 @@ from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from moe.model.compile import eager_under_compile, mark_rows_dynamic
 
@@ -59,12 +60,19 @@ def copy_slots(copy_N: torch.Tensor, num_copies: int, top_k: int, dropping: bool
 
 
 def sum_copies(y_ND: torch.Tensor, slots_TK: torch.Tensor, dropping: bool) -> torch.Tensor:
-    """(T, D): row t is the sum of the rows of ``y_ND`` at ``slots_TK[t]``, by gathers and one
-    reduction over K (accumulated in fp32 for bf16 and fp16 rows), no scatter."""
+    """(T, D): row t is the sum of the rows of ``y_ND`` at ``slots_TK[t]``, no scatter.
+
+    Gathered and summed in one kernel, ``embedding_bag``'s sum with the rows as its table
+    (nothing of (T, K, D) is materialised; on CUDA it accumulates bf16 rows in fp32), except
+    for bf16 and fp16 rows on the CPU, whose ``embedding_bag`` rounds along the way (about 1 sum
+    in 10 of two bf16 rows is not the rounded exact sum): there a gather, then a sum over K that
+    accumulates in fp32 and rounds once."""
     if dropping:
         y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[-1])])
-    T, K = slots_TK.shape
-    return y_ND.index_select(0, slots_TK.reshape(-1)).view(T, K, -1).sum(1)
+    if y_ND.device.type == "cpu" and y_ND.dtype in (torch.bfloat16, torch.float16):
+        T, K = slots_TK.shape
+        return y_ND.index_select(0, slots_TK.reshape(-1)).view(T, K, -1).sum(1)
+    return F.embedding_bag(slots_TK, y_ND, mode="sum")
 
 
 class _CopyRows(torch.autograd.Function):
