@@ -10,7 +10,9 @@ How a copy's rows move (``model.moe.permute``): ``index_add`` gathers the copies
 both directions hold one scatter-add: atomic adds on CUDA, in the rows' dtype); ``gather`` moves
 rows by gathers only, in both directions: a token's K outputs are gathered through the inverse of
 the sort (:func:`copy_slots`) and summed in the same kernel (in fp32 for bf16 rows, rounded
-once, and deterministic), and the dispatch's gradient is formed the same way (:class:`_CopyRows`).
+once, and deterministic), and the dispatch's gradient is formed the same way
+(:class:`_CopyRows`); the combine weights' gather and, under expert parallelism, the regrouping
+of the received rows take the gather through the inverse as their gradient (:class:`_Gather`).
 
 Two dispatchers with one interface (``plan``, ``dispatch``, ``combine``): :class:`LocalDispatcher`
 for experts that all live on this device, and :class:`ExpertParallelDispatcher`, which moves the
@@ -144,6 +146,30 @@ def _kept_copies(order: torch.Tensor, counts_E: torch.Tensor, top_k: int):
     return mark_rows_dynamic(kept_N), mark_rows_dynamic(kept_N // top_k), counts_host
 
 
+class _Gather(torch.autograd.Function):
+    """``x.index_select(0, index)`` where no index repeats; its gradient is the gather through
+    ``inverse`` (each row of ``x``: where it went, or, with ``pad``, one past the last row for a
+    row not taken, which gets zero), where ``index_select``'s would scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, pad):
+        ctx.save_for_backward(inverse)
+        ctx.pad = pad
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        if ctx.pad:
+            grad = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return grad.index_select(0, inverse), None, None, None
+
+
+def inverse_permutation(perm_N: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(perm_N.numel(), device=perm_N.device)
+    return torch.empty_like(perm_N).index_copy_(0, perm_N, positions)
+
+
 class LocalDispatcher:
     """Dispatch for experts that all live on this device; ``permute``: how rows move (the
     module's docstring)."""
@@ -182,11 +208,14 @@ class LocalDispatcher:
 
         The weights travel with the copies so the experts can apply them where the activation
         is narrowest (see GroupedExperts.forward)."""
-        if plan.slots_TK is not None:
-            x_ND = _CopyRows.apply(x_TD, plan.token_N, plan.slots_TK, plan.dropping)
-        else:
+        if plan.slots_TK is None:
             x_ND = x_TD.index_select(0, plan.token_N)
-        w_N = weights_TK.reshape(-1).index_select(0, plan.copy_N)
+            w_N = weights_TK.reshape(-1).index_select(0, plan.copy_N)
+            return x_ND, w_N, plan.counts_E
+        x_ND = _CopyRows.apply(x_TD, plan.token_N, plan.slots_TK, plan.dropping)
+        w_N = _Gather.apply(
+            weights_TK.reshape(-1), plan.copy_N, plan.slots_TK.reshape(-1), plan.dropping
+        )
         return x_ND, w_N, plan.counts_E
 
     def combine(self, y_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -250,7 +279,8 @@ class ExpertParallelDispatcher(LocalDispatcher):
             block_expert, recv_counts.reshape(-1), output_size=sum(recv)
         )
         regroup = torch.argsort(row_expert, stable=True)
-        return _EPPlan(local, send, recv, regroup, local_counts, sizes[2 * self.ep_size :])
+        inverse = inverse_permutation(regroup) if self.permute == "gather" else None
+        return _EPPlan(local, send, recv, regroup, local_counts, sizes[2 * self.ep_size :], inverse)
 
     @eager_under_compile
     def dispatch(self, x_TD, weights_TK, plan):
@@ -258,11 +288,15 @@ class ExpertParallelDispatcher(LocalDispatcher):
         x_recv = _AllToAll.apply(x_ND, plan.recv_splits, plan.send_splits, self.group)
         # The combine weights go with their copies (one float per row; the experts apply them).
         w_recv = _AllToAll.apply(w_N[:, None], plan.recv_splits, plan.send_splits, self.group)
-        return (
-            mark_rows_dynamic(x_recv.index_select(0, plan.regroup)),
-            mark_rows_dynamic(w_recv[:, 0].index_select(0, plan.regroup)),
-            plan.local_counts,
-        )
+        if plan.inverse is not None:  # permute "gather": the regrouping's gradient a gather too
+            x_recv = _Gather.apply(x_recv, plan.regroup, plan.inverse, False)
+            w_recv = _Gather.apply(w_recv, plan.regroup, plan.inverse, False)
+        else:
+            x_recv, w_recv = (
+                x_recv.index_select(0, plan.regroup),
+                w_recv.index_select(0, plan.regroup),
+            )
+        return mark_rows_dynamic(x_recv), mark_rows_dynamic(w_recv[:, 0]), plan.local_counts
 
     @eager_under_compile
     def combine(self, y_ND, plan):
@@ -273,11 +307,19 @@ class ExpertParallelDispatcher(LocalDispatcher):
 
 class _EPPlan:
     def __init__(
-        self, local: DispatchPlan, send_splits, recv_splits, regroup, local_counts, counts_host
+        self,
+        local: DispatchPlan,
+        send_splits,
+        recv_splits,
+        regroup,
+        local_counts,
+        counts_host,
+        inverse=None,
     ):
         self.local, self.send_splits, self.recv_splits = local, send_splits, recv_splits
         self.regroup, self.local_counts = regroup, local_counts
         self.counts_host = counts_host  # local_counts on the host
+        self.inverse = inverse  # of regroup, for permute "gather"
 
     @property
     def counts_E(self):

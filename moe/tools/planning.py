@@ -43,8 +43,8 @@ gate/up output 2, then silu(gate)), 1 for GELU.
   when shared experts read it), the logits 4TE (the z-loss's logsumexp), the scores 4TE,
   the logsumexp 4T, the top-k ids 8TK, + 4TK for topk_then_softmax, + 4TK + 4T for
   renormalize, + 4T for sigmoid scores; in bf16 also the fp32 copy of the router weight 4ED.
-  Dispatch: two int64 index vectors 16N (+ 8N for the expert-parallel regrouping; + 8TK, the
-  inverse of the sort, with ``moe.permute: gather``).
+  Dispatch: two int64 index vectors 16N (+ 8N for the expert-parallel regrouping); with
+  ``moe.permute: gather`` one of them and the inverse of the sort, 8N + 8TK.
   Routed experts, none: the dispatched rows eND, the expert input projection w eN Hx, the
   activation eN Hx, the combine-weighted copy where it is applied (eN Hx when Hx <= D, else the
   output eND), the output rows kept by the combine eND (by its scatter-add: none with
@@ -289,8 +289,8 @@ def _moe_block_ffn(cfg: ModelConfig, T: int, e: int, mode: str, ep_size: int) ->
     moe = cfg.moe
     N = routed_copies(cfg, T)
     out = _router(cfg, T, e) + 16 * N + (8 * N if ep_size > 1 else 0)
-    if moe.permute == "gather":  # the inverse of the sort, one int64 per routed copy
-        out += 8 * T * moe.router.top_k
+    if moe.permute == "gather":  # the inverse of the sort (8TK) in place of the sorted copies'
+        out += 8 * T * moe.router.top_k - 8 * N  # ids (8N), which no gradient needs then
     out += _experts(cfg, N, e, mode)
     shared = moe.num_shared_experts * moe.expert_hidden
     if shared:

@@ -51,8 +51,9 @@ def layer_ops(permute: str, **moe) -> list[str]:
     plan = layer.dispatcher.plan(routing.indices_TK, keep)
     leaf = x.reshape(-1, D).detach().requires_grad_(True)
     with Ops() as ops:
-        x_ND, w_N, _ = layer.dispatcher.dispatch(leaf, routing.weights_TK.detach(), plan)
-        y_TD = layer.dispatcher.combine(x_ND * 2.0, plan)
+        weights = routing.weights_TK.detach().requires_grad_(True)
+        x_ND, w_N, _ = layer.dispatcher.dispatch(leaf, weights, plan)
+        y_TD = layer.dispatcher.combine(x_ND * w_N[:, None], plan)
         y_TD.square().sum().backward()
     return ops.names
 

@@ -8,6 +8,7 @@ import torch
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
 from tests.helpers.distributed import run_distributed
+from tests.moe.model.test_permute import Ops
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,8 +54,11 @@ def _worker(rank, world, capacity_factor, skew, permute, out_dir):
     wrapped.set_deepspeed_parallelism()
     assert wrapped.deepspeed_moe.dispatcher.permute == permute  # kept by the all-to-all one
     x = inputs(rank, skew).requires_grad_(True)
-    y, aux = wrapped(x)
-    (y.square().sum() + aux).backward()
+    with Ops() as ops:
+        y, aux = wrapped(x)
+        (y.square().sum() + aux).backward()
+    # gather: no scatter-add in the dispatch, the regrouping or the combine, either direction
+    assert ("index_add" in ops.names) == (permute == "index_add"), ops.names
     torch.save(
         {
             "y": y.detach(),
