@@ -162,6 +162,10 @@ _COMMON: dict[str, Rule] = {
         "moe.capacity_factor", (None,), "experts never drop tokens (dropless, null)", has_moe
     ),
     "moe.dense_hidden": _config("intermediate_size of dense layers"),
+    "moe.permute": _training(
+        "kernel choice only: both settings move and sum the same copies "
+        "(tests/moe/model/test_moe_layer.py, the float64 reference)"
+    ),
     "moe.router.top_k": _config("num_experts_per_tok"),
     "moe.router.score_func": _only(
         "moe.router.score_func", ("softmax",), "the router scores experts by softmax", has_moe
