@@ -81,7 +81,7 @@ NAME_RULES = [
     (
         "permute & combine",
         r"sort|radix|scatter|gather|index_put|index_add|index_?select|"
-        r"IndexKernel|bincount|histc|cumsum|scan",
+        r"IndexKernel|bincount|histc|cumsum|scan|embedding_?bag",  # bag: moe.permute gather
     ),
     ("optimizer", r"adam|multi_tensor|foreach|lamb"),
     ("other", r"embedding"),

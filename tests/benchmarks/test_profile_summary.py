@@ -191,6 +191,21 @@ def test_the_shape_rule_names_a_matrix_product_by_its_widths(dims, region):
     assert ps.gemm_region(dims, DIMS) == region
 
 
+@pytest.mark.parametrize(
+    "name,region",
+    [
+        # model.moe.permute=gather: its combine (embedding_bag's sum), not the token embedding
+        ("void at::native::EmbeddingBag_updateOutputKernel_sum_mean<c10::BFloat16>", None),
+        ("aten::_embedding_bag", None),
+        ("void at::native::embedding_backward_feature_kernel<float>", "other"),
+        ("aten::embedding", "other"),
+        ("void at::native::indexSelectLargeIndex<c10::BFloat16>", None),
+    ],
+)
+def test_kernel_names_of_the_permutation_and_of_the_embedding(name, region):
+    assert ps.by_name(name) == (region or "permute & combine")
+
+
 def test_every_range_of_the_model_has_a_region():
     assert set(regions.RANGES) <= set(ps.RANGE_REGIONS)
     assert set(ps.RANGE_REGIONS.values()) <= set(ps.REGIONS)
