@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe.model.compile import eager_under_compile, mark_rows_dynamic
+from moe.model.compile import eager_under_compile, is_compiling, mark_rows_dynamic
 
 PermuteImpl = Literal["index_add", "gather"]
 PERMUTE_IMPLS: tuple[str, ...] = get_args(PermuteImpl)
@@ -64,14 +64,16 @@ def copy_slots(copy_N: torch.Tensor, num_copies: int, top_k: int, dropping: bool
 def sum_copies(y_ND: torch.Tensor, slots_TK: torch.Tensor, dropping: bool) -> torch.Tensor:
     """(T, D): row t is the sum of the rows of ``y_ND`` at ``slots_TK[t]``, no scatter.
 
-    Gathered and summed in one kernel, ``embedding_bag``'s sum with the rows as its table
-    (nothing of (T, K, D) is materialised; on CUDA it accumulates bf16 rows in fp32), except
-    for bf16 and fp16 rows on the CPU, whose ``embedding_bag`` rounds along the way (about 1 sum
-    in 10 of two bf16 rows is not the rounded exact sum): there a gather, then a sum over K that
-    accumulates in fp32 and rounds once."""
+    Eagerly, gathered and summed in one kernel, ``embedding_bag``'s sum with the rows as its
+    table (nothing of (T, K, D) is materialised; on CUDA it accumulates bf16 rows in fp32). In a
+    compiled graph, and for bf16 and fp16 rows on the CPU, a gather and a sum over K: inductor
+    fuses the two into one reduction (where it would call ``embedding_bag`` as an opaque kernel),
+    and the CPU's ``embedding_bag`` rounds along the way (about 1 sum in 10 of two bf16 rows is
+    not the rounded exact sum), where the sum accumulates in fp32 and rounds once."""
     if dropping:
         y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[-1])])
-    if y_ND.device.type == "cpu" and y_ND.dtype in (torch.bfloat16, torch.float16):
+    low_precision_cpu = y_ND.device.type == "cpu" and y_ND.dtype in (torch.bfloat16, torch.float16)
+    if is_compiling() or low_precision_cpu:
         T, K = slots_TK.shape
         return y_ND.index_select(0, slots_TK.reshape(-1)).view(T, K, -1).sum(1)
     return F.embedding_bag(slots_TK, y_ND, mode="sum")

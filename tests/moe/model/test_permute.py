@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.core.config_schema import from_dict
 from moe.core.errors import ConfigError
-from moe.model.dispatcher import LocalDispatcher, copy_slots
+from moe.model.dispatcher import LocalDispatcher, copy_slots, sum_copies
 from moe.model.moe_layer import MoEConfig, MoELayer
 from moe.model.router import RouterConfig
 from moe.model.transformer import ModelConfig
@@ -89,6 +89,39 @@ def test_each_tokens_copies_are_summed_and_rounded_once_in_bf16(top_k):
     x_ND = gather.dispatch(x, torch.ones(T, top_k), plan)[0]
     x_ND.backward(y)
     assert torch.equal(x.grad, exact.bfloat16())
+
+
+@pytest.mark.slow  # an inductor compile (C++ on the CPU)
+@pytest.mark.parametrize("dropping", [False, True])
+def test_compiled_the_sum_is_a_gather_and_reduction_rounded_once(dropping):
+    """Under compile the copies are summed by a gather and a sum (which inductor fuses), not
+    ``embedding_bag``: the graph holds no embedding_bag, and bf16 sums are still the exact sums
+    rounded once (a dropped copy, past the kept ones, adds nothing)."""
+    g = torch.Generator().manual_seed(3)
+    T, K, D_ = 128, 8, 32
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K]
+    keep = torch.rand(T, K, generator=g) > 0.25 if dropping else None
+    plan = LocalDispatcher(E, "gather").plan(idx, keep)
+    n = plan.copy_N.numel()
+    y = (torch.randn(n, D_, generator=g) * 8).bfloat16()
+    exact = LocalDispatcher(E).combine(y.double(), plan).bfloat16()
+    torch._dynamo.reset()
+    ops: list[str] = []
+
+    def backend(gm, inputs):
+        ops.extend(str(node.target) for node in gm.graph.nodes)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, inputs)
+
+    compiled = torch.compile(sum_copies, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(y, plan.slots_TK, dropping), exact)
+    assert not any("embedding_bag" in op for op in ops), ops
+    # eagerly, the same sums through embedding_bag (fp32 rows: bf16 on the CPU avoids it)
+    y32 = y.float()
+    torch.testing.assert_close(
+        compiled(y32, plan.slots_TK, dropping), sum_copies(y32, plan.slots_TK, dropping)
+    )
 
 
 def test_copy_slots_invert_the_sort_and_point_dropped_copies_past_the_kept():
