@@ -152,24 +152,34 @@ def bench_loss(args) -> dict:
     )
 
 
-def bench_step(args) -> dict:
+def default_step(edit):
+    """One training step (forward, backward, AdamW) of configs/default.yaml's model at a
+    4096-token vocabulary on a fixed batch of 8 x 256 tokens, after ``edit(model_config)``."""
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, 4096, (8, 257), generator=g)
-    calls = {}
-    for variant in ("full", "chunked"):
-        cfg = copy.deepcopy(load_config("configs/default.yaml").model)
-        cfg.vocab_size, cfg.cross_entropy = 4096, variant
-        cfg.cross_entropy_chunk_tokens = args.chunk
-        torch.manual_seed(0)
-        model = MoETransformer(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = copy.deepcopy(load_config("configs/default.yaml").model)
+    cfg.vocab_size = 4096
+    edit(cfg)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-        def step(model=model, opt=opt):
-            model(batch[:, :-1], batch[:, 1:]).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def step():
+        model(batch[:, :-1], batch[:, 1:]).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        calls[variant] = step
+    return step
+
+
+def bench_step(args) -> dict:
+    def loss(variant):
+        def edit(cfg):
+            cfg.cross_entropy, cfg.cross_entropy_chunk_tokens = variant, args.chunk
+
+        return edit
+
+    calls = {variant: default_step(loss(variant)) for variant in ("full", "chunked")}
     return report(
         "training step, configs/default.yaml's model, 8 x 256 tokens, fp32",
         interleaved(calls, args.rounds, 2),
@@ -181,23 +191,12 @@ def bench_permute(args) -> dict:
     from moe.model.moe_layer import MoEConfig, MoELayer
     from moe.model.router import RouterConfig
 
-    g = torch.Generator().manual_seed(1)
-    batch = torch.randint(0, 4096, (8, 257), generator=g)
     impls = ("index_add", "gather")
-    calls = {}
-    for impl in impls:
-        cfg = copy.deepcopy(load_config("configs/default.yaml").model)
-        cfg.vocab_size, cfg.moe.permute = 4096, impl
-        torch.manual_seed(0)
-        model = MoETransformer(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(model=model, opt=opt):
-            model(batch[:, :-1], batch[:, 1:]).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        calls[impl] = step
+    calls = {
+        impl: default_step(lambda cfg, impl=impl: setattr(cfg.moe, "permute", impl))
+        for impl in impls
+    }
+    g = torch.Generator().manual_seed(1)
     out = {
         "step": report(
             "training step, configs/default.yaml's model, 8 x 256 tokens, fp32",
