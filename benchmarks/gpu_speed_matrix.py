@@ -87,6 +87,12 @@ LEVERS = (
         note="token copies moved by gathers only, no scatter-add (atomics) either way",
     ),
     Lever(
+        "immediate-grads",
+        ("train.immediate_grad_update=true", "parallel.zero_stage=1"),
+        ("bf16",),
+        note="each bf16 gradient folded into the fp32 buffer as it is produced, none kept",
+    ),
+    Lever(
         "expert-loop",
         ("bench.expert_kernel=loop",),
         ("moe",),

@@ -127,6 +127,7 @@ def planned_bytes(cfg: RunConfig) -> float:
         cfg.data.seq_len,
         t.recompute,
         t.recompute_every_n_blocks,
+        t.immediate_grad_update,
     )
     return plan.total_bytes  # what moe-plan reports: states, saved activations, working set
 

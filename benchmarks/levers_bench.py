@@ -1,4 +1,4 @@
-"""CPU figures of two speed levers against the default in the same run (interleaved rounds,
+"""CPU figures of speed levers against the default in the same run (interleaved rounds,
 median and min-max spread); GPU figures come from benchmarks/gpu_train_bench.py ``--set``.
 
 ``loss``: the output head and loss (``model.cross_entropy``), forward and backward of
@@ -20,7 +20,11 @@ configs/default.yaml steps under DeepSpeed (ZeRO 2, 2 ranks, expert parallelism 
 non-expert weights as one flat partition, each local expert tensor its own group): for_loop
 (torch's CPU default), foreach, fused.
 
-    PYTHONPATH=$PWD python benchmarks/levers_bench.py                 # all three, 5 rounds
+``grads``: ``train.immediate_grad_update`` off and on: a training step of configs/default.yaml's
+model (one rank, bf16, ZeRO 1: DeepSpeed's BF16 optimizer; 2 micro-batches of 8 x 256 tokens)
+through the trainer's engine, and the bf16 gradient bytes still held after each backward.
+
+    PYTHONPATH=$PWD python benchmarks/levers_bench.py                 # all of them, 5 rounds
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only loss --tokens 4096 --vocab 32000
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only permute
 """
@@ -261,9 +265,64 @@ def bench_optimizer(args) -> dict:
     )
 
 
+def _grads_worker(rank, world, rounds, out_file):
+    from moe.training.trainer import DistEnv, build_engine
+
+    env = DistEnv(rank, world, rank, world)
+    g = torch.Generator().manual_seed(1)
+    micro = [torch.randint(0, 4096, (8, 257), generator=g) for _ in range(2)]
+    calls, held = {}, {}
+    for name in ("off", "on"):
+        cfg = load_config(
+            "configs/default.yaml",
+            [
+                "model.vocab_size=4096",
+                "train.precision=bf16",
+                "train.grad_accum_steps=2",
+                "parallel.world_size=1",
+                "parallel.expert_parallel_size=1",
+                "parallel.zero_stage=1",
+                f"train.immediate_grad_update={name == 'on'}",
+            ],
+        )
+        engine = build_engine(cfg, env)[0]
+
+        def step(engine=engine, name=name):
+            for batch in micro:
+                engine.backward(engine(batch[:, :-1], batch[:, 1:]).loss)
+                held[name] = sum(
+                    p.grad.nbytes for p in engine.module.parameters() if p.grad is not None
+                )
+                engine.step()
+
+        calls[name] = step
+    times = interleaved(calls, rounds, 1)
+    torch.save({"times": times, "held": held}, out_file)
+
+
+def bench_grads(args) -> dict:
+    import tempfile
+
+    from tests.helpers.distributed import run_distributed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_grads_worker, 1, args.rounds, f"{tmp}/out.pt")
+        r = torch.load(f"{tmp}/out.pt", weights_only=True)
+    extra = {name: {"bf16 grad MiB held": round(b / 2**20, 1)} for name, b in r["held"].items()}
+    return report(
+        "training step, configs/default.yaml's model, bf16 ZeRO 1, 2 x 8 x 256 tokens, "
+        "train.immediate_grad_update",
+        r["times"],
+        "off",
+        extra=extra,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["loss", "step", "permute", "optimizer"], action="append")
+    ap.add_argument(
+        "--only", choices=["loss", "step", "permute", "optimizer", "grads"], action="append"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--d-model", type=int, default=256)
@@ -279,6 +338,7 @@ def main() -> None:
         "step": bench_step,
         "permute": bench_permute,
         "optimizer": bench_optimizer,
+        "grads": bench_grads,
     }
     out = {name: benches[name](args) for name in (args.only or benches)}
     if args.json:

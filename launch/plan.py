@@ -76,6 +76,7 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
                         cfg.data.seq_len,
                         t.recompute,
                         t.recompute_every_n_blocks,
+                        t.immediate_grad_update,
                     )
                 ),
                 "checkpoint_bytes": checkpoint_bytes(

@@ -96,6 +96,14 @@ class TrainConfig:
     """bf16 only: the dtype gradients are reduced across ranks and accumulated over micro-batches
     in (DeepSpeed's communication_data_type and data_types.grad_accum_dtype). bf16 halves the
     gradient traffic and buffers at 8 bits of mantissa per sum."""
+    immediate_grad_update: bool = False
+    """bf16 at ZeRO stage 1 with grad_reduce_dtype fp32 (DeepSpeed's BF16 optimizer, its
+    bf16.immediate_grad_update): each parameter's bf16 gradient is added into the fp32
+    accumulation buffer as soon as the backward has produced it, and freed. false: the bf16
+    gradients are kept (zeroed, not freed, between the micro-batches of a step) and added once
+    the backward has ended. The same additions either way (the same losses, bitwise); true keeps
+    no bf16 gradient buffer (2 bytes per parameter, which moe-plan leaves out then). ZeRO 2's own
+    hooks already move each gradient into its buckets as it is produced."""
     threads_per_rank: int | None = None
     """torch intra-op threads per rank; null: this machine's cores divided by the local ranks."""
     cpu_keep_freed_memory: bool = True
@@ -419,6 +427,19 @@ class RunConfig:
                 "parallel.zero_stage: train.precision bf16 needs ZeRO stage 1 or 2 (the "
                 "fp32 master weights live in the ZeRO optimizer; DeepSpeed 0.19.8 refuses "
                 "bf16 weights with fp32 gradient accumulation at stage 0)"
+            )
+        bf16_optimizer = (
+            self.train.precision == "bf16"
+            and self.parallel.zero_stage == 1
+            and self.train.grad_reduce_dtype == "fp32"
+        )
+        if self.train.immediate_grad_update and not bf16_optimizer:
+            out.append(
+                "train.immediate_grad_update: needs train.precision bf16, parallel.zero_stage 1 "
+                "and train.grad_reduce_dtype fp32 (DeepSpeed's BF16 optimizer; got "
+                f"{self.train.precision}, stage {self.parallel.zero_stage}, "
+                f"{self.train.grad_reduce_dtype}): ZeRO 2 already moves each gradient into its "
+                "buckets as it is produced, and fp32 has no separate accumulation buffer"
             )
         if self.launch.elastic and self.parallel.zero_stage == 0:
             out.append(

@@ -294,7 +294,11 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         # We pass torch optimizers; ZeRO 1/2 only needs them to step flat fp32 partitions.
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": t.precision == "bf16"},
+        "bf16": (
+            {"enabled": True, "immediate_grad_update": t.immediate_grad_update}
+            if t.precision == "bf16"
+            else {"enabled": False}
+        ),
         **(_bf16_reduction(t.grad_reduce_dtype) if t.precision == "bf16" else {}),
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

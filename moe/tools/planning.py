@@ -157,13 +157,18 @@ def memory_per_gpu(
     seq_len: int,
     recompute: str = "none",
     every_n_blocks: int = 1,
+    immediate_grad_update: bool = False,
 ) -> MemoryPlan:
+    """``immediate_grad_update`` (train.immediate_grad_update, bf16 at ZeRO stage 1): no bf16
+    gradient is kept, each is folded into DeepSpeed's accumulation buffer as it is produced."""
     counts = count_parameters(cfg)
     experts = counts.total["routed_experts"]
     others = counts.total_params - experts
     local_experts = experts / ep_size
     dp, edp = world_size, world_size // ep_size
     w, g, k = _state_bytes(precision)
+    if immediate_grad_update and precision == "bf16" and zero_stage == 1:
+        g = 0
     grads_div = (dp, edp) if zero_stage >= 2 else (1, 1)
     optim_div = (dp, edp) if zero_stage >= 1 else (1, 1)
     act = activation_bytes(

@@ -229,10 +229,11 @@ def _fused_engine(rank, world, out_path):
 
     adam._fused_adam = counted
     losses = {}
-    for name, impl, loss in (
-        ("foreach", "foreach", "full"),
-        ("fused", "fused", "full"),
-        ("fused_chunked", "fused", "chunked"),
+    for name, impl, loss, immediate in (
+        ("foreach", "foreach", "full", False),
+        ("fused", "fused", "full", False),
+        ("fused_chunked", "fused", "chunked", False),
+        ("foreach_immediate", "foreach", "full", True),
     ):
         cfg = {
             "model": {
@@ -253,6 +254,7 @@ def _fused_engine(rank, world, out_path):
                 "lr": 3e-3,
                 "warmup_steps": 0,
                 "optimizer_impl": impl,
+                "immediate_grad_update": immediate,
             },
             "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1},
         }
@@ -274,7 +276,8 @@ def _fused_engine(rank, world, out_path):
 def test_fused_adamw_and_the_chunked_loss_under_deepspeed_bf16_zero1(tmp_path):
     """Through the trainer's engine: fused AdamW runs (its kernel is called) and trains as
     foreach does; the chunked loss's gradients reach DeepSpeed's bf16 optimizer as the full
-    loss's do. Tolerance 2e-2: bf16 weights, five steps."""
+    loss's do. Tolerance 2e-2: bf16 weights, five steps. train.immediate_grad_update gives
+    foreach's losses exactly."""
     out = tmp_path / "fused.json"
     run_distributed(_fused_engine, 1, str(out), backend="nccl")
     r = json.loads(out.read_text())
@@ -284,6 +287,9 @@ def test_fused_adamw_and_the_chunked_loss_under_deepspeed_bf16_zero1(tmp_path):
         b = torch.tensor(r["losses"][name])
         assert torch.isfinite(b).all() and b[-1] < b[0]
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+    # train.immediate_grad_update: the same additions into the fp32 buffer, as each gradient
+    # is produced instead of after the backward.
+    assert r["losses"]["foreach_immediate"] == r["losses"]["foreach"]
 
 
 def test_which_sdpa_kernel_runs_at_2048_tokens():

@@ -117,3 +117,13 @@ def test_moe_plan_refuses_flags_outside_their_range(argv, message, capsys):
         main(["configs/default.yaml", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_moe_plan_counts_no_bf16_gradients_with_immediate_grad_update(capsys):
+    bf16_zero1 = ["train.precision=bf16", "parallel.zero_stage=1", "--zero", "1", "--json"]
+    grads = {}
+    for immediate in ("false", "true"):
+        main(["configs/moe-125m.yaml", f"train.immediate_grad_update={immediate}", *bf16_zero1])
+        (memory,) = json.loads(capsys.readouterr().out)["memory"]
+        grads[immediate] = memory["grads_bytes"]
+    assert grads["false"] > 0 and grads["true"] == 0

@@ -181,6 +181,12 @@ def test_memory_under_zero_stages_and_expert_parallelism():
     assert m2.grads_bytes == 2 * (others / 8 + experts / 4 / 2)
     fp32 = memory_per_gpu(cfg, 1, 1, 2, "fp32", 2, 40)
     assert fp32.model_states_bytes == 16 * c.total_params
+    # train.immediate_grad_update keeps no bf16 gradient (DeepSpeed's BF16 optimizer: ZeRO 1).
+    m1i = memory_per_gpu(cfg, 8, 4, 1, "bf16", 2, 40, immediate_grad_update=True)
+    assert m1i.grads_bytes == 0
+    assert m1.total_bytes - m1i.total_bytes == m1.grads_bytes
+    m2i = memory_per_gpu(cfg, 8, 4, 2, "bf16", 2, 40, immediate_grad_update=True)
+    assert m2i == m2  # not an option at stage 2: nothing changes
 
 
 PRESETS = [

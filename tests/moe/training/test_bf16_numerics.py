@@ -188,12 +188,41 @@ def test_precision_reaches_deepspeed():
     assert deepspeed_config(_cfg(), 2)["bf16"] == {"enabled": False}
     assert "data_types" not in deepspeed_config(_cfg(), 2)
     ds = deepspeed_config(_cfg(precision="bf16"), 2)
-    assert ds["bf16"] == {"enabled": True}
+    assert ds["bf16"] == {"enabled": True, "immediate_grad_update": False}
     assert ds["communication_data_type"] == "fp32"
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     ds = deepspeed_config(_cfg(precision="bf16", grad_reduce_dtype="bf16"), 2)
     assert ds["communication_data_type"] == "bf16"
     assert ds["data_types"] == {"grad_accum_dtype": "bf16"}
+    ds = deepspeed_config(
+        from_dict(
+            RunConfig,
+            {
+                "train": {"precision": "bf16", "immediate_grad_update": True},
+                "parallel": {"zero_stage": 1},
+            },
+        ),
+        2,
+    )
+    assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
+
+
+def test_immediate_grad_update_is_refused_where_deepspeeds_bf16_optimizer_does_not_run():
+    ok = {
+        "train": {"precision": "bf16", "immediate_grad_update": True},
+        "parallel": {"zero_stage": 1},
+    }
+    assert from_dict(RunConfig, ok).train.immediate_grad_update
+    for train, stage in (
+        ({}, 1),  # fp32
+        ({"precision": "bf16"}, 2),
+        ({"precision": "bf16", "grad_reduce_dtype": "bf16"}, 1),
+    ):
+        bad = {"train": {**train, "immediate_grad_update": True}, "parallel": {"zero_stage": stage}}
+        with pytest.raises(
+            ConfigError, match=r"train.immediate_grad_update: needs train.precision"
+        ):
+            from_dict(RunConfig, bad)
 
 
 def test_fp16_and_bf16_at_zero_stage_0_are_refused_with_the_fix():

@@ -22,6 +22,7 @@ import torch
 from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
 from tests.helpers.distributed import run_distributed
+from tests.helpers.engine_configs import tiny_engine_dict
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # nine engines: about 90 s
 
@@ -30,19 +31,11 @@ IMPLS = ("for_loop", "foreach", "fused", "auto")
 
 
 def run_config(**train) -> dict:
-    return {
-        "model": {
-            "vocab_size": VOCAB,
-            "d_model": 32,
-            "n_layers": 2,
-            "n_heads": 4,
-            "max_seq_len": SEQ,
-            "moe": {"num_experts": 4, "expert_hidden": 16, "router": {"top_k": 2}},
-        },
-        "data": {"seq_len": SEQ},
-        "train": {"micro_batch_size": MB, "seed": 5, "lr": 1e-2, "warmup_steps": 0, **train},
-        "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1},
-    }
+    return tiny_engine_dict(
+        VOCAB,
+        SEQ,
+        train={"micro_batch_size": MB, "seed": 5, "lr": 1e-2, "warmup_steps": 0, **train},
+    )
 
 
 def _train(engine, batches) -> tuple[list[float], list[float]]:
