@@ -97,8 +97,23 @@ def run_task(task: dict, device: torch.device, args) -> dict:
         sync_steps=task.get("sync_steps", 0),
         peak_flops=args.peak_flops,
     )
-    row, entry = bench(task["model"], cfg, device, run_args, knobs, task.get("label", ""))
+    try:
+        row, entry = bench(task["model"], cfg, device, run_args, knobs, task.get("label", ""))
+    finally:
+        if cfg.train.cuda_graphs:
+            release_cuda_graphs()
     return {"status": "ok", "row": row, "profile": entry}
+
+
+def release_cuda_graphs() -> None:
+    """A run with train.cuda_graphs leaves its recorded graphs, and the memory pool they hold,
+    in this worker; the next run (another setting, or this one's next round, whose new model
+    records again) starts without them."""
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def serve(device: torch.device, args, proto) -> None:

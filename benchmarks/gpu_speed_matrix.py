@@ -93,6 +93,19 @@ LEVERS = (
         note="each bf16 gradient folded into the fp32 buffer as it is produced, none kept",
     ),
     Lever(
+        "cuda-graphs",
+        (
+            "train.compile=true",
+            "train.cuda_graphs=true",
+            "train.immediate_grad_update=true",
+            "parallel.zero_stage=1",
+            "parallel.world_size=1",
+            "parallel.expert_parallel_size=1",
+        ),
+        ("cuda", "bf16"),
+        note="compiled blocks replayed as CUDA graph trees, gradients folded as produced",
+    ),
+    Lever(
         "expert-loop",
         ("bench.expert_kernel=loop",),
         ("moe",),

@@ -102,8 +102,9 @@ class TrainConfig:
     accumulation buffer as soon as the backward has produced it, and freed. false: the bf16
     gradients are kept (zeroed, not freed, between the micro-batches of a step) and added once
     the backward has ended. The same additions either way (the same losses, bitwise); true keeps
-    no bf16 gradient buffer (2 bytes per parameter, which moe-plan leaves out then). ZeRO 2's own
-    hooks already move each gradient into its buckets as it is produced."""
+    no bf16 gradient buffer (2 bytes per parameter, which moe-plan leaves out then), and lets
+    train.cuda_graphs run at ZeRO 1. ZeRO 2's own hooks already move each gradient into its
+    buckets as it is produced."""
     threads_per_rank: int | None = None
     """torch intra-op threads per rank; null: this machine's cores divided by the local ranks."""
     cpu_keep_freed_memory: bool = True
@@ -129,6 +130,13 @@ class TrainConfig:
     """Compile each transformer block with torch.compile (inductor), MoE layer included
     (moe/model/compile.py): one compile per distinct block graph in the first step, none after;
     the expert all-to-alls and the capacity cut run eagerly between the compiled pieces."""
+    cuda_graphs: bool = False
+    """Replay each compiled block as CUDA graphs (torch.compile's mode "reduce-overhead", CUDA
+    graph trees): a block's kernels are launched as one recorded graph, not one by one. Needs
+    train.compile, a CUDA device (refused at start on the CPU), static shapes (dropless routing,
+    expert parallelism 1) and gradients that leave a graph's memory before its next replay
+    overwrites them: parallel.zero_stage 2 (DeepSpeed's hooks copy each into its buckets) or
+    train.immediate_grad_update. The chunked loss's compiled part stays without graphs."""
 
     optimizer_impl: Literal["auto", "for_loop", "foreach", "fused"] = "auto"
     """Which implementation of torch's AdamW steps the weights (under ZeRO 1/2: one flat fp32
@@ -441,6 +449,7 @@ class RunConfig:
                 f"{self.train.grad_reduce_dtype}): ZeRO 2 already moves each gradient into its "
                 "buckets as it is produced, and fp32 has no separate accumulation buffer"
             )
+        out += self._cuda_graph_problems()
         if self.launch.elastic and self.parallel.zero_stage == 0:
             out.append(
                 "parallel.zero_stage: launch.elastic needs ZeRO stage 1 or 2 (resuming "
@@ -458,6 +467,32 @@ class RunConfig:
             )
         if not self.name or "/" in self.name or self.name.startswith("."):
             out.append(f"name: {self.name!r} must be a plain directory name")
+        return out
+
+    def _cuda_graph_problems(self) -> list[str]:
+        t, p = self.train, self.parallel
+        if not t.cuda_graphs:
+            return []
+        out = []
+        if not t.compile:
+            out.append("train.cuda_graphs: needs train.compile true (it replays compiled blocks)")
+        if p.zero_stage != 2 and not t.immediate_grad_update:
+            out.append(
+                f"train.cuda_graphs: at parallel.zero_stage {p.zero_stage} the gradients stay in "
+                "the graph's memory, which its next replay overwrites: use parallel.zero_stage 2 "
+                "or, with bf16 at stage 1, train.immediate_grad_update true"
+            )
+        if self.model.ffn == "moe" and p.expert_parallel_size > 1:
+            out.append(
+                f"train.cuda_graphs: needs parallel.expert_parallel_size 1 (got "
+                f"{p.expert_parallel_size}): the rows an all-to-all brings vary in number, and "
+                "each new count would record another graph"
+            )
+        if self.model.ffn == "moe" and self.model.moe.capacity_factor is not None:
+            out.append(
+                "train.cuda_graphs: needs dropless routing (model.moe.capacity_factor null): the "
+                "kept copies vary in number, and each new count would record another graph"
+            )
         return out
 
     def _finetune_problems(self) -> list[str]:

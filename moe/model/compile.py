@@ -112,7 +112,9 @@ else:  # compiled experts then run the per-expert loop (a graph break)
     grouped_mm_op = None  # type: ignore[assignment]
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> int:
+def compile_blocks(
+    model: nn.Module, backend: str = "inductor", cuda_graphs: bool = False, **options
+) -> int:
     """Compile every block of ``model.blocks`` in place (``Module.compile``; extra keyword
     arguments go to ``torch.compile``). Call it after the model is final: after wrapping its
     MoE layers for expert parallelism, after ``apply_recompute``, and on the device and in the
@@ -120,14 +122,17 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", **options) -> in
     layers probe the grouped GEMM for those here, and one they did not probe runs the
     per-expert loop under compile. Parts outside the blocks that compile a piece of their own
     (``compile_part``: the chunked loss's per-block work, moe/model/loss.py) do so here too.
-    Returns the number of blocks compiled."""
+    ``cuda_graphs`` (train.cuda_graphs): the blocks in torch.compile's mode "reduce-overhead",
+    replayed as CUDA graph trees on CUDA (on the CPU inductor runs them without, and counts a
+    skip); the parts keep the default mode. Returns the number of blocks compiled."""
     for module in model.modules():  # eager work that must not run inside a traced graph
         before = getattr(module, "before_compile", None)
         if callable(before):
             before()
     blocks = cast(nn.ModuleList, model.blocks)
+    block_options = {**options, "mode": "reduce-overhead"} if cuda_graphs else options
     for block in blocks:
-        block.compile(backend=backend, **options)
+        block.compile(backend=backend, **block_options)
     for module in model.modules():
         part = getattr(module, "compile_part", None)
         if callable(part):

@@ -159,6 +159,13 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     import deepspeed
 
     deepspeed_adapter.install()  # our changes to DeepSpeed's internals, for its pinned release
+    if cfg.train.cuda_graphs and not torch.cuda.is_available():
+        raise ConfigError(
+            [
+                "train.cuda_graphs: needs a CUDA device (this rank has none): CUDA graphs replay "
+                "recorded GPU kernels; set it false on the CPU"
+            ]
+        )
     ep = cfg.parallel.expert_parallel_size
     if env.world_size % ep:
         raise ConfigError(
@@ -202,7 +209,11 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
         # weights they had then, not for the device and dtype they train in, and under compile
         # an unprobed kernel runs the per-expert loop (about half the eager tokens/s of
         # moe-125m on one H100).
-        compile_blocks(model)
+        compile_blocks(model, cuda_graphs=t.cuda_graphs)
+        if t.cuda_graphs:
+            # A new generation of the graph trees at every forward: the outputs of the previous
+            # one (already consumed: the loss, the aux losses, the gradients) may be overwritten.
+            model.register_forward_pre_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
     report_global_expert_shapes(engine)  # so that DeepSpeed's zero_to_fp32 can merge experts
     # Different ranks must draw different router noise / dropout from here on.
     torch.manual_seed(cfg.train.seed + 1000 * env.rank + 1)

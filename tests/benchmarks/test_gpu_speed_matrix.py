@@ -488,3 +488,25 @@ def test_missing_packages_are_installed_from_the_wheel_folder(tmp_path, monkeypa
         matrix_worker.ensure_packages(
             str(tmp_path / "s2"), str(wheels), tmp_path / "w.log", time.monotonic() + 120
         )
+
+
+def test_a_cuda_graph_run_releases_its_graphs_even_when_it_fails(monkeypatch):
+    """The worker keeps every setting's compiled blocks for the next round, but not the graphs
+    and memory pool a train.cuda_graphs run recorded; here the run fails (no CUDA device) and
+    they are released all the same."""
+    from argparse import Namespace
+
+    import bench_worker
+    import torch
+
+    from moe.core.errors import ConfigError
+
+    released = []
+    monkeypatch.setattr(bench_worker, "release_cuda_graphs", lambda: released.append(1))
+    args = Namespace(tiny=True, micro_batch=None, steps=1, warmup=0, peak_flops=None)
+    graphs = ["train.compile=true", "train.cuda_graphs=true", "parallel.zero_stage=2"]
+    with pytest.raises(ConfigError, match="train.cuda_graphs: needs a CUDA device"):
+        bench_worker.run_task({"model": "tiny-moe", "overrides": graphs}, torch.device("cpu"), args)
+    assert released == [1]
+    monkeypatch.undo()
+    bench_worker.release_cuda_graphs()  # no graph trees on this thread: nothing to release
