@@ -66,6 +66,19 @@ class Lever:
 LEVERS = (
     Lever("compile", ("train.compile=true",), note="each block compiled (inductor)"),
     Lever(
+        "cuda-graphs",
+        (
+            "train.compile=true",
+            "train.cuda_graphs=true",
+            "train.immediate_grad_update=true",
+            "parallel.zero_stage=1",
+            "parallel.world_size=1",
+            "parallel.expert_parallel_size=1",
+        ),
+        ("cuda", "bf16"),
+        note="compiled blocks replayed as CUDA graph trees, gradients folded as produced",
+    ),
+    Lever(
         "ce-chunked",
         ("model.cross_entropy=chunked",),
         compiled=True,
@@ -91,19 +104,6 @@ LEVERS = (
         ("train.immediate_grad_update=true", "parallel.zero_stage=1"),
         ("bf16",),
         note="each bf16 gradient folded into the fp32 buffer as it is produced, none kept",
-    ),
-    Lever(
-        "cuda-graphs",
-        (
-            "train.compile=true",
-            "train.cuda_graphs=true",
-            "train.immediate_grad_update=true",
-            "parallel.zero_stage=1",
-            "parallel.world_size=1",
-            "parallel.expert_parallel_size=1",
-        ),
-        ("cuda", "bf16"),
-        note="compiled blocks replayed as CUDA graph trees, gradients folded as produced",
     ),
     Lever(
         "expert-loop",
