@@ -3,13 +3,15 @@
 code) across runs, and runs one task per line of stdin:
 
     {"id": 3, "model": "moe-125m", "overrides": ["train.compile=true"], "needs": ["cuda"],
-     "steps": 10, "warmup": 3, "profile_steps": 0, "sync_steps": 0, "label": "compile",
-     "check": false}
+     "where": [[["model.moe.permute=gather"], ["moe"]]], "steps": 10, "warmup": 3,
+     "profile_steps": 0, "sync_steps": 0, "label": "compile", "check": false}
 
 and answers each with one line on the original stdout (library output goes to stderr):
 ``{"id": 3, "status": "ok" | "skipped" | "error", "reason": ..., "row": {...},
 "profile": {...} | null, "wall_s": ...}``. ``check: true`` only says whether the run applies
 (its needs, whether moe-plan fits it in the device's memory) without building anything.
+``where`` (optional): overrides applied only on a model that meets their needs (a combination
+of levers, some of them for MoE models only); the row's ``applied`` lists them.
 The first line it writes is ``{"hello": {device, torch, peak_flops, memory}}``.
 """
 
@@ -76,9 +78,20 @@ def config_for(task: dict, tiny: bool, micro_batch: int | None):
 def run_task(task: dict, device: torch.device, args) -> dict:
     needs = list(task.get("needs", []))
     missing = unmet(needs, None, device)
+    applied: list[str] = []
     if not missing:
         cfg, knobs = config_for(task, args.tiny, args.micro_batch)
         missing = unmet(needs, cfg, device)
+        if not missing:
+            applied = [
+                o
+                for overrides, part_needs in task.get("where", [])
+                if not unmet(list(part_needs), cfg, device)
+                for o in overrides
+            ]
+        if applied:
+            task = {**task, "overrides": [*task.get("overrides", []), *applied]}
+            cfg, knobs = config_for(task, args.tiny, args.micro_batch)
     if missing:
         return {"status": "skipped", "reason": "needs " + ", ".join(missing)}
     if device.type == "cuda":
@@ -102,7 +115,7 @@ def run_task(task: dict, device: torch.device, args) -> dict:
     finally:
         if cfg.train.cuda_graphs:
             release_cuda_graphs()
-    return {"status": "ok", "row": row, "profile": entry}
+    return {"status": "ok", "row": {**row, "applied": applied}, "profile": entry}
 
 
 def release_cuda_graphs() -> None:

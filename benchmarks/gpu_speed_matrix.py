@@ -6,11 +6,12 @@ Run it through ``benchmarks/gpu_speed_matrix.sh``:
     bash benchmarks/gpu_speed_matrix.sh OUTDIR --scratch DIR   # reuse the proof's installed wheels
     bash benchmarks/gpu_speed_matrix.sh OUTDIR --device cpu --tiny --budget 120   # CPU rehearsal
 
-Settings: the default (no override), each lever of ``LEVERS`` alone, then each lever marked
-``compiled`` together with ``train.compile=true``, in that order, which is also their priority.
-``--levers a,b`` picks levers (in that order). Each setting runs on each model once per round;
-round 1 goes in priority order, rounds 2 and 3 in rotated orders (each setting at a different
-place in each round), and every round has its own default run, against which that round's
+Settings: the default (no override), each lever of ``LEVERS`` alone (``compile``, then the
+named combinations of ``COMBINATIONS``, then the others), then each lever marked ``compiled``
+together with ``train.compile=true``, in that order, which is also their priority.
+``--levers a,b`` picks levers (in that order); ``--levers a+b+c`` measures levers together.
+Each setting runs on each model once per round; round 1 goes in priority order, rounds 2 and 3
+in rotated orders (each setting at a different place in each round), and every round has its own default run, against which that round's
 ratio is taken: a row's ratio is the median (and spread) of its rounds' ratios.
 
 The budget (``--budget`` seconds, 420 by default) counts from the start, wheel install and
@@ -61,9 +62,49 @@ class Lever:
     needs: tuple[str, ...] = ()
     compiled: bool = False
     note: str = ""
+    where: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    """Overrides applied only on a model that meets their needs (see ``combine``)."""
 
 
-LEVERS = (
+MODEL_NEEDS = ("moe", "unaligned-experts")
+"""Preconditions on the model rather than the machine or the precision: a combination applies
+a lever that has one of them only on the models that meet it, instead of skipping the whole
+combination on the others."""
+
+
+def combine(name: str, levers, note: str = "") -> Lever:
+    """One setting with the overrides of every lever of ``levers``: their machine and precision
+    needs are the combination's; a lever with a model need (MODEL_NEEDS) goes into ``where``,
+    applied only on the models that meet it. A key set to two values is refused."""
+    overrides: list[str] = []
+    needs: list[str] = []
+    where: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    for lv in levers:
+        model = tuple(n for n in lv.needs if n in MODEL_NEEDS)
+        needs += [n for n in lv.needs if n not in MODEL_NEEDS]
+        where += list(lv.where)
+        if model:
+            where.append((lv.overrides, model))
+        else:
+            overrides += lv.overrides
+    values: dict[str, str] = {}
+    for o in [*overrides, *(o for part, _ in where for o in part)]:
+        key, _, value = o.partition("=")
+        key, value = key.strip(), value.strip()
+        if values.setdefault(key, value) != value:
+            raise ValueError(
+                f"{name}: {key} is set to both {values[key]!r} and {value!r} by its levers"
+            )
+    return Lever(
+        name,
+        tuple(dict.fromkeys(overrides)),
+        tuple(dict.fromkeys(needs)),
+        note=note,
+        where=tuple(where),
+    )
+
+
+SINGLE_LEVERS = (
     Lever("compile", ("train.compile=true",), note="each block compiled (inductor)"),
     Lever(
         "cuda-graphs",
@@ -154,7 +195,34 @@ LEVERS = (
         note="expert width a multiple of 64 (432 -> 448: 3.7% more expert FLOPs, see MFU)",
     ),
 )
-"""A new lever is one line here; its order is its priority."""
+"""A new lever is one line here."""
+COMBINATIONS = {
+    "stack": (
+        ("cuda-graphs", "ce-chunked", "adamw-fused", "permute-gather"),
+        "every lever expected to pay, together: the candidate CUDA default",
+    ),
+    "stack-no-graphs": (
+        ("compile", "immediate-grads", "ce-chunked", "adamw-fused", "permute-gather"),
+        "the stack without CUDA graphs (what remains if graphs fail or do not pay)",
+    ),
+}
+"""Named combinations of levers (``--levers`` also takes ``a+b+c``)."""
+
+
+def lever_table() -> tuple[Lever, ...]:
+    """Every lever and named combination, in priority order: ``compile``, then the
+    combinations (what would become the CUDA default, measured before its parts), then the
+    other levers."""
+    single = {lv.name: lv for lv in SINGLE_LEVERS}
+    combos = [
+        combine(name, [single[p] for p in parts], note)
+        for name, (parts, note) in COMBINATIONS.items()
+    ]
+    return (SINGLE_LEVERS[0], *combos, *SINGLE_LEVERS[1:])
+
+
+LEVERS = lever_table()
+"""The order is the priority."""
 COMPILE = "train.compile=true"
 MODELS = ("dense-125m", "moe-125m")
 TINY_MODELS = ("tiny-dense", "tiny-moe")
@@ -165,6 +233,7 @@ class Setting:
     name: str
     overrides: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
+    where: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
     @property
     def compiled(self) -> bool:
@@ -174,11 +243,12 @@ class Setting:
 def settings_of(levers) -> list[Setting]:
     """The default, each lever alone, then each ``compiled`` lever with compile."""
     out = [Setting("default")]
-    out += [Setting(lv.name, lv.overrides, lv.needs) for lv in levers]
+    out += [Setting(lv.name, lv.overrides, lv.needs, lv.where) for lv in levers]
+    names = {s.name for s in out}
     out += [
-        Setting(f"{lv.name}+compile", (*lv.overrides, COMPILE), lv.needs)
+        Setting(f"{lv.name}+compile", (*lv.overrides, COMPILE), lv.needs, lv.where)
         for lv in levers
-        if lv.compiled and COMPILE not in lv.overrides
+        if lv.compiled and COMPILE not in lv.overrides and f"{lv.name}+compile" not in names
     ]
     return out
 
@@ -236,6 +306,7 @@ class Matrix:
             "model": model,
             "overrides": list(setting.overrides),
             "needs": list(setting.needs),
+            "where": [[list(o), list(n)] for o, n in setting.where],
             "steps": self.steps,
             "warmup": self.warmup,
             "label": setting.name,
@@ -448,10 +519,15 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     names = {lv.name: lv for lv in LEVERS}
     wanted = args.levers.split(",") if args.levers else list(names)
-    unknown = [n for n in wanted if n not in names]
+    unknown = [n for w in wanted for n in w.split("+") if n not in names]
     if unknown:
         p.error(f"--levers: unknown {', '.join(unknown)} (levers: {', '.join(names)})")
-    args.lever_list = [names[n] for n in wanted]
+    try:
+        args.lever_list = [
+            names[w] if w in names else combine(w, [names[n] for n in w.split("+")]) for w in wanted
+        ]
+    except ValueError as e:
+        p.error(f"--levers: {e}")
     args.model_list = (
         args.models.split(",") if args.models else list(TINY_MODELS if args.tiny else MODELS)
     )

@@ -52,6 +52,8 @@ def summary_rows(matrix) -> list[dict]:
                     "model": m,
                     "setting": s.name,
                     "overrides": list(s.overrides),
+                    # a combination's overrides for some models only, as applied on this one
+                    "applied": sorted({o for r in ok for o in r.row.get("applied", [])}),
                     "runs": len(ok),
                     "tokens_per_s": tok["median"],
                     "tokens_per_s_min": tok["min"],
@@ -129,6 +131,7 @@ def render(matrix, args, hello: dict, elapsed: float, rows: list[dict], levers) 
     lines += ["", "Levers (benchmarks/gpu_speed_matrix.py, LEVERS):", ""]
     lines += [
         f"- {lv.name}: {' '.join(lv.overrides)}"
+        + "".join(f"; on {', '.join(n)} models: {' '.join(o)}" for o, n in lv.where)
         + (f" (needs {', '.join(lv.needs)})" if lv.needs else "")
         + ("; also compiled" if lv.compiled else "")
         + (f"; {lv.note}" if lv.note else "")

@@ -105,6 +105,54 @@ def test_settings_are_the_default_each_lever_then_the_compiled_levers():
     ]
     names = [lv.name for lv in gm.LEVERS]
     assert len(set(names)) == len(names) and names[0] == "compile"
+    # the candidate CUDA default is measured right after compile, before its parts alone
+    assert names[1:3] == ["stack", "stack-no-graphs"] and names[3] == "cuda-graphs"
+
+
+def test_a_combination_sets_every_lever_and_keeps_model_levers_to_their_models():
+    a = gm.Lever("a", ("x.a=1", "x.shared=2"), ("cuda",), compiled=True)
+    b = gm.Lever("b", ("x.b=1", "x.shared=2"), ("bf16",))
+    m = gm.Lever("m", ("x.m=1",), ("moe", "cuda"))
+    ab_m = gm.combine("ab-m", [a, b, m], "note")
+    assert ab_m.overrides == ("x.a=1", "x.shared=2", "x.b=1")  # once each, in order
+    assert ab_m.needs == ("cuda", "bf16")  # "moe" does not skip the combination on dense
+    assert ab_m.where == ((("x.m=1",), ("moe",)),)
+    assert ab_m.note == "note" and not ab_m.compiled
+    nested = gm.combine("nested", [ab_m, gm.Lever("c", ("x.c=1",))])
+    assert nested.where == ab_m.where and nested.overrides[-1] == "x.c=1"
+    with pytest.raises(ValueError, match="x.shared is set to both '2' and '3'"):
+        gm.combine("bad", [a, gm.Lever("c", ("x.shared = 3",))])
+    with pytest.raises(ValueError, match="x.m is set to both"):
+        gm.combine("bad", [m, gm.Lever("c", ("x.m=2",))])
+    (setting,) = [s for s in gm.settings_of([ab_m]) if s.name == "ab-m"]
+    assert setting.where == ab_m.where
+    task = matrix([setting], None, Clock()).task(setting, "moe")
+    assert task["where"] == [[["x.m=1"], ["moe"]]] and task["needs"] == ["cuda", "bf16"]
+
+
+def test_levers_given_with_a_plus_are_measured_together(capsys):
+    args = gm.parse_args(["out", "--levers", "compile,adamw-fused+permute-gather,stack"])
+    names = [lv.name for lv in args.lever_list]
+    assert names == ["compile", "adamw-fused+permute-gather", "stack"]
+    both = args.lever_list[1]
+    assert both.overrides == ("train.optimizer_impl=fused",)
+    assert both.where == ((("model.moe.permute=gather",), ("moe",)),)
+    settings = [s.name for s in gm.settings_of(args.lever_list)]
+    assert settings == ["default", "compile", "adamw-fused+permute-gather", "stack"]
+    # "a+compile" given by hand is not measured twice
+    args = gm.parse_args(["out", "--levers", "ce-chunked,ce-chunked+compile"])
+    assert [s.name for s in gm.settings_of(args.lever_list)] == [
+        "default",
+        "ce-chunked",
+        "ce-chunked+compile",
+    ]
+    for bad, said in (
+        ("compile+nope", "unknown nope"),
+        ("stack+zero-2", "parallel.zero_stage is set to both '1' and '2'"),
+    ):
+        with pytest.raises(SystemExit):
+            gm.parse_args(["out", "--levers", bad])
+        assert said in capsys.readouterr().err
 
 
 def test_rounds_interleave_the_settings_with_a_default_run_in_every_round():
@@ -446,6 +494,9 @@ def test_every_lever_is_a_valid_config_with_known_preconditions():
     cpu = torch.device("cpu")
     for setting in gm.settings_of(gm.LEVERS):
         overrides, _ = split_knobs(list(setting.overrides))
+        if setting.where:  # a combination: every part together is a valid config too
+            everything = [*setting.overrides, *(o for part, _ in setting.where for o in part)]
+            preset("moe-125m", None, split_knobs(everything)[0])
         if "liger" in setting.needs and liger_problem():
             assert unmet(list(setting.needs), None, cpu) == ["cuda", "liger"]  # before building
             with pytest.raises(ConfigError, match="cross_entropy: liger"):
@@ -510,3 +561,41 @@ def test_a_cuda_graph_run_releases_its_graphs_even_when_it_fails(monkeypatch):
     assert released == [1]
     monkeypatch.undo()
     bench_worker.release_cuda_graphs()  # no graph trees on this thread: nothing to release
+
+
+def test_the_worker_applies_a_combinations_model_levers_only_where_they_apply(monkeypatch):
+    """A combination's ``where`` overrides reach the config of the MoE model and not the dense
+    one, whose run goes ahead without them (rather than being skipped); the row says which
+    were applied."""
+    from argparse import Namespace
+
+    import bench_worker
+    import torch
+
+    seen = {}
+
+    def fake_bench(name, cfg, device, args, knobs, label):
+        seen[name] = cfg
+        return {"model": name, "tokens_per_s": 1.0}, None
+
+    monkeypatch.setattr(bench_worker, "bench", fake_bench)
+    args = Namespace(tiny=True, micro_batch=None, steps=1, warmup=0, peak_flops=None)
+    task = {
+        "overrides": ["model.cross_entropy=chunked"],
+        "where": [[["model.moe.permute=gather"], ["moe"]], [["train.compile=true"], ["cuda"]]],
+    }
+    cpu = torch.device("cpu")
+    moe = bench_worker.run_task({**task, "model": "tiny-moe"}, cpu, args)
+    dense = bench_worker.run_task({**task, "model": "tiny-dense"}, cpu, args)
+    assert moe["row"]["applied"] == ["model.moe.permute=gather"]
+    assert dense["status"] == "ok" and dense["row"]["applied"] == []
+    assert seen["tiny-moe"].model.moe.permute == "gather"
+    assert seen["tiny-dense"].model.moe.permute == "index_add"
+    for cfg in seen.values():  # the shared overrides everywhere, the CUDA-only part nowhere
+        assert cfg.model.cross_entropy == "chunked" and not cfg.train.compile
+
+
+def test_docs_name_every_lever_of_the_matrix():
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    missing = [lv.name for lv in gm.LEVERS if f"`{lv.name}`" not in text]
+    assert not missing, f"docs/gpu.md does not name {missing}"
