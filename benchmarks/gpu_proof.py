@@ -11,7 +11,10 @@ Parts, in order, each with its own log in OUTDIR and a time limit inside ``--bud
             with ``pip install --no-index --no-deps --target SCRATCH/site``; they reach every
             later part through PYTHONPATH, so the preinstalled torch is never touched (checked)
 2. env      GPU, driver, Python, torch, CUDA, cuDNN, NCCL, DeepSpeed and its accelerator
-3. pytest   ``pytest -m gpu`` (on the CPU every test skips: the command itself is the check)
+3. pytest   ``pytest -m gpu`` (on the CPU every test skips: the command itself is the check),
+            on PYTEST_WORKERS workers when pytest-xdist imports (one file's tests on one
+            worker: the GPU is shared, the compiles and launches are host work), with each
+            test's time in the log
 4. bench    ``benchmarks/gpu_train_bench.py``: tokens/s, MFU, peak memory against moe-plan,
             where a step's time goes (a step profile per model: profile.md, profile.json);
             then the same models with ``train.compile`` (one run each: compiled tokens/s,
@@ -58,6 +61,8 @@ from gpu_install import (  # noqa: E402
 from gpu_proof_summary import write_summary  # noqa: E402
 
 MAX_FILES = 10
+PYTEST_WORKERS = 3
+"""pytest -m gpu's workers: its two large files each on one, the small ones on the third."""
 OUT_FILES = ("summary.md", "summary.json", "profile.md", "profile.json")
 """Besides one log per part (the profiles come from the bench part)."""
 # Time limits (s) of each part, and the least each later part is left when an earlier one runs
@@ -292,9 +297,27 @@ class Proof:
 
     # ---- 3. pytest ---------------------------------------------------------------------------
 
+    def pytest_command(self) -> list[str]:
+        """``pytest -m gpu``, verbose (a log cut at the part's limit still says what passed)
+        with every test's time; on a GPU, on PYTEST_WORKERS workers where pytest-xdist
+        imports (one file's tests on one worker, so a module fixture is built once); on the
+        CPU, where every test skips, serially."""
+        cmd = [self.python, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-v", "-rA"]
+        cmd += ["--durations=0", "--durations-min=1"]
+        if not self.cuda:
+            return cmd
+        probe = subprocess.run(
+            [self.python, "-c", "import xdist"],
+            env=self.env(),
+            capture_output=True,
+            timeout=60,
+        )
+        if probe.returncode == 0:
+            cmd += ["-n", str(PYTEST_WORKERS), "--dist", "loadgroup"]
+        return cmd
+
     def pytest(self, part: Part, log, limit: float) -> str:
-        cmd = [self.python, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rA"]
-        rc = self.run(part, cmd, log, limit)
+        rc = self.run(part, self.pytest_command(), log, limit)
         log.flush()
         text = (self.out / part.log).read_text(errors="replace")
         summary = [

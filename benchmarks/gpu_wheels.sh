@@ -55,12 +55,17 @@ WHEELS=(
   safetensors==0.8.0
   # QLoRA's NF4 (finetune.method qlora; the extra "qlora" of setup.py)
   torchao==0.18.0
-  # the tests: pytest (pyproject.toml sets a timeout, hence pytest-timeout)
-  pytest==9.0.3
+  # model.cross_entropy: liger (the extra "liger"; pure Python, runs on the machine's triton)
+  liger-kernel==0.8.5
+  # the tests: pytest (pyproject.toml sets a timeout, hence pytest-timeout; the proof runs
+  # them on several workers, hence pytest-xdist and execnet), as constraints.txt pins them
+  pytest==9.1.1
   pluggy==1.6.0
   iniconfig==2.3.0
   pygments==2.20.0
   pytest-timeout==2.4.0
+  pytest-xdist==3.8.0
+  execnet==2.1.2
 )
 
 rm -rf "$OUT"

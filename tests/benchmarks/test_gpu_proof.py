@@ -221,7 +221,7 @@ def test_the_wheel_folder_covers_what_the_gpu_machine_lacks():
     assert {"torch", "deepspeed", "zstandard", "matplotlib"} <= ours
     there = {norm(n) for n in GPU_MACHINE_HAS}
     there |= set().union(*(requirements(n) for n in GPU_MACHINE_HAS))
-    needed, todo = set(), (ours - {"mpich"}) | {"pytest", "pytest_timeout"}
+    needed, todo = set(), (ours - {"mpich"}) | {"pytest", "pytest_timeout", "pytest_xdist"}
     while todo:  # what the folder must bring, and what that requires in turn
         name = todo.pop()
         needed.add(name)
@@ -249,19 +249,24 @@ def load_proof_module():
     return module
 
 
-def test_a_second_proof_in_the_same_scratch_trains_a_run_of_its_own(tmp_path):
-    """On a warm machine the scratch folder still holds the last proof's finished run; resuming
-    it would train nothing and the train part would pass on no evidence."""
-    gp = load_proof_module()
-    scratch = tmp_path / "scratch"
-    args = gp.argparse.Namespace(
+def proof_args(gp, tmp_path, scratch=None):
+    """The arguments of a CPU proof that writes into ``tmp_path``."""
+    return gp.argparse.Namespace(
         outdir=str(tmp_path / "out"),
-        scratch=str(scratch),
+        scratch=str(scratch or tmp_path / "s"),
         budget=60.0,
         device="cpu",
         dry_run=False,
         wheels=None,
     )
+
+
+def test_a_second_proof_in_the_same_scratch_trains_a_run_of_its_own(tmp_path):
+    """On a warm machine the scratch folder still holds the last proof's finished run; resuming
+    it would train nothing and the train part would pass on no evidence."""
+    gp = load_proof_module()
+    scratch = tmp_path / "scratch"
+    args = proof_args(gp, tmp_path, scratch)
     assert gp.Proof(args).run_name() == "gpu-proof"
     (scratch / "runs" / "gpu-proof").mkdir(parents=True)
     (scratch / "runs" / "gpu-proof-2").mkdir()
@@ -269,18 +274,30 @@ def test_a_second_proof_in_the_same_scratch_trains_a_run_of_its_own(tmp_path):
     assert "name=gpu-proof-3" in proof.train_overrides()
 
 
+def test_the_gpu_tests_run_on_several_workers_where_xdist_imports(tmp_path, monkeypatch):
+    """pytest -m gpu on PYTEST_WORKERS workers, a file's tests on one, when the proof's Python
+    (with the installed wheels) imports pytest-xdist, serially when it does not or when every
+    test skips (on the CPU); the log says each test's time either way."""
+    gp = load_proof_module()
+    args = proof_args(gp, tmp_path)
+    cmd = gp.Proof(args).pytest_command()
+    assert "-n" not in cmd and "--durations=0" in cmd
+    args.device = "cuda"  # what the command is on a GPU (nothing runs here)
+    proof = gp.Proof(args)
+    cmd = proof.pytest_command()  # this Python has pytest-xdist (the test extra)
+    assert cmd[cmd.index("-n") + 1] == str(gp.PYTEST_WORKERS) and "loadgroup" in cmd
+    assert "--durations=0" in cmd and "-m" in cmd and "gpu" in cmd
+    (tmp_path / "s" / "site").mkdir(parents=True)  # a wheel folder without xdist, shadowing it
+    (tmp_path / "s" / "site" / "xdist.py").write_text("raise ImportError('no xdist here')\n")
+    cmd = proof.pytest_command()
+    assert "-n" not in cmd and "--durations=0" in cmd
+
+
 def test_the_train_part_fails_when_the_run_logged_no_step(tmp_path):
     """A run that exits 0 with a checkpoint but no logged step (it resumed a finished run) is
     not a pass."""
     gp = load_proof_module()
-    args = gp.argparse.Namespace(
-        outdir=str(tmp_path / "out"),
-        scratch=str(tmp_path / "s"),
-        budget=60.0,
-        device="cpu",
-        dry_run=False,
-        wheels=None,
-    )
+    args = proof_args(gp, tmp_path)
     proof = gp.Proof(args)
 
     def finished_run(part, cmd, log, limit, env=None):
@@ -313,14 +330,7 @@ def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(
     time is noted (the compiles take what the tests left), a compiled run that fails is a
     failure."""
     gp = load_proof_module()
-    args = gp.argparse.Namespace(
-        outdir=str(tmp_path / "out"),
-        scratch=str(tmp_path / "s"),
-        budget=60.0,
-        device="cpu",
-        dry_run=False,
-        wheels=None,
-    )
+    args = proof_args(gp, tmp_path)
     proof = gp.Proof(args)
     proof.scratch.mkdir(parents=True, exist_ok=True)
     commands = []
