@@ -78,22 +78,22 @@ def config_for(task: dict, tiny: bool, micro_batch: int | None):
 def run_task(task: dict, device: torch.device, args) -> dict:
     needs = list(task.get("needs", []))
     missing = unmet(needs, None, device)
-    applied: list[str] = []
     if not missing:
-        cfg, knobs = config_for(task, args.tiny, args.micro_batch)
-        missing = unmet(needs, cfg, device)
-        if not missing:
-            applied = [
-                o
-                for overrides, part_needs in task.get("where", [])
-                if not unmet(list(part_needs), cfg, device)
-                for o in overrides
-            ]
-        if applied:
-            task = {**task, "overrides": [*task.get("overrides", []), *applied]}
-            cfg, knobs = config_for(task, args.tiny, args.micro_batch)
+        # The model's needs are the model's as it is, before the setting changes it: the lever
+        # that makes unaligned experts aligned needs them unaligned, and one that needs bf16 is
+        # skipped on an fp32 model rather than refused by config validation.
+        model, _ = config_for({**task, "overrides": []}, args.tiny, args.micro_batch)
+        missing = unmet(needs, model, device)
     if missing:
         return {"status": "skipped", "reason": "needs " + ", ".join(missing)}
+    applied = [
+        o
+        for overrides, part_needs in task.get("where", [])
+        if not unmet(list(part_needs), model, device)
+        for o in overrides
+    ]
+    task = {**task, "overrides": [*task.get("overrides", []), *applied]}
+    cfg, knobs = config_for(task, args.tiny, args.micro_batch)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         if planned_bytes(cfg) > FIT_FRACTION * total:

@@ -599,3 +599,45 @@ def test_docs_name_every_lever_of_the_matrix():
     text = (ROOT / "docs" / "gpu.md").read_text()
     missing = [lv.name for lv in gm.LEVERS if f"`{lv.name}`" not in text]
     assert not missing, f"docs/gpu.md does not name {missing}"
+
+
+def test_on_the_gpu_presets_only_the_machine_or_the_kind_of_model_skips_a_lever():
+    """The worker's check of every setting on dense-125m and moe-125m: each applies, or is
+    skipped for what this CPU lacks (cuda, flex, liger) or, on the dense model, for its
+    experts. A model's needs are judged before the setting changes it: experts-448 makes
+    moe-125m's experts aligned, and still applies to it."""
+    from argparse import Namespace
+
+    import bench_worker
+    import torch
+
+    args = Namespace(tiny=False, micro_batch=None, steps=1, warmup=0, peak_flops=None)
+    machine = {"cuda", "flex", "liger"}
+    for setting in gm.settings_of(gm.LEVERS):
+        m = gm.Matrix([setting], gm.MODELS, None, clock=Clock(), deadline=1, run_deadline=1)
+        for model in gm.MODELS:
+            res = bench_worker.run_task(
+                {**m.task(setting, model), "check": True}, torch.device("cpu"), args
+            )
+            if res["status"] == "ok":
+                continue
+            assert res["status"] == "skipped", (setting.name, model, res)
+            said = set(res["reason"].removeprefix("needs ").split(", "))
+            allowed = machine | ({"moe", "unaligned-experts"} if model == "dense-125m" else set())
+            assert said <= allowed, (setting.name, model, res)
+    check = {**m.task(gm.Setting("x", needs=("unaligned-experts",)), "moe-125m"), "check": True}
+    check["overrides"] = ["model.moe.expert_hidden=448"]
+    assert bench_worker.run_task(check, torch.device("cpu"), args) == {"status": "ok"}
+
+
+def test_a_lever_that_needs_bf16_is_skipped_on_an_fp32_model_not_refused():
+    from argparse import Namespace
+
+    import bench_worker
+    import torch
+
+    (lever,) = [lv for lv in gm.LEVERS if lv.name == "immediate-grads"]
+    task = {"model": "tiny-moe", "overrides": list(lever.overrides), "needs": list(lever.needs)}
+    args = Namespace(tiny=True, micro_batch=None, steps=1, warmup=0, peak_flops=None)
+    res = bench_worker.run_task({**task, "check": True}, torch.device("cpu"), args)
+    assert res == {"status": "skipped", "reason": "needs bf16"}
