@@ -322,6 +322,7 @@ for line in sys.stdin:
             sys.exit(3)  # the first worker only
         time.sleep(float(os.environ.get("FAKE_SECONDS", "0.2")))
     row = {"tokens_per_s": 100.0 + n, "mfu": 0.1, "warmup_s": 0.1}
+    row.update(peak_mem=11 * 2**30, planned_mem=10 * 2**30)
     print(json.dumps({"id": task["id"], "status": "ok", "row": row}), flush=True)
 """
 
@@ -418,6 +419,9 @@ def test_a_worker_that_dies_is_replaced_and_its_run_marked(tmp_path):
     died = rows[("dense-125m", "compile")]
     assert died["runs"] == 0 and "the worker died (exit status 3" in died["note"]
     assert rows[("moe-125m", "compile")]["runs"] == 3  # the new worker ran the rest
+    assert rows[("moe-125m", "compile")]["planned_mem"] == 10 * 2**30
+    # the memory target's figure: the peak against moe-plan's total
+    assert "| 11.0 | 1.10x |" in (out / "matrix.md").read_text()
     assert rows[("moe-125m", "expert-loop")]["runs"] == 3
     assert len((tmp_path / "pids").read_text().split()) == 2
     assert (out / "worker.log").read_text().count("starting the worker") == 2
