@@ -160,7 +160,31 @@ def serve(device: torch.device, args, proto) -> None:
         except Exception as e:  # one failing setting must not end the others
             traceback.print_exc()
             result = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500]}
+            if not device_healthy(device):
+                result["reason"] = (
+                    "the CUDA context is lost, the worker restarts: " + (result["reason"])
+                )
+                result.update(id=task.get("id"), wall_s=time.perf_counter() - t0)
+                print(json.dumps(result, default=str), file=proto)
+                raise SystemExit(CONTEXT_LOST) from e  # the matrix starts a new worker
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         result.update(id=task.get("id"), wall_s=time.perf_counter() - t0)
         print(json.dumps(result, default=str), file=proto)
+
+
+CONTEXT_LOST = 70
+"""The worker's exit status after a run left its CUDA context unusable."""
+
+
+def device_healthy(device: torch.device) -> bool:
+    """Whether this process can still run work on ``device``: after a sticky CUDA error (an
+    illegal memory access, say) every later call fails, so no later run could measure
+    anything in this process."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return torch.ones(1, device=device).add_(1).item() == 2.0
+    except Exception:
+        return False

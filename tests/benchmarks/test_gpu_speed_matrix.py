@@ -645,3 +645,35 @@ def test_a_lever_that_needs_bf16_is_skipped_on_an_fp32_model_not_refused():
     args = Namespace(tiny=True, micro_batch=None, steps=1, warmup=0, peak_flops=None)
     res = bench_worker.run_task({**task, "check": True}, torch.device("cpu"), args)
     assert res == {"status": "skipped", "reason": "needs bf16"}
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_a_worker_whose_cuda_context_is_lost_answers_and_exits(monkeypatch, healthy):
+    """After a failing run the worker goes on, unless its device no longer runs anything (a
+    sticky CUDA error): then it answers that run and exits, and the matrix's next run starts
+    a new worker instead of failing in a broken process."""
+    import io
+    from argparse import Namespace
+
+    import bench_worker
+    import torch
+
+    def failing(task, device, args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    assert bench_worker.device_healthy(torch.device("cpu"))  # nothing to lose on the CPU
+    monkeypatch.setattr(bench_worker, "run_task", failing)
+    monkeypatch.setattr(bench_worker, "device_healthy", lambda device: healthy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"id": 1}\n{"id": 2}\n'))
+    proto = io.StringIO()
+    args = Namespace(peak_flops=1e12)
+    if healthy:
+        bench_worker.serve(torch.device("cpu"), args, proto)
+    else:
+        with pytest.raises(SystemExit) as e:
+            bench_worker.serve(torch.device("cpu"), args, proto)
+        assert e.value.code == bench_worker.CONTEXT_LOST
+    answers = [json.loads(line) for line in proto.getvalue().splitlines()[1:]]
+    assert [a["id"] for a in answers] == ([1, 2] if healthy else [1])
+    assert all(a["status"] == "error" and "illegal memory access" in a["reason"] for a in answers)
+    assert ("CUDA context is lost" in answers[0]["reason"]) == (not healthy)
