@@ -343,6 +343,22 @@ class Proof:
     # ---- 4. bench ----------------------------------------------------------------------------
 
     def bench(self, part: Part, log, limit: float) -> str:
+        """The bench's runs; a step profile that failed fails the part, the timed rows kept."""
+        status = self.bench_runs(part, log, limit)
+        failed = [
+            f"{r['model']}{' compiled' if compiled else ''}: {r['profile_error']}"
+            for compiled, key in ((False, "rows"), (True, "compiled_rows"))
+            for r in part.figures.get(key, [])
+            if r.get("profile_error")
+        ]
+        if failed:
+            part.note = "; ".join(
+                filter(None, [part.note, "step profile failed: " + "; ".join(failed)])
+            )
+            return "fail"
+        return status
+
+    def bench_runs(self, part: Part, log, limit: float) -> str:
         rows = self.scratch / "bench.json"
         cmd = [
             self.python,

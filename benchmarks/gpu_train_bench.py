@@ -41,6 +41,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -226,25 +227,29 @@ def bench(
             peak = args.peak_flops or peak_bf16_flops(device)
             fpt = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
             mfu = tok_s * fpt / peak if peak else None
-            entry = None
+            entry, profile_error = None, None
             if args.profile_steps:
-                entry = profile_entry(
-                    engine,
-                    cfg,
-                    device,
-                    knobs,
-                    args.profile_steps,
-                    args.sync_steps,
-                    seconds / args.steps,
-                    gemm_dims(cfg),
-                    {
-                        "model": name,
-                        "setting": label or "default",
-                        "device": device_name(device),
-                        "tokens_per_s": tok_s,
-                        "mfu": mfu,
-                    },
-                )
+                try:
+                    entry = profile_entry(
+                        engine,
+                        cfg,
+                        device,
+                        knobs,
+                        args.profile_steps,
+                        args.sync_steps,
+                        seconds / args.steps,
+                        gemm_dims(cfg),
+                        {
+                            "model": name,
+                            "setting": label or "default",
+                            "device": device_name(device),
+                            "tokens_per_s": tok_s,
+                            "mfu": mfu,
+                        },
+                    )
+                except Exception as e:  # the timed figures stand without their profile
+                    traceback.print_exc()
+                    profile_error = f"{type(e).__name__}: {e}"[:300]
     finally:
         if engine is not None:
             destroy = getattr(engine, "destroy", None)
@@ -269,6 +274,7 @@ def bench(
         "graphs": graphs,
         "graph_breaks": breaks,
         "graphs_in_timed_steps": graphs_timed,
+        "profile_error": profile_error,
     }
     return row, entry
 

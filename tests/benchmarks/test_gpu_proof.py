@@ -261,6 +261,15 @@ def proof_args(gp, tmp_path, scratch=None):
     )
 
 
+def run_part(gp, proof, name: str, runner):
+    """Part ``name`` of ``proof`` with ``runner`` in place of its commands: (status, part)."""
+    proof.run = runner
+    part = gp.Part(name, log=f"{name}.log")
+    proof.out.mkdir(parents=True, exist_ok=True)
+    with open(proof.out / part.log, "w") as log:
+        return getattr(proof, name)(part, log, 60.0), part
+
+
 def test_a_second_proof_in_the_same_scratch_trains_a_run_of_its_own(tmp_path):
     """On a warm machine the scratch folder still holds the last proof's finished run; resuming
     it would train nothing and the train part would pass on no evidence."""
@@ -314,11 +323,8 @@ def test_the_train_part_fails_when_the_run_logged_no_step(tmp_path):
         )
         return 0
 
-    proof.run = finished_run
-    part = gp.Part("train", log="train.log")
-    proof.out.mkdir(parents=True, exist_ok=True)
-    with open(proof.out / "train.log", "w") as log:
-        assert proof.train(part, log, 60.0) == "fail"
+    status, part = run_part(gp, proof, "train", finished_run)
+    assert status == "fail"
     assert part.note == "the run logged no training step"
 
 
@@ -344,11 +350,8 @@ def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(
         Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"rows": rows}))
         return compiled_rc if compiled else 0
 
-    proof.run = bench_run
-    part = gp.Part("bench", log="bench.log")
-    proof.out.mkdir(parents=True, exist_ok=True)
-    with open(proof.out / "bench.log", "w") as log:
-        assert proof.bench(part, log, 60.0) == status
+    status, part = run_part(gp, proof, "bench", bench_run)
+    assert status == status
     assert len(commands) == 2 and "train.compile=true" not in commands[0]
     assert all(c[c.index("--profile-out") + 1] == str(proof.out) for c in commands)
     if compiled_rc == 0:
@@ -356,3 +359,26 @@ def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(
     if compiled_rc is None:
         assert part.note == "the compiled run ran out of the part's time"
         assert "compiled_over_eager" not in part.figures
+
+
+def test_a_failed_step_profile_fails_the_bench_part_and_keeps_its_rows(tmp_path):
+    """Profiles are part of what the proof shows: a model whose profile failed fails the bench
+    part, named with the error, and the timed rows stay in the figures."""
+    gp = load_proof_module()
+    proof = gp.Proof(proof_args(gp, tmp_path))
+    proof.scratch.mkdir(parents=True, exist_ok=True)
+
+    def bench_run(part, cmd, log, limit, env=None):
+        compiled = "train.compile=true" in cmd
+        rows = [
+            {"model": "a", "tokens_per_s": 100.0, "profile_error": None},
+            {"model": "b", "tokens_per_s": 90.0, "profile_error": None if compiled else "E: x"},
+        ]
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"rows": rows}))
+        return 0
+
+    status, part = run_part(gp, proof, "bench", bench_run)
+    assert status == "fail"
+    assert part.note == "step profile failed: b: E: x"
+    assert [r["tokens_per_s"] for r in part.figures["rows"]] == [100.0, 90.0]
+    assert part.figures["compiled_over_eager"] == {"a": 1.0, "b": 1.0}

@@ -219,3 +219,27 @@ def test_host_syncs_are_counted_per_step_with_their_source_lines(monkeypatch):
     assert site.startswith("tests/benchmarks/test_gpu_train_bench.py:") and per_step == 3
     assert modes == ["warn", 0]
     assert bench_steps.count_syncs(None, None, torch.device("cpu"), None, steps=2) is None
+
+
+def test_a_failing_step_profile_keeps_the_timed_row(monkeypatch):
+    """The profile runs after the timed steps: when it fails (a trace this torch writes
+    differently, say) the row keeps its figures and says why it has no profile."""
+    from types import SimpleNamespace
+
+    import gpu_train_bench as gb
+    import torch
+
+    def broken_profile(*args, **kwargs):
+        raise KeyError("traceEvents")
+
+    monkeypatch.setattr(gb, "build", lambda cfg: SimpleNamespace())
+    monkeypatch.setattr(gb, "step", lambda engine, cfg, device, knobs: None)
+    monkeypatch.setattr(gb, "profile_entry", broken_profile)
+    (name, cfg), _ = gb.tiny_models([])
+    args = SimpleNamespace(warmup=1, steps=2, profile_steps=1, sync_steps=0, peak_flops=1e12)
+    row, entry = gb.bench(name, cfg, torch.device("cpu"), args, gb.Knobs())
+    assert entry is None and row["profile_error"] == "KeyError: 'traceEvents'"
+    assert row["tokens_per_s"] > 0 and row["model"] == name
+    monkeypatch.setattr(gb, "profile_entry", lambda *a, **k: {"regions": []})
+    row, entry = gb.bench(name, cfg, torch.device("cpu"), args, gb.Knobs())
+    assert entry == {"regions": []} and row["profile_error"] is None
