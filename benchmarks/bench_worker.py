@@ -162,7 +162,7 @@ def serve(device: torch.device, args, proto) -> None:
             result = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500]}
             if not device_healthy(device):
                 result["reason"] = (
-                    "the CUDA context is lost, the worker restarts: " + (result["reason"])
+                    "the CUDA context is lost, the worker restarts: " + result["reason"]
                 )
                 result.update(id=task.get("id"), wall_s=time.perf_counter() - t0)
                 print(json.dumps(result, default=str), file=proto)
