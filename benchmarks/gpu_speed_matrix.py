@@ -134,6 +134,13 @@ SINGLE_LEVERS = (
     ),
     Lever("adamw-fused", ("train.optimizer_impl=fused",), note="torch's fused AdamW kernel"),
     Lever(
+        "flat-grads",
+        ("train.flat_grad_ops=true", "parallel.zero_stage=1"),
+        ("bf16",),
+        note="DeepSpeed's BF16 optimizer's norm, clipping, gradient adds and reduction per group, "
+        "not per parameter",
+    ),
+    Lever(
         "permute-gather",
         ("model.moe.permute=gather",),
         ("moe",),
@@ -198,11 +205,18 @@ SINGLE_LEVERS = (
 """A new lever is one line here."""
 COMBINATIONS = {
     "stack": (
-        ("cuda-graphs", "ce-chunked", "adamw-fused", "permute-gather"),
+        ("cuda-graphs", "ce-chunked", "adamw-fused", "flat-grads", "permute-gather"),
         "every lever expected to pay, together: the candidate CUDA default",
     ),
     "stack-no-graphs": (
-        ("compile", "immediate-grads", "ce-chunked", "adamw-fused", "permute-gather"),
+        (
+            "compile",
+            "immediate-grads",
+            "ce-chunked",
+            "adamw-fused",
+            "flat-grads",
+            "permute-gather",
+        ),
         "the stack without CUDA graphs (what remains if graphs fail or do not pay)",
     ),
 }

@@ -24,6 +24,11 @@ non-expert weights as one flat partition, each local expert tensor its own group
 model (one rank, bf16, ZeRO 1: DeepSpeed's BF16 optimizer; 2 micro-batches of 8 x 256 tokens)
 through the trainer's engine, and the bf16 gradient bytes still held after each backward.
 
+``flat``: ``train.flat_grad_ops`` off and on: a training step through the trainer's engine (one
+rank, bf16, ZeRO 1, fused AdamW, 2 micro-batches of 4 x 64 tokens) of configs/moe-125m.yaml's
+structure and its dense counterpart, narrowed to width 32 so that the step's time is mostly host
+work: the aten operators dispatched per step, and the optimizer step's time without AdamW's own.
+
     PYTHONPATH=$PWD python benchmarks/levers_bench.py                 # all of them, 5 rounds
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only loss --tokens 4096 --vocab 32000
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only permute
@@ -318,10 +323,116 @@ def bench_grads(args) -> dict:
     )
 
 
+FLAT_SHAPE = [  # configs/moe-125m.yaml's structure (12 layers; 16 experts, top 3, shared)
+    "model.vocab_size=512",  # narrowed until a step's time is mostly host work, as on a GPU
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.moe.expert_hidden=16",
+    "data.seq_len=64",
+    "train.precision=bf16",
+    "train.micro_batch_size=4",
+    "train.grad_accum_steps=2",
+    "train.optimizer_impl=fused",
+    "parallel.world_size=1",
+    "parallel.expert_parallel_size=1",
+    "parallel.zero_stage=1",
+]
+
+
+class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _flat_worker(rank, world, rounds, out_file):
+    from moe.training.trainer import DistEnv, build_engine
+
+    env = DistEnv(rank, world, rank, world)
+    g = torch.Generator().manual_seed(1)
+    micro = [torch.randint(0, 512, (4, 65), generator=g) for _ in range(2)]
+    calls, optimizer_s, ops, params = {}, {}, {}, {}
+    for model in ("moe", "dense"):
+        for flat in (False, True):
+            name = f"{model}-{'flat' if flat else 'deepspeed'}"
+            overrides = [*FLAT_SHAPE, f"train.flat_grad_ops={flat}"]
+            cfg = load_config(
+                "configs/moe-125m.yaml", overrides + ["model.ffn=dense"] * (model == "dense")
+            )
+            engine = build_engine(cfg, env)[0]
+            params[name] = sum(len(g) for g in engine.optimizer.bf16_groups)
+            optimizer_s[name] = []
+            adamw = engine.optimizer.optimizer
+            adamw_s = [0.0]
+
+            def timed_adamw(*a, _real=adamw.step, _s=adamw_s, **k):
+                t0 = time.perf_counter()
+                out = _real(*a, **k)
+                _s[0] += time.perf_counter() - t0
+                return out
+
+            adamw.step = timed_adamw
+
+            def step(engine=engine, name=name, adamw_s=adamw_s):
+                for i, batch in enumerate(micro):
+                    engine.backward(engine(batch[:, :-1], batch[:, 1:]).loss)
+                    adamw_s[0] = 0.0
+                    t0 = time.perf_counter()
+                    engine.step()
+                    if i == len(micro) - 1:  # the accumulation boundary: the optimizer step
+                        optimizer_s[name].append(time.perf_counter() - t0 - adamw_s[0])
+
+            step()
+            counter = _OpCount()
+            with counter:
+                step()
+            ops[name] = counter.ops
+            calls[name] = step
+    for name in optimizer_s:
+        optimizer_s[name].clear()  # the warm-up and counted steps
+    times = interleaved(calls, rounds, 1)
+    torch.save({"times": times, "optimizer_s": optimizer_s, "ops": ops, "params": params}, out_file)
+
+
+def bench_flat(args) -> dict:
+    import tempfile
+
+    from tests.helpers.distributed import run_distributed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_flat_worker, 1, args.rounds, f"{tmp}/out.pt")
+        r = torch.load(f"{tmp}/out.pt", weights_only=True)
+    out = {}
+    for model in ("moe", "dense"):
+        names = [f"{model}-deepspeed", f"{model}-flat"]
+        extra = {}
+        for n in names:
+            opt = r["optimizer_s"][n][1:]  # the interleaved warm-up round left out
+            extra[n] = {
+                "aten ops per step": r["ops"][n],
+                "optimizer step without AdamW ms": round(statistics.median(opt) * 1e3, 2),
+                "parameters": r["params"][n],
+            }
+        out[model] = report(
+            f"training step, configs/moe-125m.yaml's structure ({model}) at width 32, bf16 "
+            "ZeRO 1, 2 x 4 x 64 tokens, train.flat_grad_ops",
+            {n: r["times"][n] for n in names},
+            names[0],
+            extra=extra,
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "--only", choices=["loss", "step", "permute", "optimizer", "grads"], action="append"
+        "--only",
+        choices=["loss", "step", "permute", "optimizer", "grads", "flat"],
+        action="append",
     )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -339,6 +450,7 @@ def main() -> None:
         "permute": bench_permute,
         "optimizer": bench_optimizer,
         "grads": bench_grads,
+        "flat": bench_flat,
     }
     out = {name: benches[name](args) for name in (args.only or benches)}
     if args.json:

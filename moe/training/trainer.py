@@ -44,6 +44,7 @@ from moe.parallel.deepspeed_adapter import (
     report_global_expert_shapes,
     wrap_moe_layers,
 )
+from moe.parallel.flat_grads import use_flat_grad_ops
 from moe.parallel.layout import load_other_layout
 from moe.training.checkpoint import (
     Checkpointer,
@@ -215,6 +216,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
             # one (already consumed: the loss, the aux losses, the gradients) may be overwritten.
             model.register_forward_pre_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
     report_global_expert_shapes(engine)  # so that DeepSpeed's zero_to_fp32 can merge experts
+    if t.flat_grad_ops:
+        use_flat_grad_ops(engine)
     # Different ranks must draw different router noise / dropout from here on.
     torch.manual_seed(cfg.train.seed + 1000 * env.rank + 1)
     return engine, model

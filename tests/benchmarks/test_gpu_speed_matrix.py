@@ -486,7 +486,7 @@ def test_a_cpu_rehearsal_measures_and_profiles_through_the_real_worker(tmp_path)
 
 def test_every_lever_is_a_valid_config_with_known_preconditions():
     """A typo in a lever's key or value, or an unknown precondition, fails here rather than as
-    an error row on a lent GPU."""
+    an error row on a GPU."""
     import torch
     from bench_steps import split_knobs
     from bench_worker import unmet

@@ -3,11 +3,11 @@ tests/gpu/test_levers.py``): no host synchronisation in a bf16 forward and backw
 compiled, every loss back end, routers that count over the global batch, packed documents on
 flex) under ``torch.cuda.set_sync_debug_mode("error")``; compiled blocks without graph breaks or
 recompiles after warm-up; the chunked and Liger losses against the full one in bf16, with the
-memory they save; fused AdamW under DeepSpeed; compiled blocks replayed as CUDA graphs under
-DeepSpeed; which SDPA kernel runs at 2048 tokens.
+memory they save; fused AdamW and flat gradient work under DeepSpeed; compiled blocks replayed
+as CUDA graphs under DeepSpeed; which SDPA kernel runs at 2048 tokens.
 
 The CPU counterparts: tests/moe/model/test_loss.py, tests/moe/model/test_compile_fullgraph.py,
-tests/moe/training/test_optimizer_impl.py."""
+tests/moe/training/test_optimizer_impl.py, tests/moe/parallel/test_flat_grads.py."""
 
 from __future__ import annotations
 
@@ -255,15 +255,16 @@ def _fused_engine(rank, world, out_path):
 
     adam._fused_adam = counted
     losses = {}
-    for name, impl, loss, immediate in (
-        ("foreach", "foreach", "full", False),
-        ("fused", "fused", "full", False),
-        ("fused_chunked", "fused", "chunked", False),
-        ("foreach_immediate", "foreach", "full", True),
+    for name, impl, loss, immediate, flat in (
+        ("foreach", "foreach", "full", False, False),
+        ("fused", "fused", "full", False, False),
+        ("fused_chunked", "fused", "chunked", False, False),
+        ("foreach_immediate", "foreach", "full", True, False),
+        ("foreach_flat", "foreach", "full", False, True),
     ):
         cfg = _engine_dict(
             {"cross_entropy": loss, "cross_entropy_chunk_tokens": 200},
-            {"optimizer_impl": impl, "immediate_grad_update": immediate},
+            {"optimizer_impl": impl, "immediate_grad_update": immediate, "flat_grad_ops": flat},
         )
         engine, _ = build_engine(from_dict(RunConfig, cfg), DistEnv(rank, world, rank, world))
         g = torch.Generator().manual_seed(3)
@@ -281,14 +282,15 @@ def _fused_engine(rank, world, out_path):
 def test_fused_adamw_and_the_chunked_loss_under_deepspeed_bf16_zero1(tmp_path):
     """Through the trainer's engine: fused AdamW runs (its kernel is called) and trains as
     foreach does; the chunked loss's gradients reach DeepSpeed's bf16 optimizer as the full
-    loss's do. Tolerance 2e-2: bf16 weights, five steps. train.immediate_grad_update gives
-    foreach's losses exactly."""
+    loss's do, and train.flat_grad_ops's flat norm, clipping, adds and reduction train as
+    DeepSpeed's own do. Tolerance 2e-2: bf16 weights, five steps. train.immediate_grad_update
+    gives foreach's losses exactly."""
     out = tmp_path / "fused.json"
     run_distributed(_fused_engine, 1, str(out), backend="nccl")
     r = json.loads(out.read_text())
     assert r["fused_calls"] > 0
     a = torch.tensor(r["losses"]["foreach"])
-    for name in ("fused", "fused_chunked"):
+    for name in ("fused", "fused_chunked", "foreach_flat"):
         b = torch.tensor(r["losses"][name])
         assert torch.isfinite(b).all() and b[-1] < b[0]
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)

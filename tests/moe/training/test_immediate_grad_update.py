@@ -13,15 +13,13 @@ exactly as with it off.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
 
 from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
-from tests.helpers.distributed import run_distributed
-from tests.helpers.engine_configs import tiny_engine_dict
+from tests.helpers.engine_configs import resumed_losses, tiny_engine_dict, two_rank_results
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,8 +53,7 @@ def _train(engine, batches) -> dict:
     return out
 
 
-def _worker(rank, world, batches, ckpt_dir, out_file):
-    from moe.checkpoint.files import EXPERT_DIR
+def _worker(rank, world, batches, ckpt_dir):
     from moe.training.trainer import DistEnv, build_engine
 
     env = DistEnv(rank, world, rank, world)
@@ -71,25 +68,14 @@ def _worker(rank, world, batches, ckpt_dir, out_file):
         engine = engine_for(immediate)
         results[immediate] = _train(engine, my)
         results[f"optimizer_{immediate}"] = type(engine.optimizer).__name__
-    engine = engine_for(False)
-    _train(engine, my[:2])
-    (Path(ckpt_dir) / "off" / EXPERT_DIR).mkdir(parents=True, exist_ok=True)  # as the trainer
-    engine.save_checkpoint(ckpt_dir, tag="off")
-    resumed = engine_for(True)
-    resumed.load_checkpoint(ckpt_dir, tag="off")
-    results["resumed"] = _train(resumed, my[2:])["losses"]
-    if rank == 0:
-        torch.save(results, out_file)
+    results["resumed"] = resumed_losses(engine_for(False), engine_for(True), my, ckpt_dir, _train)
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("immediate")
-    torch.manual_seed(0)
-    step = [torch.randint(0, VOCAB, (2 * MB, SEQ + 1)) for _ in range(ACCUM)]
-    batches = [step] * STEPS  # the same batch each step: its loss must fall
-    run_distributed(_worker, 2, batches, str(tmp / "ckpt"), str(tmp / "out.pt"))
-    return torch.load(tmp / "out.pt", weights_only=True)
+    return two_rank_results(_worker, tmp, VOCAB, 2 * MB, SEQ, ACCUM, STEPS)
 
 
 def test_deepspeeds_bf16_optimizer_runs(results):

@@ -1,0 +1,184 @@
+"""``train.flat_grad_ops`` (moe/parallel/flat_grads.py) against DeepSpeed's own BF16 optimizer
+path, through the trainer's engine (``build_engine``: bf16, ZeRO 1) on 2 gloo ranks with expert
+parallelism 2 and 2 micro-batches per step, so that the non-expert gradients are reduced over a
+group of two ranks and the expert gradients over groups of one.
+
+- Without clipping (``train.grad_clip`` 0) the norm is only reported: the losses are bitwise
+  those of DeepSpeed's path (the bf16 gradients added into fp32 and the reductions are the same
+  operations), with and without ``train.immediate_grad_update``, and the norms agree to float
+  rounding (the same squares, summed in another order).
+- With clipping active, the losses and norms agree to a relative 1e-5 over three steps.
+- The norm is taken once per optimizer group, not once per parameter; the expert gradients are
+  not copied through a flat all-reduce buffer over their one-rank groups, the non-expert ones
+  still are; over a one-rank group the scaling equals DeepSpeed's, bit for bit.
+- A checkpoint saved without the option resumes with it exactly as without.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe.config.run import RunConfig
+from moe.core.config_schema import from_dict
+from tests.helpers.engine_configs import resumed_losses, tiny_engine_dict, two_rank_results
+
+pytestmark = pytest.mark.multiprocess
+
+VOCAB, SEQ, MB, ACCUM, STEPS, CLIP = 64, 16, 2, 2, 3, 0.05
+
+VARIANTS = {  # name: train options
+    "deepspeed": {"grad_clip": 0.0},
+    "flat": {"grad_clip": 0.0, "flat_grad_ops": True},
+    "deepspeed-immediate": {"grad_clip": 0.0, "immediate_grad_update": True},
+    "flat-immediate": {"grad_clip": 0.0, "immediate_grad_update": True, "flat_grad_ops": True},
+    "deepspeed-clipped": {"grad_clip": CLIP},
+    "flat-clipped": {"grad_clip": CLIP, "flat_grad_ops": True},
+}
+
+
+def run_config(**train) -> dict:
+    base = {"micro_batch_size": MB, "grad_accum_steps": ACCUM, "seed": 5, "lr": 1e-2}
+    base.update({"warmup_steps": 0, "precision": "bf16", **train})
+    return tiny_engine_dict(
+        VOCAB, SEQ, {"num_shared_experts": 1}, base, world_size=2, expert_parallel_size=2
+    )
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.norms = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.norms += func.__name__.startswith("linalg_vector_norm")
+        return func(*args, **(kwargs or {}))
+
+
+def _train(engine, batches) -> dict:
+    """Steps over ``batches`` (ACCUM micro-batches each): per step the mean loss and the
+    gradient norm; the norms taken in the optimizer steps, and the sizes of the groups whose
+    gradients went through a flat all-reduce buffer."""
+    import deepspeed.comm as ds_dist
+
+    flattened = []
+    bucket = engine.allreduce_bucket
+
+    def counted(small_bucket, dp_group, dp_world_size=None):
+        flattened.append(ds_dist.get_world_size(group=dp_group))
+        return bucket(small_bucket, dp_group, dp_world_size)
+
+    engine.allreduce_bucket = counted
+    out = {"losses": [], "norms": [], "norm_ops": 0}
+    for step in batches:
+        losses = []
+        for batch in step:
+            loss = engine(batch[:, :-1], batch[:, 1:]).loss
+            engine.backward(loss)
+            ops = _Ops()
+            with ops:
+                engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+            out["norm_ops"] += ops.norms
+            losses.append(loss.item())
+        out["losses"].append(sum(losses) / len(losses))
+        out["norms"].append(float(engine.get_global_grad_norm()))
+    out["flattened"] = sorted(set(flattened))
+    out["groups"] = len(engine.optimizer.fp32_groups_gradients_flat)
+    out["params"] = sum(len(g) for g in engine.optimizer.bf16_groups)
+    return out
+
+
+def _one_rank_scaling(engine) -> bool:
+    """Over the (one-rank) expert group with an averaging factor of 3: the replaced
+    ``allreduce_no_retain`` leaves what DeepSpeed's leaves, bit for bit."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import groups
+
+    name = next(iter(engine.optimizer.expert_gradients))
+    group = groups._get_expert_data_parallel_group(name)
+    torch.manual_seed(1)
+    ours = [torch.randn(7), torch.randn(5, 3)]
+    theirs = [t.clone() for t in ours]
+    engine.allreduce_no_retain(ours, group, dp_world_size=3)
+    DeepSpeedEngine.allreduce_no_retain(engine, theirs, group, dp_world_size=3)
+    return all(torch.equal(a, b) for a, b in zip(ours, theirs)) and not torch.equal(
+        ours[0], theirs[0] * 3
+    )
+
+
+def _worker(rank, world, batches, ckpt_dir):
+    from moe.parallel.flat_grads import FlatGradOpsError, use_flat_grad_ops
+    from moe.training.trainer import DistEnv, build_engine
+
+    env = DistEnv(rank, world, rank, world)
+    my = [[b[rank::world] for b in step] for step in batches]  # each rank's share
+
+    def engine_for(**train):
+        return build_engine(from_dict(RunConfig, copy.deepcopy(run_config(**train))), env)[0]
+
+    results = {name: _train(engine_for(**train), my) for name, train in VARIANTS.items()}
+    flat = engine_for(**VARIANTS["flat"])
+    results["one_rank_scaling"] = _one_rank_scaling(flat)
+    results["resumed"] = resumed_losses(
+        engine_for(**VARIANTS["deepspeed"]), engine_for(**VARIANTS["flat"]), my, ckpt_dir, _train
+    )
+    fp32 = engine_for(precision="fp32")
+    try:
+        use_flat_grad_ops(fp32)
+        results["fp32_refused"] = ""
+    except FlatGradOpsError as e:
+        results["fp32_refused"] = str(e)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("flat_grads")
+    return two_rank_results(_worker, tmp, VOCAB, 2 * MB, SEQ, ACCUM, STEPS)
+
+
+@pytest.mark.parametrize("immediate", ["", "-immediate"])
+def test_without_clipping_the_losses_are_deepspeeds_bitwise(results, immediate):
+    ds, flat = results[f"deepspeed{immediate}"], results[f"flat{immediate}"]
+    assert torch.equal(torch.tensor(flat["losses"]), torch.tensor(ds["losses"]))
+    torch.testing.assert_close(
+        torch.tensor(flat["norms"]), torch.tensor(ds["norms"]), rtol=1e-5, atol=0
+    )
+    assert ds["losses"][-1] < ds["losses"][0]  # it trains
+
+
+def test_with_clipping_the_losses_and_norms_agree(results):
+    ds, flat = results["deepspeed-clipped"], results["flat-clipped"]
+    assert min(ds["norms"]) > 2 * CLIP  # every step was clipped
+    assert ds["losses"] != results["deepspeed"]["losses"]  # and clipping changed the steps
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(
+            torch.tensor(flat[key]), torch.tensor(ds[key]), rtol=1e-5, atol=0
+        )
+
+
+def test_one_norm_per_group_not_per_parameter(results):
+    ds, flat = results["deepspeed-clipped"], results["flat-clipped"]
+    assert flat["groups"] < flat["params"]
+    assert flat["norm_ops"] == STEPS * flat["groups"]
+    assert ds["norm_ops"] == STEPS * ds["params"]
+
+
+def test_only_groups_of_several_ranks_go_through_a_flat_buffer(results):
+    assert results["deepspeed"]["flattened"] == [1, 2]  # the expert groups have one rank each
+    assert results["flat"]["flattened"] == [2]
+    assert results["one_rank_scaling"]
+
+
+def test_a_checkpoint_saved_without_it_resumes_with_it(results):
+    assert torch.equal(
+        torch.tensor(results["resumed"]), torch.tensor(results["deepspeed"]["losses"][2:])
+    )
+
+
+def test_an_engine_without_deepspeeds_bf16_optimizer_is_refused(results):
+    assert "needs DeepSpeed's BF16 optimizer" in results["fp32_refused"]
+    assert "DeepSpeedZeroOptimizer" in results["fp32_refused"]
