@@ -110,6 +110,7 @@ def _one_rank_scaling(engine) -> bool:
 
 
 def _worker(rank, world, batches, ckpt_dir):
+    from moe.parallel import flat_grads
     from moe.parallel.flat_grads import FlatGradOpsError, use_flat_grad_ops
     from moe.training.trainer import DistEnv, build_engine
 
@@ -122,9 +123,18 @@ def _worker(rank, world, batches, ckpt_dir):
     results = {name: _train(engine_for(**train), my) for name, train in VARIANTS.items()}
     flat = engine_for(**VARIANTS["flat"])
     results["one_rank_scaling"] = _one_rank_scaling(flat)
+    resuming = engine_for(**VARIANTS["flat"])
     results["resumed"] = resumed_losses(
-        engine_for(**VARIANTS["deepspeed"]), engine_for(**VARIANTS["flat"]), my, ckpt_dir, _train
+        engine_for(**VARIANTS["deepspeed"]), resuming, my, ckpt_dir, _train
     )
+    results["flat_after_load"] = [  # loading a checkpoint keeps the replaced methods
+        getattr(obj, name).__func__ is ours
+        for obj, name, ours in (
+            (resuming.optimizer, "get_grads_for_norm", flat_grads._flat_grads_for_norm),
+            (resuming.optimizer, "update_hp_grads", flat_grads._update_hp_grads_at_once),
+            (resuming, "allreduce_no_retain", flat_grads._allreduce_no_retain),
+        )
+    ]
     fp32 = engine_for(precision="fp32")
     try:
         use_flat_grad_ops(fp32)
@@ -174,6 +184,7 @@ def test_only_groups_of_several_ranks_go_through_a_flat_buffer(results):
 
 
 def test_a_checkpoint_saved_without_it_resumes_with_it(results):
+    assert results["flat_after_load"] == [True] * 3
     assert torch.equal(
         torch.tensor(results["resumed"]), torch.tensor(results["deepspeed"]["losses"][2:])
     )
