@@ -135,9 +135,8 @@ SINGLE_LEVERS = (
     Lever("adamw-fused", ("train.optimizer_impl=fused",), note="torch's fused AdamW kernel"),
     Lever(
         "flat-grads",
-        ("train.flat_grad_ops=true", "parallel.zero_stage=1"),
-        ("bf16",),
-        note="DeepSpeed's BF16 optimizer's norm, clipping, gradient adds and reduction per group, "
+        ("train.flat_grad_ops=true",),
+        note="the ZeRO optimizer's gradient norm, clipping, adds and reduction per group, "
         "not per parameter",
     ),
     Lever(

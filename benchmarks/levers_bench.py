@@ -25,8 +25,9 @@ model (one rank, bf16, ZeRO 1: DeepSpeed's BF16 optimizer; 2 micro-batches of 8 
 through the trainer's engine, and the bf16 gradient bytes still held after each backward.
 
 ``flat``: ``train.flat_grad_ops`` off and on: a training step through the trainer's engine (one
-rank, bf16, ZeRO 1, fused AdamW, 2 micro-batches of 4 x 64 tokens) of configs/moe-125m.yaml's
-structure and its dense counterpart, narrowed to width 32 so that the step's time is mostly host
+rank, bf16, fused AdamW, 2 micro-batches of 4 x 64 tokens) of configs/moe-125m.yaml's structure
+and its dense counterpart at ZeRO 1 (DeepSpeed's BF16 optimizer), and of the MoE at ZeRO 2
+(DeepSpeed's ZeRO 1/2 optimizer), narrowed to width 32 so that the step's time is mostly host
 work: the aten operators dispatched per step, and the optimizer step's time without AdamW's own.
 
     PYTHONPATH=$PWD python benchmarks/levers_bench.py                 # all of them, 5 rounds
@@ -339,6 +340,13 @@ FLAT_SHAPE = [  # configs/moe-125m.yaml's structure (12 layers; 16 experts, top 
 ]
 
 
+FLAT_MODELS = {  # name: overrides of FLAT_SHAPE
+    "moe": [],
+    "dense": ["model.ffn=dense"],
+    "moe-zero2": ["parallel.zero_stage=2"],  # DeepSpeed's ZeRO 1/2 optimizer, not its BF16 one
+}
+
+
 class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -356,15 +364,15 @@ def _flat_worker(rank, world, rounds, out_file):
     g = torch.Generator().manual_seed(1)
     micro = [torch.randint(0, 512, (4, 65), generator=g) for _ in range(2)]
     calls, optimizer_s, ops, params = {}, {}, {}, {}
-    for model in ("moe", "dense"):
+    for model, extra in FLAT_MODELS.items():
         for flat in (False, True):
             name = f"{model}-{'flat' if flat else 'deepspeed'}"
-            overrides = [*FLAT_SHAPE, f"train.flat_grad_ops={flat}"]
-            cfg = load_config(
-                "configs/moe-125m.yaml", overrides + ["model.ffn=dense"] * (model == "dense")
-            )
+            overrides = [*FLAT_SHAPE, f"train.flat_grad_ops={flat}", *extra]
+            cfg = load_config("configs/moe-125m.yaml", overrides)
             engine = build_engine(cfg, env)[0]
-            params[name] = sum(len(g) for g in engine.optimizer.bf16_groups)
+            opt = engine.optimizer
+            groups = opt.bf16_groups if hasattr(opt, "bf16_groups") else opt.bit16_groups
+            params[name] = sum(len(g) for g in groups)
             optimizer_s[name] = []
             adamw = engine.optimizer.optimizer
             adamw_s = [0.0]
@@ -407,7 +415,7 @@ def bench_flat(args) -> dict:
         run_distributed(_flat_worker, 1, args.rounds, f"{tmp}/out.pt")
         r = torch.load(f"{tmp}/out.pt", weights_only=True)
     out = {}
-    for model in ("moe", "dense"):
+    for model in FLAT_MODELS:
         names = [f"{model}-deepspeed", f"{model}-flat"]
         extra = {}
         for n in names:
@@ -418,8 +426,8 @@ def bench_flat(args) -> dict:
                 "parameters": r["params"][n],
             }
         out[model] = report(
-            f"training step, configs/moe-125m.yaml's structure ({model}) at width 32, bf16 "
-            "ZeRO 1, 2 x 4 x 64 tokens, train.flat_grad_ops",
+            f"training step, configs/moe-125m.yaml's structure ({model}) at width 32, bf16, "
+            "2 x 4 x 64 tokens, train.flat_grad_ops",
             {n: r["times"][n] for n in names},
             names[0],
             extra=extra,

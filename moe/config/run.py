@@ -106,15 +106,18 @@ class TrainConfig:
     train.cuda_graphs run at ZeRO 1. ZeRO 2's own hooks already move each gradient into its
     buckets as it is produced."""
     flat_grad_ops: bool = False
-    """bf16 at ZeRO stage 1 with grad_reduce_dtype fp32 (DeepSpeed's BF16 optimizer): its
-    per-parameter gradient work runs over each parameter group's flat fp32 gradient buffer
-    (moe/parallel/flat_grads.py): the gradient norm is one norm per group instead of one per
-    parameter, clipping one multiply per group, the bf16 gradients are added into the fp32 buffer
-    by one multi-tensor call after the backward, and a data-parallel group of one rank (one GPU;
-    the expert groups when expert parallelism equals the world size) skips the all-reduce's two
-    copies of every gradient. The same additions and the same reduced gradients; the norm is the
-    same sum of squares in another order (the last bits may differ). Fewer kernels and less host
-    work per step."""
+    """ZeRO stage 1 or 2: DeepSpeed's per-parameter gradient work done by group
+    (moe/parallel/flat_grads.py). With DeepSpeed's BF16 optimizer (bf16 at stage 1 with
+    grad_reduce_dtype fp32): the gradient norm is one norm per parameter group's flat fp32
+    gradient buffer instead of one per parameter, clipping one multiply per group, the bf16
+    gradients are added into the fp32 buffer by one multi-tensor call, and a data-parallel group
+    of one rank (one GPU; the expert groups when expert parallelism equals the world size) skips
+    the all-reduce's two copies of every gradient. Otherwise (fp32, or bf16 at stage 2 or with
+    bf16 reduction): the gradient norm by one multi-tensor call, without an fp64 copy of each
+    gradient, and the groups' norms all-reduced together instead of two collectives per group.
+    The same additions and reduced gradients; the norm may differ in its last bits (the BF16
+    optimizer's norm sums its squares in another order). Fewer kernels, collectives and host work
+    per step."""
     threads_per_rank: int | None = None
     """torch intra-op threads per rank; null: this machine's cores divided by the local ranks."""
     cpu_keep_freed_memory: bool = True
@@ -459,12 +462,10 @@ class RunConfig:
                 f"{self.train.grad_reduce_dtype}): ZeRO 2 already moves each gradient into its "
                 "buckets as it is produced, and fp32 has no separate accumulation buffer"
             )
-        if self.train.flat_grad_ops and not bf16_optimizer:
+        if self.train.flat_grad_ops and self.parallel.zero_stage == 0:
             out.append(
-                "train.flat_grad_ops: needs train.precision bf16, parallel.zero_stage 1 and "
-                "train.grad_reduce_dtype fp32 (DeepSpeed's BF16 optimizer, whose per-parameter "
-                f"gradient work it replaces; got {self.train.precision}, stage "
-                f"{self.parallel.zero_stage}, {self.train.grad_reduce_dtype})"
+                "train.flat_grad_ops: needs parallel.zero_stage 1 or 2 (it replaces gradient "
+                "work of DeepSpeed's ZeRO optimizers; at stage 0 there is none)"
             )
         out += self._cuda_graph_problems()
         if self.launch.elastic and self.parallel.zero_stage == 0:

@@ -1,10 +1,10 @@
-"""``train.flat_grad_ops``: DeepSpeed's BF16 optimizer (bf16, ZeRO 1, fp32 gradient
-accumulation) does its gradient bookkeeping over each parameter group's flat fp32 gradient
-buffer instead of parameter by parameter.
+"""``train.flat_grad_ops``: DeepSpeed's ZeRO optimizers do their per-parameter gradient
+bookkeeping by group instead of parameter by parameter.
 
-DeepSpeed 0.19.8 (``runtime/bf16_optimizer.py``, ``runtime/engine.py``) keeps one flat fp32
-gradient buffer per optimizer group (``fp32_groups_gradients_flat``; every parameter's fp32
-gradient is a view into it, the alignment padding is zero) and then, every step:
+**DeepSpeed's BF16 optimizer** (bf16, ZeRO 1, fp32 gradient accumulation; DeepSpeed 0.19.8,
+``runtime/bf16_optimizer.py``, ``runtime/engine.py``) keeps one flat fp32 gradient buffer per
+optimizer group (``fp32_groups_gradients_flat``; every parameter's fp32 gradient is a view into
+it, the alignment padding is zero) and then, every step:
 
 - after the backward, adds each bf16 gradient into its fp32 view: a cast and an add per
   parameter, from a Python loop (``update_hp_grads``; not with ``train.immediate_grad_update``,
@@ -29,9 +29,19 @@ Here, per engine, three methods are replaced (the class and other engines keep D
   communication, only scales the buffers in place as DeepSpeed's ``allreduce_bucket`` would (by
   the averaging factors, none on one GPU): the same values, bit for bit, without the copies.
 
+**DeepSpeed's ZeRO 1/2 optimizer** (``runtime/zero/stage_1_and_2.py``: fp32, bf16 at stage 2,
+bf16 with bf16 gradient reduction) takes the gradient norm group by group
+(``scaled_global_norm``): for each group, a copy of every parameter's gradient in fp64 (on
+devices that have it) and its norm, then an all-reduce of the group's squared norm, and for an
+expert group another all-reduce to average it over its expert-data-parallel group: two
+collectives per group, also on one GPU. ``scaled_global_norm`` is replaced: every gradient's
+norm by one multi-tensor call (``torch._foreach_norm``, in the same dtype, without the copies),
+the groups' squared norms all-reduced together (one collective), the expert groups' averaged
+together per expert-data-parallel group. The same norms, combined the same way.
+
 The optimizer's state, its checkpoints and the steps taken are unchanged; a run may switch the
-option between restarts. ``tests/moe/parallel/test_flat_grads.py`` checks each against
-DeepSpeed's own path, on one rank and with expert parallelism on two.
+option between restarts. ``tests/moe/parallel/test_flat_grads.py`` checks both against
+DeepSpeed's own paths, with expert parallelism on two ranks.
 """
 
 from __future__ import annotations
@@ -43,6 +53,13 @@ import torch
 from deepspeed.moe.utils import is_moe_param_group
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.utils import (
+    combine_grad_norm_groups,
+    is_model_parallel_parameter,
+    mask_nan_or_inf_with_val_inplace,
+)
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from moe.core.errors import MoEError
 
@@ -52,20 +69,13 @@ class FlatGradOpsError(MoEError):
 
 
 def use_flat_grad_ops(engine: DeepSpeedEngine) -> None:
-    """Replace the engine's and its BF16 optimizer's per-parameter gradient work (see the
-    module's docstring). Raises :class:`FlatGradOpsError`, changing nothing, when the engine's
-    optimizer is not DeepSpeed's BF16 optimizer with fp32 accumulation, or uses a feature whose
-    gradient handling these replacements do not reproduce."""
+    """Replace the engine's and its ZeRO optimizer's per-parameter gradient work (see the
+    module's docstring). Raises :class:`FlatGradOpsError`, changing nothing, when the engine
+    has no ZeRO 1/2 optimizer, or one using a feature whose gradient handling these
+    replacements do not reproduce."""
     opt = engine.optimizer
-    if not isinstance(opt, BF16_Optimizer):
-        raise FlatGradOpsError(
-            "train.flat_grad_ops: needs DeepSpeed's BF16 optimizer (train.precision bf16, "
-            "parallel.zero_stage 1, train.grad_reduce_dtype fp32); this engine's optimizer is "
-            f"{type(opt).__name__}"
-        )
-    unsupported = [
-        name
-        for name, present in (
+    if isinstance(opt, BF16_Optimizer):
+        _refuse_unsupported(
             ("fp32 gradient accumulation", opt.grad_acc_dtype != torch.float32),
             ("no model-parallel unit", opt.mpu is not None),
             ("no Muon", opt._uses_muon),
@@ -73,15 +83,29 @@ def use_flat_grad_ops(engine: DeepSpeedEngine) -> None:
             ("the 2-norm", opt.norm_type != 2),
             ("no pipeline parallelism", engine.pipeline_parallelism),
         )
-        if present
-    ]
-    if unsupported:
-        raise FlatGradOpsError(
-            f"train.flat_grad_ops: needs {', '.join(unsupported)} in DeepSpeed's BF16 optimizer"
+        opt.get_grads_for_norm = types.MethodType(_flat_grads_for_norm, opt)
+        opt.update_hp_grads = types.MethodType(_update_hp_grads_at_once, opt)
+        engine.allreduce_no_retain = types.MethodType(_allreduce_no_retain, engine)
+    elif isinstance(opt, DeepSpeedZeroOptimizer):
+        _refuse_unsupported(
+            ("no optimizer offload", opt.cpu_offload),
+            ("a loss scale of 1 (bf16 or fp32)", opt.loss_scale != 1.0),
+            ("no pipeline parallelism", engine.pipeline_parallelism),
         )
-    opt.get_grads_for_norm = types.MethodType(_flat_grads_for_norm, opt)
-    opt.update_hp_grads = types.MethodType(_update_hp_grads_at_once, opt)
-    engine.allreduce_no_retain = types.MethodType(_allreduce_no_retain, engine)
+        opt.scaled_global_norm = types.MethodType(_scaled_global_norm, opt)
+    else:
+        raise FlatGradOpsError(
+            "train.flat_grad_ops: needs one of DeepSpeed's ZeRO optimizers "
+            f"(parallel.zero_stage 1 or 2); this engine's optimizer is {type(opt).__name__}"
+        )
+
+
+def _refuse_unsupported(*conditions: tuple[str, bool]) -> None:
+    missing = [name for name, violated in conditions if violated]
+    if missing:
+        raise FlatGradOpsError(
+            f"train.flat_grad_ops: needs {', '.join(missing)} in DeepSpeed's ZeRO optimizer"
+        )
 
 
 @torch.no_grad()
@@ -147,3 +171,48 @@ def _allreduce_no_retain(
     with torch.no_grad():
         for scale in scales:
             torch._foreach_mul_(list(bucket), scale)
+
+
+@torch.no_grad()
+def _scaled_global_norm(self: DeepSpeedZeroOptimizer, norm_type=2):
+    """``DeepSpeedZeroOptimizer.scaled_global_norm`` (its ``get_grad_norm_direct`` for each
+    group, the expert groups' averaging, ``combine_grad_norm_groups``), with one multi-tensor
+    norm over every gradient and the per-group all-reduces made together."""
+    assert norm_type == 2, "only L2 norm supported"
+    kept = [_kept_gradients(self, i) for i in range(len(self.bit16_groups))]
+    norms = iter(torch._foreach_norm([g for k in kept for g in k], 2.0, dtype=get_norm_dtype()))
+    squares = []
+    for grads in kept:  # as get_grad_norm_direct: the sum in the norm dtype, then float
+        group = [next(norms) for _ in grads]
+        squares.append(
+            torch.stack(group).pow(2.0).sum().float()
+            if group
+            else torch.tensor(0.0, dtype=torch.float32).to(self.device)
+        )
+    squares_G = torch.stack(squares)
+    ds_dist.all_reduce(squares_G, op=ds_dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=squares_G, op=ds_dist.ReduceOp.SUM)
+    norms_G = squares_G.pow(1.0 / 2)
+    mask_nan_or_inf_with_val_inplace(norms_G, device=self.device)
+    if self.has_moe_layers:  # _average_expert_grad_norms, one all-reduce per group of ranks
+        by_group: dict = {}
+        for i, is_moe in enumerate(self.is_moe_param_group):
+            if is_moe:
+                by_group.setdefault(self.real_dp_process_group[i], []).append(i)
+        for group, idx in by_group.items():
+            scaled = norms_G[idx] * 1.0 / ds_dist.get_world_size(group=group)
+            ds_dist.all_reduce(scaled, group=group)
+            norms_G[idx] = scaled
+    return combine_grad_norm_groups(list(norms_G.unbind()), norm_type=norm_type)
+
+
+def _kept_gradients(self: DeepSpeedZeroOptimizer, i: int) -> list[torch.Tensor]:
+    """The gradients of group ``i`` that ``get_grad_norm_direct`` counts: no alignment padding,
+    no pipeline replica, and on tensor-parallel rank 0 or tensor-parallel parameters."""
+    grads = (g for g in self.averaged_gradients[i] if not getattr(g, "_zero_padding", False))
+    return [
+        g.data.detach()
+        for g, p in zip(grads, self.params_in_partition[i])
+        if not getattr(p, "ds_pipe_replicated", False)
+        and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)
+    ]

@@ -1,7 +1,8 @@
-"""``train.flat_grad_ops`` (moe/parallel/flat_grads.py) against DeepSpeed's own BF16 optimizer
-path, through the trainer's engine (``build_engine``: bf16, ZeRO 1) on 2 gloo ranks with expert
-parallelism 2 and 2 micro-batches per step, so that the non-expert gradients are reduced over a
-group of two ranks and the expert gradients over groups of one.
+"""``train.flat_grad_ops`` (moe/parallel/flat_grads.py) against DeepSpeed's own optimizer
+paths, through the trainer's engine (``build_engine``; bf16 at ZeRO 1, DeepSpeed's BF16
+optimizer, unless said) on 2 gloo ranks with expert parallelism 2 and 2 micro-batches per step,
+so that the non-expert gradients are reduced over a group of two ranks and the expert gradients
+over groups of one.
 
 - Without clipping (``train.grad_clip`` 0) the norm is only reported: the losses are bitwise
   those of DeepSpeed's path (the bf16 gradients added into fp32 and the reductions are the same
@@ -12,6 +13,9 @@ group of two ranks and the expert gradients over groups of one.
   not copied through a flat all-reduce buffer over their one-rank groups, the non-expert ones
   still are; over a one-rank group the scaling equals DeepSpeed's, bit for bit.
 - A checkpoint saved without the option resumes with it exactly as without.
+- DeepSpeed's ZeRO 1/2 optimizer (bf16 at stage 2, fp32 at stage 1), with clipping active: the
+  same norms and losses, bit for bit; one multi-tensor norm, and two all-reduces of the norms a
+  step instead of one per group and one per expert group.
 """
 
 from __future__ import annotations
@@ -37,24 +41,41 @@ VARIANTS = {  # name: train options
     "flat-immediate": {"grad_clip": 0.0, "immediate_grad_update": True, "flat_grad_ops": True},
     "deepspeed-clipped": {"grad_clip": CLIP},
     "flat-clipped": {"grad_clip": CLIP, "flat_grad_ops": True},
+    # DeepSpeed's ZeRO 1/2 optimizer: bf16 at stage 2, fp32 at stage 1.
+    "zero2-deepspeed": {"grad_clip": CLIP, "zero_stage": 2},
+    "zero2-flat": {"grad_clip": CLIP, "zero_stage": 2, "flat_grad_ops": True},
+    "zero1-fp32-deepspeed": {"grad_clip": CLIP, "zero_stage": 1, "precision": "fp32"},
+    "zero1-fp32-flat": {
+        "grad_clip": CLIP,
+        "zero_stage": 1,
+        "precision": "fp32",
+        "flat_grad_ops": True,
+    },
 }
 
 
-def run_config(**train) -> dict:
+def run_config(zero_stage: int = 1, **train) -> dict:
     base = {"micro_batch_size": MB, "grad_accum_steps": ACCUM, "seed": 5, "lr": 1e-2}
     base.update({"warmup_steps": 0, "precision": "bf16", **train})
     return tiny_engine_dict(
-        VOCAB, SEQ, {"num_shared_experts": 1}, base, world_size=2, expert_parallel_size=2
+        VOCAB,
+        SEQ,
+        {"num_shared_experts": 1},
+        base,
+        world_size=2,
+        expert_parallel_size=2,
+        zero_stage=zero_stage,
     )
 
 
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.norms = 0
+        self.counts: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.norms += func.__name__.startswith("linalg_vector_norm")
+        name = func.__name__.split(".")[0]
+        self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -72,7 +93,7 @@ def _train(engine, batches) -> dict:
         return bucket(small_bucket, dp_group, dp_world_size)
 
     engine.allreduce_bucket = counted
-    out = {"losses": [], "norms": [], "norm_ops": 0}
+    out = {"losses": [], "norms": [], "step_ops": {}}
     for step in batches:
         losses = []
         for batch in step:
@@ -81,13 +102,16 @@ def _train(engine, batches) -> dict:
             ops = _Ops()
             with ops:
                 engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-            out["norm_ops"] += ops.norms
+            for name, n in ops.counts.items():
+                out["step_ops"][name] = out["step_ops"].get(name, 0) + n
             losses.append(loss.item())
         out["losses"].append(sum(losses) / len(losses))
         out["norms"].append(float(engine.get_global_grad_norm()))
     out["flattened"] = sorted(set(flattened))
-    out["groups"] = len(engine.optimizer.fp32_groups_gradients_flat)
-    out["params"] = sum(len(g) for g in engine.optimizer.bf16_groups)
+    opt = engine.optimizer
+    groups = opt.bf16_groups if hasattr(opt, "bf16_groups") else opt.bit16_groups
+    out["groups"], out["params"] = len(groups), sum(len(g) for g in groups)
+    out["expert_groups"] = sum(getattr(opt, "is_moe_param_group", []))  # ZeRO's
     return out
 
 
@@ -135,12 +159,12 @@ def _worker(rank, world, batches, ckpt_dir):
             (resuming, "allreduce_no_retain", flat_grads._allreduce_no_retain),
         )
     ]
-    fp32 = engine_for(precision="fp32")
+    stage0 = engine_for(precision="fp32", zero_stage=0)
     try:
-        use_flat_grad_ops(fp32)
-        results["fp32_refused"] = ""
+        use_flat_grad_ops(stage0)
+        results["stage0_refused"] = ""
     except FlatGradOpsError as e:
-        results["fp32_refused"] = str(e)
+        results["stage0_refused"] = str(e)
     return results
 
 
@@ -170,11 +194,30 @@ def test_with_clipping_the_losses_and_norms_agree(results):
         )
 
 
+@pytest.mark.parametrize("variant", ["zero2", "zero1-fp32"])
+def test_zero_optimizer_norms_and_losses_are_deepspeeds_bitwise(results, variant):
+    """DeepSpeed's ZeRO 1/2 optimizer: the same norms, so the same clipped steps, bit for bit;
+    one multi-tensor norm a step instead of one per gradient, and the per-group all-reduces of
+    the norms made together (one for every group, one for the expert groups' averaging)."""
+    ds, flat = results[f"{variant}-deepspeed"], results[f"{variant}-flat"]
+    assert min(ds["norms"]) > 2 * CLIP  # every step was clipped
+    for key in ("losses", "norms"):
+        assert torch.equal(torch.tensor(flat[key]), torch.tensor(ds[key])), key
+    assert flat["step_ops"]["_foreach_norm"] == STEPS and "_foreach_norm" not in ds["step_ops"]
+    assert flat["step_ops"]["linalg_vector_norm"] == STEPS  # combining the groups' norms
+    assert ds["step_ops"]["linalg_vector_norm"] > 2 * STEPS
+    collectives = ds["groups"] + ds["expert_groups"]  # one per group, one per expert group
+    assert ds["expert_groups"] > 0
+    assert ds["step_ops"]["allreduce_"] - flat["step_ops"]["allreduce_"] == STEPS * (
+        collectives - 2
+    )
+
+
 def test_one_norm_per_group_not_per_parameter(results):
     ds, flat = results["deepspeed-clipped"], results["flat-clipped"]
     assert flat["groups"] < flat["params"]
-    assert flat["norm_ops"] == STEPS * flat["groups"]
-    assert ds["norm_ops"] == STEPS * ds["params"]
+    assert flat["step_ops"]["linalg_vector_norm"] == STEPS * flat["groups"]
+    assert ds["step_ops"]["linalg_vector_norm"] == STEPS * ds["params"]
 
 
 def test_only_groups_of_several_ranks_go_through_a_flat_buffer(results):
@@ -190,6 +233,5 @@ def test_a_checkpoint_saved_without_it_resumes_with_it(results):
     )
 
 
-def test_an_engine_without_deepspeeds_bf16_optimizer_is_refused(results):
-    assert "needs DeepSpeed's BF16 optimizer" in results["fp32_refused"]
-    assert "DeepSpeedZeroOptimizer" in results["fp32_refused"]
+def test_an_engine_without_a_zero_optimizer_is_refused(results):
+    assert "needs one of DeepSpeed's ZeRO optimizers" in results["stage0_refused"]
