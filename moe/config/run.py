@@ -110,7 +110,8 @@ class TrainConfig:
     (moe/parallel/flat_grads.py). With DeepSpeed's BF16 optimizer (bf16 at stage 1 with
     grad_reduce_dtype fp32): the gradient norm is one norm per parameter group's flat fp32
     gradient buffer instead of one per parameter, clipping one multiply per group, the bf16
-    gradients are added into the fp32 buffer by one multi-tensor call, and a data-parallel group
+    gradients are added into the fp32 buffer by one multi-tensor call (with
+    train.immediate_grad_update, each by one add without a cast), and a data-parallel group
     of one rank (one GPU; the expert groups when expert parallelism equals the world size) skips
     the all-reduce's two copies of every gradient. Otherwise (fp32, or bf16 at stage 2 or with
     bf16 reduction): the gradient norm by one multi-tensor call, without an fp64 copy of each

@@ -117,8 +117,8 @@ def install() -> None:
     :func:`report_global_expert_shapes` replaces an engine's ``_get_zero_param_shapes`` (the
     shapes written into its checkpoints), and :func:`wrap_moe_layers` drops DeepSpeed's cached
     expert groups of an earlier process group. With ``train.flat_grad_ops``,
-    moe/parallel/flat_grads.py replaces three methods of an engine and its BF16 optimizer, for
-    the same release."""
+    moe/parallel/flat_grads.py replaces methods of an engine and its ZeRO optimizer, for the
+    same release."""
     check_deepspeed_version()
     if not _ORIGINALS:
         for owner, name, ours in _patches():

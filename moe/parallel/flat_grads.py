@@ -16,7 +16,7 @@ it, the alignment padding is zero) and then, every step:
 - takes the gradient norm as one norm per parameter, and clips with one multiply per parameter
   (``get_grads_for_norm`` hands both the per-parameter views).
 
-Here, per engine, three methods are replaced (the class and other engines keep DeepSpeed's):
+Here, per engine, four methods are replaced (the class and other engines keep DeepSpeed's):
 
 - ``get_grads_for_norm`` hands DeepSpeed's own norm and clipping the flat buffers: one norm and
   one multiply per group. The sum of squares is the same sum in another order (its rounding
@@ -24,7 +24,9 @@ Here, per engine, three methods are replaced (the class and other engines keep D
   nothing.
 - ``update_hp_grads`` adds every bf16 gradient into its fp32 view with one multi-tensor call
   (``torch._foreach_add_``, which promotes bf16 to fp32 as the cast did): the same additions,
-  bit for bit.
+  bit for bit. With ``train.immediate_grad_update``, the hook that adds each gradient as it is
+  produced (``accumulate_hp_grads_and_remove_lp``) adds it by one mixed-dtype add instead of a
+  cast and an add: the same addition, bit for bit.
 - ``allreduce_no_retain``, over a group of one rank and without a change of dtype for the
   communication, only scales the buffers in place as DeepSpeed's ``allreduce_bucket`` would (by
   the averaging factors, none on one GPU): the same values, bit for bit, without the copies.
@@ -85,6 +87,7 @@ def use_flat_grad_ops(engine: DeepSpeedEngine) -> None:
         )
         opt.get_grads_for_norm = types.MethodType(_flat_grads_for_norm, opt)
         opt.update_hp_grads = types.MethodType(_update_hp_grads_at_once, opt)
+        opt.accumulate_hp_grads_and_remove_lp = types.MethodType(_add_and_free, opt)
         engine.allreduce_no_retain = types.MethodType(_allreduce_no_retain, engine)
     elif isinstance(opt, DeepSpeedZeroOptimizer):
         _refuse_unsupported(
@@ -144,6 +147,20 @@ def _update_hp_grads_at_once(self: BF16_Optimizer, clear_lp_grads: bool = False)
         torch._foreach_add_(hp, lp)
         if clear_lp_grads:
             torch._foreach_zero_(lp)
+
+
+@torch.no_grad()
+def _add_and_free(self: BF16_Optimizer, lp_param, group_idx: int, param_idx: int) -> None:
+    """``BF16_Optimizer.accumulate_hp_grads_and_remove_lp`` (``train.immediate_grad_update``'s
+    hook, as the backward produces each gradient): the bf16 gradient added into its fp32 view by
+    one mixed-dtype add instead of a cast and an add, then freed."""
+    if lp_param.grad is None:
+        return
+    hp_grad = self.fp32_groups_gradients[group_idx][param_idx]
+    hp_grad.view(lp_param.grad.shape).add_(lp_param.grad)
+    lp_param._hp_grad = hp_grad
+    self.fp32_groups_has_gradients[group_idx][param_idx] = True
+    lp_param.grad = None
 
 
 def _allreduce_no_retain(

@@ -13,6 +13,8 @@ over groups of one.
   not copied through a flat all-reduce buffer over their one-rank groups, the non-expert ones
   still are; over a one-rank group the scaling equals DeepSpeed's, bit for bit.
 - A checkpoint saved without the option resumes with it exactly as without.
+- Each bf16 gradient is added into fp32 without a cast of its own, after the backward or, with
+  ``train.immediate_grad_update``, as it is produced.
 - DeepSpeed's ZeRO 1/2 optimizer (bf16 at stage 2, fp32 at stage 1), with clipping active: the
   same norms and losses, bit for bit; one multi-tensor norm, and two all-reduces of the norms a
   step instead of one per group and one per expert group.
@@ -93,12 +95,15 @@ def _train(engine, batches) -> dict:
         return bucket(small_bucket, dp_group, dp_world_size)
 
     engine.allreduce_bucket = counted
-    out = {"losses": [], "norms": [], "step_ops": {}}
+    out = {"losses": [], "norms": [], "step_ops": {}, "to_copy_in_backward": 0}
     for step in batches:
         losses = []
         for batch in step:
             loss = engine(batch[:, :-1], batch[:, 1:]).loss
-            engine.backward(loss)
+            backward = _Ops()
+            with backward:
+                engine.backward(loss)
+            out["to_copy_in_backward"] += backward.counts.get("_to_copy", 0)
             ops = _Ops()
             with ops:
                 engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
@@ -156,6 +161,7 @@ def _worker(rank, world, batches, ckpt_dir):
         for obj, name, ours in (
             (resuming.optimizer, "get_grads_for_norm", flat_grads._flat_grads_for_norm),
             (resuming.optimizer, "update_hp_grads", flat_grads._update_hp_grads_at_once),
+            (resuming.optimizer, "accumulate_hp_grads_and_remove_lp", flat_grads._add_and_free),
             (resuming, "allreduce_no_retain", flat_grads._allreduce_no_retain),
         )
     ]
@@ -182,6 +188,16 @@ def test_without_clipping_the_losses_are_deepspeeds_bitwise(results, immediate):
         torch.tensor(flat["norms"]), torch.tensor(ds["norms"]), rtol=1e-5, atol=0
     )
     assert ds["losses"][-1] < ds["losses"][0]  # it trains
+
+
+def test_gradients_are_added_without_a_cast_each(results):
+    """A cast per parameter and micro-batch fewer in the backward with
+    train.immediate_grad_update (its hooks add each gradient), and in the epilogue that adds them
+    after the backward without it."""
+    for immediate in ("", "-immediate"):
+        ds, flat = results[f"deepspeed{immediate}"], results[f"flat{immediate}"]
+        fewer = ds["to_copy_in_backward"] - flat["to_copy_in_backward"]
+        assert fewer == STEPS * ACCUM * ds["params"], (immediate, fewer)
 
 
 def test_with_clipping_the_losses_and_norms_agree(results):
@@ -227,7 +243,7 @@ def test_only_groups_of_several_ranks_go_through_a_flat_buffer(results):
 
 
 def test_a_checkpoint_saved_without_it_resumes_with_it(results):
-    assert results["flat_after_load"] == [True] * 3
+    assert results["flat_after_load"] == [True] * 4
     assert torch.equal(
         torch.tensor(results["resumed"]), torch.tensor(results["deepspeed"]["losses"][2:])
     )
