@@ -216,7 +216,7 @@ def _train_step_syncs(rank, world, cfg_dict, out_path):
 
 def test_a_non_logging_training_step_syncs_only_where_documented(tiny_data, tmp_path):
     """Steps 2 and 3 of 4 (log_every large): our code syncs twice per step, the documented
-    reads (trainer.py's one read of losses and gradient norm, preemption.py's flag), plus the
+    reads (step.py's one read of losses and gradient norm, preemption.py's flag), plus the
     loop's count read per MoE layer and micro-batch where the grouped kernel is unavailable.
     DeepSpeed's own optimizer-step syncs are not ours and not counted."""
     from moe.model.experts import grouped_mm_supported
@@ -226,7 +226,7 @@ def test_a_non_logging_training_step_syncs_only_where_documented(tiny_data, tmp_
     out = tmp_path / "syncs.json"
     run_distributed(_train_step_syncs, 1, d, str(out), backend="nccl")
     per_step = json.loads(out.read_text())
-    want = ["training/resilience/preemption.py", "training/trainer.py"]
+    want = ["training/resilience/preemption.py", "training/step.py"]
     if not grouped_mm_supported(torch.bfloat16, torch.device("cuda")):
         want += ["model/experts.py"] * (
             2 * 2

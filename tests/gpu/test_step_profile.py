@@ -44,7 +44,11 @@ def test_a_cuda_step_profile_attributes_its_kernels(tmp_path):
             str(out),
         ],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # The checkout first, then what the caller's path holds (the proof's installed wheels).
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        },
         capture_output=True,
         text=True,
         timeout=600,

@@ -14,15 +14,16 @@ import torch
 from launch.export import main as export_main
 from launch.import_hf import main as import_main
 from moe.evaluation.harness import harness_model
-from moe.training.lm_harness import load_tasks
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
 from tests.helpers.finetune import base_and_finetune
 from tests.helpers.threads import single_thread  # noqa: F401 (fixture)
 from tests.moe.test_hf_import import bpe_tokenizer_json, make_hf
 
+pytest.importorskip("lm_eval")  # before the module that imports it
+from moe.training.lm_harness import load_tasks
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
-lm_eval = pytest.importorskip("lm_eval")
 
 MC, GEN = "stdlib_sentence_mc", "stdlib_next_word"
 TEXTS = [
