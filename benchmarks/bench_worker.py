@@ -121,10 +121,16 @@ def run_task(task: dict, device: torch.device, args) -> dict:
 def release_cuda_graphs() -> None:
     """A run with train.cuda_graphs leaves its recorded graphs, and the memory pool they hold,
     in this worker; the next run (another setting, or this one's next round, whose new model
-    records again) starts without them."""
+    records again) starts without them. Dynamo's compiled code goes with them: the code compiled
+    for graphs calls into the graph trees it was made with, and after those are shut down it
+    fails ("Running CUDAGraph after shutdown", seen on an H200 with torch 2.11), so the trees are
+    cleared the way ``torch._dynamo.reset`` clears them, with every compiled block. Later runs
+    compile again, mostly from inductor's cache on disk."""
+    import torch._dynamo
     from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
-    reset_cudagraph_trees()
+    torch._dynamo.reset()
+    reset_cudagraph_trees()  # what reset does on torch 2.13; said here for older releases
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -76,6 +76,13 @@ def summary_rows(matrix) -> list[dict]:
                             "tokens_per_s": r.row.get("tokens_per_s"),
                             "mfu": r.row.get("mfu"),
                             "wall_s": round(r.wall_s, 1),
+                            # where the rest of the wall time went: engine set-up, warm-up
+                            # steps (compiling, recording graphs)
+                            **{
+                                k: round(r.row[k], 2)
+                                for k in ("build_s", "warmup_s")
+                                if r.row.get(k) is not None
+                            },
                         }
                         for r in runs
                     ],

@@ -476,6 +476,8 @@ def test_a_cpu_rehearsal_measures_and_profiles_through_the_real_worker(tmp_path)
         assert r["device"] == "CPU" and r["model"] == "tiny-moe"
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["ratio"] > 0
     assert rows["default"]["ratio"] == 1.0
+    for b in rows["default"]["by_round"]:  # where each run's wall time went
+        assert 0 < b["build_s"] < b["wall_s"] and 0 < b["warmup_s"] < b["wall_s"], b
     entries = json.loads((out / "profile.json").read_text())["entries"]
     best = max(
         (rows["default"], rows["recompute-full"]), key=lambda r: (r["ratio"], r["tokens_per_s"])
@@ -548,7 +550,9 @@ def test_missing_packages_are_installed_from_the_wheel_folder(tmp_path, monkeypa
 def test_a_cuda_graph_run_releases_its_graphs_even_when_it_fails(monkeypatch):
     """The worker keeps every setting's compiled blocks for the next round, but not the graphs
     and memory pool a train.cuda_graphs run recorded; here the run fails (no CUDA device) and
-    they are released all the same."""
+    they are released all the same. Releasing them drops the compiled code as well (code
+    compiled for graph trees that were shut down fails when called again): a function compiled
+    before compiles again after."""
     from argparse import Namespace
 
     import bench_worker
@@ -564,7 +568,18 @@ def test_a_cuda_graph_run_releases_its_graphs_even_when_it_fails(monkeypatch):
         bench_worker.run_task({"model": "tiny-moe", "overrides": graphs}, torch.device("cpu"), args)
     assert released == [1]
     monkeypatch.undo()
-    bench_worker.release_cuda_graphs()  # no graph trees on this thread: nothing to release
+
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    x = torch.ones(3)
+    before = counters["stats"]["unique_graphs"]
+    compiled(x)
+    compiled(x)  # the cached code
+    assert counters["stats"]["unique_graphs"] == before + 1
+    bench_worker.release_cuda_graphs()  # no graph trees on this thread: none to shut down
+    assert torch.equal(compiled(x), x * 2 + 1)
+    assert counters["stats"]["unique_graphs"] == before + 2  # compiled again
 
 
 def test_the_worker_applies_a_combinations_model_levers_only_where_they_apply(monkeypatch):
