@@ -20,13 +20,15 @@ import deepspeed
 import deepspeed.comm.comm as ds_comm
 import torch.distributed as dist
 from deepspeed.comm.torch import TorchBackend
+from deepspeed.runtime import bf16_optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 TARGETS = [(DeepSpeedEngine, "_get_expert_ckpt_name"),
            (DeepSpeedZeroOptimizer, "_configure_moe_settings"),
            (DeepSpeedEngine, "load_module_state_dict"),
-           (TorchBackend, "get_all_gather_function")]
+           (TorchBackend, "get_all_gather_function"),
+           (bf16_optimizer, "see_memory_usage")]
 
 def current():
     return [owner.__dict__[name] for owner, name in TARGETS]
@@ -49,7 +51,7 @@ out["refusal_changes_nothing"] = current() == originals
 deepspeed.__version__ = real_version
 
 ours = [adapter._expert_ckpt_name, adapter._moe_settings, adapter._load_module_state_dict,
-        adapter._all_gather_function]
+        adapter._all_gather_function, adapter._memory_report]
 out["native_all_gather"] = TorchBackend.get_all_gather_function() is dist.all_gather_into_tensor
 adapter.install()
 once = current()
@@ -80,11 +82,51 @@ def test_install_replaces_deepspeed_internals_once_and_only_when_called():
     assert "supports DeepSpeed 0.19.8 only" in out["refused"]
     assert out["refusal_changes_nothing"]
     assert out["native_all_gather"]  # DeepSpeed's own choice, the name torch 2.13 deprecates
-    assert out["installed_ours"] == [True, True, True, True]
+    assert out["installed_ours"] == [True] * 5
     assert out["new_backend_all_gather"]
     assert out["twice_same_as_once"]
     assert out["live_backend_all_gather"] and out["live_backend_stays"]
     assert out["wraps_deepspeed"]
+
+
+def _bf16_engine_set_up(rank, world, out_file) -> None:
+    import contextlib
+    import gc
+    import io
+    from unittest import mock
+
+    import torch
+
+    from moe.config.run import RunConfig
+    from moe.core.config_schema import from_dict
+    from moe.training.trainer import DistEnv, build_engine
+    from tests.helpers.engine_configs import tiny_engine_dict
+
+    d = tiny_engine_dict(64, 16, train={"precision": "bf16"})
+    cfg = from_dict(RunConfig, d)
+    stdout = io.StringIO()
+    with mock.patch.object(gc, "collect", wraps=gc.collect) as collect:
+        with contextlib.redirect_stdout(stdout):
+            engine, _ = build_engine(cfg, DistEnv(rank, world, rank, world))
+    kind = type(engine.optimizer).__name__
+    torch.save(
+        {"collects": collect.call_count, "stdout": stdout.getvalue(), "kind": kind}, out_file
+    )
+
+
+def test_the_bf16_optimizer_is_set_up_without_collecting_garbage_per_group(tmp_path):
+    """DeepSpeed's BF16 optimizer forces a memory report before and after each parameter group:
+    a gc.collect() each (seconds per engine in a process with a large heap), and four lines on
+    stdout. Built by the trainer: neither."""
+    import torch
+
+    from tests.helpers.distributed import run_distributed
+
+    run_distributed(_bf16_engine_set_up, 1, str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["kind"] == "BF16_Optimizer"  # the optimizer whose reports these are
+    assert out["collects"] == 0
+    assert "bf16_optimizer" not in out["stdout"] and "MA " not in out["stdout"], out["stdout"]
 
 
 @pytest.mark.parametrize("version", ["0.18.0", "0.19.7", "0.19.80", "0.20.0", "1.0.0"])
