@@ -30,6 +30,10 @@ and its dense counterpart at ZeRO 1 (DeepSpeed's BF16 optimizer), and of the MoE
 (DeepSpeed's ZeRO 1/2 optimizer), narrowed to width 32 so that the step's time is mostly host
 work: the aten operators dispatched per step, and the optimizer step's time without AdamW's own.
 
+``setup``: the engine's set-up (``build_engine``) of configs/moe-125m.yaml at one rank, bf16,
+ZeRO 1 (DeepSpeed's BF16 optimizer), with DeepSpeed's own forced memory report around each
+parameter group (a ``gc.collect()`` each) against the adapter's debug-log report.
+
     PYTHONPATH=$PWD python benchmarks/levers_bench.py                 # all of them, 5 rounds
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only loss --tokens 4096 --vocab 32000
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only permute
@@ -435,11 +439,62 @@ def bench_flat(args) -> dict:
     return out
 
 
+def _setup_worker(rank, world, rounds, out_file):
+    import contextlib
+    import gc
+    import io
+
+    from deepspeed.runtime import bf16_optimizer
+
+    from moe.parallel import deepspeed_adapter
+    from moe.training.trainer import DistEnv, build_engine
+
+    env = DistEnv(rank, world, rank, world)
+    one_rank = ["parallel.world_size=1", "parallel.expert_parallel_size=1"]
+    cfg = load_config("configs/moe-125m.yaml", ["parallel.zero_stage=1", *one_rank])
+    deepspeed_adapter.install()
+    (deepspeed_report,) = (
+        f for k, f in deepspeed_adapter._ORIGINALS.items() if k.endswith(".see_memory_usage")
+    )
+    reports = {"deepspeed": deepspeed_report, "adapter": bf16_optimizer.see_memory_usage}
+    times = {name: [] for name in reports}
+    kind = None
+    for _ in range(rounds + 1):  # the first round warms up (DeepSpeed's op build, imports)
+        for name, report in reports.items():
+            bf16_optimizer.see_memory_usage = report
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(io.StringIO()):
+                engine = build_engine(cfg, env)[0]
+            times[name].append(time.perf_counter() - t0)
+            kind = type(engine.optimizer).__name__
+            engine.destroy()
+            del engine
+            gc.collect()
+    bf16_optimizer.see_memory_usage = reports["adapter"]
+    torch.save({"times": {n: t[1:] for n, t in times.items()}, "kind": kind}, out_file)
+
+
+def bench_setup(args) -> dict:
+    import tempfile
+
+    from tests.helpers.distributed import run_distributed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_setup_worker, 1, args.rounds, f"{tmp}/out.pt")
+        r = torch.load(f"{tmp}/out.pt", weights_only=True)
+    return report(
+        f"engine set-up, configs/moe-125m.yaml, one rank, bf16, ZeRO 1 ({r['kind']}): "
+        "DeepSpeed's memory reports against the adapter's",
+        r["times"],
+        "adapter",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "--only",
-        choices=["loss", "step", "permute", "optimizer", "grads", "flat"],
+        choices=["loss", "step", "permute", "optimizer", "grads", "flat", "setup"],
         action="append",
     )
     ap.add_argument("--rounds", type=int, default=5)
@@ -459,6 +514,7 @@ def main() -> None:
         "optimizer": bench_optimizer,
         "grads": bench_grads,
         "flat": bench_flat,
+        "setup": bench_setup,
     }
     out = {name: benches[name](args) for name in (args.only or benches)}
     if args.json:
