@@ -129,6 +129,7 @@ def planned_bytes(cfg: RunConfig) -> float:
         t.recompute,
         t.recompute_every_n_blocks,
         t.immediate_grad_update,
+        t.compile,
     )
     return plan.total_bytes  # what moe-plan reports: states, saved activations, working set
 

@@ -77,6 +77,7 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
                         t.recompute,
                         t.recompute_every_n_blocks,
                         t.immediate_grad_update,
+                        t.compile,
                     )
                 ),
                 "checkpoint_bytes": checkpoint_bytes(
@@ -131,7 +132,14 @@ def layouts_report(cfg: RunConfig, gpus: int, gpu_memory: float, top: int) -> tu
     t = cfg.train
     gb = global_batch(cfg)
     fits, considered = fitting_layouts(
-        cfg.model, gpus, gpu_memory, cfg.data.seq_len, gb, t.precision, t.recompute_every_n_blocks
+        cfg.model,
+        gpus,
+        gpu_memory,
+        cfg.data.seq_len,
+        gb,
+        t.precision,
+        t.recompute_every_n_blocks,
+        t.compile,
     )
     row = _layout_row
     return {

@@ -143,7 +143,9 @@ class TrainConfig:
     compile: bool = False
     """Compile each transformer block with torch.compile (inductor), MoE layer included
     (moe/model/compile.py): one compile per distinct block graph in the first step, none after;
-    the expert all-to-alls and the capacity cut run eagerly between the compiled pieces."""
+    the expert all-to-alls and the capacity cut run eagerly between the compiled pieces. The
+    compiled blocks keep fewer activations (norms and activation functions are rebuilt in the
+    backward), which moe-plan counts."""
     cuda_graphs: bool = False
     """Replay each compiled block as CUDA graphs (torch.compile's mode "reduce-overhead", CUDA
     graph trees): a block's kernels are launched as one recorded graph, not one by one. Needs

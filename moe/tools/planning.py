@@ -54,6 +54,11 @@ gate/up output 2, then silu(gate)), 1 for GELU.
   (rows eND, weights 4N), and the combine its output rows eND (not with gather).
   Shared experts: a dense FFN of width Fs on the norm output, dropped (but for its input)
   under full.
+- Compiled blocks (``train.compile``), where not recomputed: inductor's partitioner rebuilds
+  the norms and the activation functions in the backward rather than keeping them, as
+  selective recompute does, and keeps the attention core's output and statistics as eager
+  does (checked against what compiled blocks keep on the CPU, and against the peak of one
+  H200 step, BENCHMARKS.md).
 - Block under full recompute: a dense block keeps its input eTD; an MoE block its input eTD
   (attention region), the router and dispatch terms, and the experts' region above.
   ``recompute_every_n_blocks`` n: blocks 0, n, 2n, ... use the mode, the others none.
@@ -158,9 +163,11 @@ def memory_per_gpu(
     recompute: str = "none",
     every_n_blocks: int = 1,
     immediate_grad_update: bool = False,
+    compiled: bool = False,
 ) -> MemoryPlan:
     """``immediate_grad_update`` (train.immediate_grad_update, bf16 at ZeRO stage 1): no bf16
-    gradient is kept, each is folded into DeepSpeed's accumulation buffer as it is produced."""
+    gradient is kept, each is folded into DeepSpeed's accumulation buffer as it is produced.
+    ``compiled`` (train.compile): the blocks not recomputed keep what inductor keeps."""
     counts = count_parameters(cfg)
     experts = counts.total["routed_experts"]
     others = counts.total_params - experts
@@ -172,7 +179,7 @@ def memory_per_gpu(
     grads_div = (dp, edp) if zero_stage >= 2 else (1, 1)
     optim_div = (dp, edp) if zero_stage >= 1 else (1, 1)
     act = activation_bytes(
-        cfg, micro_batch_size, seq_len, precision, recompute, every_n_blocks, ep_size
+        cfg, micro_batch_size, seq_len, precision, recompute, every_n_blocks, ep_size, compiled
     )
     return MemoryPlan(
         world_size=world_size,
@@ -279,7 +286,7 @@ def _experts(cfg: ModelConfig, N: int, e: int, mode: str) -> float:
     if mode == "full":
         return e * N * (D + kept_out) + 4 * N
     act_in = (2 if swiglu else 1) * Hx
-    if mode == "selective":  # the activation's intermediates are rebuilt in the backward
+    if mode in ("selective", "compiled"):  # the activation's intermediates rebuilt in backward
         inner = act_in + Hx
     else:
         inner = act_in + (Hx if swiglu else 0) + Hx + (Hx if Hx <= D else 0)
@@ -301,7 +308,8 @@ def _moe_block_ffn(cfg: ModelConfig, T: int, e: int, mode: str, ep_size: int) ->
     if shared:
         out += e * T * cfg.d_model if e != 4 else 0  # bf16 norm output read by the shared FFN
         if mode != "full":
-            out += _ffn(T, shared, moe.activation == "swiglu", e, mode == "selective")
+            rebuilt = mode in ("selective", "compiled")
+            out += _ffn(T, shared, moe.activation == "swiglu", e, rebuilt)
     return out
 
 
@@ -309,7 +317,11 @@ def _block(
     cfg: ModelConfig, i: int, B: int, S: int, e: int, mode: str, ep_size: int, mask_per_layer: float
 ) -> float:
     T, D = B * S, cfg.d_model
-    sel = mode == "selective"
+    # Compiled blocks (train.compile): inductor's partitioner rebuilds the norms and the
+    # activation functions in the backward as selective recompute does, and keeps the
+    # attention core's output as eager does.
+    sel = mode in ("selective", "compiled")
+    attn_sel = mode == "selective"
     if cfg.is_moe_layer(i):
         ffn = _moe_block_ffn(cfg, T, e, mode, ep_size)
         if mode == "full":
@@ -318,14 +330,17 @@ def _block(
         # the router keeps an fp32 copy and the output itself only when shared experts read it.
         ffn_norm = _norm(cfg, T, e, sel) - e * T * D
         return (
-            _norm(cfg, T, e, sel) + _attention(cfg, B, S, e, sel, mask_per_layer) + ffn_norm + ffn
+            _norm(cfg, T, e, sel)
+            + _attention(cfg, B, S, e, attn_sel, mask_per_layer)
+            + ffn_norm
+            + ffn
         )
     if mode == "full":
         return e * T * D
     width = cfg.moe.dense_width
     return (
         2 * _norm(cfg, T, e, sel)
-        + _attention(cfg, B, S, e, sel, mask_per_layer)
+        + _attention(cfg, B, S, e, attn_sel, mask_per_layer)
         + _ffn(T, width, cfg.moe.activation == "swiglu", e, sel)
     )
 
@@ -355,8 +370,10 @@ def activation_bytes(
     recompute: str = "none",
     every_n_blocks: int = 1,
     ep_size: int = 1,
+    compiled: bool = False,
 ) -> ActivationEstimate:
-    """What one micro-batch keeps for the backward (see the module docstring for each term)."""
+    """What one micro-batch keeps for the backward (see the module docstring for each term);
+    ``compiled``: the blocks run compiled (train.compile), those not recomputed keep less."""
     if recompute not in MODES:
         raise ValueError(f"recompute mode {recompute!r} is not one of {', '.join(MODES)}")
     e = elem_bytes(precision)
@@ -366,6 +383,9 @@ def activation_bytes(
     saved, rebuilt = 0.0, 0.0
     for i in range(cfg.n_layers):
         mode = recompute if i % every_n_blocks == 0 else "none"
+        if mode == "none":
+            saved += _block(cfg, i, B, S, e, "compiled" if compiled else "none", ep_size, mask)
+            continue
         kept = _block(cfg, i, B, S, e, mode, ep_size, mask)
         saved += kept
         rebuilt = max(rebuilt, _block(cfg, i, B, S, e, "none", ep_size, mask) - kept)
@@ -479,9 +499,11 @@ def fitting_layouts(
     global_batch: int,
     precision: str,
     every_n_blocks: int = 1,
+    compiled: bool = False,
 ) -> tuple[list[Layout], list[Layout]]:
     """(layouts that fit, ordered best first; all layouts considered, smallest peak first).
-    ``global_batch``: sequences per optimizer step, kept by gradient accumulation."""
+    ``global_batch``: sequences per optimizer step, kept by gradient accumulation;
+    ``compiled``: the blocks run compiled (train.compile)."""
     budget = USABLE_FRACTION * gpu_memory_gib * GIB
     E = cfg.moe.num_experts if cfg.ffn == "moe" else 1
     eps = [ep for ep in range(1, gpus + 1) if gpus % ep == 0 and E % ep == 0]
@@ -495,7 +517,16 @@ def fitting_layouts(
             for zero in zeros:
                 for mode in MODES:
                     m = memory_per_gpu(
-                        cfg, gpus, ep, zero, precision, mb, seq_len, mode, every_n_blocks
+                        cfg,
+                        gpus,
+                        ep,
+                        zero,
+                        precision,
+                        mb,
+                        seq_len,
+                        mode,
+                        every_n_blocks,
+                        compiled=compiled,
                     )
                     considered.append(
                         Layout(

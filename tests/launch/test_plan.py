@@ -127,3 +127,33 @@ def test_moe_plan_counts_no_bf16_gradients_with_immediate_grad_update(capsys):
         (memory,) = json.loads(capsys.readouterr().out)["memory"]
         grads[immediate] = memory["grads_bytes"]
     assert grads["false"] > 0 and grads["true"] == 0
+
+
+def test_moe_plan_counts_what_compiled_blocks_keep(capsys):
+    """train.compile: fewer saved activations in the plan of the config and in every layout
+    that keeps all activations (recompute none); the recomputing layouts plan as before."""
+    saved, layouts = {}, {}
+    for compiled in ("false", "true"):
+        main(["configs/moe-125m.yaml", f"train.compile={compiled}", "--zero", "2", "--json"])
+        (memory,) = json.loads(capsys.readouterr().out)["memory"]
+        saved[compiled] = memory["activation_bytes"]
+        main(
+            [
+                "configs/moe-125m.yaml",
+                f"train.compile={compiled}",
+                *("--gpus", "8", "--gpu-memory", "80", "--top", "500", "--json"),
+            ]
+        )
+        r = json.loads(capsys.readouterr().out)
+        layouts[compiled] = {
+            (x["ep"], x["zero"], x["recompute"], x["micro_batch"]): x["peak_gib"]
+            for x in r["layouts"]
+        }
+    assert 0.6 * saved["false"] < saved["true"] < 0.9 * saved["false"]
+    shared = layouts["false"].keys() & layouts["true"].keys()
+    assert any(k[2] == "none" for k in shared) and any(k[2] != "none" for k in shared)
+    for k in shared:
+        if k[2] == "none":
+            assert layouts["true"][k] < layouts["false"][k], k
+        else:
+            assert layouts["true"][k] == layouts["false"][k], k
