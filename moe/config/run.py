@@ -113,7 +113,8 @@ class TrainConfig:
     gradients are added into the fp32 buffer by one multi-tensor call (with
     train.immediate_grad_update, each by one add without a cast), and a data-parallel group
     of one rank (one GPU; the expert groups when expert parallelism equals the world size) skips
-    the all-reduce's two copies of every gradient. Otherwise (fp32, or bf16 at stage 2 or with
+    the all-reduce's two copies of every gradient, and the step reads one value on the host (is
+    the norm finite?) instead of several per group. Otherwise (fp32, or bf16 at stage 2 or with
     bf16 reduction): the gradient norm by one multi-tensor call, without an fp64 copy of each
     gradient, and the groups' norms all-reduced together instead of two collectives per group.
     The same additions and reduced gradients; the norm may differ in its last bits (the BF16

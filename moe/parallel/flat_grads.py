@@ -16,7 +16,13 @@ it, the alignment padding is zero) and then, every step:
 - takes the gradient norm as one norm per parameter, and clips with one multiply per parameter
   (``get_grads_for_norm`` hands both the per-parameter views).
 
-Here, per engine, four methods are replaced (the class and other engines keep DeepSpeed's):
+Its ``step`` reads the device's values on the host several times: each group's gradient norm
+(``float()``, in ``get_norm_with_moe_layers``), their validity and their combination, the
+tensor it makes for the "invalid" value (a copy to the device, per group), and whether to clip
+(``clip_coef < 1``): ten host synchronisations a step for moe-125m on a GPU, four for a dense
+model, each stalling the host until the device has caught up.
+
+Here, per engine, five methods are replaced (the class and other engines keep DeepSpeed's):
 
 - ``get_grads_for_norm`` hands DeepSpeed's own norm and clipping the flat buffers: one norm and
   one multiply per group. The sum of squares is the same sum in another order (its rounding
@@ -27,6 +33,16 @@ Here, per engine, four methods are replaced (the class and other engines keep De
   bit for bit. With ``train.immediate_grad_update``, the hook that adds each gradient as it is
   produced (``accumulate_hp_grads_and_remove_lp``) adds it by one mixed-dtype add instead of a
   cast and an add: the same addition, bit for bit.
+- ``step`` takes the same norms, with the same arithmetic, on the device (each group's norm as
+  DeepSpeed's ``get_global_norm_of_tensors``, the expert groups' summed over their expert-
+  parallel group; with MoE layers, their squares summed in fp32 and the square root taken in
+  fp64, as DeepSpeed's Python float is), reads on the host only whether the norm is finite
+  (one synchronisation: a non-finite norm skips the step, as DeepSpeed's does), and clips by
+  multiplying every buffer by ``min(1, clip / (norm + 1e-6))`` formed on the device, which is
+  DeepSpeed's factor where it clips and 1 (the gradients unchanged, bit for bit) where it does
+  not. The rest of the step is DeepSpeed's. The engine's gradient norm is then a tensor on the
+  device (DeepSpeed's is a Python float with MoE layers), read by the trainer in its one read
+  of the step's figures.
 - ``allreduce_no_retain``, over a group of one rank and without a change of dtype for the
   communication, only scales the buffers in place as DeepSpeed's ``allreduce_bucket`` would (by
   the averaging factors, none on one GPU): the same values, bit for bit, without the copies.
@@ -62,6 +78,7 @@ from deepspeed.runtime.utils import (
 )
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import get_norm_dtype
+from deepspeed.utils import groups
 
 from moe.core.errors import MoEError
 
@@ -88,6 +105,7 @@ def use_flat_grad_ops(engine: DeepSpeedEngine) -> None:
         opt.get_grads_for_norm = types.MethodType(_flat_grads_for_norm, opt)
         opt.update_hp_grads = types.MethodType(_update_hp_grads_at_once, opt)
         opt.accumulate_hp_grads_and_remove_lp = types.MethodType(_add_and_free, opt)
+        opt.step = types.MethodType(_step_with_one_read, opt)
         engine.allreduce_no_retain = types.MethodType(_allreduce_no_retain, engine)
     elif isinstance(opt, DeepSpeedZeroOptimizer):
         _refuse_unsupported(
@@ -161,6 +179,61 @@ def _add_and_free(self: BF16_Optimizer, lp_param, group_idx: int, param_idx: int
     lp_param._hp_grad = hp_grad
     self.fp32_groups_has_gradients[group_idx][param_idx] = True
     lp_param.grad = None
+
+
+def _group_norm(tensors: list[torch.Tensor], ep_group=None) -> torch.Tensor:
+    """DeepSpeed's ``get_global_norm_of_tensors`` (2-norm, no model-parallel unit) before its
+    masking of non-finite values: each tensor's fp32 norm, their squares summed, the sum
+    all-reduced over an expert-parallel group of more than one rank, its square root."""
+    if not tensors:
+        raise FlatGradOpsError("train.flat_grad_ops: an optimizer group without gradients")
+    squares = torch.stack([t.detach().float().norm(2.0) for t in tensors]).pow(2.0).sum()
+    if ep_group is not None and ds_dist.get_world_size(group=ep_group) > 1:
+        ds_dist.all_reduce(squares, op=ds_dist.ReduceOp.SUM, group=ep_group)
+    return squares.pow(1.0 / 2)
+
+
+@torch.no_grad()
+def _step_with_one_read(self: BF16_Optimizer, closure=None) -> None:
+    """``BF16_Optimizer.step`` with its gradient norm and clipping on the device and one host
+    read (is the norm finite?) instead of DeepSpeed's several (see the module's docstring)."""
+    if closure is not None:
+        raise NotImplementedError(f"{type(self).__name__} does not support closure.")
+    self.overflow = False
+    non_expert, expert = self.get_grads_for_norm()
+    norm = _group_norm(non_expert)
+    if self.has_moe_layers:
+        norms = [norm] + [
+            _group_norm(tensors, groups._get_expert_parallel_group(name))
+            for name, tensors in expert.items()
+        ]
+        # get_norm_with_moe_layers: the fp32 norms' squares summed in fp32, the square root of
+        # that sum taken in Python (fp64).
+        squares = torch.stack(norms).pow(2.0).sum()
+        finite = torch.isfinite(squares)
+        norm = squares.double().sqrt()
+    else:
+        finite = torch.isfinite(norm)
+    if not bool(finite):  # the step's one read: a non-finite norm skips it, as DeepSpeed's
+        self.overflow = True
+        self._global_grad_norm = float("inf")
+        self.clear_hp_grads()
+        self.clear_lp_grads()
+        return
+    self._global_grad_norm = norm
+    if self.clip_grad > 0.0:
+        # clip_tensors_by_global_norm's factor, formed as it is (fp32 for a tensor norm, fp64
+        # for the Python float), applied where it is below 1 and otherwise a multiply by 1.
+        coef = (self.clip_grad / (norm + 1e-6)).float().clamp(max=1.0)
+        torch._foreach_mul_(self.get_grads_for_norm(for_clipping=True), coef)
+    for param_partition, grad_partition in zip(
+        self.fp32_groups_flat_partition, self.fp32_groups_gradient_flat_partition
+    ):
+        param_partition.grad = grad_partition  # fp32 accumulation: no cast (use_flat_grad_ops)
+    self.optimizer.step()
+    self._lazy_init_hp_params_optimizer_state()
+    self.update_lp_params()
+    self.clear_hp_grads()
 
 
 def _allreduce_no_retain(

@@ -43,6 +43,9 @@ VARIANTS = {  # name: train options
     "flat-immediate": {"grad_clip": 0.0, "immediate_grad_update": True, "flat_grad_ops": True},
     "deepspeed-clipped": {"grad_clip": CLIP},
     "flat-clipped": {"grad_clip": CLIP, "flat_grad_ops": True},
+    # no MoE layer: DeepSpeed's BF16 step keeps its norm a tensor
+    "dense-deepspeed-clipped": {"grad_clip": CLIP, "dense": True},
+    "dense-flat-clipped": {"grad_clip": CLIP, "dense": True, "flat_grad_ops": True},
     # DeepSpeed's ZeRO 1/2 optimizer: bf16 at stage 2, fp32 at stage 1.
     "zero2-deepspeed": {"grad_clip": CLIP, "zero_stage": 2},
     "zero2-flat": {"grad_clip": CLIP, "zero_stage": 2, "flat_grad_ops": True},
@@ -56,18 +59,21 @@ VARIANTS = {  # name: train options
 }
 
 
-def run_config(zero_stage: int = 1, **train) -> dict:
+def run_config(zero_stage: int = 1, dense: bool = False, **train) -> dict:
     base = {"micro_batch_size": MB, "grad_accum_steps": ACCUM, "seed": 5, "lr": 1e-2}
     base.update({"warmup_steps": 0, "precision": "bf16", **train})
-    return tiny_engine_dict(
+    d = tiny_engine_dict(
         VOCAB,
         SEQ,
         {"num_shared_experts": 1},
         base,
         world_size=2,
-        expert_parallel_size=2,
+        expert_parallel_size=1 if dense else 2,
         zero_stage=zero_stage,
     )
+    if dense:
+        d["model"]["ffn"] = "dense"
+    return d
 
 
 class _Ops(TorchDispatchMode):
@@ -95,7 +101,18 @@ def _train(engine, batches) -> dict:
         return bucket(small_bucket, dp_group, dp_world_size)
 
     engine.allreduce_bucket = counted
-    out = {"losses": [], "norms": [], "step_ops": {}, "to_copy_in_backward": 0}
+    out = {"losses": [], "norms": [], "step_ops": {}, "to_copy_in_backward": 0, "adamw_reads": 0}
+    adamw = engine.optimizer.optimizer  # torch's AdamW, whose own reads are not DeepSpeed's
+    adamw_step = adamw.step
+
+    def counted_step(*args, **kwargs):
+        inner = _Ops()
+        with inner:
+            result = adamw_step(*args, **kwargs)
+        out["adamw_reads"] += inner.counts.get("_local_scalar_dense", 0)
+        return result
+
+    adamw.step = counted_step
     for step in batches:
         losses = []
         for batch in step:
@@ -138,6 +155,33 @@ def _one_rank_scaling(engine) -> bool:
     )
 
 
+def _overflowing_step(engine, step) -> dict:
+    """An optimizer step whose fp32 gradients hold an infinity on every rank (put there after
+    the backward): what it leaves."""
+    opt = engine.optimizer
+    weights = [p.detach().clone() for g in opt.bf16_groups for p in g]
+    real, ops = opt.step, _Ops()
+
+    def poisoned(*args, **kwargs):
+        opt.fp32_groups_gradients_flat[0][0] = float("inf")
+        with ops:
+            return real(*args, **kwargs)
+
+    opt.step = poisoned
+    for batch in step:
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]).loss)
+        engine.step()
+    return {
+        "overflow": opt.overflow,
+        "norm": float(opt._global_grad_norm),
+        "weights_kept": all(
+            torch.equal(a, p) for a, p in zip(weights, (p for g in opt.bf16_groups for p in g))
+        ),
+        "grads_cleared": all(not f.any() for f in opt.fp32_groups_gradients_flat),
+        "reads": ops.counts.get("_local_scalar_dense", 0),
+    }
+
+
 def _worker(rank, world, batches, ckpt_dir):
     from moe.parallel import flat_grads
     from moe.parallel.flat_grads import FlatGradOpsError, use_flat_grad_ops
@@ -162,9 +206,19 @@ def _worker(rank, world, batches, ckpt_dir):
             (resuming.optimizer, "get_grads_for_norm", flat_grads._flat_grads_for_norm),
             (resuming.optimizer, "update_hp_grads", flat_grads._update_hp_grads_at_once),
             (resuming.optimizer, "accumulate_hp_grads_and_remove_lp", flat_grads._add_and_free),
+            (resuming.optimizer, "step", flat_grads._step_with_one_read),
             (resuming, "allreduce_no_retain", flat_grads._allreduce_no_retain),
         )
     ]
+    results["overflow"] = {
+        name: _overflowing_step(engine_for(**VARIANTS[name]), my[0])
+        for name in (
+            "deepspeed-clipped",
+            "flat-clipped",
+            "dense-deepspeed-clipped",
+            "dense-flat-clipped",
+        )
+    }
     stage0 = engine_for(precision="fp32", zero_stage=0)
     try:
         use_flat_grad_ops(stage0)
@@ -229,6 +283,42 @@ def test_zero_optimizer_norms_and_losses_are_deepspeeds_bitwise(results, variant
     )
 
 
+def test_the_dense_step_with_clipping_agrees(results):
+    ds, flat = results["dense-deepspeed-clipped"], results["dense-flat-clipped"]
+    assert min(ds["norms"]) > 2 * CLIP and ds["expert_groups"] == 0
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(
+            torch.tensor(flat[key]), torch.tensor(ds[key]), rtol=1e-5, atol=0
+        )
+
+
+@pytest.mark.parametrize("model, clip", [("", ""), ("", "-clipped"), ("dense-", "-clipped")])
+def test_the_bf16_step_reads_one_value_on_the_host(results, model, clip):
+    """DeepSpeed's BF16 step reads values of the device on the host (a synchronisation each on
+    a GPU): with MoE layers each group's norm (here 2), their validity and their combination;
+    without, the norm's validity and, clipping, whether to clip. Replaced: only whether the norm
+    is finite, once per optimizer step. (torch's AdamW reads its step counts, kept on the host
+    on a GPU too; they are left out.)"""
+    ds, flat = results[f"{model}deepspeed{clip}"], results[f"{model}flat{clip}"]
+
+    def reads(r):
+        return r["step_ops"]["_local_scalar_dense"] - r["adamw_reads"]
+
+    assert reads(flat) == STEPS
+    assert reads(ds) == STEPS * (2 if model else 4), ds["step_ops"]
+
+
+def test_a_non_finite_norm_skips_the_step_as_deepspeeds_does(results):
+    for model in ("", "dense-"):
+        ds = results["overflow"][f"{model}deepspeed-clipped"]
+        flat = results["overflow"][f"{model}flat-clipped"]
+        assert ds["overflow"] and ds["weights_kept"] and ds["grads_cleared"], ds
+        assert {k: v for k, v in flat.items() if k != "reads"} == {
+            k: v for k, v in ds.items() if k != "reads"
+        }
+        assert flat["norm"] == float("inf") and flat["reads"] == 1
+
+
 def test_one_norm_per_group_not_per_parameter(results):
     ds, flat = results["deepspeed-clipped"], results["flat-clipped"]
     assert flat["groups"] < flat["params"]
@@ -243,7 +333,7 @@ def test_only_groups_of_several_ranks_go_through_a_flat_buffer(results):
 
 
 def test_a_checkpoint_saved_without_it_resumes_with_it(results):
-    assert results["flat_after_load"] == [True] * 4
+    assert results["flat_after_load"] == [True] * 5
     assert torch.equal(
         torch.tensor(results["resumed"]), torch.tensor(results["deepspeed"]["losses"][2:])
     )
