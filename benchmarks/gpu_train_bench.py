@@ -224,6 +224,11 @@ def bench(
             seconds = time.perf_counter() - t2
             graphs_timed = compile_counts()[0] - graphs
             peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            # CUDA graphs replay into their private pool without going through the allocator:
+            # what the pool holds shows in the reserved memory, not in the allocated peak.
+            peak_reserved = (
+                torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+            )
             tok_s = args.steps * cfg.train.micro_batch_size * cfg.data.seq_len / seconds
             peak = args.peak_flops or peak_bf16_flops(device)
             fpt = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
@@ -265,6 +270,7 @@ def bench(
         "tokens_per_s": tok_s,
         "mfu": mfu,
         "peak_mem": peak_mem,
+        "peak_reserved": peak_reserved,
         "planned_mem": planned_bytes(cfg),
         "step_ms": 1000 * seconds / args.steps,
         "batch": f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}",

@@ -40,6 +40,7 @@ def summary_rows(matrix) -> list[dict]:
             )
             mfus = [r.row["mfu"] for r in ok if r.row.get("mfu") is not None]
             peaks = [r.row["peak_mem"] for r in ok if r.row.get("peak_mem")]
+            reserved = [r.row["peak_reserved"] for r in ok if r.row.get("peak_reserved")]
             plans = [r.row["planned_mem"] for r in ok if r.row.get("planned_mem")]
             note = matrix.skipped.get((s.name, m)) or (
                 "not admitted: no time for its rounds" if s.name in matrix.not_admitted else ""
@@ -64,6 +65,7 @@ def summary_rows(matrix) -> list[dict]:
                     "ratio_min": ratios["min"],
                     "ratio_max": ratios["max"],
                     "peak_mem": max(peaks) if peaks else None,
+                    "peak_reserved": max(reserved) if reserved else None,  # graph pools too
                     "planned_mem": max(plans) if plans else None,  # moe-plan's total
                     "graphs_in_timed_steps": max(
                         (r.row.get("graphs_in_timed_steps", 0) for r in ok), default=None
@@ -116,12 +118,13 @@ def render(matrix, args, hello: dict, elapsed: float, rows: list[dict], levers) 
         "over that round's default run, median (min-max)",
         "",
         "| model | setting | runs | tokens/s, median (min-max) | MFU | vs default | "
-        "peak GiB | peak / moe-plan | note |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "peak GiB | reserved GiB | peak / moe-plan | note |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         peak = "-" if r["peak_mem"] is None else f"{r['peak_mem'] / 2**30:.1f}"
+        held = "-" if r.get("peak_reserved") is None else f"{r['peak_reserved'] / 2**30:.1f}"
         vs_plan = (
             f"{r['peak_mem'] / r['planned_mem']:.2f}x"
             if r["peak_mem"] and r["planned_mem"]
@@ -132,7 +135,7 @@ def render(matrix, args, hello: dict, elapsed: float, rows: list[dict], levers) 
         note = note if len(note) <= 160 else note[:159] + "…"
         lines.append(
             f"| {r['model']} | {r['setting']} | {r['runs']} | {fmt_rate(r)} | {mfu} | "
-            f"{fmt_ratio(r)} | {peak} | {vs_plan} | {note}{flag} |"
+            f"{fmt_ratio(r)} | {peak} | {held} | {vs_plan} | {note}{flag} |"
         )
     best = best_settings(rows)
     if best:
