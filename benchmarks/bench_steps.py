@@ -35,6 +35,11 @@ class Knobs:
     loop, as on a device without the grouped kernel."""
     doc_len: int = 512
     """Mean document length of the packed batches when model.document_masking is on."""
+    step_read: bool = True
+    """Read the step's loss and gradient norm on the host after its optimizer step, in one
+    transfer, as the trainer does every step (moe/training/step.py): on a GPU the host then
+    waits for the step to end before it prepares the next, as in training. false: steps are
+    queued back to back (the figures before 28 November)."""
 
 
 def split_knobs(overrides: list[str]) -> tuple[list[str], Knobs]:
@@ -49,10 +54,12 @@ def split_knobs(overrides: list[str]) -> tuple[list[str], Knobs]:
             knobs["expert_kernel"] = value
         elif key == "bench.doc_len" and value.isdigit() and int(value) >= 1:
             knobs["doc_len"] = int(value)
+        elif key == "bench.step_read" and value in ("true", "false"):
+            knobs["step_read"] = value == "true"
         else:
             problems.append(
-                f"{item}: the bench knobs are bench.expert_kernel=auto|loop and "
-                "bench.doc_len=N (N >= 1)"
+                f"{item}: the bench knobs are bench.expert_kernel=auto|loop, "
+                "bench.doc_len=N (N >= 1) and bench.step_read=true|false"
             )
     if problems:
         raise ConfigError(problems)
@@ -105,6 +112,17 @@ def step(engine, cfg: RunConfig, device: torch.device, knobs: Knobs = Knobs()) -
         engine.backward(loss)
     with region("optimizer"):
         engine.step()
+    if knobs.step_read:
+        read_step_figures(loss, engine.get_global_grad_norm())
+
+
+def read_step_figures(loss: torch.Tensor, grad_norm) -> list[float]:
+    """The trainer's one read of a step (moe/training/step.py): loss and gradient norm in one
+    transfer to the host."""
+    parts = [loss.detach().float().reshape(1)]
+    if torch.is_tensor(grad_norm):
+        parts.append(grad_norm.detach().float().reshape(1).to(loss.device))
+    return torch.cat(parts).tolist()
 
 
 def sync(device: torch.device) -> None:

@@ -14,10 +14,11 @@ Models (on a GPU, bf16, ZeRO 1, expert parallelism 1, one rank):
                this device with expert parallelism 1 (skipped when it is one of the above)
 With ``--tiny``: the test suite's tiny shape (dense and MoE), fp32 on the CPU. ``--set KEY=VALUE``
 (repeatable) changes every model's config as a ``key=value`` override of ``moe-launch`` does
-(``--set train.compile=true``; ``parallel.zero_stage`` too), plus two knobs of the bench:
-``bench.expert_kernel=loop`` runs the experts' per-expert loop instead of the grouped GEMM, and
+(``--set train.compile=true``; ``parallel.zero_stage`` too), plus three knobs of the bench:
+``bench.expert_kernel=loop`` runs the experts' per-expert loop instead of the grouped GEMM,
 ``bench.doc_len=N`` the mean document length of the packed batches when
-``model.document_masking`` is on (default 512). ``--models`` keeps only the named rows.
+``model.document_masking`` is on (default 512), and ``bench.step_read=false`` leaves out the
+trainer's read of each step's loss and gradient norm (benchmarks/bench_steps.py, Knobs). ``--models`` keeps only the named rows.
 
 Each model gets ``--warmup`` untimed steps, ``--steps`` timed ones (random tokens, one
 micro-batch per step), then ``--profile-steps`` under torch.profiler, summarised by

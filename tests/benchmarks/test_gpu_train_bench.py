@@ -179,7 +179,13 @@ def test_the_bench_knobs():
         ["a.b=1"],
         Knobs(expert_kernel="loop", doc_len=64),
     )
-    for bad in ("bench.doc_len=0", "bench.expert_kernel=fast", "bench.other=1"):
+    assert split_knobs(["bench.step_read=false"])[1] == Knobs(step_read=False)
+    for bad in (
+        "bench.doc_len=0",
+        "bench.expert_kernel=fast",
+        "bench.other=1",
+        "bench.step_read=1",
+    ):
         with pytest.raises(ConfigError, match=bad.replace(".", "[.]")):
             split_knobs([bad])
     # The loop knob makes the experts loop (the kernel reported unsupported) and is undone.
@@ -243,3 +249,43 @@ def test_a_failing_step_profile_keeps_the_timed_row(monkeypatch):
     monkeypatch.setattr(gb, "profile_entry", lambda *a, **k: {"regions": []})
     row, entry = gb.bench(name, cfg, torch.device("cpu"), args, gb.Knobs())
     assert entry == {"regions": []} and row["profile_error"] is None
+
+
+@pytest.mark.parametrize("step_read", [True, False])
+def test_a_bench_step_reads_its_figures_once_as_the_trainer_does(monkeypatch, step_read):
+    """After the optimizer step, the loss and gradient norm are read in one transfer (the
+    trainer's read, which on a GPU makes the host wait for the step), unless
+    bench.step_read=false."""
+    from types import SimpleNamespace
+
+    import bench_steps
+    import torch
+
+    real_read = bench_steps.read_step_figures
+    assert real_read(torch.tensor(3.0), torch.tensor(2.0)) == [3.0, 2.0]
+    assert real_read(torch.tensor(3.0), 1.5) == [3.0]  # DeepSpeed's norm may be a float
+    reads, calls = [], []
+    monkeypatch.setattr(bench_steps, "read_step_figures", lambda *a: reads.append(a))
+
+    class Engine:
+        def __call__(self, x, t, doc_ids_BS=None):
+            calls.append("forward")
+            return SimpleNamespace(loss=torch.tensor(3.0))
+
+        def backward(self, loss):
+            calls.append("backward")
+
+        def step(self):
+            calls.append("step")
+
+        def get_global_grad_norm(self):
+            return torch.tensor(2.0)
+
+    cfg = SimpleNamespace(
+        train=SimpleNamespace(micro_batch_size=2),
+        data=SimpleNamespace(seq_len=8),
+        model=SimpleNamespace(vocab_size=16, document_masking=False),
+    )
+    bench_steps.step(Engine(), cfg, torch.device("cpu"), bench_steps.Knobs(step_read=step_read))
+    assert calls == ["forward", "backward", "step"]
+    assert [(a.item(), b.item()) for a, b in reads] == ([(3.0, 2.0)] if step_read else [])
