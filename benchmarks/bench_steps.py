@@ -39,7 +39,7 @@ class Knobs:
     """Read the step's loss and gradient norm on the host after its optimizer step, in one
     transfer, as the trainer does every step (moe/training/step.py): on a GPU the host then
     waits for the step to end before it prepares the next, as in training. false: steps are
-    queued back to back (the figures before 28 November)."""
+    queued back to back (how the figures recorded up to 28 November were taken)."""
 
 
 def split_knobs(overrides: list[str]) -> tuple[list[str], Knobs]:
