@@ -56,9 +56,10 @@ gate/up output 2, then silu(gate)), 1 for GELU.
   under full.
 - Compiled blocks (``train.compile``), where not recomputed: inductor's partitioner rebuilds
   the norms and the activation functions in the backward rather than keeping them, as
-  selective recompute does, and keeps the attention core's output and statistics as eager
-  does (checked against what compiled blocks keep on the CPU, and against the peak of one
-  H200 step, BENCHMARKS.md).
+  selective recompute does, keeps the attention core's output and statistics as eager does,
+  and does not keep the expert output rows for the combine's scatter-add (checked against
+  what compiled blocks keep on the CPU, and against the peak of one H200 step,
+  BENCHMARKS.md).
 - Block under full recompute: a dense block keeps its input eTD; an MoE block its input eTD
   (attention region), the router and dispatch terms, and the experts' region above.
   ``recompute_every_n_blocks`` n: blocks 0, n, 2n, ... use the mode, the others none.
@@ -282,7 +283,9 @@ def _router(cfg: ModelConfig, T: int, e: int) -> float:
 def _experts(cfg: ModelConfig, N: int, e: int, mode: str) -> float:
     moe, D = cfg.moe, cfg.d_model
     Hx, swiglu = moe.expert_hidden, moe.activation == "swiglu"
-    kept_out = D if moe.permute == "index_add" else 0  # the combine's scatter-add keeps its rows
+    # The combine's scatter-add keeps its rows; compiled, inductor rebuilds them for the combine
+    # weights' gradient from what the experts' backward keeps anyway.
+    kept_out = D if moe.permute == "index_add" and mode != "compiled" else 0
     if mode == "full":
         return e * N * (D + kept_out) + 4 * N
     act_in = (2 if swiglu else 1) * Hx

@@ -126,15 +126,14 @@ def test_reference_attention_keeps_a_mask_per_layer_that_sdpa_does_not(precision
 
 @pytest.mark.parametrize(
     "name, tolerance",
-    [("dense_ffn", 0.02), ("8_experts_top2", 0.06), ("32_fine_top8_shared", 0.25)],
+    [("dense_ffn", 0.02), ("8_experts_top2", 0.05), ("32_fine_top8_shared", 0.05)],
 )
 def test_compiled_blocks_keep_what_the_plan_says(name, tolerance):
     """train.compile: inductor rebuilds the norms and activation functions in the backward (as
-    selective recompute does) and keeps the attention core's output. Measured on the compiled
-    blocks' second step, bf16: the plan within 2% for dense FFNs, 6% for 8 experts; for 32
-    fine-grained experts with a shared one it overestimates (inductor also rebuilds parts of
-    the router and the combine weighting), by at most 25%. And it is below the eager plan by
-    about what was measured."""
+    selective recompute does), keeps the attention core's output, and does not keep the expert
+    output rows the combine's scatter-add keeps eagerly. Measured on the compiled blocks'
+    second step, bf16: the plan within 2% for dense FFNs (seen 0.998x), 5% with experts (seen
+    0.971x and 0.989x); and below the eager plan by about what was measured."""
     from moe.model.compile import compile_blocks
 
     cfg = CONFIGS[name]
@@ -148,7 +147,7 @@ def test_compiled_blocks_keep_what_the_plan_says(name, tolerance):
     measured = measure_saved_bytes(model, ids[:, :-1], ids[:, 1:])
     torch._dynamo.reset()
     planned = activation_bytes(cfg, B, S, "bf16", compiled=True).saved_bytes
-    assert -0.02 < planned / measured - 1 < tolerance, (measured, planned)
+    assert abs(planned / measured - 1) < tolerance, (measured, planned)
     planned_eager = activation_bytes(cfg, B, S, "bf16").saved_bytes
     assert measured < 0.8 * eager and planned < 0.85 * planned_eager, (eager, planned_eager)
     # The other modes are the recompute's: compiling changes nothing in their plan.
