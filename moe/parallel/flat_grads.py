@@ -181,13 +181,15 @@ def _add_and_free(self: BF16_Optimizer, lp_param, group_idx: int, param_idx: int
     lp_param.grad = None
 
 
-def _group_norm(tensors: list[torch.Tensor], ep_group=None) -> torch.Tensor:
+def _group_norm(tensors: list[torch.Tensor], device: torch.device, ep_group=None) -> torch.Tensor:
     """DeepSpeed's ``get_global_norm_of_tensors`` (2-norm, no model-parallel unit) before its
     masking of non-finite values: each tensor's fp32 norm, their squares summed, the sum
-    all-reduced over an expert-parallel group of more than one rank, its square root."""
-    if not tensors:
-        raise FlatGradOpsError("train.flat_grad_ops: an optimizer group without gradients")
-    squares = torch.stack([t.detach().float().norm(2.0) for t in tensors]).pow(2.0).sum()
+    all-reduced over an expert-parallel group of more than one rank, its square root. No
+    tensors (every non-expert weight frozen): 0, where DeepSpeed's stack of nothing fails."""
+    if tensors:
+        squares = torch.stack([t.detach().float().norm(2.0) for t in tensors]).pow(2.0).sum()
+    else:
+        squares = torch.zeros((), dtype=torch.float32, device=device)
     if ep_group is not None and ds_dist.get_world_size(group=ep_group) > 1:
         ds_dist.all_reduce(squares, op=ds_dist.ReduceOp.SUM, group=ep_group)
     return squares.pow(1.0 / 2)
@@ -201,10 +203,11 @@ def _step_with_one_read(self: BF16_Optimizer, closure=None) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support closure.")
     self.overflow = False
     non_expert, expert = self.get_grads_for_norm()
-    norm = _group_norm(non_expert)
+    device = self.fp32_groups_gradients_flat[0].device
+    norm = _group_norm(non_expert, device)
     if self.has_moe_layers:
         norms = [norm] + [
-            _group_norm(tensors, groups._get_expert_parallel_group(name))
+            _group_norm(tensors, device, groups._get_expert_parallel_group(name))
             for name, tensors in expert.items()
         ]
         # get_norm_with_moe_layers: the fp32 norms' squares summed in fp32, the square root of

@@ -341,3 +341,20 @@ def test_a_checkpoint_saved_without_it_resumes_with_it(results):
 
 def test_an_engine_without_a_zero_optimizer_is_refused(results):
     assert "needs one of DeepSpeed's ZeRO optimizers" in results["stage0_refused"]
+
+
+def test_a_group_norm_is_deepspeeds_and_zero_without_gradients():
+    """Each group's norm as DeepSpeed's get_global_norm_of_tensors takes it, bit for bit; a
+    group with nothing to count (every non-expert weight frozen) has norm 0 (DeepSpeed's own
+    fails on stacking nothing)."""
+    from deepspeed.runtime.utils import get_global_norm_of_tensors
+
+    from moe.parallel.flat_grads import _group_norm
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(1000) * 3, torch.randn(7, 5), torch.randn(3).bfloat16()]
+    assert torch.equal(
+        _group_norm(tensors, torch.device("cpu")), get_global_norm_of_tensors(tensors)
+    )
+    zero = _group_norm([], torch.device("cpu"))
+    assert zero.dtype == torch.float32 and zero.item() == 0.0
