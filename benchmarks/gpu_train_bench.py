@@ -224,12 +224,7 @@ def bench(
             sync(device)
             seconds = time.perf_counter() - t2
             graphs_timed = compile_counts()[0] - graphs
-            peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            # CUDA graphs replay into their private pool without going through the allocator:
-            # what the pool holds shows in the reserved memory, not in the allocated peak.
-            peak_reserved = (
-                torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
-            )
+            peak_mem, peak_reserved = memory_peaks(device)
             tok_s = args.steps * cfg.train.micro_batch_size * cfg.data.seq_len / seconds
             peak = args.peak_flops or peak_bf16_flops(device)
             fpt = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
@@ -285,6 +280,15 @@ def bench(
         "profile_error": profile_error,
     }
     return row, entry
+
+
+def memory_peaks(device: torch.device) -> tuple[int | None, int | None]:
+    """The allocated and the reserved peak since the last reset (None off CUDA). CUDA graphs
+    replay into their private pool without going through the allocator: what the pool holds
+    shows in the reserved memory, not in the allocated peak."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
 
 
 def device_name(device: torch.device) -> str:
