@@ -113,7 +113,8 @@ def step(engine, cfg: RunConfig, device: torch.device, knobs: Knobs = Knobs()) -
     with region("optimizer"):
         engine.step()
     if knobs.step_read:
-        read_step_figures(loss, engine.get_global_grad_norm())
+        with region("bench.step_read"):
+            read_step_figures(loss, engine.get_global_grad_norm())
 
 
 def read_step_figures(loss: torch.Tensor, grad_norm) -> list[float]:

@@ -65,6 +65,7 @@ RANGE_REGIONS = {
     "embedding": "other",
     "optimizer": "optimizer",
     "bench.backward": "optimizer",  # the bench's: step, grad hooks
+    "bench.step_read": "other",  # the bench's: the trainer's read of the step's figures
 }
 """Range name -> region: every range of moe/model/regions.py (tests check) and the bench's."""
 COMMUNICATION = re.compile(
