@@ -53,17 +53,19 @@ deepspeed.__version__ = real_version
 ours = [adapter._expert_ckpt_name, adapter._moe_settings, adapter._load_module_state_dict,
         adapter._all_gather_function, adapter._memory_report]
 out["native_all_gather"] = TorchBackend.get_all_gather_function() is dist.all_gather_into_tensor
+# torch 2.13's name for it; torch 2.11 has none, and DeepSpeed's choice stays
+current_name = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 adapter.install()
 once = current()
 out["installed_ours"] = [function(a) is f for a, f in zip(once, ours)]
-out["new_backend_all_gather"] = TorchBackend.get_all_gather_function() is dist.all_gather_single
+out["new_backend_all_gather"] = TorchBackend.get_all_gather_function() is current_name
 # A communication back end made before install (the launcher starts DeepSpeed's first).
 ds_comm.cdb = types.SimpleNamespace(all_gather_function=dist.all_gather_into_tensor)
 adapter.install()
 out["twice_same_as_once"] = current() == once
-out["live_backend_all_gather"] = ds_comm.cdb.all_gather_function is dist.all_gather_single
+out["live_backend_all_gather"] = ds_comm.cdb.all_gather_function is current_name
 adapter.install()
-out["live_backend_stays"] = ds_comm.cdb.all_gather_function is dist.all_gather_single
+out["live_backend_stays"] = ds_comm.cdb.all_gather_function is current_name
 out["wraps_deepspeed"] = (adapter._ORIGINALS["DeepSpeedEngine._get_expert_ckpt_name"]
                           is function(originals[0]))
 print("RESULT " + json.dumps(out))
