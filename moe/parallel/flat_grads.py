@@ -37,12 +37,11 @@ Here, per engine, five methods are replaced (the class and other engines keep De
   DeepSpeed's ``get_global_norm_of_tensors``, the expert groups' summed over their expert-
   parallel group; with MoE layers, their squares summed in fp32 and the square root taken in
   fp64, as DeepSpeed's Python float is), reads on the host only whether the norm is finite
-  (one synchronisation: a non-finite norm skips the step, as DeepSpeed's does), and clips by
-  multiplying every buffer by ``min(1, clip / (norm + 1e-6))`` formed on the device, which is
-  DeepSpeed's factor where it clips and 1 (the gradients unchanged, bit for bit) where it does
-  not. The rest of the step is DeepSpeed's. The engine's gradient norm is then a tensor on the
-  device (DeepSpeed's is a Python float with MoE layers), read by the trainer in its one read
-  of the step's figures.
+  and whether to clip, in one transfer (one synchronisation: a non-finite norm skips the step,
+  as DeepSpeed's does), and clips, where DeepSpeed would, by multiplying every buffer by
+  DeepSpeed's factor ``clip / (norm + 1e-6)`` formed on the device. The rest of the step is
+  DeepSpeed's. The engine's gradient norm is then a tensor on the device (DeepSpeed's is a
+  Python float with MoE layers), read by the trainer in its one read of the step's figures.
 - ``allreduce_no_retain``, over a group of one rank and without a change of dtype for the
   communication, only scales the buffers in place as DeepSpeed's ``allreduce_bucket`` would (by
   the averaging factors, none on one GPU): the same values, bit for bit, without the copies.
@@ -217,17 +216,19 @@ def _step_with_one_read(self: BF16_Optimizer, closure=None) -> None:
         norm = squares.double().sqrt()
     else:
         finite = torch.isfinite(norm)
-    if not bool(finite):  # the step's one read: a non-finite norm skips it, as DeepSpeed's
+    # clip_tensors_by_global_norm's factor, formed as it is (fp32 for a tensor norm, fp64 for
+    # the Python float); whether to clip is read together with whether the norm is finite.
+    coef = (self.clip_grad / (norm + 1e-6)).float() if self.clip_grad > 0.0 else None
+    flags = finite.int() if coef is None else finite.int() + 2 * (coef < 1).int()
+    flags = flags.item()  # the step's one read: bit 0 finite, bit 1 clip
+    if not flags & 1:  # a non-finite norm skips the step, as DeepSpeed's
         self.overflow = True
         self._global_grad_norm = float("inf")
         self.clear_hp_grads()
         self.clear_lp_grads()
         return
     self._global_grad_norm = norm
-    if self.clip_grad > 0.0:
-        # clip_tensors_by_global_norm's factor, formed as it is (fp32 for a tensor norm, fp64
-        # for the Python float), applied where it is below 1 and otherwise a multiply by 1.
-        coef = (self.clip_grad / (norm + 1e-6)).float().clamp(max=1.0)
+    if flags & 2:
         torch._foreach_mul_(self.get_grads_for_norm(for_clipping=True), coef)
     for param_partition, grad_partition in zip(
         self.fp32_groups_flat_partition, self.fp32_groups_gradient_flat_partition

@@ -43,6 +43,7 @@ VARIANTS = {  # name: train options
     "flat-immediate": {"grad_clip": 0.0, "immediate_grad_update": True, "flat_grad_ops": True},
     "deepspeed-clipped": {"grad_clip": CLIP},
     "flat-clipped": {"grad_clip": CLIP, "flat_grad_ops": True},
+    "flat-clip-not-reached": {"grad_clip": 100.0, "flat_grad_ops": True},
     # no MoE layer: DeepSpeed's BF16 step keeps its norm a tensor
     "dense-deepspeed-clipped": {"grad_clip": CLIP, "dense": True},
     "dense-flat-clipped": {"grad_clip": CLIP, "dense": True, "flat_grad_ops": True},
@@ -306,6 +307,20 @@ def test_the_bf16_step_reads_one_value_on_the_host(results, model, clip):
 
     assert reads(flat) == STEPS
     assert reads(ds) == STEPS * (2 if model else 4), ds["step_ops"]
+
+
+def test_gradients_are_multiplied_only_where_deepspeed_clips(results):
+    """Whether to clip is read with the finiteness, so a norm below the limit costs no pass
+    over the gradients: the same steps, bit for bit, as without clipping."""
+    flat, loose = results["flat"], results["flat-clip-not-reached"]
+    clipped = results["flat-clipped"]
+    assert max(loose["norms"]) < 100.0
+    assert torch.equal(torch.tensor(loose["losses"]), torch.tensor(flat["losses"]))
+    muls = {
+        k: r["step_ops"].get("_foreach_mul_", 0)
+        for k, r in (("flat", flat), ("loose", loose), ("clipped", clipped))
+    }
+    assert muls["loose"] == muls["flat"] and muls["clipped"] == muls["flat"] + STEPS, muls
 
 
 def test_a_non_finite_norm_skips_the_step_as_deepspeeds_does(results):
