@@ -269,6 +269,13 @@ def main(argv=None) -> None:
     )
     p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory of one GPU in GiB")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="plan the values a run on this device takes for the settings the config leaves "
+        "to the device (null or auto; RunConfig.for_device); default cuda",
+    )
     args = p.parse_args(argv)
     if (args.gpus is None) != (args.gpu_memory is None):
         p.error("--gpus and --gpu-memory go together")
@@ -282,15 +289,23 @@ def main(argv=None) -> None:
             p.error(f"{flag} must be >= 1, got {value}")
     if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:  # NaN fails too
         p.error(f"--gpu-memory must be a finite number of GiB > 0, got {args.gpu_memory}")
-    cfg = load_config(args.config, args.overrides)
+    loaded = load_config(args.config, args.overrides)
+    chosen = loaded.device_choices(args.device)
+    cfg = loaded.for_device(args.device)
     vocab_from = resolve_vocab_for_planning(cfg)
+    header = f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n"
+    if chosen:
+        header += (
+            f"settings left to the device, as on {args.device}: "
+            + ", ".join(f"{key} {json.dumps(value)}" for key, value in chosen.items())
+            + "\n"
+        )
     if args.gpus is not None:
         report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top)
         print(
-            json.dumps(report, indent=2)
+            json.dumps({**report, "device": args.device, "device_settings": chosen}, indent=2)
             if args.json
-            else f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n\n"
-            + render_layouts(report)
+            else header + "\n" + render_layouts(report)
         )
         if not fits:
             sys.exit(1)
@@ -302,9 +317,9 @@ def main(argv=None) -> None:
         args.zero or [0, 1, 2],
     )
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps({**report, "device": args.device, "device_settings": chosen}, indent=2))
     else:
-        print(f"{args.config}: vocabulary {cfg.model.vocab_size} (from {vocab_from})\n")
+        print(header)
         print(render(report, cfg))
 
 

@@ -4,6 +4,7 @@ config is derived from it (never written by hand) by moe/parallel/deepspeed_adap
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import math
@@ -96,8 +97,9 @@ class TrainConfig:
     """bf16 only: the dtype gradients are reduced across ranks and accumulated over micro-batches
     in (DeepSpeed's communication_data_type and data_types.grad_accum_dtype). bf16 halves the
     gradient traffic and buffers at 8 bits of mantissa per sum."""
-    immediate_grad_update: bool = False
-    """bf16 at ZeRO stage 1 with grad_reduce_dtype fp32 (DeepSpeed's BF16 optimizer, its
+    immediate_grad_update: bool | None = None
+    """null (the default): by device (RunConfig.for_device): true on CUDA where it applies,
+    false on the CPU. bf16 at ZeRO stage 1 with grad_reduce_dtype fp32 (DeepSpeed's BF16 optimizer, its
     bf16.immediate_grad_update): each parameter's bf16 gradient is added into the fp32
     accumulation buffer as soon as the backward has produced it, and freed. false: the bf16
     gradients are kept (zeroed, not freed, between the micro-batches of a step) and added once
@@ -105,8 +107,9 @@ class TrainConfig:
     no bf16 gradient buffer (2 bytes per parameter, which moe-plan leaves out then), and lets
     train.cuda_graphs run at ZeRO 1. ZeRO 2's own hooks already move each gradient into its
     buckets as it is produced."""
-    flat_grad_ops: bool = False
-    """ZeRO stage 1 or 2: DeepSpeed's per-parameter gradient work done by group
+    flat_grad_ops: bool | None = None
+    """null (the default): by device (RunConfig.for_device): true on CUDA at ZeRO stage 1 or 2,
+    false on the CPU. ZeRO stage 1 or 2: DeepSpeed's per-parameter gradient work done by group
     (moe/parallel/flat_grads.py). With DeepSpeed's BF16 optimizer (bf16 at stage 1 with
     grad_reduce_dtype fp32): the gradient norm is one norm per parameter group's flat fp32
     gradient buffer instead of one per parameter, clipping one multiply per group, the bf16
@@ -141,8 +144,10 @@ class TrainConfig:
     70 (moe/training/resilience/watchdog.py); 0: off."""
     recompute_every_n_blocks: int = 1
     """Recompute blocks 0, N, 2N, ... only (1: every block); the others keep their activations."""
-    compile: bool = False
-    """Compile each transformer block with torch.compile (inductor), MoE layer included
+    compile: bool | None = None
+    """null (the default): by device (RunConfig.for_device): true on CUDA for pretraining and
+    finetune.method full, false on the CPU and for the adapter methods. Compile each transformer
+    block with torch.compile (inductor), MoE layer included
     (moe/model/compile.py): one compile per distinct block graph in the first step, none after;
     the expert all-to-alls and the capacity cut run eagerly between the compiled pieces. The
     compiled blocks keep fewer activations (norms and activation functions are rebuilt in the
@@ -157,8 +162,9 @@ class TrainConfig:
 
     optimizer_impl: Literal["auto", "for_loop", "foreach", "fused"] = "auto"
     """Which implementation of torch's AdamW steps the weights (under ZeRO 1/2: one flat fp32
-    partition per parameter group, after DeepSpeed's gradient clipping). auto: torch's own choice
-    (foreach on CUDA, for_loop on the CPU); for_loop: one tensor at a time; foreach: torch's
+    partition per parameter group, after DeepSpeed's gradient clipping). auto: by device
+    (RunConfig.for_device): fused on CUDA, torch's own choice elsewhere (for_loop on the CPU);
+    for_loop: one tensor at a time; foreach: torch's
     multi-tensor kernels; fused: one fused kernel per parameter group (CUDA and CPU), which
     reads and writes each weight, gradient and moment once. The same update up to rounding
     (fused differs in the last bits; tests/moe/training/test_optimizer_impl.py); checkpoints
@@ -491,10 +497,49 @@ class RunConfig:
             out.append(f"name: {self.name!r} must be a plain directory name")
         return out
 
+    def device_choices(self, device_type: str) -> dict[str, object]:
+        """The value each by-device setting this config leaves open (null, or auto) takes on
+        ``device_type`` ("cuda" or anything else), by dotted key. On CUDA: the settings that
+        one H200 measured faster together (docs/gpu.md, "The defaults"), each where it applies;
+        elsewhere the plain ones, under which the CPU runs as before they existed."""
+        t, cuda = self.train, device_type == "cuda"
+        bf16_optimizer = (
+            t.precision == "bf16"
+            and self.parallel.zero_stage == 1
+            and t.grad_reduce_dtype == "fp32"
+        )
+        # Adapter methods keep eager blocks and DeepSpeed's own gradient handling: their
+        # frozen weights and added modules are not measured under those settings.
+        whole_model = self.finetune.method in ("none", "full")
+        values = {
+            "train.compile": cuda and whole_model,
+            "train.immediate_grad_update": cuda and whole_model and bf16_optimizer,
+            "train.flat_grad_ops": cuda and whole_model and self.parallel.zero_stage >= 1,
+            "train.optimizer_impl": "fused" if cuda else "auto",
+            "model.cross_entropy": "chunked" if cuda else "full",
+            "model.moe.permute": "gather" if cuda else "index_add",
+        }
+        return {key: v for key, v in values.items() if _get(self, key) in (None, "auto")}
+
+    def for_device(self, device_type: str) -> RunConfig:
+        """A copy of this config with every by-device setting it leaves open set for a run on
+        ``device_type`` (device_choices); values given in the config are kept. Training resolves
+        its config with this once it knows its device; moe-plan and the benchmarks for the
+        device they plan or measure."""
+        cfg = copy.deepcopy(self)
+        for key, value in self.device_choices(device_type).items():
+            *path, leaf = key.split(".")
+            node = cfg
+            for part in path:
+                node = getattr(node, part)
+            setattr(node, leaf, value)
+        return cfg
+
     def _cuda_graph_problems(self) -> list[str]:
-        t, p = self.train, self.parallel
-        if not t.cuda_graphs:
+        if not self.train.cuda_graphs:
             return []
+        # Graphs run on CUDA only: the settings left to the device are those CUDA takes.
+        t, p = self.for_device("cuda").train, self.parallel
         out = []
         if not t.compile:
             out.append("train.cuda_graphs: needs train.compile true (it replays compiled blocks)")
@@ -578,6 +623,13 @@ class RunConfig:
     def run_files(self) -> RunDir:
         """The names of the run directory's files (moe/core/run_dir.py)."""
         return RunDir(self.run_dir)
+
+
+def _get(cfg: RunConfig, key: str) -> object:
+    node: object = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

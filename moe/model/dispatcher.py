@@ -32,8 +32,10 @@ import torch.nn.functional as F
 
 from moe.model.compile import eager_under_compile, is_compiling, mark_rows_dynamic
 
-PermuteImpl = Literal["index_add", "gather"]
+PermuteImpl = Literal["auto", "index_add", "gather"]
 PERMUTE_IMPLS: tuple[str, ...] = get_args(PermuteImpl)
+"""``auto`` is the run's to choose by device (RunConfig.for_device); a layer built with it
+permutes as ``index_add``."""
 
 
 @dataclass

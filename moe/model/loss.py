@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CrossEntropyImpl = Literal["full", "chunked", "liger"]
+CrossEntropyImpl = Literal["auto", "full", "chunked", "liger"]
 IGNORE = -100
 LIGER_INSTALL = "pip install liger-kernel==0.8.5 (or pip install -e .[liger])"
 

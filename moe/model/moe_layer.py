@@ -52,8 +52,10 @@ class MoEConfig:
     dense_hidden: int | None = arch(None)
     """Hidden width of the dense layers (default: (top_k + num_shared_experts) * expert_hidden,
     the active expert width of an MoE layer)."""
-    permute: PermuteImpl = runtime("index_add")
-    """How token copies move to their experts and back (moe/model/dispatcher.py). ``index_add``:
+    permute: PermuteImpl = runtime("auto")
+    """How token copies move to their experts and back (moe/model/dispatcher.py). ``auto`` (the
+    default): by device, for a training run (RunConfig.for_device): gather on CUDA, index_add
+    elsewhere; a layer built outside a run takes index_add. ``index_add``:
     a gather there and a scatter-add back (and in the gradient of the gather: atomic adds in the
     rows' dtype on CUDA). ``gather``: gathers only, through the inverse of the expert sort; each
     token's K outputs (and, in the backward, its copies' gradients) summed in one reduction, in
@@ -126,7 +128,9 @@ class MoELayer(nn.Module):
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
         if self.shared_gate is not None:
             nn.init.normal_(self.shared_gate.weight, std=init_std)
-        self.dispatcher = LocalDispatcher(cfg.num_experts, cfg.permute)
+        self.dispatcher = LocalDispatcher(
+            cfg.num_experts, "index_add" if cfg.permute == "auto" else cfg.permute
+        )
         # Sums over the micro-batches of one optimizer step, read (and reset) by the training
         # part that updates the loss-free bias and logs: kept copies per expert, and STEP_SUMS.
         self.register_buffer("step_load_E", torch.zeros(cfg.num_experts), persistent=False)

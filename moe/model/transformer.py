@@ -130,9 +130,11 @@ class ModelConfig:
     CPU sdpa for documents from 2048 tokens on (measured faster; BENCHMARKS.md), otherwise
     reference. Decoding past a KV-cached prefix always runs
     reference; fallbacks are logged once."""
-    cross_entropy: CrossEntropyImpl = runtime("full")
+    cross_entropy: CrossEntropyImpl = runtime("auto")
     """How the training loss is computed from the output head (moe/model/loss.py); all give the
-    same loss and gradients. full: the (B, S, V) logits and their fp32 log-softmax (the model
+    same loss and gradients. auto (the default): by device, for a training run
+    (RunConfig.for_device): chunked on CUDA, full elsewhere; a model built outside a run (as
+    evaluation builds it) computes full. full: the (B, S, V) logits and their fp32 log-softmax (the model
     also returns the logits). chunked: cross_entropy_chunk_tokens tokens at a time, with the
     gradients formed in the forward; no (B, S, V) tensor, and a forward with targets returns no
     logits (logits None). liger: Liger-Kernel's fused linear cross-entropy (CUDA only; pip
@@ -266,7 +268,7 @@ class MoETransformer(nn.Module):
         # No parameters: the loss reads lm_head.weight (tied or not) when it runs.
         self.head_loss = (
             LMHeadLoss(cfg.cross_entropy, cfg.cross_entropy_chunk_tokens)
-            if cfg.cross_entropy != "full"
+            if cfg.cross_entropy not in ("full", "auto")
             else None
         )
         self._init_weights(out_std)

@@ -308,7 +308,8 @@ def _stack_experts_hook(
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
-    """The DeepSpeed config of a run on ``world_size`` ranks, derived from its run config."""
+    """The DeepSpeed config of a run on ``world_size`` ranks, derived from its run config (as
+    resolved for the device, RunConfig.for_device; a setting still left open counts as off)."""
     t = cfg.train
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -319,7 +320,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
         # We pass torch optimizers; ZeRO 1/2 only needs them to step flat fp32 partitions.
         "zero_allow_untested_optimizer": True,
         "bf16": (
-            {"enabled": True, "immediate_grad_update": t.immediate_grad_update}
+            {"enabled": True, "immediate_grad_update": bool(t.immediate_grad_update)}
             if t.precision == "bf16"
             else {"enabled": False}
         ),

@@ -285,7 +285,7 @@ def _experts(cfg: ModelConfig, N: int, e: int, mode: str) -> float:
     Hx, swiglu = moe.expert_hidden, moe.activation == "swiglu"
     # The combine's scatter-add keeps its rows; compiled, inductor rebuilds them for the combine
     # weights' gradient from what the experts' backward keeps anyway.
-    kept_out = D if moe.permute == "index_add" and mode != "compiled" else 0
+    kept_out = D if moe.permute != "gather" and mode != "compiled" else 0  # auto: index_add
     if mode == "full":
         return e * N * (D + kept_out) + 4 * N
     act_in = (2 if swiglu else 1) * Hx
@@ -423,7 +423,7 @@ def liger_chunk_tokens(T: int, V: int, D: int) -> int:
 def _head_loss(cfg: ModelConfig, T: int, e: int) -> tuple[float, float]:
     """(kept for the backward beyond the final norm, working set) of the head and the loss."""
     V, D = cfg.vocab_size, cfg.d_model
-    if cfg.cross_entropy == "full":
+    if cfg.cross_entropy in ("full", "auto"):  # auto, unresolved: what the model computes
         return 4 * T * V, T * V * (2 * e + 4)
     kept = 4 * V * D  # the weight's fp32 gradient; the hidden states' takes the norm output's place
     if cfg.cross_entropy == "chunked":

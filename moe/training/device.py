@@ -20,6 +20,12 @@ def device_and_backend(
     return torch.device("cpu"), "gloo"
 
 
+def device_type() -> str:
+    """The kind of device this process trains on: "cuda" where CUDA is present (as
+    device_and_backend decides), "cpu" otherwise; what the config's by-device settings follow."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 PEAK_BF16_DENSE = [
     ("H100 PCIe", 756e12),
     ("H100", 989e12),

@@ -55,7 +55,7 @@ from moe.training.checkpoint import (
     restore,
 )
 from moe.training.decision import Rollback, Stop, decide
-from moe.training.device import peak_bf16_flops
+from moe.training.device import device_type, peak_bf16_flops
 from moe.training.downstream import DownstreamEvaluator
 from moe.training.esft import ExpertSelection
 from moe.training.finetune import log_parameter_counts, parameter_counts, prepare_finetune
@@ -160,6 +160,7 @@ def build_engine(cfg: RunConfig, env: DistEnv, make_optimizer=None):
     import deepspeed
 
     deepspeed_adapter.install()  # our changes to DeepSpeed's internals, for its pinned release
+    cfg = cfg.for_device(device_type())  # start_run's config already is; direct callers' too
     if cfg.train.cuda_graphs and not torch.cuda.is_available():
         raise ConfigError(
             [
@@ -370,6 +371,13 @@ def start_run(
     """The engine, the data, the resumed state; then the checkpointer and the loop's parts
     around them (closed again if starting fails)."""
     cfg = resolve_vocab(cfg)
+    chosen = cfg.device_choices(device_type())
+    cfg = cfg.for_device(device_type())  # before anything reads the settings left to the device
+    if chosen and env.rank == 0:
+        log.info(
+            f"settings left to the device ({device_type()}): "
+            + ", ".join(f"{key} {value}" for key, value in chosen.items())
+        )
     data = PreparedData.from_config(cfg.data)  # a local directory or s3:// (through a cache)
     tokenizer_sha = data.manifest.tokenizer["sha256"]
     files = cfg.run_files
