@@ -65,6 +65,20 @@ def unmet(needs: list[str], cfg, device: torch.device) -> list[str]:
     return [n for n in needs if n in have and not have[n]]
 
 
+def same_run(a, b, device: torch.device) -> bool:
+    """Whether two (config, knobs) pairs train the same on ``device``: equal once the settings
+    they leave to the device are resolved for it, the MoE section ignored on a model without
+    MoE layers (its permutation does nothing there)."""
+
+    def resolved(cfg):
+        cfg = cfg.for_device(device.type)
+        if not any(map(cfg.model.is_moe_layer, range(cfg.model.n_layers))):
+            cfg.model.moe = type(cfg.model.moe)()
+        return cfg
+
+    return a[1] == b[1] and resolved(a[0]) == resolved(b[0])
+
+
 def config_for(task: dict, tiny: bool, micro_batch: int | None):
     overrides, knobs = split_knobs(list(task.get("overrides", [])))
     if tiny:
@@ -94,6 +108,10 @@ def run_task(task: dict, device: torch.device, args) -> dict:
     ]
     task = {**task, "overrides": [*task.get("overrides", []), *applied]}
     cfg, knobs = config_for(task, args.tiny, args.micro_batch)
+    if task.get("label", "default") != "default" and same_run(
+        (cfg, knobs), config_for({**task, "overrides": []}, args.tiny, args.micro_batch), device
+    ):
+        return {"status": "skipped", "reason": f"already the default on {device.type}"}
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         if planned_bytes(cfg) > FIT_FRACTION * total:

@@ -16,10 +16,12 @@ Parts, in order, each with its own log in OUTDIR and a time limit inside ``--bud
             worker: the GPU is shared, the compiles and launches are host work), with each
             test's time in the log
 4. bench    ``benchmarks/gpu_train_bench.py``: tokens/s, MFU, peak memory against moe-plan,
-            where a step's time goes (a step profile per model: profile.md, profile.json);
-            then the same models with ``train.compile`` (one run each: compiled tokens/s,
-            compiled / eager and their profiles; a compiled run that runs out of the part's
-            time is noted, not failed, and keeps the models it finished)
+            where a step's time goes (a step profile per model: profile.md, profile.json),
+            with the settings the device chooses (on CUDA its defaults: compiled blocks and
+            the rest, RunConfig.device_choices); then the same models with the plain settings
+            (benchmarks/plain_settings.py, as on the CPU; one run each: eager tokens/s,
+            default / eager and their profiles; an eager run that runs out of the part's time
+            is noted, not failed, and keeps the models it finished)
 5. train    the default config (configs/default.yaml) on one rank for 100 steps in bf16
             through ``moe-launch`` (the real deepspeed launcher, started as
             ``python -m deepspeed.launcher.runner``: no ``deepspeed`` script on PATH needed)
@@ -59,6 +61,7 @@ from gpu_install import (  # noqa: E402
     probe_environment,
 )
 from gpu_proof_summary import write_summary  # noqa: E402
+from plain_settings import EAGER  # noqa: E402
 
 MAX_FILES = 10
 PYTEST_WORKERS = 3
@@ -346,8 +349,8 @@ class Proof:
         """The bench's runs; a step profile that failed fails the part, the timed rows kept."""
         status = self.bench_runs(part, log, limit)
         failed = [
-            f"{r['model']}{' compiled' if compiled else ''}: {r['profile_error']}"
-            for compiled, key in ((False, "rows"), (True, "compiled_rows"))
+            f"{r['model']}{' eager' if eager else ''}: {r['profile_error']}"
+            for eager, key in ((False, "rows"), (True, "eager_rows"))
             for r in part.figures.get(key, [])
             if r.get("profile_error")
         ]
@@ -378,28 +381,29 @@ class Proof:
             part.figures.update(json.loads(rows.read_text()))
         if rc != 0:
             return self.status_of(rc)
-        # The same models compiled (the first compile on a fresh machine takes about a minute
-        # on one H100): one run, so a ratio to read, not a result.
-        compiled = self.scratch / "bench_compiled.json"
+        # The same models with the plain settings (eager blocks and the rest, as on the CPU):
+        # one run, so a ratio of the device's defaults to them to read, not a result.
+        eager = self.scratch / "bench_eager.json"
+        plain = [a for o in EAGER for a in ("--set", o)]
         rc = self.run(
             part,
-            cmd + ["--json", str(compiled), "--set", "train.compile=true"],
+            cmd + ["--json", str(eager), "--label", "eager", *plain],
             log,
             limit - (time.monotonic() - t0),
         )
-        if compiled.exists():
-            eager = {r["model"]: r["tokens_per_s"] for r in part.figures.get("rows", [])}
-            crows = json.loads(compiled.read_text())["rows"]
-            part.figures["compiled_rows"] = crows
-            part.figures["compiled_over_eager"] = {
-                r["model"]: round(r["tokens_per_s"] / eager[r["model"]], 3)
-                for r in crows
-                if eager.get(r["model"])
+        if eager.exists():
+            default = {r["model"]: r["tokens_per_s"] for r in part.figures.get("rows", [])}
+            erows = json.loads(eager.read_text())["rows"]
+            part.figures["eager_rows"] = erows
+            part.figures["default_over_eager"] = {
+                r["model"]: round(default[r["model"]] / r["tokens_per_s"], 3)
+                for r in erows
+                if default.get(r["model"]) and r["tokens_per_s"]
             }
         if rc is None:
-            # The compiles take what the budget has left after the tests: running short of it
-            # is noted, not failed; a compiled run that fails is a failure.
-            part.note = "the compiled run ran out of the part's time"
+            # The second pass takes what the budget has left after the tests and the first:
+            # running short of it is noted, not failed; an eager run that fails is a failure.
+            part.note = "the eager run ran out of the part's time"
             return "pass"
         return self.status_of(rc)
 

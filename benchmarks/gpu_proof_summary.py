@@ -43,7 +43,7 @@ def part_lines(parts: list) -> list[str]:
         figs = {
             k: v
             for k, v in p.figures.items()
-            if k not in ("rows", "compiled_rows") and p.name != "env"
+            if k not in ("rows", "eager_rows") and p.name != "env"
         }
         text = ", ".join(f"{k}={fmt(v)}" for k, v in figs.items())
         if p.note:
@@ -55,23 +55,25 @@ def part_lines(parts: list) -> list[str]:
 
 
 def bench_lines(bench) -> list[str]:
-    """The bench part's table: eager and compiled tokens/s, MFU, peak against planned memory."""
+    """The bench part's table: the device's defaults' and the plain settings' tokens/s, MFU,
+    peak against planned memory."""
     if not (bench and bench.figures.get("rows")):
         return []
     lines = [
         "",
-        f"Training benchmark on {bench.figures.get('device')}:",
+        f"Training benchmark on {bench.figures.get('device')} (tokens/s: the settings the "
+        "device chooses; eager: the plain settings, benchmarks/plain_settings.py):",
         "",
-        "| model | B x S | tokens/s | MFU | peak MiB | planned MiB | compiled "
-        "tokens/s | compiled / eager |",
+        "| model | B x S | tokens/s | MFU | peak MiB | planned MiB | eager "
+        "tokens/s | default / eager |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    compiled = {r["model"]: r for r in bench.figures.get("compiled_rows", [])}
-    ratios = bench.figures.get("compiled_over_eager", {})
+    eager = {r["model"]: r for r in bench.figures.get("eager_rows", [])}
+    ratios = bench.figures.get("default_over_eager", {})
     for r in bench.figures["rows"]:
         mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.0f}"
         mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        c = compiled.get(r["model"])
+        c = eager.get(r["model"])
         ctext = (
             f"{c['tokens_per_s']:,.0f} | {ratios[r['model']]:.2f}x"
             if c and r["model"] in ratios
@@ -81,6 +83,13 @@ def bench_lines(bench) -> list[str]:
             f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {mfu} | "
             f"{mib(r['peak_mem'])} | {mib(r['planned_mem'])} | {ctext} |"
         )
+    chosen = bench.figures["rows"][0].get("device_settings")
+    if chosen:
+        lines += [
+            "",
+            "Settings the device chose: "
+            + ", ".join(f"`{k}={json.dumps(v).strip(chr(34))}`" for k, v in chosen.items()),
+        ]
     return lines
 
 

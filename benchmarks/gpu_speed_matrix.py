@@ -6,9 +6,12 @@ Run it through ``benchmarks/gpu_speed_matrix.sh``:
     bash benchmarks/gpu_speed_matrix.sh OUTDIR --scratch DIR   # reuse the proof's installed wheels
     bash benchmarks/gpu_speed_matrix.sh OUTDIR --device cpu --tiny --budget 120   # CPU rehearsal
 
-Settings: the default (no override), each lever of ``LEVERS`` alone (``compile``, then the
-named combinations of ``COMBINATIONS``, then the others), then each lever marked ``compiled``
-together with ``train.compile=true``, in that order, which is also their priority.
+Settings: the default (no override: on CUDA the CUDA defaults, RunConfig.device_choices), each
+lever of ``LEVERS`` alone (``eager``, the plain settings the CUDA defaults are measured against,
+and ``compile``, then the named combinations of ``COMBINATIONS``, then the CUDA defaults undone
+one by one, ``ABLATIONS``, then the others), then each lever marked ``compiled`` together with
+``train.compile=true``, in that order, which is also their priority. A setting that trains as
+the default does on the device (``compile`` on CUDA, ``eager`` on the CPU) is skipped, by name.
 ``--levers a,b`` picks levers (in that order); ``--levers a+b+c`` measures levers together.
 Each setting runs on each model once per round; round 1 goes in priority order, rounds 2 and 3
 in rotated orders (each setting at a different place in each round), and every round has its own default run, against which that round's
@@ -45,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matrix_report import best_settings, summary_rows, write_summary
 from matrix_worker import Worker, ensure_packages
+from plain_settings import EAGER
 from profile_summary import write_profiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +109,12 @@ def combine(name: str, levers, note: str = "") -> Lever:
 
 
 SINGLE_LEVERS = (
+    Lever(
+        "eager",
+        EAGER,
+        note="the plain settings (the CPU's, and CUDA's before its defaults): the baseline of "
+        "the CUDA defaults",
+    ),
     Lever("compile", ("train.compile=true",), note="each block compiled (inductor)"),
     Lever(
         "cuda-graphs",
@@ -201,11 +211,40 @@ SINGLE_LEVERS = (
         note="expert width a multiple of 64 (432 -> 448: 3.7% more expert FLOPs, see MFU)",
     ),
 )
+ABLATIONS = (
+    Lever("no-compile", ("train.compile=false",), note="the CUDA default with eager blocks"),
+    Lever("ce-full", ("model.cross_entropy=full",), note="the CUDA default with the full loss"),
+    Lever(
+        "permute-index-add",
+        ("model.moe.permute=index_add",),
+        ("moe",),
+        note="the CUDA default with the scatter-add permutation",
+    ),
+    Lever(
+        "adamw-foreach",
+        ("train.optimizer_impl=foreach",),
+        note="the CUDA default with torch's foreach AdamW",
+    ),
+    Lever(
+        "no-flat-grads",
+        ("train.flat_grad_ops=false",),
+        note="the CUDA default with DeepSpeed's own gradient handling",
+    ),
+    Lever(
+        "no-immediate-grads",
+        ("train.immediate_grad_update=false",),
+        ("bf16",),
+        note="the CUDA default with the bf16 gradients folded after the backward",
+    ),
+)
+"""The CUDA defaults (RunConfig.device_choices) one at a time undone: what each one is worth
+on its own where the others stay. Where a setting is the device's default already (every one
+of these on the CPU) the worker skips it."""
 """A new lever is one line here."""
 COMBINATIONS = {
     "stack": (
         ("cuda-graphs", "ce-chunked", "adamw-fused", "flat-grads", "permute-gather"),
-        "every lever expected to pay, together: the candidate CUDA default",
+        "the CUDA defaults with CUDA graphs",
     ),
     "stack-no-graphs": (
         (
@@ -216,22 +255,22 @@ COMBINATIONS = {
             "flat-grads",
             "permute-gather",
         ),
-        "the stack without CUDA graphs (what remains if graphs fail or do not pay)",
+        "the CUDA defaults named lever by lever (the default itself on CUDA: skipped there)",
     ),
 }
 """Named combinations of levers (``--levers`` also takes ``a+b+c``)."""
 
 
 def lever_table() -> tuple[Lever, ...]:
-    """Every lever and named combination, in priority order: ``compile``, then the
-    combinations (what would become the CUDA default, measured before its parts), then the
-    other levers."""
+    """Every lever and named combination, in priority order: ``eager`` and ``compile``, then
+    the combinations, then the CUDA defaults undone one by one (ABLATIONS), then the other
+    levers."""
     single = {lv.name: lv for lv in SINGLE_LEVERS}
     combos = [
         combine(name, [single[p] for p in parts], note)
         for name, (parts, note) in COMBINATIONS.items()
     ]
-    return (SINGLE_LEVERS[0], *combos, *SINGLE_LEVERS[1:])
+    return (*SINGLE_LEVERS[:2], *combos, *ABLATIONS, *SINGLE_LEVERS[2:])
 
 
 LEVERS = lever_table()

@@ -117,7 +117,10 @@ def one_gpu(cfg: RunConfig, micro_batch: int | None, overrides: list[str] = ()) 
     return cfg
 
 
-def planned_bytes(cfg: RunConfig) -> float:
+def planned_bytes(cfg: RunConfig, device_type: str = "cuda") -> float:
+    """moe-plan's total for ``cfg`` as a run on ``device_type`` takes it (the settings the
+    config leaves to the device resolved for it)."""
+    cfg = cfg.for_device(device_type)
     t = cfg.train
     plan = memory_per_gpu(
         cfg.model,
@@ -205,7 +208,16 @@ def compile_counts() -> tuple[int, int]:
 def bench(
     name: str, cfg: RunConfig, device: torch.device, args, knobs: Knobs, label: str = ""
 ) -> tuple[dict, dict | None]:
-    """One model: its row of the table and, with profiled steps, its profile summary."""
+    """One model: its row of the table and, with profiled steps, its profile summary. ``cfg``
+    runs with the settings it leaves to the device as a training run on ``device`` takes them
+    (the row's ``device_settings``)."""
+    row, entry = _measure(name, cfg.for_device(device.type), device, args, knobs, label)
+    return {**row, "device_settings": cfg.device_choices(device.type)}, entry
+
+
+def _measure(
+    name: str, cfg: RunConfig, device: torch.device, args, knobs: Knobs, label: str
+) -> tuple[dict, dict | None]:
     engine = None
     try:
         with expert_kernel(knobs.expert_kernel):
@@ -267,7 +279,7 @@ def bench(
         "mfu": mfu,
         "peak_mem": peak_mem,
         "peak_reserved": peak_reserved,
-        "planned_mem": planned_bytes(cfg),
+        "planned_mem": planned_bytes(cfg, device.type),
         "step_ms": 1000 * seconds / args.steps,
         "batch": f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}",
         "shares": {r: s for r, _, s, _ in entry["regions"]} if entry else {},

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from plain_settings import EAGER  # noqa: E402
+
 PROOF = ROOT / "benchmarks" / "gpu_proof.sh"
 WHEELS_SCRIPT = ROOT / "benchmarks" / "gpu_wheels.sh"
 # What the GPU machine has besides Python 3.12 (docs/gpu.md): a CUDA torch, pyarrow,
@@ -119,20 +122,21 @@ def test_dry_run_on_the_cpu_runs_every_part(tmp_path):
     rows = parts["bench"]["figures"]["rows"]
     assert [r["model"] for r in rows] == ["tiny-dense", "tiny-moe"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    # Then the same models compiled: their own rows, and each one's ratio to the eager row.
-    compiled = parts["bench"]["figures"]["compiled_rows"]
-    assert [r["model"] for r in compiled] == ["tiny-dense", "tiny-moe"]
-    ratios = parts["bench"]["figures"]["compiled_over_eager"]
-    for c, r in zip(compiled, rows):
-        assert ratios[c["model"]] == pytest.approx(c["tokens_per_s"] / r["tokens_per_s"], rel=1e-2)
-    assert "--set train.compile=true" in (out / "bench.log").read_text()
-    assert "compiled / eager" in (out / "summary.md").read_text()
-    # A step profile of each model, eager and compiled, and a line of each in the summary.
+    # Then the same models with the plain settings: their own rows, and the default's ratio to
+    # each (on the CPU the device chooses the plain settings but foreach AdamW: two runs alike).
+    eager = parts["bench"]["figures"]["eager_rows"]
+    assert [r["model"] for r in eager] == ["tiny-dense", "tiny-moe"]
+    ratios = parts["bench"]["figures"]["default_over_eager"]
+    for e, r in zip(eager, rows):
+        assert ratios[e["model"]] == pytest.approx(r["tokens_per_s"] / e["tokens_per_s"], rel=1e-2)
+    assert " ".join(f"--set {o}" for o in EAGER) in (out / "bench.log").read_text()
+    assert "default / eager" in (out / "summary.md").read_text()
+    # A step profile of each model, default and eager, and a line of each in the summary.
     entries = json.loads((out / "profile.json").read_text())["entries"]
     assert [(e["model"], e["setting"]) for e in entries] == [
-        (m, s) for s in ("default", "train.compile=true") for m in ("tiny-dense", "tiny-moe")
+        (m, s) for s in ("default", "eager") for m in ("tiny-dense", "tiny-moe")
     ]
-    assert "| tiny-moe | train.compile=true |" in (out / "summary.md").read_text()
+    assert "| tiny-moe | eager |" in (out / "summary.md").read_text()
 
     train = parts["train"]["figures"]
     assert train["steps"] == 4 and train["checkpoint"].endswith("step_0000004")
@@ -328,13 +332,13 @@ def test_the_train_part_fails_when_the_run_logged_no_step(tmp_path):
     assert part.note == "the run logged no training step"
 
 
-@pytest.mark.parametrize("compiled_rc, status", [(0, "pass"), (None, "pass"), (1, "fail")])
-def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(
-    tmp_path, compiled_rc, status
+@pytest.mark.parametrize("eager_rc, status", [(0, "pass"), (None, "pass"), (1, "fail")])
+def test_the_bench_part_runs_the_models_eager_and_only_a_failure_fails_it(
+    tmp_path, eager_rc, status
 ):
-    """The compiled run after the eager one: its ratios are reported; running out of the part's
-    time is noted (the compiles take what the tests left), a compiled run that fails is a
-    failure."""
+    """The run with the plain settings after the device's defaults: the defaults' ratios to it
+    are reported; running out of the part's time is noted (it takes what the tests and the
+    first run left), an eager run that fails is a failure."""
     gp = load_proof_module()
     args = proof_args(gp, tmp_path)
     proof = gp.Proof(args)
@@ -343,22 +347,25 @@ def test_the_bench_part_runs_the_models_compiled_and_only_a_failure_fails_it(
 
     def bench_run(part, cmd, log, limit, env=None):
         commands.append(cmd)
-        compiled = "train.compile=true" in cmd
-        rows = [{"model": "m", "tokens_per_s": 150.0 if compiled else 100.0}]
-        if compiled and compiled_rc is None:
+        eager = "train.compile=false" in cmd
+        rows = [{"model": "m", "tokens_per_s": 100.0 if eager else 150.0}]
+        if eager and eager_rc is None:
             return None  # out of time before writing its rows
         Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"rows": rows}))
-        return compiled_rc if compiled else 0
+        return eager_rc if eager else 0
 
-    status, part = run_part(gp, proof, "bench", bench_run)
-    assert status == status
-    assert len(commands) == 2 and "train.compile=true" not in commands[0]
+    got, part = run_part(gp, proof, "bench", bench_run)
+    assert got == status
+    assert len(commands) == 2 and "--set" not in commands[0]
+    second = commands[1]
+    assert [second[i + 1] for i, a in enumerate(second) if a == "--set"] == list(EAGER)
+    assert second[second.index("--label") + 1] == "eager"
     assert all(c[c.index("--profile-out") + 1] == str(proof.out) for c in commands)
-    if compiled_rc == 0:
-        assert part.figures["compiled_over_eager"] == {"m": 1.5} and not part.note
-    if compiled_rc is None:
-        assert part.note == "the compiled run ran out of the part's time"
-        assert "compiled_over_eager" not in part.figures
+    if eager_rc == 0:
+        assert part.figures["default_over_eager"] == {"m": 1.5} and not part.note
+    if eager_rc is None:
+        assert part.note == "the eager run ran out of the part's time"
+        assert "default_over_eager" not in part.figures
 
 
 def test_a_failed_step_profile_fails_the_bench_part_and_keeps_its_rows(tmp_path):
@@ -369,10 +376,10 @@ def test_a_failed_step_profile_fails_the_bench_part_and_keeps_its_rows(tmp_path)
     proof.scratch.mkdir(parents=True, exist_ok=True)
 
     def bench_run(part, cmd, log, limit, env=None):
-        compiled = "train.compile=true" in cmd
+        eager = "train.compile=false" in cmd
         rows = [
             {"model": "a", "tokens_per_s": 100.0, "profile_error": None},
-            {"model": "b", "tokens_per_s": 90.0, "profile_error": None if compiled else "E: x"},
+            {"model": "b", "tokens_per_s": 90.0, "profile_error": "E: x" if not eager else None},
         ]
         Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"rows": rows}))
         return 0
@@ -381,4 +388,4 @@ def test_a_failed_step_profile_fails_the_bench_part_and_keeps_its_rows(tmp_path)
     assert status == "fail"
     assert part.note == "step profile failed: b: E: x"
     assert [r["tokens_per_s"] for r in part.figures["rows"]] == [100.0, 90.0]
-    assert part.figures["compiled_over_eager"] == {"a": 1.0, "b": 1.0}
+    assert part.figures["default_over_eager"] == {"a": 1.0, "b": 1.0}

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_speed_matrix as gm  # noqa: E402
 from matrix_report import best_settings, summary_rows  # noqa: E402
+from plain_settings import EAGER  # noqa: E402
 
 
 class Clock:
@@ -104,9 +105,13 @@ def test_settings_are_the_default_each_lever_then_the_compiled_levers():
         ("a+compile", ("x.a=1", "train.compile=true"), ("cuda",), True),
     ]
     names = [lv.name for lv in gm.LEVERS]
-    assert len(set(names)) == len(names) and names[0] == "compile"
-    # the candidate CUDA default is measured right after compile, before its parts alone
-    assert names[1:3] == ["stack", "stack-no-graphs"] and names[3] == "cuda-graphs"
+    assert len(set(names)) == len(names) and names[:2] == ["eager", "compile"]
+    # the CUDA defaults against the plain settings first, with graphs, then each undone
+    ablations = [lv.name for lv in gm.ABLATIONS]
+    assert names[2:4] == ["stack", "stack-no-graphs"] and names[4 : 4 + len(ablations)] == ablations
+    assert names[4 + len(ablations)] == "cuda-graphs"
+    eager = next(lv for lv in gm.LEVERS if lv.name == "eager")
+    assert eager.overrides == EAGER and not eager.needs
 
 
 def test_a_combination_sets_every_lever_and_keeps_model_levers_to_their_models():
@@ -522,6 +527,49 @@ def test_every_lever_is_a_valid_config_with_known_preconditions():
         unmet(["gpu"], cfg, cpu)
 
 
+def test_a_setting_that_trains_as_the_default_on_the_device_is_skipped():
+    """On CUDA the default is the CUDA defaults: ``compile`` and ``stack-no-graphs`` train as it
+    does and are skipped, ``eager`` and every ablation differ from it; on the CPU the ablations
+    are the default. The MoE section of a dense model does not count."""
+    import torch
+    from bench_steps import split_knobs
+    from bench_worker import same_run
+    from gpu_train_bench import preset
+
+    settings = {s.name: s for s in gm.settings_of(gm.LEVERS)}
+
+    def pair(name, model):
+        s = settings[name]
+        overrides = [*s.overrides]
+        if model.startswith("moe"):
+            overrides += [o for part, _ in s.where for o in part]
+        overrides, knobs = split_knobs(overrides)
+        return preset(model, None, overrides), knobs
+
+    for model in gm.MODELS:
+        default = pair("default", model)
+        for device, same, other in (
+            ("cuda", ["compile", "stack-no-graphs", "ce-chunked+compile"], ["eager", "stack"]),
+            # eager's AdamW is foreach, torch's choice on CUDA; on the CPU torch takes for_loop
+            (
+                "cpu",
+                [lv.name for lv in gm.ABLATIONS if lv.name != "adamw-foreach"],
+                ["compile", "adamw-fused", "eager", "adamw-foreach"],
+            ),
+        ):
+            dev = torch.device(device)
+            for name in same:
+                assert same_run(pair(name, model), default, dev), (model, device, name)
+            for name in other:
+                assert not same_run(pair(name, model), default, dev), (model, device, name)
+            if device == "cuda":
+                for lv in gm.ABLATIONS:
+                    applies = model.startswith("moe") or "moe" not in lv.needs
+                    assert same_run(pair(lv.name, model), default, dev) != applies, lv.name
+    expert_loop = pair("expert-loop", "moe-125m")  # a bench knob, not a config key
+    assert not same_run(expert_loop, pair("default", "moe-125m"), torch.device("cpu"))
+
+
 def test_missing_packages_are_installed_from_the_wheel_folder(tmp_path, monkeypatch):
     """As on a GPU machine without DeepSpeed: what the worker cannot import comes from the
     wheel folder into SCRATCH/site, first on the worker's PYTHONPATH; what no wheel provides
@@ -610,7 +658,7 @@ def test_the_worker_applies_a_combinations_model_levers_only_where_they_apply(mo
     assert moe["row"]["applied"] == ["model.moe.permute=gather"]
     assert dense["status"] == "ok" and dense["row"]["applied"] == []
     assert seen["tiny-moe"].model.moe.permute == "gather"
-    assert seen["tiny-dense"].model.moe.permute == "index_add"
+    assert seen["tiny-dense"].model.moe.permute == "auto"  # left to the device: untouched
     for cfg in seen.values():  # the shared overrides everywhere, the CUDA-only part nowhere
         assert cfg.model.cross_entropy == "chunked" and not cfg.train.compile
 
@@ -642,6 +690,9 @@ def test_on_the_gpu_presets_only_the_machine_or_the_kind_of_model_skips_a_lever(
             if res["status"] == "ok":
                 continue
             assert res["status"] == "skipped", (setting.name, model, res)
+            if res["reason"] == "already the default on cpu":  # the CUDA defaults undone
+                assert setting.name in [lv.name for lv in gm.ABLATIONS], setting.name
+                continue
             said = set(res["reason"].removeprefix("needs ").split(", "))
             allowed = machine | ({"moe", "unaligned-experts"} if model == "dense-125m" else set())
             assert said <= allowed, (setting.name, model, res)

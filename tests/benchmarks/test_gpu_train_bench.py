@@ -158,7 +158,8 @@ def test_the_rows_are_both_pairs_where_moe_plan_fits_them():
 
     names = lambda gib: [n for n, _ in gpu_models(0.9 * gib * 2**30, None)]
     assert names(80) == ["dense-125m", "moe-125m", "dense-1b", "moe-1b"]
-    assert names(40) == ["dense-125m", "moe-125m"]  # moe-1b plans 39 GiB: not in 36
+    # planned as CUDA runs take them (compiled, chunked loss, ...): moe-1b 24.2 GiB, not in 21.6
+    assert names(24) == ["dense-125m", "moe-125m"]
     models = dict(gpu_models(0.9 * 80 * 2**30, None, ["train.recompute=full"]))
     dense, moe = models["dense-1b"], models["moe-1b"]
     assert (dense.model.ffn, moe.model.ffn) == ("dense", "moe")

@@ -219,7 +219,10 @@ def test_the_fused_losses_match_full_in_bf16_and_save_memory(impl):
 
 
 def _engine_dict(model: dict, train: dict, zero_stage: int = 1) -> dict:
-    """A small bf16 model on one GPU through the trainer's engine (DeepSpeed, ZeRO 1 or 2)."""
+    """A small bf16 model on one GPU through the trainer's engine (DeepSpeed, ZeRO 1 or 2), with
+    the plain settings (benchmarks/plain_settings.py) wherever ``model`` and ``train`` do not
+    say otherwise: each test turns on the levers it compares, not the CUDA defaults."""
+    moe = {"num_experts": 8, "expert_hidden": 64, "permute": "index_add", **model.pop("moe", {})}
     return {
         "model": {
             "vocab_size": 1024,
@@ -227,7 +230,8 @@ def _engine_dict(model: dict, train: dict, zero_stage: int = 1) -> dict:
             "n_layers": 2,
             "n_heads": 4,
             "max_seq_len": 128,
-            "moe": {"num_experts": 8, "expert_hidden": 64},
+            "cross_entropy": "full",
+            "moe": moe,
             **model,
         },
         "data": {"seq_len": 128},
@@ -237,6 +241,10 @@ def _engine_dict(model: dict, train: dict, zero_stage: int = 1) -> dict:
             "seed": 1,
             "lr": 3e-3,
             "warmup_steps": 0,
+            "compile": False,
+            "immediate_grad_update": False,
+            "flat_grad_ops": False,
+            "optimizer_impl": "foreach",
             **train,
         },
         "parallel": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": zero_stage},

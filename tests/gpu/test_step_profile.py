@@ -21,6 +21,8 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from plain_settings import EAGER as PLAIN  # noqa: E402  (the plain settings, as on the CPU)
 
 
 def test_a_cuda_step_profile_attributes_its_kernels(tmp_path):
@@ -42,6 +44,7 @@ def test_a_cuda_step_profile_attributes_its_kernels(tmp_path):
             "2",
             "--profile-out",
             str(out),
+            *(a for o in PLAIN for a in ("--set", o)),  # eager, as the attribution rules read
         ],
         cwd=ROOT,
         # The checkout first, then what the caller's path holds (the proof's installed wheels).
