@@ -94,6 +94,16 @@ def document_ids(B: int, S: int, mean_len: int, gen: torch.Generator) -> torch.T
 
 
 def step(engine, cfg: RunConfig, device: torch.device, knobs: Knobs = Knobs()) -> None:
+    """One optimizer step: ``train.grad_accum_steps`` micro-batches (DeepSpeed steps the
+    optimizer after the last), then the step's read."""
+    for _ in range(cfg.train.grad_accum_steps):
+        loss = micro_step(engine, cfg, device, knobs)
+    if knobs.step_read:
+        with region("bench.step_read"):
+            read_step_figures(loss, engine.get_global_grad_norm())
+
+
+def micro_step(engine, cfg: RunConfig, device: torch.device, knobs: Knobs) -> torch.Tensor:
     B, S, V = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
     tokens = torch.randint(0, V, (B, S + 1))
     docs = (
@@ -111,10 +121,8 @@ def step(engine, cfg: RunConfig, device: torch.device, knobs: Knobs = Knobs()) -
     with region("bench.backward"):  # DeepSpeed's gradient handling after autograd
         engine.backward(loss)
     with region("optimizer"):
-        engine.step()
-    if knobs.step_read:
-        with region("bench.step_read"):
-            read_step_figures(loss, engine.get_global_grad_norm())
+        engine.step()  # at the accumulation boundary; before it, DeepSpeed's bookkeeping only
+    return loss
 
 
 def read_step_figures(loss: torch.Tensor, grad_norm) -> list[float]:

@@ -204,6 +204,12 @@ SINGLE_LEVERS = (
         note="twice the tokens per step (skipped where moe-plan does not fit it)",
     ),
     Lever(
+        "accum-8",
+        ("train.grad_accum_steps=8",),
+        note="an optimizer step of 8 micro-batches, as the presets train (tokens/s counts "
+        "every micro-batch): the optimizer's cost shared by 8",
+    ),
+    Lever(
         "experts-448",
         ("model.moe.expert_hidden=448",),
         ("unaligned-experts",),

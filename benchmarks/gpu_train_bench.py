@@ -5,7 +5,8 @@ memory against the planner, and where a step's time goes.
     python benchmarks/gpu_train_bench.py --profile-out DIR     # and a step profile per model
     python benchmarks/gpu_train_bench.py --device cpu --tiny --steps 3   # CPU smoke run
 
-Models (on a GPU, bf16, ZeRO 1, expert parallelism 1, one rank):
+Models (on a GPU, bf16, ZeRO 1, expert parallelism 1, one rank, with the settings a training
+run on the device takes for what the config leaves to it: on CUDA its defaults, docs/gpu.md):
   dense-125m   configs/moe-125m.yaml with dense FFNs of the experts' active width
   moe-125m     configs/moe-125m.yaml
   dense-1b     configs/moe-1b.yaml with dense FFNs (equal active parameters), and
@@ -14,14 +15,15 @@ Models (on a GPU, bf16, ZeRO 1, expert parallelism 1, one rank):
                this device with expert parallelism 1 (skipped when it is one of the above)
 With ``--tiny``: the test suite's tiny shape (dense and MoE), fp32 on the CPU. ``--set KEY=VALUE``
 (repeatable) changes every model's config as a ``key=value`` override of ``moe-launch`` does
-(``--set train.compile=true``; ``parallel.zero_stage`` too), plus three knobs of the bench:
+(``--set train.compile=true``; ``parallel.zero_stage`` and ``train.grad_accum_steps`` too,
+which are 1 and 1 otherwise), plus three knobs of the bench:
 ``bench.expert_kernel=loop`` runs the experts' per-expert loop instead of the grouped GEMM,
 ``bench.doc_len=N`` the mean document length of the packed batches when
 ``model.document_masking`` is on (default 512), and ``bench.step_read=false`` leaves out the
 trainer's read of each step's loss and gradient norm (benchmarks/bench_steps.py, Knobs). ``--models`` keeps only the named rows.
 
 Each model gets ``--warmup`` untimed steps, ``--steps`` timed ones (random tokens, one
-micro-batch per step), then ``--profile-steps`` under torch.profiler, summarised by
+optimizer step of ``train.grad_accum_steps`` micro-batches each), then ``--profile-steps`` under torch.profiler, summarised by
 benchmarks/profile_summary.py: the table's region shares are shares of device time (CPU time of
 the leaf operators on the CPU), and ``--profile-out DIR`` writes DIR/profile.md and
 DIR/profile.json (merged with what DIR holds: one entry per model and setting), with the host
@@ -104,12 +106,16 @@ def tiny_dict(dense: bool) -> dict:
 
 
 def one_gpu(cfg: RunConfig, micro_batch: int | None, overrides: list[str] = ()) -> RunConfig:
-    # One rank, bf16, no accumulation: after --set, so that no override can change them; ZeRO 1
-    # unless --set names a stage.
+    # One rank, bf16: after --set, so that no override can change them; ZeRO 1 and no
+    # accumulation unless --set names a stage or train.grad_accum_steps (a step is then that
+    # many micro-batches and one optimizer step, as the presets train).
     cfg.parallel.world_size, cfg.parallel.expert_parallel_size = 1, 1
-    if not any(o.split("=", 1)[0].strip() == "parallel.zero_stage" for o in overrides):
+    named = {o.split("=", 1)[0].strip() for o in overrides}
+    if "parallel.zero_stage" not in named:
         cfg.parallel.zero_stage = 1
-    cfg.train.precision, cfg.train.grad_accum_steps = "bf16", 1
+    if "train.grad_accum_steps" not in named:
+        cfg.train.grad_accum_steps = 1
+    cfg.train.precision = "bf16"
     if micro_batch:
         cfg.train.micro_batch_size = micro_batch
     if cfg.model.vocab_size is None:  # presets that take it from the tokenizer they train
@@ -237,7 +243,10 @@ def _measure(
             seconds = time.perf_counter() - t2
             graphs_timed = compile_counts()[0] - graphs
             peak_mem, peak_reserved = memory_peaks(device)
-            tok_s = args.steps * cfg.train.micro_batch_size * cfg.data.seq_len / seconds
+            t = cfg.train
+            tok_s = (
+                args.steps * t.grad_accum_steps * t.micro_batch_size * cfg.data.seq_len / seconds
+            )
             peak = args.peak_flops or peak_bf16_flops(device)
             fpt = flops_per_token(cfg.model, cfg.data.seq_len)["training"]
             mfu = tok_s * fpt / peak if peak else None
@@ -281,7 +290,7 @@ def _measure(
         "peak_reserved": peak_reserved,
         "planned_mem": planned_bytes(cfg, device.type),
         "step_ms": 1000 * seconds / args.steps,
-        "batch": f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}",
+        "batch": batch_shape(cfg),
         "shares": {r: s for r, _, s, _ in entry["regions"]} if entry else {},
         "build_s": t1 - t0,
         "warmup_s": t2 - t1,
@@ -292,6 +301,13 @@ def _measure(
         "profile_error": profile_error,
     }
     return row, entry
+
+
+def batch_shape(cfg: RunConfig) -> str:
+    """B x S of a micro-batch, with the micro-batches of a step in front when more than one."""
+    t = cfg.train
+    accum = f"{t.grad_accum_steps}x" if t.grad_accum_steps > 1 else ""
+    return f"{accum}{t.micro_batch_size}x{cfg.data.seq_len}"
 
 
 def memory_peaks(device: torch.device) -> tuple[int | None, int | None]:

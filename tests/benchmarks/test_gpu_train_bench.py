@@ -252,8 +252,8 @@ def test_a_failing_step_profile_keeps_the_timed_row(monkeypatch):
     assert entry == {"regions": []} and row["profile_error"] is None
 
 
-@pytest.mark.parametrize("step_read", [True, False])
-def test_a_bench_step_reads_its_figures_once_as_the_trainer_does(monkeypatch, step_read):
+@pytest.mark.parametrize("step_read, accum", [(True, 1), (False, 1), (True, 3)])
+def test_a_bench_step_reads_its_figures_once_as_the_trainer_does(monkeypatch, step_read, accum):
     """After the optimizer step, the loss and gradient norm are read in one transfer (the
     trainer's read, which on a GPU makes the host wait for the step), unless
     bench.step_read=false."""
@@ -283,10 +283,34 @@ def test_a_bench_step_reads_its_figures_once_as_the_trainer_does(monkeypatch, st
             return torch.tensor(2.0)
 
     cfg = SimpleNamespace(
-        train=SimpleNamespace(micro_batch_size=2),
+        train=SimpleNamespace(micro_batch_size=2, grad_accum_steps=accum),
         data=SimpleNamespace(seq_len=8),
         model=SimpleNamespace(vocab_size=16, document_masking=False),
     )
     bench_steps.step(Engine(), cfg, torch.device("cpu"), bench_steps.Knobs(step_read=step_read))
-    assert calls == ["forward", "backward", "step"]
+    assert calls == ["forward", "backward", "step"] * accum  # the read once, after the last
     assert [(a.item(), b.item()) for a, b in reads] == ([(3.0, 2.0)] if step_read else [])
+
+
+def test_a_bench_step_with_accumulation_is_one_optimizer_step_of_its_micro_batches(monkeypatch):
+    """``--set train.grad_accum_steps=N``: each step runs N micro-batches and DeepSpeed steps
+    the optimizer once; tokens/s counts every micro-batch. Without it a preset's own
+    accumulation is set to 1."""
+    from types import SimpleNamespace
+
+    import gpu_train_bench as gb
+    import torch
+
+    assert gb.preset("moe-1b", None, []).train.grad_accum_steps == 1  # the preset says 32
+    assert gb.preset("moe-1b", None, ["train.grad_accum_steps=4"]).train.grad_accum_steps == 4
+    built = []
+    real = gb.build
+    monkeypatch.setattr(gb, "build", lambda cfg: built.append(real(cfg)) or built[-1])
+    (name, cfg), _ = gb.tiny_models(["train.grad_accum_steps=3"])
+    args = SimpleNamespace(warmup=1, steps=2, profile_steps=0, sync_steps=0, peak_flops=1e12)
+    row, _ = gb.bench(name, cfg, torch.device("cpu"), args, gb.Knobs())
+    (engine,) = built
+    assert (engine.global_steps, engine.micro_steps) == (3, 9)
+    assert row["batch"] == "3x2x32"
+    B, S = cfg.train.micro_batch_size, cfg.data.seq_len
+    assert row["tokens_per_s"] == pytest.approx(2 * 3 * B * S / row["timed_s"])
