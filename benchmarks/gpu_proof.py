@@ -379,6 +379,12 @@ class Proof:
         rc = self.run(part, cmd + ["--json", str(rows)], log, limit)
         if rows.exists():
             part.figures.update(json.loads(rows.read_text()))
+        if rc is None and part.figures.get("rows"):
+            # On CUDA each model compiles its blocks first: a short budget measures the first
+            # models (the 125M pair) and notes the rest, as the eager pass below does.
+            done = ", ".join(r["model"] for r in part.figures["rows"])
+            part.note = f"the bench ran out of the part's time after {done}"
+            return "pass"
         if rc != 0:
             return self.status_of(rc)
         # The same models with the plain settings (eager blocks and the rest, as on the CPU):

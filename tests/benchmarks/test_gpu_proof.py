@@ -389,3 +389,28 @@ def test_a_failed_step_profile_fails_the_bench_part_and_keeps_its_rows(tmp_path)
     assert part.note == "step profile failed: b: E: x"
     assert [r["tokens_per_s"] for r in part.figures["rows"]] == [100.0, 90.0]
     assert part.figures["default_over_eager"] == {"a": 1.0, "b": 1.0}
+
+
+@pytest.mark.parametrize("finished", [["m1"], []])
+def test_a_first_bench_pass_cut_by_time_keeps_the_models_it_finished(tmp_path, finished):
+    """The device's defaults compile each model's blocks on CUDA: a bench pass that runs out of
+    the part's time after some models keeps and notes them (no eager pass is started then);
+    one that finished none fails the part."""
+    gp = load_proof_module()
+    proof = gp.Proof(proof_args(gp, tmp_path))
+    proof.scratch.mkdir(parents=True, exist_ok=True)
+    commands = []
+
+    def bench_run(part, cmd, log, limit, env=None):
+        commands.append(cmd)
+        if finished:
+            rows = [{"model": m, "tokens_per_s": 100.0} for m in finished]
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"rows": rows}))
+        return None  # out of time
+
+    status, part = run_part(gp, proof, "bench", bench_run)
+    assert len(commands) == 1
+    if finished:
+        assert status == "pass" and part.note == "the bench ran out of the part's time after m1"
+    else:
+        assert status != "pass" and not part.figures.get("rows")
