@@ -157,3 +157,34 @@ def test_moe_plan_counts_what_compiled_blocks_keep(capsys):
             assert layouts["true"][k] < layouts["false"][k], k
         else:
             assert layouts["true"][k] == layouts["false"][k], k
+
+
+def test_moe_plan_plans_the_settings_left_to_the_device_as_that_device_takes_them(capsys):
+    """By default a CUDA run (compiled blocks, the chunked loss, the gather permutation,
+    gradients folded as produced), named in the output; --device cpu plans the CPU's plain
+    settings; a value the config gives is planned whatever the device."""
+    bf16_zero1 = ["train.precision=bf16", "parallel.zero_stage=1", "--zero", "1"]
+    plans = {}
+    for device in ("cuda", "cpu"):
+        main(["configs/moe-125m.yaml", *bf16_zero1, "--json", "--device", device])
+        r = json.loads(capsys.readouterr().out)
+        assert r["device"] == device
+        plans[device] = r["memory"][0]
+        plans[device + "_settings"] = r["device_settings"]
+    assert plans["cuda_settings"]["train.compile"] is True
+    assert plans["cuda_settings"]["model.cross_entropy"] == "chunked"
+    assert plans["cpu_settings"]["train.compile"] is False
+    assert plans["cuda"]["activation_bytes"] < 0.8 * plans["cpu"]["activation_bytes"]
+    assert plans["cuda"]["grads_bytes"] == 0 < plans["cpu"]["grads_bytes"]  # folded at once
+    main(["configs/moe-125m.yaml", *bf16_zero1])
+    assert "settings left to the device, as on cuda: train.compile true" in capsys.readouterr().out
+    given = [
+        "train.compile=false",
+        "model.cross_entropy=full",
+        "model.moe.permute=index_add",
+        "train.immediate_grad_update=false",
+    ]
+    main(["configs/moe-125m.yaml", *given, *bf16_zero1, "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert "train.compile" not in r["device_settings"]
+    assert r["memory"][0] == plans["cpu"]  # what the CPU plans, now given on CUDA
