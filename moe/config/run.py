@@ -99,8 +99,8 @@ class TrainConfig:
     gradient traffic and buffers at 8 bits of mantissa per sum."""
     immediate_grad_update: bool | None = None
     """null (the default): by device (RunConfig.for_device): true on CUDA where it applies,
-    false on the CPU. bf16 at ZeRO stage 1 with grad_reduce_dtype fp32 (DeepSpeed's BF16 optimizer, its
-    bf16.immediate_grad_update): each parameter's bf16 gradient is added into the fp32
+    false on the CPU. bf16 at ZeRO stage 1 with grad_reduce_dtype fp32 (DeepSpeed's BF16
+    optimizer, its bf16.immediate_grad_update): each parameter's bf16 gradient is added into the fp32
     accumulation buffer as soon as the backward has produced it, and freed. false: the bf16
     gradients are kept (zeroed, not freed, between the micro-batches of a step) and added once
     the backward has ended. The same additions either way (the same losses, bitwise); true keeps
@@ -500,7 +500,8 @@ class RunConfig:
     def device_choices(self, device_type: str) -> dict[str, object]:
         """The value each by-device setting this config leaves open (null, or auto) takes on
         ``device_type`` ("cuda" or anything else), by dotted key. On CUDA: the settings that
-        one H200 measured faster together (docs/gpu.md, "The defaults"), each where it applies;
+        one H200 measured faster together (docs/gpu.md, "The defaults on CUDA"), each where it
+        applies;
         elsewhere the plain ones, under which the CPU runs as before they existed."""
         t, cuda = self.train, device_type == "cuda"
         bf16_optimizer = (
