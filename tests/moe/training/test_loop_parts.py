@@ -111,11 +111,14 @@ def test_every_part_is_closed_when_a_step_raises(tiny_data, tmp_path, monkeypatc
         return run
 
     monkeypatch.setattr(trainer, "start_run", recording_start)
+    env = trainer.DistEnv(0, 1, 0, 1)
+    for key, value in env.torch_env().items():  # a free port, not the default one: other
+        monkeypatch.setenv(key, value)  # tests' launches may hold 29500 at the same time
     usr1 = signal.getsignal(signal.SIGUSR1)
     with pytest.raises(RuntimeError, match="raised inside step 2"):
         trainer.train(
             from_dict(RunConfig, copy.deepcopy(d)),
-            trainer.DistEnv(0, 1, 0, 1),
+            env,
             resume="none",
             faults=RaiseInStep2(),
             parts=[lambda run: Extra()],
