@@ -529,11 +529,8 @@ class RunConfig:
         device they plan or measure."""
         cfg = copy.deepcopy(self)
         for key, value in self.device_choices(device_type).items():
-            *path, leaf = key.split(".")
-            node = cfg
-            for part in path:
-                node = getattr(node, part)
-            setattr(node, leaf, value)
+            section, _, leaf = key.rpartition(".")
+            setattr(_get(cfg, section), leaf, value)
         return cfg
 
     def _cuda_graph_problems(self) -> list[str]:
