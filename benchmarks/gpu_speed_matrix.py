@@ -144,6 +144,12 @@ SINGLE_LEVERS = (
     ),
     Lever("adamw-fused", ("train.optimizer_impl=fused",), note="torch's fused AdamW kernel"),
     Lever(
+        "qkv-fused",
+        ("model.qkv_projection=fused",),
+        compiled=True,
+        note="the query, key and value projections as one product (weights concatenated)",
+    ),
+    Lever(
         "flat-grads",
         ("train.flat_grad_ops=true",),
         note="the ZeRO optimizer's gradient norm, clipping, adds and reduction per group, "
@@ -232,6 +238,11 @@ ABLATIONS = (
         note="the CUDA default with torch's foreach AdamW",
     ),
     Lever(
+        "qkv-separate",
+        ("model.qkv_projection=separate",),
+        note="the CUDA default with three query, key and value products",
+    ),
+    Lever(
         "no-flat-grads",
         ("train.flat_grad_ops=false",),
         note="the CUDA default with DeepSpeed's own gradient handling",
@@ -249,7 +260,7 @@ of these on the CPU) the worker skips it."""
 """A new lever is one line here."""
 COMBINATIONS = {
     "stack": (
-        ("cuda-graphs", "ce-chunked", "adamw-fused", "flat-grads", "permute-gather"),
+        ("cuda-graphs", "ce-chunked", "adamw-fused", "qkv-fused", "flat-grads", "permute-gather"),
         "the CUDA defaults with CUDA graphs",
     ),
     "stack-no-graphs": (
@@ -258,6 +269,7 @@ COMBINATIONS = {
             "immediate-grads",
             "ce-chunked",
             "adamw-fused",
+            "qkv-fused",
             "flat-grads",
             "permute-gather",
         ),

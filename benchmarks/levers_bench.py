@@ -30,6 +30,11 @@ and its dense counterpart at ZeRO 1 (DeepSpeed's BF16 optimizer), and of the MoE
 (DeepSpeed's ZeRO 1/2 optimizer), narrowed to width 32 so that the step's time is mostly host
 work: the aten operators dispatched per step, and the optimizer step's time without AdamW's own.
 
+``qkv``: ``model.qkv_projection`` separate against fused: the query, key and value projections
+of one attention layer, forward and backward, at ``--qkv-d-model`` (768, configs/moe-125m.yaml's
+width) on ``--tokens`` tokens, fp32 and bf16; and a training step of configs/default.yaml's
+model as in ``step``.
+
 ``setup``: the engine's set-up (``build_engine``) of configs/moe-125m.yaml at one rank, bf16,
 ZeRO 1 (DeepSpeed's BF16 optimizer), with DeepSpeed's own forced memory report around each
 parameter group (a ``gc.collect()`` each) against the adapter's debug-log report.
@@ -37,6 +42,7 @@ parameter group (a ``gc.collect()`` each) against the adapter's debug-log report
     PYTHONPATH=$PWD python benchmarks/levers_bench.py                 # all of them, 5 rounds
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only loss --tokens 4096 --vocab 32000
     PYTHONPATH=$PWD python benchmarks/levers_bench.py --only permute
+    PYTHONPATH=$PWD python benchmarks/levers_bench.py --only qkv
 """
 
 from __future__ import annotations
@@ -242,6 +248,46 @@ def bench_permute(args) -> dict:
             f"D {args.d_model}, {name}",
             interleaved(calls, args.rounds, 2),
             "index_add",
+        )
+    return out
+
+
+def bench_qkv(args) -> dict:
+    from moe.model.attention import CausalSelfAttention
+
+    modes = ("separate", "fused")
+    calls = {
+        mode: default_step(lambda cfg, mode=mode: setattr(cfg, "qkv_projection", mode))
+        for mode in modes
+    }
+    out = {
+        "step": report(
+            "training step, configs/default.yaml's model, 8 x 256 tokens, fp32",
+            interleaved(calls, args.rounds, 2),
+            "separate",
+        )
+    }
+    D = args.qkv_d_model
+    x = torch.randn(1, args.tokens, D, generator=torch.Generator().manual_seed(2))
+    for dtype in (torch.float32, torch.bfloat16):
+        calls = {}
+        for mode in modes:
+            torch.manual_seed(0)
+            attn = CausalSelfAttention(D, D // 64, D // 64, fused_qkv=mode == "fused").to(dtype)
+            xd = x.to(dtype).requires_grad_(True)
+
+            def call(attn=attn, xd=xd):
+                q, k, v = attn._projections(xd)
+                (q.float().sum() + k.float().square().sum() + v.float().mean()).backward()
+                attn.zero_grad(set_to_none=True)
+                xd.grad = None
+
+            calls[mode] = call
+        name = str(dtype).removeprefix("torch.")
+        out[f"projections_{name}"] = report(
+            f"query, key and value projections forward + backward, T {args.tokens}, D {D}, {name}",
+            interleaved(calls, args.rounds, 2),
+            "separate",
         )
     return out
 
@@ -494,13 +540,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "--only",
-        choices=["loss", "step", "permute", "optimizer", "grads", "flat", "setup"],
+        choices=["loss", "step", "permute", "qkv", "optimizer", "grads", "flat", "setup"],
         action="append",
     )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--qkv-d-model", type=int, default=768)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="also write the figures here")
@@ -511,6 +558,7 @@ def main() -> None:
         "loss": bench_loss,
         "step": bench_step,
         "permute": bench_permute,
+        "qkv": bench_qkv,
         "optimizer": bench_optimizer,
         "grads": bench_grads,
         "flat": bench_flat,

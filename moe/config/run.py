@@ -518,6 +518,7 @@ class RunConfig:
             "train.flat_grad_ops": cuda and whole_model and self.parallel.zero_stage >= 1,
             "train.optimizer_impl": "fused" if cuda else "auto",
             "model.cross_entropy": "chunked" if cuda else "full",
+            "model.qkv_projection": "fused" if cuda else "separate",
             "model.moe.permute": "gather" if cuda else "index_add",
         }
         return {key: v for key, v in values.items() if _get(self, key) in (None, "auto")}

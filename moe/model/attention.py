@@ -16,6 +16,13 @@ and the four ways (``model.attention_backend``) of computing its core, softmax(q
   prefix falls back to ``reference``.
 - ``auto``: see :func:`choose_backend`.
 
+The query, key and value projections are three linears (``q_proj``, ``k_proj``, ``v_proj``),
+as checkpoints and Hugging Face models store them. ``fused_qkv`` computes them as one product
+with the three weights concatenated (``model.qkv_projection: fused``): one GEMM three times as
+wide in the forward and for each gradient (the input's gradient summed in the product instead
+of three products and two additions), the same function. Projections an adapter changed
+(LoRA, QLoRA: another class than ``nn.Linear``) are computed separately.
+
 Shapes here: ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads, ``S`` new tokens, ``L``
 all keys (cached + new), ``hd`` head dim.
 """
@@ -285,6 +292,40 @@ def _sdpa_per_document(q, k, v, doc_lengths: list[list[int]], gqa: bool) -> torc
     return torch.cat(rows, dim=0)
 
 
+class _ConcatLinear(torch.autograd.Function):
+    """``F.linear(x, cat(weights), cat(biases))``, whose backward concatenates the weights again
+    instead of keeping their concatenation (a weight-sized tensor per layer, 1.6 GB for
+    Mixtral-8x7B's 32 layers): what it keeps is ``x``, as separate linears do. The gradients
+    are the same products: the input's is one product with the concatenated weights, the
+    weights' one product split by rows; those of frozen weights are not formed."""
+
+    @staticmethod
+    def forward(ctx, x, n: int, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.n, ctx.has_bias = n, bool(biases)
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights), torch.cat(biases) if biases else None)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, *weights = ctx.saved_tensors
+        n, needs = ctx.n, ctx.needs_input_grad
+        rows = [w.shape[0] for w in weights]
+        # The concatenation spelled otherwise than the forward's (dim -2, not 0), so that a
+        # compiler's common-subexpression pass does not merge the two and keep the forward's.
+        grad_x = grad_y @ torch.cat(weights, dim=-2) if needs[0] else None
+        grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_w: list = [None] * n
+        if any(needs[2 : 2 + n]):
+            grad_w = list((grad_2d.t() @ x.reshape(-1, x.shape[-1])).split(rows))
+        grad_b: list = [None] * n if ctx.has_bias else []
+        if ctx.has_bias and any(needs[2 + n :]):
+            grad_b = list(grad_2d.sum(0).split(rows))
+        grad_w = [g if need else None for g, need in zip(grad_w, needs[2 : 2 + n])]
+        grad_b = [g if need else None for g, need in zip(grad_b, needs[2 + n :])]
+        return (grad_x, None, *grad_w, *grad_b)
+
+
 def build_mask(
     q_idx_S: torch.Tensor,
     k_idx_L: torch.Tensor,
@@ -306,13 +347,15 @@ def build_mask(
 
 
 QKNorm = Literal["none", "head", "projection"]
+QKVProjection = Literal["auto", "separate", "fused"]
 
 
 class CausalSelfAttention(nn.Module):
     """``head_dim``: width of each head (default d_model / n_heads). ``qkv_bias``: the query,
     key and value projections add a bias (Qwen2). ``qk_norm``: an RMSNorm on queries and keys
     before the rotary embedding, over each head's ``head_dim`` channels (``head``, Qwen3) or over
-    the whole projection, all heads at once (``projection``, OLMoE)."""
+    the whole projection, all heads at once (``projection``, OLMoE). ``fused_qkv``: the three
+    projections computed as one product (see the module's docstring)."""
 
     def __init__(
         self,
@@ -324,9 +367,11 @@ class CausalSelfAttention(nn.Module):
         qkv_bias: bool = False,
         qk_norm: QKNorm = "none",
         norm_eps: float = 1e-6,
+        fused_qkv: bool = False,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.fused_qkv = fused_qkv
         self.head_dim = head_dim or d_model // n_heads
         self.layer_index = layer_index  # its slot in a KVCache
         # Selective recompute: run the attention core (scores, softmax, weighted sum) again in
@@ -344,10 +389,22 @@ class CausalSelfAttention(nn.Module):
                 self.head_dim if per_head else n_kv_heads * self.head_dim, norm_eps
             )
 
-    def _heads(self, x_BSD: torch.Tensor, proj: nn.Linear, norm: str, heads: int) -> torch.Tensor:
-        """(B, S, D) -> (B, heads, S, hd): projected, normalized as ``qk_norm`` says."""
-        B, S, _ = x_BSD.shape
-        y = proj(x_BSD)  # (B, S, heads * hd)
+    def _projections(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The query, key and value projections of ``x_BSD``: (B, S, heads * hd) each."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not self.fused_qkv or any(type(p) is not nn.Linear for p in projs):
+            return tuple(p(x_BSD) for p in projs)
+        biases = () if self.q_proj.bias is None else tuple(p.bias for p in projs)
+        y = _ConcatLinear.apply(x_BSD, len(projs), *(p.weight for p in projs), *biases)
+        q, k, v = y.split([p.out_features for p in projs], dim=-1)
+        # The values are kept for the backward (the attention core saves them): a copy of their
+        # own, so that they do not keep the whole (B, S, 3 x width) product alive.
+        return q, k, v.contiguous()
+
+    def _heads(self, y: torch.Tensor, norm: str, heads: int) -> torch.Tensor:
+        """A (B, S, heads * hd) projection -> (B, heads, S, hd), normalized as ``qk_norm``
+        says."""
+        B, S, _ = y.shape
         if self.qk_norm == "projection":
             y = getattr(self, norm)(y)
         y = y.view(B, S, heads, self.head_dim)
@@ -362,9 +419,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q = self._heads(x_BSD, self.q_proj, "q_norm", self.n_heads)  # (B, H, S, hd)
-        k = self._heads(x_BSD, self.k_proj, "k_norm", self.n_kv_heads)  # (B, Hkv, S, hd)
-        v = self.v_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_y, k_y, v_y = self._projections(x_BSD)
+        q = self._heads(q_y, "q_norm", self.n_heads)  # (B, H, S, hd)
+        k = self._heads(k_y, "k_norm", self.n_kv_heads)  # (B, Hkv, S, hd)
+        v = v_y.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if inputs.rotary is not None:
             q, k = apply_rotary(q, inputs.rotary), apply_rotary(k, inputs.rotary)
         if inputs.cache is not None:

@@ -31,6 +31,7 @@ from moe.model.attention import (
     CausalSelfAttention,
     KVCache,
     QKNorm,
+    QKVProjection,
     build_attention_inputs,
 )
 from moe.model.block import Block, NormPlacement
@@ -130,6 +131,13 @@ class ModelConfig:
     CPU sdpa for documents from 2048 tokens on (measured faster; BENCHMARKS.md), otherwise
     reference. Decoding past a KV-cached prefix always runs
     reference; fallbacks are logged once."""
+    qkv_projection: QKVProjection = runtime("auto")
+    """How the query, key and value projections are computed; both give the same function and
+    store the same three weights. separate: three products. fused: one product with the three
+    weights concatenated, three times as wide, in the forward and for each gradient (fewer and
+    larger GEMMs; a step keeps what the three products keep). auto (the default): by device, for a training run (RunConfig.for_device): fused
+    on CUDA, separate elsewhere; a model built outside a run computes separate. Projections an
+    adapter changes (LoRA, QLoRA) are computed separately."""
     cross_entropy: CrossEntropyImpl = runtime("auto")
     """How the training loss is computed from the output head (moe/model/loss.py); all give the
     same loss and gradients. auto (the default): by device, for a training run
@@ -249,6 +257,7 @@ class MoETransformer(nn.Module):
                 cfg.qkv_bias,
                 cfg.qk_norm,
                 cfg.norm_eps,
+                fused_qkv=cfg.qkv_projection == "fused",
             )
             ffn: nn.Module
             if cfg.is_moe_layer(i):

@@ -150,6 +150,10 @@ _COMMON: dict[str, Rule] = {
         "(tests/moe/model/test_loss.py); a forward without targets returns "
         "the logits"
     ),
+    "qkv_projection": _training(
+        "kernel choice only: the same three projection weights, computed as one product or "
+        "three (tests/moe/model/test_fused_qkv.py)"
+    ),
     "cross_entropy_chunk_tokens": _training("training loss only (block size of the chunked loss)"),
     "init_from": _training("initialization only"),
     "upcycle_noise_std": _training("initialization only"),

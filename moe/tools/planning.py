@@ -30,10 +30,11 @@ gate/up output 2, then silu(gate)), 1 for GELU.
 - Attention, none: q, k, v after rotary (H + 2 Hkv) hd eT (GQA keys/values are not expanded),
   the core's output H hd eT and log-sum-exp 4HT, the output projection's input H hd eT.
   Selective: q, k, v and the output projection's input (the core's output and log-sum-exp
-  are recomputed). Back end ``reference`` with documents or an ALiBi/T5 bias (what ``auto``
-  picks on CUDA is flex, which keeps none): SDPA keeps the mask it receives as a float
-  (B, 1, S, S) (documents) or (B, H, S, S) (bias) tensor of the model dtype, per layer; plain
-  causal attention passes no mask. No back end keeps the S x S probabilities (SDPA's fused
+  are recomputed). ``model.qkv_projection: fused`` keeps the same (its backward concatenates
+  the weights again). Back end ``reference`` with documents or an ALiBi/T5 bias (what
+  ``auto`` picks on CUDA is flex, which keeps none): SDPA keeps the mask it receives as a
+  float (B, 1, S, S) (documents) or (B, H, S, S) (bias) tensor of the model dtype, per layer;
+  plain causal attention passes no mask. No back end keeps the S x S probabilities (SDPA's fused
   kernels keep the log-sum-exp instead); ``attention_mask_bytes`` reports the mask part.
 - Dense FFN of width F, none: its output projection's input eTF and the activation's
   intermediates w eTF (SwiGLU: the fused 2F projection and silu(gate); GELU: its input).

@@ -1,13 +1,15 @@
 """The speed levers on one CUDA GPU (skipped elsewhere; ``python3 -m pytest -m gpu -q
 tests/gpu/test_levers.py``): no host synchronisation in a bf16 forward and backward (eager and
 compiled, every loss back end, routers that count over the global batch, packed documents on
-flex) under ``torch.cuda.set_sync_debug_mode("error")``; compiled blocks without graph breaks or
-recompiles after warm-up; the chunked and Liger losses against the full one in bf16, with the
-memory they save; fused AdamW and flat gradient work under DeepSpeed; compiled blocks replayed
-as CUDA graphs under DeepSpeed; which SDPA kernel runs at 2048 tokens.
+flex, the fused query/key/value product) under ``torch.cuda.set_sync_debug_mode("error")``;
+compiled blocks without graph breaks or recompiles after warm-up, the fused product compiled
+against three eager products; the chunked and Liger losses against the full one in bf16, with
+the memory they save; fused AdamW and flat gradient work under DeepSpeed; compiled blocks
+replayed as CUDA graphs under DeepSpeed; which SDPA kernel runs at 2048 tokens.
 
 The CPU counterparts: tests/moe/model/test_loss.py, tests/moe/model/test_compile_fullgraph.py,
-tests/moe/training/test_optimizer_impl.py, tests/moe/parallel/test_flat_grads.py."""
+tests/moe/model/test_fused_qkv.py, tests/moe/training/test_optimizer_impl.py,
+tests/moe/parallel/test_flat_grads.py."""
 
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ VARIANTS = {
     "documents_flex": {"document_masking": True, "attention_backend": "flex"},
     "sigmoid_bias": {"router": {"score_func": "sigmoid", "bias_update_rate": 1e-3}},
     "gather_permute": {"moe": {"permute": "gather"}},
+    "fused_qkv": {"qkv_projection": "fused", "n_kv_heads": 2},
 }
 
 
@@ -176,9 +179,16 @@ def test_compiled_blocks_with_packed_documents_on_flex_give_eager_losses():
     compiled = tiny_model("chunked", **copy.deepcopy(variant))
     compiled.load_state_dict(eager.state_dict())
     compile_blocks(compiled)
+    _compare_compiled(eager, compiled, counters, seed=20, documents=True)
+    _no_sync_steps(compiled, "documents_flex")
+
+
+def _compare_compiled(eager, compiled, counters, seed: int, documents: bool = False) -> None:
+    """Three steps of both models on the same batches: the compiled one's losses and gradients
+    within bf16's 2e-2 of the eager one's, no graph break, nothing compiled after step 1."""
     graphs = []
-    for seed in range(3):
-        batch = _batch(seed + 20, documents=True)
+    for i in range(3):
+        batch = _batch(seed + i, documents=documents)
         want = _step(eager, 0, batch=batch)
         got = _step(compiled, 0, batch=batch)
         graphs.append(counters["stats"]["unique_graphs"])
@@ -191,7 +201,24 @@ def test_compiled_blocks_with_packed_documents_on_flex_give_eager_losses():
             continue
         err = (a.grad.float() - b.grad.float()).norm() / a.grad.float().norm().clamp_min(1e-6)
         assert err < 5e-2, (name, err.item())
-    _no_sync_steps(compiled, "documents_flex")
+
+
+def test_fused_projections_in_compiled_blocks_give_the_separate_products_results():
+    """``model.qkv_projection: fused`` (the CUDA default) inside compiled blocks, bf16, GQA:
+    no graph break, nothing compiled after the first step, and the losses and gradients of
+    eager blocks computing three products from the same weights (bf16: 2e-2)."""
+    from torch._dynamo.utils import counters
+
+    from moe.model.compile import compile_blocks
+
+    _needs_grouped_kernel()
+    torch._dynamo.reset()
+    counters.clear()
+    separate = tiny_model("chunked", n_kv_heads=2)
+    fused = tiny_model("chunked", n_kv_heads=2, qkv_projection="fused")
+    fused.load_state_dict(separate.state_dict())
+    compile_blocks(fused)
+    _compare_compiled(separate, fused, counters, seed=30)
 
 
 def test_a_fused_adamw_step_never_syncs():

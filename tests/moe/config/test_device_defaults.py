@@ -22,6 +22,7 @@ LEFT = {
     "train.flat_grad_ops",
     "train.optimizer_impl",
     "model.cross_entropy",
+    "model.qkv_projection",
     "model.moe.permute",
 }
 PLAIN = {
@@ -30,6 +31,7 @@ PLAIN = {
     "train.flat_grad_ops": False,
     "train.optimizer_impl": "auto",
     "model.cross_entropy": "full",
+    "model.qkv_projection": "separate",
     "model.moe.permute": "index_add",
 }
 
@@ -66,6 +68,7 @@ def test_on_cuda_the_measured_levers_where_each_applies():
         "train.flat_grad_ops": True,
         "train.optimizer_impl": "fused",
         "model.cross_entropy": "chunked",
+        "model.qkv_projection": "fused",
         "model.moe.permute": "gather",
     }
     # Gradients folded as produced only under DeepSpeed's BF16 optimizer (bf16, ZeRO 1, fp32
@@ -89,6 +92,7 @@ def test_adapter_methods_keep_eager_blocks_and_deepspeeds_gradient_handling():
         t = cfg.train
         assert (t.compile, t.immediate_grad_update, t.flat_grad_ops) == (False, False, False)
         assert t.optimizer_impl == "fused" and cfg.model.cross_entropy == "chunked", method
+        assert cfg.model.qkv_projection == "fused", method  # adapted projections fall back
     full = config(method="full").for_device("cuda")
     assert full.train.compile and full.train.flat_grad_ops
 
@@ -102,6 +106,7 @@ def test_values_given_are_kept_and_resolving_again_changes_nothing():
     }
     cfg = config(given)
     cfg.model.cross_entropy, cfg.model.moe.permute = "full", "index_add"
+    cfg.model.qkv_projection = "separate"
     assert cfg.device_choices("cuda") == {}
     assert cfg.for_device("cuda") == cfg
     partly = config({"compile": False})
@@ -126,7 +131,7 @@ def test_cuda_graphs_are_judged_with_what_cuda_would_choose():
 
 def test_a_model_built_outside_a_run_computes_the_plain_way():
     """``auto`` reaches the model only where no run resolved it (evaluation, export): the full
-    loss with logits, the scatter-add permutation."""
+    loss with logits, the scatter-add permutation, three projections."""
     from moe.model.transformer import MoETransformer
 
     cfg = config()
@@ -134,9 +139,11 @@ def test_a_model_built_outside_a_run_computes_the_plain_way():
     model = MoETransformer(cfg.model)
     assert model.head_loss is None
     assert {layer.dispatcher.permute for layer in model.moe_layers()} == {"index_add"}
+    assert not any(block.attn.fused_qkv for block in model.blocks)
     resolved = MoETransformer(cfg.for_device("cuda").model)
     assert resolved.head_loss is not None and resolved.head_loss.impl == "chunked"
     assert {layer.dispatcher.permute for layer in resolved.moe_layers()} == {"gather"}
+    assert all(block.attn.fused_qkv for block in resolved.blocks)
 
 
 def _engine_as_on(rank, world, device, out):
@@ -166,6 +173,7 @@ def _engine_as_on(rank, world, device, out):
         "fused": len(fused),
         "chunked": model.head_loss is not None,
         "gather": [m.dispatcher.permute == "gather" for m in model.moe_layers()],
+        "fused_qkv": [block.attn.fused_qkv for block in model.blocks],
         "one_read_step": getattr(opt.step, "__func__", None) is _step_with_one_read,
         "immediate": bool(opt.immediate_grad_update),
         "left_open": cfg.train.compile is None,  # the caller's config is not changed
@@ -178,7 +186,7 @@ def _engine_as_on(rank, world, device, out):
 def test_the_engine_takes_what_the_device_chooses(tmp_path):
     """One gloo rank on the CPU, told it runs on CUDA: blocks compiled (asked for), fused AdamW
     steps, the chunked loss, the gather permutation, DeepSpeed's bf16 step replaced by the
-    one-read step, gradients folded as produced; told it runs on the CPU: none of it."""
+    one-read step, gradients folded as produced, the fused projections; told it runs on the CPU: none of it."""
     import json
 
     got = {}
@@ -189,6 +197,7 @@ def test_the_engine_takes_what_the_device_chooses(tmp_path):
     cuda, cpu = got["cuda"], got["cpu"]
     assert cuda["compiled"] == [False] and cuda["fused"] > 0 and cuda["chunked"]
     assert cuda["gather"] == [True, True] and cuda["one_read_step"] and cuda["immediate"]
+    assert cuda["fused_qkv"] == [True, True] and cpu["fused_qkv"] == [False, False]
     assert cpu["compiled"] == [] and cpu["fused"] == 0 and not cpu["chunked"]
     assert cpu["gather"] == [False, False] and not cpu["one_read_step"] and not cpu["immediate"]
     assert cuda["left_open"] and cpu["left_open"]

@@ -257,3 +257,37 @@ def test_peak_memory_of_a_bf16_training_step_matches_the_planned_total(mode):
     params = count_parameters(cfg).total_params
     planned = max(plan.total_bytes, plan.model_states_bytes + 4 * params)
     assert abs(planned / peak - 1) < 0.15, (peak, planned)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_projections_keep_what_three_products_keep(mode, precision):
+    """model.qkv_projection fused keeps exactly what the separate products keep, in every
+    recompute mode: not the concatenated weight (its backward concatenates again), and the
+    values a copy of their own, not a view of the whole product."""
+    cfg = CONFIGS["every_other_layer_moe_gqa"]
+    fused = dataclasses.replace(cfg, qkv_projection="fused")
+    measured_separate, _ = measured_and_planned(cfg, mode, precision)
+    measured, planned = measured_and_planned(fused, mode, precision)
+    assert measured == measured_separate
+    assert planned == activation_bytes(cfg, B, S, precision, mode).saved_bytes
+
+
+def test_compiled_blocks_keep_what_three_products_keep():
+    """Compiled, too: inductor keeps no concatenated weight, and the plan holds to 2%."""
+    from moe.model.compile import compile_blocks
+
+    kept = {}
+    for mode in ("separate", "fused"):
+        cfg = dataclasses.replace(CONFIGS["dense_ffn"], qkv_projection=mode)
+        torch.manual_seed(0)
+        model = MoETransformer(cfg).bfloat16()
+        ids = torch.randint(0, VOCAB, (B, S + 1))
+        torch._dynamo.reset()
+        compile_blocks(model)
+        model(ids[:, :-1], ids[:, 1:]).loss.backward()  # compiles
+        kept[mode] = measure_saved_bytes(model, ids[:, :-1], ids[:, 1:])
+        torch._dynamo.reset()
+        planned = activation_bytes(cfg, B, S, "bf16", compiled=True).saved_bytes
+        assert abs(planned / kept[mode] - 1) < 0.02, (mode, kept[mode], planned)
+    assert kept["fused"] == kept["separate"], kept

@@ -1,8 +1,9 @@
 """Every speed lever of the GPU stack at once (docs/gpu.md, the matrix's ``stack-no-graphs``:
-compiled blocks, the chunked loss, the gather permutation, fused AdamW, bf16 gradients folded
-as they are produced and DeepSpeed's gradient work by group) through the trainer's own engine
-on 2 gloo ranks with expert parallelism 2, bf16, ZeRO 1, 2 micro-batches a step and clipping:
-the layout a multi-GPU run of the stack has, which one GPU does not show.
+compiled blocks, the chunked loss, the gather permutation, the fused query/key/value product,
+fused AdamW, bf16 gradients folded as they are produced and DeepSpeed's gradient work by group)
+through the trainer's own engine on 2 gloo ranks with expert parallelism 2, bf16, ZeRO 1, 2
+micro-batches a step and clipping: the layout a multi-GPU run of the stack has, which one GPU
+does not show.
 
 - The stack trains as the default does: its losses within 2e-3 (relative) of the default's over
   four steps, and falling.
@@ -28,7 +29,11 @@ pytestmark = pytest.mark.multiprocess
 VOCAB, SEQ, MB, ACCUM, STEPS = 64, 32, 2, 2, 4
 
 STACK = {
-    "model": {"cross_entropy": "chunked", "cross_entropy_chunk_tokens": 24},
+    "model": {
+        "cross_entropy": "chunked",
+        "cross_entropy_chunk_tokens": 24,
+        "qkv_projection": "fused",
+    },
     "moe": {"permute": "gather"},
     "train": {
         "compile": True,

@@ -57,8 +57,8 @@ def test_attention_with_prefixes_equals_a_hand_computation(backend):
     _, inputs = model._attention_inputs(IDS, None, None)
     with torch.no_grad():
         got = attn(x, inputs)
-        q = attn._heads(x, attn.q_proj, "q_norm", 4)
-        k = attn._heads(x, attn.k_proj, "k_norm", 2)
+        q = attn._heads(attn.q_proj(x), "q_norm", 4)
+        k = attn._heads(attn.k_proj(x), "k_norm", 2)
         v = attn.v_proj(x).view(2, 12, 2, 8).transpose(1, 2)
         q, k = apply_rotary(q, inputs.rotary), apply_rotary(k, inputs.rotary)
         # Prefix keys unrotated in front; kv heads shared by pairs of query heads (GQA).
