@@ -206,3 +206,21 @@ def test_frozen_weights_get_no_gradient_and_no_product_for_it():
     with ops:
         torch.autograd.backward(y, [torch.ones_like(t) for t in y])
     assert len(ops.widths) == 1  # the input's gradient only
+
+
+def test_a_checkpoint_trained_fused_decodes_with_its_cache_as_the_separate_model():
+    """A CUDA run's checkpoint records ``fused`` (its resolved config), so evaluation and
+    generation build the fused model: KV-cached decoding gives the separate model's tokens and
+    log-probabilities, which equal a full forward's."""
+    from moe.model.generation import GenerationConfig, KVCacheDecoder, generate
+
+    separate, fused = (m.eval() for m in _pair(VARIANTS["gqa"]))
+    gen = GenerationConfig(max_new_tokens=6)
+    want = generate(KVCacheDecoder(separate), [3, 1, 4], gen, None)[0]
+    got = generate(KVCacheDecoder(fused), [3, 1, 4], gen, None)[0]
+    assert got.tokens == want.tokens
+    assert abs(got.logprob - want.logprob) < 1e-9
+    ids = torch.tensor([[3, 1, 4, *got.tokens]])
+    with torch.no_grad():
+        full = fused(ids).logits[0, 2:-1].log_softmax(-1)
+    assert abs(full.gather(-1, ids[0, 3:, None]).sum().item() - got.logprob) < 1e-5
