@@ -224,3 +224,63 @@ def test_a_checkpoint_trained_fused_decodes_with_its_cache_as_the_separate_model
     with torch.no_grad():
         full = fused(ids).logits[0, 2:-1].log_softmax(-1)
     assert abs(full.gather(-1, ids[0, 3:, None]).sum().item() - got.logprob) < 1e-5
+
+
+def _zero2_worker(rank, world, batches, ckpt_dir):
+    from moe.config.run import RunConfig
+    from moe.core.config_schema import from_dict
+    from moe.training.trainer import DistEnv, build_engine
+    from tests.helpers.engine_configs import resumed_losses, tiny_engine_dict
+
+    env = DistEnv(rank, world, rank, world)
+    my = [[b[rank::world] for b in step] for step in batches]
+
+    def engine(mode: str):
+        d = tiny_engine_dict(
+            64,
+            16,
+            {"num_shared_experts": 1},
+            {"micro_batch_size": 2, "grad_accum_steps": 2, "seed": 3, "lr": 1e-2},
+            world_size=2,
+            expert_parallel_size=2,
+            zero_stage=2,
+        )
+        d["model"].update(qkv_projection=mode, n_kv_heads=2)
+        return build_engine(from_dict(RunConfig, d), env)[0]
+
+    def train(eng, steps):
+        losses = []
+        for step in steps:
+            for batch in step:
+                loss = eng(batch[:, :-1], batch[:, 1:]).loss
+                eng.backward(loss)
+                eng.step()
+            losses.append(loss.item())
+        return {"losses": losses}
+
+    out = {mode: train(engine(mode), my)["losses"] for mode in ("separate", "fused")}
+    out["fused_resumes_separate"] = resumed_losses(
+        engine("separate"), engine("fused"), my, ckpt_dir, train
+    )
+    return out
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_at_zero_2_with_expert_parallelism_train_as_three_products(tmp_path):
+    """Through DeepSpeed's ZeRO 2 (its gradient hooks copy each gradient into its buckets; the
+    fused product's weight gradients are row blocks of one tensor), fp32, 2 ranks, expert
+    parallelism 2: the losses of three products, and a checkpoint saved with them resumes
+    fused as it would separate (the same weights: the setting is not in checkpoints)."""
+    from tests.helpers.engine_configs import two_rank_results
+
+    got = two_rank_results(_zero2_worker, tmp_path, 64, 4, 16, 2, 4)
+    torch.testing.assert_close(
+        torch.tensor(got["fused"]), torch.tensor(got["separate"]), rtol=1e-5, atol=0
+    )
+    assert got["separate"][-1] < got["separate"][0]
+    torch.testing.assert_close(
+        torch.tensor(got["fused_resumes_separate"]),
+        torch.tensor(got["separate"][2:]),
+        rtol=1e-5,
+        atol=0,
+    )
