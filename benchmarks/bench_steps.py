@@ -5,6 +5,7 @@ trace of a few steps and the host syncs of a few more, summarised by profile_sum
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import tempfile
 import time
@@ -40,6 +41,25 @@ class Knobs:
     transfer, as the trainer does every step (moe/training/step.py): on a GPU the host then
     waits for the step to end before it prepares the next, as in training. false: steps are
     queued back to back (how the figures recorded up to 28 November were taken)."""
+    finetune: str = "none"
+    """A fine-tuning method (``finetune.method``) prepared on the preset's fresh weights as a
+    run started from a checkpoint prepares them: adapters added, the rest frozen (ESFT: every
+    routed expert trains, as if all were selected). Its speed does not depend on the weights,
+    so no checkpoint is read. none: pretraining."""
+
+
+FINETUNE_METHODS = ("none", "full", "lora", "qlora", "esft", "prompt", "prefix", "adapter")
+
+
+def with_finetune(cfg: RunConfig, knobs: Knobs) -> RunConfig:
+    """``cfg`` with the fine-tuning method of ``knobs.finetune`` (a copy; ``cfg`` itself when
+    none). Set past the config's checks, which ask a method for the checkpoint it starts from:
+    the bench starts from fresh weights (see Knobs.finetune)."""
+    if knobs.finetune == "none":
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.finetune.method = knobs.finetune
+    return out
 
 
 def split_knobs(overrides: list[str]) -> tuple[list[str], Knobs]:
@@ -56,10 +76,13 @@ def split_knobs(overrides: list[str]) -> tuple[list[str], Knobs]:
             knobs["doc_len"] = int(value)
         elif key == "bench.step_read" and value in ("true", "false"):
             knobs["step_read"] = value == "true"
+        elif key == "bench.finetune" and value in FINETUNE_METHODS:
+            knobs["finetune"] = value
         else:
             problems.append(
                 f"{item}: the bench knobs are bench.expert_kernel=auto|loop, "
-                "bench.doc_len=N (N >= 1) and bench.step_read=true|false"
+                "bench.doc_len=N (N >= 1), bench.step_read=true|false and "
+                f"bench.finetune={'|'.join(FINETUNE_METHODS)}"
             )
     if problems:
         raise ConfigError(problems)

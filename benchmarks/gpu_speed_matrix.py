@@ -216,6 +216,19 @@ SINGLE_LEVERS = (
         "every micro-batch): the optimizer's cost shared by 8",
     ),
     Lever(
+        "lora",
+        ("bench.finetune=lora",),
+        compiled=True,
+        note="LoRA fine-tuning of the preset (factors on its weights, the rest frozen) as "
+        "adapter runs train by default (eager blocks); also compiled: what compiling gains it",
+    ),
+    Lever(
+        "qlora",
+        ("bench.finetune=qlora",),
+        compiled=True,
+        note="QLoRA: LoRA on the NF4-quantised base (dequantised per product)",
+    ),
+    Lever(
         "experts-448",
         ("model.moe.expert_hidden=448",),
         ("unaligned-experts",),

@@ -16,11 +16,13 @@ run on the device takes for what the config leaves to it: on CUDA its defaults, 
 With ``--tiny``: the test suite's tiny shape (dense and MoE), fp32 on the CPU. ``--set KEY=VALUE``
 (repeatable) changes every model's config as a ``key=value`` override of ``moe-launch`` does
 (``--set train.compile=true``; ``parallel.zero_stage`` and ``train.grad_accum_steps`` too,
-which are 1 and 1 otherwise), plus three knobs of the bench:
+which are 1 and 1 otherwise), plus four knobs of the bench:
 ``bench.expert_kernel=loop`` runs the experts' per-expert loop instead of the grouped GEMM,
 ``bench.doc_len=N`` the mean document length of the packed batches when
-``model.document_masking`` is on (default 512), and ``bench.step_read=false`` leaves out the
-trainer's read of each step's loss and gradient norm (benchmarks/bench_steps.py, Knobs). ``--models`` keeps only the named rows.
+``model.document_masking`` is on (default 512), ``bench.step_read=false`` leaves out the
+trainer's read of each step's loss and gradient norm, and ``bench.finetune=METHOD`` trains the
+preset as that fine-tuning method does (adapters on its fresh weights, the rest frozen;
+benchmarks/bench_steps.py, Knobs). ``--models`` keeps only the named rows.
 
 Each model gets ``--warmup`` untimed steps, ``--steps`` timed ones (random tokens, one
 optimizer step of ``train.grad_accum_steps`` micro-batches each), then ``--profile-steps`` under torch.profiler, summarised by
@@ -29,7 +31,10 @@ the leaf operators on the CPU), and ``--profile-out DIR`` writes DIR/profile.md 
 DIR/profile.json (merged with what DIR holds: one entry per model and setting), with the host
 syncs of ``--sync-steps`` more steps counted under ``torch.cuda.set_sync_debug_mode``. MFU is
 model FLOPs per token (moe/model/size.py ``flops_per_token``, training) times tokens per second
-over the device's peak dense bf16 FLOP/s (from its name, or ``--peak-flops``).
+over the device's peak dense bf16 FLOP/s (from its name, or ``--peak-flops``); with
+``bench.finetune`` too (a frozen weight's gradient is not formed, so there the figure counts
+FLOPs the step skips: compare such rows by tokens per second; each row records its method and
+trainable parameters).
 
 ``--serve`` makes this a worker of benchmarks/gpu_speed_matrix.py: one JSON task per line on
 stdin, one JSON result per line on the original stdout (everything else goes to stderr).
@@ -58,6 +63,7 @@ from bench_steps import (
     split_knobs,
     step,
     sync,
+    with_finetune,
 )
 from profile_summary import REGIONS, write_profiles
 
@@ -202,6 +208,14 @@ def build(cfg: RunConfig):
     return engine
 
 
+def trainable_params(engine) -> int | None:
+    """Elements of the parameters that train (a fine-tuning method freezes the others)."""
+    module = getattr(engine, "module", None)
+    if module is None:
+        return None
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
 def compile_counts() -> tuple[int, int]:
     """Graphs dynamo compiled and graph breaks it met in this process so far."""
     dynamo = sys.modules.get("torch._dynamo.utils")
@@ -217,6 +231,7 @@ def bench(
     """One model: its row of the table and, with profiled steps, its profile summary. ``cfg``
     runs with the settings it leaves to the device as a training run on ``device`` takes them
     (the row's ``device_settings``)."""
+    cfg = with_finetune(cfg, knobs)
     row, entry = _measure(name, cfg.for_device(device.type), device, args, knobs, label)
     return {**row, "device_settings": cfg.device_choices(device.type)}, entry
 
@@ -229,6 +244,7 @@ def _measure(
         with expert_kernel(knobs.expert_kernel):
             t0 = time.perf_counter()
             engine = build(cfg)
+            trainable = trainable_params(engine)
             t1 = time.perf_counter()
             for _ in range(args.warmup):
                 step(engine, cfg, device, knobs)
@@ -299,6 +315,8 @@ def _measure(
         "graph_breaks": breaks,
         "graphs_in_timed_steps": graphs_timed,
         "profile_error": profile_error,
+        "finetune": cfg.finetune.method,
+        "trainable_params": trainable,
     }
     return row, entry
 

@@ -126,6 +126,8 @@ def test_set_changes_every_model_and_models_keeps_the_named_rows(tmp_path):
             "train.micro_batch_size=3",
             "--set",
             "model.d_model=32",
+            "--set",
+            "bench.finetune=lora",
             "--models",
             "tiny-moe",
             "--json",
@@ -139,9 +141,22 @@ def test_set_changes_every_model_and_models_keeps_the_named_rows(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["overrides"] == ["train.micro_batch_size=3", "model.d_model=32"]
+    assert report["overrides"] == [
+        "train.micro_batch_size=3",
+        "model.d_model=32",
+        "bench.finetune=lora",
+    ]
     assert [r["model"] for r in report["rows"]] == ["tiny-moe"]
-    assert report["rows"][0]["batch"] == "3x32"
+    row = report["rows"][0]
+    assert row["batch"] == "3x32"
+    # bench.finetune: LoRA factors on the fresh weights, all else frozen.
+    from gpu_train_bench import tiny_models
+
+    from moe.model.transformer import MoETransformer
+
+    cfg = dict(tiny_models(["model.d_model=32"]))["tiny-moe"]
+    everything = sum(p.numel() for p in MoETransformer(cfg.model).parameters())
+    assert row["finetune"] == "lora" and 0 < row["trainable_params"] < 0.5 * everything
     for bad, named in (
         (["--set", "train.compil=true"], "train.compil"),
         (["--set", "bench.expert_kernel=fast"], "bench.expert_kernel=fast"),
@@ -181,11 +196,13 @@ def test_the_bench_knobs():
         Knobs(expert_kernel="loop", doc_len=64),
     )
     assert split_knobs(["bench.step_read=false"])[1] == Knobs(step_read=False)
+    assert split_knobs(["bench.finetune=lora"])[1] == Knobs(finetune="lora")
     for bad in (
         "bench.doc_len=0",
         "bench.expert_kernel=fast",
         "bench.other=1",
         "bench.step_read=1",
+        "bench.finetune=lorra",
     ):
         with pytest.raises(ConfigError, match=bad.replace(".", "[.]")):
             split_knobs([bad])

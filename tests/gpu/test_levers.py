@@ -3,9 +3,10 @@ tests/gpu/test_levers.py``): no host synchronisation in a bf16 forward and backw
 compiled, every loss back end, routers that count over the global batch, packed documents on
 flex, the fused query/key/value product) under ``torch.cuda.set_sync_debug_mode("error")``;
 compiled blocks without graph breaks or recompiles after warm-up, the fused product compiled
-against three eager products; the chunked and Liger losses against the full one in bf16, with
-the memory they save; fused AdamW and flat gradient work under DeepSpeed; compiled blocks
-replayed as CUDA graphs under DeepSpeed; which SDPA kernel runs at 2048 tokens.
+against three eager products, compiled LoRA blocks against eager ones; the chunked and Liger
+losses against the full one in bf16, with the memory they save; fused AdamW and flat gradient
+work under DeepSpeed; compiled blocks replayed as CUDA graphs under DeepSpeed; which SDPA kernel
+runs at 2048 tokens.
 
 The CPU counterparts: tests/moe/model/test_loss.py, tests/moe/model/test_compile_fullgraph.py,
 tests/moe/model/test_fused_qkv.py, tests/moe/training/test_optimizer_impl.py,
@@ -219,6 +220,35 @@ def test_fused_projections_in_compiled_blocks_give_the_separate_products_results
     fused.load_state_dict(separate.state_dict())
     compile_blocks(fused)
     _compare_compiled(separate, fused, counters, seed=30)
+
+
+def test_compiled_lora_blocks_give_eager_results():
+    """``train.compile: true`` with LoRA (not among an adapter method's CUDA defaults): bf16,
+    no graph break, nothing compiled after the first step, eager's losses and gradients (the
+    CPU checks every method: tests/moe/model/adapters/test_compiled_adapters.py)."""
+    from torch._dynamo.utils import counters
+
+    from moe.config.run import FinetuneConfig
+    from moe.core.config_schema import from_dict
+    from moe.model.compile import compile_blocks
+    from moe.training.finetune import prepare_finetune
+
+    _needs_grouped_kernel()
+    torch._dynamo.reset()
+    counters.clear()
+    models = []
+    for _ in range(2):
+        model = tiny_model("chunked")  # on the GPU in bf16: the factors follow the weights
+        prepare_finetune(model, from_dict(FinetuneConfig, {"method": "lora"}))
+        torch.manual_seed(2)
+        for p in model.parameters():  # the B factors start at zero: make the adapters count
+            if p.requires_grad and not p.any():
+                torch.nn.init.normal_(p, std=0.05)
+        models.append(model)
+    eager, compiled = models
+    compiled.load_state_dict(eager.state_dict())
+    compile_blocks(compiled)
+    _compare_compiled(eager, compiled, counters, seed=40)
 
 
 def test_a_fused_adamw_step_never_syncs():
