@@ -44,8 +44,9 @@ class Knobs:
     finetune: str = "none"
     """A fine-tuning method (``finetune.method``) prepared on the preset's fresh weights as a
     run started from a checkpoint prepares them: adapters added, the rest frozen (ESFT: every
-    routed expert trains, as if all were selected). Its speed does not depend on the weights,
-    so no checkpoint is read. none: pretraining."""
+    routed expert trains, as if all were selected; LoRA and QLoRA on a dense model: the FFNs
+    in place of the experts among the default targets). Its speed does not depend on the
+    weights, so no checkpoint is read. none: pretraining."""
 
 
 FINETUNE_METHODS = ("none", "full", "lora", "qlora", "esft", "prompt", "prefix", "adapter")
@@ -59,6 +60,13 @@ def with_finetune(cfg: RunConfig, knobs: Knobs) -> RunConfig:
         return cfg
     out = copy.deepcopy(cfg)
     out.finetune.method = knobs.finetune
+    lora = out.finetune.lora
+    if (
+        not any(map(out.model.is_moe_layer, range(out.model.n_layers)))
+        and "experts" in lora.targets
+    ):
+        # A dense model has no experts: its FFNs take their place among LoRA's default targets.
+        lora.targets = [t for t in lora.targets if t != "experts"] + ["ffn"]
     return out
 
 

@@ -206,6 +206,19 @@ def test_the_bench_knobs():
     ):
         with pytest.raises(ConfigError, match=bad.replace(".", "[.]")):
             split_knobs([bad])
+    # bench.finetune: the method on a copy; a dense model's FFNs take the experts' place
+    # among LoRA's default targets.
+    from bench_steps import with_finetune
+    from gpu_train_bench import tiny_models
+
+    models = dict(tiny_models([]))
+    moe, dense = models["tiny-moe"], models["tiny-dense"]
+    assert with_finetune(moe, Knobs()) is moe
+    lora_moe = with_finetune(moe, Knobs(finetune="lora"))
+    assert lora_moe.finetune.method == "lora" and moe.finetune.method == "none"
+    assert "experts" in lora_moe.finetune.lora.targets
+    lora_dense = with_finetune(dense, Knobs(finetune="qlora")).finetune.lora.targets
+    assert "experts" not in lora_dense and "ffn" in lora_dense and "attention.q" in lora_dense
     # The loop knob makes the experts loop (the kernel reported unsupported) and is undone.
     x, w = torch.randn(6, 16), torch.randn(2, 16, 16)
     assert experts.uses_grouped_kernel(x, w)  # fp32 on the CPU: the grouped kernel runs
