@@ -290,14 +290,9 @@ def _measure(
                     traceback.print_exc()
                     profile_error = f"{type(e).__name__}: {e}"[:300]
     finally:
-        if engine is not None:
-            destroy = getattr(engine, "destroy", None)
-            if callable(destroy):
-                destroy()
+        _destroy(engine)
         engine = None
-        gc.collect()  # before the next engine is built in this process
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _collect(device)  # before the next engine is built in this process
     row = {
         "model": name,
         "tokens_per_s": tok_s,
@@ -319,6 +314,18 @@ def _measure(
         "trainable_params": trainable,
     }
     return row, entry
+
+
+def _destroy(engine) -> None:
+    destroy = getattr(engine, "destroy", None)
+    if callable(destroy):
+        destroy()
+
+
+def _collect(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def batch_shape(cfg: RunConfig) -> str:
