@@ -397,8 +397,11 @@ class CausalSelfAttention(nn.Module):
         biases = () if self.q_proj.bias is None else tuple(p.bias for p in projs)
         y = _ConcatLinear.apply(x_BSD, len(projs), *(p.weight for p in projs), *biases)
         q, k, v = y.split([p.out_features for p in projs], dim=-1)
-        # The values are kept for the backward (the attention core saves them): a copy of their
-        # own, so that they do not keep the whole (B, S, 3 x width) product alive.
+        # What the backward keeps of them gets a copy of its own, so that no view keeps the
+        # whole (B, S, 3 x width) product alive: the values (the attention core saves them) and,
+        # normalized, the queries and keys (their norms save their inputs).
+        if self.qk_norm != "none":
+            q, k = q.contiguous(), k.contiguous()
         return q, k, v.contiguous()
 
     def _heads(self, y: torch.Tensor, norm: str, heads: int) -> torch.Tensor:
