@@ -30,8 +30,11 @@ gate/up output 2, then silu(gate)), 1 for GELU.
 - Attention, none: q, k, v after rotary (H + 2 Hkv) hd eT (GQA keys/values are not expanded),
   the core's output H hd eT and log-sum-exp 4HT, the output projection's input H hd eT.
   Selective: q, k, v and the output projection's input (the core's output and log-sum-exp
-  are recomputed). ``model.qkv_projection: fused`` keeps the same (its backward concatenates
-  the weights again). Back end ``reference`` with documents or an ALiBi/T5 bias (what
+  are recomputed). ``model.qk_norm`` (head or projection) adds its norms, which selective
+  recompute does not cover: their fp32 input and normalized rows 8 (H + Hkv) hd T, each row's
+  rsqrt 4T (H + Hkv per head, 2 per projection), in bf16 the fp32 weight copies; compiled, the
+  input e (H + Hkv) hd T and the rsqrt only. ``model.qkv_projection: fused`` keeps the same
+  (its backward concatenates the weights again). Back end ``reference`` with documents or an ALiBi/T5 bias (what
   ``auto`` picks on CUDA is flex, which keeps none): SDPA keeps the mask it receives as a
   float (B, 1, S, S) (documents) or (B, H, S, S) (bias) tensor of the model dtype, per layer;
   plain causal attention passes no mask. No back end keeps the S x S probabilities (SDPA's fused
@@ -261,12 +264,27 @@ def _ffn(T: int, width: int, swiglu: bool, e: int, selective: bool) -> float:
     return e * T * (act_in + (width if swiglu else 0) + width)
 
 
-def _attention(
-    cfg: ModelConfig, B: int, S: int, e: int, selective: bool, mask_per_layer: float
-) -> float:
+def _qk_norm(cfg: ModelConfig, T: int, e: int, compiled: bool) -> float:
+    """What the query and key norms (``model.qk_norm``) keep: not recomputed by selective
+    recompute (they run before its checkpoint); compiled, inductor rebuilds them from their
+    inputs."""
+    if cfg.qk_norm == "none":
+        return 0.0
+    H, Hkv, hd = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    width = (H + Hkv) * hd
+    per_head = cfg.qk_norm == "head"
+    stats = 4 * T * (H + Hkv if per_head else 2)  # each row's fp32 rsqrt
+    if compiled:
+        return e * T * width + stats
+    weights = 0 if e == 4 else 4 * (2 * hd if per_head else width)  # the fp32 weight copies
+    return 8 * T * width + stats + weights
+
+
+def _attention(cfg: ModelConfig, B: int, S: int, e: int, mode: str, mask_per_layer: float) -> float:
     T, H, hd = B * S, cfg.n_heads, cfg.head_size
     qkv_o = e * T * hd * (H + 2 * cfg.kv_heads) + e * T * H * hd
-    if selective:
+    qkv_o += _qk_norm(cfg, T, e, mode == "compiled")
+    if mode == "selective":
         return qkv_o
     return qkv_o + e * T * H * hd + 4 * T * H + mask_per_layer
 
@@ -325,7 +343,6 @@ def _block(
     # activation functions in the backward as selective recompute does, and keeps the
     # attention core's output as eager does.
     sel = mode in ("selective", "compiled")
-    attn_sel = mode == "selective"
     if cfg.is_moe_layer(i):
         ffn = _moe_block_ffn(cfg, T, e, mode, ep_size)
         if mode == "full":
@@ -334,17 +351,14 @@ def _block(
         # the router keeps an fp32 copy and the output itself only when shared experts read it.
         ffn_norm = _norm(cfg, T, e, sel) - e * T * D
         return (
-            _norm(cfg, T, e, sel)
-            + _attention(cfg, B, S, e, attn_sel, mask_per_layer)
-            + ffn_norm
-            + ffn
+            _norm(cfg, T, e, sel) + _attention(cfg, B, S, e, mode, mask_per_layer) + ffn_norm + ffn
         )
     if mode == "full":
         return e * T * D
     width = cfg.moe.dense_width
     return (
         2 * _norm(cfg, T, e, sel)
-        + _attention(cfg, B, S, e, attn_sel, mask_per_layer)
+        + _attention(cfg, B, S, e, mode, mask_per_layer)
         + _ffn(T, width, cfg.moe.activation == "swiglu", e, sel)
     )
 
