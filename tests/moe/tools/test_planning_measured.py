@@ -89,6 +89,24 @@ def measured_and_planned(
     return measured, planned
 
 
+def measured_compiled(cfg: ModelConfig) -> tuple[int, int]:
+    """(eager, compiled) bytes a bf16 step keeps: compiled measured on the blocks' second step,
+    after the first has compiled them."""
+    from moe.model.compile import compile_blocks
+
+    torch.manual_seed(0)
+    model = MoETransformer(cfg).bfloat16()
+    ids = torch.randint(0, VOCAB, (B, S + 1))
+    eager = measure_saved_bytes(model, ids[:, :-1], ids[:, 1:])
+    torch._dynamo.reset()
+    compile_blocks(model)
+    try:
+        model(ids[:, :-1], ids[:, 1:]).loss.backward()  # compiles
+        return eager, measure_saved_bytes(model, ids[:, :-1], ids[:, 1:])
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -134,18 +152,8 @@ def test_compiled_blocks_keep_what_the_plan_says(name, tolerance):
     output rows the combine's scatter-add keeps eagerly. Measured on the compiled blocks'
     second step, bf16: the plan within 2% for dense FFNs (seen 0.998x), 5% with experts (seen
     0.971x and 0.989x); and below the eager plan by about what was measured."""
-    from moe.model.compile import compile_blocks
-
     cfg = CONFIGS[name]
-    torch.manual_seed(0)
-    model = MoETransformer(cfg).bfloat16()
-    ids = torch.randint(0, VOCAB, (B, S + 1))
-    eager = measure_saved_bytes(model, ids[:, :-1], ids[:, 1:])
-    torch._dynamo.reset()
-    compile_blocks(model)
-    model(ids[:, :-1], ids[:, 1:]).loss.backward()  # compiles
-    measured = measure_saved_bytes(model, ids[:, :-1], ids[:, 1:])
-    torch._dynamo.reset()
+    eager, measured = measured_compiled(cfg)
     planned = activation_bytes(cfg, B, S, "bf16", compiled=True).saved_bytes
     assert abs(planned / measured - 1) < tolerance, (measured, planned)
     planned_eager = activation_bytes(cfg, B, S, "bf16").saved_bytes
@@ -275,19 +283,10 @@ def test_fused_projections_keep_what_three_products_keep(mode, precision):
 
 def test_compiled_blocks_keep_what_three_products_keep():
     """Compiled, too: inductor keeps no concatenated weight, and the plan holds to 2%."""
-    from moe.model.compile import compile_blocks
-
     kept = {}
     for mode in ("separate", "fused"):
         cfg = dataclasses.replace(CONFIGS["dense_ffn"], qkv_projection=mode)
-        torch.manual_seed(0)
-        model = MoETransformer(cfg).bfloat16()
-        ids = torch.randint(0, VOCAB, (B, S + 1))
-        torch._dynamo.reset()
-        compile_blocks(model)
-        model(ids[:, :-1], ids[:, 1:]).loss.backward()  # compiles
-        kept[mode] = measure_saved_bytes(model, ids[:, :-1], ids[:, 1:])
-        torch._dynamo.reset()
+        kept[mode] = measured_compiled(cfg)[1]
         planned = activation_bytes(cfg, B, S, "bf16", compiled=True).saved_bytes
         assert abs(planned / kept[mode] - 1) < 0.02, (mode, kept[mode], planned)
     assert kept["fused"] == kept["separate"], kept
@@ -314,17 +313,8 @@ def test_query_and_key_norms_are_planned(qk_norm, mode, precision):
 
 def test_compiled_query_and_key_norms_are_planned():
     """Compiled, inductor keeps the norms' inputs and statistics and rebuilds the rest."""
-    from moe.model.compile import compile_blocks
-
     cfg = dataclasses.replace(CONFIGS["dense_ffn"], qk_norm="head")
-    torch.manual_seed(0)
-    model = MoETransformer(cfg).bfloat16()
-    ids = torch.randint(0, VOCAB, (B, S + 1))
-    torch._dynamo.reset()
-    compile_blocks(model)
-    model(ids[:, :-1], ids[:, 1:]).loss.backward()  # compiles
-    measured = measure_saved_bytes(model, ids[:, :-1], ids[:, 1:])
-    torch._dynamo.reset()
+    measured = measured_compiled(cfg)[1]
     planned = activation_bytes(cfg, B, S, "bf16", compiled=True).saved_bytes
     assert abs(planned / measured - 1) < 0.02, (measured, planned)
     eager = activation_bytes(cfg, B, S, "bf16").saved_bytes
