@@ -142,6 +142,13 @@ SINGLE_LEVERS = (
         compiled=True,
         note="Liger-Kernel's fused linear cross-entropy",
     ),
+    Lever(
+        "ce-chunk-4096",
+        ("model.cross_entropy=chunked", "model.cross_entropy_chunk_tokens=4096"),
+        compiled=True,
+        note="the chunked loss in blocks of 4096 tokens: a quarter of the fp32 weight-gradient "
+        "additions and of the block loop, (4096, V) fp32 per block",
+    ),
     Lever("adamw-fused", ("train.optimizer_impl=fused",), note="torch's fused AdamW kernel"),
     Lever(
         "qkv-fused",
