@@ -133,8 +133,9 @@ class TrainConfig:
     a row the run stops, keeping the last checkpoint."""
     recompute: RecomputeMode = "none"
     """Activation recompute (moe/model/recompute.py): none keeps every activation; full keeps
-    only each block's inputs and the routed token layout; selective recomputes the norms, the
-    experts' and FFNs' activation function and the attention core. Routing and the expert
+    only each block's inputs and the routed token layout; selective recomputes the norms (the
+    query and key norms too), the experts' and FFNs' activation function and the attention
+    core. Routing and the expert
     all-to-all never run again: gradients and MoE statistics equal those of none."""
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     """Loss spike detection, skipping and rollback (moe/training/resilience/spike_guard.py)."""

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from moe.model.compile import eager_under_compile
 from moe.model.norms import RMSNorm
 from moe.model.positions import PositionEncoding, apply_rotary
+from moe.model.recompute import recompute
 
 try:  # torch >= 2.5; the GPU machines run 2.11, this is for older installs
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -377,6 +378,9 @@ class CausalSelfAttention(nn.Module):
         # Selective recompute: run the attention core (scores, softmax, weighted sum) again in
         # backward instead of keeping what it saves; set by the trainer.
         self.recompute_core = False
+        # Selective recompute, too: the query and key norms (qk_norm) keep their input only
+        # and run again in the backward, as the block's norms do.
+        self.recompute_qk_norms = False
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
@@ -409,10 +413,10 @@ class CausalSelfAttention(nn.Module):
         says."""
         B, S, _ = y.shape
         if self.qk_norm == "projection":
-            y = getattr(self, norm)(y)
+            y = recompute(getattr(self, norm), y, enabled=self.recompute_qk_norms)
         y = y.view(B, S, heads, self.head_dim)
         if self.qk_norm == "head":
-            y = getattr(self, norm)(y)
+            y = recompute(getattr(self, norm), y, enabled=self.recompute_qk_norms)
         return y.transpose(1, 2)
 
     def extend_keys(self, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs):

@@ -10,8 +10,9 @@ Modes (``train.recompute``), applied to the model from outside by :func:`apply_r
   all-to-alls) run once, in the forward, and are never inside a region.
 - ``selective``: keep what is expensive to recompute (matmul outputs, attention projections,
   routing) and recompute what is large and cheap: each norm, the activation function of every
-  routed expert, shared expert and dense FFN (SwiGLU / GELU and the combine weight), and the
-  attention core (``CausalSelfAttention.recompute_core``).
+  routed expert, shared expert and dense FFN (SwiGLU / GELU and the combine weight), the
+  attention core (``CausalSelfAttention.recompute_core``) and the query and key norms
+  (``model.qk_norm``; ``recompute_qk_norms``).
 
 Why routing and dispatch stay outside every region. A checkpointed region runs twice: in the
 forward, and again in the backward to rebuild what it dropped. Anything inside it with a side
@@ -112,6 +113,7 @@ def apply_recompute(model: nn.Module, mode: RecomputeMode, every_n_blocks: int =
                 ffn.recompute_activation = m == "selective"
         # CausalSelfAttention checkpoints its core (scores, softmax, weighted values) itself.
         block.attn.recompute_core = m == "selective"
+        block.attn.recompute_qk_norms = m == "selective"
         if m != "none":
             chosen.append(i)
     return chosen

@@ -30,10 +30,10 @@ gate/up output 2, then silu(gate)), 1 for GELU.
 - Attention, none: q, k, v after rotary (H + 2 Hkv) hd eT (GQA keys/values are not expanded),
   the core's output H hd eT and log-sum-exp 4HT, the output projection's input H hd eT.
   Selective: q, k, v and the output projection's input (the core's output and log-sum-exp
-  are recomputed). ``model.qk_norm`` (head or projection) adds its norms, which selective
-  recompute does not cover: their fp32 input and normalized rows 8 (H + Hkv) hd T, each row's
-  rsqrt 4T (H + Hkv per head, 2 per projection), in bf16 the fp32 weight copies; compiled, the
-  input e (H + Hkv) hd T and the rsqrt only. ``model.qkv_projection: fused`` keeps the same
+  are recomputed). ``model.qk_norm`` (head or projection) adds its norms: their fp32 input
+  and normalized rows 8 (H + Hkv) hd T, each row's rsqrt 4T (H + Hkv per head, 2 per
+  projection), in bf16 the fp32 weight copies; compiled, the input e (H + Hkv) hd T and the
+  rsqrt; selective, the input only (the norms run again in the backward). ``model.qkv_projection: fused`` keeps the same
   (its backward concatenates the weights again). Back end ``reference`` with documents or an ALiBi/T5 bias (what
   ``auto`` picks on CUDA is flex, which keeps none): SDPA keeps the mask it receives as a
   float (B, 1, S, S) (documents) or (B, H, S, S) (bias) tensor of the model dtype, per layer;
@@ -264,17 +264,19 @@ def _ffn(T: int, width: int, swiglu: bool, e: int, selective: bool) -> float:
     return e * T * (act_in + (width if swiglu else 0) + width)
 
 
-def _qk_norm(cfg: ModelConfig, T: int, e: int, compiled: bool) -> float:
-    """What the query and key norms (``model.qk_norm``) keep: not recomputed by selective
-    recompute (they run before its checkpoint); compiled, inductor rebuilds them from their
-    inputs."""
+def _qk_norm(cfg: ModelConfig, T: int, e: int, mode: str) -> float:
+    """What the query and key norms (``model.qk_norm``) keep: selective recompute keeps their
+    input only and runs them again in the backward; compiled, inductor rebuilds them from their
+    input and statistics."""
     if cfg.qk_norm == "none":
         return 0.0
     H, Hkv, hd = cfg.n_heads, cfg.kv_heads, cfg.head_size
     width = (H + Hkv) * hd
+    if mode == "selective":
+        return e * T * width
     per_head = cfg.qk_norm == "head"
     stats = 4 * T * (H + Hkv if per_head else 2)  # each row's fp32 rsqrt
-    if compiled:
+    if mode == "compiled":
         return e * T * width + stats
     weights = 0 if e == 4 else 4 * (2 * hd if per_head else width)  # the fp32 weight copies
     return 8 * T * width + stats + weights
@@ -283,7 +285,7 @@ def _qk_norm(cfg: ModelConfig, T: int, e: int, compiled: bool) -> float:
 def _attention(cfg: ModelConfig, B: int, S: int, e: int, mode: str, mask_per_layer: float) -> float:
     T, H, hd = B * S, cfg.n_heads, cfg.head_size
     qkv_o = e * T * hd * (H + 2 * cfg.kv_heads) + e * T * H * hd
-    qkv_o += _qk_norm(cfg, T, e, mode == "compiled")
+    qkv_o += _qk_norm(cfg, T, e, mode)
     if mode == "selective":
         return qkv_o
     return qkv_o + e * T * H * hd + 4 * T * H + mask_per_layer

@@ -107,6 +107,7 @@ CASES = {
         "shared_expert_gate": True,
         "model": {"head_dim": 12, "qkv_bias": True, "qk_norm": "projection"},
     },
+    "per-head-query-key-norms": {"model": {"qk_norm": "head", "n_kv_heads": 2}},
     "gelu-postnorm-layernorm": {
         "activation": "gelu",
         "capacity_factor": 1.0,
@@ -215,6 +216,7 @@ def test_apply_recompute_sets_the_switches_and_resets_them():
     assert apply_recompute(model, "selective") == [0, 1, 2, 3]
     for block in model.blocks:
         assert block.recompute_norms and block.attn.recompute_core
+        assert block.attn.recompute_qk_norms
         assert not (block.recompute_block or block.recompute_attention)
         acts = [
             m.recompute_activation
@@ -234,6 +236,7 @@ def test_apply_recompute_sets_the_switches_and_resets_them():
             block.recompute_attention,
             block.recompute_norms,
             block.attn.recompute_core,
+            block.attn.recompute_qk_norms,
         ]
         flags += [
             getattr(m, name)

@@ -297,8 +297,8 @@ def test_compiled_blocks_keep_what_three_products_keep():
 @pytest.mark.parametrize("qk_norm", ["head", "projection"])
 def test_query_and_key_norms_are_planned(qk_norm, mode, precision):
     """model.qk_norm (OLMoE normalizes the projections, Qwen3 each head): the norms keep their
-    fp32 inputs and normalized rows, which selective recompute leaves kept (they run before its
-    checkpoint); without them in the plan, it fell 25% short in bf16 selective."""
+    fp32 inputs and normalized rows, and selective recompute keeps only their inputs (they run
+    again in the backward); without them in the plan, it fell 25% short in bf16 selective."""
     cfg = dataclasses.replace(CONFIGS["every_other_layer_moe_gqa"], qk_norm=qk_norm)
     measured, planned = measured_and_planned(cfg, mode, precision)
     assert abs(planned / measured - 1) < 0.02, (measured, planned)
@@ -309,6 +309,10 @@ def test_query_and_key_norms_are_planned(qk_norm, mode, precision):
     assert (mode == "full") == (added == 0)
     if added:
         assert abs((planned - planned_without.saved_bytes) / added - 1) < 0.01, added
+    if mode == "selective":  # the model-dtype input of each norm, nothing more
+        e = 2 if precision == "bf16" else 4
+        layer = e * B * S * (cfg.n_heads + cfg.kv_heads) * cfg.head_size
+        assert added == cfg.n_layers * layer
 
 
 def test_compiled_query_and_key_norms_are_planned():
