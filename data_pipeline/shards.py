@@ -288,9 +288,16 @@ def open_shard(path: Path, expected: ShardInfo, ttype: str) -> np.ndarray:
     return open_shard_data(path, expected, ttype, None).tokens
 
 
-def open_shard_data(path: Path, expected: ShardInfo, ttype: str, masked: bool | None) -> ShardData:
+def open_shard_data(
+    path: Path, expected: ShardInfo, ttype: str, masked: bool | None, full: bool = False
+) -> ShardData:
     """:func:`open_shard` with the loss mask: ``masked`` says whether the shard must have the
-    ``loss_mask`` column (``Manifest.loss_mask``); None: either schema, the mask not read."""
+    ``loss_mask`` column (``Manifest.loss_mask``); None: either schema, the mask not read.
+
+    Each record batch's structure is validated before a column is read (O(1) per batch: its
+    buffers hold what its lengths and its first and last offsets say), so that damaged offsets
+    are a :class:`DataError` and not a read outside the file; ``full`` also checks every
+    document's offsets (O(documents), what ``moe-prepare --verify`` does)."""
     schemas = [
         shard_schema(getattr(pa, ttype)(), m)
         for m in ((False, True) if masked is None else (masked,))
@@ -306,6 +313,8 @@ def open_shard_data(path: Path, expected: ShardInfo, ttype: str, masked: bool | 
                 f"expected ({wanted}; schema version {SCHEMA_VERSION})"
             )
         batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        for batch in batches:
+            batch.validate(full=full)
     except FileNotFoundError:
         raise DataError(f"{path}: shard listed in the manifest is missing") from None
     except (pa.ArrowInvalid, OSError) as e:

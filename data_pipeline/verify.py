@@ -95,7 +95,11 @@ def verify(data_dir: str | Path, progress: bool = True, s3: S3Config | None = No
         shards = tokens = 0
         for info, size in zip(infos, sizes):
             with files.local(info.file) as path:
-                array, mask = open_shard_data(path, info, manifest.token_type, manifest.loss_mask)
+                # Validated before a column is read (every document's offsets): damage is a
+                # named error, truncation and a wrong schema by what they are, the rest by hash.
+                array, mask = open_shard_data(
+                    path, info, manifest.token_type, manifest.loss_mask, full=True
+                )
                 found = _sha256(path)
                 if found != info.sha256:
                     raise corrupt(files.where(info.file), "shard", found, info.sha256)

@@ -98,6 +98,37 @@ def test_corrupt_bytes_inside_a_shard_are_caught_by_verify(tiny_data, tmp_path, 
     )
 
 
+def overwrite_offset(shard: Path, which: int, value: int) -> None:
+    """Overwrite offset ``which`` of the first record batch's token lists, in place in the file
+    (the bytes of its whole offsets buffer are found in the file and changed there)."""
+    with pa.ipc.open_file(pa.memory_map(str(shard), "r")) as r:
+        offsets = r.get_batch(0).column(0).offsets.to_numpy().astype("<i4")
+    data = bytearray(shard.read_bytes())
+    at = bytes(data).find(offsets.tobytes())
+    assert at > 0 and bytes(data).count(offsets.tobytes()) == 1
+    offsets[which] = value
+    data[at : at + offsets.nbytes] = offsets.tobytes()
+    shard.write_bytes(bytes(data))
+
+
+def test_damaged_offsets_are_a_named_error_not_a_crash(tiny_data, tmp_path, capsys):
+    """The last offset past the token data: reading the tokens by it would read outside the file
+    (a segmentation fault, before the structure was validated on opening)."""
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    overwrite_offset(shard, -1, 10**9)
+    with pytest.raises(DataError, match=f"{shard.name}: corrupt or truncated shard .*offsets"):
+        PackedReader(copy, 32, 0)
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "corrupt or truncated")
+
+
+def test_offsets_out_of_order_inside_a_shard_are_caught_by_verify(tiny_data, tmp_path, capsys):
+    """A document's offset moved backwards: the first and last offsets still hold, so opening a
+    shard for training (O(1) per batch) does not see it; --verify checks every offset."""
+    copy, shard = prepared_copy(tiny_data, tmp_path)
+    overwrite_offset(shard, 1, 10**6)
+    cli_fails(["--verify", str(copy)], capsys, str(shard), "corrupt or truncated", "offset")
+
+
 def test_truncated_arrow_file(tiny_data, tmp_path, capsys):
     copy, shard = prepared_copy(tiny_data, tmp_path)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
