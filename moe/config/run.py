@@ -644,7 +644,19 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ConfigError([f"override {item!r}: {k} is not a section"])
-        node[keys[-1]] = load_yaml(value)
+        try:
+            node[keys[-1]] = load_yaml(value)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+            if mark is not None:
+                reason += f" at character {mark.column + 1}"
+            raise ConfigError(
+                [
+                    f"override {item!r}: the value is not valid YAML ({reason}); quote a string "
+                    f"that holds YAML's special characters, e.g. {path.strip()}=\"'...'\""
+                ]
+            ) from None
     return raw
 
 

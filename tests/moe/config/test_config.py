@@ -101,6 +101,18 @@ def test_overrides(tmp_path):
         load_config("configs/default.yaml", ["train.max_step=7"])
 
 
+@pytest.mark.parametrize(
+    "override, where",
+    [("model.d_model=[1", "character 3"), ("launch.slurm.partition='; touch x #", "character 13")],
+)
+def test_an_override_that_is_not_yaml_is_named(override, where):
+    """A config error naming the override, not the parser's traceback."""
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/default.yaml", ["train.max_steps=7", override])
+    assert f"override {override!r}: the value is not valid YAML" in str(e.value)
+    assert where in str(e.value)
+
+
 def test_round_trip_of_resolved_config(tmp_path):
     from moe.config.run import dump_config
 
