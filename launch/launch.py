@@ -52,10 +52,12 @@ from launch.slurm.jobs import (
 )
 from launch.slurm.prepare import is_prepare_dir
 from launch.slurm.script import job_log
+from moe.checkpoint.files import find_latest
 from moe.config.run import SIGNALS, dump_config, load_config
-from moe.core.errors import LaunchError
+from moe.core.errors import ConfigError, LaunchError
 from moe.core.run_dir import RunDir
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, was_preempted
+from moe.training.upcycle import init_from_problem
 
 JOB_COMMANDS = ("status", "cancel", "logs")
 WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
@@ -172,19 +174,20 @@ def launch(argv) -> None:
         return
     plan.check_runnable()
     run_dir = Path(plan.run_dir)
+    refuse_bad_source(cfg, run_dir, args.config)
     if plan.submits:
         # Every check before anything in the run directory changes: a refused submission
         # leaves it byte-identical.
         refuse_if_active(run_dir)
         check_submission(cfg, plan)  # SLURM's own verdict, before any data work too
-    plan.write_run_dir(dump_config(cfg))
-
+    # The data before the run directory: a preparation that fails leaves no run behind.
     report = prepare(cfg.data)
     print(
         f"data: {report.data_dir} ({'reused' if report.skipped else 'prepared'}, "
         f"{report.manifest.splits['train'].tokens:,} train tokens)",
         flush=True,
     )
+    plan.write_run_dir(dump_config(cfg))
     if plan.submits:
         submit(plan, run_dir, job_log(cfg, run_dir))
     else:
@@ -197,6 +200,16 @@ def launch(argv) -> None:
             replan=Elastic(cfg, plan.run_env()) if cfg.launch.elastic else None,
             save_signal=SIGNALS[saves_on[0]] if saves_on else None,
         )
+
+
+def refuse_bad_source(cfg, run_dir: Path, config: str) -> None:
+    """A new run whose ``model.init_from`` gives no weights is refused before its run directory
+    or its data are touched (a run resuming its own checkpoint does not read it again)."""
+    if not cfg.model.init_from or find_latest(RunDir(run_dir).checkpoints) is not None:
+        return
+    problem = init_from_problem(cfg.model.init_from)
+    if problem:
+        raise ConfigError([problem], config)
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:

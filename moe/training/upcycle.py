@@ -22,7 +22,7 @@ from moe.checkpoint.files import read_marker, resolve_checkpoint
 from moe.core.config_schema import dotted_get, function_keys, to_dict
 from moe.core.errors import CheckpointError, ConfigError
 from moe.model.transformer import ModelConfig, MoETransformer
-from moe.weights.hf import read_hf_model, refuse_nonfinite, tokenizer_record
+from moe.weights.hf import read_hf_config, read_hf_model, refuse_nonfinite, tokenizer_record
 from moe.weights.load import load_model
 
 _DENSE_FFN = re.compile(r"^blocks\.(\d+)\.ffn\.(w_in|w_out)\.weight$")
@@ -121,6 +121,23 @@ HF_PREFIX = "hf:"
 """``model.init_from: hf:PATH`` reads a transformers model directory (moe/weights/hf.py)."""
 
 
+def init_from_problem(path: str | Path) -> str | None:
+    """Why ``model.init_from: path`` cannot give a run its weights, or None: a checkpoint (or a
+    run or checkpoints directory with a complete one), or ``hf:DIR`` with a transformers
+    config. Cheap (no tensor is read): the launcher asks it before anything starts."""
+    try:
+        if str(path).startswith(HF_PREFIX):
+            read_hf_config(Path(str(path)[len(HF_PREFIX) :]))
+        else:
+            resolve_checkpoint(path)
+    except CheckpointError as e:
+        hint = ""
+        if not str(path).startswith(HF_PREFIX) and (Path(path) / "config.json").is_file():
+            hint = f" (a transformers model directory is given as hf:{path})"
+        return f"model.init_from: {e}{hint}"
+    return None
+
+
 def source_tokenizer(path: str | Path) -> dict | None:
     """{"file", "sha256"} of the tokenizer an open-weights source expects: a transformers
     directory's own (``hf:DIR``) or the one ``moe-import`` recorded; None for other checkpoints
@@ -133,7 +150,11 @@ def source_tokenizer(path: str | Path) -> dict | None:
 
 def check_source_tokenizer(path: str | Path, data_sha256: str, data_dir: str) -> None:
     """Refuse data tokenized otherwise than the open-weights model ``path`` expects: its ids
-    would mean other text to the model."""
+    would mean other text to the model. A source that is not one is a ConfigError too: a
+    configuration no restart can fix."""
+    problem = init_from_problem(path)
+    if problem:
+        raise ConfigError([problem])
     expected = source_tokenizer(path)
     if expected and expected["sha256"] != data_sha256:
         raise ConfigError(
@@ -151,13 +172,17 @@ def initialize_from_checkpoint(
 ) -> None:
     """Load ``path`` (any layout, dense or MoE; ``hf:DIR`` a transformers directory) into
     ``model``, upcycling where needed."""
-    if str(path).startswith(HF_PREFIX):
-        arch, source_cfg, state = read_hf_model(str(path)[len(HF_PREFIX) :])
-        refuse_nonfinite(state, str(path)[len(HF_PREFIX) :], arch, source_cfg)
-        where = str(path)
-    else:
-        source, run_cfg, tag_dir = load_model(path)
-        source_cfg, state, where = run_cfg.model, source.state_dict(), str(tag_dir)
+    try:
+        if str(path).startswith(HF_PREFIX):
+            arch, source_cfg, state = read_hf_model(str(path)[len(HF_PREFIX) :])
+            refuse_nonfinite(state, str(path)[len(HF_PREFIX) :], arch, source_cfg)
+            where = str(path)
+        else:
+            source, run_cfg, tag_dir = load_model(path)
+            source_cfg, state, where = run_cfg.model, source.state_dict(), str(tag_dir)
+    except CheckpointError as e:
+        # A configuration no restart can fix (launch/train.py's final causes), by its key.
+        raise ConfigError([f"model.init_from: {e}"]) from e
     problems = incompatibilities(source_cfg, model.cfg)
     if problems:
         raise ConfigError(problems, f"model.init_from ({where})")

@@ -59,3 +59,69 @@ def test_a_type_error_does_not_hide_the_other_sections_problems(tmp_path, capsys
     assert "parallel.expert_parallel_size: 2 must divide world_size (3)" in problems
     assert any(p.startswith("launch.slurm.cpus_per_task: must be >= 1") for p in problems)
     assert any(p.startswith("logging.bogus: unknown key") for p in problems)
+
+
+def test_a_source_that_gives_no_weights_is_refused_before_anything_starts(tmp_path, capsys):
+    """model.init_from is checked by the launcher before the run directory or the data are
+    touched, by its key, and not restarted; a transformers directory given without hf: is
+    named as one."""
+    not_a_checkpoint = tmp_path / "notckpt"
+    not_a_checkpoint.mkdir()
+    hf_dir = tmp_path / "export"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"name: x\noutput_dir: {tmp_path / 'runs'}\n")
+    cases = [
+        (not_a_checkpoint, "neither a checkpoint"),
+        (f"hf:{not_a_checkpoint}", "config.json: missing"),
+        (hf_dir, f"(a transformers model directory is given as hf:{hf_dir})"),
+        (tmp_path / "absent", "no such checkpoint directory"),
+    ]
+    for source, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            main([str(config), f"model.init_from={source}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"  - model.init_from: {str(source).removeprefix('hf:')}" in err, err
+        assert needle in err, err
+        assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_resuming_its_own_checkpoint_does_not_read_its_source_again(tmp_path):
+    from launch.launch import refuse_bad_source
+    from moe.config.run import load_config
+    from moe.core.errors import ConfigError
+
+    cfg = load_config("configs/default.yaml", [f"model.init_from={tmp_path / 'gone'}"])
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match="model.init_from: .*gone: no such checkpoint"):
+        refuse_bad_source(cfg, run_dir, "c.yaml")
+    tag = run_dir / "checkpoints" / "step_00000010"
+    tag.mkdir(parents=True)
+    (tag / "checkpoint.json").write_text("{}")
+    refuse_bad_source(cfg, run_dir, "c.yaml")  # resumes from its own: nothing to check
+
+
+def test_a_rank_stops_on_a_bad_source_without_a_restart(tmp_path):
+    """Reached in a rank (a run started otherwise than by moe-launch), the same problem is a
+    configuration error, which the supervisor does not restart."""
+    from launch.train import final_cause
+    from moe.core.errors import ConfigError
+    from moe.training.upcycle import check_source_tokenizer
+
+    with pytest.raises(ConfigError) as e:
+        check_source_tokenizer(tmp_path / "gone", "0" * 64, "data")
+    assert final_cause(e.value, tmp_path)[0] == "configuration"
+    assert "model.init_from:" in str(e.value)
+
+
+def test_a_preparation_that_fails_leaves_no_run_directory(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"name: x\noutput_dir: {tmp_path / 'runs'}\n")
+    sources = f"[{{name: mine, type: text, paths: [{tmp_path / 'absent.txt'}]}}]"
+    with pytest.raises(SystemExit) as e:
+        main([str(config), f"data.dir={tmp_path / 'data'}", f"data.sources={sources}"])
+    assert e.value.code == 2
+    assert "absent.txt" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
