@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ def finish(run_dir: Path, evaluate: bool) -> list[str]:
     tb_dir = files.tensorboard
     # Only point at event files that exist (logging.tensorboard: false writes none).
     tensorboard = (
-        f"tensorboard --logdir {tb_dir}"
+        f"tensorboard --logdir {shlex.quote(str(tb_dir))}"
         if tb_dir.is_dir()
         else "none written (logging.tensorboard: false)"
     )
@@ -62,10 +63,14 @@ def finish(run_dir: Path, evaluate: bool) -> list[str]:
             f"perplexity      {r['perplexity']:.2f}",
             f"evaluation      {r['output']}",
             f"eval report     {r['report']}",
-            f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, one table)",
+            f"compare         moe-eval --all {shlex.quote(str(run_dir))}   (every checkpoint of "
+            "the run, one table)",
         ]
     else:
-        lines.append(f"evaluate        moe-eval {summary['checkpoint']}   (skipped: --no-eval)")
+        lines.append(
+            f"evaluate        moe-eval {shlex.quote(str(summary['checkpoint']))}   "
+            "(skipped: --no-eval)"
+        )
     return lines
 
 

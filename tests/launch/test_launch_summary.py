@@ -38,6 +38,20 @@ def test_summary_with_tensorboard_names_the_existing_logdir(tmp_path, capsys):
     assert f"tensorboard     tensorboard --logdir {tmp_path / 'tensorboard'}" in out
 
 
+def test_the_commands_it_prints_quote_their_paths(tmp_path, capsys):
+    """A run directory whose name holds shell syntax: the printed commands, pasted, run
+    tensorboard and moe-eval on it and nothing else."""
+    import shlex
+
+    run_dir = tmp_path / "x$(touch pwned)'; y"
+    run_dir.mkdir()
+    out = _finish(run_dir, tensorboard=True, capsys=capsys)
+    command = next(line for line in out.splitlines() if "--logdir" in line).split(None, 1)[1]
+    assert shlex.split(command) == ["tensorboard", "--logdir", str(run_dir / "tensorboard")]
+    evaluate = next(line for line in out.splitlines() if line.startswith("evaluate"))
+    assert shlex.split(evaluate)[1:3] == ["moe-eval", "CKPT"]
+
+
 def test_a_run_without_its_final_checkpoint_is_not_finished_with_an_older_one(tmp_path):
     """A summary whose last save failed (checkpoint.on_save_error: continue) names no
     checkpoint: finishing it names the unsaved steps instead of evaluating an older one."""
