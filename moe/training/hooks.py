@@ -124,7 +124,7 @@ class ConsoleReporter(LoopPart):
             return
         elapsed = time.time() - self.t0
         eta = elapsed / max(s.step, 1) * (s.max_steps - s.step)
-        gn = f" | grad norm {s.grad_norm:.3f}" if s.grad_norm is not None else ""
+        gn = f" | grad norm {s.grad_norm:.3g}" if s.grad_norm is not None else ""
         mfu = f" | MFU {s.extra['train/mfu']:.1%}" if "train/mfu" in s.extra else ""
         log.info(
             f"step {s.step:>5}/{s.max_steps} | loss {s.loss:.4f} (lm {s.lm_loss:.4f} aux "
