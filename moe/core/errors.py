@@ -11,7 +11,8 @@ class ConfigError(MoEError):
     """A run config is invalid. The message lists every problem found, each naming its key."""
 
     def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = list(problems)
+        # Each once: a nested section's own check and its parent's both report what they find.
+        self.problems = list(dict.fromkeys(problems))
         self.source = source
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {p}" for p in self.problems)

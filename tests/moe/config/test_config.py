@@ -145,3 +145,13 @@ def test_nan_and_infinite_numbers_are_refused_for_every_float_setting(key, text,
     node[name] = float(text)  # from YAML (.nan, .inf) as a float, not a string
     with pytest.raises(ConfigError, match=f"{key}: expected a finite number"):
         load_config(write(tmp_path, data))
+
+
+def test_a_nested_problem_is_reported_once():
+    """The router's own check and the MoE and model sections' checks all see a bad top_k."""
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/default.yaml", ["model.moe.router.top_k=99"])
+    assert e.value.problems == [
+        "model.moe.router.top_k: 99 must be between 1 and 8",
+        "model.moe.router.top_k: 99 must be at most the number of experts (16)",
+    ]
