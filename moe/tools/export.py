@@ -41,6 +41,7 @@ from moe.config.run import RunConfig, dump_config, load_config
 from moe.core.config_schema import from_dict, to_dict
 from moe.core.errors import CheckpointError
 from moe.model.adapters.lora import BASE_DTYPES, base_fingerprint, is_factor
+from moe.model.transformer import MoETransformer
 from moe.tools import hf_support
 from moe.tools.hf_tokenizer import hf_tokenizer
 from moe.weights.hf import links, to_hf
@@ -291,10 +292,35 @@ class _one_rank_process_group:
 # --- Hugging Face -------------------------------------------------------------------------------
 
 
+ADDED_MODULES = {
+    "prompt": "its soft prompt",
+    "prefix": "its attention prefixes",
+    "adapter": "its bottleneck adapters",
+}
+"""Fine-tuning methods whose checkpoints hold modules of their own, which no transformers
+architecture we export to has a place for."""
+
+
 def hf_problems(cfg: RunConfig, arch: str, state: dict) -> list[str]:
     """Why the model cannot be expressed exactly as ``arch`` (empty when it can), one entry per
-    offending config key, from the statement in ``moe/tools/hf_support.py``."""
-    return hf_support.problems(cfg.model, arch, state)
+    offending config key, from the statement in ``moe/tools/hf_support.py``, and the fine-tuning
+    method where it added modules of its own."""
+    out = []
+    method = cfg.finetune.method
+    added = sorted(k for k in state if k not in _base_keys(cfg)) if method in ADDED_MODULES else []
+    if added:
+        shown = ", ".join(added[:3]) + (f", ... ({len(added)} in all)" if len(added) > 3 else "")
+        out.append(
+            f"finetune.method: {method!r}: a {arch} model has no place for "
+            f"{ADDED_MODULES[method]} ({shown})"
+        )
+    return out + hf_support.problems(cfg.model, arch, state)
+
+
+def _base_keys(cfg: RunConfig) -> set[str]:
+    """The parameter and buffer names of the plain model of ``cfg.model``."""
+    with torch.device("meta"):
+        return set(MoETransformer(cfg.model).state_dict())
 
 
 def choose_arch(cfg: RunConfig, arch: str, state: dict, where: Path) -> str:

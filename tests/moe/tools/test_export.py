@@ -158,3 +158,34 @@ def test_export_progress_logs_each_file_off_a_terminal(trained, capsys, monkeypa
     assert lines[-1].endswith("(done)")
     main([str(run_dir), str(out / "fp32-quiet"), "--quiet"])
     assert "export:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "method, added",
+    [
+        ("prompt", ["embed.prompt"]),
+        ("prefix", ["blocks.0.attn.prefix_k", "blocks.0.attn.prefix_v"]),
+        ("adapter", [f"blocks.{i}.ffn.adapter.{n}" for i in range(5) for n in ("up", "down")]),
+    ],
+)
+def test_a_method_that_adds_modules_is_refused_by_its_key(method, added):
+    """Prompt, prefix and bottleneck-adapter checkpoints hold tensors no target has: every
+    target refuses them by finetune.method, naming the tensors, and none is offered instead."""
+    from moe.config.run import load_config
+    from moe.model.transformer import MoETransformer
+    from moe.tools.export import choose_arch
+
+    overrides = [f"finetune.method={method}", "model.init_from=x", "model.vocab_size=512"]
+    cfg = load_config("configs/default.yaml", overrides)
+    with torch.device("meta"):
+        state = dict(MoETransformer(cfg.model).state_dict())
+    plain = {a: hf_problems(cfg, a, state) for a in ("mixtral", "qwen2_moe")}
+    assert not any(p.startswith("finetune.method") for ps in plain.values() for p in ps)
+    state.update({name: torch.zeros(1) for name in added})
+    for arch in ("mixtral", "qwen2_moe"):
+        first = hf_problems(cfg, arch, state)[0]
+        assert first.startswith(f"finetune.method: {method!r}: a {arch} model has no place")
+        assert added[0] in first and (len(added) <= 3 or f"({len(added)} in all)" in first)
+    with pytest.raises(CheckpointError) as e:
+        choose_arch(cfg, "qwen2_moe", state, Path("run_config.yaml"))
+    assert "can hold it" not in str(e.value) and "--format fp32" in str(e.value)
