@@ -39,8 +39,9 @@ import torch.distributed as dist
 from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
 from deepspeed.comm.torch import TorchBackend
 from deepspeed.moe.layer import MoE as _DeepSpeedMoEBase
-from deepspeed.moe.utils import is_moe_param
+from deepspeed.moe.utils import is_moe_param, is_moe_param_group
 from deepspeed.runtime import bf16_optimizer as ds_bf16_optimizer
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import groups
@@ -114,6 +115,17 @@ def install() -> None:
                                                         torch 2.13 deprecates
                                                         ``all_gather_into_tensor`` (a warning on
                                                         every rank; :func:`_current_name`)
+    ``BF16_Optimizer._configure_moe_settings``          the same for DeepSpeed's BF16 optimizer
+                                                        (bf16 at ZeRO 1, fp32 gradient reduction):
+                                                        a fine-tuning run that trains no routed
+                                                        expert parameter (LoRA on attention,
+                                                        adapters, prompt, prefix) has no MoE group
+                                                        (:func:`_bf16_moe_settings`)
+    ``BF16_Optimizer.get_grads_for_norm``               a run that trains nothing but routed
+                                                        experts (ESFT) has no non-expert gradient,
+                                                        whose norm the step stacks from an empty
+                                                        list: a zero stands for it
+                                                        (:func:`_bf16_grads_for_norm`)
     ``see_memory_usage`` as the BF16 optimizer          the optimizer's memory report before and
     (``deepspeed.runtime.bf16_optimizer``) calls it     after each parameter group, forced on: a
                                                         full ``gc.collect()``, four lines on stdout
@@ -148,6 +160,8 @@ def _patches() -> list[tuple[type, str, object]]:
         (DeepSpeedEngine, "load_module_state_dict", _load_module_state_dict),
         (TorchBackend, "get_all_gather_function", classmethod(_all_gather_function)),
         (ds_bf16_optimizer, "see_memory_usage", _memory_report),
+        (BF16_Optimizer, "_configure_moe_settings", _bf16_moe_settings),
+        (BF16_Optimizer, "get_grads_for_norm", _bf16_grads_for_norm),
     ]
 
 
@@ -185,6 +199,28 @@ def _moe_settings(self) -> None:
         _ORIGINALS["DeepSpeedZeroOptimizer._configure_moe_settings"](self)
     else:
         self.is_moe_param_group = [False] * len(self.optimizer.param_groups)
+
+
+def _bf16_moe_settings(self) -> None:
+    """DeepSpeed's BF16 optimizer asserts, as ZeRO 1/2 does (:func:`_moe_settings`), that a
+    model with MoE layers has an MoE optimizer group; with none (every routed-expert parameter
+    frozen), no group reduces over an expert group, and what its method sets up besides (an
+    empty list of expert gradients per expert group) is set up the same."""
+    if any(is_moe_param_group(g) for g in self.optimizer.param_groups):
+        _ORIGINALS["BF16_Optimizer._configure_moe_settings"](self)
+    else:
+        self.expert_gradients = {k: [] for k in groups._get_expert_data_parallel_group_dict()}
+
+
+def _bf16_grads_for_norm(self, for_clipping: bool = False):
+    """DeepSpeed's BF16 optimizer's gradients for the norm; where only routed experts train
+    (ESFT), the non-expert list, which its step stacks, is empty: one fp32 zero stands for it,
+    which adds nothing to the norm."""
+    out = _ORIGINALS["BF16_Optimizer.get_grads_for_norm"](self, for_clipping)
+    if for_clipping or out[0]:
+        return out
+    device = self.fp32_groups_flat_partition[0].device
+    return [torch.zeros((), dtype=torch.float32, device=device)], out[1]
 
 
 def _load_module_state_dict(self, checkpoint, *args, **kwargs):

@@ -28,7 +28,9 @@ TARGETS = [(DeepSpeedEngine, "_get_expert_ckpt_name"),
            (DeepSpeedZeroOptimizer, "_configure_moe_settings"),
            (DeepSpeedEngine, "load_module_state_dict"),
            (TorchBackend, "get_all_gather_function"),
-           (bf16_optimizer, "see_memory_usage")]
+           (bf16_optimizer, "see_memory_usage"),
+           (bf16_optimizer.BF16_Optimizer, "_configure_moe_settings"),
+           (bf16_optimizer.BF16_Optimizer, "get_grads_for_norm")]
 
 def current():
     return [owner.__dict__[name] for owner, name in TARGETS]
@@ -51,7 +53,8 @@ out["refusal_changes_nothing"] = current() == originals
 deepspeed.__version__ = real_version
 
 ours = [adapter._expert_ckpt_name, adapter._moe_settings, adapter._load_module_state_dict,
-        adapter._all_gather_function, adapter._memory_report]
+        adapter._all_gather_function, adapter._memory_report, adapter._bf16_moe_settings,
+        adapter._bf16_grads_for_norm]
 out["native_all_gather"] = TorchBackend.get_all_gather_function() is dist.all_gather_into_tensor
 # torch 2.13's name for it; torch 2.11 has none, and DeepSpeed's choice stays
 current_name = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -84,7 +87,7 @@ def test_install_replaces_deepspeed_internals_once_and_only_when_called():
     assert "supports DeepSpeed 0.19.8 only" in out["refused"]
     assert out["refusal_changes_nothing"]
     assert out["native_all_gather"]  # DeepSpeed's own choice, the name torch 2.13 deprecates
-    assert out["installed_ours"] == [True] * 5
+    assert out["installed_ours"] == [True] * 7
     assert out["new_backend_all_gather"]
     assert out["twice_same_as_once"]
     assert out["live_backend_all_gather"] and out["live_backend_stays"]
