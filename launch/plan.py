@@ -1,5 +1,6 @@
-"""moe-plan: parameters, FLOPs per token and memory per GPU of a run config, before running it;
-with --gpus and --gpu-memory, the layouts that fit, best first.
+"""moe-plan: parameters, FLOPs per token and memory per GPU of a run config, before running it
+(a fine-tuning run's as its finetune.method holds it); with --gpus and --gpu-memory, the layouts
+that fit, best first.
 
 Formulas and their conventions are documented in moe/model/size.py and moe/tools/planning.py."""
 
@@ -22,8 +23,10 @@ from moe.tools.planning import (
     GIB,
     MICRO_BATCHES,
     USABLE_FRACTION,
+    FinetunePlan,
     Layout,
     checkpoint_bytes,
+    finetune_plan,
     fitting_layouts,
     memory_per_gpu,
 )
@@ -55,6 +58,7 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
         )
     counts = count_parameters(cfg.model)
     t = cfg.train
+    ft = finetune_plan(cfg.model, cfg.finetune)
     return {
         "params": {
             "total": counts.total,
@@ -62,6 +66,7 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
             "total_sum": counts.total_params,
             "active_sum": counts.active_params,
         },
+        **finetune_report(ft),
         "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         "memory": [
             {
@@ -78,15 +83,48 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
                         t.recompute_every_n_blocks,
                         t.immediate_grad_update,
                         t.compile,
+                        ft,
                     )
                 ),
-                "checkpoint_bytes": checkpoint_bytes(
-                    cfg.model, t.precision, z, ep_size, cfg.finetune.method
-                ),
+                "checkpoint_bytes": checkpoint_bytes(cfg.model, t.precision, z, ep_size, ft),
             }
             for z in zero_stages
         ],
     }
+
+
+def finetune_report(ft: FinetunePlan | None) -> dict:
+    """What a fine-tuning run trains and freezes, as data (nothing for pretraining)."""
+    if ft is None:
+        return {}
+    return {
+        "finetune": {
+            "method": ft.method,
+            "trainable_params": ft.trainable_params,
+            "frozen_params": ft.frozen_params,
+            "nf4_params": ft.nf4_values.per_rank(1),
+            "nf4_bytes": ft.nf4_bytes.per_rank(1),
+        }
+    }
+
+
+def render_finetune(r: dict) -> list[str]:
+    """The lines that say which fine-tuning method was planned, and what it trains."""
+    if "finetune" not in r:
+        return []
+    f = r["finetune"]
+    total = f["trainable_params"] + f["frozen_params"]
+    trained = "gradients and optimizer states"
+    if f["method"] == "esft":  # the stacks' unselected rows get zero gradients, states as well
+        trained += " for every routed expert; the experts the data selects train"
+    nf4 = (
+        f"; {_n(f['nf4_params'])} of them in NF4, {_gib(f['nf4_bytes'])}" if f["nf4_params"] else ""
+    )
+    return [
+        f"finetune.method {f['method']}: {_n(f['trainable_params'])} parameters train "
+        f"({100 * f['trainable_params'] / total:.3g}%; {trained}), "
+        f"{_n(f['frozen_params'])} frozen (no gradient or optimizer state{nf4})"
+    ]
 
 
 def _n(x: float) -> str:
@@ -131,6 +169,7 @@ def layouts_report(cfg: RunConfig, gpus: int, gpu_memory: float, top: int) -> tu
     """The fitting layouts (best first, at most ``top``) as data, and whether any fits."""
     t = cfg.train
     gb = global_batch(cfg)
+    ft = finetune_plan(cfg.model, cfg.finetune)
     fits, considered = fitting_layouts(
         cfg.model,
         gpus,
@@ -140,9 +179,11 @@ def layouts_report(cfg: RunConfig, gpus: int, gpu_memory: float, top: int) -> tu
         t.precision,
         t.recompute_every_n_blocks,
         t.compile,
+        ft,
     )
     row = _layout_row
     return {
+        **finetune_report(ft),
         "gpus": gpus,
         "gpu_memory_gib": gpu_memory,
         "global_batch": gb,
@@ -174,6 +215,7 @@ def render_layouts(r: dict) -> str:
         f"{r['global_batch']} sequences: {r['fitting']} of {r['considered']} layouts fit "
         f"(usable {USABLE_FRACTION:.0%})"
     )
+    head = "\n".join([*render_finetune(r), head])
     if not r["layouts"]:
         s = r["smallest"][0] if r["smallest"] else None
         why = (
@@ -217,6 +259,8 @@ def render(report: dict, cfg: RunConfig) -> str:
         f"FLOPs per token (seq_len {cfg.data.seq_len}): forward {_n(f['forward'])} "
         f"(attention {_n(f['attention_forward'])}), training {_n(f['training'])}",
     ]
+    if "finetune" in report:
+        lines += ["", *render_finetune(report)]
     t = cfg.train
     every = (
         f" every {t.recompute_every_n_blocks} blocks"

@@ -35,7 +35,7 @@ from moe.config.run import SIGNALS, RunConfig, load_config
 from moe.core.errors import ConfigError, MoEError
 from moe.core.fileio import write_atomic
 from moe.core.run_dir import RunDir
-from moe.tools.planning import checkpoint_bytes
+from moe.tools.planning import checkpoint_bytes, finetune_plan
 from moe.training.checkpoint import CheckpointSaveError
 from moe.training.cpu_allocator import keep_freed_memory
 from moe.training.device import device_and_backend
@@ -166,7 +166,7 @@ def checkpoint_size(ckpt_dir: Path, cfg: RunConfig | None = None) -> tuple[int, 
         cfg.train.precision,
         cfg.parallel.zero_stage,
         cfg.parallel.expert_parallel_size,
-        cfg.finetune.method,
+        finetune_plan(model, cfg.finetune),
     )
     return int(planned), "planned from the config: weights and optimizer states"
 

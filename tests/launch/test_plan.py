@@ -90,6 +90,48 @@ def test_moe_plan_says_when_nothing_fits(capsys):
     assert "nothing fits: the smallest needs" in capsys.readouterr().out
 
 
+def test_moe_plan_plans_the_fine_tuning_method(capsys):
+    """Mixtral-8x7B on 8 GPUs of 80 GiB: pretraining and full fine-tuning need 16 bytes a
+    parameter and nothing fits; LoRA and QLoRA keep a frozen bf16 (or NF4) base with no
+    gradient or optimizer state, and fit. The output names the method and its counts."""
+    fits = {}
+    for method in ("none", "full", "lora", "qlora"):
+        argv = ["configs/mixtral-8x7b.yaml", f"finetune.method={method}"]
+        argv += ["model.init_from=/tmp/base", "--gpus", "8", "--gpu-memory", "80"]
+        try:
+            main(argv)
+            fits[method] = True
+        except SystemExit as e:
+            assert e.code == 1
+            fits[method] = False
+        out = capsys.readouterr().out
+        if method in ("lora", "qlora"):
+            assert f"finetune.method {method}: 111.67M parameters train (0.239%" in out
+            main([*argv, "--json"])
+            r = json.loads(capsys.readouterr().out)
+            assert r["finetune"]["method"] == method
+            assert r["layouts"][0]["peak_gib"] < 0.9 * 80
+        else:
+            assert "the smallest needs 96.7 GiB per GPU" in out
+    assert fits == {"none": False, "full": False, "lora": True, "qlora": True}
+
+
+def test_moe_plan_of_a_lora_config_holds_no_state_for_the_frozen_base(capsys):
+    main(["configs/default.yaml", "model.vocab_size=4096", "--zero", "2", "--json"])
+    (base,) = json.loads(capsys.readouterr().out)["memory"]
+    lora = ["configs/finetune-lora.yaml", "model.init_from=/tmp/base", "model.vocab_size=4096"]
+    main([*lora, "--zero", "2", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    (planned,) = r["memory"]
+    trainable = r["finetune"]["trainable_params"]
+    assert 0 < trainable < 0.01 * r["params"]["total_sum"]
+    assert planned["weights_bytes"] > base["weights_bytes"]  # the factors on top of the base
+    assert planned["optimizer_bytes"] < 0.02 * base["optimizer_bytes"]
+    assert planned["grads_bytes"] < 0.02 * base["grads_bytes"]
+    main([*lora, "--zero", "2"])
+    assert "finetune.method lora: 159.74K parameters train" in capsys.readouterr().out
+
+
 def test_more_memory_never_fits_fewer_layouts(capsys):
     counts = []
     for gib in (24, 40, 80):
