@@ -24,7 +24,7 @@ import traceback
 from argparse import Namespace
 
 import torch
-from bench_steps import split_knobs
+from bench_steps import split_knobs, with_finetune
 from gpu_train_bench import bench, device_name, planned_bytes, preset, tiny_models
 
 from moe.core.errors import ConfigError
@@ -70,13 +70,15 @@ def same_run(a, b, device: torch.device) -> bool:
     they leave to the device are resolved for it, the MoE section ignored on a model without
     MoE layers (its permutation does nothing there)."""
 
-    def resolved(cfg):
-        cfg = cfg.for_device(device.type)
+    def resolved(cfg, knobs):
+        # With the fine-tuning method a knob asks for: its device settings differ (adapter
+        # methods keep eager blocks on CUDA).
+        cfg = with_finetune(cfg, knobs).for_device(device.type)
         if not any(map(cfg.model.is_moe_layer, range(cfg.model.n_layers))):
             cfg.model.moe = type(cfg.model.moe)()
         return cfg
 
-    return a[1] == b[1] and resolved(a[0]) == resolved(b[0])
+    return a[1] == b[1] and resolved(*a) == resolved(*b)
 
 
 def config_for(task: dict, tiny: bool, micro_batch: int | None):
@@ -112,6 +114,20 @@ def run_task(task: dict, device: torch.device, args) -> dict:
         (cfg, knobs), config_for({**task, "overrides": []}, args.tiny, args.micro_batch), device
     ):
         return {"status": "skipped", "reason": f"already the default on {device.type}"}
+    label = task.get("label", "")
+    if label.endswith("+compile"):
+        # Where compiled blocks are the device's default (CUDA), a lever's compiled variant
+        # trains as the lever alone does: measured once, not twice.
+        plain = [o for o in task["overrides"] if o.replace(" ", "") != "train.compile=true"]
+        if same_run(
+            (cfg, knobs),
+            config_for({**task, "overrides": plain}, args.tiny, args.micro_batch),
+            device,
+        ):
+            return {
+                "status": "skipped",
+                "reason": f"the same run as {label.removesuffix('+compile')} on {device.type}",
+            }
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         if planned_bytes(cfg) > FIT_FRACTION * total:

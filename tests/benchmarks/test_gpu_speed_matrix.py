@@ -663,6 +663,48 @@ def test_the_worker_applies_a_combinations_model_levers_only_where_they_apply(mo
         assert cfg.model.cross_entropy == "chunked" and not cfg.train.compile
 
 
+def test_a_compiled_variant_that_trains_as_its_lever_on_cuda_is_skipped():
+    """On CUDA blocks are compiled by default, so a lever's "+compile" variant is the lever's own
+    run there (ce-chunk-4096, flex, recompute-selective, ...): skipped, naming it, rather than
+    measured twice in a short loan. Where compiling is not the default (the CPU; adapter
+    methods, which keep eager blocks on CUDA) it is a setting of its own."""
+    from argparse import Namespace
+
+    import bench_worker
+    import torch
+
+    args = Namespace(tiny=True, micro_batch=None, steps=1, warmup=0, peak_flops=None)
+    settings = {s.name: s for s in gm.settings_of(gm.LEVERS)}
+    m = gm.Matrix(
+        list(settings.values()), ["tiny-moe"], None, clock=Clock(), deadline=1, run_deadline=1
+    )
+
+    def check(name, device):
+        task = {**m.task(settings[name], "tiny-moe"), "check": True}
+        return bench_worker.run_task(task, torch.device(device), args)
+
+    for name in ("ce-chunk-4096", "recompute-selective", "micro-batch-16"):
+        assert check(f"{name}+compile", "cuda") == {
+            "status": "skipped",
+            "reason": f"the same run as {name} on cuda",
+        }
+        assert check(f"{name}+compile", "cpu") == {"status": "ok"}
+    assert check("lora+compile", "cpu") == {"status": "ok"}
+    # LoRA's blocks are eager on CUDA by default: compiled, it is another run there.
+    lora, compiled = (
+        bench_worker.config_for(m.task(settings[n], "tiny-moe"), True, None)
+        for n in ("lora", "lora+compile")
+    )
+    assert not bench_worker.same_run(lora, compiled, torch.device("cuda"))
+    assert bench_worker.same_run(
+        *(
+            bench_worker.config_for(m.task(settings[n], "tiny-moe"), True, None)
+            for n in ("flex", "flex+compile")
+        ),
+        torch.device("cuda"),
+    )
+
+
 def test_docs_name_every_lever_of_the_matrix():
     text = (ROOT / "docs" / "gpu.md").read_text()
     missing = [lv.name for lv in gm.LEVERS if f"`{lv.name}`" not in text]
