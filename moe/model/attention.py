@@ -296,7 +296,8 @@ def _sdpa_per_document(q, k, v, doc_lengths: list[list[int]], gqa: bool) -> torc
 class _ConcatLinear(torch.autograd.Function):
     """``F.linear(x, cat(weights), cat(biases))``, whose backward concatenates the weights again
     instead of keeping their concatenation (a weight-sized tensor per layer, 1.6 GB for
-    Mixtral-8x7B's 32 layers): what it keeps is ``x``, as separate linears do. The gradients
+    Mixtral-8x7B's 32 layers): what it keeps is ``x`` where a weight trains, as separate
+    linears do. The gradients
     are the same products: the input's is one product with the concatenated weights, the
     weights' one product split by rows; those of frozen weights are not formed."""
 
@@ -304,7 +305,8 @@ class _ConcatLinear(torch.autograd.Function):
     def forward(ctx, x, n: int, *params):
         weights, biases = params[:n], params[n:]
         ctx.n, ctx.has_bias = n, bool(biases)
-        ctx.save_for_backward(x, *weights)
+        # x only for the weights' gradients: frozen projections (fine-tuning) keep nothing of it
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[2 : 2 + n]) else None, *weights)
         return F.linear(x, torch.cat(weights), torch.cat(biases) if biases else None)
 
     @staticmethod

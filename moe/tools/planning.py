@@ -95,7 +95,7 @@ experts are. ESFT holds gradients and Adam states for the whole routed-expert st
 unselected experts' rows get zero gradients and stay zero, but are held all the same.
 Activations (:class:`Trains`): an op keeps a tensor only for a gradient that is needed, so a
 frozen product does not keep its input (the norm output before the query, key and value
-projections, unless they are one fused product, which keeps it; the attention core's output
+projections, one fused product or three; the attention core's output
 before the output projection; the dispatched rows; the expert activation; the head's input), a
 frozen norm not its normalized rows, a frozen router not its fp32 input, a frozen embedding not
 the token ids, and nothing before the first thing that trains keeps anything (ESFT: the first
@@ -108,10 +108,12 @@ and output, e T (D + 2 m). A soft prompt makes every sequence n positions longer
 head and the loss; prefixes make the keys and values S + n long and add a (1, 1, S, S + n) mask
 per layer (SDPA's copy in the model dtype; selective recompute: the bool mask its core region
 holds). ``tests/moe/tools/test_planning_finetune.py`` holds every method to 3% of what a step
-keeps (most exactly), and its model states to what DeepSpeed's engine holds. Not modelled:
-compiled blocks of a fine-tuning run (planned as their eager terms with inductor's savings
-applied as for pretraining: not measured), and the compute factor (a frozen weight skips its
-gradient's product in the backward; the layouts are ordered as for pretraining).
+keeps (most exactly), and its model states to what DeepSpeed's engine holds. Compiled blocks of
+a fine-tuning run (``train.compile`` set; the adapter methods keep eager blocks by default) are
+planned as their eager terms with inductor's savings applied as for pretraining: within 0.98-1.04x
+of what they keep on the CPU, over every method and four shapes (the same file). Not modelled:
+the compute factor (a frozen weight skips its gradient's product in the backward; the layouts
+are ordered as for pretraining).
 
 Layouts (``fitting_layouts``): for a number of GPUs and their memory, every expert-parallel
 size dividing both the GPU count and num_experts, ZeRO stage 0/1/2 (1/2 only for bf16), each
@@ -195,9 +197,6 @@ class Trains:
     experts_in: Weight = Weight()
     experts_out: Weight = Weight()
     router: Weight = Weight()
-    fused_qkv: bool = False
-    """The query, key and value projections run as one product (model.qkv_projection fused, on
-    plain linear layers), which keeps its input whenever its input needs a gradient."""
     adapter_hidden: int = 0
     adapter_after: tuple[str, ...] = ()
     """Bottleneck adapters of width ``adapter_hidden`` after "attention" and/or "ffn"."""
@@ -251,7 +250,6 @@ def trains_of(cfg: ModelConfig, ft: FinetuneConfig) -> Trains:
         embedding=False,
         norms=False,
         head=False,
-        fused_qkv=cfg.qkv_projection == "fused" and ft.method != "qlora",  # NF4: 3 products
         **frozen,
     )
     if ft.method == "esft":
@@ -272,8 +270,7 @@ def trains_of(cfg: ModelConfig, ft: FinetuneConfig) -> Trains:
     }
     if lora.train_router:
         adapted["router"] = dataclasses.replace(adapted.get("router", FROZEN), full=True)
-    separate = any(name in adapted for name in "qkv")  # a LoRA projection: three products
-    return dataclasses.replace(base, fused_qkv=base.fused_qkv and not separate, **adapted)
+    return dataclasses.replace(base, **adapted)
 
 
 @dataclass(frozen=True)
@@ -709,7 +706,7 @@ def _block(
     adapter = e * T * (D + 2 * tr.adapter_hidden)  # its input, gelu's input and output
     after_attn = adapter if "attention" in tr.adapter_after else 0
     after_ffn = adapter if "ffn" in tr.adapter_after else 0
-    qkv_keep = any(w.keeps_input for w in (tr.q, tr.k, tr.v)) or (tr.fused_qkv and grad_in)
+    qkv_keep = any(w.keeps_input for w in (tr.q, tr.k, tr.v))
     attn = (
         _norm(cfg, T, e, sel, grad_in, tr.norms, qkv_keep)
         + _attention(cfg, B, S, e, mode, mask_per_layer, tr, grad_in)

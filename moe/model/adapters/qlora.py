@@ -30,7 +30,9 @@ int8 with one fp32 factor per block (127 / the block's absmax, torchao's 256 / (
   torchao's ``NF4Tensor.get_original_weight`` computes it (tests/moe/model/adapters/test_qlora.py), then cast
   to the compute dtype. The products go through autograd functions that keep only the input's
   gradient path and dequantise again in the backward: no dequantised weight is saved for the
-  backward or kept anywhere between products.
+  backward or kept anywhere between products. Under ``torch.compile`` they are opaque custom
+  ops (``moe::nf4_linear``, ``moe::nf4_grouped_mm``), so that inductor cannot keep the
+  dequantised weight from the forward for the backward instead.
 
 torchao is needed only to quantise (``pip install torchao==0.18.0``); a model whose NF4 buffers
 come from a checkpoint is built and dequantised without it.
@@ -49,6 +51,7 @@ from torch import nn
 
 from moe.model.adapters.lora import LoRAGroupedExperts, LoRALinear
 from moe.model.attention import CausalSelfAttention
+from moe.model.compile import CUSTOM_OPS, is_compiling
 from moe.model.experts import DenseFFN, GroupedExperts, grouped_mm
 
 BLOCK = 64
@@ -214,6 +217,78 @@ class _NF4GroupedMM(torch.autograd.Function):
         return grouped_mm(grad_NO, w_EOI, counts_E, ctx.counts_host), None, None, None
 
 
+if CUSTOM_OPS:
+    # Under torch.compile the autograd functions above are traced into the block's joint graph,
+    # where the backward's dequantisation is the forward's (common subexpressions merged), and
+    # inductor's partitioner keeps the dequantised weight for the backward instead of
+    # recomputing it: a copy of every frozen weight in the compute dtype held from the forward
+    # to the backward, what NF4 is there to avoid. As opaque ops the products keep only their
+    # inputs (the module's NF4 buffers), and the backward dequantises again, as eagerly.
+
+    @torch.library.custom_op("moe::nf4_linear", mutates_args=())
+    def nf4_linear_op(
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        factor: torch.Tensor,
+        mean: torch.Tensor,
+        shape: list[int],
+        transposed: bool,
+    ) -> torch.Tensor:
+        """x W^T for the (out, in) matrix W of a (1, out, in) NF4 stack (x W if ``transposed``),
+        W dequantised in x's dtype."""
+        w = dequantize_nf4(codes, scales, factor, mean, torch.Size(shape)).to(x.dtype)[0]
+        return x @ w if transposed else F.linear(x, w)
+
+    @nf4_linear_op.register_fake
+    def _(x, codes, scales, factor, mean, shape, transposed):
+        return x.new_empty(*x.shape[:-1], shape[2] if transposed else shape[1])
+
+    def _save_nf4(ctx, inputs, output):
+        """Both ops: (x, the four NF4 parts, shape, transposed[, counts_E])."""
+        ctx.save_for_backward(*inputs[1:5], *inputs[7:])
+        ctx.shape, ctx.transposed = inputs[5], inputs[6]
+
+    def _nf4_linear_backward(ctx, grad):
+        grad_x = nf4_linear_op(grad, *ctx.saved_tensors, ctx.shape, not ctx.transposed)
+        return grad_x, None, None, None, None, None, None
+
+    nf4_linear_op.register_autograd(_nf4_linear_backward, setup_context=_save_nf4)
+
+    @torch.library.custom_op("moe::nf4_grouped_mm", mutates_args=())
+    def nf4_grouped_mm_op(
+        x_ND: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        factor: torch.Tensor,
+        mean: torch.Tensor,
+        shape: list[int],
+        transposed: bool,
+        counts_E: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`grouped_mm` of expert-sorted rows with the (E, in, out) NF4 stack dequantised
+        in the rows' dtype (its (E, out, in) transpose if ``transposed``)."""
+        w_EIO = dequantize_nf4(codes, scales, factor, mean, torch.Size(shape)).to(x_ND.dtype)
+        if transposed:
+            w_EIO = w_EIO.transpose(1, 2).contiguous()
+        return grouped_mm(x_ND.contiguous(), w_EIO, counts_E)
+
+    @nf4_grouped_mm_op.register_fake
+    def _(x_ND, codes, scales, factor, mean, shape, transposed, counts_E):
+        return x_ND.new_empty(x_ND.shape[0], shape[1] if transposed else shape[2])
+
+    def _nf4_grouped_backward(ctx, grad_NO):
+        *parts, counts_E = ctx.saved_tensors
+        grad_x = nf4_grouped_mm_op(grad_NO, *parts, ctx.shape, not ctx.transposed, counts_E)
+        return grad_x, None, None, None, None, None, None, None
+
+    nf4_grouped_mm_op.register_autograd(_nf4_grouped_backward, setup_context=_save_nf4)
+
+
+def _opaque_under_compile() -> bool:
+    return CUSTOM_OPS and is_compiling()
+
+
 class NF4Linear(nn.Linear):
     """An nn.Linear whose frozen ``weight`` is held in NF4 (buffers ``weight_nf4_*``)."""
 
@@ -226,7 +301,11 @@ class NF4Linear(nn.Linear):
         return _Weight(self, "weight").dequantized(torch.float32)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _NF4Linear.apply(x, _Weight(self, "weight"))
+        weight = _Weight(self, "weight")
+        if _opaque_under_compile():
+            y = nf4_linear_op(x, *weight.parts(), list(_shapes(self)["weight"]), False)
+        else:
+            y = _NF4Linear.apply(x, weight)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -254,7 +333,11 @@ class NF4GroupedExperts(GroupedExperts):
         return self.w_in_nf4_codes.shape[0]
 
     def project(self, name, x_ND, counts_E, counts_host):
-        return _NF4GroupedMM.apply(x_ND, _Weight(self, name), counts_E, counts_host)
+        weight = _Weight(self, name)
+        if _opaque_under_compile():
+            shape = list(_shapes(self)[name])
+            return nf4_grouped_mm_op(x_ND, *weight.parts(), shape, False, counts_E)
+        return _NF4GroupedMM.apply(x_ND, weight, counts_E, counts_host)
 
 
 class NF4LoRAGroupedExperts(LoRAGroupedExperts, NF4GroupedExperts):

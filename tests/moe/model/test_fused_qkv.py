@@ -113,11 +113,13 @@ def test_one_product_for_the_three_projections_and_one_for_each_gradient(fused):
     assert [t.shape[-1] for t in y] == [48, 24, 24]
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["training", "frozen"])
 @pytest.mark.parametrize("qk_norm", ["none", "head", "projection"])
-def test_an_attention_layer_keeps_what_three_products_keep(qk_norm):
+def test_an_attention_layer_keeps_what_three_products_keep(qk_norm, frozen):
     """What one attention layer's forward keeps for its backward, bytes of every saved storage:
     the same with the fused product as with three, also where the query and key norms save
-    their inputs (no view keeps the whole product alive)."""
+    their inputs (no view keeps the whole product alive), and where the projections are frozen
+    (fine-tuning) and keep no input."""
     from moe.model.attention import build_attention_inputs
     from moe.model.positions import RotaryEmbedding
     from moe.model.recompute import saved_activation_bytes
@@ -126,6 +128,7 @@ def test_an_attention_layer_keeps_what_three_products_keep(qk_norm):
     for fused in (False, True):
         torch.manual_seed(0)
         attn = CausalSelfAttention(48, 4, 2, qk_norm=qk_norm, fused_qkv=fused)
+        attn.requires_grad_(not frozen)
         x = torch.randn(B, S, 48, requires_grad=True)
         inputs = build_attention_inputs("sdpa", RotaryEmbedding(12), torch.arange(S)[None], None, B)
         with saved_activation_bytes(exclude=attn) as saved:
