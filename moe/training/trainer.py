@@ -284,7 +284,9 @@ def train(
     try:
         while run.state.step < run.cfg.train.max_steps:
             run_step(run)
-        save(run, run.cfg.train.max_steps)
+        # The step the weights are at: max_steps, or a resumed checkpoint's step past it (a
+        # lowered max_steps trains nothing and saves nothing; its checkpoint is the result).
+        save(run, run.state.step)
     finally:
         failed = close(run)  # also when the loop raised or was preempted
     if failed:
@@ -553,7 +555,7 @@ def finish_run(run: Run) -> dict:
     :class:`CheckpointSaveError`."""
     ts, max_steps = run.state, run.cfg.train.max_steps
     summary = {
-        "steps": max_steps,
+        "steps": ts.step,  # max_steps, or the resumed checkpoint's step past it
         "history": ts.history,
         "checkpoint": None if ts.failed_saves or ts.checkpoint is None else str(ts.checkpoint),
         "last_save_seconds": ts.last_save_seconds,
@@ -562,7 +564,7 @@ def finish_run(run: Run) -> dict:
     if ts.failed_saves:
         first = max(ts.checkpoint_step, 0) + 1
         summary.update(
-            unsaved_steps=[first, max_steps],
+            unsaved_steps=[first, ts.step],
             failed_saves=ts.failed_saves,
             newest_checkpoint=None if ts.checkpoint is None else str(ts.checkpoint),
         )
@@ -577,7 +579,7 @@ def finish_run(run: Run) -> dict:
         raise CheckpointSaveError(
             f"the run's final checkpoint is missing: the saves at step(s) "
             f"{', '.join(map(str, ts.failed_saves))} failed (checkpoint.on_save_error: "
-            f"continue), so steps {first} to {max_steps} are not saved; {kept}. Free space or "
+            f"continue), so steps {first} to {ts.step} are not saved; {kept}. Free space or "
             "fix the storage, then resume: those steps train again"
         )
     log.info(f"finished: step {ts.step} of {max_steps}, checkpoint {ts.checkpoint}")

@@ -356,3 +356,26 @@ def test_nan_loss_on_one_rank_skips_the_step_everywhere_and_persistent_nan_stops
     assert any(not torch.equal(s[3]["params"][n], s[4]["params"][n]) for n in s[3]["params"])
     # The run stopped at step 6 before saving it: the last checkpoint is the last good state.
     assert complete_tags(ckpt)[-1] == "step_0000005"
+
+
+def _train_worker(rank, world, cfg_dict):
+    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world))
+
+
+def test_a_lowered_max_steps_trains_and_saves_nothing(tiny_data, tmp_path):
+    """A finished 4-step run resumed with max_steps 2: nothing trains, nothing is saved (no
+    step-2 checkpoint holding step 4's weights in place of the real one), ``latest`` stays at
+    step 4, and the summary gives the step the weights are at."""
+    cfg = run_dict(tiny_data, tmp_path / "runs", "lowered", max_steps=4)
+    cfg["parallel"] = {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 2}
+    run_distributed(_train_worker, 1, cfg)
+    ckpt = tmp_path / "runs" / "lowered" / "checkpoints"
+    before = {tag: _snapshot(ckpt / tag) for tag in complete_tags(ckpt)}
+    assert list(before) == ["step_0000002", "step_0000004"]
+    cfg["train"]["max_steps"] = 2
+    run_distributed(_train_worker, 1, cfg)
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == list(before)
+    assert {tag: _snapshot(ckpt / tag) for tag in before} == before
+    assert find_latest(ckpt) == "step_0000004"
+    summary = json.loads((tmp_path / "runs" / "lowered" / "train_summary.json").read_text())
+    assert summary["steps"] == 4 and summary["checkpoint"].endswith("step_0000004")
