@@ -98,7 +98,7 @@ def final_file(logs_dir: Path, rank: int) -> Path:
 
 def record_final(logs_dir: Path, rank: int, kind: str, cause: str) -> None:
     """A rank's word that it failed in a way no restart fixes (``kind``: storage, configuration,
-    data); the supervisor stops at once and repeats ``cause`` in its last line."""
+    checkpoint, data); the supervisor stops at once and repeats ``cause`` in its last line."""
     line = json.dumps({"rank": rank, "kind": kind, "cause": cause, "time": time.time()})
     try:
         with final_file(logs_dir, rank).open("a") as f:
@@ -329,7 +329,7 @@ def run_with_restarts(
     (LaunchError: no restart). ``signals``: moe-launch's; once one arrived, the exit code is
     returned whatever it is (the caller tells what happened). ``started``, ``tick``: see
     :func:`run_attempt`. A failure a restart cannot fix (a rank's final record: a full or
-    read-only disk, a configuration or data error) is not restarted: LaunchError at once,
+    read-only disk, a configuration, checkpoint or data error) is not restarted: LaunchError at once,
     naming the cause."""
     previous: Failure | None = None
     restart = 0

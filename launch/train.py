@@ -30,9 +30,9 @@ from launch.cli import exits_cleanly, setup_logging
 from launch.launcher_watch import end_with_launcher, gone_line, say
 from launch.rank_env import dist_env_from_environment
 from launch.restarts import record_final
-from moe.checkpoint.files import MARKER
+from moe.checkpoint.files import MARKER, complete_tags
 from moe.config.run import SIGNALS, RunConfig, load_config
-from moe.core.errors import ConfigError, MoEError
+from moe.core.errors import CheckpointError, ConfigError, DamagedCheckpointError, MoEError
 from moe.core.fileio import write_atomic
 from moe.core.run_dir import RunDir
 from moe.tools.planning import checkpoint_bytes, finetune_plan
@@ -62,7 +62,8 @@ def main(argv=None) -> None:
         default="auto",
         help="'auto' (default): continue from the newest complete checkpoint of the "
         "run directory if it has one; 'none': start fresh; or a checkpoint "
-        "directory (saved with any parallel layout)",
+        "directory (saved with any parallel layout), or a run or checkpoints directory "
+        "(its newest complete checkpoint)",
     )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -207,7 +208,23 @@ def final_cause(
         return "configuration", str(e)
     if isinstance(e, DataError):
         return "data", str(e)
+    if isinstance(e, CheckpointError):  # a restart would load the same checkpoint again
+        return "checkpoint", f"{e}{_older_checkpoint_hint(e, ckpt_dir)}"
     return None
+
+
+def _older_checkpoint_hint(e: CheckpointError, ckpt_dir: Path) -> str:
+    """For a damaged newest checkpoint of the run: how to resume from the one before it."""
+    tags = complete_tags(ckpt_dir)
+    newest = ckpt_dir / tags[-1] if tags else None
+    if not isinstance(e, DamagedCheckpointError) or newest is None or str(newest) not in str(e):
+        return ""
+    if len(tags) < 2:
+        return f"; it is the run's only complete checkpoint: move {newest} aside to start over"
+    return (
+        f"; to resume from {tags[-2]}, the complete checkpoint before it, move {newest} "
+        f"out of {ckpt_dir} and run the same command again"
+    )
 
 
 def record_stop(

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from moe.core.config_schema import dotted_get, function_keys, resume_keys, to_dict
-from moe.core.errors import CheckpointError
+from moe.core.errors import CheckpointError, DamagedCheckpointError
 from moe.core.run_dir import RunDir
 
 RUN_CONFIG = "run_config.yaml"
@@ -56,7 +56,9 @@ def read_marker(tag_dir: Path) -> dict | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{tag_dir / MARKER}: unreadable completion marker ({e})") from None
+        raise DamagedCheckpointError(
+            f"{tag_dir / MARKER}: unreadable completion marker ({e})"
+        ) from None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
         raise CheckpointError(
             f"{tag_dir / MARKER}: not a checkpoint marker of format {FORMAT_VERSION}"
@@ -129,7 +131,9 @@ def verify_files(tag_dir: Path) -> dict:
     if extra:
         problems.append(f"{tag_dir}: unexpected expert files {[present[k] for k in extra[:8]]}")
     if problems:
-        raise CheckpointError("damaged checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise DamagedCheckpointError(
+            "damaged checkpoint:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     return marker
 
 
@@ -212,9 +216,9 @@ def load_file(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing checkpoint file") from None
+        raise DamagedCheckpointError(f"{path}: missing checkpoint file") from None
     except Exception as e:  # torch raises many types for truncated or foreign files
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"{path}: unreadable checkpoint file ({type(e).__name__}: {e})"
         ) from e
 

@@ -23,6 +23,10 @@ class CheckpointError(MoEError):
     """A checkpoint is missing, incomplete, or does not match the config."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A complete checkpoint whose files are missing, truncated or unreadable."""
+
+
 class TrainingError(MoEError):
     """Training cannot go on (e.g. the loss stayed non-finite for too many steps)."""
 

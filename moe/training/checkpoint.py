@@ -57,6 +57,7 @@ from moe.checkpoint.files import (
     find_latest,
     load_file,
     read_marker,
+    resolve_checkpoint,
     rng_file,
     tag_for,
     tags_by_step,
@@ -455,7 +456,7 @@ def _barrier() -> None:
 def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
     """``auto``: the newest complete checkpoint of the run, if any; ``none``: start fresh (refused
     when the run already has checkpoints, which a fresh run would overwrite); otherwise a path to
-    a checkpoint directory."""
+    a checkpoint directory, or a checkpoints or run directory (its newest complete checkpoint)."""
     if resume == "auto":
         tag = find_latest(ckpt_dir)
         return ckpt_dir / tag if tag else None
@@ -470,7 +471,7 @@ def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
-    return path
+    return resolve_checkpoint(path)
 
 
 def load_rng(tag_dir: Path, marker: dict, rank: int, world_size: int, seed: int) -> bool:

@@ -281,3 +281,60 @@ def test_steps_written_in_an_attempt_count_even_when_the_file_clock_lags(tmp_pat
     with old.open("a") as f:
         f.write('{"step": 3}\n')
     assert attempt.last_step(1) == 7 and attempt.last_step(None) == 4
+
+
+def _complete(ckpt_dir, tag, files):
+    """A checkpoint directory with a completion marker recording ``files`` (name: size)."""
+    tag_dir = ckpt_dir / tag
+    tag_dir.mkdir(parents=True)
+    for name, size in files.items():
+        (tag_dir / name).write_bytes(b"x" * size)
+    marker = {"format": 1, "files": files, "num_moe_layers": 0, "num_experts": 0}
+    (tag_dir / "checkpoint.json").write_text(json.dumps(marker))
+    return tag_dir
+
+
+def test_a_damaged_or_mismatched_checkpoint_is_not_restarted(tmp_path):
+    """A restart would load the same checkpoint again: a damaged newest checkpoint is final, with
+    how to resume from the one before it; a checkpoint of another model is final too."""
+    from launch.train import final_cause
+    from moe.checkpoint.files import verify_files
+    from moe.core.errors import CheckpointError
+
+    ckpt = tmp_path / "checkpoints"
+    _complete(ckpt, "step_0000050", {"a.pt": 8})
+    newest = _complete(ckpt, "step_0000100", {"a.pt": 8})
+    (newest / "a.pt").write_bytes(b"x" * 3)  # truncated
+    with pytest.raises(CheckpointError) as e:
+        verify_files(newest)
+    kind, cause = final_cause(e.value, ckpt)
+    assert kind == "checkpoint" and "truncated or altered: 3 bytes" in cause
+    assert cause.endswith(
+        f"to resume from step_0000050, the complete checkpoint before it, move {newest} out of "
+        f"{ckpt} and run the same command again"
+    )
+    (newest / "checkpoint.json").write_text("{not json")
+    assert "move" in final_cause(pytest.raises(CheckpointError, verify_files, newest).value, ckpt)[1]
+    mismatch = CheckpointError(f"checkpoint {newest} does not match this run: model.d_model")
+    assert final_cause(mismatch, ckpt) == ("checkpoint", str(mismatch))  # no hint: not damage
+
+
+def test_resume_takes_a_run_or_checkpoints_directory_as_its_newest_checkpoint(tmp_path):
+    """moe-train --resume accepts what every other command accepts: a checkpoint, the run
+    directory or its checkpoints directory (the newest complete checkpoint); an interrupted save
+    is still named as one, and a directory with no checkpoint says so."""
+    from moe.core.errors import CheckpointError
+    from moe.training.checkpoint import resolve_resume
+
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    _complete(ckpt, "step_0000050", {"a.pt": 8})
+    newest = _complete(ckpt, "step_0000100", {"a.pt": 8})
+    (ckpt / "step_0000150").mkdir()  # an interrupted save: no marker
+    for given in (run_dir, ckpt, newest):
+        assert resolve_resume(str(given), ckpt) == newest
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        resolve_resume(str(run_dir / "checkpoints" / "step_0000150"), ckpt)
+    (run_dir / "logs").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        resolve_resume(str(run_dir / "logs"), ckpt)
