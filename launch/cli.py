@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -38,6 +39,20 @@ def setup_logging(rank: int = 0, log_file: str | None = None) -> None:
     warnings_log.propagate = False
 
 
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM)
+
+
+def storage_problem(e: OSError, what: str = "") -> str:
+    """``e`` (an errno of STORAGE_ERRNOS) as one line: the path, what failed, why."""
+    why = {
+        errno.ENOSPC: "the disk is full",
+        errno.EROFS: "the file system is read-only",
+        errno.EDQUOT: "the disk quota is exceeded",
+    }.get(e.errno or 0, e.strerror or str(e))
+    path = e.filename if e.filename is not None else "a file"
+    return f"{path}: could not write{' ' + what if what else ''}: {why}"
+
+
 def exits_cleanly(main):
     """Wrap an entry point: a user-facing error prints one clear message and exits 2."""
 
@@ -47,6 +62,12 @@ def exits_cleanly(main):
             return main(argv)
         except (MoEError, DataError) as e:
             print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except OSError as e:
+            if e.errno not in STORAGE_ERRNOS:
+                raise
+            # A full, read-only or over-quota disk, or no permission: the path and the cause.
+            print(f"error: {storage_problem(e)}", file=sys.stderr)
             sys.exit(2)
         except BrokenPipeError:
             # The reader went away (``moe-launch ... | head``): stop quietly. Python would flush

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
 from data_pipeline.prepare import prepare
-from launch.cli import exits_cleanly
+from launch.cli import STORAGE_ERRNOS, exits_cleanly, storage_problem
 from launch.elastic import Elastic
 from launch.finish import finish
 from launch.interrupts import LauncherSignals
@@ -148,6 +150,32 @@ def submit(plan: Plan, run_dir: Path, log: str) -> str:
     return job_id
 
 
+def check_writable(run_dir: Path) -> None:
+    """The run directory, or the directory it will be made in, can be written (a read-only file
+    system refuses even root)."""
+    where = run_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise LaunchError(
+            f"{run_dir}: cannot write the run directory: {where} is read-only or not writable"
+        )
+
+
+def write_run_dir(plan: Plan, run_dir: Path, config_text: str) -> None:
+    """The run directory's files; on a write error (a full disk), a run directory this call
+    made is removed again, and the error names the path."""
+    made = not run_dir.exists()
+    try:
+        plan.write_run_dir(config_text)
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        if made:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise LaunchError(storage_problem(e, "the run directory")) from None
+
+
 def launch(argv) -> None:
     p = argparse.ArgumentParser(
         prog="moe-launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -180,6 +208,7 @@ def launch(argv) -> None:
         # leaves it byte-identical.
         refuse_if_active(run_dir)
         check_submission(cfg, plan)  # SLURM's own verdict, before any data work too
+    check_writable(run_dir)  # before the data work, which can take hours
     # The data before the run directory: a preparation that fails leaves no run behind.
     report = prepare(cfg.data)
     print(
@@ -187,7 +216,7 @@ def launch(argv) -> None:
         f"{report.manifest.splits['train'].tokens:,} train tokens)",
         flush=True,
     )
-    plan.write_run_dir(dump_config(cfg))
+    write_run_dir(plan, run_dir, dump_config(cfg))
     if plan.submits:
         submit(plan, run_dir, job_log(cfg, run_dir))
     else:

@@ -125,3 +125,83 @@ def test_a_preparation_that_fails_leaves_no_run_directory(tmp_path, capsys):
     assert e.value.code == 2
     assert "absent.txt" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_read_only_output_directory_is_refused_before_the_data_work(
+    tmp_path, capsys, monkeypatch
+):
+    """Checked on the nearest directory that exists (a read-only file system refuses root too;
+    os.access stands in for it here), before any preparation: no data directory appears."""
+    import launch.launch as launch_mod
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"name: x\noutput_dir: {tmp_path / 'ro' / 'runs'}\n")
+    (tmp_path / "ro").mkdir()
+    real = launch_mod.os.access
+    monkeypatch.setattr(
+        launch_mod.os, "access", lambda p, m: False if str(p).endswith("ro") else real(p, m)
+    )
+    with pytest.raises(SystemExit) as e:
+        main([str(config), f"data.dir={tmp_path / 'data'}"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tmp_path / 'ro' / 'runs' / 'x'}: cannot write the run directory: "
+        f"{tmp_path / 'ro'} is read-only or not writable"
+    )
+    assert not (tmp_path / "data").exists() and not (tmp_path / "ro" / "runs").exists()
+
+
+def test_a_full_disk_while_writing_the_run_directory_leaves_none(tmp_path, monkeypatch):
+    import errno
+
+    from launch.launch import write_run_dir
+    from moe.core.errors import LaunchError
+
+    run_dir = tmp_path / "runs" / "x"
+
+    class Plan:
+        def write_run_dir(self, text):
+            run_dir.mkdir(parents=True)
+            (run_dir / "config.yaml").write_text(text)
+            raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "plan.json"))
+
+    with pytest.raises(LaunchError) as e:
+        write_run_dir(Plan(), run_dir, "name: x\n")
+    assert (
+        str(e.value)
+        == f"{run_dir / 'plan.json'}: could not write the run directory: the disk is full"
+    )
+    assert not run_dir.exists()
+    run_dir.mkdir(parents=True)  # an existing run (a resume) keeps what it had
+    (run_dir / "kept").write_text("1")
+    Plan.write_run_dir = lambda self, text: (_ for _ in ()).throw(OSError(errno.EROFS, "ro", "f"))
+    with pytest.raises(
+        LaunchError, match="f: could not write the run directory: the file system is read-only"
+    ):
+        write_run_dir(Plan(), run_dir, "")
+    assert (run_dir / "kept").read_text() == "1"
+
+
+def test_any_command_reports_a_storage_error_in_one_line(capsys):
+    import errno
+
+    from launch.cli import exits_cleanly
+
+    @exits_cleanly
+    def command(argv):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded", "/data/out.arrow")
+
+    with pytest.raises(SystemExit) as e:
+        command([])
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == "error: /data/out.arrow: could not write: the disk quota is exceeded\n"
+    )
+
+    @exits_cleanly
+    def other(argv):
+        raise OSError(errno.EIO, "I/O error")
+
+    with pytest.raises(OSError):  # not a storage verdict: a traceback, as before
+        other([])
