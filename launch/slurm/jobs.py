@@ -235,23 +235,33 @@ def refuse_if_active(run_dir: Path) -> None:
         )
 
 
+def _step_records(path: Path) -> tuple[dict[int, dict], dict | None]:
+    """A rank's records by step (the last line of a step) and its last record."""
+    steps, last = {}, None
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                last = json.loads(line)
+            except ValueError:
+                continue  # a line a rank was writing when it was killed
+            steps[last["step"]] = last
+    return steps, last
+
+
 def last_steps(run_dir: Path) -> dict | None:
     """The newest step the ranks logged: step, loss averaged over ranks, tokens per second.
 
     ``logs/steps_rank*.jsonl`` gain the steps after a checkpoint again when a job resumes
-    from it; the last line of a step is the valid one."""
-    per_rank = []
+    from it; the last line of a step is the valid one. The ranks are those of rank 0's last
+    record: a job resumed on fewer ranks leaves the others' files, cut back to its checkpoint."""
     files = RunDir(run_dir)
-    for path in files.all_step_records():
-        steps = {}
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line a rank was writing when it was killed
-            steps[record["step"]] = record
-        if steps:
-            per_rank.append(steps)
+    _, last = _step_records(files.step_records(0))
+    paths = (
+        [files.step_records(r) for r in range(last["world_size"])]
+        if last is not None and "world_size" in last
+        else files.all_step_records()  # records written before they named the world size
+    )
+    per_rank = [steps for steps, _ in map(_step_records, paths) if steps]
     if not per_rank:
         return None
     step = min(max(steps) for steps in per_rank)  # every rank has logged it

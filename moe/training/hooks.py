@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from moe.config.run import RunConfig
 from moe.core.config_schema import to_dict
+from moe.core.run_dir import STEP_RECORDS
 from moe.training.decision import CONTINUE, Decision
 from moe.training.device import comm_device
 
@@ -323,19 +326,54 @@ class ValidationMeter(LoopPart):
         )
 
 
+def cut_back(path: Path, step: int, keep: Callable[[dict], bool] = lambda record: False) -> None:
+    """Keep the JSON lines of ``path`` whose ``step`` is before ``step``, and those ``keep``
+    accepts, dropping a line cut short by a kill; the file is replaced with them in one rename
+    (a reader sees the old file or the new one). A file that is not there or would not change
+    is left alone."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    kept = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and (
+            (isinstance(record.get("step"), int) and record["step"] < step) or keep(record)
+        ):
+            kept.append(line + "\n")
+    if "".join(kept) == text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())  # the rename must not outlive the lines it keeps
+    tmp.replace(path)
+
+
 class StepRecorder(LoopPart):
     """Every rank appends one JSON line per step to its own file: the step, this rank's loss, a
-    hash of its token ids and the global sample positions ``[start, end)`` the step consumed
-    (every rank's samples of the step). Comparing these files shows whether a resumed run repeated the
-    uninterrupted one exactly and whether the data stream repeated or skipped anything.
+    hash of its token ids, the global sample positions ``[start, end)`` the step consumed
+    (every rank's samples of the step) and the number of ranks. Comparing these files shows
+    whether a resumed run repeated the uninterrupted one exactly and whether the data stream
+    repeated or skipped anything.
 
     A run resumed from a checkpoint runs the steps after it again (an earlier run logged them
     before it was preempted or killed): at its first step the file is cut back to the steps
-    before it, so it holds every step exactly once, as the run that finished computed it."""
+    before it, so it holds every step exactly once, as the run that finished computed it. Rank 0
+    cuts back the files of the ranks a resume on fewer ranks left out the same way: no one else
+    writes them. ``rank``, ``world_size``: torch.distributed's (0 and 1 without it) unless
+    given."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, rank: int | None = None, world_size: int | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        spread = dist.is_available() and dist.is_initialized()
+        self.rank = (dist.get_rank() if spread else 0) if rank is None else rank
+        self.world = (dist.get_world_size() if spread else 1) if world_size is None else world_size
         self.file = None  # opened at the first step, once the resumed step is known
 
     def on_step_end(self, s: StepState) -> None:
@@ -352,6 +390,7 @@ class StepRecorder(LoopPart):
                     "tokens_sha256": s.tokens_sha256,
                     "skipped": s.skipped,
                     "samples": samples,
+                    "world_size": self.world,
                     "time": time.time(),
                 }
             )
@@ -364,24 +403,14 @@ class StepRecorder(LoopPart):
         self.file = None  # reopened at the next step, cut back to the steps before it
 
     def _open_from(self, step: int):
-        """Keep the records of the steps before ``step`` (dropping a line cut short by a kill),
-        replace the file with them in one rename, and append from there."""
-        kept = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if (
-                    isinstance(record, dict)
-                    and isinstance(record.get("step"), int)
-                    and record["step"] < step
-                ):
-                    kept.append(line + "\n")
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(self.path)
+        """Cut this rank's file (rank 0: also those of ranks past the world size) back to the
+        steps before ``step``, and append to this rank's from there."""
+        cut_back(self.path, step)
+        if self.rank == 0:
+            rank = self.world  # a run's ranks are 0..N-1: its files are too
+            while (other := self.path.with_name(STEP_RECORDS.format(rank=rank))).exists():
+                cut_back(other, step)
+                rank += 1
         return open(self.path, "a")
 
     def close(self) -> None:

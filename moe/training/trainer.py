@@ -74,6 +74,7 @@ from moe.training.resilience.nan_guard import NonFiniteGuard
 from moe.training.resilience.preemption import PreemptionGuard, exit_for_requeue
 from moe.training.resilience.spike_guard import (
     LossSpikeGuard,
+    cut_back_events,
     recorded_events,
     skipped_windows,
 )
@@ -504,6 +505,8 @@ def add_parts(run: Run, data: PreparedData) -> None:
     run.add(ThroughputMeter(train_flops, peak_flops(cfg, run.engine.device), env.world_size))
     run.add(RouterBalance(moe_layers))  # after the meters: its statistics join the state
     run.add(NonFiniteGuard(t.max_consecutive_skips, env.rank))  # the first guard: its stop wins
+    if env.rank == 0:  # the record of this run's history: an earlier attempt's later events go
+        cut_back_events(run_dir, run.state.step + 1)
     # Whatever train.spike says now: data that a rollback took out stays out.
     events = recorded_events(run_dir)
     run.loader.skip(skipped_windows(events))
@@ -516,7 +519,7 @@ def add_parts(run: Run, data: PreparedData) -> None:
             DownstreamEvaluator(run.engine, cfg, env.rank, env.world_size, data.tokenizer_file())
         )
     run.add(ConsoleReporter(env.rank))
-    run.add(StepRecorder(files.step_records(env.rank)))
+    run.add(StepRecorder(files.step_records(env.rank), env.rank, env.world_size))
     if env.rank == 0 and cfg.logging.tensorboard:
         counts = parameter_counts(run.model, cfg.parallel.expert_parallel_size)
         run.add(TensorBoardReporter(files.tensorboard, config_text, hparams(cfg, counts)))

@@ -208,6 +208,19 @@ def test_last_step_counts_a_rerun_step_once_with_its_latest_line(tmp_path):
     assert last_steps(tmp_path) == {"step": 4, "loss": 24.5, "tokens_per_s": 1234}
 
 
+def test_last_step_leaves_out_the_ranks_a_resume_on_fewer_ranks_dropped(tmp_path):
+    """Resumed from step 2 on 1 rank of 2: rank 1's log stops at step 2 (cut back), rank 0's
+    records name the world size they ran on."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rank0 = [{"step": s, "loss": 10.0 + s, "world_size": 2} for s in (1, 2)]
+    rank0 += [{"step": s, "loss": 20.0 + s, "world_size": 1} for s in (3, 4, 5)]
+    rank1 = [{"step": s, "loss": 30.0 + s, "world_size": 2} for s in (1, 2)]
+    for rank, lines in enumerate((rank0, rank1)):
+        (logs / f"steps_rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert last_steps(tmp_path) == {"step": 5, "loss": 25.0, "tokens_per_s": None}
+
+
 def test_logs_show_the_job_log_and_a_rank_log(tmp_path, no_slurm_memory, capsys):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

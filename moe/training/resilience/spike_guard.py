@@ -12,7 +12,10 @@ every rank (no weight, optimizer or LR-schedule change). Skipped steps count tow
 ``train.max_consecutive_skips``. Each event is logged, written to TensorBoard
 (``train/loss_spike_zscore``) and recorded in ``RUN_DIR/skipped_batches.jsonl`` with the global
 sample positions the step consumed (the data order is a function of the position, so the record
-of consumed samples stays exact: the samples were read, not trained on).
+of consumed samples stays exact: the samples were read, not trained on). A run resumed from a
+checkpoint decides the steps after it again: when it starts (with the guard on or off), the skips
+an earlier run recorded for them leave the file, so it holds each event once, as the run that
+finished decided it (rollbacks stay, see below).
 
 Rolling back (``action: rollback``) starts the same way: the spiking step's update is dropped.
 Then every rank restores model, optimizer, LR schedule, data cursor, RNG and this guard's window
@@ -47,7 +50,7 @@ import torch.distributed as dist
 
 from moe.config.run import SpikeConfig
 from moe.training.decision import CONTINUE, Decision, Rollback, Skip, Stop
-from moe.training.hooks import LoopPart, StepState
+from moe.training.hooks import LoopPart, StepState, cut_back
 
 log = logging.getLogger("moe.train")
 
@@ -81,6 +84,14 @@ def recorded_events(run_dir: Path) -> list[dict]:
         dist.broadcast_object_list(box, src=0)
         events = box[0]
     return [e for e in events if isinstance(e, dict)]
+
+
+def cut_back_events(run_dir: Path, step: int) -> None:
+    """A run resumed before ``step`` decides the steps from ``step`` on again: the events an
+    earlier run recorded for them leave ``RUN_DIR/skipped_batches.jsonl``, except rollbacks,
+    whose samples the resumed run skips too (:func:`skipped_windows`), so it never meets those
+    spikes again. Rank 0's, which writes the file."""
+    cut_back(Path(run_dir) / SKIPPED_BATCHES, step, keep=lambda e: e.get("action") == "rollback")
 
 
 def skipped_windows(events: list[dict]) -> list[list[int]]:

@@ -4,10 +4,12 @@ the spike is detected, the update is skipped on every rank, the event is recorde
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
 
+from launch.slurm.jobs import last_steps
 from moe.checkpoint.files import complete_tags
 from moe.config.run import RunConfig
 from moe.core.config_schema import from_dict
@@ -52,7 +54,7 @@ def _steps(run_dir, rank):
     return [json.loads(line) for line in (run_dir / "logs" / f"steps_rank{rank}.jsonl").open()]
 
 
-def _run(tiny_data, tmp_path, name, action):
+def _config(tiny_data, tmp_path, name, action):
     cfg = tiny_run_dict(
         tiny_data,
         tmp_path / "runs",
@@ -63,7 +65,11 @@ def _run(tiny_data, tmp_path, name, action):
     )
     cfg["name"] = name
     cfg["checkpoint"] = {"every_n_steps": 1}
-    run_distributed(_worker, 2, cfg)
+    return cfg
+
+
+def _run(tiny_data, tmp_path, name, action):
+    run_distributed(_worker, 2, _config(tiny_data, tmp_path, name, action))
     return tmp_path / "runs" / name
 
 
@@ -111,6 +117,35 @@ def test_without_the_guard_the_bad_step_is_applied(tiny_data, tmp_path):
     assert any(not torch.equal(before[n], after[n]) for n in before)
     assert not (run_dir / SKIPPED_BATCHES).exists()
     assert complete_tags(ckpt)[-1] == f"step_{BAD_STEP + 1:07d}"
+
+
+def _resume_worker(rank, world, cfg_dict):
+    train(from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world))
+
+
+def test_a_resume_on_fewer_ranks_keeps_one_history(tiny_data, tmp_path):
+    """The run above, its checkpoints after step 7 lost, resumed on 1 rank with the same global
+    batch (launch.elastic's restart) and the guard off: steps 8-10 run again, without the bad
+    batch (rank 1's). The skip of step 9 leaves the record (also with no guard to write it) and
+    rank 1's log, which no rank writes any more, is cut back to step 7: each step and each
+    sample once in the history."""
+    run_dir = _run(tiny_data, tmp_path, "shrunk", "skip")
+    assert [e["step"] for e in map(json.loads, (run_dir / SKIPPED_BATCHES).open())] == [BAD_STEP]
+    for tag in complete_tags(run_dir / "checkpoints")[7:]:
+        shutil.rmtree(run_dir / "checkpoints" / tag)
+    cfg = _config(tiny_data, tmp_path, "shrunk", "off")
+    cfg["parallel"].update(world_size=1, expert_parallel_size=1)
+    cfg["train"]["grad_accum_steps"] = 2
+    run_distributed(_resume_worker, 1, cfg)
+
+    assert (run_dir / SKIPPED_BATCHES).read_text() == ""
+    assert [r["step"] for r in _steps(run_dir, 1)] == list(range(1, 8))
+    final = _steps(run_dir, 0)
+    assert [r["step"] for r in final] == list(range(1, BAD_STEP + 2))
+    assert [r["world_size"] for r in final] == [2] * 7 + [1] * 3
+    positions = sorted(i for r in final for i in range(*r["samples"]))
+    assert positions == list(range((BAD_STEP + 1) * 4))  # a global batch of 4 sequences
+    assert last_steps(run_dir)["step"] == BAD_STEP + 1
 
 
 def test_spike_settings_are_validated(tiny_data, tmp_path):
