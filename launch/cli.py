@@ -63,16 +63,16 @@ def exits_cleanly(main):
         except (MoEError, DataError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        except BrokenPipeError:
+            # The reader went away (``moe-launch ... | head``): stop quietly. Python would flush
+            # stdout again at exit and fail the same way, so point it at /dev/null first.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except OSError as e:
             if e.errno not in STORAGE_ERRNOS:
                 raise
             # A full, read-only or over-quota disk, or no permission: the path and the cause.
             print(f"error: {storage_problem(e)}", file=sys.stderr)
             sys.exit(2)
-        except BrokenPipeError:
-            # The reader went away (``moe-launch ... | head``): stop quietly. Python would flush
-            # stdout again at exit and fail the same way, so point it at /dev/null first.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(1)
 
     return wrapper
