@@ -314,7 +314,9 @@ def test_a_damaged_or_mismatched_checkpoint_is_not_restarted(tmp_path):
         f"{ckpt} and run the same command again"
     )
     (newest / "checkpoint.json").write_text("{not json")
-    assert "move" in final_cause(pytest.raises(CheckpointError, verify_files, newest).value, ckpt)[1]
+    assert (
+        "move" in final_cause(pytest.raises(CheckpointError, verify_files, newest).value, ckpt)[1]
+    )
     mismatch = CheckpointError(f"checkpoint {newest} does not match this run: model.d_model")
     assert final_cause(mismatch, ckpt) == ("checkpoint", str(mismatch))  # no hint: not damage
 
