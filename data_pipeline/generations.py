@@ -10,6 +10,7 @@ preparation never leaves data the reader would accept.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import shutil
@@ -30,6 +31,7 @@ from data_pipeline.shards import (
     write_manifest,
 )
 from data_pipeline.tokenizer import TOKENIZER_FILE
+from data_pipeline.write_errors import write_error, writing
 from moe.core.fileio import fsync_path
 
 Fill = Callable[[Path], PrepareReport]
@@ -52,23 +54,44 @@ def _publish_local(cfg: DataConfig, gen: str, fill: Fill) -> PrepareReport:
     data_dir = Path(cfg.dir)
     for legacy in (".staging", ".old"):  # left by versions that swapped whole directories
         shutil.rmtree(data_dir.with_name(f".{data_dir.name}{legacy}"), ignore_errors=True)
-    created = not data_dir.exists()
+    made = [d for d in (data_dir, *data_dir.absolute().parents) if not d.exists()]
     staging = data_dir / gen
     shutil.rmtree(staging, ignore_errors=True)  # empty directories a killed run left
     try:
-        staging.mkdir(parents=True)
-        report = fill(staging)
+        with writing(staging):  # a full or read-only disk: one line naming the file
+            staging.mkdir(parents=True)
+            report = fill(staging)
         report.manifest = _in_generation(report.manifest, gen)
-        fsync_path(staging)  # the shards' names are on disk before the manifest names them
-        write_manifest(data_dir, report.manifest)
-        fsync_path(data_dir)
+        with writing(data_dir / MANIFEST):
+            fsync_path(staging)  # the shards' names are on disk before the manifest names them
+            write_manifest(data_dir, report.manifest)
+            fsync_path(data_dir)
     except BaseException:
-        shutil.rmtree(data_dir if created else staging, ignore_errors=True)
+        shutil.rmtree(data_dir if made else staging, ignore_errors=True)
+        for d in made[1:]:  # the folders above data.dir this preparation created
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        for tmp in data_dir.glob(f".{MANIFEST}.tmp*"):  # a manifest write that failed
+            tmp.unlink(missing_ok=True)
         raise
     return report
 
 
 def _publish_remote(cfg: DataConfig, gen: str, fill: Fill) -> PrepareReport:
+    try:
+        return _upload_generation(cfg, gen, fill)
+    except OSError as e:
+        failure = write_error(e, Path(tempfile.gettempdir()))
+        if failure is None:
+            raise
+        raise DataError(
+            f"{failure}; an s3:// data.dir is prepared in a local temporary directory first "
+            "(set TMPDIR to a disk with room)"
+        ) from e
+
+
+def _upload_generation(cfg: DataConfig, gen: str, fill: Fill) -> PrepareReport:
+    """Fill the generation in a local temporary directory, upload it, then the manifest."""
     with tempfile.TemporaryDirectory(prefix="moe-prepare-") as tmp:
         staging = Path(tmp) / gen
         staging.mkdir()

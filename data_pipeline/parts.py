@@ -31,6 +31,7 @@ from data_pipeline.sources import WorkItem, work_items
 from data_pipeline.split import SPLIT_RULE
 from data_pipeline.tokenizer import TOKENIZER_FILE, Tokenizer
 from data_pipeline.workers import EncodedSplit, ItemCounts, Loader, load_encoded
+from data_pipeline.write_errors import FileSnapshot, writing
 from moe.core.fileio import write_atomic
 
 
@@ -64,13 +65,21 @@ def _items_hash(numbered: list[tuple[SourceConfig, int, WorkItem]]) -> str:
 
 def prepare_tokenizer(cfg: DataConfig, progress: bool = True) -> Path:
     """Step 1 of a preparation on many machines: build the tokenizer once, into parts_dir."""
+    with writing(parts_dir(cfg)):
+        return _write_tokenizer(cfg, progress)
+
+
+def _write_tokenizer(cfg: DataConfig, progress: bool) -> Path:
+    """The tokenizer and its record (tokenizer.json) in parts_dir; on failure, the parts
+    directory as it was."""
     parts = parts_dir(cfg)
-    parts.mkdir(parents=True, exist_ok=True)
     items = {s.name: work_items(s, cfg.s3) for s in cfg.sources}
+    made = not parts.exists()
     tmp = parts / ".tokenizer.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    kept = FileSnapshot([parts / TOKENIZER_FILE, parts / "tokenizer.json"])
     try:
+        tmp.mkdir(parents=True)
         # A tokenizer trained on the inputs is theirs: the merge checks they did not change.
         inputs = (
             None
@@ -90,6 +99,12 @@ def prepare_tokenizer(cfg: DataConfig, progress: bool = True) -> Path:
             parts / "tokenizer.json",
             json.dumps({"config_hash": config_hash(cfg), "inputs": inputs}).encode(),
         )
+    except BaseException:
+        if made:
+            shutil.rmtree(parts, ignore_errors=True)
+        else:  # the earlier tokenizer and its record, as they were
+            kept.restore()
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return parts / TOKENIZER_FILE
@@ -155,6 +170,11 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
     """Step 2, on machine ``index`` of ``count``: tokenize work items index, index + count, ...
     (round robin over every source's items in order, so sizes spread evenly) into
     parts_dir/part-i-of-N, written under a temporary name and renamed when complete."""
+    with writing(parts_dir(cfg)):
+        return _write_part(cfg, index, count, progress)
+
+
+def _write_part(cfg: DataConfig, index: int, count: int, progress: bool) -> Path:
     if not 0 <= index < count:
         raise DataError(f"--part {index}/{count}: the part must be between 0 and {count - 1}")
     tokenizer = _parts_tokenizer(cfg)
@@ -163,9 +183,9 @@ def prepare_part(cfg: DataConfig, index: int, count: int, progress: bool = True)
     final = parts_dir(cfg) / _part_name(index, count)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     redo = f"run moe-prepare CONFIG --part {index}/{count} again"
     try:
+        tmp.mkdir()
         jobs = [
             (s, cfg.valid_fraction, it, None, str(tmp / f"{s.name}-{i}.bin")) for s, i, it in mine
         ]

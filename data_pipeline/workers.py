@@ -28,6 +28,7 @@ from data_pipeline.shards import SPLITS
 from data_pipeline.sources import ItemDocuments, WorkItem, read_item
 from data_pipeline.split import KEY_BYTES, content_key, in_valid_split, in_valid_split_by_location
 from data_pipeline.tokenizer import Tokenizer
+from data_pipeline.write_errors import writing
 
 TASK_BYTES = 1 << 20
 TASK_ITEMS = 16
@@ -84,7 +85,9 @@ def load_docs(path: str) -> ItemDocuments:
 def read_into_spill(args: tuple[SourceConfig, WorkItem, str]) -> str:
     """Read one work item into the spill file ``args[2]``; returns its path."""
     source, item, spill = args
-    _dump_docs(read_item(source, item, _S3), spill)
+    docs = read_item(source, item, _S3)
+    with writing(Path(spill)):
+        _dump_docs(docs, spill)
     return spill
 
 
@@ -124,7 +127,9 @@ def encode_item(
         for v, (doc_id, _) in zip(valid, docs.docs)
     )
     counts = []
-    with open(spill, "wb") as f:
+    # f.write, not ndarray.tofile: tofile reports a full disk as a short write with no errno
+    # ("N requested and M written") and silently loses a small array whose flush fails.
+    with writing(Path(spill)), open(spill, "wb") as f:
         for split in SPLITS:
             mine = [v == (split == "valid") for v in valid]
             texts = [text for (_, text), m in zip(docs.docs, mine) if m]
@@ -136,13 +141,15 @@ def encode_item(
                 for x in ids:
                     x.append(eos)
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-            lengths.tofile(f)
+            f.write(lengths)
             # chain.from_iterable flattens in C: a generator over every token cost 13% of encode.
-            np.fromiter(
-                itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum())
-            ).tofile(f)
+            f.write(
+                np.fromiter(
+                    itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum())
+                )
+            )
             if masks is not None:
-                np.concatenate([np.zeros(0, np.uint8), *masks]).tofile(f)
+                f.write(np.concatenate([np.zeros(0, np.uint8), *masks]))
             f.write(b"".join(key for key, m in zip(keys, mine) if m))
             counts.append(len(ids))
     return ItemCounts(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
@@ -10,6 +9,7 @@ import sys
 
 from data_pipeline.errors import DataError
 from moe.core.errors import MoEError
+from moe.core.fileio import STORAGE_CAUSES
 
 
 def setup_logging(rank: int = 0, log_file: str | None = None) -> None:
@@ -39,18 +39,13 @@ def setup_logging(rank: int = 0, log_file: str | None = None) -> None:
     warnings_log.propagate = False
 
 
-STORAGE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM)
+STORAGE_ERRNOS = tuple(STORAGE_CAUSES)
 
 
 def storage_problem(e: OSError, what: str = "") -> str:
     """``e`` (an errno of STORAGE_ERRNOS) as one line: the path, what failed, why."""
-    why = {
-        errno.ENOSPC: "the disk is full",
-        errno.EROFS: "the file system is read-only",
-        errno.EDQUOT: "the disk quota is exceeded",
-    }.get(e.errno or 0, e.strerror or str(e))
     path = e.filename if e.filename is not None else "a file"
-    return f"{path}: could not write{' ' + what if what else ''}: {why}"
+    return f"{path}: could not write{' ' + what if what else ''}: {STORAGE_CAUSES[e.errno]}"
 
 
 def exits_cleanly(main):

@@ -169,14 +169,14 @@ def test_a_full_disk_while_writing_the_run_directory_leaves_none(tmp_path, monke
         write_run_dir(Plan(), run_dir, "name: x\n")
     assert (
         str(e.value)
-        == f"{run_dir / 'plan.json'}: could not write the run directory: the disk is full"
+        == f"{run_dir / 'plan.json'}: could not write the run directory: the disk holding it is full"
     )
     assert not run_dir.exists()
     run_dir.mkdir(parents=True)  # an existing run (a resume) keeps what it had
     (run_dir / "kept").write_text("1")
     Plan.write_run_dir = lambda self, text: (_ for _ in ()).throw(OSError(errno.EROFS, "ro", "f"))
     with pytest.raises(
-        LaunchError, match="f: could not write the run directory: the file system is read-only"
+        LaunchError, match="f: could not write the run directory: the disk holding it is read-only"
     ):
         write_run_dir(Plan(), run_dir, "")
     assert (run_dir / "kept").read_text() == "1"
@@ -196,7 +196,7 @@ def test_any_command_reports_a_storage_error_in_one_line(capsys):
     assert e.value.code == 2
     assert (
         capsys.readouterr().err
-        == "error: /data/out.arrow: could not write: the disk quota is exceeded\n"
+        == "error: /data/out.arrow: could not write: this user's disk quota on the disk holding it is used up\n"
     )
 
     @exits_cleanly
