@@ -24,11 +24,13 @@ from data_pipeline import generations, instruction, storage, workers
 from data_pipeline.assemble import Encoded, PrepareReport, check_not_empty, finish, write_shards
 from data_pipeline.config import DataConfig, S3Config, SourceConfig
 from data_pipeline.errors import DataError
+from data_pipeline.prepared import checked_tokenizer
 from data_pipeline.progress import item_bar
 from data_pipeline.shards import Manifest, read_manifest
 from data_pipeline.sources import WorkItem, work_items
 from data_pipeline.split import SPLIT_RULE
 from data_pipeline.tokenizer import TOKENIZER_FILE, LineSample, Tokenizer, train_tokenizer
+from data_pipeline.write_errors import write_error, writing
 
 SAMPLE_SEED = 0
 """Seed of the tokenizer's line sample: fixed, so that data.seed (the reading order) does not
@@ -108,6 +110,7 @@ def _prepared_already(cfg: DataConfig, data_dir: Path | str, want: str, t0: floa
         raise DataError(f"{e}; {replace}") from e
     if existing.config_hash != want:
         raise DataError(f"{data_dir} holds data prepared from a different config; {replace}")
+    checked_tokenizer(data_dir, existing, cfg.s3)  # a replaced one would reach every checkpoint
     if existing.split_rule is None:
         _note(
             f"{data_dir} was split by document location (before split_rule "
@@ -159,6 +162,9 @@ def build_tokenizer(
         try:
             shutil.copyfile(cfg.tokenizer.model_file, tok_path)
         except OSError as e:
+            failure = write_error(e, tok_path)
+            if failure is not None:
+                raise failure from e
             raise DataError(f"tokenizer.model_file {cfg.tokenizer.model_file}: {e.strerror}") from e
         return Tokenizer(tok_path), None
     sample = LineSample(cfg.tokenizer.sample_sentences, SAMPLE_SEED)
@@ -199,7 +205,8 @@ def build_tokenizer(
             f"pieces) on {len(sample.lines):,} of {sample.seen:,} lines",
             flush=True,
         )
-    return train_tokenizer(sample.lines, cfg.tokenizer, tok_path), cache
+    with writing(tok_path):
+        return train_tokenizer(sample.lines, cfg.tokenizer, tok_path), cache
 
 
 def _prepare_into(cfg: DataConfig, staging: Path, want: str, progress: bool) -> PrepareReport:

@@ -17,11 +17,32 @@ import numpy as np
 from data_pipeline import storage
 from data_pipeline.cache import ObjectCache, default_cache_dir
 from data_pipeline.config import DataConfig, S3Config
-from data_pipeline.errors import DataError, corrupt
+from data_pipeline.errors import DataError
 from data_pipeline.shards import Manifest, ShardData, ShardInfo, open_shard_data, read_manifest
 from moe.core.fileio import write_atomic
 
 DEFAULT_CACHE_BYTES = DataConfig.cache_bytes
+
+
+def checked_tokenizer(data_dir: str | Path, manifest: Manifest, s3: S3Config) -> bytes:
+    """The bytes of the data's tokenizer (a local file or an ``s3://`` object), checked against
+    the manifest's SHA-256: a run tokenizes nothing, so a tokenizer replaced after the
+    preparation would otherwise go unnoticed into every checkpoint, beside tokens it did not
+    make. The way out either way: the original file, or the data prepared again."""
+    info = manifest.tokenizer
+    where = storage.join(data_dir, info["file"])
+    fix = "restore the file the data was prepared with, or run moe-prepare --force"
+    try:
+        data = storage.read_bytes(where, s3)
+    except OSError as e:
+        raise DataError(f"{where}: cannot read the data's tokenizer ({e.strerror}); {fix}") from e
+    found = hashlib.sha256(data).hexdigest()
+    if found != info["sha256"]:
+        raise DataError(
+            f"{where}: not the tokenizer the data was prepared with: its SHA-256 is {found}, "
+            f"the manifest's is {info['sha256']}; {fix}"
+        )
+    return data
 
 
 class PreparedData:
@@ -41,6 +62,8 @@ class PreparedData:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.cache_bytes, self.read_ahead = cache_bytes, read_ahead
         self.manifest: Manifest = read_manifest(self.dir, self.s3)
+        if not self.remote:  # on S3: checked when fetched (tokenizer_file)
+            checked_tokenizer(self.dir, self.manifest, self.s3)
         self._cache: ObjectCache | None = None
 
     @classmethod
@@ -68,17 +91,14 @@ class PreparedData:
         return self._cache
 
     def tokenizer_file(self) -> Path:
-        """A local copy of the tokenizer (fetched and checked against the manifest's SHA-256)."""
+        """A local copy of the tokenizer, checked against the manifest's SHA-256 (a local
+        directory's when the data was opened; an ``s3://`` one's when fetched)."""
         info = self.manifest.tokenizer
         if not self.remote:
             return Path(self.dir) / info["file"]
         local = self.cache_dir / f"tokenizer-{info['sha256'][:16]}" / info["file"]
         if not local.exists():
-            url = str(self.location(info["file"]))
-            data = storage.read_bytes(url, self.s3)
-            found = hashlib.sha256(data).hexdigest()
-            if found != info["sha256"]:
-                raise corrupt(url, "object", found, info["sha256"])
+            data = checked_tokenizer(self.dir, self.manifest, self.s3)
             local.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(local, data)
         return local

@@ -5,7 +5,9 @@ Arrow record batch), listed in a deterministic order; the preparation reads and 
 parallel processes and writes their documents in item order, so the result does not depend on the
 number of workers. Each document has an id that is stable for the same input files (its place
 in them); the train/validation split is decided by the document's text (see split.py).
-Bytes that are not valid UTF-8 are decoded with U+FFFD and counted, never silently dropped.
+Bytes that are not valid UTF-8 are decoded with U+FFFD and counted, never silently dropped; so
+are lone surrogates, which JSON escapes (``"\\ud800"``) and Python literals allow and UTF-8 has
+no form for.
 Text and JSONL files may be gzip or zstd compressed (streams.py). Paths may be
 ``s3://bucket/key`` URLs (globs included) for every file-based type but ``hf_disk``; see
 storage.py.
@@ -35,6 +37,7 @@ from data_pipeline import storage
 from data_pipeline.config import S3Config, SourceConfig
 from data_pipeline.errors import DataError
 from data_pipeline.streams import LOCAL, STREAM_CHUNK, compression, open_stream, read_bytes
+from data_pipeline.tokenizer import without_surrogates
 
 
 def stdlib_files() -> list[Path]:
@@ -363,7 +366,7 @@ class ItemDocuments:
 
     docs: list[tuple[str, str]] = field(default_factory=list)
     invalid_utf8: int = 0
-    """Invalid UTF-8 sequences replaced by U+FFFD."""
+    """Invalid UTF-8 sequences and lone surrogates replaced by U+FFFD."""
     empty: int = 0
     """Documents with no text (empty, whitespace or null), skipped."""
     filtered: int = 0
@@ -380,6 +383,8 @@ class ItemDocuments:
             if len(self.empty_rows) < EMPTY_ROWS_KEPT:
                 self.empty_rows.append(row)
         else:
+            text, surrogates = without_surrogates(text)
+            self.invalid_utf8 += surrogates
             self.docs.append((doc_id, text))
 
 

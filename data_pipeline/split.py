@@ -23,10 +23,10 @@ keys among billions of documents)."""
 def content_key(text: str) -> bytes:
     """What identifies a document's text for the split and for deduplication: SHA-256 of its
     UTF-8 bytes after ``str.strip()`` (Unicode whitespace at both ends) and Unicode NFC, its
-    first KEY_BYTES bytes. The text tokenized is the document's own, unchanged."""
+    first KEY_BYTES bytes. The text tokenized is the document's own, unchanged. A document's
+    text as read has no lone surrogates (sources.py replaces them by U+FFFD)."""
     text = unicodedata.normalize("NFC", text.strip())
-    # surrogatepass: JSON may hold lone surrogates ("\ud800"), which strict UTF-8 refuses
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:KEY_BYTES]
+    return hashlib.sha256(text.encode("utf-8")).digest()[:KEY_BYTES]
 
 
 def in_valid_split(key: bytes, fraction: float) -> bool:

@@ -213,6 +213,45 @@ def test_tokenizer_vocabulary_larger_than_the_model(tiny_data, tmp_path):
     assert resolve_vocab(from_dict(RunConfig, raw)).model.vocab_size == 512
 
 
+def test_a_replaced_tokenizer_is_refused_by_prepare_and_by_training(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
+    """Prepared data whose tokenizer file was swapped for another (a valid one, of other
+    tokens): moe-prepare does not call it prepared, and a run refuses it before building
+    anything, with a data error no restart retries; the original file back, both go on."""
+    from launch.train import final_cause
+    from moe.training import trainer
+    from tests.data_pipeline.test_tokenizer_json import write_json
+
+    copy, _ = prepared_copy(tiny_data, tmp_path)
+    manifest = read_manifest(copy)
+    tokenizer = copy / manifest.tokenizer["file"]
+    original = tokenizer.read_bytes()
+    write_json(tokenizer)
+    found = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    raw = tiny_run_dict(tiny_data, tmp_path / "runs")
+    raw["data"]["dir"] = str(copy)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    needles = (str(tokenizer), found, manifest.tokenizer["sha256"], "moe-prepare --force")
+    cli_fails([str(config), "--quiet"], capsys, *needles)
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built on data with a replaced tokenizer")
+
+    monkeypatch.setattr(trainer, "build_engine", no_engine)
+    cfg = from_dict(RunConfig, raw)
+    with pytest.raises(DataError) as e:
+        trainer.start_run(cfg, trainer.DistEnv(0, 1, 0, 1), resume="none")
+    assert all(needle in str(e.value) for needle in needles), e.value
+    assert final_cause(e.value, tmp_path / "runs") == ("data", str(e.value))
+
+    tokenizer.write_bytes(original)
+    prepare_cli.main([str(config), "--quiet"])
+    assert "already prepared" in capsys.readouterr().out
+    assert PreparedData(copy).tokenizer_file() == tokenizer
+
+
 def test_empty_source(tiny_data, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("  \n\n ")
@@ -310,6 +349,87 @@ def test_non_utf8_bytes_are_replaced_and_counted(tiny_data, tmp_path, capsys):
     streams = [TokenStream(tmp_path / "out", split) for split in ("train", "valid")]
     text = tok.decode([t for s in streams for t in s.read(0, len(s)) if t != tok.eos_id])
     assert "valid text \ufffd then \ufffd\ufffd and a cut \ufffd end" in text
+
+
+LONE = "\ud800"
+"""A lone surrogate: JSON's "\\ud800" escape and a Python literal allow it, UTF-8 has no form."""
+
+
+def corpus_paragraphs(tiny_data, count: int) -> list[str]:
+    return [
+        p.strip()
+        for path in sorted(Path(tiny_data.sources[0].paths[0]).iterdir())
+        for p in path.read_text(encoding="utf-8").split("\n\n")
+        if p.strip()
+    ][:count]
+
+
+def surrogate_source(tiny_data, tmp_path, kind: str) -> tuple[dict, int, int]:
+    """A source of documents that hold lone surrogates (the corpus's paragraphs, so that a
+    tokenizer trained on them is a real one), how many they hold, and how many documents
+    hold ``"U+FFFD lone"`` once they are replaced."""
+    paras = corpus_paragraphs(tiny_data, 30)
+    if kind == "python":  # a docstring's escape
+        (tmp_path / "py").mkdir()
+        for i, para in enumerate(paras):
+            (tmp_path / "py" / f"m{i}.py").write_text(f'"""{para} \\ud800 lone"""\n')
+        return {"name": "u", "type": kind, "paths": [str(tmp_path / "py")]}, len(paras), len(paras)
+    if kind == "instruction":
+        records = [{"prompt": f"Say{LONE} it", "response": f"{p} {LONE} lone"} for p in paras]
+    else:
+        records = [{"text": f"{p} {LONE} lone"} for p in paras]
+    path = tmp_path / "u.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))  # with "\ud800" escapes
+    per_record = 2 if kind == "instruction" else 1
+    return {"name": "u", "type": kind, "paths": [str(path)]}, per_record * len(paras), len(paras)
+
+
+@pytest.mark.parametrize(
+    "kind,trained",
+    [("jsonl", False), ("jsonl", True), ("instruction", False), ("python", False)],
+    ids=["encode", "tokenizer-training", "instruction-spans", "python-docstring"],
+)
+def test_lone_surrogates_are_replaced_and_counted(tiny_data, tmp_path, capsys, kind, trained):
+    source, replaced, documents = surrogate_source(tiny_data, tmp_path, kind)
+    docs = {"name": "docs", "type": "text", "paths": tiny_data.sources[0].paths}
+    config = run_config(tiny_data, tmp_path, [docs, source])
+    if not trained:
+        raw = yaml.safe_load(config.read_text())
+        raw["data"]["tokenizer"] = {"model_file": str(PreparedData(tiny_data.dir).tokenizer_file())}
+        config.write_text(yaml.safe_dump(raw))
+    prepare_cli.main([str(config), "--quiet"])
+    out = capsys.readouterr().out
+    assert f"source 'u': {replaced} invalid UTF-8 sequences replaced with U+FFFD" in out
+    stats = {s["name"]: s for s in read_manifest(tmp_path / "out").sources}
+    assert stats["u"]["invalid_utf8"] == replaced and stats["docs"]["invalid_utf8"] == 0
+    tok = Tokenizer(PreparedData(tmp_path / "out").tokenizer_file())
+    streams = [TokenStream(tmp_path / "out", split) for split in ("train", "valid")]
+    text = tok.decode([t for s in streams for t in s.read(0, len(s)) if t != tok.eos_id])
+    assert text.count("\ufffd lone") == documents
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "tokenizer.json"])
+def test_a_tokenizer_takes_lone_surrogates_as_u_fffd(tiny_data, tmp_path, kind):
+    """Text that comes through no source (a prompt, a template written in YAML) may hold lone
+    surrogates too: every path into a tokenizer reads each as U+FFFD, one character for one."""
+    from data_pipeline.tokenizer import train_tokenizer
+    from tests.data_pipeline.test_tokenizer_json import write_json
+
+    if kind == "sentencepiece":
+        tok = Tokenizer(PreparedData(tiny_data.dir).tokenizer_file())
+    else:
+        write_json(tmp_path / "tokenizer.json")
+        tok = Tokenizer(tmp_path / "tokenizer.json")
+    text, clean = f"the {LONE}box \udfff", "the \ufffdbox \ufffd"
+    assert tok.encode(text) == tok.encode(clean)
+    assert tok.encode_batch([text, "fox"]) == tok.encode_batch([clean, "fox"])
+    [(ids, spans)], [(clean_ids, clean_spans)] = tok.encode_spans([text]), tok.encode_spans([clean])
+    assert ids == clean_ids and np.array_equal(spans, clean_spans)
+    if kind == "sentencepiece":
+        lines = corpus_paragraphs(tiny_data, 400)
+        dirty = train_tokenizer(lines + [text], tiny_data.tokenizer, tmp_path / "a.model")
+        plain = train_tokenizer(lines + [clean], tiny_data.tokenizer, tmp_path / "b.model")
+        assert dirty.sha256 == plain.sha256
 
 
 def test_corrupt_or_mislabelled_compressed_input(tiny_data, tmp_path, capsys):
