@@ -11,6 +11,7 @@ Values in the scripts go through shlex.quote; ``#SBATCH`` values through
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import shutil
 import subprocess
@@ -18,10 +19,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_pipeline.errors import DataError
 from data_pipeline.parts import parts_dir
-from launch.run_plan import RESOLVED_CONFIG
+from data_pipeline.write_errors import FileSnapshot, writing
+from launch.run_plan import RESOLVED_CONFIG, Plan
+from launch.slurm.checks import check_submission
 from launch.slurm.jobs import query, read_jobs, record_submission
 from launch.slurm.script import (
+    JOB_SCRIPT,
     env_exports,
     extra_directives,
     sbatch_directive,
@@ -133,8 +138,9 @@ def build(cfg: RunConfig, count: int, force: bool = False) -> PrepareJobs:
 
 
 def submit(cfg: RunConfig, jobs: PrepareJobs) -> dict[str, str]:
-    """Write the scripts and the config snapshot, submit the three jobs chained, record them;
-    the job id of each step."""
+    """Check the three jobs with SLURM, write the scripts and the config snapshot, submit the
+    jobs chained, record them; the job id of each step. Until a job is submitted, a failure
+    leaves the job directory as it was."""
     if shutil.which("sbatch") is None:
         raise LaunchError(
             "'sbatch' not found on PATH: --slurm-parts submits SLURM jobs from "
@@ -147,26 +153,70 @@ def submit(cfg: RunConfig, jobs: PrepareJobs) -> dict[str, str]:
                 f"{jobs.job_dir}: job {job.job_id} of an earlier submission is "
                 f"{job.state}; cancel it (moe-launch cancel {job.job_id}) or wait"
             )
-    write_atomic(jobs.job_dir / RESOLVED_CONFIG, dump_config(cfg))
-    (jobs.job_dir / "logs").mkdir(exist_ok=True)  # SLURM does not create a log's directory
-    for step, text in jobs.scripts.items():
-        write_atomic(jobs.job_dir / f"{step}.sbatch", text)
+    shape = _job_shape(cfg)
+    for text in jobs.scripts.values():  # SLURM's own verdict, before anything is written
+        check_submission(
+            shape, Plan("slurm", ["sbatch"], str(jobs.job_dir), 1, files={JOB_SCRIPT: text})
+        )
+    made = [d for d in (jobs.job_dir, jobs.job_dir / "logs") if not d.exists()]
+    kept = FileSnapshot(
+        [jobs.job_dir / RESOLVED_CONFIG, *(jobs.job_dir / f"{s}.sbatch" for s in STEPS)]
+    )
     ids: dict[str, str] = {}
+    try:
+        with writing(jobs.job_dir):
+            write_atomic(jobs.job_dir / RESOLVED_CONFIG, dump_config(cfg))
+            (jobs.job_dir / "logs").mkdir(exist_ok=True)  # SLURM does not create a log's directory
+            for step, text in jobs.scripts.items():
+                write_atomic(jobs.job_dir / f"{step}.sbatch", text)
+            _submit_chain(jobs, ids)
+    except BaseException as e:
+        if ids:  # the queued jobs read their scripts and the config snapshot: both stay
+            if not isinstance(e, Exception):
+                raise
+            listed = ", ".join(f"{k} {v}" for k, v in ids.items())
+            raise LaunchError(
+                f"{e}; jobs already submitted: {listed}; they stay queued, their scripts and "
+                f"config in {jobs.job_dir}: cancel them (scancel {' '.join(ids.values())}) "
+                "before submitting again"
+            ) from e
+        kept.restore()
+        if made:
+            shutil.rmtree(made[0], ignore_errors=True)
+        if isinstance(e, (LaunchError, DataError)):
+            raise type(e)(f"{e}; no job was submitted, {jobs.job_dir} is as it was") from e
+        raise
+    return ids
+
+
+def _submit_chain(jobs: PrepareJobs, ids: dict[str, str]) -> None:
+    """Submit the steps in order, each after the one before; ``ids`` gains each job's id as
+    soon as SLURM took it (before it is recorded)."""
     previous = None
     for step in STEPS:
         command = jobs.sbatch(step, previous)
         proc = subprocess.run(command, capture_output=True, text=True)
         job_id = proc.stdout.strip().split(";")[0]
         if proc.returncode != 0 or not job_id.isdigit():
-            submitted = ", ".join(f"{k} {v}" for k, v in ids.items()) or "none"
             raise LaunchError(
                 f"sbatch refused the {step} job (exit code {proc.returncode}): "
-                f"{proc.stderr.strip() or proc.stdout.strip()}; jobs already "
-                f"submitted: {submitted}"
+                f"{proc.stderr.strip() or proc.stdout.strip()}"
             )
-        record_submission(jobs.job_dir, job_id, command[-1], jobs.logs[step])
         ids[step] = previous = job_id
-    return ids
+        record_submission(jobs.job_dir, job_id, command[-1], jobs.logs[step])
+
+
+def _job_shape(cfg: RunConfig) -> RunConfig:
+    """``cfg`` as SLURM sees each preparation job: one task on one node, with
+    data.prepare_workers CPUs and no GPU (what check_submission compares with the partition)."""
+    s = dataclasses.replace(
+        cfg.launch.slurm, nodes=1, cpus_per_task=cfg.data.prepare_workers, gpus_per_node=0
+    )
+    return dataclasses.replace(
+        cfg,
+        launch=dataclasses.replace(cfg.launch, slurm=s),
+        parallel=dataclasses.replace(cfg.parallel, world_size=1),
+    )
 
 
 def watch_lines(jobs: PrepareJobs, ids: dict[str, str]) -> list[str]:
