@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
 
 from data_pipeline.errors import DataError
 from moe.core.errors import MoEError
@@ -46,6 +49,31 @@ def storage_problem(e: OSError, what: str = "") -> str:
     """``e`` (an errno of STORAGE_ERRNOS) as one line: the path, what failed, why."""
     path = e.filename if e.filename is not None else "a file"
     return f"{path}: could not write{' ' + what if what else ''}: {STORAGE_CAUSES[e.errno]}"
+
+
+class Terminated(BaseException):
+    """SIGTERM to a command outside the ranks' training, raised in its main thread (as Ctrl-C's
+    KeyboardInterrupt is) so that what it runs cleans up on the way out: a preparation's worker
+    pools are stopped and its staging removed, with no worker left to print a broken pipe."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def terminated_cleanly() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` in the block (a handler of its own inside it, such as
+    moe-launch's for the ranks, takes precedence while installed)."""
+
+    def on_term(signum, frame):
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exits_cleanly(main):

@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 
 from data_pipeline.prepare import prepare
-from launch.cli import STORAGE_ERRNOS, exits_cleanly, storage_problem
+from launch.cli import (
+    STORAGE_ERRNOS,
+    Terminated,
+    exits_cleanly,
+    storage_problem,
+    terminated_cleanly,
+)
 from launch.elastic import Elastic
 from launch.finish import finish
 from launch.interrupts import LauncherSignals
@@ -405,12 +411,15 @@ def job_command(argv) -> None:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if argv and argv[0] in JOB_COMMANDS:
-            job_command(argv)
-        else:
-            launch(argv)
+        with terminated_cleanly():
+            if argv and argv[0] in JOB_COMMANDS:
+                job_command(argv)
+            else:
+                launch(argv)
     except KeyboardInterrupt:  # Ctrl-C outside training (data preparation, evaluation)
         raise stopped("interrupted (Ctrl-C)", 128 + signal.SIGINT) from None
+    except Terminated:  # the same for SIGTERM
+        raise stopped("stopped by SIGTERM", 128 + signal.SIGTERM) from None
 
 
 if __name__ == "__main__":
