@@ -196,6 +196,33 @@ def train_tokenizer(lines: list[str], cfg: TokenizerConfig, out_path: Path) -> T
     if not lines:
         raise DataError("cannot train a tokenizer: the sources hold no text")
     model = io.BytesIO()
+    try:
+        _train(lines, cfg, model)
+    except RuntimeError as e:  # SentencePiece's checks of the vocabulary against the corpus
+        raise DataError(_training_problem(str(e), cfg.vocab_size)) from None
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_bytes(model.getvalue())
+    tmp.replace(out_path)
+    return Tokenizer(out_path)
+
+
+def _training_problem(message: str, vocab_size: int) -> str:
+    """SentencePiece's refusal (``INTERNAL: file(line) [check] what``) as the config's terms."""
+    what = message.rsplit("] ", 1)[-1].strip()
+    what = what.replace(" or decrease character_coverage with --character_coverage option", "")
+    fix = ""
+    if m := re.search(r"smaller than required_chars\. (\d+) vs (\d+)", what):
+        fix = f"; set data.tokenizer.vocab_size to at least {m.group(2)}"
+    elif m := re.search(r"too high \((\d+)\)\. Please set it to a value <= (\d+)", what):
+        fix = f"; set data.tokenizer.vocab_size to at most {m.group(2)}, or add text"
+    return (
+        f"data.tokenizer.vocab_size {vocab_size}: SentencePiece cannot train a tokenizer of "
+        f"this size on the sampled text ({what}){fix}"
+    )
+
+
+def _train(lines: list[str], cfg: TokenizerConfig, model: io.BytesIO) -> None:
     spm.SentencePieceTrainer.Train(
         sentence_iterator=iter(utf8_texts(lines)),
         model_writer=model,
@@ -215,8 +242,3 @@ def train_tokenizer(lines: list[str], cfg: TokenizerConfig, out_path: Path) -> T
         normalization_rule_name=cfg.normalization,
         remove_extra_whitespaces=cfg.normalization != "identity",
     )
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_bytes(model.getvalue())
-    tmp.replace(out_path)
-    return Tokenizer(out_path)

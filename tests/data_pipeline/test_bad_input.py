@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -515,3 +516,30 @@ def test_empty_rows_are_counted_per_file_with_their_rows_or_refused(
         "data.on_empty is 'error'",
     )
     assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "vocab,fix",
+    [
+        (300, r"; set data.tokenizer.vocab_size to at least \d+$"),
+        (100000, r"to at most \d+, or add"),
+    ],
+)
+def test_a_vocabulary_the_corpus_cannot_fill_is_a_named_error(tmp_path, vocab, fix):
+    """SentencePiece refuses a vocabulary smaller than the corpus's characters or larger than
+    its text can make: a DataError naming the key and the size that works, not a traceback."""
+    from data_pipeline.config import TokenizerConfig
+    from data_pipeline.tokenizer import train_tokenizer
+    from tests.conftest import write_corpus
+
+    write_corpus(tmp_path / "corpus")
+    lines = [
+        line
+        for f in sorted((tmp_path / "corpus").iterdir())
+        for line in f.read_text().splitlines()
+        if line.strip()
+    ]
+    with pytest.raises(DataError) as e:
+        train_tokenizer(lines, TokenizerConfig(vocab_size=vocab), tmp_path / "t.model")
+    assert str(e.value).startswith(f"data.tokenizer.vocab_size {vocab}: SentencePiece cannot")
+    assert re.search(fix, str(e.value)) and not (tmp_path / "t.model").exists()
