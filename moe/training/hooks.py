@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,16 +137,44 @@ class ConsoleReporter(LoopPart):
 
 
 class TensorBoardReporter(LoopPart):
-    """Rank 0 writes scalars; values are already averaged over ranks by the loop."""
+    """Rank 0 writes scalars; values are already averaged over ranks by the loop.
 
-    def __init__(self, log_dir: Path, config_text: str, hparams: dict | None = None):
+    The run's TensorBoard history holds each step once, as the run that finished computed it, as
+    the step records do: a run that starts after step ``start_step`` (the resumed checkpoint's,
+    0 for a new run) runs the steps after it again, so its event file begins with a purge of
+    them, and a rollback purges the steps after its checkpoint the same way. The rollbacks
+    recorded for those steps stand (the run skips their samples and never meets those spikes
+    again): their scalars are written again after each purge. The running counts (loss spikes,
+    rollbacks, skipped steps) go on from the run's history at ``start_step``: ``events``, the
+    run's event record as cut back for this start (spike_guard.py, ``recorded_events``), and
+    ``step_records``, rank 0's step records (:class:`StepRecorder`). They are not checkpoint
+    state: a rollback restores those, and the counts go on across it."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        config_text: str,
+        hparams: dict | None = None,
+        start_step: int = 0,
+        events: Sequence[dict] = (),
+        step_records: Path | None = None,
+    ):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
-        self.skipped = 0  # steps skipped for a non-finite loss or gradient norm, so far
         self.spikes = 0  # loss spikes, so far
         self.rollbacks = 0  # rollbacks for a loss spike, so far
+        self.standing: list[tuple[int, dict]] = []  # (step, scalars) of each rollback
+        for e in events:
+            self._spike(
+                e["step"], e.get("zscore"), e.get("action") == "rollback", e.get("rolled_back_to")
+            )
+        # Steps skipped for a non-finite loss or gradient norm or a spike, so far: those the
+        # step records hold up to the start, and each rollback's spiking step (its record left
+        # with the steps the rollback undid).
+        self.skipped = skipped_steps(step_records, start_step) + self.rollbacks
+        self._purge_after(start_step)
         self.writer.add_text("config", "```\n" + config_text + "\n```", 0)
         if hparams:
             # Written into this run's own event file (SummaryWriter.add_hparams would open a
@@ -155,17 +183,44 @@ class TensorBoardReporter(LoopPart):
             for summary in hparams_summary(hparams, metrics):
                 self.writer.file_writer.add_summary(summary)
 
+    def _spike(
+        self, step: int, zscore: float | None, rollback: bool, rollback_to: int | None
+    ) -> dict:
+        """Count a loss spike at ``step``; its scalars, those of a rollback (to checkpoint step
+        ``rollback_to``) kept to write again after a purge."""
+        self.spikes += 1
+        scalars = {"train/loss_spike_zscore": zscore, "train/loss_spikes": self.spikes}
+        if rollback:
+            self.rollbacks += 1
+            scalars["train/loss_rollbacks"] = self.rollbacks
+            scalars["train/loss_rollback_to_step"] = rollback_to
+        scalars = {tag: value for tag, value in scalars.items() if value is not None}
+        if rollback:
+            self.standing.append((step, scalars))
+        return scalars
+
+    def _purge_after(self, step: int) -> None:
+        """The steps after ``step`` run again: a SessionLog START at step + 1 (what
+        ``SummaryWriter(purge_step=)`` writes) makes TensorBoard's reader drop every earlier
+        event at or after it, from this file and the earlier ones. Then the rollbacks after
+        ``step``, which stand, are written again."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        start = SessionLog(status=SessionLog.START)
+        self.writer.file_writer.add_event(Event(step=step + 1, session_log=start))
+        self.standing = [(s, scalars) for s, scalars in self.standing if s > step]
+        for s, scalars in self.standing:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, s)
+        self.writer.flush()
+
     def on_step_end(self, s: StepState) -> None:
         self.skipped += int(s.skipped)
         w = self.writer
         if s.spike_zscore is not None:  # every event, logging step or not
-            self.spikes += 1
-            w.add_scalar("train/loss_spike_zscore", s.spike_zscore, s.step)
-            w.add_scalar("train/loss_spikes", self.spikes, s.step)
-            if s.rollback_to is not None:
-                self.rollbacks += 1
-                w.add_scalar("train/loss_rollbacks", self.rollbacks, s.step)
-                w.add_scalar("train/loss_rollback_to_step", s.rollback_to, s.step)
+            rollback = s.rollback_to is not None
+            for tag, value in self._spike(s.step, s.spike_zscore, rollback, s.rollback_to).items():
+                w.add_scalar(tag, value, s.step)
             w.flush()
         if not s.is_log_step:
             return
@@ -185,8 +240,29 @@ class TensorBoardReporter(LoopPart):
             add_bucket_histogram(w, tag, counts, s.step)
         w.flush()
 
+    def on_rollback(self, client: dict) -> None:
+        self._purge_after(int(client["step"]))
+
     def close(self) -> None:
         self.writer.close()
+
+
+def skipped_steps(step_records: Path | None, last: int) -> int:
+    """How many steps up to ``last`` the step records (:class:`StepRecorder`) mark skipped."""
+    if step_records is None or not step_records.exists():
+        return 0
+    skipped = set()
+    for line in step_records.read_text().splitlines():
+        if '"skipped": true' not in line:  # json.dumps' spelling; most lines: no need to parse
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            if record["step"] <= last:
+                skipped.add(record["step"])
+    return len(skipped)
 
 
 class ThroughputMeter(LoopPart):

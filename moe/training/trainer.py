@@ -522,7 +522,16 @@ def add_parts(run: Run, data: PreparedData) -> None:
     run.add(StepRecorder(files.step_records(env.rank), env.rank, env.world_size))
     if env.rank == 0 and cfg.logging.tensorboard:
         counts = parameter_counts(run.model, cfg.parallel.expert_parallel_size)
-        run.add(TensorBoardReporter(files.tensorboard, config_text, hparams(cfg, counts)))
+        run.add(
+            TensorBoardReporter(
+                files.tensorboard,
+                config_text,
+                hparams(cfg, counts),
+                start_step=run.state.step,  # the resumed checkpoint's; 0 for a new run
+                events=events,
+                step_records=files.step_records(env.rank),
+            )
+        )
     save_ctx = SaveContext(
         config_text=config_text,
         tokenizer_file=data.tokenizer_file(),
