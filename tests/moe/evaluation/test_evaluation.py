@@ -1,9 +1,7 @@
 """Perplexity against a plain reference loop, on prepared data and on text files; the checks on
 which tokens a model may be evaluated on."""
 
-import json
 import math
-import shutil
 
 import numpy as np
 import pytest
@@ -24,6 +22,7 @@ from moe.evaluation.evaluate import (
 )
 from moe.model.transformer import MoETransformer
 from tests.conftest import tiny_run_dict
+from tests.helpers.other_tokenizer import copy_with_other_tokenizer
 from tests.helpers.reference import reference_loss
 from tests.helpers.threads import single_thread  # noqa: F401 (fixture)
 
@@ -82,11 +81,7 @@ def test_bad_evaluation_data_names_the_problem(run_cfg, tiny_data, tmp_path):
     with pytest.raises(ConfigError, match="not both"):
         open_eval_data(run_cfg, data_dir=tiny_data.dir, text_files=["x.txt"])
     # Data tokenized by another tokenizer: its ids would mean other text to the model.
-    other = tmp_path / "other"
-    shutil.copytree(tiny_data.dir, other)
-    manifest = json.loads((other / "manifest.json").read_text())
-    manifest["tokenizer"]["sha256"] = "0" * 64
-    (other / "manifest.json").write_text(json.dumps(manifest))
+    other = copy_with_other_tokenizer(tiny_data.dir, tmp_path / "other")
     with pytest.raises(DataError, match="another tokenizer"):
         open_eval_data(run_cfg, data_dir=str(other))
     (tmp_path / "empty.txt").write_text("")

@@ -29,6 +29,7 @@ from moe.core.errors import CheckpointError, TrainingError
 from moe.training.trainer import DistEnv, train
 from tests.conftest import tiny_run_dict
 from tests.helpers.distributed import run_distributed
+from tests.helpers.other_tokenizer import copy_with_other_tokenizer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -226,11 +227,7 @@ def test_config_and_tokenizer_mismatch_are_refused_before_anything_is_written(
     assert str(ckpt / "run_config.yaml") in msg
 
     # Same data, but a manifest naming another tokenizer.
-    data_copy = tmp_path / "data"
-    shutil.copytree(tiny_data.dir, data_copy)
-    manifest = json.loads((data_copy / "manifest.json").read_text())
-    manifest["tokenizer"]["sha256"] = "f" * 64
-    (data_copy / "manifest.json").write_text(json.dumps(manifest))
+    data_copy = copy_with_other_tokenizer(tiny_data.dir, tmp_path / "data")
     other = copy.deepcopy(cfg_dict)
     other["data"]["dir"] = str(data_copy)
     with pytest.raises(
