@@ -14,7 +14,9 @@ import hashlib
 import itertools
 import json
 import multiprocessing as mp
+import multiprocessing.pool as mp_pool
 import resource
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -43,6 +45,9 @@ _S3 = S3Config()
 
 def init_worker(tokenizer_path: str | None, s3: S3Config = _S3) -> None:
     global _TOKENIZER, _S3
+    # Ctrl-C reaches the whole process group: the main process stops the pool (worker_pool);
+    # a worker's own KeyboardInterrupt would only print its traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _TOKENIZER = Tokenizer(tokenizer_path) if tokenizer_path else None
     _S3 = s3
 
@@ -262,10 +267,35 @@ def load_spill(path: str, counts: list[int], masked: bool) -> dict[str, EncodedS
 def worker_pool(workers: int, tokenizer_path: str | None, s3: S3Config) -> Iterator:
     """A pool of ``workers`` spawned processes, each with the tokenizer at ``tokenizer_path``
     (None: reading only, for the tokenizer's sample) and the S3 settings ``s3``."""
-    with mp.get_context("spawn").Pool(
+    pool = mp.get_context("spawn").Pool(
         workers, initializer=init_worker, initargs=(tokenizer_path, s3)
-    ) as pool:
+    )
+    try:
         yield pool
+    except BaseException:
+        stop_now(pool)
+        raise
+    pool.terminate()
+
+
+def stop_now(pool) -> None:
+    """Stop ``pool`` at once, whatever its workers were doing. Pool.terminate() first takes the
+    task queue's lock, which an idle worker holds while it waits for a task: a worker killed
+    then (a SIGTERM to the whole process group, as timeout, kill -- -PGID and scancel send)
+    never releases it, and terminate() waits forever. Here no worker is started in place of a
+    dead one, every worker is killed and reaped, and the pool's own finalizer (terminate() at
+    exit) is dropped; its threads are daemons, which the exit does not wait for."""
+    handler = getattr(pool, "_worker_handler", None)
+    if handler is not None:
+        handler._state = mp_pool.TERMINATE
+    workers = list(getattr(pool, "_pool", ()))
+    for w in workers:
+        w.kill()
+    for w in workers:
+        w.join()
+    finalizer = getattr(pool, "_terminate", None)
+    if finalizer is not None:
+        finalizer.cancel()
 
 
 def encode_jobs(

@@ -1,6 +1,7 @@
-"""SIGTERM and Ctrl-C to moe-prepare while its worker pool runs: the pool is stopped and the
-staging removed on the way out, one line and 143 (130), no worker traceback, nothing written
-(docs/launching.md: the same for moe-launch before the ranks start)."""
+"""SIGTERM and Ctrl-C to moe-prepare while its worker pool runs, to the main process or to the
+whole process group (timeout, kill -- -PGID, scancel; a terminal's Ctrl-C): the pool is stopped
+and the staging removed on the way out, one line and 143 (130), no worker traceback, no hang,
+nothing written (docs/launching.md: the same for moe-launch before the ranks start)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from launch.prepare import main
 
 load, sent = workers.load_spill, []
 def load_spill(*args):
-    if not sent:
-        sent.append(os.kill(os.getpid(), getattr(signal, sys.argv[1])))
+    if not sent:  # to this process, or to its whole group as timeout and scancel do
+        sig = getattr(signal, sys.argv[1].removesuffix("-group"))
+        kill = os.killpg if sys.argv[1].endswith("-group") else os.kill
+        sent.append(kill(os.getpgid(0) if kill is os.killpg else os.getpid(), sig))
     return load(*args)
 
 workers.load_spill = load_spill
@@ -36,7 +39,12 @@ main(sys.argv[2:])
 
 @pytest.mark.parametrize(
     "sig,code,line",
-    [("SIGTERM", 143, "stopped by SIGTERM"), ("SIGINT", 130, "interrupted (Ctrl-C)")],
+    [
+        ("SIGTERM", 143, "stopped by SIGTERM"),
+        ("SIGINT", 130, "interrupted (Ctrl-C)"),
+        ("SIGTERM-group", 143, "stopped by SIGTERM"),
+        ("SIGINT-group", 130, "interrupted (Ctrl-C)"),
+    ],
 )
 def test_a_signal_during_the_pool_stops_it_without_a_trace(tmp_path, sig, code, line):
     write_corpus(tmp_path / "corpus")
@@ -64,6 +72,7 @@ def test_a_signal_during_the_pool_stops_it_without_a_trace(tmp_path, sig, code, 
         capture_output=True,
         text=True,
         timeout=300,
+        start_new_session=True,  # a process group of its own, for the group's signal
     )
     assert proc.returncode == code, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == f"moe-prepare: {line}", proc.stderr[-3000:]
