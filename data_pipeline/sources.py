@@ -536,18 +536,27 @@ def _column_documents(
     if len(rows) < table.num_rows:
         column = column.take(pa.array(rows))
     if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
-        values = []
-        for raw in column.to_pylist():
-            text, bad = decode(raw) if raw is not None else (None, 0)
-            out.invalid_utf8 += bad
-            values.append(text)
+        values = _decoded(column, out)
     elif pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        values = column.to_pylist()
+        try:
+            values = column.to_pylist()
+        except UnicodeDecodeError:  # writers need not check: a string column may hold any bytes
+            values = _decoded(column.cast(pa.large_binary()), out)
     else:
         raise DataError(f"{path}: column {source.field!r} is {column.type}, expected strings")
     for row, text in zip(rows.tolist(), values):
         out.add(f"{name}#{part}:{row + first_row}", text, out.rows + row)
     out.rows += table.num_rows
+
+
+def _decoded(column, out: ItemDocuments) -> list[str | None]:
+    """A binary column's values as text, bytes that are not UTF-8 replaced and counted."""
+    values = []
+    for raw in column.to_pylist():
+        text, bad = decode(raw) if raw is not None else (None, 0)
+        out.invalid_utf8 += bad
+        values.append(text)
+    return values
 
 
 def read_item(source: SourceConfig, item: WorkItem, s3: S3Config = LOCAL) -> ItemDocuments:

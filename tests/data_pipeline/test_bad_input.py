@@ -543,3 +543,30 @@ def test_a_vocabulary_the_corpus_cannot_fill_is_a_named_error(tmp_path, vocab, f
         train_tokenizer(lines, TokenizerConfig(vocab_size=vocab), tmp_path / "t.model")
     assert str(e.value).startswith(f"data.tokenizer.vocab_size {vocab}: SentencePiece cannot")
     assert re.search(fix, str(e.value)) and not (tmp_path / "t.model").exists()
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_a_string_column_holding_bytes_that_are_not_utf8_is_read_replaced_and_counted(
+    tmp_path, kind
+):
+    """Arrow does not check a string column's bytes when it is written: one holding invalid
+    UTF-8 (here the encoding of a lone surrogate, ED A0 80) is read as text with U+FFFD, each
+    bad byte counted, as a binary column's or a text file's are."""
+    import pyarrow.parquet as pq
+
+    from data_pipeline.config import SourceConfig
+    from data_pipeline.sources import read_item, work_items
+
+    raw = pa.array([b"good text", b"bad \xed\xa0\x80 bytes", None], type=pa.binary())
+    column = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+    path = tmp_path / f"x.{kind}"
+    if kind == "parquet":
+        pq.write_table(pa.table({"text": column}), path)
+    else:
+        with pa.ipc.new_file(path, pa.schema([("text", pa.string())])) as w:
+            w.write_table(pa.table({"text": column}))
+    source = SourceConfig(name="t", type=kind, paths=[str(path)])
+    [item] = work_items(source)
+    docs = read_item(source, item)
+    assert [text for _, text in docs.docs] == ["good text", "bad \ufffd\ufffd\ufffd bytes"]
+    assert docs.invalid_utf8 == 3 and docs.empty == 1
