@@ -5,7 +5,9 @@ DeepSpeed adapter, the evaluation, the exporters and upcycling all build on it."
 from __future__ import annotations
 
 import json
+import pickle
 import re
+import zipfile
 from pathlib import Path
 
 import torch
@@ -221,6 +223,16 @@ def load_file(path: Path) -> dict:
         raise DamagedCheckpointError(
             f"{path}: unreadable checkpoint file ({type(e).__name__}: {e})"
         ) from e
+
+
+def unreadable(e: BaseException) -> bool:
+    """Whether ``e``, raised while a checkpoint file was deserialized (torch.load, also inside
+    DeepSpeed), says that the file's bytes are not what was saved, rather than that the machine
+    failed (memory, a collective)."""
+    if isinstance(e, (UnicodeDecodeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile)):
+        return True
+    damage = ("PytorchStreamReader", "invalid load key", "unpickl", "archive")
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in damage)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -27,9 +27,15 @@ from data_pipeline.prepared import PreparedData
 from data_pipeline.reader import PackedReader
 from data_pipeline.shards import read_manifest
 from data_pipeline.token_stream import validation_windows
-from moe.checkpoint.files import verify_checkpoint
+from moe.checkpoint.files import unreadable, verify_checkpoint
 from moe.config.run import SIGNALS, RunConfig, dump_config
-from moe.core.errors import CheckpointError, ConfigError, LaunchError, TrainingError
+from moe.core.errors import (
+    CheckpointError,
+    ConfigError,
+    DamagedCheckpointError,
+    LaunchError,
+    TrainingError,
+)
 from moe.model.adapters.qlora import quantize_base
 from moe.model.compile import compile_blocks
 from moe.model.recompute import apply_recompute
@@ -237,7 +243,15 @@ def resume_from(
         and marker["expert_parallel_size"] == cfg.parallel.expert_parallel_size
     )
     if same_layout:
-        path, client = engine.load_checkpoint(str(tag_dir.parent), tag_dir.name)
+        try:
+            path, client = engine.load_checkpoint(str(tag_dir.parent), tag_dir.name)
+        except Exception as e:
+            if not unreadable(e):
+                raise
+            raise DamagedCheckpointError(
+                f"{tag_dir}: a file of this checkpoint cannot be read ({type(e).__name__}: {e}); "
+                "it has its recorded size, so it was altered after the save"
+            ) from e
         if path is None or client is None:
             raise CheckpointError(f"could not load checkpoint {tag_dir}")
     else:
@@ -251,7 +265,7 @@ def resume_from(
             )
     problems = check_loaded_experts(model, marker.get("expert_fingerprints"))
     if problems:
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"{tag_dir}: expert weights are wrong after loading: " + "; ".join(problems)
         )
     load_rng(tag_dir, marker, env.rank, env.world_size, cfg.train.seed)

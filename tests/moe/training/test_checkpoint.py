@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -376,3 +377,33 @@ def test_a_lowered_max_steps_trains_and_saves_nothing(tiny_data, tmp_path):
     assert find_latest(ckpt) == "step_0000004"
     summary = json.loads((tmp_path / "runs" / "lowered" / "train_summary.json").read_text())
     assert summary["steps"] == 4 and summary["checkpoint"].endswith("step_0000004")
+
+
+def _resume_worker(rank, world, cfg_dict, ckpt, result):
+    try:
+        train(
+            from_dict(RunConfig, copy.deepcopy(cfg_dict)), DistEnv(rank, world, rank, world), ckpt
+        )
+    except Exception as e:
+        Path(f"{result}.{rank}").write_text(f"{type(e).__name__}: {e}")
+
+
+def test_a_file_altered_at_its_recorded_size_is_a_damaged_checkpoint(killed_run, tmp_path):
+    """Eight bytes of the optimizer states flipped (their size, which the marker records, kept):
+    DeepSpeed's load fails inside torch.load, and the error is a damaged checkpoint naming it,
+    which the supervisor does not restart, not a bare deserialization error."""
+    run_dir, cfg_dict = killed_run
+    ckpt = _copy_checkpoint(run_dir, tmp_path)
+    for rank in range(2):  # both ranks fail alike (one alone would leave the other waiting)
+        state = ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        data = bytearray(state.read_bytes())
+        data[-100:-92] = bytes(b ^ 0xFF for b in data[-100:-92])
+        state.write_bytes(data)
+    verify_files(ckpt)  # the sizes agree
+    cfg = copy.deepcopy(cfg_dict)
+    cfg["name"] = "damaged"
+    run_distributed(_resume_worker, 2, cfg, str(ckpt), str(tmp_path / "result"))
+    got = (tmp_path / "result.1").read_text()
+    assert got.startswith(
+        f"DamagedCheckpointError: {ckpt}: a file of this checkpoint cannot be read"
+    )
