@@ -45,9 +45,10 @@ def setup_logging(rank: int = 0, log_file: str | None = None) -> None:
 STORAGE_ERRNOS = tuple(STORAGE_CAUSES)
 
 
-def storage_problem(e: OSError, what: str = "") -> str:
-    """``e`` (an errno of STORAGE_ERRNOS) as one line: the path, what failed, why."""
-    path = e.filename if e.filename is not None else "a file"
+def storage_problem(e: OSError, what: str = "", where: object = None) -> str:
+    """``e`` (an errno of STORAGE_ERRNOS) as one line: the path (``where`` when the error names
+    none: a buffered write's), what failed, why."""
+    path = next((p for p in (e.filename, where) if p is not None), "a file")
     return f"{path}: could not write{' ' + what if what else ''}: {STORAGE_CAUSES[e.errno]}"
 
 

@@ -156,6 +156,11 @@ def submit(plan: Plan, run_dir: Path, log: str) -> str:
     return job_id
 
 
+MIN_FREE_BYTES = 16 << 20
+"""Below this much free space the run directory's disk counts as full (the run's logs and first
+checkpoint need more; the checkpoint storage's own check, launch/train.py, uses the same floor)."""
+
+
 def check_writable(run_dir: Path) -> None:
     """The run directory, or the directory it will be made in, can be written (a read-only file
     system refuses even root)."""
@@ -165,6 +170,12 @@ def check_writable(run_dir: Path) -> None:
     if not os.access(where, os.W_OK | os.X_OK):
         raise LaunchError(
             f"{run_dir}: cannot write the run directory: {where} is read-only or not writable"
+        )
+    st = os.statvfs(where)
+    if st.f_bavail * st.f_frsize < MIN_FREE_BYTES:
+        raise LaunchError(
+            f"{run_dir}: cannot write the run directory: the disk holding {where} is full "
+            f"({st.f_bavail * st.f_frsize:,} bytes free)"
         )
 
 
@@ -179,7 +190,7 @@ def write_run_dir(plan: Plan, run_dir: Path, config_text: str) -> None:
             raise
         if made:
             shutil.rmtree(run_dir, ignore_errors=True)
-        raise LaunchError(storage_problem(e, "the run directory")) from None
+        raise LaunchError(storage_problem(e, "the run directory", run_dir)) from None
 
 
 def launch(argv) -> None:

@@ -174,6 +174,10 @@ def test_a_full_disk_while_writing_the_run_directory_leaves_none(tmp_path, monke
     assert not run_dir.exists()
     run_dir.mkdir(parents=True)  # an existing run (a resume) keeps what it had
     (run_dir / "kept").write_text("1")
+    Plan.write_run_dir = lambda self, text: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+    with pytest.raises(LaunchError) as e:  # a buffered write's error names no file
+        write_run_dir(Plan(), run_dir, "")
+    assert str(e.value).startswith(f"{run_dir}: could not write the run directory: the disk")
     Plan.write_run_dir = lambda self, text: (_ for _ in ()).throw(OSError(errno.EROFS, "ro", "f"))
     with pytest.raises(
         LaunchError, match="f: could not write the run directory: the disk holding it is read-only"
@@ -205,3 +209,24 @@ def test_any_command_reports_a_storage_error_in_one_line(capsys):
 
     with pytest.raises(OSError):  # not a storage verdict: a traceback, as before
         other([])
+
+
+def test_a_full_output_disk_is_refused_before_the_data_work(tmp_path, capsys, monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    import launch.launch as launch_mod
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"name: x\noutput_dir: {tmp_path / 'runs'}\n")
+    monkeypatch.setattr(
+        launch_mod.os, "statvfs", lambda p: SimpleNamespace(f_bavail=100, f_frsize=4096)
+    )
+    with pytest.raises(SystemExit) as e:
+        main([str(config), f"data.dir={tmp_path / 'data'}"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tmp_path / 'runs' / 'x'}: cannot write the run directory: the disk holding "
+        f"{tmp_path} is full (409,600 bytes free)"
+    )
+    assert not (tmp_path / "data").exists() and os.listdir(tmp_path) == ["c.yaml"]
