@@ -160,6 +160,10 @@ class SourceConfig:
         return self.filter if self.filter.column is not None else None
 
 
+MIN_VOCAB = 300
+"""The least data.tokenizer.vocab_size: byte fallback's 256 pieces, the 4 special ones and room."""
+
+
 @dataclass
 class TokenizerConfig:
     model_file: str | None = None
@@ -180,9 +184,9 @@ class TokenizerConfig:
 
     def problems(self) -> list[str]:
         out = []
-        if self.vocab_size < 300:
+        if self.vocab_size < MIN_VOCAB:
             out.append(
-                f"vocab_size: must be >= 300 (byte fallback needs 256 pieces), "
+                f"vocab_size: must be >= {MIN_VOCAB} (byte fallback needs 256 pieces), "
                 f"got {self.vocab_size}"
             )
         if self.vocab_size > 2**32:

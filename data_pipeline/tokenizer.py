@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from data_pipeline.config import TokenizerConfig
+from data_pipeline.config import MIN_VOCAB, TokenizerConfig
 from data_pipeline.errors import DataError
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
@@ -215,7 +215,12 @@ def _training_problem(message: str, vocab_size: int) -> str:
     if m := re.search(r"smaller than required_chars\. (\d+) vs (\d+)", what):
         fix = f"; set data.tokenizer.vocab_size to at least {m.group(2)}"
     elif m := re.search(r"too high \((\d+)\)\. Please set it to a value <= (\d+)", what):
-        fix = f"; set data.tokenizer.vocab_size to at most {m.group(2)}, or add text"
+        most = int(m.group(2))
+        fix = (
+            f"; set data.tokenizer.vocab_size to at most {most}, or add text"
+            if most >= MIN_VOCAB
+            else f"; the text is too small for the least vocab_size, {MIN_VOCAB}: add text"
+        )
     return (
         f"data.tokenizer.vocab_size {vocab_size}: SentencePiece cannot train a tokenizer of "
         f"this size on the sampled text ({what}){fix}"

@@ -570,3 +570,18 @@ def test_a_string_column_holding_bytes_that_are_not_utf8_is_read_replaced_and_co
     docs = read_item(source, item)
     assert [text for _, text in docs.docs] == ["good text", "bad \ufffd\ufffd\ufffd bytes"]
     assert docs.invalid_utf8 == 3 and docs.empty == 1
+
+
+def test_a_text_too_small_for_any_vocabulary_says_so(tmp_path):
+    """Where the largest size SentencePiece would take is below the least the config allows,
+    the advice is to add text, not a size the config refuses."""
+    from data_pipeline.config import TokenizerConfig
+    from data_pipeline.tokenizer import train_tokenizer
+
+    with pytest.raises(DataError) as e:
+        train_tokenizer(
+            ["a b c d e f g"] * 20,
+            TokenizerConfig(vocab_size=400, model_type="unigram"),
+            tmp_path / "t.model",
+        )
+    assert str(e.value).endswith("; the text is too small for the least vocab_size, 300: add text")
