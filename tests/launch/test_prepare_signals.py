@@ -24,6 +24,9 @@ import os, signal, sys
 from data_pipeline import workers
 from launch.prepare import main
 
+# As in a terminal: a test runner's worker may hand its children SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 load, sent = workers.load_spill, []
 def load_spill(*args):
     if not sent:  # to this process, or to its whole group as timeout and scancel do
