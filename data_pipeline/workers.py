@@ -17,6 +17,7 @@ import multiprocessing as mp
 import multiprocessing.pool as mp_pool
 import resource
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -45,9 +46,6 @@ _S3 = S3Config()
 
 def init_worker(tokenizer_path: str | None, s3: S3Config = _S3) -> None:
     global _TOKENIZER, _S3
-    # Ctrl-C reaches the whole process group: the main process stops the pool (worker_pool);
-    # a worker's own KeyboardInterrupt would only print its traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _TOKENIZER = Tokenizer(tokenizer_path) if tokenizer_path else None
     _S3 = s3
 
@@ -267,9 +265,19 @@ def load_spill(path: str, counts: list[int], masked: bool) -> dict[str, EncodedS
 def worker_pool(workers: int, tokenizer_path: str | None, s3: S3Config) -> Iterator:
     """A pool of ``workers`` spawned processes, each with the tokenizer at ``tokenizer_path``
     (None: reading only, for the tokenizer's sample) and the S3 settings ``s3``."""
-    pool = mp.get_context("spawn").Pool(
-        workers, initializer=init_worker, initargs=(tokenizer_path, s3)
-    )
+    # Ctrl-C reaches the whole process group: the main process stops the pool (stop_now); a
+    # worker's own KeyboardInterrupt would only print its traceback. Spawned with SIGINT
+    # ignored, a worker keeps it so from its first instruction (an ignored signal survives
+    # exec, and Python then installs no handler of its own), its imports included.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        pool = mp.get_context("spawn").Pool(
+            workers, initializer=init_worker, initargs=(tokenizer_path, s3)
+        )
+    finally:
+        if main and previous is not None:  # None: a handler installed outside Python
+            signal.signal(signal.SIGINT, previous)
     try:
         yield pool
     except BaseException:

@@ -82,3 +82,20 @@ def test_a_signal_during_the_pool_stops_it_without_a_trace(tmp_path, sig, code, 
     assert "Traceback" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "data").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name != "corpus"] == ["c.yaml"]
+
+
+def test_the_pool_leaves_the_callers_sigint_handler_as_it_was():
+    """Workers start with SIGINT ignored; the process that makes the pool (a test runner's
+    worker, whose later children would inherit an ignored SIGINT) keeps its own handler."""
+    import signal
+
+    from data_pipeline.config import S3Config
+    from data_pipeline.workers import init_worker, worker_pool
+
+    before = signal.getsignal(signal.SIGINT)
+    init_worker(None)  # what a worker runs first: no signal disposition of its own
+    assert signal.getsignal(signal.SIGINT) is before
+    with worker_pool(1, None, S3Config()) as pool:
+        assert signal.getsignal(signal.SIGINT) is before
+        assert pool.apply(signal.getsignal, (signal.SIGINT,)) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is before
