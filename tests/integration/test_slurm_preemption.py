@@ -187,23 +187,34 @@ def test_usr1_as_the_job_starts_requeues_it_every_time(tiny_data, tmp_path):
 
 @pytest.mark.slurm
 def test_a_cancel_while_the_ranks_start_leaves_the_last_line_and_the_record(tiny_data, tmp_path):
-    """``moe-launch cancel`` while the rank starts up (imports, DeepSpeed, data): the rank holds
-    the TERM until its first step, which comes later than SLURM's KillWait (2 s here; ranks of
-    a large model outlast the default 30 s), and SLURM kills the job's processes, the
-    supervisor included, before srun ends. The supervisor said how the job ended, and recorded
-    it, as the TERM arrived."""
+    """``moe-launch cancel`` before the rank's first step ends (imports, DeepSpeed, data, the
+    first step's compile): the rank holds the TERM until its first step is done, which comes
+    later than SLURM's KillWait (2 s here; ranks of a large model outlast the default 30 s), and
+    SLURM kills the job's processes, the supervisor included, before srun ends. The supervisor
+    said how the job ended, and recorded it, as the TERM arrived.
+
+    The tiny model's first steps take well under a second, so a cancel sent when the rank's
+    task appears can arrive after several steps on a loaded machine. The test-only fault plan
+    holds the rank 60 s in the forward of its first step (a sleep, with the TERM handler
+    installed, as in a long start-up), and the cancel is sent once the rank is there."""
     config, run_dir = slurm_run(tiny_data, tmp_path, name="cancelled", max_steps=100_000)
+    plan = tmp_path / "faults" / "plan.json"
+    plan.parent.mkdir()
+    hang = {"id": 0, "kind": "hang", "rank": 0, "step": 1, "phase": "forward", "seconds": 60}
+    plan.write_text(json.dumps({"fired_dir": str(plan.parent), "faults": [hang]}))
+    job = yaml.safe_load(config.read_text())
+    job["launch"]["env"] = {PLAN_ENV: str(plan)}
+    config.write_text(yaml.safe_dump(job))
     with single_node_cluster(tmp_path / "cluster", settings=("KillWait=2",)) as cluster:
         job_id = submit(config, cluster, "--no-eval")
         job_log = run_dir / "logs" / f"slurm-{job_id}.out"
-
-        def rank_task() -> bool:
-            """A task of the srun step (step 0) runs: the rank imports torch, long before its
-            first step (``scontrol listpids``: PID JOBID STEPID LOCALID GLOBALID)."""
-            rows = cluster.run(["scontrol", "listpids", job_id]).stdout.splitlines()[1:]
-            return any(len(r.split()) == 5 and r.split()[2] == "0" for r in rows)
-
-        wait_for(rank_task, 240, "the rank did not start", cluster, poll=0.05, job_log=job_log)
+        wait_for(
+            lambda: (plan.parent / "fault_0").exists(),
+            240,
+            "the rank did not reach its first step",
+            cluster,
+            job_log=job_log,
+        )
         cancelled = moe_launch(["cancel", str(run_dir)], env=cluster.env)
         assert cancelled.returncode == 0, cancelled.stderr
         assert cluster.wait_job(job_id, 120) == "CANCELLED"
