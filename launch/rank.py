@@ -1,7 +1,7 @@
 """What local and hostfile launches start once per rank: the training entry point
 (``launch.train``) as a child process, and a record of how it ended.
 
-DeepSpeed's launcher reports one exit code per node and never which rank failed, and a rank
+DeepSpeed's launcher and mpiexec report one exit code and never which rank failed, and a rank
 killed by a signal cannot say anything itself. Its parent can: when the rank ends, this process
 appends one JSON line (rank, pid, exit code or signal, time) to
 ``RUN_DIR/logs/exits_rank{R}.jsonl``, from which moe-launch names the failing rank in its
@@ -32,6 +32,18 @@ STOP_WITHIN_S = 2.0
 
 def exits_file(logs_dir: Path, rank: int) -> Path:
     return Path(logs_dir) / f"exits_rank{rank}.jsonl"
+
+
+def rank_of(env: dict) -> int:
+    """This rank's number from whichever launcher started it, in the order of
+    launch/rank_env.py (which the training process reads; this module stays standard library
+    only): torch/DeepSpeed's RANK, Open MPI, MPICH/Hydra and Intel MPI, then SLURM's srun."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"])
+    for key in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if key in env:
+            return int(env[key])
+    return int(env.get("SLURM_PROCID", "0")) if "SLURM_STEP_ID" in env else 0
 
 
 def exit_record(rank: int, pid: int, returncode: int) -> dict:
@@ -95,7 +107,7 @@ def main(argv: list[str]) -> int:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # srun: no RANK
+    rank = rank_of(os.environ)
     config = argv[argv.index("--config") + 1] if "--config" in argv else None
     child = start_training(argv)
     for signum in held:

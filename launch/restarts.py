@@ -56,6 +56,10 @@ class Failure:
     """The step the rank was in: one after the last step it completed in this attempt."""
     hang: str | None = None
     """The hang watchdogs' verdict on ``rank``, which did not reach their collective."""
+    starting: bool = False
+    """The rank (every rank, when ``rank`` is None) completed no step in this attempt: it
+    failed while it started (imports, the engine, the checkpoint, the data) or in its first
+    step."""
 
     @property
     def cause(self) -> str:
@@ -75,9 +79,14 @@ class Failure:
             if self.rank is not None
             else "a rank (the launcher did not say which)"
         )
+        where = (
+            f"before completing a step (starting, or in step {self.step})"
+            if self.starting
+            else f"at step {self.step}"
+        )
         if self.hang:
-            return f"{who} hung at step {self.step}: {self.hang}"
-        return f"{who} exited with {self.cause} at step {self.step}"
+            return f"{who} hung {where}: {self.hang}"
+        return f"{who} exited with {self.cause} {where}"
 
 
 @dataclass
@@ -193,20 +202,21 @@ class Attempt:
         ]
         return sorted(ends, key=lambda e: e["time"])
 
+    def _completed(self, rank: int) -> list[int]:
+        """The steps ``rank`` recorded in this attempt."""
+        records = _read_jsonl(self._steps_file(rank)) if self._written(rank) else []
+        return [rec["step"] for rec in records if isinstance(rec.get("step"), int)]
+
     def last_step(self, rank: int | None) -> int:
         """The last step ``rank`` (None: every rank) completed in this attempt; the resumed
         checkpoint's step if it completed none."""
         ranks = range(self.world) if rank is None else [rank]
-        steps = []
-        for r in ranks:
-            records = _read_jsonl(self._steps_file(r)) if self._written(r) else []
-            steps.append(
-                max(
-                    (rec["step"] for rec in records if isinstance(rec.get("step"), int)),
-                    default=self.resumed_step,
-                )
-            )
-        return min(steps)
+        return min(max(self._completed(r), default=self.resumed_step) for r in ranks)
+
+    def starting(self, rank: int | None) -> bool:
+        """``rank`` (None: every rank) completed no step in this attempt."""
+        ranks = range(self.world) if rank is None else [rank]
+        return not any(self._completed(r) for r in ranks)
 
     def hang(self) -> Failure | None:
         """The rank the hang watchdogs of this attempt found missing from their collective
@@ -253,10 +263,16 @@ class Attempt:
         if hang is not None and ends and ends[0]["returncode"] == HANG_EXIT_CODE:
             return hang
         if not ends:
-            return Failure(None, launcher_rc, None, self.last_step(None) + 1)
+            return Failure(
+                None, launcher_rc, None, self.last_step(None) + 1, starting=self.starting(None)
+            )
         first = ends[0]
         return Failure(
-            first["rank"], first["returncode"], first["signal"], self.last_step(first["rank"]) + 1
+            first["rank"],
+            first["returncode"],
+            first["signal"],
+            self.last_step(first["rank"]) + 1,
+            starting=self.starting(first["rank"]),
         )
 
 

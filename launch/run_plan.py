@@ -80,8 +80,10 @@ class Plan:
 
 
 def entry_point(config_path: Path) -> list[str]:
-    """The training entry point every scheduler starts once per rank."""
-    return [sys.executable, "-u", "-m", "launch.train", "--config", str(config_path)]
+    """What a scheduler that starts processes itself (mpiexec) starts once per rank: the rank
+    wrapper (launch/rank.py), which runs the training entry point (``launch.train``) and records
+    how it ended, so that a failure names its rank."""
+    return [sys.executable, "-u", "-m", "launch.rank", "--config", str(config_path)]
 
 
 # What DeepSpeed's multi-node runner passes through a remote shell unquoted.

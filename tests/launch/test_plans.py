@@ -125,7 +125,7 @@ def test_mpi_plan_passes_the_rendezvous_in_each_flavors_syntax(tmp_path, flavor,
     assert cmd[:3] == ["mpiexec", "-n", "2"]
     assert cmd[3:5] == (["-f", "hosts.txt"] if flavor == "mpich" else ["--hostfile", "hosts.txt"])
     assert cmd[5 : 5 + len(env_args)] == env_args
-    assert cmd[-3:-1] == ["launch.train", "--config"]
+    assert cmd[-3:-1] == ["launch.rank", "--config"]  # records how each rank ended
     assert "--bind-to" in cmd
 
 

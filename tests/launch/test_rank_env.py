@@ -2,6 +2,7 @@
 
 import pytest
 
+from launch.rank import rank_of
 from launch.rank_env import dist_env_from_environment
 from moe.core.errors import LaunchError
 
@@ -57,6 +58,8 @@ from moe.core.errors import LaunchError
 def test_each_launcher_environment_maps_to_rank_and_world(env, expected):
     d = dist_env_from_environment(env)
     assert (d.rank, d.world_size, d.local_rank, d.local_world_size) == expected
+    # The rank wrapper records the training process's end under the same rank.
+    assert rank_of(env) == expected[0]
 
 
 def test_torch_env_carries_the_launchers_rendezvous():

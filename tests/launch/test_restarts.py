@@ -127,7 +127,8 @@ def test_a_failure_no_restart_fixes_stops_at_once_naming_its_cause(tmp_path):
 
 def test_the_failing_step_counts_from_the_checkpoint_the_attempt_resumed(tmp_path, capsys):
     """An attempt that dies before completing a step: the step after the resumed checkpoint, not
-    the step an earlier attempt had reached."""
+    the step an earlier attempt had reached, and said to be a failure while starting, not one
+    of a step that ran."""
     script = [
         {"reach": 9, "ranks": [1, None], "launcher": 1},
         {"reach": 0, "ranks": [2, None], "launcher": 2},
@@ -136,7 +137,8 @@ def test_the_failing_step_counts_from_the_checkpoint_the_attempt_resumed(tmp_pat
     run(tmp_path, script, checkpoints=[6])
     out = capsys.readouterr().out
     assert "rank 0 exited with code 1 at step 10" in out
-    assert "rank 0 exited with code 2 at step 7" in out
+    assert "rank 0 exited with code 2 before completing a step (starting, or in step 7)" in out
+    assert "code 1 before completing" not in out
 
 
 def test_the_same_failure_at_the_same_step_twice_stops_early(tmp_path):
