@@ -37,6 +37,26 @@ class TrainState:
         return None if self.checkpoint is None else (self.checkpoint_step, self.checkpoint)
 
 
+class History:
+    """The summary's history (the logging steps' losses, ``TrainState.history``), carried by every
+    checkpoint: a resumed run's ``train_summary.json`` covers the steps before the resume, as
+    the run that finished computed them, and a run resumed with nothing left to train keeps
+    them. A checkpoint saved before it was carried holds none: the history then starts at the
+    resumed step (a rollback keeps the entries up to its step)."""
+
+    def __init__(self, state: TrainState):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return {"entries": [dict(h) for h in self.state.history]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            self.state.history = [h for h in self.state.history if h["step"] <= self.state.step]
+        else:
+            self.state.history = [dict(h) for h in state["entries"]]
+
+
 @dataclass
 class Run:
     """What the loop drives, built once by ``trainer.start_run``."""

@@ -86,7 +86,7 @@ from moe.training.resilience.spike_guard import (
 )
 from moe.training.resilience.watchdog import HangWatchdog
 from moe.training.routing import RouterBalance
-from moe.training.run import PartFactory, Run, TrainState, close
+from moe.training.run import History, PartFactory, Run, TrainState, close
 from moe.training.step import train_step
 from moe.training.upcycle import check_source_tokenizer, initialize_from_checkpoint
 
@@ -323,14 +323,8 @@ def run_step(run: Run) -> None:
         part.on_step_end(state)
     if isinstance(decision, Stop) and decision.signal is None:
         raise TrainingError(decision.reason)
-    if every and ts.step % every == 0 and state.rollback_to is None:
-        save(run, ts.step)  # a step that rolls back is undone next: never saved
-    if isinstance(decision, Stop):  # a preemption: save the step it names, exit for a requeue
-        save(run, decision.step)
-        exit_for_requeue(run.cfg.run_files.preempted, run.env.rank, decision)
-    if isinstance(decision, Rollback):
-        roll_back(run, decision)
-    elif state.is_log_step:
+    undone = isinstance(decision, Rollback) or state.rollback_to is not None
+    if state.is_log_step and not undone:  # before the saves: a checkpoint carries its own step
         ts.history.append(
             {
                 "step": ts.step,
@@ -339,6 +333,13 @@ def run_step(run: Run) -> None:
                 "tokens_per_s": state.tokens_per_second,
             }
         )
+    if every and ts.step % every == 0 and state.rollback_to is None:
+        save(run, ts.step)  # a step that rolls back is undone next: never saved
+    if isinstance(decision, Stop):  # a preemption: save the step it names, exit for a requeue
+        save(run, decision.step)
+        exit_for_requeue(run.cfg.run_files.preempted, run.env.rank, decision)
+    if isinstance(decision, Rollback):
+        roll_back(run, decision)
 
 
 def save(run: Run, step: int) -> None:
@@ -441,6 +442,7 @@ def start_run(
     )
     try:
         run.carry("data", loader)
+        run.carry("history", History(state))
         if cfg.finetune.method == "esft":  # before the parts: the parameter counts need it
             add_expert_selection(run, reader, select=client is None)
         add_parts(run, data)

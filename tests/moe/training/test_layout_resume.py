@@ -136,7 +136,7 @@ def test_resume_on_another_layout_matches_the_original_layout(tiny_data, tmp_pat
 
     a_tally = tally(a3)
     assert a_tally["steps"] == 3 and a_tally["loss_sum"] > 0  # saved without the checkpointer
-    client_names = {"data", "nonfinite_guard", "tally"}
+    client_names = {"data", "history", "nonfinite_guard", "tally"}
     main = load_file(a3 / MAIN_STATES)
     assert client_names <= main.keys()
     assert main.keys() - client_names <= set(RESERVED_NAMES)  # DeepSpeed's own entries
