@@ -77,6 +77,53 @@ def terminated_cleanly() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def stops_cleanly(prog: str):
+    """Wrap an entry point that writes files: Ctrl-C or SIGTERM stops it with one line
+    (``PROG: interrupted (Ctrl-C)``, ``PROG: stopped by SIGTERM``) and exit code 130 or 143,
+    after what it runs has cleaned up on the way out (a staging directory removed, worker pools
+    stopped). The signal is recorded as it arrives: a library that calls back into Python
+    (safetensors' writer) may turn the exception raised there into an error of its own. A
+    signal already ignored (nohup, a background job) stays ignored."""
+
+    def wrap(main):
+        @functools.wraps(main)
+        def wrapper(argv=None):
+            received: list[int] = []
+
+            def on_signal(signum, frame):
+                received.append(signum)
+                raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+            handled = [
+                s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN
+            ]
+            previous = {s: signal.signal(s, on_signal) for s in handled}
+            try:
+                return main(argv)
+            except BaseException as e:
+                signum = received[0] if received else _signal_of(e)
+                if signum is None:
+                    raise
+                why = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "stopped by SIGTERM"
+                print(f"{prog}: {why}", file=sys.stderr, flush=True)
+                raise SystemExit(128 + signum) from None
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+        return wrapper
+
+    return wrap
+
+
+def _signal_of(e: BaseException) -> int | None:
+    """The signal behind ``e``: Ctrl-C's KeyboardInterrupt (raised by Python's own handler where
+    SIGINT was not ours to handle), :class:`Terminated`; None for anything else."""
+    if isinstance(e, KeyboardInterrupt):
+        return signal.SIGINT
+    return e.signum if isinstance(e, Terminated) else None
+
+
 def exits_cleanly(main):
     """Wrap an entry point: a user-facing error prints one clear message and exits 2."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch.cli import exits_cleanly
+from launch.cli import exits_cleanly, stops_cleanly
 from moe.checkpoint.files import resolve_checkpoint
 from moe.tools.export import (
     export_adapters,
@@ -23,6 +23,7 @@ from moe.tools.peft_export import export_peft
 
 
 @exits_cleanly
+@stops_cleanly("moe-export")
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="moe-export", description=__doc__)
     p.add_argument(

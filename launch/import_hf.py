@@ -9,12 +9,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from launch.cli import exits_cleanly
+from launch.cli import exits_cleanly, stops_cleanly
 from moe.tools.hf_import import TOKENIZER_FILES, import_hf
 from moe.weights.hf import tokenizer_record
 
 
 @exits_cleanly
+@stops_cleanly("moe-import")
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="moe-import", description=__doc__)
     p.add_argument("hf_dir", help="a local transformers model directory")

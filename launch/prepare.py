@@ -9,14 +9,12 @@ with the config's launch.slurm settings; with --dry-run it prints them instead."
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
 
 from data_pipeline.assemble import describe_empty
 from data_pipeline.parts import merge_parts, prepare_part, prepare_tokenizer
 from data_pipeline.prepare import prepare
 from data_pipeline.verify import verify
-from launch.cli import Terminated, exits_cleanly, terminated_cleanly
+from launch.cli import exits_cleanly, stops_cleanly
 
 # The run config and the SLURM steps are imported in main(), not here: the preparation's worker
 # processes are spawned, and each runs this module again as it starts. At the top, the run
@@ -25,16 +23,9 @@ from launch.cli import Terminated, exits_cleanly, terminated_cleanly
 
 
 @exits_cleanly
+@stops_cleanly("moe-prepare")  # the pools stopped and the staging removed on the way out
 def main(argv=None) -> None:
-    try:
-        with terminated_cleanly():
-            prepare_command(argv)
-    except KeyboardInterrupt:  # the pools stopped and the staging removed on the way out
-        print("moe-prepare: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signal.SIGINT) from None
-    except Terminated:
-        print("moe-prepare: stopped by SIGTERM", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signal.SIGTERM) from None
+    prepare_command(argv)
 
 
 def prepare_command(argv=None) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -36,10 +37,17 @@ import torch
 
 from data_pipeline.progress import Progress
 from moe.checkpoint.consolidate import state_files
-from moe.checkpoint.files import RUN_CONFIG, TOKENIZER_COPY, resolve_checkpoint, verify_files
+from moe.checkpoint.files import (
+    MARKER,
+    RUN_CONFIG,
+    TOKENIZER_COPY,
+    resolve_checkpoint,
+    verify_files,
+)
 from moe.config.run import RunConfig, dump_config, load_config
 from moe.core.config_schema import from_dict, to_dict
 from moe.core.errors import CheckpointError
+from moe.core.fileio import STORAGE_CAUSES
 from moe.model.adapters.lora import BASE_DTYPES, base_fingerprint, is_factor
 from moe.model.transformer import MoETransformer
 from moe.tools import hf_support
@@ -115,24 +123,45 @@ def consolidated_fp32(
 
 
 def _publish(out_dir: Path, write) -> Path:
-    """Run ``write(tmp_dir)`` and rename the result to ``out_dir``; nothing half-written stays."""
+    """Run ``write(tmp_dir)`` and rename the result to ``out_dir``; nothing half-written stays.
+    A full, read-only or over-quota disk is an OSError naming ``out_dir``, whichever library
+    was writing."""
     out_dir = Path(out_dir)
-    if out_dir.exists():
+    if out_dir.exists() or out_dir.is_symlink():
         raise CheckpointError(f"{out_dir}: already exists; choose a new output directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
+    tmp = None
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
         write(tmp)
         for f in tmp.rglob("*"):
             f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
         tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = _storage_errno(e)
+        if cause is None:
+            raise
+        raise OSError(cause, os.strerror(cause), str(out_dir)) from None
     return out_dir
+
+
+def _storage_errno(e: BaseException) -> int | None:
+    """The errno of STORAGE_CAUSES behind a failed write, or None: an OSError in the chain
+    (torch.save through a file object raises a RuntimeError over it), or the "(os error N)"
+    that safetensors' own writer puts in its message."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e.errno if e.errno in STORAGE_CAUSES else None
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found:
+            return int(found[1]) if int(found[1]) in STORAGE_CAUSES else None
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def export_fp32(
@@ -510,10 +539,13 @@ def export_hf(
     state, cfg, tag_dir = consolidated_fp32(checkpoint, progress, merge_adapters)
     arch = choose_arch(cfg, arch, state, tag_dir / RUN_CONFIG)
     source = tokenizer_source(tag_dir)
-    # An imported model's own files (moe-import) are copied as they are; none: no tokenizer.
-    tokenizer, token_ids = (
-        hf_tokenizer(source) if source is not None and source.is_file() else (None, {})
-    )
+    # An imported model's own files (moe-import) are copied as they are, and its config.json's
+    # token ids written back; none: no tokenizer.
+    if source is not None and source.is_file():
+        tokenizer, token_ids = hf_tokenizer(source)
+    else:
+        marker = json.loads((tag_dir / MARKER).read_text())
+        tokenizer, token_ids = None, marker.get("imported_from", {}).get("token_ids", {})
     model = hf_model(state, cfg, arch, token_ids)
 
     def write(tmp: Path) -> None:

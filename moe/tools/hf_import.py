@@ -77,7 +77,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, expert_parallel_size: int
             for p, w in stacked.items():
                 fingerprints[f"{prefix}experts.{p}"] = expert_fingerprints(w)
             for e in range(cfg.model.moe.num_experts):
-                torch.save(
+                _save(
                     {
                         f"{prefix}deepspeed_moe.experts.{EXPERT_KEY}.{e}.{p}": w[e].clone()
                         for p, w in stacked.items()
@@ -85,7 +85,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, expert_parallel_size: int
                     tmp / EXPERT_DIR / f"layer_{layer_id}_expert_{e}_mp_rank_00_model_states.pt",
                 )
         refuse_nonfinite(ours, hf_dir, arch, model_cfg)  # now, as the save reads them anyway
-        torch.save({"module": main}, tmp / MAIN_STATES)
+        _save({"module": main}, tmp / MAIN_STATES)
         (tmp / RUN_CONFIG).write_text(dump_config(cfg))
         copied = [n for n in TOKENIZER_FILES if (hf_dir / n).is_file()]
         if copied:
@@ -109,8 +109,33 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, expert_parallel_size: int
             "tokenizer": tokenizer_record(hf_dir),
             "expert_fingerprints": fingerprints,
             "files": files,
-            "imported_from": {"architecture": arch, "dir": str(hf_dir)},
+            "imported_from": {
+                "architecture": arch,
+                "dir": str(hf_dir),
+                "token_ids": token_ids(hf_dir),
+            },
         }
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
 
     return _publish(Path(out_dir), write)
+
+
+def token_ids(hf_dir: Path) -> dict:
+    """The special token ids of config.json (bos_token_id, eos_token_id, pad_token_id: an id,
+    or a list of them for eos), which a Hugging Face export of the checkpoint writes back:
+    generation stops at the model's own end-of-sequence tokens."""
+    hf = json.loads((hf_dir / "config.json").read_text())  # read and checked before
+    out = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = hf.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            out[key] = value
+    return out
+
+
+def _save(obj: dict, path: Path) -> None:
+    """torch.save through a file object: a full disk is then an OSError underneath torch's
+    RuntimeError (to a path it is a RuntimeError alone), which _publish reports as such."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)

@@ -197,6 +197,27 @@ _COMMON: dict[str, Rule] = {
 }
 
 TARGETS: dict[str, dict[str, Rule]] = {
+    "llama": {
+        **_COMMON,
+        "ffn": _only(
+            "ffn",
+            ("dense",),
+            "every Llama layer is a dense feed-forward (use mixtral or qwen2_moe for MoE layers)",
+        ),
+        "qkv_bias": _only(
+            "qkv_bias",
+            (False,),
+            "Llama's attention_bias would add one to the "
+            "output projection too, which ours does not have",
+        ),
+        "moe.num_shared_experts": _config(
+            "with ffn dense, part of the dense width (intermediate_size)"
+        ),
+        "moe.every_n_layers": _config("read only where there are MoE layers (ffn dense: none)"),
+        "moe.first_dense_layers": _config("read only where there are MoE layers"),
+        "moe.router.renormalize": _config("read only where there are MoE layers"),
+        "moe.shared_expert_gate": _config("read only where there are MoE layers"),
+    },
     "mixtral": {
         **_COMMON,
         "ffn": _only("ffn", ("moe",), "every Mixtral layer is MoE (use qwen2_moe for dense)"),
@@ -235,30 +256,10 @@ TARGETS: dict[str, dict[str, Rule]] = {
             "shared expert's output projection times 2)"
         ),
     },
-    "llama": {
-        **_COMMON,
-        "ffn": _only(
-            "ffn",
-            ("dense",),
-            "every Llama layer is a dense feed-forward (use mixtral or qwen2_moe for MoE layers)",
-        ),
-        "qkv_bias": _only(
-            "qkv_bias",
-            (False,),
-            "Llama's attention_bias would add one to the "
-            "output projection too, which ours does not have",
-        ),
-        "moe.num_shared_experts": _config(
-            "with ffn dense, part of the dense width (intermediate_size)"
-        ),
-        "moe.every_n_layers": _config("read only where there are MoE layers (ffn dense: none)"),
-        "moe.first_dense_layers": _config("read only where there are MoE layers"),
-        "moe.router.renormalize": _config("read only where there are MoE layers"),
-        "moe.shared_expert_gate": _config("read only where there are MoE layers"),
-    },
 }
 """Target architecture -> config field -> how the target holds it. ``--arch auto`` tries them
-in this order."""
+in this order: a model whose every layer is dense goes to Llama, the plain architecture every
+tool reads, not to a Qwen2-MoE whose every layer is in mlp_only_layers."""
 
 
 def problems(m: ModelConfig, arch: str, state: dict[str, torch.Tensor]) -> list[str]:

@@ -173,11 +173,19 @@ class SafetensorsDir:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            _check_weight_map(weight_map, index)
         elif (hf_dir / "model.safetensors").is_file():
             weight_map = None
         else:
+            pickles = sorted(p.name for p in hf_dir.glob("*.bin"))
             raise CheckpointError(
                 f"{hf_dir}: no model.safetensors and no model.safetensors.index.json"
+                + (
+                    f" ({', '.join(pickles)}: pickle files, which are never loaded; "
+                    "save the model with safe_serialization=True)"
+                    if pickles
+                    else ""
+                )
             )
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         missing = [f for f in files if not (hf_dir / f).is_file()]
@@ -259,6 +267,20 @@ class SafetensorsDir:
         return sorted(set(self.where) - self.read)
 
 
+def _check_weight_map(weight_map, index: Path) -> None:
+    """A CheckpointError unless the index maps tensor names to plain file names of its own
+    directory: a shard named by a path (``../other/model.safetensors``) would be read from
+    wherever it points."""
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+    outside = sorted({f for f in weight_map.values() if f in ("", ".", "..") or f != Path(f).name})
+    if outside:
+        raise CheckpointError(
+            f"{index}: shards must be files of its own directory, not paths: "
+            + ", ".join(map(repr, outside[:5]))
+        )
+
+
 def _disk_sources(
     files: SafetensorsDir, arch: str, name: str, num_experts: int
 ) -> list[tuple[str, ...]] | None:
@@ -301,10 +323,17 @@ def read_hf_config(hf_dir: str | Path) -> tuple[str, ModelConfig]:
     """The model type and our model config of a transformers directory (config.json only)."""
     hf_dir = Path(hf_dir)
     path = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise CheckpointError(
+            f"{hf_dir}: {'not a directory' if hf_dir.exists() else 'does not exist'}; "
+            "give the transformers model directory (config.json and safetensors weights)"
+        )
     try:
         hf = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; a transformers model directory has one") from None
+    except OSError as e:  # a directory, or no permission to read it
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
     except ValueError as e:
         raise CheckpointError(f"{path}: not JSON ({e})") from None
     if not isinstance(hf, dict):

@@ -62,6 +62,21 @@ class _Reader:
             self.problems.append(f"{key}: {value!r}: {why}")
         return value
 
+    def size(self, key: str, required: bool = True, default=None, minimum: int = 1):
+        """An integer field (a width, a count) of at least ``minimum``, or None after recording
+        a problem: a missing required one too, as transformers would fill in its class default,
+        not this model's size."""
+        value = self.get(key, default)
+        if value is None and not required:
+            return None
+        if key not in self.hf and required:
+            self.problems.append(f"{key}: missing; the model's size cannot be known without it")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.problems.append(f"{key}: {value!r}: must be an integer >= {minimum}")
+        else:
+            return value
+        return None
+
     def refuse(self, key: str, value, why: str) -> None:
         self.problems.append(f"{key}: {value!r}: {why}")
 
@@ -75,10 +90,12 @@ class _Reader:
 
 
 def _rope(r: _Reader) -> float:
-    params = dict(r.get("rope_parameters") or {})
-    scaling = r.get("rope_scaling")
-    if scaling:
-        params = {**scaling, **params}
+    params, scaling = r.get("rope_parameters") or {}, r.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            r.refuse(key, value, "must be a JSON object")
+            return 0.0
+    params = {**scaling, **params}
     kind = params.pop("rope_type", params.pop("type", "default"))
     theta = params.pop("rope_theta", r.get("rope_theta", 10000.0))
     if kind != "default":
@@ -93,14 +110,21 @@ def _rope(r: _Reader) -> float:
         r.refuse("partial_rotary_factor", partial, "rotary embeddings cover every channel")
     for key, value in params.items():
         r.refuse(f"rope_parameters.{key}", value, "not read by plain RoPE")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        r.refuse("rope_parameters.rope_theta", theta, "must be a positive number")
+        return 0.0
     return float(theta)
 
 
 def _layers(r: _Reader, n_layers: int) -> tuple[list[int], dict]:
     """Qwen's MoE layers (not in mlp_only_layers, (i + 1) % decoder_sparse_step == 0) as our
     first_dense_layers / every_n_layers, or a problem."""
-    step = r.get("decoder_sparse_step", 1) or 1
-    only = set(r.get("mlp_only_layers") or [])
+    step = r.size("decoder_sparse_step", required=False, default=1) or 1
+    only = r.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        r.refuse("mlp_only_layers", only, "must be a list of layer indices")
+        only = []
+    only = set(only)
     moe_layers = [i for i in range(n_layers) if i not in only and (i + 1) % step == 0]
     if not moe_layers:
         return moe_layers, {}
@@ -122,24 +146,27 @@ def hf_model_config(hf: dict, where: str) -> tuple[str, dict]:
     """(model type, our ``model`` config section as a dict) for a transformers config.json, or
     a ConfigError naming every field the model cannot express."""
     archs = hf.get("architectures") or []
-    arch = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else None
+    one = isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)
+    arch = ARCHITECTURES.get(archs[0]) if one else None
     if arch is None:
         raise ConfigError(
             [f"architectures: {archs!r}: the importer reads one of {', '.join(ARCHITECTURES)}"],
             where,
         )
     r = _Reader(hf)
-    d_model, n_heads = r.get("hidden_size"), r.get("num_attention_heads")
-    n_layers = r.get("num_hidden_layers")
-    head_dim = r.get("head_dim")
+    d_model, n_heads = r.size("hidden_size"), r.size("num_attention_heads")
+    n_layers = r.size("num_hidden_layers")
+    head_dim = r.size("head_dim", required=False)
+    if d_model and n_heads and head_dim == d_model // n_heads:
+        head_dim = None  # the default width
     model = {
-        "vocab_size": r.get("vocab_size"),
+        "vocab_size": r.size("vocab_size"),
         "d_model": d_model,
         "n_layers": n_layers,
         "n_heads": n_heads,
-        "n_kv_heads": r.get("num_key_value_heads"),
-        "head_dim": None if head_dim in (None, d_model // max(n_heads or 1, 1)) else head_dim,
-        "max_seq_len": r.get("max_position_embeddings", 2048),
+        "n_kv_heads": r.size("num_key_value_heads", required=False),
+        "head_dim": head_dim,
+        "max_seq_len": r.size("max_position_embeddings", required=False, default=2048),
         "position": "rope",
         "rope_theta": _rope(r),
         "norm": "rmsnorm",
@@ -176,9 +203,9 @@ def hf_model_config(hf: dict, where: str) -> tuple[str, dict]:
     if arch in DENSE:
         r.only("mlp_bias", (False, None), "feed-forwards have no bias")
         model["ffn"] = "dense"
-        model["moe"] = {"dense_hidden": r.get("intermediate_size")}
+        model["moe"] = {"dense_hidden": r.size("intermediate_size")}
     else:
-        model["moe"] = _moe(r, arch, n_layers)
+        model["moe"] = _moe(r, arch, n_layers or 0)
         if not any(model["moe"].pop("_moe_layers")):
             model["ffn"] = "dense"
     if arch == "qwen3_moe":
@@ -193,7 +220,7 @@ def hf_model_config(hf: dict, where: str) -> tuple[str, dict]:
 
 
 def _moe(r: _Reader, arch: str, n_layers: int) -> dict:
-    top_k = r.get("num_experts_per_tok")
+    top_k = r.size("num_experts_per_tok")
     router = {
         "top_k": top_k,
         "aux_loss_coef": r.get("router_aux_loss_coef", 0.01),
@@ -201,24 +228,25 @@ def _moe(r: _Reader, arch: str, n_layers: int) -> dict:
         "order": "softmax_then_topk",
     }
     if arch == "mixtral":
-        experts = r.get("num_local_experts")
+        experts = r.size("num_local_experts")
         moe = {
             "num_experts": experts,
-            "expert_hidden": r.get("intermediate_size"),
+            "expert_hidden": r.size("intermediate_size"),
             "_moe_layers": [1],
         }
         router.update(renormalize=True, jitter_eps=r.get("router_jitter_noise", 0.0) or 0.0)
     else:
-        experts = r.get("num_experts", r.get("num_local_experts"))
+        experts = r.size("num_experts" if "num_experts" in r.hf else "num_local_experts")
+        r.get("num_local_experts")  # num_experts first, as transformers reads them
         router["renormalize"] = bool(r.get("norm_topk_prob", False))
         if arch == "olmoe":
             moe = {
                 "num_experts": experts,
-                "expert_hidden": r.get("intermediate_size"),
+                "expert_hidden": r.size("intermediate_size"),
                 "_moe_layers": [1],
             }
         else:
-            hidden = r.get("moe_intermediate_size")
+            hidden = r.size("moe_intermediate_size")
             moe_layers, placement = _layers(r, n_layers)
             moe = {
                 "num_experts": experts,
@@ -227,11 +255,13 @@ def _moe(r: _Reader, arch: str, n_layers: int) -> dict:
                 "_moe_layers": moe_layers,
             }
             if len(moe_layers) < n_layers:
-                moe["dense_hidden"] = r.get("intermediate_size")
+                moe["dense_hidden"] = r.size("intermediate_size")
             else:
                 r.get("intermediate_size")  # the width of dense layers, and there are none
     if arch == "qwen2_moe":
-        shared = r.get("shared_expert_intermediate_size", 0) or 0
+        shared = (
+            r.size("shared_expert_intermediate_size", required=False, default=0, minimum=0) or 0
+        )
         hidden = moe["expert_hidden"]
         if shared and hidden and shared % hidden:
             r.refuse(

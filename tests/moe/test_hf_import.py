@@ -10,7 +10,11 @@ every damaged directory, is refused before anything is written, by name, with ex
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -261,20 +265,10 @@ def test_export_reproduces_every_tensor_of_the_original(arch, tmp_path, capsys):
 
     from launch.export import main as export_main
 
-    hf_dir, _ = make_hf(tmp_path, arch)
+    # --arch auto: a dense model goes back to Llama; the special token ids come back too.
+    hf_dir, _ = make_hf(tmp_path, arch, bos_token_id=1, eos_token_id=[2, 5], pad_token_id=4)
     assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
-    target = {"llama": "llama"}.get(arch, arch)
-    export_main(
-        [
-            str(tmp_path / "ckpt"),
-            str(tmp_path / "back"),
-            "--format",
-            "hf",
-            "--arch",
-            target,
-            "--quiet",
-        ]
-    )
+    export_main([str(tmp_path / "ckpt"), str(tmp_path / "back"), "--format", "hf", "--quiet"])
 
     def tensors(d: Path) -> dict:
         out = {}
@@ -287,10 +281,11 @@ def test_export_reproduces_every_tensor_of_the_original(arch, tmp_path, capsys):
     assert original.keys() == back.keys()
     for k in original:
         assert torch.equal(original[k], back[k]), k
-    assert (
-        json.loads((tmp_path / "back" / "config.json").read_text())["architectures"]
-        == json.loads((hf_dir / "config.json").read_text())["architectures"]
+    config, back_config = (
+        json.loads((d / "config.json").read_text()) for d in (hf_dir, tmp_path / "back")
     )
+    for key in ("architectures", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert back_config[key] == config[key], key
 
 
 def test_a_directory_without_tokenizer_files_imports_and_exports_without_one(tmp_path, capsys):
@@ -570,3 +565,187 @@ def test_a_run_starting_from_open_weights_with_nan_values_is_refused(tmp_path):
         r".router.weight in our model\): 1 of 128 values",
     ):
         initialize_from_checkpoint(MoETransformer(cfg), f"hf:{hf_dir}")
+
+
+def _edit_config(hf_dir: Path, change) -> None:
+    path = hf_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda c: c.pop("hidden_size"), "hidden_size: missing"),
+        (lambda c: c.update(num_hidden_layers="3"), "num_hidden_layers: '3': must be an integer"),
+        (lambda c: c.update(num_experts=None), "num_experts: None: must be an integer"),
+        (lambda c: c.update(rope_parameters=[1]), "rope_parameters: [1]: must be a JSON object"),
+        (lambda c: c.update(mlp_only_layers=5), "mlp_only_layers: 5: must be a list"),
+        (lambda c: c.update(decoder_sparse_step="2"), "decoder_sparse_step: '2': must be an"),
+        (lambda c: c.update(architectures=[{}]), "architectures: [{}]: the importer reads"),
+    ],
+)
+def test_a_config_json_with_a_missing_or_mistyped_key_is_refused_by_name(
+    change, named, tmp_path, capsys
+):
+    hf_dir, _ = make_hf(tmp_path, "qwen2_moe")
+    _edit_config(hf_dir, change)
+    rc, _ = run_import(hf_dir, tmp_path / "ckpt")
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert str(hf_dir / "config.json") in err and named in err, err
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt*"))
+
+
+@pytest.mark.parametrize("damage", ["not_a_map", "parent_path", "absolute_path", "pickle_only"])
+def test_an_index_naming_files_outside_its_directory_or_pickles_is_refused(
+    damage, tmp_path, capsys
+):
+    """Shards are plain file names of the directory: a path in the index is never followed
+    (not even to another model's safetensors), and a pickle (pytorch_model.bin) is never read."""
+    hf_dir, _ = make_hf(tmp_path, "llama")
+    index_file = hf_dir / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    if damage == "not_a_map":
+        index["weight_map"] = sorted(index["weight_map"])
+        named = "weight_map must map tensor names to shard file names"
+    elif damage in ("parent_path", "absolute_path"):
+        (tmp_path / first).write_bytes((hf_dir / first).read_bytes())  # a valid file, outside
+        (hf_dir / first).unlink()
+        moved = f"../{first}" if damage == "parent_path" else str(tmp_path / first)
+        index["weight_map"] = {
+            k: moved if v == first else v for k, v in index["weight_map"].items()
+        }
+        named = f"shards must be files of its own directory, not paths: {moved!r}"
+    else:
+        torch.save({"x": torch.zeros(1)}, hf_dir / "pytorch_model.bin")
+        for f in hf_dir.glob("model*.safetensors*"):
+            f.unlink()
+        named = "pytorch_model.bin: pickle files, which are never loaded"
+    if damage != "pickle_only":
+        index_file.write_text(json.dumps(index))
+    rc, _ = run_import(hf_dir, tmp_path / "ckpt")
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert named in err, err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_path_that_is_not_a_model_directory_is_refused_by_name(tmp_path, capsys):
+    hf_dir, _ = make_hf(tmp_path, "llama")
+    rc, _ = run_import(hf_dir / "config.json", tmp_path / "a")
+    err = capsys.readouterr().err
+    assert (
+        rc == 2 and "Traceback" not in err and f"{hf_dir / 'config.json'}: not a directory" in err
+    )
+    (hf_dir / "config.json").unlink()
+    (hf_dir / "config.json").mkdir()
+    rc, _ = run_import(hf_dir, tmp_path / "b")
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and f"{hf_dir / 'config.json'}: cannot be read" in err
+
+
+class _FullDisk(io.RawIOBase):
+    """A file on a full disk: every write fails with ENOSPC."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_a_full_disk_is_one_clear_error_and_leaves_nothing(command, tmp_path, capsys, monkeypatch):
+    """torch.save and safetensors each report a full disk their own way (a RuntimeError over
+    the OSError, a SafetensorError whose message ends in "(os error 28)"): both are the one
+    storage error naming the output, exit code 2."""
+    import safetensors
+    import safetensors.torch
+
+    from launch.export import main as export_main
+
+    hf_dir, _ = make_hf(tmp_path, "mixtral")
+    assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
+    out = tmp_path / "out"
+    if command == "import":
+        real = torch.save
+        monkeypatch.setattr(torch, "save", lambda obj, f: real(obj, _FullDisk()))
+        main, argv = import_main, [str(hf_dir), str(out)]
+    else:
+
+        def save_file(tensors, path, metadata=None):  # what safetensors raises on a full disk
+            Path(path).write_bytes(b"\0" * 8)
+            raise safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
+
+        monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+        main, argv = export_main, [str(tmp_path / "ckpt"), str(out), "--quiet"]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert f"error: {out}: could not write: the disk holding it is full" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_ctrl_c_or_sigterm_while_writing_leaves_nothing(
+    command, signum, tmp_path, capsys, monkeypatch
+):
+    """The signal arrives while the files are written: one line, exit code 128 + signal, and
+    no output or temporary directory (under SIGTERM's default action the temporary directory,
+    the size of the model, stayed behind)."""
+    import safetensors.torch
+
+    from launch.export import main as export_main
+
+    hf_dir, _ = make_hf(tmp_path, "mixtral")
+    assert run_import(hf_dir, tmp_path / "ckpt")[0] == 0
+    out = tmp_path / "out"
+
+    def signalled(real):
+        def save(*args, **kwargs):
+            real(*args, **kwargs)
+            os.kill(os.getpid(), signum)  # after one file is written
+
+        return save
+
+    if command == "import":
+        monkeypatch.setattr(torch, "save", signalled(torch.save))
+        main, argv = import_main, [str(hf_dir), str(out)]
+    else:
+        monkeypatch.setattr(safetensors.torch, "save_file", signalled(safetensors.torch.save_file))
+        main, argv = export_main, [str(tmp_path / "ckpt"), str(out), "--quiet"]
+
+    def unhandled(signum, frame):  # where the command handles no signal: not this test's end
+        raise AssertionError(f"signal {signum} reached the test")
+
+    previous = signal.signal(signum, unhandled)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+    finally:
+        signal.signal(signum, previous)
+    assert signal.getsignal(signum) is previous  # the command's handler is gone
+    err = capsys.readouterr().err
+    assert stop.value.code == 128 + signum and "Traceback" not in err
+    assert ("interrupted (Ctrl-C)" if signum == signal.SIGINT else "stopped by SIGTERM") in err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_an_existing_output_even_a_dangling_link_is_never_replaced(tmp_path, capsys):
+    hf_dir, _ = make_hf(tmp_path, "llama")
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    for out in ("kept", "link"):
+        rc, _ = run_import(hf_dir, tmp_path / out)
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{tmp_path / out}: already exists" in err
+    assert (tmp_path / "kept" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "link").is_symlink() and not list(tmp_path.glob(".link*"))
