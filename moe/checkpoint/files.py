@@ -220,8 +220,19 @@ def load_file(path: Path) -> dict:
     except FileNotFoundError:
         raise DamagedCheckpointError(f"{path}: missing checkpoint file") from None
     except Exception as e:  # torch raises many types for truncated or foreign files
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if refused:
+            # torch's refusal goes on for paragraphs and suggests weights_only=False, which would
+            # run whatever code the file holds.
+            raise DamagedCheckpointError(
+                f"{path}: holds Python objects other than tensors and plain data "
+                f"({refused[1]}), which are never unpickled (a file of another program, or not "
+                "saved by this one)"
+            ) from e
+        cause = str(e).split("WeightsUnpickler error:", 1)[-1]  # the rest: torch's advice
+        first = next((line.strip() for line in cause.splitlines() if line.strip()), "")
         raise DamagedCheckpointError(
-            f"{path}: unreadable checkpoint file ({type(e).__name__}: {e})"
+            f"{path}: unreadable checkpoint file ({type(e).__name__}: {first})"
         ) from e
 
 

@@ -407,3 +407,26 @@ def test_a_file_altered_at_its_recorded_size_is_a_damaged_checkpoint(killed_run,
     assert got.startswith(
         f"DamagedCheckpointError: {ckpt}: a file of this checkpoint cannot be read"
     )
+
+
+def test_a_file_holding_python_objects_is_refused_in_one_line(tmp_path):
+    """torch's weights-only refusal runs to paragraphs and suggests ``weights_only=False``: the
+    error says in one line that the file's objects are never unpickled; a file that is not a
+    torch file at all names the first line of torch's cause."""
+    from fractions import Fraction
+
+    from moe.checkpoint.files import load_file
+
+    foreign = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.zeros(2)}, "note": Fraction(1, 3)}, foreign)
+    with pytest.raises(CheckpointError) as e:
+        load_file(foreign)
+    message = str(e.value)
+    assert message.startswith(f"{foreign}: holds Python objects other than tensors")
+    assert "(fractions.Fraction)" in message
+    assert "\n" not in message and "weights_only" not in message and "\x1b" not in message
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a torch file\n" * 10)
+    with pytest.raises(CheckpointError, match=r"garbage\.pt: unreadable checkpoint file") as e:
+        load_file(garbage)
+    assert "\n" not in str(e.value)
