@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from launch.cli import exits_cleanly
+from launch.cli import exits_cleanly, stops_cleanly
 from moe.checkpoint.files import MAIN_STATES, MARKER, resolve_checkpoint
 from moe.core.errors import CheckpointError, ConfigError, EvaluationError
 from moe.core.run_dir import RunDir
@@ -21,6 +21,7 @@ from moe.model.generation import GenerationConfig
 from moe.training.harness_setup import lm_eval_missing
 
 EVAL_DIR = "eval"
+TASKS_DIR = "eval-tasks"  # beside eval/: a tasks report does not replace the loss report
 
 
 def run_checkpoints(path: str | Path) -> list[Path]:
@@ -44,12 +45,12 @@ def run_checkpoints(path: str | Path) -> list[Path]:
     return sorted(complete, key=lambda d: (d.name.startswith("step_"), d.name))
 
 
-def default_output(checkpoints: list[Path]) -> Path:
+def default_output(checkpoints: list[Path], name: str = EVAL_DIR) -> Path:
     if len(checkpoints) == 1:
-        return checkpoints[0] / EVAL_DIR
+        return checkpoints[0] / name
     runs = {c.parent.parent for c in checkpoints}
     if len(runs) == 1:
-        return runs.pop() / EVAL_DIR
+        return runs.pop() / name
     raise ConfigError(
         ["--output: the checkpoints belong to different runs; say where the report goes"],
         "moe-eval",
@@ -67,7 +68,8 @@ def evaluate(
         tag_dirs = [c for path in checkpoints for c in run_checkpoints(path)]
     else:
         tag_dirs = [resolve_checkpoint(path) for path in checkpoints]  # every path checked first
-    out_dir = Path(output) if output else default_output(tag_dirs)
+    report_name = TASKS_DIR if opts.tasks else EVAL_DIR
+    out_dir = Path(output) if output else default_output(tag_dirs, report_name)
     if opts.tasks:  # every task, its data and its settings checked before any model loads
         from moe.training.lm_harness import load_tasks
 
@@ -81,6 +83,12 @@ def evaluate(
         )
         results["checkpoints"].append(r)
         results["data"] = r.get("data")
+    if output is None and not out_dir.parent.is_dir():
+        # Writing the report would make the directory again: a checkpoint of nothing but eval/.
+        raise CheckpointError(
+            f"{out_dir.parent}: deleted during the evaluation (a run's checkpoint.keep_last "
+            "removes older checkpoints); no report written (--output DIR puts it elsewhere)"
+        )
     write_report(results, out_dir)
     return results
 
@@ -117,7 +125,7 @@ def parse_args(argv):
     p.add_argument(
         "--output",
         help="report directory (default: CHECKPOINT/eval, or RUN/eval for "
-        "several checkpoints of one run)",
+        "several checkpoints of one run; eval-tasks instead of eval with --tasks)",
     )
     p.add_argument(
         "--quiet",
@@ -267,6 +275,8 @@ def options_from_args(args) -> EvalOptions:
     tasks = [n for item in args.tasks or [] for n in item.split(",") if n]
     if args.tasks is not None and not tasks:
         problems.append("--tasks: name at least one task")
+    if args.device is not None:
+        problems += device_problems(args.device)
     if problems:
         raise ConfigError(sorted(set(problems)), "moe-eval arguments")
     if tasks and (missing := lm_eval_missing()):
@@ -295,8 +305,29 @@ def options_from_args(args) -> EvalOptions:
     )
 
 
+def device_problems(name: str) -> list[str]:
+    """--device names cpu or a CUDA device that this machine has (checked before any model
+    loads: torch would fail only when moving the weights)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # a name torch does not know ("gpu")
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return [f"--device: {name!r} is not cpu, cuda or cuda:N"]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return [f"--device: {name}: no CUDA device is visible here (--device cpu runs on the CPU)"]
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return [f"--device: {name}: only {torch.cuda.device_count()} CUDA device(s) visible"]
+    return []
+
+
 @exits_cleanly
+@stops_cleanly("moe-eval")  # the report's staging removed on the way out; an earlier one kept
 def main(argv=None) -> None:
+    eval_command(argv)
+
+
+def eval_command(argv=None) -> None:
     args = parse_args(argv)
     options = options_from_args(args)  # every flag checked before anything else happens
     if args.threads:

@@ -498,6 +498,14 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, str]:
         names = sorted(p.name for p in staging.iterdir() if p.name != REPORT_JSON) + [REPORT_JSON]
         for name in names:
             os.replace(staging / name, out_dir / name)
+        # The plots of the report just replaced that this one does not have.
+        for old in [*out_dir.glob("expert_load_*.png"), out_dir / LOSS_PLOT]:
+            if old.name not in names:
+                old.unlink(missing_ok=True)
+    except OSError as e:
+        if e.filename is None:  # a buffered write (a plot's) names no file
+            e.filename = str(out_dir)
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return files

@@ -346,4 +346,27 @@ def load_tasks(
         if num_fewshot is not None:
             task.set_config(key="num_fewshot", value=num_fewshot)
         task.set_fewshot_seed(seed=fewshot_seed)
+    problems = fewshot_problems(task_dict)
+    if problems:  # the harness would stop at the first question, after the model loaded
+        raise EvaluationError("; ".join(problems))
     return task_dict
+
+
+def fewshot_problems(task_dict: dict) -> list[str]:
+    """Tasks of a loaded task dictionary that ask for more solved examples than they have to
+    draw them from."""
+    problems = []
+    for name, task in task_dict["tasks"].items():
+        wanted = task.config.num_fewshot or 0
+        if wanted <= 0:
+            continue
+        sampler = getattr(task, "sampler", None)  # absent: the task has no examples to show
+        pool = len(sampler.fewshot_docs()) if sampler is not None else 0
+        if task.fewshot_cfg.split == task.config.test_split:
+            pool -= 1  # the harness leaves the question itself out of its own examples
+        if wanted > pool:
+            problems.append(
+                f"num_fewshot: task {name} has {max(pool, 0)} examples to draw "
+                f"{wanted} solved examples from"
+            )
+    return problems

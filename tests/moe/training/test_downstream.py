@@ -115,6 +115,13 @@ def test_settings_reach_the_harness(tiny_data, tmp_path):
 
 
 def test_generation_and_unknown_tasks_are_refused(tiny_data, tmp_path):
+    # More solved examples than the task has: refused before training, not at its first
+    # evaluation (the harness stopped there with a ValueError).
+    with pytest.raises(
+        EvaluationError,
+        match=r"num_fewshot: task stdlib_sentence_mc has 32 examples to draw 40 solved",
+    ):
+        evaluator(config(tiny_data, tmp_path, tasks=[MC], num_fewshot=40), tiny_data)
     with pytest.raises(ConfigError, match="stdlib_next_word generate text"):
         evaluator(config(tiny_data, tmp_path, tasks=["stdlib_next_word"]), tiny_data)
     with pytest.raises(
