@@ -68,6 +68,7 @@ def evaluate(
         tag_dirs = [c for path in checkpoints for c in run_checkpoints(path)]
     else:
         tag_dirs = [resolve_checkpoint(path) for path in checkpoints]  # every path checked first
+    tag_dirs = list({d.resolve(): d for d in tag_dirs}.values())  # a checkpoint named twice: once
     report_name = TASKS_DIR if opts.tasks else EVAL_DIR
     out_dir = Path(output) if output else default_output(tag_dirs, report_name)
     if opts.tasks:  # every task, its data and its settings checked before any model loads
@@ -138,7 +139,32 @@ def parse_args(argv):
     _task_args(p)
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.given = {k for k, v in vars(args).items() if v != p.get_default(k)}
+    return args
+
+
+LOSS_ONLY = (
+    *("data_dir", "split", "text", "tokenizer", "max_tokens"),
+    *("no_expert_stats", "top_tokens", "min_token_count"),
+    *("prompt", "num_prompts", "strategy", "no_generation", "max_new_tokens", "temperature"),
+    *("top_k", "top_p", "num_beams", "num_return", "length_penalty"),
+)
+"""Flags of the loss evaluation, the expert statistics and the generations, which --tasks
+replaces."""
+TASKS_ONLY = ("num_fewshot", "limit", "include_path", "dtype")
+
+
+def unused_flags(given: set[str], tasks: bool) -> list[str]:
+    """Flags given that the evaluation asked for does not read: refused rather than ignored."""
+    if tasks:
+        return [
+            f"--{k.replace('_', '-')}: not used with --tasks (it sets the loss evaluation, "
+            "the expert statistics or the generations)"
+            for k in LOSS_ONLY
+            if k in given
+        ]
+    return [f"--{k.replace('_', '-')}: used only with --tasks" for k in TASKS_ONLY if k in given]
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
@@ -277,6 +303,7 @@ def options_from_args(args) -> EvalOptions:
         problems.append("--tasks: name at least one task")
     if args.device is not None:
         problems += device_problems(args.device)
+    problems += unused_flags(getattr(args, "given", set()), args.tasks is not None)
     if problems:
         raise ConfigError(sorted(set(problems)), "moe-eval arguments")
     if tasks and (missing := lm_eval_missing()):

@@ -168,3 +168,36 @@ def test_more_few_shot_examples_than_a_task_has_are_refused_before_the_model_loa
     assert "num_fewshot: task stdlib_sentence_mc has 32 examples to draw 33 solved" in err
     assert not (tag_dir / "eval-tasks").exists()
     main([*argv, "--num-fewshot", "32"])  # the 32 examples of its training split are enough
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (["--tasks", "stdlib_sentence_mc", "--text", "notes.md"], "--text: not used with --tasks"),
+        (["--tasks", "stdlib_sentence_mc", "--max-tokens", "9"], "--max-tokens: not used with"),
+        (["--tasks", "stdlib_sentence_mc", "--no-generation"], "--no-generation: not used with"),
+        (["--dtype", "bf16"], "--dtype: used only with --tasks"),
+        (["--num-fewshot", "2"], "--num-fewshot: used only with --tasks"),
+    ],
+)
+def test_a_flag_the_evaluation_does_not_read_is_refused(
+    tmp_path, evaluated, flags, problem, capsys
+):
+    """Flags of the loss evaluation with --tasks, and the tasks' flags without it, were
+    ignored without a word."""
+    tag_dir = fake_checkpoint(tmp_path / "run", 2)
+    err = refused([str(tag_dir), "--quiet", *flags], capsys)
+    assert problem in err
+    assert not (tag_dir / "eval").exists() and not (tag_dir / "eval-tasks").exists()
+
+
+def test_a_checkpoint_named_twice_is_evaluated_once(tmp_path, monkeypatch):
+    tag_dir = fake_checkpoint(tmp_path / "run", 2)
+    seen = []
+    monkeypatch.setattr(
+        launch.evaluate,
+        "evaluate_checkpoint_dir",
+        lambda d, opts: seen.append(d) or fake_result(d),
+    )
+    main([str(tag_dir), str(tmp_path / "run"), *ARGS])  # the run's newest checkpoint: the same
+    assert seen == [tag_dir]
