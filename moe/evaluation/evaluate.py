@@ -297,6 +297,8 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
         "seq_len": cfg.data.seq_len,
         "capacity_factor": cfg.model.moe.capacity_factor,
     }
+    # The prompts and their room in the model, checked before the loss pass, not after it.
+    pairs = generation_prompts(model, data, opts) if opts.generation else []
     if opts.expert_stats and model.moe_layers():
         with ExpertStatsCollector(model) as collector:
             result.update(
@@ -309,7 +311,7 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
             evaluate_loss(model, windows, batch_size, source=data.description, progress=bar)
         )
     if opts.generation:
-        result["generations"] = generate_samples(model, data, opts)
+        result["generations"] = generate_samples(model, data, opts, pairs)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
 
@@ -335,7 +337,12 @@ def data_prompts(
     return out
 
 
-def generate_samples(model: MoETransformer, data: EvalData, opts: EvalOptions) -> list[dict]:
+def generation_prompts(
+    model: MoETransformer, data: EvalData, opts: EvalOptions
+) -> list[tuple[list[int], list[int] | None]]:
+    """(prompt, true continuation or None) of each generation: the given prompts, or document
+    starts of the data. A ConfigError names ``--max-new-tokens`` where a prompt and the tokens
+    to generate do not fit in the model."""
     tok = data.tokenizer
     if tok is None:
         raise DataError("generation needs the run's tokenizer to encode prompts and decode text")
@@ -346,6 +353,26 @@ def generate_samples(model: MoETransformer, data: EvalData, opts: EvalOptions) -
         pairs = data_prompts(
             data.tokens, tok.eos_id, opts.data_prompts, opts.prompt_tokens, longest
         )
+    room = KVCacheDecoder(model).max_tokens
+    prompt_len = max((len(prompt) for prompt, _ in pairs), default=0)
+    if pairs and prompt_len + longest > room:
+        raise ConfigError(
+            [
+                f"--max-new-tokens: the longest prompt ({prompt_len} tokens) and {longest} new "
+                f"tokens exceed the model's {room} tokens"
+            ],
+            "moe-eval arguments",
+        )
+    return pairs
+
+
+def generate_samples(
+    model: MoETransformer,
+    data: EvalData,
+    opts: EvalOptions,
+    pairs: list[tuple[list[int], list[int] | None]],
+) -> list[dict]:
+    tok = data.tokenizer
     decoder = KVCacheDecoder(model)
     out = []
     for prompt, reference in pairs:

@@ -248,6 +248,27 @@ def test_bad_arguments_exit_2_with_a_clear_message_and_write_nothing(runs, tmp_p
     assert not (good / "eval").exists()
 
 
+def test_generations_that_do_not_fit_are_refused_before_the_loss_pass(
+    runs, tmp_path, capsys, monkeypatch
+):
+    """A --max-new-tokens the model has no room for was refused by the first generation, after
+    the whole loss pass."""
+    import moe.evaluation.evaluate as evaluation
+
+    def no_loss_pass(*args, **kwargs):
+        raise AssertionError("the loss pass ran")
+
+    monkeypatch.setattr(evaluation, "evaluate_loss", no_loss_pass)
+    good = runs["single"] / "checkpoints" / "step_0000001"
+    with pytest.raises(SystemExit) as e:
+        main([str(good), "--prompt", "the", "--max-new-tokens", "64", "--quiet"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--max-new-tokens: the longest prompt (" in err, err
+    assert "new tokens exceed the model's 64 tokens" in err
+    assert not (good / "eval").exists()
+
+
 def test_tasks_of_every_checkpoint_of_a_run_in_one_table(runs, tmp_path, capsys):
     """moe-eval --all --tasks: the harness's results with their standard errors per checkpoint;
     the same weights saved with two layouts score the same."""
