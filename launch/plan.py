@@ -288,6 +288,34 @@ def render(report: dict, cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
+def _check_flags(p: argparse.ArgumentParser, args) -> None:
+    """Refuse flags out of range, or that the mode (one plan, or --gpus layouts) would not read."""
+    if (args.gpus is None) != (args.gpu_memory is None):
+        p.error("--gpus and --gpu-memory go together")
+    for flag, value in (
+        ("--world-size", args.world_size),
+        ("--ep", args.ep),
+        ("--gpus", args.gpus),
+        ("--top", args.top),
+    ):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:  # NaN fails too
+        p.error(f"--gpu-memory must be a finite number of GiB > 0, got {args.gpu_memory}")
+    # The layout search tries every expert-parallel size and ZeRO stage on --gpus GPUs, and
+    # the plan of one layout lists no layouts: a flag the mode would not read is refused.
+    if args.gpus is not None:
+        given = [f for f in ("world_size", "ep", "zero") if getattr(args, f) is not None]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            p.error(
+                f"{flags}: not with --gpus, whose layouts are every expert-parallel size and "
+                "ZeRO stage on that many GPUs"
+            )
+    elif args.top is not None:
+        p.error("--top: goes with --gpus and --gpu-memory (it bounds the layouts listed)")
+
+
 @exits_cleanly
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="moe-plan", description=__doc__, epilog=LAYOUT_RULE)
@@ -312,7 +340,7 @@ def main(argv=None) -> None:
         "(with --gpu-memory), best first; exit status 1 when none fits",
     )
     p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory of one GPU in GiB")
-    p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    p.add_argument("--top", type=int, help="layouts to list, with --gpus (default 10)")
     p.add_argument(
         "--device",
         choices=["cuda", "cpu"],
@@ -321,18 +349,7 @@ def main(argv=None) -> None:
         "to the device (null or auto; RunConfig.for_device); default cuda",
     )
     args = p.parse_args(argv)
-    if (args.gpus is None) != (args.gpu_memory is None):
-        p.error("--gpus and --gpu-memory go together")
-    for flag, value in (
-        ("--world-size", args.world_size),
-        ("--ep", args.ep),
-        ("--gpus", args.gpus),
-        ("--top", args.top),
-    ):
-        if value is not None and value < 1:
-            p.error(f"{flag} must be >= 1, got {value}")
-    if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:  # NaN fails too
-        p.error(f"--gpu-memory must be a finite number of GiB > 0, got {args.gpu_memory}")
+    _check_flags(p, args)
     loaded = load_config(args.config, args.overrides)
     chosen = loaded.device_choices(args.device)
     cfg = loaded.for_device(args.device)
@@ -345,7 +362,7 @@ def main(argv=None) -> None:
             + "\n"
         )
     if args.gpus is not None:
-        report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top)
+        report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top or 10)
         print(
             json.dumps({**report, "device": args.device, "device_settings": chosen}, indent=2)
             if args.json

@@ -84,13 +84,14 @@ def plan(args) -> None:
         raise ScalingError(
             f"--min-steps {args.min_steps}: a run needs at least {scaling.STEPS_FLOOR} steps"
         )
+    _refuse_unused_flags(args)
     centre, source = _centre_from(Path(args.centre_from)) if args.centre_from else (None, None)
     cfg = load_config(args.config, args.overrides)
     base = replace(_base(cfg), min_steps=args.min_steps)
     runs, models = scaling.plan_sweep(
         base,
         budgets,
-        args.sizes,
+        args.sizes or DEFAULT_SIZES,
         args.families.split(","),
         experts,
         widths,
@@ -104,6 +105,7 @@ def plan(args) -> None:
             f"{plan_file} exists: a sweep is planned there already (--force "
             "replaces its plan; finished runs of the same name are kept)"
         )
+    planned_before = _planned_names(out)
     base_dict = to_dict(cfg)
     configs = {
         r.name: run_config(base_dict, r, to_dict(models[r.name]), out.resolve()) for r in runs
@@ -137,7 +139,7 @@ def plan(args) -> None:
             indent=1,
         ),
     )
-    stale = _remove_stale_configs(out, configs)
+    stale = _remove_stale_configs(out, configs, planned_before)
     print(scaling.run_table(runs))
     for w in notes:
         print(f"warning: {w}")
@@ -154,10 +156,38 @@ def plan(args) -> None:
     )
 
 
-def _remove_stale_configs(out: Path, configs: dict) -> list[str]:
-    """Delete the run configs of ``out/configs`` that the plan does not have (a plan replaced
-    with --force), so that the directory holds exactly the plan's runs; their names."""
-    stale = sorted(p for p in (out / "configs").glob("*.yaml") if p.stem not in configs)
+def _refuse_unused_flags(args) -> None:
+    """Flags the other flags given make meaningless are refused, all at once, not ignored."""
+    problems = []
+    if args.experts and "moe" not in args.families.split(","):
+        problems.append(f"--experts {args.experts}: only the moe family has experts (--families)")
+    if args.widths and args.sizes is not None:
+        problems.append(f"--sizes {args.sizes}: --widths names the ladder's sizes")
+    if args.widths and args.centre_from:
+        problems.append(
+            f"--centre-from {args.centre_from}: --widths names the ladder, nothing is centred"
+        )
+    if problems:
+        raise ScalingError("; ".join(problems))
+
+
+def _planned_names(out: Path) -> set[str]:
+    """The runs of the plan in ``out`` (empty where none was planned or it is unreadable)."""
+    try:
+        return {r.name for r in scaling_sweep.load_sweep(out)[1]}
+    except ScalingError:
+        return set()
+
+
+def _remove_stale_configs(out: Path, configs: dict, planned_before: set[str]) -> list[str]:
+    """Delete the run configs of ``out/configs`` that the plan replaced with --force had and
+    the new one does not, so that the directory holds exactly the plan's runs; their names.
+    Files no plan wrote (``--out`` a directory of the user's own configs) stay."""
+    stale = sorted(
+        p
+        for p in (out / "configs").glob("*.yaml")
+        if p.stem in planned_before and p.stem not in configs
+    )
     for p in stale:
         p.unlink()
     return [p.stem for p in stale]
@@ -354,13 +384,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+DEFAULT_SIZES = 5
+"""``plan``'s model sizes per budget and family when neither --sizes nor --widths names them."""
+
+
 def _plan_parser(sub) -> None:
     """``plan``: the base config, the budgets and the ladders of shapes to write."""
     pl = sub.add_parser("plan", help="write a sweep: a ladder of shapes per budget and family")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*", help="key=value changes to the base config")
     pl.add_argument("--budgets", required=True, help="training FLOPs per run, e.g. 3e13,1e14")
-    pl.add_argument("--sizes", type=int, default=5, help="model sizes per budget and family")
+    pl.add_argument(
+        "--sizes",
+        type=int,
+        help=f"model sizes per budget and family (default {DEFAULT_SIZES}; not with --widths)",
+    )
     pl.add_argument("--families", default="dense,moe")
     pl.add_argument("--experts", help="expert counts of the MoE family (default: the config's)")
     pl.add_argument("--widths", help="the ladder's widths, instead of the rule's")

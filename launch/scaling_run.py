@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shlex
 import signal
@@ -21,6 +23,57 @@ from moe.tools import scaling
 
 STOP_GRACE_S = 120
 """After a TERM or INT, launches still running this long (saving takes seconds) are killed."""
+
+LOCK_FILE = "run.lock"
+"""In the sweep directory: locked while a ``moe-scaling run`` of the sweep, or a launch it
+started, is alive (each launch inherits the lock), and naming their process ids."""
+
+
+class SweepLock:
+    """The sweep's :data:`LOCK_FILE`, held by this process and every launch it starts: a
+    ``moe-scaling run`` killed with SIGKILL leaves its launches training, and a second ``run``
+    of the sweep would train the same runs into the same directories beside them."""
+
+    def __init__(self, sweep_dir: Path):
+        self.path = sweep_dir / LOCK_FILE
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holders = self._read()
+            os.close(self.fd)
+            raise ScalingError(
+                f"{sweep_dir} is being run: {holders or 'a process'} still hold(s) {self.path} "
+                "(another moe-scaling run of the sweep, or the launches of one that was killed: "
+                "they train on until their runs end). Wait for them, or stop them, then run "
+                "again"
+            ) from None
+        self.launches: dict[str, int] = {}
+        self._write()
+
+    def _read(self) -> str:
+        try:
+            held = json.loads(self.path.read_text())
+            pids = {"moe-scaling run": held["pid"], **held["launches"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+        return ", ".join(f"{name} (pid {pid})" for name, pid in pids.items())
+
+    def _write(self) -> None:
+        data = json.dumps({"pid": os.getpid(), "launches": self.launches}).encode()
+        os.ftruncate(self.fd, 0)  # in place: a new file would not be the one locked
+        os.pwrite(self.fd, data, 0)
+
+    def started(self, name: str, pid: int) -> None:
+        self.launches[name] = pid
+        self._write()
+
+    def ended(self, name: str) -> None:
+        self.launches.pop(name, None)
+        self._write()
+
+    def close(self) -> None:
+        os.close(self.fd)  # the launches still running keep the lock
 
 
 class Progress:
@@ -88,6 +141,14 @@ def run(args) -> None:
         return run_slurm(args, sweep_dir, runs)
     if args.no_wait or args.dry_run:
         raise ScalingError("--no-wait and --dry-run go with --scheduler slurm")
+    lock = SweepLock(sweep_dir)
+    try:
+        _run_local(args, sweep_dir, runs, lock)
+    finally:
+        lock.close()
+
+
+def _run_local(args, sweep_dir: Path, runs: list[scaling.PlannedRun], lock: SweepLock) -> None:
     todo = [r for r in runs if scaling_sweep.finished(sweep_dir, r) is None]
     busy = [
         f"{r.name} (job {job.job_id}, {job.state})"
@@ -110,7 +171,15 @@ def run(args) -> None:
     )
     flags = ["--scheduler", "local"] if args.scheduler == "local" else []
     failed = _run_all(
-        sweep_dir, todo, args.jobs, done_flops, total, len(runs) - len(todo), len(runs), flags
+        sweep_dir,
+        todo,
+        args.jobs,
+        done_flops,
+        total,
+        len(runs) - len(todo),
+        len(runs),
+        flags,
+        lock,
     )
     if failed:
         raise _failed(
@@ -148,7 +217,11 @@ def run_slurm(args, sweep_dir: Path, runs: list[scaling.PlannedRun]) -> None:
     if args.dry_run:
         print(sweep.render())
         return
-    ids = slurm_sweep.submit(sweep) if sweep.jobs else []
+    lock = SweepLock(sweep_dir)  # refused while a local launch of the sweep is training
+    try:
+        ids = slurm_sweep.submit(sweep) if sweep.jobs else []
+    finally:
+        lock.close()
     q = shlex.quote
     print("\n".join(submitted_lines(args, sweep_dir, runs, sweep, ids)), flush=True)
     if args.no_wait:
@@ -214,11 +287,12 @@ def submitted_lines(args, sweep_dir: Path, runs: list, sweep, ids: list[str]) ->
 
 
 def _run_all(
-    sweep_dir, todo, jobs, done_flops, total, done, count, flags=()
+    sweep_dir, todo, jobs, done_flops, total, done, count, flags=(), lock: SweepLock | None = None
 ) -> list[tuple[str, int]]:
     """Run ``todo`` through moe-launch, ``jobs`` at a time, with one progress line over the
     sweep; returns the failed runs. A TERM or INT is passed on to the running launches (they
-    save and stop) before this returns."""
+    save and stop) before this returns. Each launch inherits ``lock`` (the sweep's
+    :class:`SweepLock`) and holds it while it lives."""
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
     pending, running, failed = list(todo), {}, []
     bar = Progress(total, done_flops, done, count)
@@ -245,17 +319,23 @@ def _run_all(
                     str(sweep_dir / "configs" / f"{r.name}.yaml"),
                     *flags,
                 ]
-                running[r.name] = (
-                    subprocess.Popen(
-                        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                    ),
-                    r,
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    pass_fds=(lock.fd,) if lock else (),
                 )
+                running[r.name] = (proc, r)
                 log.close()
+                if lock:
+                    lock.started(r.name, proc.pid)
             for name, (proc, r) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 del running[name]
+                if lock:
+                    lock.ended(name)
                 if proc.returncode == 0 and scaling_sweep.finished(sweep_dir, r) is not None:
                     done += 1
                     done_flops += r.flops

@@ -31,7 +31,18 @@ def load_sweep(sweep_dir: Path) -> tuple[dict, list[scaling.PlannedRun]]:
         ) from None
     except (OSError, ValueError) as e:
         raise ScalingError(f"{sweep_dir / SWEEP_FILE}: unreadable ({e})") from None
-    return sweep, [scaling.planned_run_from_dict(r) for r in sweep["runs"]]
+    try:
+        runs = [scaling.planned_run_from_dict(r) for r in sweep["runs"]]
+        _ = sweep["config"], sweep["overrides"]  # predict reads them back
+    except (KeyError, TypeError) as e:
+        raise ScalingError(
+            f"{sweep_dir / SWEEP_FILE}: not a plan moe-scaling wrote (edited by hand, or "
+            f"another file of that name: {type(e).__name__} {e}); plan the sweep again with "
+            "moe-scaling plan ... --force"
+        ) from None
+    if not runs:
+        raise ScalingError(f"{sweep_dir / SWEEP_FILE}: the plan has no runs")
+    return sweep, runs
 
 
 def finished(sweep_dir: Path, run: scaling.PlannedRun) -> dict | None:

@@ -269,6 +269,17 @@ def plan_sweep(
     budget or would repeat the corpus."""
     if sizes < 3 and widths is None:
         raise ScalingError(f"--sizes {sizes}: a ladder needs at least 3 sizes to locate a minimum")
+    if sizes > len(WIDTHS) and widths is None:
+        raise ScalingError(
+            f"--sizes {sizes}: the ladder has {len(WIDTHS)} widths ({WIDTHS[0]} to {WIDTHS[-1]})"
+        )
+    # Heads of 8 dimensions or more from a width of 16 (one head of the whole width below).
+    unbuildable = [w for w in widths or [] if w >= 16 and w % 8]
+    if unbuildable:
+        raise ScalingError(
+            f"--widths: {', '.join(map(str, unbuildable))} cannot be split into heads: a width "
+            "of 16 or more must be a multiple of 8"
+        )
     bad = [f for f in families if f not in FAMILIES]
     if bad:
         raise ScalingError(f"--families: {bad} not among {list(FAMILIES)}")

@@ -99,8 +99,13 @@ class Law:
                 else (0.0 if self.alpha <= 0 else math.inf)
             )
         else:
-            g = (self.alpha * self.A / (self.beta * self.B)) ** (1 / (self.alpha + self.beta))
-            n = g * (budget / k) ** (self.beta / (self.alpha + self.beta))
+            # In logs: exponents near 0 (all runs at one loss) overflow the power's float; N
+            # is then 0 or infinite, as on the bound.
+            s = self.alpha + self.beta
+            log_n = (math.log(self.alpha * self.A) - math.log(self.beta * self.B)) / s
+            log_n += self.beta / s * math.log(budget / k)
+            with np.errstate(over="ignore"):
+                n = float(np.exp(log_n))
         with np.errstate(divide="ignore", invalid="ignore"):
             d = np.divide(budget, k * n)
             return float(n), float(d), float(self.loss(n, d))

@@ -15,10 +15,12 @@ Every line a test reads back carries a ``gid`` naming what it draws."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 
+from moe.core.fileio import write_atomic
 from moe.tools import scaling_fit
 
 COLORS = {"dense": "tab:blue", "moe": "tab:orange"}
@@ -292,6 +294,8 @@ def draw(analysis: dict, path: Path) -> Path:
     fig, ax = plt.subplots(2, 3, figsize=(17, 9.5))
     draw_panels(analysis, ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
+    write_atomic(path, png.getbuffer())  # a full disk keeps the plot of the last fit whole
     return path

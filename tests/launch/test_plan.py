@@ -161,6 +161,26 @@ def test_moe_plan_refuses_flags_outside_their_range(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--gpus", "8", "--gpu-memory", "80", "--world-size", "4"],
+            "--world-size: not with --gpus",
+        ),
+        (["--gpus", "8", "--gpu-memory", "80", "--ep", "2", "--zero", "1"], "--ep, --zero: not"),
+        (["--top", "3"], "--top: goes with --gpus and --gpu-memory"),
+    ],
+)
+def test_moe_plan_refuses_flags_the_mode_would_ignore(argv, message, capsys):
+    """The layout search tries every expert-parallel size and ZeRO stage, so --world-size,
+    --ep and --zero beside --gpus were ignored, as was --top without it."""
+    with pytest.raises(SystemExit) as e:
+        main(["configs/default.yaml", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_moe_plan_counts_no_bf16_gradients_with_immediate_grad_update(capsys):
     bf16_zero1 = ["train.precision=bf16", "parallel.zero_stage=1", "--zero", "1", "--json"]
     grads = {}

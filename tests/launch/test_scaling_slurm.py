@@ -269,6 +269,7 @@ def test_local_runs_of_a_sweep_planned_for_slurm_train_here(sweep, fake_slurm, m
 
     class Ended:
         returncode = 1
+        pid = 4321  # named in the sweep's lock file
 
         def __init__(self, cmd, **_):
             commands.append(cmd)
