@@ -31,8 +31,10 @@ def write_atomic(path: Path, data) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # a buffered write names no file
+            e.filename = str(path)
         raise
 
 
