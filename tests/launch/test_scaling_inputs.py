@@ -15,6 +15,7 @@ import pytest
 from launch import scaling_run, scaling_sweep
 from moe.core.errors import ScalingError
 from moe.tools import scaling_fit, scaling_text
+from tests.helpers.scaling_runs import dense_runs
 from tests.moe.tools.test_scaling import _plan_cli, base
 
 
@@ -102,20 +103,7 @@ def test_a_second_run_is_refused_while_a_launch_of_the_first_lives(tmp_path):
 def test_a_report_that_cannot_be_written_keeps_the_last_plot_whole(tmp_path):
     """A full disk (here a file size limit) while writing the plot: the plot of the last fit
     stays as it was, not cut short."""
-    runs = [
-        {
-            "name": f"w{w}",
-            "family": "dense",
-            "budget": 3e9,
-            "active_params": n,
-            "tokens": 3e9 / (6 * n),
-            "flops": 3e9,
-            "width": w,
-            "experts": 0,
-            "loss": loss,
-        }
-        for w, n, loss in ((64, 1e5, 6.1), (96, 2e5, 5.9), (128, 4e5, 6.0))
-    ]
+    runs = dense_runs(((64, 1e5, 6.1), (96, 2e5, 5.9), (128, 4e5, 6.0)))
     from moe.tools import scaling_report
 
     analysis = scaling_report.analyse(runs, bootstrap=0)

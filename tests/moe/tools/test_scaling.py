@@ -17,6 +17,7 @@ from moe.model.size import flops_per_token
 from moe.model.transformer import ModelConfig
 from moe.tools import scaling, scaling_fit, scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
+from tests.helpers.scaling_runs import dense_runs
 from tests.moe.tools.test_scaling_fit import TRUE
 
 
@@ -236,20 +237,7 @@ def test_a_prediction_carries_intervals_and_a_ladder_width():
 def test_a_report_of_too_few_runs_for_any_fit_is_written_with_the_warnings(tmp_path):
     """Two finished runs of one budget (the rest failed or are still running): no minimum, no
     law, yet the report and its plot are written (empty log-scaled panels broke the layout)."""
-    runs = [
-        {
-            "name": f"w{w}",
-            "family": "dense",
-            "budget": 3e9,
-            "active_params": n,
-            "tokens": 3e9 / (6 * n),
-            "flops": 3e9,
-            "width": w,
-            "experts": 0,
-            "loss": loss,
-        }
-        for w, n, loss in ((64, 1e5, 6.1), (96, 2e5, 5.9))
-    ]
+    runs = dense_runs(((64, 1e5, 6.1), (96, 2e5, 5.9)))
     analysis = scaling_report.analyse(runs, bootstrap=5)
     paths = scaling_text.write_report(analysis, tmp_path / "report")
     assert paths["plot"].stat().st_size > 10_000

@@ -12,6 +12,7 @@ from moe.core.errors import ScalingError
 from moe.tools import scaling_fit as sf
 from moe.tools import scaling_report, scaling_text
 from moe.tools.scaling_fit import Law
+from tests.helpers.scaling_runs import dense_runs
 
 TRUE = Law(E=1.82, A=482.0, B=2085.0, alpha=0.348, beta=0.366)
 
@@ -407,21 +408,10 @@ def test_constants_on_the_optimisers_bounds_are_flagged_with_what_to_add():
 
 
 def _budget_runs(budget, losses, n=(1e4, 2e4, 4e4, 8e4, 1.6e5)):
-    return [
-        {
-            "name": f"c{budget:g}-{i}",
-            "family": "dense",
-            "budget": budget,
-            "active_params": x,
-            "tokens": budget / (6 * x),
-            "flops": budget,
-            "width": 16,
-            "experts": 0,
-            "loss": v,
-            "steps": 300,
-        }
-        for i, (x, v) in enumerate(zip(n, losses))
-    ]
+    runs = dense_runs([(16, x, v) for x, v in zip(n, losses)], budget)
+    for i, r in enumerate(runs):
+        r.update(name=f"c{budget:g}-{i}", steps=300)
+    return runs
 
 
 def test_an_extrapolated_or_concave_vertex_stays_out_of_the_power_law_and_the_plot():
