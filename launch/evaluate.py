@@ -99,7 +99,12 @@ def evaluate_checkpoint(
 ) -> dict:
     """The evaluation moe-launch runs after training: one checkpoint, default settings. Returns
     its results with ``output`` (the JSON file) and ``report`` (the Markdown file)."""
-    opts = EvalOptions(data_dir=data_dir, max_tokens=max_tokens, generation=default_generation())
+    opts = EvalOptions(
+        data_dir=data_dir,
+        max_tokens=max_tokens,
+        generation=default_generation(),
+        fit_generation=True,  # settings nobody chose for this model: shortened to fit
+    )
     results = evaluate([path], opts, output)
     return {
         **results["checkpoints"][0],

@@ -7,7 +7,7 @@ import math
 import re
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -249,6 +249,10 @@ class EvalOptions:
     """Where the model runs (default: the GPU if there is one, else the CPU)."""
     progress: bool = True
     """A progress bar on a terminal, else a log line every 30 s (stderr)."""
+    fit_generation: bool = False
+    """Shorten each generation to the room the model leaves after the longest prompt (no room:
+    no generation) instead of refusing its ``max_new_tokens``: the evaluation after training,
+    whose settings nobody chose for this model, takes it."""
     tasks: list[str] = field(default_factory=list)
     """lm-evaluation-harness tasks to run instead of the loss, statistics and generations."""
     num_fewshot: int | None = None
@@ -298,7 +302,7 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
         "capacity_factor": cfg.model.moe.capacity_factor,
     }
     # The prompts and their room in the model, checked before the loss pass, not after it.
-    pairs = generation_prompts(model, data, opts) if opts.generation else []
+    pairs, gens = generation_prompts(model, data, opts) if opts.generation else ([], [])
     if opts.expert_stats and model.moe_layers():
         with ExpertStatsCollector(model) as collector:
             result.update(
@@ -310,8 +314,8 @@ def evaluate_checkpoint_dir(path: str | Path, opts: EvalOptions) -> dict:
         result.update(
             evaluate_loss(model, windows, batch_size, source=data.description, progress=bar)
         )
-    if opts.generation:
-        result["generations"] = generate_samples(model, data, opts, pairs)
+    if gens:
+        result["generations"] = generate_samples(model, data, gens, pairs)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
 
@@ -339,10 +343,11 @@ def data_prompts(
 
 def generation_prompts(
     model: MoETransformer, data: EvalData, opts: EvalOptions
-) -> list[tuple[list[int], list[int] | None]]:
-    """(prompt, true continuation or None) of each generation: the given prompts, or document
-    starts of the data. A ConfigError names ``--max-new-tokens`` where a prompt and the tokens
-    to generate do not fit in the model."""
+) -> tuple[list[tuple[list[int], list[int] | None]], list[GenerationConfig]]:
+    """(prompt, true continuation or None) of each generation (the given prompts, or document
+    starts of the data), and the generations to run. A ConfigError names ``--max-new-tokens``
+    where a prompt and the tokens to generate do not fit in the model, unless
+    ``opts.fit_generation`` shortens them to fit."""
     tok = data.tokenizer
     if tok is None:
         raise DataError("generation needs the run's tokenizer to encode prompts and decode text")
@@ -353,30 +358,34 @@ def generation_prompts(
         pairs = data_prompts(
             data.tokens, tok.eos_id, opts.data_prompts, opts.prompt_tokens, longest
         )
-    room = KVCacheDecoder(model).max_tokens
+    limit = KVCacheDecoder(model).max_tokens
     prompt_len = max((len(prompt) for prompt, _ in pairs), default=0)
-    if pairs and prompt_len + longest > room:
-        raise ConfigError(
-            [
-                f"--max-new-tokens: the longest prompt ({prompt_len} tokens) and {longest} new "
-                f"tokens exceed the model's {room} tokens"
-            ],
-            "moe-eval arguments",
-        )
-    return pairs
+    room = limit - prompt_len
+    if not pairs or longest <= room:
+        return pairs, list(opts.generation)
+    if opts.fit_generation:
+        gens = [replace(g, max_new_tokens=min(g.max_new_tokens, room)) for g in opts.generation]
+        return (pairs, gens) if room >= 1 else ([], [])
+    raise ConfigError(
+        [
+            f"--max-new-tokens: the longest prompt ({prompt_len} tokens) and {longest} new "
+            f"tokens exceed the model's {limit} tokens"
+        ],
+        "moe-eval arguments",
+    )
 
 
 def generate_samples(
     model: MoETransformer,
     data: EvalData,
-    opts: EvalOptions,
+    gens: list[GenerationConfig],
     pairs: list[tuple[list[int], list[int] | None]],
 ) -> list[dict]:
     tok = data.tokenizer
     decoder = KVCacheDecoder(model)
     out = []
     for prompt, reference in pairs:
-        for g in opts.generation:
+        for g in gens:
             hyps = generate(decoder, prompt, g, tok.eos_id)
             out.append(
                 {

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from PIL import Image
 from data_pipeline.token_stream import TokenStream
 from launch.evaluate import main
 from moe.config.run import load_config
+from moe.core.errors import ConfigError
 from moe.evaluation.evaluate import EvalOptions, evaluate_checkpoint_dir, load_model
 from moe.model.generation import GenerationConfig
 from moe.model.transformer import MoETransformer
@@ -267,6 +269,28 @@ def test_generations_that_do_not_fit_are_refused_before_the_loss_pass(
     assert err.startswith("error: ") and "--max-new-tokens: the longest prompt (" in err, err
     assert "new tokens exceed the model's 64 tokens" in err
     assert not (good / "eval").exists()
+
+
+def test_the_evaluation_after_training_shortens_generations_to_fit(runs):
+    """moe-launch's evaluation after training generates 32 tokens: a model with less room
+    after its prompts failed a finished run with an error about a flag nobody gave."""
+    from launch.evaluate import default_generation
+
+    good = runs["single"] / "checkpoints" / "step_0000001"
+    opts = EvalOptions(
+        max_tokens=64,
+        expert_stats=False,
+        data_prompts=1,
+        prompt_tokens=40,  # an EOS and 40 tokens: 23 of the model's 64 left
+        generation=default_generation(("greedy",), max_new_tokens=32),
+        fit_generation=True,
+    )
+    result = evaluate_checkpoint_dir(good, opts)
+    (gen,) = result["generations"]
+    assert len(gen["prompt"]) == 41  # generate() refuses more than the room left
+    assert len(gen["outputs"][0]["tokens"]) <= 23
+    with pytest.raises(ConfigError, match="--max-new-tokens: the longest prompt \\(41 tokens\\)"):
+        evaluate_checkpoint_dir(good, replace(opts, fit_generation=False))
 
 
 def test_tasks_of_every_checkpoint_of_a_run_in_one_table(runs, tmp_path, capsys):
