@@ -94,37 +94,72 @@ def log_parameter_counts(counts: dict[str, float], method: str) -> None:
     )
 
 
+ADAPTERS_KEY = "finetune.lora.init_from"
+
+
+def adapter_file_problem(path: str) -> str | None:
+    """Why ``finetune.lora.init_from: path`` is not an adapter file we can read, or None. Cheap
+    (the header only, no tensor is read): the launcher can ask it before anything starts."""
+    from safetensors import SafetensorError, safe_open
+
+    if Path(path).is_dir():  # safetensors would say "No such device"
+        return (
+            f"{ADAPTERS_KEY}: {path} is a directory; name the adapter file itself "
+            "(moe-export CHECKPOINT OUT --format adapters writes OUT/adapter.safetensors)"
+        )
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+    except (OSError, SafetensorError) as e:
+        return f"{ADAPTERS_KEY}: cannot read {path} ({e})"
+    if _saved_settings(meta) is None:
+        return f"{ADAPTERS_KEY}: {path} is not an adapter file (moe-export --format adapters)"
+    base_dtype = meta.get("base_dtype", "float32")  # files written before it was recorded: fp32
+    if base_dtype not in BASE_DTYPES:
+        return (
+            f"{ADAPTERS_KEY}: {path} says base_dtype {base_dtype!r} "
+            f"(known: {', '.join(BASE_DTYPES)})"
+        )
+    return None
+
+
+def _saved_settings(meta: dict[str, str]) -> dict | None:
+    """The LoRA settings an adapter file's metadata records; None if it records none (another
+    safetensors file, or its metadata damaged)."""
+    if "base_sha256" not in meta or "lora" not in meta:
+        return None
+    try:
+        saved = json.loads(meta["lora"])
+    except json.JSONDecodeError:
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
 @torch.no_grad()
 def load_adapters(model: nn.Module, cfg: LoRAConfig) -> None:
     """Copy the factors of the adapter file ``cfg.init_from`` into ``model`` (single-device, its
-    LoRA factors added): refused, naming the file, when the file was trained on another base
-    (fingerprint of the base weights), with other LoRA settings, or holds other tensors."""
-    from safetensors import SafetensorError, safe_open
+    LoRA factors added): refused, naming the file, when it is not an adapter file
+    (:func:`adapter_file_problem`), was trained on another base (fingerprint of the base
+    weights), with other LoRA settings, or holds other tensors."""
+    from safetensors import safe_open
 
-    path = Path(cfg.init_from)
-    key = "finetune.lora.init_from"
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            factors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, SafetensorError) as e:
-        raise ConfigError([f"{key}: cannot read {path} ({e})"]) from None
-    if "base_sha256" not in meta or "lora" not in meta:
-        raise ConfigError([f"{key}: {path} is not an adapter file (moe-export --format adapters)"])
+    path, key = Path(cfg.init_from), ADAPTERS_KEY
+    problem = adapter_file_problem(str(path))
+    if problem:
+        raise ConfigError([problem])
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        factors = {k: f.get_tensor(k) for k in f.keys()}
+    saved = _saved_settings(meta)
     params = dict(model.named_parameters())
-    base_dtype = meta.get("base_dtype", "float32")  # files written before it was recorded: fp32
-    if base_dtype not in BASE_DTYPES:
-        raise ConfigError(
-            [f"{key}: {path} says base_dtype {base_dtype!r} (known: {', '.join(BASE_DTYPES)})"]
-        )
+    base_dtype = BASE_DTYPES[meta.get("base_dtype", "float32")]
     problems = []
-    if meta["base_sha256"] != base_fingerprint(params, BASE_DTYPES[base_dtype]):
+    if meta["base_sha256"] != base_fingerprint(params, base_dtype):
         problems.append(
             f"{key}: {path} was trained on another base model (its base fingerprint "
             f"{meta['base_sha256'][:12]}... differs from this run's, "
             "model.init_from); apply it to the checkpoint it was trained from"
         )
-    saved = json.loads(meta["lora"])
     # The settings that shape the factors and what they compute (arch fields of LoRAConfig).
     problems += [
         f"finetune.lora.{name}: {getattr(cfg, name)!r} here, {saved.get(name)!r} in {path}"

@@ -167,6 +167,8 @@ def _rank_problem(
     target: str, name: str, module: nn.Module, rank: int, cfg: LoRAConfig
 ) -> str | None:
     if rank < 1:
+        if cfg.rank < 1:  # LoRAConfig.problems names it: no per-expert rank to explain
+            return None
         return (
             f"rank: {cfg.rank} with expert_rank per_top_k gives the routed experts rank "
             f"{cfg.rank} // top_k = 0; use a rank >= top_k"

@@ -204,6 +204,13 @@ def test_bad_targets_and_ranks_are_refused_by_name():
         "finetune.lora.rank=1",
     )
     assert msg.startswith("finetune.lora.rank: 1 with expert_rank per_top_k")
+    # A rank below 1 is named once, not blamed on a per_top_k expert rank it does not use.
+    for expert_rank in ("full", "per_top_k"):
+        assert config_errors(
+            "finetune.method=lora",
+            "finetune.lora.rank=0",
+            f"finetune.lora.expert_rank={expert_rank}",
+        ) == ["finetune.lora.rank: must be >= 1, got 0"]
     assert config_errors("finetune.method=lora", "finetune.lora.targets=[attention.x]")[
         0
     ].startswith("finetune.lora.targets[0]: 'attention.x' is not allowed")
