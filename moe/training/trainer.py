@@ -404,7 +404,8 @@ def start_run(
     if resume_dir is not None:
         verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
     elif cfg.model.init_from:
-        check_source_tokenizer(cfg.model.init_from, tokenizer_sha, str(cfg.data.dir))
+        finetune = cfg.finetune.method != "none"
+        check_source_tokenizer(cfg.model.init_from, tokenizer_sha, str(cfg.data.dir), finetune)
     if env.rank == 0:  # written again when this run ends with its checkpoint; none till then
         files.summary.unlink(missing_ok=True)
     engine, model = build_engine(cfg, env)

@@ -143,24 +143,28 @@ def init_from_problem(path: str | Path) -> str | None:
     return None
 
 
-def source_tokenizer(path: str | Path) -> dict | None:
-    """{"file", "sha256"} of the tokenizer an open-weights source expects: a transformers
-    directory's own (``hf:DIR``) or the one ``moe-import`` recorded; None for other checkpoints
-    (the source of an upcycling may have been trained on other data)."""
+def source_tokenizer(path: str | Path, finetune: bool = False) -> dict | None:
+    """{"file", "sha256"} of the tokenizer a source checkpoint expects: a transformers
+    directory's own (``hf:DIR``), the one ``moe-import`` recorded, or, for a fine-tuning
+    (``finetune``), the one the checkpoint was trained with; None for the source of an
+    upcycling, which may have been trained with another tokenizer before its embeddings are
+    trained again."""
     if str(path).startswith(HF_PREFIX):
         return tokenizer_record(Path(str(path)[len(HF_PREFIX) :]))
     marker = read_marker(resolve_checkpoint(path)) or {}
-    return marker.get("tokenizer") if marker.get("imported_from") else None
+    return marker.get("tokenizer") if finetune or marker.get("imported_from") else None
 
 
-def check_source_tokenizer(path: str | Path, data_sha256: str, data_dir: str) -> None:
-    """Refuse data tokenized otherwise than the open-weights model ``path`` expects: its ids
-    would mean other text to the model. A source that is not one is a ConfigError too: a
-    configuration no restart can fix."""
+def check_source_tokenizer(
+    path: str | Path, data_sha256: str, data_dir: str, finetune: bool = False
+) -> None:
+    """Refuse data tokenized otherwise than the source model ``path`` expects (an open-weights
+    model, or any checkpoint a fine-tuning starts from): its ids would mean other text to the
+    model. A source that is not one is a ConfigError too: a configuration no restart can fix."""
     problem = init_from_problem(path)
     if problem:
         raise InitFromError([problem])
-    expected = source_tokenizer(path)
+    expected = source_tokenizer(path, finetune)
     if expected and expected["sha256"] != data_sha256:
         raise ConfigError(
             [

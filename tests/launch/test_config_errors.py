@@ -2,6 +2,8 @@
 value checks, the checks across sections and the scheduler's plan checks, without a fix-one,
 find-the-next round trip."""
 
+import json
+
 import pytest
 
 from launch.launch import main
@@ -114,6 +116,24 @@ def test_a_rank_stops_on_a_bad_source_without_a_restart(tmp_path):
         check_source_tokenizer(tmp_path / "gone", "0" * 64, "data")
     assert final_cause(e.value, tmp_path)[0] == "configuration"
     assert "model.init_from:" in str(e.value)
+
+
+def test_a_fine_tuning_refuses_data_of_another_tokenizer_than_its_base(tmp_path):
+    """A fine-tuning from a checkpoint of this project with data prepared by another tokenizer
+    trained without a word: its token ids mean other text to the model. An upcycling's source
+    may have had another tokenizer (its embeddings are trained again) and is not checked."""
+    from moe.core.errors import ConfigError
+    from moe.training.upcycle import check_source_tokenizer
+
+    tag = tmp_path / "base" / "checkpoints" / "step_0000006"
+    tag.mkdir(parents=True)
+    record = {"file": "tokenizer.model", "sha256": "a" * 64}
+    (tag / "checkpoint.json").write_text(json.dumps({"format": 1, "tokenizer": record}))
+    base = tmp_path / "base"
+    with pytest.raises(ConfigError, match=rf"model.init_from: {base} expects the tokenizer"):
+        check_source_tokenizer(base, "b" * 64, "data", finetune=True)
+    check_source_tokenizer(base, "a" * 64, "data", finetune=True)  # the same tokenizer
+    check_source_tokenizer(base, "b" * 64, "data")  # an upcycling
 
 
 def test_a_preparation_that_fails_leaves_no_run_directory(tmp_path, capsys):
