@@ -26,7 +26,10 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+
+import yaml
 
 from data_pipeline.prepare import prepare
 from launch.cli import (
@@ -60,10 +63,11 @@ from launch.slurm.jobs import (
 )
 from launch.slurm.prepare import is_prepare_dir
 from launch.slurm.script import job_log
-from moe.checkpoint.files import find_latest
+from moe.checkpoint.files import RUN_CONFIG, find_latest, verify_checkpoint
 from moe.config.run import SIGNALS, dump_config, load_config
-from moe.core.errors import ConfigError, LaunchError
+from moe.core.errors import ConfigError, DamagedCheckpointError, LaunchError
 from moe.core.run_dir import RunDir
+from moe.training.finetune import adapter_file_problem
 from moe.training.resilience.preemption import PREEMPTED_EXIT_CODE, was_preempted
 from moe.training.upcycle import init_from_problem
 
@@ -249,13 +253,39 @@ def launch(argv) -> None:
 
 
 def refuse_bad_source(cfg, run_dir: Path, config: str) -> None:
-    """A new run whose ``model.init_from`` gives no weights is refused before its run directory
-    or its data are touched (a run resuming its own checkpoint does not read it again)."""
-    if not cfg.model.init_from or find_latest(RunDir(run_dir).checkpoints) is not None:
+    """Refused before the run directory or the data are touched: a new run whose
+    ``model.init_from`` gives no weights or whose ``finetune.lora.init_from`` is no adapter
+    file, and a run resuming a checkpoint its config does not match (say a fine-tuning given the
+    name of the run it starts from), whose ranks would refuse it only after this run's config
+    and plan had replaced those of the run in that directory."""
+    ckpt_dir = RunDir(run_dir).checkpoints
+    tag = find_latest(ckpt_dir)
+    if tag is not None:  # resumed: its own checkpoint, not the sources, is read
+        try:
+            verify_checkpoint(ckpt_dir / tag, with_saved_vocab(cfg, ckpt_dir / tag))
+        except DamagedCheckpointError:
+            pass  # the ranks name it, with the way back to the checkpoint before it
         return
-    problem = init_from_problem(cfg.model.init_from)
-    if problem:
-        raise ConfigError([problem], config)
+    problems = [init_from_problem(cfg.model.init_from)] if cfg.model.init_from else []
+    adapters = cfg.finetune.lora.init_from
+    if adapters and cfg.finetune.method in ("lora", "qlora"):
+        problems.append(adapter_file_problem(adapters))
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConfigError(problems, config)
+
+
+def with_saved_vocab(cfg, tag_dir: Path):
+    """``cfg`` with the vocabulary size of the checkpoint ``tag_dir`` where it leaves it to the
+    tokenizer (``model.vocab_size: null``): the data, which says, is prepared later, and the
+    ranks compare the tokenizer itself."""
+    if cfg.model.vocab_size is not None:
+        return cfg
+    try:
+        saved = yaml.safe_load((tag_dir / RUN_CONFIG).read_text())["model"]["vocab_size"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return cfg  # an unreadable config: the checkpoint check names it
+    return replace(cfg, model=replace(cfg.model, vocab_size=saved))
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from launch.launch import main
+from moe.config.run import dump_config
+from moe.core.errors import ConfigError
 
 
 def launch_errors(tmp_path, capsys, *overrides) -> list[str]:
@@ -101,8 +103,58 @@ def test_a_run_resuming_its_own_checkpoint_does_not_read_its_source_again(tmp_pa
         refuse_bad_source(cfg, run_dir, "c.yaml")
     tag = run_dir / "checkpoints" / "step_00000010"
     tag.mkdir(parents=True)
-    (tag / "checkpoint.json").write_text("{}")
+    marker = {"format": 1, "files": {}, "num_moe_layers": 0, "num_experts": 0}
+    (tag / "checkpoint.json").write_text(json.dumps(marker))
+    (tag / "run_config.yaml").write_text(dump_config(cfg))
     refuse_bad_source(cfg, run_dir, "c.yaml")  # resumes from its own: nothing to check
+
+
+def test_a_run_that_would_not_resume_its_checkpoint_is_refused_before_anything_changes(
+    tmp_path,
+):
+    """A fine-tuning given the name of the run it starts from: its ranks refused the run's
+    checkpoint, but only after its config and plan had replaced the run's own."""
+    from launch.launch import refuse_bad_source
+    from moe.config.run import load_config
+    from moe.core.errors import CheckpointError
+
+    base = load_config("configs/default.yaml")  # model.vocab_size: null (the tokenizer's)
+    run_dir = tmp_path / "run"
+    tag = run_dir / "checkpoints" / "step_00000010"
+    tag.mkdir(parents=True)
+    marker = {"format": 1, "files": {}, "num_moe_layers": 0, "num_experts": 0}
+    (tag / "checkpoint.json").write_text(json.dumps(marker))
+    # A checkpoint's config holds the vocabulary size the tokenizer gave it.
+    saved = load_config("configs/default.yaml", ["model.vocab_size=4096"])
+    (tag / "run_config.yaml").write_text(dump_config(saved))
+    ft = load_config("configs/default.yaml", ["finetune.method=full", f"model.init_from={run_dir}"])
+    with pytest.raises(CheckpointError, match=r"finetune\.method"):
+        refuse_bad_source(ft, run_dir, "c.yaml")
+    other = load_config("configs/default.yaml", ["model.d_model=64"])
+    with pytest.raises(CheckpointError, match=r"model\.d_model"):
+        refuse_bad_source(other, run_dir, "c.yaml")
+    refuse_bad_source(base, run_dir, "c.yaml")
+    # A damaged checkpoint is left to the ranks, which say how to resume from the one before.
+    marker["files"] = {"mp_rank_00_model_states.pt": 10}
+    (tag / "checkpoint.json").write_text(json.dumps(marker))
+    refuse_bad_source(ft, run_dir, "c.yaml")
+
+
+def test_an_adapter_file_that_is_none_is_refused_before_anything_starts(tmp_path):
+    from launch.launch import refuse_bad_source
+    from moe.config.run import load_config
+
+    base = tmp_path / "base" / "checkpoints" / "step_0000006"
+    base.mkdir(parents=True)
+    marker = {"format": 1, "files": {}, "num_moe_layers": 0, "num_experts": 0}
+    (base / "checkpoint.json").write_text(json.dumps(marker))
+    (tmp_path / "notes.safetensors").write_bytes(b"not safetensors")
+    cfg = load_config(
+        "configs/finetune-lora.yaml",
+        [f"model.init_from={base}", f"finetune.lora.init_from={tmp_path / 'notes.safetensors'}"],
+    )
+    with pytest.raises(ConfigError, match=r"finetune\.lora\.init_from: cannot read"):
+        refuse_bad_source(cfg, tmp_path / "runs" / "ft", "c.yaml")
 
 
 def test_a_rank_stops_on_a_bad_source_without_a_restart(tmp_path):
