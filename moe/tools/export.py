@@ -357,8 +357,9 @@ def choose_arch(cfg: RunConfig, arch: str, state: dict, where: Path) -> str:
     (for ``auto``: every target's reasons) and the formats that hold any checkpoint."""
     fallback = (
         "Formats that hold this checkpoint exactly: --format fp32 (consolidated fp32 "
-        "safetensors with our parameter names, the run config and the tokenizer; "
-        "moe-eval and our model load it) or --format deepspeed."
+        "safetensors with our parameter names, the run config and the tokenizer, which "
+        "MoETransformer loads; moe-eval evaluates the checkpoint itself) or --format "
+        "deepspeed."
     )
     if arch != "auto":
         problems = hf_problems(cfg, arch, state)

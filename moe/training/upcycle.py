@@ -108,7 +108,11 @@ def upcycle_state_dict(
             problems.append(f"{key}: not in the source checkpoint")
     unused = [k for k in dense_state if k not in used]
     if unused:
-        problems.append(f"source weights with no place in this model: {unused[:5]}")
+        problems.append(
+            f"source weights with no place in this model: {unused[:5]} (a checkpoint of an "
+            "adapter, prompt or prefix fine-tuning keeps its added modules: export it with "
+            "moe-export, or start from the checkpoint it was fine-tuned from)"
+        )
     if problems:
         raise CheckpointError(
             "cannot initialize the model from the source checkpoint:\n  - "
@@ -195,4 +199,8 @@ def initialize_from_checkpoint(
     problems = incompatibilities(source_cfg, model.cfg)
     if problems:
         raise ConfigError(problems, f"model.init_from ({where})")
-    model.load_state_dict(upcycle_state_dict(state, model, noise_std, seed))
+    try:
+        upcycled = upcycle_state_dict(state, model, noise_std, seed)
+    except CheckpointError as e:
+        raise InitFromError([f"model.init_from: {where}: {e}"]) from e
+    model.load_state_dict(upcycled)

@@ -151,3 +151,27 @@ def test_a_new_function_changing_field_must_agree():
     assert incompatibilities(dense_cfg, dataclasses.replace(dense_cfg, knob=1)) == [
         "model.knob: this run has 1, the source checkpoint 0"
     ]
+
+
+def test_a_source_with_weights_of_added_modules_is_refused_by_key(monkeypatch, tmp_path):
+    """A prompt-tuning checkpoint as model.init_from: its learned prompt has no place in a
+    plain model. The error named neither the key nor the source, and was a checkpoint error
+    where it is the configuration's."""
+    from types import SimpleNamespace
+
+    from moe.core.errors import ConfigError
+    from moe.training import upcycle
+
+    cfg = dense_config()
+    state = {**trained_dense(cfg).state_dict(), "prompt.embeddings": torch.zeros(4, 32)}
+    source = SimpleNamespace(state_dict=lambda: state)
+    monkeypatch.setattr(
+        upcycle,
+        "load_model",
+        lambda path: (source, SimpleNamespace(model=cfg), tmp_path / "step_0000008"),
+    )
+    with pytest.raises(ConfigError) as e:
+        upcycle.initialize_from_checkpoint(MoETransformer(cfg), tmp_path)
+    message = str(e.value)
+    assert f"model.init_from: {tmp_path / 'step_0000008'}: " in message
+    assert "['prompt.embeddings']" in message and "added modules" in message
