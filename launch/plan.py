@@ -10,7 +10,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from data_pipeline import storage
 from data_pipeline.errors import DataError
@@ -47,7 +47,17 @@ def resolve_vocab_for_planning(cfg: RunConfig) -> str:
     return "data.tokenizer.vocab_size"
 
 
-def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: list[int]) -> dict:
+def build_report(
+    cfg: RunConfig,
+    world_size: int,
+    ep_size: int,
+    zero_stages: list[int],
+    immediate_at_stage_1: bool | None = None,
+) -> dict:
+    """``immediate_at_stage_1``: train.immediate_grad_update of a run at ZeRO stage 1 (the only
+    stage it applies to; :func:`immediate_at_zero1`); default: the config's value."""
+    if immediate_at_stage_1 is None:
+        immediate_at_stage_1 = bool(cfg.train.immediate_grad_update)
     if world_size % ep_size or cfg.model.moe.num_experts % ep_size:
         raise ConfigError(
             [
@@ -81,7 +91,7 @@ def build_report(cfg: RunConfig, world_size: int, ep_size: int, zero_stages: lis
                         cfg.data.seq_len,
                         t.recompute,
                         t.recompute_every_n_blocks,
-                        t.immediate_grad_update,
+                        immediate_at_stage_1,
                         t.compile,
                         ft,
                     )
@@ -165,8 +175,22 @@ def global_batch(cfg: RunConfig) -> int:
     return t.micro_batch_size * t.grad_accum_steps * cfg.parallel.world_size
 
 
-def layouts_report(cfg: RunConfig, gpus: int, gpu_memory: float, top: int) -> tuple[dict, bool]:
-    """The fitting layouts (best first, at most ``top``) as data, and whether any fits."""
+def immediate_at_zero1(loaded: RunConfig, device: str) -> bool:
+    """train.immediate_grad_update of ``loaded`` run at ZeRO stage 1 on ``device``, as a layout
+    at that stage takes it: a config at stage 2 resolves it false (it applies at stage 1 only),
+    while the same run at stage 1 takes it where it is left to the device."""
+    at_1 = replace(loaded, parallel=replace(loaded.parallel, zero_stage=1))
+    try:
+        return bool(at_1.for_device(device).train.immediate_grad_update)
+    except ConfigError:  # a setting of the config that stage 1 refuses: its own value
+        return bool(loaded.for_device(device).train.immediate_grad_update)
+
+
+def layouts_report(
+    cfg: RunConfig, gpus: int, gpu_memory: float, top: int, immediate_at_stage_1: bool = False
+) -> tuple[dict, bool]:
+    """The fitting layouts (best first, at most ``top``) as data, and whether any fits;
+    ``immediate_at_stage_1``: :func:`immediate_at_zero1`."""
     t = cfg.train
     gb = global_batch(cfg)
     ft = finetune_plan(cfg.model, cfg.finetune)
@@ -180,6 +204,7 @@ def layouts_report(cfg: RunConfig, gpus: int, gpu_memory: float, top: int) -> tu
         t.recompute_every_n_blocks,
         t.compile,
         ft,
+        immediate_at_stage_1,
     )
     row = _layout_row
     return {
@@ -362,7 +387,8 @@ def main(argv=None) -> None:
             + "\n"
         )
     if args.gpus is not None:
-        report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top or 10)
+        immediate = immediate_at_zero1(loaded, args.device)
+        report, fits = layouts_report(cfg, args.gpus, args.gpu_memory, args.top or 10, immediate)
         print(
             json.dumps({**report, "device": args.device, "device_settings": chosen}, indent=2)
             if args.json
@@ -376,6 +402,7 @@ def main(argv=None) -> None:
         args.world_size or cfg.parallel.world_size,
         args.ep or cfg.parallel.expert_parallel_size,
         args.zero or [0, 1, 2],
+        immediate_at_zero1(loaded, args.device),
     )
     if args.json:
         print(json.dumps({**report, "device": args.device, "device_settings": chosen}, indent=2))

@@ -905,11 +905,13 @@ def fitting_layouts(
     every_n_blocks: int = 1,
     compiled: bool = False,
     finetune: FinetunePlan | None = None,
+    immediate_grad_update: bool = False,
 ) -> tuple[list[Layout], list[Layout]]:
     """(layouts that fit, ordered best first; all layouts considered, smallest peak first).
     ``global_batch``: sequences per optimizer step, kept by gradient accumulation;
     ``compiled``: the blocks run compiled (train.compile); ``finetune``: what a fine-tuning
-    run trains and holds (:func:`finetune_plan`)."""
+    run trains and holds (:func:`finetune_plan`); ``immediate_grad_update``: what a layout at
+    ZeRO stage 1 takes for train.immediate_grad_update (no bf16 gradient buffer)."""
     budget = USABLE_FRACTION * gpu_memory_gib * GIB
     E = cfg.moe.num_experts if cfg.ffn == "moe" else 1
     eps = [ep for ep in range(1, gpus + 1) if gpus % ep == 0 and E % ep == 0]
@@ -932,6 +934,7 @@ def fitting_layouts(
                         seq_len,
                         mode,
                         every_n_blocks,
+                        immediate_grad_update=immediate_grad_update,
                         compiled=compiled,
                         finetune=finetune,
                     )
