@@ -45,6 +45,7 @@ from launch.interrupts import LauncherSignals
 from launch.launcher_watch import ENV as WATCH_ENV
 from launch.launcher_watch import identity
 from launch.restarts import run_with_restarts
+from launch.run_lock import RunLock
 from launch.run_plan import Plan
 from launch.schedulers import build_plan, plan_problems
 from launch.slurm.checks import check_submission
@@ -183,10 +184,10 @@ def check_writable(run_dir: Path) -> None:
         )
 
 
-def write_run_dir(plan: Plan, run_dir: Path, config_text: str) -> None:
-    """The run directory's files; on a write error (a full disk), a run directory this call
-    made is removed again, and the error names the path."""
-    made = not run_dir.exists()
+def write_run_dir(plan: Plan, run_dir: Path, config_text: str, made: bool | None = None) -> None:
+    """The run directory's files; on a write error (a full disk), a run directory this launch
+    made (``made``; default: this call) is removed again, and the error names the path."""
+    made = not run_dir.exists() if made is None else made
     try:
         plan.write_run_dir(config_text)
     except OSError as e:
@@ -237,10 +238,20 @@ def launch(argv) -> None:
         f"{report.manifest.splits['train'].tokens:,} train tokens)",
         flush=True,
     )
-    write_run_dir(plan, run_dir, dump_config(cfg))
     if plan.submits:
+        write_run_dir(plan, run_dir, dump_config(cfg))
         submit(plan, run_dir, job_log(cfg, run_dir))
-    else:
+        return
+    made = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = RunLock(run_dir)  # before this launch's config replaces a running one's
+    except LaunchError:
+        if made:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    try:
+        write_run_dir(plan, run_dir, dump_config(cfg), made)
         saves_on = cfg.checkpoint.save_on_signals
         run_to_end(
             plan,
@@ -250,6 +261,8 @@ def launch(argv) -> None:
             replan=Elastic(cfg, plan.run_env()) if cfg.launch.elastic else None,
             save_signal=SIGNALS[saves_on[0]] if saves_on else None,
         )
+    finally:
+        lock.release()
 
 
 def refuse_bad_source(cfg, run_dir: Path, config: str) -> None:
