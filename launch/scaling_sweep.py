@@ -50,7 +50,10 @@ def finished(sweep_dir: Path, run: scaling.PlannedRun) -> dict | None:
     run_dir = sweep_dir / "runs" / run.name
     try:
         summary = json.loads(RunDir(run_dir).summary.read_text())
-        report = json.loads((Path(summary["checkpoint"]) / "eval" / "eval.json").read_text())
+        # The checkpoint by its name in this run directory: the summary's path is where the run
+        # trained, which a sweep moved or copied elsewhere is no longer.
+        tag_dir = RunDir(run_dir).checkpoints / Path(summary["checkpoint"]).name
+        report = json.loads((tag_dir / "eval" / "eval.json").read_text())
         result = report["checkpoints"][-1]
     except (FileNotFoundError, KeyError, IndexError, TypeError, ValueError):
         return None

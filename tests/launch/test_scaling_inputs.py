@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -129,3 +130,19 @@ def test_the_optimum_of_a_law_with_exponents_near_zero_does_not_overflow():
     law = scaling_fit.Law(E=4.97, A=0.024, B=0.005, alpha=1e-12, beta=1e-12)
     n, d, loss = law.optimum(1e12, 6.0)
     assert n == float("inf") and d == 0.0
+
+
+def test_a_sweep_moved_elsewhere_reads_its_finished_runs(tmp_path):
+    """A run's summary names its checkpoint where it trained: a sweep copied or moved to
+    another disk read as if none of its runs had finished."""
+    run = SimpleNamespace(name="dense-w16", steps=100)
+    trained = tmp_path / "old" / "runs" / run.name
+    moved = tmp_path / "new" / "runs" / run.name
+    tag = moved / "checkpoints" / "step_0000100"
+    (tag / "eval").mkdir(parents=True)
+    (tag / "eval" / "eval.json").write_text(
+        json.dumps({"checkpoints": [{"step": 100, "loss": 4.2}]})
+    )
+    summary = {"steps": 100, "checkpoint": str(trained / "checkpoints" / "step_0000100")}
+    (moved / "train_summary.json").write_text(json.dumps(summary))
+    assert scaling_sweep.finished(tmp_path / "new", run) == {"step": 100, "loss": 4.2}
