@@ -140,10 +140,13 @@ def exits_cleanly(main):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
         except OSError as e:
-            if e.errno not in STORAGE_ERRNOS:
+            if e.errno in STORAGE_ERRNOS:
+                # A full, read-only or over-quota disk, or no permission: the path and the cause.
+                print(f"error: {storage_problem(e)}", file=sys.stderr)
+            elif e.filename is not None:  # a path that does not exist, is a directory, ...
+                print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+            else:
                 raise
-            # A full, read-only or over-quota disk, or no permission: the path and the cause.
-            print(f"error: {storage_problem(e)}", file=sys.stderr)
             sys.exit(2)
 
     return wrapper

@@ -279,8 +279,17 @@ def test_any_command_reports_a_storage_error_in_one_line(capsys):
     def other(argv):
         raise OSError(errno.EIO, "I/O error")
 
-    with pytest.raises(OSError):  # not a storage verdict: a traceback, as before
+    with pytest.raises(OSError):  # no verdict and no file to name: a traceback, as before
         other([])
+
+    @exits_cleanly
+    def missing(argv):  # moe-scaling predict --write-config /proc/x/out.yaml
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/proc/x/out.yaml")
+
+    with pytest.raises(SystemExit) as e:
+        missing([])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: /proc/x/out.yaml: No such file or directory\n"
 
 
 def test_a_full_output_disk_is_refused_before_the_data_work(tmp_path, capsys, monkeypatch):
