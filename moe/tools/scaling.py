@@ -317,12 +317,16 @@ def plan_sweep(
 def _problem(base: Base, run: PlannedRun, allow_repeat: bool) -> str | None:
     """Why ``run`` cannot be planned, or None."""
     if run.steps < STEPS_FLOOR:
+        per_token = (
+            f"{run.flops / run.tokens:.3g} FLOPs per token"
+            if run.tokens
+            else "not one token's FLOPs"
+        )
         return (
             f"{run.name}: the budget {run.budget:.3g} FLOPs buys {run.tokens:,} tokens "
             f"= {run.steps} steps of one sequence per rank ({run.active_params:,} "
-            f"active parameters, {run.flops / max(run.tokens, 1):.3g} FLOPs per "
-            f"token); at least {STEPS_FLOOR} steps are needed: raise the budget or "
-            "use smaller widths"
+            f"active parameters, {per_token}); at least {STEPS_FLOOR} steps are needed: "
+            "raise the budget or use smaller widths"
         )
     if abs(run.flops / run.budget - 1) > BUDGET_TOLERANCE:
         return (

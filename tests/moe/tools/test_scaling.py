@@ -191,6 +191,10 @@ def test_bad_budgets_and_corpora_are_refused_with_numbers():
     with pytest.raises(ScalingError) as e:
         scaling.plan_sweep(base(), [1e9], 3, ["dense"], widths=[256])
     assert "buys" in str(e.value) and "at least 25 steps" in str(e.value)
+    assert " 0 FLOPs per token" not in str(e.value)
+    with pytest.raises(ScalingError) as e:  # not one token: its cost is not 0 FLOPs
+        scaling.plan_sweep(base(), [1e3], 3, ["dense"], widths=[256])
+    assert "buys 0 tokens" in str(e.value) and "not one token's FLOPs" in str(e.value)
     with pytest.raises(ScalingError) as e:
         scaling.plan_sweep(base(corpus_tokens=1_000_000), [1e15], 3, ["dense"])
     assert "epochs of the prepared corpus (1,000,000 training tokens)" in str(e.value)
