@@ -401,11 +401,7 @@ def start_run(
     files = cfg.run_files
     ckpt_dir = files.checkpoints
     resume_dir = resolve_resume(resume, ckpt_dir)
-    if resume_dir is not None:
-        verify_checkpoint(resume_dir, cfg, tokenizer_sha)  # before building anything
-    elif cfg.model.init_from:
-        finetune = cfg.finetune.method != "none"
-        check_source_tokenizer(cfg.model.init_from, tokenizer_sha, str(cfg.data.dir), finetune)
+    check_start(cfg, resume_dir, tokenizer_sha)  # before building anything
     if env.rank == 0:  # written again when this run ends with its checkpoint; none till then
         files.summary.unlink(missing_ok=True)
     engine, model = build_engine(cfg, env)
@@ -460,6 +456,16 @@ def start_run(
             f"(max_steps {cfg.train.max_steps})"
         )
     return run
+
+
+def check_start(cfg: RunConfig, resume_dir: Path | None, tokenizer_sha: str) -> None:
+    """The checkpoint a run resumes matches it; the source a new run starts from
+    (``model.init_from``) expects the tokenizer of its data (a fine-tuning's base included)."""
+    if resume_dir is not None:
+        verify_checkpoint(resume_dir, cfg, tokenizer_sha)
+    elif cfg.model.init_from:
+        finetune = cfg.finetune.method != "none"
+        check_source_tokenizer(cfg.model.init_from, tokenizer_sha, str(cfg.data.dir), finetune)
 
 
 def resume_state(

@@ -12,7 +12,9 @@ import builtins
 import contextlib
 import errno
 import multiprocessing as mp
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,9 @@ def spills_to_dev_full(file, mode="r", *args, **kw):
 def test_a_full_disk_under_the_workers_is_one_line_and_keeps_the_data(
     tiny_data, config, tmp_path, monkeypatch, capsys, step
 ):
+    if not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode):
+        # Where it is missing, the workers' writes would make /dev/full a file of their data.
+        pytest.skip("this machine has no /dev/full device (a disk that is always full)")
     data, parts_dir = tmp_path / "data", tmp_path / "data.parts"
     shutil.copytree(tiny_data.dir, data)
     if step == "part":
