@@ -19,24 +19,37 @@ from moe.core.errors import LaunchError
 LOCK_FILE = ".launch.lock"
 
 
+def take(path: Path) -> int | None:
+    """A descriptor of ``path`` (created if needed; not inherited by child processes unless
+    passed) holding its exclusive ``flock``, or None when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def record(fd: int, holder: dict) -> None:
+    """Write ``holder`` (JSON) into the locked file, in place: a new file would not be the one
+    locked."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
+
+
 class RunLock:
     """Held from construction until :meth:`release` (or this process ends)."""
 
     def __init__(self, run_dir: Path):
         path = Path(run_dir) / LOCK_FILE
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the ranks
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(path)
-            os.close(self.fd)
+        self.fd = take(path)  # not inherited by the ranks
+        if self.fd is None:
             raise LaunchError(
-                f"{run_dir}: another moe-launch is training this run ({holder}); wait for it to "
-                "end or stop it, then run the same command again to resume"
-            ) from None
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        os.ftruncate(self.fd, 0)  # in place: a new file would not be the one locked
-        os.pwrite(self.fd, json.dumps(record).encode(), 0)
+                f"{run_dir}: another moe-launch is training this run ({_holder(path)}); wait "
+                "for it to end or stop it, then run the same command again to resume"
+            )
+        record(self.fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
 
     def release(self) -> None:
         if self.fd is not None:

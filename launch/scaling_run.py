@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from launch import scaling_sweep
+from launch import run_lock, scaling_sweep
 from launch.slurm import sweep as slurm_sweep
 from launch.slurm.jobs import newest_job
 from moe.core.errors import ScalingError
@@ -36,18 +35,14 @@ class SweepLock:
 
     def __init__(self, sweep_dir: Path):
         self.path = sweep_dir / LOCK_FILE
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holders = self._read()
-            os.close(self.fd)
+        self.fd = run_lock.take(self.path)
+        if self.fd is None:
             raise ScalingError(
-                f"{sweep_dir} is being run: {holders or 'a process'} still hold(s) {self.path} "
-                "(another moe-scaling run of the sweep, or the launches of one that was killed: "
-                "they train on until their runs end). Wait for them, or stop them, then run "
-                "again"
-            ) from None
+                f"{sweep_dir} is being run: {self._read() or 'a process'} still hold(s) "
+                f"{self.path} (another moe-scaling run of the sweep, or the launches of one "
+                "that was killed: they train on until their runs end). Wait for them, or stop "
+                "them, then run again"
+            )
         self.launches: dict[str, int] = {}
         self._write()
 
@@ -60,9 +55,7 @@ class SweepLock:
         return ", ".join(f"{name} (pid {pid})" for name, pid in pids.items())
 
     def _write(self) -> None:
-        data = json.dumps({"pid": os.getpid(), "launches": self.launches}).encode()
-        os.ftruncate(self.fd, 0)  # in place: a new file would not be the one locked
-        os.pwrite(self.fd, data, 0)
+        run_lock.record(self.fd, {"pid": os.getpid(), "launches": self.launches})
 
     def started(self, name: str, pid: int) -> None:
         self.launches[name] = pid
